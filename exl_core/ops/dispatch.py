@@ -1,0 +1,104 @@
+"""Kernel selection: an ordered list of candidates, each able to refuse with a reason.
+
+Every op in `exl_core.ops` declares its candidates in priority order (CUDA → CPU C++ →
+torch reference). `select(op, **args)` returns the first candidate whose `can_implement`
+accepts; when none does, KernelError lists every refusal. A debug switch lets a user force or
+disable candidates (read here and nowhere else):
+
+    EXL_CORE_FORCE_KERNEL="qmatmul=torch_ref,attention=cpu"   # force per op
+    EXL_CORE_DISABLE_KERNEL="cpu_fused"                       # never use these
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..errors import KernelError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One implementation of an op. `check(**args)` returns None when it can serve, else a reason."""
+    name: str
+    check: Callable[..., Optional[str]]
+    run: Callable[..., Any]
+
+
+def _parse_env(var: str) -> dict[str, str] | set[str]:
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return {} if var.endswith("FORCE_KERNEL") else set()
+    if var.endswith("FORCE_KERNEL"):
+        return dict(item.split("=", 1) for item in raw.split(",") if "=" in item)
+    return {s.strip() for s in raw.split(",") if s.strip()}
+
+
+_FORCED: dict[str, str] = _parse_env("EXL_CORE_FORCE_KERNEL")  # type: ignore[assignment]
+_DISABLED: set[str] = _parse_env("EXL_CORE_DISABLE_KERNEL")  # type: ignore[assignment]
+
+
+class Dispatcher:
+    """Holds the candidates of one op and picks one per call."""
+
+    def __init__(self, op: str, candidates: list[Candidate]):
+        self.op = op
+        self.candidates = list(candidates)
+
+    def reasons(self, **args) -> list[tuple[str, Optional[str]]]:
+        """(name, refusal reason or None) for every candidate, in priority order."""
+        out = []
+        for c in self.candidates:
+            if c.name in _DISABLED:
+                out.append((c.name, "disabled by EXL_CORE_DISABLE_KERNEL"))
+                continue
+            forced = _FORCED.get(self.op)
+            if forced is not None and forced != c.name:
+                out.append((c.name, f"EXL_CORE_FORCE_KERNEL selects {forced!r}"))
+                continue
+            out.append((c.name, c.check(**args)))
+        return out
+
+    def select(self, **args) -> Candidate:
+        for c in self.candidates:
+            if c.name in _DISABLED:
+                continue
+            forced = _FORCED.get(self.op)
+            if forced is not None and forced != c.name:
+                continue
+            if c.check(**args) is None:
+                return c
+        detail = "; ".join(f"{n}: {r}" for n, r in self.reasons(**args))
+        raise KernelError(f"no kernel for {self.op}: {detail}")
+
+    def __call__(self, **args):
+        return self.select(**args).run(**args)
+
+
+def extension():
+    """The compiled extension module, or None when it is not built (pure-torch fallbacks then)."""
+    global _EXT, _EXT_ERR
+    if _EXT is None and _EXT_ERR is None:
+        try:
+            from .. import _C  # noqa: F401  (registers torch.ops.exl_core.*)
+            _EXT = _C
+        except ImportError as e:  # not built: reference kernels still work
+            _EXT_ERR = str(e)
+    return _EXT
+
+
+def extension_error() -> Optional[str]:
+    extension()
+    return _EXT_ERR
+
+
+_EXT = None
+_EXT_ERR: Optional[str] = None
+
+
+def has_op(name: str) -> bool:
+    """True when torch.ops.exl_core.<name> exists (extension built with that kernel)."""
+    import torch
+    if extension() is None:
+        return False
+    return hasattr(torch.ops.exl_core, name)
