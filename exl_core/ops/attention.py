@@ -32,3 +32,166 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vf)                              # (Hq, Tq, D)
     return out.transpose(0, 1).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention: K/V of one layer live in a page pool shared by all sequences.
+#
+#   k_cache (num_pages, page_size, Hkv, D)          block_table int32 [S, max_pages]
+#   ┌────────┬────────┬────────┬────────┐            seq 0: [ 2, 0, -1, ...]
+#   │ page 0 │ page 1 │ page 2 │ page 3 │            seq 1: [-1, 3,  1, ...]  (-1: outside the
+#   └────────┴────────┴────────┴────────┘                                  window / past the end)
+#   position p of sequence s -> page block_table[s, p // page_size], slot p % page_size
+# ---------------------------------------------------------------------------------------------
+
+from ..errors import InputError, KernelError  # noqa: E402
+from .dispatch import Candidate, Dispatcher, has_op  # noqa: E402
+
+SUPPORTED_HEAD_DIMS = (64, 128)   # the C++ kernel's unrolled head sizes
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store new keys/values in the page pool, in place.
+
+    k_cache, v_cache (num_pages, page_size, Hkv, D); k, v (T, Hkv, D);
+    slots int64 [T]: flat slot of each token, page * page_size + offset.
+    """
+    if k_cache.shape != v_cache.shape or k.shape != v.shape:
+        raise InputError(f"write_kv: k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} and "
+                         f"k {tuple(k.shape)} / v {tuple(v.shape)} must match pairwise")
+    if k.dim() != 3 or k_cache.dim() != 4 or k.shape[1:] != k_cache.shape[2:]:
+        raise InputError(f"write_kv: k {tuple(k.shape)} must be (T, Hkv, D) matching the pool's "
+                         f"(num_pages, page_size, Hkv, D) = {tuple(k_cache.shape)}")
+    if slots.dim() != 1 or slots.shape[0] != k.shape[0]:
+        raise InputError(f"write_kv: slots {tuple(slots.shape)} must be int64 [T={k.shape[0]}]")
+    if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise InputError("write_kv: k_cache / v_cache must be contiguous (they are written through a flat view)")
+    slots = slots.to(device=k_cache.device, dtype=torch.int64)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:
+    """Shape/dtype checks shared by every candidate; raises InputError naming the tensor."""
+    if q.dim() != 3:
+        raise InputError(f"paged_attention: q {tuple(q.shape)} must be (T, Hq, D)")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise InputError(f"paged_attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "must both be (num_pages, page_size, Hkv, D)")
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise InputError(f"paged_attention: head dim of q ({d}) and k_cache ({k_cache.shape[3]}) differ")
+    if hkv == 0 or hq % hkv != 0:
+        raise InputError(f"paged_attention: q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != v_cache.dtype:
+        raise InputError(f"paged_attention: q dtype {q.dtype} must be float and k_cache/v_cache dtypes "
+                         f"({k_cache.dtype}, {v_cache.dtype}) equal")
+    if block_table.dim() != 2:
+        raise InputError(f"paged_attention: block_table {tuple(block_table.shape)} must be int32 [S, max_pages]")
+    s = block_table.shape[0]
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != s + 1:
+        raise InputError(f"paged_attention: cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be int64 [S+1={s + 1}]")
+    if seq_lens_k.dim() != 1 or seq_lens_k.shape[0] != s:
+        raise InputError(f"paged_attention: seq_lens_k {tuple(seq_lens_k.shape)} must be int64 [S={s}]")
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                        scale: float, window: Optional[int] = None) -> torch.Tensor:
+    """Torch reference: per sequence, gather the pages it can see and call `attention_dense`.
+
+    Works on any device. Pages holding only keys outside every query's window are skipped,
+    so -1 entries there are never read.
+    """
+    _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
+    page_size = k_cache.shape[1]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens_k.tolist()
+    table = block_table.tolist()
+    out = torch.empty_like(q)
+    window = window or None
+    for s in range(len(lens)):
+        a, b = cu[s], cu[s + 1]
+        if b == a:
+            continue
+        tk = lens[s]
+        q_start = tk - (b - a)
+        if q_start < 0:
+            raise InputError(f"paged_attention: sequence {s} has {b - a} query rows but seq_lens_k={tk}")
+        lo = max(0, q_start - window + 1) if window else 0   # first key any query of s can see
+        first_page, last_page = lo // page_size, (tk - 1) // page_size
+        pages = table[s][first_page:last_page + 1]
+        if len(pages) != last_page - first_page + 1 or any(p < 0 or p >= k_cache.shape[0] for p in pages):
+            raise InputError(f"paged_attention: block_table row {s} lacks a valid page for positions "
+                             f"{first_page * page_size}..{tk - 1} (pages {pages})")
+        idx = torch.tensor(pages, dtype=torch.int64, device=k_cache.device)
+        base = first_page * page_size                      # position of the first gathered key
+        keys = k_cache.index_select(0, idx).reshape(-1, hkv, d)[:tk - base]
+        vals = v_cache.index_select(0, idx).reshape(-1, hkv, d)[:tk - base]
+        out[a:b] = attention_dense(q[a:b], keys, vals, scale=scale, q_start=q_start - base, window=window)
+    return out
+
+
+def _paged_cpu_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window) -> Optional[str]:
+    if not has_op("paged_attention"):
+        return "C++ extension not built with exl_core::paged_attention"
+    if q.device.type != "cpu":
+        return f"tensors on {q.device}, kernel is CPU-only"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}"
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtypes q={q.dtype}, cache={k_cache.dtype}; kernel takes float32/bfloat16"
+    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int64 or seq_lens_k.dtype != torch.int64:
+        return "index dtypes must be block_table int32, cu_seqlens_q/seq_lens_k int64"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "k_cache / v_cache not contiguous"
+    return None
+
+
+def _paged_cpu_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+    return torch.ops.exl_core.paged_attention(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
+                                              cu_seqlens_q.contiguous(), seq_lens_k.contiguous(),
+                                              float(scale), int(window or 0))
+
+
+def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+    return paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window)
+
+
+PAGED_ATTENTION = Dispatcher("attention", [
+    # slot: Candidate("cuda", ...) goes first once csrc/cuda has a paged kernel
+    Candidate("cpu", _paged_cpu_check, _paged_cpu_run),
+    Candidate("torch_ref", lambda **_: None, _paged_ref_run),
+])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                    scale: float, window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of T new query rows of S sequences over their paged K/V.
+
+    q (T, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) already hold the new tokens;
+    block_table int32 [S, max_pages]; cu_seqlens_q int64 [S+1]; seq_lens_k int64 [S] (keys
+    per sequence including the new ones). Query row j of sequence s sits at position
+    seq_lens_k[s] - q_len_s + j. Returns (T, Hq, D) in q's dtype (fp32 math).
+    """
+    _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
+    return PAGED_ATTENTION(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                           cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, scale=scale,
+                           window=window or None)
+
+
+def _register_fakes() -> None:
+    """Meta/fake kernels so torch.compile and opcheck can trace the C++ ops."""
+    if has_op("paged_attention"):
+        @torch.library.register_fake("exl_core::paged_attention")
+        def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+            return torch.empty_like(q)
+
+
+_register_fakes()

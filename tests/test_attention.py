@@ -1,0 +1,146 @@
+"""Paged attention and write_kv against a float64 brute force over the page pool."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from exl_core.errors import InputError
+from exl_core.ops import attention as A
+
+KERNELS = [c.name for c in A.PAGED_ATTENTION.candidates]
+
+
+def _kernel(name):
+    return next(c for c in A.PAGED_ATTENTION.candidates if c.name == name)
+
+
+def make_case(seqs, hq, hkv, d, page_size, window=None, dtype=torch.float32, spare_pages=3):
+    """Random pool holding `seqs` = [(q_len, k_len), ...]; pages shuffled, unused pages NaN,
+    pages entirely outside every query's window left out of the table (-1) and NaN too."""
+    s = len(seqs)
+    max_pages = max(-(-k // page_size) for _, k in seqs) + 1
+    n_pages = sum(-(-k // page_size) for _, k in seqs) + spare_pages
+    k_cache = torch.full((n_pages, page_size, hkv, d), math.nan, dtype=dtype)
+    v_cache = torch.full_like(k_cache, math.nan)
+    table = torch.full((s, max_pages), -1, dtype=torch.int32)
+    free = torch.randperm(n_pages).tolist()
+    for i, (ql, kl) in enumerate(seqs):
+        lo = max(0, kl - ql - window + 1) if window else 0
+        for pg in range(-(-kl // page_size)):
+            if (pg + 1) * page_size <= lo:
+                continue                           # never visible: no page, table -1
+            pid = free.pop()
+            table[i, pg] = pid
+            n = min(page_size, kl - pg * page_size)
+            k_cache[pid, :n] = torch.randn(n, hkv, d).to(dtype)
+            v_cache[pid, :n] = torch.randn(n, hkv, d).to(dtype)
+    cu = torch.tensor([0] + [sum(q for q, _ in seqs[:i + 1]) for i in range(s)], dtype=torch.int64)
+    q = torch.randn(int(cu[-1]), hq, d).to(dtype)
+    lens = torch.tensor([k for _, k in seqs], dtype=torch.int64)
+    return q, k_cache, v_cache, table, cu, lens
+
+
+def brute_force(q, k_cache, v_cache, table, cu, lens, scale, window):
+    """float64, one query row at a time, keys looked up position by position."""
+    t, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    rep = hq // hkv
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    kf = k_cache.double().reshape(-1, hkv, d)
+    vf = v_cache.double().reshape(-1, hkv, d)
+    for s in range(table.shape[0]):
+        a, b, kl = int(cu[s]), int(cu[s + 1]), int(lens[s])
+        for j in range(b - a):
+            pos = kl - (b - a) + j
+            lo = max(0, pos - window + 1) if window else 0
+            p = torch.arange(lo, pos + 1)
+            slots = table[s].long()[p // ps] * ps + p % ps
+            keys, vals = kf[slots], vf[slots]                       # (n, Hkv, D)
+            for h in range(hq):
+                sc = keys[:, h // rep] @ q[a + j, h].double() * scale   # (n,)
+                out[a + j, h] = torch.softmax(sc, 0) @ vals[:, h // rep]
+    return out
+
+
+def _run(name, *args):
+    c = _kernel(name)
+    kw = dict(zip(["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k", "scale", "window"], args))
+    reason = c.check(**kw)
+    if reason is not None:
+        pytest.skip(f"{name} refuses: {reason}")
+    return c.run(**kw)
+
+
+RAGGED = [(1, 1), (5, 37), (1, 300), (17, 17), (3, 130), (0, 9), (64, 200)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("d,hq,hkv,ps", [(64, 9, 3, 16), (128, 4, 4, 32), (64, 6, 2, 256)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_paged_fp32_ragged(kernel, d, hq, hkv, ps, window):
+    args = make_case(RAGGED, hq, hkv, d, ps, window)
+    scale = d ** -0.5
+    got = _run(kernel, *args, scale, window)
+    ref = brute_force(*args, scale, window)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-5), (got.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_paged_bf16(kernel):
+    args = make_case([(3, 50), (1, 129), (20, 20)], 9, 3, 64, 16, None, dtype=torch.bfloat16)
+    got = _run(kernel, *args, 0.125, None)
+    ref = brute_force(*args, 0.125, None)
+    assert got.dtype == torch.bfloat16
+    # one bf16 rounding of the output on top of fp32 math
+    assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-2), (got.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_batch_invariance(kernel, window):
+    seqs = [(1, 233), (9, 100), (1, 5), (30, 60)]
+    q, kc, vc, table, cu, lens = make_case(seqs, 9, 3, 64, 16, window)
+    full = _run(kernel, q, kc, vc, table, cu, lens, 0.1, window)
+    for s in range(len(seqs)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        alone = _run(kernel, q[a:b], kc, vc, table[s:s + 1], torch.tensor([0, b - a]), lens[s:s + 1], 0.1, window)
+        assert torch.equal(alone, full[a:b]), f"sequence {s} differs when batched"
+
+
+def test_paged_dispatch_and_head_dim_fallback():
+    # head dim 80 is refused by the C++ kernel, so the public face must still answer via torch_ref
+    args = make_case([(2, 9), (1, 4)], 4, 2, 80, 8)
+    reasons = dict(A.PAGED_ATTENTION.reasons(**dict(zip(
+        ["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k", "scale", "window"], (*args, 0.1, None)))))
+    assert reasons["cpu"] is not None
+    got = A.paged_attention(*args, 0.1)
+    assert torch.allclose(got.double(), brute_force(*args, 0.1, None), rtol=1e-4, atol=1e-5)
+
+
+def test_paged_bad_input():
+    q, kc, vc, table, cu, lens = make_case([(2, 9)], 4, 2, 64, 8)
+    with pytest.raises(InputError, match="multiple of kv heads"):
+        A.paged_attention(q[:, :3], kc, vc, table, cu, lens, 0.1)
+    with pytest.raises(InputError, match="cu_seqlens_q"):
+        A.paged_attention(q, kc, vc, table, cu[:1], lens, 0.1)
+    with pytest.raises(InputError, match="head dim"):
+        A.paged_attention(q[..., :32], kc, vc, table, cu, lens, 0.1)
+
+
+def test_write_kv_roundtrip():
+    pages, ps, hkv, d = 7, 4, 3, 64
+    kc = torch.full((pages, ps, hkv, d), math.nan)
+    vc = torch.full_like(kc, math.nan)
+    slots = torch.randperm(pages * ps)[:11]
+    k, v = torch.randn(11, hkv, d), torch.randn(11, hkv, d)
+    A.write_kv(kc, vc, k, v, slots)
+    for i, sl in enumerate(slots.tolist()):
+        assert torch.equal(kc[sl // ps, sl % ps], k[i]) and torch.equal(vc[sl // ps, sl % ps], v[i])
+    written = torch.zeros(pages * ps, dtype=torch.bool)
+    written[slots] = True
+    assert kc.reshape(-1, hkv, d)[~written].isnan().all()          # nothing else touched
+    with pytest.raises(InputError, match="slots"):
+        A.write_kv(kc, vc, k, v, slots[:3])
