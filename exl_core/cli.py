@@ -1,0 +1,195 @@
+"""The `exl` command: run | chat | convert | eval | import-gguf | plugins.
+
+Subcommands that belong to a package (convert, eval) parse their own arguments there; this
+module only routes and keeps the user-facing run/chat loops.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .errors import ExlError
+
+
+def _model_path(arg: Optional[str]) -> Path:
+    if arg:
+        return Path(arg)
+    from .default_model import default_model_path
+    return default_model_path(progress=True)
+
+
+def _load(args):
+    import torch
+    from .loader import load_model
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    path = _model_path(args.model)
+    model, tok = load_model(path, device=args.device, progress=True)
+    return model, tok
+
+
+def _sampler(args):
+    from .generation.sampling import SamplerSettings
+    s = SamplerSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        repetition_penalty=args.repetition_penalty)
+    s.validate()
+    return s
+
+
+def _add_sampling_args(p):
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _add_model_args(p):
+    p.add_argument("-m", "--model", default=None, help="model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+
+
+def cmd_run(args) -> int:
+    from .cache import Cache
+    from .generation import Generator, Job
+    if not args.prompt.strip():
+        raise ExlError("the prompt is empty: pass text with -p")
+    model, tok = _load(args)
+    text = args.prompt
+    if not args.raw and tok.has_chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    ids = tok.encode(text)
+    cache = Cache(model, max_tokens=len(ids) + args.max_new_tokens + 256)
+    gen = Generator(model, cache, tok)
+    job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
+              stop_on_eos=not args.ignore_eos)
+    t0 = time.perf_counter()
+    t_first, n_new = None, 0
+    gen.enqueue(job)
+    for results in gen.iterate():
+        for r in results:
+            if r.token_ids and t_first is None:
+                t_first = time.perf_counter()
+            n_new += len(r.token_ids)
+            if r.text:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+    t1 = time.perf_counter()
+    sys.stdout.write("\n")
+    t_first = t_first or t1
+    decode_tps = (n_new - 1) / (t1 - t_first) if n_new > 1 and t1 > t_first else 0.0
+    print(f"prompt: {len(ids)} tokens, {len(ids) / (t_first - t0):.1f} tokens/s | "
+          f"decode: {n_new} tokens, {decode_tps:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .cache import Cache
+    from .generation import Generator, Job
+    model, tok = _load(args)
+    cache = Cache(model, max_tokens=args.max_tokens)
+    gen = Generator(model, cache, tok)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    sampler = _sampler(args)
+    print("exl chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed)
+        gen.enqueue(job)
+        reply = []
+        for results in gen.iterate():
+            for r in results:
+                if r.text:
+                    reply.append(r.text)
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_import_gguf(args) -> int:
+    from .formats.gguf_import import import_gguf
+    out = import_gguf(args.file, args.out_dir)
+    print(f"imported {args.file} -> {out}")
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from .plugins import list_plugins
+    plugins = list_plugins()
+    if not plugins:
+        print("no exl_core plugins installed")
+    for p in plugins:
+        print(f"{p.get('name')}\t{p.get('version', '?')}\t{p.get('kind', '')}\t{p.get('distribution', '')}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="exl", description="exl_core: fast EXL2/GPTQ inference")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="generate text from a prompt, streamed")
+    _add_model_args(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_sampling_args(p)
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_model_args(p)
+    p.add_argument("--system", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=8192, help="KV cache size in tokens")
+    _add_sampling_args(p)
+    p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("import-gguf", help="import a Llama-family GGUF into an HF-style folder")
+    p.add_argument("file")
+    p.add_argument("out_dir")
+    p.set_defaults(fn=cmd_import_gguf)
+
+    p = sub.add_parser("plugins", help="list discovered exl_core plugins")
+    p.set_defaults(fn=cmd_plugins)
+
+    # convert / eval own their argument parsers (exl_core.quantize / exl_core.eval)
+    sub.add_parser("convert", help="convert FP16 -> EXL2/GPTQ, GPTQ -> EXL2 (see exl convert -h)", add_help=False)
+    sub.add_parser("eval", help="evaluate (exl eval ppl -h)", add_help=False)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "convert":
+            from .quantize.convert import convert_main
+            return convert_main(argv[1:]) or 0
+        if argv and argv[0] == "eval":
+            from .eval.perplexity import eval_main
+            return eval_main(argv[1:]) or 0
+        args = build_parser().parse_args(argv)
+        return args.fn(args) or 0
+    except ExlError as e:
+        print(f"exl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nexl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""`load_model(path)`: a model folder (dense, GPTQ or EXL2 safetensors) → (Model, Tokenizer).
+
+The loader is where files meet modules: it reads config.json, validates every tensor it
+takes against the shape the config implies, asks the format registry whether a projection
+is quantized (and lets that format convert it into the kernel layout), and never leaves a
+weight uninitialised.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import ModelConfig, load_config
+from .errors import ConfigError, FormatError
+from .formats.base import detect_format
+from .formats.safetensors_io import WeightReader
+from .model.linear import QuantLinear
+from .model.llama import Model
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def _as_device(device) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but torch sees no CUDA GPU; use device='cpu'")
+    return d
+
+
+def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Optional[torch.dtype] = None,
+                progress: bool = False) -> Model:
+    device = _as_device(device)
+    dtype = dtype or default_dtype(device)
+    names = reader.names()
+    fmt = detect_format(cfg.quantization_config, names)
+    src = str(cfg.path or "model folder")
+
+    def get(name: str, shape: tuple) -> torch.Tensor:
+        if not reader.has(name):
+            raise FormatError(f"{src}: tensor '{name}' is missing (expected shape {list(shape)} from config.json)")
+        return reader.get_checked(name, shape).to(device)
+
+    def linear(prefix: str, n_in: int, n_out: int, bias: bool) -> QuantLinear:
+        if fmt is not None and fmt.has_layer(names, prefix):
+            pw = fmt.load_layer(reader.get, reader.shape, prefix, n_in, n_out, cfg.quantization_config)
+            return QuantLinear.from_packed(pw.to(device))
+        w = get(f"{prefix}.weight", (n_out, n_in)).to(dtype)
+        b = get(f"{prefix}.bias", (n_out,)).to(dtype) if bias else None
+        return QuantLinear.from_dense(w, b)
+
+    # A stored head wins over the tie (ExLlamaV2 writes a quantized lm_head for tied models).
+    has_head = reader.has("lm_head.weight") or (fmt is not None and fmt.has_layer(names, "lm_head"))
+    if has_head:
+        head = linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
+    elif cfg.tie_word_embeddings:
+        head = QuantLinear.from_dense(get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(dtype))
+    else:
+        raise FormatError(f"{src}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
+    model = Model.build(cfg, get, linear, head, dtype, progress=bar)
+    return model.to(device).eval()
+
+
+def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memory=None,
+               progress: bool = False, load_tokenizer: bool = True):
+    """Loads a model folder. Returns (Model, Tokenizer) (Tokenizer None when load_tokenizer=False).
+
+    `max_memory` is accepted for API compatibility (bytes the weights may take); exceeding
+    it raises instead of swapping.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: model folder not found")
+    cfg = load_config(p)
+    reader = WeightReader(p)
+    model = build_model(cfg, reader, device=device, dtype=dtype, progress=progress)
+    if max_memory is not None:
+        used = sum(b.numel() * b.element_size() for b in model.buffers())
+        if used > max_memory:
+            raise ConfigError(f"{p}: weights need {used / 2**30:.2f} GiB, more than max_memory="
+                              f"{max_memory / 2**30:.2f} GiB")
+    tokenizer = None
+    if load_tokenizer:
+        from .tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_folder(p)
+    return model, tokenizer

@@ -1,0 +1,102 @@
+"""`QuantLinear`: one linear layer whose weight is either packed-quantized or dense.
+
+Formats never appear here (STYLE habit 2): a format converts its file tensors into a
+`PackedWeight` (kernel-native layout) or the layer stays dense; forward hands the weight to
+the op dispatchers, which pick a kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..formats.packed import PackedWeight
+
+_PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W (+ bias), W (in_features, out_features) packed or dense.
+
+    Dense weights are kept transposed, `w_t` (in, out) contiguous, the layout the dense
+    kernel streams along output columns.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._packed: Optional[PackedWeight] = None
+        self.w_t: Optional[torch.Tensor] = None
+        self.bias: Optional[torch.Tensor] = None
+        self.lora = None  # set by exl_core.model.lora: adds x·A·B·scale on the fly
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
+        """weight in HF layout (out_features, in_features)."""
+        out_f, in_f = weight.shape
+        m = cls(in_f, out_f)
+        m.register_buffer("w_t", weight.t().contiguous(), persistent=False)
+        m.register_buffer("bias", bias, persistent=False)
+        return m
+
+    @classmethod
+    def from_packed(cls, pw: PackedWeight) -> "QuantLinear":
+        m = cls(pw.in_features, pw.out_features)
+        for f in _PACKED_FIELDS:
+            m.register_buffer(f"q_{f}", getattr(pw, f), persistent=False)
+        m.register_buffer("bias", pw.bias, persistent=False)
+        m._packed = pw
+        return m
+
+    @property
+    def is_quantized(self) -> bool:
+        return self._packed is not None
+
+    @property
+    def packed(self) -> Optional[PackedWeight]:
+        """The packed weight, refreshed after .to()/.half() moved the buffers."""
+        pw = self._packed
+        if pw is None:
+            return None
+        if pw.qweight is not self.q_qweight or pw.scale is not self.q_scale or pw.bias is not self.bias:
+            pw = PackedWeight(self.q_qweight, self.q_groups, self.q_scale, self.q_zero, self.q_perm,
+                              pw.in_features, pw.out_features, self.bias, pw.meta)
+            self._packed = pw
+        return pw
+
+    def _apply(self, fn, recurse=True):
+        # Only float payloads follow dtype casts; packed integer words, scales and the
+        # permutation keep their dtypes (the kernels define them) and only change device.
+        def guarded(t):
+            moved = fn(t)
+            if t.dtype != moved.dtype and not t.is_floating_point():
+                return moved.to(t.dtype)
+            return moved
+        super()._apply(guarded, recurse)
+        if self._packed is not None:
+            self.q_scale = self.q_scale.float()
+            self.q_zero = self.q_zero.float()
+        return self
+
+    def dense_weight(self, dtype=torch.float32) -> torch.Tensor:
+        """W in HF layout (out_features, in_features), dequantised when packed."""
+        if self._packed is None:
+            return self.w_t.t().to(dtype)
+        from ..formats.packed import dequantize_reference
+        return dequantize_reference(self.packed, dtype=torch.float64).t().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            from ..ops.qmatmul import qmatmul
+            y = qmatmul(x, self.packed)
+        else:
+            from ..ops.linear import dense_linear
+            y = dense_linear(x, self.w_t, self.bias)
+        if self.lora is not None:
+            y = self.lora(x, y)
+        return y
+
+    def extra_repr(self) -> str:
+        kind = "packed" if self._packed is not None else f"dense {self.w_t.dtype}"
+        return f"in={self.in_features}, out={self.out_features}, {kind}, bias={self.bias is not None}"

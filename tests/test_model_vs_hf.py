@@ -1,0 +1,85 @@
+"""The native model against HF transformers' own modeling code (fp32, same weights)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl_core.loader import load_model
+
+ATOL = 1e-4
+
+
+def _hf(folder, arch_cls):
+    import transformers
+    return getattr(transformers, arch_cls).from_pretrained(folder, torch_dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+
+
+CASES = [
+    ("llama", "LlamaForCausalLM", {}),
+    ("llama", "LlamaForCausalLM", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    ("llama", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("llama", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64}}),
+    ("mistral", "MistralForCausalLM", {"sliding_window": 5}),
+    ("qwen2", "Qwen2ForCausalLM", {}),
+]
+
+
+@pytest.mark.parametrize("arch,cls,over", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_logits_match_hf(tiny_model_factory, arch, cls, over):
+    folder = tiny_model_factory(arch, seed=len(str(over)), **over)
+    hf = _hf(folder, cls)
+    model, _ = load_model(folder, load_tokenizer=False)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ids = torch.randint(0, model.config.vocab_size, (3, 11), generator=g)
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    out = model.forward_batch(ids)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < ATOL
+
+    # with cache: prefill 8 tokens, then decode the remaining 3 one at a time
+    kvs = [model.new_sequence_kv(32) for _ in range(3)]
+    pre = model.forward_batch(ids[:, :8], kvs)
+    assert (pre - ref[:, :8]).abs().max().item() < ATOL
+    for t in range(8, 11):
+        step = model.forward_batch(ids[:, t:t + 1], kvs)
+        assert (step[:, 0] - ref[:, t]).abs().max().item() < ATOL
+
+
+def test_bf16_close_to_fp32(tiny_llama_dir):
+    m32, _ = load_model(tiny_llama_dir, load_tokenizer=False)
+    m16, _ = load_model(tiny_llama_dir, dtype=torch.bfloat16, load_tokenizer=False)
+    ids = torch.randint(0, m32.config.vocab_size, (2, 9))
+    a, b = m32.forward_batch(ids), m16.forward_batch(ids)
+    assert m16.dtype == torch.bfloat16 and b.dtype == torch.float32
+    rel = (a - b).norm() / a.norm()
+    assert rel < 3e-2
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_logits_and_greedy_match_hf(smollm2_dir):
+    hf = _hf(smollm2_dir, "LlamaForCausalLM")
+    model, tok = load_model(smollm2_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    out = model.forward_batch(ids)
+    assert (out - ref).abs().max().item() < ATOL
+
+    with torch.no_grad():
+        hf_tokens = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+    kv = [model.new_sequence_kv(ids.shape[1] + 40)]
+    logits = model.forward_batch(ids, kv)[0, -1]
+    mine = []
+    for _ in range(32):
+        nxt = int(torch.argmax(logits))
+        mine.append(nxt)
+        if nxt in tok.eos_token_ids:
+            break
+        logits = model.forward_batch(torch.tensor([[nxt]]), kv)[0, -1]
+    assert mine == hf_tokens[:len(mine)]
