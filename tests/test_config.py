@@ -1,0 +1,68 @@
+"""config.json → ModelConfig: registry, rope variants, and errors naming file and key."""
+import json
+
+import pytest
+
+from exl_core.config import load_config
+from exl_core.errors import ConfigError
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
+
+
+def write(tmp_path, **over):
+    d = dict(BASE)
+    for k, v in over.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    return tmp_path
+
+
+def test_llama_defaults(tmp_path):
+    c = load_config(write(tmp_path))
+    assert (c.head_dim, c.num_key_value_heads, c.tie_word_embeddings, c.attention_bias) == (16, 2, False, False)
+    assert c.rope_scaling is None and c.sliding_window is None and c.rope_theta == 10000.0
+
+
+def test_qwen2_bias_and_sliding_flag(tmp_path):
+    c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=False))
+    assert c.attention_bias is True and c.sliding_window is None
+    c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=True))
+    assert c.sliding_window == 32
+
+
+def test_mistral_window_and_rope_variants(tmp_path):
+    c = load_config(write(tmp_path, architectures=["MistralForCausalLM"], sliding_window=4096))
+    assert c.sliding_window == 4096
+    c = load_config(write(tmp_path, rope_scaling={"type": "linear", "factor": 4}))
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    l3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+    assert load_config(write(tmp_path, rope_scaling=l3)).rope_scaling["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"hidden_size": None}, "'hidden_size' is missing"),
+    ({"num_attention_heads": "four"}, "'num_attention_heads' must be int"),
+    ({"vocab_size": 0}, "'vocab_size' must be > 0"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel' is not supported"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 2}}, "low_freq_factor"),
+])
+def test_bad_configs_name_file_and_key(tmp_path, over, needle):
+    folder = write(tmp_path, **over)
+    with pytest.raises(ConfigError) as e:
+        load_config(folder)
+    assert needle in str(e.value) and "config.json" in str(e.value)
+
+
+def test_missing_and_invalid_json(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path)
