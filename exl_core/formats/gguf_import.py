@@ -1,0 +1,241 @@
+"""GGUF (llama.cpp) → HF-style dense folder, so the rest of exl_core only ever reads safetensors.
+
+    import_gguf("model.gguf", "out/")   →  out/config.json, out/model.safetensors (fp16, HF names),
+                                           out/tokenizer.json, tokenizer_config.json, ...
+
+llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) permutes the rows of q_proj/k_proj
+so that rotary pairs are interleaved (GPT-J style) instead of split in halves (NeoX/HF style):
+
+    HF row layout per head:   [x0 .. x_{d/2-1} | y0 .. y_{d/2-1}]      reshape (H, 2, d/2, ...)
+    GGUF row layout per head: [x0 y0 x1 y1 ...]                         reshape (H, d/2, 2, ...)
+
+We undo that here. The output folder is built under a temporary name and renamed into place,
+so an interrupted import never leaves a folder that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, FormatError
+
+# GGUF architecture name -> (HF architectures entry, HF model_type). All share Llama's layout.
+SUPPORTED_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+}
+
+# Per-block GGUF tensor suffix -> HF name suffix (under model.layers.{i}.)
+_BLOCK_MAP = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_MAP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp stores that have no HF weight (derived from config instead).
+_SKIP = {"rope_freqs.weight"}
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _f32(x) -> float:
+    """GGUF stores floats as f32: print the shortest decimal that rounds to it (1e-05, not
+    9.999999747378752e-06)."""
+    return float(str(np.float32(x)))
+
+
+def gguf_to_hf_name(name: str, path: str = "<gguf>") -> Optional[str]:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for skipped tensors."""
+    if name in _SKIP:
+        return None
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_MAP:
+        return f"model.layers.{int(parts[1])}.{_BLOCK_MAP[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_MAP:
+        return f"{_TOP_MAP[parts[0]]}.{parts[1]}"
+    raise FormatError(f"{path}: tensor '{name}' has no known Llama (HF) equivalent; "
+                      "this GGUF holds a layout exl_core cannot import")
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleave. w: (n_head*head_dim, ...) or (n_head*head_dim,)."""
+    shape = w.shape
+    head_dim = shape[0] // n_head
+    return (w.reshape(n_head, head_dim // 2, 2, -1)
+             .swapaxes(1, 2)
+             .reshape(shape))
+
+
+def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise FormatError(f"{path}: GGUF architecture '{arch}' is not supported "
+                          f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+    hf_arch, model_type = SUPPORTED_ARCHS[arch]
+
+    def need(key: str):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ConfigError(f"{path}: GGUF metadata lacks '{arch}.{key}', needed for config.json")
+        return v
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else embed_rows))
+    cfg = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": not has_output,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float16",
+    }
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type in ("linear", "yarn"):
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if factor is not None:
+            cfg["rope_scaling"] = {"type": scaling_type, "rope_type": scaling_type,
+                                   "factor": float(factor)}
+    else:
+        cfg["rope_scaling"] = None
+    sw = _field(reader, f"{arch}.attention.sliding_window")
+    if sw:
+        cfg["sliding_window"] = int(sw)
+    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                        ("padding_token_id", "pad_token_id")):
+        v = _field(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            cfg[hf_key] = int(v)
+    return cfg
+
+
+def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
+    """Let transformers build the fast tokenizer from the GGUF vocab, then add the files
+    other tools expect (chat template inside tokenizer_config.json, special tokens map,
+    generation config)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out))
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        tc["chat_template"] = template
+        (out / "chat_template.jinja").write_text(template)
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    if add_bos is not None:
+        tc["add_bos_token"] = bool(add_bos)
+    add_eos = _field(reader, "tokenizer.ggml.add_eos_token")
+    if add_eos is not None:
+        tc["add_eos_token"] = bool(add_eos)
+    tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+    special = {k: tc[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+               if isinstance(tc.get(k), str)}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
+                progress: bool = True) -> Path:
+    """Convert a Llama-family GGUF into an HF-style folder at `out_dir` (replaced if present).
+    Returns the folder path."""
+    import gguf
+    from tqdm.auto import tqdm
+    from .safetensors_io import write_sharded
+
+    gguf_path = Path(gguf_file).resolve()
+    out = Path(out_dir).resolve()
+    if not gguf_path.is_file():
+        raise FormatError(f"{gguf_path}: GGUF file not found")
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # the gguf package raises assorted ValueError/struct errors
+        raise FormatError(f"{gguf_path}: not a readable GGUF file ({e})") from e
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise FormatError(f"{gguf_path}: GGUF architecture '{arch}' is not supported "
+                          f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise FormatError(f"{gguf_path}: no 'token_embd.weight' tensor; not a Llama-family model")
+    cfg = _config_from_gguf(reader, str(gguf_path), "output.weight" in names,
+                            int(embed.shape[-1]))
+    if any(n.endswith(".bias") and ".attn_" in n for n in names):
+        cfg["attention_bias"] = True
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    tensors: dict[str, torch.Tensor] = {}
+    it = tqdm(reader.tensors, desc=f"import {gguf_path.name}", unit="tensor", disable=not progress)
+    for t in it:
+        hf = gguf_to_hf_name(t.name, str(gguf_path))
+        if hf is None:
+            continue
+        # dequantize returns float32 in numpy order (= HF order: out_features, in_features)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = np.array(w, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
+        if ".attn_q." in t.name:
+            w = unpermute_rope_rows(w, n_head)
+        elif ".attn_k." in t.name:
+            w = unpermute_rope_rows(w, n_kv)
+        tensors[hf] = torch.from_numpy(w).to(dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_sharded(tensors, tmp, metadata={"format": "pt", "source": gguf_path.name})
+        del tensors
+        cfg_out = dict(cfg)
+        cfg_out["torch_dtype"] = str(dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2))
+        _write_tokenizer(gguf_path, tmp, cfg, reader)
+        if out.exists():
+            # move the old folder aside first so `out` is never half old, half new
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
