@@ -1,0 +1,90 @@
+"""EXL2 bit allocation: pick one measured setting per layer to meet an average bpw.
+
+Objective: minimise Σ_l e_l(c_l) subject to Σ_l bits_l(c_l) ≤ target · Σ_l numel_l,
+where e_l is layer l's relative output error on the calibration set,
+||X(W-Ŵ)ᵀ||² / ||XWᵀ||². Every linear layer adds its output (through the residual stream) to
+the signal of all later layers, so its relative error is, to first order, an independent
+noise-to-signal contribution; their sum approximates the total degradation (this is the
+first-order form of ExLlamaV2's "maximise Π(1 − e_l)"). Relative rather than absolute errors
+keep layers of very different output scale comparable.
+
+The problem is a multiple-choice knapsack. It is solved exactly by dynamic programming over
+integer costs: bit counts are divided by a unit and rounded UP, so the returned choice never
+exceeds the budget; with ~50k budget units the rounding costs < 0.01 bpw.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import InputError
+
+
+def allocate(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float,
+             resolution: int = 50000) -> list[int]:
+    """Choose index c_l per item minimising Σ errors[l][c_l] with Σ costs[l][c_l] ≤ budget.
+
+    costs/errors: per item, per choice. Integer costs with budget ≤ resolution are handled
+    exactly (unit 1). Raises InputError when even the cheapest choices exceed the budget.
+    """
+    n = len(costs)
+    if n == 0:
+        return []
+    if len(errors) != n or any(len(c) != len(e) or len(c) == 0 for c, e in zip(costs, errors)):
+        raise InputError("allocate: costs and errors must have one non-empty row per layer, same lengths")
+    min_total = sum(min(c) for c in costs)
+    if min_total > budget + 1e-9:
+        raise InputError(f"allocate: the cheapest settings need {min_total:.6g} bits, budget is {budget:.6g}")
+    all_int = all(float(x).is_integer() for c in costs for x in c)
+    unit = 1.0 if all_int and budget <= resolution else budget / resolution
+    icost = [[int(math.ceil(x / unit - 1e-9)) for x in c] for c in costs]
+    B = int(math.floor(budget / unit + 1e-9))
+    if sum(min(c) for c in icost) > B:
+        # rounding up made the cheapest choice infeasible: fall back to exact unit of the smallest cost
+        raise InputError("allocate: budget too tight for the cost resolution; raise the target bpw")
+
+    inf = np.inf
+    dp = np.full(B + 1, inf)
+    dp[0] = 0.0
+    choice = np.zeros((n, B + 1), dtype=np.int16)
+    for i in range(n):
+        new = np.full(B + 1, inf)
+        pick = np.zeros(B + 1, dtype=np.int16)
+        for c, (ic, e) in enumerate(zip(icost[i], errors[i])):
+            if ic > B:
+                continue
+            cand = np.full(B + 1, inf)
+            cand[ic:] = dp[:B + 1 - ic] + float(e)
+            better = cand < new
+            new[better] = cand[better]
+            pick[better] = c
+        dp = new
+        choice[i] = pick
+    b = int(np.argmin(dp))
+    if not np.isfinite(dp[b]):
+        raise InputError("allocate: no combination of settings fits the budget")
+    out = [0] * n
+    for i in range(n - 1, -1, -1):
+        c = int(choice[i, b])
+        out[i] = c
+        b -= icost[i][c]
+    return out
+
+
+def bpw_range(costs: Sequence[Sequence[float]], numel: Sequence[int]) -> tuple[float, float]:
+    """(lowest, highest) average bits per weight reachable with these choices."""
+    total = float(sum(numel))
+    return sum(min(c) for c in costs) / total, sum(max(c) for c in costs) / total
+
+
+def allocate_bpw(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
+                 numel: Sequence[int], target_bpw: float, tolerance: float = 0.05) -> list[int]:
+    """allocate() with the budget given as average bits per weight; refuses targets outside
+    [lowest, highest + tolerance] with an InputError naming the reachable range."""
+    lo, hi = bpw_range(costs, numel)
+    if not (lo <= target_bpw <= hi + tolerance):
+        raise InputError(f"target {target_bpw} bpw is outside what the EXL2 settings allow "
+                         f"({lo:.2f} to {hi:.2f} bpw for this model)")
+    return allocate(costs, errors, min(target_bpw, hi) * float(sum(numel)))

@@ -1,0 +1,136 @@
+"""GPTQ solver and Hessian accumulation against float64 brute force and round-to-nearest."""
+import pytest
+import torch
+
+from exl_core.errors import InputError
+from exl_core.formats.packed import dequantize_reference
+from exl_core.quantize.gptq_solver import LayerPlan, gptq_quantize, plan_bits, plan_groups, rtn_quantize
+from exl_core.quantize.hessian import HessianAccumulator, output_error
+from exl_core.quantize.packing import to_packed
+
+
+def _correlated(t, k, gen):
+    """Activations with strongly correlated channels and a few outlier channels, like LLM inputs."""
+    mix = torch.randn(k, k, generator=gen) / k ** 0.5
+    x = torch.randn(t, k, generator=gen) @ mix * 3 + 0.1 * torch.randn(t, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:4]] *= 8
+    return x
+
+
+def _direct_error(x, w, w_hat):
+    """||X(W-Ŵ)ᵀ||² / ||XWᵀ||² in float64 straight from activations."""
+    x = x.double()
+    return ((x @ (w.double() - w_hat.double()).T).pow(2).sum() / (x @ w.double().T).pow(2).sum()).item()
+
+
+def test_hessian_matches_float64_bruteforce():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x1 = torch.randn(3, 50, 96, generator=gen)
+    x2 = torch.randn(77, 96, generator=gen)
+    acc = HessianAccumulator(96)
+    acc.add(x1, chunk=32)
+    acc.add(x2)
+    xs = torch.cat([x1.reshape(-1, 96), x2]).double()
+    ref = 2.0 * xs.T @ xs / xs.shape[0]
+    torch.testing.assert_close(acc.hessian(), ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(InputError):
+        acc.add(torch.randn(4, 95))
+    with pytest.raises(InputError):
+        HessianAccumulator(8, "empty").hessian()
+
+
+def test_output_error_matches_activations():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = _correlated(400, 64, gen)
+    w = torch.randn(40, 64, generator=gen)
+    w_hat = w + 0.05 * torch.randn(40, 64, generator=gen)
+    acc = HessianAccumulator(64)
+    acc.add(x)
+    assert output_error(w, w_hat, acc.hessian()) == pytest.approx(_direct_error(x, w, w_hat), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode,mix,sym", [
+    ("exl2", [(2, 1.0)], True), ("exl2", [(3, 1.0)], True), ("exl2", [(4, 1.0)], True),
+    ("exl2", [(6, 0.25), (4, 0.75)], True), ("gptq", [(4, 1.0)], True), ("gptq", [(3, 1.0)], False),
+    ("gptq", [(2, 1.0)], False),
+])
+def test_gptq_beats_rtn_on_correlated_inputs(mode, mix, sym):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    k, n = 256, 96
+    x = _correlated(2048, k, gen)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    plan = plan_groups(k, 32, mix, mode=mode, sym=sym)
+    g = gptq_quantize(w, acc.hessian(), plan)
+    r = rtn_quantize(w, plan)
+    e_gptq, e_rtn = _direct_error(x, w, g.w_hat), _direct_error(x, w, r.w_hat)
+    assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
+
+
+@pytest.mark.parametrize("mode,sym,act_order", [("exl2", True, True), ("gptq", False, True),
+                                                ("gptq", True, False)])
+def test_result_layout_and_packing_roundtrip(mode, sym, act_order):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    k, n = 160, 48                                   # 160 = 4 groups of 32 + one of 32 at g=32
+    x = _correlated(512, k, gen)
+    w = torch.randn(n, k, generator=gen)
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    mix = [(8, 0.2), (5, 0.4), (3, 0.4)] if mode == "exl2" else [(4, 1.0)]
+    plan = plan_groups(k, 32, mix, mode=mode, sym=sym, act_order=act_order)
+    r = gptq_quantize(w, acc.hessian(), plan)
+    assert [b for b, _, _ in r.groups] == sorted([b for b, _, _ in r.groups], reverse=True)
+    # dequantize by hand in float64 from the integer values, scales and zeros
+    ref = torch.empty(k, n, dtype=torch.float64)
+    for gi, (bits, k0, ln) in enumerate(r.groups):
+        q = r.qint[k0:k0 + ln].double()
+        assert q.min() >= 0 and q.max() < 2 ** bits
+        ref[k0:k0 + ln] = (q - r.zero[gi].double()) * r.scale[gi].double()
+        if mode == "exl2":
+            assert torch.all(r.zero[gi] == 2 ** (bits - 1))
+            expect = (r.scale_code[gi].double() + 1) ** 2 * r.scale_max[gi].double() / 256
+            torch.testing.assert_close(r.scale[gi].double(), expect, rtol=1e-6, atol=0)
+        else:
+            torch.testing.assert_close(r.scale[gi], r.scale[gi].half().float(), rtol=0, atol=0)
+    orig = torch.empty_like(ref)
+    if r.perm is not None:
+        orig[r.perm] = ref
+    else:
+        orig = ref
+    torch.testing.assert_close(r.w_hat.double().T, orig, rtol=1e-5, atol=1e-6)
+    pw = to_packed(r)
+    torch.testing.assert_close(dequantize_reference(pw), orig, rtol=1e-5, atol=1e-6)
+
+
+def test_more_bits_less_error_and_bit_count():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    k, n = 128, 64
+    x = _correlated(1024, k, gen)
+    w = torch.randn(n, k, generator=gen)
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    h = acc.hessian()
+    errs = [output_error(w, gptq_quantize(w, h, plan_groups(k, 32, [(b, 1.0)])).w_hat, h)
+            for b in (2, 3, 4, 5, 6, 8)]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    p = plan_groups(k, 32, [(4, 1.0)])
+    # 4 bits values + 4-bit scale per column per group + group table + perm
+    assert plan_bits(p, n) == 4 * k * n + 4 * 4 * n + 4 * 48 + 32 * k
+
+
+def test_deterministic_and_bad_input():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = _correlated(300, 64, gen)
+    w = torch.randn(16, 64, generator=gen)
+    acc = HessianAccumulator(64)
+    acc.add(x)
+    plan = plan_groups(64, 32, [(3, 1.0)])
+    a, b = gptq_quantize(w, acc.hessian(), plan), gptq_quantize(w, acc.hessian(), plan)
+    assert torch.equal(a.qint, b.qint) and torch.equal(a.scale, b.scale)
+    with pytest.raises(InputError, match="7-bit"):
+        gptq_quantize(w, acc.hessian(), LayerPlan("exl2", ((7, 64),)))
+    with pytest.raises(InputError, match="input rows"):
+        gptq_quantize(w, acc.hessian(), LayerPlan("gptq", ((4, 32),)))
+    with pytest.raises(InputError):
+        plan_groups(72, 32, [(4, 1.0)])
