@@ -1,0 +1,121 @@
+"""`HFQuantLinear`: exl_core's `QuantLinear` as it sits inside a transformers model.
+
+transformers loads weights by name into whatever parameters/buffers `model.state_dict()`
+lists, so the module keeps the checkpoint's own tensors (EXL2 ``q_weight, q_invperm, q_scale,
+q_scale_max, q_groups[, q_perm, bias]``; GPTQ ``qweight, qzeros, scales, g_idx[, bias]``) as
+persistent buffers with the exact shapes and dtypes read from the safetensors headers. After
+loading, `finalize()` asks the exl_core format for the kernel-native `PackedWeight`, which
+`QuantLinear.forward` then runs. `save_pretrained` writes the checkpoint tensors back untouched.
+
+The packed copy lives under `_pk_*` names because the EXL2 file names (`q_scale`, `q_groups`)
+collide with `QuantLinear`'s own `q_*` buffers; `packed` and `_apply` are overridden for that.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from exl_core.errors import FormatError
+from exl_core.formats.packed import PackedWeight
+from exl_core.model.linear import QuantLinear
+
+_PK = ("qweight", "groups", "scale", "zero", "perm")
+
+
+class HFQuantLinear(QuantLinear):
+    """QuantLinear holding checkpoint tensors under their file names (see module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, tensors: dict[str, tuple[tuple, torch.dtype]],
+                 prefix: str):
+        super().__init__(in_features, out_features)
+        self.prefix = prefix
+        self.source_names = tuple(sorted(tensors))
+        if "bias" in tensors:
+            del self.bias   # QuantLinear sets a plain attribute; the checkpoint bias becomes a buffer
+        for name, (shape, dtype) in tensors.items():
+            # meta: transformers materialises it from the file; nothing is ever random-initialised
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"), persistent=True)
+
+    # -- after transformers filled the buffers -------------------------------------------------
+    def finalize(self, pack: Callable[[Callable[[str], torch.Tensor], str], PackedWeight]) -> None:
+        """Build the PackedWeight from the loaded checkpoint tensors.
+
+        pack(get, prefix) -> PackedWeight, where get(full_name) returns a checkpoint tensor."""
+        for n in self.source_names:
+            if getattr(self, n).is_meta:
+                raise FormatError(f"{self.prefix}.{n}: still on the meta device after loading "
+                                  "(the checkpoint lacks it)")
+
+        def get(full: str) -> torch.Tensor:
+            short = full[len(self.prefix) + 1:] if full.startswith(self.prefix + ".") else full
+            if short not in self.source_names:
+                raise FormatError(f"{full}: not in the checkpoint (module has {', '.join(self.source_names)})")
+            return getattr(self, short)
+
+        pw = pack(get, self.prefix)
+        if (pw.in_features, pw.out_features) != (self.in_features, self.out_features):
+            raise FormatError(f"{self.prefix}: checkpoint holds a {pw.in_features}x{pw.out_features} "
+                              f"matrix, the model expects {self.in_features}x{self.out_features}")
+        dev = getattr(self, self.source_names[0]).device
+        pw = pw.to(dev)
+        for f in _PK:
+            self.register_buffer(f"_pk_{f}", getattr(pw, f), persistent=False)
+        self.register_buffer("_pk_bias", pw.bias, persistent=False)
+        self._packed = pw
+
+    @property
+    def packed(self) -> Optional[PackedWeight]:
+        pw = self._packed
+        if pw is None:
+            return None
+        if pw.qweight is not self._pk_qweight or pw.scale is not self._pk_scale or pw.bias is not self._pk_bias:
+            pw = PackedWeight(self._pk_qweight, self._pk_groups, self._pk_scale, self._pk_zero, self._pk_perm,
+                              pw.in_features, pw.out_features, self._pk_bias, pw.meta)
+            self._packed = pw
+        return pw
+
+    def _apply(self, fn, recurse=True):
+        # As QuantLinear: integer tensors (packed words, perms, groups) keep their dtype on
+        # .half()/.float(); the kernel-side scale/zero stay float32.
+        def guarded(t):
+            moved = fn(t)
+            if t.dtype != moved.dtype and not t.is_floating_point():
+                return moved.to(t.dtype)
+            return moved
+        nn.Module._apply(self, guarded, recurse)
+        if self._packed is not None:
+            self._pk_scale = self._pk_scale.float()
+            self._pk_zero = self._pk_zero.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            raise FormatError(f"{self.prefix}: quantized layer used before its weights were loaded")
+        # HF hands (batch, seq, in); the kernels take (rows, in).
+        shape = x.shape
+        y = super().forward(x.reshape(-1, shape[-1]))
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        fmt = (self._packed.meta.get("format") if self._packed is not None else None) or "checkpoint"
+        return f"in={self.in_features}, out={self.out_features}, {fmt}, tensors={','.join(self.source_names)}"
+
+
+def layer_tensors(names: Iterable[str], prefix: str) -> list[str]:
+    """Short names of the checkpoint tensors directly under `prefix` (e.g. 'q_weight', 'bias')."""
+    p = prefix + "."
+    return sorted(n[len(p):] for n in names if n.startswith(p) and "." not in n[len(p):])
+
+
+def to_dense_linear(m: HFQuantLinear, dtype: torch.dtype) -> nn.Linear:
+    """Dequantised nn.Linear with the same function (for `model.dequantize()`)."""
+    w = m.dense_weight(torch.float32).to(dtype)        # (out, in)
+    lin = nn.Linear(m.in_features, m.out_features, bias=m._packed.bias is not None,
+                    device=w.device, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if lin.bias is not None:
+            lin.bias.copy_(m._packed.bias.to(dtype))
+    return lin

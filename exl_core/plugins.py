@@ -1,0 +1,221 @@
+"""Plugin discovery over pluggy: integrations (HF, LangChain, LlamaIndex), formats, architectures, metrics.
+
+A plugin is any installed distribution that declares an entry point in the group ``exl_core``::
+
+    [project.entry-points.exl_core]
+    hf = "exl_core_hf.plugin"          # a module (or object) holding @hookimpl functions
+
+`get_plugin_manager()` builds one `pluggy.PluginManager` the first time it is asked for (never
+at ``import exl_core``), loading every entry point on its own so that one broken plugin costs a
+warning that names it, not the import of exl_core. `activate_plugins()` runs each plugin's
+`exl_core_activate` hook once per process (the HF plugin registers its transformers quantizer
+there); `list_plugins()` describes what was found.
+
+Hook implementations run one plugin at a time through `_call_each`, again so a failing plugin
+is reported and skipped while the others still run.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+import pluggy
+
+PROJECT = "exl_core"          # pluggy project name == entry-point group
+ENTRY_POINT_GROUP = PROJECT
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)   # plugins decorate their hooks with this
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed to load or one of its hooks raised; exl_core carried on without it."""
+
+
+class ExlCoreSpec:
+    """Hook specifications. Every hook is optional for a plugin; names carry the project prefix."""
+
+    # -- integrations -------------------------------------------------------------------------
+    @hookspec
+    def exl_core_register_integration(self) -> dict:
+        """Describe the integration: ``{"name": str, "version": str, "kind": str}``.
+
+        ``kind`` is free text such as ``"transformers-quantizer"``, ``"langchain"`` or
+        ``"llamaindex"``. Shown by `list_plugins()` and ``exl plugins``."""
+
+    @hookspec
+    def exl_core_activate(self) -> None:
+        """Do process-wide registrations (e.g. a transformers quantizer). Called at most once per
+        process by `activate_plugins()`; must be idempotent and cheap (defer heavy imports)."""
+
+    # -- extension points for other layers (declared now so plugins can target a stable name) --
+    @hookspec
+    def exl_core_register_formats(self) -> list:
+        """Return weight-format readers to add to ``exl_core.formats``: objects with
+        ``name: str``, ``detect(folder) -> bool`` and ``load_linear(reader, prefix) -> PackedWeight``."""
+
+    @hookspec
+    def exl_core_register_architectures(self) -> dict:
+        """Return ``{hf_architecture_name: builder}`` for model families beyond the built-in Llama
+        family; ``builder(config) -> exl_core.model.llama.Model``-compatible module."""
+
+    @hookspec
+    def exl_core_register_metrics(self) -> dict:
+        """Return ``{metric_name: fn}`` for ``exl eval``; ``fn(model, tokenizer, **options) -> float``."""
+
+
+_lock = threading.RLock()
+_pm: Optional[pluggy.PluginManager] = None
+_dists: dict[str, dict] = {}      # plugin name -> {"distribution", "version", "entry_point"}
+_errors: dict[str, str] = {}      # plugin name -> error text (load or hook failures)
+_activated = False
+
+
+def _warn(plugin: str, what: str, exc: BaseException) -> None:
+    msg = f"exl_core plugin {plugin!r} {what}: {type(exc).__name__}: {exc}"
+    _errors[plugin] = msg
+    warnings.warn(msg, PluginWarning, stacklevel=3)
+
+
+def _entry_points():
+    from importlib.metadata import entry_points
+    return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """Like `pm.load_setuptools_entrypoints(group)` but one failure does not stop the others."""
+    for ep in _entry_points():
+        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+            continue
+        dist = getattr(ep, "dist", None)
+        info = {"distribution": dist.metadata["Name"] if dist is not None else None,
+                "version": dist.version if dist is not None else None,
+                "entry_point": ep.value}
+        _dists[ep.name] = info
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # a broken plugin must not break `import exl_core`
+            _warn(ep.name, f"(entry point {ep.value!r}) failed to load", exc)
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide manager; created (and entry points loaded) on first call."""
+    global _pm
+    with _lock:
+        if _pm is None:
+            pm = pluggy.PluginManager(PROJECT)
+            pm.add_hookspecs(ExlCoreSpec)
+            _load_entry_points(pm)
+            _pm = pm
+        return _pm
+
+
+def _call_each(hook_name: str, **kwargs) -> list[tuple[str, Any]]:
+    """Call `hook_name` on every plugin separately: [(plugin_name, result)] for those that did not fail.
+
+    pluggy's own hook call stops at the first exception; here a failure is a warning naming the
+    plugin, and the remaining plugins still run."""
+    pm = get_plugin_manager()
+    out = []
+    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):  # registration order
+        name = impl.plugin_name
+        try:
+            res = impl.function(*[kwargs[a] for a in impl.argnames])
+        except Exception as exc:
+            _warn(name, f"hook {hook_name} raised", exc)
+            continue
+        if res is not None:
+            out.append((name, res))
+    return out
+
+
+def activate_plugins() -> list[str]:
+    """Run every plugin's `exl_core_activate` once per process; returns the names activated.
+
+    Cheap when no plugin is installed (one entry-point scan). Safe to call repeatedly and from
+    several threads. Intended call site: the end of ``exl_core/__init__.py``."""
+    global _activated
+    with _lock:
+        if _activated:
+            return []
+        _activated = True
+        pm = get_plugin_manager()
+        names = []
+        for impl in reversed(pm.hook.exl_core_activate.get_hookimpls()):
+            try:
+                impl.function()
+                names.append(impl.plugin_name)
+            except Exception as exc:
+                _warn(impl.plugin_name, "hook exl_core_activate raised", exc)
+        return names
+
+
+def list_plugins() -> list[dict]:
+    """One dict per discovered plugin, sorted by name::
+
+        {"name", "distribution", "version", "entry_point", "integration": {name, version, kind} | None,
+         "hooks": [hook names it implements], "error": str | None}
+    """
+    pm = get_plugin_manager()
+    integrations = dict(_call_each("exl_core_register_integration"))
+    rows = []
+    names = set(_dists) | {n for n, _ in pm.list_name_plugin()}
+    for name in sorted(names):
+        plugin = pm.get_plugin(name)
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin)) if plugin is not None else []
+        info = _dists.get(name, {})
+        integ = integrations.get(name)
+        rows.append({"name": name,
+                     "distribution": info.get("distribution"),
+                     "version": info.get("version") or (integ or {}).get("version"),
+                     "entry_point": info.get("entry_point"),
+                     "integration": integ,
+                     "hooks": hooks,
+                     "error": _errors.get(name)})
+    return rows
+
+
+def register_plugin(plugin: object, name: Optional[str] = None) -> str:
+    """Register an in-process plugin object (tests, notebooks); returns its name. If plugins were
+    already activated, its `exl_core_activate` runs now so late registrations still take effect."""
+    pm = get_plugin_manager()
+    with _lock:
+        name = pm.register(plugin, name=name)
+        if _activated:
+            fn: Optional[Callable] = getattr(plugin, "exl_core_activate", None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception as exc:
+                    _warn(name, "hook exl_core_activate raised", exc)
+        return name
+
+
+def collect(hook_name: str) -> dict:
+    """Merge the dict (or list) results of a registry hook such as ``exl_core_register_metrics``
+    over all plugins: dicts are merged (later plugins cannot silently override: a clash warns),
+    lists concatenated into ``{plugin_name: [items]}``."""
+    merged: dict = {}
+    for name, res in _call_each(hook_name):
+        if isinstance(res, dict):
+            for k, v in res.items():
+                if k in merged:
+                    warnings.warn(f"exl_core plugin {name!r}: {hook_name} entry {k!r} already provided; "
+                                  f"keeping the first", PluginWarning, stacklevel=2)
+                    continue
+                merged[k] = v
+        else:
+            merged[name] = list(res)
+    return merged
+
+
+def _reset_for_tests() -> None:
+    """Forget the manager and activation state (tests only)."""
+    global _pm, _activated
+    with _lock:
+        _pm = None
+        _activated = False
+        _dists.clear()
+        _errors.clear()
