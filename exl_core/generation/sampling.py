@@ -1,0 +1,408 @@
+"""Sampler settings and the per-token sampling pipeline.
+
+Every job carries a `SamplerSettings`. Each step the generator hands this module the job's
+float32 logits row [V], its token history and its own `torch.Generator`; the pipeline below
+turns them into one probability distribution and draws from it. The order is fixed:
+
+    1. logit bias (added) and banned tokens (set to -inf)
+    2. repetition penalty, HF/CTRL style: on tokens seen in the penalty window, positive
+       logits are divided by the penalty and negative ones multiplied by it
+    3. frequency / presence penalties, OpenAI style:
+       logit -= count * frequency_penalty + (count > 0) * presence_penalty
+    4. temperature (unless temperature_last)
+    5. top-k   keep the k largest logits (ties broken towards the lowest token id)
+    6. top-p   keep the smallest set of most likely tokens whose mass reaches p
+    7. min-p   keep tokens with p >= min_p * p_max
+    8. typical keep the locally typical set (Meister et al. 2022, as HF TypicalLogitsWarper)
+    9. temperature (if temperature_last)
+   10. softmax -> draw by inverse CDF with one uniform from the job's generator
+
+Steps 5-8 each see the renormalised distribution left by the previous steps. temperature == 0
+means greedy: steps 1-3 still apply, then the distribution is the one-hot of the argmax
+(lowest token id on ties) and no random number is consumed.
+
+All arithmetic is float64 internally: it costs little at vocabulary size and keeps the
+filters' thresholds (cumulative sums compared with p) stable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace as _dc_replace
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..errors import InputError, SamplerError
+
+History = Union[torch.Tensor, Sequence[int], None]
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplerSettings:
+    """How one job turns logits into a token. See the module docstring for the order.
+
+    temperature        >= 0; 0 = greedy (argmax, lowest id on ties)
+    top_k              >= 0; 0 = off
+    top_p              in (0, 1]; 1 = off
+    min_p              in [0, 1]; 0 = off
+    typical            in (0, 1]; 1 = off
+    repetition_penalty > 0; 1 = off
+    frequency_penalty, presence_penalty   finite; 0 = off
+    penalty_range      how many most recent tokens the penalties look at (-1 all, 0 none)
+    penalize_prompt    False: tokens of the prompt are never penalised
+    temperature_last   apply temperature after the truncation filters instead of before
+    logit_bias         {token id: bias added to its logit} (-inf allowed: bans the token)
+    banned_tokens      token ids that can never be drawn
+    """
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_range: int = -1
+    penalize_prompt: bool = True
+    temperature_last: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    banned_tokens: Optional[list[int]] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def greedy(cls, **overrides) -> "SamplerSettings":
+        """Argmax decoding (penalties, bias and bans still apply when given)."""
+        return cls(**{"temperature": 0.0, **overrides})
+
+    def replace(self, **changes) -> "SamplerSettings":
+        """A validated copy with some fields changed."""
+        return _dc_replace(self, **changes)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        """True when the token history changes the result (penalties active)."""
+        return self.penalty_range != 0 and (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
+
+    def validate(self, vocab_size: Optional[int] = None) -> "SamplerSettings":
+        """Raise SamplerError naming the field and its valid range; token ids are checked
+        against `vocab_size` when given. Returns self so calls chain."""
+        def bad(name, value, rule):
+            raise SamplerError(f"SamplerSettings.{name}={value!r} is invalid: {rule}")
+
+        floats = {
+            "temperature": (lambda v: v >= 0, "must be a finite number >= 0 (0 = greedy)"),
+            "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+            "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+            "typical": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+            "repetition_penalty": (lambda v: v > 0, "must be a finite number > 0 (1 = off)"),
+            "frequency_penalty": (lambda v: True, "must be a finite number (0 = off)"),
+            "presence_penalty": (lambda v: True, "must be a finite number (0 = off)"),
+        }
+        for name, (ok, rule) in floats.items():
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or not ok(v):
+                bad(name, v, rule)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", self.top_k, "must be an int >= 0 (0 = off)")
+        if not _is_int(self.penalty_range) or self.penalty_range < -1:
+            bad("penalty_range", self.penalty_range, "must be an int >= -1 (-1 = whole history, 0 = none)")
+        for name in ("penalize_prompt", "temperature_last"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, getattr(self, name), "must be True or False")
+
+        def check_id(name, t):
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                rng = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                bad(name, t, f"token ids must be ints in {rng}")
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", self.logit_bias, "must be a dict {token id: bias} or None")
+            for t, b in self.logit_bias.items():
+                check_id("logit_bias", t)
+                if not _is_real(b) or math.isnan(b) or b == math.inf:
+                    bad("logit_bias", {t: b}, "biases must be finite numbers or -inf")
+        if self.banned_tokens is not None:
+            if isinstance(self.banned_tokens, (str, bytes)) or not hasattr(self.banned_tokens, "__iter__"):
+                bad("banned_tokens", self.banned_tokens, "must be a list of token ids or None")
+            for t in self.banned_tokens:
+                check_id("banned_tokens", t)
+        return self
+
+
+# ----------------------------------------------------------------------------------------
+# Pipeline on a batch of rows: x float64 [B, V], one SamplerSettings per row.
+# ----------------------------------------------------------------------------------------
+
+def _check_logits(logits: torch.Tensor, batched: bool) -> torch.Tensor:
+    want = 2 if batched else 1
+    if not isinstance(logits, torch.Tensor) or logits.dim() != want or logits.shape[-1] == 0:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise InputError(f"logits must be a {'[B, V]' if batched else '[V]'} float tensor, got {shape}")
+    if not logits.is_floating_point():
+        raise InputError(f"logits must be floating point, got {logits.dtype}")
+    x = logits.to(torch.float64)
+    if torch.isnan(x).any() or torch.isposinf(x).any():
+        raise InputError("logits contain NaN or +inf; the model output is corrupt")
+    return x
+
+
+def _window(history: History, prompt_len: int, s: SamplerSettings, vocab: int, device) -> Optional[torch.Tensor]:
+    """Token ids (int64 [n]) the penalties look at: the last `penalty_range` tokens of the
+    history, minus the first `prompt_len` when the prompt is not penalised."""
+    if history is None or s.penalty_range == 0:
+        return None
+    h = history if isinstance(history, torch.Tensor) else torch.as_tensor(list(history), dtype=torch.int64)
+    h = h.reshape(-1).to(device=device, dtype=torch.int64)
+    start = 0 if s.penalize_prompt else max(0, int(prompt_len))
+    if s.penalty_range > 0:
+        start = max(start, h.numel() - s.penalty_range)
+    h = h[start:]
+    if h.numel() and int(h.min()) < 0:
+        raise InputError(f"token history contains a negative id ({int(h.min())})")
+    # Ids past the head (embedding vocab larger than the output vocab) can never be drawn,
+    # so there is nothing to penalise: drop them as HF does.
+    return h[h < vocab]
+
+
+def _adjust(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_lens) -> None:
+    """Steps 1-3 in place on x [B, V]."""
+    V = x.shape[1]
+    for b, s in enumerate(settings):
+        row = x[b]
+        if s.logit_bias:
+            ids = torch.tensor(list(s.logit_bias.keys()), dtype=torch.int64, device=x.device)
+            row.index_add_(0, ids, torch.tensor(list(s.logit_bias.values()), dtype=x.dtype, device=x.device))
+        if s.banned_tokens:
+            row[torch.tensor(list(s.banned_tokens), dtype=torch.int64, device=x.device)] = -math.inf
+        if not s.uses_history:
+            continue
+        win = _window(histories[b], prompt_lens[b], s, V, x.device)
+        if win is None or win.numel() == 0:
+            continue
+        counts = torch.bincount(win, minlength=V).to(x.dtype)     # [V]
+        seen = counts > 0
+        if s.repetition_penalty != 1.0:
+            p = s.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row < 0, row * p, row / p), row))
+        if s.frequency_penalty != 0.0 or s.presence_penalty != 0.0:
+            row.sub_(counts * s.frequency_penalty + seen.to(x.dtype) * s.presence_penalty)
+
+
+def _temper(x: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor) -> None:
+    """x[rows] = (x[rows] - max) / T. Subtracting the max first means a tiny T can only
+    push logits towards -inf, never overflow to +inf."""
+    sub = x[rows]
+    sub = (sub - sub.amax(dim=1, keepdim=True)) / temps[:, None]
+    x[rows] = sub
+
+
+def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """Keep mask [B, V] of the k largest per row; among values equal to the k-th largest the
+    lowest token ids win, so exactly k survive."""
+    kmax = int(ks.max())
+    thr = torch.topk(x, kmax, dim=1).values.gather(1, (ks - 1)[:, None])   # [B, 1]
+    greater = x > thr
+    eq = x == thr
+    n_eq = ks[:, None] - greater.sum(dim=1, keepdim=True)                 # how many ties survive
+    return greater | (eq & (eq.cumsum(dim=1) <= n_eq))
+
+
+def _top_p(x: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Keep mask of the smallest prefix (by logit desc, then token id) whose mass reaches p."""
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices
+    probs = torch.softmax(x, dim=1).gather(1, order)
+    before = torch.zeros_like(probs)                               # mass strictly before each
+    before[:, 1:] = torch.cumsum(probs, dim=1)[:, :-1]
+    keep_sorted = before < ps[:, None]
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def _min_p(x: torch.Tensor, ms: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(x, dim=1)
+    return probs >= ms[:, None] * probs.amax(dim=1, keepdim=True)
+
+
+def _typical(x: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+    """Keep the tokens whose surprise -log p is closest to the entropy H, growing the set in
+    that order until its mass reaches `typical`; every token as close as the last one added
+    is kept too (HF semantics), and the closest one always."""
+    logp = torch.log_softmax(x, dim=1)
+    p = logp.exp()
+    ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1, keepdim=True)   # [B, 1]
+    dist = (-logp - ent).abs()                                     # +inf for -inf logits
+    sdist, order = torch.sort(dist, dim=1, stable=True)
+    cum = torch.cumsum(p.gather(1, order), dim=1)
+    last = (cum < masses[:, None]).sum(dim=1, keepdim=True).clamp_(max=x.shape[1] - 1)
+    keep = dist <= sdist.gather(1, last)
+    keep.scatter_(1, order[:, :1], True)
+    return keep
+
+
+def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_lens
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-9 in place on x [B, V] float64. Returns (x, greedy_rows bool [B]); greedy rows
+    are left after step 3 (the caller takes their argmax)."""
+    B, V = x.shape
+    dev = x.device
+    _adjust(x, settings, histories, prompt_lens)
+    alive = (x > -math.inf).any(dim=1)
+    if not bool(alive.all()):
+        b = int((~alive).nonzero()[0])
+        raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
+                           "(check banned_tokens / logit_bias)")
+
+    def col(getter, dtype=torch.float64):
+        return torch.tensor([getter(s) for s in settings], dtype=dtype, device=dev)
+
+    greedy = col(lambda s: s.is_greedy, torch.bool)
+    sampled = ~greedy
+    temps = col(lambda s: s.temperature if s.temperature > 0 else 1.0)
+    t_first = sampled & (temps != 1.0) & ~col(lambda s: s.temperature_last, torch.bool)
+    t_last = sampled & (temps != 1.0) & col(lambda s: s.temperature_last, torch.bool)
+    if t_first.any():
+        _temper(x, t_first, temps[t_first])
+
+    ks = col(lambda s: s.top_k, torch.int64)
+    ps, ms, tys = col(lambda s: s.top_p), col(lambda s: s.min_p), col(lambda s: s.typical)
+    filters = (
+        (sampled & (ks > 0) & (ks < V), lambda sub, rows: _top_k(sub, ks[rows])),
+        (sampled & col(lambda s: s.top_p < 1.0, torch.bool), lambda sub, rows: _top_p(sub, ps[rows])),
+        (sampled & col(lambda s: s.min_p > 0.0, torch.bool), lambda sub, rows: _min_p(sub, ms[rows])),
+        (sampled & col(lambda s: s.typical < 1.0, torch.bool), lambda sub, rows: _typical(sub, tys[rows])),
+    )
+    for active, fn in filters:
+        if not active.any():
+            continue
+        rows = active.nonzero().squeeze(1)
+        sub = x[rows]
+        x[rows] = sub.masked_fill(~fn(sub, rows), -math.inf)
+    if t_last.any():
+        _temper(x, t_last, temps[t_last])
+    return x, greedy
+
+
+def _probs64(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 [B, V] distribution of every row and the greedy-row mask [B]."""
+    B, V = logits.shape
+    if isinstance(settings, SamplerSettings):
+        settings = [settings] * B
+    if len(settings) != B:
+        raise InputError(f"got {len(settings)} SamplerSettings for {B} logit rows")
+    histories = [None] * B if histories is None else list(histories)
+    prompt_lens = [0] * B if prompt_lens is None else list(prompt_lens)
+    if len(histories) != B or len(prompt_lens) != B:
+        raise InputError(f"got {len(histories)} histories / {len(prompt_lens)} prompt lengths for {B} rows")
+    for s in settings:
+        if not isinstance(s, SamplerSettings):
+            raise InputError(f"expected SamplerSettings, got {type(s).__name__}")
+        s.validate(V)
+    x = _check_logits(logits, batched=True).clone()
+    x, greedy = _filtered_logits(x, settings, histories, prompt_lens)
+    probs = torch.softmax(x, dim=1)
+    if greedy.any():
+        rows = greedy.nonzero().squeeze(1)
+        onehot = torch.zeros(rows.numel(), V, dtype=probs.dtype, device=probs.device)
+        onehot.scatter_(1, x[rows].argmax(dim=1, keepdim=True), 1.0)   # argmax: first max on ties
+        probs[rows] = onehot
+    return probs, greedy
+
+
+def processed_probs_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
+                          histories: Optional[Sequence[History]] = None,
+                          prompt_lens: Optional[Sequence[int]] = None,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """logits [B, V] -> the exact distributions [B, V] `sample_batch` draws from."""
+    return _probs64(logits, settings, histories, prompt_lens)[0].to(dtype)
+
+
+def processed_probs(logits: torch.Tensor, settings: SamplerSettings, history: History = None, *,
+                    prompt_len: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """logits [V] -> the distribution [V] that `sample` draws from: every filter applied,
+    renormalised; greedy gives the one-hot of the argmax (lowest id on ties). Pure: the same
+    arguments always give the same result (speculative decoding uses it for p and q).
+
+    history: token ids so far (prompt + generated); prompt_len: how many of them are prompt
+    (only used when settings.penalize_prompt is False)."""
+    _check_logits(logits, batched=False)
+    return processed_probs_batch(logits[None], [settings], [history], [prompt_len], dtype)[0]
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: probs [B, V] float64, u [B] in [0, 1) -> ids [B]. The first token whose
+    cumulative mass exceeds u * total; zero-probability tokens can never be chosen."""
+    cdf = torch.cumsum(probs, dim=1)
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u*total may round up to total: fall back to the last token with mass.
+    last_nz = probs.shape[1] - 1 - (probs.flip(1) > 0).to(torch.int8).argmax(dim=1)
+    return torch.minimum(idx, last_nz)
+
+
+def _uniform(rng: Optional[torch.Generator]) -> float:
+    if rng is None:
+        return float(torch.rand((), dtype=torch.float64))
+    return float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device))
+
+
+def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
+                 histories: Optional[Sequence[History]] = None,
+                 rngs: Optional[Sequence[Optional[torch.Generator]]] = None,
+                 prompt_lens: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (token ids int64 [B], logprobs float32 [B]).
+
+    Row b draws one uniform from rngs[b] (None: torch's global generator); greedy rows draw
+    nothing. A seeded row is therefore reproducible whatever else shares the batch. The
+    logprob is the model's own log-softmax of the chosen token (before any sampling
+    transform), the same scale as `top_logprobs`."""
+    _check_logits(logits, batched=True)
+    B = logits.shape[0]
+    probs, greedy = _probs64(logits, settings, histories, prompt_lens)
+    rngs = [None] * B if rngs is None else list(rngs)
+    if len(rngs) != B:
+        raise InputError(f"got {len(rngs)} generators for {B} logit rows")
+    u = torch.tensor([0.0 if g else _uniform(r) for g, r in zip(greedy.tolist(), rngs)],
+                     dtype=torch.float64, device=probs.device)
+    ids = _draw(probs, u)
+    logprobs = torch.log_softmax(logits.to(torch.float64), dim=1).gather(1, ids[:, None]).squeeze(1)
+    return ids, logprobs.to(torch.float32)
+
+
+def sample(logits: torch.Tensor, settings: SamplerSettings, history: History = None,
+           rng: Optional[torch.Generator] = None, *, prompt_len: int = 0) -> tuple[int, float]:
+    """logits [V] -> (token id, model logprob of that token). See `sample_batch`."""
+    _check_logits(logits, batched=False)
+    ids, lps = sample_batch(logits[None], [settings], [history], [rng], [prompt_len])
+    return int(ids[0]), float(lps[0])
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens under the model: logits [..., V] -> (logprobs float32 [..., k],
+    ids int64 [..., k]), most likely first, lowest id first among ties."""
+    if not _is_int(k) or k < 0:
+        raise InputError(f"top_logprobs: k={k!r} must be an int >= 0")
+    if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or not logits.is_floating_point():
+        raise InputError("top_logprobs: logits must be a floating tensor [..., V]")
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    k = min(k, lp.shape[-1])
+    vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+    return vals[..., :k].to(torch.float32), ids[..., :k]
+
+
+__all__ = ["SamplerSettings", "processed_probs", "processed_probs_batch", "sample", "sample_batch",
+           "top_logprobs"]
