@@ -158,12 +158,14 @@ class PageTable:
         self.num_tokens = 0
         self.reserved = 0
         self.shared = 0
+        self.keys: list[bytes] = []     # chained keys of the full pages seen so far
 
-    def adopt_prefix(self, pages: list[int]) -> None:
+    def adopt_prefix(self, pages: list[int], keys: Optional[list[bytes]] = None) -> None:
         """Start from already-referenced full pages of a cached prefix."""
         assert not self.pages
         self.pages = list(pages)
         self.shared = len(pages)
+        self.keys = list(keys) if keys is not None else []
         self.num_tokens = len(pages) * self.page_size
 
     def ensure(self, pool: PagePool, upto: int) -> None:

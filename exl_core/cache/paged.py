@@ -1,0 +1,166 @@
+"""Paged K/V storage and the `ForwardContext` that reads/writes it.
+
+    k[layer], v[layer]   (num_pages, page_size, Hkv, D)   model dtype, model device
+    ┌────────┬────────┬────────┬─────┐
+    │ page 0 │ page 1 │ page 2 │ ... │   a sequence's PageTable lists its pages in order;
+    └────────┴────────┴────────┴─────┘   full pages may be shared through the PrefixIndex
+
+The accounting (which page belongs to whom) lives in pages.py/prefix.py and holds no tensors;
+this module only owns the tensors and turns page tables into the index tensors the attention
+kernels take.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import CacheFullError, InputError
+from ..ops.attention import paged_attention, write_kv
+from .pages import PagePool, PageTable
+from .prefix import PrefixIndex, page_keys
+from .sizing import bytes_per_token, num_pages_for
+
+
+class Cache:
+    """Paged K/V cache of one model: tensors + PagePool + PrefixIndex (+ sliding window)."""
+
+    def __init__(self, model, max_tokens: Optional[int] = None, page_size: int = 256,
+                 dtype: Optional[torch.dtype] = None):
+        cfg = model.config
+        if page_size < 1:
+            raise InputError(f"Cache: page_size={page_size} must be >= 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise InputError(f"Cache: max_tokens={max_tokens} must be >= 1 (or None to size from free memory)")
+        self.model = model
+        self.config = cfg
+        self.page_size = page_size
+        self.dtype = dtype or model.dtype
+        self.device = torch.device(model.device)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.window: Optional[int] = cfg.sliding_window or None
+        per_token = bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        self.num_pages = num_pages_for(per_token, page_size, self.device, max_tokens,
+                                       cfg.max_position_embeddings)
+        shape = (self.num_pages, page_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: a kernel reading a masked slot must see finite values (0 * NaN = NaN)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.pool = PagePool(self.num_pages)
+        self.index = PrefixIndex(self.pool, page_size)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- admission --------------------------------------------------------------------------
+    def pages_to_reserve(self, total_len: int, shared: int, max_chunk: int) -> int:
+        """New pages a sequence of `total_len` stored positions may hold at once, given
+        `shared` adopted prefix pages. With a sliding window only the visible span (plus the
+        chunk being written) is ever held."""
+        ps = self.page_size
+        total = -(-total_len // ps) - shared
+        if self.window:
+            total = min(total, -(-(self.window - 1 + max_chunk) // ps) + 1)
+        return max(0, total)
+
+    def check_fits(self, prompt_len: int, max_chunk: int, what: str = "prompt") -> None:
+        """CacheFullError when a prompt can never fit, however empty the cache."""
+        need = self.pages_to_reserve(prompt_len, 0, max_chunk)
+        if need > self.num_pages:
+            raise CacheFullError(f"{what} of {prompt_len} tokens needs {need} pages but the cache has "
+                                 f"{self.num_pages} pages of {self.page_size} tokens ({self.max_tokens} tokens); "
+                                 "raise Cache(max_tokens=...) or shorten the prompt")
+
+    def try_admit(self, prompt: Sequence[int], total_len: int, max_chunk: int,
+                  reuse: bool = True) -> Optional[PageTable]:
+        """A PageTable for a new sequence, or None when the pool cannot promise its pages now.
+
+        Reuses every cached full page of the prompt that ends before its last token (the last
+        token must run through the model to produce logits). `total_len`: positions whose K/V
+        will ever be stored (prompt + new tokens - 1)."""
+        ps = self.page_size
+        keys = page_keys(prompt[:len(prompt) - 1], ps) if reuse else []
+        matched = self.index.match(keys)
+        keys = keys[:len(matched)]
+        need = self.pages_to_reserve(total_len, len(matched), max_chunk)
+        # matched pages now in the LRU stop counting as available once referenced
+        idle = sum(1 for p in matched if self.pool.ref(p) == 0)
+        if need > self.pool.available - idle:
+            return None
+        for p in matched:
+            self.pool.acquire(p)
+        table = PageTable(ps)
+        table.adopt_prefix(matched, keys)
+        self.pool.reserve(need)
+        table.reserved = need
+        return table
+
+    def after_forward(self, table: PageTable, tokens: Sequence[int], n_new: int, more_to_come: bool) -> None:
+        """Account `n_new` freshly written positions of `table` (whose sequence so far is
+        `tokens`): index pages that became full, release pages that left the window."""
+        ps = self.page_size
+        table.num_tokens += n_new
+        full = table.num_tokens // ps
+        if full > len(table.keys):
+            prev = table.keys[-1] if table.keys else b""
+            new_keys = page_keys(tokens[:full * ps], ps, prev=prev, first_page=len(table.keys))
+            for i, k in enumerate(new_keys, start=len(table.keys)):
+                if table.pages[i] >= 0:
+                    self.index.register(k, table.pages[i])
+            table.keys.extend(new_keys)
+        if self.window:
+            table.release_window(self.pool, self.window, keep_reservation=more_to_come)
+
+    def release(self, table: PageTable) -> None:
+        table.free(self.pool)
+
+    # -- forward ----------------------------------------------------------------------------
+    def context(self, tables: Sequence[PageTable], new_lens: Sequence[int],
+                logit_rows: Optional[torch.Tensor] = None) -> "PagedContext":
+        """Context for one forward pass: sequence s appends `new_lens[s]` tokens after its
+        `num_tokens` stored ones. Takes the pages the new tokens need (from reservations)."""
+        for t, n in zip(tables, new_lens):
+            t.ensure(self.pool, t.num_tokens + n)
+        return PagedContext(self, tables, new_lens, logit_rows)
+
+
+class PagedContext:
+    """`ForwardContext` over the paged cache for a flat ragged batch.
+
+    positions int64 [T]; cu_seqlens int64 [S+1]; block_table int32 [S, max_pages] (-1 pads
+    and released window pages); seq_lens_k int64 [S]; slots int64 [T].
+    """
+
+    def __init__(self, cache: Cache, tables: Sequence[PageTable], new_lens: Sequence[int],
+                 logit_rows: Optional[torch.Tensor] = None):
+        dev = cache.device
+        self.cache = cache
+        starts = [t.num_tokens for t in tables]
+        pos, slots = [], []
+        for t, s, n in zip(tables, starts, new_lens):
+            pos.extend(range(s, s + n))
+            slots.extend(t.slots(s, n))
+        cu = [0]
+        for n in new_lens:
+            cu.append(cu[-1] + n)
+        width = max([len(t.pages) for t in tables] + [1])
+        table_rows = [t.pages + [-1] * (width - len(t.pages)) for t in tables]
+        self.positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=dev)
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=dev)
+        self.block_table = torch.tensor(table_rows, dtype=torch.int32, device=dev).reshape(len(tables), width)
+        self.seq_lens_k = torch.tensor([s + n for s, n in zip(starts, new_lens)], dtype=torch.int64, device=dev)
+        self.logit_rows = logit_rows.to(dev) if logit_rows is not None else None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float, window: Optional[int]) -> torch.Tensor:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
+        return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
+                               scale, window)                 # (T, Hq, D)

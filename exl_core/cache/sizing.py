@@ -1,0 +1,47 @@
+"""How many cache pages fit: from a user cap or from the device's free memory."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# Share of the free memory the cache may take; the rest stays for activations, other
+# processes and (on CPU) the OS page cache.
+CPU_FRACTION = 0.25
+GPU_FRACTION = 0.80
+ACTIVATION_RESERVE = 512 << 20       # bytes kept aside for the forward pass' activations
+DEFAULT_CAP_SEQS = 4                 # without a user cap: at most 4 full-length sequences
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one position in every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def free_memory(device: torch.device) -> int:
+    """Free bytes on `device`: cudaMemGetInfo on GPU, MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30   # no /proc (not Linux): assume a modest 4 GiB
+
+
+def num_pages_for(per_token: int, page_size: int, device: torch.device, max_tokens: Optional[int],
+                  max_seq_len: int) -> int:
+    """Pages for `max_tokens` positions (rounded up), or what a fraction of free memory holds,
+    capped at DEFAULT_CAP_SEQS sequences of `max_seq_len` so a small model does not claim the
+    whole machine."""
+    if max_tokens is not None:
+        return max(1, -(-int(max_tokens) // page_size))
+    frac = GPU_FRACTION if device.type == "cuda" else CPU_FRACTION
+    budget = max(0, int(free_memory(device) * frac) - ACTIVATION_RESERVE)
+    by_memory = budget // (per_token * page_size)
+    cap = -(-(DEFAULT_CAP_SEQS * max(max_seq_len, 8192)) // page_size)
+    return max(1, min(by_memory, cap))

@@ -1,0 +1,335 @@
+"""Dynamic generator: many jobs, one ragged forward pass per step over the paged cache.
+
+    enqueue(job) ─► waiting ─(pages promised)─► active ─► done (pages released)
+                                                  │
+    iterate():  admit → plan (decode tokens + whole prefill chunks within the token budget)
+                → one flat forward with a PagedContext → sample the rows that want logits
+                → text/stop handling → JobResults (+ callbacks)
+
+The generator never touches the cache's tensors; it hands page tables to `Cache.context`.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Optional, Sequence, Union
+
+import torch
+
+from ..errors import InputError
+from .job import Job, JobResult
+from .sampling import SamplerSettings, sample_batch
+from .scheduler import Scheduler
+from .streaming import TextStream
+
+
+@dataclass
+class GeneratorStats:
+    forward_passes: int = 0
+    forward_tokens: int = 0        # tokens run through the model (prefill + decode)
+    reused_tokens: int = 0         # prompt positions served from the prefix index instead
+    generated_tokens: int = 0
+    jobs_finished: int = 0
+
+
+class Generator:
+    def __init__(self, model, cache, tokenizer=None, max_batch_tokens: int = 2048, max_chunk_size: int = 512,
+                 max_batch_size: int = 256, prefix_reuse: bool = True):
+        if cache.model is not model:
+            raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(max_batch_tokens, max_chunk_size, max_batch_size)
+        self.prefix_reuse = prefix_reuse
+        self.waiting: deque[Job] = deque()
+        self.active: list[Job] = []
+        self.stats = GeneratorStats()
+        self._events: list[JobResult] = []        # results produced outside iterate (cancel)
+        self._lock = threading.RLock()
+        self._queues: dict[int, asyncio.Queue] = {}  # astream: job id -> results
+        self._driver: Optional[asyncio.Task] = None
+        self.vocab_size = model.config.vocab_size
+        eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.eos_ids = eos | set(getattr(model.config, "eos_token_ids", None) or ())
+
+    # -- queue ------------------------------------------------------------------------------
+    def enqueue(self, job: Union[Job, Sequence[Job]]) -> Union[Job, list[Job]]:
+        """Queue a job (or several). Raises InputError for a bad job and CacheFullError when
+        its prompt can never fit in the cache."""
+        if not isinstance(job, Job):
+            return [self.enqueue(j) for j in job]
+        if job.status != "new":
+            raise InputError(f"Generator.enqueue: {job!r} was already enqueued; create a new Job")
+        bad = [t for t in job.input_ids if t >= self.vocab_size]
+        if bad:
+            raise InputError(f"Job {job.identifier!r}: token ids {bad[:5]} are outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        job.sampler.validate(self.vocab_size)
+        self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
+        if not self.cache.window:   # without a window every position keeps its page
+            room = self.cache.max_tokens - job.prompt_len + 1
+            job.limit = max(1, min(job.max_new_tokens, room))
+        job.stream = TextStream(self.tokenizer, job.stop_strings, skip_special=not job.decode_special)
+        with self._lock:
+            job.status = "queued"
+            self.waiting.append(job)
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        """Stop a queued or running job now (pages freed); its final JobResult (finish
+        reason "cancelled") comes with the next iterate(). False if it had already finished."""
+        with self._lock:
+            if job.status == "queued":
+                self.waiting.remove(job)
+            elif job.status != "active":
+                return False
+            res = JobResult(job, "", [], "cancelled")
+            self._finish(job, "cancelled")
+            self._events.append(res)
+            if job.callback is not None:
+                job.callback(res)
+            return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active or self._events)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def iterate(self) -> list[JobResult]:
+        """Run one forward pass over everything schedulable; return this step's results."""
+        with self._lock:
+            results, self._events = self._events, []
+            if self.prefix_reuse:
+                self.scheduler.admit(self.waiting, self.active, self.cache)
+            else:
+                self._admit_without_reuse()
+            plan = self.scheduler.plan(self.active)
+            if not plan.items:
+                return results
+            ids, lens, rows, r = [], [], [], -1
+            for item in plan.items:
+                ids.extend(item.tokens)
+                lens.append(len(item.tokens))
+                r += len(item.tokens)
+                if item.wants_logits:
+                    rows.append(r)
+            dev = self.model.device
+            logit_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+            ctx = self.cache.context([i.job.table for i in plan.items], lens, logit_rows)
+            logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
+            self.stats.forward_passes += 1
+            self.stats.forward_tokens += len(ids)
+            for item in plan.items:
+                self.cache.after_forward(item.job.table, item.job.tokens, len(item.tokens), more_to_come=True)
+            sampled = [i.job for i in plan.items if i.wants_logits]
+            if sampled:
+                results.extend(self._sample_and_emit(sampled, logits))
+            return results
+
+    def _admit_without_reuse(self) -> None:
+        # Same FIFO admission, but the cache is asked not to match prefixes.
+        while self.waiting and len(self.active) < self.scheduler.max_batch_size:
+            job = self.waiting[0]
+            table = self.cache.try_admit(job.input_ids, job.prompt_len + job.limit - 1,
+                                         self.scheduler.max_chunk_size, reuse=False)
+            if table is None:
+                break
+            self.waiting.popleft()
+            job.table, job.status = table, "active"
+            self.active.append(job)
+
+    def _sample_and_emit(self, jobs: list[Job], logits: torch.Tensor) -> list[JobResult]:
+        errors: list[BaseException] = []
+        for r, job in enumerate(jobs):
+            if job.reused_tokens and len(job.generated) == 0:
+                self.stats.reused_tokens += job.reused_tokens
+            if job.token_filter is not None:
+                try:
+                    out = job.token_filter(list(job.tokens), logits[r])
+                except Exception as e:   # the job ends; the error reaches the caller below
+                    errors.append(e)
+                    self._finish(job, "cancelled")
+                    self._events.append(JobResult(job, "", [], "cancelled"))
+                    continue
+                if out is not None:
+                    logits[r] = out
+        tok, lp = sample_batch(logits, [j.sampler for j in jobs], [j.tokens for j in jobs],
+                               [j.rng for j in jobs], [j.prompt_len for j in jobs])
+        results = []
+        for job, t, p in zip(jobs, tok.tolist(), lp.tolist()):
+            if job.status != "active":   # ended by its filter or another job's callback this step
+                continue
+            try:
+                results.append(self._accept(job, t, p))
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            # Accounting is consistent (failed jobs finished, pages freed); deliver the other
+            # results with the next iterate() and let the caller see the first error.
+            self._events.extend(results)
+            raise errors[0]
+        return results
+
+    def _accept(self, job: Job, token: int, logprob: float) -> JobResult:
+        """Append a sampled token, apply the stop conditions, run the callback."""
+        job.generated.append(token)
+        job.tokens.append(token)
+        job.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        reason = None
+        if job.stop_on_eos and token in self.eos_ids:
+            reason = "eos"
+        elif token in job.stop_tokens:
+            reason = "stop"
+        if reason is None:
+            text, stopped = job.stream.push(token)
+            if stopped:
+                reason = "stop"
+            elif len(job.generated) >= job.limit:
+                tail, stopped = job.stream.finish()
+                text += tail
+                reason = "stop" if stopped else "length"
+        else:
+            text, stopped = job.stream.finish()   # held-back text was no stop string after all
+            if stopped:
+                reason = "stop"
+        job.text += text
+        res = JobResult(job, text, [token], reason, [logprob] if job.return_logprobs else None)
+        if reason is not None:
+            self._finish(job, reason)
+        if job.callback is not None:
+            try:
+                keep = job.callback(res)
+            except Exception:
+                if job.status != "done":
+                    res.finish_reason = "cancelled"
+                    self._finish(job, "cancelled")
+                raise
+            if keep is False and job.status != "done":
+                res.finish_reason = "callback"
+                self._finish(job, "callback")
+        return res
+
+    def _finish(self, job: Job, reason: str) -> None:
+        if job.status == "done":
+            return
+        if job.table is not None:
+            self.cache.release(job.table)
+            job.table = None
+        if job in self.active:
+            self.active.remove(job)
+        job.status = "done"
+        job.finish_reason = reason
+        self.stats.jobs_finished += 1
+
+    # -- conveniences -----------------------------------------------------------------------
+    def _encode(self, prompt: str, chat: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError("Generator: text prompts need a tokenizer; pass Job(input_ids=...) instead")
+        if not isinstance(prompt, str):
+            raise InputError(f"Generator: prompt must be a str, got {type(prompt).__name__}")
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_bos=False, special=True)
+        return self.tokenizer.encode(prompt)
+
+    def _make_job(self, prompt: str, chat: bool, **kw) -> Job:
+        ids = self._encode(prompt, chat)
+        if not ids:
+            raise InputError("Generator: the prompt encodes to no tokens (empty prompt)")
+        return Job(ids, **kw)
+
+    def generate(self, prompts: Union[str, Sequence[str]], max_new_tokens: int = 256,
+                 sampler: Optional[SamplerSettings] = None, stop: Optional[Sequence[Union[str, int]]] = None,
+                 seed: Optional[int] = None, chat: bool = False, stop_on_eos: bool = True,
+                 **job_kwargs) -> Union[str, list[str]]:
+        """Generate for one prompt (returns str) or a batch (returns list[str], run together).
+        Every job gets the same `seed` (so each is reproducible alone or batched). Other
+        jobs already queued advance too; their results reach them through their callbacks."""
+        single = isinstance(prompts, str)
+        plist = [prompts] if single else list(prompts)
+        jobs = [self._make_job(p, chat, max_new_tokens=max_new_tokens, sampler=sampler, stop=stop, seed=seed,
+                               stop_on_eos=stop_on_eos, **job_kwargs) for p in plist]
+        self.enqueue(jobs)
+        try:
+            while not all(j.done for j in jobs):
+                self.iterate()
+        except BaseException:
+            for j in jobs:
+                self.cancel(j)
+            raise
+        texts = [j.text for j in jobs]
+        return texts[0] if single else texts
+
+    def stream(self, prompt: Union[str, Job], max_new_tokens: int = 256, chat: bool = False,
+               **job_kwargs) -> Iterator[str]:
+        """Text pieces of one job as they are produced. Leaving the loop early cancels it."""
+        job = prompt if isinstance(prompt, Job) else self._make_job(prompt, chat, max_new_tokens=max_new_tokens,
+                                                                    **job_kwargs)
+        self.enqueue(job)
+        try:
+            while not job.done:
+                for r in self.iterate():
+                    if r.job is job and r.text:
+                        yield r.text
+        finally:
+            if not job.done:
+                self.cancel(job)
+
+    # -- async ------------------------------------------------------------------------------
+    async def aiterate(self) -> AsyncIterator[JobResult]:
+        """Results of every job while there is work; each step runs in a worker thread so the
+        event loop stays responsive."""
+        while self.has_work():
+            for r in await asyncio.to_thread(self.iterate):
+                yield r
+
+    async def _drive(self) -> None:
+        # One driver per event loop: steps run in a thread, results go to each astream's queue.
+        try:
+            while self._queues and self.has_work():
+                for r in await asyncio.to_thread(self.iterate):
+                    q = self._queues.get(id(r.job))
+                    if q is not None:
+                        q.put_nowait(r)
+        finally:
+            self._driver = None
+
+    async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
+        """Async results of one job; several may run concurrently on one generator."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[id(job)] = q
+        try:
+            self.enqueue(job)
+            if self._driver is None:
+                self._driver = asyncio.ensure_future(self._drive())
+            while True:
+                r = await q.get()
+                yield r
+                if r.done:
+                    break
+        finally:
+            self._queues.pop(id(job), None)
+            if not job.done:
+                self.cancel(job)
+
+    async def astream(self, prompt: Union[str, Job], max_new_tokens: int = 256, chat: bool = False,
+                      **job_kwargs) -> AsyncIterator[str]:
+        """Async text pieces of one prompt (see `stream`)."""
+        job = prompt if isinstance(prompt, Job) else self._make_job(prompt, chat, max_new_tokens=max_new_tokens,
+                                                                    **job_kwargs)
+        async for r in self.astream_results(job):
+            if r.text:
+                yield r.text

@@ -1,0 +1,114 @@
+"""A generation request (`Job`) and what each step reports about it (`JobResult`)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..errors import InputError
+from .sampling import SamplerSettings
+
+FINISH_REASONS = ("stop", "length", "eos", "cancelled", "callback")
+
+TokenFilter = Callable[[list[int], torch.Tensor], Optional[torch.Tensor]]
+_ids = itertools.count()
+
+
+@dataclass
+class JobResult:
+    """One step's news about one job.
+
+    text: newly released text (stop strings and text that may still become one held back);
+    token_ids: the new token(s) (empty when only held-back text was flushed or on cancel);
+    finish_reason: None while running, else one of FINISH_REASONS;
+    logprobs: log-probability of each new token under the model (when the job asked)."""
+    job: "Job"
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    logprobs: Optional[list[float]] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def identifier(self) -> Any:
+        return self.job.identifier
+
+
+class Job:
+    """A prompt (token ids) and how to continue it.
+
+    callback(result) is called for every JobResult of this job; returning False stops the job
+    (finish reason "callback") and frees its pages. token_filter(ids, logits) sees the job's
+    token history (prompt + generated) and its float32 logits row [V] before sampling and may
+    return a replacement row (or edit it in place and return None). stop: strings (matched on
+    the decoded text, never emitted) and/or token ids (the token is not emitted either).
+    """
+
+    def __init__(self, input_ids: Union[Sequence[int], torch.Tensor], max_new_tokens: int = 256,
+                 sampler: Optional[SamplerSettings] = None, stop: Optional[Sequence[Union[str, int]]] = None,
+                 seed: Optional[int] = None, stop_on_eos: bool = True,
+                 callback: Optional[Callable[[JobResult], Optional[bool]]] = None,
+                 token_filter: Optional[TokenFilter] = None, return_logprobs: bool = False,
+                 identifier: Any = None, decode_special: bool = False):
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        ids = list(input_ids)
+        if not ids:
+            raise InputError("Job: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise InputError("Job: input_ids must be non-negative ints")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"Job: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        stop = list(stop or [])
+        for s in stop:
+            if isinstance(s, bool) or not isinstance(s, (str, int)) or (isinstance(s, str) and not s) \
+                    or (isinstance(s, int) and s < 0):
+                raise InputError(f"Job: stop entry {s!r} must be a non-empty string or a token id")
+        self.input_ids = ids
+        self.max_new_tokens = max_new_tokens
+        self.sampler = sampler if sampler is not None else SamplerSettings()
+        self.stop_strings = [s for s in stop if isinstance(s, str)]
+        self.stop_tokens = {s for s in stop if isinstance(s, int)}
+        self.seed = seed
+        self.stop_on_eos = stop_on_eos
+        self.callback = callback
+        self.token_filter = token_filter
+        self.return_logprobs = return_logprobs
+        self.identifier = identifier if identifier is not None else next(_ids)
+        self.decode_special = decode_special
+        self.rng: Optional[torch.Generator] = None
+        if seed is not None:
+            self.rng = torch.Generator().manual_seed(int(seed))
+        # -- state, owned by the Generator ------------------------------------------------------
+        self.status = "new"                  # new -> queued -> active -> done
+        self.table = None                    # cache.PageTable while active
+        self.tokens: list[int] = list(ids)   # prompt + generated
+        self.generated: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""                       # all text released so far
+        self.finish_reason: Optional[str] = None
+        self.limit = max_new_tokens          # may be lowered to what the cache can hold
+        self.reused_tokens = 0               # prompt positions taken from the prefix index
+        self.stream = None                   # streaming.TextStream
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def fed(self) -> int:
+        """Positions whose K/V is in the cache."""
+        return self.table.num_tokens if self.table is not None else 0
+
+    def __repr__(self) -> str:
+        return (f"Job(id={self.identifier!r}, prompt={self.prompt_len} tok, generated={len(self.generated)}, "
+                f"status={self.status}, finish={self.finish_reason})")
