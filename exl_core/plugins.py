@@ -211,6 +211,187 @@ def collect(hook_name: str) -> dict:
     return merged
 
 
+# ---- shared native engines for the adapters ----------------------------------------------------
+#
+# The LangChain and LlamaIndex adapters (and anything else living above the generator) share
+# one loaded model per folder. A `SharedEngine` owns the model, cache and Generator and runs
+# them on one worker thread; callers submit `Job`s and read their `JobResult`s from a queue,
+# so concurrent callers (LangChain batch(), asyncio tasks) are batched by the Generator
+# instead of taking turns behind a lock.
+#
+#   caller thread(s) ──submit(job)──► requests ──► worker: gen.enqueue / gen.iterate()
+#        ▲                                                   │ job.callback(result)
+#        └───────────── per-job queue ◄──────────────────────┘
+
+_engines: dict[tuple, "SharedEngine"] = {}
+
+
+class SharedEngine:
+    """One model folder loaded once; `stream(job)` / `astream(job)` yield that job's JobResults."""
+
+    def __init__(self, path, device: str = "cpu", dtype=None, cache_tokens: int = 8192):
+        import queue
+
+        import exl_core
+        self.path = path
+        self.model, self.tokenizer = exl_core.load_model(path, device=device, dtype=dtype)
+        self.cache = exl_core.Cache(self.model, max_tokens=cache_tokens)
+        self.generator = exl_core.Generator(self.model, self.cache, self.tokenizer)
+        self.name = _model_name(path)
+        self._requests: "queue.Queue" = queue.Queue()
+        self._sinks: dict = {}            # job identifier -> callable(result or exception)
+        self._thread: Optional[threading.Thread] = None
+        self._start_lock = threading.Lock()
+
+    # -- worker ----------------------------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name=f"exl-engine:{self.name}", daemon=True)
+                self._thread.start()
+
+    def _admit(self, job) -> None:
+        try:
+            self.generator.enqueue(job)
+        except Exception as exc:     # bad request (prompt too long, bad sampler): tell its caller only
+            sink = self._sinks.pop(job.identifier, None)
+            if sink is not None:
+                sink(exc)
+
+    def _drain(self) -> None:
+        import queue
+        while True:
+            try:
+                job = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            self._admit(job)
+
+    def _work(self) -> None:
+        while True:
+            self._admit(self._requests.get())       # sleep until there is work
+            try:
+                for _ in self.generator.iterate():  # results reach callers through job callbacks
+                    self._drain()                   # late arrivals join the running batch
+            except Exception as exc:                # a kernel/model failure: every waiting caller hears it
+                sinks, self._sinks = list(self._sinks.values()), {}
+                for sink in sinks:
+                    sink(exc)
+                self._reset_generator()
+
+    def _reset_generator(self) -> None:
+        import exl_core
+        try:
+            self.generator = exl_core.Generator(self.model, self.cache, self.tokenizer)
+        except Exception:  # noqa: BLE001 - keep the old one; the next job will report its own error
+            pass
+
+    # -- submitting --------------------------------------------------------------------------------
+    def _submit(self, job, sink) -> None:
+        """sink(x) gets each JobResult (and finally a result with finish_reason), or an exception."""
+        cancelled = threading.Event()
+        user_cb = job.callback
+
+        def callback(result):
+            sink(result)
+            if result.finish_reason is not None:
+                self._sinks.pop(job.identifier, None)
+            keep = user_cb(result) if user_cb is not None else None
+            return not cancelled.is_set() and keep is not False
+
+        job.callback = callback
+        job._exl_cancel = cancelled
+        self._sinks[job.identifier] = sink
+        self._requests.put(job)
+        self._ensure_worker()
+
+    def stream(self, job):
+        """Blocking iterator over the JobResults of `job` (ends with the one carrying finish_reason).
+        Leaving the loop early cancels the job."""
+        import queue
+        q: "queue.Queue" = queue.Queue()
+        self._submit(job, q.put)
+        done = False
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                job._exl_cancel.set()
+
+    async def astream(self, job):
+        """Async iterator over the JobResults of `job`; the event loop never blocks on the model."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        q: "asyncio.Queue" = asyncio.Queue()
+        self._submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                job._exl_cancel.set()
+
+    def run(self, jobs) -> list:
+        """Run several jobs together (one batch for the Generator); returns their final texts."""
+        import queue
+        q: "queue.Queue" = queue.Queue()
+        texts = {j.identifier: [] for j in jobs}
+        for j in jobs:
+            self._submit(j, q.put)
+        left = len(jobs)
+        while left:
+            item = q.get()
+            if isinstance(item, BaseException):
+                for j in jobs:
+                    j._exl_cancel.set()
+                raise item
+            texts[item.job.identifier].append(item.text)
+            if item.finish_reason is not None:
+                left -= 1
+        return ["".join(texts[j.identifier]) for j in jobs]
+
+
+def _model_name(path) -> str:
+    from pathlib import Path
+    p = Path(path)
+    return p.name or str(p)
+
+
+def shared_engine(path, device: str = "cpu", dtype=None, cache_tokens: int = 8192) -> SharedEngine:
+    """The process-wide engine for a model folder (loaded on first request, then reused by every
+    adapter instance pointing at the same folder, device, dtype and cache size)."""
+    from pathlib import Path
+    key = (str(Path(path).expanduser().resolve()), str(device), str(dtype), int(cache_tokens))
+    with _lock:
+        eng = _engines.get(key)
+        if eng is None:
+            eng = SharedEngine(Path(key[0]), device=device, dtype=dtype, cache_tokens=cache_tokens)
+            _engines[key] = eng
+        return eng
+
+
+def release_engines() -> None:
+    """Forget every shared engine (their models are freed once no adapter references them)."""
+    with _lock:
+        _engines.clear()
+
+
 def _reset_for_tests() -> None:
     """Forget the manager and activation state (tests only)."""
     global _pm, _activated

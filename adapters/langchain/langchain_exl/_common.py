@@ -1,0 +1,64 @@
+"""What ChatExl and ExlLLM share: model/sampler fields, Job building, usage metadata."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Per-call kwargs that map onto SamplerSettings fields.
+SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
+                "frequency_penalty", "presence_penalty")
+
+
+class ExlParams(BaseModel):
+    """Fields of both LangChain classes. `model` is a model folder (dense, GPTQ or EXL2)."""
+
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+
+    model: str = Field(alias="model_name")
+    """Model folder; instances with the same folder/device/dtype/cache share one loaded model."""
+    device: str = "cpu"
+    dtype: Optional[str] = None
+    """"float16" / "bfloat16" / "float32"; None lets exl_core choose (float32 on CPU)."""
+    cache_tokens: int = 8192
+    """KV cache size of the shared engine (tokens over all concurrent requests)."""
+
+    temperature: float = 0.7
+    max_tokens: int = 256
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    """Stop strings (never part of the output); merged with per-call `stop=`."""
+
+    # Accepted for LangChain's standard parameters; a local model neither times out nor retries.
+    timeout: Optional[float] = None
+    max_retries: int = 0
+
+    def _engine(self, model: Optional[str] = None):
+        from exl_core.plugins import shared_engine
+        dtype = None
+        if self.dtype:
+            import torch
+            dtype = getattr(torch, self.dtype)
+        return shared_engine(model or self.model, device=self.device, dtype=dtype, cache_tokens=self.cache_tokens)
+
+    def _job(self, engine, prompt_ids: list[int], stop: Optional[list[str]], **kwargs: Any):
+        """A Job with this instance's settings overridden by call kwargs (temperature=..., max_tokens=...)."""
+        import exl_core
+        sampler_kw = {k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS}
+        sampler = exl_core.SamplerSettings(**sampler_kw)     # temperature 0 = greedy
+        max_new = int(kwargs.pop("max_tokens", kwargs.pop("max_new_tokens", self.max_tokens)))
+        seed = kwargs.pop("seed", self.seed)
+        stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
+        return exl_core.Job(prompt_ids, max_new_tokens=max_new, sampler=sampler, stop=stops or None, seed=seed)
+
+
+def usage(job) -> dict:
+    n_in, n_out = job.prompt_len, len(job.generated)
+    return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
