@@ -10,6 +10,7 @@ renames a finished temp folder into place, so a crash never leaves a folder that
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -44,7 +45,14 @@ def smollm2_gguf_path() -> Path:
 
 
 def _is_complete(folder: Path) -> bool:
-    return ((folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    """True when `folder` holds a finished import by the current importer version."""
+    from .formats.gguf_import import IMPORT_VERSION, MARKER_NAME
+    try:
+        marker = json.loads((folder / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return (marker.get("importer_version") == IMPORT_VERSION
+            and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
             and ((folder / "model.safetensors").is_file()
                  or (folder / "model.safetensors.index.json").is_file()))
 

@@ -26,6 +26,10 @@ import torch
 
 from ..errors import ConfigError, FormatError
 
+# Bump when the output of an import changes, so cached imports (default_model) are redone.
+IMPORT_VERSION = 2
+MARKER_NAME = "exl_import.json"
+
 # GGUF architecture name -> (HF architectures entry, HF model_type). All share Llama's layout.
 SUPPORTED_ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -145,6 +149,22 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
     return cfg
 
 
+# llama.cpp pre-tokenizer types that split every digit on its own before the GPT-2 regex
+# (llama-vocab.cpp); transformers' GGUF tokenizer conversion drops that split, so we restore it.
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+
+
+def _fix_pre_tokenizer(tok_json: Path, pre: Optional[str]) -> None:
+    if pre not in _DIGIT_SPLIT_PRE:
+        return
+    data = json.loads(tok_json.read_text(encoding="utf-8"))
+    cur = data.get("pre_tokenizer") or {}
+    if cur.get("type") == "ByteLevel":
+        data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True}, cur]}
+        tok_json.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+
+
 def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     """Let transformers build the fast tokenizer from the GGUF vocab, then add the files
     other tools expect (chat template inside tokenizer_config.json, special tokens map,
@@ -152,6 +172,7 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
+    _fix_pre_tokenizer(out / "tokenizer.json", _field(reader, "tokenizer.ggml.pre"))
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
     template = _field(reader, "tokenizer.chat_template")
@@ -227,6 +248,9 @@ def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
         cfg_out["torch_dtype"] = str(dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2))
         _write_tokenizer(gguf_path, tmp, cfg, reader)
+        (tmp / MARKER_NAME).write_text(json.dumps(
+            {"importer_version": IMPORT_VERSION, "source": gguf_path.name,
+             "source_size": gguf_path.stat().st_size}, indent=2))
         if out.exists():
             # move the old folder aside first so `out` is never half old, half new
             old = out.parent / f".{out.name}.old-{os.getpid()}"

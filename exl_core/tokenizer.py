@@ -1,0 +1,373 @@
+"""Tokenizer: text <-> token ids, chat templates and streaming detokenisation.
+
+Backed by the `tokenizers` library (tokenizer.json); folders holding only SentencePiece files
+(tokenizer.model) fall back to `transformers.AutoTokenizer`. Special-token ids come from
+tokenizer_config.json, config.json and generation_config.json together, because models
+disagree about which of them is authoritative (eos especially: chat models often stop on
+several ids).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from .errors import TokenizerError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: unreadable JSON ({e})") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(tok: Any) -> Optional[str]:
+    """tokenizer_config stores special tokens as "<s>" or {"content": "<s>", ...}."""
+    if isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict) and isinstance(tok.get("content"), str):
+        return tok["content"]
+    return None
+
+
+def _ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [int(x) for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+def _cleanup_spaces(text: str) -> str:
+    """transformers' clean_up_tokenization (only applied when the config asks for it)."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                 (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+    """A sandboxed Jinja environment configured like transformers' chat templating, so the
+    rendered prompt matches it byte for byte (trim_blocks/lstrip_blocks, tojson without ASCII
+    escaping, raise_exception, strftime_now, loop controls, {% generation %} blocks)."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):
+        # transformers tracks assistant spans with this tag; rendering just emits the body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def render_chat_template(template: str, messages: list, add_generation_prompt: bool,
+                         specials: dict, **kwargs) -> str:
+    """Render a chat template with the variables transformers passes."""
+    import jinja2
+    try:
+        compiled = _compile_template(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               tools=kwargs.pop("tools", None),
+                               documents=kwargs.pop("documents", None), **specials, **kwargs)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template failed: {e}") from e
+
+
+class _FastBackend:
+    """`tokenizers.Tokenizer` from tokenizer.json."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as _T
+        try:
+            self.tok = _T.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise TokenizerError(f"{path}: cannot load tokenizer ({e})") from e
+        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        # encode_special_tokens=True means "treat '<|im_start|>' in the text as plain text"
+        self.tok.encode_special_tokens = not special
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tok.encode_special_tokens = False
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self.tok.id_to_token(i)
+
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+
+class _HFBackend:
+    """transformers' tokenizer, for folders with only SentencePiece files."""
+
+    def __init__(self, folder: Path):
+        try:
+            from transformers import AutoTokenizer
+            self.tok = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:  # transformers raises many types here
+            raise TokenizerError(f"{folder}: transformers cannot build a tokenizer from "
+                                 f"tokenizer.model ({e}); install sentencepiece or add "
+                                 "tokenizer.json") from e
+        self.special_ids = set(self.tok.all_special_ids)
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False, split_special_tokens=not special))
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special,
+                               clean_up_tokenization_spaces=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self.tok.convert_tokens_to_ids(token)
+        return None if i is None or i == self.tok.unk_token_id and token != self.tok.unk_token else i
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self.tok.convert_ids_to_tokens(int(i))
+
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+
+class Tokenizer:
+    """Text <-> ids for one model folder. Build with `Tokenizer.from_folder(path)`."""
+
+    def __init__(self, backend, folder: Path, tok_config: dict, model_config: dict,
+                 gen_config: dict, chat_template: Optional[Union[str, list]] = None):
+        self._b = backend
+        self.folder = folder
+        self.tok_config = tok_config
+        self.chat_template = chat_template
+
+        def special(key: str, cfg_key: str) -> Optional[int]:
+            text = _token_text(tok_config.get(key))
+            if text is not None:
+                i = backend.token_to_id(text)
+                if i is not None:
+                    return i
+            ids = _ids(model_config.get(cfg_key)) or _ids(gen_config.get(cfg_key))
+            return ids[0] if ids else None
+
+        self.bos_token_id: Optional[int] = special("bos_token", "bos_token_id")
+        self.pad_token_id: Optional[int] = special("pad_token", "pad_token_id")
+        self.unk_token_id: Optional[int] = special("unk_token", "unk_token_id")
+        eos = set(_ids(model_config.get("eos_token_id"))) | set(_ids(gen_config.get("eos_token_id")))
+        eos_text = _token_text(tok_config.get("eos_token"))
+        if eos_text is not None and backend.token_to_id(eos_text) is not None:
+            eos.add(backend.token_to_id(eos_text))
+        self.eos_token_ids: set[int] = eos
+        self.eos_token_id: Optional[int] = (backend.token_to_id(eos_text) if eos_text is not None
+                                            and backend.token_to_id(eos_text) is not None
+                                            else (min(eos) if eos else None))
+        self.special_ids: set[int] = set(backend.special_ids)
+        if "add_bos_token" in tok_config:
+            self.add_bos_default = bool(tok_config["add_bos_token"])
+        else:
+            self.add_bos_default = self._post_processor_adds_bos()
+        self.clean_up_spaces = bool(tok_config.get("clean_up_tokenization_spaces", False))
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_folder(cls, path: Union[str, Path]) -> "Tokenizer":
+        folder = Path(path)
+        if not folder.is_dir():
+            raise TokenizerError(f"{folder}: not a folder (looked for {', '.join(_TOKENIZER_FILES)})")
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        model_config = _read_json(folder / "config.json")
+        gen_config = _read_json(folder / "generation_config.json")
+        if (folder / "tokenizer.json").is_file():
+            backend = _FastBackend(folder / "tokenizer.json")
+        elif (folder / "tokenizer.model").is_file():
+            backend = _HFBackend(folder)
+        else:
+            raise TokenizerError(f"{folder}: no tokenizer found (looked for tokenizer.json and "
+                                 "tokenizer.model); copy the tokenizer files of the original model "
+                                 "into this folder")
+        template: Optional[Union[str, list]] = None
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file():  # transformers >= 4.47 saves it here, and prefers it
+            template = jinja.read_text(encoding="utf-8")
+        elif tok_config.get("chat_template"):
+            template = tok_config["chat_template"]
+        else:
+            ct = _read_json(folder / "chat_template.json")
+            template = ct.get("chat_template") or None
+        return cls(backend, folder, tok_config, model_config, gen_config, template)
+
+    def _post_processor_adds_bos(self) -> bool:
+        if self.bos_token_id is None or not isinstance(self._b, _FastBackend):
+            return False
+        enc = self._b.tok.encode("a", add_special_tokens=True).ids
+        return bool(enc) and enc[0] == self.bos_token_id
+
+    # -- text <-> ids ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._b.vocab_size()
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        return None if self.bos_token_id is None else self._b.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> Optional[str]:
+        return None if self.eos_token_id is None else self._b.id_to_token(self.eos_token_id)
+
+    def encode(self, text: str, add_bos: Optional[bool] = None, special: bool = True) -> list[int]:
+        """Token ids of `text`. `add_bos=None` follows the model's config; `special=True` lets
+        special-token strings in the text (e.g. "<|im_end|>") become their ids."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode expects str, got {type(text).__name__}")
+        ids = self._b.encode(text, special)
+        if add_bos is None:
+            add_bos = self.add_bos_default
+        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        vs = self.vocab_size
+        for i in ids:
+            if not 0 <= i < vs:
+                raise TokenizerError(f"{self.folder}: token id {i} is outside the vocabulary "
+                                     f"[0, {vs})")
+        text = self._b.decode(ids, skip_special)
+        return _cleanup_spaces(text) if self.clean_up_spaces else text
+
+    def id_to_piece(self, token_id: int) -> str:
+        piece = self._b.id_to_token(int(token_id))
+        if piece is None:
+            raise TokenizerError(f"{self.folder}: token id {token_id} is outside the vocabulary")
+        return piece
+
+    def piece_to_id(self, piece: str) -> Optional[int]:
+        return self._b.token_to_id(piece)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # -- chat -----------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs) -> Union[str, list[int]]:
+        """Render `messages` with the model's Jinja chat template, as transformers does."""
+        template = self.chat_template
+        if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get(kwargs.pop("template_name", "default")) or next(iter(named.values()), None)
+        if not template:
+            raise TokenizerError(f"{self.folder}: the tokenizer has no chat template "
+                                 "(no chat_template in tokenizer_config.json or chat_template.jinja)")
+        specials = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            t = _token_text(self.tok_config.get(key))
+            if t is not None:
+                specials[key] = t
+        extra = self.tok_config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            specials["additional_special_tokens"] = [_token_text(t) for t in extra]
+        text = render_chat_template(template, list(messages), add_generation_prompt,
+                                    specials, **kwargs)
+        if tokenize:
+            return self.encode(text, add_bos=False, special=True)
+        return text
+
+    def incremental_decoder(self, skip_special: bool = True) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, skip_special=skip_special)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({str(self.folder)!r}, vocab={self.vocab_size}, bos={self.bos_token_id}, "
+                f"eos={sorted(self.eos_token_ids)})")
+
+
+class IncrementalDecoder:
+    """Streams text for token ids one at a time.
+
+    Decoding a single token is wrong in general: SentencePiece drops the leading space of the
+    first token of a decode, and a byte-level token may hold half of a UTF-8 character. So we
+    decode a small window twice, `ids[prefix:read]` (already emitted context) and
+    `ids[prefix:]`, and emit only the difference, and only when it does not end in U+FFFD (an
+    incomplete character). The window start moves only past tokens that produced text, so the
+    context always holds a text-producing token and every window decodes like the full
+    sequence. Invariant: "".join(outputs of add()) + flush() == tokenizer.decode(all ids).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.ids: list[int] = []
+        self.prefix = 0     # window start
+        self.read = 0       # ids[:read] have been emitted as text
+        self.text = ""      # everything emitted so far
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=self.skip_special)
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes (possibly "")."""
+        self.ids.append(int(token_id))
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if after.endswith("\ufffd") or not after.startswith(before) or len(after) == len(before):
+            return ""   # incomplete character, or nothing new yet: hold
+        delta = after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def add_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Return whatever is held back (e.g. an incomplete character at the end)."""
+        full = self._decode(self.ids)
+        if full.startswith(self.text):
+            delta = full[len(self.text):]
+        else:  # cannot happen for prefix-stable tokenizers; emit the window tail as a fallback
+            before = self._decode(self.ids[self.prefix:self.read])
+            after = self._decode(self.ids[self.prefix:])
+            delta = after[len(before):] if after.startswith(before) else ""
+        self.text += delta
+        self.prefix = self.read = len(self.ids)
+        return delta
+
+    def reset(self) -> None:
+        self.ids.clear()
+        self.prefix = self.read = 0
+        self.text = ""
