@@ -1,0 +1,177 @@
+"""`Exl`: a LlamaIndex LLM on exl_core's native Generator.
+
+chat/stream_chat (and async) format messages with the model's own chat template;
+complete/stream_complete send the prompt as text (after `completion_to_prompt` unless
+formatted=True). The model is loaded once per folder and shared (exl_core.plugins.shared_engine).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
+                                              CompletionResponse, CompletionResponseAsyncGen,
+                                              CompletionResponseGen, LLMMetadata, MessageRole)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+
+SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
+                "frequency_penalty", "presence_penalty")
+
+
+class Exl(LLM):
+    """``Exl(model="path/to/folder", temperature=0.7, max_new_tokens=256)``."""
+
+    model: str = Field(description="Model folder (dense, GPTQ or EXL2).")
+    device: str = Field(default="cpu")
+    dtype: Optional[str] = Field(default=None, description="float16/bfloat16/float32; None: exl_core's choice.")
+    cache_tokens: int = Field(default=8192, description="KV cache size of the shared engine.")
+    temperature: float = Field(default=0.7, ge=0.0)
+    max_new_tokens: int = Field(default=256, gt=0)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    context_window: Optional[int] = Field(default=None, description="Default: max_position_embeddings.")
+    is_chat_model: bool = True
+
+    _ctx: Optional[int] = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "Exl_llm"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self._context_window(), num_output=self.max_new_tokens,
+                           is_chat_model=self.is_chat_model, model_name=self.model, system_role=MessageRole.SYSTEM)
+
+    def _context_window(self) -> int:
+        if self.context_window:
+            return self.context_window
+        if self._ctx is None:   # config.json only: no weights loaded for metadata
+            from exl_core.config import load_config
+            self._ctx = min(load_config(self.model).max_position_embeddings, self.cache_tokens)
+        return self._ctx
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _engine(self):
+        from exl_core.plugins import shared_engine
+        dtype = None
+        if self.dtype:
+            import torch
+            dtype = getattr(torch, self.dtype)
+        return shared_engine(self.model, device=self.device, dtype=dtype, cache_tokens=self.cache_tokens)
+
+    def _job(self, ids: list[int], **kwargs: Any):
+        import exl_core
+        sampler = exl_core.SamplerSettings(**{k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS})
+        max_new = int(kwargs.pop("max_new_tokens", kwargs.pop("max_tokens", self.max_new_tokens)))
+        stops = list(dict.fromkeys([*(self.stop or []), *(kwargs.pop("stop", None) or [])]))
+        return exl_core.Job(ids, max_new_tokens=max_new, sampler=sampler, stop=stops or None,
+                            seed=kwargs.pop("seed", self.seed))
+
+    def _chat_job(self, messages: Sequence[ChatMessage], kwargs: dict):
+        eng = self._engine()
+        dicts = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        text = eng.tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+        return eng, self._job(eng.tokenizer.encode(text, add_bos=False, special=True), **kwargs)
+
+    def _completion_job(self, prompt: str, formatted: bool, kwargs: dict):
+        eng = self._engine()
+        if not formatted and self.completion_to_prompt is not None:
+            prompt = self.completion_to_prompt(prompt)
+        return eng, self._job(eng.tokenizer.encode(prompt, add_bos=True, special=False), **kwargs)
+
+    @staticmethod
+    def _info(job) -> dict:
+        n_in, n_out = job.prompt_len, len(job.generated)
+        return {"finish_reason": job.finish_reason, "prompt_tokens": n_in, "completion_tokens": n_out,
+                "total_tokens": n_in + n_out}
+
+    def _assistant(self, text: str) -> ChatMessage:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+
+    # -- completion --------------------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        eng, job = self._completion_job(prompt, formatted, kwargs)
+        text = "".join(r.text for r in eng.stream(job))
+        return CompletionResponse(text=text, additional_kwargs=self._info(job))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        eng, job = self._completion_job(prompt, formatted, kwargs)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for r in eng.stream(job):
+                if r.text or r.finish_reason is not None:
+                    text += r.text
+                    yield CompletionResponse(text=text, delta=r.text,
+                                             additional_kwargs=self._info(job) if r.finish_reason else {})
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        eng, job = self._completion_job(prompt, formatted, kwargs)
+        parts = [r.text async for r in eng.astream(job)]
+        return CompletionResponse(text="".join(parts), additional_kwargs=self._info(job))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        eng, job = self._completion_job(prompt, formatted, kwargs)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for r in eng.astream(job):
+                if r.text or r.finish_reason is not None:
+                    text += r.text
+                    yield CompletionResponse(text=text, delta=r.text,
+                                             additional_kwargs=self._info(job) if r.finish_reason else {})
+        return gen()
+
+    # -- chat (model's chat template) ----------------------------------------------------------------
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        eng, job = self._chat_job(messages, kwargs)
+        text = "".join(r.text for r in eng.stream(job))
+        return ChatResponse(message=self._assistant(text), additional_kwargs=self._info(job))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        eng, job = self._chat_job(messages, kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for r in eng.stream(job):
+                if r.text or r.finish_reason is not None:
+                    text += r.text
+                    yield ChatResponse(message=self._assistant(text), delta=r.text,
+                                       additional_kwargs=self._info(job) if r.finish_reason else {})
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        eng, job = self._chat_job(messages, kwargs)
+        parts = [r.text async for r in eng.astream(job)]
+        return ChatResponse(message=self._assistant("".join(parts)), additional_kwargs=self._info(job))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        eng, job = self._chat_job(messages, kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for r in eng.astream(job):
+                if r.text or r.finish_reason is not None:
+                    text += r.text
+                    yield ChatResponse(message=self._assistant(text), delta=r.text,
+                                       additional_kwargs=self._info(job) if r.finish_reason else {})
+        return gen()
