@@ -23,6 +23,14 @@ def to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def _positions(bits: int):
+    """For the 32 values of a chunk: word index, bit offset, and whether a value spills into
+    the next word (then its top bits sit at the bottom of word+1)."""
+    pos = torch.arange(32, dtype=torch.int64) * bits
+    word, off = pos // 32, pos % 32
+    return word, off, (off + bits) > 32
+
+
 def pack_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
     """q: integers [k, N] in [0, 2^bits) -> int32 [k*bits/32, N], packed along dim 0.
 
@@ -38,12 +46,13 @@ def pack_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
         q = torch.cat([q, q.new_zeros(pad, n)])
     chunks = q.shape[0] // 32
     q = q.view(chunks, 32, n)                                  # (chunk, value, column)
+    word, off, spill = _positions(bits)
+    # Fields never overlap, so summing the shifted values equals OR-ing them.
     words = torch.zeros(chunks, bits, n, dtype=torch.int64)    # a 32-value chunk fills `bits` words
-    for i in range(32):
-        w, off = divmod(i * bits, 32)
-        words[:, w] |= (q[:, i] << off) & _MASK32
-        if off + bits > 32:
-            words[:, w + 1] |= q[:, i] >> (32 - off)
+    words.index_add_(1, word, (q << off.view(1, 32, 1)) & _MASK32)
+    if bool(spill.any()):
+        idx = spill.nonzero().squeeze(1)
+        words.index_add_(1, word[idx] + 1, q[:, idx] >> (32 - off[idx]).view(1, -1, 1))
     return to_int32(words.view(chunks * bits, n)[: k * bits // 32])
 
 
@@ -57,15 +66,12 @@ def unpack_stream(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     if p.shape[0] < full:
         p = torch.cat([p, p.new_zeros(full - p.shape[0], n)])
     p = p.view(chunks, bits, n)
-    mask = (1 << bits) - 1
-    out = torch.empty(chunks, 32, n, dtype=torch.int64)
-    for i in range(32):
-        w, off = divmod(i * bits, 32)
-        v = p[:, w] >> off
-        if off + bits > 32:
-            v = v | (p[:, w + 1] << (32 - off))
-        out[:, i] = v & mask
-    return out.view(chunks * 32, n)[:k]
+    word, off, spill = _positions(bits)
+    v = p[:, word] >> off.view(1, 32, 1)                       # (chunk, value, column)
+    if bool(spill.any()):
+        idx = spill.nonzero().squeeze(1)
+        v[:, idx] |= p[:, word[idx] + 1] << (32 - off[idx]).view(1, -1, 1)
+    return (v & ((1 << bits) - 1)).view(chunks * 32, n)[:k]
 
 
 def stream_to_bits_reference(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
