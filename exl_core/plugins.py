@@ -219,7 +219,7 @@ def collect(hook_name: str) -> dict:
 # so concurrent callers (LangChain batch(), asyncio tasks) are batched by the Generator
 # instead of taking turns behind a lock.
 #
-#   caller thread(s) ──submit(job)──► requests ──► worker: gen.enqueue / gen.iterate()
+#   caller thread(s) ──gen.enqueue(job), wake──► worker: while has_work: gen.iterate()
 #        ▲                                                   │ job.callback(result)
 #        └───────────── per-job queue ◄──────────────────────┘
 
@@ -230,15 +230,13 @@ class SharedEngine:
     """One model folder loaded once; `stream(job)` / `astream(job)` yield that job's JobResults."""
 
     def __init__(self, path, device: str = "cpu", dtype=None, cache_tokens: int = 8192):
-        import queue
-
         import exl_core
         self.path = path
         self.model, self.tokenizer = exl_core.load_model(path, device=device, dtype=dtype)
         self.cache = exl_core.Cache(self.model, max_tokens=cache_tokens)
         self.generator = exl_core.Generator(self.model, self.cache, self.tokenizer)
         self.name = _model_name(path)
-        self._requests: "queue.Queue" = queue.Queue()
+        self._wake = threading.Event()
         self._sinks: dict = {}            # job identifier -> callable(result or exception)
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
@@ -250,45 +248,28 @@ class SharedEngine:
                 self._thread = threading.Thread(target=self._work, name=f"exl-engine:{self.name}", daemon=True)
                 self._thread.start()
 
-    def _admit(self, job) -> None:
-        try:
-            self.generator.enqueue(job)
-        except Exception as exc:     # bad request (prompt too long, bad sampler): tell its caller only
-            sink = self._sinks.pop(job.identifier, None)
-            if sink is not None:
-                sink(exc)
-
-    def _drain(self) -> None:
-        import queue
-        while True:
-            try:
-                job = self._requests.get_nowait()
-            except queue.Empty:
-                return
-            self._admit(job)
-
     def _work(self) -> None:
+        gen = self.generator
         while True:
-            self._admit(self._requests.get())       # sleep until there is work
+            self._wake.wait()
+            self._wake.clear()          # cleared before has_work(): a later enqueue sets it again
             try:
-                for _ in self.generator.iterate():  # results reach callers through job callbacks
-                    self._drain()                   # late arrivals join the running batch
-            except Exception as exc:                # a kernel/model failure: every waiting caller hears it
+                while gen.has_work():
+                    gen.iterate()       # results reach callers through the jobs' callbacks
+            except Exception as exc:    # a model/kernel failure: every waiting caller hears it
                 sinks, self._sinks = list(self._sinks.values()), {}
                 for sink in sinks:
                     sink(exc)
-                self._reset_generator()
-
-    def _reset_generator(self) -> None:
-        import exl_core
-        try:
-            self.generator = exl_core.Generator(self.model, self.cache, self.tokenizer)
-        except Exception:  # noqa: BLE001 - keep the old one; the next job will report its own error
-            pass
+                for job in list(gen.active) + list(gen.waiting):
+                    try:
+                        gen.cancel(job)  # frees its pages
+                    except Exception:  # noqa: BLE001 - already reported above; keep the worker alive
+                        pass
 
     # -- submitting --------------------------------------------------------------------------------
     def _submit(self, job, sink) -> None:
-        """sink(x) gets each JobResult (and finally a result with finish_reason), or an exception."""
+        """sink(x) gets each JobResult (the last one carries finish_reason) or an exception.
+        Bad jobs (prompt too long, bad sampler) raise here, in the caller's thread."""
         cancelled = threading.Event()
         user_cb = job.callback
 
@@ -302,8 +283,17 @@ class SharedEngine:
         job.callback = callback
         job._exl_cancel = cancelled
         self._sinks[job.identifier] = sink
-        self._requests.put(job)
+        try:
+            self.generator.enqueue(job)    # the generator locks its queues itself
+        except BaseException:
+            self._sinks.pop(job.identifier, None)
+            raise
         self._ensure_worker()
+        self._wake.set()
+
+    def _cancel(self, job) -> None:
+        job._exl_cancel.set()
+        self.generator.cancel(job)
 
     def stream(self, job):
         """Blocking iterator over the JobResults of `job` (ends with the one carrying finish_reason).
@@ -324,7 +314,7 @@ class SharedEngine:
                     return
         finally:
             if not done:
-                job._exl_cancel.set()
+                self._cancel(job)
 
     async def astream(self, job):
         """Async iterator over the JobResults of `job`; the event loop never blocks on the model."""
@@ -345,7 +335,7 @@ class SharedEngine:
                     return
         finally:
             if not done:
-                job._exl_cancel.set()
+                self._cancel(job)
 
     def run(self, jobs) -> list:
         """Run several jobs together (one batch for the Generator); returns their final texts."""
@@ -359,7 +349,7 @@ class SharedEngine:
             item = q.get()
             if isinstance(item, BaseException):
                 for j in jobs:
-                    j._exl_cancel.set()
+                    self._cancel(j)
                 raise item
             texts[item.job.identifier].append(item.text)
             if item.finish_reason is not None:
