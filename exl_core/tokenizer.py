@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from .errors import TokenizerError
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -133,6 +135,9 @@ class _FastBackend:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        return self.tok.get_vocab(with_added_tokens=True)
+
 
 class _HFBackend:
     """transformers' tokenizer, for folders with only SentencePiece files."""
@@ -163,6 +168,9 @@ class _HFBackend:
 
     def vocab_size(self) -> int:
         return len(self.tok)
+
+    def vocab(self) -> dict[str, int]:
+        return self.tok.get_vocab()
 
 
 class Tokenizer:
@@ -280,6 +288,12 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> Optional[int]:
         return self._b.token_to_id(piece)
 
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte tokens ("<0xE2>"). Their decoder joins a whole run of them
+        before UTF-8 decoding, so text ending in such a token is not final yet."""
+        return frozenset(i for piece, i in self._b.vocab().items() if _BYTE_PIECE.fullmatch(piece))
+
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -323,9 +337,10 @@ class IncrementalDecoder:
     first token of a decode, and a byte-level token may hold half of a UTF-8 character. So we
     decode a small window twice, `ids[prefix:read]` (already emitted context) and
     `ids[prefix:]`, and emit only the difference, and only when it does not end in U+FFFD (an
-    incomplete character). The window start moves only past tokens that produced text, so the
-    context always holds a text-producing token and every window decodes like the full
-    sequence. Invariant: "".join(outputs of add()) + flush() == tokenizer.decode(all ids).
+    incomplete character) nor in a SentencePiece byte token (whose run may still grow and
+    change how the run decodes). The window start moves only past tokens that produced text,
+    so the context always holds a text-producing token and every window decodes like the
+    full sequence. Invariant: "".join(outputs of add()) + flush() == tokenizer.decode(all ids).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
@@ -335,13 +350,19 @@ class IncrementalDecoder:
         self.prefix = 0     # window start
         self.read = 0       # ids[:read] have been emitted as text
         self.text = ""      # everything emitted so far
+        self._byte_ids = tokenizer.byte_fallback_ids
+        self._special = tokenizer.special_ids
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=self.skip_special)
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes (possibly "")."""
-        self.ids.append(int(token_id))
+        token_id = int(token_id)
+        self.ids.append(token_id)
+        if token_id in self._byte_ids or (self.skip_special and token_id in self._special):
+            # a byte run decodes as a whole (and a skipped special does not end it): wait
+            return ""
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         if after.endswith("\ufffd") or not after.startswith(before) or len(after) == len(before):
