@@ -38,7 +38,7 @@ def pack_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
     k, n = q.shape
     if (k * bits) % 32:
         raise ValueError(f"pack_stream: {k} values of {bits} bits do not fill whole 32-bit words")
-    q = q.to(torch.int64)
+    q = q.to(torch.int64).contiguous()
     if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):
         raise ValueError(f"pack_stream: values outside [0, {(1 << bits) - 1}] for {bits}-bit packing")
     pad = -k % 32
@@ -60,7 +60,7 @@ def unpack_stream(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """Inverse of pack_stream: int32 [>= ceil(k*bits/32), N] -> int64 [k, N] (first k values)."""
     n = packed.shape[1]
     need = -(-k * bits // 32)
-    p = packed[:need].to(torch.int64) & _MASK32
+    p = packed[:need].to(torch.int64).contiguous() & _MASK32
     chunks = -(-k // 32)
     full = chunks * bits
     if p.shape[0] < full:
@@ -71,7 +71,7 @@ def unpack_stream(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     if bool(spill.any()):
         idx = spill.nonzero().squeeze(1)
         v[:, idx] |= p[:, word[idx] + 1] << (32 - off[idx]).view(1, -1, 1)
-    return (v & ((1 << bits) - 1)).view(chunks * 32, n)[:k]
+    return (v & ((1 << bits) - 1)).reshape(chunks * 32, n)[:k]
 
 
 def stream_to_bits_reference(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def stream_to_bits_reference(packed: torch.Tensor, bits: int, k: int) -> torch.T
 
     Used only by the float64 reference dequantisers (independent of unpack_stream)."""
     r, n = packed.shape
-    p = packed.to(torch.int64) & _MASK32
+    p = packed.to(torch.int64).contiguous() & _MASK32
     shifts = torch.arange(32, dtype=torch.int64).view(1, 32, 1)
     stream = ((p.view(r, 1, n) >> shifts) & 1).reshape(r * 32, n)      # stream bit b = row b
     if stream.shape[0] < k * bits:

@@ -164,6 +164,10 @@ def pack_layer(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx
     """
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"pack_layer: unsupported GPTQ bit width {bits} (supported: {SUPPORTED_BITS})")
+    K, N = q.shape
+    if (K * bits) % 32 or (N * bits) % 32:
+        raise ValueError(f"pack_layer: [{K}, {N}] at {bits} bits does not fill whole 32-bit words "
+                         f"(GPTQ packs qweight along K and qzeros along N)")
     v1 = checkpoint_is_v1({"checkpoint_format": checkpoint_format})
     stored = zeros.to(torch.int64) - (1 if v1 else 0)
     if stored.numel() and (int(stored.min()) < 0 or int(stored.max()) >= 2 ** bits):
