@@ -115,12 +115,23 @@ def read_header(path: Union[str, Path]) -> tuple[dict[str, _Entry], dict[str, st
                               "bytes (truncated download?)")
         entries[name] = _Entry(path, dt, tuple(shape), begin, end)
 
-    # no two tensors may share bytes (empty tensors occupy nothing)
-    spans = sorted((e.begin, e.end, k) for k, e in entries.items() if e.end > e.begin)
-    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise FormatError(f"{fn}: tensor '{k1}' (bytes {b1}..{e1}) overlaps tensor '{k0}' "
-                              f"(bytes {b0}..{e0}); the header is corrupt")
+    # Tensors must tile the data area: no shared bytes (a corrupt header), no gaps and no
+    # trailing bytes (the safetensors library refuses those, so refuse them here, clearly).
+    spans = sorted((e.begin, e.end, k) for k, e in entries.items())
+    prev_end, prev_name = 0, None
+    for b, e, k in spans:
+        if b < prev_end:
+            raise FormatError(f"{fn}: tensor '{k}' (bytes {b}..{e}) overlaps tensor '{prev_name}' "
+                              f"(ends at {prev_end}); the header is corrupt")
+        if b > prev_end:
+            after = f"tensor '{prev_name}' ends" if prev_name else "the data area starts"
+            raise FormatError(f"{fn}: tensor '{k}' starts at data byte {b} but {after} at "
+                              f"{prev_end}: unexplained gap, the header is corrupt")
+        if e > b or prev_name is None:
+            prev_end, prev_name = e, k
+    if prev_end != data_size:
+        raise FormatError(f"{fn}: tensors cover {prev_end} bytes of the {data_size}-byte data area "
+                          f"(last tensor '{prev_name}'): trailing bytes, the header is corrupt")
     return entries, meta
 
 
