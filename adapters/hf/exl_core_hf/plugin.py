@@ -28,7 +28,23 @@ def _version() -> str:
         return "0+unknown"
 
 
+_pending = False
+
+
+def take_pending() -> bool:
+    """True once if a registration was deferred to the end of `quantizer`'s own import."""
+    global _pending
+    pending, _pending = _pending, False
+    return pending
+
+
 def _register_now() -> None:
+    global _pending
+    mod = sys.modules.get("exl_core_hf.quantizer")
+    if mod is not None and not hasattr(mod, "register"):
+        # transformers is being imported *by* our quantizer module: it registers when it is done
+        _pending = True
+        return
     try:
         from .quantizer import register
         register()

@@ -205,3 +205,12 @@ def register() -> bool:
 def is_registered() -> bool:
     return (_auto.AUTO_QUANTIZER_MAPPING.get(EXL2_METHOD) is ExlHfQuantizer
             and _auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(EXL2_METHOD) is ExlQuantConfig)
+
+
+def _finish_deferred_registration() -> None:
+    from .plugin import take_pending
+    if take_pending():
+        register()
+
+
+_finish_deferred_registration()

