@@ -1,0 +1,213 @@
+// Generic body of the CPU matmul kernels, compiled once per ISA.
+//
+// Not a normal header: an ISA translation unit (qmatmul_avx512.cpp, qmatmul_avx2.cpp,
+// qmatmul_scalar.cpp) includes <cstdint>, sets its `#pragma GCC target`, opens its own namespace
+// (exl_cpu::isa_xxx, so instantiations never merge across ISAs), defines the vector trait `V`
+// and then includes this file.  `V` provides (f = float vector, i = int32 vector, W lanes):
+//   zero, bcast, load, loadn(p, n valid lanes; rest 0), store, storen, fma(a,b,c)=a*b+c, add,
+//   mul, sub, iloadn, srl<S>, sll<S>, and_, or_, iset, cvt (int -> float), load_bf16n, MRMAX.
+//
+// Structure (one thread owns a range of 32-column panels):
+//   for each tile of NBP panels:              (NBP = 4 for small M, 2 otherwise)
+//     for each K block of KC rows:           (KC = 64 / 128)
+//       fill an fp32 tile [NBP][KC][32]     (dequantised once, reused by every row of x)
+//       for rows in blocks of MR: microkernel: MR x (NP*32) accumulators in registers,
+//         k in order, acc loaded from / stored to y between K blocks (exact, so the
+//         blocking never changes a row's arithmetic).
+
+constexpr int VP = kPanel / V::W;  // vectors per panel
+constexpr int KC_SMALL = 64, KC_LARGE = 128;
+constexpr int NBP_SMALL = 4, NBP_LARGE = 2;
+constexpr int TILE_FLOATS = 128 * 2 * kPanel;  // max(KC*NBP) * 32 = 8192 floats (32 KiB)
+static_assert(KC_SMALL * NBP_SMALL <= 256 && KC_LARGE * NBP_LARGE <= 256, "tile size");
+
+static inline int lanes_valid(int64_t n_left) {
+  return n_left <= 0 ? 0 : (n_left >= V::W ? V::W : static_cast<int>(n_left));
+}
+
+// ---------------------------------------------------------------- dequantisation -------------
+// Value I of a 32-value chunk of bit width B: stream bits [I*B, I*B+B) of words w[0..B-1].
+template <int B, int I>
+static inline void deq_one(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst) {
+  constexpr int pos = I * B, wi = pos / 32, off = pos % 32;
+  typename V::i v = V::template srl<off>(w[wi]);
+  if constexpr (off + B > 32) v = V::or_(v, V::template sll<32 - off>(w[wi + 1]));
+  if constexpr (off + B != 32) v = V::and_(v, V::iset((1 << B) - 1));
+  V::store(dst + I * kPanel, V::fma(V::cvt(v), s, nzs));
+}
+
+template <int B, int... I>
+static inline void deq_all(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst,
+                           std::integer_sequence<int, I...>) {
+  (deq_one<B, I>(w, s, nzs, dst), ...);
+}
+
+// 32 rows x W columns: q points at qweight[qrow, col] (row stride N); dst at tile[k][lane0],
+// row stride kPanel.  Lanes past N read as q = scale = zero = 0, so they hold w = 0.
+template <int B>
+static inline void deq_chunk(const int32_t* q, int64_t N, const float* scale, const float* zero,
+                             int nv, float* dst) {
+  typename V::i w[B];
+  for (int j = 0; j < B; ++j) w[j] = V::iloadn(q + j * N, nv);
+  typename V::f s = V::loadn(scale, nv);
+  typename V::f nzs = V::mul(V::sub(V::zero(), V::loadn(zero, nv)), s);  // -(zero*scale)
+  deq_all<B>(w, s, nzs, dst, std::make_integer_sequence<int, 32>{});
+}
+
+static inline void deq_chunk_bits(int bits, const int32_t* q, int64_t N, const float* scale,
+                                  const float* zero, int nv, float* dst) {
+  switch (bits) {
+    case 2: deq_chunk<2>(q, N, scale, zero, nv, dst); break;
+    case 3: deq_chunk<3>(q, N, scale, zero, nv, dst); break;
+    case 4: deq_chunk<4>(q, N, scale, zero, nv, dst); break;
+    case 5: deq_chunk<5>(q, N, scale, zero, nv, dst); break;
+    case 6: deq_chunk<6>(q, N, scale, zero, nv, dst); break;
+    default: deq_chunk<8>(q, N, scale, zero, nv, dst); break;  // bits validated by the op
+  }
+}
+
+// Tile [np][kc][32] for rows k0..k0+kc (kc a multiple of 32) and panels starting at column n0.
+static void fill_tile_quant(const QGemmArgs& a, int64_t k0, int kc, int64_t n0, int np, float* tile) {
+  for (int64_t c = k0 / 32; c < (k0 + kc) / 32; ++c) {
+    const ChunkInfo ch = a.chunks[c];
+    const int32_t* qrow = a.qweight + ch.qrow * a.N;
+    const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N;
+    const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N;
+    float* dst_c = tile + (c * 32 - k0) * kPanel;
+    for (int p = 0; p < np; ++p) {
+      for (int v = 0; v < VP; ++v) {
+        const int64_t col = n0 + p * kPanel + v * V::W;
+        const int nv = lanes_valid(a.N - col);
+        deq_chunk_bits(ch.bits, qrow + col, a.N, srow + col, zrow + col, nv,
+                       dst_c + static_cast<int64_t>(p) * kc * kPanel + v * V::W);
+      }
+    }
+  }
+}
+
+// Dense tile: copy/convert w[k0:k0+kc, cols] into the same [np][kc][32] layout (zero padded).
+static void fill_tile_dense(const DenseGemmArgs& a, int64_t k0, int kc, int64_t n0, int np, float* tile) {
+  for (int p = 0; p < np; ++p) {
+    for (int v = 0; v < VP; ++v) {
+      const int64_t col = n0 + p * kPanel + v * V::W;
+      const int nv = lanes_valid(a.N - col);
+      float* dst = tile + static_cast<int64_t>(p) * kc * kPanel + v * V::W;
+      if (a.w_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(a.w) + k0 * a.N + col;
+        for (int k = 0; k < kc; ++k) V::store(dst + k * kPanel, V::load_bf16n(src + k * a.N, nv));
+      } else {
+        const float* src = static_cast<const float*>(a.w) + k0 * a.N + col;
+        for (int k = 0; k < kc; ++k) V::store(dst + k * kPanel, V::loadn(src + k * a.N, nv));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- microkernel ----------------
+// y[MR rows, NP*32 cols] (+)= x[MR, kc] @ tile[NP][kc][32].  `first`: start from 0 instead of y;
+// `bias`: add it after the last K block.  ncols: valid output columns (the rest is padding).
+template <int MR, int NP>
+static inline void microkernel(const float* x, int64_t ldx, const float* b, int64_t panel_stride,
+                               int kc, float* y, int64_t ldy, int64_t ncols, bool first,
+                               const float* bias) {
+  constexpr int NV = NP * VP;
+  typename V::f acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j)
+      acc[r][j] = first ? V::zero() : V::loadn(y + r * ldy + j * V::W, lanes_valid(ncols - j * V::W));
+  for (int k = 0; k < kc; ++k) {
+    typename V::f bv[NV];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) bv[p * VP + v] = V::load(b + p * panel_stride + k * kPanel + v * V::W);
+    for (int r = 0; r < MR; ++r) {
+      const typename V::f xb = V::bcast(x[r * ldx + k]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(xb, bv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NV; ++j) {
+      const int nv = lanes_valid(ncols - j * V::W);
+      if (nv == 0) continue;
+      typename V::f o = acc[r][j];
+      if (bias) o = V::add(o, V::loadn(bias + j * V::W, nv));
+      V::storen(y + r * ldy + j * V::W, o, nv);
+    }
+  }
+}
+
+// MR rows over np panels: small MR groups several panels per call to keep enough independent
+// accumulators in flight; larger MR walks panels one by one.
+template <int MR>
+static inline void row_block(const float* x, int64_t ldx, const float* tile, int kc, int np,
+                             float* y, int64_t ldy, int64_t ncols, bool first, const float* bias) {
+  const int64_t ps = static_cast<int64_t>(kc) * kPanel;
+  if constexpr (MR <= 2) {
+    int p = 0;
+    for (; p + 4 <= np; p += 4)
+      microkernel<MR, 4>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
+                         bias ? bias + p * kPanel : nullptr);
+    for (; p + 2 <= np; p += 2)
+      microkernel<MR, 2>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
+                         bias ? bias + p * kPanel : nullptr);
+    for (; p < np; ++p)
+      microkernel<MR, 1>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
+                         bias ? bias + p * kPanel : nullptr);
+  } else {
+    for (int p = 0; p < np; ++p)
+      microkernel<MR, 1>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
+                         bias ? bias + p * kPanel : nullptr);
+  }
+}
+
+template <int... R>
+static inline void row_tail(int mr, const float* x, int64_t ldx, const float* tile, int kc, int np,
+                            float* y, int64_t ldy, int64_t ncols, bool first, const float* bias,
+                            std::integer_sequence<int, R...>) {
+  ((mr == R + 1 ? row_block<R + 1>(x, ldx, tile, kc, np, y, ldy, ncols, first, bias) : void()), ...);
+}
+
+// All M rows against one tile (columns n0 .. n0+ncols).
+static void tile_rows(const float* x, int64_t ldx, int64_t M, int64_t k0, const float* tile, int kc,
+                      int np, float* y, int64_t ldy, int64_t n0, int64_t ncols, bool first,
+                      const float* bias) {
+  const float* bias_n = bias ? bias + n0 : nullptr;
+  int64_t m = 0;
+  for (; m + V::MRMAX <= M; m += V::MRMAX)
+    row_block<V::MRMAX>(x + m * ldx + k0, ldx, tile, kc, np, y + m * ldy + n0, ldy, ncols, first, bias_n);
+  if (m < M)
+    row_tail(static_cast<int>(M - m), x + m * ldx + k0, ldx, tile, kc, np, y + m * ldy + n0, ldy, ncols,
+             first, bias_n, std::make_integer_sequence<int, V::MRMAX - 1>{});
+}
+
+// ---------------------------------------------------------------- drivers --------------------
+template <typename Args, typename Fill>
+static void gemm_panels(const Args& a, int64_t p0, int64_t p1, Fill fill) {
+  alignas(64) float tile[TILE_FLOATS];
+  const bool small = a.M <= 4;
+  const int nbp = small ? NBP_SMALL : NBP_LARGE;
+  const int KC = small ? KC_SMALL : KC_LARGE;
+  for (int64_t pb = p0; pb < p1; pb += nbp) {
+    const int np = static_cast<int>(pb + nbp <= p1 ? nbp : p1 - pb);
+    const int64_t n0 = pb * kPanel;
+    const int64_t ncols = (n0 + np * kPanel <= a.N) ? np * kPanel : a.N - n0;
+    if (a.K == 0) {  // empty reduction: y = bias or 0
+      for (int64_t m = 0; m < a.M; ++m)
+        for (int64_t n = n0; n < n0 + ncols; ++n) a.y[m * a.ldy + n] = a.bias ? a.bias[n] : 0.0f;
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < a.K; k0 += KC) {
+      const int kc = static_cast<int>(k0 + KC <= a.K ? KC : a.K - k0);
+      fill(a, k0, kc, n0, np, tile);
+      const bool last = k0 + kc >= a.K;
+      tile_rows(a.x, a.ldx, a.M, k0, tile, kc, np, a.y, a.ldy, n0, ncols, k0 == 0, last ? a.bias : nullptr);
+    }
+  }
+}
+
+void qgemm(const QGemmArgs& a, int64_t p0, int64_t p1) {
+  gemm_panels(a, p0, p1, fill_tile_quant);
+}
+
+void dense_gemm(const DenseGemmArgs& a, int64_t p0, int64_t p1) {
+  gemm_panels(a, p0, p1, fill_tile_dense);
+}

@@ -1,0 +1,135 @@
+"""y = x @ W (+ bias) for a quantized W in the kernel-native `PackedWeight` layout.
+
+Candidates, in priority order (see `ops/dispatch.py`):
+  cuda       -- slot for the CUDA kernel: serves once `exl_core::qmatmul` has a CUDA
+                implementation registered (csrc/cuda); refuses with a reason until then.
+  cpu_fused  -- `exl_core::qmatmul` C++ op (csrc/cpu/qmatmul*.cpp): fused dequantise + matmul,
+                AVX-512 / AVX2 / scalar picked at run time. Batch invariant: row i of the
+                result is bit-identical whatever the number of rows and their order.
+  torch_ref  -- pure torch: unpack the bit streams, dequantise to fp32, matmul. Any device;
+                NOT batch invariant (torch.mm blocks differently for different M).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import InputError
+from ..formats.packed import PackedWeight
+from .dispatch import Candidate, Dispatcher, extension, has_op
+
+# ---------------------------------------------------------------------------- torch reference
+
+
+def _unpack_group(words: torch.Tensor, bits: int, k_len: int) -> torch.Tensor:
+    """int32 [k_len*bits/32, N] little-endian bit streams -> int64 [k_len, N] values (any device)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF                        # [Q, N] unsigned
+    pos = torch.arange(k_len, device=w.device) * bits              # first stream bit of value i
+    wi, off = pos // 32, (pos % 32).unsqueeze(1)                   # [k_len], [k_len, 1]
+    lo = w[wi] >> off                                              # [k_len, N]
+    nxt = torch.clamp(wi + 1, max=w.shape[0] - 1)                  # straddling values read word+1
+    hi = torch.where(off + bits > 32, w[nxt] << (32 - off), torch.zeros_like(lo))
+    return (lo | hi) & ((1 << bits) - 1)
+
+
+def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [K, N] in the original (unpermuted) row order, on pw's device, computed in torch.
+
+    Same formula as the kernel, w = (q - zero) * scale, but not bit-matched to it; the float64
+    specification stays `exl_core.formats.packed.dequantize_reference`."""
+    K, N = pw.in_features, pw.out_features
+    dev = pw.qweight.device
+    w_perm = torch.empty(K, N, dtype=dtype, device=dev)
+    for gi, (bits, k_start, k_len, q_start) in enumerate(pw.groups.tolist()):
+        q = _unpack_group(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
+        w_perm[k_start:k_start + k_len] = ((q.to(dtype) - pw.zero[gi].to(dtype)) * pw.scale[gi].to(dtype))
+    if pw.perm is None:
+        return w_perm
+    w = torch.empty_like(w_perm)
+    w[pw.perm.to(dev)] = w_perm          # x[:, perm] @ W_perm == x @ W
+    return w
+
+
+def _run_torch_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    w = dequantize(pw, torch.float32)                                # [K, N]
+    y = x.reshape(-1, pw.in_features).to(torch.float32) @ w
+    if pw.bias is not None:
+        y = y + pw.bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features)
+
+
+def _check_torch_ref(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
+    if not x.is_floating_point():
+        return f"x must be floating point, got {x.dtype}"
+    return None
+
+
+# ---------------------------------------------------------------------------- C++ kernels
+
+_OP_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
+    if not has_op("qmatmul"):
+        return "extension exl_core._C not built or has no qmatmul kernel"
+    if x.device.type != "cpu" or pw.qweight.device.type != "cpu":
+        return f"tensors not on CPU (x on {x.device}, qweight on {pw.qweight.device})"
+    if x.dtype not in _OP_DTYPES:
+        return f"x dtype {x.dtype} not supported (float32, bfloat16)"
+    if pw.scale.dtype != torch.float32 or pw.zero.dtype != torch.float32:
+        return f"scale/zero must be float32, got {pw.scale.dtype}/{pw.zero.dtype}"
+    return None
+
+
+def _run_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    x2 = x.reshape(-1, pw.in_features)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.exl_core.qmatmul(x2, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
+    return y.reshape(*x.shape[:-1], pw.out_features)
+
+
+def _check_cuda(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
+    # CUDA SLOT: a csrc/cuda kernel registering `exl_core::qmatmul` for the CUDA dispatch key is
+    # picked up here with no other change (same schema as the CPU op).
+    if x.device.type != "cuda":
+        return f"x is on {x.device}, not CUDA"
+    if extension() is None or not torch._C._dispatch_has_kernel_for_dispatch_key("exl_core::qmatmul", "CUDA"):
+        return "no CUDA qmatmul kernel built yet"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x dtype {x.dtype} not supported"
+    return None
+
+
+DISPATCH = Dispatcher("qmatmul", [
+    Candidate("cuda", _check_cuda, _run_cpu_fused),          # same op, CUDA dispatch key
+    Candidate("cpu_fused", _check_cpu_fused, _run_cpu_fused),
+    Candidate("torch_ref", _check_torch_ref, _run_torch_ref),
+])
+
+
+def qmatmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """x [..., K] (float32/bfloat16 for the CPU kernel; any float for the reference) -> [..., N]
+    in x's dtype, accumulated in fp32: x @ dequantize(pw) + pw.bias."""
+    if x.dim() < 1 or x.shape[-1] != pw.in_features:
+        raise InputError(f"qmatmul: x has shape {tuple(x.shape)}, last dim must be in_features="
+                         f"{pw.in_features} of the packed weight")
+    return DISPATCH(x=x, pw=pw)
+
+
+# ---------------------------------------------------------------------------- fake (meta) impl
+
+def _register_fake() -> None:
+    if not has_op("qmatmul") or getattr(_register_fake, "done", False):
+        return
+    _register_fake.done = True
+
+    @torch.library.register_fake("exl_core::qmatmul")
+    def _(x, qweight, groups, scale, zero, perm, bias):
+        torch._check(x.dim() == 2, lambda: "qmatmul: x must be 2-D")
+        torch._check(qweight.dim() == 2, lambda: "qmatmul: qweight must be 2-D")
+        return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+_register_fake()
