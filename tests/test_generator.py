@@ -23,6 +23,16 @@ from exl_core.model.context import ContiguousContext
 GREEDY = SamplerSettings(temperature=0.0)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one thread avoids OpenMP spin-waits when the cores are shared
+    (2 threads ran these tests ~50x slower on a loaded 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class TinyLM(torch.nn.Module):
     """Random attention-only LM: embed -> N x [rope attention, normalise] -> head."""
 
@@ -74,6 +84,8 @@ class CharTokenizer:
         [f"<{i}>" for i in range(267, 299)] + ["</s>"]
     eos_token_ids = {299}
     bos_token_id = None
+    byte_fallback_ids = frozenset()
+    special_ids = frozenset({299})
 
     def decode(self, ids, skip_special=True):
         return "".join("" if (skip_special and i == 299) else self.PIECES[i] for i in ids)
@@ -94,6 +106,15 @@ def reference_greedy(model, prompt, n, window=None):
         out.append(t)
         ids.append(t)
     return out
+
+
+def assert_greedy(model, prompt, generated):
+    """Teacher-forced check in one cacheless pass: token k must be the argmax after
+    prompt + generated[:k]."""
+    ids = list(prompt) + list(generated[:-1])
+    logits = model.forward(torch.tensor(ids), ContiguousContext([len(ids)], [None]))
+    want = logits[len(prompt) - 1:].argmax(-1).tolist()
+    assert list(generated) == want
 
 
 def run_all(gen):
@@ -124,7 +145,7 @@ def test_greedy_batch_matches_recompute():
     jobs = gen.enqueue([Job(p, max_new_tokens=12, sampler=GREEDY) for p in prompts])
     results = run_all(gen)
     for j, p in zip(jobs, prompts):
-        assert j.generated == reference_greedy(model, p, 12)
+        assert_greedy(model, p, j.generated)
         assert j.finish_reason == "length"
         got = [t for r in results if r.job is j for t in r.token_ids]
         assert got == j.generated
@@ -134,15 +155,15 @@ def test_greedy_batch_matches_recompute():
 
 def test_batched_equals_alone():
     model = TinyLM()
-    prompts = [rand_prompt(random.randint(5, 90)) for _ in range(6)]
+    prompts = [rand_prompt(random.randint(5, 70)) for _ in range(4)]
     cache = Cache(model, max_tokens=2048, page_size=16)
     gen = Generator(model, cache, max_batch_tokens=128, max_chunk_size=32)
-    together = gen.enqueue([Job(p, max_new_tokens=10, sampler=GREEDY) for p in prompts])
+    together = gen.enqueue([Job(p, max_new_tokens=8, sampler=GREEDY) for p in prompts])
     run_all(gen)
     for p, j in zip(prompts, together):
         c = Cache(model, max_tokens=2048, page_size=16)
         g = Generator(model, c, max_batch_tokens=128, max_chunk_size=32)
-        alone = g.enqueue(Job(p, max_new_tokens=10, sampler=GREEDY))
+        alone = g.enqueue(Job(p, max_new_tokens=8, sampler=GREEDY))
         run_all(g)
         assert alone.generated == j.generated
 
@@ -192,8 +213,8 @@ def test_prefix_reuse_counts_forward_tokens():
     used = gen.stats.forward_tokens - before
     assert jb.reused_tokens == 3 * ps                   # three full pages of the prefix
     assert used <= (len(b) - 1000) + ps + (5 - 1)       # non-shared + one page + decode steps
-    assert jb.generated == reference_greedy(model, b, 5)
-    assert ja.generated == reference_greedy(model, a, 5)
+    assert_greedy(model, b, jb.generated)
+    assert_greedy(model, a, ja.generated)
     assert gen.stats.reused_tokens == 3 * ps
     assert_pool_idle(cache)
 
@@ -251,7 +272,7 @@ def test_busy_cache_jobs_wait_and_complete():
     assert waited
     for j, p in zip(jobs, prompts):
         assert j.finish_reason == "length"
-        assert j.generated == reference_greedy(model, p, 30)
+        assert_greedy(model, p, j.generated)
     assert_pool_idle(cache)
 
 
@@ -434,12 +455,12 @@ def test_sliding_window_matches_recompute_and_frees_pages():
                 assert all(p < 0 for p in j.table.pages[:max(0, j.fed - window + 1) // ps])
         cache.pool.check()
     for j, p in zip(jobs, prompts):
-        assert j.generated == reference_greedy(model, p, 30)
+        assert_greedy(model, p, j.generated)
     assert_pool_idle(cache)
     # a prompt longer than the whole cache still fits: its old pages are recycled
     j = gen.enqueue(Job(rand_prompt(400), max_new_tokens=3, sampler=GREEDY))
     run_all(gen)
-    assert j.generated == reference_greedy(model, j.input_ids, 3)
+    assert_greedy(model, j.input_ids, j.generated)
 
 
 # -- the real model ---------------------------------------------------------------------------
