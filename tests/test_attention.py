@@ -8,8 +8,24 @@ import torch
 
 from exl_core.errors import InputError
 from exl_core.ops import attention as A
+from exl_core.ops.dispatch import has_op
 
-KERNELS = [c.name for c in A.PAGED_ATTENTION.candidates]
+# "cpu_scalar" is the C++ kernel with its vector paths switched off (portable fallback).
+KERNELS = [c.name for c in A.PAGED_ATTENTION.candidates] + ["cpu_scalar"]
+
+
+@pytest.fixture
+def kernel(request):
+    """Candidate name; for cpu_scalar the extension's ISA cap is lowered for the test."""
+    name = request.param
+    if name == "cpu_scalar":
+        if not has_op("cpu_isa_limit"):
+            pytest.skip("C++ extension not built")
+        prev = torch.ops.exl_core.cpu_isa_limit(0)
+        yield "cpu"
+        torch.ops.exl_core.cpu_isa_limit(prev)
+    else:
+        yield name
 
 
 def _kernel(name):
@@ -50,6 +66,7 @@ def brute_force(q, k_cache, v_cache, table, cu, lens, scale, window):
     out = torch.zeros(t, hq, d, dtype=torch.float64)
     kf = k_cache.double().reshape(-1, hkv, d)
     vf = v_cache.double().reshape(-1, hkv, d)
+    heads = torch.arange(hq) // rep                                   # kv head of each q head
     for s in range(table.shape[0]):
         a, b, kl = int(cu[s]), int(cu[s + 1]), int(lens[s])
         for j in range(b - a):
@@ -57,10 +74,10 @@ def brute_force(q, k_cache, v_cache, table, cu, lens, scale, window):
             lo = max(0, pos - window + 1) if window else 0
             p = torch.arange(lo, pos + 1)
             slots = table[s].long()[p // ps] * ps + p % ps
-            keys, vals = kf[slots], vf[slots]                       # (n, Hkv, D)
-            for h in range(hq):
-                sc = keys[:, h // rep] @ q[a + j, h].double() * scale   # (n,)
-                out[a + j, h] = torch.softmax(sc, 0) @ vals[:, h // rep]
+            keys = kf[slots][:, heads]                               # (n, Hq, D)
+            vals = vf[slots][:, heads]
+            sc = torch.einsum("nhd,hd->hn", keys, q[a + j].double()) * scale   # (Hq, n)
+            out[a + j] = torch.einsum("hn,nhd->hd", torch.softmax(sc, 1), vals)
     return out
 
 
@@ -76,7 +93,7 @@ def _run(name, *args):
 RAGGED = [(1, 1), (5, 37), (1, 300), (17, 17), (3, 130), (0, 9), (64, 200)]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("d,hq,hkv,ps", [(64, 9, 3, 16), (128, 4, 4, 32), (64, 6, 2, 256)])
 @pytest.mark.parametrize("window", [None, 40])
 def test_paged_fp32_ragged(kernel, d, hq, hkv, ps, window):
@@ -88,7 +105,7 @@ def test_paged_fp32_ragged(kernel, d, hq, hkv, ps, window):
     assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-5), (got.double() - ref).abs().max()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_paged_bf16(kernel):
     args = make_case([(3, 50), (1, 129), (20, 20)], 9, 3, 64, 16, None, dtype=torch.bfloat16)
     got = _run(kernel, *args, 0.125, None)
@@ -98,7 +115,7 @@ def test_paged_bf16(kernel):
     assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-2), (got.double() - ref).abs().max()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_batch_invariance(kernel, window):
     seqs = [(1, 233), (9, 100), (1, 5), (30, 60)]
