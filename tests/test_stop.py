@@ -148,6 +148,7 @@ def test_conditions_length_counts_every_token():
     texts = [c.step(1, "z") for _ in range(n)]
     # Each "z" may start "zy" and is held; the last step ends the job and releases it.
     assert [r for _, r in texts] == [None] * (n - 1) + [FinishReason.LENGTH]
-    assert [t for t, _ in texts] == [""] + ["z"] * (n - 2) + ["zz"] if n > 1 else [("z")]
+    want = [""] + ["z"] * (n - 2) + ["zz"] if n > 1 else ["z"]
+    assert [t for t, _ in texts] == want
     with pytest.raises(InputError, match="max_new_tokens"):
         StopConditions(max_new_tokens=-1)
