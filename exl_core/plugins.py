@@ -229,10 +229,13 @@ _engines: dict[tuple, "SharedEngine"] = {}
 class SharedEngine:
     """One model folder loaded once; `stream(job)` / `astream(job)` yield that job's JobResults."""
 
-    def __init__(self, path, device: str = "cpu", dtype=None, cache_tokens: int = 8192):
+    def __init__(self, path, device: str = "cpu", dtype=None, cache_tokens: int = 8192, *,
+                 model=None, tokenizer=None):
         import exl_core
         self.path = path
-        self.model, self.tokenizer = exl_core.load_model(path, device=device, dtype=dtype)
+        if model is None:
+            model, tokenizer = exl_core.load_model(path, device=device, dtype=dtype)
+        self.model, self.tokenizer = model, tokenizer     # model/tokenizer given: an already loaded pair
         self.cache = exl_core.Cache(self.model, max_tokens=cache_tokens)
         self.generator = exl_core.Generator(self.model, self.cache, self.tokenizer)
         self.name = _model_name(path)

@@ -218,3 +218,156 @@ def test_installed_adapters_declare_entry_points():
         assert eps[name].dist.metadata["Name"] == dist
         mod = eps[name].load()                 # the plugin module itself must import cheaply
         assert hasattr(mod, "exl_core_register_integration")
+
+
+# ---- SharedEngine: one worker thread serving many callers ------------------------------------------
+#
+# A stand-in model (embedding -> one causal attention layer through the cache -> head) and a
+# character tokenizer keep these tests independent of the real Llama model. Reference: greedy
+# decoding by recomputing the whole sequence without any cache, one job at a time.
+
+import asyncio  # noqa: E402
+import threading  # noqa: E402
+import types  # noqa: E402
+
+import torch  # noqa: E402
+
+from exl_core.errors import InputError  # noqa: E402
+
+
+class AttnLM(torch.nn.Module):
+    def __init__(self, vocab=40, hidden=32, heads=2, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.h, self.d = heads, hidden // heads
+        self.config = types.SimpleNamespace(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                                            num_attention_heads=heads, num_key_value_heads=heads, head_dim=self.d,
+                                            sliding_window=None, max_position_embeddings=1024, eos_token_ids=[])
+        self.emb = torch.randn(vocab, hidden, generator=g)
+        self.pos = torch.randn(1024, hidden, generator=g) * 0.5       # position signal (no rope needed)
+        self.wq, self.wk, self.wv = (torch.randn(hidden, hidden, generator=g) * 0.4 for _ in range(3))
+        self.head = torch.randn(hidden, vocab, generator=g) * 2
+        self.fail_next = False
+
+    device = property(lambda self: torch.device("cpu"))
+    dtype = property(lambda self: torch.float32)
+
+    def forward(self, ids, ctx):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("stand-in kernel failure")
+        x = self.emb[ids] + self.pos[ctx.positions]                   # (T, hidden)
+        t = x.shape[0]
+        q, k, v = ((x @ w).view(t, self.h, self.d) for w in (self.wq, self.wk, self.wv))
+        x = x + ctx.attend(0, q, k, v, self.d ** -0.5, None).reshape(t, -1)
+        if ctx.logit_rows is not None:
+            x = x[ctx.logit_rows]
+        return (x @ self.head).float()
+
+
+class LetterTokenizer:
+    eos_token_ids: set = set()
+    bos_token_id = None
+    special_ids = frozenset()
+    byte_fallback_ids = frozenset()
+
+    def encode(self, text, add_bos=None, special=True):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special=True):
+        return "".join(chr(97 + (i % 26)) if i < 26 else "0123456789!?.,"[i - 26] for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages)
+
+
+def _greedy_reference(model, prompt, n):
+    from exl_core.model.context import ContiguousContext
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model.forward(torch.tensor(ids), ContiguousContext([len(ids)], [None]))
+            ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture
+def engine():
+    model = AttnLM(seed=int.from_bytes(os.urandom(2), "little"))
+    return plugins.SharedEngine("stand-in", cache_tokens=2048, model=model, tokenizer=LetterTokenizer())
+
+
+def _job(prompt, n=12):
+    import exl_core
+    return exl_core.Job(prompt, max_new_tokens=n, sampler=exl_core.SamplerSettings(temperature=0))
+
+
+def test_engine_serves_concurrent_threads_and_asyncio(engine):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    prompts = [torch.randint(0, 26, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (7,), generator=g)]
+    want = [_greedy_reference(engine.model, p, 12) for p in prompts]
+    got: dict[int, list] = {}
+
+    def worker(i):
+        job = _job(prompts[i])
+        results = list(engine.stream(job))
+        assert results[-1].finish_reason == "length"
+        got[i] = [t for r in results for t in r.token_ids]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+
+    async def main():                                  # meanwhile, asyncio callers
+        async def one(i):
+            return i, [t async for r in engine.astream(_job(prompts[i])) for t in r.token_ids]
+        return await asyncio.gather(*(one(i) for i in (4, 5)))
+    for i, toks in asyncio.run(main()):
+        got[i] = toks
+    batch_jobs = [_job(prompts[6])]
+    texts = engine.run(batch_jobs)
+    got[6] = batch_jobs[0].generated
+    for t in threads:
+        t.join(60)
+    assert [got[i] for i in range(7)] == want
+    assert texts == [LetterTokenizer().decode(want[6])]
+
+
+def test_engine_abandoned_stream_cancels_and_errors_reach_callers(engine):
+    job = _job(list(range(5)), n=200)
+    it = engine.stream(job)
+    next(it)
+    it.close()                                         # caller walks away after one token
+    for _ in range(100):
+        if job.done:
+            break
+        threading.Event().wait(0.05)
+    assert job.done and job.finish_reason in ("cancelled", "callback") and len(job.generated) < 200
+
+    with pytest.raises(InputError):                    # bad request: raised in the caller's thread
+        list(engine.stream(_job([99, 1, 2])))
+
+    engine.model.fail_next = True                      # model failure: the waiting caller hears it
+    with pytest.raises(RuntimeError, match="stand-in kernel failure"):
+        list(engine.stream(_job([1, 2, 3])))
+    ok = _job([3, 1, 4, 1, 5], n=6)                    # and the engine keeps working afterwards
+    list(engine.stream(ok))
+    assert ok.generated == _greedy_reference(engine.model, [3, 1, 4, 1, 5], 6)
+
+
+def test_shared_engine_is_one_per_folder(monkeypatch, tmp_path):
+    loads = []
+
+    def fake_load(path, device="cpu", dtype=None):
+        loads.append(path)
+        return AttnLM(), LetterTokenizer()
+    import exl_core
+    monkeypatch.setitem(vars(exl_core), "load_model", fake_load)   # no real loader needed
+    plugins.release_engines()
+    try:
+        a = plugins.shared_engine(tmp_path, cache_tokens=512)
+        b = plugins.shared_engine(str(tmp_path) + "/.", cache_tokens=512)
+        c = plugins.shared_engine(tmp_path, cache_tokens=1024)
+        assert a is b and c is not a and len(loads) == 2
+    finally:
+        plugins.release_engines()

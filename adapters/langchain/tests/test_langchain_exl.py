@@ -226,7 +226,11 @@ class TestChatExlUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": _path_or_skip(), "temperature": 0, "max_tokens": N}
+        return {"model": _path_or_skip()}
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        return {**super().standard_chat_model_params, "max_tokens": N}
 
 
 @pytest.mark.real_model
@@ -238,7 +242,7 @@ class TestChatExlIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": _path_or_skip(), "temperature": 0, "max_tokens": 24}
+        return {"model": _path_or_skip()}
 
     @property
     def standard_chat_model_params(self) -> dict:
