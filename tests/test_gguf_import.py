@@ -60,7 +60,7 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return out
 
 
-def _hf_weights(vocab: int, tied: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _hf_weights(vocab: int, tied: bool, rng: np.random.Generator, bias: bool) -> dict[str, np.ndarray]:
     f = lambda *s: rng.standard_normal(s).astype(np.float32) * 0.1   # noqa: E731
     w = {"model.embed_tokens.weight": f(vocab, H), "model.norm.weight": 1 + f(H)}
     if not tied:
@@ -72,6 +72,9 @@ def _hf_weights(vocab: int, tied: bool, rng: np.random.Generator) -> dict[str, n
                   p + "self_attn.v_proj.weight": f(NKV * HD, H), p + "self_attn.o_proj.weight": f(H, NH * HD),
                   p + "mlp.gate_proj.weight": f(I, H), p + "mlp.up_proj.weight": f(I, H),
                   p + "mlp.down_proj.weight": f(H, I)})
+        if bias:
+            w.update({p + "self_attn.q_proj.bias": f(NH * HD), p + "self_attn.k_proj.bias": f(NKV * HD),
+                      p + "self_attn.v_proj.bias": f(NKV * HD)})
     return w
 
 
@@ -87,16 +90,17 @@ def _gguf_name(hf: str) -> str:
     if hf in top:
         return top[hf]
     parts = hf.split(".")
-    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.weight"
+    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None):
+def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias=None):
     """Returns (HF weights as written, the tensors the GGUF really holds after Q8_0, in HF
-    order and layout)."""
+    order and layout). Llama-type archs get llama.cpp's q/k row permutation, qwen2 does not."""
     import gguf
     rng = np.random.default_rng(seed)
     tokens, merges, types = _tiny_vocab()
-    hf = _hf_weights(len(tokens), tied, rng)
+    permute = arch != "qwen2"
+    hf = _hf_weights(len(tokens), tied, rng, bias=(arch == "qwen2") if bias is None else bias)
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_block_count(L)
     w.add_context_length(256)
@@ -122,7 +126,9 @@ def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None):
     for name, t in hf.items():
         g = _gguf_name(name)
         stored = t
-        if ".attn_q." in g:
+        if not permute:
+            pass
+        elif ".attn_q." in g:
             stored = _llamacpp_permute(t, NH)
         elif ".attn_k." in g:
             stored = _llamacpp_permute(t, NKV)
@@ -140,13 +146,16 @@ def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None):
     return hf, expected
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_tiny_gguf_roundtrip(tmp_path, tied):
+@pytest.mark.parametrize("tied,arch,bias", [(False, "llama", False), (True, "llama", True),
+                                           (False, "qwen2", True), (True, "mistral", False)])
+def test_tiny_gguf_roundtrip(tmp_path, tied, arch, bias):
     src = tmp_path / "tiny.gguf"
-    hf, expected = write_tiny_gguf(src, tied)
+    hf, expected = write_tiny_gguf(src, tied, arch=arch, bias=bias)
     out = import_gguf(src, tmp_path / "out", dtype=torch.float32, progress=False)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                     "mistral": "MistralForCausalLM"}[arch]]
+    assert cfg["attention_bias"] is bias
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (H, I, L)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (NH, NKV, HD)
     assert cfg["rope_theta"] == 50000.0 and cfg["rms_norm_eps"] == 1e-6
@@ -162,12 +171,13 @@ def test_tiny_gguf_roundtrip(tmp_path, tied):
         assert torch.allclose(got, torch.from_numpy(t), atol=0.01), name
 
 
-def test_tiny_gguf_matches_transformers_loader(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_matches_transformers_loader(tmp_path, arch):
     """transformers' GGUF loader is an independent reference for the q/k un-permutation."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     src = tmp_path / "tiny.gguf"
-    write_tiny_gguf(src, tied=False)
+    write_tiny_gguf(src, tied=False, arch=arch)
     out = import_gguf(src, tmp_path / "out", dtype=torch.float16, progress=False)
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out)))

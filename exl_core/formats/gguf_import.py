@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,10 +31,22 @@ from ..errors import ConfigError, FormatError
 IMPORT_VERSION = 2
 MARKER_NAME = "exl_import.json"
 
-# GGUF architecture name -> (HF architectures entry, HF model_type). All share Llama's layout.
+
+
+@dataclass(frozen=True)
+class _Arch:
+    hf_arch: str                 # config.json "architectures" entry
+    model_type: str
+    permute_qk: bool             # llama.cpp interleaved the q/k rotary rows (LlamaModel only)
+    extra: tuple = ()            # (key, value) pairs added to config.json
+
+
+# GGUF general.architecture -> HF equivalent. All share Llama's tensor layout.
 SUPPORTED_ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
+    "llama": _Arch("LlamaForCausalLM", "llama", True),
+    "mistral": _Arch("MistralForCausalLM", "mistral", True),
+    # Qwen2's converter does not permute; q/k/v carry biases
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", False, (("use_sliding_window", False),)),
 }
 
 # Per-block GGUF tensor suffix -> HF name suffix (under model.layers.{i}.)
@@ -97,7 +110,7 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
     if arch not in SUPPORTED_ARCHS:
         raise FormatError(f"{path}: GGUF architecture '{arch}' is not supported "
                           f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
-    hf_arch, model_type = SUPPORTED_ARCHS[arch]
+    spec = SUPPORTED_ARCHS[arch]
 
     def need(key: str):
         v = _field(reader, f"{arch}.{key}")
@@ -112,8 +125,8 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else embed_rows))
     cfg = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+        "architectures": [spec.hf_arch],
+        "model_type": spec.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -138,6 +151,7 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
                                    "factor": float(factor)}
     else:
         cfg["rope_scaling"] = None
+    cfg.update(dict(spec.extra))
     sw = _field(reader, f"{arch}.attention.sliding_window")
     if sw:
         cfg["sliding_window"] = int(sw)
@@ -233,7 +247,9 @@ def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
         # dequantize returns float32 in numpy order (= HF order: out_features, in_features)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         w = np.array(w, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
-        if ".attn_q." in t.name:
+        if not SUPPORTED_ARCHS[arch].permute_qk:
+            pass
+        elif ".attn_q." in t.name:
             w = unpermute_rope_rows(w, n_head)
         elif ".attn_k." in t.name:
             w = unpermute_rope_rows(w, n_kv)
