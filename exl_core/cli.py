@@ -60,10 +60,11 @@ def cmd_run(args) -> int:
     if not args.prompt.strip():
         raise ExlError("the prompt is empty: pass text with -p")
     model, tok = _load(args)
-    text = args.prompt
-    if not args.raw and tok.has_chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-    ids = tok.encode(text)
+    if not args.raw and tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+    else:
+        ids = tok.encode(args.prompt)
     cache = Cache(model, max_tokens=len(ids) + args.max_new_tokens + 256)
     gen = Generator(model, cache, tok)
     job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
@@ -71,8 +72,8 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     t_first, n_new = None, 0
     gen.enqueue(job)
-    for results in gen.iterate():
-        for r in results:
+    while gen.has_work():
+        for r in gen.iterate():
             if r.token_ids and t_first is None:
                 t_first = time.perf_counter()
             n_new += len(r.token_ids)
@@ -105,12 +106,12 @@ def cmd_chat(args) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed)
         gen.enqueue(job)
         reply = []
-        for results in gen.iterate():
-            for r in results:
+        while gen.has_work():
+            for r in gen.iterate():
                 if r.text:
                     reply.append(r.text)
                     sys.stdout.write(r.text)

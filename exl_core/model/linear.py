@@ -27,8 +27,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self._packed: Optional[PackedWeight] = None
-        self.w_t: Optional[torch.Tensor] = None
-        self.bias: Optional[torch.Tensor] = None
+        self.register_buffer("w_t", None, persistent=False)
+        self.register_buffer("bias", None, persistent=False)
         self.lora = None  # set by exl_core.model.lora: adds x·A·B·scale on the fly
 
     @classmethod
