@@ -149,17 +149,13 @@ class SamplerSettings:
 # Pipeline on a batch of rows: x float64 [B, V], one SamplerSettings per row.
 # ----------------------------------------------------------------------------------------
 
-def _check_logits(logits: torch.Tensor, batched: bool) -> torch.Tensor:
+def _check_logits(logits: torch.Tensor, batched: bool) -> None:
     want = 2 if batched else 1
     if not isinstance(logits, torch.Tensor) or logits.dim() != want or logits.shape[-1] == 0:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise InputError(f"logits must be a {'[B, V]' if batched else '[V]'} float tensor, got {shape}")
     if not logits.is_floating_point():
         raise InputError(f"logits must be floating point, got {logits.dtype}")
-    x = logits.to(torch.float64)
-    if torch.isnan(x).any() or torch.isposinf(x).any():
-        raise InputError("logits contain NaN or +inf; the model output is corrupt")
-    return x
 
 
 def _window(history: History, prompt_len: int, s: SamplerSettings, vocab: int, device) -> Optional[torch.Tensor]:
@@ -195,21 +191,21 @@ def _adjust(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_
         win = _window(histories[b], prompt_lens[b], s, V, x.device)
         if win is None or win.numel() == 0:
             continue
-        counts = torch.bincount(win, minlength=V).to(x.dtype)     # [V]
-        seen = counts > 0
+        # Only the distinct seen ids change: work on them, not on the whole row.
+        ids, counts = torch.unique(win, return_counts=True)              # [n], [n]
+        vals = row[ids]
         if s.repetition_penalty != 1.0:
             p = s.repetition_penalty
-            row.copy_(torch.where(seen, torch.where(row < 0, row * p, row / p), row))
-        if s.frequency_penalty != 0.0 or s.presence_penalty != 0.0:
-            row.sub_(counts * s.frequency_penalty + seen.to(x.dtype) * s.presence_penalty)
+            vals = torch.where(vals < 0, vals * p, vals / p)
+        vals = vals - (counts.to(x.dtype) * s.frequency_penalty + s.presence_penalty)
+        row[ids] = vals
 
 
 def _temper(x: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor) -> None:
     """x[rows] = (x[rows] - max) / T. Subtracting the max first means a tiny T can only
     push logits towards -inf, never overflow to +inf."""
     sub = x[rows]
-    sub = (sub - sub.amax(dim=1, keepdim=True)) / temps[:, None]
-    x[rows] = sub
+    x[rows] = (sub - sub.amax(dim=1, keepdim=True)) / temps[:, None]
 
 
 def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
@@ -223,14 +219,34 @@ def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
     return greater | (eq & (eq.cumsum(dim=1) <= n_eq))
 
 
+# A full sort of the vocabulary costs ~10 ms on CPU; the sets that top-p and typical keep are
+# usually small, so they look at the best `k` candidates (torch.topk) and grow k only when
+# the answer might lie beyond them.
+_FIRST_K = 64
+_GROW = 8
+
+
 def _top_p(x: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """Keep mask of the smallest prefix (by logit desc, then token id) whose mass reaches p."""
-    order = torch.sort(x, dim=1, descending=True, stable=True).indices
-    probs = torch.softmax(x, dim=1).gather(1, order)
-    before = torch.zeros_like(probs)                               # mass strictly before each
-    before[:, 1:] = torch.cumsum(probs, dim=1)[:, :-1]
-    keep_sorted = before < ps[:, None]
-    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    """Keep mask [B, V] of the smallest prefix (logit desc, then token id asc) whose mass
+    reaches p."""
+    B, V = x.shape
+    lse = torch.logsumexp(x, dim=1, keepdim=True)                      # [B, 1]
+    k = min(V, _FIRST_K)
+    while True:
+        vals, idx = torch.topk(x, k, dim=1)                             # [B, k], desc, ties arbitrary
+        idx, perm = torch.sort(idx, dim=1)                              # by id, then stable by value:
+        vals, perm = torch.sort(vals.gather(1, perm), dim=1, descending=True, stable=True)
+        idx = idx.gather(1, perm)                                       # desc value, asc id on ties
+        probs = (vals - lse).exp()
+        before = torch.zeros_like(probs)                                # mass strictly before each
+        before[:, 1:] = torch.cumsum(probs, dim=1)[:, :-1]
+        keep = before < ps[:, None]                                     # [B, k], a prefix
+        n = keep.sum(dim=1, keepdim=True)
+        # Done when the last kept value is above the smallest candidate: then every token
+        # that ties with or beats it is among the candidates, and the prefix is exact.
+        if k == V or bool(((n < k) & (vals.gather(1, n - 1) > vals[:, -1:])).all()):
+            return torch.zeros(B, V, dtype=torch.bool, device=x.device).scatter_(1, idx, keep)
+        k = min(V, k * _GROW)
 
 
 def _min_p(x: torch.Tensor, ms: torch.Tensor) -> torch.Tensor:
@@ -242,16 +258,23 @@ def _typical(x: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
     """Keep the tokens whose surprise -log p is closest to the entropy H, growing the set in
     that order until its mass reaches `typical`; every token as close as the last one added
     is kept too (HF semantics), and the closest one always."""
+    B, V = x.shape
     logp = torch.log_softmax(x, dim=1)
     p = logp.exp()
     ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1, keepdim=True)   # [B, 1]
     dist = (-logp - ent).abs()                                     # +inf for -inf logits
-    sdist, order = torch.sort(dist, dim=1, stable=True)
-    cum = torch.cumsum(p.gather(1, order), dim=1)
-    last = (cum < masses[:, None]).sum(dim=1, keepdim=True).clamp_(max=x.shape[1] - 1)
-    keep = dist <= sdist.gather(1, last)
-    keep.scatter_(1, order[:, :1], True)
-    return keep
+    k = min(V, _FIRST_K)
+    while True:
+        neg, order = torch.topk(-dist, k, dim=1)                   # k closest, ascending dist
+        cum = torch.cumsum(p.gather(1, order), dim=1)
+        last = (cum < masses[:, None]).sum(dim=1, keepdim=True)    # [B, 1]
+        # The order among equal distances does not change the threshold, so any k closest
+        # candidates will do once the mass is reached inside them.
+        if k == V or bool((last < k).all()):
+            thr = -neg.gather(1, last.clamp_(max=k - 1))
+            keep = dist <= thr
+            return keep.scatter_(1, order[:, :1], True)
+        k = min(V, k * _GROW)
 
 
 def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_lens
@@ -261,7 +284,7 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
     B, V = x.shape
     dev = x.device
     _adjust(x, settings, histories, prompt_lens)
-    alive = (x > -math.inf).any(dim=1)
+    alive = x.amax(dim=1) > -math.inf
     if not bool(alive.all()):
         b = int((~alive).nonzero()[0])
         raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
@@ -273,32 +296,34 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
     greedy = col(lambda s: s.is_greedy, torch.bool)
     sampled = ~greedy
     temps = col(lambda s: s.temperature if s.temperature > 0 else 1.0)
-    t_first = sampled & (temps != 1.0) & ~col(lambda s: s.temperature_last, torch.bool)
-    t_last = sampled & (temps != 1.0) & col(lambda s: s.temperature_last, torch.bool)
+    last = col(lambda s: s.temperature_last, torch.bool)
+    t_first = sampled & (temps != 1.0) & ~last
+    t_last = sampled & (temps != 1.0) & last
     if t_first.any():
         _temper(x, t_first, temps[t_first])
 
     ks = col(lambda s: s.top_k, torch.int64)
     ps, ms, tys = col(lambda s: s.top_p), col(lambda s: s.min_p), col(lambda s: s.typical)
-    filters = (
+    filters = (   # (rows where active, keep-mask function), in pipeline order
         (sampled & (ks > 0) & (ks < V), lambda sub, rows: _top_k(sub, ks[rows])),
-        (sampled & col(lambda s: s.top_p < 1.0, torch.bool), lambda sub, rows: _top_p(sub, ps[rows])),
-        (sampled & col(lambda s: s.min_p > 0.0, torch.bool), lambda sub, rows: _min_p(sub, ms[rows])),
-        (sampled & col(lambda s: s.typical < 1.0, torch.bool), lambda sub, rows: _typical(sub, tys[rows])),
+        (sampled & (ps < 1.0), lambda sub, rows: _top_p(sub, ps[rows])),
+        (sampled & (ms > 0.0), lambda sub, rows: _min_p(sub, ms[rows])),
+        (sampled & (tys < 1.0), lambda sub, rows: _typical(sub, tys[rows])),
     )
     for active, fn in filters:
         if not active.any():
             continue
         rows = active.nonzero().squeeze(1)
         sub = x[rows]
-        x[rows] = sub.masked_fill(~fn(sub, rows), -math.inf)
+        x[rows] = sub.masked_fill_(~fn(sub, rows), -math.inf)
     if t_last.any():
         _temper(x, t_last, temps[t_last])
     return x, greedy
 
 
-def _probs64(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 [B, V] distribution of every row and the greedy-row mask [B]."""
+def _prepare(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the arguments; return the filtered float64 logits [B, V] and the greedy mask [B]."""
+    _check_logits(logits, batched=True)
     B, V = logits.shape
     if isinstance(settings, SamplerSettings):
         settings = [settings] * B
@@ -312,15 +337,11 @@ def _probs64(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[to
         if not isinstance(s, SamplerSettings):
             raise InputError(f"expected SamplerSettings, got {type(s).__name__}")
         s.validate(V)
-    x = _check_logits(logits, batched=True).clone()
-    x, greedy = _filtered_logits(x, settings, histories, prompt_lens)
-    probs = torch.softmax(x, dim=1)
-    if greedy.any():
-        rows = greedy.nonzero().squeeze(1)
-        onehot = torch.zeros(rows.numel(), V, dtype=probs.dtype, device=probs.device)
-        onehot.scatter_(1, x[rows].argmax(dim=1, keepdim=True), 1.0)   # argmax: first max on ties
-        probs[rows] = onehot
-    return probs, greedy
+    x = logits.to(torch.float64, copy=True)
+    mx = x.amax(dim=1)                     # NaN propagates through max: one pass checks both
+    if bool(torch.isnan(mx).any() | torch.isposinf(mx).any()):
+        raise InputError("logits contain NaN or +inf; the model output is corrupt")
+    return _filtered_logits(x, settings, histories, prompt_lens)
 
 
 def processed_probs_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
@@ -328,7 +349,14 @@ def processed_probs_batch(logits: torch.Tensor, settings: Union[SamplerSettings,
                           prompt_lens: Optional[Sequence[int]] = None,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """logits [B, V] -> the exact distributions [B, V] `sample_batch` draws from."""
-    return _probs64(logits, settings, histories, prompt_lens)[0].to(dtype)
+    x, greedy = _prepare(logits, settings, histories, prompt_lens)
+    probs = torch.softmax(x, dim=1)
+    if greedy.any():
+        rows = greedy.nonzero().squeeze(1)
+        onehot = torch.zeros(rows.numel(), x.shape[1], dtype=probs.dtype, device=probs.device)
+        onehot.scatter_(1, x[rows].argmax(dim=1, keepdim=True), 1.0)   # argmax: first max on ties
+        probs[rows] = onehot
+    return probs.to(dtype)
 
 
 def processed_probs(logits: torch.Tensor, settings: SamplerSettings, history: History = None, *,
@@ -343,15 +371,18 @@ def processed_probs(logits: torch.Tensor, settings: SamplerSettings, history: Hi
     return processed_probs_batch(logits[None], [settings], [history], [prompt_len], dtype)[0]
 
 
-def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: probs [B, V] float64, u [B] in [0, 1) -> ids [B]. The first token whose
-    cumulative mass exceeds u * total; zero-probability tokens can never be chosen."""
-    cdf = torch.cumsum(probs, dim=1)
-    target = (u * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # u*total may round up to total: fall back to the last token with mass.
-    last_nz = probs.shape[1] - 1 - (probs.flip(1) > 0).to(torch.int8).argmax(dim=1)
-    return torch.minimum(idx, last_nz)
+def _draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over token ids: filtered logits [B, V] float64, u [B] in [0, 1) -> ids [B]:
+    the first token whose cumulative (unnormalised) mass exceeds u * total. A token with zero
+    mass never is the first to exceed, so it can never be chosen."""
+    w = (x - x.amax(dim=1, keepdim=True)).exp_()                      # softmax numerator
+    cdf = torch.cumsum(w, dim=1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    over = idx >= x.shape[1]                # u * total rounded up to total
+    if bool(over.any()):
+        last_nz = x.shape[1] - 1 - (w.flip(1) > 0).to(torch.int8).argmax(dim=1)
+        idx = torch.where(over, last_nz, idx)
+    return idx
 
 
 def _uniform(rng: Optional[torch.Generator]) -> float:
@@ -370,16 +401,18 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
     nothing. A seeded row is therefore reproducible whatever else shares the batch. The
     logprob is the model's own log-softmax of the chosen token (before any sampling
     transform), the same scale as `top_logprobs`."""
-    _check_logits(logits, batched=True)
-    B = logits.shape[0]
-    probs, greedy = _probs64(logits, settings, histories, prompt_lens)
+    x, greedy = _prepare(logits, settings, histories, prompt_lens)
+    B = x.shape[0]
     rngs = [None] * B if rngs is None else list(rngs)
     if len(rngs) != B:
         raise InputError(f"got {len(rngs)} generators for {B} logit rows")
-    u = torch.tensor([0.0 if g else _uniform(r) for g, r in zip(greedy.tolist(), rngs)],
-                     dtype=torch.float64, device=probs.device)
-    ids = _draw(probs, u)
-    logprobs = torch.log_softmax(logits.to(torch.float64), dim=1).gather(1, ids[:, None]).squeeze(1)
+    ids = x.argmax(dim=1)                                   # greedy rows: first max on ties
+    sampled = (~greedy).nonzero().squeeze(1)
+    if sampled.numel():
+        u = torch.tensor([_uniform(rngs[b]) for b in sampled.tolist()], dtype=torch.float64, device=x.device)
+        ids[sampled] = _draw(x[sampled], u)
+    lg = logits.to(torch.float64)
+    logprobs = lg.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(lg, dim=1)
     return ids, logprobs.to(torch.float32)
 
 
@@ -400,8 +433,16 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
         raise InputError("top_logprobs: logits must be a floating tensor [..., V]")
     lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
     k = min(k, lp.shape[-1])
-    vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-    return vals[..., :k].to(torch.float32), ids[..., :k]
+    if k == 0:
+        return lp[..., :0].to(torch.float32), torch.zeros(lp.shape[:-1] + (0,), dtype=torch.int64)
+    # topk picks an arbitrary member among ties at the k-th value; re-pick those by lowest id.
+    thr = torch.topk(lp, k, dim=-1).values[..., -1:]
+    greater = lp > thr
+    eq = lp == thr
+    keep = greater | (eq & (eq.cumsum(dim=-1) <= k - greater.sum(dim=-1, keepdim=True)))
+    ids = keep.nonzero()[:, -1].view(*lp.shape[:-1], k)      # exactly k per row, ascending id
+    vals, perm = torch.sort(lp.gather(-1, ids), dim=-1, descending=True, stable=True)
+    return vals.to(torch.float32), ids.gather(-1, perm)
 
 
 __all__ = ["SamplerSettings", "processed_probs", "processed_probs_batch", "sample", "sample_batch",
