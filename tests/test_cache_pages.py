@@ -143,3 +143,94 @@ def test_random_churn_keeps_invariants():
     pool.check()
     assert pool.reserved == 0 and pool.num_free + pool.num_cached_unreferenced == 16
     assert all(pool.ref(p) == 0 for p in range(16))
+
+
+# -- tensor storage + PagedContext -------------------------------------------------------------
+import types  # noqa: E402
+
+import torch  # noqa: E402
+
+from exl_core.cache import Cache  # noqa: E402
+from exl_core.cache import sizing  # noqa: E402
+
+
+def _fake_model(layers=2, hkv=2, d=64, window=None, dtype=torch.float32):
+    cfg = types.SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=hkv, head_dim=d,
+                                sliding_window=window, max_position_embeddings=2048)
+    return types.SimpleNamespace(config=cfg, dtype=dtype, device=torch.device("cpu"))
+
+
+def _brute_attention(q, k, v, q_start, window):
+    """float64 causal (windowed) attention of one sequence: q (Tq, Hq, D), k/v (Tk, Hkv, D)."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        p = q_start + i
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(q.shape[1]):
+            s = (k[lo:p + 1, h // rep] @ q[i, h]) * q.shape[2] ** -0.5
+            out[i, h] = torch.softmax(s, 0) @ v[lo:p + 1, h // rep]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_context_matches_brute_force(window):
+    rng = random.Random()
+    ps, hq, hkv, d = 8, 4, 2, 64
+    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
+    assert cache.num_pages == 40 and cache.k[0].shape == (40, ps, hkv, d)
+    seqs = []   # (table, all k, all v)
+    for _ in range(3):
+        n_total = rng.randint(1, 60)
+        t = cache.try_admit(list(range(n_total)), n_total + 20, 32, reuse=False)
+        seqs.append([t, torch.randn(n_total + 20, hkv, d), torch.randn(n_total + 20, hkv, d), n_total])
+    # two passes: a ragged prefill of everything, then a ragged extension of random length
+    for step in range(2):
+        lens = [s[3] if step == 0 else rng.randint(0, 20) for s in seqs]
+        starts = [s[0].num_tokens for s in seqs]
+        ctx = cache.context([s[0] for s in seqs], lens)
+        T = sum(lens)
+        q = torch.randn(T, hq, d)
+        k = torch.cat([s[1][a:a + n] for s, a, n in zip(seqs, starts, lens)])
+        v = torch.cat([s[2][a:a + n] for s, a, n in zip(seqs, starts, lens)])
+        assert ctx.positions.tolist() == [p for a, n in zip(starts, lens) for p in range(a, a + n)]
+        out = ctx.attend(0, q, k, v, d ** -0.5, window)
+        row = 0
+        for s, a, n in zip(seqs, starts, lens):
+            ref = _brute_attention(q[row:row + n], s[1][:a + n], s[2][:a + n], a, window)
+            torch.testing.assert_close(out[row:row + n].double(), ref, atol=2e-5, rtol=2e-5)
+            row += n
+        for s, n in zip(seqs, lens):
+            cache.after_forward(s[0], list(range(s[0].num_tokens + n)), n, more_to_come=True)
+        cache.pool.check()
+    for s in seqs:
+        cache.release(s[0])
+    cache.pool.check()
+    assert cache.pool.reserved == 0 and cache.pool.num_free + cache.pool.num_cached_unreferenced == 40
+
+
+def test_cache_sizing_from_cap_and_memory(monkeypatch):
+    m = _fake_model(layers=30, hkv=3, d=64, dtype=torch.bfloat16)
+    assert sizing.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert Cache(m, max_tokens=1000, page_size=256).num_pages == 4          # rounded up
+    per_page = sizing.bytes_per_token(30, 3, 64, torch.bfloat16) * 256
+    monkeypatch.setattr(sizing, "free_memory", lambda dev: int((100 * per_page + sizing.ACTIVATION_RESERVE)
+                                                               / sizing.CPU_FRACTION))
+    assert sizing.num_pages_for(per_page // 256, 256, torch.device("cpu"), None, 10 ** 6) == 100
+    monkeypatch.setattr(sizing, "free_memory", lambda dev: int((1000 * per_page + sizing.ACTIVATION_RESERVE)
+                                                               / sizing.CPU_FRACTION))
+    # without a cap: at most DEFAULT_CAP_SEQS sequences of max(max_seq_len, 8192)
+    assert sizing.num_pages_for(per_page // 256, 256, torch.device("cpu"), None, 8192) == 4 * 8192 // 256
+    assert sizing.num_pages_for(per_page // 256, 256, torch.device("cpu"), None, 32768) == 4 * 32768 // 256
+    with pytest.raises(Exception):
+        Cache(m, max_tokens=0)
+
+
+def test_cache_full_check_names_sizes():
+    cache = Cache(_fake_model(), max_tokens=64, page_size=16)
+    cache.check_fits(64, 32)
+    with pytest.raises(CacheFullError, match="65 tokens needs 5 pages"):
+        cache.check_fits(65, 32)
+    assert cache.try_admit([1] * 30, 64, 32) is not None
+    assert cache.try_admit([1] * 30, 64, 32) is None          # 4 pages reserved already: busy, not full
