@@ -1,0 +1,85 @@
+"""RMSNorm (HF Llama semantics), optionally fused with the residual add of a transformer block.
+
+Candidates: [cuda slot] → cpu (exl_core::rms_norm / rms_norm_residual) → torch_ref.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..errors import InputError
+from .dispatch import Candidate, Dispatcher, has_op
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None):
+    """Plain torch, any device: exactly HF LlamaRMSNorm (cast to x's dtype before the weight)."""
+    if residual is not None:
+        h = x + residual                                           # in x's dtype
+        return rms_norm_ref(h, weight, eps), h
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def _cpu_check(x, weight, eps, residual) -> Optional[str]:
+    if not has_op("rms_norm"):
+        return "C++ extension not built with exl_core::rms_norm"
+    if x.device.type != "cpu":
+        return f"x on {x.device}, kernel is CPU-only"
+    if x.dtype not in _KERNEL_DTYPES or weight.dtype != x.dtype:
+        return f"dtypes x={x.dtype}, weight={weight.dtype}; kernel needs both float32 or both bfloat16"
+    if residual is not None and (residual.dtype != x.dtype or residual.device != x.device):
+        return f"residual dtype {residual.dtype} differs from x {x.dtype}"
+    return None
+
+
+def _cpu_run(x, weight, eps, residual):
+    x = x.contiguous()
+    if residual is None:
+        return torch.ops.exl_core.rms_norm(x, weight.contiguous(), float(eps))
+    return tuple(torch.ops.exl_core.rms_norm_residual(x, residual.contiguous(), weight.contiguous(), float(eps)))
+
+
+def _ref_run(x, weight, eps, residual):
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+RMS_NORM = Dispatcher("rms_norm", [
+    # slot: Candidate("cuda", ...) goes first once csrc/cuda has a norm kernel
+    Candidate("cpu", _cpu_check, _cpu_run),
+    Candidate("torch_ref", lambda **_: None, _ref_run),
+])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """x (..., H), weight (H) -> (..., H).
+
+    With `residual` (x's shape): h = x + residual in x's dtype; returns (rms_norm(h), h).
+    """
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise InputError(f"rms_norm: weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] "
+                         f"(x {tuple(x.shape)})")
+    if residual is not None and residual.shape != x.shape:
+        raise InputError(f"rms_norm: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise InputError(f"rms_norm: x must be a float tensor, got {x.dtype}")
+    return RMS_NORM(x=x, weight=weight, eps=eps, residual=residual)
+
+
+def _register_fakes() -> None:
+    if has_op("rms_norm"):
+        @torch.library.register_fake("exl_core::rms_norm")
+        def _(x, weight, eps):
+            return torch.empty_like(x)
+
+        @torch.library.register_fake("exl_core::rms_norm_residual")
+        def _(x, residual, weight, eps):
+            return torch.empty_like(x), torch.empty_like(x)
+
+
+_register_fakes()
