@@ -1,7 +1,7 @@
 """Tokenizer: text <-> token ids, chat templates and streaming detokenisation.
 
-Backed by the `tokenizers` library (tokenizer.json); folders holding only SentencePiece files
-(tokenizer.model) fall back to `transformers.AutoTokenizer`. Special-token ids come from
+Backed by the `tokenizers` library (tokenizer.json); folders holding only a SentencePiece model
+(tokenizer.model) use the `sentencepiece` library, or `transformers.AutoTokenizer` without it. Special-token ids come from
 tokenizer_config.json, config.json and generation_config.json together, because models
 disagree about which of them is authoritative (eos especially: chat models often stop on
 several ids).
@@ -139,8 +139,69 @@ class _FastBackend:
         return self.tok.get_vocab(with_added_tokens=True)
 
 
+class _SPBackend:
+    """A bare SentencePiece model (tokenizer.model) through the sentencepiece library.
+    Control pieces (<s>, </s>, ...) count as special: matched in text when asked, dropped by
+    decode when skipping, else written out as their piece."""
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as e:  # sentencepiece raises OSError/RuntimeError on bad files
+            raise TokenizerError(f"{path}: cannot load SentencePiece model ({e})") from e
+        n = self.sp.get_piece_size()
+        self.special_ids = {i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        self._special_by_text = {self.sp.id_to_piece(i): i for i in self.special_ids
+                                 if self.sp.is_control(i)}
+        self._split = (re.compile("(" + "|".join(re.escape(t) for t in
+                                                 sorted(self._special_by_text, key=len, reverse=True)) + ")")
+                       if self._special_by_text else None)
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        if not special or self._split is None:
+            return list(self.sp.encode(text))
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self._special_by_text:
+                ids.append(self._special_by_text[part])
+            elif part:
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        if skip_special:
+            return self.sp.decode([i for i in ids if i not in self.special_ids])
+        out, run = [], []
+        for i in ids:   # sentencepiece drops control pieces: write them out between runs
+            if i in self.special_ids and self.sp.is_control(i):
+                if run:
+                    out.append(self.sp.decode(run))
+                    run = []
+                out.append(self.sp.id_to_piece(i))
+            else:
+                run.append(i)
+        if run:
+            out.append(self.sp.decode(run))
+        return "".join(out)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self.sp.piece_to_id(token)
+        return None if i == self.sp.unk_id() and token != self.sp.id_to_piece(i) else i
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self.sp.id_to_piece(int(i)) if 0 <= int(i) < self.sp.get_piece_size() else None
+
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def vocab(self) -> dict[str, int]:
+        return {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
+
+
 class _HFBackend:
-    """transformers' tokenizer, for folders with only SentencePiece files."""
+    """transformers' tokenizer: last resort for tokenizer.model files when the sentencepiece
+    library is absent."""
 
     def __init__(self, folder: Path):
         try:
@@ -222,7 +283,11 @@ class Tokenizer:
         if (folder / "tokenizer.json").is_file():
             backend = _FastBackend(folder / "tokenizer.json")
         elif (folder / "tokenizer.model").is_file():
-            backend = _HFBackend(folder)
+            try:
+                import sentencepiece  # noqa: F401
+                backend = _SPBackend(folder / "tokenizer.model")
+            except ImportError:    # transformers may still manage (e.g. tiktoken files)
+                backend = _HFBackend(folder)
         else:
             raise TokenizerError(f"{folder}: no tokenizer found (looked for tokenizer.json and "
                                  "tokenizer.model); copy the tokenizer files of the original model "

@@ -242,3 +242,51 @@ def _sp_tok(folder: Path) -> Tokenizer:
     if folder not in _SP_CACHE:
         _SP_CACHE[folder] = Tokenizer.from_folder(folder)
     return _SP_CACHE[folder]
+
+
+# -- bare SentencePiece model (tokenizer.model only) vs the sentencepiece library ----------------
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory) -> Path:
+    spm = pytest.importorskip("sentencepiece")
+    import io
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world hello there",
+              "a stitch in time saves nine", "lorem ipsum dolor sit amet"] * 50
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=buf, vocab_size=320,
+                                   byte_fallback=True, model_type="bpe", character_coverage=1.0,
+                                   unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+    folder = tmp_path_factory.mktemp("spm")
+    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+    return folder
+
+
+def test_sentencepiece_model_matches_library(spm_dir):
+    import sentencepiece as spm
+    ref = spm.SentencePieceProcessor(model_file=str(spm_dir / "tokenizer.model"))
+    tok = Tokenizer.from_folder(spm_dir)
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (ref.get_piece_size(), 1, {2})
+    rng = random.Random()
+    texts = ["hello world", "hi 🤗 there", "Ünïcödé 日本", "two  spaces", "\ttab"] + [
+        _random_text(rng, rng.randint(1, 40)).replace("<|im_end|>", "") for _ in range(20)]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == [1] + list(ref.encode(text)), text
+        assert tok.decode(ids) == ref.decode(ids[1:]), text
+        assert tok.id_to_piece(ids[-1]) == ref.id_to_piece(ids[-1])
+    assert tok.encode("a</s>b", add_bos=False).count(2) == 1                 # matched as special
+    assert 2 not in tok.encode("a</s>b", add_bos=False, special=False)
+    assert tok.decode([1, *ref.encode("hi")], skip_special=False) == "<s>" + ref.decode(ref.encode("hi"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_incremental_decoder_property_sentencepiece_model(spm_dir, data):
+    tok = _sp_tok(spm_dir)
+    ids = data.draw(st.lists(st.one_of(st.integers(0, tok.vocab_size - 1), st.integers(0, 260)),
+                             max_size=30))
+    skip = data.draw(st.booleans())
+    dec = IncrementalDecoder(tok, skip_special=skip)
+    assert "".join(dec.add(i) for i in ids) + dec.flush() == tok.decode(ids, skip_special=skip)
