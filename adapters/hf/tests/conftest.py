@@ -78,3 +78,9 @@ def quantized_dirs(tmp_path_factory, tokenizer_dir):
                 if (dense / f).exists() and not (Path(out[k]) / f).exists():
                     shutil.copy(dense / f, Path(out[k]) / f)
     return out
+
+
+@pytest.fixture(scope="session")
+def dense_factory():
+    """make_dense as a fixture (test modules must not import conftest by name)."""
+    return make_dense

@@ -91,6 +91,8 @@ def test_exl2_logits_match_hf_with_float64_dequantised_weights(quantized_dirs):
                 w = dequantize_reference(m.packed, dtype=torch.float64).t()     # (out, in)
                 target = dense.get_submodule(name)
                 target.weight.copy_(w.to(torch.float32))
+        for name, p in hf.named_parameters():        # embeddings/norms as stored in the EXL2 folder (fp16)
+            dense.get_parameter(name).copy_(p)
     ids = _ids(hf.config.vocab_size)
     with torch.inference_mode():
         got, want = hf(ids).logits, dense(ids).logits
@@ -228,3 +230,20 @@ def test_import_exl_core_alone_enables_from_pretrained(quantized_dirs):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "QuantLinear"
+
+
+def test_tied_model_with_quantized_head(tmp_path, dense_factory):
+    """ExLlamaV2's layout for tied models: fp16 embedding kept, separately quantized lm_head wins."""
+    from exl_core.quantize.rtn import quantize_model_rtn
+    dense = dense_factory(tmp_path / "dense", int.from_bytes(os.urandom(4), "little"), None, tie=True)
+    folder = quantize_model_rtn(dense, tmp_path / "exl2", fmt="exl2", bits=4, group_size=32, head_bits=6)
+    hf = _load(folder)
+    assert isinstance(hf.lm_head, QuantLinear) and hf.lm_head.is_quantized
+    assert isinstance(hf.model.embed_tokens, torch.nn.Embedding)
+    ids = _ids(hf.config.vocab_size)
+    with torch.inference_mode():
+        got = hf(ids).logits
+    torch.testing.assert_close(got, _native_logits(folder, ids), rtol=1e-4, atol=1e-4)
+    hf.save_pretrained(tmp_path / "saved")
+    with torch.inference_mode():
+        torch.testing.assert_close(_load(tmp_path / "saved")(ids).logits, got, rtol=0, atol=0)
