@@ -211,28 +211,40 @@ def quantize_rtn(W: torch.Tensor, bits: int = 4, group_size: int = 128, sym: boo
         g_idx = torch.arange(K) // gs
     G = -(-K // gs)
     v1 = checkpoint_is_v1({"checkpoint_format": checkpoint_format})
-    maxq = 2 ** bits - 1
+    order = torch.sort(g_idx, stable=True).indices                  # rows grouped: group g = block g
+    ws = W[order]
+    q_sorted, scales, zeros = [], [], []
+    full = K // gs
+    for lo, hi in ((0, full), (full, G)):                           # whole groups, then a short tail
+        if hi > lo:
+            blk = ws[lo * gs:min(hi * gs, K)].view(hi - lo, -1, N)     # (groups, rows, N)
+            q, s, z = _rtn_groups(blk, bits, sym, v1)
+            q_sorted.append(q.reshape(-1, N))
+            scales.append(s)
+            zeros.append(z)
     q = torch.empty(K, N, dtype=torch.int64)
-    scales = torch.empty(G, N, dtype=torch.float64)
-    zeros = torch.empty(G, N, dtype=torch.int64)
-    for g in range(G):
-        rows = (g_idx == g).nonzero().squeeze(1)
-        x = W[rows]                                                   # (rows, N)
-        if sym:
-            s = fp16_ceil(2 * x.abs().amax(dim=0) / maxq)
-            z = torch.full((N,), 2 ** (bits - 1), dtype=torch.int64)
-        else:
-            xmin = x.amin(dim=0).clamp(max=0)
-            xmax = x.amax(dim=0).clamp(min=0)
-            s = fp16_ceil((xmax - xmin) / maxq)
-            z = torch.round(-xmin / s).to(torch.int64)
-            if v1:   # zero 0 is not storable in v1: widen the scale so zero 1 still covers [0, xmax]
-                bad = z == 0
-                s = torch.where(bad, fp16_ceil(xmax / (maxq - 1)), s)
-                z = torch.where(bad, torch.ones_like(z), z)
-        q[rows] = torch.clamp(torch.round(x / s) + z, 0, maxq).to(torch.int64)
-        scales[g], zeros[g] = s, z
+    q[order] = torch.cat(q_sorted)
+    scales, zeros = torch.cat(scales), torch.cat(zeros)
     return pack_layer(q, scales, zeros, g_idx, bits, checkpoint_format, bias)
+
+
+def _rtn_groups(x: torch.Tensor, bits: int, sym: bool, v1: bool):
+    """x (groups, rows, N) float64 -> q (groups, rows, N), scale (groups, N), zero (groups, N)."""
+    maxq = 2 ** bits - 1
+    if sym:
+        s = fp16_ceil(2 * x.abs().amax(dim=1) / maxq)
+        z = torch.full_like(s, 2 ** (bits - 1), dtype=torch.int64)
+    else:
+        xmin = x.amin(dim=1).clamp(max=0)
+        xmax = x.amax(dim=1).clamp(min=0)
+        s = fp16_ceil((xmax - xmin) / maxq)
+        z = torch.round(-xmin / s).to(torch.int64)
+        if v1:   # zero 0 is not storable in v1: widen the scale so zero 1 still covers [0, xmax]
+            bad = z == 0
+            s = torch.where(bad, fp16_ceil(xmax / (maxq - 1)), s)
+            z = torch.where(bad, torch.ones_like(z), z)
+    q = torch.clamp(torch.round(x / s.unsqueeze(1)) + z.unsqueeze(1), 0, maxq).to(torch.int64)
+    return q, s, z
 
 
 # ---- plug-in -------------------------------------------------------------------------------

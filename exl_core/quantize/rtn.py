@@ -48,6 +48,10 @@ def quantize_model_rtn(src_folder, dst_folder, fmt: str = "gptq", bits: BitsSpec
         raise ConfigError(f"{dst}: destination must differ from the source folder")
     if fmt == "gptq" and not isinstance(bits, int):
         raise ConfigError("quantize_model_rtn: GPTQ needs a single integer bit width")
+    if fmt == "gptq" and head_bits not in (None, bits):
+        # GPTQ configs carry one `bits` (GPTQModel's lm_head=True reuses it); readers could not
+        # tell the head's width apart from a corrupt tensor.
+        raise ConfigError(f"quantize_model_rtn: GPTQ head_bits must equal bits ({bits}) or be None")
 
     reader = WeightReader(src)
     names = sorted(reader.names())
