@@ -72,6 +72,14 @@ def quantized_dirs(tmp_path_factory, tokenizer_dir):
                                      bits=[(6, 0.25), (4, 0.75)], group_size=32, act_order=True)
     out["gptq"] = quantize_model_rtn(dense, tmp_path_factory.mktemp("gptq"), fmt="gptq", bits=4, group_size=32,
                                      sym=False)
+    # quantize_model_rtn writes damp_percent=0.0, which transformers' GPTQConfig rejects
+    # ("damp_percent must between 0 and 1"); RTN uses no damping, any value in (0, 1) is honest.
+    import json
+    cfg_path = Path(out["gptq"]) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if not 0 < cfg["quantization_config"].get("damp_percent", 0.01) < 1:
+        cfg["quantization_config"]["damp_percent"] = 0.01
+        cfg_path.write_text(json.dumps(cfg, indent=2))
     for k in ("exl2", "gptq"):
         if tokenizer_dir is not None:
             for f in TOKENIZER_FILES:
