@@ -4,6 +4,7 @@ with transformers' own GGUF loader, and load in transformers; plus the real Smol
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -93,7 +94,8 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias=None):
+def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias=None,
+                    rope_freqs=None, orig_ctx=None):
     """Returns (HF weights as written, the tensors the GGUF really holds after Q8_0, in HF
     order and layout). Llama-type archs get llama.cpp's q/k row permutation, qwen2 does not."""
     import gguf
@@ -111,6 +113,10 @@ def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(HD)
+    if orig_ctx is not None:
+        w.add_rope_scaling_orig_ctx_len(orig_ctx)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
@@ -193,6 +199,49 @@ def test_tiny_gguf_matches_transformers_loader(tmp_path, arch):
         assert torch.equal(sd[k], r.get(k, dtype=torch.float32)), k
     logits = model(torch.tensor([[3, 50, 60, 70]])).logits
     assert logits.shape == (1, 4, len(_tiny_vocab()[0])) and torch.isfinite(logits).all()
+
+
+def _llama3_divisors(theta, dim, factor, lf, hf, old):
+    """convert_hf_to_gguf's rope_freqs for a llama3 rope_scaling, written out per frequency."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < old / hf:
+            out.append(1.0)
+        elif wavelen > old / lf:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lf) / (hf - lf)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+@pytest.mark.parametrize("factor,lf,hf,old", [(8.0, 1.0, 4.0, 256), (4.0, 1.0, 2.0, 128)])
+def test_rope_freqs_become_llama3_rope_scaling(tmp_path, factor, lf, hf, old):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    src = tmp_path / "tiny.gguf"
+    ff = _llama3_divisors(50000.0, HD, factor, lf, hf, old)
+    assert 1.0 < max(ff) and min(ff) == 1.0
+    write_tiny_gguf(src, tied=True, rope_freqs=ff, orig_ctx=old)
+    out = import_gguf(src, tmp_path / "out", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": factor, "low_freq_factor": lf,
+                                   "high_freq_factor": hf, "original_max_position_embeddings": old}
+    assert "rope_freqs.weight" not in WeightReader(out).names()
+    # transformers reads the imported config back into the same per-frequency divisors
+    rope = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(str(out)))
+    base = 1.0 / 50000.0 ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD)
+    assert torch.allclose(base / rope.inv_freq.double(), torch.tensor(ff, dtype=torch.float64),
+                          rtol=1e-5)
+
+
+def test_rope_freqs_unrepresentable(tmp_path):
+    src = tmp_path / "odd.gguf"
+    write_tiny_gguf(src, tied=True, rope_freqs=np.random.uniform(1.5, 3.0, HD // 2))
+    with pytest.raises(FormatError) as e:
+        import_gguf(src, tmp_path / "out", progress=False)
+    assert "odd.gguf" in str(e.value) and "rope_freqs.weight" in str(e.value)
 
 
 def test_tiny_gguf_tokenizer_files(tmp_path):

@@ -105,6 +105,53 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
              .reshape(shape))
 
 
+def llama3_freq_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """Per-frequency divisors of HF's "llama3" rope_scaling, i.e. what llama.cpp stores as
+    rope_freqs.weight: (head_dim/2,) float64."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old = float(original_max_position_embeddings)
+    smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high_freq_factor, 1.0,
+                    np.where(wavelen > old / low_freq_factor, factor, medium))
+
+
+def _rope_scaling_from_factors(ff: np.ndarray, head_dim: int, theta: float,
+                               orig_ctx: Optional[int], path: str) -> Optional[dict]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's rope_freqs tensor (Llama 3.1+ GGUFs
+    carry the scaling only there). None when every factor is 1."""
+    ff = np.asarray(ff, dtype=np.float64).reshape(-1)
+    if ff.shape[0] != head_dim // 2:
+        raise FormatError(f"{path}: tensor 'rope_freqs.weight' has {ff.shape[0]} values, expected "
+                          f"head_dim/2 = {head_dim // 2}")
+    if np.allclose(ff, 1.0):
+        return None
+    factor = round(float(ff.max()), 4)
+    candidates = [(1.0, 4.0, orig_ctx or 8192), (1.0, 4.0, 8192)]
+    # the medium band gives smooth = a/wavelen - b; with low_freq_factor = 1 that fixes the rest
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    mid = (ff > 1 + 1e-6) & (ff < factor - 1e-6)
+    smooth = (factor / ff[mid] - 1) / (factor - 1)
+    if orig_ctx and mid.any() and (smooth > 0).all():   # known context: solve for hf directly
+        hf_est = float(np.mean(1 + (orig_ctx / wavelen[mid] - 1) / smooth))
+        candidates.insert(0, (1.0, round(hf_est, 3), int(orig_ctx)))
+    if mid.sum() >= 2:
+        a, b = np.polyfit(1 / wavelen[mid], smooth, 1)
+        a, b = float(a), -float(b)
+        if a > 0 and b > 0:   # smooth = (old/wavelen - 1)/(hf - 1): a = old/(hf-1), b = 1/(hf-1)
+            candidates.insert(0, (1.0, round(1 + 1 / b, 3), int(round(a / b))))
+    for lf, hf, old in candidates:
+        pred = llama3_freq_factors(head_dim, theta, factor, lf, hf, old)
+        if np.allclose(pred, ff, rtol=1e-3, atol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(lf),
+                    "high_freq_factor": float(hf), "original_max_position_embeddings": int(old)}
+    raise FormatError(f"{path}: tensor 'rope_freqs.weight' holds per-frequency RoPE factors that "
+                      "match no llama3 rope_scaling; exl_core cannot represent them")
+
+
 def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -236,6 +283,14 @@ def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
                             int(embed.shape[-1]))
     if any(n.endswith(".bias") and ".attn_" in n for n in names):
         cfg["attention_bias"] = True
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        scaling = _rope_scaling_from_factors(
+            gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type), cfg["head_dim"],
+            cfg["rope_theta"], _field(reader, f"{arch}.rope.scaling.original_context_length"),
+            str(gguf_path))
+        if scaling is not None:
+            cfg["rope_scaling"] = scaling
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     tensors: dict[str, torch.Tensor] = {}
