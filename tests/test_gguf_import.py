@@ -269,6 +269,19 @@ def test_tiny_gguf_tokenizer_files(tmp_path):
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"].startswith("{% for m")
 
 
+def test_sharded_import_equals_single(tmp_path):
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, tied=False)
+    one = import_gguf(src, tmp_path / "one", progress=False)
+    many = import_gguf(src, tmp_path / "many", progress=False, max_shard_bytes=40_000)
+    assert (many / "model.safetensors.index.json").is_file() and not (many / "model.safetensors").exists()
+    r1, r2 = WeightReader(one), WeightReader(many)
+    assert r1.names() == r2.names()
+    assert len({r2.file_of(n) for n in r2.names()}) > 2
+    for n in r1.names():
+        assert torch.equal(r1.get(n), r2.get(n)), n
+
+
 def test_unknown_architecture(tmp_path):
     src = tmp_path / "weird.gguf"
     write_tiny_gguf(src, tied=True, arch="mamba")

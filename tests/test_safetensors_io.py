@@ -120,6 +120,27 @@ def test_interrupted_write_never_looks_complete(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []          # no final names, no temp leftovers
 
 
+def test_sharded_writer_streams_and_aborts(tmp_path):
+    ts = _random_tensors(12)
+    with sio.ShardedWriter(tmp_path / "ok", max_shard_bytes=64) as w:
+        for k, t in ts.items():
+            w.add(k, t)
+        assert not list((tmp_path / "ok").glob("model*"))     # nothing final before close
+    r = WeightReader(tmp_path / "ok")
+    assert all(torch.equal(r.get(k), t) for k, t in ts.items())
+    with pytest.raises(RuntimeError):
+        with sio.ShardedWriter(tmp_path / "bad", max_shard_bytes=64) as w:
+            for k, t in ts.items():
+                w.add(k, t)
+            raise RuntimeError("converter failed")
+    assert list((tmp_path / "bad").iterdir()) == []
+    w = sio.ShardedWriter(tmp_path / "dup")
+    w.add("x", torch.zeros(2))
+    with pytest.raises(FormatError, match="'x' written twice"):
+        w.add("x", torch.zeros(2))
+    w.abort()
+
+
 def test_tied_aliases_are_written(tmp_path):
     w = torch.randn(8, 4)
     write_sharded({"model.embed_tokens.weight": w, "lm_head.weight": w}, tmp_path)

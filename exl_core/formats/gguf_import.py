@@ -254,13 +254,27 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
+def _dequantize(t, arch: str, n_head: int, n_kv: int) -> np.ndarray:
+    """One GGUF tensor as float32 in HF layout."""
+    import gguf
+    # dequantize returns float32 in numpy order (= HF order: out_features, in_features)
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    w = np.array(w, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
+    if SUPPORTED_ARCHS[arch].permute_qk:
+        if ".attn_q." in t.name:
+            w = unpermute_rope_rows(w, n_head)
+        elif ".attn_k." in t.name:
+            w = unpermute_rope_rows(w, n_kv)
+    return np.ascontiguousarray(w)
+
+
 def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
-                progress: bool = True) -> Path:
+                progress: bool = True, max_shard_bytes: int = 4 * 1024 ** 3) -> Path:
     """Convert a Llama-family GGUF into an HF-style folder at `out_dir` (replaced if present).
     Returns the folder path."""
     import gguf
     from tqdm.auto import tqdm
-    from .safetensors_io import write_sharded
+    from .safetensors_io import ShardedWriter
 
     gguf_path = Path(gguf_file).resolve()
     out = Path(out_dir).resolve()
@@ -293,28 +307,19 @@ def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
             cfg["rope_scaling"] = scaling
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
-    tensors: dict[str, torch.Tensor] = {}
-    it = tqdm(reader.tensors, desc=f"import {gguf_path.name}", unit="tensor", disable=not progress)
-    for t in it:
-        hf = gguf_to_hf_name(t.name, str(gguf_path))
-        if hf is None:
-            continue
-        # dequantize returns float32 in numpy order (= HF order: out_features, in_features)
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.array(w, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
-        if not SUPPORTED_ARCHS[arch].permute_qk:
-            pass
-        elif ".attn_q." in t.name:
-            w = unpermute_rope_rows(w, n_head)
-        elif ".attn_k." in t.name:
-            w = unpermute_rope_rows(w, n_kv)
-        tensors[hf] = torch.from_numpy(w).to(dtype)
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_sharded(tensors, tmp, metadata={"format": "pt", "source": gguf_path.name})
-        del tensors
+        # stream: one dequantized tensor at a time, one shard in memory at most
+        with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes,
+                           metadata={"source": gguf_path.name}) as writer:
+            it = tqdm(reader.tensors, desc=f"import {gguf_path.name}", unit="tensor",
+                      disable=not progress)
+            for t in it:
+                hf = gguf_to_hf_name(t.name, str(gguf_path))
+                if hf is None:
+                    continue
+                writer.add(hf, torch.from_numpy(_dequantize(t, arch, n_head, n_kv)).to(dtype))
         cfg_out = dict(cfg)
         cfg_out["torch_dtype"] = str(dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2))

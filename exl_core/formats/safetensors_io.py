@@ -280,72 +280,115 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class ShardedWriter:
+    """Streams tensors into safetensors shards of at most `max_shard_bytes`, so a converter
+    never holds more than one shard in memory:
+
+        with ShardedWriter(folder) as w:
+            for name, t in ...: w.add(name, t)
+        # -> model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+
+    Shards are written under temporary names (n is unknown until the end) and renamed by
+    close(); the index, or the single file, comes last, so an interrupted write never looks
+    complete. Leaving the `with` block by an exception deletes the temporary files."""
+
+    def __init__(self, folder: Union[str, Path], max_shard_bytes: int = 2 * 1024 ** 3,
+                 metadata: Optional[Mapping[str, str]] = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.meta = {"format": "pt"}
+        self.meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._tmp: list[tuple[Path, list[str]]] = []   # written temp shards and their tensors
+        self._seen: set[str] = set()
+        self._total = 0
+        self._tag = f"{os.getpid()}-{id(self):x}"
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self._seen:
+            raise FormatError(f"{self.folder}: tensor '{name}' written twice")
+        if t.dtype not in _TORCH_TO_ST:
+            raise FormatError(f"{self.folder}: tensor '{name}' has dtype {t.dtype}, which "
+                              "safetensors cannot store")
+        t = t.detach().to("cpu").contiguous()
+        # safetensors refuses tensors sharing memory (tied weights): give each its own copy
+        if t.numel() and any(p.numel() and p.data_ptr() == t.data_ptr() for p in self._pending.values()):
+            t = t.clone()
+        nb = _nbytes(t)
+        if self._pending and self._pending_bytes + nb > self.max_shard_bytes:
+            self._flush()
+        self._seen.add(name)
+        self._pending[name] = t
+        self._pending_bytes += nb
+        self._total += nb
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+        tmp = self.folder / f".shard-{len(self._tmp):05d}.tmp-{self._tag}"
+        self._tmp.append((tmp, list(self._pending)))
+        save_file(self._pending, str(tmp), metadata=self.meta)
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Finish: rename shards into place, write the index. Returns the final files."""
+        if self._pending or not self._tmp:
+            self._flush()
+        n = len(self._tmp)
+        finals = ([SINGLE_NAME] if n == 1 else
+                  [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        index_tmp = None
+        if n > 1:
+            index = {"metadata": {"total_size": self._total},
+                     "weight_map": {k: f for (_, names), f in zip(self._tmp, finals) for k in names}}
+            index_tmp = self.folder / f".{INDEX_NAME}.tmp-{self._tag}"
+            index_tmp.write_text(json.dumps(index, indent=2))
+        # a stale index from an earlier write would point at the wrong files: drop it first
+        if (self.folder / INDEX_NAME).exists():
+            os.unlink(self.folder / INDEX_NAME)
+        for (tmp, _), f in zip(self._tmp, finals):
+            os.replace(tmp, self.folder / f)
+        if index_tmp is not None:
+            os.replace(index_tmp, self.folder / INDEX_NAME)
+        keep = set(finals) | {INDEX_NAME}
+        for old in self.folder.glob("model*.safetensors"):   # leftovers of a different sharding
+            if old.name not in keep:
+                old.unlink()
+        self._tmp = []
+        out = [self.folder / f for f in finals]
+        return out + ([self.folder / INDEX_NAME] if n > 1 else [])
+
+    def abort(self) -> None:
+        """Delete everything written so far (only temporary files exist before close())."""
+        for tmp, _ in self._tmp:
+            if tmp.exists():
+                tmp.unlink()
+        for tmp in self.folder.glob(f".*.tmp-{self._tag}"):
+            tmp.unlink()
+        self._tmp, self._pending = [], {}
+
+    def __enter__(self) -> "ShardedWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_sharded(tensors: Mapping[str, torch.Tensor], folder: Union[str, Path],
                   max_shard_bytes: int = 2 * 1024 ** 3,
                   metadata: Optional[Mapping[str, str]] = None) -> list[Path]:
     """Write `tensors` as model.safetensors, or as model-0000i-of-0000n.safetensors shards plus
-    model.safetensors.index.json when they exceed `max_shard_bytes`. Every file is written
-    under a temporary name and renamed; the index (or the single file) is renamed last, so
-    an interrupted write never looks complete. Returns the written files."""
-    from safetensors.torch import save_file
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt"}
-    meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    used, seen_ptrs = 0, set()
-    for name, t in tensors.items():
-        if t.dtype not in _TORCH_TO_ST:
-            raise FormatError(f"{folder}: tensor '{name}' has dtype {t.dtype}, which safetensors "
-                              "cannot store")
-        t = t.detach().to("cpu").contiguous()
-        if t.numel() and t.data_ptr() in seen_ptrs:   # tied weights: safetensors refuses aliases
-            t = t.clone()
-        if t.numel():
-            seen_ptrs.add(t.data_ptr())
-        nb = _nbytes(t)
-        if shards[-1] and used + nb > max_shard_bytes:
-            shards.append({})
-            used = 0
-        shards[-1][name] = t
-        used += nb
-
-    n = len(shards)
-    final_names = ([SINGLE_NAME] if n == 1 else
-                   [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
-    tmp_names = []
-    pid = os.getpid()
+    model.safetensors.index.json when they exceed `max_shard_bytes` (see ShardedWriter:
+    atomic, an interrupted write never looks complete). Returns the written files."""
+    w = ShardedWriter(folder, max_shard_bytes, metadata)
     try:
-        for shard, fname in zip(shards, final_names):
-            tmp = folder / f".{fname}.tmp-{pid}"
-            tmp_names.append(tmp)
-            save_file(shard, str(tmp), metadata=meta)
-        index_tmp = None
-        if n > 1:
-            index = {"metadata": {"total_size": sum(_nbytes(t) for s in shards for t in s.values())},
-                     "weight_map": {k: fname for s, fname in zip(shards, final_names) for k in s}}
-            index_tmp = folder / f".{INDEX_NAME}.tmp-{pid}"
-            index_tmp.write_text(json.dumps(index, indent=2))
-            tmp_names.append(index_tmp)
-        # a stale index from an earlier write would point at the wrong files: drop it first
-        if (folder / INDEX_NAME).exists():
-            os.unlink(folder / INDEX_NAME)
-        for tmp, fname in zip(tmp_names, final_names):
-            os.replace(tmp, folder / fname)
-        if index_tmp is not None:
-            os.replace(index_tmp, folder / INDEX_NAME)
+        for name, t in tensors.items():
+            w.add(name, t)
+        return w.close()
     except BaseException:
-        for tmp in tmp_names:
-            if tmp.exists():
-                tmp.unlink()
+        w.abort()
         raise
-    # remove files of an earlier, differently sharded write
-    keep = set(final_names) | {INDEX_NAME}
-    for old in folder.glob("model*.safetensors"):
-        if old.name not in keep:
-            old.unlink()
-    out = [folder / f for f in final_names]
-    if n > 1:
-        out.append(folder / INDEX_NAME)
-    return out
