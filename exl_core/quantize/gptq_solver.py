@@ -132,7 +132,8 @@ def _group_params_gptq(w: torch.Tensor, bits: int, sym: bool):
     else:
         lo, hi = xmin * shrink, xmax * shrink
         scales = _round_fp16(((hi - lo) / maxq).clamp_min(1e-8))
-        zeros = torch.clamp(torch.round(-lo / scales), 0, maxq)
+        # zero ≥ 1: GPTQ v1 checkpoints store zero-1 and cannot hold -1
+        zeros = torch.clamp(torch.round(-lo / scales), 1, maxq)
     best = _best_of(w, scales, zeros, maxq)
     idx = torch.arange(w.shape[0])
     return scales[best, idx], zeros[best, idx]
@@ -158,87 +159,125 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, plan: LayerPlan, damp: float = 0.01,
                   block_cols: int = 128, name: str = "layer") -> QuantResult:
     """Quantize w (N, K) against input Hessian h (K, K) following `plan`."""
-    n, k = w.shape
+    return gptq_quantize_multi(w, h, [plan], damp, block_cols, name)[0]
+
+
+def _check_plan(plan: LayerPlan, k: int, name: str) -> None:
     if plan.in_features != k:
         raise InputError(f"{name}: plan covers {plan.in_features} input rows, weight has {k}")
-    if h.shape != (k, k):
-        raise InputError(f"{name}: Hessian {tuple(h.shape)} does not match in_features {k}")
     allowed = EXL2_BITS if plan.mode == "exl2" else GPTQ_BITS
     for b, _ in plan.groups:
         if b not in allowed:
             raise InputError(f"{name}: {plan.mode} cannot store {b}-bit weights (allowed {allowed})")
 
+
+def _starts(plan: LayerPlan) -> list[int]:
+    out, a = [], 0
+    for _, ln in plan.groups:
+        out.append(a)
+        a += ln
+    return out
+
+
+def _blocks(plans: list[LayerPlan], k: int, block_cols: int) -> list[tuple[int, int]]:
+    """Column blocks [i1, i2) that hold whole groups of every plan, about block_cols wide."""
+    common = set.intersection(*[set(_starts(p)) | {k} for p in plans])
+    bounds = sorted(common)
+    blocks, i1 = [], 0
+    for b in bounds[1:]:
+        if b - i1 >= block_cols or b == k:
+            blocks.append((i1, b))
+            i1 = b
+    return blocks
+
+
+def gptq_quantize_multi(w: torch.Tensor, h: torch.Tensor, plans: list[LayerPlan], damp: float = 0.01,
+                        block_cols: int = 128, name: str = "layer") -> list[QuantResult]:
+    """GPTQ of one weight under several plans at once (the measurement pass).
+
+    The plans share H⁻¹ and the act-order permutation, so their weights are stacked into one
+    (C·N, K) matrix and every column step is a single vector operation for all plans; each
+    row carries the scale/zero/max of its own plan's current group.
+    """
+    n, k = w.shape
+    if h.shape != (k, k):
+        raise InputError(f"{name}: Hessian {tuple(h.shape)} does not match in_features {k}")
+    if not plans:
+        return []
+    for p in plans:
+        _check_plan(p, k, name)
+    if len({p.act_order for p in plans}) != 1:
+        raise InputError(f"{name}: plans measured together must agree on act_order")
+    C = len(plans)
     W = w.detach().to(torch.float32).clone()
     H = h.detach().to(torch.float64).clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     perm = None
-    if plan.act_order:
+    if plans[0].act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W = W[:, perm]
         H = H[perm][:, perm]
     U = _inverse_cholesky(H, damp, name).to(torch.float32)     # (K, K) upper
 
-    G = len(plan.groups)
-    qint = torch.zeros(k, n, dtype=torch.int32)
-    scale = torch.zeros(G, n)
-    zero = torch.zeros(G, n)
-    codes = torch.zeros(G, n, dtype=torch.int32) if plan.mode == "exl2" else None
-    smaxes = torch.zeros(G, dtype=torch.float16) if plan.mode == "exl2" else None
-    Q = torch.zeros_like(W)                                     # dequantized, permuted order
+    Wall = W.repeat(C, 1)                                       # (C·N, K), plan c in rows c·N..
+    Qall = torch.zeros_like(Wall)                               # dequantized, permuted order
+    qall = torch.zeros(C * n, k, dtype=torch.int32)
+    S = torch.ones(C * n)
+    Z = torch.zeros(C * n)
+    M = torch.zeros(C * n)                                      # maxq of the row's current group
+    starts = [_starts(p) for p in plans]
+    begins = {}                                                 # column -> [(plan, group)]
+    for c, st in enumerate(starts):
+        for gi, a in enumerate(st):
+            begins.setdefault(a, []).append((c, gi))
+    res_scale = [torch.zeros(len(p.groups), n) for p in plans]
+    res_zero = [torch.zeros(len(p.groups), n) for p in plans]
+    res_code = [torch.zeros(len(p.groups), n, dtype=torch.int32) if p.mode == "exl2" else None for p in plans]
+    res_smax = [torch.zeros(len(p.groups), dtype=torch.float16) if p.mode == "exl2" else None for p in plans]
 
-    # blocks of whole groups, about block_cols columns each
-    starts, a = [], 0
-    for b, ln in plan.groups:
-        starts.append(a)
-        a += ln
-    blocks, cur = [], []
-    for gi, (b, ln) in enumerate(plan.groups):
-        cur.append(gi)
-        if sum(plan.groups[g][1] for g in cur) >= block_cols:
-            blocks.append(cur)
-            cur = []
-    if cur:
-        blocks.append(cur)
-
-    for blk in blocks:
-        i1 = starts[blk[0]]
-        i2 = starts[blk[-1]] + plan.groups[blk[-1]][1]
-        W1 = W[:, i1:i2].clone()                                # (N, cols)
+    for i1, i2 in _blocks(plans, k, block_cols):
+        W1 = Wall[:, i1:i2].clone()                             # (C·N, cols)
         E1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
-        for gi in blk:
-            bits, ln = plan.groups[gi]
-            maxq = 2 ** bits - 1
-            g0 = starts[gi] - i1
-            wg = W1[:, g0:g0 + ln]
-            if plan.mode == "exl2":
-                s, z, c, sm = _group_params_exl2(wg, bits)
-                codes[gi], smaxes[gi] = c, sm
-            else:
-                s, z = _group_params_gptq(wg, bits, plan.sym)
-            scale[gi], zero[gi] = s, z
-            for j in range(g0, g0 + ln):
-                col = W1[:, j]
-                q = torch.clamp(torch.round(col / s) + z, 0, maxq)
-                dq = (q - z) * s
-                qint[i1 + j] = q.to(torch.int32)
-                Q[:, i1 + j] = dq
-                e = (col - dq) / U1[j, j]
-                E1[:, j] = e
-                if j + 1 < W1.shape[1]:
-                    W1[:, j + 1:].addr_(e, U1[j, j + 1:], alpha=-1.0)
+        for j in range(i2 - i1):
+            for c, gi in begins.get(i1 + j, ()):
+                bits, ln = plans[c].groups[gi]
+                rows = slice(c * n, (c + 1) * n)
+                wg = W1[rows, j:j + ln]
+                if plans[c].mode == "exl2":
+                    sc, zc, code, sm = _group_params_exl2(wg, bits)
+                    res_code[c][gi], res_smax[c][gi] = code, sm
+                else:
+                    sc, zc = _group_params_gptq(wg, bits, plans[c].sym)
+                res_scale[c][gi], res_zero[c][gi] = sc, zc
+                S[rows], Z[rows], M[rows] = sc, zc, float(2 ** bits - 1)
+            col = W1[:, j]
+            q = torch.minimum(torch.clamp(torch.round(col / S) + Z, min=0), M)
+            dq = (q - Z) * S
+            qall[:, i1 + j] = q.to(torch.int32)
+            Qall[:, i1 + j] = dq
+            e = (col - dq) / U1[j, j]
+            E1[:, j] = e
+            if j + 1 < W1.shape[1]:
+                W1[:, j + 1:].addr_(e, U1[j, j + 1:], alpha=-1.0)
         if i2 < k:
-            W[:, i2:].addmm_(E1, U[i1:i2, i2:], alpha=-1.0)
+            Wall[:, i2:].addmm_(E1, U[i1:i2, i2:], alpha=-1.0)
 
-    w_hat = torch.empty_like(Q)
-    if perm is not None:
-        w_hat[:, perm] = Q
-    else:
-        w_hat = Q
-    groups = [(b, st, ln) for (b, ln), st in zip(plan.groups, starts)]
-    return QuantResult(qint, scale, zero, groups, perm, w_hat, codes, smaxes)
+    out = []
+    for c, p in enumerate(plans):
+        rows = slice(c * n, (c + 1) * n)
+        Q = Qall[rows]
+        if perm is not None:
+            w_hat = torch.empty_like(Q)
+            w_hat[:, perm] = Q
+        else:
+            w_hat = Q.clone()
+        groups = [(b, st, ln) for (b, ln), st in zip(p.groups, starts[c])]
+        out.append(QuantResult(qall[rows].T.contiguous(), res_scale[c], res_zero[c], groups,
+                               None if perm is None else perm.clone(), w_hat, res_code[c], res_smax[c]))
+    return out
 
 
 def rtn_quantize(w: torch.Tensor, plan: LayerPlan) -> QuantResult:

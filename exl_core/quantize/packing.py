@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from ..formats.packed import PackedWeight, pack_bitstream
+from ..formats.bitpack import pack_stream
+from ..formats.packed import PackedWeight
 from .gptq_solver import QuantResult
 
 
@@ -14,7 +15,7 @@ def to_packed(r: QuantResult, bias: Optional[torch.Tensor] = None, meta: Optiona
     k, n = r.qint.shape
     slabs, rows, qrow = [], [], 0
     for bits, k_start, k_len in r.groups:
-        slabs.append(pack_bitstream(r.qint[k_start:k_start + k_len], bits))
+        slabs.append(pack_stream(r.qint[k_start:k_start + k_len], bits))
         rows.append((bits, k_start, k_len, qrow))
         qrow += k_len * bits // 32
     pw = PackedWeight(

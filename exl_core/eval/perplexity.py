@@ -1,0 +1,145 @@
+"""Perplexity of a model on a token stream, and `exl eval ppl`.
+
+Windows of `ctx` tokens. Without a stride they do not overlap and every window scores its
+ctx-1 next-token predictions. With `stride` S the window start advances by S and each window
+scores only the targets no earlier window scored (each token predicted once, with up to ctx-1
+tokens of context: the sliding evaluation of HF's perplexity guide).
+
+    ppl = exp( Σ −log p(t_i | t_<i) / #scored )
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..errors import ExlError, InputError
+
+
+@dataclass
+class PplResult:
+    ppl: float
+    tokens: int          # scored predictions
+    windows: int
+    nll: float           # Σ negative log-likelihood (nats)
+
+    def as_dict(self) -> dict:
+        return {"ppl": self.ppl, "tokens": self.tokens, "windows": self.windows}
+
+
+def window_spans(n_tokens: int, ctx: int, stride: Optional[int] = None,
+                 max_windows: Optional[int] = None) -> list[tuple[int, int, int]]:
+    """[(begin, end, first_target)]: feed tokens[begin:end], score targets first_target..end-1."""
+    if ctx < 2:
+        raise InputError(f"--ctx must be at least 2, got {ctx}")
+    if n_tokens < 2:
+        raise InputError(f"perplexity needs at least 2 tokens, the text has {n_tokens}")
+    spans = []
+    if stride is None:
+        if n_tokens <= ctx:
+            spans = [(0, n_tokens, 1)]
+        else:
+            spans = [(b, b + ctx, b + 1) for b in range(0, n_tokens - ctx + 1, ctx)]
+    else:
+        if stride < 1 or stride > ctx:
+            raise InputError(f"--stride must be in 1..ctx ({ctx}), got {stride}")
+        scored_to = 1                                   # next target not yet scored
+        b = 0
+        while scored_to < n_tokens:
+            end = min(b + ctx, n_tokens)
+            spans.append((b, end, max(scored_to, b + 1)))
+            scored_to = end
+            if end == n_tokens:
+                break
+            b += stride
+    if max_windows is not None:
+        if max_windows < 1:
+            raise InputError(f"--windows must be ≥ 1, got {max_windows}")
+        spans = spans[:max_windows]
+    return spans
+
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]     # ids int64 [T] -> logits float [T, vocab]
+
+
+@torch.inference_mode()
+def perplexity_from_logits_fn(logits_fn: LogitsFn, ids: Sequence[int], ctx: int = 2048,
+                              stride: Optional[int] = None, max_windows: Optional[int] = None,
+                              progress: bool = False) -> PplResult:
+    ids_t = torch.as_tensor(list(ids), dtype=torch.int64)
+    spans = window_spans(len(ids_t), ctx, stride, max_windows)
+    nll, count = 0.0, 0
+    it = spans
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(spans, desc="perplexity", unit="window")
+    for b, e, first in it:
+        logits = logits_fn(ids_t[b:e]).float()                     # (e-b, vocab)
+        pred = logits[first - 1 - b:e - 1 - b]                     # rows predicting targets first..e-1
+        tgt = ids_t[first:e]
+        lp = torch.log_softmax(pred, -1).gather(-1, tgt[:, None])[:, 0]
+        nll -= lp.double().sum().item()
+        count += len(tgt)
+    return PplResult(math.exp(nll / count), count, len(spans), nll)
+
+
+def perplexity(model, ids: Sequence[int], ctx: int = 2048, stride: Optional[int] = None,
+               max_windows: Optional[int] = None, progress: bool = False) -> PplResult:
+    """Perplexity of an exl_core `Model` (dense, GPTQ or EXL2) on token ids."""
+    def logits_fn(window: torch.Tensor) -> torch.Tensor:
+        return model.forward_batch(window[None].to(model.device))[0]
+    return perplexity_from_logits_fn(logits_fn, ids, ctx, stride, max_windows, progress)
+
+
+def perplexity_of_folder(model_dir, text_file, ctx: int = 2048, stride: Optional[int] = None,
+                         max_windows: Optional[int] = None, device: str = "cpu", progress: bool = False) -> PplResult:
+    from ..loader import load_model
+    path = Path(text_file)
+    if not path.is_file():
+        raise InputError(f"text file {path} not found")
+    text = path.read_text(encoding="utf-8")
+    model, tok = load_model(model_dir, device=device)
+    ids = tok.encode(text, add_bos=False, special=False)
+    return perplexity(model, ids, ctx, stride, max_windows, progress)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="exl eval ppl", description="Perplexity of a model folder on a text file")
+    p.add_argument("-m", "--model", required=True, help="model folder (dense, GPTQ or EXL2)")
+    p.add_argument("-d", "--data", required=True, help="UTF-8 text file")
+    p.add_argument("--ctx", type=int, default=2048, help="tokens per window")
+    p.add_argument("--windows", type=int, help="evaluate at most this many windows")
+    p.add_argument("--stride", type=int, help="sliding windows advancing by this many tokens")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object {ppl, tokens, windows}")
+    return p
+
+
+def eval_main(argv: Optional[list[str]] = None) -> int:
+    """`exl eval ppl ...` (argv starts with the 'ppl' subcommand)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "ppl":
+        print("usage: exl eval ppl -m MODEL -d TEXTFILE [--ctx 2048] [--windows N] [--stride S] [--json]",
+              file=sys.stderr)
+        return 2
+    a = build_parser().parse_args(argv[1:])
+    try:
+        r = perplexity_of_folder(a.model, a.data, a.ctx, a.stride, a.windows, a.device, progress=not a.json)
+    except ExlError as e:
+        print(f"exl eval ppl: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(r.as_dict()))
+    else:
+        print(f"tokens: {r.tokens}\nwindows: {r.windows}\nperplexity: {r.ppl:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(eval_main())

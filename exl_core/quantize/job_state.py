@@ -1,0 +1,89 @@
+"""Resumable job folder: every finished step is a file written atomically (tmp + rename).
+
+    OUT/.exl_job/
+        job.json                 the settings the job was started with (a rerun must match)
+        calib.safetensors        calibration tokens [rows, length] + info
+        measure/state.safetensors  hidden states after the last measured layer (+ its index)
+        measure/layer_XXX.json   errors of every candidate for the layers of block XXX
+        measurement.json         all measurements (also copied to OUT/)
+        quant/state.safetensors  hidden states after the last quantized layer (+ its index)
+        quant/layer_XXX.safetensors  output tensors of block XXX
+        quant/head.safetensors
+
+A state file names the last layer whose outputs (layer file) were written before it, so a
+SIGKILL at any point loses at most the layer in progress, and recomputing it from the saved
+float32 hidden states gives bit-identical results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import InputError
+
+JOB_DIR = ".exl_job"
+
+
+def atomic_save(tensors: dict, path: Path, meta: Optional[dict] = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={k: str(v) for k, v in (meta or {}).items()})
+    os.replace(tmp, path)
+
+
+def atomic_json(data, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class JobState:
+    def __init__(self, out_dir: Path, settings: dict):
+        self.out = Path(out_dir)
+        self.dir = self.out / JOB_DIR
+        self.settings = settings
+
+    def open(self) -> bool:
+        """Creates or reopens the job; True when resuming. Refuses a job with other settings."""
+        f = self.dir / "job.json"
+        if f.is_file():
+            old = json.loads(f.read_text())
+            if old != self.settings:
+                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                raise InputError(f"{self.out}: holds an unfinished conversion with other settings ({', '.join(diff)}); "
+                                 "rerun with the same arguments to resume, or choose an empty output folder")
+            return True
+        atomic_json(self.settings, f)
+        return False
+
+    # -- files --------------------------------------------------------------------------------
+    def path(self, *parts) -> Path:
+        return self.dir.joinpath(*parts)
+
+    def save_state(self, stage: str, hidden: torch.Tensor, layer: int) -> None:
+        atomic_save({"hidden": hidden}, self.path(stage, "state.safetensors"), {"layer": layer})
+
+    def load_state(self, stage: str) -> tuple[Optional[torch.Tensor], int]:
+        """(hidden after the last finished layer, its index) or (None, -1)."""
+        p = self.path(stage, "state.safetensors")
+        if not p.is_file():
+            return None, -1
+        from safetensors import safe_open
+        with safe_open(str(p), "pt") as f:
+            layer = int(f.metadata()["layer"])
+            return f.get_tensor("hidden"), layer
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
