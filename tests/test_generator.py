@@ -515,6 +515,7 @@ def test_smollm2_16_prompts_batched_equal_alone(smollm2):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_smollm2_prefix_reuse(smollm2):
     model, tok = smollm2
     cache = Cache(model, max_tokens=4096, page_size=256)
