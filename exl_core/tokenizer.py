@@ -1,10 +1,10 @@
 """Tokenizer: text <-> token ids, chat templates and streaming detokenisation.
 
-Backed by the `tokenizers` library (tokenizer.json); folders holding only a SentencePiece model
-(tokenizer.model) use the `sentencepiece` library, or `transformers.AutoTokenizer` without it. Special-token ids come from
-tokenizer_config.json, config.json and generation_config.json together, because models
-disagree about which of them is authoritative (eos especially: chat models often stop on
-several ids).
+Backed by the `tokenizers` library (tokenizer.json); folders holding only a SentencePiece
+model (tokenizer.model) use the `sentencepiece` library (`transformers.AutoTokenizer` without
+it). Special-token ids come from tokenizer_config.json, config.json and generation_config.json
+together, because models disagree about which of them is authoritative (eos especially: chat
+models often stop on several ids).
 """
 from __future__ import annotations
 
@@ -335,12 +335,14 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of `ids`. Ids past the tokenizer's vocabulary (padding rows of a larger model
+        vocabulary) decode to nothing, as in `tokenizers`; negative ids are an error."""
         ids = [int(i) for i in ids]
         vs = self.vocab_size
-        for i in ids:
-            if not 0 <= i < vs:
-                raise TokenizerError(f"{self.folder}: token id {i} is outside the vocabulary "
-                                     f"[0, {vs})")
+        if any(i < 0 for i in ids):
+            raise TokenizerError(f"{self.folder}: negative token id in {ids[:20]}")
+        if any(i >= vs for i in ids):
+            ids = [i for i in ids if i < vs]
         text = self._b.decode(ids, skip_special)
         return _cleanup_spaces(text) if self.clean_up_spaces else text
 

@@ -133,6 +133,16 @@ def test_incremental_decoder_splits_multibyte_chars(pair):
     assert "".join(outs) == "🤗🚀 日本"
 
 
+@pytest.mark.real_model
+def test_decode_ids_past_vocab(pair):
+    ours, ref = pair
+    ids = ours.encode("Hello world")
+    padded = [ids[0], ours.vocab_size + 5, *ids[1:]]   # a padded model vocab may sample these
+    assert ours.decode(padded) == "Hello world"
+    with pytest.raises(TokenizerError, match="negative"):
+        ours.decode([-1])
+
+
 def test_missing_tokenizer_names_folder(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(TokenizerError) as e:
