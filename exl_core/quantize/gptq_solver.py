@@ -157,7 +157,7 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, plan: LayerPlan, damp: float = 0.01,
-                  block_cols: int = 128, name: str = "layer") -> QuantResult:
+                  block_cols: int = 32, name: str = "layer") -> QuantResult:
     """Quantize w (N, K) against input Hessian h (K, K) following `plan`."""
     return gptq_quantize_multi(w, h, [plan], damp, block_cols, name)[0]
 
@@ -180,19 +180,14 @@ def _starts(plan: LayerPlan) -> list[int]:
 
 
 def _blocks(plans: list[LayerPlan], k: int, block_cols: int) -> list[tuple[int, int]]:
-    """Column blocks [i1, i2) that hold whole groups of every plan, about block_cols wide."""
-    common = set.intersection(*[set(_starts(p)) | {k} for p in plans])
-    bounds = sorted(common)
-    blocks, i1 = [], 0
-    for b in bounds[1:]:
-        if b - i1 >= block_cols or b == k:
-            blocks.append((i1, b))
-            i1 = b
-    return blocks
+    """Column blocks [i1, i2), at most block_cols wide, starting at every group start of every
+    plan (so a group's scale is computed once all earlier columns' errors were applied to it)."""
+    bounds = sorted(set().union(*[set(_starts(p)) for p in plans]) | set(range(0, k, block_cols)) | {k})
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def gptq_quantize_multi(w: torch.Tensor, h: torch.Tensor, plans: list[LayerPlan], damp: float = 0.01,
-                        block_cols: int = 128, name: str = "layer") -> list[QuantResult]:
+                        block_cols: int = 32, name: str = "layer") -> list[QuantResult]:
     """GPTQ of one weight under several plans at once (the measurement pass).
 
     The plans share H⁻¹ and the act-order permutation, so their weights are stacked into one
@@ -221,9 +216,11 @@ def gptq_quantize_multi(w: torch.Tensor, h: torch.Tensor, plans: list[LayerPlan]
         H = H[perm][:, perm]
     U = _inverse_cholesky(H, damp, name).to(torch.float32)     # (K, K) upper
 
-    Wall = W.repeat(C, 1)                                       # (C·N, K), plan c in rows c·N..
-    Qall = torch.zeros_like(Wall)                               # dequantized, permuted order
-    qall = torch.zeros(C * n, k, dtype=torch.int32)
+    # Transposed, column-major work matrices: row j holds input column j of every plan's copy,
+    # so each step reads/writes contiguous memory.  (K, C·N), plan c in columns c·N..(c+1)·N
+    WT = W.T.contiguous().repeat(1, C)
+    QT = torch.zeros_like(WT)                                   # dequantized, permuted order
+    qT = torch.zeros(k, C * n, dtype=torch.int32)
     S = torch.ones(C * n)
     Z = torch.zeros(C * n)
     M = torch.zeros(C * n)                                      # maxq of the row's current group
@@ -238,44 +235,45 @@ def gptq_quantize_multi(w: torch.Tensor, h: torch.Tensor, plans: list[LayerPlan]
     res_smax = [torch.zeros(len(p.groups), dtype=torch.float16) if p.mode == "exl2" else None for p in plans]
 
     for i1, i2 in _blocks(plans, k, block_cols):
-        W1 = Wall[:, i1:i2].clone()                             # (C·N, cols)
-        E1 = torch.zeros_like(W1)
+        # group starts are block starts: WT[i1:] has every earlier column's update here
+        for c, gi in begins.get(i1, ()):
+            bits, ln = plans[c].groups[gi]
+            cols = slice(c * n, (c + 1) * n)
+            wg = WT[i1:i1 + ln, cols].T                         # (N, ln)
+            if plans[c].mode == "exl2":
+                sc, zc, code, sm = _group_params_exl2(wg, bits)
+                res_code[c][gi], res_smax[c][gi] = code, sm
+            else:
+                sc, zc = _group_params_gptq(wg, bits, plans[c].sym)
+            res_scale[c][gi], res_zero[c][gi] = sc, zc
+            S[cols], Z[cols], M[cols] = sc, zc, float(2 ** bits - 1)
+        W1 = WT[i1:i2].clone()                                  # (cols, C·N)
+        E1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
         for j in range(i2 - i1):
-            for c, gi in begins.get(i1 + j, ()):
-                bits, ln = plans[c].groups[gi]
-                rows = slice(c * n, (c + 1) * n)
-                wg = W1[rows, j:j + ln]
-                if plans[c].mode == "exl2":
-                    sc, zc, code, sm = _group_params_exl2(wg, bits)
-                    res_code[c][gi], res_smax[c][gi] = code, sm
-                else:
-                    sc, zc = _group_params_gptq(wg, bits, plans[c].sym)
-                res_scale[c][gi], res_zero[c][gi] = sc, zc
-                S[rows], Z[rows], M[rows] = sc, zc, float(2 ** bits - 1)
-            col = W1[:, j]
+            col = W1[j]
             q = torch.minimum(torch.clamp(torch.round(col / S) + Z, min=0), M)
             dq = (q - Z) * S
-            qall[:, i1 + j] = q.to(torch.int32)
-            Qall[:, i1 + j] = dq
+            qT[i1 + j] = q.to(torch.int32)
+            QT[i1 + j] = dq
             e = (col - dq) / U1[j, j]
-            E1[:, j] = e
-            if j + 1 < W1.shape[1]:
-                W1[:, j + 1:].addr_(e, U1[j, j + 1:], alpha=-1.0)
+            E1[j] = e
+            if j + 1 < W1.shape[0]:
+                W1[j + 1:].addr_(U1[j, j + 1:], e, alpha=-1.0)
         if i2 < k:
-            Wall[:, i2:].addmm_(E1, U[i1:i2, i2:], alpha=-1.0)
+            WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1.0)
 
     out = []
     for c, p in enumerate(plans):
         rows = slice(c * n, (c + 1) * n)
-        Q = Qall[rows]
+        Q = QT[:, rows].T                                       # (N, K) permuted order
         if perm is not None:
             w_hat = torch.empty_like(Q)
             w_hat[:, perm] = Q
         else:
             w_hat = Q.clone()
         groups = [(b, st, ln) for (b, ln), st in zip(p.groups, starts[c])]
-        out.append(QuantResult(qall[rows].T.contiguous(), res_scale[c], res_zero[c], groups,
+        out.append(QuantResult(qT[:, rows].contiguous(), res_scale[c], res_zero[c], groups,
                                None if perm is None else perm.clone(), w_hat, res_code[c], res_smax[c]))
     return out
 
