@@ -158,47 +158,72 @@ def _check_logits(logits: torch.Tensor, batched: bool) -> None:
         raise InputError(f"logits must be floating point, got {logits.dtype}")
 
 
-def _window(history: History, prompt_len: int, s: SamplerSettings, vocab: int, device) -> Optional[torch.Tensor]:
+def _window(history: History, prompt_len: int, s: SamplerSettings) -> Optional[torch.Tensor]:
     """Token ids (int64 [n]) the penalties look at: the last `penalty_range` tokens of the
     history, minus the first `prompt_len` when the prompt is not penalised."""
     if history is None or s.penalty_range == 0:
         return None
-    h = history if isinstance(history, torch.Tensor) else torch.as_tensor(list(history), dtype=torch.int64)
-    h = h.reshape(-1).to(device=device, dtype=torch.int64)
+    n = history.numel() if isinstance(history, torch.Tensor) else len(history)
     start = 0 if s.penalize_prompt else max(0, int(prompt_len))
     if s.penalty_range > 0:
-        start = max(start, h.numel() - s.penalty_range)
-    h = h[start:]
-    if h.numel() and int(h.min()) < 0:
-        raise InputError(f"token history contains a negative id ({int(h.min())})")
-    # Ids past the head (embedding vocab larger than the output vocab) can never be drawn,
-    # so there is nothing to penalise: drop them as HF does.
-    return h[h < vocab]
+        start = max(start, n - s.penalty_range)
+    if isinstance(history, torch.Tensor):
+        return history.reshape(-1)[start:]
+    return torch.tensor(history[start:] if isinstance(history, list) else list(history)[start:],
+                        dtype=torch.int64)
 
 
 def _adjust(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_lens) -> None:
-    """Steps 1-3 in place on x [B, V]."""
-    V = x.shape[1]
+    """Steps 1-3 in place on x [B, V], batched over rows as flat (row, token) lists so the
+    work is proportional to the biases and histories, not to B * V."""
+    B, V = x.shape
+    dev = x.device
+    br, bt, bv, nr, nt = [], [], [], [], []             # bias rows/tokens/values, ban rows/tokens
     for b, s in enumerate(settings):
-        row = x[b]
         if s.logit_bias:
-            ids = torch.tensor(list(s.logit_bias.keys()), dtype=torch.int64, device=x.device)
-            row.index_add_(0, ids, torch.tensor(list(s.logit_bias.values()), dtype=x.dtype, device=x.device))
+            br += [b] * len(s.logit_bias)
+            bt += list(s.logit_bias.keys())
+            bv += list(s.logit_bias.values())
         if s.banned_tokens:
-            row[torch.tensor(list(s.banned_tokens), dtype=torch.int64, device=x.device)] = -math.inf
-        if not s.uses_history:
-            continue
-        win = _window(histories[b], prompt_lens[b], s, V, x.device)
-        if win is None or win.numel() == 0:
-            continue
-        # Only the distinct seen ids change: work on them, not on the whole row.
-        ids, counts = torch.unique(win, return_counts=True)              # [n], [n]
-        vals = row[ids]
-        if s.repetition_penalty != 1.0:
-            p = s.repetition_penalty
-            vals = torch.where(vals < 0, vals * p, vals / p)
-        vals = vals - (counts.to(x.dtype) * s.frequency_penalty + s.presence_penalty)
-        row[ids] = vals
+            nr += [b] * len(s.banned_tokens)
+            nt += list(s.banned_tokens)
+    if br:
+        x.index_put_((torch.tensor(br, device=dev), torch.tensor(bt, device=dev)),
+                     torch.tensor(bv, dtype=x.dtype, device=dev), accumulate=True)
+    if nr:
+        x[torch.tensor(nr, device=dev), torch.tensor(nt, device=dev)] = -math.inf
+
+    rows, wins = [], []
+    for b, s in enumerate(settings):
+        if s.uses_history:
+            win = _window(histories[b], prompt_lens[b], s)
+            if win is not None and win.numel():
+                rows.append(b)
+                wins.append(win)
+    if not rows:
+        return
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    lens = torch.tensor([w.numel() for w in wins], dtype=torch.int64, device=dev)
+    toks = torch.cat(wins).to(device=dev, dtype=torch.int64)
+    if int(toks.min()) < 0:
+        raise InputError(f"token history contains a negative id ({int(toks.min())})")
+    keys = torch.repeat_interleave(rows_t, lens) * V + toks                # row * V + token
+    # Ids past the head (embedding vocab larger than the output vocab) can never be drawn,
+    # so there is nothing to penalise: drop them as HF does.
+    keys = keys[toks < V]
+    keys, counts = torch.unique(keys, return_counts=True)                  # distinct (row, token)
+    r, t = keys // V, keys % V
+
+    def per_pair(getter):                    # a per-row parameter, gathered for every pair
+        table = torch.zeros(B, dtype=x.dtype, device=dev)
+        table[rows_t] = torch.tensor([getter(settings[b]) for b in rows], dtype=x.dtype, device=dev)
+        return table[r]
+
+    rep, freq, pres = (per_pair(lambda s: s.repetition_penalty), per_pair(lambda s: s.frequency_penalty),
+                       per_pair(lambda s: s.presence_penalty))
+    vals = x[r, t]
+    vals = torch.where(vals < 0, vals * rep, vals / rep)      # HF/CTRL: always towards less likely
+    x[r, t] = vals - counts.to(x.dtype) * freq - pres
 
 
 def _temper(x: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor) -> None:
@@ -257,7 +282,7 @@ def _min_p(x: torch.Tensor, ms: torch.Tensor) -> torch.Tensor:
 def _typical(x: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
     """Keep the tokens whose surprise -log p is closest to the entropy H, growing the set in
     that order until its mass reaches `typical`; every token as close as the last one added
-    is kept too (HF semantics), and the closest one always."""
+    is kept too (HF semantics)."""
     B, V = x.shape
     logp = torch.log_softmax(x, dim=1)
     p = logp.exp()
@@ -271,9 +296,8 @@ def _typical(x: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
         # The order among equal distances does not change the threshold, so any k closest
         # candidates will do once the mass is reached inside them.
         if k == V or bool((last < k).all()):
-            thr = -neg.gather(1, last.clamp_(max=k - 1))
-            keep = dist <= thr
-            return keep.scatter_(1, order[:, :1], True)
+            thr = -neg.gather(1, last.clamp_(max=k - 1))     # >= the smallest distance,
+            return dist <= thr                                # so the closest token survives
         k = min(V, k * _GROW)
 
 
@@ -333,7 +357,7 @@ def _prepare(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[to
     prompt_lens = [0] * B if prompt_lens is None else list(prompt_lens)
     if len(histories) != B or len(prompt_lens) != B:
         raise InputError(f"got {len(histories)} histories / {len(prompt_lens)} prompt lengths for {B} rows")
-    for s in settings:
+    for s in {id(s): s for s in settings}.values():        # each distinct object once
         if not isinstance(s, SamplerSettings):
             raise InputError(f"expected SamplerSettings, got {type(s).__name__}")
         s.validate(V)
