@@ -238,6 +238,29 @@ def test_prefix_reuse_with_a_running_job_and_whole_prompt_cached():
     assert_pool_idle(cache)
 
 
+def test_jobs_enqueued_together_compute_a_shared_prefix_once():
+    model = TinyLM()
+    ps = 16
+    cache = Cache(model, max_tokens=2048, page_size=ps)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    prefix = rand_prompt(5 * ps)
+    prompts = [prefix + rand_prompt(random.randint(1, 20)) for _ in range(4)]
+    jobs = gen.enqueue([Job(p, max_new_tokens=3, sampler=GREEDY) for p in prompts])
+    run_all(gen)
+    unique = sum(len(p) - len(prefix) for p in prompts)
+    assert gen.stats.forward_tokens <= len(prefix) + unique + 3 * ps + 4 * 2
+    assert [j.reused_tokens for j in jobs[1:]] == [5 * ps] * 3
+    for j, p in zip(jobs, prompts):
+        assert_greedy(model, p, j.generated)
+    # without reuse every job computes everything
+    gen2 = Generator(model, Cache(model, max_tokens=2048, page_size=ps), max_batch_tokens=64, max_chunk_size=32,
+                     prefix_reuse=False)
+    jobs2 = gen2.enqueue([Job(p, max_new_tokens=3, sampler=GREEDY) for p in prompts])
+    run_all(gen2)
+    assert gen2.stats.forward_tokens == sum(len(p) for p in prompts) + 4 * 2
+    assert [j.generated for j in jobs2] == [j.generated for j in jobs]
+
+
 def test_prompt_longer_than_cache_and_empty_prompt():
     model = TinyLM()
     cache = Cache(model, max_tokens=64, page_size=16)

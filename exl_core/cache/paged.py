@@ -77,15 +77,23 @@ class Cache:
                                  f"{self.num_pages} pages of {self.page_size} tokens ({self.max_tokens} tokens); "
                                  "raise Cache(max_tokens=...) or shorten the prompt")
 
+    def prompt_keys(self, prompt: Sequence[int]) -> list[bytes]:
+        """Keys of the prompt's full pages that may be shared: those ending before its last
+        token (which must run through the model to produce logits)."""
+        return page_keys(prompt[:len(prompt) - 1], self.page_size)
+
     def try_admit(self, prompt: Sequence[int], total_len: int, max_chunk: int,
-                  reuse: bool = True) -> Optional[PageTable]:
+                  reuse: bool = True, keys: Optional[list[bytes]] = None) -> Optional[PageTable]:
         """A PageTable for a new sequence, or None when the pool cannot promise its pages now.
 
         Reuses every cached full page of the prompt that ends before its last token (the last
         token must run through the model to produce logits). `total_len`: positions whose K/V
         will ever be stored (prompt + new tokens - 1)."""
         ps = self.page_size
-        keys = page_keys(prompt[:len(prompt) - 1], ps) if reuse else []
+        if not reuse:
+            keys = []
+        elif keys is None:
+            keys = self.prompt_keys(prompt)
         matched = self.index.match(keys)
         keys = keys[:len(matched)]
         need = self.pages_to_reserve(total_len, len(matched), max_chunk)

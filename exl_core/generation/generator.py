@@ -110,10 +110,7 @@ class Generator:
         """Run one forward pass over everything schedulable; return this step's results."""
         with self._lock:
             results, self._events = self._events, []
-            if self.prefix_reuse:
-                self.scheduler.admit(self.waiting, self.active, self.cache)
-            else:
-                self._admit_without_reuse()
+            self.scheduler.admit(self.waiting, self.active, self.cache, reuse=self.prefix_reuse)
             plan = self.scheduler.plan(self.active)
             if not plan.items:
                 return results
@@ -136,18 +133,6 @@ class Generator:
             if sampled:
                 results.extend(self._sample_and_emit(sampled, logits))
             return results
-
-    def _admit_without_reuse(self) -> None:
-        # Same FIFO admission, but the cache is asked not to match prefixes.
-        while self.waiting and len(self.active) < self.scheduler.max_batch_size:
-            job = self.waiting[0]
-            table = self.cache.try_admit(job.input_ids, job.prompt_len + job.limit - 1,
-                                         self.scheduler.max_chunk_size, reuse=False)
-            if table is None:
-                break
-            self.waiting.popleft()
-            job.table, job.status = table, "active"
-            self.active.append(job)
 
     def _sample_and_emit(self, jobs: list[Job], logits: torch.Tensor) -> list[JobResult]:
         errors: list[BaseException] = []

@@ -94,6 +94,7 @@ class Job:
         self.finish_reason: Optional[str] = None
         self.limit = max_new_tokens          # may be lowered to what the cache can hold
         self.reused_tokens = 0               # prompt positions taken from the prefix index
+        self.page_keys: Optional[list[bytes]] = None   # Cache.prompt_keys(input_ids), computed once
         self.stream = None                   # streaming.TextStream
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..errors import InputError
 from .job import Job
@@ -61,13 +62,28 @@ class Scheduler:
         # every active job must be able to decode in one pass
         self.max_batch_size = min(max_batch_size, max_batch_tokens)
 
-    def admit(self, waiting: deque, active: list, cache) -> list[Job]:
-        """Move jobs from `waiting` to `active` while the cache can promise their pages."""
+    def admit(self, waiting: deque, active: list, cache, reuse: bool = True) -> list[Job]:
+        """Move jobs from `waiting` to `active` while the cache can promise their pages.
+
+        With `reuse`, a job whose next unmatched prefix page is being computed right now by an
+        active job's prefill waits for it instead of computing it again (many jobs sharing a
+        system prompt, enqueued together, then compute it once)."""
         admitted = []
+        pending: Optional[set] = None
         while waiting and len(active) < self.max_batch_size:
             job = waiting[0]
+            if reuse:
+                if job.page_keys is None:
+                    job.page_keys = cache.prompt_keys(job.input_ids)
+                if pending is None:
+                    pending = {k for a in active if a.fed < a.prompt_len and a.page_keys
+                               for k in a.page_keys[len(a.table.keys):]}
+                n = len(cache.index.match(job.page_keys))
+                if n < len(job.page_keys) and job.page_keys[n] in pending:
+                    break
             total_len = job.prompt_len + job.limit - 1     # the last sampled token is never fed
-            table = cache.try_admit(job.input_ids, total_len, self.max_chunk_size)
+            table = cache.try_admit(job.input_ids, total_len, self.max_chunk_size, reuse=reuse,
+                                    keys=job.page_keys)
             if table is None:
                 break
             waiting.popleft()
@@ -76,6 +92,8 @@ class Scheduler:
             job.status = "active"
             active.append(job)
             admitted.append(job)
+            if reuse and pending is not None and job.page_keys:
+                pending.update(job.page_keys[len(table.keys):])
         return admitted
 
     def plan(self, active: list[Job]) -> StepPlan:
