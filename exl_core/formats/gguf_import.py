@@ -28,7 +28,7 @@ import torch
 from ..errors import ConfigError, FormatError
 
 # Bump when the output of an import changes, so cached imports (default_model) are redone.
-IMPORT_VERSION = 2
+IMPORT_VERSION = 4
 MARKER_NAME = "exl_import.json"
 
 
@@ -236,6 +236,12 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     _fix_pre_tokenizer(out / "tokenizer.json", _field(reader, "tokenizer.ggml.pre"))
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    if tc.get("tokenizer_class") == "TokenizersBackend":
+        # transformers 5's name for a plain tokenizer.json; 4.x only knows the older alias
+        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for k in ("is_local", "local_files_only"):   # loading details of this run, not settings
+        tc.pop(k, None)
+    tc["model_max_length"] = cfg["max_position_embeddings"]
     template = _field(reader, "tokenizer.chat_template")
     if template:
         tc["chat_template"] = template
