@@ -65,15 +65,20 @@ def default_dense_path(progress: bool = True) -> Path:
     gguf_file = smollm2_gguf_path()
     folder.parent.mkdir(parents=True, exist_ok=True)
     lock_path = folder.parent / f".{DENSE_NAME}.lock"
-    import fcntl
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: the importer's atomic rename is the only guard
+        fcntl = None
     with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)      # another process may be importing right now
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)      # another process may be importing right now
         try:
-            if not _is_complete(folder):
+            if not _is_complete(folder):          # it may have finished while we waited
                 from .formats.gguf_import import import_gguf
                 import_gguf(gguf_file, folder, progress=progress)
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
     return folder
 
 

@@ -115,13 +115,18 @@ class _FastBackend:
             raise TokenizerError(f"{path}: cannot load tokenizer ({e})") from e
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
+    @functools.cached_property
+    def _plain(self):
+        """A second copy with encode_special_tokens=True ("<|im_start|>" in text stays text).
+        A copy rather than toggling the flag, so threads encoding at once cannot race."""
+        from tokenizers import Tokenizer as _T
+        t = _T.from_str(self.tok.to_str())
+        t.encode_special_tokens = True
+        return t
+
     def encode(self, text: str, special: bool) -> list[int]:
-        # encode_special_tokens=True means "treat '<|im_start|>' in the text as plain text"
-        self.tok.encode_special_tokens = not special
-        try:
-            return self.tok.encode(text, add_special_tokens=False).ids
-        finally:
-            self.tok.encode_special_tokens = False
+        tok = self.tok if special else self._plain
+        return tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)

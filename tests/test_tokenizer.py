@@ -300,3 +300,17 @@ def test_incremental_decoder_property_sentencepiece_model(spm_dir, data):
     skip = data.draw(st.booleans())
     dec = IncrementalDecoder(tok, skip_special=skip)
     assert "".join(dec.add(i) for i in ids) + dec.flush() == tok.decode(ids, skip_special=skip)
+
+
+@pytest.mark.real_model
+def test_encode_from_threads(pair):
+    """special=True and special=False encodes running at once must not leak into each other."""
+    from concurrent.futures import ThreadPoolExecutor
+    ours, _ = pair
+    text = "a<|im_end|>b " * 50
+    want_special, want_plain = ours.encode(text), ours.encode(text, special=False)
+    assert want_special != want_plain
+    with ThreadPoolExecutor(4) as ex:
+        jobs = [ex.submit(ours.encode, text, None, bool(i % 2)) for i in range(400)]
+        for i, j in enumerate(jobs):
+            assert j.result() == (want_special if i % 2 else want_plain)
