@@ -470,3 +470,24 @@ def test_shape_errors():
         sample_batch(torch.randn(3, 5), [SamplerSettings()] * 2)
     with pytest.raises(InputError, match="floating"):
         sample(torch.arange(5), SamplerSettings())
+
+
+# ---------------------------------------------------------------- CUDA
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu():
+    rnd = random.Random()
+    B, V = 6, 5000
+    lg = torch.randn(B, V) * 3
+    ss = [random_settings(rnd, V) for _ in range(B)]
+    hist = [[rnd.randrange(V) for _ in range(30)] for _ in range(B)]
+    cpu = processed_probs_batch(lg, ss, hist, [5] * B, dtype=torch.float64)
+    gpu = processed_probs_batch(lg.cuda(), ss, [torch.tensor(h).cuda() for h in hist], [5] * B,
+                                dtype=torch.float64)
+    assert gpu.device.type == "cuda"
+    assert torch.allclose(gpu.cpu(), cpu, atol=1e-12)
+    seeds = [rnd.randrange(1 << 30) for _ in range(B)]
+    ids_c, lp_c = sample_batch(lg, ss, hist, [torch.Generator().manual_seed(s) for s in seeds], [5] * B)
+    ids_g, lp_g = sample_batch(lg.cuda(), ss, hist, [torch.Generator().manual_seed(s) for s in seeds], [5] * B)
+    assert torch.equal(ids_g.cpu(), ids_c)
+    assert torch.allclose(lp_g.cpu(), lp_c, atol=1e-5)

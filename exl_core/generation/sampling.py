@@ -199,12 +199,12 @@ def _adjust(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_
             win = _window(histories[b], prompt_lens[b], s)
             if win is not None and win.numel():
                 rows.append(b)
-                wins.append(win)
+                wins.append(win.to(device=dev, dtype=torch.int64))
     if not rows:
         return
     rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
     lens = torch.tensor([w.numel() for w in wins], dtype=torch.int64, device=dev)
-    toks = torch.cat(wins).to(device=dev, dtype=torch.int64)
+    toks = torch.cat(wins)
     if int(toks.min()) < 0:
         raise InputError(f"token history contains a negative id ({int(toks.min())})")
     keys = torch.repeat_interleave(rows_t, lens) * V + toks                # row * V + token
@@ -244,6 +244,13 @@ def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
     return greater | (eq & (eq.cumsum(dim=1) <= n_eq))
 
 
+def _lse(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over rows, [B, V] -> [B, 1] (rows have a finite max). Written out because
+    torch.logsumexp is several times slower than these plain passes on CPU."""
+    m = x.amax(dim=1, keepdim=True)
+    return m + (x - m).exp_().sum(dim=1, keepdim=True).log_()
+
+
 # A full sort of the vocabulary costs ~10 ms on CPU; the sets that top-p and typical keep are
 # usually small, so they look at the best `k` candidates (torch.topk) and grow k only when
 # the answer might lie beyond them.
@@ -255,7 +262,7 @@ def _top_p(x: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """Keep mask [B, V] of the smallest prefix (logit desc, then token id asc) whose mass
     reaches p."""
     B, V = x.shape
-    lse = torch.logsumexp(x, dim=1, keepdim=True)                      # [B, 1]
+    lse = _lse(x)                                                      # [B, 1]
     k = min(V, _FIRST_K)
     while True:
         vals, idx = torch.topk(x, k, dim=1)                             # [B, k], desc, ties arbitrary
@@ -399,7 +406,7 @@ def _draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF over token ids: filtered logits [B, V] float64, u [B] in [0, 1) -> ids [B]:
     the first token whose cumulative (unnormalised) mass exceeds u * total. A token with zero
     mass never is the first to exceed, so it can never be chosen."""
-    w = (x - x.amax(dim=1, keepdim=True)).exp_()                      # softmax numerator
+    w = torch.softmax(x, dim=1)
     cdf = torch.cumsum(w, dim=1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
     over = idx >= x.shape[1]                # u * total rounded up to total
@@ -436,8 +443,8 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
         u = torch.tensor([_uniform(rngs[b]) for b in sampled.tolist()], dtype=torch.float64, device=x.device)
         ids[sampled] = _draw(x[sampled], u)
     lg = logits.to(torch.float64)
-    logprobs = lg.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(lg, dim=1)
-    return ids, logprobs.to(torch.float32)
+    logprobs = lg.gather(1, ids[:, None]) - _lse(lg)
+    return ids, logprobs.squeeze(1).to(torch.float32)
 
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, history: History = None,
