@@ -82,9 +82,11 @@ def test_streaming_and_async_variants_agree(smollm2_dir):
     model = llm(smollm2_dir)
     msgs = [ChatMessage(role=MessageRole.USER, content="Name a fruit.")]
     full = model.chat(msgs).message.content
-    deltas = [r.delta for r in model.stream_chat(msgs)]
-    assert len(deltas) >= N - 3 and "".join(deltas) == full
-    last = list(model.stream_chat(msgs))[-1]
+    responses = list(model.stream_chat(msgs))
+    deltas = [r.delta for r in responses]
+    last = responses[-1]
+    n = last.additional_kwargs["completion_tokens"]
+    assert len([d for d in deltas if d]) >= n - 3 and "".join(deltas) == full    # about one delta per token
     assert last.message.content == full and last.additional_kwargs["finish_reason"] in ("length", "eos")
     text = model.complete("Once upon a time").text
     assert "".join(r.delta for r in model.stream_complete("Once upon a time")) == text
@@ -183,9 +185,10 @@ def test_vector_index_query_engine_end_to_end(smollm2_dir, kind):
     resp = engine.query(question)
     sources = [n.node.get_content() for n in resp.source_nodes]
     assert DOCS[1] in sources
+    assert str(resp).strip()
     if kind == "minilm":
         assert sources == [DOCS[1]]                     # real embeddings retrieve the right document
-    assert "Tarsk" in str(resp), str(resp)
+        assert "Tarsk" in str(resp), str(resp)          # and the 135M model answers from it
 
     stream_engine = index.as_query_engine(llm=model, similarity_top_k=top_k, streaming=True)
     sresp = stream_engine.query(question)
