@@ -226,11 +226,22 @@ def _adjust(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_
     x[r, t] = vals - counts.to(x.dtype) * freq - pres
 
 
-def _temper(x: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor) -> None:
-    """x[rows] = (x[rows] - max) / T. Subtracting the max first means a tiny T can only
+def _on_rows(x: torch.Tensor, active: torch.Tensor, fn) -> None:
+    """Run fn(sub [R, V], rows [R]) in place on the active rows of x [B, V]; without a
+    gather/scatter copy when every row is active (the common case)."""
+    if bool(active.all()):
+        fn(x, torch.arange(x.shape[0], device=x.device))
+    else:
+        rows = active.nonzero().squeeze(1)
+        sub = x[rows]
+        fn(sub, rows)
+        x[rows] = sub
+
+
+def _temper(sub: torch.Tensor, temps: torch.Tensor) -> None:
+    """sub = (sub - max) / T in place. Subtracting the max first means a tiny T can only
     push logits towards -inf, never overflow to +inf."""
-    sub = x[rows]
-    x[rows] = (sub - sub.amax(dim=1, keepdim=True)) / temps[:, None]
+    sub.sub_(sub.amax(dim=1, keepdim=True)).div_(temps[:, None])
 
 
 def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
@@ -331,7 +342,7 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
     t_first = sampled & (temps != 1.0) & ~last
     t_last = sampled & (temps != 1.0) & last
     if t_first.any():
-        _temper(x, t_first, temps[t_first])
+        _on_rows(x, t_first, lambda sub, rows: _temper(sub, temps[rows]))
 
     ks = col(lambda s: s.top_k, torch.int64)
     ps, ms, tys = col(lambda s: s.top_p), col(lambda s: s.min_p), col(lambda s: s.typical)
@@ -342,13 +353,10 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
         (sampled & (tys < 1.0), lambda sub, rows: _typical(sub, tys[rows])),
     )
     for active, fn in filters:
-        if not active.any():
-            continue
-        rows = active.nonzero().squeeze(1)
-        sub = x[rows]
-        x[rows] = sub.masked_fill_(~fn(sub, rows), -math.inf)
+        if active.any():
+            _on_rows(x, active, lambda sub, rows: sub.masked_fill_(~fn(sub, rows), -math.inf))
     if t_last.any():
-        _temper(x, t_last, temps[t_last])
+        _on_rows(x, t_last, lambda sub, rows: _temper(sub, temps[rows]))
     return x, greedy
 
 
@@ -439,7 +447,9 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
         raise InputError(f"got {len(rngs)} generators for {B} logit rows")
     ids = x.argmax(dim=1)                                   # greedy rows: first max on ties
     sampled = (~greedy).nonzero().squeeze(1)
-    if sampled.numel():
+    if sampled.numel() == B:
+        ids = _draw(x, torch.tensor([_uniform(r) for r in rngs], dtype=torch.float64, device=x.device))
+    elif sampled.numel():
         u = torch.tensor([_uniform(rngs[b]) for b in sampled.tolist()], dtype=torch.float64, device=x.device)
         ids[sampled] = _draw(x[sampled], u)
     lg = logits.to(torch.float64)
