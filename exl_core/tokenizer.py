@@ -409,19 +409,29 @@ class IncrementalDecoder:
     first token of a decode, and a byte-level token may hold half of a UTF-8 character. So we
     decode a small window twice, `ids[prefix:read]` (already emitted context) and
     `ids[prefix:]`, and emit only the difference, and only when it does not end in U+FFFD (an
-    incomplete character) nor in a SentencePiece byte token (whose run may still grow and
-    change how the run decodes). The window start moves only past tokens that produced text,
-    so the context always holds a text-producing token and every window decodes like the
-    full sequence. Invariant: "".join(outputs of add()) + flush() == tokenizer.decode(all ids).
+    incomplete character). The window start moves only past tokens that produced text, so
+    the context always holds a text-producing token and every window decodes like the full
+    sequence.
+
+    SentencePiece byte tokens ("<0xE6>") are decoded a whole run at a time: a valid run is its
+    text, an invalid one becomes one U+FFFD per byte, so a later byte can change how earlier
+    ones read. We hold a run until it ends, or until it is `max_byte_run` tokens long (CJK
+    text outside the vocabulary is one long run; holding it all would stall the stream).
+
+    Invariant: "".join(outputs of add()) + flush() == tokenizer.decode(all ids), exactly, for
+    every id sequence whose byte runs are at most `max_byte_run` long; longer runs stream in
+    whole characters and differ only if the run holds invalid UTF-8.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, max_byte_run: int = 32):
         self.tokenizer = tokenizer
         self.skip_special = skip_special
+        self.max_byte_run = max_byte_run
         self.ids: list[int] = []
         self.prefix = 0     # window start
         self.read = 0       # ids[:read] have been emitted as text
         self.text = ""      # everything emitted so far
+        self._run = 0       # byte tokens at the end of ids (skipped specials do not break a run)
         self._byte_ids = tokenizer.byte_fallback_ids
         self._special = tokenizer.special_ids
 
@@ -432,9 +442,13 @@ class IncrementalDecoder:
         """Append one id; return the text it completes (possibly "")."""
         token_id = int(token_id)
         self.ids.append(token_id)
-        if token_id in self._byte_ids or (self.skip_special and token_id in self._special):
-            # a byte run decodes as a whole (and a skipped special does not end it): wait
-            return ""
+        skipped = self.skip_special and token_id in self._special
+        if token_id in self._byte_ids:
+            self._run += 1
+        elif not skipped:
+            self._run = 0
+        if skipped or 0 < self._run <= self.max_byte_run:
+            return ""   # no text of its own, or a byte run that may still change: wait
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         if after.endswith("\ufffd") or not after.startswith(before) or len(after) == len(before):
@@ -452,15 +466,17 @@ class IncrementalDecoder:
         full = self._decode(self.ids)
         if full.startswith(self.text):
             delta = full[len(self.text):]
-        else:  # cannot happen for prefix-stable tokenizers; emit the window tail as a fallback
+        else:  # only after an invalid byte run longer than max_byte_run: emit the window tail
             before = self._decode(self.ids[self.prefix:self.read])
             after = self._decode(self.ids[self.prefix:])
             delta = after[len(before):] if after.startswith(before) else ""
         self.text += delta
         self.prefix = self.read = len(self.ids)
+        self._run = 0
         return delta
 
     def reset(self) -> None:
         self.ids.clear()
         self.prefix = self.read = 0
+        self._run = 0
         self.text = ""

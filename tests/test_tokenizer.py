@@ -245,6 +245,21 @@ def test_incremental_decoder_keeps_space_after_special(sp_dir):
     assert out == tok.decode(ids) == "hello world"
 
 
+def test_incremental_decoder_streams_long_byte_runs(sp_dir):
+    """CJK text outside the vocabulary is one long run of byte tokens: it must stream in whole
+    characters before the run ends, and still add up to decode()."""
+    tok = _sp_tok(sp_dir)
+    text = "汉字" * 30                                   # 60 chars = 180 byte tokens
+    ids = tok.encode(text, add_bos=False)
+    assert sum(i in tok.byte_fallback_ids for i in ids) >= 180
+    dec = IncrementalDecoder(tok, max_byte_run=16)
+    outs = [dec.add(i) for i in ids]
+    first = next(k for k, o in enumerate(outs) if o)
+    assert first < 40                                   # text arrived long before the end
+    assert all("\ufffd" not in o for o in outs)
+    assert "".join(outs) + dec.flush() == tok.decode(ids) == text
+
+
 _SP_CACHE: dict = {}
 
 
