@@ -16,6 +16,7 @@ is reported and skipped while the others still run.
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Any, Callable, Optional
@@ -24,6 +25,7 @@ import pluggy
 
 PROJECT = "exl_core"          # pluggy project name == entry-point group
 ENTRY_POINT_GROUP = PROJECT
+DISABLE_ENV = "EXL_CORE_NO_PLUGINS"   # "1": activate_plugins() does nothing (debug switch)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)   # plugins decorate their hooks with this
@@ -135,12 +137,15 @@ def activate_plugins() -> list[str]:
     """Run every plugin's `exl_core_activate` once per process; returns the names activated.
 
     Cheap when no plugin is installed (one entry-point scan). Safe to call repeatedly and from
-    several threads. Intended call site: the end of ``exl_core/__init__.py``."""
+    several threads. Intended call site: the end of ``exl_core/__init__.py``. Set
+    EXL_CORE_NO_PLUGINS=1 to skip activation entirely."""
     global _activated
     with _lock:
         if _activated:
             return []
         _activated = True
+        if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+            return []          # debug switch: run exl_core with no third-party code at all
         pm = get_plugin_manager()
         names = []
         for impl in reversed(pm.hook.exl_core_activate.get_hookimpls()):

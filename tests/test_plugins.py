@@ -146,6 +146,13 @@ def test_collect_merges_registries_and_warns_on_clash(fresh, plugin_dir):
     assert any("answer_len" in str(w.message) and "already provided" in str(w.message) for w in caught)
 
 
+def test_disable_switch_skips_discovery(fresh, plugin_dir, monkeypatch):
+    monkeypatch.setenv(plugins.DISABLE_ENV, "1")
+    assert plugins.activate_plugins() == []
+    assert plugins._pm is None                 # not even the entry points were scanned
+    assert sys.modules.get(plugin_dir[2]["good"]) is None
+
+
 def test_in_process_plugin_registered_after_activation_is_activated(fresh):
     plugins.activate_plugins()
     seen = []

@@ -251,6 +251,10 @@ class TestChatExlUnit(ChatModelUnitTests):
 
 @pytest.mark.real_model
 @pytest.mark.slow
+# The suite's async tests carry no marker (it expects asyncio_mode=auto); mark the class and
+# silence pytest-asyncio's note on the sync tests that inherit the mark.
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:.*is marked with '@pytest.mark.asyncio':pytest.PytestWarning")
 class TestChatExlIntegration(ChatModelIntegrationTests):
     @property
     def chat_model_class(self):
