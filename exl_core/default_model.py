@@ -63,7 +63,11 @@ def default_dense_path(progress: bool = True) -> Path:
     if _is_complete(folder):
         return folder
     gguf_file = smollm2_gguf_path()
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExlError(f"cannot create the model cache {folder.parent} ({e}); set EXL_CORE_HOME "
+                       "to a writable folder") from e
     lock_path = folder.parent / f".{DENSE_NAME}.lock"
     try:
         import fcntl

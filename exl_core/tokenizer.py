@@ -339,6 +339,20 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_batch(self, texts: Sequence[str], add_bos: Optional[bool] = None,
+                     special: bool = True) -> list[list[int]]:
+        """encode() of each text (the tokenizers backend runs them in parallel)."""
+        if isinstance(self._b, _FastBackend) and all(isinstance(t, str) for t in texts):
+            tok = self._b.tok if special else self._b._plain
+            out = [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+            if add_bos is None:
+                add_bos = self.add_bos_default
+            if add_bos and self.bos_token_id is not None:
+                out = [ids if ids and ids[0] == self.bos_token_id else [self.bos_token_id] + ids
+                       for ids in out]
+            return out
+        return [self.encode(t, add_bos=add_bos, special=special) for t in texts]
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`. Ids past the tokenizer's vocabulary (padding rows of a larger model
         vocabulary) decode to nothing, as in `tokenizers`; negative ids are an error."""
@@ -371,8 +385,14 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs) -> Union[str, list[int]]:
-        """Render `messages` with the model's Jinja chat template, as transformers does."""
+                            tokenize: bool = False, continue_final_message: bool = False,
+                            **kwargs) -> Union[str, list[int]]:
+        """Render `messages` with the model's Jinja chat template, as transformers does.
+        `continue_final_message=True` ends the prompt right after the last message's content
+        (to prefill the start of an answer); it implies add_generation_prompt=False. Other
+        keyword arguments (tools, documents, enable_thinking, ...) go to the template."""
+        if continue_final_message:
+            add_generation_prompt = False
         template = self.chat_template
         if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -390,6 +410,13 @@ class Tokenizer:
             specials["additional_special_tokens"] = [_token_text(t) for t in extra]
         text = render_chat_template(template, list(messages), add_generation_prompt,
                                     specials, **kwargs)
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            final = final.strip() if isinstance(final, str) else None
+            if not final or final not in text:
+                raise TokenizerError(f"{self.folder}: continue_final_message: the last message's "
+                                     "text does not appear in the rendered chat")
+            text = text[:text.rindex(final) + len(final)]
         if tokenize:
             return self.encode(text, add_bos=False, special=True)
         return text

@@ -335,6 +335,16 @@ def test_default_model_without_package(monkeypatch):
         default_model.smollm2_gguf_path()
 
 
+def test_default_model_home_not_writable(tmp_path, monkeypatch):
+    from exl_core import default_model
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("EXL_CORE_HOME", str(blocker / "sub"))
+    monkeypatch.setattr(default_model, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    with pytest.raises(ExlError, match="EXL_CORE_HOME"):
+        default_model.default_dense_path(progress=False)
+
+
 @pytest.mark.real_model
 def test_default_model_path_cached(smollm2_dir):
     from exl_core.default_model import default_dense_path, default_model_path

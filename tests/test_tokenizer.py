@@ -67,6 +67,15 @@ def test_encode_decode_match_transformers(pair):
 
 
 @pytest.mark.real_model
+def test_encode_batch_equals_encode(pair):
+    ours, _ = pair
+    for special in (True, False):
+        for add_bos in (None, True):
+            assert ours.encode_batch(TEXTS, add_bos=add_bos, special=special) == [
+                ours.encode(t, add_bos=add_bos, special=special) for t in TEXTS]
+
+
+@pytest.mark.real_model
 def test_special_ids_and_bos(pair):
     ours, ref = pair
     assert ours.vocab_size == len(ref)
@@ -94,6 +103,16 @@ def test_chat_template_matches_transformers(pair):
         if hasattr(want_ids, "keys"):   # transformers 5 returns a BatchEncoding
             want_ids = want_ids["input_ids"]
         assert ids == list(want_ids)
+
+
+@pytest.mark.real_model
+def test_chat_template_continue_final_message(pair):
+    ours, ref = pair
+    chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    want = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=False,
+                                   continue_final_message=True)
+    got = ours.apply_chat_template(chat, continue_final_message=True)
+    assert got == want and got.endswith("The colour is")
 
 
 @pytest.mark.real_model
