@@ -380,6 +380,12 @@ def _prepare(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[to
     mx = x.amax(dim=1)                     # NaN propagates through max: one pass checks both
     if bool(torch.isnan(mx).any() | torch.isposinf(mx).any()):
         raise InputError("logits contain NaN or +inf; the model output is corrupt")
+    if x.device.type == "cpu" and B > 1:
+        # Row by row on CPU: a float64 row (V = 49152: 384 KiB) stays in cache through the
+        # many passes of the filters, a [B, V] block does not (measured ~2x faster at B = 8).
+        greedy = torch.cat([_filtered_logits(x[b:b + 1], settings[b:b + 1], histories[b:b + 1],
+                                             prompt_lens[b:b + 1])[1] for b in range(B)])
+        return x, greedy
     return _filtered_logits(x, settings, histories, prompt_lens)
 
 
@@ -447,14 +453,19 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
         raise InputError(f"got {len(rngs)} generators for {B} logit rows")
     ids = x.argmax(dim=1)                                   # greedy rows: first max on ties
     sampled = (~greedy).nonzero().squeeze(1)
-    if sampled.numel() == B:
-        ids = _draw(x, torch.tensor([_uniform(r) for r in rngs], dtype=torch.float64, device=x.device))
-    elif sampled.numel():
+    if sampled.numel():
         u = torch.tensor([_uniform(rngs[b]) for b in sampled.tolist()], dtype=torch.float64, device=x.device)
-        ids[sampled] = _draw(x[sampled], u)
-    lg = logits.to(torch.float64)
+        if x.device.type == "cpu":       # row by row: softmax and cumsum share a cached row
+            for i, b in enumerate(sampled.tolist()):
+                ids[b] = _draw(x[b:b + 1], u[i:i + 1])[0]
+        elif sampled.numel() == B:
+            ids = _draw(x, u)
+        else:
+            ids[sampled] = _draw(x[sampled], u)
+    # The reported logprob needs no float64: float32 exp is several times faster on CPU.
+    lg = logits.to(torch.float32)
     logprobs = lg.gather(1, ids[:, None]) - _lse(lg)
-    return ids, logprobs.squeeze(1).to(torch.float32)
+    return ids, logprobs.squeeze(1)
 
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, history: History = None,
