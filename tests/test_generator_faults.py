@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exl_core.cache import Cache
-from exl_core.errors import InputError, SamplerError
+from exl_core.errors import CacheFullError, InputError, SamplerError
 from exl_core.generation import Generator, Job
 from exl_core.generation.sampling import SamplerSettings
 
@@ -218,5 +218,8 @@ def test_bad_arguments_raise_named_errors():
         Generator(model, cache, max_batch_tokens=16, max_chunk_size=32)
     with pytest.raises(InputError, match="tokenizer"):
         gen.generate("hi")
+    with pytest.raises(CacheFullError):      # all or nothing: the good job is not queued either
+        gen.enqueue([Job([1, 2], max_new_tokens=2), Job(rand_prompt(200), max_new_tokens=2)])
+    assert gen.num_waiting == 1
     run_all(gen)
     assert_pool_idle(cache)

@@ -60,15 +60,11 @@ class Generator:
         """Queue a job (or several). Raises InputError for a bad job and CacheFullError when
         its prompt can never fit in the cache."""
         if not isinstance(job, Job):
-            return [self.enqueue(j) for j in job]
-        if job.status != "new":
-            raise InputError(f"Generator.enqueue: {job!r} was already enqueued; create a new Job")
-        bad = [t for t in job.input_ids if t >= self.vocab_size]
-        if bad:
-            raise InputError(f"Job {job.identifier!r}: token ids {bad[:5]} are outside the vocabulary "
-                             f"(size {self.vocab_size})")
-        job.sampler.validate(self.vocab_size)
-        self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
+            jobs = list(job)
+            for j in jobs:                 # all or nothing: validate every job first
+                self._validate(j)
+            return [self.enqueue(j) for j in jobs]
+        self._validate(job)
         if not self.cache.window:   # without a window every position keeps its page
             room = self.cache.max_tokens - job.prompt_len + 1
             job.limit = max(1, min(job.max_new_tokens, room))
@@ -77,6 +73,18 @@ class Generator:
             job.status = "queued"
             self.waiting.append(job)
         return job
+
+    def _validate(self, job: Job) -> None:
+        if not isinstance(job, Job):
+            raise InputError(f"Generator.enqueue: expected a Job, got {type(job).__name__}")
+        if job.status != "new":
+            raise InputError(f"Generator.enqueue: {job!r} was already enqueued; create a new Job")
+        bad = [t for t in job.input_ids if t >= self.vocab_size]
+        if bad:
+            raise InputError(f"Job {job.identifier!r}: token ids {bad[:5]} are outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        job.sampler.validate(self.vocab_size)
+        self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
 
     def cancel(self, job: Job) -> bool:
         """Stop a queued or running job now (pages freed); its final JobResult (finish
