@@ -95,7 +95,7 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias=None,
-                    rope_freqs=None, orig_ctx=None):
+                    rope_freqs=None, orig_ctx=None, vocab=True):
     """Returns (HF weights as written, the tensors the GGUF really holds after Q8_0, in HF
     order and layout). Llama-type archs get llama.cpp's q/k row permutation, qwen2 does not."""
     import gguf
@@ -118,11 +118,12 @@ def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    if vocab:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
@@ -280,6 +281,21 @@ def test_sharded_import_equals_single(tmp_path):
     assert len({r2.file_of(n) for n in r2.names()}) > 2
     for n in r1.names():
         assert torch.equal(r1.get(n), r2.get(n)), n
+
+
+def test_gguf_without_vocabulary(tmp_path):
+    from exl_core.errors import TokenizerError
+    from exl_core.tokenizer import Tokenizer
+    src = tmp_path / "novocab.gguf"
+    hf, expected = write_tiny_gguf(src, tied=True, vocab=False)
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        out = import_gguf(src, tmp_path / "out", dtype=torch.float32, progress=False)
+    r = WeightReader(out)
+    assert r.names() == set(hf)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == len(_tiny_vocab()[0])
+    assert not (out / "tokenizer.json").exists()
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer.from_folder(out)
 
 
 def test_unknown_architecture(tmp_path):

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -229,9 +230,19 @@ def _fix_pre_tokenizer(tok_json: Path, pre: Optional[str]) -> None:
 def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     """Let transformers build the fast tokenizer from the GGUF vocab, then add the files
     other tools expect (chat template inside tokenizer_config.json, special tokens map,
-    generation config)."""
+    generation config). A GGUF without a vocabulary gets only generation_config.json."""
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if _field(reader, "tokenizer.ggml.tokens") is None:
+        warnings.warn(f"{gguf_path}: no tokenizer in this GGUF; copy the model's tokenizer files "
+                      f"into {out} to use it with exl_core")
+        return
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # transformers raises assorted errors for vocabularies it cannot convert
+        raise FormatError(f"{gguf_path}: transformers cannot build a tokenizer from this GGUF's "
+                          f"vocabulary ({type(e).__name__}: {e})") from e
     tok.save_pretrained(str(out))
     _fix_pre_tokenizer(out / "tokenizer.json", _field(reader, "tokenizer.ggml.pre"))
     tc_path = out / "tokenizer_config.json"
@@ -256,8 +267,6 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     special = {k: tc[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                if isinstance(tc.get(k), str)}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
-    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
 def _dequantize(t, arch: str, n_head: int, n_kv: int) -> np.ndarray:
