@@ -238,10 +238,10 @@ def _on_rows(x: torch.Tensor, active: torch.Tensor, fn) -> None:
         x[rows] = sub
 
 
-def _temper(sub: torch.Tensor, temps: torch.Tensor) -> None:
-    """sub = (sub - max) / T in place. Subtracting the max first means a tiny T can only
-    push logits towards -inf, never overflow to +inf."""
-    sub.sub_(sub.amax(dim=1, keepdim=True)).div_(temps[:, None])
+def _temper(sub: torch.Tensor, temps: Union[torch.Tensor, float]) -> None:
+    """sub = (sub - max) / T in place (T: a float or per-row [R]). Subtracting the max first
+    means a tiny T can only push logits towards -inf, never overflow to +inf."""
+    sub.sub_(sub.amax(dim=1, keepdim=True)).div_(temps if isinstance(temps, float) else temps[:, None])
 
 
 def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
@@ -319,23 +319,52 @@ def _typical(x: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
         k = min(V, k * _GROW)
 
 
-def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_lens
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 1-9 in place on x [B, V] float64. Returns (x, greedy_rows bool [B]); greedy rows
-    are left after step 3 (the caller takes their argmax)."""
-    B, V = x.shape
+# Once a filter leaves at most V / _COMPACT tokens, the later ones work on those alone.
+_COMPACT = 8
+
+
+def _filter_row(x: torch.Tensor, s: SamplerSettings) -> None:
+    """Steps 4-9 in place on one row x [1, V] float64 (not greedy)."""
+    V = x.shape[1]
     dev = x.device
-    _adjust(x, settings, histories, prompt_lens)
-    alive = x.amax(dim=1) > -math.inf
-    if not bool(alive.all()):
-        b = int((~alive).nonzero()[0])
-        raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
-                           "(check banned_tokens / logit_bias)")
+
+    def one(v, dtype=torch.float64):
+        return torch.tensor([v], dtype=dtype, device=dev)
+
+    if s.temperature != 1.0 and not s.temperature_last:
+        _temper(x, float(s.temperature))
+    steps = []
+    if 0 < s.top_k < V:
+        steps.append(lambda w: _top_k(w, one(s.top_k, torch.int64)))
+    if s.top_p < 1.0:
+        steps.append(lambda w: _top_p(w, one(s.top_p)))
+    if s.min_p > 0.0:
+        steps.append(lambda w: _min_p(w, one(s.min_p)))
+    if s.typical < 1.0:
+        steps.append(lambda w: _typical(w, one(s.typical)))
+    work, cand = x, None          # cand: ascending ids of the compacted tokens (keeps id order)
+    for i, fn in enumerate(steps):
+        keep = fn(work)
+        work.masked_fill_(~keep, -math.inf)
+        if cand is None and i + 1 < len(steps) and int(keep.sum()) * _COMPACT <= V:
+            cand = keep[0].nonzero().squeeze(1)
+            work = work[:, cand]                                        # [1, n] copy
+    if s.temperature != 1.0 and s.temperature_last:
+        _temper(work, float(s.temperature))
+    if cand is not None:
+        x.fill_(-math.inf)
+        x[0, cand] = work[0]
+
+
+def _filter_batch(x: torch.Tensor, settings: list[SamplerSettings], greedy: torch.Tensor) -> None:
+    """Steps 4-9 in place on x [B, V], all rows at once with per-row parameters (for GPUs,
+    where one launch per op for the whole batch beats a loop over rows)."""
+    V = x.shape[1]
+    dev = x.device
 
     def col(getter, dtype=torch.float64):
         return torch.tensor([getter(s) for s in settings], dtype=dtype, device=dev)
 
-    greedy = col(lambda s: s.is_greedy, torch.bool)
     sampled = ~greedy
     temps = col(lambda s: s.temperature if s.temperature > 0 else 1.0)
     last = col(lambda s: s.temperature_last, torch.bool)
@@ -343,7 +372,6 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
     t_last = sampled & (temps != 1.0) & last
     if t_first.any():
         _on_rows(x, t_first, lambda sub, rows: _temper(sub, temps[rows]))
-
     ks = col(lambda s: s.top_k, torch.int64)
     ps, ms, tys = col(lambda s: s.top_p), col(lambda s: s.min_p), col(lambda s: s.typical)
     filters = (   # (rows where active, keep-mask function), in pipeline order
@@ -357,7 +385,29 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
             _on_rows(x, active, lambda sub, rows: sub.masked_fill_(~fn(sub, rows), -math.inf))
     if t_last.any():
         _on_rows(x, t_last, lambda sub, rows: _temper(sub, temps[rows]))
-    return x, greedy
+
+
+def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories, prompt_lens
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-9 in place on x [B, V] float64. Returns (x, greedy_rows bool [B]); greedy rows
+    are left after step 3 (the caller takes their argmax)."""
+    B = x.shape[0]
+    _adjust(x, settings, histories, prompt_lens)
+    alive = x.amax(dim=1) > -math.inf
+    if not bool(alive.all()):
+        b = int((~alive).nonzero()[0])
+        raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
+                           "(check banned_tokens / logit_bias)")
+    greedy = [s.is_greedy for s in settings]
+    if B == 1 or x.device.type == "cpu":
+        # Row by row on CPU: a float64 row (V = 49152: 384 KiB) stays in cache through the
+        # filters' many passes, a [B, V] block does not.
+        for b, s in enumerate(settings):
+            if not greedy[b]:
+                _filter_row(x[b:b + 1], s)
+    else:
+        _filter_batch(x, settings, torch.tensor(greedy, device=x.device))
+    return x, torch.tensor(greedy, device=x.device)
 
 
 def _prepare(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,12 +430,6 @@ def _prepare(logits: torch.Tensor, settings, histories, prompt_lens) -> tuple[to
     mx = x.amax(dim=1)                     # NaN propagates through max: one pass checks both
     if bool(torch.isnan(mx).any() | torch.isposinf(mx).any()):
         raise InputError("logits contain NaN or +inf; the model output is corrupt")
-    if x.device.type == "cpu" and B > 1:
-        # Row by row on CPU: a float64 row (V = 49152: 384 KiB) stays in cache through the
-        # many passes of the filters, a [B, V] block does not (measured ~2x faster at B = 8).
-        greedy = torch.cat([_filtered_logits(x[b:b + 1], settings[b:b + 1], histories[b:b + 1],
-                                             prompt_lens[b:b + 1])[1] for b in range(B)])
-        return x, greedy
     return _filtered_logits(x, settings, histories, prompt_lens)
 
 
