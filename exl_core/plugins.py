@@ -54,17 +54,27 @@ class ExlCoreSpec:
     # -- extension points for other layers (declared now so plugins can target a stable name) --
     @hookspec
     def exl_core_register_formats(self) -> list:
-        """Return weight-format readers to add to ``exl_core.formats``: objects with
-        ``name: str``, ``detect(folder) -> bool`` and ``load_linear(reader, prefix) -> PackedWeight``."""
+        """Return quantized-weight formats to add to ``exl_core.formats.base.FORMATS``: objects
+        following ``exl_core.formats.base.QuantFormat`` (name, tensor_suffixes, detect,
+        has_layer, load_layer -> PackedWeight). Registered by `activate_plugins()`."""
 
     @hookspec
-    def exl_core_register_architectures(self) -> dict:
-        """Return ``{hf_architecture_name: builder}`` for model families beyond the built-in Llama
-        family; ``builder(config) -> exl_core.model.llama.Model``-compatible module."""
+    def exl_core_register_architectures(self) -> list:
+        """Return ``exl_core.config.ArchSpec`` objects for further Llama-compatible HF
+        architectures (keyed by their HF class name). Registered by `activate_plugins()`."""
 
     @hookspec
     def exl_core_register_metrics(self) -> dict:
-        """Return ``{metric_name: fn}`` for ``exl eval``; ``fn(model, tokenizer, **options) -> float``."""
+        """Return ``{metric_name: fn}`` for ``exl eval``; ``fn(model, tokenizer, **options) -> float``.
+        Read on demand with ``collect("exl_core_register_metrics")``."""
+
+
+# hook name -> (module, function) receiving each returned item; imported only when a plugin
+# implements the hook, so plain `import exl_core` never imports torch through here.
+_REGISTRIES = {
+    "exl_core_register_formats": ("exl_core.formats.base", "register_format"),
+    "exl_core_register_architectures": ("exl_core.config", "register_architecture"),
+}
 
 
 _lock = threading.RLock()
@@ -154,7 +164,24 @@ def activate_plugins() -> list[str]:
                 names.append(impl.plugin_name)
             except Exception as exc:
                 _warn(impl.plugin_name, "hook exl_core_activate raised", exc)
+        _apply_registries(pm)
         return names
+
+
+def _apply_registries(pm: pluggy.PluginManager, only: Optional[str] = None) -> None:
+    """Hand the items of the format/architecture hooks to their registries (per plugin, isolated)."""
+    import importlib
+    for hook_name, (mod_name, fn_name) in _REGISTRIES.items():
+        impls = [i for i in getattr(pm.hook, hook_name).get_hookimpls() if only is None or i.plugin_name == only]
+        if not impls:
+            continue
+        register = getattr(importlib.import_module(mod_name), fn_name)
+        for impl in reversed(impls):
+            try:
+                for item in impl.function() or ():
+                    register(item)
+            except Exception as exc:
+                _warn(impl.plugin_name, f"hook {hook_name} raised", exc)
 
 
 def list_plugins() -> list[dict]:
@@ -195,6 +222,7 @@ def register_plugin(plugin: object, name: Optional[str] = None) -> str:
                     fn()
                 except Exception as exc:
                     _warn(name, "hook exl_core_activate raised", exc)
+            _apply_registries(pm, only=name)
         return name
 
 

@@ -172,6 +172,49 @@ def test_in_process_plugin_registered_after_activation_is_activated(fresh):
     assert row["integration"]["name"] == "late" and row["distribution"] is None
 
 
+def test_format_and_architecture_hooks_reach_their_registries(fresh, monkeypatch):
+    from exl_core import config
+    from exl_core.formats import base
+    monkeypatch.setattr(base, "FORMATS", dict(base.FORMATS))          # restored after the test
+    monkeypatch.setattr(config, "ARCHITECTURES", dict(config.ARCHITECTURES))
+    tag = uuid.uuid4().hex[:6]
+
+    class FakeFormat:
+        name = f"fake{tag}"
+        tensor_suffixes = ("fake_w",)
+
+        def detect(self, quant_config, tensor_names):
+            return any(n.endswith(".fake_w") for n in tensor_names)
+
+        def has_layer(self, tensor_names, prefix):
+            return f"{prefix}.fake_w" in tensor_names
+
+        def load_layer(self, read, shape, prefix, in_features, out_features, quant_config):
+            raise NotImplementedError
+
+    class Provider:
+        @plugins.hookimpl
+        def exl_core_register_formats(self):
+            return [FakeFormat()]
+
+        @plugins.hookimpl
+        def exl_core_register_architectures(self):
+            return [config.ArchSpec(f"Fake{tag}ForCausalLM", default_attention_bias=True)]
+
+    class Broken:
+        @plugins.hookimpl
+        def exl_core_register_architectures(self):
+            raise ValueError("no spec today")
+
+    plugins.register_plugin(Provider(), name="provider")
+    plugins.register_plugin(Broken(), name="broken-registry")
+    with pytest.warns(plugins.PluginWarning, match="broken-registry.*no spec today"):
+        plugins.activate_plugins()
+    assert isinstance(base.FORMATS[f"fake{tag}"], FakeFormat)
+    assert base.detect_format(None, {"model.layers.0.mlp.up_proj.fake_w"}).name == f"fake{tag}"
+    assert config.ARCHITECTURES[f"Fake{tag}ForCausalLM"].default_attention_bias
+
+
 def _run(code: str, extra_path: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if extra_path is not None:
