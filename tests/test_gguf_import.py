@@ -314,6 +314,40 @@ def test_unknown_architecture(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_head_count_mismatch(tmp_path, monkeypatch):
+    import gguf
+    src = tmp_path / "heads.gguf"
+    real = gguf.GGUFWriter.add_head_count
+
+    def five_heads(self, n):
+        real(self, 5)
+        self.add_key_length(HD)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", five_heads)
+    write_tiny_gguf(src, tied=True)           # q has 4 heads of 16 rows; metadata says 5
+    with pytest.raises(FormatError) as e:
+        import_gguf(src, tmp_path / "out", progress=False)
+    assert "heads.gguf" in str(e.value) and "blk.0.attn_q.weight" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eot_id_joins_stop_ids(tmp_path, monkeypatch):
+    import gguf
+    from exl_core.tokenizer import Tokenizer
+    src = tmp_path / "eot.gguf"
+    real = gguf.GGUFWriter.add_eos_token_id
+
+    def with_eot(self, i):
+        real(self, i)
+        self.add_uint32("tokenizer.ggml.eot_token_id", 0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_eos_token_id", with_eot)
+    write_tiny_gguf(src, tied=True)
+    out = import_gguf(src, tmp_path / "out", progress=False)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    assert Tokenizer.from_folder(out).eos_token_ids == {0, 2}
+
+
 def test_not_a_gguf(tmp_path):
     src = tmp_path / "junk.gguf"
     src.write_bytes(os.urandom(1000))

@@ -97,10 +97,14 @@ def gguf_to_hf_name(name: str, path: str = "<gguf>") -> Optional[str]:
                       "this GGUF holds a layout exl_core cannot import")
 
 
-def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope_rows(w: np.ndarray, n_head: int, head_dim: Optional[int] = None,
+                        where: str = "tensor 'attn_q'") -> np.ndarray:
     """Undo llama.cpp's q/k row interleave. w: (n_head*head_dim, ...) or (n_head*head_dim,)."""
     shape = w.shape
-    head_dim = shape[0] // n_head
+    head_dim = head_dim or shape[0] // n_head
+    if shape[0] != n_head * head_dim or head_dim % 2:
+        raise FormatError(f"{where} has {shape[0]} rows, not {n_head} heads x {head_dim} "
+                          "(an even head size); it does not match the GGUF's metadata")
     return (w.reshape(n_head, head_dim // 2, 2, -1)
              .swapaxes(1, 2)
              .reshape(shape))
@@ -191,14 +195,19 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
         "mlp_bias": False,
         "torch_dtype": "float16",
     }
+    rot = _field(reader, f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise FormatError(f"{path}: rope.dimension_count={rot} but head_dim={head_dim}: partial "
+                          "rotary embeddings are not a Llama-family layout")
+    cfg["rope_scaling"] = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type in ("linear", "yarn"):
-        factor = _field(reader, f"{arch}.rope.scaling.factor")
-        if factor is not None:
-            cfg["rope_scaling"] = {"type": scaling_type, "rope_type": scaling_type,
-                                   "factor": float(factor)}
-    else:
-        cfg["rope_scaling"] = None
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if scaling_type in ("linear", "yarn") and factor is not None:
+        cfg["rope_scaling"] = {"type": scaling_type, "rope_type": scaling_type,
+                               "factor": float(factor)}
+        orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if scaling_type == "yarn" and orig is not None:
+            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
     cfg.update(dict(spec.extra))
     sw = _field(reader, f"{arch}.attention.sliding_window")
     if sw:
@@ -209,6 +218,16 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
         if v is not None:
             cfg[hf_key] = int(v)
     return cfg
+
+
+def _stop_ids(reader, cfg: dict) -> list[int]:
+    """eos plus llama.cpp's end-of-turn / end-of-message ids (chat models stop on those)."""
+    ids = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
+    for key in ("eot_token_id", "eom_token_id"):
+        v = _field(reader, f"tokenizer.ggml.{key}")
+        if v is not None and int(v) not in ids:
+            ids.append(int(v))
+    return ids
 
 
 # llama.cpp pre-tokenizer types that split every digit on its own before the GPT-2 regex
@@ -232,6 +251,9 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     other tools expect (chat template inside tokenizer_config.json, special tokens map,
     generation config). A GGUF without a vocabulary gets only generation_config.json."""
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    stops = _stop_ids(reader, cfg)
+    if len(stops) > 1:
+        gen["eos_token_id"] = stops
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     if _field(reader, "tokenizer.ggml.tokens") is None:
         warnings.warn(f"{gguf_path}: no tokenizer in this GGUF; copy the model's tokenizer files "
@@ -269,7 +291,7 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
 
 
-def _dequantize(t, arch: str, n_head: int, n_kv: int) -> np.ndarray:
+def _dequantize(t, arch: str, n_head: int, n_kv: int, head_dim: int, path: str) -> np.ndarray:
     """One GGUF tensor as float32 in HF layout."""
     import gguf
     # dequantize returns float32 in numpy order (= HF order: out_features, in_features)
@@ -277,9 +299,9 @@ def _dequantize(t, arch: str, n_head: int, n_kv: int) -> np.ndarray:
     w = np.array(w, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
     if SUPPORTED_ARCHS[arch].permute_qk:
         if ".attn_q." in t.name:
-            w = unpermute_rope_rows(w, n_head)
+            w = unpermute_rope_rows(w, n_head, head_dim, f"{path}: tensor '{t.name}'")
         elif ".attn_k." in t.name:
-            w = unpermute_rope_rows(w, n_kv)
+            w = unpermute_rope_rows(w, n_kv, head_dim, f"{path}: tensor '{t.name}'")
     return np.ascontiguousarray(w)
 
 
@@ -334,7 +356,8 @@ def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
                 hf = gguf_to_hf_name(t.name, str(gguf_path))
                 if hf is None:
                     continue
-                writer.add(hf, torch.from_numpy(_dequantize(t, arch, n_head, n_kv)).to(dtype))
+                w = _dequantize(t, arch, n_head, n_kv, cfg["head_dim"], str(gguf_path))
+                writer.add(hf, torch.from_numpy(w).to(dtype))
         cfg_out = dict(cfg)
         cfg_out["torch_dtype"] = str(dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2))
