@@ -180,6 +180,8 @@ def test_paged_context_matches_brute_force(window):
     ps, hq, hkv, d = 8, 4, 2, 64
     cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
     assert cache.num_pages == 40 and cache.k[0].shape == (40, ps, hkv, d)
+    for t in cache.k + cache.v:       # poison: no kernel may read a slot no sequence owns
+        t.fill_(float("nan"))
     seqs = []   # (table, all k, all v)
     for _ in range(3):
         n_total = rng.randint(1, 60)

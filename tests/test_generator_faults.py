@@ -187,11 +187,11 @@ def test_shared_prefix_page_survives_cancel_of_its_first_owner():
     gen.iterate()
     assert b.reused_tokens == 3 * ps
     gen.cancel(a)
-    # overwrite every free page with garbage: b's shared pages must not be among them
+    # poison every unreferenced page: b's shared pages must not be among them
     for p in range(cache.num_pages):
         if cache.pool.ref(p) == 0:
             for t in cache.k + cache.v:
-                t[p].fill_(1e3)
+                t[p].fill_(float("nan"))
     run_all(gen)
     assert_greedy(model, pb, b.generated)
     assert_pool_idle(cache)
