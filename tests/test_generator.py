@@ -240,6 +240,24 @@ def test_prefix_reuse_with_a_running_job_and_whole_prompt_cached():
     assert_pool_idle(cache)
 
 
+def test_follow_up_turn_reuses_pages_holding_generated_tokens():
+    model = TinyLM()
+    ps = 8
+    cache = Cache(model, max_tokens=1024, page_size=ps)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    a = gen.enqueue(Job(rand_prompt(20), max_new_tokens=30, sampler=GREEDY))
+    run_all(gen)
+    assert len(a.tokens) == 50                 # 49 positions stored: the last token was never fed
+    follow = a.tokens + rand_prompt(10)
+    b = gen.enqueue(Job(follow, max_new_tokens=4, sampler=GREEDY))
+    before = gen.stats.forward_tokens
+    run_all(gen)
+    assert b.reused_tokens == 48
+    assert gen.stats.forward_tokens - before == len(follow) - 48 + 3
+    assert_greedy(model, follow, b.generated)
+    assert_pool_idle(cache)
+
+
 def test_jobs_enqueued_together_compute_a_shared_prefix_once():
     model = TinyLM()
     ps = 16
