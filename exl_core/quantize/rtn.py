@@ -113,8 +113,8 @@ def quantize_model_rtn(src_folder, dst_folder, fmt: str = "gptq", bits: BitsSpec
 def _quant_config(fmt, bits, group_size, sym, act_order, head_bits, checkpoint_format, bpw) -> dict:
     if fmt == "gptq":
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
-              "sym": sym, "checkpoint_format": checkpoint_format, "true_sequential": True,
-              "damp_percent": 0.0, "static_groups": False}
+              "sym": sym, "checkpoint_format": checkpoint_format, "static_groups": False}
+        # no damp_percent: RTN uses no damping, and transformers' GPTQConfig rejects 0.0
         if head_bits is not None:
             qc["lm_head"] = True
         return qc
