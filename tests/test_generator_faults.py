@@ -208,6 +208,7 @@ def test_bad_arguments_raise_named_errors():
         Job([1], max_new_tokens=0)
     with pytest.raises(InputError):
         Job([1], stop=[""])
+    assert Job([1], stop="\n\n").stop_strings == ["\n\n"] and Job([1], stop=7).stop_tokens == {7}
     with pytest.raises(InputError):
         Job([1, -3])
     with pytest.raises(SamplerError):

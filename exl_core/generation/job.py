@@ -64,6 +64,8 @@ class Job:
             raise InputError("Job: input_ids must be non-negative ints")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"Job: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        if isinstance(stop, (str, int)):     # a single stop string / token, not a sequence of chars
+            stop = [stop]
         stop = list(stop or [])
         for s in stop:
             if isinstance(s, bool) or not isinstance(s, (str, int)) or (isinstance(s, str) and not s) \
