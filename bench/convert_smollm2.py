@@ -7,7 +7,7 @@ list of Python standard-library modules (text in neither calibration source: the
 self-sampled text, nor /work/shared/data). It also calibrates GPTQ 4-bit and EXL2 4.0 on
 calib_c4.utf8 to compare the self-calibration default against real web text.
 
-    python bench/convert_smollm2.py [--work DIR] [--rows 64] [--length 256] [--ctx 512] [--windows 16]
+    python bench/convert_smollm2.py [--work DIR] [--rows 16] [--length 256] [--ctx 512] [--windows 8]
 
 Every step's result is kept in bench/results/convert_smollm2.json; rerunning skips finished
 steps (conversions are resumable too). Prints a table at the end.
@@ -42,6 +42,7 @@ DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "datac
                "pickle", "random", "re", "shutil", "sqlite3", "statistics", "string", "subprocess",
                "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile")
 EXL2_BPW = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+RUN_ORDER = (4.0, 2.5, 8.0, 3.0, 5.0, 6.0)   # acceptance extremes first
 
 
 def heldout_text() -> str:
@@ -82,10 +83,10 @@ def save_results(res: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/exl_bench/convert_smollm2")
-    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", nargs="*", help="step names to run (default: all)")
     a = ap.parse_args(argv)
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     step("dense", lambda: dict(ppl_of(dense), file_bytes=folder_bytes(dense), real_bpw=16.0))
     step("exl2_4.0", lambda: conv("exl2_4.0", format="exl2", bpw=4.0))
     meas = str(work / "exl2_4.0" / "measurement.json")
-    for b in EXL2_BPW:
+    for b in RUN_ORDER:
         if b != 4.0:
             step(f"exl2_{b}", lambda b=b: conv(f"exl2_{b}", format="exl2", bpw=b, measurement=meas))
     step("gptq_4b_g128", lambda: conv("gptq_4b_g128", format="gptq", bits=4, group_size=128))

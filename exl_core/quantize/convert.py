@@ -53,7 +53,7 @@ class ConvertSettings:
     calib: Optional[str] = None          # file, or None = sample from the model
     measurement: Optional[str] = None    # reuse a measurement.json
     head_bits: int = 6                   # EXL2 head; 16 = keep it dense
-    rows: int = 64
+    rows: int = 32
     length: int = 256
     seed: int = 0
     damp: float = 0.01
@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--asym", dest="sym", action="store_false")
     p.add_argument("-c", "--calib", help="calibration text (.txt, .jsonl with 'text', .parquet); "
                    "default: text sampled from the model itself")
-    p.add_argument("--rows", type=int, default=64, help="calibration rows")
+    p.add_argument("--rows", type=int, default=32, help="calibration rows")
     p.add_argument("--length", type=int, default=256, help="calibration tokens per row")
     p.add_argument("-m", "--measurement", help="reuse this measurement.json (skips the measurement pass)")
     p.add_argument("--head-bits", type=int, default=6, help="EXL2 lm_head bits (16 = unquantized)")
