@@ -126,6 +126,24 @@ def test_token_filter_exception_cancels_only_that_job():
     assert_pool_idle(cache)
 
 
+def test_unsamplable_row_cancels_only_its_job():
+    model = TinyLM()
+    cache = Cache(model, max_tokens=512, page_size=16)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    p_ok = rand_prompt(12)
+    ok = gen.enqueue(Job(p_ok, max_new_tokens=5, sampler=GREEDY))
+    everything_banned = SamplerSettings(temperature=1.0, banned_tokens=list(range(model.config.vocab_size)))
+    bad = gen.enqueue(Job(rand_prompt(12), max_new_tokens=5, sampler=everything_banned))
+    with pytest.raises(SamplerError):
+        while gen.has_work():
+            gen.iterate()
+    run_all(gen)
+    assert bad.finish_reason == "cancelled" and bad.generated == []
+    assert ok.finish_reason == "length"
+    assert_greedy(model, p_ok, ok.generated)
+    assert_pool_idle(cache)
+
+
 def test_forward_failure_is_retryable():
     model = TinyLM()
     cache = Cache(model, max_tokens=512, page_size=16)

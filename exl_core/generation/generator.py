@@ -157,11 +157,10 @@ class Generator:
                     continue
                 if out is not None:
                     logits[r] = out
-        tok, lp = sample_batch(logits, [j.sampler for j in jobs], [j.tokens for j in jobs],
-                               [j.rng for j in jobs], [j.prompt_len for j in jobs])
+        drawn = self._draw(jobs, logits, errors)
         results = []
-        for job, t, p in zip(jobs, tok.tolist(), lp.tolist()):
-            if job.status != "active":   # ended by its filter or another job's callback this step
+        for job, (t, p) in zip(jobs, drawn):
+            if job.status != "active":   # ended by its filter, its sampler or another job's callback
                 continue
             try:
                 results.append(self._accept(job, t, p))
@@ -173,6 +172,30 @@ class Generator:
             self._events.extend(results)
             raise errors[0]
         return results
+
+    def _draw(self, jobs: list[Job], logits: torch.Tensor, errors: list) -> list[tuple[int, float]]:
+        """One token per row. The K/V of these rows are already stored, so a row that cannot be
+        sampled (e.g. a job banned every token) must end its job, not leave it half-stepped:
+        on failure rows are retried one by one and only the failing jobs are cancelled."""
+        args = lambda js: ([j.sampler for j in js], [j.tokens for j in js], [j.rng for j in js],  # noqa: E731
+                           [j.prompt_len for j in js])
+        try:
+            tok, lp = sample_batch(logits, *args(jobs))
+            return list(zip(tok.tolist(), lp.tolist()))
+        except Exception:   # noqa: BLE001 - find the failing rows below
+            pass
+        out = []
+        for r, job in enumerate(jobs):
+            try:
+                tok, lp = sample_batch(logits[r:r + 1], *args([job]))
+                out.append((int(tok[0]), float(lp[0])))
+            except Exception as e:
+                errors.append(e)
+                if job.status != "done":
+                    self._finish(job, "cancelled")
+                    self._events.append(JobResult(job, "", [], "cancelled"))
+                out.append((-1, 0.0))
+        return out
 
     def _accept(self, job: Job, token: int, logprob: float) -> JobResult:
         """Append a sampled token, apply the stop conditions, run the callback."""
