@@ -128,6 +128,7 @@ def test_stop_sequence_cuts_output(smollm2_dir):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow      # many generations: > 20 s on 2 shared cores
 def test_batch_and_async_agree_with_invoke(smollm2_dir):
     model = chat(smollm2_dir)
     prompts = ["What is 2+2?", "Say hello in French.", "Name a planet."]
@@ -143,6 +144,7 @@ def test_batch_and_async_agree_with_invoke(smollm2_dir):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow      # many generations: > 20 s on 2 shared cores
 def test_sampler_parameters_and_overrides(smollm2_dir):
     model = ChatExl(model=smollm2_dir, temperature=1.5, top_k=50, max_tokens=N)
     a = model.invoke("Write a random word.", seed=1234).content
@@ -179,6 +181,7 @@ def test_lcel_chain_streams_and_honours_stop(smollm2_dir):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow      # many generations: > 20 s on 2 shared cores
 def test_llm_completion_batch_stream_and_stop(smollm2_dir):
     llm = ExlLLM(model=smollm2_dir, temperature=0, max_tokens=N)
     prompts = ["The capital of France is", "1, 2, 3, 4,"]

@@ -78,6 +78,7 @@ def test_chat_and_complete_match_transformers(smollm2_dir):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow      # many generations: > 20 s on 2 shared cores
 def test_streaming_and_async_variants_agree(smollm2_dir):
     model = llm(smollm2_dir)
     msgs = [ChatMessage(role=MessageRole.USER, content="Name a fruit.")]

@@ -1,0 +1,149 @@
+"""What do the integrations cost on top of the native generator? (SmolLM2-135M-Instruct, CPU)
+
+    python adapters/bench_overhead.py [--tokens 64] [--exl2] [--json out.json]
+
+Rows (same prompt, greedy, same process, best of --repeat runs):
+  native        exl_core.Generator.generate on its own Cache
+  engine        exl_core.plugins.SharedEngine.stream (worker thread + queue)
+  langchain     ChatExl.stream
+  llamaindex    Exl.stream_complete
+  hf-dense      transformers generate() on the dense folder (the peer)
+  --exl2 adds:  native and transformers+exl-core-hf on an RTN 4-bit EXL2 copy of the model
+Also: wall time of `python -c "import exl_core; exl_core.plugins.activate_plugins()"`.
+Ratios are to `native`; on a shared machine only the ratios of one run mean much.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT = "Write a short paragraph about the history of the bicycle."
+
+
+def best(fn, repeat: int) -> tuple[float, int]:
+    """(seconds, generated tokens) of the fastest of `repeat` runs."""
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        n = fn()
+        out.append((time.perf_counter() - t, n))
+    return min(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--exl2", action="store_true", help="also quantize (RTN 4-bit EXL2) and compare the HF path")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    n = args.tokens
+
+    import exl_core
+    from exl_core.default_model import default_model_path
+    from exl_core.plugins import activate_plugins, shared_engine
+    activate_plugins()
+    path = str(default_model_path(progress=False))
+    greedy = exl_core.SamplerSettings(temperature=0)
+    rows: dict[str, tuple[float, int]] = {}
+
+    eng = shared_engine(path)
+    tok = eng.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]), add_bos=False, special=True)
+
+    def job():   # no EOS stop: every row generates exactly n tokens
+        return exl_core.Job(ids, max_new_tokens=n, sampler=greedy, stop_on_eos=False)
+
+    gen = exl_core.Generator(eng.model, exl_core.Cache(eng.model, max_tokens=4096), tok)
+
+    def native():
+        j = job()
+        gen.enqueue(j)
+        while not j.done:
+            gen.iterate()
+        return len(j.generated)
+    rows["native"] = best(native, args.repeat)
+
+    def engine():
+        j = job()
+        for _ in eng.stream(j):
+            pass
+        return len(j.generated)
+    rows["engine"] = best(engine, args.repeat)
+
+    from langchain_exl import ChatExl
+    chat = ChatExl(model=path, temperature=0, max_tokens=n)
+
+    def langchain():
+        return sum(1 for c in chat.stream(PROMPT) if c.content) or 1
+    rows["langchain"] = best(langchain, args.repeat)
+
+    from llama_index.llms.exl import Exl
+    li = Exl(model=path, temperature=0, max_new_tokens=n)
+
+    def llamaindex():
+        return sum(1 for r in li.stream_chat([_li_msg(PROMPT)]) if r.delta) or 1
+    rows["llamaindex"] = best(llamaindex, args.repeat)
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+
+    def hf_run(model):
+        def run():
+            with torch.inference_mode():
+                out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     pad_token_id=tok.eos_token_ids and min(tok.eos_token_ids))
+            return out.shape[1] - x.shape[1]
+        return run
+    rows["hf-dense"] = best(hf_run(hf), args.repeat)
+
+    if args.exl2:
+        from exl_core.quantize.rtn import quantize_model_rtn
+        q = Path(path).parent / (Path(path).name + "-rtn-exl2-4b")
+        if not (q / "config.json").exists():
+            quantize_model_rtn(path, q, fmt="exl2", bits=4, group_size=128)
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (Path(path) / f).exists() and not (q / f).exists():
+                    (q / f).write_bytes((Path(path) / f).read_bytes())
+        qeng = shared_engine(q)
+        qgen = exl_core.Generator(qeng.model, exl_core.Cache(qeng.model, max_tokens=4096), qeng.tokenizer)
+
+        def native_q():
+            j = job()
+            qgen.enqueue(j)
+            while not j.done:
+                qgen.iterate()
+            return len(j.generated)
+        rows["native-exl2"] = best(native_q, args.repeat)
+        hfq = AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.float32).eval()
+        rows["hf-exl2 (exl-core-hf)"] = best(hf_run(hfq), args.repeat)
+
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import exl_core, exl_core.plugins as p; p.activate_plugins()"], check=True)
+    import_s = time.perf_counter() - t
+
+    base = rows["native"][1] / rows["native"][0]
+    print(f"{'path':24s} {'tokens':>6s} {'seconds':>8s} {'tok/s':>8s} {'vs native':>9s}")
+    for name, (sec, toks) in rows.items():
+        print(f"{name:24s} {toks:6d} {sec:8.2f} {toks / sec:8.1f} {toks / sec / base:9.2f}")
+    print(f"import exl_core + activate_plugins (fresh process): {import_s * 1000:.0f} ms")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": {k: {"seconds": s, "tokens": t} for k, (s, t) in rows.items()},
+                                         "import_activate_s": import_s, "torch_threads": torch.get_num_threads(),
+                                         "model": path}, indent=2))
+
+
+def _li_msg(text):
+    from llama_index.core.base.llms.types import ChatMessage
+    return ChatMessage(role="user", content=text)
+
+
+if __name__ == "__main__":
+    main()
