@@ -251,3 +251,22 @@ def test_tied_model_with_quantized_head(tmp_path, dense_factory):
     hf.save_pretrained(tmp_path / "saved")
     with torch.inference_mode():
         torch.testing.assert_close(_load(tmp_path / "saved")(ids).logits, got, rtol=0, atol=0)
+
+
+def test_biased_projections_round_trip(tmp_path, dense_factory):
+    """attention_bias=True: the checkpoint's `bias` tensors become persistent buffers of HFQuantLinear."""
+    from exl_core.quantize.rtn import quantize_model_rtn
+    dense = dense_factory(tmp_path / "dense", int.from_bytes(os.urandom(4), "little"), None, attention_bias=True)
+    folder = quantize_model_rtn(dense, tmp_path / "exl2", fmt="exl2", bits=4, group_size=32)
+    hf = _load(folder)
+    q = hf.model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantLinear) and "bias" in dict(q.named_buffers()) and q.packed.bias is not None
+    ids = _ids(hf.config.vocab_size)
+    with torch.inference_mode():
+        got = hf(ids).logits
+    torch.testing.assert_close(got, _native_logits(folder, ids), rtol=1e-4, atol=1e-4)
+    hf.save_pretrained(tmp_path / "saved")
+    orig = load_file(next(Path(folder).glob("*.safetensors")))
+    saved = load_file(next((tmp_path / "saved").glob("*.safetensors")))
+    k = "model.layers.0.self_attn.q_proj.bias"
+    assert k in orig and torch.equal(saved[k], orig[k])
