@@ -12,7 +12,11 @@ warning that names it, not the import of exl_core. `activate_plugins()` runs eac
 there); `list_plugins()` describes what was found.
 
 Hook implementations run one plugin at a time through `_call_each`, again so a failing plugin
-is reported and skipped while the others still run.
+is reported and skipped while the others still run. Format and architecture hooks feed
+`exl_core.formats.base.register_format` / `exl_core.config.register_architecture` on activation.
+
+The second half of this module, `shared_engine()`, is the native runtime the adapters sit on:
+one loaded model + Generator per folder, driven by a worker thread (see the diagram there).
 """
 from __future__ import annotations
 
