@@ -118,7 +118,8 @@ class Generator:
         """Run one forward pass over everything schedulable; return this step's results."""
         with self._lock:
             results, self._events = self._events, []
-            self.scheduler.admit(self.waiting, self.active, self.cache, reuse=self.prefix_reuse)
+            for job in self.scheduler.admit(self.waiting, self.active, self.cache, reuse=self.prefix_reuse):
+                self.stats.reused_tokens += job.reused_tokens
             plan = self.scheduler.plan(self.active)
             if not plan.items:
                 return results
@@ -145,8 +146,6 @@ class Generator:
     def _sample_and_emit(self, jobs: list[Job], logits: torch.Tensor) -> list[JobResult]:
         errors: list[BaseException] = []
         for r, job in enumerate(jobs):
-            if job.reused_tokens and len(job.generated) == 0:
-                self.stats.reused_tokens += job.reused_tokens
             if job.token_filter is not None:
                 try:
                     out = job.token_filter(list(job.tokens), logits[r])
