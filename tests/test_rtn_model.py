@@ -31,7 +31,7 @@ def _layer(tensors, prefix):
 CASES = [
     ("gptq", dict(bits=4, group_size=32, sym=True, act_order=False)),
     ("gptq", dict(bits=3, group_size=32, sym=False, act_order=True, checkpoint_format="gptq_v2")),
-    ("gptq", dict(bits=8, group_size=-1, sym=False, act_order=False, head_bits=8)),
+    ("gptq", dict(bits=8, group_size=-1, sym=False, act_order=False)),
     ("exl2", dict(bits=4, group_size=32)),
     ("exl2", dict(bits=[(6, 0.25), (3, 0.75)], group_size=32, act_order=True, head_bits=6)),
 ]
