@@ -93,6 +93,26 @@ def test_sharded_read_equals_single_file(tmp_path):
             assert torch.equal(f.get_tensor(name), ts[name])
 
 
+def test_writer_output_is_deterministic_and_safetensors_compatible(tmp_path):
+    """Same tensors and metadata (in any insertion order) -> the same bytes; the file reads
+    back through the safetensors library itself, empty and 0-d tensors included."""
+    from safetensors import safe_open
+    ts = _random_tensors(15)
+    ts["empty.weight"] = torch.zeros(0, 3, dtype=torch.float16)
+    ts["scalar"] = torch.tensor(3.5, dtype=torch.bfloat16)
+    meta = {"quantizer": "exl_core", "b": "2", "a": "1"}
+    write_sharded(ts, tmp_path / "x", metadata=meta)
+    write_sharded(dict(reversed(list(ts.items()))), tmp_path / "y",
+                  metadata=dict(reversed(list(meta.items()))))
+    a, b = (tmp_path / "x/model.safetensors").read_bytes(), (tmp_path / "y/model.safetensors").read_bytes()
+    assert a == b
+    with safe_open(str(tmp_path / "x/model.safetensors"), "pt") as f:
+        assert f.metadata() == {**meta, "format": "pt"}
+        for k, t in ts.items():
+            got = f.get_tensor(k)
+            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), k
+
+
 def test_rewrite_with_fewer_shards_removes_stale_files(tmp_path):
     ts = _random_tensors(10)
     write_sharded(ts, tmp_path, max_shard_bytes=16)
@@ -104,8 +124,7 @@ def test_rewrite_with_fewer_shards_removes_stale_files(tmp_path):
 
 def test_interrupted_write_never_looks_complete(tmp_path, monkeypatch):
     ts = _random_tensors(10)
-    import safetensors.torch as st_torch
-    real = st_torch.save_file
+    real = sio.save_file_deterministic
     calls = {"n": 0}
 
     def failing(tensors, filename, metadata=None):
@@ -114,7 +133,7 @@ def test_interrupted_write_never_looks_complete(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated interrupt")
         return real(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(st_torch, "save_file", failing)
+    monkeypatch.setattr(sio, "save_file_deterministic", failing)
     with pytest.raises(KeyboardInterrupt):
         write_sharded(ts, tmp_path, max_shard_bytes=16)
     assert list(tmp_path.iterdir()) == []          # no final names, no temp leftovers

@@ -280,6 +280,40 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def save_file_deterministic(tensors: Mapping[str, torch.Tensor], path: Union[str, Path],
+                            metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Write one safetensors file whose bytes depend only on the inputs. (The safetensors
+    library keeps __metadata__ in a Rust HashMap, so with two or more keys their order, and
+    the file's bytes, change from process to process; resumable converters compare bytes.)
+
+    Layout: tensors sorted by item size (largest first, so every tensor stays aligned after
+    the 8-byte-padded header), then by name; header keys in that order, metadata sorted."""
+    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(metadata[k]) for k in sorted(metadata)}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _TORCH_TO_ST:
+            raise FormatError(f"{path}: tensor '{name}' has dtype {t.dtype}, which safetensors "
+                              "cannot store")
+        nb = _nbytes(t)
+        header[name] = {"dtype": _TORCH_TO_ST[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nb]}
+        offset += nb
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                # raw little-endian bytes of any dtype (bf16/bool included) via a uint8 view
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
 class ShardedWriter:
     """Streams tensors into safetensors shards of at most `max_shard_bytes`, so a converter
     never holds more than one shard in memory:
@@ -312,10 +346,7 @@ class ShardedWriter:
         if t.dtype not in _TORCH_TO_ST:
             raise FormatError(f"{self.folder}: tensor '{name}' has dtype {t.dtype}, which "
                               "safetensors cannot store")
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors sharing memory (tied weights): give each its own copy
-        if t.numel() and any(p.numel() and p.data_ptr() == t.data_ptr() for p in self._pending.values()):
-            t = t.clone()
+        t = t.detach().to("cpu").contiguous()   # tied (aliased) tensors are fine: bytes are copied
         nb = _nbytes(t)
         if self._pending and self._pending_bytes + nb > self.max_shard_bytes:
             self._flush()
@@ -325,10 +356,9 @@ class ShardedWriter:
         self._total += nb
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
         tmp = self.folder / f".shard-{len(self._tmp):05d}.tmp-{self._tag}"
         self._tmp.append((tmp, list(self._pending)))
-        save_file(self._pending, str(tmp), metadata=self.meta)
+        save_file_deterministic(self._pending, tmp, metadata=self.meta)
         self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> list[Path]:
