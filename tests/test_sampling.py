@@ -197,6 +197,26 @@ def test_typical(xs, mass):
     assert_restricted_softmax(ps, xs, got)
 
 
+@settings(max_examples=150, deadline=None)
+@given(xs=st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.0, NEG]), min_size=16, max_size=80)
+       .filter(lambda xs: max(xs) > NEG),
+       k=st.integers(1, 10), p=st.floats(0.05, 0.99), m=st.sampled_from([0.0, 0.5]))
+def test_chained_filters_on_ties(xs, k, p, m):
+    # Many ties and a small top-k: the later filters then run on the compacted survivors,
+    # which must keep token-id order for the tie rules.
+    ps = probs64(xs, SamplerSettings(top_k=k, top_p=p, min_p=m))
+    assert_valid(ps)
+    after_k = [x if i in ref_top_k(xs, k) else NEG for i, x in enumerate(xs)]
+    got = kept(ps)
+    lo, hi = ref_top_p(after_k, p - TOL), ref_top_p(after_k, p + TOL)
+    lo = {i for i in lo if after_k[i] > NEG}
+    if m:
+        lo &= ref_min_p([x if i in lo else NEG for i, x in enumerate(xs)], m, TOL)
+        hi &= ref_min_p([x if i in hi else NEG for i, x in enumerate(xs)], m, -TOL)
+    assert lo <= got <= hi
+    assert_restricted_softmax(ps, xs, got)
+
+
 def test_typical_matches_hf_warper():
     from transformers.generation.logits_process import TypicalLogitsWarper
     for _ in range(20):
