@@ -411,7 +411,10 @@ def shared_engine(path, device: str = "cpu", dtype=None, cache_tokens: int = 819
     with _lock:
         eng = _engines.get(key)
         if eng is None:
-            eng = SharedEngine(Path(key[0]), device=device, dtype=dtype, cache_tokens=cache_tokens)
+            # another cache size of the same model reuses its weights
+            twin = next((e for k, e in _engines.items() if k[:3] == key[:3]), None)
+            eng = SharedEngine(Path(key[0]), device=device, dtype=dtype, cache_tokens=cache_tokens,
+                               model=twin.model if twin else None, tokenizer=twin.tokenizer if twin else None)
             _engines[key] = eng
         return eng
 

@@ -418,6 +418,7 @@ def test_shared_engine_is_one_per_folder(monkeypatch, tmp_path):
         a = plugins.shared_engine(tmp_path, cache_tokens=512)
         b = plugins.shared_engine(str(tmp_path) + "/.", cache_tokens=512)
         c = plugins.shared_engine(tmp_path, cache_tokens=1024)
-        assert a is b and c is not a and len(loads) == 2
+        assert a is b and c is not a and c.model is a.model and len(loads) == 1   # weights loaded once
+        assert a.cache.max_tokens != c.cache.max_tokens
     finally:
         plugins.release_engines()

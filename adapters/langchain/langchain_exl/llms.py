@@ -74,8 +74,12 @@ class ExlLLM(ExlParams, BaseLLM):
             text = "".join([r.text async for r in eng.astream(job)])
             return job, text
         done = await asyncio.gather(*(one(p) for p in prompts))   # concurrent jobs batch in the engine
+        total = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        for job, _ in done:
+            for k, v in usage(job).items():
+                total[k] += v
         return LLMResult(generations=[[Generation(text=t, generation_info=self._info(j))] for j, t in done],
-                         llm_output={"model_name": self.model})
+                         llm_output={"token_usage": total, "model_name": self.model})
 
     def _stream(self, prompt: str, stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[GenerationChunk]:
