@@ -127,6 +127,15 @@ def test_arbitrary_g_idx_and_missing_g_idx():
     assert torch.equal(gptq.dequantize_reference(t2, qc), expected_weight(q, scales, zeros, seq))
 
 
+def test_all_zero_g_idx_means_sequential_groups_like_exllamav2():
+    K, N = 128, 32
+    q, scales, zeros, g_idx = random_layer(K, N, 4, 32, False)
+    t = gptq.pack_layer(q, scales, zeros, torch.zeros(K, dtype=torch.int64), 4)
+    want = expected_weight(q, scales, zeros, g_idx)
+    assert torch.equal(gptq.dequantize_reference(t, {"bits": 4}), want)
+    assert torch.equal(packed_dequant(gptq.read_layer(t, K, N, quant_config={"bits": 4})), want)
+
+
 def test_bits_inferred_when_config_lacks_them():
     K, N = 64, 32
     q, scales, zeros, g_idx = random_layer(K, N, 8, 32, False)
@@ -137,9 +146,8 @@ def test_bits_inferred_when_config_lacks_them():
 # ---- RTN ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("sym, fmt", [(True, "gptq"), (False, "gptq"), (False, "gptq_v2")])
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
 def test_rtn_error_bounded_by_half_scale(bits, sym, act_order, fmt):
     K, N, gs = 256, 64, 64
     W = torch.randn(K, N, dtype=torch.float64) * torch.rand(1, N, dtype=torch.float64)

@@ -72,7 +72,7 @@ def validate(tensors: Mapping[str, torch.Tensor], in_features: int, out_features
     G = sc.shape[0]
     check_tensor(f"{name}.qzeros", tensors.get("qzeros"), torch.int32, (G, N * bits // 32))
     gs = (quant_config or {}).get("group_size")
-    if "g_idx" in tensors:
+    if "g_idx" in tensors and not _placeholder_g_idx(tensors["g_idx"], G):
         g_idx = check_tensor(f"{name}.g_idx", tensors["g_idx"], _INTS, (K,)).to(torch.int64)
         if K and (int(g_idx.min()) < 0 or int(g_idx.max()) >= G):
             raise FormatError(f"{name}.g_idx: values must lie in [0, {G}) (scales has {G} groups), got "
@@ -85,6 +85,12 @@ def validate(tensors: Mapping[str, torch.Tensor], in_features: int, out_features
     if "bias" in tensors:
         check_tensor(f"{name}.bias", tensors["bias"], _FLOATS, (N,))
     return bits, g_idx, G
+
+
+def _placeholder_g_idx(g_idx: torch.Tensor, groups: int) -> bool:
+    """Some exporters write an all-zero g_idx for multi-group layers; ExLlamaV2 (ext.py
+    make_q_matrix) ignores such a g_idx and uses sequential groups, and so do we."""
+    return groups > 1 and g_idx.numel() > 0 and not bool(g_idx.to(torch.int64).any())
 
 
 def unpack_zeros(qzeros: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -141,11 +147,12 @@ def dequantize_reference(tensors: Mapping[str, torch.Tensor], quant_config: Opti
     v1 = checkpoint_is_v1(quant_config)
     q = stream_to_bits_reference(qw, bits, K)                                   # (K, N)
     z = stream_to_bits_reference(tensors["qzeros"].t().contiguous(), bits, N).t() + (1 if v1 else 0)
-    if "g_idx" in tensors:
+    if "g_idx" in tensors and not _placeholder_g_idx(tensors["g_idx"], sc.shape[0]):
         g_idx = tensors["g_idx"].to(torch.int64)
     else:
-        gs = (quant_config or {}).get("group_size", -1)
-        g_idx = torch.arange(K) // (K if gs in (None, -1) else gs)
+        gs = (quant_config or {}).get("group_size")
+        G = sc.shape[0]
+        g_idx = torch.arange(K) // (gs if gs not in (None, -1) else -(-K // G))
     return (q.to(dtype) - z[g_idx].to(dtype)) * sc.to(dtype)[g_idx]
 
 
