@@ -257,6 +257,22 @@ def test_activation_keeps_import_cheap_and_registers_hf_quantizer_on_demand():
     assert out == {"heavy": [], "exl2": True, "cfg": "ExlQuantConfig"}
 
 
+@pytest.mark.slow      # a second fresh process importing transformers
+def test_hf_quantizer_registers_when_transformers_was_imported_first():
+    from importlib.metadata import entry_points
+    if "hf" not in {ep.name for ep in entry_points(group="exl_core")}:
+        pytest.skip("exl-core-hf not installed (pip install -e adapters/hf --no-build-isolation)")
+    r = _run("""
+        from transformers.quantizers import auto
+        assert "exl2" not in auto.AUTO_QUANTIZER_MAPPING
+        import exl_core, exl_core.plugins as p
+        p.activate_plugins()
+        print(auto.AUTO_QUANTIZER_MAPPING["exl2"].__name__)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "ExlHfQuantizer"
+
+
 def test_installed_adapters_declare_entry_points():
     from importlib.metadata import entry_points
     eps = {ep.name: ep for ep in entry_points(group="exl_core")}
