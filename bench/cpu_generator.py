@@ -67,6 +67,31 @@ def throughput(model, tok, n_jobs: int, new_tokens: int) -> dict:
             "forward_passes": gen.stats.forward_passes}
 
 
+def load_hf():
+    import transformers
+    from exl_core.default_model import default_dense_path
+    return transformers.AutoModelForCausalLM.from_pretrained(default_dense_path(progress=False),
+                                                             dtype=torch.float32).eval()
+
+
+def hf_peer(hf, tok, n_jobs: int, new_tokens: int) -> dict:
+    """Peer in the same run: transformers' generate() on the dense model (left-padded batch)."""
+    prompts = [chat_ids(tok, f"Write a long story about {TOPICS[i % len(TOPICS)]}.") for i in range(n_jobs)]
+    width = max(len(p) for p in prompts)
+    pad = tok.eos_token_ids and min(tok.eos_token_ids) or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        hf.generate(input_ids=ids[:1, -4:], attention_mask=mask[:1, -4:], max_new_tokens=2, do_sample=False,
+                    pad_token_id=pad)
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=pad)
+        t1 = time.perf_counter()
+    generated = (out.shape[1] - width) * n_jobs
+    return {"jobs": n_jobs, "generated": generated, "wall_s": t1 - t0, "total_tok_s": generated / (t1 - t0)}
+
+
 def ttft(model, tok, prefix_len: int = 1000, suffix_len: int = 40, repeat: int = 3) -> dict:
     rng = random.Random(0)
     vocab = [i for i in range(200, 40000)]
@@ -101,6 +126,7 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="use the dense model even if RTN exists")
     ap.add_argument("--threads", type=int, default=None, help="default: all cores, or 1 on a busy box")
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     args = ap.parse_args()
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if args.threads is None:
@@ -120,6 +146,15 @@ def main() -> None:
     base = rows[0]["total_tok_s"]
     for r in rows:
         r["vs_1_job"] = r["total_tok_s"] / base
+    peers = []
+    if not args.no_hf:
+        hf = load_hf()
+        peers = [hf_peer(hf, tok, int(c), args.new_tokens) for c in args.concurrency.split(",")]
+        del hf
+        for p, r in zip(peers, rows):
+            p["exl_vs_hf"] = r["total_tok_s"] / p["total_tok_s"]
+        print("\npeer: transformers generate(), dense fp32, same prompts")
+        print_table(peers, ["jobs", "generated", "wall_s", "total_tok_s", "exl_vs_hf"])
     t = ttft(model, tok)
     print()
     print_table([t], ["prompt_tokens", "shared_prefix", "ttft_no_reuse_s", "ttft_shared_prefix_s", "speedup",
@@ -127,10 +162,12 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     write_results("cpu_generator", {
         "model": label, "model_path": str(path), "dtype": str(model.dtype), "new_tokens": args.new_tokens,
-        "sampler": "greedy", "page_size": 256, "throughput": rows, "ttft": t,
+        "sampler": "greedy", "page_size": 256, "throughput": rows, "hf_peer": peers, "ttft": t,
         "load_average": load, "load_average_at_start": load1, "threads": args.threads,
         "note": "total_tok_s = generated tokens / wall time including prefill; decode_tok_s from the first "
-                "sampled token to the end. The box is shared; load_average shows how busy it was.",
+                "sampled token to the end. hf_peer: transformers generate() on the DENSE fp32 model with "
+                "left-padded batches (exl_vs_hf compares our model above, possibly 4-bit, with it). "
+                "The box is shared; load_average shows how busy it was.",
     })
 
 
