@@ -395,8 +395,8 @@ def test_draw_never_picks_zero_mass_tokens_at_the_edges():
     assert got[0] == 2 and got[1] == 4 and got[2] in (2, 4)
 
 
-def test_seeded_job_reproducible_whatever_the_batch():
-    V = 300
+@pytest.mark.parametrize("V", [300, 5000])          # batched and row-by-row CPU paths
+def test_seeded_job_reproducible_whatever_the_batch(V):
     steps = [torch.randn(6, V) * 3 for _ in range(5)]
     mine = SamplerSettings(temperature=0.9, top_p=0.9)
     alone, batched = [], []
@@ -417,8 +417,9 @@ def test_seeded_job_reproducible_whatever_the_batch():
     assert len(set(different)) > 1      # the draw does depend on the generator
 
 
-def test_batched_equals_rowwise():
-    B, V = 5, 120
+@pytest.mark.parametrize("V", [120, 5000])          # batched and row-by-row CPU paths
+def test_batched_equals_rowwise(V):
+    B = 5
     lg = torch.randn(B, V) * 2
     rnd = random.Random()
     ss = [random_settings(rnd, V) for _ in range(B)]
