@@ -170,6 +170,34 @@ def test_batched_equals_alone():
         assert alone.generated == j.generated
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_forward_logits_match_cacheless_forward(dtype):
+    model = TinyLM()
+    cache = Cache(model, max_tokens=512, page_size=16, dtype=dtype)
+    assert cache.k[0].dtype == dtype
+    prompts = [rand_prompt(n) for n in (37, 5, 64)]
+    tables = [cache.try_admit(p, len(p), 64, reuse=False) for p in prompts]
+    split = [20, 5, 33]                                      # two ragged passes
+    out = [[], [], []]
+    for part in range(2):
+        lens = [sp if part == 0 else len(p) - sp for p, sp in zip(prompts, split)]
+        ids = [t for p, sp, n in zip(prompts, split, lens) for t in (p[:sp] if part == 0 else p[sp:])]
+        ctx = cache.context(tables, lens)
+        logits = model.forward(torch.tensor(ids), ctx)
+        row = 0
+        for s_, (t, n) in enumerate(zip(tables, lens)):
+            out[s_].append(logits[row:row + n])
+            cache.after_forward(t, prompts[s_], n, more_to_come=False)
+            row += n
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    for p, o in zip(prompts, out):
+        ref = model.forward(torch.tensor(p), ContiguousContext([len(p)], [None]))
+        torch.testing.assert_close(torch.cat(o), ref, atol=tol, rtol=tol)
+    for t in tables:
+        cache.release(t)
+    assert_pool_idle(cache)
+
+
 def test_chunks_depend_only_on_the_job():
     from exl_core.generation.scheduler import next_work
     model = TinyLM()
