@@ -142,7 +142,13 @@ class Model(nn.Module):
         """(name, QuantLinear) for every projection and the head, HF names."""
         for name, mod in self.named_modules():
             if isinstance(mod, QuantLinear):
-                yield name, mod
+                yield (name if name == "lm_head" else f"model.{name}"), mod
+
+    def set_linear(self, hf_name: str, layer: QuantLinear) -> None:
+        """Replace the projection called `hf_name` (as yielded by linear_layers)."""
+        path = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        parent, _, attr = path.rpartition(".")
+        setattr(self.get_submodule(parent) if parent else self, attr, layer)
 
     # -- forward ---------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
