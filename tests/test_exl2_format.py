@@ -267,3 +267,16 @@ def test_writer_refuses_what_exllamav2_cannot_load():
         exl2.pack_layer(q, torch.ones(2, 32, dtype=torch.int64), torch.ones(2), [(4, 32), (6, 32)])
     with pytest.raises(ValueError, match="multiples of 32"):
         exl2.pack_layer(q, torch.ones(2, 32, dtype=torch.int64), torch.ones(2), [(4, 48), (4, 16)])
+
+
+def test_clip_search_never_worse_in_its_objective():
+    K, N = 128, 64
+    W = torch.randn(K, N, dtype=torch.float64)
+    W[::17, ::5] *= 6                                              # outliers make clipping pay off
+    plain = exl2.dequantize_reference(exl2.quantize_rtn(W, 3, 32))
+    t = exl2.quantize_rtn(W, 3, 32, clip_search=True)
+    searched = exl2.dequantize_reference(t)
+    err = lambda d: (W - d).abs().pow(3.5).view(4, 32, N).sum(dim=(1, 2))  # noqa: E731  per group
+    assert torch.all(err(searched) <= err(plain) * (1 + 1e-12))
+    assert err(searched).sum() < err(plain).sum()
+    assert torch.equal(packed_dequant(exl2.read_layer(t, K, N)), searched)

@@ -213,3 +213,18 @@ def test_registry_detects_gptq_from_names_and_config():
                         "model.layers.0.self_attn.q_proj", 64, 32, {"bits": 4, "group_size": 32})
     plain = {k.rsplit(".", 1)[1]: v for k, v in t.items()}
     assert torch.equal(packed_dequant(pw), gptq.dequantize_reference(plain, {"bits": 4}))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_clip_search_never_worse_in_its_objective(sym):
+    K, N, gs = 128, 64, 32
+    W = torch.randn(K, N, dtype=torch.float64)
+    W[::17, ::5] *= 6
+    qc = {"bits": 3, "group_size": gs}
+    plain = gptq.dequantize_reference(gptq.quantize_rtn(W, 3, gs, sym=sym), qc)
+    t = gptq.quantize_rtn(W, 3, gs, sym=sym, clip_search=True)
+    searched = gptq.dequantize_reference(t, qc)
+    err = lambda d: (W - d).abs().pow(2.4).view(K // gs, gs, N).sum(dim=1)  # noqa: E731  (group, column)
+    assert torch.all(err(searched) <= err(plain) * (1 + 1e-12))
+    assert err(searched).sum() < err(plain).sum()
+    assert torch.equal(packed_dequant(gptq.read_layer(t, K, N, quant_config=qc)), searched)

@@ -263,12 +263,15 @@ def segments_from_proportions(rows: int, bits_prop: Iterable[tuple[int, float]],
 
 def quantize_rtn(W: torch.Tensor, bits: Union[int, Sequence[tuple[int, int]]] = 4,
                  group_size: Union[int, Mapping[int, int]] = 128, perm: Optional[torch.Tensor] = None,
-                 bias: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                 bias: Optional[torch.Tensor] = None, clip_search: bool = False) -> dict[str, torch.Tensor]:
     """Round-to-nearest EXL2 quantisation of W [K, N] (K = in_features) -> layer tensors.
 
     bits: one width, or [(bits, rows)] segments along the permuted rows (widest first).
     Scales follow ExLlamaV2's scheme (4-bit code per column times an fp16 per-group max) but
-    codes round UP, so every element satisfies |W - deq| <= scale/2 (no clipping)."""
+    codes round UP, so every element satisfies |W - deq| <= scale/2 (no clipping).
+    clip_search: like ExLlamaV2's find_params, also try the group max scaled by p in
+    [0.70, 1.20] and keep the p with the least sum |W - deq|^3.5 (p = 1 is a candidate, so the
+    objective never gets worse; the scale/2 bound then no longer holds for clipped values)."""
     W = W.detach().to(torch.float64)
     K, N = W.shape
     segments = [(bits, K)] if isinstance(bits, int) else [(int(b), int(r)) for b, r in bits]
@@ -285,6 +288,8 @@ def quantize_rtn(W: torch.Tensor, bits: Union[int, Sequence[tuple[int, int]]] = 
             base = x.abs().amax(dim=0) / (2 ** (b - 1) - 0.5)      # smallest unclipped scale
             m = float(fp16_ceil(base.max()))
             code = torch.ceil(torch.sqrt(base / m) * 16).clamp(1, 16)
+            if clip_search:
+                m = _search_max(x, code, m, b)
             scale = code ** 2 * m / 256
             q = torch.clamp(torch.round(x / scale) + 2 ** (b - 1), 0, 2 ** b - 1)
             groups.append((b, rows))
@@ -296,6 +301,23 @@ def quantize_rtn(W: torch.Tensor, bits: Union[int, Sequence[tuple[int, int]]] = 
         raise ValueError(f"quantize_rtn: segments cover {k} rows, W has {K}")
     return pack_layer(torch.cat(q_rows), torch.stack(codes), torch.tensor(maxes, dtype=torch.float64),
                       groups, perm, bias)
+
+
+CLIP_GRID = [round(0.70 + 0.02 * i, 2) for i in range(26)]         # 0.70 .. 1.20, includes 1.0
+
+
+def _search_max(x: torch.Tensor, code: torch.Tensor, m: float, bits: int, norm: float = 3.5) -> float:
+    """The fp16 group max (m*p, p in CLIP_GRID) minimising sum |x - deq|^norm over the group."""
+    z, maxq = 2 ** (bits - 1), 2 ** bits - 1
+    best, best_err = m, None
+    for p in CLIP_GRID:
+        mp = m if p == 1.0 else float(torch.tensor(m * p, dtype=torch.float16))
+        scale = code ** 2 * mp / 256
+        deq = (torch.clamp(torch.round(x / scale) + z, 0, maxq) - z) * scale
+        err = float((x - deq).abs().pow(norm).sum())
+        if best_err is None or err < best_err:
+            best, best_err = mp, err
+    return best
 
 
 # ---- plug-in -------------------------------------------------------------------------------

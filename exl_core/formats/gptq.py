@@ -199,11 +199,12 @@ def act_order_perm(W: torch.Tensor) -> torch.Tensor:
 
 def quantize_rtn(W: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
                  act_order: bool = False, perm: Optional[torch.Tensor] = None,
-                 checkpoint_format: str = "gptq", bias: Optional[torch.Tensor] = None
-                 ) -> dict[str, torch.Tensor]:
+                 checkpoint_format: str = "gptq", bias: Optional[torch.Tensor] = None,
+                 clip_search: bool = False) -> dict[str, torch.Tensor]:
     """Round-to-nearest GPTQ quantisation of W [K, N] -> layer tensors.
 
-    Scales are rounded UP to fp16 so every element satisfies |W - deq| <= scale/2.
+    Scales are rounded UP to fp16 so every element satisfies |W - deq| <= scale/2 (unless
+    clip_search, which trades clipped outliers for finer steps, see _rtn_groups).
     act_order: g_idx[perm[i]] = i // group_size with `perm` (default: act_order_perm(W))."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"quantize_rtn: unsupported GPTQ bit width {bits} (supported: {SUPPORTED_BITS})")
@@ -225,7 +226,7 @@ def quantize_rtn(W: torch.Tensor, bits: int = 4, group_size: int = 128, sym: boo
     for lo, hi in ((0, full), (full, G)):                           # whole groups, then a short tail
         if hi > lo:
             blk = ws[lo * gs:min(hi * gs, K)].view(hi - lo, -1, N)     # (groups, rows, N)
-            q, s, z = _rtn_groups(blk, bits, sym, v1)
+            q, s, z = _rtn_groups(blk, bits, sym, v1, clip_search)
             q_sorted.append(q.reshape(-1, N))
             scales.append(s)
             zeros.append(z)
@@ -235,15 +236,38 @@ def quantize_rtn(W: torch.Tensor, bits: int = 4, group_size: int = 128, sym: boo
     return pack_layer(q, scales, zeros, g_idx, bits, checkpoint_format, bias)
 
 
-def _rtn_groups(x: torch.Tensor, bits: int, sym: bool, v1: bool):
-    """x (groups, rows, N) float64 -> q (groups, rows, N), scale (groups, N), zero (groups, N)."""
+SHRINK_GRID = [round(1 - 0.02 * i, 2) for i in range(20)]          # 1.00 .. 0.62
+
+
+def _rtn_groups(x: torch.Tensor, bits: int, sym: bool, v1: bool, clip_search: bool = False):
+    """x (groups, rows, N) float64 -> q (groups, rows, N), scale (groups, N), zero (groups, N).
+
+    clip_search: like AutoGPTQ's `mse` option, shrink each column's range by p in SHRINK_GRID
+    and keep the p with the least sum |x - deq|^2.4 (p = 1 is a candidate)."""
+    if not clip_search:
+        return _rtn_params(x, bits, sym, v1, 1.0)
+    best, best_err = None, None
+    for p in SHRINK_GRID:
+        q, s, z = cand = _rtn_params(x, bits, sym, v1, p)
+        err = ((q - z.unsqueeze(1)) * s.unsqueeze(1) - x).abs().pow(2.4).sum(dim=1)   # (groups, N)
+        if best is None:
+            best, best_err = cand, err
+            continue
+        better = err < best_err
+        best = (torch.where(better.unsqueeze(1), q, best[0]), torch.where(better, s, best[1]),
+                torch.where(better, z, best[2]))
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+def _rtn_params(x: torch.Tensor, bits: int, sym: bool, v1: bool, p: float):
     maxq = 2 ** bits - 1
     if sym:
-        s = fp16_ceil(2 * x.abs().amax(dim=1) / maxq)
+        s = fp16_ceil(2 * x.abs().amax(dim=1) * p / maxq)
         z = torch.full_like(s, 2 ** (bits - 1), dtype=torch.int64)
     else:
-        xmin = x.amin(dim=1).clamp(max=0)
-        xmax = x.amax(dim=1).clamp(min=0)
+        xmin = x.amin(dim=1).clamp(max=0) * p
+        xmax = x.amax(dim=1).clamp(min=0) * p
         s = fp16_ceil((xmax - xmin) / maxq)
         z = torch.round(-xmin / s).to(torch.int64)
         if v1:   # zero 0 is not storable in v1: widen the scale so zero 1 still covers [0, xmax]

@@ -28,13 +28,16 @@ BitsSpec = Union[int, Sequence[tuple[int, float]]]
 
 def quantize_model_rtn(src_folder, dst_folder, fmt: str = "gptq", bits: BitsSpec = 4, group_size: int = 128,
                        sym: bool = True, act_order: bool = False, head_bits: Optional[int] = None,
-                       checkpoint_format: str = "gptq", max_shard_bytes: int = 2 * 1024 ** 3) -> Path:
+                       checkpoint_format: str = "gptq", max_shard_bytes: int = 2 * 1024 ** 3,
+                       clip_search: bool = False) -> Path:
     """Writes a quantized copy of `src_folder` to `dst_folder`; returns dst_folder.
 
     fmt="gptq": bits in {2,3,4,8}, group_size 32/64/128/-1, sym/asym, act_order (rows ordered
     by weight energy, see gptq.act_order_perm), checkpoint_format "gptq" (v1) or "gptq_v2".
     fmt="exl2": bits an int or [(bits, proportion)] widest first (e.g. [(6, .1), (4, .9)]),
     group_size per group of rows; act_order applies gptq.act_order_perm as the EXL2 permutation.
+    clip_search: per-group (EXL2) / per-column (GPTQ) range search instead of plain min/max
+    scales; better error, but the |W - deq| <= scale/2 guarantee no longer holds.
     """
     src, dst = Path(src_folder), Path(dst_folder)
     if fmt not in ("gptq", "exl2"):
@@ -64,14 +67,14 @@ def quantize_model_rtn(src_folder, dst_folder, fmt: str = "gptq", bits: BitsSpec
         K, N = W.shape
         if fmt == "gptq":
             t = gptq.quantize_rtn(W, layer_bits, group_size, sym=sym, act_order=act_order,
-                                  checkpoint_format=checkpoint_format, bias=b)
+                                  checkpoint_format=checkpoint_format, bias=b, clip_search=clip_search)
             stored_bits = sum(v.numel() * v.element_size() * 8 for k, v in t.items() if k != "bias")
         else:
             gs = K if group_size == -1 else group_size
             segs = ([(layer_bits, K)] if isinstance(layer_bits, int)
                     else exl2.segments_from_proportions(K, layer_bits, gs))
             perm = gptq.act_order_perm(W) if act_order else None
-            t = exl2.quantize_rtn(W, segs, gs, perm=perm, bias=b)
+            t = exl2.quantize_rtn(W, segs, gs, perm=perm, bias=b, clip_search=clip_search)
             stored_bits = exl2.bits_per_weight(t, K, N) * K * N
         if prefix != "lm_head":     # "bits" describes the layers; the head has head_bits
             bpw_num += stored_bits
