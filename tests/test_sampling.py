@@ -217,14 +217,21 @@ def test_chained_filters_on_ties(xs, k, p, m):
     assert_restricted_softmax(ps, xs, got)
 
 
-def test_typical_matches_hf_warper():
-    from transformers.generation.logits_process import TypicalLogitsWarper
-    for _ in range(20):
+@pytest.mark.parametrize("name", ["typical", "top_p", "min_p", "top_k"])
+def test_filters_match_hf_warpers(name):
+    from transformers.generation import logits_process as lp
+    for _ in range(15):
         V = random.randint(2, 3000)
         scores = torch.randn(1, V, dtype=torch.float64) * random.uniform(0.1, 8)
-        mass = random.uniform(0.05, 0.99)
-        hf = TypicalLogitsWarper(mass=mass)(torch.zeros(1, 1, dtype=torch.long), scores.clone())
-        ours = processed_probs(scores[0], SamplerSettings(typical=mass), dtype=torch.float64)
+        q = random.uniform(0.05, 0.99)
+        warper, s = {
+            "typical": (lambda: lp.TypicalLogitsWarper(mass=q), lambda: SamplerSettings(typical=q)),
+            "top_p": (lambda: lp.TopPLogitsWarper(top_p=q), lambda: SamplerSettings(top_p=q)),
+            "min_p": (lambda: lp.MinPLogitsWarper(min_p=q), lambda: SamplerSettings(min_p=q)),
+            "top_k": (lambda: lp.TopKLogitsWarper(top_k=int(q * V) + 1), lambda: SamplerSettings(top_k=int(q * V) + 1)),
+        }[name]
+        hf = warper()(torch.zeros(1, 1, dtype=torch.long), scores.clone())
+        ours = processed_probs(scores[0], s(), dtype=torch.float64)
         assert torch.equal(ours > 0, hf[0] > NEG)
         assert torch.allclose(ours, torch.softmax(hf[0], 0), rtol=1e-9, atol=1e-12)
 
