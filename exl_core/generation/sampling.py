@@ -27,6 +27,7 @@ filters' thresholds (cumulative sums compared with p) stable.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace as _dc_replace
 from typing import Optional, Sequence, Union
 
@@ -37,12 +38,12 @@ from ..errors import InputError, SamplerError
 History = Union[torch.Tensor, Sequence[int], None]
 
 
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _is_real(v) -> bool:          # numbers.* so numpy scalars pass too; bools are not numbers here
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass
