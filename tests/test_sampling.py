@@ -508,6 +508,10 @@ def test_valid_edges_accepted():
     SamplerSettings(temperature=0, top_p=1.0, min_p=1.0, typical=1.0, top_k=0, penalty_range=0,
                     logit_bias={0: NEG}).validate(1)
     assert SamplerSettings.greedy().is_greedy and not SamplerSettings().is_greedy
+    import numpy as np                              # numpy scalars are numbers too
+    s = SamplerSettings(top_k=np.int64(3), temperature=np.float32(0.5), banned_tokens=[np.int64(0)])
+    ps = probs64([5.0, 1.0, 2.0, 3.0, 4.0], s)
+    assert kept(ps) == {2, 3, 4}
 
 
 def test_shape_errors():
