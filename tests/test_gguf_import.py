@@ -402,6 +402,33 @@ def test_default_model_home_not_writable(tmp_path, monkeypatch):
         default_model.default_dense_path(progress=False)
 
 
+def test_default_model_reimports_when_gguf_changes(tmp_path, monkeypatch):
+    """The cache remembers which GGUF it came from: another file triggers a re-import, a
+    missing package does not invalidate a finished import."""
+    from exl_core import default_model
+    monkeypatch.setenv("EXL_CORE_HOME", str(tmp_path / "home"))
+    src = tmp_path / "a.gguf"
+    write_tiny_gguf(src, tied=True)
+    monkeypatch.setattr(default_model, "smollm2_gguf_path", lambda: src)
+    p = default_model.default_dense_path(progress=False)
+    first = WeightReader(p).get("model.norm.weight")
+    t = time.perf_counter()
+    assert default_model.default_dense_path(progress=False) == p
+    assert time.perf_counter() - t < 0.5
+    src2 = tmp_path / "b.gguf"
+    write_tiny_gguf(src2, tied=False)
+    monkeypatch.setattr(default_model, "smollm2_gguf_path", lambda: src2)
+    assert default_model.default_dense_path(progress=False) == p
+    assert not torch.equal(WeightReader(p).get("model.norm.weight"), first)
+    assert WeightReader(p).has("lm_head.weight")
+
+    def gone():
+        raise ExlError("not installed")
+
+    monkeypatch.setattr(default_model, "smollm2_gguf_path", gone)
+    assert default_model.default_dense_path(progress=False) == p
+
+
 @pytest.mark.real_model
 def test_default_model_path_cached(smollm2_dir):
     from exl_core.default_model import default_dense_path, default_model_path
