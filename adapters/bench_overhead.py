@@ -51,7 +51,7 @@ def main() -> None:
     activate_plugins()
     path = str(default_model_path(progress=False))
     greedy = exl_core.SamplerSettings(temperature=0)
-    rows: dict[str, tuple[float, int]] = {}
+    rows = Rows()
 
     eng = shared_engine(path)
     tok = eng.tokenizer
@@ -105,39 +105,58 @@ def main() -> None:
     rows["hf-dense"] = best(hf_run(hf), args.repeat)
 
     if args.exl2:
-        from exl_core.quantize.rtn import quantize_model_rtn
-        q = Path(path).parent / (Path(path).name + "-rtn-exl2-4b")
-        if not (q / "config.json").exists():
-            quantize_model_rtn(path, q, fmt="exl2", bits=4, group_size=128)
-            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                if (Path(path) / f).exists() and not (q / f).exists():
-                    (q / f).write_bytes((Path(path) / f).read_bytes())
-        qeng = shared_engine(q)
-        qgen = exl_core.Generator(qeng.model, exl_core.Cache(qeng.model, max_tokens=4096), qeng.tokenizer)
-
-        def native_q():
-            j = job()
-            qgen.enqueue(j)
-            while not j.done:
-                qgen.iterate()
-            return len(j.generated)
-        rows["native-exl2"] = best(native_q, args.repeat)
-        hfq = AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.float32).eval()
-        rows["hf-exl2 (exl-core-hf)"] = best(hf_run(hfq), args.repeat)
+        try:
+            exl2_rows(args, path, job, hf_run, rows)
+        except Exception as e:  # noqa: BLE001 - report what broke, keep the other rows
+            print(f"exl2 comparison failed: {type(e).__name__}: {e}", flush=True)
 
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import exl_core, exl_core.plugins as p; p.activate_plugins()"], check=True)
     import_s = time.perf_counter() - t
-
-    base = rows["native"][1] / rows["native"][0]
-    print(f"{'path':24s} {'tokens':>6s} {'seconds':>8s} {'tok/s':>8s} {'vs native':>9s}")
-    for name, (sec, toks) in rows.items():
-        print(f"{name:24s} {toks:6d} {sec:8.2f} {toks / sec:8.1f} {toks / sec / base:9.2f}")
     print(f"import exl_core + activate_plugins (fresh process): {import_s * 1000:.0f} ms")
     if args.json:
         args.json.write_text(json.dumps({"rows": {k: {"seconds": s, "tokens": t} for k, (s, t) in rows.items()},
                                          "import_activate_s": import_s, "torch_threads": torch.get_num_threads(),
                                          "model": path}, indent=2))
+
+
+class Rows(dict):
+    """Prints each measurement as it lands (ratios to the first row, `native`)."""
+
+    def __setitem__(self, name, value):
+        super().__setitem__(name, value)
+        sec, toks = value
+        if len(self) == 1:
+            print(f"{'path':24s} {'tokens':>6s} {'seconds':>8s} {'tok/s':>8s} {'vs native':>9s}", flush=True)
+        base = next(iter(self.values()))
+        print(f"{name:24s} {toks:6d} {sec:8.2f} {toks / sec:8.1f} {toks / sec / (base[1] / base[0]):9.2f}",
+              flush=True)
+
+
+def exl2_rows(args, path, job, hf_run, rows) -> None:
+    import exl_core
+    from transformers import AutoModelForCausalLM
+
+    from exl_core.plugins import shared_engine
+    from exl_core.quantize.rtn import quantize_model_rtn
+    q = Path(path).parent / (Path(path).name + "-rtn-exl2-4b")
+    if not (q / "config.json").exists():
+        quantize_model_rtn(path, q, fmt="exl2", bits=4, group_size=128)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(path) / f).exists() and not (q / f).exists():
+                (q / f).write_bytes((Path(path) / f).read_bytes())
+    qeng = shared_engine(q)
+    qgen = exl_core.Generator(qeng.model, exl_core.Cache(qeng.model, max_tokens=4096), qeng.tokenizer)
+
+    def native_q():
+        j = job()
+        qgen.enqueue(j)
+        while not j.done:
+            qgen.iterate()
+        return len(j.generated)
+    rows["native-exl2"] = best(native_q, args.repeat)
+    hfq = AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.float32).eval()
+    rows["hf-exl2 (exl-core-hf)"] = best(hf_run(hfq), args.repeat)
 
 
 def _li_msg(text):
