@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
-
 import torch
 from torch import nn
 from transformers.quantizers import auto as _auto

