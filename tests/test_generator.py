@@ -530,8 +530,14 @@ def test_sliding_window_matches_recompute_and_frees_pages():
     assert_pool_idle(cache)
     # a prompt longer than the whole cache still fits: its old pages are recycled
     j = gen.enqueue(Job(rand_prompt(400), max_new_tokens=3, sampler=GREEDY))
+    # identical prompts run concurrently: with a window nothing is shared, so the pages each
+    # job drops out of the window really return to the pool
+    same = rand_prompt(100)
+    twins = gen.enqueue([Job(same, max_new_tokens=8, sampler=GREEDY) for _ in range(2)])
     run_all(gen)
     assert_greedy(model, j.input_ids, j.generated)
+    assert twins[0].generated == twins[1].generated and twins[1].reused_tokens == 0
+    assert_pool_idle(cache)
 
 
 # -- the real model ---------------------------------------------------------------------------
@@ -601,6 +607,7 @@ def test_tiny_mistral_sliding_window_matches_forward_batch(tiny_model_factory):
         want = model.forward_batch(torch.tensor([ids]))[0, len(p) - 1:].argmax(-1).tolist()
         assert j.generated == want
     assert_pool_idle(cache)
+    assert len(cache.index) == 0 and cache.pool.num_free == cache.num_pages    # no sharing with a window
 
 
 @pytest.fixture(scope="module")

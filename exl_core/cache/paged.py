@@ -41,6 +41,10 @@ class Cache:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.window: Optional[int] = cfg.sliding_window or None
+        # Prefix sharing is off with a sliding window: a job re-reserves every page it drops
+        # out of the window, which is only sound when the dropped page really returns to the
+        # pool (a page still shared with another sequence would not).
+        self.prefix_sharing = self.window is None
         per_token = bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
         self.num_pages = num_pages_for(per_token, page_size, self.device, max_tokens,
                                        cfg.max_position_embeddings)
@@ -80,6 +84,8 @@ class Cache:
     def prompt_keys(self, prompt: Sequence[int]) -> list[bytes]:
         """Keys of the prompt's full pages that may be shared: those ending before its last
         token (which must run through the model to produce logits)."""
+        if not self.prefix_sharing:
+            return []
         return page_keys(prompt[:len(prompt) - 1], self.page_size)
 
     def try_admit(self, prompt: Sequence[int], total_len: int, max_chunk: int,
@@ -90,7 +96,7 @@ class Cache:
         token must run through the model to produce logits). `total_len`: positions whose K/V
         will ever be stored (prompt + new tokens - 1)."""
         ps = self.page_size
-        if not reuse:
+        if not reuse or not self.prefix_sharing:
             keys = []
         elif keys is None:
             keys = self.prompt_keys(prompt)
@@ -115,7 +121,7 @@ class Cache:
         ps = self.page_size
         table.num_tokens += n_new
         full = table.num_tokens // ps
-        if full > len(table.keys):
+        if self.prefix_sharing and full > len(table.keys):
             prev = table.keys[-1] if table.keys else b""
             new_keys = page_keys(tokens[:full * ps], ps, prev=prev, first_page=len(table.keys))
             for i, k in enumerate(new_keys, start=len(table.keys)):
