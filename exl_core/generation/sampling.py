@@ -468,8 +468,8 @@ def processed_probs(logits: torch.Tensor, settings: SamplerSettings, history: Hi
 
 def _draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF over token ids: filtered logits [B, V] float64, u [B] in [0, 1) -> ids [B]:
-    the first token whose cumulative (unnormalised) mass exceeds u * total. A token with zero
-    mass never is the first to exceed, so it can never be chosen."""
+    the first token whose cumulative mass exceeds u * total (total ~ 1, exactly the last cdf
+    value). A token with zero mass is never the first to exceed, so it is never chosen."""
     w = torch.softmax(x, dim=1)
     cdf = torch.cumsum(w, dim=1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
