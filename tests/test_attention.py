@@ -161,3 +161,20 @@ def test_write_kv_roundtrip():
     assert kc.reshape(-1, hkv, d)[~written].isnan().all()          # nothing else touched
     with pytest.raises(InputError, match="slots"):
         A.write_kv(kc, vc, k, v, slots[:3])
+
+
+@pytest.mark.skipif(not has_op("paged_attention"), reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_opcheck(dtype):
+    q, kc, vc, table, cu, lens = make_case([(3, 20), (1, 7)], 6, 2, 64, 8, dtype=dtype)
+    torch.library.opcheck(torch.ops.exl_core.paged_attention, (q, kc, vc, table, cu, lens, 0.125, 0))
+    torch.library.opcheck(torch.ops.exl_core.paged_attention, (q, kc, vc, table, cu, lens, 0.125, 5))
+
+
+@pytest.mark.skipif(not has_op("paged_attention"), reason="C++ extension not built")
+def test_paged_cpu_rejects_bad_table():
+    # a table entry the kernel would need is -1: the C++ side must refuse instead of reading it
+    q, kc, vc, table, cu, lens = make_case([(2, 20)], 4, 2, 64, 8)
+    table[0, 1] = -1
+    with pytest.raises(RuntimeError, match="block_table"):
+        torch.ops.exl_core.paged_attention(q, kc, vc, table, cu, lens, 0.1, 0)
