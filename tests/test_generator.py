@@ -322,7 +322,7 @@ def test_prompt_longer_than_cache_and_empty_prompt():
     with pytest.raises(InputError):
         gen.enqueue(Job([model.config.vocab_size], max_new_tokens=4))
     # a prompt that fits but whose continuation cannot: stops at the cache's end ("length")
-    j = gen.enqueue(Job(rand_prompt(60), max_new_tokens=50, sampler=GREEDY))
+    j = gen.enqueue(Job(rand_prompt(60), max_new_tokens=50, sampler=GREEDY, stop_on_eos=False))
     run_all(gen)
     assert j.finish_reason == "length" and len(j.generated) == 64 - 60 + 1
     assert not gen.has_work()
