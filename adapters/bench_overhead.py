@@ -2,7 +2,8 @@
 
     python adapters/bench_overhead.py [--tokens 64] [--exl2] [--json out.json]
 
-Rows (same prompt, greedy, same process, best of --repeat runs):
+Rows (same prompt, greedy, same process; after one warm-up call each path is timed once per
+round, --repeat interleaved rounds, fastest kept):
   native        exl_core.Generator.generate on its own Cache
   engine        exl_core.plugins.SharedEngine.stream (worker thread + queue)
   langchain     ChatExl.stream
@@ -51,7 +52,7 @@ def main() -> None:
     activate_plugins()
     path = str(default_model_path(progress=False))
     greedy = exl_core.SamplerSettings(temperature=0)
-    rows = Rows()
+    paths: dict = {}          # name -> callable returning generated tokens
 
     eng = shared_engine(path)
     tok = eng.tokenizer
@@ -68,28 +69,28 @@ def main() -> None:
         while not j.done:
             gen.iterate()
         return len(j.generated)
-    rows["native"] = best(native, args.repeat)
+    paths["native"] = native
 
     def engine():
         j = job()
         for _ in eng.stream(j):
             pass
         return len(j.generated)
-    rows["engine"] = best(engine, args.repeat)
+    paths["engine"] = engine
 
     from langchain_exl import ChatExl
     chat = ChatExl(model=path, temperature=0, max_tokens=n)
 
     def langchain():
         return sum(1 for c in chat.stream(PROMPT) if c.content) or 1
-    rows["langchain"] = best(langchain, args.repeat)
+    paths["langchain"] = langchain
 
     from llama_index.llms.exl import Exl
     li = Exl(model=path, temperature=0, max_new_tokens=n)
 
     def llamaindex():
         return sum(1 for r in li.stream_chat([_li_msg(PROMPT)]) if r.delta) or 1
-    rows["llamaindex"] = best(llamaindex, args.repeat)
+    paths["llamaindex"] = llamaindex
 
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -102,13 +103,23 @@ def main() -> None:
                                      pad_token_id=tok.eos_token_ids and min(tok.eos_token_ids))
             return out.shape[1] - x.shape[1]
         return run
-    rows["hf-dense"] = best(hf_run(hf), args.repeat)
+    paths["hf-dense"] = hf_run(hf)
 
     if args.exl2:
         try:
-            exl2_rows(args, path, job, hf_run, rows)
+            exl2_rows(args, path, job, hf_run, paths)
         except Exception as e:  # noqa: BLE001 - report what broke, keep the other rows
             print(f"exl2 comparison failed: {type(e).__name__}: {e}", flush=True)
+
+    rows = Rows()
+    for name, fn in paths.items():    # warm-up: first-call dispatch, allocations
+        fn()
+    times: dict = {name: [] for name in paths}
+    for _ in range(args.repeat):       # interleaved rounds: load drift hits every path alike
+        for name, fn in paths.items():
+            times[name].append(best(fn, 1))
+    for name in paths:
+        rows[name] = min(times[name])
 
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import exl_core, exl_core.plugins as p; p.activate_plugins()"], check=True)
@@ -133,7 +144,7 @@ class Rows(dict):
               flush=True)
 
 
-def exl2_rows(args, path, job, hf_run, rows) -> None:
+def exl2_rows(args, path, job, hf_run, paths) -> None:
     import exl_core
     from transformers import AutoModelForCausalLM
 
@@ -154,9 +165,9 @@ def exl2_rows(args, path, job, hf_run, rows) -> None:
         while not j.done:
             qgen.iterate()
         return len(j.generated)
-    rows["native-exl2"] = best(native_q, args.repeat)
+    paths["native-exl2"] = native_q
     hfq = AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.float32).eval()
-    rows["hf-exl2 (exl-core-hf)"] = best(hf_run(hfq), args.repeat)
+    paths["hf-exl2 (exl-core-hf)"] = hf_run(hfq)
 
 
 def _li_msg(text):
