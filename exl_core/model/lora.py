@@ -1,0 +1,410 @@
+"""LoRA adapters (PEFT format) for the native model: on the fly or merged into the weights.
+
+On the fly, every targeted `QuantLinear` gets a `LoraHook` in its `.lora` slot; after the
+base matmul the hook adds, for each row range of the flat batch and the adapter mix chosen
+for it,
+
+    y[rows] += sum_a  w_a * scale_a * (x[rows] @ A_a^T) @ B_a^T        A (r, in)   B (out, r)
+
+so different jobs in one batched forward may use different mixes while the base weights
+stay untouched. Which rows use which mix is the model's `LoraManager` state: a row plan
+(set by the generator before each forward) or, without one, a mix for every row
+(`set_active`). Merging bakes one adapter into the weights (dense: add; quantized:
+dequantise -> add -> re-quantize with the layer's own format, groups, widths and order).
+
+scale_a = lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora), as PEFT computes it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from ..errors import LoraError
+from ..formats.packed import PackedWeight, dequantize_reference
+from .linear import QuantLinear
+
+# base_model.model.<hf module name>.lora_A[.<adapter name>].weight
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+Mix = Mapping[str, float]                       # adapter name -> weight
+RowPlan = Sequence[tuple[int, int, Mix]]        # (first row, end row, mix) over the flat batch
+
+
+@dataclass
+class _LayerAdapter:
+    a_t: torch.Tensor      # (in, r) float32, model device
+    b_t: torch.Tensor      # (r, out) float32
+    scale: float
+
+
+class LoraHook:
+    """Sits in `QuantLinear.lora`: y (T, out) += the mixed low-rank updates of x (T, in)."""
+
+    def __init__(self, manager: "LoraManager", name: str):
+        self.manager = manager
+        self.name = name
+        self.adapters: dict[str, _LayerAdapter] = {}
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        plan = self.manager.current_plan(x.shape[0])
+        if not plan:
+            return y
+        out = None
+        for start, end, mix in plan:
+            delta = None
+            xs = x[start:end].float()
+            for aname, w in mix.items():
+                ad = self.adapters.get(aname)
+                if ad is None or w == 0:
+                    continue      # this adapter does not touch this layer
+                d = (xs @ ad.a_t) @ ad.b_t * (ad.scale * float(w))    # (rows, out)
+                delta = d if delta is None else delta + d
+            if delta is not None:
+                if out is None:
+                    out = y.clone()   # the kernel's output may be reused by the caller
+                out[start:end] += delta.to(y.dtype)
+        return y if out is None else out
+
+
+class LoraManager:
+    """All adapters loaded into one model, and which rows use which mix right now."""
+
+    def __init__(self, model):
+        self.model = model
+        self.adapters: dict[str, "LoraAdapter"] = {}
+        self.hooks: dict[str, LoraHook] = {}
+        self.active: dict[str, float] = {}            # mix for every row when no plan is set
+        self._plan: Optional[list[tuple[int, int, dict]]] = None
+
+    def check_mix(self, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
+        """Validated copy of a mix: known, unmerged adapters with finite weights."""
+        out = {}
+        for name, w in (mix or {}).items():
+            if name not in self.adapters:
+                raise LoraError(f"{what}: no adapter named {name!r} is loaded (loaded: "
+                                f"{sorted(self.adapters)}); call exl_core.load_lora(model, folder, name=...)")
+            if self.adapters[name].merged:
+                raise LoraError(f"{what}: adapter {name!r} is merged into the weights and already applies to "
+                                "every row; unmerge() it to choose it per job")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise LoraError(f"{what}: weight of adapter {name!r} must be a finite number, got {w!r}")
+            if w != 0:
+                out[name] = float(w)
+        return out
+
+    def set_plan(self, plan: Optional[RowPlan]) -> None:
+        """Per-row mixes for the next forward(s): [(start, end, mix)] over the flat batch rows;
+        rows outside every range get no adapter. None: back to `active` for every row."""
+        if plan is None:
+            self._plan = None
+            return
+        merged: list[tuple[int, int, dict]] = []
+        for start, end, mix in plan:
+            mix = self.check_mix(mix)
+            if not mix or end <= start:
+                continue
+            if merged and merged[-1][1] == start and merged[-1][2] == mix:   # one matmul for neighbours
+                merged[-1] = (merged[-1][0], end, mix)
+            else:
+                merged.append((start, end, mix))
+        self._plan = merged
+
+    def current_plan(self, rows: int) -> list[tuple[int, int, dict]]:
+        if self._plan is not None:
+            return self._plan
+        return [(0, rows, self.active)] if self.active else []
+
+    def hook_for(self, name: str, layer: QuantLinear) -> LoraHook:
+        hook = self.hooks.get(name)
+        if hook is None:
+            if layer.lora is not None and not isinstance(layer.lora, LoraHook):
+                raise LoraError(f"{name}: the layer already carries a foreign .lora hook")
+            hook = layer.lora if isinstance(layer.lora, LoraHook) else LoraHook(self, name)
+            layer.lora = hook
+            self.hooks[name] = hook
+        return hook
+
+
+def lora_manager(model, create: bool = False) -> Optional[LoraManager]:
+    m = getattr(model, "_lora_manager", None)
+    if m is None and create:
+        m = LoraManager(model)
+        model._lora_manager = m      # a plain attribute (not a submodule): no state_dict entry
+    return m
+
+
+def set_row_plan(model, plan: Optional[RowPlan]) -> None:
+    """Per-row adapter mixes for the next forward (the generator calls this; None clears)."""
+    m = lora_manager(model)
+    if m is None:
+        if plan and any(mix for _, _, mix in plan):
+            raise LoraError("loras were requested but no adapter is loaded into this model")
+        return
+    m.set_plan(plan)
+
+
+@contextmanager
+def row_plan(model, plan: Optional[RowPlan]):
+    """`with row_plan(model, [(0, 5, {"a": 1.0}), (5, 9, {"b": 0.5})]): model.forward(...)`"""
+    set_row_plan(model, plan)
+    try:
+        yield
+    finally:
+        set_row_plan(model, None)
+
+
+def set_active(model, mix: Optional[Mix]) -> None:
+    """The mix applied to every row of plain `model.forward` calls (no row plan set)."""
+    m = lora_manager(model, create=bool(mix))
+    if m is not None:
+        m.active = m.check_mix(mix, "set_active")
+
+
+# -- loading ------------------------------------------------------------------------------------
+def _read_config(folder: Path) -> dict:
+    cfg_path = folder / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise LoraError(f"{folder}: adapter_config.json not found; a PEFT LoRA folder needs it")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{cfg_path}: unreadable JSON ({e})") from e
+    ptype = str(cfg.get("peft_type", "LORA")).upper()
+    if ptype != "LORA":
+        raise LoraError(f"{cfg_path}: peft_type {ptype!r} is not supported (only LORA)")
+    for key in ("r", "lora_alpha"):
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise LoraError(f"{cfg_path}: '{key}' must be a positive number, got {v!r}")
+    if cfg.get("use_dora"):
+        raise LoraError(f"{cfg_path}: DoRA adapters (use_dora) are not supported")
+    return cfg
+
+
+def _read_tensors(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    st = folder / "adapter_model.safetensors"
+    if st.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            return load_file(str(st))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise LoraError(f"{st}: not a readable safetensors file ({e})") from e
+    binf = folder / "adapter_model.bin"
+    if binf.is_file():
+        if not allow_pickle:
+            raise LoraError(f"{binf}: pickled adapter weights can run code when loaded; convert them to "
+                            "adapter_model.safetensors or pass allow_pickle=True if you trust the file")
+        try:
+            return torch.load(str(binf), map_location="cpu", weights_only=True)
+        except Exception as e:   # noqa: BLE001 - any unpickling failure is a bad file
+            raise LoraError(f"{binf}: cannot be loaded ({e})") from e
+    raise LoraError(f"{folder}: neither adapter_model.safetensors nor adapter_model.bin found")
+
+
+def _pattern_value(patterns: Optional[dict], module: str, default):
+    """PEFT rank_pattern / alpha_pattern: a key matches a module name ending in it (or regex)."""
+    for key, v in (patterns or {}).items():
+        if module == key or module.endswith("." + key) or re.fullmatch(key, module):
+            return v
+    return default
+
+
+class LoraAdapter:
+    """One loaded adapter: per-layer A/B factors; `merge()`/`unmerge()`; per job via mixes."""
+
+    def __init__(self, manager: LoraManager, name: str, folder: Path, config: dict,
+                 layers: dict[str, _LayerAdapter]):
+        self.manager, self.name, self.folder, self.config = manager, name, folder, config
+        self.layers = layers
+        self.merged = False
+        self.merge_report: dict[str, float] = {}     # layer -> relative weight error of the merge
+        self._saved: dict[str, tuple] = {}
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    def delta(self, module: str) -> torch.Tensor:
+        """The float32 weight update of one layer in HF layout (out, in): scale * B @ A."""
+        ad = self.layers[module]
+        return (ad.a_t @ ad.b_t).t() * ad.scale
+
+    def activate(self, weight: float = 1.0) -> None:
+        """Apply this adapter (alone) on the fly to every row of plain forward calls."""
+        set_active(self.manager.model, {self.name: weight})
+
+    def merge(self, weight: float = 1.0) -> dict[str, float]:
+        """Bake weight * delta into the base weights (every row then sees it). Quantized layers
+        are dequantised, updated and re-quantized in their own layout; returns, per layer,
+        ||W_new - (W + delta)|| / ||W + delta|| (0 for dense fp32 layers, up to rounding)."""
+        if self.merged:
+            raise LoraError(f"adapter {self.name!r} is already merged")
+        if self.name in self.manager.active:
+            raise LoraError(f"adapter {self.name!r} is active on the fly; set_active(model, None) first")
+        layers = dict(self.manager.model.linear_layers())
+        report = {}
+        for module in self.layers:
+            layer = layers[module]
+            d = self.delta(module).to(torch.float64) * weight
+            if layer.is_quantized:
+                self._saved[module] = ("packed", layer.packed)
+                target = layer.dense_weight(torch.float64) + d
+                new = requantize_like(layer.packed, target.t(), module)
+                _set_packed(layer, new)
+            else:
+                self._saved[module] = ("dense", layer.w_t)
+                target = layer.w_t.to(torch.float64).t() + d
+                layer.w_t = target.t().to(layer.w_t.dtype).contiguous()
+            got = layer.dense_weight(torch.float64)
+            report[module] = float((got - target).norm() / target.norm().clamp_min(1e-30))
+        self.merged = True
+        self.merge_report = report
+        return report
+
+    def unmerge(self) -> None:
+        """Restore the exact base weights saved by merge()."""
+        if not self.merged:
+            raise LoraError(f"adapter {self.name!r} is not merged")
+        layers = dict(self.manager.model.linear_layers())
+        for module, (kind, saved) in self._saved.items():
+            if kind == "packed":
+                _set_packed(layers[module], saved)
+            else:
+                layers[module].w_t = saved
+        self._saved.clear()
+        self.merged = False
+
+    def unload(self) -> None:
+        """Forget the adapter (unmerging it first)."""
+        if self.merged:
+            self.unmerge()
+        m = self.manager
+        m.active.pop(self.name, None)
+        for module in self.layers:
+            m.hooks[module].adapters.pop(self.name, None)
+        m.adapters.pop(self.name, None)
+
+    def __repr__(self) -> str:
+        return f"LoraAdapter({self.name!r}, r={self.rank}, layers={len(self.layers)}, merged={self.merged})"
+
+
+def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = False) -> LoraAdapter:
+    """Load a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) into `model`.
+
+    The adapter is not applied until chosen: per job (`Job(..., loras={name: weight})`), for
+    every row (`adapter.activate()` / `set_active`) or merged (`adapter.merge()`). Raises
+    LoraError when a file is missing or pickled, a target module is absent from the model, or
+    a factor's rank or shape does not fit the base model."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LoraError(f"{folder}: adapter folder not found")
+    cfg = _read_config(folder)
+    tensors = _read_tensors(folder, allow_pickle)
+    name = name or folder.name
+    manager = lora_manager(model, create=True)
+    if name in manager.adapters:
+        raise LoraError(f"an adapter named {name!r} is already loaded; pass name=... or unload() it")
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        mt = _KEY.match(key)
+        if mt is None:
+            raise LoraError(f"{folder}: tensor '{key}' is not a LoRA A/B weight (DoRA magnitudes, embedding "
+                            "LoRA and trained biases are not supported)")
+        pairs.setdefault(mt["module"], {})[mt["ab"]] = t
+    if not pairs:
+        raise LoraError(f"{folder}: the adapter holds no lora_A/lora_B weights")
+
+    layers_by_name = dict(model.linear_layers())
+    n_layers = model.config.num_hidden_layers
+    r0, alpha0 = cfg["r"], cfg["lora_alpha"]
+    out: dict[str, _LayerAdapter] = {}
+    dev = model.device
+    for module, ab in sorted(pairs.items()):
+        where = f"{folder}: {module}"
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"{where}: lora_{'B' if 'A' in ab else 'A'}.weight is missing")
+        layer = layers_by_name.get(module)
+        if layer is None or module == "lm_head" or module.rsplit(".", 1)[-1] not in _PROJECTIONS:
+            m = re.search(r"layers\.(\d+)\.", module)
+            hint = (f" (the base model has {n_layers} layers: adapter made for a different model?)"
+                    if m and int(m.group(1)) >= n_layers else "")
+            raise LoraError(f"{where}: target module is not an attention/MLP projection of this model{hint}")
+        a, b = ab["A"], ab["B"]
+        r = int(_pattern_value(cfg.get("rank_pattern"), module, r0))
+        alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, alpha0))
+        if a.dim() != 2 or b.dim() != 2:
+            raise LoraError(f"{where}: lora_A/lora_B must be 2-D, got {list(a.shape)} and {list(b.shape)}")
+        if a.shape[0] != r or b.shape[1] != r:
+            raise LoraError(f"{where}: rank mismatch: adapter_config.json says r={r}, lora_A is {list(a.shape)} "
+                            f"and lora_B is {list(b.shape)} (expected [{r}, in] and [out, {r}])")
+        if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+            raise LoraError(f"{where}: shapes do not match the base model: lora_A {list(a.shape)}, lora_B "
+                            f"{list(b.shape)} but the layer is {layer.in_features} -> {layer.out_features} "
+                            "(adapter trained on a different base model?)")
+        if not (a.is_floating_point() and b.is_floating_point()) or not (
+                torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraError(f"{where}: lora_A/lora_B must be finite floating-point tensors")
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        out[module] = _LayerAdapter(a.t().to(dev, torch.float32).contiguous(),
+                                    b.t().to(dev, torch.float32).contiguous(), scale)
+
+    adapter = LoraAdapter(manager, name, folder, cfg, out)
+    for module, lad in out.items():
+        manager.hook_for(module, layers_by_name[module]).adapters[name] = lad
+    manager.adapters[name] = adapter
+    return adapter
+
+
+# -- re-quantisation for merges -----------------------------------------------------------------
+def _set_packed(layer: QuantLinear, pw: PackedWeight) -> None:
+    """Swap a quantized layer's packed weight in place (same buffers QuantLinear.from_packed sets)."""
+    for f in ("qweight", "groups", "scale", "zero", "perm"):
+        setattr(layer, f"q_{f}", getattr(pw, f))
+    layer.bias = pw.bias
+    layer._packed = pw
+
+
+def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> PackedWeight:
+    """W (in, out) float -> a PackedWeight with `pw`'s format, bit widths, groups and input
+    order, quantized round-to-nearest (EXL2 and GPTQ through their own writers/readers)."""
+    from ..formats import exl2, gptq
+    K, N = pw.in_features, pw.out_features
+    groups = [tuple(g) for g in pw.groups.tolist()]           # (bits, k_start, k_len, qrow)
+    fmt = pw.meta.get("format")
+    dev = pw.qweight.device
+    w = w.detach().to("cpu", torch.float64)
+    bias = pw.bias.cpu() if pw.bias is not None else None
+    perm = pw.perm.cpu() if pw.perm is not None else None
+    if fmt == "exl2":
+        # one segment per stored group: every group keeps its width and its rows
+        gsz = max(-(-k_len // 32) * 32 for _, _, k_len, _ in groups)
+        tensors = exl2.quantize_rtn(w, bits=[(b, k_len) for b, _, k_len, _ in groups], group_size=gsz,
+                                    perm=perm, bias=bias)
+        new = exl2.read_layer(tensors, K, N, name)
+    elif fmt == "gptq":
+        bits = groups[0][0]
+        gs = groups[0][2] if len(groups) > 1 else -1
+        two = torch.tensor(2.0 ** (bits - 1))
+        sym = bool(torch.all(pw.zero == two))
+        ckpt = pw.meta.get("checkpoint_format", "gptq")
+        tensors = gptq.quantize_rtn(w, bits=bits, group_size=gs, sym=sym, perm=perm, checkpoint_format=ckpt,
+                                    bias=bias)
+        new = gptq.read_layer(tensors, K, N, name, {"bits": bits, "checkpoint_format": ckpt})
+    else:
+        raise LoraError(f"{name}: cannot re-quantize a packed weight of unknown format {fmt!r} for a merge; "
+                        "use the adapter on the fly instead")
+    return new.to(dev) if dev.type != "cpu" else new
+
+
+__all__ = ["LoraAdapter", "LoraHook", "LoraManager", "load_lora", "lora_manager", "requantize_like",
+           "row_plan", "set_active", "set_row_plan"]
