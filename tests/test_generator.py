@@ -300,6 +300,14 @@ def test_jobs_enqueued_together_compute_a_shared_prefix_once():
     assert [j.reused_tokens for j in jobs[1:]] == [5 * ps] * 3
     for j, p in zip(jobs, prompts):
         assert_greedy(model, p, j.generated)
+    # an unrelated job queued behind the waiting ones is not held up by them
+    gen3 = Generator(model, Cache(model, max_tokens=2048, page_size=ps), max_batch_tokens=64, max_chunk_size=32)
+    jobs3 = gen3.enqueue([Job(p, max_new_tokens=3, sampler=GREEDY) for p in prompts])
+    other = gen3.enqueue(Job(rand_prompt(30), max_new_tokens=3, sampler=GREEDY))
+    gen3.iterate()
+    assert other.status == "active" and list(gen3.waiting) == jobs3[1:]    # deferred, order kept
+    run_all(gen3)
+    assert [j.reused_tokens for j in jobs3[1:]] == [5 * ps] * 3
     # without reuse every job computes everything
     gen2 = Generator(model, Cache(model, max_tokens=2048, page_size=ps), max_batch_tokens=64, max_chunk_size=32,
                      prefix_reuse=False)

@@ -3,7 +3,8 @@
 Holds no tensors. Per step:
 
   1. admit waiting jobs in FIFO order while the cache can promise their pages (a job whose
-     pages are not available now waits; later jobs do not overtake it);
+     pages are not available now waits; later jobs do not overtake it). Only a job waiting
+     for a prefix page that an active job is computing right now lets later jobs pass;
   2. every decoding job feeds its last sampled token (1 row, logits wanted);
   3. prefilling jobs, in admission order, feed their next chunk while the token budget lasts.
 
@@ -68,7 +69,7 @@ class Scheduler:
         With `reuse`, a job whose next unmatched prefix page is being computed right now by an
         active job's prefill waits for it instead of computing it again (many jobs sharing a
         system prompt, enqueued together, then compute it once)."""
-        admitted = []
+        admitted, deferred = [], []
         pending: Optional[set] = None
         while waiting and len(active) < self.max_batch_size:
             job = waiting[0]
@@ -80,7 +81,8 @@ class Scheduler:
                                for k in a.page_keys[len(a.table.keys):]}
                 n = len(cache.index.match(job.page_keys))
                 if n < len(job.page_keys) and job.page_keys[n] in pending:
-                    break
+                    deferred.append(waiting.popleft())   # others may pass; it keeps its place
+                    continue
             total_len = job.prompt_len + job.limit - 1     # the last sampled token is never fed
             table = cache.try_admit(job.input_ids, total_len, self.max_chunk_size, reuse=reuse,
                                     keys=job.page_keys)
@@ -94,6 +96,7 @@ class Scheduler:
             admitted.append(job)
             if reuse and pending is not None and job.page_keys:
                 pending.update(job.page_keys[len(table.keys):])
+        waiting.extendleft(reversed(deferred))      # back at the front, in their order
         return admitted
 
     def plan(self, active: list[Job]) -> StepPlan:
