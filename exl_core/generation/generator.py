@@ -19,6 +19,7 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 import torch
 
 from ..errors import InputError
+from ..model.lora import lora_rows
 from .job import Job, JobResult
 from .sampling import SamplerSettings, sample_batch
 from .scheduler import Scheduler
@@ -36,9 +37,16 @@ class GeneratorStats:
 
 class Generator:
     def __init__(self, model, cache, tokenizer=None, max_batch_tokens: int = 2048, max_chunk_size: int = 512,
-                 max_batch_size: int = 256, prefix_reuse: bool = True):
+                 max_batch_size: int = 256, prefix_reuse: bool = True, draft_model=None, draft_cache=None,
+                 num_draft_tokens: int = 4, ngram_draft: bool = False):
         if cache.model is not model:
             raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
+        # speculative decoding (speculative.py): a draft model or n-gram lookup proposes tokens
+        self.spec = None
+        if draft_model is not None or ngram_draft:
+            from .speculative import SpeculativeDecoder
+            self.spec = SpeculativeDecoder(num_draft_tokens, draft_model, draft_cache, ngram=ngram_draft,
+                                           vocab_size=model.config.vocab_size)
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -84,6 +92,9 @@ class Generator:
             raise InputError(f"Job {job.identifier!r}: token ids {bad[:5]} are outside the vocabulary "
                              f"(size {self.vocab_size})")
         job.sampler.validate(self.vocab_size)
+        if job.loras:
+            from ..model.lora import check_job_loras
+            check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
         self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
 
     def cancel(self, job: Job) -> bool:
@@ -123,6 +134,10 @@ class Generator:
             plan = self.scheduler.plan(self.active)
             if not plan.items:
                 return results
+            if self.spec is not None:
+                from .speculative import speculative_step
+                results.extend(speculative_step(self, plan))
+                return results
             ids, lens, rows, r = [], [], [], -1
             for item in plan.items:
                 ids.extend(item.tokens)
@@ -133,7 +148,8 @@ class Generator:
             dev = self.model.device
             logit_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
             ctx = self.cache.context([i.job.table for i in plan.items], lens, logit_rows)
-            logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
+            with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):
+                logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
             self.stats.forward_passes += 1
             self.stats.forward_tokens += len(ids)
             for item in plan.items:
@@ -242,6 +258,8 @@ class Generator:
         if job.table is not None:
             self.cache.release(job.table)
             job.table = None
+        if self.spec is not None:
+            self.spec.forget(job)
         if job in self.active:
             self.active.remove(job)
         job.status = "done"

@@ -47,6 +47,8 @@ class Job:
     token history (prompt + generated) and its float32 logits row [V] before sampling and may
     return a replacement row (or edit it in place and return None). stop: strings (matched on
     the decoded text, never emitted) and/or token ids (the token is not emitted either).
+    loras: {adapter name: weight} of adapters loaded with exl_core.load_lora, applied on the
+    fly to this job's rows only.
     """
 
     def __init__(self, input_ids: Union[Sequence[int], torch.Tensor], max_new_tokens: int = 256,
@@ -54,7 +56,8 @@ class Job:
                  seed: Optional[int] = None, stop_on_eos: bool = True,
                  callback: Optional[Callable[[JobResult], Optional[bool]]] = None,
                  token_filter: Optional[TokenFilter] = None, return_logprobs: bool = False,
-                 identifier: Any = None, decode_special: bool = False):
+                 identifier: Any = None, decode_special: bool = False,
+                 loras: Optional[dict[str, float]] = None):
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         ids = list(input_ids)
@@ -83,6 +86,7 @@ class Job:
         self.return_logprobs = return_logprobs
         self.identifier = identifier if identifier is not None else next(_ids)
         self.decode_special = decode_special
+        self.loras = dict(loras) if loras else {}     # LoRA adapter name -> weight (model.lora)
         self.rng: Optional[torch.Generator] = None
         if seed is not None:
             self.rng = torch.Generator().manual_seed(int(seed))

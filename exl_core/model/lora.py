@@ -161,6 +161,36 @@ def row_plan(model, plan: Optional[RowPlan]):
         set_row_plan(model, None)
 
 
+def check_job_loras(model, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
+    """Validated mix for a job (LoraError when an adapter is unknown, merged or weighted badly)."""
+    m = lora_manager(model)
+    if m is None:
+        if mix:
+            raise LoraError(f"{what}: loras={dict(mix)} requested but no adapter is loaded into this model; "
+                            "call exl_core.load_lora(model, folder) first")
+        return {}
+    return m.check_mix(mix, what)
+
+
+@contextmanager
+def lora_rows(model, jobs_and_lens: Sequence[tuple[object, int]]):
+    """Row plan for one flat forward: the i-th entry's `job.loras` covers its `n` consecutive
+    rows. Does nothing (no plan set) when no job asks for an adapter."""
+    m = lora_manager(model)
+    if m is None or not any(getattr(j, "loras", None) for j, _ in jobs_and_lens):
+        yield
+        return
+    plan, r = [], 0
+    for job, n in jobs_and_lens:
+        plan.append((r, r + n, getattr(job, "loras", None) or {}))
+        r += n
+    m.set_plan(plan)
+    try:
+        yield
+    finally:
+        m.set_plan(None)
+
+
 def set_active(model, mix: Optional[Mix]) -> None:
     """The mix applied to every row of plain `model.forward` calls (no row plan set)."""
     m = lora_manager(model, create=bool(mix))
@@ -406,5 +436,5 @@ def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> P
     return new.to(dev) if dev.type != "cpu" else new
 
 
-__all__ = ["LoraAdapter", "LoraHook", "LoraManager", "load_lora", "lora_manager", "requantize_like",
-           "row_plan", "set_active", "set_row_plan"]
+__all__ = ["LoraAdapter", "LoraHook", "LoraManager", "check_job_loras", "load_lora", "lora_manager", "lora_rows",
+           "requantize_like", "row_plan", "set_active", "set_row_plan"]

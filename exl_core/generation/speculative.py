@@ -1,0 +1,322 @@
+"""Speculative decoding: a cheap drafter proposes k tokens, the main model scores them all in
+one forward pass, and a rejection rule keeps the output distribution exactly the main
+model's (Leviathan et al. 2023; Chen et al. 2023).
+
+    per decoding job, one generator step:
+      draft   d_1..d_n ~ q_i      (draft model, sampled with the job's own sampler settings,
+                                   or n-gram lookup: q_i = one-hot of the proposed token)
+      verify  main forward over [last token, d_1..d_n]   -> p_1..p_{n+1}   (n+1 rows)
+      accept  d_i with probability min(1, p_i(d_i) / q_i(d_i)), in order; at the first
+              rejection draw from norm(max(0, p_i - q_i)) and stop; if all n pass, draw a
+              bonus token from p_{n+1}
+      rollback the main cache keeps only the positions of accepted tokens (the rejected
+              slots stay owned by the job and are overwritten next step); the draft cache
+              is cut back to the positions that still match the sequence
+
+p and q both come from `sampling.processed_probs` (every filter and penalty applied, with
+the history each position would see), so the result is exact for any sampler settings.
+Greedy settings make p and q one-hot: the rule then accepts the longest prefix agreeing with
+the main model's argmax and consumes no random numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import InputError
+from .ngram import ngram_draft
+from .sampling import processed_probs_batch
+
+
+# -- the acceptance rule ---------------------------------------------------------------------
+def _uniform(rng: Optional[torch.Generator]) -> float:
+    if rng is None:
+        return float(torch.rand((), dtype=torch.float64))
+    return float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device))
+
+
+def draw_from(probs: torch.Tensor, rng: Optional[torch.Generator]) -> int:
+    """One token from a distribution [V] (any non-negative weights) by inverse CDF. A one-hot
+    distribution returns its token without consuming a random number (greedy stays free)."""
+    probs = probs.to(torch.float64)
+    top = int(torch.argmax(probs))
+    total = float(probs.sum())
+    if total <= 0:
+        raise InputError("speculative: cannot draw from an all-zero distribution")
+    if float(probs[top]) >= total:                 # one-hot
+        return top
+    cdf = torch.cumsum(probs, 0)
+    idx = int(torch.searchsorted(cdf, torch.tensor([_uniform(rng) * float(cdf[-1])], dtype=torch.float64),
+                                 right=True)[0])
+    if idx >= probs.numel() or float(probs[idx]) <= 0:   # rounding at the top end: last non-zero token
+        idx = int(probs.numel() - 1 - int((probs.flip(0) > 0).to(torch.int8).argmax()))
+    return idx
+
+
+def accept_draft(p: torch.Tensor, q: Optional[torch.Tensor], draft: Sequence[int],
+                 rng: Optional[torch.Generator] = None) -> tuple[list[int], int]:
+    """The rejection rule. p [n+1, V]: main-model distributions at the n+1 verified positions;
+    q [n, V]: the distributions the drafts were drawn from (None: deterministic drafter, q_i =
+    one-hot(d_i)); draft: the n proposed tokens. Returns (tokens, accepted): the accepted
+    drafts followed by one corrected or bonus token (1..n+1 tokens), and how many drafts
+    were accepted."""
+    n = len(draft)
+    if p.dim() != 2 or p.shape[0] != n + 1 or (q is not None and tuple(q.shape) != (n, p.shape[1])):
+        raise InputError(f"accept_draft: p must be [n+1, V] and q [n, V] for n={n} drafts, got "
+                         f"{list(p.shape)} and {None if q is None else list(q.shape)}")
+    p = p.to(torch.float64)
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        pd = float(p[i, d])
+        qd = 1.0 if q is None else float(q[i, d])
+        if pd >= qd and qd > 0:
+            ok = True                                  # ratio >= 1: always accepted, no draw
+        elif pd <= 0 or qd <= 0:
+            ok = False
+        else:
+            ok = _uniform(rng) < pd / qd
+        if ok:
+            out.append(int(d))
+            continue
+        if q is None:
+            resid = p[i].clone()
+            resid[d] = 0.0                                 # max(0, p - onehot(d))
+        else:
+            resid = (p[i] - q[i].to(torch.float64)).clamp_min(0.0)
+        if float(resid.sum()) <= 0:                       # p == q up to rounding: p itself
+            resid = p[i]
+        out.append(draw_from(resid, rng))
+        return out, i
+    out.append(draw_from(p[n], rng))
+    return out, n
+
+
+# -- drafting inside the generator ------------------------------------------------------------
+@dataclass
+class SpecStats:
+    steps: int = 0               # job-steps that verified at least one draft
+    drafted: int = 0             # draft tokens proposed
+    accepted: int = 0            # draft tokens accepted
+    draft_forward_passes: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class SpeculativeDecoder:
+    """Owns the drafter (draft model + its paged cache, or n-gram lookup) for a Generator."""
+
+    def __init__(self, num_draft_tokens: int = 4, draft_model=None, draft_cache=None, ngram: bool = False,
+                 max_ngram: int = 3, vocab_size: Optional[int] = None):
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise InputError(f"speculative decoding: num_draft_tokens={num_draft_tokens!r} must be an int >= 1")
+        if (draft_model is None) == (not ngram):
+            raise InputError("speculative decoding: pass either draft_model (with draft_cache) or ngram_draft=True")
+        if draft_model is not None:
+            if draft_cache is None:
+                from ..cache import Cache
+                draft_cache = Cache(draft_model, max_tokens=None)
+            if draft_cache.model is not draft_model:
+                raise InputError("speculative decoding: draft_cache was built for a different model than "
+                                 "draft_model; use Cache(draft_model, ...)")
+            if vocab_size is not None and draft_model.config.vocab_size != vocab_size:
+                raise InputError(f"speculative decoding: the draft model's vocabulary ({draft_model.config.vocab_size}) "
+                                 f"differs from the main model's ({vocab_size}); both must share one tokenizer")
+        self.k = num_draft_tokens
+        self.draft_model, self.draft_cache = draft_model, draft_cache
+        self.ngram, self.max_ngram = ngram, max_ngram
+        self.stats = SpecStats()
+        self._tables: dict[int, object] = {}        # id(job) -> draft-cache PageTable
+        self._rngs: dict[int, Optional[torch.Generator]] = {}
+        self._failed: set[int] = set()              # jobs the draft cache could not admit
+
+    # -- per job state --------------------------------------------------------------------
+    def forget(self, job) -> None:
+        """The job ended: give its draft-cache pages back."""
+        t = self._tables.pop(id(job), None)
+        if t is not None:
+            self.draft_cache.release(t)
+        self._rngs.pop(id(job), None)
+        self._failed.discard(id(job))
+
+    def _draft_table(self, job, max_chunk: int):
+        key = id(job)
+        if key in self._failed:
+            return None
+        t = self._tables.get(key)
+        if t is None:
+            # every position the job may ever store, plus the drafts beyond them
+            t = self.draft_cache.try_admit(job.input_ids, job.prompt_len + job.limit + self.k, max_chunk,
+                                           reuse=False)
+            if t is None:               # draft cache full: this job decodes plainly
+                self._failed.add(key)
+                return None
+            self._tables[key] = t
+            self._rngs[key] = (torch.Generator().manual_seed(int(job.seed) ^ 0x5EED5EED)
+                               if job.seed is not None else None)
+        return t
+
+    # -- drafting ---------------------------------------------------------------------------
+    def budget(self, job) -> int:
+        """Drafts this job may verify now: the main cache holds prompt + limit - 1 positions, so
+        a step that feeds 1 + n tokens needs n <= limit - generated - 1."""
+        return max(0, min(self.k, job.limit - len(job.generated) - 1))
+
+    def propose(self, jobs: list, max_chunk: int) -> dict[int, tuple[list[int], Optional[torch.Tensor]]]:
+        """id(job) -> (drafts, q [n, V] or None) for the decoding jobs given (n may be 0)."""
+        out: dict[int, tuple[list[int], Optional[torch.Tensor]]] = {}
+        if self.ngram:
+            for job in jobs:
+                out[id(job)] = (ngram_draft(job.tokens, self.budget(job), self.max_ngram), None)
+            return out
+        return self._propose_model(jobs, max_chunk)
+
+    @torch.inference_mode()
+    def _propose_model(self, jobs: list, max_chunk: int):
+        out = {id(j): ([], None) for j in jobs}
+        live = []                              # (job, table, n_wanted)
+        for job in jobs:
+            n = self.budget(job)
+            if n > 0:
+                t = self._draft_table(job, max_chunk)
+                if t is not None:
+                    live.append((job, t, n))
+        drafts = {id(j): [] for j, _, _ in live}
+        qs = {id(j): [] for j, _, _ in live}
+        step = 0
+        while live:
+            # step 0 catches the draft cache up with the sequence; later steps feed one draft each
+            feeds = [j.tokens[t.num_tokens:] if step == 0 else drafts[id(j)][-1:] for j, t, _ in live]
+            lens = [len(f) for f in feeds]
+            rows = torch.tensor(list(_cumsum(lens)), dtype=torch.int64) - 1
+            ctx = self.draft_cache.context([t for _, t, _ in live], lens, rows)
+            dev = self.draft_model.device
+            logits = self.draft_model.forward(torch.tensor([x for f in feeds for x in f], dtype=torch.int64,
+                                                           device=dev), ctx)   # (S, V)
+            self.stats.draft_forward_passes += 1
+            for (job, t, _), n_fed in zip(live, lens):
+                t.num_tokens += n_fed      # draft pages are private: no index, no window here
+            hist = [job.tokens + drafts[id(job)] for job, _, _ in live]
+            try:
+                q = processed_probs_batch(logits.float(), [j.sampler for j, _, _ in live], hist,
+                                          [j.prompt_len for j, _, _ in live], dtype=torch.float64)
+            except Exception:   # noqa: BLE001 - e.g. every token banned: these jobs just decode plainly
+                for job, _, _ in live:
+                    drafts[id(job)], qs[id(job)] = [], []
+                break
+            keep = []
+            for r, (job, t, n) in enumerate(live):
+                d = draw_from(q[r], self._rngs.get(id(job)))
+                drafts[id(job)].append(d)
+                qs[id(job)].append(q[r])
+                if len(drafts[id(job)]) < n:
+                    keep.append((job, t, n))
+            live = keep
+            step += 1
+        for key, ds in drafts.items():
+            if ds:
+                out[key] = (ds, torch.stack(qs[key]))
+        return out
+
+    def rollback(self, job, kept_len: int) -> None:
+        """After verification: the draft cache keeps at most `kept_len` positions (those whose
+        tokens are still the sequence's)."""
+        t = self._tables.get(id(job))
+        if t is not None and t.num_tokens > kept_len:
+            t.num_tokens = kept_len
+
+
+# -- one generator step with verification --------------------------------------------------------
+@torch.inference_mode()
+def speculative_step(gen, plan) -> list:
+    """Like Generator.iterate's forward + sampling, but decoding jobs also feed their drafts and
+    may advance by several tokens. Prefill chunks and jobs without drafts (no proposal, a
+    token_filter, one token left) run exactly as in the plain step, in the same forward."""
+    from ..model.lora import lora_rows
+    spec: SpeculativeDecoder = gen.spec
+    decoding = [i.job for i in plan.items if i.job.fed >= i.job.prompt_len and i.job.token_filter is None]
+    proposals = spec.propose(decoding, gen.scheduler.max_chunk_size) if decoding else {}
+
+    ids, lens, rows = [], [], []
+    work = []          # (item, drafts, q, first logits row of the item)
+    r = 0
+    for item in plan.items:
+        drafts, q = proposals.get(id(item.job), ([], None))
+        toks = item.tokens + drafts
+        first = len(rows)
+        if drafts:
+            rows.extend(range(r, r + len(toks)))      # every verified position
+        elif item.wants_logits:
+            rows.append(r + len(toks) - 1)
+        work.append((item, drafts, q, first))
+        ids.extend(toks)
+        lens.append(len(toks))
+        r += len(toks)
+    dev = gen.model.device
+    ctx = gen.cache.context([i.job.table for i in plan.items], lens, torch.tensor(rows, dtype=torch.int64))
+    with lora_rows(gen.model, [(i.job, n) for i, n in zip(plan.items, lens)]):
+        logits = gen.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)   # (R, V)
+    gen.stats.forward_passes += 1
+    gen.stats.forward_tokens += len(ids)
+
+    # decide acceptance first (pure), then account the cache, then emit
+    verdicts = []      # (job, tokens, logprobs)
+    plain_jobs, plain_rows = [], []
+    for item, drafts, q, first in work:
+        job = item.job
+        if not drafts:
+            gen.cache.after_forward(job.table, job.tokens, len(item.tokens), more_to_come=True)
+            if item.wants_logits:
+                plain_jobs.append(job)
+                plain_rows.append(first)
+            continue
+        n = len(drafts)
+        lg = logits[first:first + n + 1]                                    # (n+1, V)
+        hist = [job.tokens + drafts[:i] for i in range(n + 1)]
+        p = processed_probs_batch(lg, [job.sampler] * (n + 1), hist, [job.prompt_len] * (n + 1),
+                                  dtype=torch.float64)
+        toks, a = accept_draft(p, q, drafts, job.rng)
+        spec.stats.steps += 1
+        spec.stats.drafted += n
+        spec.stats.accepted += a
+        # main cache: keep the last fed token and the accepted drafts; rejected slots are
+        # overwritten next step (their pages stay with the job, inside its reservation)
+        gen.cache.after_forward(job.table, job.tokens + drafts[:a], 1 + a, more_to_come=True)
+        if spec.draft_model is not None:
+            spec.rollback(job, len(job.tokens) + min(a, n - 1))
+        lse = torch.logsumexp(lg[:len(toks)].float(), dim=1)
+        lps = [float(lg[i, t].float() - lse[i]) for i, t in enumerate(toks)]
+        verdicts.append((job, toks, lps))
+
+    results, errors = [], []
+    for job, toks, lps in verdicts:
+        for t, lp in zip(toks, lps):
+            if job.status != "active":       # stopped (eos, stop string, limit, callback)
+                break
+            try:
+                results.append(gen._accept(job, t, lp))
+            except Exception as e:   # noqa: BLE001 - delivered like the plain path does
+                errors.append(e)
+                break
+    if plain_jobs:
+        try:
+            results.extend(gen._sample_and_emit(plain_jobs, logits[plain_rows]))
+        except Exception as e:   # noqa: BLE001
+            errors.append(e)
+    if errors:
+        gen._events.extend(results)
+        raise errors[0]
+    return results
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
+
+
+__all__ = ["SpecStats", "SpeculativeDecoder", "accept_draft", "draw_from", "speculative_step"]
