@@ -236,3 +236,30 @@ def test_cache_full_check_names_sizes():
         cache.check_fits(65, 32)
     assert cache.try_admit([1] * 30, 64, 32) is not None
     assert cache.try_admit([1] * 30, 64, 32) is None          # 4 pages reserved already: busy, not full
+
+
+def test_salted_chains_never_share_pages():
+    from exl_core.generation.job import Job
+    ps = 4
+    cache = Cache(_fake_model(), max_tokens=64, page_size=ps)
+    prompt = [random.randrange(1000) for _ in range(3 * ps + 1)]
+    a = cache.try_admit(prompt, len(prompt), 8)
+    a.ensure(cache.pool, len(prompt))
+    cache.after_forward(a, prompt, len(prompt), more_to_come=False)
+    assert len(cache.index) == 3
+    salt = Job([1], loras={"x": 0.5}).cache_salt
+    assert salt and salt == Job([2], loras={"x": 0.5}).cache_salt != Job([1], loras={"x": 1.0}).cache_salt
+    assert Job([1]).cache_salt == b""
+    b = cache.try_admit(prompt, len(prompt), 8, salt=salt)         # another LoRA mix: nothing shared
+    assert b.shared == 0 and b.salt == salt
+    b.ensure(cache.pool, len(prompt))
+    cache.after_forward(b, prompt, len(prompt), more_to_come=False)
+    assert len(cache.index) == 6                                    # its own chain
+    c = cache.try_admit(prompt, len(prompt), 8, salt=salt)
+    assert c.shared == 3 and c.pages[:3] == b.pages[:3]
+    d = cache.try_admit(prompt, len(prompt), 8)
+    assert d.shared == 3 and d.pages[:3] == a.pages[:3]
+    for t in (a, b, c, d):
+        cache.release(t)
+    cache.pool.check()
+    assert cache.pool.reserved == 0

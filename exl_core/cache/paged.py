@@ -81,15 +81,17 @@ class Cache:
                                  f"{self.num_pages} pages of {self.page_size} tokens ({self.max_tokens} tokens); "
                                  "raise Cache(max_tokens=...) or shorten the prompt")
 
-    def prompt_keys(self, prompt: Sequence[int]) -> list[bytes]:
+    def prompt_keys(self, prompt: Sequence[int], salt: bytes = b"") -> list[bytes]:
         """Keys of the prompt's full pages that may be shared: those ending before its last
-        token (which must run through the model to produce logits)."""
+        token (which must run through the model to produce logits). `salt` starts the chain:
+        sequences whose K/V differ for the same tokens (another LoRA mix) never share."""
         if not self.prefix_sharing:
             return []
-        return page_keys(prompt[:len(prompt) - 1], self.page_size)
+        return page_keys(prompt[:len(prompt) - 1], self.page_size, prev=salt)
 
     def try_admit(self, prompt: Sequence[int], total_len: int, max_chunk: int,
-                  reuse: bool = True, keys: Optional[list[bytes]] = None) -> Optional[PageTable]:
+                  reuse: bool = True, keys: Optional[list[bytes]] = None,
+                  salt: bytes = b"") -> Optional[PageTable]:
         """A PageTable for a new sequence, or None when the pool cannot promise its pages now.
 
         Reuses every cached full page of the prompt that ends before its last token (the last
@@ -99,7 +101,7 @@ class Cache:
         if not reuse or not self.prefix_sharing:
             keys = []
         elif keys is None:
-            keys = self.prompt_keys(prompt)
+            keys = self.prompt_keys(prompt, salt)
         matched = self.index.match(keys)
         keys = keys[:len(matched)]
         need = self.pages_to_reserve(total_len, len(matched), max_chunk)
@@ -111,6 +113,7 @@ class Cache:
             self.pool.acquire(p)
         table = PageTable(ps)
         table.adopt_prefix(matched, keys)
+        table.salt = salt
         self.pool.reserve(need)
         table.reserved = need
         return table
@@ -122,7 +125,7 @@ class Cache:
         table.num_tokens += n_new
         full = table.num_tokens // ps
         if self.prefix_sharing and full > len(table.keys):
-            prev = table.keys[-1] if table.keys else b""
+            prev = table.keys[-1] if table.keys else table.salt
             new_keys = page_keys(tokens[:full * ps], ps, prev=prev, first_page=len(table.keys))
             for i, k in enumerate(new_keys, start=len(table.keys)):
                 if table.pages[i] >= 0:

@@ -159,6 +159,7 @@ class PageTable:
         self.reserved = 0
         self.shared = 0
         self.keys: list[bytes] = []     # chained keys of the full pages seen so far
+        self.salt = b""                 # key of "page -1": separates K/V computed differently
 
     def adopt_prefix(self, pages: list[int], keys: Optional[list[bytes]] = None) -> None:
         """Start from already-referenced full pages of a cached prefix."""

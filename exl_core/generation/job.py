@@ -1,6 +1,7 @@
 """A generation request (`Job`) and what each step reports about it (`JobResult`)."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -102,6 +103,14 @@ class Job:
         self.reused_tokens = 0               # prompt positions taken from the prefix index
         self.page_keys: Optional[list[bytes]] = None   # Cache.prompt_keys(input_ids), computed once
         self.stream = None                   # streaming.TextStream
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Starts the prefix-index key chain: jobs with different LoRA mixes compute different
+        K/V for the same tokens and must never share pages."""
+        if not self.loras:
+            return b""
+        return hashlib.blake2b(repr(sorted(self.loras.items())).encode(), digest_size=16).digest()
 
     @property
     def prompt_len(self) -> int:

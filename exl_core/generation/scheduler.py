@@ -75,7 +75,7 @@ class Scheduler:
             job = waiting[0]
             if reuse:
                 if job.page_keys is None:
-                    job.page_keys = cache.prompt_keys(job.input_ids)
+                    job.page_keys = cache.prompt_keys(job.input_ids, job.cache_salt)
                 if pending is None:
                     pending = {k for a in active if a.fed < a.prompt_len and a.page_keys
                                for k in a.page_keys[len(a.table.keys):]}
@@ -85,7 +85,7 @@ class Scheduler:
                     continue
             total_len = job.prompt_len + job.limit - 1     # the last sampled token is never fed
             table = cache.try_admit(job.input_ids, total_len, self.max_chunk_size, reuse=reuse,
-                                    keys=job.page_keys)
+                                    keys=job.page_keys, salt=job.cache_salt)
             if table is None:
                 break
             waiting.popleft()
