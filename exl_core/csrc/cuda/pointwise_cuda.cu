@@ -1,0 +1,191 @@
+// CUDA implementations of the small ops whose schemas live in csrc/cpu (norm.cpp, activation.cpp,
+// rope.cpp): one launch each instead of the 5-10 kernels of their torch references, which
+// matters at batch 1 where every decode step is dominated by launch count.
+// Rounding follows the torch references (HF semantics): values are rounded to x's dtype at the
+// same points, math in fp32.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+namespace {
+
+template <typename T> __device__ __forceinline__ float f32(T v);
+template <> __device__ __forceinline__ float f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float f32<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T cvt(float v);
+template <> __device__ __forceinline__ float cvt<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half cvt<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+constexpr int kNormThreads = 256;
+
+// One block per row. h = x (+ residual, rounded to T); y = w * T(h * rsqrt(mean(h^2) + eps)).
+template <typename T>
+__global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                                                 const T* __restrict__ w, int64_t H, float eps,
+                                                                 T* __restrict__ y, T* __restrict__ h_out) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * H;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < H; i += kNormThreads) {
+    float v = f32<T>(xr[i]);
+    if (res) {
+      const T h = cvt<T>(v + f32<T>(res[row * H + i]));
+      h_out[row * H + i] = h;
+      v = f32<T>(h);
+    }
+    ss += v * v;
+  }
+  __shared__ float part[kNormThreads / 32];
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) tot += part[i];
+  const float r = rsqrtf(tot / static_cast<float>(H) + eps);
+  // With a residual, re-read h from h_out: the block's own writes are visible after the barrier.
+  const T* src = res ? h_out + row * H : xr;
+  for (int64_t i = threadIdx.x; i < H; i += kNormThreads)
+    y[row * H + i] = cvt<T>(f32<T>(w[i]) * f32<T>(cvt<T>(f32<T>(src[i]) * r)));
+}
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float gv = f32<T>(g[i]);
+  const T s = cvt<T>(gv / (1.f + __expf(-gv)));          // F.silu rounds to T
+  y[i] = cvt<T>(f32<T>(s) * f32<T>(u[i]));
+}
+
+// x (T, H, D) -> out: pairs (i, i + D/2) rotated by cos_sin[positions[t]] (fp32 table [P, D]).
+template <typename T>
+__global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, int64_t D,
+                            const int64_t* __restrict__ pos, const float* __restrict__ cs, T* __restrict__ out) {
+  const int64_t half = D / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;   // over rows*H*half
+  if (idx >= rows * H * half) return;
+  const int64_t i = idx % half, th = idx / half, t = th / H;
+  const float* c = cs + pos[t] * D;
+  const float cv = c[i], sv = c[half + i];
+  const T* xr = x + th * D;
+  const float x1 = f32<T>(xr[i]), x2 = f32<T>(xr[half + i]);
+  out[th * D + i] = cvt<T>(x1 * cv - x2 * sv);
+  out[th * D + half + i] = cvt<T>(x2 * cv + x1 * sv);
+}
+
+#define EXL_PW_DISPATCH(dtype, NAME, ...)                                                   \
+  [&] {                                                                                     \
+    if ((dtype) == at::kHalf) { using scalar_t = __half; return __VA_ARGS__(); }            \
+    if ((dtype) == at::kBFloat16) { using scalar_t = __nv_bfloat16; return __VA_ARGS__(); } \
+    TORCH_CHECK((dtype) == at::kFloat, NAME, ": dtype must be float16, bfloat16 or float32, got ", dtype); \
+    using scalar_t = float; return __VA_ARGS__();                                           \
+  }()
+
+template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* na, const char* nb) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(), op, ": ", na, " and ", nb,
+              " must be on the same GPU");
+  TORCH_CHECK(a.dtype() == b.dtype(), op, ": ", na, " is ", a.dtype(), " but ", nb, " is ", b.dtype());
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
+                                              const at::Tensor& w_, double eps) {
+  const char* op = "exl_core::rms_norm (CUDA)";
+  check_same(x_, w_, op, "x", "weight");
+  const int64_t H = x_.size(-1);
+  TORCH_CHECK(w_.numel() == H, op, ": weight has ", w_.numel(), " elements, x's last dim is ", H);
+  const auto x = x_.contiguous(), w = w_.contiguous();
+  at::Tensor res, h;
+  if (res_) {
+    check_same(x_, *res_, op, "x", "residual");
+    TORCH_CHECK(res_->sizes() == x_.sizes(), op, ": residual shape ", res_->sizes(), " differs from x ", x_.sizes());
+    res = res_->contiguous();
+    h = at::empty_like(x);
+  }
+  auto y = at::empty_like(x);
+  const int64_t rows = H ? x.numel() / H : 0;
+  if (rows == 0) return {y, h};
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  EXL_PW_DISPATCH(x.scalar_type(), op, [&] {
+    rms_norm_kernel<scalar_t><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
+        ptr<scalar_t>(x), res_ ? ptr<scalar_t>(res) : nullptr, ptr<scalar_t>(w), H, static_cast<float>(eps),
+        ptr<scalar_t>(y), res_ ? ptr<scalar_t>(h) : nullptr);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {y, h};
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return std::get<0>(norm_impl(x, c10::nullopt, w, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_residual_cuda(const at::Tensor& x, const at::Tensor& res,
+                                                          const at::Tensor& w, double eps) {
+  return norm_impl(x, res, w, eps);
+}
+
+at::Tensor silu_mul_cuda(const at::Tensor& g_, const at::Tensor& u_) {
+  const char* op = "exl_core::silu_mul (CUDA)";
+  check_same(g_, u_, op, "gate", "up");
+  TORCH_CHECK(g_.sizes() == u_.sizes(), op, ": gate ", g_.sizes(), " and up ", u_.sizes(), " differ in shape");
+  const auto g = g_.contiguous(), u = u_.contiguous();
+  auto y = at::empty_like(g);
+  const int64_t n = g.numel();
+  if (!n) return y;
+  const c10::cuda::CUDAGuard guard(g.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  EXL_PW_DISPATCH(g.scalar_type(), op, [&] {
+    silu_mul_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+        ptr<scalar_t>(g), ptr<scalar_t>(u), n, ptr<scalar_t>(y));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+at::Tensor rope_one(const at::Tensor& x_, const at::Tensor& pos, const at::Tensor& cs, cudaStream_t stream) {
+  const auto x = x_.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), H = x.size(1), D = x.size(2);
+  const int64_t n = rows * H * (D / 2);
+  if (!n) return out;
+  EXL_PW_DISPATCH(x.scalar_type(), "exl_core::rope (CUDA)", [&] {
+    rope_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+        ptr<scalar_t>(x), rows, H, D, pos.data_ptr<int64_t>(), cs.data_ptr<float>(), ptr<scalar_t>(out));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                             const at::Tensor& cos_sin) {
+  const char* op = "exl_core::rope (CUDA)";
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              op, ": q (T, Hq, D) and k (T, Hkv, D) must share T and an even D, got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && positions.is_cuda() && cos_sin.is_cuda(), op, ": all tensors must be on the GPU");
+  TORCH_CHECK(positions.numel() == q.size(0), op, ": positions has ", positions.numel(), " entries, q has ", q.size(0), " rows");
+  TORCH_CHECK(cos_sin.dtype() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == q.size(2), op,
+              ": cos_sin must be float32 [P, ", q.size(2), "]");
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto pos = positions.to(at::kLong).contiguous();
+  const auto cs = cos_sin.contiguous();
+  return {rope_one(q, pos, cs, stream), rope_one(k, pos, cs, stream)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("rms_norm_residual", &rms_norm_residual_cuda);
+  m.impl("silu_mul", &silu_mul_cuda);
+  m.impl("rope", &rope_cuda);
+}

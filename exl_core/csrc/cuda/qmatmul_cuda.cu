@@ -1,0 +1,369 @@
+// exl_core::qmatmul on CUDA over the PackedWeight layout (exl_core/formats/packed.py).
+//
+// Every 32 rows of K ("a chunk") of one group occupy exactly `bits` consecutive qweight rows,
+// so the kernels walk a chunk table int32 [K/32, 3] = (bits, group, first qweight row) that
+// the host builds once per weight (ops/cuda_candidates.py caches it on the device).
+//
+//   small M (<= 16):  fused dequantise-GEMV, split-K.  grid (N / (128*VEC), K-slices);
+//                     thread t owns VEC adjacent columns (one 16-byte load per qweight row when
+//                     VEC = 4), walks the chunks of its K-slice, x[:, perm] of the slice gathered
+//                     into shared memory as fp32; partial sums atomically added into fp32 [M, N].
+//   large M:          dequantise to W [K, N] in x's dtype (rows scattered back to original
+//                     order through perm) and let cuBLAS multiply.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int kThreads = 128;
+
+int sm_count(int dev) {
+  static int cached[64] = {0};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (!cached[dev]) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
+  return cached[dev];
+}
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Exact int -> float for q < 2^23 without the slow I2F path: 2^23 + q as float bits, minus 2^23.
+__device__ __forceinline__ float q_to_f(uint32_t q) { return __uint_as_float(q | 0x4B000000u) - 8388608.0f; }
+
+// Loads VEC adjacent words of one qweight row (16 / 8 / 4 bytes).
+template <int VEC>
+__device__ __forceinline__ void load_words(const int32_t* p, uint32_t (&w)[VEC]) {
+  if constexpr (VEC == 4) {
+    const int4 v = __ldg(reinterpret_cast<const int4*>(p));
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else if constexpr (VEC == 2) {
+    const int2 v = __ldg(reinterpret_cast<const int2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  } else {
+    w[0] = __ldg(p);
+  }
+}
+
+// One chunk (32 K rows) of BITS-bit values for VEC columns: acc[m][v] += x[m][i] * w[i][v].
+template <int BITS, int M, int VEC>
+__device__ __forceinline__ void gemv_chunk(const int32_t* qw, int64_t N, const float* xs, int xs_stride,
+                                           const float (&s)[VEC], const float (&zs)[VEC], float (&acc)[M][VEC]) {
+  uint32_t w[BITS][VEC];
+#pragma unroll
+  for (int j = 0; j < BITS; ++j) load_words<VEC>(qw + j * N, w[j]);
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
+    float xv[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) xv[m] = xs[m * xs_stride + i];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      uint32_t q = w[wi][v] >> off;
+      if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
+      const float wf = fmaf(q_to_f(q & mask), s[v], -zs[v]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[m][v] = fmaf(xv[m], wf, acc[m][v]);
+    }
+  }
+}
+
+template <typename T, int M, int VEC>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(
+    const T* __restrict__ x, int64_t m_rows, int64_t K, const int32_t* __restrict__ chunks, int64_t n_chunks,
+    const int32_t* __restrict__ qweight, int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
+    const int64_t* __restrict__ perm, int cpb, float* __restrict__ out) {
+  extern __shared__ float xs[];                 // [M][cpb*32] fp32 slice of x[:, perm]
+  const int L = cpb * 32;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * cpb;
+  const int nc = static_cast<int>(min(static_cast<int64_t>(cpb), n_chunks - c0));
+  const int64_t k0 = c0 * 32;
+  for (int idx = threadIdx.x; idx < M * L; idx += kThreads) {
+    const int m = idx / L, i = idx % L;
+    float v = 0.f;                              // padded rows (m >= m_rows) and tail stay zero
+    if (m < m_rows && i < nc * 32) {
+      const int64_t k = k0 + i;
+      const int64_t src = perm ? perm[k] : k;
+      v = to_f<T>(x[m * K + src]);
+    }
+    xs[idx] = v;
+  }
+  __syncthreads();
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
+  if (col >= N) return;
+  float acc[M][VEC];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[m][v] = 0.f;
+  for (int c = 0; c < nc; ++c) {
+    const int bits = chunks[(c0 + c) * 3], g = chunks[(c0 + c) * 3 + 1], qrow = chunks[(c0 + c) * 3 + 2];
+    float s[VEC], zs[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      s[v] = __ldg(scale + g * N + col + v);
+      zs[v] = __ldg(zero + g * N + col + v) * s[v];
+    }
+    const int32_t* qw = qweight + static_cast<int64_t>(qrow) * N + col;
+    const float* xc = xs + c * 32;
+    switch (bits) {
+      case 4: gemv_chunk<4, M, VEC>(qw, N, xc, L, s, zs, acc); break;
+      case 2: gemv_chunk<2, M, VEC>(qw, N, xc, L, s, zs, acc); break;
+      case 3: gemv_chunk<3, M, VEC>(qw, N, xc, L, s, zs, acc); break;
+      case 5: gemv_chunk<5, M, VEC>(qw, N, xc, L, s, zs, acc); break;
+      case 6: gemv_chunk<6, M, VEC>(qw, N, xc, L, s, zs, acc); break;
+      default: gemv_chunk<8, M, VEC>(qw, N, xc, L, s, zs, acc); break;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+    if (m < m_rows)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) atomicAdd(out + m * N + col + v, acc[m][v]);
+}
+
+template <typename T>
+__global__ void finish_kernel(const float* __restrict__ acc, const T* __restrict__ bias, int64_t rows, int64_t N,
+                              T* __restrict__ y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * N) return;
+  float v = acc[i];
+  if (bias) v += to_f<T>(bias[i % N]);
+  y[i] = from_f<T>(v);
+}
+
+// One thread per (chunk, column): 32 dequantised values written to rows perm[k] of W [K, N].
+template <typename T, int BITS>
+__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t N, float s, float zs, const int64_t* perm,
+                                              int64_t k0, int64_t col, T* W) {
+  uint32_t w[BITS];
+#pragma unroll
+  for (int j = 0; j < BITS; ++j) w[j] = __ldg(qw + j * N);
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
+    uint32_t q = w[wi] >> off;
+    if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi] << (32 - off);
+    const int64_t k = k0 + i;
+    const int64_t row = perm ? perm[k] : k;
+    W[row * N + col] = from_f<T>(fmaf(q_to_f(q & mask), s, -zs));
+  }
+}
+
+template <typename T>
+__global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t N,
+                               const float* __restrict__ scale, const float* __restrict__ zero,
+                               const int64_t* __restrict__ perm, T* __restrict__ W) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= N) return;
+  const int64_t c = blockIdx.y;
+  const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
+  const float s = scale[g * N + col], zs = zero[g * N + col] * s;
+  const int32_t* qw = qweight + static_cast<int64_t>(qrow) * N + col;
+  switch (bits) {
+    case 4: dequant_chunk<T, 4>(qw, N, s, zs, perm, c * 32, col, W); break;
+    case 2: dequant_chunk<T, 2>(qw, N, s, zs, perm, c * 32, col, W); break;
+    case 3: dequant_chunk<T, 3>(qw, N, s, zs, perm, c * 32, col, W); break;
+    case 5: dequant_chunk<T, 5>(qw, N, s, zs, perm, c * 32, col, W); break;
+    case 6: dequant_chunk<T, 6>(qw, N, s, zs, perm, c * 32, col, W); break;
+    default: dequant_chunk<T, 8>(qw, N, s, zs, perm, c * 32, col, W); break;
+  }
+}
+
+// ----------------------------------------------------------------------------- host side
+
+#define EXL_CHECK_CUDA_T(t, name) \
+  TORCH_CHECK((t).is_cuda(), "exl_core::qmatmul (CUDA): ", name, " must be on the GPU, got ", (t).device())
+
+void check_common(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                  const at::Tensor& zero, const c10::optional<at::Tensor>& perm, int64_t K) {
+  EXL_CHECK_CUDA_T(qweight, "qweight");
+  EXL_CHECK_CUDA_T(chunks, "chunk table");
+  EXL_CHECK_CUDA_T(scale, "scale");
+  EXL_CHECK_CUDA_T(zero, "zero");
+  TORCH_CHECK(qweight.dtype() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous(),
+              "exl_core::qmatmul (CUDA): qweight must be contiguous int32 [rows, N]");
+  TORCH_CHECK(chunks.dtype() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 3 && chunks.is_contiguous(),
+              "exl_core::qmatmul (CUDA): chunk table must be contiguous int32 [K/32, 3]");
+  TORCH_CHECK(chunks.size(0) * 32 == K, "exl_core::qmatmul (CUDA): chunk table covers ", chunks.size(0) * 32,
+              " rows of K, x has K = ", K);
+  const int64_t N = qweight.size(1);
+  for (auto* t : {&scale, &zero})
+    TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous(),
+                "exl_core::qmatmul (CUDA): scale/zero must be contiguous float32 [G, ", N, "]");
+  if (perm) {
+    EXL_CHECK_CUDA_T(*perm, "perm");
+    TORCH_CHECK(perm->dtype() == at::kLong && perm->numel() == K && perm->is_contiguous(),
+                "exl_core::qmatmul (CUDA): perm must be contiguous int64 [", K, "]");
+  }
+}
+
+template <typename T, int M>
+void launch_gemv_m(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                   const at::Tensor& zero, const int64_t* perm, at::Tensor& acc, cudaStream_t stream) {
+  const int64_t K = x.size(1), N = qweight.size(1), C = chunks.size(0);
+  const int sms = sm_count(x.device().index());
+  // VEC = 4 needs 16-byte aligned rows; odd N falls back to one column per thread.
+  const bool v4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0;
+  const int vec = v4 ? 4 : 1;
+  const int64_t col_blocks = (N + kThreads * vec - 1) / (kThreads * vec);
+  // Enough K-slices for ~4 blocks per SM; shared memory M*cpb*32*4 bytes kept under 32 KB.
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(C, (4 * sms + col_blocks - 1) / col_blocks));
+  int64_t cpb = (C + splits - 1) / splits;
+  const int64_t max_cpb = std::max<int64_t>(1, 32768 / (M * 32 * 4));
+  cpb = std::min(cpb, max_cpb);
+  splits = (C + cpb - 1) / cpb;
+  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
+  const size_t smem = static_cast<size_t>(M) * cpb * 32 * sizeof(float);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  if (v4)
+    gemv_kernel<T, M, 4><<<grid, kThreads, smem, stream>>>(xp, x.size(0), K, chunks.data_ptr<int32_t>(), C,
+        qweight.data_ptr<int32_t>(), N, scale.data_ptr<float>(), zero.data_ptr<float>(), perm,
+        static_cast<int>(cpb), acc.data_ptr<float>());
+  else
+    gemv_kernel<T, M, 1><<<grid, kThreads, smem, stream>>>(xp, x.size(0), K, chunks.data_ptr<int32_t>(), C,
+        qweight.data_ptr<int32_t>(), N, scale.data_ptr<float>(), zero.data_ptr<float>(), perm,
+        static_cast<int>(cpb), acc.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                 const at::Tensor& zero, const int64_t* perm, at::Tensor& acc, cudaStream_t stream) {
+  const int64_t m = x.size(0);
+  if (m <= 1) launch_gemv_m<T, 1>(x, qweight, chunks, scale, zero, perm, acc, stream);
+  else if (m <= 2) launch_gemv_m<T, 2>(x, qweight, chunks, scale, zero, perm, acc, stream);
+  else if (m <= 4) launch_gemv_m<T, 4>(x, qweight, chunks, scale, zero, perm, acc, stream);
+  else if (m <= 8) launch_gemv_m<T, 8>(x, qweight, chunks, scale, zero, perm, acc, stream);
+  else launch_gemv_m<T, 16>(x, qweight, chunks, scale, zero, perm, acc, stream);
+}
+
+#define EXL_DISPATCH_FLOATS(dtype, NAME, ...)                                            \
+  [&] {                                                                                  \
+    if ((dtype) == at::kHalf) { using scalar_t = __half; return __VA_ARGS__(); }         \
+    if ((dtype) == at::kBFloat16) { using scalar_t = __nv_bfloat16; return __VA_ARGS__(); } \
+    TORCH_CHECK((dtype) == at::kFloat, NAME, ": x must be float16, bfloat16 or float32, got ", dtype); \
+    using scalar_t = float; return __VA_ARGS__();                                        \
+  }()
+
+// y [M, N] = x[:, perm] @ W_perm (+ bias) with the fused kernel, M <= 16 rows per launch.
+at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
+                        const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                        const c10::optional<at::Tensor>& bias) {
+  EXL_CHECK_CUDA_T(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "exl_core::qgemv_chunks: x must be contiguous [M, K]");
+  check_common(qweight, chunks, scale, zero, perm, x.size(1));
+  const int64_t M = x.size(0), N = qweight.size(1);
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->dtype() == x.dtype() && bias->is_cuda(),
+                        "exl_core::qgemv_chunks: bias must be [", N, "] in x's dtype on the GPU");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto acc = at::zeros({std::min<int64_t>(M, 16), N}, x.options().dtype(at::kFloat));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
+  EXL_DISPATCH_FLOATS(x.scalar_type(), "exl_core::qgemv_chunks", [&] {
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      const int64_t r = std::min<int64_t>(16, M - r0);
+      if (r0) acc.zero_();
+      launch_gemv<scalar_t>(x.narrow(0, r0, r), qweight, chunks, scale, zero, pp, acc, stream);
+      const int64_t total = r * N;
+      finish_kernel<scalar_t><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+          acc.data_ptr<float>(), bias ? reinterpret_cast<const scalar_t*>(bias->data_ptr()) : nullptr, r, N,
+          reinterpret_cast<scalar_t*>(y.data_ptr()) + r0 * N);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return y;
+}
+
+// W [K, N] in the original row order, dtype `dtype`: the dequantised weight for cuBLAS.
+at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                           const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype) {
+  const int64_t K = chunks.size(0) * 32, N = qweight.size(1);
+  check_common(qweight, chunks, scale, zero, perm, K);
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  auto W = at::empty({K, N}, qweight.options().dtype(dtype));
+  if (K == 0 || N == 0) return W;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
+  const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(chunks.size(0)));
+  EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
+    dequant_kernel<scalar_t><<<grid, 128, 0, stream>>>(chunks.data_ptr<int32_t>(), qweight.data_ptr<int32_t>(), N,
+        scale.data_ptr<float>(), zero.data_ptr<float>(), pp, reinterpret_cast<scalar_t*>(W.data_ptr()));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return W;
+}
+
+// groups int32 [G, 4] (bits, k_start, k_len, qrow_start), on any device -> chunk table on `dev`.
+at::Tensor chunk_table_cuda(const at::Tensor& groups, int64_t K, int64_t q_rows, c10::Device dev) {
+  const auto g = groups.to(at::kCPU).contiguous();
+  TORCH_CHECK(g.dtype() == at::kInt && g.dim() == 2 && g.size(1) == 4, "exl_core::qmatmul (CUDA): groups must be int32 [G, 4]");
+  const int32_t* p = g.data_ptr<int32_t>();
+  std::vector<int32_t> rows;
+  int64_t ek = 0, eq = 0;
+  for (int64_t i = 0; i < g.size(0); ++i) {
+    const int32_t bits = p[4 * i], k_start = p[4 * i + 1], k_len = p[4 * i + 2], q_start = p[4 * i + 3];
+    TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+                "exl_core::qmatmul (CUDA): groups[", i, "] has bit width ", bits, " (supported: 2,3,4,5,6,8)");
+    TORCH_CHECK(k_start == ek && k_len > 0 && k_len % 32 == 0 && q_start == eq,
+                "exl_core::qmatmul (CUDA): groups[", i, "] breaks the layout (expected k_start ", ek, ", qrow ", eq, ")");
+    for (int64_t c = 0; c < k_len / 32; ++c) {
+      rows.push_back(bits);
+      rows.push_back(static_cast<int32_t>(i));
+      rows.push_back(static_cast<int32_t>(q_start + c * bits));
+    }
+    ek += k_len;
+    eq += static_cast<int64_t>(k_len) * bits / 32;
+  }
+  TORCH_CHECK(ek == K, "exl_core::qmatmul (CUDA): groups cover ", ek, " rows of K but x has K = ", K);
+  TORCH_CHECK(eq == q_rows, "exl_core::qmatmul (CUDA): groups need ", eq, " qweight rows, qweight has ", q_rows);
+  auto t = at::from_blob(rows.data(), {static_cast<int64_t>(rows.size() / 3), 3}, at::kInt).clone();
+  return t.to(dev);
+}
+
+// The shared op schema (CPU twin in csrc/cpu/qmatmul.cpp); builds the chunk table per call.
+at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
+                        const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                        const c10::optional<at::Tensor>& bias) {
+  EXL_CHECK_CUDA_T(x, "x");
+  TORCH_CHECK(x.dim() == 2, "exl_core::qmatmul (CUDA): x must be [M, K]");
+  const auto chunks = chunk_table_cuda(groups, x.size(1), qweight.size(0), x.device());
+  const auto xc = x.contiguous();
+  if (x.size(0) <= 16) return qgemv_chunks(xc, qweight, chunks, scale, zero, perm, bias);
+  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type());
+  auto y = at::matmul(xc, W);
+  if (bias) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("qgemv_chunks(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
+        "Tensor? bias) -> Tensor");
+  m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
+        "ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("qmatmul", &qmatmul_cuda);
+  m.impl("qgemv_chunks", &qgemv_chunks);
+  m.impl("qdequant_chunks", &qdequant_chunks);
+}

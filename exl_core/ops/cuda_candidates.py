@@ -1,0 +1,157 @@
+"""CUDA candidates for the op dispatchers (kernels in exl_core/csrc/cuda/*.cu).
+
+Imported once from exl_core/ops/__init__.py; each op's Dispatcher gets a `cuda` Candidate
+at the front. Every check refuses (with a reason) off the GPU or when the extension was built
+without CUDA, so CPU behaviour is unchanged.
+
+qmatmul policy (rows M of x):
+  M <= GEMV_MAX_ROWS   fused dequantise-GEMV (`exl_core::qgemv_chunks`), 16 rows per launch
+  larger M             dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
+The chunk table (int32 [K/32, 3]: bits, group, first qweight row per 32 rows of K) is built
+once per weight and cached on the device in `pw.meta`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .dispatch import Candidate, extension
+
+GEMV_MAX_ROWS = 32          # above this, dequantise + cuBLAS wins (bench/gpu_bench.py sweeps it)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _has_cuda_kernel(op: str) -> bool:
+    return extension() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"exl_core::{op}", "CUDA")
+
+
+def chunk_table(groups: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """groups int32 [G, 4] (bits, k_start, k_len, qrow_start) -> int32 [K/32, 3] on `device`."""
+    rows = []
+    for gi, (bits, _k, k_len, q0) in enumerate(groups.tolist()):
+        rows += [(bits, gi, q0 + c * bits) for c in range(k_len // 32)]
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device)
+
+
+def _chunks_of(pw) -> torch.Tensor:
+    dev = pw.qweight.device
+    cached = pw.meta.get("_cuda_chunks")
+    if cached is None or cached.device != dev:
+        cached = chunk_table(pw.groups, dev)
+        pw.meta["_cuda_chunks"] = cached
+    return cached
+
+
+# ---------------------------------------------------------------------------- qmatmul
+
+def _qmatmul_check(x, pw) -> Optional[str]:
+    if x.device.type != "cuda":
+        return f"x is on {x.device}, not CUDA"
+    if not _has_cuda_kernel("qgemv_chunks"):
+        return "extension built without CUDA kernels (csrc/cuda)"
+    if pw.qweight.device != x.device:
+        return f"qweight on {pw.qweight.device}, x on {x.device}"
+    if x.dtype not in _FLOATS:
+        return f"x dtype {x.dtype} not supported (float16, bfloat16, float32)"
+    if pw.scale.dtype != torch.float32 or pw.zero.dtype != torch.float32:
+        return f"scale/zero must be float32, got {pw.scale.dtype}/{pw.zero.dtype}"
+    return None
+
+
+def _qmatmul_run(x, pw):
+    x2 = x.reshape(-1, pw.in_features)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    chunks = _chunks_of(pw)
+    perm = pw.perm
+    if perm is not None and (perm.dtype != torch.int64 or perm.device != x.device):
+        perm = pw.meta.get("_cuda_perm")
+        if perm is None or perm.device != x.device:
+            perm = pw.perm.to(device=x.device, dtype=torch.int64).contiguous()
+            pw.meta["_cuda_perm"] = perm
+    bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        y = torch.ops.exl_core.qgemv_chunks(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
+    else:
+        w = torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks, pw.scale, pw.zero, perm, x.dtype)  # [K, N]
+        y = torch.addmm(bias, x2, w) if bias is not None else x2 @ w
+    return y.reshape(*x.shape[:-1], pw.out_features)
+
+
+# ---------------------------------------------------------------------------- small ops
+
+def _same_cuda(op: str, *ts) -> Optional[str]:
+    if any(t.device.type != "cuda" for t in ts):
+        return "tensors not on CUDA"
+    if not _has_cuda_kernel(op):
+        return f"extension built without a CUDA {op} kernel"
+    if ts[0].dtype not in _FLOATS or any(t.dtype != ts[0].dtype for t in ts):
+        return f"dtypes {[t.dtype for t in ts]} must match and be float16/bfloat16/float32"
+    return None
+
+
+def _norm_check(x, weight, eps, residual) -> Optional[str]:
+    return _same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))
+
+
+def _norm_run(x, weight, eps, residual):
+    if residual is None:
+        return torch.ops.exl_core.rms_norm(x, weight, float(eps))
+    return tuple(torch.ops.exl_core.rms_norm_residual(x, residual, weight, float(eps)))
+
+
+def _silu_check(gate, up) -> Optional[str]:
+    return _same_cuda("silu_mul", gate, up)
+
+
+def _rope_check(q, k, positions, cos_sin) -> Optional[str]:
+    why = _same_cuda("rope", q, k)
+    if why:
+        return why
+    if positions.device != q.device or cos_sin.device != q.device:
+        return "positions / cos_sin not on q's device"
+    if cos_sin.dtype != torch.float32:
+        return f"cos_sin dtype {cos_sin.dtype}, kernel needs float32"
+    return None
+
+
+def _rope_run(q, k, positions, cos_sin):
+    return tuple(torch.ops.exl_core.rope(q, k, positions, cos_sin))
+
+
+def _dense_check(x, w_t, bias) -> Optional[str]:
+    if x.device.type != "cuda" or w_t.device != x.device:
+        return "x / w_t not both on one CUDA device"
+    if x.dtype not in (torch.float16, torch.bfloat16) or w_t.dtype != x.dtype:
+        return f"dtypes x={x.dtype}, w_t={w_t.dtype}; cuBLAS path wants both float16 or both bfloat16"
+    return None
+
+
+def _dense_run(x, w_t, bias):
+    # cuBLAS in the weights' dtype (fp32 accumulation); the reference would upcast the whole
+    # head to fp32 on every call.
+    x2 = x.reshape(-1, w_t.shape[0])
+    y = torch.addmm(bias.to(x.dtype), x2, w_t) if bias is not None else x2 @ w_t
+    return y.reshape(*x.shape[:-1], w_t.shape[1])
+
+
+# ---------------------------------------------------------------------------- registration
+
+def install() -> None:
+    """Put a `cuda` candidate at the front of each dispatcher (idempotent)."""
+    from . import activation, linear, norm, qmatmul, rope
+    pairs = [
+        (linear.DISPATCH, Candidate("cuda", _dense_check, _dense_run)),
+        (qmatmul.DISPATCH, Candidate("cuda", _qmatmul_check, _qmatmul_run)),
+        (norm.RMS_NORM, Candidate("cuda", _norm_check, _norm_run)),
+        (activation.SILU_MUL, Candidate("cuda", _silu_check,
+                                        lambda gate, up: torch.ops.exl_core.silu_mul(gate, up))),
+        (rope.ROPE, Candidate("cuda", _rope_check, _rope_run)),
+    ]
+    for disp, cand in pairs:
+        if not any(c.check is cand.check for c in disp.candidates):
+            disp.candidates.insert(0, cand)
+
+
+install()
