@@ -1,0 +1,176 @@
+"""CUDA kernels (exl_core/csrc/cuda) against float64 references on odd shapes.
+
+Outputs are allocated by the ops, so "poisoning" fills the caching allocator's free blocks
+with NaN first: an element the kernel forgets to write then reads back as NaN.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from exl_core.formats.packed import PackedWeight, dequantize_reference
+
+pytestmark = pytest.mark.cuda
+
+
+def _need_kernels():
+    from exl_core.ops.cuda_candidates import _has_cuda_kernel
+    if not _has_cuda_kernel("qgemv_chunks"):
+        pytest.fail("torch sees a GPU but exl_core._C was built without CUDA kernels")
+
+
+def poison_allocator(nbytes: int = 64 << 20) -> None:
+    """Fill free cached device memory with NaN so unwritten outputs show up."""
+    t = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del t
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a = a.double().cpu()
+    assert not torch.isnan(a).any(), "NaN in output (unwritten element?)"
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def random_packed(K_groups, N, *, perm=True, bias=False, seed=None) -> PackedWeight:
+    """K_groups: [(bits, k_len)] along the permuted rows. Random words cover every bit pattern."""
+    g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
+    rows, groups, k, q = [], [], 0, 0
+    for bits, k_len in K_groups:
+        nq = k_len * bits // 32
+        rows.append(torch.randint(-2**31, 2**31, (nq, N), generator=g, dtype=torch.int64).to(torch.int32))
+        groups.append((bits, k, k_len, q))
+        k += k_len
+        q += nq
+    G = len(groups)
+    scale = torch.rand(G, N, generator=g) * 0.02 + 0.001
+    zero = torch.tensor([[2.0 ** (b - 1)] for b, *_ in groups]) + torch.randint(-2, 3, (G, N), generator=g)
+    p = torch.randperm(k, generator=g) if perm else None
+    b = torch.randn(N, generator=g) * 0.1 if bias else None
+    return PackedWeight(torch.cat(rows).contiguous(), torch.tensor(groups, dtype=torch.int32), scale,
+                        zero.float(), p, k, N, b).validate()
+
+
+LAYOUTS = [
+    [(4, 128), (4, 96)],                                         # plain 4-bit
+    [(8, 32), (6, 64), (5, 32), (4, 64), (3, 64), (2, 32)],      # every width, EXL2-style mix
+    [(3, 96), (3, 32)],
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["4bit", "mixed", "3bit"])
+@pytest.mark.parametrize("N", [37, 4 * 131])                      # scalar and 16-byte column paths
+@pytest.mark.parametrize("M", [1, 3, 16, 19, 45])                 # GEMV buckets, >16 rows, dequant path
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qmatmul_vs_float64(layout, N, M, dtype):
+    _need_kernels()
+    from exl_core.ops import qmatmul as qm
+    pw = random_packed(layout, N, perm=random.random() < 0.7, bias=random.random() < 0.5)
+    W = dequantize_reference(pw)                                   # [K, N] float64
+    x = torch.randn(M, pw.in_features) * 0.5
+    ref = x.to(dtype).double() @ W + (pw.bias.double() if pw.bias is not None else 0)
+    pwc = pw.to("cuda")
+    if pwc.bias is not None:
+        pwc.bias = pwc.bias.to(dtype)
+    assert qm.DISPATCH.select(x=x.to(dtype).cuda(), pw=pwc).name == "cuda"
+    poison_allocator()
+    y = qm.qmatmul(x.to(dtype).cuda(), pwc)
+    assert y.dtype == dtype and y.shape == (M, N)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    assert rel_err(y, ref) < tol
+
+
+def test_qmatmul_schema_op_builds_chunks_itself():
+    """The shared `exl_core::qmatmul` schema (CPU twin) also runs on CUDA with groups on the CPU."""
+    _need_kernels()
+    pw = random_packed(LAYOUTS[1], 64, perm=True)
+    ref = None
+    for M in (2, 20):
+        x = torch.randn(M, pw.in_features, dtype=torch.float16)
+        ref = x.double() @ dequantize_reference(pw)
+        c = pw.to("cuda")
+        poison_allocator()
+        y = torch.ops.exl_core.qmatmul(x.cuda(), c.qweight, pw.groups, c.scale, c.zero, c.perm, None)
+        assert rel_err(y, ref) < 2e-3
+
+
+def test_qmatmul_float32_matches_cpu_kernel():
+    _need_kernels()
+    from exl_core.ops.qmatmul import qmatmul
+    pw = random_packed(LAYOUTS[0], 96, perm=True, bias=True)
+    x = torch.randn(5, pw.in_features)
+    poison_allocator()
+    y = qmatmul(x.cuda(), pw.to("cuda")).cpu()
+    assert torch.allclose(y, qmatmul(x, pw), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_input_names_the_problem():
+    _need_kernels()
+    pw = random_packed(LAYOUTS[0], 32, perm=False).to("cuda")
+    x = torch.randn(2, pw.in_features + 32, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="chunk table covers"):
+        from exl_core.ops.cuda_candidates import chunk_table
+        torch.ops.exl_core.qgemv_chunks(x, pw.qweight, chunk_table(pw.groups, "cuda"), pw.scale, pw.zero, None, None)
+
+
+# ------------------------------------------------------------------------------- small ops
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H", [576, 4096, 77])
+def test_rms_norm_residual_vs_float64(dtype, H):
+    _need_kernels()
+    from exl_core.ops.norm import RMS_NORM, rms_norm
+    x, r = torch.randn(13, H).to(dtype), torch.randn(13, H).to(dtype)
+    w = (torch.rand(H) + 0.5).to(dtype)
+    h64 = x.double() + r.double()
+    ref = w.double() * h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref0 = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    xc, rc, wc = x.cuda(), r.cuda(), w.cuda()
+    assert RMS_NORM.select(x=xc, weight=wc, eps=1e-5, residual=rc).name == "cuda"
+    poison_allocator()
+    y, h = rms_norm(xc, wc, 1e-5, rc)
+    y0 = rms_norm(xc, wc, 1e-5)
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert rel_err(h, h64) < tol and rel_err(y, ref) < tol and rel_err(y0, ref0) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_mul_vs_float64(dtype):
+    _need_kernels()
+    from exl_core.ops.activation import silu_mul
+    g, u = torch.randn(7, 333).to(dtype), torch.randn(7, 333).to(dtype)
+    ref = torch.nn.functional.silu(g.double()) * u.double()
+    poison_allocator()
+    y = silu_mul(g.cuda(), u.cuda())
+    assert rel_err(y, ref) < (2e-3 if dtype == torch.float16 else 1e-2)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_rope_vs_float64(D):
+    _need_kernels()
+    from exl_core.ops.rope import apply_rope, cos_sin_table
+    T, Hq, Hkv = 11, 9, 3
+    q, k = torch.randn(T, Hq, D, dtype=torch.float16), torch.randn(T, Hkv, D, dtype=torch.float16)
+    pos = torch.randint(0, 300, (T,))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    cs = cos_sin_table(inv.float(), 512)
+    ang = pos.double()[:, None] * inv[None]                                  # (T, D/2)
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+
+    def ref(x):
+        x = x.double()
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+    poison_allocator()
+    qo, ko = apply_rope(q.cuda(), k.cuda(), pos.cuda(), cs.cuda())
+    assert rel_err(qo, ref(q)) < 2e-3 and rel_err(ko, ref(k)) < 2e-3
+
+
+def test_dense_linear_cuda_vs_float64():
+    _need_kernels()
+    from exl_core.ops.linear import dense_linear
+    x, w, b = torch.randn(5, 96).half(), torch.randn(96, 41).half(), torch.randn(41).half()
+    ref = x.double() @ w.double() + b.double()
+    poison_allocator()
+    assert rel_err(dense_linear(x.cuda(), w.cuda(), b.cuda()), ref) < 2e-3
