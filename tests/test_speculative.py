@@ -1,0 +1,245 @@
+"""Speculative decoding: the acceptance rule reproduces the main model's distribution
+(chi-square against the exact joint law), greedy speculative output equals plain greedy
+output token for token (draft model and n-gram), and the paged caches balance after the
+rollbacks.
+
+Statistical tests use fixed seeds and reject at p < 1e-4: with fresh seeds a correct sampler
+would fail each of them once in 10,000 runs. Each also shows it can fail: a wrong rule
+(always accepting drafts) is rejected by the same statistic on the same draws.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from exl_core.cache import Cache
+from exl_core.errors import InputError
+from exl_core.generation import Generator, Job
+from exl_core.generation.ngram import ngram_draft
+from exl_core.generation.sampling import SamplerSettings, processed_probs
+from exl_core.generation.speculative import accept_draft, draw_from
+
+GREEDY = SamplerSettings(temperature=0.0)
+ALPHA = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)      # tiny models: OpenMP spin-waits only cost on a shared box
+    yield
+    torch.set_num_threads(n)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expectation < 5 are pooled into one."""
+    n = counts.sum().double()
+    exp = probs.double() * n
+    small = exp < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    ex = torch.cat([exp[~small], exp[small].sum().view(1)])
+    keep = ex > 0
+    obs, ex = obs[keep], ex[keep]
+    stat = ((obs - ex) ** 2 / ex).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+def _table(g, V, temp=1.0):
+    return torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2 / temp, 0)
+
+
+# -- the rule alone: toy conditionals P(x | prefix), Q(x | prefix) ----------------------------------
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_acceptance_rule_reproduces_main_distribution(deterministic_draft):
+    V, K, N = 5, 3, 8000
+    g = torch.Generator().manual_seed(1234)
+    P, Q = {}, {}
+    for n in range(K + 2):
+        for pre in itertools.product(range(V), repeat=n):
+            P[pre] = _table(g, V)
+            Q[pre] = _table(g, V, temp=0.5)       # a sharper, different draft
+    P[(0,)][3] = 0.0                               # a token the main model never emits ...
+    P[(0,)] /= P[(0,)].sum()                       # ... after token 0
+    rng = torch.Generator().manual_seed(99)
+    joint_ok = torch.zeros(V * V)
+    joint_naive = torch.zeros(V * V)
+    for _ in range(N):
+        drafts, qs = [], []
+        for i in range(K):
+            if deterministic_draft:                # like n-gram: a fixed guess per prefix
+                d = int(Q[tuple(drafts)].argmax())
+            else:
+                qs.append(Q[tuple(drafts)])
+                d = draw_from(qs[-1], rng)
+            drafts.append(d)
+        p = torch.stack([P[tuple(drafts[:i])] for i in range(K + 1)])
+        toks, a = accept_draft(p, None if deterministic_draft else torch.stack(qs), drafts, rng)
+        assert len(toks) == a + 1 and toks[:a] == drafts[:a]
+        if len(toks) == 1:                        # the next step would draw the 2nd token plainly
+            toks.append(draw_from(P[(toks[0],)], rng))
+        joint_ok[toks[0] * V + toks[1]] += 1
+        joint_naive[drafts[0] * V + drafts[1]] += 1
+    exact = torch.stack([P[()][a] * P[(a,)] for a in range(V)]).reshape(-1)
+    assert chi2_pvalue(joint_ok, exact) > ALPHA
+    assert chi2_pvalue(joint_naive, exact) < ALPHA          # the statistic has power
+    assert joint_ok[0 * V + 3] == 0                          # an impossible pair never appears
+
+
+def test_acceptance_rule_greedy_and_shapes():
+    V = 7
+    p = torch.zeros(4, V)
+    for i, t in enumerate([2, 5, 1, 6]):
+        p[i, t] = 1.0
+    rng = torch.Generator().manual_seed(0)
+    state = rng.get_state()
+    assert accept_draft(p, p[:3], [2, 5, 1], rng) == ([2, 5, 1, 6], 3)        # all accepted + bonus
+    assert accept_draft(p, None, [2, 4, 1], rng) == ([2, 5], 1)                 # first mismatch corrected
+    assert accept_draft(p[:1], None, [], rng) == ([2], 0)
+    assert torch.equal(rng.get_state(), state)                                  # greedy draws nothing
+    with pytest.raises(InputError):
+        accept_draft(p, None, [1, 2], rng)
+
+
+def test_ngram_draft_brute_force():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(200):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (), generator=g)),), generator=g).tolist()
+        k = int(torch.randint(1, 6, (), generator=g))
+        got = ngram_draft(seq, k, max_ngram=3)
+        want = []
+        for n in (3, 2, 1):                        # longest n-gram, most recent occurrence
+            if n >= len(seq):
+                continue
+            hits = [i for i in range(len(seq) - n) if seq[i:i + n] == seq[-n:]]
+            if hits:
+                want = seq[hits[-1] + n:hits[-1] + n + k]
+                break
+        assert got == want, (seq, k)
+
+
+# -- inside the generator, on tiny random Llamas -------------------------------------------------------
+def _load(folder):
+    from exl_core.loader import load_model
+    return load_model(folder, dtype=torch.float32, load_tokenizer=False)[0]
+
+
+def _perturb(model, scale: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _, layer in model.linear_layers():
+        layer.w_t += torch.randn(layer.w_t.shape, generator=g) * scale
+    return model
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_model_factory):
+    folder = tiny_model_factory(seed=3, vocab_size=48, hidden_size=64, num_hidden_layers=2)
+    return _load(folder), _perturb(_load(folder), 0.03, seed=5)
+
+
+def _run(gen, jobs, check=None):
+    gen.enqueue(jobs)
+    while gen.has_work():
+        gen.iterate()
+        if check is not None:
+            check(gen)
+    return [j.generated for j in jobs]
+
+
+def _balanced(cache):
+    cache.pool.check()
+    assert cache.pool.reserved == 0
+    assert cache.pool.num_free + cache.pool.num_cached_unreferenced == cache.pool.num_pages
+
+
+@pytest.mark.parametrize("mode", ["draft", "ngram"])
+def test_greedy_speculative_equals_plain(tiny_llama_dir, mode):
+    main = _load(tiny_llama_dir)
+    draft = _perturb(_load(tiny_llama_dir), 0.002, seed=7)   # random tiny models have flat logits
+    rep = torch.randint(0, 49152, (6,)).tolist()
+    prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (3, 17, 40)] + [rep * 4]
+    lens = [30, 9, 25, 33]
+    plain_gen = Generator(main, Cache(main, max_tokens=1024, page_size=16), None)
+    plain = _run(plain_gen, [Job(p, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False) for p, n in zip(prompts, lens)])
+    cache = Cache(main, max_tokens=1024, page_size=16)
+    kw = dict(draft_model=draft, draft_cache=Cache(draft, max_tokens=1024, page_size=16)) if mode == "draft" \
+        else dict(ngram_draft=True)
+    gen = Generator(main, cache, None, num_draft_tokens=4, **kw)
+
+    def check(g):            # decode invariant: every token but the last sampled one is stored
+        for j in g.active:
+            if j.fed >= j.prompt_len and len(j.generated):
+                assert j.table.num_tokens == len(j.tokens) - 1
+    spec = _run(gen, [Job(p, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False)
+                      for p, n in zip(prompts, lens)], check)
+    assert spec == plain
+    assert [len(s) for s in spec] == lens
+    st = gen.spec.stats
+    assert st.drafted > 0 and 0 < st.accepted <= st.drafted
+    # accepted drafts save main-model forward passes
+    assert gen.stats.forward_passes < plain_gen.stats.forward_passes
+    _balanced(cache)
+    if mode == "draft":
+        _balanced(gen.spec.draft_cache)
+        assert 0.3 < st.acceptance_rate             # a close copy agrees often
+
+
+def test_sampled_speculative_matches_main_model(small_vocab):
+    """First two tokens of many seeded jobs (top-k 4, temperature 1.3, repetition penalty):
+    chi-square against the exact law computed from the main model's own logits."""
+    main, draft = small_vocab
+    s = SamplerSettings(temperature=1.3, top_k=4, repetition_penalty=1.3)
+    prompt = [5, 9, 5, 17]
+    # exact joint law of (t1, t2)
+    ctx_logits = main.forward_batch(torch.tensor([prompt]))[0, -1]
+    p1 = processed_probs(ctx_logits, s, prompt).double()
+    exact = torch.zeros(48 * 48, dtype=torch.float64)
+    for a in p1.nonzero().flatten().tolist():
+        la = main.forward_batch(torch.tensor([prompt + [a]]))[0, -1]
+        exact[a * 48:(a + 1) * 48] = p1[a] * processed_probs(la, s, prompt + [a]).double()
+    N = 2000
+    cache = Cache(main, max_tokens=8192, page_size=16)
+    gen = Generator(main, cache, None, draft_model=draft, draft_cache=Cache(draft, max_tokens=16384, page_size=16),
+                    num_draft_tokens=3, max_batch_size=512)
+    jobs = [Job(prompt, max_new_tokens=4, sampler=s, seed=1000 + i, stop_on_eos=False) for i in range(N)]
+    out = _run(gen, jobs)
+    counts = torch.zeros(48 * 48)
+    for g in out:
+        counts[g[0] * 48 + g[1]] += 1
+    assert chi2_pvalue(counts, exact) > ALPHA
+    st = gen.spec.stats
+    assert 0 < st.accepted < st.drafted                  # both branches of the rule ran
+    _balanced(cache)
+    _balanced(gen.spec.draft_cache)
+
+
+def test_stops_and_limits_inside_accepted_drafts(tiny_llama_dir):
+    """A stop token or the length limit falling inside an accepted run ends the job there."""
+    main = _load(tiny_llama_dir)
+    rep = torch.randint(0, 49152, (5,)).tolist()
+    prompt = rep * 5
+    ref = _run(Generator(main, Cache(main, max_tokens=512, page_size=16), None),
+               [Job(prompt, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)])[0]
+    stop_tok = ref[5]
+    cut = _run(Generator(main, Cache(main, max_tokens=512, page_size=16), None),
+               [Job(prompt, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False, stop=[stop_tok])])[0]
+    assert len(cut) < 12
+    cache = Cache(main, max_tokens=512, page_size=16)
+    gen = Generator(main, cache, None, ngram_draft=True, num_draft_tokens=6)
+    a = Job(prompt, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False, stop=[stop_tok])
+    b = Job(prompt, max_new_tokens=7, sampler=GREEDY, stop_on_eos=False)
+    _run(gen, [a, b])
+    assert a.generated == cut and a.finish_reason == "stop"
+    assert b.generated == ref[:7] and b.finish_reason == "length"
+    _balanced(cache)
+
+
+def test_bad_arguments(tiny_llama_dir):
+    main = _load(tiny_llama_dir)
+    cache = Cache(main, max_tokens=256, page_size=16)
+    with pytest.raises(InputError, match="num_draft_tokens"):
+        Generator(main, cache, None, ngram_draft=True, num_draft_tokens=0)
+    with pytest.raises(InputError, match="draft_cache"):
+        Generator(main, cache, None, draft_model=main, draft_cache=Cache(_load(tiny_llama_dir), max_tokens=64))
