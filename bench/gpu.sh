@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One command on the GPU machine (no network): build the CUDA extension, run the CUDA tests,
+# write random-weight Llama-2-7B-shaped GPTQ 4-bit g128 and EXL2 ~4.0 bpw checkpoints, and
+# print the benchmark table (bench/gpu_bench.py). Logs and the JSON go to $OUT (or bench/results).
+#   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+CK=${CKPT_DIR:-/tmp/exl_bench}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+
+t0=$(date +%s)
+if ! $PY setup.py build_ext --inplace -q >"$OUT/build_log.txt" 2>&1; then
+  grep -i -B2 -A6 "error" "$OUT/build_log.txt" | head -60
+  exit 1
+fi
+echo "build: $(( $(date +%s) - t0 )) s"
+$PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
+
+# Checkpoints are CPU work: write them while the GPU runs the tests.
+( for f in gptq exl2; do
+    [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
+  done ) >"$OUT/ckpt_log.txt" 2>&1 &
+ck_pid=$!
+
+t0=$(date +%s)
+timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_model.py \
+  >"$OUT/cuda_tests.txt" 2>&1
+echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
+grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
+
+wait $ck_pid || { cat "$OUT/ckpt_log.txt"; exit 1; }
+timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee "$OUT/bench_log.txt" | tail -40

@@ -1,0 +1,284 @@
+"""GPU benchmark: Llama-2-7B-shaped GPTQ / EXL2 checkpoints on one GPU (run by bench/gpu.sh).
+
+Question: how close does decode get to the bandwidth floor, and what do batch 8/32 and a
+2,048-token prompt reach? Prints one table; writes JSON (bench/results/gpu_h200.json and,
+when set, $OUT/gpu_h200.json).
+
+Decode runs the native model with a static per-batch K/V context (below), greedy argmax on
+the device, each step captured in a CUDA graph per batch size (eager numbers printed too).
+The Generator's scheduler and sampler are not in these numbers.
+
+    python bench/gpu_bench.py --gptq /tmp/llama7b_gptq --exl2 /tmp/llama7b_exl2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PROMPT, DECODE = 128, 128
+
+
+def gpu_time(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over reps, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device copy GB/s (bytes read + written) on a 2 GiB buffer."""
+    n = 1 << 30
+    src = torch.randn(n // 2, device="cuda")
+    dst = torch.empty_like(src)
+    t = gpu_time(lambda: dst.copy_(src), 20)
+    del src, dst
+    return 2 * (n // 2) * 4 / t / 1e9
+
+
+def bytes_per_token(model) -> int:
+    """Bytes one batch-1 decode step must read: every packed weight (words, fp32 scale/zero,
+    perm), dense layers, norms; the K/V cache is small at 256 tokens and left out."""
+    total = 0
+    for _, lin in model.linear_layers():
+        pw = lin.packed
+        if pw is not None:
+            for t in (pw.qweight, pw.scale, pw.zero, pw.perm, pw.bias):
+                total += 0 if t is None else t.numel() * t.element_size()
+        else:
+            total += lin.w_t.numel() * lin.w_t.element_size()
+    for layer in model.layers:
+        total += 2 * layer.input_layernorm.weight.numel() * layer.input_layernorm.weight.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------ contexts (ForwardContext)
+
+class _CapPositions(torch.Tensor):
+    """Positions whose .max() is a fixed bound: the model sizes its rope table with
+    int(positions.max()), which would sync the device (illegal inside graph capture)."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    bound = 0
+
+    def max(self, *a, **k):  # noqa: A003
+        if a or k:
+            return super().max(*a, **k)
+        return torch.tensor(self.bound - 1)
+
+
+class StaticKV:
+    """K/V of B equal-length sequences: per layer (B, Hkv, max_len, D)."""
+
+    def __init__(self, model, B: int, max_len: int):
+        c = model.config
+        shape = (B, c.num_key_value_heads, max_len, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=model.dtype, device="cuda") for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=model.dtype, device="cuda") for _ in range(c.num_hidden_layers)]
+        self.B, self.max_len = B, max_len
+        self.pos = torch.zeros(1, dtype=torch.int64, device="cuda")      # next position (device side)
+        self.kpos = torch.arange(max_len, device="cuda")
+
+
+class PrefillContext:
+    """T new tokens per sequence starting at position 0; logits for each sequence's last row."""
+
+    def __init__(self, kv: StaticKV, T: int):
+        self.kv, self.T = kv, T
+        self.positions = torch.arange(T, device="cuda").repeat(kv.B)
+        self.logit_rows = torch.arange(kv.B, device="cuda") * T + T - 1
+
+    def attend(self, layer, q, k, v, scale, window):
+        B, T = self.kv.B, self.T
+        q = q.view(B, T, *q.shape[1:]).transpose(1, 2)                   # (B, Hq, T, D)
+        k = k.view(B, T, *k.shape[1:]).transpose(1, 2)                   # (B, Hkv, T, D)
+        v = v.view(B, T, *v.shape[1:]).transpose(1, 2)
+        self.kv.k[layer][:, :, :T] = k
+        self.kv.v[layer][:, :, :T] = v
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[3])
+
+
+class DecodeContext:
+    """One token per sequence at the device-side position kv.pos; graph-capturable (no syncs)."""
+
+    def __init__(self, kv: StaticKV):
+        self.kv = kv
+        p = kv.pos.expand(kv.B).as_subclass(_CapPositions)
+        p.bound = kv.max_len
+        self.positions = p
+        self.logit_rows = None
+
+    def attend(self, layer, q, k, v, scale, window):
+        kv = self.kv
+        kc, vc = kv.k[layer], kv.v[layer]
+        kc.index_copy_(2, kv.pos, k.unsqueeze(2))                          # (B, Hkv, 1, D) at pos
+        vc.index_copy_(2, kv.pos, v.unsqueeze(2))
+        mask = (kv.kpos <= kv.pos).view(1, 1, 1, -1)                       # keys 0..pos
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(2)                                               # (B, Hq, D)
+
+
+# ------------------------------------------------------------------------ measurements
+
+@torch.inference_mode()
+def decode_tok_s(model, B: int, graphs: bool) -> float:
+    kv = StaticKV(model, B, PROMPT + DECODE + 8)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (B * PROMPT,), device="cuda")
+    logits = model.forward(ids, PrefillContext(kv, PROMPT))
+    tok = logits.argmax(-1)                                              # (B,)
+    kv.pos.fill_(PROMPT)
+    ctx = DecodeContext(kv)
+
+    def step():
+        nxt = model.forward(tok, ctx).argmax(-1)
+        tok.copy_(nxt)
+        kv.pos.add_(1)
+
+    if not graphs:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(DECODE):
+            step()
+        torch.cuda.synchronize()
+        return B * DECODE / (time.perf_counter() - t0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):                                                # warm: chunk tables, rope table
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    kv.pos.fill_(PROMPT)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(DECODE):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return B * DECODE / (a.elapsed_time(b) / 1e3)
+
+
+@torch.inference_mode()
+def prompt_tok_s(model, T: int = 2048) -> float:
+    kv = StaticKV(model, 1, T)
+    ids = torch.randint(0, model.config.vocab_size, (T,), device="cuda")
+    t = gpu_time(lambda: model.forward(ids, PrefillContext(kv, T)), 5, warmup=2)
+    return T / t
+
+
+@torch.inference_mode()
+def gemv_sweep(model) -> list[dict]:
+    """Per projection shape and M: fused GEMV vs dequantise+cuBLAS, GB/s of packed bytes at M=1."""
+    from exl_core.ops.cuda_candidates import _chunks_of
+    rows = []
+    seen = set()
+    for name, lin in model.linear_layers():
+        pw = lin.packed
+        if pw is None or (pw.in_features, pw.out_features) in seen:
+            continue
+        seen.add((pw.in_features, pw.out_features))
+        ch = _chunks_of(pw)
+        nbytes = sum(t.numel() * t.element_size() for t in (pw.qweight, pw.scale, pw.zero))
+        for M in (1, 8, 16, 32, 64):
+            x = torch.randn(M, pw.in_features, device="cuda", dtype=model.dtype)
+            tg = gpu_time(lambda: torch.ops.exl_core.qgemv_chunks(x, pw.qweight, ch, pw.scale, pw.zero, pw.perm, None), 20)
+            td = gpu_time(lambda: x @ torch.ops.exl_core.qdequant_chunks(pw.qweight, ch, pw.scale, pw.zero, pw.perm,
+                                                                          model.dtype), 20)
+            rows.append({"K": pw.in_features, "N": pw.out_features, "M": M, "gemv_us": tg * 1e6,
+                         "dequant_mm_us": td * 1e6, "gemv_gb_s": nbytes / tg / 1e9})
+    return rows
+
+
+def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
+    from exl_core.loader import load_model
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    torch.cuda.synchronize()
+    r = out[fmt] = {"load_s": time.perf_counter() - t0}
+    nbytes = bytes_per_token(model)
+    r["bytes_per_token_gb"] = nbytes / 1e9
+    r["floor_bs1_tok_s"] = bw * 1e9 / nbytes
+    for B in (1, 8, 32):
+        for graphs in (False, True):
+            key = f"bs{B}_decode_tok_s" + ("" if graphs else "_eager")
+            try:
+                r[key] = decode_tok_s(model, B, graphs)
+            except Exception as e:  # noqa: BLE001 - a bench keeps going and reports the failure
+                traceback.print_exc()
+                r[key + "_error"] = repr(e)[:300]
+        if f"bs{B}_decode_tok_s" not in r and f"bs{B}_decode_tok_s_eager" in r:
+            r[f"bs{B}_decode_tok_s"] = r[f"bs{B}_decode_tok_s_eager"]
+    try:
+        r["prompt2048_tok_s"] = prompt_tok_s(model)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        r["prompt2048_error"] = repr(e)[:300]
+    r["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    if fmt == "gptq":
+        try:
+            out["gemv_sweep"] = gemv_sweep(model)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            out["gemv_sweep_error"] = repr(e)[:300]
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gptq", type=Path)
+    ap.add_argument("--exl2", type=Path)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_h200.json")
+    a = ap.parse_args()
+    out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                 "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch"}
+    bw = out["copy_bw_gb_s"] = copy_bandwidth()
+    for fmt in ("gptq", "exl2"):
+        p = getattr(a, fmt)
+        if p is not None:
+            bench_format(p, fmt, bw, out)
+    text = json.dumps(out, indent=1)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(text + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_h200.json").write_text(text + "\n")
+    for row in out.get("gemv_sweep", []):
+        print(f"gemv K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: fused {row['gemv_us']:8.1f} us "
+              f"({row['gemv_gb_s']:6.0f} GB/s)  dequant+mm {row['dequant_mm_us']:8.1f} us")
+    print(f"\nGPU {out['gpu']}  copy bandwidth {bw:.0f} GB/s")
+    keys = ["floor_bs1_tok_s", "bs1_decode_tok_s", "bs1_decode_tok_s_eager", "bs8_decode_tok_s",
+            "bs8_decode_tok_s_eager", "bs32_decode_tok_s", "bs32_decode_tok_s_eager", "prompt2048_tok_s",
+            "peak_mem_gb", "bytes_per_token_gb", "load_s"]
+    fmts = [f for f in ("gptq", "exl2") if f in out]
+    print(f"{'metric':28s}" + "".join(f"{f:>14s}" for f in fmts))
+    for k in keys:
+        print(f"{k:28s}" + "".join(f"{out[f][k]:14.1f}" if isinstance(out[f].get(k), float) else f"{'-':>14s}"
+                                   for f in fmts))
+    for f in fmts:
+        for k, v in out[f].items():
+            if k.endswith("error"):
+                print(f"{f} {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
