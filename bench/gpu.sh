@@ -9,6 +9,7 @@ OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # bench scripts import exl_core from the tree
 CK=${CKPT_DIR:-/tmp/exl_bench}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 

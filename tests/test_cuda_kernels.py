@@ -107,11 +107,12 @@ def test_qmatmul_float32_matches_cpu_kernel():
 
 def test_bad_input_names_the_problem():
     _need_kernels()
+    from exl_core.errors import InputError
+    from exl_core.ops.qmatmul import qmatmul
     pw = random_packed(LAYOUTS[0], 32, perm=False).to("cuda")
     x = torch.randn(2, pw.in_features + 32, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="chunk table covers"):
-        from exl_core.ops.cuda_candidates import chunk_table
-        torch.ops.exl_core.qgemv_chunks(x, pw.qweight, chunk_table(pw.groups, "cuda"), pw.scale, pw.zero, None, None)
+    with pytest.raises(InputError, match="in_features"):
+        qmatmul(x, pw)
 
 
 # ------------------------------------------------------------------------------- small ops
