@@ -244,6 +244,14 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def _write(out: dict, path: Path) -> None:
+    text = json.dumps(out, indent=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_h200.json").write_text(text + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gptq", type=Path)
@@ -257,11 +265,7 @@ def main() -> None:
         p = getattr(a, fmt)
         if p is not None:
             bench_format(p, fmt, bw, out)
-    text = json.dumps(out, indent=1)
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(text + "\n")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_h200.json").write_text(text + "\n")
+            _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
         print(f"gemv K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: fused {row['gemv_us']:8.1f} us "
               f"({row['gemv_gb_s']:6.0f} GB/s)  dequant+mm {row['dequant_mm_us']:8.1f} us")
