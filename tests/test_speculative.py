@@ -243,3 +243,26 @@ def test_bad_arguments(tiny_llama_dir):
         Generator(main, cache, None, ngram_draft=True, num_draft_tokens=0)
     with pytest.raises(InputError, match="draft_cache"):
         Generator(main, cache, None, draft_model=main, draft_cache=Cache(_load(tiny_llama_dir), max_tokens=64))
+
+
+def test_pages_indexed_after_rollbacks_hold_the_right_kv(tiny_llama_dir):
+    """Full pages registered in the prefix index during speculative decoding (with rejected
+    drafts written past the kept positions) serve a later prompt exactly like recomputation."""
+    main = _load(tiny_llama_dir)
+    draft = _perturb(_load(tiny_llama_dir), 0.004, seed=11)      # accepts some, rejects some
+    cache = Cache(main, max_tokens=2048, page_size=8)
+    gen = Generator(main, cache, None, draft_model=draft, draft_cache=Cache(draft, max_tokens=2048, page_size=8),
+                    num_draft_tokens=3)
+    prompt = torch.randint(0, 49152, (13,)).tolist()
+    a = Job(prompt, max_new_tokens=40, sampler=GREEDY, stop_on_eos=False)
+    _run(gen, [a])
+    st = gen.spec.stats
+    assert 0 < st.accepted < st.drafted
+    follow = prompt + a.generated[:35]
+    b = Job(follow, max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)
+    _run(gen, [b])
+    assert b.reused_tokens >= 40                                   # served from pages written above
+    fresh = _run(Generator(main, Cache(main, max_tokens=2048, page_size=8), None, prefix_reuse=False),
+                 [Job(follow, max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)])[0]
+    assert b.generated == fresh
+    _balanced(cache)
