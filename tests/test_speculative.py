@@ -162,7 +162,8 @@ def test_greedy_speculative_equals_plain(tiny_llama_dir, mode):
     prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (3, 17, 40)] + [rep * 4]
     lens = [30, 9, 25, 33]
     plain_gen = Generator(main, Cache(main, max_tokens=1024, page_size=16), None)
-    plain = _run(plain_gen, [Job(p, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False) for p, n in zip(prompts, lens)])
+    plain = _run(plain_gen, [Job(p, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False)
+                             for p, n in zip(prompts, lens)])
     cache = Cache(main, max_tokens=1024, page_size=16)
     kw = dict(draft_model=draft, draft_cache=Cache(draft, max_tokens=1024, page_size=16)) if mode == "draft" \
         else dict(ngram_draft=True)

@@ -123,8 +123,9 @@ class SpeculativeDecoder:
                 raise InputError("speculative decoding: draft_cache was built for a different model than "
                                  "draft_model; use Cache(draft_model, ...)")
             if vocab_size is not None and draft_model.config.vocab_size != vocab_size:
-                raise InputError(f"speculative decoding: the draft model's vocabulary ({draft_model.config.vocab_size}) "
-                                 f"differs from the main model's ({vocab_size}); both must share one tokenizer")
+                raise InputError(f"speculative decoding: the draft model's vocabulary "
+                                 f"({draft_model.config.vocab_size}) differs from the main model's ({vocab_size}); "
+                                 "both must share one tokenizer")
         self.k = num_draft_tokens
         self.draft_model, self.draft_cache = draft_model, draft_cache
         self.ngram, self.max_ngram = ngram, max_ngram

@@ -27,7 +27,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..errors import LoraError
-from ..formats.packed import PackedWeight, dequantize_reference
+from ..formats.packed import PackedWeight
 from .linear import QuantLinear
 
 # base_model.model.<hf module name>.lora_A[.<adapter name>].weight
