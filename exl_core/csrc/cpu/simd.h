@@ -15,6 +15,8 @@
 //         k in order, acc loaded from / stored to y between K blocks (exact, so the
 //         blocking never changes a row's arithmetic).
 
+#define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
+
 constexpr int VP = kPanel / V::W;  // vectors per panel
 constexpr int KC_SMALL = 64, KC_LARGE = 128;
 constexpr int NBP_SMALL = 4, NBP_LARGE = 2;
@@ -28,7 +30,7 @@ static inline int lanes_valid(int64_t n_left) {
 // ---------------------------------------------------------------- dequantisation -------------
 // Value I of a 32-value chunk of bit width B: stream bits [I*B, I*B+B) of words w[0..B-1].
 template <int B, int I>
-static inline void deq_one(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst) {
+static EXL_ALWAYS_INLINE void deq_one(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst) {
   constexpr int pos = I * B, wi = pos / 32, off = pos % 32;
   typename V::i v = V::template srl<off>(w[wi]);
   if constexpr (off + B > 32) v = V::or_(v, V::template sll<32 - off>(w[wi + 1]));
@@ -37,7 +39,7 @@ static inline void deq_one(const typename V::i* w, typename V::f s, typename V::
 }
 
 template <int B, int... I>
-static inline void deq_all(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst,
+static EXL_ALWAYS_INLINE void deq_all(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst,
                            std::integer_sequence<int, I...>) {
   (deq_one<B, I>(w, s, nzs, dst), ...);
 }
@@ -107,7 +109,7 @@ static void fill_tile_dense(const DenseGemmArgs& a, int64_t k0, int kc, int64_t 
 // y[MR rows, NP*32 cols] (+)= x[MR, kc] @ tile[NP][kc][32].  `first`: start from 0 instead of y;
 // `bias`: add it after the last K block.  ncols: valid output columns (the rest is padding).
 template <int MR, int NP>
-static inline void microkernel(const float* x, int64_t ldx, const float* b, int64_t panel_stride,
+static EXL_ALWAYS_INLINE void microkernel(const float* x, int64_t ldx, const float* b, int64_t panel_stride,
                                int kc, float* y, int64_t ldy, int64_t ncols, bool first,
                                const float* bias) {
   constexpr int NV = NP * VP;
@@ -179,17 +181,148 @@ static void tile_rows(const float* x, int64_t ldx, int64_t M, int64_t k0, const 
              first, bias_n, std::make_integer_sequence<int, V::MRMAX - 1>{});
 }
 
+// ---------------------------------------------------------------- small M: fused path --------
+// For M <= FUSED_MAX_M the tile's store + reload costs more than the FMAs it feeds, so weights
+// are dequantised in registers and used at once.  Per (row, column) the arithmetic is exactly
+// the tile path's (same w = fma(q, s, -(z*s)), same fma chain over k), so results stay
+// bit-identical to large M.
+constexpr int FUSED_MAX_M = 4;
+constexpr int FUSED_NV = 4;  // column vectors per block: 4 independent FMA chains per row
+
+// Value I of the chunk for column vector j: words at q + (I*B/32)*N (loads fold into the shift).
+template <int B, int MR, int NV, int I>
+static EXL_ALWAYS_INLINE void fused_value(const int32_t* q, int64_t N, const typename V::f* s, const typename V::f* nzs,
+                               const float* x, int64_t ldx, typename V::f (&acc)[MR][NV]) {
+  constexpr int pos = I * B, wi = pos / 32, off = pos % 32;
+  for (int j = 0; j < NV; ++j) {
+    typename V::i v = V::template srl<off>(V::iloadn(q + wi * N + j * V::W, V::W));
+    if constexpr (off + B > 32) v = V::or_(v, V::template sll<32 - off>(V::iloadn(q + (wi + 1) * N + j * V::W, V::W)));
+    if constexpr (off + B != 32) v = V::and_(v, V::iset((1 << B) - 1));
+    const typename V::f w = V::fma(V::cvt(v), s[j], nzs[j]);
+    for (int r = 0; r < MR; ++r) acc[r][j] = V::fma(V::bcast(x[r * ldx + I]), w, acc[r][j]);
+  }
+}
+
+template <int B, int MR, int NV, int... I>
+static EXL_ALWAYS_INLINE void fused_chunk(const int32_t* q, int64_t N, const typename V::f* s, const typename V::f* nzs,
+                               const float* x, int64_t ldx, typename V::f (&acc)[MR][NV],
+                               std::integer_sequence<int, I...>) {
+  (fused_value<B, MR, NV, I>(q, N, s, nzs, x, ldx, acc), ...);
+}
+
+// y[0:MR, n0 : n0 + NV*W] (full vectors only) over K chunks [c0, c1): accumulators start at 0
+// when c0 == 0, else from y (exact), and get the bias when c1 is the last chunk.
+template <int MR, int NV>
+static void fused_block(const QGemmArgs& a, int64_t n0, int64_t c0, int64_t c1) {
+  typename V::f acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = c0 == 0 ? V::zero() : V::load(a.y + r * a.ldy + n0 + j * V::W);
+  for (int64_t c = c0; c < c1; ++c) {
+    const ChunkInfo ch = a.chunks[c];
+    const int32_t* q = a.qweight + ch.qrow * a.N + n0;
+    const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N + n0;
+    const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N + n0;
+    typename V::f s[NV], nzs[NV];
+    for (int j = 0; j < NV; ++j) {
+      s[j] = V::load(srow + j * V::W);
+      nzs[j] = V::mul(V::sub(V::zero(), V::load(zrow + j * V::W)), s[j]);
+    }
+    const float* xk = a.x + c * 32;
+    const auto seq = std::make_integer_sequence<int, 32>{};
+    switch (ch.bits) {
+      case 2: fused_chunk<2, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+      case 3: fused_chunk<3, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+      case 4: fused_chunk<4, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+      case 5: fused_chunk<5, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+      case 6: fused_chunk<6, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+      default: fused_chunk<8, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    }
+  }
+  const float* bias = c1 * 32 == a.K ? a.bias : nullptr;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) {
+      typename V::f o = acc[r][j];
+      if (bias) o = V::add(o, V::load(bias + n0 + j * V::W));
+      V::store(a.y + r * a.ldy + n0 + j * V::W, o);
+    }
+}
+
+// K-chunk outer, columns inner: each visit reads FUSED_CPV chunks (a few whole qweight rows
+// across this thread's columns), so weights stream sequentially instead of striding by N.
+constexpr int FUSED_CPV = 1;
+
+template <int MR>
+static void fused_cols(const QGemmArgs& a, int64_t n_begin, int64_t n_end) {  // n_end - n_begin: multiple of W
+  const int64_t nchunks = a.K / 32;
+  for (int64_t c0 = 0; c0 < nchunks; c0 += FUSED_CPV) {
+    const int64_t c1 = c0 + FUSED_CPV < nchunks ? c0 + FUSED_CPV : nchunks;
+    int64_t n = n_begin;
+    for (; n + FUSED_NV * V::W <= n_end; n += FUSED_NV * V::W) fused_block<MR, FUSED_NV>(a, n, c0, c1);
+    for (; n + 2 * V::W <= n_end; n += 2 * V::W) fused_block<MR, 2>(a, n, c0, c1);
+    for (; n < n_end; n += V::W) fused_block<MR, 1>(a, n, c0, c1);
+  }
+}
+
+// ---------------------------------------------------------------- small M: dense direct path -
+// For M <= FUSED_MAX_M, packing w_t into tiles costs more than the FMAs: read w_t rows in place.
+// k-block outer (DENSE_KB rows, a few sequential streams), columns inner; same fma chain per
+// (row, column) as the tile path.
+constexpr int DENSE_KB = 16;
+
+template <int MR, int NV, bool BF16>
+static void dense_block(const DenseGemmArgs& a, int64_t n0, int64_t ncols, int64_t k0, int64_t k1) {
+  typename V::f acc[MR][NV];
+  int nv[NV];
+  for (int j = 0; j < NV; ++j) nv[j] = lanes_valid(ncols - j * V::W);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = k0 == 0 ? V::zero() : V::loadn(a.y + r * a.ldy + n0 + j * V::W, nv[j]);
+  for (int64_t k = k0; k < k1; ++k) {
+    typename V::f w[NV];
+    for (int j = 0; j < NV; ++j) {
+      if constexpr (BF16) w[j] = V::load_bf16n(static_cast<const uint16_t*>(a.w) + k * a.N + n0 + j * V::W, nv[j]);
+      else w[j] = V::loadn(static_cast<const float*>(a.w) + k * a.N + n0 + j * V::W, nv[j]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const typename V::f xb = V::bcast(a.x[r * a.ldx + k]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(xb, w[j], acc[r][j]);
+    }
+  }
+  const float* bias = k1 == a.K ? a.bias : nullptr;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) {
+      if (nv[j] == 0) continue;
+      typename V::f o = acc[r][j];
+      if (bias) o = V::add(o, V::loadn(bias + n0 + j * V::W, nv[j]));
+      V::storen(a.y + r * a.ldy + n0 + j * V::W, o, nv[j]);
+    }
+}
+
+template <int MR, bool BF16>
+static void dense_small(const DenseGemmArgs& a, int64_t c0, int64_t c1) {
+  constexpr int NB = FUSED_NV * V::W;
+  for (int64_t k0 = 0; k0 < a.K; k0 += DENSE_KB) {
+    const int64_t k1 = k0 + DENSE_KB < a.K ? k0 + DENSE_KB : a.K;
+    for (int64_t n = c0; n < c1; n += NB) dense_block<MR, FUSED_NV, BF16>(a, n, c1 - n, k0, k1);
+  }
+}
+
+template <int MR>
+static void dense_small_any(const DenseGemmArgs& a, int64_t c0, int64_t c1) {
+  if (a.w_bf16) dense_small<MR, true>(a, c0, c1);
+  else dense_small<MR, false>(a, c0, c1);
+}
+
 // ---------------------------------------------------------------- drivers --------------------
+// Columns [c0, c1) through the tile path.
 template <typename Args, typename Fill>
-static void gemm_panels(const Args& a, int64_t p0, int64_t p1, Fill fill) {
+static void gemm_cols(const Args& a, int64_t c0, int64_t c1, Fill fill) {
   alignas(64) float tile[TILE_FLOATS];
   const bool small = a.M <= 4;
   const int nbp = small ? NBP_SMALL : NBP_LARGE;
   const int KC = small ? KC_SMALL : KC_LARGE;
-  for (int64_t pb = p0; pb < p1; pb += nbp) {
-    const int np = static_cast<int>(pb + nbp <= p1 ? nbp : p1 - pb);
-    const int64_t n0 = pb * kPanel;
-    const int64_t ncols = (n0 + np * kPanel <= a.N) ? np * kPanel : a.N - n0;
+  for (int64_t n0 = c0; n0 < c1; n0 += nbp * kPanel) {
+    const int64_t ncols = (n0 + nbp * kPanel <= c1) ? nbp * kPanel : c1 - n0;
+    const int np = static_cast<int>((ncols + kPanel - 1) / kPanel);
     if (a.K == 0) {  // empty reduction: y = bias or 0
       for (int64_t m = 0; m < a.M; ++m)
         for (int64_t n = n0; n < n0 + ncols; ++n) a.y[m * a.ldy + n] = a.bias ? a.bias[n] : 0.0f;
@@ -204,10 +337,36 @@ static void gemm_panels(const Args& a, int64_t p0, int64_t p1, Fill fill) {
   }
 }
 
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
 void qgemm(const QGemmArgs& a, int64_t p0, int64_t p1) {
-  gemm_panels(a, p0, p1, fill_tile_quant);
+  const int64_t c0 = p0 * kPanel, c1 = min64(p1 * kPanel, a.N);
+  if (a.M > FUSED_MAX_M || a.K == 0) {
+    gemm_cols(a, c0, c1, fill_tile_quant);
+    return;
+  }
+  const int64_t cf = c0 + (c1 - c0) / V::W * V::W;  // full vectors fused, a ragged tail tiled
+  switch (a.M) {
+    case 1: fused_cols<1>(a, c0, cf); break;
+    case 2: fused_cols<2>(a, c0, cf); break;
+    case 3: fused_cols<3>(a, c0, cf); break;
+    default: fused_cols<4>(a, c0, cf); break;
+  }
+  if (cf < c1) gemm_cols(a, cf, c1, fill_tile_quant);
 }
 
 void dense_gemm(const DenseGemmArgs& a, int64_t p0, int64_t p1) {
-  gemm_panels(a, p0, p1, fill_tile_dense);
+  const int64_t c0 = p0 * kPanel, c1 = min64(p1 * kPanel, a.N);
+  if (a.M > FUSED_MAX_M || a.K == 0) {
+    gemm_cols(a, c0, c1, fill_tile_dense);
+    return;
+  }
+  switch (a.M) {
+    case 1: dense_small_any<1>(a, c0, c1); break;
+    case 2: dense_small_any<2>(a, c0, c1); break;
+    case 3: dense_small_any<3>(a, c0, c1); break;
+    default: dense_small_any<4>(a, c0, c1); break;
+  }
 }
+
+#undef EXL_ALWAYS_INLINE
