@@ -80,6 +80,11 @@ class _CapPositions(torch.Tensor):
             return super().max(*a, **k)
         return torch.tensor(self.bound - 1)
 
+    def min(self, *a, **k):  # noqa: A003  (apply_rope's range check; positions are >= 0 here)
+        if a or k:
+            return super().min(*a, **k)
+        return torch.tensor(0)
+
 
 class StaticKV:
     """K/V of B equal-length sequences: per layer (B, Hkv, max_len, D)."""
@@ -139,7 +144,7 @@ class DecodeContext:
 def decode_tok_s(model, B: int, graphs: bool) -> float:
     kv = StaticKV(model, B, PROMPT + DECODE + 8)
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (B * PROMPT,), device="cuda")
+    ids = torch.randint(0, vocab, (B * PROMPT,)).cuda()     # CPU RNG: a failed capture cannot poison it
     logits = model.forward(ids, PrefillContext(kv, PROMPT))
     tok = logits.argmax(-1)                                              # (B,)
     kv.pos.fill_(PROMPT)
@@ -180,7 +185,7 @@ def decode_tok_s(model, B: int, graphs: bool) -> float:
 @torch.inference_mode()
 def prompt_tok_s(model, T: int = 2048) -> float:
     kv = StaticKV(model, 1, T)
-    ids = torch.randint(0, model.config.vocab_size, (T,), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (T,)).cuda()
     t = gpu_time(lambda: model.forward(ids, PrefillContext(kv, T)), 5, warmup=2)
     return T / t
 
@@ -199,7 +204,7 @@ def gemv_sweep(model) -> list[dict]:
         ch = _chunks_of(pw)
         nbytes = sum(t.numel() * t.element_size() for t in (pw.qweight, pw.scale, pw.zero))
         for M in (1, 8, 16, 32, 64):
-            x = torch.randn(M, pw.in_features, device="cuda", dtype=model.dtype)
+            x = torch.randn(M, pw.in_features).to("cuda", model.dtype)
             tg = gpu_time(lambda: torch.ops.exl_core.qgemv_chunks(x, pw.qweight, ch, pw.scale, pw.zero, pw.perm, None), 20)
             td = gpu_time(lambda: x @ torch.ops.exl_core.qdequant_chunks(pw.qweight, ch, pw.scale, pw.zero, pw.perm,
                                                                           model.dtype), 20)
@@ -218,6 +223,12 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
     nbytes = bytes_per_token(model)
     r["bytes_per_token_gb"] = nbytes / 1e9
     r["floor_bs1_tok_s"] = bw * 1e9 / nbytes
+    if fmt == "gptq":
+        try:
+            out["gemv_sweep"] = gemv_sweep(model)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            out["gemv_sweep_error"] = repr(e)[:300]
     for B in (1, 8, 32):
         for graphs in (False, True):
             key = f"bs{B}_decode_tok_s" + ("" if graphs else "_eager")
@@ -234,12 +245,6 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
         traceback.print_exc()
         r["prompt2048_error"] = repr(e)[:300]
     r["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    if fmt == "gptq":
-        try:
-            out["gemv_sweep"] = gemv_sweep(model)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            out["gemv_sweep_error"] = repr(e)[:300]
     del model
     torch.cuda.empty_cache()
 
