@@ -61,7 +61,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["4bit", "mixed", "3bit"])
 @pytest.mark.parametrize("N", [37, 4 * 131])                      # scalar and 16-byte column paths
-@pytest.mark.parametrize("M", [1, 3, 16, 19, 45])                 # GEMV buckets, >16 rows, dequant path
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 16, 45])               # GEMV buckets, both sides of GEMV_MAX_ROWS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qmatmul_vs_float64(layout, N, M, dtype):
     _need_kernels()
@@ -93,6 +93,24 @@ def test_qmatmul_schema_op_builds_chunks_itself():
         poison_allocator()
         y = torch.ops.exl_core.qmatmul(x.cuda(), c.qweight, pw.groups, c.scale, c.zero, c.perm, None)
         assert rel_err(y, ref) < 2e-3
+
+
+@pytest.mark.parametrize("M", [5, 16, 23])                         # 16-row template, two launches
+def test_qgemv_and_dequant_ops_direct(M):
+    """Both CUDA paths on the same data, whatever rows the policy (GEMV_MAX_ROWS) sends where."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    pw = random_packed(LAYOUTS[1], 4 * 67, perm=True, bias=True)
+    W = dequantize_reference(pw)
+    x = torch.randn(M, pw.in_features, dtype=torch.float16)
+    c = pw.to("cuda")
+    ch = chunk_table(pw.groups, "cuda")
+    poison_allocator()
+    y = torch.ops.exl_core.qgemv_chunks(x.cuda(), c.qweight, ch, c.scale, c.zero, c.perm, c.bias.half())
+    assert rel_err(y, x.double() @ W + pw.bias.half().double()) < 2e-3
+    poison_allocator()
+    w = torch.ops.exl_core.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, torch.float16)
+    assert rel_err(w, W) < 1e-3
 
 
 def test_qmatmul_float32_matches_cpu_kernel():
