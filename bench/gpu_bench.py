@@ -47,7 +47,6 @@ def copy_bandwidth() -> float:
     src = torch.randn(n // 2, device="cuda")
     dst = torch.empty_like(src)
     t = gpu_time(lambda: dst.copy_(src), 20)
-    del src, dst
     return 2 * (n // 2) * 4 / t / 1e9
 
 

@@ -85,7 +85,6 @@ def test_qmatmul_schema_op_builds_chunks_itself():
     """The shared `exl_core::qmatmul` schema (CPU twin) also runs on CUDA with groups on the CPU."""
     _need_kernels()
     pw = random_packed(LAYOUTS[1], 64, perm=True)
-    ref = None
     for M in (2, 20):
         x = torch.randn(M, pw.in_features, dtype=torch.float16)
         ref = x.double() @ dequantize_reference(pw)
