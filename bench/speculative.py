@@ -5,11 +5,11 @@ main-model forward passes does each generated token cost, and what is the wall-c
 speed-up over plain decoding, for (a) a low-bit RTN conversion of the same model as the
 draft and (b) n-gram prompt lookup? Outputs are checked token-identical to plain decoding.
 
-    python bench/speculative.py [--new-tokens 64] [--k 4] [--main dense|gptq] [--threads N]
+    python bench/speculative.py [--new-tokens 32] [--k 4] [--main dense|gptq] [--threads 1]
+                                [--drafts gptq4,exl2-4bit] [--prompts story,copy] [--batches 1,4]
 
-Main model: SmolLM2-135M-Instruct (dense fp32 by default, or 4-bit GPTQ RTN). Drafts: GPTQ
-3-bit g128 and EXL2 2-bit g32 RTN conversions of it (made once, cached). Writes
-bench/results/speculative_cpu.json.
+Main model: SmolLM2-135M-Instruct (dense fp32 by default, or 4-bit GPTQ RTN). Drafts: RTN
+conversions of it (made once, cached; see DRAFTS). Writes bench/results/speculative_cpu.json.
 """
 from __future__ import annotations
 
@@ -41,12 +41,22 @@ PROMPTS = {
 }
 
 
+# RTN conversions usable as drafts. Without calibration 3-bit and 2-bit RTN wreck a 135M model
+# (measured greedy acceptance: GPTQ 3-bit g128 5 %, EXL2 2-bit g32 0 %), so the default
+# drafts are 4-bit; pass --drafts to try the others.
+DRAFTS = {
+    "gptq4": dict(fmt="gptq", bits=4, group_size=128),
+    "exl2-4bit": dict(fmt="exl2", bits=4, group_size=32),
+    "gptq3": dict(fmt="gptq", bits=3, group_size=128),
+    "exl2-2bit": dict(fmt="exl2", bits=2, group_size=32),
+}
+
+
 def draft_folder(kind: str) -> Path:
     from exl_core.quantize.rtn import quantize_model_rtn
     out = exl_home() / "bench" / f"smollm2-135m-{kind}-rtn"
     if not (out / "config.json").exists():
-        kw = dict(fmt="gptq", bits=3, group_size=128) if kind == "gptq3" else dict(fmt="exl2", bits=2, group_size=32)
-        quantize_model_rtn(default_dense_path(progress=False), out, **kw)
+        quantize_model_rtn(default_dense_path(progress=False), out, **DRAFTS[kind])
     return out
 
 
@@ -85,6 +95,9 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--main", choices=["dense", "gptq"], default="dense")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--drafts", default="gptq4", help=f"comma-separated, of {sorted(DRAFTS)}")
+    ap.add_argument("--prompts", default="story,copy", help=f"comma-separated, of {sorted(PROMPTS)}")
+    ap.add_argument("--batches", default="1,4")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,11 +108,11 @@ def main():
         main_dir, main_name = quantized_smollm2("gptq"), "SmolLM2-135M-Instruct GPTQ 4-bit g128 (RTN)"
     model, tok = load_model(main_dir, dtype=torch.float32)
     drafts = {name: load_model(draft_folder(name), dtype=torch.float32, load_tokenizer=False)[0]
-              for name in ("gptq3", "exl2-2bit")}
+              for name in args.drafts.split(",")}
     rows = []
-    for pname, text in PROMPTS.items():
-        for batch in (1, 4):
-            prompts = [chat_ids(tok, text)] * batch
+    for pname in args.prompts.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            prompts = [chat_ids(tok, PROMPTS[pname])] * batch
             base = run(model, tok, prompts, args.new_tokens)
             configs = [("plain", {})] + [(f"draft {d}", {"draft_model": m, "num_draft_tokens": args.k})
                                          for d, m in drafts.items()] + \
