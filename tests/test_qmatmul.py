@@ -211,11 +211,16 @@ def test_dispatch_picks_cpu_kernel_and_explains(rng):
     assert qm.DISPATCH.select(x=x, pw=pw).name == "cpu_fused"
     y = qm.qmatmul(x, pw)
     assert torch.equal(y.reshape(8, 33), run_op(x.reshape(8, 96), pw))
-    # fp16 is not served by the CPU kernel: the reference takes it, with a reason recorded
-    reasons = dict(qm.DISPATCH.reasons(x=x.half(), pw=pw))
-    assert "float16" in reasons["cpu_fused"] and reasons["torch_ref"] is None
+    # fp16 goes through the kernel via an exact fp32 copy: same bits as fp32 input, rounded
+    yh = qm.qmatmul(x.half(), pw)
+    assert yh.dtype == torch.float16
+    assert torch.equal(yh, run_op(x.half().float().reshape(8, 96), pw).half().reshape(4, 2, 33))
+    # float64 is not served by the CPU kernel: the reference takes it, with a reason recorded
+    reasons = dict(qm.DISPATCH.reasons(x=x.double(), pw=pw))
+    assert "float64" in reasons["cpu_fused"] and reasons["torch_ref"] is None
     assert "CUDA" in reasons["cuda"] or "cuda" in reasons["cuda"]
-    assert qm.qmatmul(x.half(), pw).dtype == torch.float16
+    yd = qm.qmatmul(x.double(), pw)
+    assert yd.dtype == torch.float64 and rel_err(yd.reshape(8, 33), reference(x.reshape(8, 96), pw)) < 1e-3
     with pytest.raises(KernelError, match="torch_ref"):
         qm.DISPATCH(x=torch.zeros(1, 96, dtype=torch.int64), pw=pw)
 

@@ -68,6 +68,7 @@ def _check_torch_ref(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
 # ---------------------------------------------------------------------------- C++ kernels
 
 _OP_DTYPES = (torch.float32, torch.bfloat16)
+_VIA_FP32 = (torch.float16,)   # served by the kernel through an fp32 copy of x (exact widening)
 
 
 def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
@@ -75,8 +76,8 @@ def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
         return "extension exl_core._C not built or has no qmatmul kernel"
     if x.device.type != "cpu" or pw.qweight.device.type != "cpu":
         return f"tensors not on CPU (x on {x.device}, qweight on {pw.qweight.device})"
-    if x.dtype not in _OP_DTYPES:
-        return f"x dtype {x.dtype} not supported (float32, bfloat16)"
+    if x.dtype not in _OP_DTYPES and x.dtype not in _VIA_FP32:
+        return f"x dtype {x.dtype} not supported (float32, bfloat16, float16)"
     if pw.scale.dtype != torch.float32 or pw.zero.dtype != torch.float32:
         return f"scale/zero must be float32, got {pw.scale.dtype}/{pw.zero.dtype}"
     return None
@@ -84,10 +85,12 @@ def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
 
 def _run_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     x2 = x.reshape(-1, pw.in_features)
+    if x2.dtype in _VIA_FP32:
+        x2 = x2.to(torch.float32)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = torch.ops.exl_core.qmatmul(x2, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
-    return y.reshape(*x.shape[:-1], pw.out_features)
+    return y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features)
 
 
 def _check_cuda(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
@@ -110,7 +113,7 @@ DISPATCH = Dispatcher("qmatmul", [
 
 
 def qmatmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """x [..., K] (float32/bfloat16 for the CPU kernel; any float for the reference) -> [..., N]
+    """x [..., K] (float32/bfloat16/float16 for the CPU kernel; any float for the reference) -> [..., N]
     in x's dtype, accumulated in fp32: x @ dequantize(pw) + pw.bias."""
     if x.dim() < 1 or x.shape[-1] != pw.in_features:
         raise InputError(f"qmatmul: x has shape {tuple(x.shape)}, last dim must be in_features="
