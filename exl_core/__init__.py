@@ -32,3 +32,19 @@ def __getattr__(name):
 
 __all__ = ["ExlError", "ConfigError", "FormatError", "TokenizerError", "CacheFullError", "SamplerError",
            "InputError", "KernelError", "LoraError", *_LAZY]
+
+
+def _activate_plugins() -> None:
+    """Run installed plugins' activation hooks once (e.g. the HF quantizer registration).
+
+    A broken plugin is reported as a warning naming it, never an import failure here;
+    EXL_CORE_NO_PLUGINS=1 switches discovery off.
+    """
+    try:
+        from .plugins import activate_plugins
+    except ImportError:  # pluggy missing: the core still works
+        return
+    activate_plugins()
+
+
+_activate_plugins()
