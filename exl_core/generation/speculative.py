@@ -110,7 +110,7 @@ class SpeculativeDecoder:
     """Owns the drafter (draft model + its paged cache, or n-gram lookup) for a Generator."""
 
     def __init__(self, num_draft_tokens: int = 4, draft_model=None, draft_cache=None, ngram: bool = False,
-                 max_ngram: int = 3, vocab_size: Optional[int] = None):
+                 max_ngram: int = 3, min_ngram: int = 2, vocab_size: Optional[int] = None):
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise InputError(f"speculative decoding: num_draft_tokens={num_draft_tokens!r} must be an int >= 1")
         if (draft_model is None) == (not ngram):
@@ -128,8 +128,12 @@ class SpeculativeDecoder:
                                  "both must share one tokenizer")
         self.k = num_draft_tokens
         self.draft_model, self.draft_cache = draft_model, draft_cache
-        self.ngram, self.max_ngram = ngram, max_ngram
+        self.ngram, self.max_ngram, self.min_ngram = ngram, max_ngram, min_ngram
         self.stats = SpecStats()
+        # Per job draft length, adapted to how much was accepted lately: every rejected draft
+        # costs a verified row (and a draft forward), so a job whose drafts keep failing drafts
+        # less. Depends only on the job's past, so the output law is unchanged.
+        self._klen: dict[int, int] = {}
         self._tables: dict[int, object] = {}        # id(job) -> draft-cache PageTable
         self._rngs: dict[int, Optional[torch.Generator]] = {}
         self._failed: set[int] = set()              # jobs the draft cache could not admit
@@ -142,6 +146,19 @@ class SpeculativeDecoder:
             self.draft_cache.release(t)
         self._rngs.pop(id(job), None)
         self._failed.discard(id(job))
+        self._klen.pop(id(job), None)
+
+    def record(self, job, drafted: int, accepted: int) -> None:
+        """Grow the job's draft length after a fully accepted run, shrink it after a miss."""
+        k = self._klen.get(id(job), self.k)
+        if accepted == drafted:
+            k = min(self.k, k + 1)
+        elif accepted == 0:
+            k = max(1, k // 2)
+        self._klen[id(job)] = k
+        self.stats.steps += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
 
     def _draft_table(self, job, max_chunk: int):
         key = id(job)
@@ -164,14 +181,14 @@ class SpeculativeDecoder:
     def budget(self, job) -> int:
         """Drafts this job may verify now: the main cache holds prompt + limit - 1 positions, so
         a step that feeds 1 + n tokens needs n <= limit - generated - 1."""
-        return max(0, min(self.k, job.limit - len(job.generated) - 1))
+        return max(0, min(self._klen.get(id(job), self.k), job.limit - len(job.generated) - 1))
 
     def propose(self, jobs: list, max_chunk: int) -> dict[int, tuple[list[int], Optional[torch.Tensor]]]:
         """id(job) -> (drafts, q [n, V] or None) for the decoding jobs given (n may be 0)."""
         out: dict[int, tuple[list[int], Optional[torch.Tensor]]] = {}
         if self.ngram:
             for job in jobs:
-                out[id(job)] = (ngram_draft(job.tokens, self.budget(job), self.max_ngram), None)
+                out[id(job)] = (ngram_draft(job.tokens, self.budget(job), self.max_ngram, self.min_ngram), None)
             return out
         return self._propose_model(jobs, max_chunk)
 
@@ -280,9 +297,7 @@ def speculative_step(gen, plan) -> list:
         p = processed_probs_batch(lg, [job.sampler] * (n + 1), hist, [job.prompt_len] * (n + 1),
                                   dtype=torch.float64)
         toks, a = accept_draft(p, q, drafts, job.rng)
-        spec.stats.steps += 1
-        spec.stats.drafted += n
-        spec.stats.accepted += a
+        spec.record(job, n, a)
         # main cache: keep the last fed token and the accepted drafts; rejected slots are
         # overwritten next step (their pages stay with the job, inside its reservation)
         gen.cache.after_forward(job.table, job.tokens + drafts[:a], 1 + a, more_to_come=True)
