@@ -94,7 +94,7 @@ RAGGED = [(1, 1), (5, 37), (1, 300), (17, 17), (3, 130), (0, 9), (64, 200)]
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-@pytest.mark.parametrize("d,hq,hkv,ps", [(64, 9, 3, 16), (128, 4, 4, 32), (64, 6, 2, 256)])
+@pytest.mark.parametrize("d,hq,hkv,ps", [(64, 9, 3, 16), (128, 4, 4, 13), (64, 6, 2, 256)])
 @pytest.mark.parametrize("window", [None, 40])
 def test_paged_fp32_ragged(kernel, d, hq, hkv, ps, window):
     args = make_case(RAGGED, hq, hkv, d, ps, window)

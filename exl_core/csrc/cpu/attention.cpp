@@ -39,11 +39,31 @@ struct Args {
   const int64_t* lens;
 };
 
-// Address of key/value of position p of a sequence (table row `trow`) for kv head g.
-template <typename KT>
-inline const KT* kv_ptr(const KT* base, const int32_t* trow, int64_t p, const Args& a, int64_t g, int D) {
-  int64_t page = trow[p / a.page_size];
-  return base + ((page * a.page_size + p % a.page_size) * a.hkv + g) * D;
+// Dot products of one query vector with the BK=16 keys of a block: lane j = q . kb[j].
+// Each key's 16 partial sums are folded by a fixed shuffle tree (no per-key horizontal sum).
+template <int NC>
+EXL_AVX512 inline __m512 dot16_keys(const __m512* qv, const float (*kb)[NC * 16]) {
+  __m512 d[16];
+  for (int j = 0; j < 16; ++j) {
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(kb[j]));
+    for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kb[j] + c * 16), a);
+    d[j] = a;
+  }
+  // pairs inside 128-bit lanes: (j, j+1) -> [a_j, a_j+1, b_j, b_j+1] per 128-bit lane
+  __m512 p[8];
+  for (int j = 0; j < 8; ++j)
+    p[j] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * j], d[2 * j + 1]), _mm512_unpackhi_ps(d[2 * j], d[2 * j + 1]));
+  // quads: each 128-bit lane L holds the lane-L sums of keys 4i..4i+3
+  __m512 qd[4];
+  for (int i = 0; i < 4; ++i)
+    qd[i] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+  // across 128-bit lanes
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(qd[0], qd[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(qd[0], qd[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(qd[2], qd[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(qd[2], qd[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t, u, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -83,12 +103,16 @@ EXL_AVX512 void item_avx512(const Item& it, const Args& a, const QT* q, const KT
 
   alignas(64) float kb[BK][D];   // key block converted to fp32
   alignas(64) float vb[BK][D];
-  alignas(64) float s[BK];
+  // unused rows of kb stay finite zeros (their lanes are masked, never used)
+  std::memset(kb, 0, sizeof(kb));
   for (int64_t b0 = tile_lo - tile_lo % BK; b0 <= tile_hi; b0 += BK) {
     const int64_t j0 = std::max(b0, tile_lo), j1 = std::min(b0 + BK - 1, tile_hi);  // inclusive
-    for (int64_t p = j0; p <= j1; ++p) {
-      const KT* kp = kv_ptr(kc, trow, p, a, it.kvh, D);
-      const KT* vp = kv_ptr(vc, trow, p, a, it.kvh, D);
+    int64_t page_i = j0 / a.page_size, slot = j0 % a.page_size;  // walk pages without dividing per key
+    for (int64_t p = j0; p <= j1; ++p, ++slot) {
+      if (slot == a.page_size) slot = 0, ++page_i;
+      const int64_t off = ((int64_t)trow[page_i] * a.page_size + slot) * a.hkv * D + it.kvh * D;
+      const KT* kp = kc + off;
+      const KT* vp = vc + off;
       for (int c = 0; c < NC; ++c) {
         _mm512_store_ps(kb[p - b0] + c * 16, load16(kp + c * 16));
         _mm512_store_ps(vb[p - b0] + c * 16, load16(vp + c * 16));
@@ -98,17 +122,13 @@ EXL_AVX512 void item_avx512(const Item& it, const Args& a, const QT* q, const KT
       const int64_t r = n / rep;
       const int64_t v0 = std::max(b0, lo[r]), v1 = std::min(b0 + BK - 1, hi[r]);  // row's keys here
       if (v0 > v1) continue;
-      // scores of the row's keys in this block (fixed-order dot per key)
+      // scores of all 16 keys of the block (fixed-order dots + fixed transpose-reduce tree);
+      // lanes outside the row's keys are replaced by -inf below, whatever they hold
       __m512 qv[NC];
       for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qf[n] + c * 16);
-      for (int64_t p = v0; p <= v1; ++p) {
-        const float* kr = kb[p - b0];
-        __m512 d = _mm512_mul_ps(qv[0], _mm512_load_ps(kr));
-        for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kr + c * 16), d);
-        s[p - b0] = hsum16(d);
-      }
+      __m512 sv = dot16_keys<NC>(qv, kb);
       const __mmask16 valid = (__mmask16)((((1u << (v1 - v0 + 1)) - 1u)) << (v0 - b0));
-      __m512 sv = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, s);
+      sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sv);
       const float m_new = std::max(m[n], hmax16(sv));
       __m512 pv = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));  // invalid lanes -> 0
       pv = _mm512_maskz_mov_ps(valid, pv);
@@ -156,9 +176,12 @@ void item_scalar(const Item& it, const Args& a, const QT* q, const KT* kc, const
         acc[i] = 0.f;
       }
       float m = -INFINITY, l = 0.f;
-      for (int64_t p = lo; p <= hi; ++p) {
-        const KT* kp = kv_ptr(kc, trow, p, a, it.kvh, D);
-        const KT* vp = kv_ptr(vc, trow, p, a, it.kvh, D);
+      int64_t page_i = lo / a.page_size, slot = lo % a.page_size;
+      for (int64_t p = lo; p <= hi; ++p, ++slot) {
+        if (slot == a.page_size) slot = 0, ++page_i;
+        const int64_t off = ((int64_t)trow[page_i] * a.page_size + slot) * a.hkv * D + it.kvh * D;
+        const KT* kp = kc + off;
+        const KT* vp = vc + off;
         float sc = 0.f;
         for (int i = 0; i < D; ++i) sc += qf[i] * to_f(kp[i]);
         const float m_new = std::max(m, sc);
