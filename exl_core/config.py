@@ -207,4 +207,14 @@ def load_config(folder) -> ModelConfig:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: must hold a JSON object")
+    legacy = file.parent / "quantize_config.json"
+    if "quantization_config" not in data and legacy.exists():
+        # older AutoGPTQ folders keep the GPTQ settings beside config.json
+        try:
+            qc = json.loads(legacy.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{legacy}: not valid JSON ({e})") from None
+        if not isinstance(qc, dict):
+            raise ConfigError(f"{legacy}: must hold a JSON object")
+        data = {**data, "quantization_config": {"quant_method": "gptq", **qc}}
     return config_from_dict(data, str(file), file.parent)

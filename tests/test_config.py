@@ -66,3 +66,10 @@ def test_missing_and_invalid_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+def test_legacy_quantize_config_json_is_merged(tmp_path):
+    write(tmp_path)
+    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128, "desc_act": false}')
+    c = load_config(tmp_path)
+    assert c.quant_method == "gptq" and c.quantization_config["bits"] == 4
