@@ -267,3 +267,23 @@ def test_pages_indexed_after_rollbacks_hold_the_right_kv(tiny_llama_dir):
                  [Job(follow, max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)])[0]
     assert b.generated == fresh
     _balanced(cache)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_ngram_greedy_identical_and_fewer_passes(smollm2_dir):
+    """SmolLM2 asked to repeat a paragraph: n-gram drafts are accepted, output unchanged."""
+    from exl_core.loader import load_model
+    model, tok = load_model(smollm2_dir, dtype=torch.float32)
+    text = ("The river bends twice before it reaches the old mill, where the water turns a wheel "
+            "that has not ground flour for a hundred years.")
+    msg = [{"role": "user", "content": f"{text}\n\nRepeat the sentence above exactly."}]
+    ids = tok.encode(tok.apply_chat_template(msg), add_bos=False, special=True)
+    plain_gen = Generator(model, Cache(model, max_tokens=1024), tok)
+    plain = _run(plain_gen, [Job(ids, max_new_tokens=20, sampler=GREEDY, stop_on_eos=False)])
+    gen = Generator(model, Cache(model, max_tokens=1024), tok, ngram_draft=True, num_draft_tokens=4)
+    spec = _run(gen, [Job(ids, max_new_tokens=20, sampler=GREEDY, stop_on_eos=False)])
+    assert spec == plain
+    assert gen.spec.stats.accepted > 0
+    assert gen.stats.forward_passes < plain_gen.stats.forward_passes
+    _balanced(gen.cache)
