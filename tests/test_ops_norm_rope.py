@@ -15,7 +15,9 @@ from exl_core.ops import norm as NORM
 from exl_core.ops import rope as ROPE
 from exl_core.ops.dispatch import has_op
 
-PATHS = ["torch_ref", "cpu", "cpu_scalar"]   # cpu_scalar: C++ kernel with vector paths capped off
+# cpu_avx2 / cpu_scalar: the C++ kernels with the vector ISA capped (ops without that path fall to scalar)
+PATHS = ["torch_ref", "cpu", "cpu_avx2", "cpu_scalar"]
+_ISA_CAP = {"cpu_avx2": 1, "cpu_scalar": 0}
 
 
 @pytest.fixture
@@ -23,8 +25,8 @@ def path(request):
     name = request.param
     if name.startswith("cpu") and not has_op("cpu_isa_limit"):
         pytest.skip("C++ extension not built")
-    if name == "cpu_scalar":
-        prev = torch.ops.exl_core.cpu_isa_limit(0)
+    if name in _ISA_CAP:
+        prev = torch.ops.exl_core.cpu_isa_limit(_ISA_CAP[name])
         yield "cpu"
         torch.ops.exl_core.cpu_isa_limit(prev)
     else:

@@ -47,6 +47,38 @@ EXL_AVX512 void row_avx512(const T* x, const T* res, const T* w, T* out, T* hout
   }
 }
 
+// AVX2 row: two 8-wide accumulators, then a scalar tail (fixed order for a given H).
+template <typename T>
+EXL_AVX2 void row_avx2(const T* x, const T* res, const T* w, T* out, T* hout, int64_t H, float eps) {
+  const T* src = x;
+  const int64_t H8 = H - H % 8;
+  if (res != nullptr) {
+    for (int64_t i = 0; i < H8; i += 8) store8(hout + i, _mm256_add_ps(load8(x + i), load8(res + i)));
+    for (int64_t i = H8; i < H; ++i) hout[i] = from_f<T>(to_f(x[i]) + to_f(res[i]));
+    src = hout;
+  }
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= H; i += 16) {
+    const __m256 v0 = load8(src + i), v1 = load8(src + i + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  for (; i < H8; i += 8) {
+    const __m256 v = load8(src + i);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  float ss = hsum8(_mm256_add_ps(a0, a1));
+  for (; i < H; ++i) ss += to_f(src[i]) * to_f(src[i]);
+  const float rs = 1.0f / std::sqrt(ss / (float)H + eps);
+  const __m256 r = _mm256_set1_ps(rs);
+  for (int64_t j = 0; j < H8; j += 8) {
+    const __m256 y = round_as8(_mm256_mul_ps(load8(src + j), r), (T*)nullptr);  // HF: .to(dtype) first
+    store8(out + j, _mm256_mul_ps(load8(w + j), y));
+  }
+  for (int64_t j = H8; j < H; ++j) out[j] = from_f<T>(to_f(w[j]) * to_f(from_f<T>(to_f(src[j]) * rs)));
+}
+
 template <typename T>
 void row_scalar(const T* x, const T* res, const T* w, T* out, T* hout, int64_t H, float eps) {
   const T* src = x;
@@ -69,13 +101,15 @@ void run(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, at::Te
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   T* hp = hout ? reinterpret_cast<T*>(hout->data_ptr()) : nullptr;
-  const bool avx512 = cpu_isa() >= ISA_AVX512;
+  const int isa = cpu_isa();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1));
   at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const int64_t o = r * H;
-      if (avx512)
+      if (isa >= ISA_AVX512)
         row_avx512<T>(xp + o, rp ? rp + o : nullptr, wp, op + o, hp ? hp + o : nullptr, H, (float)eps);
+      else if (isa >= ISA_AVX2)
+        row_avx2<T>(xp + o, rp ? rp + o : nullptr, wp, op + o, hp ? hp + o : nullptr, H, (float)eps);
       else
         row_scalar<T>(xp + o, rp ? rp + o : nullptr, wp, op + o, hp ? hp + o : nullptr, H, (float)eps);
     }

@@ -143,6 +143,25 @@ EXL_AVX2 inline __m256 load8(const c10::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// fp32 -> bf16 (round to nearest even, NaN kept), 8 lanes.
+EXL_AVX2 inline __m128i cvt_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  // packus works per 128-bit half: [a0..a3 a0..a3 | b0..b3 b0..b3]; gather the halves' low words
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+EXL_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+EXL_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), cvt_bf16_8(v));
+}
+EXL_AVX2 inline __m256 round_as8(__m256 v, float*) { return v; }
+EXL_AVX2 inline __m256 round_as8(__m256 v, c10::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(cvt_bf16_8(v)), 16));
+}
 EXL_AVX2 inline float hsum8(__m256 v) {
   __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   b = _mm_add_ps(b, _mm_movehl_ps(b, b));
