@@ -13,7 +13,7 @@ from torch import nn
 
 from ..formats.packed import PackedWeight
 
-_PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm")
+_PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 
 class QuantLinear(nn.Module):
@@ -43,11 +43,16 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_packed(cls, pw: PackedWeight) -> "QuantLinear":
         m = cls(pw.in_features, pw.out_features)
-        for f in _PACKED_FIELDS:
-            m.register_buffer(f"q_{f}", getattr(pw, f), persistent=False)
-        m.register_buffer("bias", pw.bias, persistent=False)
-        m._packed = pw
+        m.set_packed(pw)
         return m
+
+    def set_packed(self, pw: PackedWeight) -> None:
+        """Install or swap the packed weight. Its tensors are buffers under `_pk_*` names, so
+        they follow .to() and leave file tensor names (`q_scale`, `qweight`, ...) free for
+        subclasses that keep a checkpoint's own tensors (the HF adapter)."""
+        for f in _PACKED_FIELDS:
+            self.register_buffer(f"_pk_{f}", getattr(pw, f), persistent=False)
+        self._packed = pw
 
     @property
     def is_quantized(self) -> bool:
@@ -59,9 +64,9 @@ class QuantLinear(nn.Module):
         pw = self._packed
         if pw is None:
             return None
-        if pw.qweight is not self.q_qweight or pw.scale is not self.q_scale or pw.bias is not self.bias:
-            pw = PackedWeight(self.q_qweight, self.q_groups, self.q_scale, self.q_zero, self.q_perm,
-                              pw.in_features, pw.out_features, self.bias, pw.meta)
+        if pw.qweight is not self._pk_qweight or pw.scale is not self._pk_scale or pw.bias is not self._pk_bias:
+            pw = PackedWeight(self._pk_qweight, self._pk_groups, self._pk_scale, self._pk_zero, self._pk_perm,
+                              pw.in_features, pw.out_features, self._pk_bias, pw.meta)
             self._packed = pw
         return pw
 
@@ -75,8 +80,8 @@ class QuantLinear(nn.Module):
             return moved
         super()._apply(guarded, recurse)
         if self._packed is not None:
-            self.q_scale = self.q_scale.float()
-            self.q_zero = self.q_zero.float()
+            self._pk_scale = self._pk_scale.float()
+            self._pk_zero = self._pk_zero.float()
         return self
 
     def dense_weight(self, dtype=torch.float32) -> torch.Tensor:

@@ -289,7 +289,7 @@ class LoraAdapter:
                 self._saved[module] = ("packed", layer.packed)
                 target = layer.dense_weight(torch.float64) + d
                 new = requantize_like(layer.packed, target.t(), module)
-                _set_packed(layer, new)
+                layer.set_packed(new)
             else:
                 self._saved[module] = ("dense", layer.w_t)
                 target = layer.w_t.to(torch.float64).t() + d
@@ -307,7 +307,7 @@ class LoraAdapter:
         layers = dict(self.manager.model.linear_layers())
         for module, (kind, saved) in self._saved.items():
             if kind == "packed":
-                _set_packed(layers[module], saved)
+                layers[module].set_packed(saved)
             else:
                 layers[module].w_t = saved
         self._saved.clear()
@@ -396,12 +396,7 @@ def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = Fa
 
 
 # -- re-quantisation for merges -----------------------------------------------------------------
-def _set_packed(layer: QuantLinear, pw: PackedWeight) -> None:
-    """Swap a quantized layer's packed weight in place (same buffers QuantLinear.from_packed sets)."""
-    for f in ("qweight", "groups", "scale", "zero", "perm"):
-        setattr(layer, f"q_{f}", getattr(pw, f))
-    layer.bias = pw.bias
-    layer._packed = pw
+
 
 
 def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> PackedWeight:

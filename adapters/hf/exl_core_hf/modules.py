@@ -7,12 +7,12 @@ persistent buffers with the exact shapes and dtypes read from the safetensors he
 loading, `finalize()` asks the exl_core format for the kernel-native `PackedWeight`, which
 `QuantLinear.forward` then runs. `save_pretrained` writes the checkpoint tensors back untouched.
 
-The packed copy lives under `_pk_*` names because the EXL2 file names (`q_scale`, `q_groups`)
-collide with `QuantLinear`'s own `q_*` buffers; `packed` and `_apply` are overridden for that.
+The packed copy lives in `QuantLinear`'s `_pk_*` buffers (set by `set_packed`), apart from the
+checkpoint tensors' own names.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,9 +20,6 @@ from torch import nn
 from exl_core.errors import FormatError
 from exl_core.formats.packed import PackedWeight
 from exl_core.model.linear import QuantLinear
-
-_PK = ("qweight", "groups", "scale", "zero", "perm")
-
 
 class HFQuantLinear(QuantLinear):
     """QuantLinear holding checkpoint tensors under their file names (see module docstring)."""
@@ -60,35 +57,7 @@ class HFQuantLinear(QuantLinear):
                               f"matrix, the model expects {self.in_features}x{self.out_features}")
         dev = getattr(self, self.source_names[0]).device
         pw = pw.to(dev)
-        for f in _PK:
-            self.register_buffer(f"_pk_{f}", getattr(pw, f), persistent=False)
-        self.register_buffer("_pk_bias", pw.bias, persistent=False)
-        self._packed = pw
-
-    @property
-    def packed(self) -> Optional[PackedWeight]:
-        pw = self._packed
-        if pw is None:
-            return None
-        if pw.qweight is not self._pk_qweight or pw.scale is not self._pk_scale or pw.bias is not self._pk_bias:
-            pw = PackedWeight(self._pk_qweight, self._pk_groups, self._pk_scale, self._pk_zero, self._pk_perm,
-                              pw.in_features, pw.out_features, self._pk_bias, pw.meta)
-            self._packed = pw
-        return pw
-
-    def _apply(self, fn, recurse=True):
-        # As QuantLinear: integer tensors (packed words, perms, groups) keep their dtype on
-        # .half()/.float(); the kernel-side scale/zero stay float32.
-        def guarded(t):
-            moved = fn(t)
-            if t.dtype != moved.dtype and not t.is_floating_point():
-                return moved.to(t.dtype)
-            return moved
-        nn.Module._apply(self, guarded, recurse)
-        if self._packed is not None:
-            self._pk_scale = self._pk_scale.float()
-            self._pk_zero = self._pk_zero.float()
-        return self
+        self.set_packed(pw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
