@@ -86,6 +86,7 @@ _pm: Optional[pluggy.PluginManager] = None
 _dists: dict[str, dict] = {}      # plugin name -> {"distribution", "version", "entry_point"}
 _errors: dict[str, str] = {}      # plugin name -> error text (load or hook failures)
 _activated = False
+_activated_names: list[str] = []
 
 
 def _warn(plugin: str, what: str, exc: BaseException) -> None:
@@ -148,7 +149,8 @@ def _call_each(hook_name: str, **kwargs) -> list[tuple[str, Any]]:
 
 
 def activate_plugins() -> list[str]:
-    """Run every plugin's `exl_core_activate` once per process; returns the names activated.
+    """Run every plugin's `exl_core_activate` once per process; returns the names activated
+    (by this call or the first one: `import exl_core` already activates).
 
     Cheap when no plugin is installed (one entry-point scan). Safe to call repeatedly and from
     several threads. Intended call site: the end of ``exl_core/__init__.py``. Set
@@ -156,7 +158,7 @@ def activate_plugins() -> list[str]:
     global _activated
     with _lock:
         if _activated:
-            return []
+            return list(_activated_names)
         _activated = True
         if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
             return []          # debug switch: run exl_core with no third-party code at all
@@ -166,6 +168,7 @@ def activate_plugins() -> list[str]:
             try:
                 impl.function()
                 names.append(impl.plugin_name)
+                _activated_names.append(impl.plugin_name)
             except Exception as exc:
                 _warn(impl.plugin_name, "hook exl_core_activate raised", exc)
         _apply_registries(pm)
@@ -433,3 +436,4 @@ def _reset_for_tests() -> None:
         _activated = False
         _dists.clear()
         _errors.clear()
+        _activated_names.clear()
