@@ -134,7 +134,9 @@ def cmd_plugins(args) -> int:
     if not plugins:
         print("no exl_core plugins installed")
     for p in plugins:
-        print(f"{p.get('name')}\t{p.get('version', '?')}\t{p.get('kind', '')}\t{p.get('distribution', '')}")
+        kind = (p.get("integration") or {}).get("kind", "")
+        status = f"error: {p['error']}" if p.get("error") else kind
+        print(f"{p.get('name')}\t{p.get('version', '?')}\t{p.get('distribution', '')}\t{status}")
     return 0
 
 
