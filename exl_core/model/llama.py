@@ -32,22 +32,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, q_proj, k_proj, v_proj, o_proj, rope: RopeTable):
+    def __init__(self, cfg: ModelConfig, q_proj, k_proj, v_proj, o_proj):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                             cfg.head_dim)
         self.scale = self.head_dim ** -0.5
         self.window = cfg.sliding_window
-        self.rope = rope
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
+        """cos_sin: the rope table covering every position in ctx (looked up once per forward)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)      # (T, Hq, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)   # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        n_pos = int(ctx.positions.max()) + 1 if t else 1
-        q, k = apply_rope(q, k, ctx.positions, self.rope.cos_sin(n_pos))
+        q, k = apply_rope(q, k, ctx.positions, cos_sin)
         out = ctx.attend(layer_idx, q, k, v, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -68,14 +67,15 @@ class Block(nn.Module):
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
         self.layer_idx = layer_idx
 
-    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext,
+                cos_sin: torch.Tensor):
         """h: output of the previous block (not yet added to the residual stream)."""
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        attn = self.self_attn(x, ctx, self.layer_idx)
+        attn = self.self_attn(x, ctx, self.layer_idx, cos_sin)
         x, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(x), residual
 
@@ -114,8 +114,7 @@ class Model(nn.Module):
             p = f"model.layers.{i}"
             ab, mb = cfg.attention_bias, cfg.mlp_bias
             attn = Attention(cfg, linear(f"{p}.self_attn.q_proj", h, nq, ab), linear(f"{p}.self_attn.k_proj", h, nkv, ab),
-                             linear(f"{p}.self_attn.v_proj", h, nkv, ab), linear(f"{p}.self_attn.o_proj", nq, h, False),
-                             rope)
+                             linear(f"{p}.self_attn.v_proj", h, nkv, ab), linear(f"{p}.self_attn.o_proj", nq, h, False))
             mlp = MLP(linear(f"{p}.mlp.gate_proj", h, inter, mb), linear(f"{p}.mlp.up_proj", h, inter, mb),
                       linear(f"{p}.mlp.down_proj", inter, h, mb))
             layers.append(Block(RMSNorm(get(f"{p}.input_layernorm.weight", (h,)).to(dtype), cfg.rms_norm_eps), attn,
@@ -157,9 +156,12 @@ class Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids int64 [T] (flat ragged batch) → float32 logits [R, vocab] for ctx.logit_rows."""
         h = self.embed(input_ids)                                        # (T, hidden)
+        # one host read of the largest position per forward (not one per layer: on CUDA each is a sync)
+        n_pos = int(ctx.positions.max()) + 1 if input_ids.numel() else 1
+        cos_sin = self.rope.cos_sin(n_pos)
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, ctx)
+            h, residual = layer(h, residual, ctx, cos_sin)
         h, _ = self.norm(h, residual) if residual is not None else (self.norm(h), None)
         if ctx.logit_rows is not None:
             h = h[ctx.logit_rows]
