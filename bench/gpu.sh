@@ -35,3 +35,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
 
 wait $ck_pid || { cat "$OUT/ckpt_log.txt"; exit 1; }
 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee "$OUT/bench_log.txt" | tail -40
+
+# Speculative decoding on the same 7B-shaped GPTQ checkpoint (issue 8's H200 row).
+timeout ${SPEC_TIMEOUT:-120} $PY bench/speculative.py --gpu-7b "$CK/gptq" --new-tokens 128 --k 4 \
+  --draft-layers 4,8 2>&1 | tee "$OUT/spec_log.txt" | tail -8

@@ -7,7 +7,7 @@ likely, which is what a kernel's speed depends on), scales are plausible for a 7
     python bench/make_7b_checkpoint.py --fmt gptq --out /tmp/llama7b_gptq
     python bench/make_7b_checkpoint.py --fmt exl2 --out /tmp/llama7b_exl2   # ~4.0 bpw, 5/4/3-bit mix
 
-Smaller shapes for a dry run on the CPU: --layers 2 --hidden 256 --inter 704 --vocab 1000.
+Smaller shapes for a dry run on the CPU: --layers 2 --hidden 256 --inter 768 --vocab 1000.
 """
 from __future__ import annotations
 
