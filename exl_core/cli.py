@@ -6,6 +6,7 @@ module only routes and keeps the user-facing run/chat loops.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,12 @@ def _load(args):
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     path = _model_path(args.model)
+    if getattr(args, "tensor_parallel", False):
+        from .parallel.tensor_parallel import load_model_tp
+        model, tok = load_model_tp(path)
+        if model.tensor_parallel.rank != 0:      # every rank runs the same job; rank 0 speaks
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+        return model, tok
     model, tok = load_model(path, device=args.device, progress=True)
     return model, tok
 
@@ -52,6 +59,9 @@ def _add_model_args(p):
     p.add_argument("-m", "--model", default=None, help="model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="shard over torch.distributed ranks (launch with torchrun --nproc-per-node N; "
+                        "NCCL on GPUs, gloo on CPUs)")
 
 
 def cmd_run(args) -> int:

