@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 PROMPT, DECODE = 128, 128
+PROFILE = os.environ.get("EXL_BENCH_PROFILE", "1") == "1"
 
 
 def gpu_time(fn, reps: int, warmup: int = 2) -> float:
@@ -182,6 +183,17 @@ def decode_tok_s(model, B: int, graphs: bool) -> float:
 
 
 @torch.inference_mode()
+def profile_decode(model, B: int) -> list[dict]:
+    """Kernel time of one eager decode step at batch B after a PROMPT-token prompt."""
+    kv = StaticKV(model, B, PROMPT + 8)
+    ids = torch.randint(0, model.config.vocab_size, (B * PROMPT,)).cuda()
+    tok = model.forward(ids, PrefillContext(kv, PROMPT)).argmax(-1)
+    kv.pos.fill_(PROMPT)
+    ctx = DecodeContext(kv)
+    return profile_table(lambda: model.forward(tok, ctx), f"decode bs{B} step")
+
+
+@torch.inference_mode()
 def prompt_tok_s(model, T: int = 2048) -> float:
     kv = StaticKV(model, 1, T)
     ids = torch.randint(0, model.config.vocab_size, (T,)).cuda()
@@ -189,27 +201,82 @@ def prompt_tok_s(model, T: int = 2048) -> float:
     return T / t
 
 
+def graph_time(fn, reps: int = 10) -> float:
+    """Median seconds of one replay of a CUDA graph of fn() (launch gaps shrunk, no host overhead)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return gpu_time(g.replay, reps)
+
+
 @torch.inference_mode()
 def gemv_sweep(model) -> list[dict]:
-    """Per projection shape and M: fused GEMV vs dequantise+cuBLAS, GB/s of packed bytes at M=1."""
+    """Per projection shape and M, every qmatmul path on the same weights: the tensor-core kernel
+    (qgemm_mma), the fp32 GEMV (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
+    16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
+    GB/s counts packed words + scale/zero once per call."""
     from exl_core.ops.cuda_candidates import _chunks_of
-    rows = []
-    seen = set()
-    for name, lin in model.linear_layers():
+    by_shape: dict = {}
+    for _, lin in model.linear_layers():
         pw = lin.packed
-        if pw is None or (pw.in_features, pw.out_features) in seen:
-            continue
-        seen.add((pw.in_features, pw.out_features))
-        ch = _chunks_of(pw)
-        nbytes = sum(t.numel() * t.element_size() for t in (pw.qweight, pw.scale, pw.zero))
-        for M in (1, 8, 16, 32, 64):
-            x = torch.randn(M, pw.in_features).to("cuda", model.dtype)
-            tg = gpu_time(lambda: torch.ops.exl_core.qgemv_chunks(x, pw.qweight, ch, pw.scale, pw.zero, pw.perm, None), 20)
-            td = gpu_time(lambda: x @ torch.ops.exl_core.qdequant_chunks(pw.qweight, ch, pw.scale, pw.zero, pw.perm,
-                                                                          model.dtype), 20)
-            rows.append({"K": pw.in_features, "N": pw.out_features, "M": M, "gemv_us": tg * 1e6,
-                         "dequant_mm_us": td * 1e6, "gemv_gb_s": nbytes / tg / 1e9})
+        if pw is not None:
+            by_shape.setdefault((pw.in_features, pw.out_features), []).append(pw)
+    ops = torch.ops.exl_core
+    rows = []
+    for (K, N), pws in by_shape.items():
+        pws = pws[:16]
+        for pw in pws:
+            _chunks_of(pw)
+        nbytes = sum(t.numel() * t.element_size() for t in (pws[0].qweight, pws[0].scale, pws[0].zero))
+        for M in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(M, K).to("cuda", model.dtype)
+            paths = {
+                "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero, pw.perm, None),
+                "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero, pw.perm,
+                                                    None),
+                "dequant_mm": lambda pw: x @ ops.qdequant_chunks(pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero,
+                                                                 pw.perm, model.dtype),
+            }
+            row = {"K": K, "N": N, "M": M}
+            for name, f in paths.items():
+                if name == "gemv" and M > 16:
+                    continue
+                try:
+                    t = graph_time(lambda: [f(pw) for pw in pws]) / len(pws)
+                    row[f"{name}_us"] = t * 1e6
+                    row[f"{name}_gb_s"] = nbytes / t / 1e9
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name}_error"] = repr(e)[:200]
+            rows.append(row)
     return rows
+
+
+@torch.inference_mode()
+def profile_table(fn, label: str, top: int = 14) -> list[dict]:
+    """CUDA kernel time by kernel name for one call of fn() (torch.profiler), printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:90], "calls": ev.count, "us": t})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    print(f"\n-- profile {label}: {total:.0f} us of kernels")
+    for r in rows[:top]:
+        print(f"{r['us']:10.0f} us {r['calls']:6d}x  {r['kernel']}")
+    return rows[:top]
 
 
 def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
@@ -238,6 +305,17 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
                 r[key + "_error"] = repr(e)[:300]
         if f"bs{B}_decode_tok_s" not in r and f"bs{B}_decode_tok_s_eager" in r:
             r[f"bs{B}_decode_tok_s"] = r[f"bs{B}_decode_tok_s_eager"]
+    if PROFILE:
+        try:
+            r["profile_decode_bs1"] = profile_decode(model, 1)
+            kv = StaticKV(model, 1, 2048)
+            ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
+            r["profile_prompt2048"] = profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)),
+                                                    f"{fmt} prompt 2048")
+            del kv
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r["profile_error"] = repr(e)[:300]
     try:
         r["prompt2048_tok_s"] = prompt_tok_s(model)
     except Exception as e:  # noqa: BLE001
@@ -271,8 +349,10 @@ def main() -> None:
             bench_format(p, fmt, bw, out)
             _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
-        print(f"gemv K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: fused {row['gemv_us']:8.1f} us "
-              f"({row['gemv_gb_s']:6.0f} GB/s)  dequant+mm {row['dequant_mm_us']:8.1f} us")
+        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("mma", "gemv", "dequant_mm")
+                          if n + "_us" in row)
+        errs = [k for k in row if k.endswith("_error")]
+        print(f"K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: {cells} {errs if errs else ''}")
     print(f"\nGPU {out['gpu']}  copy bandwidth {bw:.0f} GB/s")
     keys = ["floor_bs1_tok_s", "bs1_decode_tok_s", "bs1_decode_tok_s_eager", "bs8_decode_tok_s",
             "bs8_decode_tok_s_eager", "bs32_decode_tok_s", "bs32_decode_tok_s_eager", "prompt2048_tok_s",

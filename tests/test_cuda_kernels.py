@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cuda
 
 def _need_kernels():
     from exl_core.ops.cuda_candidates import _has_cuda_kernel
-    if not _has_cuda_kernel("qgemv_chunks"):
+    if not (_has_cuda_kernel("qgemv_chunks") and _has_cuda_kernel("qgemm_mma")):
         pytest.fail("torch sees a GPU but exl_core._C was built without CUDA kernels")
 
 
@@ -110,6 +110,45 @@ def test_qgemv_and_dequant_ops_direct(M):
     poison_allocator()
     w = torch.ops.exl_core.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, torch.float16)
     assert rel_err(w, W) < 1e-3
+
+
+MMA_CASES = [                                                     # (layout, N)
+    (LAYOUTS[1], 4 * 67),                                         # every width, partial column tile
+    ([(4, 32 * 96)], 4 * 33),                                     # split-K over a cluster
+    ([(4, 32 * 150), (6, 32 * 40), (3, 32 * 110)], 128),          # > 32 chunks per block: two x stages
+]
+
+
+@pytest.mark.parametrize("case", range(len(MMA_CASES)), ids=["mixed", "split", "stages"])
+@pytest.mark.parametrize("M", [1, 7, 16, 17, 32, 45])             # one / two m-tiles, two 32-row slices
+def test_qgemm_mma_vs_float64(case, M):
+    """The tensor-core kernel on its own, whatever rows the policy (MMA_MAX_ROWS) sends to it."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    layout, N = MMA_CASES[case]
+    pw = random_packed(layout, N, perm=random.random() < 0.7, bias=random.random() < 0.5)
+    W = dequantize_reference(pw)
+    x = torch.randn(M, pw.in_features, dtype=torch.float16)
+    ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
+    c = pw.to("cuda")
+    poison_allocator()
+    y = torch.ops.exl_core.qgemm_mma(x.cuda(), c.qweight, chunk_table(pw.groups, "cuda"), c.scale, c.zero, c.perm,
+                                     None if pw.bias is None else c.bias.half())
+    assert y.dtype == torch.float16 and y.shape == (M, N)
+    assert rel_err(y, ref) < 2e-3
+
+
+def test_qgemm_mma_refuses_bad_input():
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    pw = random_packed(LAYOUTS[0], 36, perm=False).to("cuda")
+    ch = chunk_table(pw.groups, "cuda")
+    x = torch.randn(2, pw.in_features, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.exl_core.qgemm_mma(x.float(), pw.qweight, ch, pw.scale, pw.zero, None, None)
+    pw2 = random_packed(LAYOUTS[0], 37, perm=False).to("cuda")
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        torch.ops.exl_core.qgemm_mma(x, pw2.qweight, ch, pw2.scale, pw2.zero, None, None)
 
 
 def test_qmatmul_float32_matches_cpu_kernel():

@@ -5,8 +5,11 @@ at the front. Every check refuses (with a reason) off the GPU or when the extens
 without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x):
-  M <= GEMV_MAX_ROWS   fused dequantise-GEMV (`exl_core::qgemv_chunks`), 16 rows per launch
-  larger M             dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
+  fp16 x, M <= MMA_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers:
+                       fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch
+  other dtypes, M <= GEMV_MAX_ROWS:
+                       fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`)
+  otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
 The chunk table (int32 [K/32, 3]: bits, group, first qweight row per 32 rows of K) is built
 once per weight and cached on the device in `pw.meta`.
 """
@@ -18,7 +21,9 @@ import torch
 
 from .dispatch import Candidate, extension
 
-GEMV_MAX_ROWS = 32          # above this, dequantise + cuBLAS wins (bench/gpu_bench.py sweeps it)
+# Crossovers measured by bench/gpu_bench.py's sweep on the H200 (results in bench/results/gpu_h200.json).
+MMA_MAX_ROWS = 64
+GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -44,6 +49,17 @@ def _chunks_of(pw) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- qmatmul
+
+def _mma_ok(pw) -> bool:
+    """qgemm_mma's layout needs: 4-column (16-byte) loads of qweight, scale and zero."""
+    key = pw.qweight.data_ptr()            # buffers can be replaced (set_packed, .to): re-check then
+    cached = pw.meta.get("_cuda_mma_ok")
+    if cached is None or cached[0] != key:
+        ok = (_has_cuda_kernel("qgemm_mma") and pw.out_features % 4 == 0 and
+              all(t.data_ptr() % 16 == 0 for t in (pw.qweight, pw.scale, pw.zero)))
+        cached = pw.meta["_cuda_mma_ok"] = (key, ok)
+    return cached[1]
+
 
 def _qmatmul_check(x, pw) -> Optional[str]:
     if x.device.type != "cuda":
@@ -71,7 +87,11 @@ def _qmatmul_run(x, pw):
             perm = pw.perm.to(device=x.device, dtype=torch.int64).contiguous()
             pw.meta["_cuda_perm"] = perm
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
-    if x2.shape[0] <= GEMV_MAX_ROWS:
+    rows = x2.shape[0]
+    if x2.dtype == torch.float16 and rows <= MMA_MAX_ROWS and _mma_ok(pw):
+        bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+        y = torch.ops.exl_core.qgemm_mma(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
+    elif rows <= GEMV_MAX_ROWS:
         y = torch.ops.exl_core.qgemv_chunks(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
     else:
         w = torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks, pw.scale, pw.zero, perm, x.dtype)  # [K, N]

@@ -1,0 +1,357 @@
+// exl_core::qgemm_mma: fused dequantise + tensor-core GEMM for fp16 x with 1..32 rows per launch
+// (more rows: 32-row slices), over the PackedWeight chunk table (see qmatmul_cuda.cu).
+//
+// Each weight word is read once from device memory with 16-byte loads and dequantised to fp16
+// in registers straight into mma.sync.m16n8k16 B fragments; no atomics, no zeroing pass.
+//
+//   block  = 8 warps = 4 column warps x 2 K warps; 128 output columns per block.
+//   warp   = 32 columns: lane (g = lane/4, t = lane%4) loads the int4 of columns 4g..4g+3 of
+//            the qweight row holding values 8t..8t+7 of the 32-row chunk (two rows when the
+//            values straddle words), so each lane owns 8 K values x 4 columns per chunk.
+//            Column tile v (0..3) of the mma is the strided column set {4g + v}.
+//   K order: k is a reduction index, so the mma's k slots may map to any real k as long as
+//            A and B agree. B takes pairs (q_p, q_p+4) (one shift + LOP3 for 4-bit); x is
+//            staged in shared memory already in that order (frag_to_real below), fp16.
+//   split-K: the grid's y dimension splits K; on sm_90 those blocks form one thread-block
+//            cluster and reduce their partial tiles through distributed shared memory, so the
+//            result is deterministic and written once (with bias) by one launch.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+namespace {
+
+constexpr int kColWarps = 4, kKWarps = 2, kThreads = 32 * kColWarps * kKWarps;
+constexpr int kTileN = 32 * kColWarps;   // 128 output columns per block
+constexpr int kStageChunks = 32;          // x staged 32 chunks (1024 K rows) at a time
+constexpr int kPad = 8;                   // halves of row padding: conflict-free A loads
+constexpr int kMaxSplits = 8;             // portable cluster size
+
+// Real k (0..31 inside a chunk) held by shared-memory slot j*16 + f (j: k16 step, f: mma k slot).
+// Lane t's B pairs are (q_p, q_p+4) of its values 8t..8t+7: step j uses p = 2j (k slots 2t, 2t+1)
+// and p = 2j + 1 (k slots 2t+8, 2t+9).
+__device__ __forceinline__ int frag_to_real(int j, int f) {
+  return 8 * ((f & 7) >> 1) + 2 * j + (f >> 3) + 4 * (f & 1);
+}
+
+struct Raw {        // one chunk's words, scales and zeros for a lane's 4 columns
+  int4 lo, hi;
+  float4 s, z;
+  int bits;         // 0: no chunk (past the end)
+};
+
+__device__ __forceinline__ void load_raw(Raw& r, int c, int c_end, const int32_t* __restrict__ chunks,
+                                         const int32_t* __restrict__ qweight, const float* __restrict__ scale,
+                                         const float* __restrict__ zero, int64_t N, int64_t col, bool valid, int t) {
+  r.bits = 0;
+  if (c >= c_end) return;
+  const int bits = __ldg(chunks + 3 * c), grp = __ldg(chunks + 3 * c + 1), qrow = __ldg(chunks + 3 * c + 2);
+  r.bits = bits;
+  if (!valid) {
+    r.lo = r.hi = make_int4(0, 0, 0, 0);
+    r.s = r.z = make_float4(0.f, 0.f, 0.f, 0.f);
+    return;
+  }
+  const int start = 8 * t * bits;
+  const int32_t* p = qweight + static_cast<int64_t>(qrow + (start >> 5)) * N + col;
+  r.lo = __ldg(reinterpret_cast<const int4*>(p));
+  r.hi = ((start & 31) + 8 * bits > 32) ? __ldg(reinterpret_cast<const int4*>(p + N)) : make_int4(0, 0, 0, 0);
+  r.s = __ldg(reinterpret_cast<const float4*>(scale + grp * N + col));
+  r.z = __ldg(reinterpret_cast<const float4*>(zero + grp * N + col));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Pair p of a lane's 8 values as fp16x2 bits 1024 + (q_p, q_p+4), exact for q < 1024.
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  if constexpr (BITS == 4) {
+    const uint32_t w = wl;                                    // 8 values in one word, sh == 0
+    return ((w >> (4 * p)) & 0x000F000Fu) | 0x64006400u;
+  } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
+    const uint32_t w = __funnelshift_r(wl, wh, sh);
+    return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
+  } else {                                                    // 5, 6, 8 bits: up to 64-bit window
+    const uint64_t w = ((static_cast<uint64_t>(wh) << 32) | wl) >> sh;
+    const uint32_t a = static_cast<uint32_t>(w >> (BITS * p)) & mask;
+    const uint32_t b = static_cast<uint32_t>(w >> (BITS * (p + 4))) & mask;
+    return a | (b << 16) | 0x64006400u;
+  }
+}
+
+__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+__device__ __forceinline__ uint32_t comp(const int4& v, int i) {
+  return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
+}
+__device__ __forceinline__ float compf(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// acc[mt][v] += x_chunk (rows of m-tile mt) @ W_chunk (column tile v).
+template <int BITS, int MT>
+__device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs_stride, int g, int t,
+                                          float (&acc)[MT][4][4]) {
+  const int sh = (8 * t * BITS) & 31;
+  const __half2 k1024 = __float2half2_rn(1024.f);
+  uint32_t b[4][4];                                           // [column v][pair p]
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const float s = compf(r.s, v);
+    const __half2 s2 = __float2half2_rn(s), nzs2 = __float2half2_rn(-compf(r.z, v) * s);
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const __half2 q = __hsub2(u2h(pair_bits<BITS>(wl, wh, sh, p)), k1024);
+      b[v][p] = h2u(__hfma2(q, s2, nzs2));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const __half* r0 = xc + (mt * 16 + g) * xs_stride + j * 16 + 2 * t;
+      const __half* r1 = r0 + 8 * xs_stride;
+      const uint32_t a0 = *reinterpret_cast<const uint32_t*>(r0), a1 = *reinterpret_cast<const uint32_t*>(r1);
+      const uint32_t a2 = *reinterpret_cast<const uint32_t*>(r0 + 8), a3 = *reinterpret_cast<const uint32_t*>(r1 + 8);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) mma16816(acc[mt][v], a0, a1, a2, a3, b[v][2 * j], b[v][2 * j + 1]);
+    }
+  }
+}
+
+template <int MT>
+__device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, int xs_stride, int g, int t,
+                                              float (&acc)[MT][4][4]) {
+  switch (r.bits) {
+    case 4: mma_chunk<4, MT>(r, xc, xs_stride, g, t, acc); break;
+    case 2: mma_chunk<2, MT>(r, xc, xs_stride, g, t, acc); break;
+    case 3: mma_chunk<3, MT>(r, xc, xs_stride, g, t, acc); break;
+    case 5: mma_chunk<5, MT>(r, xc, xs_stride, g, t, acc); break;
+    case 6: mma_chunk<6, MT>(r, xc, xs_stride, g, t, acc); break;
+    case 8: mma_chunk<8, MT>(r, xc, xs_stride, g, t, acc); break;
+    default: break;                                           // 0: no chunk
+  }
+}
+
+// grid (ceil(N / 128), splits); dynamic smem: max(x stage, partial tiles).
+template <int MT>
+__global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
+    const __half* __restrict__ x, int M, int64_t K, const int32_t* __restrict__ chunks, int n_chunks,
+    const int32_t* __restrict__ qweight, int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
+    const int64_t* __restrict__ perm, const __half* __restrict__ bias, int cpb, __half* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);          // [MT*16][kStageChunks*32 + kPad]
+  float* red = reinterpret_cast<float*>(smem_raw);           // [kKWarps][MT*16][kTileN], after the loop
+  constexpr int kRows = MT * 16;
+  constexpr int xs_stride = kStageChunks * 32 + kPad;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int nw = warp % kColWarps, kw = warp / kColWarps;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileN + nw * 32 + 4 * g;
+  const bool valid = col < N;                                 // N % 4 == 0: all 4 columns or none
+  const int c_begin = blockIdx.y * cpb, c_end = min(n_chunks, c_begin + cpb);
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][v][i] = 0.f;
+
+  for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
+    const int s1 = min(c_end, s0 + kStageChunks), L = (s1 - s0) * 32;
+    __syncthreads();                                          // previous stage fully consumed
+    for (int idx = threadIdx.x; idx < kRows * L; idx += kThreads) {
+      const int m = idx / L, pos = idx % L;
+      __half v = __float2half(0.f);
+      if (m < M) {
+        const int within = pos & 31;
+        const int64_t k = static_cast<int64_t>(s0) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
+        v = x[m * K + (perm ? perm[k] : k)];
+      }
+      xs[m * xs_stride + pos] = v;
+    }
+    __syncthreads();
+    // Each K warp takes every kKWarps-th chunk; loads run two chunks ahead of the math.
+    int c = s0 + kw;
+    Raw cur0, cur1, nxt0, nxt1;
+    load_raw(cur0, c, s1, chunks, qweight, scale, zero, N, col, valid, t);
+    load_raw(cur1, c + kKWarps, s1, chunks, qweight, scale, zero, N, col, valid, t);
+    for (; c < s1; c += 2 * kKWarps) {
+      load_raw(nxt0, c + 2 * kKWarps, s1, chunks, qweight, scale, zero, N, col, valid, t);
+      load_raw(nxt1, c + 3 * kKWarps, s1, chunks, qweight, scale, zero, N, col, valid, t);
+      mma_chunk_any<MT>(cur0, xs + (c - s0) * 32, xs_stride, g, t, acc);
+      mma_chunk_any<MT>(cur1, xs + (c + kKWarps - s0) * 32, xs_stride, g, t, acc);
+      cur0 = nxt0;
+      cur1 = nxt1;
+    }
+  }
+  __syncthreads();                                            // xs dead: reuse as `red`
+  // D fragment: rows g / g+8 of m-tile mt, mma columns 2t, 2t+1 -> real columns 4*(2t)+v, 4*(2t+1)+v.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      float* r = red + (kw * kRows + mt * 16 + g) * kTileN + nw * 32 + 8 * t + v;
+      r[0] = acc[mt][v][0];
+      r[4] = acc[mt][v][1];
+      r[8 * kTileN] = acc[mt][v][2];
+      r[8 * kTileN + 4] = acc[mt][v][3];
+    }
+  __syncthreads();
+  const int E = M * kTileN;                                   // only real rows
+  for (int idx = threadIdx.x; idx < E; idx += kThreads) {
+    float a = red[idx];
+#pragma unroll
+    for (int w = 1; w < kKWarps; ++w) a += red[w * kRows * kTileN + idx];
+    red[idx] = a;
+  }
+  const int S = gridDim.y;
+  auto store = [&](int idx, float a) {
+    const int m = idx / kTileN;
+    const int64_t n = static_cast<int64_t>(blockIdx.x) * kTileN + idx % kTileN;
+    if (n < N) {
+      if (bias) a += __half2float(bias[n]);
+      y[m * N + n] = __float2half_rn(a);
+    }
+  };
+  if (S == 1) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < E; idx += kThreads) store(idx, red[idx]);
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The S blocks of this column tile are one cluster: block `rank` sums slice `rank` of the tile.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();                                             // every block's `red` is final
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int idx = rank * kThreads + threadIdx.x; idx < E; idx += S * kThreads) {
+    float a = 0.f;
+    for (int q = 0; q < S; ++q) a += cluster.map_shared_rank(red, q)[idx];
+    store(idx, a);
+  }
+  cluster.sync();                                             // keep `red` alive until all reads are done
+#endif
+}
+
+// ----------------------------------------------------------------------------- host side
+
+int device_sm(int dev, bool want_major) {
+  static int sms[64] = {0}, major[64] = {0};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (!sms[dev]) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
+  }
+  return want_major ? major[dev] : sms[dev];
+}
+
+size_t smem_bytes(int mt) {
+  const size_t xs = static_cast<size_t>(mt) * 16 * (kStageChunks * 32 + kPad) * sizeof(__half);
+  const size_t red = static_cast<size_t>(kKWarps) * mt * 16 * kTileN * sizeof(float);
+  return std::max(xs, red);
+}
+
+template <int MT>
+void launch(const __half* x, int M, int64_t K, const at::Tensor& chunks, const at::Tensor& qweight,
+            const at::Tensor& scale, const at::Tensor& zero, const int64_t* perm, const __half* bias, __half* y,
+            int dev, cudaStream_t stream) {
+  const int64_t N = qweight.size(1);
+  const int C = static_cast<int>(chunks.size(0));
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int sms = device_sm(dev, false);
+  // Split K until ~2 blocks per SM (clusters need sm_90; older GPUs run one block per tile).
+  int S = 1;
+  if (device_sm(dev, true) >= 9) {
+    S = static_cast<int>(std::min<int64_t>(kMaxSplits, (2 * sms + tiles - 1) / tiles));
+    S = std::max(1, std::min(S, C / 4));                     // at least 4 chunks per block
+  }
+  const int cpb = (C + S - 1) / S;
+  S = (C + cpb - 1) / cpb;
+  const size_t smem = smem_bytes(MT);
+  static bool attr_set[2] = {false, false};
+  if (!attr_set[MT - 1]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(qgemm_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    attr_set[MT - 1] = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(S);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = S > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, qgemm_mma_kernel<MT>, x, M, K, chunks.data_ptr<int32_t>(), C,
+                                    qweight.data_ptr<int32_t>(), N, scale.data_ptr<float>(), zero.data_ptr<float>(),
+                                    perm, bias, cpb, y));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// y [M, N] fp16 = x[:, perm] @ W_perm (+ bias); x fp16 [M, K]; N % 4 == 0; 16-byte aligned buffers.
+at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                     const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && chunks.is_cuda() && scale.is_cuda() && zero.is_cuda(),
+              "exl_core::qgemm_mma: all tensors must be on the GPU");
+  TORCH_CHECK(x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
+              "exl_core::qgemm_mma: x must be contiguous float16 [M, K], got ", x.dtype(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(1);
+  TORCH_CHECK(qweight.dtype() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous() && aligned16(qweight),
+              "exl_core::qgemm_mma: qweight must be contiguous, 16-byte aligned int32 [rows, N]");
+  TORCH_CHECK(N % 4 == 0, "exl_core::qgemm_mma: N = ", N, " must be a multiple of 4 (16-byte column loads)");
+  TORCH_CHECK(chunks.dtype() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 3 && chunks.is_contiguous() &&
+                  chunks.size(0) * 32 == K,
+              "exl_core::qgemm_mma: chunk table must be int32 [K/32 = ", K / 32, ", 3], got ", chunks.sizes());
+  for (auto* s : {&scale, &zero})
+    TORCH_CHECK(s->dtype() == at::kFloat && s->dim() == 2 && s->size(1) == N && s->is_contiguous() && aligned16(*s),
+                "exl_core::qgemm_mma: scale/zero must be contiguous, 16-byte aligned float32 [G, ", N, "]");
+  if (perm)
+    TORCH_CHECK(perm->is_cuda() && perm->dtype() == at::kLong && perm->numel() == K && perm->is_contiguous(),
+                "exl_core::qgemm_mma: perm must be contiguous int64 [", K, "] on the GPU");
+  if (bias)
+    TORCH_CHECK(bias->is_cuda() && bias->dtype() == at::kHalf && bias->numel() == N && bias->is_contiguous(),
+                "exl_core::qgemm_mma: bias must be contiguous float16 [", N, "] on the GPU");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = x.device().index();
+  const auto* xp = reinterpret_cast<const __half*>(x.data_ptr());
+  auto* yp = reinterpret_cast<__half*>(y.data_ptr());
+  const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
+  const __half* bp = bias ? reinterpret_cast<const __half*>(bias->data_ptr()) : nullptr;
+  for (int64_t r0 = 0; r0 < M; r0 += 32) {
+    const int r = static_cast<int>(std::min<int64_t>(32, M - r0));
+    if (r <= 16) launch<1>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, stream);
+    else launch<2>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, stream);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("qgemm_mma(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
+        "Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("qgemm_mma", &qgemm_mma); }
