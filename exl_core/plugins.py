@@ -344,19 +344,12 @@ class SharedEngine:
         import queue
         q: "queue.Queue" = queue.Queue()
         self._submit(job, q.put)
-        done = False
+        ended = [False]
         try:
-            while True:
-                item = q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finish_reason is not None
-                yield item
-                if done:
-                    return
+            while not ended[0]:
+                yield self._take(q.get(), ended)
         finally:
-            if not done:
+            if not ended[0]:
                 self._cancel(job)
 
     async def astream(self, job):
@@ -365,20 +358,22 @@ class SharedEngine:
         loop = asyncio.get_running_loop()
         q: "asyncio.Queue" = asyncio.Queue()
         self._submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
-        done = False
+        ended = [False]
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finish_reason is not None
-                yield item
-                if done:
-                    return
+            while not ended[0]:
+                yield self._take(await q.get(), ended)
         finally:
-            if not done:
+            if not ended[0]:
                 self._cancel(job)
+
+    @staticmethod
+    def _take(item, ended: list):
+        """One queue item of stream/astream: the JobResult, or the worker's exception raised.
+        ended[0] becomes True on the last result or an error (nothing left to cancel then)."""
+        ended[0] = isinstance(item, BaseException) or item.finish_reason is not None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def run(self, jobs) -> list:
         """Run several jobs together (one batch for the Generator); returns their final texts."""
