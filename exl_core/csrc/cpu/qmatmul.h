@@ -2,7 +2,8 @@
 //
 // Every ISA variant (AVX-512, AVX2/FMA, scalar) compiles the same generic body (simd.h) in its
 // own translation unit and namespace, so the per-(row, column) arithmetic is the same
-// everywhere:  acc = 0;  for k in 0..K-1 in order: acc = fma(x[m,k], w[k,n], acc);  y = acc + bias.
+// everywhere:  for each chunk c of 32 rows of K in order: p = 0; for k in the chunk in order:
+// p = fma(x[m,k], w[k,n], p);  y = (c == 0 ? p : y + p);  finally y = y + bias.
 // w is first dequantised to fp32 with  w = fma(q, scale, -(zero*scale)).  That fixed order is
 // what makes results bit-identical whatever M is, wherever a row sits, and whichever ISA runs.
 #pragma once

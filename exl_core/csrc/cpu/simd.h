@@ -11,17 +11,22 @@
 //   for each tile of NBP panels:              (NBP = 4 for small M, 2 otherwise)
 //     for each K block of KC rows:           (KC = 64 / 128)
 //       fill an fp32 tile [NBP][KC][32]     (dequantised once, reused by every row of x)
-//       for rows in blocks of MR: microkernel: MR x (NP*32) accumulators in registers,
-//         k in order, acc loaded from / stored to y between K blocks (exact, so the
-//         blocking never changes a row's arithmetic).
+//       for rows in blocks of MR: microkernel: MR x (NP*32) accumulators in registers.
+//
+// Summation order per output (the same in every path, so results are batch-invariant):
+// K is cut into chunks of KSUM = 32 rows; each chunk's partial p_c is one fma chain started
+// from zero, and y = p_0; y = y + p_1; ...; y = y + bias.  Short chains keep the fp32 error
+// near blocked BLAS sums (one chain over all of K was ~2x further from float64).
 
 #define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
 
 constexpr int VP = kPanel / V::W;  // vectors per panel
+constexpr int KSUM = 32;           // summation chunk along K (see above); divides KC and 32-row quant chunks
 constexpr int KC_SMALL = 64, KC_LARGE = 128;
 constexpr int NBP_SMALL = 4, NBP_LARGE = 2;
 constexpr int TILE_FLOATS = 128 * 2 * kPanel;  // max(KC*NBP) * 32 = 8192 floats (32 KiB)
 static_assert(KC_SMALL * NBP_SMALL <= 256 && KC_LARGE * NBP_LARGE <= 256, "tile size");
+static_assert(KC_SMALL % KSUM == 0 && KC_LARGE % KSUM == 0, "K blocks must hold whole summation chunks");
 
 static inline int lanes_valid(int64_t n_left) {
   return n_left <= 0 ? 0 : (n_left >= V::W ? V::W : static_cast<int>(n_left));
@@ -106,33 +111,41 @@ static void fill_tile_dense(const DenseGemmArgs& a, int64_t k0, int kc, int64_t 
 }
 
 // ---------------------------------------------------------------- microkernel ----------------
-// y[MR rows, NP*32 cols] (+)= x[MR, kc] @ tile[NP][kc][32].  `first`: start from 0 instead of y;
-// `bias`: add it after the last K block.  ncols: valid output columns (the rest is padding).
+// y[MR rows, NP*32 cols] (+)= x[MR, kc] @ tile[NP][kc][32], one KSUM chunk at a time: the
+// chunk's partial starts from zero in registers and is then folded into y (y = partial when
+// `first` and this is the K block's first chunk, else y + partial).  `bias`: added after the
+// last chunk.  ncols: valid output columns (the rest is padding).  y round-trips through L1
+// once per 32 k, which keeps MR x NV registers for accumulators (no second set, no spills).
 template <int MR, int NP>
 static EXL_ALWAYS_INLINE void microkernel(const float* x, int64_t ldx, const float* b, int64_t panel_stride,
                                int kc, float* y, int64_t ldy, int64_t ncols, bool first,
                                const float* bias) {
   constexpr int NV = NP * VP;
-  typename V::f acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j)
-      acc[r][j] = first ? V::zero() : V::loadn(y + r * ldy + j * V::W, lanes_valid(ncols - j * V::W));
-  for (int k = 0; k < kc; ++k) {
-    typename V::f bv[NV];
-    for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < VP; ++v) bv[p * VP + v] = V::load(b + p * panel_stride + k * kPanel + v * V::W);
-    for (int r = 0; r < MR; ++r) {
-      const typename V::f xb = V::bcast(x[r * ldx + k]);
-      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(xb, bv[j], acc[r][j]);
+  for (int k0 = 0; k0 < kc; k0 += KSUM) {
+    const int k1 = k0 + KSUM < kc ? k0 + KSUM : kc;
+    typename V::f acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) acc[r][j] = V::zero();
+    for (int k = k0; k < k1; ++k) {
+      typename V::f bv[NV];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) bv[p * VP + v] = V::load(b + p * panel_stride + k * kPanel + v * V::W);
+      for (int r = 0; r < MR; ++r) {
+        const typename V::f xb = V::bcast(x[r * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(xb, bv[j], acc[r][j]);
+      }
     }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NV; ++j) {
-      const int nv = lanes_valid(ncols - j * V::W);
-      if (nv == 0) continue;
-      typename V::f o = acc[r][j];
-      if (bias) o = V::add(o, V::loadn(bias + j * V::W, nv));
-      V::storen(y + r * ldy + j * V::W, o, nv);
+    const bool init = first && k0 == 0;
+    const float* bias_here = k1 == kc ? bias : nullptr;
+    for (int r = 0; r < MR; ++r) {
+      for (int j = 0; j < NV; ++j) {
+        const int nv = lanes_valid(ncols - j * V::W);
+        if (nv == 0) continue;
+        float* yp = y + r * ldy + j * V::W;
+        typename V::f o = init ? acc[r][j] : V::add(V::loadn(yp, nv), acc[r][j]);
+        if (bias_here) o = V::add(o, V::loadn(bias_here + j * V::W, nv));
+        V::storen(yp, o, nv);
+      }
     }
   }
 }
@@ -184,8 +197,8 @@ static void tile_rows(const float* x, int64_t ldx, int64_t M, int64_t k0, const 
 // ---------------------------------------------------------------- small M: fused path --------
 // For M <= FUSED_MAX_M the tile's store + reload costs more than the FMAs it feeds, so weights
 // are dequantised in registers and used at once.  Per (row, column) the arithmetic is exactly
-// the tile path's (same w = fma(q, s, -(z*s)), same fma chain over k), so results stay
-// bit-identical to large M.
+// the tile path's (same w = fma(q, s, -(z*s)), same 32-k chunk partials folded into y in
+// order), so results stay bit-identical to large M.
 constexpr int FUSED_MAX_M = 4;
 constexpr int FUSED_NV = 4;  // column vectors per block: 4 independent FMA chains per row
 
@@ -210,64 +223,62 @@ static EXL_ALWAYS_INLINE void fused_chunk(const int32_t* q, int64_t N, const typ
   (fused_value<B, MR, NV, I>(q, N, s, nzs, x, ldx, acc), ...);
 }
 
-// y[0:MR, n0 : n0 + NV*W] (full vectors only) over K chunks [c0, c1): accumulators start at 0
-// when c0 == 0, else from y (exact), and get the bias when c1 is the last chunk.
+// y[0:MR, n0 : n0 + NV*W] (full vectors only) for K chunk c (32 rows = one KSUM chunk): the
+// partial starts at 0 and is folded into y (y = partial when c == 0, else y + partial); the
+// bias is added after the last chunk.
 template <int MR, int NV>
-static void fused_block(const QGemmArgs& a, int64_t n0, int64_t c0, int64_t c1) {
+static void fused_block(const QGemmArgs& a, int64_t n0, int64_t c) {
+  static_assert(KSUM == 32, "one quant chunk per summation chunk");
   typename V::f acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = c0 == 0 ? V::zero() : V::load(a.y + r * a.ldy + n0 + j * V::W);
-  for (int64_t c = c0; c < c1; ++c) {
-    const ChunkInfo ch = a.chunks[c];
-    const int32_t* q = a.qweight + ch.qrow * a.N + n0;
-    const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N + n0;
-    const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N + n0;
-    typename V::f s[NV], nzs[NV];
-    for (int j = 0; j < NV; ++j) {
-      s[j] = V::load(srow + j * V::W);
-      nzs[j] = V::mul(V::sub(V::zero(), V::load(zrow + j * V::W)), s[j]);
-    }
-    const float* xk = a.x + c * 32;
-    const auto seq = std::make_integer_sequence<int, 32>{};
-    switch (ch.bits) {
-      case 2: fused_chunk<2, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-      case 3: fused_chunk<3, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-      case 4: fused_chunk<4, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-      case 5: fused_chunk<5, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-      case 6: fused_chunk<6, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-      default: fused_chunk<8, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-    }
+    for (int j = 0; j < NV; ++j) acc[r][j] = V::zero();
+  const ChunkInfo ch = a.chunks[c];
+  const int32_t* q = a.qweight + ch.qrow * a.N + n0;
+  const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N + n0;
+  const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N + n0;
+  typename V::f s[NV], nzs[NV];
+  for (int j = 0; j < NV; ++j) {
+    s[j] = V::load(srow + j * V::W);
+    nzs[j] = V::mul(V::sub(V::zero(), V::load(zrow + j * V::W)), s[j]);
   }
-  const float* bias = c1 * 32 == a.K ? a.bias : nullptr;
+  const float* xk = a.x + c * 32;
+  const auto seq = std::make_integer_sequence<int, 32>{};
+  switch (ch.bits) {
+    case 2: fused_chunk<2, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    case 3: fused_chunk<3, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    case 4: fused_chunk<4, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    case 5: fused_chunk<5, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    case 6: fused_chunk<6, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    default: fused_chunk<8, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+  }
+  const float* bias = (c + 1) * 32 == a.K ? a.bias : nullptr;
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) {
-      typename V::f o = acc[r][j];
+      float* yp = a.y + r * a.ldy + n0 + j * V::W;
+      typename V::f o = c == 0 ? acc[r][j] : V::add(V::load(yp), acc[r][j]);
       if (bias) o = V::add(o, V::load(bias + n0 + j * V::W));
-      V::store(a.y + r * a.ldy + n0 + j * V::W, o);
+      V::store(yp, o);
     }
 }
 
-// K-chunk outer, columns inner: each visit reads FUSED_CPV chunks (a few whole qweight rows
-// across this thread's columns), so weights stream sequentially instead of striding by N.
-constexpr int FUSED_CPV = 1;
-
+// K-chunk outer, columns inner: each visit reads one chunk (a few whole qweight rows across
+// this thread's columns), so weights stream sequentially instead of striding by N.
 template <int MR>
 static void fused_cols(const QGemmArgs& a, int64_t n_begin, int64_t n_end) {  // n_end - n_begin: multiple of W
   const int64_t nchunks = a.K / 32;
-  for (int64_t c0 = 0; c0 < nchunks; c0 += FUSED_CPV) {
-    const int64_t c1 = c0 + FUSED_CPV < nchunks ? c0 + FUSED_CPV : nchunks;
+  for (int64_t c = 0; c < nchunks; ++c) {
     int64_t n = n_begin;
-    for (; n + FUSED_NV * V::W <= n_end; n += FUSED_NV * V::W) fused_block<MR, FUSED_NV>(a, n, c0, c1);
-    for (; n + 2 * V::W <= n_end; n += 2 * V::W) fused_block<MR, 2>(a, n, c0, c1);
-    for (; n < n_end; n += V::W) fused_block<MR, 1>(a, n, c0, c1);
+    for (; n + FUSED_NV * V::W <= n_end; n += FUSED_NV * V::W) fused_block<MR, FUSED_NV>(a, n, c);
+    for (; n + 2 * V::W <= n_end; n += 2 * V::W) fused_block<MR, 2>(a, n, c);
+    for (; n < n_end; n += V::W) fused_block<MR, 1>(a, n, c);
   }
 }
 
 // ---------------------------------------------------------------- small M: dense direct path -
 // For M <= FUSED_MAX_M, packing w_t into tiles costs more than the FMAs: read w_t rows in place.
-// k-block outer (DENSE_KB rows, a few sequential streams), columns inner; same fma chain per
-// (row, column) as the tile path.
-constexpr int DENSE_KB = 16;
+// k-block outer (DENSE_KB rows = one KSUM chunk, a few sequential streams), columns inner;
+// same chunk partials folded into y in the same order as the tile path.
+constexpr int DENSE_KB = KSUM;
 
 template <int MR, int NV, bool BF16>
 static void dense_block(const DenseGemmArgs& a, int64_t n0, int64_t ncols, int64_t k0, int64_t k1) {
@@ -275,7 +286,7 @@ static void dense_block(const DenseGemmArgs& a, int64_t n0, int64_t ncols, int64
   int nv[NV];
   for (int j = 0; j < NV; ++j) nv[j] = lanes_valid(ncols - j * V::W);
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = k0 == 0 ? V::zero() : V::loadn(a.y + r * a.ldy + n0 + j * V::W, nv[j]);
+    for (int j = 0; j < NV; ++j) acc[r][j] = V::zero();
   for (int64_t k = k0; k < k1; ++k) {
     typename V::f w[NV];
     for (int j = 0; j < NV; ++j) {
@@ -291,9 +302,10 @@ static void dense_block(const DenseGemmArgs& a, int64_t n0, int64_t ncols, int64
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) {
       if (nv[j] == 0) continue;
-      typename V::f o = acc[r][j];
+      float* yp = a.y + r * a.ldy + n0 + j * V::W;
+      typename V::f o = k0 == 0 ? acc[r][j] : V::add(V::loadn(yp, nv[j]), acc[r][j]);
       if (bias) o = V::add(o, V::loadn(bias + n0 + j * V::W, nv[j]));
-      V::storen(a.y + r * a.ldy + n0 + j * V::W, o, nv[j]);
+      V::storen(yp, o, nv[j]);
     }
 }
 
