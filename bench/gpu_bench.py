@@ -243,6 +243,10 @@ def gemv_sweep(model) -> list[dict]:
                 "dequant_mm": lambda pw: x @ ops.qdequant_chunks(pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero,
                                                                  pw.perm, model.dtype),
             }
+            if M in (1, 16):                                  # split-K choices of the tensor-core kernel
+                for sp in (1, 2, 4, 8):
+                    paths[f"mma_s{sp}"] = (lambda sp: lambda pw: ops.qgemm_mma(
+                        x, pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero, pw.perm, None, sp))(sp)
             row = {"K": K, "N": N, "M": M}
             for name, f in paths.items():
                 if name == "gemv" and M > 16:
@@ -349,7 +353,7 @@ def main() -> None:
             bench_format(p, fmt, bw, out)
             _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
-        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("mma", "gemv", "dequant_mm")
+        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("mma", "gemv", "dequant_mm", "mma_s1", "mma_s2", "mma_s4", "mma_s8")
                           if n + "_us" in row)
         errs = [k for k in row if k.endswith("_error")]
         print(f"K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: {cells} {errs if errs else ''}")

@@ -138,17 +138,29 @@ def test_qgemm_mma_vs_float64(case, M):
     assert rel_err(y, ref) < 2e-3
 
 
-def test_qgemm_mma_refuses_bad_input():
+_BAD_MMA_CALL = """
+import torch, exl_core
+from exl_core.ops.cuda_candidates import chunk_table
+from exl_core.formats.packed import PackedWeight
+K, N = 64, {N}
+pw = PackedWeight(torch.zeros(K // 8, N, dtype=torch.int32), torch.tensor([(4, 0, K, 0)], dtype=torch.int32),
+                  torch.ones(1, N), torch.zeros(1, N), None, K, N).to("cuda")
+x = torch.randn(2, K, device="cuda").to({dtype})
+try:
+    torch.ops.exl_core.qgemm_mma(x, pw.qweight, chunk_table(pw.groups, "cuda"), pw.scale, pw.zero, None, None)
+except RuntimeError as e:
+    print("raised:", e)
+"""
+
+
+@pytest.mark.parametrize("N,dtype,msg", [(36, "torch.float32", "float16"), (37, "torch.float16", "multiple of 4")])
+def test_qgemm_mma_refuses_bad_input(N, dtype, msg):
+    """In a child process, so that a crash instead of a clean error fails this test only."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import chunk_table
-    pw = random_packed(LAYOUTS[0], 36, perm=False).to("cuda")
-    ch = chunk_table(pw.groups, "cuda")
-    x = torch.randn(2, pw.in_features, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="float16"):
-        torch.ops.exl_core.qgemm_mma(x.float(), pw.qweight, ch, pw.scale, pw.zero, None, None)
-    pw2 = random_packed(LAYOUTS[0], 37, perm=False).to("cuda")
-    with pytest.raises(RuntimeError, match="multiple of 4"):
-        torch.ops.exl_core.qgemm_mma(x, pw2.qweight, ch, pw2.scale, pw2.zero, None, None)
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _BAD_MMA_CALL.format(N=N, dtype=dtype)], capture_output=True, text=True)
+    assert r.returncode == 0 and "raised:" in r.stdout and msg in r.stdout, (r.returncode, r.stdout, r.stderr[-500:])
 
 
 def test_qmatmul_float32_matches_cpu_kernel():

@@ -44,12 +44,14 @@ struct Raw {        // one chunk's words, scales and zeros for a lane's 4 column
   int bits;         // 0: no chunk (past the end)
 };
 
-__device__ __forceinline__ void load_raw(Raw& r, int c, int c_end, const int32_t* __restrict__ chunks,
+// `tab` points at chunk c's (bits, group, qrow): the block's table copy in shared memory, or the
+// global table for the first loads that are issued before that copy exists.
+__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab,
                                          const int32_t* __restrict__ qweight, const float* __restrict__ scale,
                                          const float* __restrict__ zero, int64_t N, int64_t col, bool valid, int t) {
   r.bits = 0;
-  if (c >= c_end) return;
-  const int bits = __ldg(chunks + 3 * c), grp = __ldg(chunks + 3 * c + 1), qrow = __ldg(chunks + 3 * c + 2);
+  if (!exists) return;
+  const int bits = tab[0], grp = tab[1], qrow = tab[2];
   r.bits = bits;
   if (!valid) {
     r.lo = r.hi = make_int4(0, 0, 0, 0);
@@ -99,7 +101,7 @@ __device__ __forceinline__ float compf(const float4& v, int i) { return i == 0 ?
 
 // acc[mt][v] += x_chunk (rows of m-tile mt) @ W_chunk (column tile v).
 template <int BITS, int MT>
-__device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs_stride, int g, int t,
+__device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs_stride, int g, int t, int M,
                                           float (&acc)[MT][4][4]) {
   const int sh = (8 * t * BITS) & 31;
   const __half2 k1024 = __float2half2_rn(1024.f);
@@ -121,8 +123,11 @@ __device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs
     for (int mt = 0; mt < MT; ++mt) {
       const __half* r0 = xc + (mt * 16 + g) * xs_stride + j * 16 + 2 * t;
       const __half* r1 = r0 + 8 * xs_stride;
-      const uint32_t a0 = *reinterpret_cast<const uint32_t*>(r0), a1 = *reinterpret_cast<const uint32_t*>(r1);
-      const uint32_t a2 = *reinterpret_cast<const uint32_t*>(r0 + 8), a3 = *reinterpret_cast<const uint32_t*>(r1 + 8);
+      const bool h0 = mt * 16 + g < M, h1 = mt * 16 + g + 8 < M;   // unstaged rows are zero
+      const uint32_t a0 = h0 ? *reinterpret_cast<const uint32_t*>(r0) : 0u;
+      const uint32_t a1 = h1 ? *reinterpret_cast<const uint32_t*>(r1) : 0u;
+      const uint32_t a2 = h0 ? *reinterpret_cast<const uint32_t*>(r0 + 8) : 0u;
+      const uint32_t a3 = h1 ? *reinterpret_cast<const uint32_t*>(r1 + 8) : 0u;
 #pragma unroll
       for (int v = 0; v < 4; ++v) mma16816(acc[mt][v], a0, a1, a2, a3, b[v][2 * j], b[v][2 * j + 1]);
     }
@@ -130,27 +135,28 @@ __device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs
 }
 
 template <int MT>
-__device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, int xs_stride, int g, int t,
+__device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, int xs_stride, int g, int t, int M,
                                               float (&acc)[MT][4][4]) {
   switch (r.bits) {
-    case 4: mma_chunk<4, MT>(r, xc, xs_stride, g, t, acc); break;
-    case 2: mma_chunk<2, MT>(r, xc, xs_stride, g, t, acc); break;
-    case 3: mma_chunk<3, MT>(r, xc, xs_stride, g, t, acc); break;
-    case 5: mma_chunk<5, MT>(r, xc, xs_stride, g, t, acc); break;
-    case 6: mma_chunk<6, MT>(r, xc, xs_stride, g, t, acc); break;
-    case 8: mma_chunk<8, MT>(r, xc, xs_stride, g, t, acc); break;
+    case 4: mma_chunk<4, MT>(r, xc, xs_stride, g, t, M, acc); break;
+    case 2: mma_chunk<2, MT>(r, xc, xs_stride, g, t, M, acc); break;
+    case 3: mma_chunk<3, MT>(r, xc, xs_stride, g, t, M, acc); break;
+    case 5: mma_chunk<5, MT>(r, xc, xs_stride, g, t, M, acc); break;
+    case 6: mma_chunk<6, MT>(r, xc, xs_stride, g, t, M, acc); break;
+    case 8: mma_chunk<8, MT>(r, xc, xs_stride, g, t, M, acc); break;
     default: break;                                           // 0: no chunk
   }
 }
 
-// grid (ceil(N / 128), splits); dynamic smem: max(x stage, partial tiles).
+// grid (ceil(N / 128), splits); dynamic smem: max(chunk table + x stage, partial tiles).
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
     const __half* __restrict__ x, int M, int64_t K, const int32_t* __restrict__ chunks, int n_chunks,
     const int32_t* __restrict__ qweight, int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
     const int64_t* __restrict__ perm, const __half* __restrict__ bias, int cpb, __half* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __half* xs = reinterpret_cast<__half*>(smem_raw);          // [MT*16][kStageChunks*32 + kPad]
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);       // [cpb][3] this block's chunk rows
+  __half* xs = reinterpret_cast<__half*>(smem_raw + ((cpb * 3 * 4 + 15) & ~15));  // [MT*16][stage + pad]
   float* red = reinterpret_cast<float*>(smem_raw);           // [kKWarps][MT*16][kTileN], after the loop
   constexpr int kRows = MT * 16;
   constexpr int xs_stride = kStageChunks * 32 + kPad;
@@ -168,30 +174,30 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][v][i] = 0.f;
 
+  // The first two chunks' words are requested before x is staged, so their latency overlaps it.
+  // Each K warp takes every kKWarps-th chunk; loads then run two chunks ahead of the math.
+  int c = c_begin + kw;
+  Raw cur0, cur1, nxt0, nxt1;
+  load_raw(cur0, c < c_end, chunks + 3 * c, qweight, scale, zero, N, col, valid, t);
+  load_raw(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qweight, scale, zero, N, col, valid, t);
+  for (int i = threadIdx.x; i < (c_end - c_begin) * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
+
   for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
     const int s1 = min(c_end, s0 + kStageChunks), L = (s1 - s0) * 32;
-    __syncthreads();                                          // previous stage fully consumed
-    for (int idx = threadIdx.x; idx < kRows * L; idx += kThreads) {
-      const int m = idx / L, pos = idx % L;
-      __half v = __float2half(0.f);
-      if (m < M) {
-        const int within = pos & 31;
-        const int64_t k = static_cast<int64_t>(s0) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
-        v = x[m * K + (perm ? perm[k] : k)];
-      }
-      xs[m * xs_stride + pos] = v;
+    if (s0 != c_begin) __syncthreads();                       // previous stage fully consumed
+    for (int idx = threadIdx.x; idx < M * L; idx += kThreads) {   // real rows only
+      const int m = idx / L, pos = idx - m * L;
+      const int within = pos & 31;
+      const int64_t k = static_cast<int64_t>(s0) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
+      xs[m * xs_stride + pos] = x[m * K + (perm ? __ldg(perm + k) : k)];
     }
     __syncthreads();
-    // Each K warp takes every kKWarps-th chunk; loads run two chunks ahead of the math.
-    int c = s0 + kw;
-    Raw cur0, cur1, nxt0, nxt1;
-    load_raw(cur0, c, s1, chunks, qweight, scale, zero, N, col, valid, t);
-    load_raw(cur1, c + kKWarps, s1, chunks, qweight, scale, zero, N, col, valid, t);
     for (; c < s1; c += 2 * kKWarps) {
-      load_raw(nxt0, c + 2 * kKWarps, s1, chunks, qweight, scale, zero, N, col, valid, t);
-      load_raw(nxt1, c + 3 * kKWarps, s1, chunks, qweight, scale, zero, N, col, valid, t);
-      mma_chunk_any<MT>(cur0, xs + (c - s0) * 32, xs_stride, g, t, acc);
-      mma_chunk_any<MT>(cur1, xs + (c + kKWarps - s0) * 32, xs_stride, g, t, acc);
+      const int c2 = c + 2 * kKWarps, c3 = c + 3 * kKWarps;
+      load_raw(nxt0, c2 < c_end, tab + 3 * (c2 - c_begin), qweight, scale, zero, N, col, valid, t);
+      load_raw(nxt1, c3 < c_end, tab + 3 * (c3 - c_begin), qweight, scale, zero, N, col, valid, t);
+      mma_chunk_any<MT>(cur0, xs + (c - s0) * 32, xs_stride, g, t, M, acc);
+      mma_chunk_any<MT>(cur1, xs + (c + kKWarps - s0) * 32, xs_stride, g, t, M, acc);
       cur0 = nxt0;
       cur1 = nxt1;
     }
@@ -257,8 +263,9 @@ int device_sm(int dev, bool want_major) {
   return want_major ? major[dev] : sms[dev];
 }
 
-size_t smem_bytes(int mt) {
-  const size_t xs = static_cast<size_t>(mt) * 16 * (kStageChunks * 32 + kPad) * sizeof(__half);
+size_t smem_bytes(int mt, int cpb) {
+  const size_t xs = ((static_cast<size_t>(cpb) * 12 + 15) & ~static_cast<size_t>(15)) +
+                    static_cast<size_t>(mt) * 16 * (kStageChunks * 32 + kPad) * sizeof(__half);
   const size_t red = static_cast<size_t>(kKWarps) * mt * 16 * kTileN * sizeof(float);
   return std::max(xs, red);
 }
@@ -266,7 +273,7 @@ size_t smem_bytes(int mt) {
 template <int MT>
 void launch(const __half* x, int M, int64_t K, const at::Tensor& chunks, const at::Tensor& qweight,
             const at::Tensor& scale, const at::Tensor& zero, const int64_t* perm, const __half* bias, __half* y,
-            int dev, cudaStream_t stream) {
+            int dev, int splits, cudaStream_t stream) {
   const int64_t N = qweight.size(1);
   const int C = static_cast<int>(chunks.size(0));
   const int64_t tiles = (N + kTileN - 1) / kTileN;
@@ -276,15 +283,16 @@ void launch(const __half* x, int M, int64_t K, const at::Tensor& chunks, const a
   if (device_sm(dev, true) >= 9) {
     S = static_cast<int>(std::min<int64_t>(kMaxSplits, (2 * sms + tiles - 1) / tiles));
     S = std::max(1, std::min(S, C / 4));                     // at least 4 chunks per block
+    if (splits > 0) S = std::min(splits, kMaxSplits);        // forced (benchmark sweeps)
   }
   const int cpb = (C + S - 1) / S;
   S = (C + cpb - 1) / cpb;
-  const size_t smem = smem_bytes(MT);
-  static bool attr_set[2] = {false, false};
-  if (!attr_set[MT - 1]) {
+  const size_t smem = smem_bytes(MT, cpb);
+  static size_t attr_set[2] = {0, 0};                         // largest dynamic smem granted so far
+  if (smem > attr_set[MT - 1]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(qgemm_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
-    attr_set[MT - 1] = true;
+    attr_set[MT - 1] = smem;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
@@ -309,7 +317,7 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 // y [M, N] fp16 = x[:, perm] @ W_perm (+ bias); x fp16 [M, K]; N % 4 == 0; 16-byte aligned buffers.
 at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                      const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, int64_t splits) {
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && chunks.is_cuda() && scale.is_cuda() && zero.is_cuda(),
               "exl_core::qgemm_mma: all tensors must be on the GPU");
   TORCH_CHECK(x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
@@ -339,10 +347,11 @@ at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::T
   auto* yp = reinterpret_cast<__half*>(y.data_ptr());
   const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
   const __half* bp = bias ? reinterpret_cast<const __half*>(bias->data_ptr()) : nullptr;
+  const int sp = static_cast<int>(splits);
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
     const int r = static_cast<int>(std::min<int64_t>(32, M - r0));
-    if (r <= 16) launch<1>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, stream);
-    else launch<2>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, stream);
+    if (r <= 16) launch<1>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, sp, stream);
+    else launch<2>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, sp, stream);
   }
   return y;
 }
@@ -351,7 +360,7 @@ at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_mma(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, int splits=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("qgemm_mma", &qgemm_mma); }
