@@ -86,3 +86,23 @@ def test_smollm2_logits_and_greedy_match_hf(smollm2_dir):
             break
         logits = model.forward_batch(torch.tensor([[nxt]]), kv)[0, -1]
     assert mine == hf_tokens[:len(mine)]
+
+
+@pytest.mark.parametrize("kind,rel_tol", [("bf16", 1e-2), ("int8", 2e-2)])
+def test_lighter_head_close_to_exact(tiny_llama_dir, kind, rel_tol):
+    """bf16/int8 heads (decode speed) stay within the stated error of the exact fp32 head, and the
+    exact head is the default (the HF comparisons above use it)."""
+    exact, _ = load_model(tiny_llama_dir, load_tokenizer=False)
+    light, _ = load_model(tiny_llama_dir, load_tokenizer=False, head=kind)
+    assert exact.lm_head.w_t.dtype == torch.float32 and not exact.lm_head.is_quantized
+    assert light.lm_head.is_quantized == (kind == "int8")
+    ids = torch.randint(0, exact.config.vocab_size, (2, 7))
+    a, b = exact.forward_batch(ids).double(), light.forward_batch(ids).double()
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < rel_tol   # > 0: the lighter head really is a different weight
+
+
+def test_lighter_head_rejects_unknown_kind(tiny_llama_dir):
+    from exl_core.errors import ConfigError
+    with pytest.raises(ConfigError, match="head='fp8'"):
+        load_model(tiny_llama_dir, load_tokenizer=False, head="fp8")
