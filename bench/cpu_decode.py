@@ -50,14 +50,15 @@ print(json.dumps({"prompt_tok_s": n_prompt / (t1 - t0), "decode_tok_s": n_new / 
 """
 
 
-def bench_exl(folder: Path, label: str, n_prompt: int, n_new: int, decode_prompt: list[int]) -> dict:
+def bench_exl(folder: Path, label: str, n_prompt: int, n_new: int, decode_prompt: list[int],
+              head: str = "exact") -> dict:
     from exl_core.cache import Cache
     from exl_core.generation import Generator, Job
     from exl_core.generation.sampling import SamplerSettings
     from exl_core.loader import load_model
     from exl_core.model.context import ContiguousContext
 
-    model, tok = load_model(folder)
+    model, tok = load_model(folder, head=head)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 49000, (n_prompt,), generator=g)
     with torch.inference_mode():  # prompt: one forward pass, logits of the last row only
@@ -127,6 +128,8 @@ def main():
     ap.add_argument("--llamacpp-python", default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--formats", default="dense,gptq,exl2")
+    ap.add_argument("--head", default="int8", choices=["exact", "bf16", "int8"],
+                    help="output layer of the quantized rows (the dense row keeps the exact fp32 head)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -137,17 +140,18 @@ def main():
     decode_prompt = tok.apply_chat_template([{"role": "user", "content": "Write a long story about a dragon."}],
                                             tokenize=True)
     rows = []
-    variants = {"dense": (dense, "exl_core dense fp32")}
+    variants = {"dense": (dense, "exl_core dense fp32", "exact")}
     wanted = args.formats.split(",")
     if "gptq" in wanted or "exl2" in wanted:
         from quantized_models import quantized_smollm2
         for fmt in ("gptq", "exl2"):
             if fmt in wanted:
-                variants[fmt] = (quantized_smollm2(fmt), f"exl_core {fmt} 4-bit" if fmt == "gptq" else "exl_core exl2 4.0bpw")
+                name = "gptq 4-bit" if fmt == "gptq" else "exl2 4.0bpw"
+                variants[fmt] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head)", args.head)
     for key in wanted:
         if key in variants:
-            folder, label = variants[key]
-            rows.append(bench_exl(folder, label, args.prompt_tokens, args.new_tokens, decode_prompt))
+            folder, label, head = variants[key]
+            rows.append(bench_exl(folder, label, args.prompt_tokens, args.new_tokens, decode_prompt, head))
             print_table(rows[-1:], ["engine", "prompt_tok_s", "decode_tok_s"])
     if not args.skip_hf:
         rows.append(bench_hf(dense, args.prompt_tokens, args.new_tokens, decode_prompt))
@@ -163,7 +167,7 @@ def main():
     cols = ["engine", "prompt_tok_s", "decode_tok_s"] + sorted({k for r in rows for k in r if "_x_" in k})
     print()
     print_table(rows, cols)
-    write_results("cpu_decode", {"threads": args.threads, "new_tokens": args.new_tokens,
+    write_results("cpu_decode", {"threads": args.threads, "new_tokens": args.new_tokens, "head": args.head,
                                  "prompt_tokens": args.prompt_tokens, "rows": rows})
 
 

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from ..formats.packed import PackedWeight
+from ..ops.linear import dense_linear
+from ..ops.qmatmul import qmatmul
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
@@ -93,10 +95,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            from ..ops.qmatmul import qmatmul
             y = qmatmul(x, self.packed)
         else:
-            from ..ops.linear import dense_linear
             y = dense_linear(x, self.w_t, self.bias)
         if self.lora is not None:
             y = self.lora(x, y)

@@ -39,11 +39,21 @@ _DISABLED: set[str] = _parse_env("EXL_CORE_DISABLE_KERNEL")  # type: ignore[assi
 
 
 class Dispatcher:
-    """Holds the candidates of one op and picks one per call."""
+    """Holds the candidates of one op and picks one per call.
 
-    def __init__(self, op: str, candidates: list[Candidate]):
+    `key(**args)`, when given, must return a hashable summary of everything the candidates'
+    checks read (devices, dtypes, contiguity, None-ness): calls with an equal key reuse the
+    first choice instead of re-running every check (decode makes ~10^4 small calls per second,
+    where the checks cost as much as the kernel). Ops whose checks read shapes or values pass
+    no key.
+    """
+
+    def __init__(self, op: str, candidates: list[Candidate], key: Optional[Callable[..., Any]] = None):
         self.op = op
         self.candidates = list(candidates)
+        self.key = key
+        self._chosen: dict[Any, Candidate] = {}
+        self._n_seen = len(self.candidates)
 
     def reasons(self, **args) -> list[tuple[str, Optional[str]]]:
         """(name, refusal reason or None) for every candidate, in priority order."""
@@ -72,7 +82,16 @@ class Dispatcher:
         raise KernelError(f"no kernel for {self.op}: {detail}")
 
     def __call__(self, **args):
-        return self.select(**args).run(**args)
+        if self.key is None:
+            return self.select(**args).run(**args)
+        if len(self.candidates) != self._n_seen:   # a candidate was added (cuda_candidates.install)
+            self._chosen.clear()
+            self._n_seen = len(self.candidates)
+        k = self.key(**args)
+        c = self._chosen.get(k)
+        if c is None:
+            c = self._chosen[k] = self.select(**args)
+        return c.run(**args)
 
 
 def extension():

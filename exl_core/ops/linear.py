@@ -50,10 +50,16 @@ def _run_torch_ref(x, w_t, bias):
     return y.to(x.dtype)
 
 
+def _key(x, w_t, bias):
+    # everything the checks above read
+    return (x.device, x.dtype, w_t.device, w_t.dtype, w_t.is_contiguous(),
+            None if bias is None else bias.device)
+
+
 DISPATCH = Dispatcher("dense_linear", [
     Candidate("cpu_fused", _check_cpu_fused, _run_cpu_fused),
     Candidate("torch_ref", _check_torch_ref, _run_torch_ref),
-])
+], key=_key)
 
 
 def dense_linear(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -48,11 +48,17 @@ def _ref_run(x, weight, eps, residual):
     return rms_norm_ref(x, weight, eps, residual)
 
 
+def _key(x, weight, eps, residual):
+    # everything the checks read (this file's and cuda_candidates')
+    return (x.device, x.dtype, weight.device, weight.dtype,
+            None if residual is None else (residual.device, residual.dtype))
+
+
 RMS_NORM = Dispatcher("rms_norm", [
     # slot: Candidate("cuda", ...) goes first once csrc/cuda has a norm kernel
     Candidate("cpu", _cpu_check, _cpu_run),
     Candidate("torch_ref", lambda **_: None, _ref_run),
-])
+], key=_key)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

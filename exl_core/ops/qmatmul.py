@@ -105,11 +105,16 @@ def _check_cuda(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
     return None
 
 
+def _key(x: torch.Tensor, pw: PackedWeight):
+    # everything the checks above read (has_op / extension() are fixed once imported)
+    return x.device, x.dtype, pw.qweight.device, pw.scale.dtype, pw.zero.dtype
+
+
 DISPATCH = Dispatcher("qmatmul", [
     Candidate("cuda", _check_cuda, _run_cpu_fused),          # same op, CUDA dispatch key
     Candidate("cpu_fused", _check_cpu_fused, _run_cpu_fused),
     Candidate("torch_ref", _check_torch_ref, _run_torch_ref),
-])
+], key=_key)
 
 
 def qmatmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:

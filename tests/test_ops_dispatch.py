@@ -1,0 +1,40 @@
+"""Dispatcher: the per-key choice cache must pick what select() picks and notice new candidates."""
+from __future__ import annotations
+
+import pytest
+
+from exl_core.errors import KernelError
+from exl_core.ops.dispatch import Candidate, Dispatcher
+
+
+def _disp(calls):
+    def check_small(n):
+        calls.append("check_small")
+        return None if n < 10 else f"n={n} too large"
+    return Dispatcher("toy", [
+        Candidate("small", check_small, lambda n: ("small", n)),
+        Candidate("any", lambda n: None, lambda n: ("any", n)),
+    ], key=lambda n: n < 10)
+
+
+def test_cached_choice_matches_select_and_skips_checks():
+    calls = []
+    d = _disp(calls)
+    assert d(n=3) == ("small", 3)
+    assert d(n=4) == ("small", 4)          # same key: checks not run again
+    assert calls == ["check_small"]
+    assert d(n=50) == ("any", 50)          # other key: selected afresh, refusal recorded
+    assert d.reasons(n=50) == [("small", "n=50 too large"), ("any", None)]
+
+
+def test_inserted_candidate_invalidates_cache():
+    d = _disp([])
+    assert d(n=1)[0] == "small"
+    d.candidates.insert(0, Candidate("first", lambda n: None, lambda n: ("first", n)))
+    assert d(n=1) == ("first", 1)
+
+
+def test_no_candidate_lists_every_reason():
+    d = Dispatcher("toy", [Candidate("a", lambda n: "nope", lambda n: n)], key=lambda n: 0)
+    with pytest.raises(KernelError, match="a: nope"):
+        d(n=1)
