@@ -55,11 +55,16 @@ def _cpu_run(q, k, positions, cos_sin):
                                          cos_sin.contiguous()))
 
 
+def _key(q, k, positions, cos_sin):
+    # everything the checks read (this file's and cuda_candidates')
+    return tuple((t.device, t.dtype) for t in (q, k, positions, cos_sin))
+
+
 ROPE = Dispatcher("rope", [
     # slot: Candidate("cuda", ...) goes first once csrc/cuda has a rope kernel
     Candidate("cpu", _cpu_check, _cpu_run),
     Candidate("torch_ref", lambda **_: None, lambda q, k, positions, cos_sin: apply_rope_ref(q, k, positions, cos_sin)),
-])
+], key=_key)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -74,7 +79,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         raise InputError(f"apply_rope: positions {tuple(positions.shape)} must be int64 [T={t}]")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != d:
         raise InputError(f"apply_rope: cos_sin {tuple(cos_sin.shape)} must be float32 [max_pos, D={d}]")
-    if t and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0]):
+    # On CUDA this host check would sync twice per layer; the CUDA kernel writes NaN rows for
+    # out-of-table positions instead (csrc/cuda/pointwise_cuda.cu).
+    if t and positions.device.type != "cuda" and (int(positions.min()) < 0 or
+                                                  int(positions.max()) >= cos_sin.shape[0]):
         raise InputError(f"apply_rope: positions span {int(positions.min())}..{int(positions.max())} but the "
                          f"cos_sin table covers 0..{cos_sin.shape[0] - 1}; build a longer table")
     return ROPE(q=q, k=k, positions=positions, cos_sin=cos_sin)

@@ -67,13 +67,18 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
 // x (T, H, D) -> out: pairs (i, i + D/2) rotated by cos_sin[positions[t]] (fp32 table [P, D]).
 template <typename T>
 __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, int64_t D,
-                            const int64_t* __restrict__ pos, const float* __restrict__ cs, T* __restrict__ out) {
+                            const int64_t* __restrict__ pos, const float* __restrict__ cs, int64_t max_pos,
+                            T* __restrict__ out) {
   const int64_t half = D / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;   // over rows*H*half
   if (idx >= rows * H * half) return;
   const int64_t i = idx % half, th = idx / half, t = th / H;
-  const float* c = cs + pos[t] * D;
-  const float cv = c[i], sv = c[half + i];
+  // The host does not range-check positions on the GPU (a sync per layer): a position outside
+  // the table gives NaN rows instead of an out-of-bounds read.
+  const int64_t p = pos[t];
+  const bool ok = p >= 0 && p < max_pos;
+  const float* c = cs + (ok ? p : 0) * D;
+  const float cv = ok ? c[i] : __int_as_float(0x7fc00000), sv = c[half + i];
   const T* xr = x + th * D;
   const float x1 = f32<T>(xr[i]), x2 = f32<T>(xr[half + i]);
   out[th * D + i] = cvt<T>(x1 * cv - x2 * sv);
@@ -159,7 +164,7 @@ at::Tensor rope_one(const at::Tensor& x_, const at::Tensor& pos, const at::Tenso
   if (!n) return out;
   EXL_PW_DISPATCH(x.scalar_type(), "exl_core::rope (CUDA)", [&] {
     rope_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-        ptr<scalar_t>(x), rows, H, D, pos.data_ptr<int64_t>(), cs.data_ptr<float>(), ptr<scalar_t>(out));
+        ptr<scalar_t>(x), rows, H, D, pos.data_ptr<int64_t>(), cs.data_ptr<float>(), cs.size(0), ptr<scalar_t>(out));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -38,32 +38,27 @@ __device__ __forceinline__ int frag_to_real(int j, int f) {
   return 8 * ((f & 7) >> 1) + 2 * j + (f >> 3) + 4 * (f & 1);
 }
 
-struct Raw {        // one chunk's words, scales and zeros for a lane's 4 columns
+struct Raw {        // one chunk's words for a lane's 4 columns
   int4 lo, hi;
-  float4 s, z;
   int bits;         // 0: no chunk (past the end)
+  int grp;
 };
 
 // `tab` points at chunk c's (bits, group, qrow): the block's table copy in shared memory, or the
 // global table for the first loads that are issued before that copy exists.
-__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab,
-                                         const int32_t* __restrict__ qweight, const float* __restrict__ scale,
-                                         const float* __restrict__ zero, int64_t N, int64_t col, bool valid, int t) {
+__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab, const int32_t* __restrict__ qweight,
+                                         int64_t N, int64_t col, bool valid, int t) {
   r.bits = 0;
   if (!exists) return;
-  const int bits = tab[0], grp = tab[1], qrow = tab[2];
+  const int bits = tab[0], qrow = tab[2];
   r.bits = bits;
-  if (!valid) {
-    r.lo = r.hi = make_int4(0, 0, 0, 0);
-    r.s = r.z = make_float4(0.f, 0.f, 0.f, 0.f);
-    return;
-  }
+  r.grp = tab[1];
+  r.lo = r.hi = make_int4(0, 0, 0, 0);
+  if (!valid) return;
   const int start = 8 * t * bits;
   const int32_t* p = qweight + static_cast<int64_t>(qrow + (start >> 5)) * N + col;
   r.lo = __ldg(reinterpret_cast<const int4*>(p));
-  r.hi = ((start & 31) + 8 * bits > 32) ? __ldg(reinterpret_cast<const int4*>(p + N)) : make_int4(0, 0, 0, 0);
-  r.s = __ldg(reinterpret_cast<const float4*>(scale + grp * N + col));
-  r.z = __ldg(reinterpret_cast<const float4*>(zero + grp * N + col));
+  if ((start & 31) + 8 * bits > 32) r.hi = __ldg(reinterpret_cast<const int4*>(p + N));
 }
 
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -74,13 +69,12 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Pair p of a lane's 8 values as fp16x2 bits 1024 + (q_p, q_p+4), exact for q < 1024.
+// Pair p of a lane's 8 values as fp16x2 bits of (1024 + q_p, 1024 + q_p+4), exact for q < 1024.
 template <int BITS>
 __device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
   constexpr uint32_t mask = (1u << BITS) - 1u;
   if constexpr (BITS == 4) {
-    const uint32_t w = wl;                                    // 8 values in one word, sh == 0
-    return ((w >> (4 * p)) & 0x000F000Fu) | 0x64006400u;
+    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;   // 8 values in one word, sh == 0
   } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
     const uint32_t w = __funnelshift_r(wl, wh, sh);
     return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
@@ -92,77 +86,111 @@ __device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, 
   }
 }
 
-__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 __device__ __forceinline__ uint32_t comp(const int4& v, int i) {
   return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
 }
-__device__ __forceinline__ float compf(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// acc[mt][v] += x_chunk (rows of m-tile mt) @ W_chunk (column tile v).
+// acc[mt][v] += x_chunk @ W_chunk with W = (q - z) * s applied after the mma:
+//   d = x . (1024 + q)   (tensor cores, B straight from the packed bits: no fp16 dequant math)
+//   acc += s * (d - (1024 + z) * sum(x))      per output column, sum(x) over the chunk's 32 k.
+// d holds ~7 bits of cancellation at most (|q| <= 255 against 1024) within fp32: far below fp16.
+// The D fragment's columns are 8t..8t+7 of the warp's 32, so the lane reads those scales/zeros.
 template <int BITS, int MT>
-__device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs_stride, int g, int t, int M,
+__device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs_stride, const float* xsum_c,
+                                          int xsum_stride, const float* __restrict__ scale,
+                                          const float* __restrict__ zero, int64_t N, int64_t scol, int g, int t, int M,
                                           float (&acc)[MT][4][4]) {
-  const int sh = (8 * t * BITS) & 31;
-  const __half2 k1024 = __float2half2_rn(1024.f);
-  uint32_t b[4][4];                                           // [column v][pair p]
+  float sz[16];                                               // s[8], then -(1024 + z)[8]
+  {
+    const int64_t off = static_cast<int64_t>(r.grp) * N + scol;
 #pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    const float s = compf(r.s, v);
-    const __half2 s2 = __float2half2_rn(s), nzs2 = __float2half2_rn(-compf(r.z, v) * s);
-    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const __half2 q = __hsub2(u2h(pair_bits<BITS>(wl, wh, sh, p)), k1024);
-      b[v][p] = h2u(__hfma2(q, s2, nzs2));
+    for (int h = 0; h < 2; ++h) {
+      float4 sv = make_float4(0.f, 0.f, 0.f, 0.f), zv = sv;
+      if (scol + 4 * h < N) {
+        sv = __ldg(reinterpret_cast<const float4*>(scale + off + 4 * h));
+        zv = __ldg(reinterpret_cast<const float4*>(zero + off + 4 * h));
+      }
+      sz[4 * h] = sv.x; sz[4 * h + 1] = sv.y; sz[4 * h + 2] = sv.z; sz[4 * h + 3] = sv.w;
+      sz[8 + 4 * h] = -1024.f - zv.x; sz[9 + 4 * h] = -1024.f - zv.y;
+      sz[10 + 4 * h] = -1024.f - zv.z; sz[11 + 4 * h] = -1024.f - zv.w;
     }
   }
+  const int sh = (8 * t * BITS) & 31;
+  uint32_t b[4][4];                                           // [column tile v][pair p]
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int p = 0; p < 4; ++p) b[v][p] = pair_bits<BITS>(wl, wh, sh, p);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const bool h0 = mt * 16 + g < M, h1 = mt * 16 + g + 8 < M;   // unstaged rows are zero
+    float d[4][4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[v][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
       const __half* r0 = xc + (mt * 16 + g) * xs_stride + j * 16 + 2 * t;
       const __half* r1 = r0 + 8 * xs_stride;
-      const bool h0 = mt * 16 + g < M, h1 = mt * 16 + g + 8 < M;   // unstaged rows are zero
       const uint32_t a0 = h0 ? *reinterpret_cast<const uint32_t*>(r0) : 0u;
       const uint32_t a1 = h1 ? *reinterpret_cast<const uint32_t*>(r1) : 0u;
       const uint32_t a2 = h0 ? *reinterpret_cast<const uint32_t*>(r0 + 8) : 0u;
       const uint32_t a3 = h1 ? *reinterpret_cast<const uint32_t*>(r1 + 8) : 0u;
 #pragma unroll
-      for (int v = 0; v < 4; ++v) mma16816(acc[mt][v], a0, a1, a2, a3, b[v][2 * j], b[v][2 * j + 1]);
+      for (int v = 0; v < 4; ++v) mma16816(d[v], a0, a1, a2, a3, b[v][2 * j], b[v][2 * j + 1]);
+    }
+    const float x0 = h0 ? xsum_c[(mt * 16 + g) * xsum_stride] : 0.f;
+    const float x1 = h1 ? xsum_c[(mt * 16 + g + 8) * xsum_stride] : 0.f;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {                             // d[v]: (g, 8t+v) (g, 8t+4+v) (g+8, ..) (g+8, ..)
+      acc[mt][v][0] = fmaf(sz[v], fmaf(sz[8 + v], x0, d[v][0]), acc[mt][v][0]);
+      acc[mt][v][1] = fmaf(sz[4 + v], fmaf(sz[12 + v], x0, d[v][1]), acc[mt][v][1]);
+      acc[mt][v][2] = fmaf(sz[v], fmaf(sz[8 + v], x1, d[v][2]), acc[mt][v][2]);
+      acc[mt][v][3] = fmaf(sz[4 + v], fmaf(sz[12 + v], x1, d[v][3]), acc[mt][v][3]);
     }
   }
 }
 
 template <int MT>
-__device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, int xs_stride, int g, int t, int M,
-                                              float (&acc)[MT][4][4]) {
+__device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, int xs_stride, const float* xsum_c,
+                                              int xsum_stride, const float* __restrict__ scale,
+                                              const float* __restrict__ zero, int64_t N, int64_t scol, int g, int t,
+                                              int M, float (&acc)[MT][4][4]) {
+#define EXL_MMA_CASE(B) \
+  case B: mma_chunk<B, MT>(r, xc, xs_stride, xsum_c, xsum_stride, scale, zero, N, scol, g, t, M, acc); break;
   switch (r.bits) {
-    case 4: mma_chunk<4, MT>(r, xc, xs_stride, g, t, M, acc); break;
-    case 2: mma_chunk<2, MT>(r, xc, xs_stride, g, t, M, acc); break;
-    case 3: mma_chunk<3, MT>(r, xc, xs_stride, g, t, M, acc); break;
-    case 5: mma_chunk<5, MT>(r, xc, xs_stride, g, t, M, acc); break;
-    case 6: mma_chunk<6, MT>(r, xc, xs_stride, g, t, M, acc); break;
-    case 8: mma_chunk<8, MT>(r, xc, xs_stride, g, t, M, acc); break;
+    EXL_MMA_CASE(4) EXL_MMA_CASE(2) EXL_MMA_CASE(3) EXL_MMA_CASE(5) EXL_MMA_CASE(6) EXL_MMA_CASE(8)
     default: break;                                           // 0: no chunk
   }
+#undef EXL_MMA_CASE
 }
 
-// grid (ceil(N / 128), splits); dynamic smem: max(chunk table + x stage, partial tiles).
+// Shared memory: [chunk table cpb x 3 ints][x sums kRows x kStageChunks fp32][x stage kRows x xs_stride fp16];
+// after the K loop the same bytes hold the partial tiles [kKWarps][kRows][kTileN] fp32.
+__host__ __device__ constexpr int xs_stride_of() { return kStageChunks * 32 + kPad; }
+__host__ __device__ inline size_t tab_bytes(int cpb) { return (static_cast<size_t>(cpb) * 12 + 15) & ~size_t(15); }
+
+// grid (ceil(N / 128), splits).
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
     const __half* __restrict__ x, int M, int64_t K, const int32_t* __restrict__ chunks, int n_chunks,
     const int32_t* __restrict__ qweight, int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
     const int64_t* __restrict__ perm, const __half* __restrict__ bias, int cpb, __half* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);       // [cpb][3] this block's chunk rows
-  __half* xs = reinterpret_cast<__half*>(smem_raw + ((cpb * 3 * 4 + 15) & ~15));  // [MT*16][stage + pad]
-  float* red = reinterpret_cast<float*>(smem_raw);           // [kKWarps][MT*16][kTileN], after the loop
   constexpr int kRows = MT * 16;
-  constexpr int xs_stride = kStageChunks * 32 + kPad;
+  constexpr int xs_stride = xs_stride_of();
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
+  float* xsum = reinterpret_cast<float*>(smem_raw + tab_bytes(cpb));                  // [kRows][kStageChunks]
+  __half* xs = reinterpret_cast<__half*>(xsum + kRows * kStageChunks);                // [kRows][xs_stride]
+  float* red = reinterpret_cast<float*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int nw = warp % kColWarps, kw = warp / kColWarps;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileN + nw * 32 + 4 * g;
+  const int64_t wcol = static_cast<int64_t>(blockIdx.x) * kTileN + nw * 32;
+  const int64_t col = wcol + 4 * g;                           // this lane's B columns (4 words)
+  const int64_t scol = wcol + 8 * t;                          // this lane's D columns (8 scales)
   const bool valid = col < N;                                 // N % 4 == 0: all 4 columns or none
   const int c_begin = blockIdx.y * cpb, c_end = min(n_chunks, c_begin + cpb);
 
@@ -178,8 +206,8 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
   // Each K warp takes every kKWarps-th chunk; loads then run two chunks ahead of the math.
   int c = c_begin + kw;
   Raw cur0, cur1, nxt0, nxt1;
-  load_raw(cur0, c < c_end, chunks + 3 * c, qweight, scale, zero, N, col, valid, t);
-  load_raw(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qweight, scale, zero, N, col, valid, t);
+  load_raw(cur0, c < c_end, chunks + 3 * c, qweight, N, col, valid, t);
+  load_raw(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qweight, N, col, valid, t);
   for (int i = threadIdx.x; i < (c_end - c_begin) * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
 
   for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
@@ -192,18 +220,32 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
       xs[m * xs_stride + pos] = x[m * K + (perm ? __ldg(perm + k) : k)];
     }
     __syncthreads();
+    for (int idx = threadIdx.x; idx < M * (s1 - s0); idx += kThreads) {   // sum of each staged chunk row
+      const int m = idx / (s1 - s0), cl = idx - m * (s1 - s0);
+      const __half2* p = reinterpret_cast<const __half2*>(xs + m * xs_stride + cl * 32);
+      float a = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float2 f = __half22float2(p[i]);
+        a += f.x + f.y;
+      }
+      xsum[m * kStageChunks + cl] = a;
+    }
+    __syncthreads();
     for (; c < s1; c += 2 * kKWarps) {
       const int c2 = c + 2 * kKWarps, c3 = c + 3 * kKWarps;
-      load_raw(nxt0, c2 < c_end, tab + 3 * (c2 - c_begin), qweight, scale, zero, N, col, valid, t);
-      load_raw(nxt1, c3 < c_end, tab + 3 * (c3 - c_begin), qweight, scale, zero, N, col, valid, t);
-      mma_chunk_any<MT>(cur0, xs + (c - s0) * 32, xs_stride, g, t, M, acc);
-      mma_chunk_any<MT>(cur1, xs + (c + kKWarps - s0) * 32, xs_stride, g, t, M, acc);
+      load_raw(nxt0, c2 < c_end, tab + 3 * (c2 - c_begin), qweight, N, col, valid, t);
+      load_raw(nxt1, c3 < c_end, tab + 3 * (c3 - c_begin), qweight, N, col, valid, t);
+      mma_chunk_any<MT>(cur0, xs + (c - s0) * 32, xs_stride, xsum + (c - s0), kStageChunks, scale, zero, N, scol, g, t,
+                        M, acc);
+      mma_chunk_any<MT>(cur1, xs + (c + kKWarps - s0) * 32, xs_stride, xsum + (c + kKWarps - s0), kStageChunks, scale,
+                        zero, N, scol, g, t, M, acc);
       cur0 = nxt0;
       cur1 = nxt1;
     }
   }
-  __syncthreads();                                            // xs dead: reuse as `red`
-  // D fragment: rows g / g+8 of m-tile mt, mma columns 2t, 2t+1 -> real columns 4*(2t)+v, 4*(2t+1)+v.
+  __syncthreads();                                            // x stage dead: reuse as `red`
+  // acc[mt][v]: rows g / g+8 of m-tile mt, columns 8t+v and 8t+4+v of the warp's 32.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -264,8 +306,8 @@ int device_sm(int dev, bool want_major) {
 }
 
 size_t smem_bytes(int mt, int cpb) {
-  const size_t xs = ((static_cast<size_t>(cpb) * 12 + 15) & ~static_cast<size_t>(15)) +
-                    static_cast<size_t>(mt) * 16 * (kStageChunks * 32 + kPad) * sizeof(__half);
+  const size_t xs = tab_bytes(cpb) + static_cast<size_t>(mt) * 16 * kStageChunks * sizeof(float) +
+                    static_cast<size_t>(mt) * 16 * xs_stride_of() * sizeof(__half);
   const size_t red = static_cast<size_t>(kKWarps) * mt * 16 * kTileN * sizeof(float);
   return std::max(xs, red);
 }
