@@ -138,6 +138,41 @@ def test_qgemm_mma_vs_float64(case, M):
     assert rel_err(y, ref) < 2e-3
 
 
+@pytest.mark.parametrize("M", [1, 20])
+def test_qgemm_mma_multi_vs_float64(M):
+    """q/k/v-style: three weights (own bit layouts, permutations, widths) on one x, one launch."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    K = 32 * 40
+    layouts = [[(4, K)], [(5, 32 * 8), (4, 32 * 24), (3, 32 * 8)], [(8, 32 * 4), (2, 32 * 36)]]
+    pws = [random_packed(lay, n, perm=i > 0, bias=i != 1) for i, (lay, n) in enumerate(zip(layouts, (4 * 67, 36, 512)))]
+    x = torch.randn(M, K, dtype=torch.float16)
+    cs = [pw.to("cuda") for pw in pws]
+    poison_allocator()
+    ys = torch.ops.exl_core.qgemm_mma_multi(x.cuda(), [c.qweight for c in cs], [chunk_table(pw.groups, "cuda") for pw in pws],
+                                            [c.scale for c in cs], [c.zero for c in cs], [c.perm for c in cs],
+                                            [None if c.bias is None else c.bias.half() for c in cs])
+    for y, pw in zip(ys, pws):
+        ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+        assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3
+
+
+def test_qmatmul_many_cuda_matches_single_calls():
+    _need_kernels()
+    from exl_core.ops import qmatmul as qm
+    if not hasattr(qm, "qmatmul_many"):
+        pytest.skip("ops.qmatmul has no qmatmul_many")
+    pws = [random_packed([(4, 256)], n, perm=True, bias=True).to("cuda") for n in (128, 64, 64)]
+    for pw in pws:
+        pw.bias = pw.bias.half()
+    x = torch.randn(3, 256, dtype=torch.float16, device="cuda")
+    assert qm.DISPATCH_MANY.select(x=x, pws=pws).name == "cuda"
+    many = qm.qmatmul_many(x, pws)
+    for y, pw in zip(many, pws):                                  # split-K may differ: rounding only
+        one = qm.qmatmul(x, pw)
+        assert y.shape == one.shape and rel_err(y, one.double().cpu()) < 1e-3
+
+
 _BAD_MMA_CALL = """
 import torch, exl_core
 from exl_core.ops.cuda_candidates import chunk_table

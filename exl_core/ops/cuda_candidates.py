@@ -80,12 +80,7 @@ def _qmatmul_run(x, pw):
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     chunks = _chunks_of(pw)
-    perm = pw.perm
-    if perm is not None and (perm.dtype != torch.int64 or perm.device != x.device):
-        perm = pw.meta.get("_cuda_perm")
-        if perm is None or perm.device != x.device:
-            perm = pw.perm.to(device=x.device, dtype=torch.int64).contiguous()
-            pw.meta["_cuda_perm"] = perm
+    perm = _perm_of(pw, x.device)
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
     rows = x2.shape[0]
     if x2.dtype == torch.float16 and rows <= MMA_MAX_ROWS and _mma_ok(pw):
@@ -97,6 +92,44 @@ def _qmatmul_run(x, pw):
         w = torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks, pw.scale, pw.zero, perm, x.dtype)  # [K, N]
         y = torch.addmm(bias, x2, w) if bias is not None else x2 @ w
     return y.reshape(*x.shape[:-1], pw.out_features)
+
+
+def _perm_of(pw, device):
+    perm = pw.perm
+    if perm is not None and (perm.dtype != torch.int64 or perm.device != device):
+        perm = pw.meta.get("_cuda_perm")
+        if perm is None or perm.device != device:
+            perm = pw.perm.to(device=device, dtype=torch.int64).contiguous()
+            pw.meta["_cuda_perm"] = perm
+    return perm
+
+
+def _many_check(x, pws) -> Optional[str]:
+    if x.dtype != torch.float16:
+        return f"x dtype {x.dtype}: the one-launch path is the fp16 tensor-core kernel"
+    if not 1 <= len(pws) <= 4:
+        return f"{len(pws)} weights (one launch takes 1..4)"
+    for i, pw in enumerate(pws):
+        why = _qmatmul_check(x, pw)
+        if why is None and not _mma_ok(pw):
+            why = "N not a multiple of 4 or buffers not 16-byte aligned"
+        if why is not None:
+            return f"weight {i}: {why}"
+    return None
+
+
+def _many_run(x, pws):
+    """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
+    x2 = x.reshape(-1, pws[0].in_features)
+    if x2.shape[0] > MMA_MAX_ROWS:
+        return [_qmatmul_run(x, pw) for pw in pws]
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    biases = [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws]
+    ys = torch.ops.exl_core.qgemm_mma_multi(x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws],
+                                            [pw.scale for pw in pws], [pw.zero for pw in pws],
+                                            [_perm_of(pw, x.device) for pw in pws], biases)
+    return [y.reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
 
 
 # ---------------------------------------------------------------------------- small ops
@@ -169,6 +202,8 @@ def install() -> None:
                                         lambda gate, up: torch.ops.exl_core.silu_mul(gate, up))),
         (rope.ROPE, Candidate("cuda", _rope_check, _rope_run)),
     ]
+    if getattr(qmatmul, "DISPATCH_MANY", None) is not None:      # qmatmul_many (q/k/v, gate/up)
+        pairs.append((qmatmul.DISPATCH_MANY, Candidate("cuda", _many_check, _many_run)))
     for disp, cand in pairs:
         if not any(c.check is cand.check for c in disp.candidates):
             disp.candidates.insert(0, cand)

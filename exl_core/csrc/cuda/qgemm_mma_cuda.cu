@@ -23,6 +23,8 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <vector>
+
 namespace {
 
 constexpr int kColWarps = 4, kKWarps = 2, kThreads = 32 * kColWarps * kKWarps;
@@ -173,12 +175,43 @@ __device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, in
 __host__ __device__ constexpr int xs_stride_of() { return kStageChunks * 32 + kPad; }
 __host__ __device__ inline size_t tab_bytes(int cpb) { return (static_cast<size_t>(cpb) * 12 + 15) & ~size_t(15); }
 
-// grid (ceil(N / 128), splits).
+// Several weights that read the same x (q/k/v, gate/up) run in one launch: the grid's x dimension
+// walks the column tiles of matrix 0, then matrix 1, ...; every block serves one matrix.
+constexpr int kMaxMats = 4;
+struct Mat {
+  const int32_t* qweight;
+  const int32_t* chunks;      // [K/32, 3]
+  const float* scale;
+  const float* zero;
+  const int64_t* perm;        // or null
+  const __half* bias;         // or null
+  __half* y;                  // [M, N]
+  int64_t N;
+  int tile0;                  // first blockIdx.x of this matrix
+};
+struct Mats {
+  Mat m[kMaxMats];
+  int n;
+};
+
+// grid (total column tiles, splits).
 template <int MT>
-__global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
-    const __half* __restrict__ x, int M, int64_t K, const int32_t* __restrict__ chunks, int n_chunks,
-    const int32_t* __restrict__ qweight, int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
-    const int64_t* __restrict__ perm, const __half* __restrict__ bias, int cpb, __half* __restrict__ y) {
+__global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __restrict__ x, int M, int64_t K,
+                                                                 int n_chunks, int cpb, const Mats mats) {
+  int mi = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxMats; ++i)
+    if (i < mats.n && static_cast<int>(blockIdx.x) >= mats.m[i].tile0) mi = i;
+  const Mat& mat = mats.m[mi];
+  const int32_t* __restrict__ chunks = mat.chunks;
+  const int32_t* __restrict__ qweight = mat.qweight;
+  const float* __restrict__ scale = mat.scale;
+  const float* __restrict__ zero = mat.zero;
+  const int64_t* __restrict__ perm = mat.perm;
+  const __half* __restrict__ bias = mat.bias;
+  __half* __restrict__ y = mat.y;
+  const int64_t N = mat.N;
+  const int tile = static_cast<int>(blockIdx.x) - mat.tile0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kRows = MT * 16;
   constexpr int xs_stride = xs_stride_of();
@@ -188,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
   float* red = reinterpret_cast<float*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int nw = warp % kColWarps, kw = warp / kColWarps;
-  const int64_t wcol = static_cast<int64_t>(blockIdx.x) * kTileN + nw * 32;
+  const int64_t wcol = static_cast<int64_t>(tile) * kTileN + nw * 32;
   const int64_t col = wcol + 4 * g;                           // this lane's B columns (4 words)
   const int64_t scol = wcol + 8 * t;                          // this lane's D columns (8 scales)
   const bool valid = col < N;                                 // N % 4 == 0: all 4 columns or none
@@ -267,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(
   const int S = gridDim.y;
   auto store = [&](int idx, float a) {
     const int m = idx / kTileN;
-    const int64_t n = static_cast<int64_t>(blockIdx.x) * kTileN + idx % kTileN;
+    const int64_t n = static_cast<int64_t>(tile) * kTileN + idx % kTileN;
     if (n < N) {
       if (bias) a += __half2float(bias[n]);
       y[m * N + n] = __float2half_rn(a);
@@ -313,12 +346,13 @@ size_t smem_bytes(int mt, int cpb) {
 }
 
 template <int MT>
-void launch(const __half* x, int M, int64_t K, const at::Tensor& chunks, const at::Tensor& qweight,
-            const at::Tensor& scale, const at::Tensor& zero, const int64_t* perm, const __half* bias, __half* y,
-            int dev, int splits, cudaStream_t stream) {
-  const int64_t N = qweight.size(1);
-  const int C = static_cast<int>(chunks.size(0));
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
+void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
+  const int C = static_cast<int>(K / 32);
+  int64_t tiles = 0;
+  for (int i = 0; i < mats.n; ++i) {
+    mats.m[i].tile0 = static_cast<int>(tiles);
+    tiles += (mats.m[i].N + kTileN - 1) / kTileN;
+  }
   const int sms = device_sm(dev, false);
   // Split K until ~2 blocks per SM (clusters need sm_90; older GPUs run one block per tile).
   int S = 1;
@@ -348,54 +382,77 @@ void launch(const __half* x, int M, int64_t K, const at::Tensor& chunks, const a
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = S > 1 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, qgemm_mma_kernel<MT>, x, M, K, chunks.data_ptr<int32_t>(), C,
-                                    qweight.data_ptr<int32_t>(), N, scale.data_ptr<float>(), zero.data_ptr<float>(),
-                                    perm, bias, cpb, y));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, qgemm_mma_kernel<MT>, x, M, K, C, cpb, mats));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// y [M, N] fp16 = x[:, perm] @ W_perm (+ bias); x fp16 [M, K]; N % 4 == 0; 16-byte aligned buffers.
-at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
-                     const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
-                     const c10::optional<at::Tensor>& bias, int64_t splits) {
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && chunks.is_cuda() && scale.is_cuda() && zero.is_cuda(),
-              "exl_core::qgemm_mma: all tensors must be on the GPU");
-  TORCH_CHECK(x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
-              "exl_core::qgemm_mma: x must be contiguous float16 [M, K], got ", x.dtype(), " ", x.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(1);
-  TORCH_CHECK(qweight.dtype() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous() && aligned16(qweight),
-              "exl_core::qgemm_mma: qweight must be contiguous, 16-byte aligned int32 [rows, N]");
-  TORCH_CHECK(N % 4 == 0, "exl_core::qgemm_mma: N = ", N, " must be a multiple of 4 (16-byte column loads)");
-  TORCH_CHECK(chunks.dtype() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 3 && chunks.is_contiguous() &&
-                  chunks.size(0) * 32 == K,
-              "exl_core::qgemm_mma: chunk table must be int32 [K/32 = ", K / 32, ", 3], got ", chunks.sizes());
-  for (auto* s : {&scale, &zero})
-    TORCH_CHECK(s->dtype() == at::kFloat && s->dim() == 2 && s->size(1) == N && s->is_contiguous() && aligned16(*s),
-                "exl_core::qgemm_mma: scale/zero must be contiguous, 16-byte aligned float32 [G, ", N, "]");
-  if (perm)
-    TORCH_CHECK(perm->is_cuda() && perm->dtype() == at::kLong && perm->numel() == K && perm->is_contiguous(),
-                "exl_core::qgemm_mma: perm must be contiguous int64 [", K, "] on the GPU");
-  if (bias)
-    TORCH_CHECK(bias->is_cuda() && bias->dtype() == at::kHalf && bias->numel() == N && bias->is_contiguous(),
-                "exl_core::qgemm_mma: bias must be contiguous float16 [", N, "] on the GPU");
+// ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K, one
+// launch per 32 rows of x. x fp16 [M, K]; N_i % 4 == 0; 16-byte aligned qweight/scale/zero.
+std::vector<at::Tensor> qgemm_mma_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                        at::TensorList scale, at::TensorList zero,
+                                        const c10::List<c10::optional<at::Tensor>>& perm,
+                                        const c10::List<c10::optional<at::Tensor>>& bias, int64_t splits) {
+  const char* op = "exl_core::qgemm_mma";
+  const size_t n = qweight.size();
+  TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(kMaxMats), op, ": 1..", kMaxMats, " weights per call, got ", n);
+  TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n && perm.size() == n && bias.size() == n,
+              op, ": qweight, chunks, scale, zero, perm and bias lists must have the same length");
+  TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be contiguous float16 [M, K] on the GPU, got ", x.dtype(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, op, ": K = ", K, " must be a multiple of 32");
+  Mats mats{};
+  mats.n = static_cast<int>(n);
+  std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
+    TORCH_CHECK(q.is_cuda() && ch.is_cuda() && s.is_cuda() && z.is_cuda() && q.device() == x.device(), op,
+                ": weight ", i, " must be on x's GPU");
+    const int64_t N = q.size(1);
+    TORCH_CHECK(q.dtype() == at::kInt && q.dim() == 2 && q.is_contiguous() && aligned16(q), op, ": qweight ", i,
+                " must be contiguous, 16-byte aligned int32 [rows, N]");
+    TORCH_CHECK(N % 4 == 0, op, ": weight ", i, " has N = ", N, "; N must be a multiple of 4 (16-byte column loads)");
+    TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(1) == 3 && ch.is_contiguous() &&
+                    ch.size(0) * 32 == K, op, ": chunk table ", i, " must be int32 [K/32 = ", K / 32, ", 3], got ",
+                ch.sizes());
+    for (const at::Tensor* t : {&s, &z})
+      TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous() && aligned16(*t),
+                  op, ": scale/zero ", i, " must be contiguous, 16-byte aligned float32 [G, ", N, "]");
+    const c10::optional<at::Tensor> p = perm.get(i), b = bias.get(i);
+    if (p) TORCH_CHECK(p->is_cuda() && p->dtype() == at::kLong && p->numel() == K && p->is_contiguous(), op,
+                       ": perm ", i, " must be contiguous int64 [", K, "] on the GPU");
+    if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
+                       ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
+    ys.push_back(at::empty({M, N}, x.options()));
+    mats.m[i] = Mat{q.data_ptr<int32_t>(), ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
+                    p ? p->data_ptr<int64_t>() : nullptr,
+                    b ? reinterpret_cast<const __half*>(b->data_ptr()) : nullptr,
+                    reinterpret_cast<__half*>(ys.back().data_ptr()), N, 0};
+  }
+  if (M == 0) return ys;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dev = x.device().index();
   const auto* xp = reinterpret_cast<const __half*>(x.data_ptr());
-  auto* yp = reinterpret_cast<__half*>(y.data_ptr());
-  const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
-  const __half* bp = bias ? reinterpret_cast<const __half*>(bias->data_ptr()) : nullptr;
-  const int sp = static_cast<int>(splits);
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
     const int r = static_cast<int>(std::min<int64_t>(32, M - r0));
-    if (r <= 16) launch<1>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, sp, stream);
-    else launch<2>(xp + r0 * K, r, K, chunks, qweight, scale, zero, pp, bp, yp + r0 * N, dev, sp, stream);
+    Mats mr = mats;
+    for (int i = 0; i < mats.n; ++i) mr.m[i].y = mats.m[i].y + r0 * mats.m[i].N;
+    if (r <= 16) launch<1>(xp + r0 * K, r, K, mr, dev, static_cast<int>(splits), stream);
+    else launch<2>(xp + r0 * K, r, K, mr, dev, static_cast<int>(splits), stream);
   }
-  return y;
+  return ys;
+}
+
+at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                     const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                     const c10::optional<at::Tensor>& bias, int64_t splits) {
+  c10::List<c10::optional<at::Tensor>> p, b;
+  p.push_back(perm);
+  b.push_back(bias);
+  return qgemm_mma_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, splits)[0];
 }
 
 }  // namespace
@@ -403,6 +460,11 @@ at::Tensor qgemm_mma(const at::Tensor& x, const at::Tensor& qweight, const at::T
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_mma(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias, int splits=0) -> Tensor");
+  m.def("qgemm_mma_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, Tensor?[] perm, "
+        "Tensor?[] bias, int splits=0) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("qgemm_mma", &qgemm_mma); }
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("qgemm_mma", &qgemm_mma);
+  m.impl("qgemm_mma_multi", &qgemm_mma_multi);
+}
