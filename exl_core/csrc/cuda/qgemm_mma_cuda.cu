@@ -23,6 +23,9 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -345,6 +348,56 @@ size_t smem_bytes(int mt, int cpb) {
   return std::max(xs, red);
 }
 
+// Co-resident blocks of qgemm_mma_kernel<MT> with clusters of S blocks (cached per device and S).
+template <int MT>
+int64_t resident_blocks(int S, size_t smem, int dev) {
+  static std::map<std::tuple<int, int, size_t>, int64_t> cache;
+  static std::mutex mu;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(dev, S, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  static size_t attr = 0;
+  if (smem > attr) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(qgemm_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    attr = smem;
+  }
+  int64_t blocks = 0;
+  if (S == 1) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qgemm_mma_kernel<MT>, kThreads, smem));
+    blocks = static_cast<int64_t>(per_sm) * device_sm(dev, false);
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, static_cast<unsigned>(S), 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr_c[1];
+    attr_c[0].id = cudaLaunchAttributeClusterDimension;
+    attr_c[0].val.clusterDim.x = 1;
+    attr_c[0].val.clusterDim.y = static_cast<unsigned>(S);
+    attr_c[0].val.clusterDim.z = 1;
+    cfg.attrs = attr_c;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, qgemm_mma_kernel<MT>, &cfg));
+    blocks = static_cast<int64_t>(clusters) * S;
+  }
+  cache[key] = blocks;
+  return blocks;
+}
+
+// Largest S <= kMaxSplits (>= 4 chunks per block) whose grid of tiles x S blocks fits in one wave;
+// 1 if none does (then the grid has enough blocks by itself).
+template <int MT>
+int best_splits(int64_t tiles, int C, int dev) {
+  const size_t smem = smem_bytes(MT, C);                      // upper bound over S (table bytes)
+  for (int S = std::min(kMaxSplits, std::max(1, C / 4)); S > 1; --S)
+    if (tiles * S <= resident_blocks<MT>(S, smem, dev)) return S;
+  return 1;
+}
+
 template <int MT>
 void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
   const int C = static_cast<int>(K / 32);
@@ -353,13 +406,11 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
     mats.m[i].tile0 = static_cast<int>(tiles);
     tiles += (mats.m[i].N + kTileN - 1) / kTileN;
   }
-  const int sms = device_sm(dev, false);
-  // Split K until ~2 blocks per SM (clusters need sm_90; older GPUs run one block per tile).
+  // Split K into S blocks (one cluster per column tile) for as large an S as still fits the
+  // whole grid in one wave of co-resident clusters: a second, partial wave costs a full block time.
   int S = 1;
   if (device_sm(dev, true) >= 9) {
-    S = static_cast<int>(std::min<int64_t>(kMaxSplits, (2 * sms + tiles - 1) / tiles));
-    S = std::max(1, std::min(S, C / 4));                     // at least 4 chunks per block
-    if (splits > 0) S = std::min(splits, kMaxSplits);        // forced (benchmark sweeps)
+    S = splits > 0 ? std::min<int>(static_cast<int>(splits), kMaxSplits) : best_splits<MT>(tiles, C, dev);
   }
   const int cpb = (C + S - 1) / S;
   S = (C + cpb - 1) / cpb;
