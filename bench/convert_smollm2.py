@@ -131,13 +131,15 @@ def main(argv=None) -> int:
         out = work / name
         s = ConvertSettings(input=str(dense), output=str(out), rows=a.rows, length=a.length,
                             threads=a.threads, **kw)
+        timing = work / f"{name}.convert_s.json"      # kept beside the folder: an eval rerun keeps it
         if not (out / "config.json").is_file():
             t = time.time()
             qc = convert(s)
             secs = round(time.time() - t, 1)
+            timing.write_text(json.dumps(secs))
         else:
             qc = json.loads((out / "config.json").read_text())["quantization_config"]
-            secs = None
+            secs = json.loads(timing.read_text()) if timing.is_file() else None
         r = {"bpw_target": kw.get("bpw"), "real_bpw": qc["real_bpw"], "file_bytes": folder_bytes(out),
              "convert_s": secs, "calibration": qc["calibration"]}
         r.update(ppl_of(out))

@@ -31,10 +31,11 @@ from ..formats.safetensors_io import write_sharded
 from .allocate import allocate_bpw, bpw_range
 from .calib_forward import (LINEARS, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
 from .calibration import Calibration, cached_self_calibration, from_file
-from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, gptq_quantize_multi, plan_groups
-from .hessian import HessianAccumulator, output_error
+from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, plan_groups
+from .hessian import HessianAccumulator
 from .job_state import JobState, atomic_json, atomic_save, load_tensors
-from .measure import CANDIDATES, candidate_bits, candidates_to_json, load_measurement, save_measurement
+from .measure import (CANDIDATES, candidate_bits, load_measurement, measure_layer,
+                      save_measurement)
 
 HEAD_NONE = "__no_head__"
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -174,27 +175,8 @@ class Converter:
         n_layers = self.cfg.num_hidden_layers
         bar = _bar(n_layers, "measuring", s.progress, done + 1)
         for i in range(done + 1, n_layers):
-            rec: dict = {}
-            prefix = f"model.layers.{i}."
-
-            def measure_group(names, H, w, rec=rec, prefix=prefix):
-                for n in names:
-                    W = w[f"{n}.weight"]
-                    out_f, in_f = W.shape
-                    fixed = self._fixed(prefix + n)
-                    if fixed is not None:      # repacked losslessly: one cost, no error
-                        b = sum(fixed[k].numel() * fixed[k].element_size() * 8 for k in exl2_fmt.REQUIRED)
-                        rec[prefix + n] = {"shape": [out_f, in_f], "numel": out_f * in_f, "fixed": True,
-                                           "bits": [b] * len(CANDIDATES), "err": [0.0] * len(CANDIDATES)}
-                        continue
-                    plans = [c.plan(in_f) for c in CANDIDATES]
-                    results = gptq_quantize_multi(W, H, plans, damp=s.damp, name=prefix + n)
-                    rec[prefix + n] = {"shape": [out_f, in_f], "numel": out_f * in_f,
-                                       "bits": [candidate_bits(c, out_f, in_f) for c in CANDIDATES],
-                                       "err": [output_error(W, r.w_hat, H) for r in results]}
-                return {n: w[f"{n}.weight"] for n in names}
-
-            h = _walk_layer(h, self.src.layer_weights(i), self.src, cos, sin, measure_group)
+            rec, h = measure_layer(h, self.src.layer_weights(i), self.src.dims, cos, sin, CANDIDATES, s.damp,
+                                   f"model.layers.{i}.", self._fixed)
             atomic_json(rec, job.path("measure", f"layer_{i:03d}.json"))
             job.save_state("measure", h, i)
             layers.update(rec)

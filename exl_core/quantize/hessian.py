@@ -40,13 +40,15 @@ class HessianAccumulator:
         return self.xtx * (2.0 / self.count)
 
 
-def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
-    """Relative output error on the calibration inputs: ||X(W-Ŵ)ᵀ||² / ||X Wᵀ||².
+def output_sq_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """Mean squared output error per token, (1/n) Σ_t ||x_t (W-Ŵ)ᵀ||² = tr(Δ H Δᵀ)/2.
 
-    w, w_hat: (out, in) weights; h: (in, in) Hessian of the inputs. Uses tr(Δ H Δᵀ)/tr(W H Wᵀ),
-    so no activations are needed once H is known.
+    w, w_hat: (out, in) weights; h: (in, in) Hessian 2/n · XᵀX, so no activations are needed.
     """
     d = (w.double() - w_hat.double())
-    num = torch.einsum("ni,ij,nj->", d, h, d).item()
-    den = torch.einsum("ni,ij,nj->", w.double(), h, w.double()).item()
-    return num / max(den, 1e-30)
+    return torch.einsum("ni,ij,nj->", d, h, d).item() / 2.0
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """Relative output error on the calibration inputs: ||X(W-Ŵ)ᵀ||² / ||X Wᵀ||²."""
+    return output_sq_error(w, w_hat, h) / max(output_sq_error(w, torch.zeros_like(w), h), 1e-30)

@@ -1,19 +1,40 @@
-"""EXL2 candidate settings and the measurement record (measurement.json).
+"""EXL2 candidate settings, the measurement pass and its record (measurement.json).
 
-Each candidate is (group size, bit mix); for every linear layer the converter quantizes the
+Each candidate is (group size, bit mix). For every linear layer the converter quantizes the
 layer with each candidate (GPTQ on that layer's calibration Hessian) and records the storage
-bits and the relative output error. The allocator then picks one candidate per layer.
+bits and the error the candidate adds to the residual stream, in one unit for every layer:
+
+    err_l(c) = mean over tokens t of ||δh_t||² / ||h_t||²
+
+where h is the residual stream right after the sub-layer that holds l (attention or MLP) and δh
+the change of that sub-layer's output when l alone is quantized with c. Each pre-norm block
+reads the residual through an RMSNorm, so a perturbation acts on everything downstream in
+proportion to its size relative to ||h||: this makes q_proj and down_proj errors comparable
+(allocate.py sums them).
+
+Measuring δh for every candidate would need a sub-layer forward per candidate; instead the
+linear's own output error e_l(c) = tr(ΔH Δᵀ)/2 (exact, from the input Hessian H) is scaled by a
+gain g_l = err_l(c_ref)/e_l(c_ref) measured with one forward at a reference candidate (first
+order: δh is linear in the linear's output error). For o_proj and down_proj the gain is only the
+1/||h||² token weighting; for q/k/v and gate/up it carries the attention / SiLU·up path and the
+output projection.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
+
+import torch
 
 from ..errors import InputError
-from .gptq_solver import LayerPlan, plan_bits, plan_groups
+from ..formats.exl2 import REQUIRED as EXL2_TENSORS
+from .calib_forward import Dims, attention, linear, mlp_act, rms_norm
+from .gptq_solver import LayerPlan, gptq_quantize_multi, plan_bits, plan_groups
+from .hessian import HessianAccumulator, output_sq_error
 
-MEASUREMENT_VERSION = 1
+MEASUREMENT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -33,17 +54,18 @@ def _c(g, *mix):
     return Candidate(g, tuple(mix))
 
 
-# From ~2.1 to ~8.1 bits per weight. Pure widths at g32 and g128 (the larger group saves 3/32
-# bpw of scales), and mixes of neighbouring widths at g32 (act-order puts the widest rows on
-# the channels with the largest Hessian diagonal).
+# From ~2.1 to ~8.1 bits per weight. Pure widths and mixes of neighbouring widths (act-order puts
+# the widest rows on the channels with the largest Hessian diagonal), at g32 and at g128 (the
+# larger group saves 3/32 bpw of scales, which buys a wider mix: 4b50+3b50/g128 ≈ 3.6 bpw).
 CANDIDATES: tuple[Candidate, ...] = (
-    _c(32, (2, 1.0)), _c(32, (3, 0.25), (2, 0.75)), _c(32, (3, 0.5), (2, 0.5)),
-    _c(32, (3, 1.0)), _c(32, (4, 0.25), (3, 0.75)), _c(32, (4, 0.5), (3, 0.5)),
-    _c(128, (4, 1.0)), _c(32, (4, 1.0)), _c(32, (5, 0.5), (4, 0.5)),
-    _c(32, (5, 1.0)), _c(32, (6, 0.5), (5, 0.5)),
-    _c(128, (6, 1.0)), _c(32, (6, 1.0)), _c(32, (8, 0.5), (6, 0.5)),
-    _c(128, (8, 1.0)),
+    _c(32, (2, 1.0)), _c(32, (3, 0.25), (2, 0.75)), _c(32, (3, 0.5), (2, 0.5)), _c(128, (3, 0.5), (2, 0.5)),
+    _c(32, (3, 1.0)), _c(128, (3, 1.0)), _c(32, (4, 0.25), (3, 0.75)), _c(32, (4, 0.5), (3, 0.5)),
+    _c(128, (4, 0.5), (3, 0.5)), _c(128, (4, 1.0)), _c(32, (4, 1.0)), _c(128, (5, 0.5), (4, 0.5)),
+    _c(32, (5, 0.5), (4, 0.5)), _c(128, (5, 1.0)), _c(32, (5, 1.0)), _c(32, (6, 0.5), (5, 0.5)),
+    _c(128, (6, 1.0)), _c(32, (6, 1.0)), _c(32, (8, 0.5), (6, 0.5)), _c(128, (8, 1.0)),
 )
+# the candidate whose residual error calibrates each linear's gain (errors well above fp32 noise)
+REF_CANDIDATE = _c(32, (3, 1.0))
 
 
 def candidate_bits(c: Candidate, out_features: int, in_features: int) -> int:
@@ -88,3 +110,85 @@ def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]]) -> t
         if len(rec["err"]) != len(cands):
             raise InputError(f"{path}: layer {name} has {len(rec['err'])} errors for {len(cands)} candidates")
     return layers, cands
+
+
+# ---- the measurement pass of one decoder layer ---------------------------------------------------
+
+ATTN_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[-1])
+    acc.add(x)
+    return acc.hessian()
+
+
+@torch.inference_mode()
+def measure_layer(h: torch.Tensor, w: dict, d: Dims, cos, sin, cands, damp: float, prefix: str,
+                  fixed: Optional[Callable[[str], Optional[dict]]] = None) -> tuple[dict, torch.Tensor]:
+    """Measures every candidate on every linear of one decoder layer (dense propagation).
+
+    h (B, T, hidden) residual input, w the layer's float32 weights (keys relative to `prefix`).
+    Returns ({prefix+name: record}, next h). A record holds bits and err (residual units, see the
+    module docstring) per candidate, plus the linear's relative output error `out_err` and `gain`.
+    fixed(name) returns the EXL2 tensors of a layer stored as is (one cost, no error) or None.
+    """
+    g = w.get
+    bias = {n: g(f"{n}.bias") for n in ATTN_IN + MLP_IN + ("self_attn.o_proj", "mlp.down_proj")}
+    wo, wd = w["self_attn.o_proj.weight"], w["mlp.down_proj.weight"]
+    x = rms_norm(h, w["input_layernorm.weight"], d.eps)                       # (B, T, hidden)
+
+    def att_with(name=None, wq=None):                                         # o_proj input
+        ws = [wq if n == name else w[f"{n}.weight"] for n in ATTN_IN]
+        return attention(x, *ws, *(bias[n] for n in ATTN_IN), d, cos, sin)
+
+    att = att_with()                                                          # (B, T, heads·D)
+    h1 = h + linear(att, wo, bias["self_attn.o_proj"])
+    x2 = rms_norm(h1, w["post_attention_layernorm.weight"], d.eps)
+
+    def m_with(name=None, wq=None):                                           # down_proj input
+        wg = wq if name == "mlp.gate_proj" else w["mlp.gate_proj.weight"]
+        wu = wq if name == "mlp.up_proj" else w["mlp.up_proj.weight"]
+        return mlp_act(x2, wg, wu, bias["mlp.gate_proj"], bias["mlp.up_proj"])
+
+    m = m_with()                                                              # (B, T, intermediate)
+    h2 = h1 + linear(m, wd, bias["mlp.down_proj"])
+
+    def delta(name: str, wq: torch.Tensor) -> torch.Tensor:
+        """Change of the sub-layer output (B, T, hidden) when only `name` uses wq."""
+        if name in ATTN_IN:
+            return linear(att_with(name, wq) - att, wo)
+        if name == "self_attn.o_proj":
+            return linear(att, wq - wo)
+        if name in MLP_IN:
+            return linear(m_with(name, wq) - m, wd)
+        return linear(m, wq - wd)
+
+    inv1 = 1.0 / h1.double().pow(2).sum(-1).clamp_min(1e-30)                 # (B, T) token weights
+    inv2 = 1.0 / h2.double().pow(2).sum(-1).clamp_min(1e-30)
+    ref = cands.index(REF_CANDIDATE) if REF_CANDIDATE in cands else len(cands) // 2
+    rec: dict = {}
+    for names, inp, inv in ((ATTN_IN, x, inv1), (("self_attn.o_proj",), att, inv1),
+                            (MLP_IN, x2, inv2), (("mlp.down_proj",), m, inv2)):
+        H = _hessian(inp)
+        for n in names:
+            W = w[f"{n}.weight"]
+            out_f, in_f = W.shape
+            key = prefix + n
+            fx = fixed(key) if fixed is not None else None
+            if fx is not None:      # repacked losslessly: one cost, no error
+                b = sum(fx[k].numel() * fx[k].element_size() * 8 for k in EXL2_TENSORS)
+                rec[key] = {"shape": [out_f, in_f], "numel": out_f * in_f, "fixed": True,
+                            "bits": [b] * len(cands), "err": [0.0] * len(cands)}
+                continue
+            results = gptq_quantize_multi(W, H, [c.plan(in_f) for c in cands], damp=damp, name=key)
+            sq = [output_sq_error(W, r.w_hat, H) for r in results]
+            den = output_sq_error(W, torch.zeros_like(W), H)
+            res_ref = (delta(n, results[ref].w_hat).double().pow(2).sum(-1) * inv).mean().item()
+            gain = res_ref / sq[ref] if sq[ref] > 0 else 0.0
+            rec[key] = {"shape": [out_f, in_f], "numel": out_f * in_f,
+                        "bits": [candidate_bits(c, out_f, in_f) for c in cands],
+                        "err": [gain * e for e in sq], "out_err": [e / max(den, 1e-30) for e in sq],
+                        "gain": gain}
+    return rec, h2

@@ -1,0 +1,70 @@
+"""EXL2 measurement: each candidate's error in residual-stream units, checked against a direct
+forward of the whole decoder layer (calib_forward.layer_forward) with that one linear quantized."""
+import pytest
+import torch
+
+from exl_core.quantize.calib_forward import (LINEARS, Dims, attention, layer_forward, linear, mlp_act, rms_norm,
+                                             rope_inv_freq, rope_tables)
+from exl_core.quantize.gptq_solver import gptq_quantize_multi
+from exl_core.quantize.measure import CANDIDATES, REF_CANDIDATE, _hessian, measure_layer
+
+
+def _layer(seed, hidden=64, inter=128, heads=4, kv=2):
+    g = torch.Generator().manual_seed(seed)
+    hd = hidden // heads
+    shapes = {"self_attn.q_proj": (heads * hd, hidden), "self_attn.k_proj": (kv * hd, hidden),
+              "self_attn.v_proj": (kv * hd, hidden), "self_attn.o_proj": (hidden, heads * hd),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    w = {f"{n}.weight": torch.randn(*s, generator=g) * 0.1 for n, s in shapes.items()}
+    w["input_layernorm.weight"] = torch.rand(hidden, generator=g) + 0.5
+    w["post_attention_layernorm.weight"] = torch.rand(hidden, generator=g) + 0.5
+    d = Dims(hidden, heads, kv, hd, 1e-5, None)
+    h = torch.randn(4, 48, hidden, generator=g)
+    return w, d, h
+
+
+def _inputs(w, d, h, cos, sin):
+    """Dense inputs of each linear (independent of measure_layer's own bookkeeping)."""
+    x = rms_norm(h, w["input_layernorm.weight"], d.eps)
+    att = attention(x, w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"],
+                    None, None, None, d, cos, sin)
+    h1 = h + linear(att, w["self_attn.o_proj.weight"])
+    x2 = rms_norm(h1, w["post_attention_layernorm.weight"], d.eps)
+    m = mlp_act(x2, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"])
+    return {"self_attn.q_proj": x, "self_attn.k_proj": x, "self_attn.v_proj": x, "self_attn.o_proj": att,
+            "mlp.gate_proj": x2, "mlp.up_proj": x2, "mlp.down_proj": m}, h1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_residual_errors_match_direct_forward(seed):
+    torch.manual_seed(seed)
+    w, d, h = _layer(seed)
+    cos, sin = rope_tables(rope_inv_freq(d.head_dim, 10000.0, None), torch.arange(h.shape[1]))
+    cands = CANDIDATES
+    rec, h_next = measure_layer(h, w, d, cos, sin, cands, 0.01, "L.")
+    dense = layer_forward(h, w, d, cos, sin)
+    assert torch.allclose(h_next, dense, atol=1e-5, rtol=1e-5)      # dense propagation
+    inputs, h1 = _inputs(w, d, h, cos, sin)
+    # residual after the sub-layer holding the linear: h1 (attention) or the layer output (MLP)
+    resid = {n: (h1 if n.startswith("self_attn") else dense) for n in LINEARS}
+    probe = [cands.index(REF_CANDIDATE), 0, len(cands) - 3]           # 3-bit, 2-bit, ~7-bit
+    for n in LINEARS:
+        r = rec[f"L.{n}"]
+        assert len(r["err"]) == len(cands) and r["shape"] == list(w[f"{n}.weight"].shape)
+        res = gptq_quantize_multi(w[f"{n}.weight"], _hessian(inputs[n]), [cands[i].plan(r["shape"][1]) for i in probe],
+                                  damp=0.01)
+        for i, q in zip(probe, res):
+            wq = dict(w)
+            wq[f"{n}.weight"] = q.w_hat
+            if n.startswith("mlp"):
+                delta = layer_forward(h, wq, d, cos, sin) - dense
+            else:                    # attention linears are measured at the attention sub-layer's output
+                delta = _inputs(wq, d, h, cos, sin)[1] - h1
+            direct = (delta.double().pow(2).sum(-1) / resid[n].double().pow(2).sum(-1)).mean().item()
+            if i == probe[0]:
+                assert r["err"][i] == pytest.approx(direct, rel=1e-3), n     # the gain's own point
+            else:
+                # other candidates: first-order scaling of the output error, right within 2x
+                assert direct / 2 < r["err"][i] < direct * 2, (n, cands[i].name, r["err"][i], direct)
+        # more bits, less error (the allocator relies on a meaningful order)
+        assert r["err"][0] > r["err"][cands.index(REF_CANDIDATE)] > r["err"][-1]
