@@ -3,6 +3,7 @@
 sizes, random input permutation), plus batch invariance and the dispatcher."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -189,6 +190,61 @@ def test_opcheck(rng):
     for x in (torch.randn(3, 128), torch.randn(1, 128).to(torch.bfloat16)):
         torch.library.opcheck(torch.ops.exl_core.qmatmul.default,
                               (x, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias))
+
+
+# ---------------------------------------------------------------------------- several weights
+
+needs_multi = pytest.mark.skipif(not has_op("qmatmul_multi"), reason="exl_core._C built without qmatmul_multi")
+
+
+def run_multi(x, pws, perm):
+    return torch.ops.exl_core.qmatmul_multi(x, [p.qweight for p in pws], [p.groups for p in pws],
+                                            [p.scale for p in pws], [p.zero for p in pws], perm,
+                                            [p.bias for p in pws])
+
+
+@needs_multi
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_multi_equals_single_calls(M, rng):
+    """One call over several weights (q/k/v style, shared permutation) gives each weight's own
+    qmatmul bits, whose values match the float64 specification."""
+    K = 192
+    perm = torch.randperm(K)
+    pws = [dataclasses.replace(rand_packed(K, n, rng, perm=False, bias=b), perm=perm)
+           for n, b in ((96, True), (33, False), (160, True))]
+    x = torch.randn(M, K)
+    ys = run_multi(x, pws, perm)
+    for y, pw in zip(ys, pws):
+        assert torch.equal(y, run_op(x, pw))
+        assert rel_err(y, reference(x, pw)) < 1e-3
+    assert qm.DISPATCH_MANY.select(x=x, pws=pws).name == "cpu_fused_multi"
+    for y, ref in zip(qm.qmatmul_many(x.unsqueeze(0), pws), ys):
+        assert torch.equal(y[0], ref)
+    # a different permutation: the Python face falls back to one call each, saying why
+    other = [pws[0], dataclasses.replace(pws[1], perm=torch.randperm(K))]
+    assert "permutation" in dict(qm.DISPATCH_MANY.reasons(x=x, pws=other))["cpu_fused_multi"]
+    for y, pw in zip(qm.qmatmul_many(x, other), other):
+        assert torch.equal(y, run_op(x, pw))
+
+
+@needs_multi
+def test_multi_bad_arguments_are_named(rng):
+    pws = [rand_packed(64, 16, rng, perm=False), rand_packed(96, 16, rng, perm=False)]
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="groups cover 96 rows"):
+        run_multi(x, pws, None)
+    with pytest.raises(RuntimeError, match="equal, non-zero length"):
+        torch.ops.exl_core.qmatmul_multi(x, [pws[0].qweight], [], [pws[0].scale], [pws[0].zero], None, [None])
+    with pytest.raises(InputError, match="weight 1 has in_features=96"):
+        qm.qmatmul_many(x, pws)
+
+
+@needs_multi
+def test_multi_opcheck(rng):
+    pws = [rand_packed(128, n, rng, perm=False) for n in (48, 20)]
+    torch.library.opcheck(torch.ops.exl_core.qmatmul_multi.default,
+                          (torch.randn(3, 128), [p.qweight for p in pws], [p.groups for p in pws],
+                           [p.scale for p in pws], [p.zero for p in pws], None, [p.bias for p in pws]))
 
 
 # ---------------------------------------------------------------------------- Python face

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..formats.packed import PackedWeight
 from ..ops.linear import dense_linear
-from ..ops.qmatmul import qmatmul
+from ..ops.qmatmul import qmatmul, qmatmul_many
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
@@ -105,3 +105,12 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "packed" if self._packed is not None else f"dense {self.w_t.dtype}"
         return f"in={self.in_features}, out={self.out_features}, {kind}, bias={self.bias is not None}"
+
+
+def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers] for projections that read the same x (q/k/v, gate/up): one
+    kernel call when every layer is a plain packed QuantLinear without LoRA (same results);
+    anything else (dense, LoRA, tensor-parallel shards, subclasses) runs layer by layer."""
+    if all(type(m) is QuantLinear and m._packed is not None and m.lora is None for m in layers):
+        return qmatmul_many(x, [m.packed for m in layers])
+    return [m(x) for m in layers]

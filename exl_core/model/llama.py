@@ -17,7 +17,7 @@ from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import QuantLinear
+from .linear import QuantLinear, linear_many
 from .rope import RopeTable
 
 
@@ -43,9 +43,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
         """cos_sin: the rope table covering every position in ctx (looked up once per forward)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)      # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)   # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = linear_many(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(t, self.num_heads, self.head_dim)                   # (T, Hq, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)                # (T, Hkv, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, ctx.positions, cos_sin)
         out = ctx.attend(layer_idx, q, k, v, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -57,7 +58,8 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = linear_many(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(silu_mul(gate, up))
 
 
 class Block(nn.Module):

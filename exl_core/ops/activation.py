@@ -32,11 +32,16 @@ def _cpu_run(gate, up):
     return torch.ops.exl_core.silu_mul(gate.contiguous(), up.contiguous())
 
 
+def _key(gate, up):
+    # everything the checks read (this file's and cuda_candidates')
+    return gate.device, gate.dtype, up.device, up.dtype
+
+
 SILU_MUL = Dispatcher("silu_mul", [
     # slot: Candidate("cuda", ...) goes first once csrc/cuda has an activation kernel
     Candidate("cpu", _cpu_check, _cpu_run),
     Candidate("torch_ref", lambda **_: None, lambda gate, up: silu_mul_ref(gate, up)),
-])
+], key=_key)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -163,11 +163,17 @@ def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, s
     return paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window)
 
 
+def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+    # everything _paged_cpu_check reads
+    return (q.device, q.dtype, q.shape[-1], k_cache.dtype, block_table.dtype, cu_seqlens_q.dtype,
+            seq_lens_k.dtype, k_cache.is_contiguous(), v_cache.is_contiguous())
+
+
 PAGED_ATTENTION = Dispatcher("attention", [
     # slot: Candidate("cuda", ...) goes first once csrc/cuda has a paged kernel
     Candidate("cpu", _paged_cpu_check, _paged_cpu_run),
     Candidate("torch_ref", lambda **_: None, _paged_ref_run),
-])
+], key=_paged_key)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

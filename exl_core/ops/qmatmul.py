@@ -126,6 +126,59 @@ def qmatmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     return DISPATCH(x=x, pw=pw)
 
 
+# ---------------------------------------------------------------------------- several weights, one x
+# q/k/v (and gate/up) read the same x: one call computes all of them, so the input is permuted
+# and summed once and the threads fork once (decode makes ~200 such calls per token).
+
+def _check_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
+    if not has_op("qmatmul_multi"):
+        return "extension exl_core._C not built with exl_core::qmatmul_multi"
+    for i, pw in enumerate(pws):
+        why = _check_cpu_fused(x, pw)
+        if why is not None:
+            return f"weight {i}: {why}"
+    if any(pw.perm is not pws[0].perm for pw in pws):
+        return "weights have different input permutations (the op permutes x once)"
+    return None
+
+
+def _run_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
+    x2 = x.reshape(-1, pws[0].in_features)
+    if x2.dtype in _VIA_FP32:
+        x2 = x2.to(torch.float32)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    ys = torch.ops.exl_core.qmatmul_multi(x2, [pw.qweight for pw in pws], [pw.groups for pw in pws],
+                                          [pw.scale for pw in pws], [pw.zero for pw in pws], pws[0].perm,
+                                          [pw.bias for pw in pws])
+    return [y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
+
+
+def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
+    # everything _check_multi_cpu reads (the "each" fallback re-dispatches per weight)
+    return (x.device, x.dtype, tuple((pw.qweight.device, pw.scale.dtype, pw.zero.dtype) for pw in pws),
+            all(pw.perm is pws[0].perm for pw in pws))
+
+
+DISPATCH_MANY = Dispatcher("qmatmul_many", [
+    Candidate("cpu_fused_multi", _check_multi_cpu, _run_multi_cpu),
+    Candidate("each", lambda x, pws: None, lambda x, pws: [qmatmul(x, pw) for pw in pws]),
+], key=_key_multi)
+
+
+def qmatmul_many(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
+    """[qmatmul(x, pw) for pw in pws], bit-identical to it on the CPU kernel, in one kernel call
+    where the weights allow (same input permutation)."""
+    pws = list(pws)
+    if not pws:
+        raise InputError("qmatmul_many: no weights given")
+    for i, pw in enumerate(pws):
+        if x.dim() < 1 or x.shape[-1] != pw.in_features:
+            raise InputError(f"qmatmul_many: x has shape {tuple(x.shape)}, weight {i} has in_features="
+                             f"{pw.in_features}")
+    return DISPATCH_MANY(x=x, pws=pws)
+
+
 # ---------------------------------------------------------------------------- fake (meta) impl
 
 def _register_fake() -> None:
@@ -138,6 +191,12 @@ def _register_fake() -> None:
         torch._check(x.dim() == 2, lambda: "qmatmul: x must be 2-D")
         torch._check(qweight.dim() == 2, lambda: "qmatmul: qweight must be 2-D")
         return x.new_empty((x.shape[0], qweight.shape[1]))
+
+    if has_op("qmatmul_multi"):
+        @torch.library.register_fake("exl_core::qmatmul_multi")
+        def _(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: "qmatmul_multi: x must be 2-D")
+            return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
 
 
 _register_fake()

@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "qmatmul.h"
@@ -37,13 +39,6 @@ int cpu_isa_level() {
 }
 
 int set_cpu_isa_cap(int cap) { return g_isa_cap.exchange(cap); }
-
-// Threads own contiguous ranges of 32-column panels; results never depend on the split.
-template <typename Fn>
-void for_panels(int64_t N, Fn&& fn) {
-  const int64_t npanels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) { fn(p0, p1); });
-}
 
 }  // namespace exl_cpu
 
@@ -81,65 +76,143 @@ std::vector<ChunkInfo> chunk_table(const at::Tensor& groups, int64_t K, int64_t 
   return chunks;
 }
 
-at::Tensor qmatmul_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
-                       const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
-                       const std::optional<at::Tensor>& bias) {
-  check_cpu(x, "x");
+// One weight's checked arguments and output; `a` points into `chunks` and the tensors kept here.
+struct Prepared {
+  std::vector<ChunkInfo> chunks;
+  at::Tensor bias_f, y;
+  exl_cpu::QGemmArgs a;
+};
+
+Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
+                        const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
+                        const std::optional<at::Tensor>& bias) {
   check_cpu(qweight, "qweight");
   check_cpu(groups, "groups");
   check_cpu(scale, "scale");
   check_cpu(zero, "zero");
-  TORCH_CHECK(x.dim() == 2, "exl_core::qmatmul: x must be 2-D [M, K], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "exl_core::qmatmul: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.is_contiguous(), "exl_core::qmatmul: x must be contiguous");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt && qweight.is_contiguous(),
-              "exl_core::qmatmul: qweight must be a contiguous int32 [Q, N] tensor, got ", qweight.scalar_type(),
-              " ", qweight.sizes());
+              who, ": qweight must be a contiguous int32 [Q, N] tensor, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
   TORCH_CHECK(groups.dim() == 2 && groups.size(1) == 4 && groups.scalar_type() == at::kInt && groups.is_contiguous(),
-              "exl_core::qmatmul: groups must be a contiguous int32 [G, 4] tensor, got ", groups.scalar_type(), " ",
+              who, ": groups must be a contiguous int32 [G, 4] tensor, got ", groups.scalar_type(), " ",
               groups.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(1), G = groups.size(0);
+  const int64_t N = qweight.size(1), G = groups.size(0);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scale, "scale"}, {zero, "zero"}}) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == G &&
                     t.size(1) == N,
-                "exl_core::qmatmul: ", name, " must be a contiguous float32 [", G, ", ", N, "] tensor, got ",
+                who, ": ", name, " must be a contiguous float32 [", G, ", ", N, "] tensor, got ",
                 t.scalar_type(), " ", t.sizes());
   }
-  std::vector<ChunkInfo> chunks = chunk_table(groups, K, qweight.size(0));
+  Prepared p;
+  p.chunks = chunk_table(groups, K, qweight.size(0));
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && at::isFloatingType(bias->scalar_type()),
+                who, ": bias must be a floating [", N, "] tensor, got ", bias->scalar_type(), " ", bias->sizes());
+    p.bias_f = bias->to(at::kFloat).contiguous();
+  }
+  p.y = at::empty({M, N}, qweight.options().dtype(at::kFloat));
+  p.a = exl_cpu::QGemmArgs{nullptr, K, M, K, N, qweight.data_ptr<int32_t>(), scale.data_ptr<float>(),
+                           zero.data_ptr<float>(), p.chunks.data(),
+                           p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr, p.y.data_ptr<float>(), N,
+                           nullptr};
+  return p;
+}
 
+// x [M, K] (bf16 widened, permuted) as contiguous fp32.
+at::Tensor prepare_x(const std::string& who, const at::Tensor& x, const std::optional<at::Tensor>& perm) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              who, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), who, ": x must be contiguous");
+  const int64_t K = x.size(1);
   at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   if (perm.has_value()) {
     const at::Tensor& p = *perm;
     check_cpu(p, "perm");
     TORCH_CHECK(p.dim() == 1 && p.size(0) == K && (p.scalar_type() == at::kLong || p.scalar_type() == at::kInt),
-                "exl_core::qmatmul: perm must be an int64/int32 [", K, "] tensor, got ", p.scalar_type(), " ",
-                p.sizes());
+                who, ": perm must be an int64/int32 [", K, "] tensor, got ", p.scalar_type(), " ", p.sizes());
     xf = xf.index_select(1, p);  // x_perm = x[:, perm]; index_select checks the range
   }
-  xf = xf.contiguous();
-  at::Tensor bf;
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && at::isFloatingType(bias->scalar_type()),
-                "exl_core::qmatmul: bias must be a floating [", N, "] tensor, got ", bias->scalar_type(), " ",
-                bias->sizes());
-    bf = bias->to(at::kFloat).contiguous();
-  }
+  return xf.contiguous();
+}
 
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0 && N > 0) {
-    exl_cpu::QGemmArgs a{xf.data_ptr<float>(), K, M, K, N, qweight.data_ptr<int32_t>(), scale.data_ptr<float>(),
-                         zero.data_ptr<float>(), chunks.data(), bf.defined() ? bf.data_ptr<float>() : nullptr,
-                         y.data_ptr<float>(), N};
-    const int level = exl_cpu::cpu_isa_level();
-    exl_cpu::for_panels(N, [&](int64_t p0, int64_t p1) {
-      if (level >= 2) exl_cpu::isa_avx512::qgemm(a, p0, p1);
-      else if (level == 1) exl_cpu::isa_avx2::qgemm(a, p0, p1);
-      else exl_cpu::isa_scalar::qgemm(a, p0, p1);
+// xsum[m, c] = x[m, 32c] + x[m, 32c+1] + ... in this order (plain scalar adds, compiled once for
+// every ISA path: the kernels' quantized partials depend on it bit for bit).
+at::Tensor chunk_sums(const at::Tensor& xf) {
+  const int64_t M = xf.size(0), K = xf.size(1), nch = K / 32;
+  at::Tensor out = at::empty({M, nch}, xf.options());
+  const float* x = xf.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < nch; ++c) {
+      const float* xc = x + m * K + c * 32;
+      float acc = xc[0];
+      for (int k = 1; k < 32; ++k) acc += xc[k];
+      o[m * nch + c] = acc;
+    }
+  return out;
+}
+
+// All weights share x (and its permutation): one parallel region over the panels of every
+// output, so small projections (q/k/v, gate/up) cost one thread fork, not one each.
+std::vector<at::Tensor> qmatmul_many(const std::string& who, const at::Tensor& x, std::vector<Prepared>& ws,
+                                     const std::optional<at::Tensor>& perm) {
+  const at::Tensor xf = prepare_x(who, x, perm);
+  const at::Tensor xs = chunk_sums(xf);
+  std::vector<int64_t> first_panel{0};
+  for (auto& w : ws) {
+    w.a.x = xf.data_ptr<float>();
+    w.a.xsum = xs.data_ptr<float>();
+    first_panel.push_back(first_panel.back() + (w.a.M > 0 ? (w.a.N + exl_cpu::kPanel - 1) / exl_cpu::kPanel : 0));
+  }
+  const int level = exl_cpu::cpu_isa_level();
+  if (first_panel.back() > 0) {
+    at::parallel_for(0, first_panel.back(), 1, [&](int64_t p0, int64_t p1) {
+      for (size_t i = 0; i < ws.size(); ++i) {
+        const int64_t lo = std::max(p0, first_panel[i]) - first_panel[i];
+        const int64_t hi = std::min(p1, first_panel[i + 1]) - first_panel[i];
+        if (lo >= hi) continue;
+        if (level >= 2) exl_cpu::isa_avx512::qgemm(ws[i].a, lo, hi);
+        else if (level == 1) exl_cpu::isa_avx2::qgemm(ws[i].a, lo, hi);
+        else exl_cpu::isa_scalar::qgemm(ws[i].a, lo, hi);
+      }
     });
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  std::vector<at::Tensor> out;
+  for (auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));
+  return out;
+}
+
+at::Tensor qmatmul_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
+                       const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
+                       const std::optional<at::Tensor>& bias) {
+  const std::string who = "exl_core::qmatmul";
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
+  std::vector<Prepared> ws;
+  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias));
+  return qmatmul_many(who, x, ws, perm)[0];
+}
+
+std::vector<at::Tensor> qmatmul_multi_cpu(const at::Tensor& x, at::TensorList qweight, at::TensorList groups,
+                                          at::TensorList scale, at::TensorList zero,
+                                          const std::optional<at::Tensor>& perm,
+                                          const c10::List<std::optional<at::Tensor>>& bias) {
+  const size_t n = qweight.size();
+  TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
+              "exl_core::qmatmul_multi: qweight, groups, scale, zero, bias must be lists of one equal, non-zero "
+              "length, got ", n, ", ", groups.size(), ", ", scale.size(), ", ", zero.size(), ", ", bias.size());
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, "exl_core::qmatmul_multi: x must be 2-D [M, K], got ", x.sizes());
+  std::vector<Prepared> ws;
+  ws.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string who = "exl_core::qmatmul_multi weight " + std::to_string(i);
+    ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight[i], groups[i], scale[i], zero[i], bias.get(i)));
+  }
+  return qmatmul_many("exl_core::qmatmul_multi", x, ws, perm);
 }
 
 int64_t matmul_isa(int64_t cap) {
@@ -153,9 +226,14 @@ int64_t matmul_isa(int64_t cap) {
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qmatmul(Tensor x, Tensor qweight, Tensor groups, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias) -> Tensor");
+  m.def("qmatmul_multi(Tensor x, Tensor[] qweight, Tensor[] groups, Tensor[] scale, Tensor[] zero, Tensor? perm, "
+        "Tensor?[] bias) -> Tensor[]");
   m.def("matmul_isa(int cap=-1) -> int");
 }
 
-TORCH_LIBRARY_IMPL(exl_core, CPU, m) { m.impl("qmatmul", &qmatmul_cpu); }
+TORCH_LIBRARY_IMPL(exl_core, CPU, m) {
+  m.impl("qmatmul", &qmatmul_cpu);
+  m.impl("qmatmul_multi", &qmatmul_multi_cpu);
+}
 
 TORCH_LIBRARY_IMPL(exl_core, CompositeExplicitAutograd, m) { m.impl("matmul_isa", &matmul_isa); }

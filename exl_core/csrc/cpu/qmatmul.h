@@ -4,8 +4,10 @@
 // own translation unit and namespace, so the per-(row, column) arithmetic is the same
 // everywhere:  for each chunk c of 32 rows of K in order: p = 0; for k in the chunk in order:
 // p = fma(x[m,k], w[k,n], p);  y = (c == 0 ? p : y + p);  finally y = y + bias.
-// w is first dequantised to fp32 with  w = fma(q, scale, -(zero*scale)).  That fixed order is
-// what makes results bit-identical whatever M is, wherever a row sits, and whichever ISA runs.
+// For quantized weights w is the raw integer q (as float) and the chunk's p is then scaled once:
+// p = fma(p, scale, (-(zero*scale)) * xsum[m,c]) with xsum[m,c] = x[m, 32c..32c+31] summed in
+// order (see simd.h).  That fixed order is what makes results bit-identical whatever M is,
+// wherever a row sits, and whichever ISA runs.
 #pragma once
 #include <cstdint>
 
@@ -32,6 +34,7 @@ struct QGemmArgs {
   const float* bias;       // fp32 [N] or nullptr
   float* y;                // fp32 [M, N], row stride ldy
   int64_t ldy;
+  const float* xsum;       // [M, K / 32]: sum of x[m, 32c .. 32c+31] in order (chunk_sums)
 };
 
 struct DenseGemmArgs {

@@ -17,6 +17,10 @@
 // K is cut into chunks of KSUM = 32 rows; each chunk's partial p_c is one fma chain started
 // from zero, and y = p_0; y = y + p_1; ...; y = y + bias.  Short chains keep the fp32 error
 // near blocked BLAS sums (one chain over all of K was ~2x further from float64).
+// Quantized weights: a chunk lies in one group, so with w = (q - z)*s its partial is
+//   p_c = s * sum_k x_k q_k - (z*s) * sum_k x_k  =  fma(sum_xq, s, (-(z*s)) * xsum[c])
+// where sum_xq chains over raw q (no per-weight dequantisation: one FMA per weight instead of
+// two) and xsum (per row and chunk, summed in order once per call) comes from the caller.
 
 #define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -32,61 +36,62 @@ static inline int lanes_valid(int64_t n_left) {
   return n_left <= 0 ? 0 : (n_left >= V::W ? V::W : static_cast<int>(n_left));
 }
 
-// ---------------------------------------------------------------- dequantisation -------------
+// ---------------------------------------------------------------- unpacking ------------------
 // Value I of a 32-value chunk of bit width B: stream bits [I*B, I*B+B) of words w[0..B-1].
 template <int B, int I>
-static EXL_ALWAYS_INLINE void deq_one(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst) {
+static EXL_ALWAYS_INLINE void unpack_one(const typename V::i* w, float* dst) {
   constexpr int pos = I * B, wi = pos / 32, off = pos % 32;
   typename V::i v = V::template srl<off>(w[wi]);
   if constexpr (off + B > 32) v = V::or_(v, V::template sll<32 - off>(w[wi + 1]));
   if constexpr (off + B != 32) v = V::and_(v, V::iset((1 << B) - 1));
-  V::store(dst + I * kPanel, V::fma(V::cvt(v), s, nzs));
+  V::store(dst + I * kPanel, V::cvt(v));
 }
 
 template <int B, int... I>
-static EXL_ALWAYS_INLINE void deq_all(const typename V::i* w, typename V::f s, typename V::f nzs, float* dst,
-                           std::integer_sequence<int, I...>) {
-  (deq_one<B, I>(w, s, nzs, dst), ...);
+static EXL_ALWAYS_INLINE void unpack_all(const typename V::i* w, float* dst, std::integer_sequence<int, I...>) {
+  (unpack_one<B, I>(w, dst), ...);
 }
 
-// 32 rows x W columns: q points at qweight[qrow, col] (row stride N); dst at tile[k][lane0],
-// row stride kPanel.  Lanes past N read as q = scale = zero = 0, so they hold w = 0.
+// 32 rows x W columns of raw q as floats: q points at qweight[qrow, col] (row stride N); dst at
+// tile[k][lane0], row stride kPanel.  Lanes past N read as q = 0 and are never stored.
 template <int B>
-static inline void deq_chunk(const int32_t* q, int64_t N, const float* scale, const float* zero,
-                             int nv, float* dst) {
+static inline void unpack_chunk(const int32_t* q, int64_t N, int nv, float* dst) {
   typename V::i w[B];
   for (int j = 0; j < B; ++j) w[j] = V::iloadn(q + j * N, nv);
-  typename V::f s = V::loadn(scale, nv);
-  typename V::f nzs = V::mul(V::sub(V::zero(), V::loadn(zero, nv)), s);  // -(zero*scale)
-  deq_all<B>(w, s, nzs, dst, std::make_integer_sequence<int, 32>{});
+  unpack_all<B>(w, dst, std::make_integer_sequence<int, 32>{});
 }
 
-static inline void deq_chunk_bits(int bits, const int32_t* q, int64_t N, const float* scale,
-                                  const float* zero, int nv, float* dst) {
+static inline void unpack_chunk_bits(int bits, const int32_t* q, int64_t N, int nv, float* dst) {
   switch (bits) {
-    case 2: deq_chunk<2>(q, N, scale, zero, nv, dst); break;
-    case 3: deq_chunk<3>(q, N, scale, zero, nv, dst); break;
-    case 4: deq_chunk<4>(q, N, scale, zero, nv, dst); break;
-    case 5: deq_chunk<5>(q, N, scale, zero, nv, dst); break;
-    case 6: deq_chunk<6>(q, N, scale, zero, nv, dst); break;
-    default: deq_chunk<8>(q, N, scale, zero, nv, dst); break;  // bits validated by the op
+    case 2: unpack_chunk<2>(q, N, nv, dst); break;
+    case 3: unpack_chunk<3>(q, N, nv, dst); break;
+    case 4: unpack_chunk<4>(q, N, nv, dst); break;
+    case 5: unpack_chunk<5>(q, N, nv, dst); break;
+    case 6: unpack_chunk<6>(q, N, nv, dst); break;
+    default: unpack_chunk<8>(q, N, nv, dst); break;  // bits validated by the op
   }
 }
 
-// Tile [np][kc][32] for rows k0..k0+kc (kc a multiple of 32) and panels starting at column n0.
+// The chunk's partial from sum_xq (see the top): fma(sum_xq, s, (-(z*s)) * xsum).  Every path
+// closes a quantized chunk through this one function, so the arithmetic cannot drift apart.
+static EXL_ALWAYS_INLINE typename V::f quant_partial(typename V::f sum_xq, typename V::f s, typename V::f z,
+                                                     float xsum) {
+  const typename V::f nzs = V::mul(V::sub(V::zero(), z), s);
+  return V::fma(sum_xq, s, V::mul(nzs, V::bcast(xsum)));
+}
+
+// Tile [np][kc][32] of raw q (as floats) for rows k0..k0+kc (kc a multiple of 32) and panels
+// starting at column n0; scales are applied per chunk by the microkernel (quant_partial).
 static void fill_tile_quant(const QGemmArgs& a, int64_t k0, int kc, int64_t n0, int np, float* tile) {
   for (int64_t c = k0 / 32; c < (k0 + kc) / 32; ++c) {
     const ChunkInfo ch = a.chunks[c];
     const int32_t* qrow = a.qweight + ch.qrow * a.N;
-    const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N;
-    const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N;
     float* dst_c = tile + (c * 32 - k0) * kPanel;
     for (int p = 0; p < np; ++p) {
       for (int v = 0; v < VP; ++v) {
         const int64_t col = n0 + p * kPanel + v * V::W;
-        const int nv = lanes_valid(a.N - col);
-        deq_chunk_bits(ch.bits, qrow + col, a.N, srow + col, zrow + col, nv,
-                       dst_c + static_cast<int64_t>(p) * kc * kPanel + v * V::W);
+        unpack_chunk_bits(ch.bits, qrow + col, a.N, lanes_valid(a.N - col),
+                          dst_c + static_cast<int64_t>(p) * kc * kPanel + v * V::W);
       }
     }
   }
@@ -111,6 +116,13 @@ static void fill_tile_dense(const DenseGemmArgs& a, int64_t k0, int kc, int64_t 
 }
 
 // ---------------------------------------------------------------- microkernel ----------------
+// Where a quantized tile's chunks get their scales: chunk table, scale/zero rows and xsum,
+// positioned at this call's first row (m0), absolute column (n0) and K block (k0).
+struct QuantCtx {
+  const QGemmArgs* a;  // nullptr: dense tile (already real weights)
+  int64_t m0, n0, k0;
+};
+
 // y[MR rows, NP*32 cols] (+)= x[MR, kc] @ tile[NP][kc][32], one KSUM chunk at a time: the
 // chunk's partial starts from zero in registers and is then folded into y (y = partial when
 // `first` and this is the K block's first chunk, else y + partial).  `bias`: added after the
@@ -119,7 +131,7 @@ static void fill_tile_dense(const DenseGemmArgs& a, int64_t k0, int kc, int64_t 
 template <int MR, int NP>
 static EXL_ALWAYS_INLINE void microkernel(const float* x, int64_t ldx, const float* b, int64_t panel_stride,
                                int kc, float* y, int64_t ldy, int64_t ncols, bool first,
-                               const float* bias) {
+                               const float* bias, const QuantCtx& qc) {
   constexpr int NV = NP * VP;
   for (int k0 = 0; k0 < kc; k0 += KSUM) {
     const int k1 = k0 + KSUM < kc ? k0 + KSUM : kc;
@@ -137,6 +149,19 @@ static EXL_ALWAYS_INLINE void microkernel(const float* x, int64_t ldx, const flo
     }
     const bool init = first && k0 == 0;
     const float* bias_here = k1 == kc ? bias : nullptr;
+    if (qc.a) {  // raw-q tile: scale this chunk's sums (KSUM == 32 == one quant chunk)
+      const QGemmArgs& a = *qc.a;
+      const int64_t c = (qc.k0 + k0) / 32, nch = a.K / 32;
+      const ChunkInfo ch = a.chunks[c];
+      const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N + qc.n0;
+      const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N + qc.n0;
+      for (int j = 0; j < NV; ++j) {
+        const int nv = lanes_valid(ncols - j * V::W);
+        if (nv == 0) continue;
+        const typename V::f s = V::loadn(srow + j * V::W, nv), z = V::loadn(zrow + j * V::W, nv);
+        for (int r = 0; r < MR; ++r) acc[r][j] = quant_partial(acc[r][j], s, z, a.xsum[(qc.m0 + r) * nch + c]);
+      }
+    }
     for (int r = 0; r < MR; ++r) {
       for (int j = 0; j < NV; ++j) {
         const int nv = lanes_valid(ncols - j * V::W);
@@ -152,75 +177,76 @@ static EXL_ALWAYS_INLINE void microkernel(const float* x, int64_t ldx, const flo
 
 // MR rows over np panels: small MR groups several panels per call to keep enough independent
 // accumulators in flight; larger MR walks panels one by one.
+template <int MR, int NP>
+static EXL_ALWAYS_INLINE void panel_call(const float* x, int64_t ldx, const float* tile, int64_t ps, int kc, int p,
+                                         float* y, int64_t ldy, int64_t ncols, bool first, const float* bias,
+                                         const QuantCtx& qc) {
+  const QuantCtx qp{qc.a, qc.m0, qc.n0 + p * kPanel, qc.k0};
+  microkernel<MR, NP>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
+                      bias ? bias + p * kPanel : nullptr, qp);
+}
+
 template <int MR>
 static inline void row_block(const float* x, int64_t ldx, const float* tile, int kc, int np,
-                             float* y, int64_t ldy, int64_t ncols, bool first, const float* bias) {
+                             float* y, int64_t ldy, int64_t ncols, bool first, const float* bias,
+                             const QuantCtx& qc) {
   const int64_t ps = static_cast<int64_t>(kc) * kPanel;
+  int p = 0;
   if constexpr (MR <= 2) {
-    int p = 0;
-    for (; p + 4 <= np; p += 4)
-      microkernel<MR, 4>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
-                         bias ? bias + p * kPanel : nullptr);
-    for (; p + 2 <= np; p += 2)
-      microkernel<MR, 2>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
-                         bias ? bias + p * kPanel : nullptr);
-    for (; p < np; ++p)
-      microkernel<MR, 1>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
-                         bias ? bias + p * kPanel : nullptr);
-  } else {
-    for (int p = 0; p < np; ++p)
-      microkernel<MR, 1>(x, ldx, tile + p * ps, ps, kc, y + p * kPanel, ldy, ncols - p * kPanel, first,
-                         bias ? bias + p * kPanel : nullptr);
+    for (; p + 4 <= np; p += 4) panel_call<MR, 4>(x, ldx, tile, ps, kc, p, y, ldy, ncols, first, bias, qc);
+    for (; p + 2 <= np; p += 2) panel_call<MR, 2>(x, ldx, tile, ps, kc, p, y, ldy, ncols, first, bias, qc);
   }
+  for (; p < np; ++p) panel_call<MR, 1>(x, ldx, tile, ps, kc, p, y, ldy, ncols, first, bias, qc);
 }
 
 template <int... R>
 static inline void row_tail(int mr, const float* x, int64_t ldx, const float* tile, int kc, int np,
                             float* y, int64_t ldy, int64_t ncols, bool first, const float* bias,
-                            std::integer_sequence<int, R...>) {
-  ((mr == R + 1 ? row_block<R + 1>(x, ldx, tile, kc, np, y, ldy, ncols, first, bias) : void()), ...);
+                            const QuantCtx& qc, std::integer_sequence<int, R...>) {
+  ((mr == R + 1 ? row_block<R + 1>(x, ldx, tile, kc, np, y, ldy, ncols, first, bias, qc) : void()), ...);
 }
 
-// All M rows against one tile (columns n0 .. n0+ncols).
+// All M rows against one tile (columns n0 .. n0+ncols, K block k0).  q: the quantized
+// weight's args when the tile holds raw q, else nullptr.
 static void tile_rows(const float* x, int64_t ldx, int64_t M, int64_t k0, const float* tile, int kc,
                       int np, float* y, int64_t ldy, int64_t n0, int64_t ncols, bool first,
-                      const float* bias) {
+                      const float* bias, const QGemmArgs* q) {
   const float* bias_n = bias ? bias + n0 : nullptr;
   int64_t m = 0;
   for (; m + V::MRMAX <= M; m += V::MRMAX)
-    row_block<V::MRMAX>(x + m * ldx + k0, ldx, tile, kc, np, y + m * ldy + n0, ldy, ncols, first, bias_n);
+    row_block<V::MRMAX>(x + m * ldx + k0, ldx, tile, kc, np, y + m * ldy + n0, ldy, ncols, first, bias_n,
+                        QuantCtx{q, m, n0, k0});
   if (m < M)
     row_tail(static_cast<int>(M - m), x + m * ldx + k0, ldx, tile, kc, np, y + m * ldy + n0, ldy, ncols,
-             first, bias_n, std::make_integer_sequence<int, V::MRMAX - 1>{});
+             first, bias_n, QuantCtx{q, m, n0, k0}, std::make_integer_sequence<int, V::MRMAX - 1>{});
 }
 
 // ---------------------------------------------------------------- small M: fused path --------
 // For M <= FUSED_MAX_M the tile's store + reload costs more than the FMAs it feeds, so weights
-// are dequantised in registers and used at once.  Per (row, column) the arithmetic is exactly
-// the tile path's (same w = fma(q, s, -(z*s)), same 32-k chunk partials folded into y in
+// are unpacked in registers and used at once.  Per (row, column) the arithmetic is exactly
+// the tile path's (same fma chain over raw q, same quant_partial, same chunks folded into y in
 // order), so results stay bit-identical to large M.
 constexpr int FUSED_MAX_M = 4;
 constexpr int FUSED_NV = 4;  // column vectors per block: 4 independent FMA chains per row
 
 // Value I of the chunk for column vector j: words at q + (I*B/32)*N (loads fold into the shift).
 template <int B, int MR, int NV, int I>
-static EXL_ALWAYS_INLINE void fused_value(const int32_t* q, int64_t N, const typename V::f* s, const typename V::f* nzs,
-                               const float* x, int64_t ldx, typename V::f (&acc)[MR][NV]) {
+static EXL_ALWAYS_INLINE void fused_value(const int32_t* q, int64_t N, const float* x, int64_t ldx,
+                                          typename V::f (&acc)[MR][NV]) {
   constexpr int pos = I * B, wi = pos / 32, off = pos % 32;
   for (int j = 0; j < NV; ++j) {
     typename V::i v = V::template srl<off>(V::iloadn(q + wi * N + j * V::W, V::W));
     if constexpr (off + B > 32) v = V::or_(v, V::template sll<32 - off>(V::iloadn(q + (wi + 1) * N + j * V::W, V::W)));
     if constexpr (off + B != 32) v = V::and_(v, V::iset((1 << B) - 1));
-    const typename V::f w = V::fma(V::cvt(v), s[j], nzs[j]);
+    const typename V::f w = V::cvt(v);
     for (int r = 0; r < MR; ++r) acc[r][j] = V::fma(V::bcast(x[r * ldx + I]), w, acc[r][j]);
   }
 }
 
 template <int B, int MR, int NV, int... I>
-static EXL_ALWAYS_INLINE void fused_chunk(const int32_t* q, int64_t N, const typename V::f* s, const typename V::f* nzs,
-                               const float* x, int64_t ldx, typename V::f (&acc)[MR][NV],
-                               std::integer_sequence<int, I...>) {
-  (fused_value<B, MR, NV, I>(q, N, s, nzs, x, ldx, acc), ...);
+static EXL_ALWAYS_INLINE void fused_chunk(const int32_t* q, int64_t N, const float* x, int64_t ldx,
+                                          typename V::f (&acc)[MR][NV], std::integer_sequence<int, I...>) {
+  (fused_value<B, MR, NV, I>(q, N, x, ldx, acc), ...);
 }
 
 // y[0:MR, n0 : n0 + NV*W] (full vectors only) for K chunk c (32 rows = one KSUM chunk): the
@@ -234,22 +260,22 @@ static void fused_block(const QGemmArgs& a, int64_t n0, int64_t c) {
     for (int j = 0; j < NV; ++j) acc[r][j] = V::zero();
   const ChunkInfo ch = a.chunks[c];
   const int32_t* q = a.qweight + ch.qrow * a.N + n0;
-  const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N + n0;
-  const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N + n0;
-  typename V::f s[NV], nzs[NV];
-  for (int j = 0; j < NV; ++j) {
-    s[j] = V::load(srow + j * V::W);
-    nzs[j] = V::mul(V::sub(V::zero(), V::load(zrow + j * V::W)), s[j]);
-  }
   const float* xk = a.x + c * 32;
   const auto seq = std::make_integer_sequence<int, 32>{};
   switch (ch.bits) {
-    case 2: fused_chunk<2, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-    case 3: fused_chunk<3, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-    case 4: fused_chunk<4, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-    case 5: fused_chunk<5, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-    case 6: fused_chunk<6, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
-    default: fused_chunk<8, MR, NV>(q, a.N, s, nzs, xk, a.ldx, acc, seq); break;
+    case 2: fused_chunk<2, MR, NV>(q, a.N, xk, a.ldx, acc, seq); break;
+    case 3: fused_chunk<3, MR, NV>(q, a.N, xk, a.ldx, acc, seq); break;
+    case 4: fused_chunk<4, MR, NV>(q, a.N, xk, a.ldx, acc, seq); break;
+    case 5: fused_chunk<5, MR, NV>(q, a.N, xk, a.ldx, acc, seq); break;
+    case 6: fused_chunk<6, MR, NV>(q, a.N, xk, a.ldx, acc, seq); break;
+    default: fused_chunk<8, MR, NV>(q, a.N, xk, a.ldx, acc, seq); break;
+  }
+  const float* srow = a.scale + static_cast<int64_t>(ch.group) * a.N + n0;
+  const float* zrow = a.zero + static_cast<int64_t>(ch.group) * a.N + n0;
+  const int64_t nch = a.K / 32;
+  for (int j = 0; j < NV; ++j) {
+    const typename V::f s = V::load(srow + j * V::W), z = V::load(zrow + j * V::W);
+    for (int r = 0; r < MR; ++r) acc[r][j] = quant_partial(acc[r][j], s, z, a.xsum[r * nch + c]);
   }
   const float* bias = (c + 1) * 32 == a.K ? a.bias : nullptr;
   for (int r = 0; r < MR; ++r)
@@ -327,7 +353,7 @@ static void dense_small_any(const DenseGemmArgs& a, int64_t c0, int64_t c1) {
 // ---------------------------------------------------------------- drivers --------------------
 // Columns [c0, c1) through the tile path.
 template <typename Args, typename Fill>
-static void gemm_cols(const Args& a, int64_t c0, int64_t c1, Fill fill) {
+static void gemm_cols(const Args& a, int64_t c0, int64_t c1, Fill fill, const QGemmArgs* q) {
   alignas(64) float tile[TILE_FLOATS];
   const bool small = a.M <= 4;
   const int nbp = small ? NBP_SMALL : NBP_LARGE;
@@ -344,7 +370,7 @@ static void gemm_cols(const Args& a, int64_t c0, int64_t c1, Fill fill) {
       const int kc = static_cast<int>(k0 + KC <= a.K ? KC : a.K - k0);
       fill(a, k0, kc, n0, np, tile);
       const bool last = k0 + kc >= a.K;
-      tile_rows(a.x, a.ldx, a.M, k0, tile, kc, np, a.y, a.ldy, n0, ncols, k0 == 0, last ? a.bias : nullptr);
+      tile_rows(a.x, a.ldx, a.M, k0, tile, kc, np, a.y, a.ldy, n0, ncols, k0 == 0, last ? a.bias : nullptr, q);
     }
   }
 }
@@ -354,7 +380,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 void qgemm(const QGemmArgs& a, int64_t p0, int64_t p1) {
   const int64_t c0 = p0 * kPanel, c1 = min64(p1 * kPanel, a.N);
   if (a.M > FUSED_MAX_M || a.K == 0) {
-    gemm_cols(a, c0, c1, fill_tile_quant);
+    gemm_cols(a, c0, c1, fill_tile_quant, &a);
     return;
   }
   const int64_t cf = c0 + (c1 - c0) / V::W * V::W;  // full vectors fused, a ragged tail tiled
@@ -364,13 +390,13 @@ void qgemm(const QGemmArgs& a, int64_t p0, int64_t p1) {
     case 3: fused_cols<3>(a, c0, cf); break;
     default: fused_cols<4>(a, c0, cf); break;
   }
-  if (cf < c1) gemm_cols(a, cf, c1, fill_tile_quant);
+  if (cf < c1) gemm_cols(a, cf, c1, fill_tile_quant, &a);
 }
 
 void dense_gemm(const DenseGemmArgs& a, int64_t p0, int64_t p1) {
   const int64_t c0 = p0 * kPanel, c1 = min64(p1 * kPanel, a.N);
   if (a.M > FUSED_MAX_M || a.K == 0) {
-    gemm_cols(a, c0, c1, fill_tile_dense);
+    gemm_cols(a, c0, c1, fill_tile_dense, nullptr);
     return;
   }
   switch (a.M) {
