@@ -91,7 +91,7 @@ def _exlv2_logits(folder: Path, ids: torch.Tensor, weights: bool = False):
     if weights:
         for key, mod in model.modules_dict.items():
             if hasattr(mod, "get_weight_tensor_dq") and getattr(mod, "q_handle", None) is not None:
-                dq[key] = mod.get_weight_tensor_dq().float().cpu().contiguous()   # (in, out)
+                dq[key] = mod.get_weight_tensor_dq().cpu().contiguous()   # (in, out), fp16 as ExLlamaV2 makes it
     model.unload()
     return logits, dq
 
