@@ -4,12 +4,17 @@ Imported once from exl_core/ops/__init__.py; each op's Dispatcher gets a `cuda` 
 at the front. Every check refuses (with a reason) off the GPU or when the extension was built
 without CUDA, so CPU behaviour is unchanged.
 
-qmatmul policy (rows M of x):
-  fp16 x, M <= MMA_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers:
-                       fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch
-  other dtypes, M <= GEMV_MAX_ROWS:
+qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
+same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
+  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers:
+                       fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch;
+                       q/k/v and gate/up together in one launch (`qgemm_mma_multi`)
+  M <= GEMV_MAX_ROWS (fp16: M < MMA_MIN_ROWS):
                        fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`)
   otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
+Measured (us, 4096x4096 / 4096x11008 / 11008x4096): M=1 gemv 12.6/23.2/23.1, mma 13.9/33.4/28.5;
+M=4 gemv 17.7/32.1/32.3, mma 15.2/37.1/31.5; M=16 mma 20.6/53.0/44.9, dequant+cuBLAS 23.6/61.3/60.3;
+M=32 mma 30.4/117.0/70.5, dequant+cuBLAS 24.0/61.5/60.8.
 The chunk table (int32 [K/32, 3]: bits, group, first qweight row per 32 rows of K) is built
 once per weight and cached on the device in `pw.meta`.
 """
@@ -21,8 +26,8 @@ import torch
 
 from .dispatch import Candidate, extension
 
-# Crossovers measured by bench/gpu_bench.py's sweep on the H200 (results in bench/results/gpu_h200.json).
-MMA_MAX_ROWS = 64
+MMA_MIN_ROWS = 3            # fp16: below this the fp32 GEMV is faster
+MMA_MAX_ROWS = 16           # above this dequantise + cuBLAS is faster (the 2-m-tile kernel spills)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -83,7 +88,7 @@ def _qmatmul_run(x, pw):
     perm = _perm_of(pw, x.device)
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
     rows = x2.shape[0]
-    if x2.dtype == torch.float16 and rows <= MMA_MAX_ROWS and _mma_ok(pw):
+    if x2.dtype == torch.float16 and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and _mma_ok(pw):
         bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
         y = torch.ops.exl_core.qgemm_mma(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
     elif rows <= GEMV_MAX_ROWS:
@@ -121,7 +126,7 @@ def _many_check(x, pws) -> Optional[str]:
 def _many_run(x, pws):
     """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
     x2 = x.reshape(-1, pws[0].in_features)
-    if x2.shape[0] > MMA_MAX_ROWS:
+    if not MMA_MIN_ROWS <= x2.shape[0] <= MMA_MAX_ROWS:
         return [_qmatmul_run(x, pw) for pw in pws]
     if not x2.is_contiguous():
         x2 = x2.contiguous()
