@@ -80,6 +80,21 @@ def save_results(res: dict) -> None:
     tmp.replace(RESULTS)
 
 
+def ship_measurement(src: Path) -> None:
+    """The default model's first-use conversion reuses this measurement (same dense import, same
+    default calibration) and runs only the quantization pass; keep what allocation reads."""
+    from exl_core.default_model import DEFAULT_CONVERSION, SHIPPED_MEASUREMENT
+    data = json.loads(src.read_text())
+    cal = data["info"].get("calibration", {})
+    assert (cal.get("dataset"), cal.get("rows"), cal.get("length"), cal.get("seed")) == \
+        ("self", DEFAULT_CONVERSION["rows"], DEFAULT_CONVERSION["length"], DEFAULT_CONVERSION["seed"]), cal
+    keep = ("shape", "numel", "bits", "err", "fixed")
+    data["layers"] = {n: {k: v for k, v in r.items() if k in keep} for n, r in data["layers"].items()}
+    SHIPPED_MEASUREMENT.parent.mkdir(exist_ok=True)
+    SHIPPED_MEASUREMENT.write_text(json.dumps(data, sort_keys=True, separators=(",", ":")))
+    print(f"wrote {SHIPPED_MEASUREMENT} ({SHIPPED_MEASUREMENT.stat().st_size} bytes)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/exl_bench/convert_smollm2")
@@ -89,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", nargs="*", help="step names to run (default: all)")
+    ap.add_argument("--ship-measurement", action="store_true",
+                    help="copy the exl2_4.0 measurement (trimmed) to exl_core/data for the default model")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     work = Path(a.work)
@@ -155,6 +172,8 @@ def main(argv=None) -> int:
     step("gptq_4b_g128_c4", lambda: conv("gptq_4b_g128_c4", format="gptq", bits=4, group_size=128, calib=str(C4)))
     step("exl2_4.0_c4", lambda: conv("exl2_4.0_c4", format="exl2", bpw=4.0, calib=str(C4)))
 
+    if a.ship_measurement:
+        ship_measurement(work / "exl2_4.0" / "measurement.json")
     dense_ppl = steps.get("dense", {}).get("ppl")
     print(f"\n{'step':<18}{'bpw':>7}{'MB':>9}{'ppl':>10}{'vs dense':>10}{'conv s':>9}")
     for name, r in steps.items():

@@ -100,6 +100,9 @@ def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]]) -> t
     if not isinstance(data, dict) or data.get("version") != MEASUREMENT_VERSION or "layers" not in data:
         raise InputError(f"{path}: not an exl_core measurement (version {MEASUREMENT_VERSION})")
     cands = candidates_from_json(data["candidates"])
+    if cands != CANDIDATES:     # the allocator indexes CANDIDATES with the measured errors
+        raise InputError(f"{path}: measured with other candidate settings than this converter's; "
+                         "measure again (omit -m)")
     layers = data["layers"]
     for name, shape in expect_layers.items():
         rec = layers.get(name)

