@@ -66,9 +66,10 @@ class QuantLinear(nn.Module):
         pw = self._packed
         if pw is None:
             return None
-        if pw.qweight is not self._pk_qweight or pw.scale is not self._pk_scale or pw.bias is not self._pk_bias:
-            pw = PackedWeight(self._pk_qweight, self._pk_groups, self._pk_scale, self._pk_zero, self._pk_perm,
-                              pw.in_features, pw.out_features, self._pk_bias, pw.meta)
+        b = self._buffers   # direct dict reads: this runs on every forward (nn.Module.__getattr__ is slow)
+        if pw.qweight is not b["_pk_qweight"] or pw.scale is not b["_pk_scale"] or pw.bias is not b["_pk_bias"]:
+            pw = PackedWeight(b["_pk_qweight"], b["_pk_groups"], b["_pk_scale"], b["_pk_zero"], b["_pk_perm"],
+                              pw.in_features, pw.out_features, b["_pk_bias"], pw.meta)
             self._packed = pw
         return pw
 
