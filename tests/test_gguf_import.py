@@ -431,9 +431,9 @@ def test_default_model_reimports_when_gguf_changes(tmp_path, monkeypatch):
 
 @pytest.mark.real_model
 def test_default_model_path_cached(smollm2_dir):
-    from exl_core.default_model import default_dense_path, default_model_path
+    from exl_core.default_model import default_dense_path
     t = time.perf_counter()
-    assert default_model_path(progress=False) == default_dense_path(progress=False) == smollm2_dir
+    assert default_dense_path(progress=False) == smollm2_dir
     assert time.perf_counter() - t < 1.0          # already imported: no work
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "generation_config.json"):
@@ -472,8 +472,8 @@ def test_real_smollm2_matches_transformers_gguf_loader(smollm2_dir):
 @pytest.mark.slow
 def test_concurrent_first_import(tmp_path):
     """Two processes importing into an empty EXL_CORE_HOME at once both get a valid folder."""
-    code = ("from exl_core.default_model import default_model_path; "
-            "print(default_model_path(progress=False))")
+    code = ("from exl_core.default_model import default_dense_path; "
+            "print(default_dense_path(progress=False))")
     env = dict(os.environ, EXL_CORE_HOME=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
