@@ -283,3 +283,15 @@ def test_dense_linear_cuda_vs_float64():
     ref = x.double() @ w.double() + b.double()
     poison_allocator()
     assert rel_err(dense_linear(x.cuda(), w.cuda(), b.cuda()), ref) < 2e-3
+
+
+def test_rope_position_outside_table_gives_nan_rows():
+    """On CUDA apply_rope skips the host range check (2 syncs per layer); the kernel marks the rows."""
+    _need_kernels()
+    from exl_core.ops.rope import apply_rope, cos_sin_table
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    cs = cos_sin_table(inv, 16).cuda()
+    q, k = torch.randn(3, 2, 64, device="cuda").half(), torch.randn(3, 1, 64, device="cuda").half()
+    qo, ko = apply_rope(q, k, torch.tensor([0, 16, 5], device="cuda"), cs)
+    assert torch.isnan(qo[1]).all() and torch.isnan(ko[1]).all()
+    assert not torch.isnan(qo[[0, 2]]).any() and not torch.isnan(ko[[0, 2]]).any()
