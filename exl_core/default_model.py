@@ -149,7 +149,7 @@ def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
     from .quantize.convert import ConvertSettings, convert
     if (folder / "config.json").is_file() or (folder.exists() and not (folder / ".exl_job").is_dir()):
         shutil.rmtree(folder)     # finished by other settings / another import, or not ours: redo
-    meas = str(SHIPPED_MEASUREMENT) if SHIPPED_MEASUREMENT.is_file() else None
+    meas = _shipped_measurement(dense)
     c = DEFAULT_CONVERSION
     if progress:
         import sys
@@ -162,6 +162,21 @@ def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
     tmp = folder / f".{DEFAULT_MARKER}.tmp"
     tmp.write_text(json.dumps({"conversion": DEFAULT_CONVERSION, "dense": dense_marker}, sort_keys=True))
     tmp.replace(folder / DEFAULT_MARKER)
+
+
+def _shipped_measurement(dense: Path) -> Optional[str]:
+    """The shipped measurement when it fits this import and converter, else None (measure)."""
+    from .errors import InputError
+    from .quantize.convert import src_shapes
+    from .quantize.measure import load_measurement
+    from .quantize.source import DenseSource
+    if not SHIPPED_MEASUREMENT.is_file():
+        return None
+    try:
+        load_measurement(SHIPPED_MEASUREMENT, src_shapes(DenseSource(dense)))
+    except InputError:
+        return None
+    return str(SHIPPED_MEASUREMENT)
 
 
 def default_model_path(progress: bool = True) -> Path:

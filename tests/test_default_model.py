@@ -69,3 +69,12 @@ def test_interrupted_conversion_resumes_to_same_bytes(fake_dense, tmp_path):
     assert (ref / ".exl_job").is_dir() and not (ref / "config.json").exists()
     assert dm.default_model_path(progress=False) == ref
     assert (ref / "model.safetensors").read_bytes() == want
+
+
+def test_stale_shipped_measurement_is_not_used(fake_dense, tmp_path, monkeypatch):
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"version": 1, "candidates": [], "layers": {}}))
+    monkeypatch.setattr(dm, "SHIPPED_MEASUREMENT", stale)
+    assert dm._shipped_measurement(fake_dense) is None
+    p = dm.default_model_path(progress=False)          # measures the model itself instead
+    assert _qc(p)["bits"] == dm.DEFAULT_BPW
