@@ -118,17 +118,22 @@ def test_paged_bf16(kernel):
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_batch_invariance(kernel, window):
+    """Bit-identical alone and batched, except gathered_sdpa (the GPU fallback), whose padded key
+    length follows the batch: there only to rounding."""
     seqs = [(1, 233), (9, 100), (1, 5), (30, 60)]
     q, kc, vc, table, cu, lens = make_case(seqs, 9, 3, 64, 16, window)
     full = _run(kernel, q, kc, vc, table, cu, lens, 0.1, window)
     for s in range(len(seqs)):
         a, b = int(cu[s]), int(cu[s + 1])
         alone = _run(kernel, q[a:b], kc, vc, table[s:s + 1], torch.tensor([0, b - a]), lens[s:s + 1], 0.1, window)
-        assert torch.equal(alone, full[a:b]), f"sequence {s} differs when batched"
+        if kernel == "gathered_sdpa":
+            assert (alone - full[a:b]).abs().max().item() < 1e-6, f"sequence {s} differs when batched"
+        else:
+            assert torch.equal(alone, full[a:b]), f"sequence {s} differs when batched"
 
 
 def test_paged_dispatch_and_head_dim_fallback():
-    # head dim 80 is refused by the C++ kernel, so the public face must still answer via torch_ref
+    # head dim 80 is refused by the C++ kernel, so the public face must still answer (gathered_sdpa)
     args = make_case([(2, 9), (1, 4)], 4, 2, 80, 8)
     reasons = dict(A.PAGED_ATTENTION.reasons(**dict(zip(
         ["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k", "scale", "window"], (*args, 0.1, None)))))

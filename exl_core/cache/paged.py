@@ -174,10 +174,11 @@ class PagedContext:
         self.block_table = torch.tensor(table_rows, dtype=torch.int32, device=dev).reshape(len(tables), width)
         self.seq_lens_k = torch.tensor([s + n for s, n in zip(starts, new_lens)], dtype=torch.int64, device=dev)
         self.logit_rows = logit_rows.to(dev) if logit_rows is not None else None
+        self.max_q_len = max(new_lens, default=0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: Optional[int]) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
         return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
-                               scale, window)                 # (T, Hq, D)
+                               scale, window, self.max_q_len)  # (T, Hq, D)

@@ -137,7 +137,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _paged_cpu_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window) -> Optional[str]:
+def _paged_cpu_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window,
+                     max_q_len=None) -> Optional[str]:
     if not has_op("paged_attention"):
         return "C++ extension not built with exl_core::paged_attention"
     if q.device.type != "cpu":
@@ -153,17 +154,17 @@ def _paged_cpu_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
     return None
 
 
-def _paged_cpu_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+def _paged_cpu_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
     return torch.ops.exl_core.paged_attention(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                               cu_seqlens_q.contiguous(), seq_lens_k.contiguous(),
                                               float(scale), int(window or 0))
 
 
-def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
     return paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window)
 
 
-def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
     # everything _paged_cpu_check reads
     return (q.device, q.dtype, q.shape[-1], k_cache.dtype, block_table.dtype, cu_seqlens_q.dtype,
             seq_lens_k.dtype, k_cache.is_contiguous(), v_cache.is_contiguous())
@@ -178,18 +179,20 @@ PAGED_ATTENTION = Dispatcher("attention", [
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
-                    scale: float, window: Optional[int] = None) -> torch.Tensor:
+                    scale: float, window: Optional[int] = None, max_q_len: Optional[int] = None) -> torch.Tensor:
     """Causal attention of T new query rows of S sequences over their paged K/V.
 
     q (T, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) already hold the new tokens;
     block_table int32 [S, max_pages]; cu_seqlens_q int64 [S+1]; seq_lens_k int64 [S] (keys
     per sequence including the new ones). Query row j of sequence s sits at position
     seq_lens_k[s] - q_len_s + j. Returns (T, Hq, D) in q's dtype (fp32 math).
+    `max_q_len`: the caller's host-side bound on any sequence's query rows (lets kernels size
+    their work without reading cu_seqlens_q back from the device).
     """
     _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
     return PAGED_ATTENTION(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
                            cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, scale=scale,
-                           window=window or None)
+                           window=window or None, max_q_len=max_q_len)
 
 
 def _register_fakes() -> None:
