@@ -8,6 +8,10 @@ Candidates, in priority order (see `ops/dispatch.py`):
                 result is bit-identical whatever the number of rows and their order.
   torch_ref  -- pure torch: unpack the bit streams, dequantise to fp32, matmul. Any device;
                 NOT batch invariant (torch.mm blocks differently for different M).
+
+`qmatmul_many(x, [pw, ...])` (q/k/v, gate/up) has its own dispatcher: `cpu_fused_multi`
+(`exl_core::qmatmul_multi`, one kernel call, bit-identical to one qmatmul per weight) when the
+weights share x's permutation, else `each` (one qmatmul per weight, any device).
 """
 from __future__ import annotations
 
