@@ -28,7 +28,7 @@ $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h
 ck_pid=$!
 
 t0=$(date +%s)
-timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_model.py \
+timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
   >"$OUT/cuda_tests.txt" 2>&1
 echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
 grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 import torch
 
 from ..errors import InputError
-from ..model.lora import lora_rows
+from ..model.lora import lora_manager, lora_rows
 from .job import Job, JobResult
 from .sampling import SamplerSettings, sample_batch
 from .scheduler import Scheduler
@@ -38,7 +38,9 @@ class GeneratorStats:
 class Generator:
     def __init__(self, model, cache, tokenizer=None, max_batch_tokens: int = 2048, max_chunk_size: int = 512,
                  max_batch_size: int = 256, prefix_reuse: bool = True, draft_model=None, draft_cache=None,
-                 num_draft_tokens: int = 4, ngram_draft: bool = False):
+                 num_draft_tokens: int = 4, ngram_draft: bool = False, cuda_graphs: Optional[bool] = None):
+        """`cuda_graphs`: replay decode steps from CUDA graphs (cuda_graphs.py); default: on when
+        the model is on a CUDA device."""
         if cache.model is not model:
             raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
         # speculative decoding (speculative.py): a draft model or n-gram lookup proposes tokens
@@ -62,6 +64,10 @@ class Generator:
         self.vocab_size = model.config.vocab_size
         eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
         self.eos_ids = eos | set(getattr(model.config, "eos_token_ids", None) or ())
+        self.graphs = None
+        if cuda_graphs or (cuda_graphs is None and torch.device(model.device).type == "cuda"):
+            from .cuda_graphs import GraphedDecoder
+            self.graphs = GraphedDecoder(model, cache)
 
     # -- queue ------------------------------------------------------------------------------
     def enqueue(self, job: Union[Job, Sequence[Job]]) -> Union[Job, list[Job]]:
@@ -146,10 +152,14 @@ class Generator:
                 if item.wants_logits:
                     rows.append(r)
             dev = self.model.device
-            logit_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-            ctx = self.cache.context([i.job.table for i in plan.items], lens, logit_rows)
-            with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):
-                logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
+            tables = [i.job.table for i in plan.items]
+            if self.graphs is not None and lora_manager(self.model) is None and \
+                    self.graphs.accepts(lens, [i.wants_logits for i in plan.items]):
+                logits = self.graphs.run(ids, self.cache.context(tables, lens))              # (S, V)
+            else:
+                ctx = self.cache.context(tables, lens, torch.tensor(rows, dtype=torch.int64, device=dev))
+                with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):
+                    logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
             self.stats.forward_passes += 1
             self.stats.forward_tokens += len(ids)
             for item in plan.items:

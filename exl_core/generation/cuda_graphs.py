@@ -1,0 +1,117 @@
+"""Decode steps replayed from CUDA graphs, so the host stays off the GPU's critical path.
+
+A decode step (every sequence feeds one token, every row wants logits, no LoRA) of a model on
+CUDA launches ~10 kernels per layer; eagerly, Python and the launch queue cost more than the
+kernels at batch 1. `GraphedDecoder` records the model's forward once per (batch size,
+block-table width bucket) over a `StaticDecodeContext` — the paged context's tensors at fixed
+addresses — and each later step only copies the step's positions/slots/table into those
+buffers and replays.
+
+Why it is exact: the graph runs the same kernels on the same values as the eager forward
+(attention through `gathered_sdpa`, which reads no host value); block tables are padded with
+-1 to the bucket width, pages the attention zeroes and masks. The first step of each shape
+runs eagerly on a side stream (the warm-up CUDA graphs need; its logits are that step's
+answer), then the same forward is recorded for later steps.
+
+Off the GPU `GraphedDecoder(..., capture=False)` runs the static context eagerly: that is
+how the CPU tests check the padding and buffer logic the graphs depend on.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ..cache.paged import PagedContext
+
+WIDTH_BUCKET = 16          # block-table widths are padded to a multiple of this many pages
+
+
+class StaticDecodeContext(PagedContext):
+    """A PagedContext for S single-token rows whose tensors never move (graph inputs)."""
+
+    def __init__(self, cache, batch: int, width: int, num_positions: int):   # noqa: D107 - no super().__init__
+        dev = cache.device
+        self.cache = cache
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.cu_seqlens = torch.arange(batch + 1, dtype=torch.int64, device=dev)
+        self.block_table = torch.full((batch, width), -1, dtype=torch.int32, device=dev)
+        self.seq_lens_k = torch.ones(batch, dtype=torch.int64, device=dev)
+        self.logit_rows = None
+        self.max_q_len = 1
+        self.num_positions = num_positions       # the model sizes its rope lookup from this, no sync
+
+    def load(self, ctx: PagedContext) -> None:
+        """Copy one step's values (a PagedContext of the same batch) into the fixed buffers."""
+        w = ctx.block_table.shape[1]
+        self.positions.copy_(ctx.positions)
+        self.slots.copy_(ctx.slots)
+        self.seq_lens_k.copy_(ctx.seq_lens_k)
+        self.block_table[:, w:].fill_(-1)
+        self.block_table[:, :w].copy_(ctx.block_table)
+
+
+class _Entry:
+    def __init__(self, ctx: StaticDecodeContext, ids: torch.Tensor):
+        self.ctx, self.ids = ctx, ids
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.logits: Optional[torch.Tensor] = None
+        self.eager_only = False
+
+
+class GraphedDecoder:
+    def __init__(self, model, cache, max_batch: int = 64, capture: Optional[bool] = None):
+        self.model, self.cache, self.max_batch = model, cache, max_batch
+        self.capture = (cache.device.type == "cuda") if capture is None else capture
+        cfg = model.config
+        # one rope table for every graph, large enough for any position, built before capture
+        self.num_positions = max(cfg.max_position_embeddings, cache.max_tokens) + 1
+        self._rope = model.rope.cos_sin(self.num_positions)
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.replays = 0
+
+    def accepts(self, lens, wants_logits) -> bool:
+        """A decode step this decoder can serve (the caller also keeps LoRA models off graphs:
+        adapters change weights and per-row plans the recorded kernels would not see)."""
+        return 0 < len(lens) <= self.max_batch and all(n == 1 for n in lens) and all(wants_logits)
+
+    def run(self, ids: list[int], ctx: PagedContext) -> torch.Tensor:
+        """Logits (S, vocab) of this decode step; valid until the next call."""
+        s, w = len(ids), ctx.block_table.shape[1]
+        width = -(-w // WIDTH_BUCKET) * WIDTH_BUCKET
+        key = (s, width)
+        e = self._entries.get(key)
+        fresh = e is None
+        if fresh:
+            e = self._entries[key] = _Entry(StaticDecodeContext(self.cache, s, width, self.num_positions),
+                                            torch.zeros(s, dtype=torch.int64, device=self.cache.device))
+        e.ids.copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        e.ctx.load(ctx)
+        if not self.capture:
+            return self.model.forward(e.ids, e.ctx)
+        if fresh:
+            return self._record(e)
+        if e.eager_only:
+            return self.model.forward(e.ids, e.ctx)
+        e.graph.replay()
+        self.replays += 1
+        return e.logits
+
+    def _record(self, e: _Entry) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            eager = self.model.forward(e.ids, e.ctx)                  # warm-up: also this step's answer
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                e.logits = self.model.forward(e.ids, e.ctx)
+            e.graph = graph
+        except RuntimeError as exc:      # some kernel of this model cannot be recorded: stay eager, say so
+            warnings.warn(f"CUDA graph capture failed ({exc}); decoding this batch shape eagerly")
+            e.eager_only = True
+        return eager

@@ -1,0 +1,83 @@
+"""Decode steps through GraphedDecoder (generation/cuda_graphs.py).
+
+On the CPU the decoder runs its static context eagerly (capture=False): the padding of block
+tables to width buckets and the buffer copies must not change a single token. On a GPU the
+recorded graphs must reproduce the same decoder run eagerly, logits bit for bit.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from exl_core.cache import Cache
+from exl_core.generation import Generator, Job
+from exl_core.generation.sampling import SamplerSettings
+from exl_core.loader import load_model
+
+GREEDY = SamplerSettings(temperature=0.0)
+
+
+def _jobs(vocab, seed):
+    rnd = random.Random(seed)
+    # lengths spanning several 16-token pages; different max_new_tokens so the batch shrinks
+    return [Job([rnd.randrange(3, vocab) for _ in range(n)], max_new_tokens=m, sampler=GREEDY, stop_on_eos=False)
+            for n, m in ((5, 12), (40, 7), (19, 20), (70, 3))]
+
+
+def _run(model, graphs, seed, device="cpu"):
+    gen = Generator(model, Cache(model, max_tokens=2048, page_size=16), None, max_batch_tokens=256, max_chunk_size=64,
+                    cuda_graphs=graphs)
+    jobs = gen.enqueue(_jobs(model.config.vocab_size, seed))
+    while gen.has_work():
+        gen.iterate()
+    return [j.generated for j in jobs], gen
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("llama", seed=4, vocab_size=500, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("attention", [None, "gathered_sdpa"])
+def test_static_decode_context_gives_the_same_tokens(tiny, attention, monkeypatch):
+    from exl_core.ops import dispatch
+    if attention:                      # the GPU's attention path, here on the CPU
+        monkeypatch.setitem(dispatch._FORCED, "attention", attention)
+    model, _ = load_model(tiny, load_tokenizer=False)
+    seed = random.randrange(1 << 20)
+    plain, _ = _run(model, False, seed)
+    static, gen = _run(model, True, seed)
+    assert gen.graphs is not None and not gen.graphs.capture
+    assert len(gen.graphs._entries) >= 3                       # batch sizes 4, 3, 2, 1 were served
+    assert static == plain
+
+
+def test_graphs_off_by_default_on_cpu(tiny):
+    model, _ = load_model(tiny, load_tokenizer=False)
+    assert Generator(model, Cache(model, max_tokens=256)).graphs is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_recorded_graphs_replay_the_eager_static_forward(tiny):
+    from exl_core.generation.cuda_graphs import GraphedDecoder
+    model, _ = load_model(tiny, device="cuda", dtype=torch.float32, load_tokenizer=False)
+    seed = random.randrange(1 << 20)
+    plain, _ = _run(model, False, seed)
+    graphed, gen = _run(model, True, seed)
+    assert gen.graphs.capture and gen.graphs.replays > 0
+    assert graphed == plain
+    # logits of one step, recorded vs eager over the same static context: identical
+    cache = Cache(model, max_tokens=512, page_size=16)
+    outs = []
+    for capture in (False, True, True):
+        gen = Generator(model, cache, None, cuda_graphs=False)
+        gen.graphs = GraphedDecoder(model, cache, capture=capture)
+        job = gen.enqueue(Job(list(range(3, 40)), max_new_tokens=4, sampler=GREEDY, stop_on_eos=False,
+                              return_logprobs=True))
+        while gen.has_work():
+            gen.iterate()
+        outs.append((job.generated, list(job.logprobs)))
+    assert outs[0] == outs[1] == outs[2]
