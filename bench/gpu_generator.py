@@ -1,0 +1,72 @@
+"""What does the library's Generator decode at on a GPU, with and without CUDA graphs?
+
+bench/gpu_bench.py times the model with its own static contexts; this times the product path
+(`Generator.iterate`, paged cache, sampling, streaming) on the same kind of checkpoint.
+
+    python bench/gpu_generator.py --model /tmp/exl_bench/gptq [--new-tokens 64] [--batches 1,8]
+
+Writes bench/results/gpu_generator.json (and $OUT/gpu_generator.json when OUT is set).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import print_table, write_results  # noqa: E402
+from exl_core.cache import Cache  # noqa: E402
+from exl_core.generation import Generator, Job  # noqa: E402
+from exl_core.generation.sampling import SamplerSettings  # noqa: E402
+from exl_core.loader import load_model  # noqa: E402
+
+
+def decode_tok_s(model, batch: int, new_tokens: int, graphs: bool) -> float:
+    gen = Generator(model, Cache(model, max_tokens=batch * 512, page_size=256), None, cuda_graphs=graphs)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, model.config.vocab_size, (128,), generator=g).tolist() for _ in range(batch)]
+
+    def run(n):
+        jobs = gen.enqueue([Job(p, max_new_tokens=n, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False)
+                            for p in prompts])
+        while any(j.fed < j.prompt_len for j in jobs) or gen.waiting:     # prefill is not timed
+            gen.iterate()
+        torch.cuda.synchronize()
+        t0, n0 = time.perf_counter(), gen.stats.generated_tokens
+        while gen.has_work():
+            gen.iterate()
+        torch.cuda.synchronize()
+        return (gen.stats.generated_tokens - n0) / (time.perf_counter() - t0)
+    run(8)                                           # warm-up: kernels, allocator, graph capture
+    return run(new_tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8")
+    a = ap.parse_args()
+    model, _ = load_model(a.model, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    rows = []
+    for b in (int(x) for x in a.batches.split(",")):
+        eager = decode_tok_s(model, b, a.new_tokens, graphs=False)
+        graphed = decode_tok_s(model, b, a.new_tokens, graphs=True)
+        rows.append({"batch": b, "eager_tok_s": eager, "graphs_tok_s": graphed, "speedup": graphed / eager})
+        print_table(rows[-1:], list(rows[-1]))
+    print()
+    print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup"])
+    path = write_results("gpu_generator", {"model": str(a.model), "config_layers": model.config.num_hidden_layers,
+                                           "new_tokens": a.new_tokens, "prompt_tokens": 128, "rows": rows})
+    if os.environ.get("OUT"):
+        shutil.copy(path, os.environ["OUT"])
+
+
+if __name__ == "__main__":
+    main()
