@@ -90,6 +90,17 @@ def ship_measurement(src: Path) -> None:
         ("self", DEFAULT_CONVERSION["rows"], DEFAULT_CONVERSION["length"], DEFAULT_CONVERSION["seed"]), cal
     keep = ("shape", "numel", "bits", "err", "fixed")
     data["layers"] = {n: {k: v for k, v in r.items() if k in keep} for n, r in data["layers"].items()}
+    # the calibration tokens too (sampling them is most of a first use's time), and which import
+    from exl_core.default_model import default_dense_path
+    from exl_core.formats.gguf_import import MARKER_NAME
+    from exl_core.quantize.calibration import cached_self_calibration
+    from exl_core.quantize.source import DenseSource
+    dense = default_dense_path(progress=False)
+    c = DEFAULT_CONVERSION
+    cal_tok = cached_self_calibration(DenseSource(dense), c["rows"], c["length"], seed=c["seed"], progress=False)
+    assert cal_tok.info == cal, (cal_tok.info, cal)
+    data["default_calibration"] = {"tokens": cal_tok.tokens.tolist(), "info": cal_tok.info,
+                                   "dense": json.loads((dense / MARKER_NAME).read_text())}
     SHIPPED_MEASUREMENT.parent.mkdir(exist_ok=True)
     SHIPPED_MEASUREMENT.write_text(json.dumps(data, sort_keys=True, separators=(",", ":")))
     print(f"wrote {SHIPPED_MEASUREMENT} ({SHIPPED_MEASUREMENT.stat().st_size} bytes)")

@@ -150,6 +150,8 @@ def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
     if (folder / "config.json").is_file() or (folder.exists() and not (folder / ".exl_job").is_dir()):
         shutil.rmtree(folder)     # finished by other settings / another import, or not ours: redo
     meas = _shipped_measurement(dense)
+    if meas is not None:
+        _seed_calibration(dense)
     c = DEFAULT_CONVERSION
     if progress:
         import sys
@@ -165,7 +167,8 @@ def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
 
 
 def _shipped_measurement(dense: Path) -> Optional[str]:
-    """The shipped measurement when it fits this import and converter, else None (measure)."""
+    """The shipped measurement when it was made from this very import (same GGUF, importer) by
+    this converter, else None (the conversion then measures the model itself)."""
     from .errors import InputError
     from .quantize.convert import src_shapes
     from .quantize.measure import load_measurement
@@ -174,9 +177,31 @@ def _shipped_measurement(dense: Path) -> Optional[str]:
         return None
     try:
         load_measurement(SHIPPED_MEASUREMENT, src_shapes(DenseSource(dense)))
-    except InputError:
+        made_from = json.loads(SHIPPED_MEASUREMENT.read_text())["default_calibration"]["dense"]
+        if made_from != json.loads((dense / _import_marker_name()).read_text()):
+            return None
+    except (InputError, KeyError, TypeError, ValueError, OSError):
         return None
     return str(SHIPPED_MEASUREMENT)
+
+
+def _seed_calibration(dense: Path) -> None:
+    """Puts the shipped self-calibration tokens (sampled from this same import with the default
+    settings; sampling is deterministic) into the calibration cache: sampling 16×256 tokens
+    takes minutes on a small CPU, the rest of the first-use conversion about as long again."""
+    import torch
+    from .quantize.calibration import self_calibration_path
+    from .quantize.job_state import atomic_save
+    c = DEFAULT_CONVERSION
+    path = self_calibration_path(dense, c["rows"], c["length"], c["seed"])
+    if path.is_file():
+        return
+    cal = json.loads(SHIPPED_MEASUREMENT.read_text())["default_calibration"]
+    tokens = torch.tensor(cal["tokens"], dtype=torch.int64)
+    if tuple(tokens.shape) != (c["rows"], c["length"]):
+        return                  # not what the default asks for: let the converter sample
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save({"tokens": tokens}, path, {"info": json.dumps(cal["info"], sort_keys=True)})
 
 
 def default_model_path(progress: bool = True) -> Path:

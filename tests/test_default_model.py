@@ -78,3 +78,36 @@ def test_stale_shipped_measurement_is_not_used(fake_dense, tmp_path, monkeypatch
     assert dm._shipped_measurement(fake_dense) is None
     p = dm.default_model_path(progress=False)          # measures the model itself instead
     assert _qc(p)["bits"] == dm.DEFAULT_BPW
+
+
+def _ship(fake_dense, folder, path):
+    """A shipped file as bench/convert_smollm2.py --ship-measurement writes it, for the stand-in."""
+    from exl_core.quantize.calibration import cached_self_calibration
+    from exl_core.quantize.source import DenseSource
+    data = json.loads((folder / "measurement.json").read_text())
+    c = dm.DEFAULT_CONVERSION
+    cal = cached_self_calibration(DenseSource(fake_dense), c["rows"], c["length"], seed=c["seed"], progress=False)
+    data["default_calibration"] = {"tokens": cal.tokens.tolist(), "info": cal.info,
+                                   "dense": json.loads((fake_dense / MARKER_NAME).read_text())}
+    path.write_text(json.dumps(data))
+
+
+def test_shipped_measurement_and_tokens_give_the_same_model(fake_dense, tmp_path, monkeypatch):
+    import shutil
+    ref = dm.default_model_path(progress=False)            # measured and sampled here
+    want = (ref / "model.safetensors").read_bytes()
+    shipped = tmp_path / "shipped.json"
+    _ship(fake_dense, ref, shipped)
+    monkeypatch.setattr(dm, "SHIPPED_MEASUREMENT", shipped)
+    shutil.rmtree(ref)
+    shutil.rmtree(tmp_path / "home" / "calib")              # the tokens must come from the shipped file
+    sampled = []
+    from exl_core.quantize import calibration
+    monkeypatch.setattr(calibration, "sample_from_model", lambda *a, **k: sampled.append(1))
+    assert dm._shipped_measurement(fake_dense) == str(shipped)
+    assert dm.default_model_path(progress=False) == ref
+    assert not sampled and (ref / "model.safetensors").read_bytes() == want
+    assert _qc(ref)["calibration"]["dataset"] == "self"
+    # made from another import: neither the measurement nor the tokens are used
+    (fake_dense / MARKER_NAME).write_text(json.dumps({"importer_version": 9, "source": "z.gguf"}))
+    assert dm._shipped_measurement(fake_dense) is None

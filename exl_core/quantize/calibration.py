@@ -159,19 +159,25 @@ def _decode_layer(h, w, d, cos, sin, kc, vc, t):
     return h + linear(m, w["mlp.down_proj.weight"], g("mlp.down_proj.bias"))
 
 
+def self_calibration_path(folder, rows: int, length: int, seed: int = 0, temperature: float = 1.0) -> Path:
+    """Cache file of the self-calibration of the model in `folder` with these settings (keyed by
+    its config and weight files' names, sizes and mtimes)."""
+    from ..default_model import exl_home
+    h = hashlib.sha256()
+    h.update((Path(folder) / "config.json").read_bytes())
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h.update(json.dumps([rows, length, seed, temperature]).encode())
+    return exl_home() / "calib" / f"self-{h.hexdigest()[:24]}.safetensors"
+
+
 def cached_self_calibration(source, rows: int, length: int, seed: int = 0, temperature: float = 1.0,
                             progress: bool = True) -> Calibration:
     """sample_from_model() through a cache in $EXL_CORE_HOME/calib: sampling is deterministic,
     so the same model and settings always give the same tokens; reuse saves minutes per run."""
     from safetensors import safe_open
-    from ..default_model import exl_home
     from .job_state import atomic_save
-    h = hashlib.sha256()
-    h.update((Path(source.folder) / "config.json").read_bytes())
-    for f in sorted(Path(source.folder).glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
-    h.update(json.dumps([rows, length, seed, temperature]).encode())
-    path = exl_home() / "calib" / f"self-{h.hexdigest()[:24]}.safetensors"
+    path = self_calibration_path(source.folder, rows, length, seed, temperature)
     if path.is_file():
         with safe_open(str(path), "pt") as f:
             return Calibration(f.get_tensor("tokens"), json.loads(f.metadata()["info"]))
