@@ -159,8 +159,11 @@ def _run_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tenso
 
 
 def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
-    # everything _check_multi_cpu reads (the "each" fallback re-dispatches per weight)
-    return (x.device, x.dtype, tuple((pw.qweight.device, pw.scale.dtype, pw.zero.dtype) for pw in pws),
+    # everything the checks read: _check_multi_cpu's, and cuda_candidates' (its one-launch kernel
+    # also needs N % 4 == 0 and 16-byte aligned buffers); the "each" fallback re-dispatches per weight
+    return (x.device, x.dtype,
+            tuple((pw.qweight.device, pw.scale.dtype, pw.zero.dtype, pw.out_features % 4,
+                   (pw.qweight.data_ptr() | pw.scale.data_ptr() | pw.zero.data_ptr()) % 16) for pw in pws),
             all(pw.perm is pws[0].perm for pw in pws))
 
 
