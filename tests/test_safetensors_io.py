@@ -360,3 +360,12 @@ def test_header_agrees_with_safetensors(tmp_path):
         for k in h.keys():
             sl = h.get_slice(k)
             assert tuple(sl.get_shape()) == entries[k].shape
+
+
+def test_missing_tensor_names_similar_ones(tmp_path):
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "m.safetensors"))
+    r = WeightReader(tmp_path)
+    with pytest.raises(FormatError, match=r"tensor 'model.layers.0.mlp.upproj.weight' not found; similar names: "
+                                          r"model.layers.0.mlp.up_proj.weight"):
+        r.shape("model.layers.0.mlp.upproj.weight")
+    assert not r.has("model.layers.0.mlp.upproj.weight")

