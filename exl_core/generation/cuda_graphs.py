@@ -45,6 +45,8 @@ class StaticDecodeContext(PagedContext):
 
     def load(self, ctx: PagedContext) -> None:
         """Copy one step's values (a PagedContext of the same batch) into the fixed buffers."""
+        from ..ops.attention_gathered import forget_plan
+        forget_plan()                            # same tensor objects, new values: no stale plan
         w = ctx.block_table.shape[1]
         self.positions.copy_(ctx.positions)
         self.slots.copy_(ctx.slots)

@@ -27,6 +27,59 @@ from .attention import PAGED_ATTENTION, _check_paged_args
 from .dispatch import Candidate
 
 
+class _Plan:
+    """Everything but the K/V values: the same for every layer of one forward pass."""
+
+    def __init__(self, t, s, page, length, qmax, max_q_len, block_table, cu_seqlens_q, seq_lens_k, window, dev):
+        cu = cu_seqlens_q.to(dev)
+        qlen = cu[1:] - cu[:-1]                                        # (S,)
+        if max_q_len is not None:
+            torch._assert_async((qlen <= qmax).all())                 # a wrong hint would drop rows
+        rows = torch.arange(t, device=dev)
+        seq = torch.searchsorted(cu[1:], rows, right=True)             # sequence of each row
+        self.dest = seq * qmax + (rows - cu[seq])                      # its slot in (S, Qmax)
+        self.pages = block_table.to(device=dev, dtype=torch.int64).clamp(min=0)
+        lens = seq_lens_k.to(dev)
+        kpos1 = torch.arange(length, device=dev)
+        # slots never written (past the end, released pages read as page 0) may hold anything, NaN
+        # included; a masked score does not stop NaN * 0 in the value sum, so they are zeroed first
+        written = (kpos1[None, :] < lens[:, None]) & (block_table.to(dev) >= 0).repeat_interleave(page, dim=1)
+        self.unwritten = ~written[:, None, :, None]
+        j = torch.arange(qmax, device=dev)
+        qpos = lens[:, None] - qlen[:, None] + j[None, :]             # (S, Qmax) absolute positions
+        kpos = kpos1[None, None, :]
+        allowed = kpos <= qpos[:, :, None]
+        if window:
+            allowed &= kpos > qpos[:, :, None] - window
+        pad = (j[None, :] >= qlen[:, None])[:, :, None]
+        self.mask = ((allowed & ~pad) | (pad & (kpos == 0)))[:, None]  # (S, 1, Qmax, L)
+
+
+# One plan per forward: the layers of a pass share the context's tensors (the same objects), so
+# the index/mask kernels run once per pass, not once per layer. The key holds the tensors
+# themselves: a later pass's new tensors never match, even at a reused address. A context that
+# rewrites its tensors in place between passes (cuda_graphs.StaticDecodeContext) calls
+# forget_plan(); inference tensors carry no version counter to detect that.
+_last: tuple = (None, None, None)
+
+
+def forget_plan() -> None:
+    global _last
+    _last = (None, None, None)
+
+
+def _plan(t, s, page, length, qmax, max_q_len, block_table, cu_seqlens_q, seq_lens_k, window, dev) -> _Plan:
+    global _last
+    key = (block_table, cu_seqlens_q, seq_lens_k)
+    shape = (t, s, page, length, qmax, max_q_len, window, dev)
+    held, held_shape, plan = _last
+    if held is not None and held_shape == shape and all(a is b for a, b in zip(held, key)):
+        return plan
+    plan = _Plan(t, s, page, length, qmax, max_q_len, block_table, cu_seqlens_q, seq_lens_k, window, dev)
+    _last = (key, shape, plan)
+    return plan
+
+
 def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                              scale: float, window: Optional[int] = None,
@@ -37,35 +90,13 @@ def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     length = block_table.shape[1] * page
     qmax = max(min(max_q_len, t) if max_q_len is not None else t, 1)
-    dev = q.device
-    cu = cu_seqlens_q.to(dev)
-    qlen = cu[1:] - cu[:-1]                                            # (S,)
-    if max_q_len is not None:
-        torch._assert_async((qlen <= qmax).all())                     # a wrong hint would drop rows
-    rows = torch.arange(t, device=dev)
-    seq = torch.searchsorted(cu[1:], rows, right=True)                 # sequence of each row
-    dest = seq * qmax + (rows - cu[seq])                               # its slot in (S, Qmax)
-    qp = q.new_zeros(s * qmax, hq, d).index_copy_(0, dest, q).view(s, qmax, hq, d).transpose(1, 2)
-    pages = block_table.to(device=dev, dtype=torch.int64).clamp(min=0)
-    lens = seq_lens_k.to(dev)
-    kpos1 = torch.arange(length, device=dev)
-    # slots never written (past the end, released pages read as page 0) may hold anything, NaN
-    # included; a masked score does not stop NaN * 0 in the value sum, so they are zeroed first
-    written = ((kpos1[None, :] < lens[:, None]) & (block_table.to(dev) >= 0).repeat_interleave(page, dim=1))
-    unwritten = ~written[:, None, :, None]
-    kg = k_cache[pages].view(s, length, hkv, d).transpose(1, 2).to(q.dtype).masked_fill(unwritten, 0)
-    vg = v_cache[pages].view(s, length, hkv, d).transpose(1, 2).to(q.dtype).masked_fill(unwritten, 0)
-    j = torch.arange(qmax, device=dev)
-    qpos = lens[:, None] - qlen[:, None] + j[None, :]                 # (S, Qmax) absolute positions
-    kpos = kpos1[None, None, :]
-    allowed = kpos <= qpos[:, :, None]
-    if window:
-        allowed &= kpos > qpos[:, :, None] - window
-    pad = (j[None, :] >= qlen[:, None])[:, :, None]
-    allowed = (allowed & ~pad) | (pad & (kpos == 0))
-    out = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=allowed[:, None], scale=scale,
+    p = _plan(t, s, page, length, qmax, max_q_len, block_table, cu_seqlens_q, seq_lens_k, window or None, q.device)
+    qp = q.new_zeros(s * qmax, hq, d).index_copy_(0, p.dest, q).view(s, qmax, hq, d).transpose(1, 2)
+    kg = k_cache[p.pages].view(s, length, hkv, d).transpose(1, 2).to(q.dtype).masked_fill(p.unwritten, 0)
+    vg = v_cache[p.pages].view(s, length, hkv, d).transpose(1, 2).to(q.dtype).masked_fill(p.unwritten, 0)
+    out = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=p.mask, scale=scale,
                                          enable_gqa=hq != hkv)               # (S, Hq, Qmax, D)
-    return out.transpose(1, 2).reshape(s * qmax, hq, d).index_select(0, dest)
+    return out.transpose(1, 2).reshape(s * qmax, hq, d).index_select(0, p.dest)
 
 
 def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None) -> Optional[str]:
