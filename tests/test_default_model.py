@@ -4,7 +4,6 @@ The mechanics (convert once, reuse, redo when the dense import changes, resume a
 job) run on a tiny random model standing in for the dense import; the real conversion and its
 answer are checked by the real_model tests (test_cli's Paris test uses default_model_path)."""
 import json
-import time
 
 import pytest
 
@@ -39,9 +38,8 @@ def test_converts_once_then_reuses(fake_dense, tmp_path):
     assert abs(qc["real_bpw"] - dm.DEFAULT_BPW) <= 0.05
     assert not (p / ".exl_job").exists()
     mtime = (p / "config.json").stat().st_mtime_ns
-    t = time.perf_counter()
     assert dm.default_model_path(progress=False) == p
-    assert time.perf_counter() - t < 1.0 and (p / "config.json").stat().st_mtime_ns == mtime
+    assert (p / "config.json").stat().st_mtime_ns == mtime          # cached: nothing converted again
 
 
 def test_new_dense_import_triggers_reconversion(fake_dense):

@@ -38,3 +38,18 @@ def test_no_candidate_lists_every_reason():
     d = Dispatcher("toy", [Candidate("a", lambda n: "nope", lambda n: n)], key=lambda n: 0)
     with pytest.raises(KernelError, match="a: nope"):
         d(n=1)
+
+
+def test_cached_choice_follows_forcing_and_replacement(monkeypatch):
+    from exl_core.ops import dispatch as D
+    calls = []
+    d = D.Dispatcher("toy_op_for_cache", [D.Candidate("a", lambda x: None, lambda x: calls.append("a")),
+                                          D.Candidate("b", lambda x: None, lambda x: calls.append("b"))],
+                     key=lambda x: type(x))
+    d(x=1)
+    monkeypatch.setitem(D._FORCED, "toy_op_for_cache", "b")
+    d(x=1)
+    monkeypatch.delitem(D._FORCED, "toy_op_for_cache")
+    d.candidates[0] = D.Candidate("c", lambda x: None, lambda x: calls.append("c"))   # same length, new member
+    d(x=1)
+    assert calls == ["a", "b", "c"]

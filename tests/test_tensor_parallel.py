@@ -25,9 +25,6 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out_dir: str):
     import torch.distributed as dist
-    from exl_core.cache import Cache
-    from exl_core.generation import Generator, Job
-    from exl_core.generation.sampling import SamplerSettings
     from exl_core.loader import load_model
     from exl_core.parallel.tensor_parallel import shard_model
 
@@ -38,33 +35,30 @@ def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, ou
         model, _ = load_model(folder, load_tokenizer=False)
         shard_model(model)
         logits = model.forward_batch(ids)
-        cache = Cache(model, max_tokens=256, page_size=16)
-        gen = Generator(model, cache, None)
-        jobs = [Job(input_ids=ids[i].tolist(), max_new_tokens=6, stop_on_eos=False,
-                    sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i) for i in range(ids.shape[0])]
-        gen.enqueue(jobs)
-        while gen.has_work():
-            gen.iterate()
-        torch.save({"logits": logits, "tokens": [j.generated for j in jobs],
+        torch.save({"logits": logits, "tokens": _sample(model, ids),
                     "local_heads": model.config.num_key_value_heads}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _reference(folder, ids):
+def _sample(model, ids) -> list[list[int]]:
+    """Seeded sampling of 6 tokens per row of ids through the Generator."""
     from exl_core.cache import Cache
     from exl_core.generation import Generator, Job
     from exl_core.generation.sampling import SamplerSettings
-    from exl_core.loader import load_model
-    model, _ = load_model(folder, load_tokenizer=False)
-    logits = model.forward_batch(ids)
     gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
-    jobs = [Job(input_ids=ids[i].tolist(), max_new_tokens=6, stop_on_eos=False,
-                sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i) for i in range(ids.shape[0])]
-    gen.enqueue(jobs)
+    jobs = gen.enqueue([Job(input_ids=ids[i].tolist(), max_new_tokens=6, stop_on_eos=False,
+                            sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i)
+                        for i in range(ids.shape[0])])
     while gen.has_work():
         gen.iterate()
-    return logits, [j.generated for j in jobs], model.config.num_key_value_heads
+    return [j.generated for j in jobs]
+
+
+def _reference(folder, ids):
+    from exl_core.loader import load_model
+    model, _ = load_model(folder, load_tokenizer=False)
+    return model.forward_batch(ids), _sample(model, ids), model.config.num_key_value_heads
 
 
 @pytest.fixture(scope="module")

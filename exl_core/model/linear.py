@@ -105,7 +105,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "packed" if self._packed is not None else f"dense {self.w_t.dtype}"
-        return f"in={self.in_features}, out={self.out_features}, {kind}, bias={self.bias is not None}"
+        bias = self._packed.bias if self._packed is not None else self.bias
+        return f"in={self.in_features}, out={self.out_features}, {kind}, bias={bias is not None}"
 
 
 def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:

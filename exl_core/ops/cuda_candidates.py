@@ -210,8 +210,10 @@ def install() -> None:
     if getattr(qmatmul, "DISPATCH_MANY", None) is not None:      # qmatmul_many (q/k/v, gate/up)
         pairs.append((qmatmul.DISPATCH_MANY, Candidate("cuda", _many_check, _many_run)))
     for disp, cand in pairs:
-        if not any(c.check is cand.check for c in disp.candidates):
-            disp.candidates.insert(0, cand)
+        # replace any other candidate called "cuda" (an op module's placeholder must not serve
+        # behind ours: it would reach the C++ checks that crash instead of refusing)
+        disp.candidates[:] = [c for c in disp.candidates if c.name != "cuda"]
+        disp.candidates.insert(0, cand)
 
 
 install()

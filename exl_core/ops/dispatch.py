@@ -53,7 +53,7 @@ class Dispatcher:
         self.candidates = list(candidates)
         self.key = key
         self._chosen: dict[Any, Candidate] = {}
-        self._n_seen = len(self.candidates)
+        self._state: tuple = ()
 
     def reasons(self, **args) -> list[tuple[str, Optional[str]]]:
         """(name, refusal reason or None) for every candidate, in priority order."""
@@ -84,9 +84,11 @@ class Dispatcher:
     def __call__(self, **args):
         if self.key is None:
             return self.select(**args).run(**args)
-        if len(self.candidates) != self._n_seen:   # a candidate was added (cuda_candidates.install)
+        # the cached choices hold only while the candidate list and the force/disable settings do
+        state = (tuple(map(id, self.candidates)), _FORCED.get(self.op), frozenset(_DISABLED))
+        if state != self._state:
             self._chosen.clear()
-            self._n_seen = len(self.candidates)
+            self._state = state
         k = self.key(**args)
         c = self._chosen.get(k)
         if c is None:

@@ -1,8 +1,7 @@
 """y = x @ W (+ bias) for a quantized W in the kernel-native `PackedWeight` layout.
 
 Candidates, in priority order (see `ops/dispatch.py`):
-  cuda       -- slot for the CUDA kernel: serves once `exl_core::qmatmul` has a CUDA
-                implementation registered (csrc/cuda); refuses with a reason until then.
+  cuda       -- inserted first by ops/cuda_candidates.py (GEMV / mma / dequant+cuBLAS by rows).
   cpu_fused  -- `exl_core::qmatmul` C++ op (csrc/cpu/qmatmul*.cpp): fused dequantise + matmul,
                 AVX-512 / AVX2 / scalar picked at run time. Batch invariant: row i of the
                 result is bit-identical whatever the number of rows and their order.
@@ -21,7 +20,7 @@ import torch
 
 from ..errors import InputError
 from ..formats.packed import PackedWeight
-from .dispatch import Candidate, Dispatcher, extension, has_op
+from .dispatch import Candidate, Dispatcher, has_op
 
 # ---------------------------------------------------------------------------- torch reference
 
@@ -97,25 +96,12 @@ def _run_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features)
 
 
-def _check_cuda(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
-    # CUDA SLOT: a csrc/cuda kernel registering `exl_core::qmatmul` for the CUDA dispatch key is
-    # picked up here with no other change (same schema as the CPU op).
-    if x.device.type != "cuda":
-        return f"x is on {x.device}, not CUDA"
-    if extension() is None or not torch._C._dispatch_has_kernel_for_dispatch_key("exl_core::qmatmul", "CUDA"):
-        return "no CUDA qmatmul kernel built yet"
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"x dtype {x.dtype} not supported"
-    return None
-
-
 def _key(x: torch.Tensor, pw: PackedWeight):
     # everything the checks above read (has_op / extension() are fixed once imported)
     return x.device, x.dtype, pw.qweight.device, pw.scale.dtype, pw.zero.dtype
 
 
 DISPATCH = Dispatcher("qmatmul", [
-    Candidate("cuda", _check_cuda, _run_cpu_fused),          # same op, CUDA dispatch key
     Candidate("cpu_fused", _check_cpu_fused, _run_cpu_fused),
     Candidate("torch_ref", _check_torch_ref, _run_torch_ref),
 ], key=_key)
