@@ -7,6 +7,8 @@ weight uninitialised.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Optional
 
@@ -97,7 +99,24 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
         from tqdm.auto import tqdm
         bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
     model = Model.build(cfg, get, linear, head_layer, dtype, progress=bar)
+    share_input_perms(model)
     return model.to(device).eval()
+
+
+def share_input_perms(model: Model) -> None:
+    """q/k/v and gate/up read one input; converters order their rows by that input's Hessian, so
+    their act-order permutations are usually equal but stored per layer. One shared tensor lets
+    qmatmul_many run the group in one call (it requires the same `perm` object)."""
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+            if not all(isinstance(layer, QuantLinear) and layer.is_quantized for layer in group):
+                continue
+            first = group[0].packed.perm
+            for layer in group[1:]:
+                pw = layer.packed
+                if first is not None and pw.perm is not None and pw.perm is not first and torch.equal(pw.perm, first):
+                    layer.set_packed(dataclasses.replace(pw, perm=first))
 
 
 def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memory=None,

@@ -287,3 +287,19 @@ def test_torch_ref_on_cuda(rng):
     x = torch.randn(3, 128)
     y = qm.qmatmul(x.cuda(), pw.to("cuda"))
     assert rel_err(y.cpu(), reference(x, pw)) < 1e-3
+
+
+def test_loaded_act_order_projections_take_the_one_call_path():
+    """Converter output: q/k/v (gate/up) share one permutation tensor after loading, so
+    qmatmul_many serves them with the multi-weight kernel instead of one call each."""
+    from pathlib import Path
+    from exl_core.loader import load_model
+    folder = Path(__file__).parent / "data" / "exllamav2" / "ours_exl2"
+    model, _ = load_model(folder, load_tokenizer=False)
+    a, m = model.layers[0].self_attn, model.layers[0].mlp
+    pws = [layer.packed for layer in (a.q_proj, a.k_proj, a.v_proj)]
+    assert pws[0].perm is not None and all(pw.perm is pws[0].perm for pw in pws)
+    assert m.gate_proj.packed.perm is m.up_proj.packed.perm
+    x = torch.randn(2, pws[0].in_features)
+    chosen = qm.DISPATCH_MANY.select(x=x, pws=pws)
+    assert chosen.name == "cpu_fused_multi"
