@@ -1,0 +1,333 @@
+// exl_core::qgemm_skinny: fused dequantise + tensor-core GEMM for skinny fp16 x (1..32 rows), the
+// decode case, over the PackedWeight chunk table (see qmatmul_cuda.cu).
+//
+// Decode reads every weight once per step, so the kernel is built around keeping many weight bytes
+// in flight with few instructions per byte:
+//   orientation  y^T = W^T x^T: the weights are the mma's A operand (16 output columns x 16 k), x is
+//                B (8 rows of x per n-tile), so each dequantised A fragment serves every n-tile and a
+//                lane turns one 16-byte load (4 columns x 8 k) into A registers with one LOP3 per
+//                fp16 pair (B = 1024 + q); no wasted rows for M = 1 beyond the mma's n = 8.
+//   block        8 warps = 4 column warps x 2 K warps, 128 columns; lane (g = lane/4, t = lane%4) loads
+//                columns 4g..4g+3, values 8t..8t+7 of each 32-row chunk.  Tile u (0, 1) maps A row g
+//                to column 4g+2u and row g+8 to column 4g+2u+1.
+//   pipeline     each warp walks a contiguous run of chunks with a ring of R chunks of words in
+//                registers: a chunk's slot is refilled with the chunk R ahead as soon as it is used.
+//   scale/zero   d = x . (1024 + q) accumulates in fp32 over a whole group, then
+//                acc += s * (d - (1024 + z) * sum(x over the group)): one scale step per group, the
+//                group's scales loaded when the group starts (used a group later).
+//   split-K      grid y splits K; on sm_90 the split blocks form one cluster and reduce through
+//                distributed shared memory (cluster_store): deterministic, one launch, bias fused.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "qmma_common.cuh"
+
+namespace {
+using namespace exl_mma;
+
+constexpr int kColWarps = 4, kKWarps = 2, kThreads = 32 * kColWarps * kKWarps;
+constexpr int kTileN = 32 * kColWarps;    // 128 output columns per block
+constexpr int kPad = 8;                   // halves of row padding: conflict-free B loads
+constexpr size_t kSmemBudget = 100 * 1024; // per block: two blocks still fit one SM
+
+// Ring depth (chunks of words in registers per lane) and blocks per SM the registers are sized for.
+// Uniform 4-bit weights need one int4 per chunk, mixed widths two.
+template <int NT, bool U4> struct Cfg {
+  static constexpr int R = U4 ? (NT == 4 ? 6 : 8) : (NT == 4 ? 3 : 4);
+  static constexpr int kMinBlocks = NT == 4 ? 1 : 2;
+};
+
+__host__ __device__ inline size_t tab_bytes(int cpb) { return (static_cast<size_t>(cpb) * 12 + 15) & ~size_t(15); }
+__host__ __device__ inline size_t xsum_bytes(int M, int cpb) {
+  return (static_cast<size_t>(M) * cpb * 4 + 15) & ~size_t(15);
+}
+__host__ __device__ inline int xs_stride_of(int cpb) { return cpb * 32 + kPad; }
+
+// Shared memory: [chunk table cpb x 3][x sums M x cpb fp32][x M x xs_stride fp16]; after the K loop
+// the same bytes hold the partial tiles [kKWarps][M][kTileN] fp32.
+inline size_t smem_bytes(int M, int cpb) {
+  const size_t stage = tab_bytes(cpb) + xsum_bytes(M, cpb) + static_cast<size_t>(M) * xs_stride_of(cpb) * 2;
+  const size_t red = static_cast<size_t>(kKWarps) * M * kTileN * 4;
+  return std::max(stage, red);
+}
+
+// d[u][nt] += A(tile u of the chunk's words) x B(x rows of n-tile nt), both k16 steps of the chunk.
+template <int BITS, int NT>
+__device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int M, int g, int t,
+                                          float (&d)[2][NT][4]) {
+  const int sh = (8 * t * BITS) & 31;
+  uint32_t a[4][4];                                           // [column 4g+v][pair p]
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) a[v][p] = pair_bits<BITS>(wl, wh, sh, p);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int row = nt * 8 + g;
+      uint32_t b0 = 0u, b1 = 0u;
+      if (row < M) {
+        const __half* xr = xc + row * xs_stride + j * 16 + 2 * t;
+        b0 = *reinterpret_cast<const uint32_t*>(xr);
+        b1 = *reinterpret_cast<const uint32_t*>(xr + 8);
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        mma16816(d[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1], b0, b1);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __half* xc, int xs_stride, int M, int g,
+                                              int t, float (&d)[2][NT][4]) {
+  switch (bits) {
+    case 4: chunk_mma<4, NT>(r, xc, xs_stride, M, g, t, d); break;
+    case 2: chunk_mma<2, NT>(r, xc, xs_stride, M, g, t, d); break;
+    case 3: chunk_mma<3, NT>(r, xc, xs_stride, M, g, t, d); break;
+    case 5: chunk_mma<5, NT>(r, xc, xs_stride, M, g, t, d); break;
+    case 6: chunk_mma<6, NT>(r, xc, xs_stride, M, g, t, d); break;
+    default: chunk_mma<8, NT>(r, xc, xs_stride, M, g, t, d); break;
+  }
+}
+
+// acc += s * (d - (1024 + z) * xg) for the lane's 4 columns (s4/z4) and its x rows 2t, 2t+1 per n-tile.
+template <int NT>
+__device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, float (&xg)[NT][2],
+                                            float (&d)[2][NT][4], float (&acc)[2][NT][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int v = 2 * u + (i >> 1);                       // C row g -> column 4g+2u, row g+8 -> 4g+2u+1
+        acc[u][nt][i] = fmaf(compf(s4, v), fmaf(-1024.f - compf(z4, v), xg[nt][i & 1], d[u][nt][i]), acc[u][nt][i]);
+        d[u][nt][i] = 0.f;
+      }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xg[nt][0] = xg[nt][1] = 0.f;
+}
+
+// grid (total column tiles, splits); block kThreads.  Rows >= M of x read as zero.
+template <int NT, bool U4>
+__global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
+    qgemm_skinny_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cpb, const Mats mats) {
+  constexpr int R = Cfg<NT, U4>::R;
+  const Mat& mat = block_mat(mats);
+  const int32_t* __restrict__ chunks = mat.chunks;
+  const int32_t* __restrict__ qweight = mat.qweight;
+  const int64_t* __restrict__ perm = mat.perm;
+  const int64_t N = mat.N;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int xs_stride = xs_stride_of(cpb);
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
+  float* xsum = reinterpret_cast<float*>(smem_raw + tab_bytes(cpb));                      // [M][cpb]
+  __half* xs = reinterpret_cast<__half*>(smem_raw + tab_bytes(cpb) + xsum_bytes(M, cpb)); // [M][xs_stride]
+  float* red = reinterpret_cast<float*>(smem_raw);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int nw = warp % kColWarps, kw = warp / kColWarps;
+  const int64_t col = tile * kTileN + nw * 32 + 4 * g;        // this lane's 4 columns
+  const bool valid = col < N;                                 // N % 4 == 0: all 4 columns or none
+  const int c_begin = blockIdx.y * cpb, c_end = min(n_chunks, c_begin + cpb);
+  const int per = (c_end - c_begin + kKWarps - 1) / kKWarps;
+  const int w_begin = min(c_end, c_begin + kw * per), w_end = min(c_end, w_begin + per);
+
+  // The ring's first loads go out before anything else (table entries read from global memory).
+  Raw ring[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+    load_raw<U4>(ring[i], w_begin + i < w_end, chunks + 3 * (w_begin + i), qweight, N, col, valid, t);
+
+  const int nc = c_end - c_begin, L = nc * 32;
+  for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
+  for (int idx = threadIdx.x; idx < M * L; idx += kThreads) {       // x[:, perm] in fragment order
+    const int m = idx / L, pos = idx - m * L, within = pos & 31;
+    const int64_t k = static_cast<int64_t>(c_begin) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
+    xs[m * xs_stride + pos] = x[m * K + (perm ? __ldg(perm + k) : k)];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < M * nc; idx += kThreads) {      // per-chunk sums of the staged x
+    const int m = idx / nc, c = idx - m * nc;
+    const __half2* p = reinterpret_cast<const __half2*>(xs + m * xs_stride + c * 32);
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float2 f = __half22float2(p[i]);
+      a += f.x + f.y;
+    }
+    xsum[m * cpb + c] = a;
+  }
+  __syncthreads();
+
+  float d[2][NT][4], acc[2][NT][4], xg[NT][2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[u][nt][i] = acc[u][nt][i] = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xg[nt][0] = xg[nt][1] = 0.f;
+  float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
+  int grp = -1;
+
+  for (int c = w_begin; c < w_end; c += R) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int cc = c + i;
+      if (cc < w_end) {                                       // warp-uniform
+        const int32_t* e = tab + 3 * (cc - c_begin);
+        if (e[1] != grp) {                                    // a new group starts: close the last one
+          if (grp >= 0) flush_group<NT>(s4, z4, xg, d, acc);
+          grp = e[1];
+          if (valid) {
+            s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(grp) * N + col));
+            z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(grp) * N + col));
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = nt * 8 + 2 * t + h;
+            if (row < M) xg[nt][h] += xsum[row * cpb + (cc - c_begin)];
+          }
+        const __half* xc = xs + (cc - c_begin) * 32;
+        if constexpr (U4) chunk_mma<4, NT>(ring[i], xc, xs_stride, M, g, t, d);
+        else chunk_mma_any<NT>(e[0], ring[i], xc, xs_stride, M, g, t, d);
+        const int nx = cc + R;
+        load_raw<U4>(ring[i], nx < w_end, tab + 3 * (nx - c_begin), qweight, N, col, valid, t);
+      }
+    }
+  }
+  if (grp >= 0) flush_group<NT>(s4, z4, xg, d, acc);
+
+  __syncthreads();                                            // x stage dead: reuse as `red`
+  // acc[u][nt][i]: column 4g + 2u + (i >> 1), x row nt*8 + 2t + (i & 1).
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = nt * 8 + 2 * t + (i & 1);
+        if (row < M) red[(kw * M + row) * kTileN + nw * 32 + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
+      }
+  __syncthreads();
+  const int E = M * kTileN;
+  for (int idx = threadIdx.x; idx < E; idx += kThreads) {
+    float a = red[idx];
+#pragma unroll
+    for (int w = 1; w < kKWarps; ++w) a += red[w * E + idx];
+    red[idx] = a;
+  }
+  cluster_store(red, E, kTileN, kThreads, tile, mat);
+}
+
+// ----------------------------------------------------------------------------- host side
+
+// Most chunks one block can stage for M rows within kSmemBudget.
+int max_cpb(int M) {
+  int lo = kKWarps, hi = 1 << 16;
+  while (lo < hi) {                                           // largest cpb with smem_bytes <= budget
+    const int mid = (lo + hi + 1) / 2;
+    if (smem_bytes(M, mid) <= kSmemBudget) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Largest K (multiple of 32) the kernel takes for M rows on this device: splits are capped at
+// kMaxSplits on sm_90 (cluster size) and 1 elsewhere.
+int64_t max_k_for(int64_t M, int dev) {
+  const int S = device_sm(dev, true) >= 9 ? kMaxSplits : 1;
+  return static_cast<int64_t>(max_cpb(static_cast<int>(M))) * S * 32;
+}
+
+template <int NT, bool U4>
+void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
+  auto* kern = qgemm_skinny_kernel<NT, U4>;
+  const int C = static_cast<int>(K / 32);
+  const int64_t tiles = assign_tiles(mats, kTileN);
+  const bool clusters = device_sm(dev, true) >= 9;
+  const int s_min = (C + max_cpb(M) - 1) / max_cpb(M);
+  TORCH_CHECK(s_min <= (clusters ? kMaxSplits : 1), "exl_core::qgemm_skinny: K = ", K, " too large for ", M,
+              " rows (x does not fit shared memory; see qgemm_skinny_max_k)");
+  int S = s_min;
+  if (splits > 0) {
+    S = std::max(s_min, std::min(splits, clusters ? kMaxSplits : 1));
+  } else if (clusters) {
+    // Largest S (>= 2 chunks per K warp) whose grid still fits one wave of co-resident clusters:
+    // more blocks in flight keep more weight bytes in flight; a partial second wave costs a block time.
+    for (int s = std::min(kMaxSplits, std::max(1, C / (2 * kKWarps))); s > s_min; --s) {
+      const int cpb = (C + s - 1) / s;
+      if (tiles * s <= resident_blocks(kern, kThreads, s, smem_bytes(M, cpb), dev)) {
+        S = s;
+        break;
+      }
+    }
+  }
+  const int cpb = (C + S - 1) / S;
+  S = (C + cpb - 1) / cpb;
+  const size_t smem = smem_bytes(M, cpb);
+  ensure_smem(kern, smem, dev);
+  launch_split(kern, tiles, S, kThreads, smem, stream, x, M, K, C, cpb, mats);
+}
+
+// ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K in
+// one launch; x fp16 [M <= 32, K]. `uniform4`: every chunk of every weight is 4-bit (GPTQ 4-bit) --
+// selects the kernel without the per-chunk width switch.
+std::vector<at::Tensor> qgemm_skinny_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                           at::TensorList scale, at::TensorList zero,
+                                           const c10::List<c10::optional<at::Tensor>>& perm,
+                                           const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
+                                           int64_t splits) {
+  std::vector<at::Tensor> ys;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Mats mats = build_mats("exl_core::qgemm_skinny", x, qweight, chunks, scale, zero, perm, bias, ys);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M <= 32, "exl_core::qgemm_skinny: at most 32 rows of x, got ", M);
+  if (M == 0) return ys;
+  const int dev = x.device().index();
+  const auto* xp = reinterpret_cast<const __half*>(x.data_ptr());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int m = static_cast<int>(M), sp = static_cast<int>(splits);
+#define EXL_SKINNY_LAUNCH(NT)                                       \
+  (uniform4 ? launch<NT, true>(xp, m, K, mats, dev, sp, stream)     \
+            : launch<NT, false>(xp, m, K, mats, dev, sp, stream))
+  if (M <= 8) EXL_SKINNY_LAUNCH(1);
+  else if (M <= 16) EXL_SKINNY_LAUNCH(2);
+  else EXL_SKINNY_LAUNCH(4);
+#undef EXL_SKINNY_LAUNCH
+  return ys;
+}
+
+at::Tensor qgemm_skinny(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
+                        const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                        const c10::optional<at::Tensor>& bias, bool uniform4, int64_t splits) {
+  c10::List<c10::optional<at::Tensor>> p, b;
+  p.push_back(perm);
+  b.push_back(bias);
+  return qgemm_skinny_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits)[0];
+}
+
+int64_t qgemm_skinny_max_k(int64_t rows, int64_t device) { return max_k_for(rows, static_cast<int>(device)); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("qgemm_skinny(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
+        "Tensor? bias, bool uniform4=False, int splits=0) -> Tensor");
+  m.def("qgemm_skinny_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
+        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0) -> Tensor[]");
+  m.def("qgemm_skinny_max_k(int rows, int device) -> int", &qgemm_skinny_max_k);
+}
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("qgemm_skinny", &qgemm_skinny);
+  m.impl("qgemm_skinny_multi", &qgemm_skinny_multi);
+}

@@ -1,0 +1,278 @@
+// Pieces shared by the tensor-core quantized GEMM kernels (qgemm_mma_cuda.cu, qgemm_skinny_cuda.cu):
+// mma wrapper, packed-bits -> fp16 fragment pairs, the K order x is staged in, the per-lane word
+// loads, the multi-weight launch table with its argument checks, and the split-K reduction over a
+// thread-block cluster.  See qmatmul_cuda.cu for the chunk table (bits, group, first qweight row).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+namespace exl_mma {
+
+constexpr int kMaxSplits = 8;   // portable cluster size
+
+// Real k (0..31 inside a chunk) held by staged slot j*16 + f (j: k16 step, f: mma k slot).
+// Lane t's pairs are (q_p, q_p+4) of its values 8t..8t+7: step j uses p = 2j (k slots 2t, 2t+1)
+// and p = 2j + 1 (k slots 2t+8, 2t+9).
+__device__ __forceinline__ int frag_to_real(int j, int f) {
+  return 8 * ((f & 7) >> 1) + 2 * j + (f >> 3) + 4 * (f & 1);
+}
+
+struct Raw {        // one chunk's words for a lane's 4 columns
+  int4 lo, hi;
+};
+
+// Words of chunk entry `tab` (bits, group, qrow) holding values 8t..8t+7 of columns col..col+3;
+// `hi` only where those values straddle two words.
+template <bool U4>
+__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab, const int32_t* __restrict__ qweight,
+                                         int64_t N, int64_t col, bool valid, int t) {
+  if constexpr (U4) {
+    r.lo = make_int4(0, 0, 0, 0);
+    if (exists && valid) r.lo = __ldg(reinterpret_cast<const int4*>(qweight + static_cast<int64_t>(tab[2] + t) * N + col));
+  } else {
+    r.lo = r.hi = make_int4(0, 0, 0, 0);
+    if (!exists || !valid) return;
+    const int bits = tab[0], start = 8 * t * bits;
+    const int32_t* p = qweight + static_cast<int64_t>(tab[2] + (start >> 5)) * N + col;
+    r.lo = __ldg(reinterpret_cast<const int4*>(p));
+    if ((start & 31) + 8 * bits > 32) r.hi = __ldg(reinterpret_cast<const int4*>(p + N));
+  }
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Pair p of a lane's 8 values as fp16x2 bits of (1024 + q_p, 1024 + q_p+4), exact for q < 1024.
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  if constexpr (BITS == 4) {
+    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;   // 8 values in one word, sh == 0
+  } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
+    const uint32_t w = __funnelshift_r(wl, wh, sh);
+    return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
+  } else {                                                    // 5, 6, 8 bits: up to 64-bit window
+    const uint64_t w = ((static_cast<uint64_t>(wh) << 32) | wl) >> sh;
+    const uint32_t a = static_cast<uint32_t>(w >> (BITS * p)) & mask;
+    const uint32_t b = static_cast<uint32_t>(w >> (BITS * (p + 4))) & mask;
+    return a | (b << 16) | 0x64006400u;
+  }
+}
+
+__device__ __forceinline__ uint32_t comp(const int4& v, int i) {
+  return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
+}
+__device__ __forceinline__ float compf(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Several weights that read the same x (q/k/v, gate/up) run in one launch: the grid's x dimension
+// walks the column tiles of matrix 0, then matrix 1, ...; every block serves one matrix.
+constexpr int kMaxMats = 4;
+struct Mat {
+  const int32_t* qweight;
+  const int32_t* chunks;      // [K/32, 3]
+  const float* scale;
+  const float* zero;
+  const int64_t* perm;        // or null
+  const __half* bias;         // or null
+  __half* y;                  // [M, N]
+  int64_t N;
+  int tile0;                  // first blockIdx.x of this matrix
+};
+struct Mats {
+  Mat m[kMaxMats];
+  int n;
+};
+
+__device__ __forceinline__ const Mat& block_mat(const Mats& mats) {
+  int mi = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxMats; ++i)
+    if (i < mats.n && static_cast<int>(blockIdx.x) >= mats.m[i].tile0) mi = i;
+  return mats.m[mi];
+}
+
+// Sets tile0 of every matrix for tiles of `tile_n` columns; returns the total number of tiles.
+inline int64_t assign_tiles(Mats& mats, int tile_n) {
+  int64_t tiles = 0;
+  for (int i = 0; i < mats.n; ++i) {
+    mats.m[i].tile0 = static_cast<int>(tiles);
+    tiles += (mats.m[i].N + tile_n - 1) / tile_n;
+  }
+  return tiles;
+}
+
+// red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns); the
+// gridDim.y blocks of a column tile (one cluster on sm_90) add theirs in rank order and write
+// y (+ bias) once: deterministic, no atomics.  Every thread of the block must call this.
+__device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
+                                              const Mat& mat) {
+  const int64_t N = mat.N;
+  auto store = [&](int idx, float a) {
+    const int m = idx / tile_n;
+    const int64_t n = tile * tile_n + idx % tile_n;
+    if (n < N) {
+      if (mat.bias) a += __half2float(mat.bias[n]);
+      mat.y[m * N + n] = __float2half_rn(a);
+    }
+  };
+  const int S = gridDim.y;
+  if (S == 1) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < E; idx += nthreads) store(idx, red[idx]);
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();                                             // every block's `red` is final
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int idx = rank * nthreads + threadIdx.x; idx < E; idx += S * nthreads) {
+    float a = 0.f;
+    for (int q = 0; q < S; ++q) a += cluster.map_shared_rank(red, q)[idx];
+    store(idx, a);
+  }
+  cluster.sync();                                             // keep `red` alive until all reads are done
+#endif
+}
+
+// ----------------------------------------------------------------------------- host side
+
+inline int device_sm(int dev, bool want_major) {
+  static int sms[64] = {0}, major[64] = {0};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (!sms[dev]) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
+  }
+  return want_major ? major[dev] : sms[dev];
+}
+
+inline std::mutex& host_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// Raises the kernel's dynamic shared memory limit on `dev` to at least `smem` (once per size).
+template <typename Kern>
+void ensure_smem(Kern* kern, size_t smem, int dev) {
+  static std::map<std::pair<const void*, int>, size_t> granted;
+  const std::lock_guard<std::mutex> lock(host_mutex());
+  size_t& have = granted[{reinterpret_cast<const void*>(kern), dev}];
+  if (smem > have) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    have = smem;
+  }
+}
+
+// Co-resident blocks of `kern` with clusters of S blocks (cached per kernel, device, S and smem).
+template <typename Kern>
+int64_t resident_blocks(Kern* kern, int threads, int S, size_t smem, int dev) {
+  ensure_smem(kern, smem, dev);
+  static std::map<std::tuple<const void*, int, int, size_t>, int64_t> cache;
+  const std::lock_guard<std::mutex> lock(host_mutex());
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kern), dev, S, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int64_t blocks = 0;
+  if (S == 1) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, threads, smem));
+    blocks = static_cast<int64_t>(per_sm) * device_sm(dev, false);
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, static_cast<unsigned>(S), 1);
+    cfg.blockDim = dim3(threads, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = static_cast<unsigned>(S);
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg));
+    blocks = static_cast<int64_t>(clusters) * S;
+  }
+  cache[key] = blocks;
+  return blocks;
+}
+
+// Launches grid (tiles, S) with clusters (1, S, 1) when S > 1.
+template <typename Kern, typename... Args>
+void launch_split(Kern* kern, int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(S);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = S > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Validates x fp16 [M, K] and up to kMaxMats weights sharing K; allocates ys[i] [M, N_i] and fills mats.
+inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                       at::TensorList scale, at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& perm,
+                       const c10::List<c10::optional<at::Tensor>>& bias, std::vector<at::Tensor>& ys) {
+  const size_t n = qweight.size();
+  TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(kMaxMats), op, ": 1..", kMaxMats, " weights per call, got ", n);
+  TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n && perm.size() == n && bias.size() == n,
+              op, ": qweight, chunks, scale, zero, perm and bias lists must have the same length");
+  TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be contiguous float16 [M, K] on the GPU, got ", x.dtype(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, op, ": K = ", K, " must be a multiple of 32");
+  Mats mats{};
+  mats.n = static_cast<int>(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
+    TORCH_CHECK(q.is_cuda() && ch.is_cuda() && s.is_cuda() && z.is_cuda() && q.device() == x.device(), op,
+                ": weight ", i, " must be on x's GPU");
+    const int64_t N = q.size(1);
+    TORCH_CHECK(q.dtype() == at::kInt && q.dim() == 2 && q.is_contiguous() && aligned16(q), op, ": qweight ", i,
+                " must be contiguous, 16-byte aligned int32 [rows, N]");
+    TORCH_CHECK(N % 4 == 0, op, ": weight ", i, " has N = ", N, "; N must be a multiple of 4 (16-byte column loads)");
+    TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(1) == 3 && ch.is_contiguous() &&
+                    ch.size(0) * 32 == K, op, ": chunk table ", i, " must be int32 [K/32 = ", K / 32, ", 3], got ",
+                ch.sizes());
+    for (const at::Tensor* t : {&s, &z})
+      TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous() && aligned16(*t),
+                  op, ": scale/zero ", i, " must be contiguous, 16-byte aligned float32 [G, ", N, "]");
+    const c10::optional<at::Tensor> p = perm.get(i), b = bias.get(i);
+    if (p) TORCH_CHECK(p->is_cuda() && p->dtype() == at::kLong && p->numel() == K && p->is_contiguous(), op,
+                       ": perm ", i, " must be contiguous int64 [", K, "] on the GPU");
+    if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
+                       ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
+    ys.push_back(at::empty({M, N}, x.options()));
+    mats.m[i] = Mat{q.data_ptr<int32_t>(), ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
+                    p ? p->data_ptr<int64_t>() : nullptr,
+                    b ? reinterpret_cast<const __half*>(b->data_ptr()) : nullptr,
+                    reinterpret_cast<__half*>(ys.back().data_ptr()), N, 0};
+  }
+  return mats;
+}
+
+}  // namespace exl_mma
