@@ -1,7 +1,8 @@
 """Probe one qmatmul kernel on a random 4096x4096 4-bit weight (for ncu, or a quick timing).
 
-    python bench/cuda_probe.py [mma|gemv] [M] [splits]      # ncu --clock-control none -k regex:qgemm ...
+    python bench/cuda_probe.py [mma|gemv|skinny|skinny_tiled] [M] [splits]   # ncu -k regex:qgemm ...
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
+    python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
 """
 from __future__ import annotations
 
@@ -22,8 +23,44 @@ def weight(K=4096, N=4096, bits=4) -> PackedWeight:
     return PackedWeight(qw, groups, torch.rand(G, N) * 0.002 + 0.002, torch.full((G, N), 8.0), None, K, N).to("cuda")
 
 
+def tiled(qweight: torch.Tensor) -> torch.Tensor:
+    """[Q, N] -> [N/128, Q, 128]: each 128-column strip contiguous."""
+    Q, N = qweight.shape
+    return qweight.view(Q, N // 128, 128).permute(1, 0, 2).contiguous()
+
+
+def layout_table() -> None:
+    """qgemm_skinny on row-major vs column-tiled words, 16 distinct weights per CUDA graph (> L2)."""
+    sys.path.insert(0, "bench")
+    from gpu_bench import graph_time
+    ops = torch.ops.exl_core
+    copy = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    t = graph_time(lambda: copy.clone())
+    print(f"copy {2 * copy.numel() / t / 1e9:.0f} GB/s (read+write)")
+    for K, N in ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288)):
+        pws = [weight(K, N) for _ in range(16)]
+        chs = [chunk_table(pw.groups, "cuda") for pw in pws]
+        tws = [tiled(pw.qweight) for pw in pws]
+        nbytes = sum(t.numel() * 4 for t in (pws[0].qweight, pws[0].scale, pws[0].zero))
+        for M in (1, 8, 16):
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            a = ops.qgemm_skinny(x, pws[0].qweight, chs[0], pws[0].scale, pws[0].zero, None, None, True)
+            b = ops.qgemm_skinny(x, tws[0], chs[0], pws[0].scale, pws[0].zero, None, None, True)
+            same = bool(torch.equal(a, b))
+            cells = []
+            for name, qs in (("rowmajor", [pw.qweight for pw in pws]), ("tiled", tws)):
+                for sp in (0, 2, 4, 8):
+                    t = graph_time(lambda: [ops.qgemm_skinny(x, q, ch, pw.scale, pw.zero, None, None, True, sp)
+                                            for q, ch, pw in zip(qs, chs, pws)]) / len(pws)
+                    cells.append(f"{name}/s{sp} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
+            print(f"K={K:5d} N={N:5d} M={M:2d} equal={same}: " + "  ".join(cells), flush=True)
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "mma"
+    if what == "layout":
+        layout_table()
+        return
     if what == "check":
         for code in ("ops.qgemm_mma(x.float(), pw.qweight, ch, pw.scale, pw.zero, None, None)",
                      "ops.qgemv_chunks(x, pw.qweight, ch[:3], pw.scale, pw.zero, None, None)"):
@@ -45,6 +82,9 @@ def main() -> None:
             pw.meta["_ch"] = ch
             if what == "mma":
                 ops.qgemm_mma(x, pw.qweight, ch, pw.scale, pw.zero, None, None, splits)
+            elif what.startswith("skinny"):
+                q = tiled(pw.qweight) if what == "skinny_tiled" else pw.qweight
+                ops.qgemm_skinny(x, q, ch, pw.scale, pw.zero, None, None, True, splits)
             else:
                 ops.qgemv_chunks(x, pw.qweight, ch, pw.scale, pw.zero, None, None)
     torch.cuda.synchronize()

@@ -3,6 +3,9 @@
 # write random-weight Llama-2-7B-shaped GPTQ 4-bit g128 and EXL2 ~4.0 bpw checkpoints, and
 # print the benchmark table (bench/gpu_bench.py). Logs and the JSON go to $OUT (or bench/results).
 #   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
+#   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
+# Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding),
+# gen (Generator tok/s); bench, spec and gen write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -11,31 +14,43 @@ export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} P
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # bench scripts import exl_core from the tree
 CK=${CKPT_DIR:-/tmp/exl_bench}
+PHASES=${PHASES:-build tests bench spec gen}
+has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
-t0=$(date +%s)
-if ! $PY setup.py build_ext --inplace -q >"$OUT/build_log.txt" 2>&1; then
-  grep -i -B2 -A6 "error" "$OUT/build_log.txt" | head -60
-  exit 1
+if has build; then
+  t0=$(date +%s)
+  if ! $PY setup.py build_ext --inplace -q >"$OUT/build_log.txt" 2>&1; then
+    grep -i -B2 -A6 "error" "$OUT/build_log.txt" | head -60
+    exit 1
+  fi
+  echo "build: $(( $(date +%s) - t0 )) s"
 fi
-echo "build: $(( $(date +%s) - t0 )) s"
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( for f in gptq exl2; do
+( has ckpt || has bench || has spec || has gen || exit 0
+  for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
   done ) >"$OUT/ckpt_log.txt" 2>&1 &
 ck_pid=$!
 
-t0=$(date +%s)
-timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
-  >"$OUT/cuda_tests.txt" 2>&1
-echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
+if has tests; then
+  t0=$(date +%s)
+  timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_model.py \
+    tests/test_cuda_graphs.py tests/test_attention_gathered.py >"$OUT/cuda_tests.txt" 2>&1
+  echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
+  grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
+fi
 
 wait $ck_pid || { cat "$OUT/ckpt_log.txt"; exit 1; }
-timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee "$OUT/bench_log.txt" | tail -40
-
-# Speculative decoding on the same 7B-shaped GPTQ checkpoint (issue 8's H200 row).
-timeout ${SPEC_TIMEOUT:-120} $PY bench/speculative.py --gpu-7b "$CK/gptq" --new-tokens 128 --k 4 \
-  --draft-layers 4,8 2>&1 | tee "$OUT/spec_log.txt" | tail -8
+if has bench; then
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee "$OUT/bench_log.txt" | tail -60
+fi
+if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
+  timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee "$OUT/gen_log.txt" | tail -8
+fi
+if has spec; then     # speculative decoding on the same 7B-shaped GPTQ checkpoint (issue 8's H200 row)
+  timeout ${SPEC_TIMEOUT:-120} $PY bench/speculative.py --gpu-7b "$CK/gptq" --new-tokens 128 --k 4 \
+    --draft-layers 4,8 2>&1 | tee "$OUT/spec_log.txt" | tail -8
+fi

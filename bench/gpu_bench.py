@@ -217,8 +217,9 @@ def graph_time(fn, reps: int = 10) -> float:
 
 @torch.inference_mode()
 def gemv_sweep(model) -> list[dict]:
-    """Per projection shape and M, every qmatmul path on the same weights: the tensor-core kernel
-    (qgemm_mma), the fp32 GEMV (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
+    """Per projection shape and M, every qmatmul path on the same weights: the decode kernel
+    (qgemm_skinny, with its split-K choices), the tensor-core kernel (qgemm_mma), the fp32 GEMV
+    (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
     GB/s counts packed words + scale/zero once per call."""
     from exl_core.ops.cuda_candidates import _chunks_of
@@ -236,20 +237,22 @@ def gemv_sweep(model) -> list[dict]:
         nbytes = sum(t.numel() * t.element_size() for t in (pws[0].qweight, pws[0].scale, pws[0].zero))
         for M in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(M, K).to("cuda", model.dtype)
+            ch = {id(pw): pw.meta["_cuda_chunks"] for pw in pws}
+            u4 = all(b == 4 for b in pws[0].groups[:, 0].tolist())
             paths = {
-                "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero, pw.perm, None),
-                "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero, pw.perm,
-                                                    None),
-                "dequant_mm": lambda pw: x @ ops.qdequant_chunks(pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero,
+                "skinny": lambda pw: ops.qgemm_skinny(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
+                "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
+                "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
+                "dequant_mm": lambda pw: x @ ops.qdequant_chunks(pw.qweight, ch[id(pw)], pw.scale, pw.zero,
                                                                  pw.perm, model.dtype),
             }
-            if M in (1, 16):                                  # split-K choices of the tensor-core kernel
+            if M in (1, 8, 32):                               # split-K choices of the decode kernel
                 for sp in (1, 2, 4, 8):
-                    paths[f"mma_s{sp}"] = (lambda sp: lambda pw: ops.qgemm_mma(
-                        x, pw.qweight, pw.meta["_cuda_chunks"], pw.scale, pw.zero, pw.perm, None, sp))(sp)
+                    paths[f"skinny_s{sp}"] = (lambda sp: lambda pw: ops.qgemm_skinny(
+                        x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4, sp))(sp)
             row = {"K": K, "N": N, "M": M}
             for name, f in paths.items():
-                if name == "gemv" and M > 16:
+                if (name == "gemv" and M > 16) or (name.startswith("skinny") and M > 32):
                     continue
                 try:
                     t = graph_time(lambda: [f(pw) for pw in pws]) / len(pws)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cuda
 
 def _need_kernels():
     from exl_core.ops.cuda_candidates import _has_cuda_kernel
-    if not (_has_cuda_kernel("qgemv_chunks") and _has_cuda_kernel("qgemm_mma")):
+    if not all(_has_cuda_kernel(op) for op in ("qgemv_chunks", "qgemm_mma", "qgemm_skinny")):
         pytest.fail("torch sees a GPU but exl_core._C was built without CUDA kernels")
 
 
@@ -152,6 +152,54 @@ def test_qgemm_mma_multi_vs_float64(M):
     ys = torch.ops.exl_core.qgemm_mma_multi(x.cuda(), [c.qweight for c in cs], [chunk_table(pw.groups, "cuda") for pw in pws],
                                             [c.scale for c in cs], [c.zero for c in cs], [c.perm for c in cs],
                                             [None if c.bias is None else c.bias.half() for c in cs])
+    for y, pw in zip(ys, pws):
+        ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+        assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3
+
+
+SKINNY_CASES = MMA_CASES + [([(4, 32 * 40)], 4 * 300)]            # + uniform 4-bit (GPTQ), 3 column tiles
+
+
+@pytest.mark.parametrize("case", range(len(SKINNY_CASES)), ids=["mixed", "split", "long", "uniform4"])
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 16, 17, 32])           # n-tiles 1 / 2 / 4, partial tiles
+@pytest.mark.parametrize("splits", [0, 1, 3])                     # policy, one block per tile, forced cluster
+def test_qgemm_skinny_vs_float64(case, M, splits):
+    """The decode kernel (weights as the mma's A operand) on its own, for every row count it takes."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    layout, N = SKINNY_CASES[case]
+    pw = random_packed(layout, N, perm=random.random() < 0.7, bias=random.random() < 0.5)
+    K = pw.in_features
+    if K > torch.ops.exl_core.qgemm_skinny_max_k(M, 0):
+        pytest.skip(f"K={K} beyond the kernel's limit for {M} rows on this GPU")
+    W = dequantize_reference(pw)
+    x = torch.randn(M, K, dtype=torch.float16)
+    ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
+    c = pw.to("cuda")
+    uniform4 = all(b == 4 for b, *_ in pw.groups.tolist())
+    ch = chunk_table(pw.groups, "cuda")
+    bias = None if pw.bias is None else c.bias.half()
+    for u4 in ({False, uniform4}):
+        poison_allocator()
+        y = torch.ops.exl_core.qgemm_skinny(x.cuda(), c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, splits)
+        assert y.dtype == torch.float16 and y.shape == (M, N)
+        assert rel_err(y, ref) < 2e-3, (u4, splits)
+
+
+@pytest.mark.parametrize("M", [1, 12, 32])
+def test_qgemm_skinny_multi_vs_float64(M):
+    """q/k/v-style: three weights (own layouts, permutations, widths, biases) on one x, one launch."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    K = 32 * 40
+    layouts = [[(4, K)], [(5, 32 * 8), (4, 32 * 24), (3, 32 * 8)], [(8, 32 * 4), (2, 32 * 36)]]
+    pws = [random_packed(lay, n, perm=i > 0, bias=i != 1) for i, (lay, n) in enumerate(zip(layouts, (4 * 67, 36, 512)))]
+    x = torch.randn(M, K, dtype=torch.float16)
+    cs = [pw.to("cuda") for pw in pws]
+    poison_allocator()
+    ys = torch.ops.exl_core.qgemm_skinny_multi(
+        x.cuda(), [c.qweight for c in cs], [chunk_table(pw.groups, "cuda") for pw in pws], [c.scale for c in cs],
+        [c.zero for c in cs], [c.perm for c in cs], [None if c.bias is None else c.bias.half() for c in cs])
     for y, pw in zip(ys, pws):
         ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
         assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3

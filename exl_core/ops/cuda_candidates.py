@@ -6,7 +6,10 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
-  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers:
+  fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
+                       decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
+                       one launch; q/k/v and gate/up together (`qgemm_skinny_multi`)
+  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS, same layout conditions:
                        fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch;
                        q/k/v and gate/up together in one launch (`qgemm_mma_multi`)
   M <= GEMV_MAX_ROWS (fp16: M < MMA_MIN_ROWS):
@@ -26,6 +29,7 @@ import torch
 
 from .dispatch import Candidate, extension
 
+SKINNY_MAX_ROWS = 32        # fp16: qgemm_skinny's largest n-tile count (4 x 8 rows)
 MMA_MIN_ROWS = 3            # fp16: below this the fp32 GEMV is faster
 MMA_MAX_ROWS = 16           # above this dequantise + cuBLAS is faster (the 2-m-tile kernel spills)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
@@ -66,6 +70,27 @@ def _mma_ok(pw) -> bool:
     return cached[1]
 
 
+_MAX_K: dict = {}
+
+
+def _skinny_ok(rows: int, pw, device) -> bool:
+    """qgemm_skinny takes rows <= 32 of fp16 x when K's slice of x fits its shared memory."""
+    if not (1 <= rows <= SKINNY_MAX_ROWS and _mma_ok(pw) and _has_cuda_kernel("qgemm_skinny")):
+        return False
+    key = (rows, device.index)
+    if key not in _MAX_K:
+        _MAX_K[key] = torch.ops.exl_core.qgemm_skinny_max_k(rows, device.index or 0)
+    return pw.in_features <= _MAX_K[key]
+
+
+def _uniform4(pw) -> bool:
+    """Every chunk 4-bit (GPTQ 4-bit): the kernel variant without the per-chunk width switch."""
+    cached = pw.meta.get("_cuda_uniform4")
+    if cached is None:
+        cached = pw.meta["_cuda_uniform4"] = bool((pw.groups[:, 0] == 4).all())
+    return cached
+
+
 def _qmatmul_check(x, pw) -> Optional[str]:
     if x.device.type != "cuda":
         return f"x is on {x.device}, not CUDA"
@@ -88,8 +113,11 @@ def _qmatmul_run(x, pw):
     perm = _perm_of(pw, x.device)
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
     rows = x2.shape[0]
-    if x2.dtype == torch.float16 and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and _mma_ok(pw):
-        bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
+        y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
+    elif x2.dtype == torch.float16 and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and _mma_ok(pw):
         y = torch.ops.exl_core.qgemm_mma(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
     elif rows <= GEMV_MAX_ROWS:
         y = torch.ops.exl_core.qgemv_chunks(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
@@ -126,14 +154,19 @@ def _many_check(x, pws) -> Optional[str]:
 def _many_run(x, pws):
     """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
     x2 = x.reshape(-1, pws[0].in_features)
-    if not MMA_MIN_ROWS <= x2.shape[0] <= MMA_MAX_ROWS:
+    rows = x2.shape[0]
+    skinny = all(_skinny_ok(rows, pw, x.device) for pw in pws)
+    if not (skinny or MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS):
         return [_qmatmul_run(x, pw) for pw in pws]
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    biases = [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws]
-    ys = torch.ops.exl_core.qgemm_mma_multi(x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws],
-                                            [pw.scale for pw in pws], [pw.zero for pw in pws],
-                                            [_perm_of(pw, x.device) for pw in pws], biases)
+    args = (x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
+            [pw.zero for pw in pws], [_perm_of(pw, x.device) for pw in pws],
+            [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws])
+    if skinny:
+        ys = torch.ops.exl_core.qgemm_skinny_multi(*args, all(_uniform4(pw) for pw in pws))
+    else:
+        ys = torch.ops.exl_core.qgemm_mma_multi(*args)
     return [y.reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
 
 

@@ -15,84 +15,31 @@
 //   split-K: the grid's y dimension splits K; on sm_90 those blocks form one thread-block
 //            cluster and reduce their partial tiles through distributed shared memory, so the
 //            result is deterministic and written once (with bias) by one launch.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cooperative_groups.h>
-#include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <map>
-#include <mutex>
-#include <tuple>
-#include <vector>
+#include "qmma_common.cuh"
 
 namespace {
+using namespace exl_mma;
 
 constexpr int kColWarps = 4, kKWarps = 2, kThreads = 32 * kColWarps * kKWarps;
 constexpr int kTileN = 32 * kColWarps;   // 128 output columns per block
 constexpr int kStageChunks = 32;          // x staged 32 chunks (1024 K rows) at a time
 constexpr int kPad = 8;                   // halves of row padding: conflict-free A loads
-constexpr int kMaxSplits = 8;             // portable cluster size
 
-// Real k (0..31 inside a chunk) held by shared-memory slot j*16 + f (j: k16 step, f: mma k slot).
-// Lane t's B pairs are (q_p, q_p+4) of its values 8t..8t+7: step j uses p = 2j (k slots 2t, 2t+1)
-// and p = 2j + 1 (k slots 2t+8, 2t+9).
-__device__ __forceinline__ int frag_to_real(int j, int f) {
-  return 8 * ((f & 7) >> 1) + 2 * j + (f >> 3) + 4 * (f & 1);
-}
-
-struct Raw {        // one chunk's words for a lane's 4 columns
-  int4 lo, hi;
+struct Chunk {      // one chunk's words for a lane's 4 columns, with its table entry
+  Raw w;
   int bits;         // 0: no chunk (past the end)
   int grp;
 };
 
-// `tab` points at chunk c's (bits, group, qrow): the block's table copy in shared memory, or the
-// global table for the first loads that are issued before that copy exists.
-__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab, const int32_t* __restrict__ qweight,
-                                         int64_t N, int64_t col, bool valid, int t) {
-  r.bits = 0;
-  if (!exists) return;
-  const int bits = tab[0], qrow = tab[2];
-  r.bits = bits;
-  r.grp = tab[1];
-  r.lo = r.hi = make_int4(0, 0, 0, 0);
-  if (!valid) return;
-  const int start = 8 * t * bits;
-  const int32_t* p = qweight + static_cast<int64_t>(qrow + (start >> 5)) * N + col;
-  r.lo = __ldg(reinterpret_cast<const int4*>(p));
-  if ((start & 31) + 8 * bits > 32) r.hi = __ldg(reinterpret_cast<const int4*>(p + N));
-}
-
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Pair p of a lane's 8 values as fp16x2 bits of (1024 + q_p, 1024 + q_p+4), exact for q < 1024.
-template <int BITS>
-__device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
-  constexpr uint32_t mask = (1u << BITS) - 1u;
-  if constexpr (BITS == 4) {
-    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;   // 8 values in one word, sh == 0
-  } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
-    const uint32_t w = __funnelshift_r(wl, wh, sh);
-    return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
-  } else {                                                    // 5, 6, 8 bits: up to 64-bit window
-    const uint64_t w = ((static_cast<uint64_t>(wh) << 32) | wl) >> sh;
-    const uint32_t a = static_cast<uint32_t>(w >> (BITS * p)) & mask;
-    const uint32_t b = static_cast<uint32_t>(w >> (BITS * (p + 4))) & mask;
-    return a | (b << 16) | 0x64006400u;
-  }
-}
-
-__device__ __forceinline__ uint32_t comp(const int4& v, int i) {
-  return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
+__device__ __forceinline__ void load_chunk(Chunk& r, bool exists, const int32_t* tab, const QPtr& qw, int64_t col,
+                                           bool valid, int t) {
+  r.bits = exists ? tab[0] : 0;
+  r.grp = exists ? tab[1] : 0;
+  load_raw<false>(r.w, exists, tab, qw, col, valid, t);
 }
 
 // acc[mt][v] += x_chunk @ W_chunk with W = (q - z) * s applied after the mma:
@@ -101,7 +48,7 @@ __device__ __forceinline__ uint32_t comp(const int4& v, int i) {
 // d holds ~7 bits of cancellation at most (|q| <= 255 against 1024) within fp32: far below fp16.
 // The D fragment's columns are 8t..8t+7 of the warp's 32, so the lane reads those scales/zeros.
 template <int BITS, int MT>
-__device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs_stride, const float* xsum_c,
+__device__ __forceinline__ void mma_chunk(const Chunk& r, const __half* xc, int xs_stride, const float* xsum_c,
                                           int xsum_stride, const float* __restrict__ scale,
                                           const float* __restrict__ zero, int64_t N, int64_t scol, int g, int t, int M,
                                           float (&acc)[MT][4][4]) {
@@ -124,7 +71,7 @@ __device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs
   uint32_t b[4][4];                                           // [column tile v][pair p]
 #pragma unroll
   for (int v = 0; v < 4; ++v) {
-    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+    const uint32_t wl = comp(r.w.lo, v), wh = comp(r.w.hi, v);
 #pragma unroll
     for (int p = 0; p < 4; ++p) b[v][p] = pair_bits<BITS>(wl, wh, sh, p);
   }
@@ -160,7 +107,7 @@ __device__ __forceinline__ void mma_chunk(const Raw& r, const __half* xc, int xs
 }
 
 template <int MT>
-__device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, int xs_stride, const float* xsum_c,
+__device__ __forceinline__ void mma_chunk_any(const Chunk& r, const __half* xc, int xs_stride, const float* xsum_c,
                                               int xsum_stride, const float* __restrict__ scale,
                                               const float* __restrict__ zero, int64_t N, int64_t scol, int g, int t,
                                               int M, float (&acc)[MT][4][4]) {
@@ -178,41 +125,16 @@ __device__ __forceinline__ void mma_chunk_any(const Raw& r, const __half* xc, in
 __host__ __device__ constexpr int xs_stride_of() { return kStageChunks * 32 + kPad; }
 __host__ __device__ inline size_t tab_bytes(int cpb) { return (static_cast<size_t>(cpb) * 12 + 15) & ~size_t(15); }
 
-// Several weights that read the same x (q/k/v, gate/up) run in one launch: the grid's x dimension
-// walks the column tiles of matrix 0, then matrix 1, ...; every block serves one matrix.
-constexpr int kMaxMats = 4;
-struct Mat {
-  const int32_t* qweight;
-  const int32_t* chunks;      // [K/32, 3]
-  const float* scale;
-  const float* zero;
-  const int64_t* perm;        // or null
-  const __half* bias;         // or null
-  __half* y;                  // [M, N]
-  int64_t N;
-  int tile0;                  // first blockIdx.x of this matrix
-};
-struct Mats {
-  Mat m[kMaxMats];
-  int n;
-};
-
 // grid (total column tiles, splits).
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __restrict__ x, int M, int64_t K,
                                                                  int n_chunks, int cpb, const Mats mats) {
-  int mi = 0;
-#pragma unroll
-  for (int i = 1; i < kMaxMats; ++i)
-    if (i < mats.n && static_cast<int>(blockIdx.x) >= mats.m[i].tile0) mi = i;
-  const Mat& mat = mats.m[mi];
+  const Mat& mat = block_mat(mats);
   const int32_t* __restrict__ chunks = mat.chunks;
-  const int32_t* __restrict__ qweight = mat.qweight;
+  const QPtr qw = mat.qw;
   const float* __restrict__ scale = mat.scale;
   const float* __restrict__ zero = mat.zero;
   const int64_t* __restrict__ perm = mat.perm;
-  const __half* __restrict__ bias = mat.bias;
-  __half* __restrict__ y = mat.y;
   const int64_t N = mat.N;
   const int tile = static_cast<int>(blockIdx.x) - mat.tile0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -241,9 +163,9 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
   // The first two chunks' words are requested before x is staged, so their latency overlaps it.
   // Each K warp takes every kKWarps-th chunk; loads then run two chunks ahead of the math.
   int c = c_begin + kw;
-  Raw cur0, cur1, nxt0, nxt1;
-  load_raw(cur0, c < c_end, chunks + 3 * c, qweight, N, col, valid, t);
-  load_raw(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qweight, N, col, valid, t);
+  Chunk cur0, cur1, nxt0, nxt1;
+  load_chunk(cur0, c < c_end, chunks + 3 * c, qw, col, valid, t);
+  load_chunk(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qw, col, valid, t);
   for (int i = threadIdx.x; i < (c_end - c_begin) * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
 
   for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
@@ -270,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
     __syncthreads();
     for (; c < s1; c += 2 * kKWarps) {
       const int c2 = c + 2 * kKWarps, c3 = c + 3 * kKWarps;
-      load_raw(nxt0, c2 < c_end, tab + 3 * (c2 - c_begin), qweight, N, col, valid, t);
-      load_raw(nxt1, c3 < c_end, tab + 3 * (c3 - c_begin), qweight, N, col, valid, t);
+      load_chunk(nxt0, c2 < c_end, tab + 3 * (c2 - c_begin), qw, col, valid, t);
+      load_chunk(nxt1, c3 < c_end, tab + 3 * (c3 - c_begin), qw, col, valid, t);
       mma_chunk_any<MT>(cur0, xs + (c - s0) * 32, xs_stride, xsum + (c - s0), kStageChunks, scale, zero, N, scol, g, t,
                         M, acc);
       mma_chunk_any<MT>(cur1, xs + (c + kKWarps - s0) * 32, xs_stride, xsum + (c + kKWarps - s0), kStageChunks, scale,
@@ -300,46 +222,10 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
     for (int w = 1; w < kKWarps; ++w) a += red[w * kRows * kTileN + idx];
     red[idx] = a;
   }
-  const int S = gridDim.y;
-  auto store = [&](int idx, float a) {
-    const int m = idx / kTileN;
-    const int64_t n = static_cast<int64_t>(tile) * kTileN + idx % kTileN;
-    if (n < N) {
-      if (bias) a += __half2float(bias[n]);
-      y[m * N + n] = __float2half_rn(a);
-    }
-  };
-  if (S == 1) {
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < E; idx += kThreads) store(idx, red[idx]);
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The S blocks of this column tile are one cluster: block `rank` sums slice `rank` of the tile.
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();                                             // every block's `red` is final
-  const int rank = static_cast<int>(cluster.block_rank());
-  for (int idx = rank * kThreads + threadIdx.x; idx < E; idx += S * kThreads) {
-    float a = 0.f;
-    for (int q = 0; q < S; ++q) a += cluster.map_shared_rank(red, q)[idx];
-    store(idx, a);
-  }
-  cluster.sync();                                             // keep `red` alive until all reads are done
-#endif
+  cluster_store(red, E, kTileN, kThreads, tile, mat);
 }
 
 // ----------------------------------------------------------------------------- host side
-
-int device_sm(int dev, bool want_major) {
-  static int sms[64] = {0}, major[64] = {0};
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (!sms[dev]) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
-  }
-  return want_major ? major[dev] : sms[dev];
-}
 
 size_t smem_bytes(int mt, int cpb) {
   const size_t xs = tab_bytes(cpb) + static_cast<size_t>(mt) * 16 * kStageChunks * sizeof(float) +
@@ -348,64 +234,20 @@ size_t smem_bytes(int mt, int cpb) {
   return std::max(xs, red);
 }
 
-// Co-resident blocks of qgemm_mma_kernel<MT> with clusters of S blocks (cached per device and S).
-template <int MT>
-int64_t resident_blocks(int S, size_t smem, int dev) {
-  static std::map<std::tuple<int, int, size_t>, int64_t> cache;
-  static std::mutex mu;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(dev, S, smem);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  static size_t attr = 0;
-  if (smem > attr) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(qgemm_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-    attr = smem;
-  }
-  int64_t blocks = 0;
-  if (S == 1) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qgemm_mma_kernel<MT>, kThreads, smem));
-    blocks = static_cast<int64_t>(per_sm) * device_sm(dev, false);
-  } else {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1, static_cast<unsigned>(S), 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr_c[1];
-    attr_c[0].id = cudaLaunchAttributeClusterDimension;
-    attr_c[0].val.clusterDim.x = 1;
-    attr_c[0].val.clusterDim.y = static_cast<unsigned>(S);
-    attr_c[0].val.clusterDim.z = 1;
-    cfg.attrs = attr_c;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, qgemm_mma_kernel<MT>, &cfg));
-    blocks = static_cast<int64_t>(clusters) * S;
-  }
-  cache[key] = blocks;
-  return blocks;
-}
-
 // Largest S <= kMaxSplits (>= 4 chunks per block) whose grid of tiles x S blocks fits in one wave;
 // 1 if none does (then the grid has enough blocks by itself).
 template <int MT>
 int best_splits(int64_t tiles, int C, int dev) {
   const size_t smem = smem_bytes(MT, C);                      // upper bound over S (table bytes)
   for (int S = std::min(kMaxSplits, std::max(1, C / 4)); S > 1; --S)
-    if (tiles * S <= resident_blocks<MT>(S, smem, dev)) return S;
+    if (tiles * S <= resident_blocks(qgemm_mma_kernel<MT>, kThreads, S, smem, dev)) return S;
   return 1;
 }
 
 template <int MT>
 void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
   const int C = static_cast<int>(K / 32);
-  int64_t tiles = 0;
-  for (int i = 0; i < mats.n; ++i) {
-    mats.m[i].tile0 = static_cast<int>(tiles);
-    tiles += (mats.m[i].N + kTileN - 1) / kTileN;
-  }
+  const int64_t tiles = assign_tiles(mats, kTileN);
   // Split K into S blocks (one cluster per column tile) for as large an S as still fits the
   // whole grid in one wave of co-resident clusters: a second, partial wave costs a full block time.
   int S = 1;
@@ -415,29 +257,9 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
   const int cpb = (C + S - 1) / S;
   S = (C + cpb - 1) / cpb;
   const size_t smem = smem_bytes(MT, cpb);
-  static size_t attr_set[2] = {0, 0};                         // largest dynamic smem granted so far
-  if (smem > attr_set[MT - 1]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(qgemm_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-    attr_set[MT - 1] = smem;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = static_cast<unsigned>(S);
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = S > 1 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, qgemm_mma_kernel<MT>, x, M, K, C, cpb, mats));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ensure_smem(qgemm_mma_kernel<MT>, smem, dev);
+  launch_split(qgemm_mma_kernel<MT>, tiles, S, kThreads, smem, stream, x, M, K, C, cpb, mats);
 }
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K, one
 // launch per 32 rows of x. x fp16 [M, K]; N_i % 4 == 0; 16-byte aligned qweight/scale/zero.
@@ -445,44 +267,10 @@ std::vector<at::Tensor> qgemm_mma_multi(const at::Tensor& x, at::TensorList qwei
                                         at::TensorList scale, at::TensorList zero,
                                         const c10::List<c10::optional<at::Tensor>>& perm,
                                         const c10::List<c10::optional<at::Tensor>>& bias, int64_t splits) {
-  const char* op = "exl_core::qgemm_mma";
-  const size_t n = qweight.size();
-  TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(kMaxMats), op, ": 1..", kMaxMats, " weights per call, got ", n);
-  TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n && perm.size() == n && bias.size() == n,
-              op, ": qweight, chunks, scale, zero, perm and bias lists must have the same length");
-  TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(), op,
-              ": x must be contiguous float16 [M, K] on the GPU, got ", x.dtype(), " ", x.sizes());
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, op, ": K = ", K, " must be a multiple of 32");
-  Mats mats{};
-  mats.n = static_cast<int>(n);
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
-    TORCH_CHECK(q.is_cuda() && ch.is_cuda() && s.is_cuda() && z.is_cuda() && q.device() == x.device(), op,
-                ": weight ", i, " must be on x's GPU");
-    const int64_t N = q.size(1);
-    TORCH_CHECK(q.dtype() == at::kInt && q.dim() == 2 && q.is_contiguous() && aligned16(q), op, ": qweight ", i,
-                " must be contiguous, 16-byte aligned int32 [rows, N]");
-    TORCH_CHECK(N % 4 == 0, op, ": weight ", i, " has N = ", N, "; N must be a multiple of 4 (16-byte column loads)");
-    TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(1) == 3 && ch.is_contiguous() &&
-                    ch.size(0) * 32 == K, op, ": chunk table ", i, " must be int32 [K/32 = ", K / 32, ", 3], got ",
-                ch.sizes());
-    for (const at::Tensor* t : {&s, &z})
-      TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous() && aligned16(*t),
-                  op, ": scale/zero ", i, " must be contiguous, 16-byte aligned float32 [G, ", N, "]");
-    const c10::optional<at::Tensor> p = perm.get(i), b = bias.get(i);
-    if (p) TORCH_CHECK(p->is_cuda() && p->dtype() == at::kLong && p->numel() == K && p->is_contiguous(), op,
-                       ": perm ", i, " must be contiguous int64 [", K, "] on the GPU");
-    if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
-                       ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
-    ys.push_back(at::empty({M, N}, x.options()));
-    mats.m[i] = Mat{q.data_ptr<int32_t>(), ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
-                    p ? p->data_ptr<int64_t>() : nullptr,
-                    b ? reinterpret_cast<const __half*>(b->data_ptr()) : nullptr,
-                    reinterpret_cast<__half*>(ys.back().data_ptr()), N, 0};
-  }
+  const Mats mats = build_mats("exl_core::qgemm_mma", x, qweight, chunks, scale, zero, perm, bias, ys);
+  const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return ys;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dev = x.device().index();

@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   constexpr int R = Cfg<NT, U4>::R;
   const Mat& mat = block_mat(mats);
   const int32_t* __restrict__ chunks = mat.chunks;
-  const int32_t* __restrict__ qweight = mat.qweight;
+  const QPtr qw = mat.qw;
   const int64_t* __restrict__ perm = mat.perm;
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   Raw ring[R];
 #pragma unroll
   for (int i = 0; i < R; ++i)
-    load_raw<U4>(ring[i], w_begin + i < w_end, chunks + 3 * (w_begin + i), qweight, N, col, valid, t);
+    load_raw<U4>(ring[i], w_begin + i < w_end, chunks + 3 * (w_begin + i), qw, col, valid, t);
 
   const int nc = c_end - c_begin, L = nc * 32;
   for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
         if constexpr (U4) chunk_mma<4, NT>(ring[i], xc, xs_stride, M, g, t, d);
         else chunk_mma_any<NT>(e[0], ring[i], xc, xs_stride, M, g, t, d);
         const int nx = cc + R;
-        load_raw<U4>(ring[i], nx < w_end, tab + 3 * (nx - c_begin), qweight, N, col, valid, t);
+        load_raw<U4>(ring[i], nx < w_end, tab + 3 * (nx - c_begin), qw, col, valid, t);
       }
     }
   }

@@ -28,21 +28,31 @@ struct Raw {        // one chunk's words for a lane's 4 columns
   int4 lo, hi;
 };
 
+// Where word (row, col) of a packed weight lives: row-major [Q, N] (ldq = N, tstride = 128), or
+// column-tiled [N/128, Q, 128] (ldq = 128, tstride = Q*128) so one 128-column strip is contiguous.
+struct QPtr {
+  const int32_t* q;
+  int64_t ldq, tstride;
+  __device__ __forceinline__ const int32_t* at(int64_t row, int64_t col) const {
+    return q + (col >> 7) * tstride + row * ldq + (col & 127);
+  }
+};
+
 // Words of chunk entry `tab` (bits, group, qrow) holding values 8t..8t+7 of columns col..col+3;
 // `hi` only where those values straddle two words.
 template <bool U4>
-__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab, const int32_t* __restrict__ qweight,
-                                         int64_t N, int64_t col, bool valid, int t) {
+__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab, const QPtr& qw, int64_t col,
+                                         bool valid, int t) {
   if constexpr (U4) {
     r.lo = make_int4(0, 0, 0, 0);
-    if (exists && valid) r.lo = __ldg(reinterpret_cast<const int4*>(qweight + static_cast<int64_t>(tab[2] + t) * N + col));
+    if (exists && valid) r.lo = __ldg(reinterpret_cast<const int4*>(qw.at(tab[2] + t, col)));
   } else {
     r.lo = r.hi = make_int4(0, 0, 0, 0);
     if (!exists || !valid) return;
     const int bits = tab[0], start = 8 * t * bits;
-    const int32_t* p = qweight + static_cast<int64_t>(tab[2] + (start >> 5)) * N + col;
+    const int32_t* p = qw.at(tab[2] + (start >> 5), col);
     r.lo = __ldg(reinterpret_cast<const int4*>(p));
-    if ((start & 31) + 8 * bits > 32) r.hi = __ldg(reinterpret_cast<const int4*>(p + N));
+    if ((start & 31) + 8 * bits > 32) r.hi = __ldg(reinterpret_cast<const int4*>(p + qw.ldq));
   }
 }
 
@@ -82,7 +92,7 @@ __device__ __forceinline__ float compf(const float4& v, int i) {
 // walks the column tiles of matrix 0, then matrix 1, ...; every block serves one matrix.
 constexpr int kMaxMats = 4;
 struct Mat {
-  const int32_t* qweight;
+  QPtr qw;
   const int32_t* chunks;      // [K/32, 3]
   const float* scale;
   const float* zero;
@@ -251,9 +261,12 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
     TORCH_CHECK(q.is_cuda() && ch.is_cuda() && s.is_cuda() && z.is_cuda() && q.device() == x.device(), op,
                 ": weight ", i, " must be on x's GPU");
-    const int64_t N = q.size(1);
-    TORCH_CHECK(q.dtype() == at::kInt && q.dim() == 2 && q.is_contiguous() && aligned16(q), op, ": qweight ", i,
-                " must be contiguous, 16-byte aligned int32 [rows, N]");
+    TORCH_CHECK(q.dtype() == at::kInt && (q.dim() == 2 || (q.dim() == 3 && q.size(2) == 128)) && q.is_contiguous() &&
+                    aligned16(q), op, ": qweight ", i,
+                " must be contiguous, 16-byte aligned int32 [rows, N] or column-tiled [N/128, rows, 128]");
+    const bool tiled = q.dim() == 3;
+    const int64_t N = tiled ? s.size(1) : q.size(1), Q = tiled ? q.size(1) : q.size(0);
+    TORCH_CHECK(!tiled || q.size(0) * 128 == N, op, ": tiled qweight ", i, " has ", q.size(0), " tiles for N = ", N);
     TORCH_CHECK(N % 4 == 0, op, ": weight ", i, " has N = ", N, "; N must be a multiple of 4 (16-byte column loads)");
     TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(1) == 3 && ch.is_contiguous() &&
                     ch.size(0) * 32 == K, op, ": chunk table ", i, " must be int32 [K/32 = ", K / 32, ", 3], got ",
@@ -267,7 +280,8 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
                        ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
     ys.push_back(at::empty({M, N}, x.options()));
-    mats.m[i] = Mat{q.data_ptr<int32_t>(), ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
+    const QPtr qp{q.data_ptr<int32_t>(), tiled ? 128 : N, tiled ? Q * 128 : 128};
+    mats.m[i] = Mat{qp, ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
                     p ? p->data_ptr<int64_t>() : nullptr,
                     b ? reinterpret_cast<const __half*>(b->data_ptr()) : nullptr,
                     reinterpret_cast<__half*>(ys.back().data_ptr()), N, 0};
