@@ -29,7 +29,7 @@ import torch
 
 from .dispatch import Candidate, extension
 
-SKINNY_MAX_ROWS = 32        # fp16: qgemm_skinny's largest n-tile count (4 x 8 rows)
+X
 MMA_MIN_ROWS = 3            # fp16: below this the fp32 GEMV is faster
 MMA_MAX_ROWS = 16           # above this dequantise + cuBLAS is faster (the 2-m-tile kernel spills)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on

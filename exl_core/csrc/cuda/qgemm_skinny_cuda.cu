@@ -35,26 +35,43 @@ constexpr size_t kSmemBudget = 100 * 1024; // per block: two blocks still fit on
 // Uniform 4-bit weights need one int4 per chunk, mixed widths two.
 template <int NT, bool U4> struct Cfg {
   static constexpr int R = U4 ? (NT == 4 ? 6 : 8) : (NT == 4 ? 3 : 4);
-  static constexpr int kMinBlocks = NT == 4 ? 1 : 2;
+  static constexpr int kMinBlocks = NT == 4 ? 1 : NT == 2 ? 2 : 3;
 };
 
+// x is staged for 8*NT rows (rows >= M zero) so the inner loop needs no row checks.
+__host__ __device__ inline int rows_of(int M) { return M <= 8 ? 8 : M <= 16 ? 16 : 32; }
 __host__ __device__ inline size_t tab_bytes(int cpb) { return (static_cast<size_t>(cpb) * 12 + 15) & ~size_t(15); }
 __host__ __device__ inline size_t xsum_bytes(int M, int cpb) {
-  return (static_cast<size_t>(M) * cpb * 4 + 15) & ~size_t(15);
+  return (static_cast<size_t>(rows_of(M)) * cpb * 4 + 15) & ~size_t(15);
 }
 __host__ __device__ inline int xs_stride_of(int cpb) { return cpb * 32 + kPad; }
 
-// Shared memory: [chunk table cpb x 3][x sums M x cpb fp32][x M x xs_stride fp16]; after the K loop
-// the same bytes hold the partial tiles [kKWarps][M][kTileN] fp32.
+// Shared memory: [chunk table cpb x 3][x sums cpb x rows fp32][x rows x xs_stride fp16]; after the K
+// loop the same bytes hold the partial tiles [kKWarps][M][kTileN] fp32.
 inline size_t smem_bytes(int M, int cpb) {
-  const size_t stage = tab_bytes(cpb) + xsum_bytes(M, cpb) + static_cast<size_t>(M) * xs_stride_of(cpb) * 2;
+  const size_t stage =
+      tab_bytes(cpb) + xsum_bytes(M, cpb) + static_cast<size_t>(rows_of(M)) * xs_stride_of(cpb) * 2;
   const size_t red = static_cast<size_t>(kKWarps) * M * kTileN * 4;
   return std::max(stage, red);
 }
 
+// The words of chunk entry e (bits, group, qrow) holding a lane's values 8t..8t+7; `base` points at
+// word (row 0, the lane's first column) and rows are `ldq` words apart.
+template <bool U4>
+__device__ __forceinline__ void load_words(Raw& r, const int32_t* e, const int32_t* base, int64_t ldq, int t) {
+  if constexpr (U4) {
+    r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(e[2] + t) * ldq));
+  } else {
+    const int bits = e[0], start = 8 * t * bits;
+    const int32_t* p = base + static_cast<int64_t>(e[2] + (start >> 5)) * ldq;
+    r.lo = __ldg(reinterpret_cast<const int4*>(p));
+    r.hi = (start & 31) + 8 * bits > 32 ? __ldg(reinterpret_cast<const int4*>(p + ldq)) : make_int4(0, 0, 0, 0);
+  }
+}
+
 // d[u][nt] += A(tile u of the chunk's words) x B(x rows of n-tile nt), both k16 steps of the chunk.
 template <int BITS, int NT>
-__device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int M, int g, int t,
+__device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int g, int t,
                                           float (&d)[2][NT][4]) {
   const int sh = (8 * t * BITS) & 31;
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
@@ -68,13 +85,9 @@ __device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int row = nt * 8 + g;
-      uint32_t b0 = 0u, b1 = 0u;
-      if (row < M) {
-        const __half* xr = xc + row * xs_stride + j * 16 + 2 * t;
-        b0 = *reinterpret_cast<const uint32_t*>(xr);
-        b1 = *reinterpret_cast<const uint32_t*>(xr + 8);
-      }
+      const __half* xr = xc + (nt * 8 + g) * xs_stride + j * 16 + 2 * t;
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xr);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xr + 8);
 #pragma unroll
       for (int u = 0; u < 2; ++u)
         mma16816(d[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1], b0, b1);
@@ -82,15 +95,15 @@ __device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs
 }
 
 template <int NT>
-__device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __half* xc, int xs_stride, int M, int g,
-                                              int t, float (&d)[2][NT][4]) {
+__device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __half* xc, int xs_stride, int g, int t,
+                                              float (&d)[2][NT][4]) {
   switch (bits) {
-    case 4: chunk_mma<4, NT>(r, xc, xs_stride, M, g, t, d); break;
-    case 2: chunk_mma<2, NT>(r, xc, xs_stride, M, g, t, d); break;
-    case 3: chunk_mma<3, NT>(r, xc, xs_stride, M, g, t, d); break;
-    case 5: chunk_mma<5, NT>(r, xc, xs_stride, M, g, t, d); break;
-    case 6: chunk_mma<6, NT>(r, xc, xs_stride, M, g, t, d); break;
-    default: chunk_mma<8, NT>(r, xc, xs_stride, M, g, t, d); break;
+    case 4: chunk_mma<4, NT>(r, xc, xs_stride, g, t, d); break;
+    case 2: chunk_mma<2, NT>(r, xc, xs_stride, g, t, d); break;
+    case 3: chunk_mma<3, NT>(r, xc, xs_stride, g, t, d); break;
+    case 5: chunk_mma<5, NT>(r, xc, xs_stride, g, t, d); break;
+    case 6: chunk_mma<6, NT>(r, xc, xs_stride, g, t, d); break;
+    default: chunk_mma<8, NT>(r, xc, xs_stride, g, t, d); break;
   }
 }
 
@@ -112,27 +125,29 @@ __device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, 
   for (int nt = 0; nt < NT; ++nt) xg[nt][0] = xg[nt][1] = 0.f;
 }
 
-// grid (total column tiles, splits); block kThreads.  Rows >= M of x read as zero.
+// grid (total column tiles, splits); block kThreads.
 template <int NT, bool U4>
 __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
     qgemm_skinny_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cpb, const Mats mats) {
-  constexpr int R = Cfg<NT, U4>::R;
+  constexpr int R = Cfg<NT, U4>::R, kRows = 8 * NT;
   const Mat& mat = block_mat(mats);
   const int32_t* __restrict__ chunks = mat.chunks;
-  const QPtr qw = mat.qw;
   const int64_t* __restrict__ perm = mat.perm;
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int xs_stride = xs_stride_of(cpb);
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
-  float* xsum = reinterpret_cast<float*>(smem_raw + tab_bytes(cpb));                      // [M][cpb]
-  __half* xs = reinterpret_cast<__half*>(smem_raw + tab_bytes(cpb) + xsum_bytes(M, cpb)); // [M][xs_stride]
+  float* xsum = reinterpret_cast<float*>(smem_raw + tab_bytes(cpb));                      // [cpb][kRows]
+  __half* xs = reinterpret_cast<__half*>(smem_raw + tab_bytes(cpb) + xsum_bytes(M, cpb)); // [kRows][xs_stride]
   float* red = reinterpret_cast<float*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int nw = warp % kColWarps, kw = warp / kColWarps;
   const int64_t col = tile * kTileN + nw * 32 + 4 * g;        // this lane's 4 columns
-  const bool valid = col < N;                                 // N % 4 == 0: all 4 columns or none
+  // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns and are not stored.
+  const int64_t lcol = col < N ? col : N - 4;
+  const int32_t* base = mat.qw.at(0, lcol);
+  const int64_t ldq = mat.qw.ldq;
   const int c_begin = blockIdx.y * cpb, c_end = min(n_chunks, c_begin + cpb);
   const int per = (c_end - c_begin + kKWarps - 1) / kKWarps;
   const int w_begin = min(c_end, c_begin + kw * per), w_end = min(c_end, w_begin + per);
@@ -140,18 +155,24 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   // The ring's first loads go out before anything else (table entries read from global memory).
   Raw ring[R];
 #pragma unroll
-  for (int i = 0; i < R; ++i)
-    load_raw<U4>(ring[i], w_begin + i < w_end, chunks + 3 * (w_begin + i), qw, col, valid, t);
+  for (int i = 0; i < R; ++i) {
+    ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
+    if (w_begin + i < w_end) load_words<U4>(ring[i], chunks + 3 * (w_begin + i), base, ldq, t);
+  }
 
   const int nc = c_end - c_begin, L = nc * 32;
   for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
-  for (int idx = threadIdx.x; idx < M * L; idx += kThreads) {       // x[:, perm] in fragment order
+  for (int idx = threadIdx.x; idx < kRows * L; idx += kThreads) {   // x[:, perm] in fragment order
     const int m = idx / L, pos = idx - m * L, within = pos & 31;
-    const int64_t k = static_cast<int64_t>(c_begin) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
-    xs[m * xs_stride + pos] = x[m * K + (perm ? __ldg(perm + k) : k)];
+    __half v = __float2half_rn(0.f);
+    if (m < M) {
+      const int64_t k = static_cast<int64_t>(c_begin) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
+      v = x[m * K + (perm ? __ldg(perm + k) : k)];
+    }
+    xs[m * xs_stride + pos] = v;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < M * nc; idx += kThreads) {      // per-chunk sums of the staged x
+  for (int idx = threadIdx.x; idx < kRows * nc; idx += kThreads) {  // per-chunk sums of the staged x
     const int m = idx / nc, c = idx - m * nc;
     const __half2* p = reinterpret_cast<const __half2*>(xs + m * xs_stride + c * 32);
     float a = 0.f;
@@ -160,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
       const float2 f = __half22float2(p[i]);
       a += f.x + f.y;
     }
-    xsum[m * cpb + c] = a;
+    xsum[c * kRows + m] = a;
   }
   __syncthreads();
 
@@ -176,35 +197,39 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
   int grp = -1;
 
-  for (int c = w_begin; c < w_end; c += R) {
+  // One chunk: close the previous group when this one starts a new group (its scales were loaded when
+  // it started, a group ago), add the chunk's x sums, run its mma.
+  auto step = [&](const Raw& r, int cl) {
+    const int32_t* e = tab + 3 * cl;
+    const int ge = e[1];
+    if (ge != grp) {                                          // warp-uniform
+      if (grp >= 0) flush_group<NT>(s4, z4, xg, d, acc);
+      grp = ge;
+      s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+      z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float2 xv = *reinterpret_cast<const float2*>(xsum + cl * kRows + nt * 8 + 2 * t);
+      xg[nt][0] += xv.x;
+      xg[nt][1] += xv.y;
+    }
+    const __half* xc = xs + cl * 32;
+    if constexpr (U4) chunk_mma<4, NT>(r, xc, xs_stride, g, t, d);
+    else chunk_mma_any<NT>(e[0], r, xc, xs_stride, g, t, d);
+  };
+
+  int c = w_begin;
+  for (; c + R <= w_end; c += R) {                            // full ring turns: refill each slot after use
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const int cc = c + i;
-      if (cc < w_end) {                                       // warp-uniform
-        const int32_t* e = tab + 3 * (cc - c_begin);
-        if (e[1] != grp) {                                    // a new group starts: close the last one
-          if (grp >= 0) flush_group<NT>(s4, z4, xg, d, acc);
-          grp = e[1];
-          if (valid) {
-            s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(grp) * N + col));
-            z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(grp) * N + col));
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = nt * 8 + 2 * t + h;
-            if (row < M) xg[nt][h] += xsum[row * cpb + (cc - c_begin)];
-          }
-        const __half* xc = xs + (cc - c_begin) * 32;
-        if constexpr (U4) chunk_mma<4, NT>(ring[i], xc, xs_stride, M, g, t, d);
-        else chunk_mma_any<NT>(e[0], ring[i], xc, xs_stride, M, g, t, d);
-        const int nx = cc + R;
-        load_raw<U4>(ring[i], nx < w_end, tab + 3 * (nx - c_begin), qw, col, valid, t);
-      }
+      step(ring[i], c + i - c_begin);
+      if (c + i + R < w_end) load_words<U4>(ring[i], tab + 3 * (c + i + R - c_begin), base, ldq, t);
     }
   }
+#pragma unroll
+  for (int i = 0; i < R; ++i)                                 // the last partial turn
+    if (c + i < w_end) step(ring[i], c + i - c_begin);
   if (grp >= 0) flush_group<NT>(s4, z4, xg, d, acc);
 
   __syncthreads();                                            // x stage dead: reuse as `red`
