@@ -29,7 +29,7 @@ import torch
 
 from .dispatch import Candidate, extension
 
-X
+SKINNY_MAX_ROWS = 16        # fp16: from 32 rows on dequantise + cuBLAS is faster (bench sweep)
 MMA_MIN_ROWS = 3            # fp16: below this the fp32 GEMV is faster
 MMA_MAX_ROWS = 16           # above this dequantise + cuBLAS is faster (the 2-m-tile kernel spills)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
