@@ -7,7 +7,9 @@
 //   small M (<= 16):  fused dequantise-GEMV, split-K.  grid (N / (128*VEC), K-slices);
 //                     thread t owns VEC adjacent columns (one 16-byte load per qweight row when
 //                     VEC = 4), walks the chunks of its K-slice, x[:, perm] of the slice gathered
-//                     into shared memory as fp32; partial sums atomically added into fp32 [M, N].
+//                     into shared memory as fp32; each slice writes its partial sums to fp32
+//                     [slices, M, N] and the finish kernel adds them in slice order (no atomics:
+//                     deterministic, and the slicing does not depend on M, so batch invariant).
 //   large M:          dequantise to W [K, N] in x's dtype (rows scattered back to original
 //                     order through perm) and let cuBLAS multiply.
 #include <ATen/ATen.h>
@@ -129,19 +131,22 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(
       default: gemv_chunk<8, M, VEC>(qw, N, xc, L, s, zs, acc); break;
     }
   }
+  float* slice = out + static_cast<int64_t>(blockIdx.y) * m_rows * N;   // this K-slice's [m_rows, N]
 #pragma unroll
   for (int m = 0; m < M; ++m)
     if (m < m_rows)
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) atomicAdd(out + m * N + col + v, acc[m][v]);
+      for (int v = 0; v < VEC; ++v) slice[m * N + col + v] = acc[m][v];
 }
 
+// y = sum of the K-slices' partials in slice order (+ bias).
 template <typename T>
-__global__ void finish_kernel(const float* __restrict__ acc, const T* __restrict__ bias, int64_t rows, int64_t N,
-                              T* __restrict__ y) {
+__global__ void finish_kernel(const float* __restrict__ part, int64_t slices, const T* __restrict__ bias,
+                              int64_t rows, int64_t N, T* __restrict__ y) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * N) return;
-  float v = acc[i];
+  float v = 0.f;
+  for (int64_t s = 0; s < slices; ++s) v += part[s * rows * N + i];
   if (bias) v += to_f<T>(bias[i % N]);
   y[i] = from_f<T>(v);
 }
@@ -213,21 +218,26 @@ void check_common(const at::Tensor& qweight, const at::Tensor& chunks, const at:
   }
 }
 
+constexpr int kMaxGemvRows = 16;
+
+// K-slices of the GEMV: enough for ~4 blocks per SM, shared memory kMaxGemvRows*cpb*32*4 bytes under
+// 32 KB. Independent of the number of rows, so every row is summed the same way whatever the batch.
+int64_t gemv_chunks_per_slice(const at::Tensor& x, int64_t N, int64_t C) {
+  const int sms = sm_count(x.device().index());
+  const int64_t col_blocks = (N + kThreads * 4 - 1) / (kThreads * 4);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(C, (4 * sms + col_blocks - 1) / col_blocks));
+  return std::min<int64_t>((C + splits - 1) / splits, 32768 / (kMaxGemvRows * 32 * 4));
+}
+
 template <typename T, int M>
 void launch_gemv_m(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
-                   const at::Tensor& zero, const int64_t* perm, at::Tensor& acc, cudaStream_t stream) {
+                   const at::Tensor& zero, const int64_t* perm, int64_t cpb, at::Tensor& acc, cudaStream_t stream) {
   const int64_t K = x.size(1), N = qweight.size(1), C = chunks.size(0);
-  const int sms = sm_count(x.device().index());
   // VEC = 4 needs 16-byte aligned rows; odd N falls back to one column per thread.
   const bool v4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0;
   const int vec = v4 ? 4 : 1;
   const int64_t col_blocks = (N + kThreads * vec - 1) / (kThreads * vec);
-  // Enough K-slices for ~4 blocks per SM; shared memory M*cpb*32*4 bytes kept under 32 KB.
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(C, (4 * sms + col_blocks - 1) / col_blocks));
-  int64_t cpb = (C + splits - 1) / splits;
-  const int64_t max_cpb = std::max<int64_t>(1, 32768 / (M * 32 * 4));
-  cpb = std::min(cpb, max_cpb);
-  splits = (C + cpb - 1) / cpb;
+  const int64_t splits = (C + cpb - 1) / cpb;
   const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
   const size_t smem = static_cast<size_t>(M) * cpb * 32 * sizeof(float);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
@@ -244,13 +254,13 @@ void launch_gemv_m(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 
 template <typename T>
 void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
-                 const at::Tensor& zero, const int64_t* perm, at::Tensor& acc, cudaStream_t stream) {
+                 const at::Tensor& zero, const int64_t* perm, int64_t cpb, at::Tensor& acc, cudaStream_t stream) {
   const int64_t m = x.size(0);
-  if (m <= 1) launch_gemv_m<T, 1>(x, qweight, chunks, scale, zero, perm, acc, stream);
-  else if (m <= 2) launch_gemv_m<T, 2>(x, qweight, chunks, scale, zero, perm, acc, stream);
-  else if (m <= 4) launch_gemv_m<T, 4>(x, qweight, chunks, scale, zero, perm, acc, stream);
-  else if (m <= 8) launch_gemv_m<T, 8>(x, qweight, chunks, scale, zero, perm, acc, stream);
-  else launch_gemv_m<T, 16>(x, qweight, chunks, scale, zero, perm, acc, stream);
+  if (m <= 1) launch_gemv_m<T, 1>(x, qweight, chunks, scale, zero, perm, cpb, acc, stream);
+  else if (m <= 2) launch_gemv_m<T, 2>(x, qweight, chunks, scale, zero, perm, cpb, acc, stream);
+  else if (m <= 4) launch_gemv_m<T, 4>(x, qweight, chunks, scale, zero, perm, cpb, acc, stream);
+  else if (m <= 8) launch_gemv_m<T, 8>(x, qweight, chunks, scale, zero, perm, cpb, acc, stream);
+  else launch_gemv_m<T, kMaxGemvRows>(x, qweight, chunks, scale, zero, perm, cpb, acc, stream);
 }
 
 #define EXL_DISPATCH_FLOATS(dtype, NAME, ...)                                            \
@@ -274,18 +284,18 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  auto acc = at::zeros({std::min<int64_t>(M, 16), N}, x.options().dtype(at::kFloat));
+  const int64_t C = chunks.size(0), cpb = gemv_chunks_per_slice(x, N, C), slices = (C + cpb - 1) / cpb;
+  auto part = at::empty({slices, std::min<int64_t>(M, kMaxGemvRows), N}, x.options().dtype(at::kFloat));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
   EXL_DISPATCH_FLOATS(x.scalar_type(), "exl_core::qgemv_chunks", [&] {
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
-      const int64_t r = std::min<int64_t>(16, M - r0);
-      if (r0) acc.zero_();
-      launch_gemv<scalar_t>(x.narrow(0, r0, r), qweight, chunks, scale, zero, pp, acc, stream);
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxGemvRows) {
+      const int64_t r = std::min<int64_t>(kMaxGemvRows, M - r0);
+      launch_gemv<scalar_t>(x.narrow(0, r0, r), qweight, chunks, scale, zero, pp, cpb, part, stream);
       const int64_t total = r * N;
       finish_kernel<scalar_t><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-          acc.data_ptr<float>(), bias ? reinterpret_cast<const scalar_t*>(bias->data_ptr()) : nullptr, r, N,
-          reinterpret_cast<scalar_t*>(y.data_ptr()) + r0 * N);
+          part.data_ptr<float>(), slices, bias ? reinterpret_cast<const scalar_t*>(bias->data_ptr()) : nullptr, r,
+          N, reinterpret_cast<scalar_t*>(y.data_ptr()) + r0 * N);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
