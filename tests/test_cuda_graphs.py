@@ -15,24 +15,27 @@ from exl_core.cache import Cache
 from exl_core.generation import Generator, Job
 from exl_core.generation.sampling import SamplerSettings
 from exl_core.loader import load_model
+from exl_core.testing import assert_same_tokens_up_to_ties
 
 GREEDY = SamplerSettings(temperature=0.0)
 
 
-def _jobs(vocab, seed):
+def _jobs(vocab, seed, logprobs=False):
     rnd = random.Random(seed)
     # lengths spanning several 16-token pages; different max_new_tokens so the batch shrinks
-    return [Job([rnd.randrange(3, vocab) for _ in range(n)], max_new_tokens=m, sampler=GREEDY, stop_on_eos=False)
+    return [Job([rnd.randrange(3, vocab) for _ in range(n)], max_new_tokens=m, sampler=GREEDY, stop_on_eos=False,
+                return_logprobs=logprobs)
             for n, m in ((5, 12), (40, 7), (19, 20), (70, 3))]
 
 
-def _run(model, graphs, seed, device="cpu"):
+def _run(model, graphs, seed, logprobs=False):
+    """Tokens per job ((tokens, logprobs) per job with logprobs=True) and the generator."""
     gen = Generator(model, Cache(model, max_tokens=2048, page_size=16), None, max_batch_tokens=256, max_chunk_size=64,
                     cuda_graphs=graphs)
-    jobs = gen.enqueue(_jobs(model.config.vocab_size, seed))
+    jobs = gen.enqueue(_jobs(model.config.vocab_size, seed, logprobs))
     while gen.has_work():
         gen.iterate()
-    return [j.generated for j in jobs], gen
+    return [(j.generated, list(j.logprobs)) if logprobs else j.generated for j in jobs], gen
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +68,13 @@ def test_recorded_graphs_replay_the_eager_static_forward(tiny):
     from exl_core.generation.cuda_graphs import GraphedDecoder
     model, _ = load_model(tiny, device="cuda", dtype=torch.float32, load_tokenizer=False)
     seed = random.randrange(1 << 20)
-    plain, _ = _run(model, False, seed)
-    graphed, gen = _run(model, True, seed)
+    plain, _ = _run(model, False, seed, logprobs=True)
+    graphed, gen = _run(model, True, seed, logprobs=True)
     assert gen.graphs.capture and gen.graphs.replays > 0
-    assert graphed == plain
+    # the eager generator's paged attention and the graphs' gathered attention round differently:
+    # equal up to near-ties (the recorded-vs-eager comparison over one static context below is exact)
+    for (ta, la), (tb, lb) in zip(plain, graphed):
+        assert_same_tokens_up_to_ties(ta, la, tb, lb, 2e-3)
     # logits of one step, recorded vs eager over the same static context: identical
     cache = Cache(model, max_tokens=512, page_size=16)
     outs = []

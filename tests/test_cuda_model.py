@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+from exl_core.testing import assert_same_tokens_up_to_ties
+
 pytestmark = pytest.mark.cuda
 
 
@@ -59,12 +61,15 @@ def test_generator_batched_equals_alone_on_gpu(quant_dir):
     def run(gen):
         while gen.has_work():
             gen.iterate()
+    def job(p):
+        return Job(p, max_new_tokens=8, sampler=greedy, stop_on_eos=False, return_logprobs=True)
     gen = Generator(model, Cache(model, max_tokens=1024, page_size=16), max_batch_tokens=128, max_chunk_size=32)
-    together = gen.enqueue([Job(p, max_new_tokens=8, sampler=greedy, stop_on_eos=False) for p in prompts])
+    together = gen.enqueue([job(p) for p in prompts])
     run(gen)
     for p, j in zip(prompts, together):
         g = Generator(model, Cache(model, max_tokens=1024, page_size=16), max_batch_tokens=128, max_chunk_size=32)
-        alone = g.enqueue(Job(p, max_new_tokens=8, sampler=greedy, stop_on_eos=False))
+        alone = g.enqueue(job(p))
         run(g)
-        assert alone.generated == j.generated
+        # cuBLAS (prefill) rounds differently for different row counts: equal up to near-ties
+        assert_same_tokens_up_to_ties(alone.generated, alone.logprobs, j.generated, j.logprobs, 2e-3)
         assert len(j.generated) == 8

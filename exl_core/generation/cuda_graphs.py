@@ -25,7 +25,9 @@ import torch
 
 from ..cache.paged import PagedContext
 
-WIDTH_BUCKET = 16          # block-table widths are padded to a multiple of this many pages
+# Block tables are padded to a multiple of this many tokens' worth of pages: few graphs as sequences
+# grow, while the gathered attention (whose work grows with the padded width) reads little padding.
+WIDTH_BUCKET_TOKENS = 256
 
 
 class StaticDecodeContext(PagedContext):
@@ -71,6 +73,7 @@ class GraphedDecoder:
         # one rope table for every graph, large enough for any position, built before capture
         self.num_positions = max(cfg.max_position_embeddings, cache.max_tokens) + 1
         self._rope = model.rope.cos_sin(self.num_positions)
+        self.bucket = max(1, WIDTH_BUCKET_TOKENS // cache.page_size)      # pages
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
@@ -83,7 +86,7 @@ class GraphedDecoder:
     def run(self, ids: list[int], ctx: PagedContext) -> torch.Tensor:
         """Logits (S, vocab) of this decode step; valid until the next call."""
         s, w = len(ids), ctx.block_table.shape[1]
-        width = -(-w // WIDTH_BUCKET) * WIDTH_BUCKET
+        width = -(-w // self.bucket) * self.bucket
         key = (s, width)
         e = self._entries.get(key)
         fresh = e is None
