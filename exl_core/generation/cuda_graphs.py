@@ -112,6 +112,10 @@ class GraphedDecoder:
             eager = self.model.forward(e.ids, e.ctx)                  # warm-up: also this step's answer
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # the warm-up left its attention plan cached for these very tensors: a capture that reused it
+        # would replay that step's masks and pages forever; the graph must compute its own
+        from ..ops.attention_gathered import forget_plan
+        forget_plan()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 e.logits = self.model.forward(e.ids, e.ctx)
