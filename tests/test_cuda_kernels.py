@@ -138,25 +138,6 @@ def test_qgemm_mma_vs_float64(case, M):
     assert rel_err(y, ref) < 2e-3
 
 
-@pytest.mark.parametrize("M", [1, 20])
-def test_qgemm_mma_multi_vs_float64(M):
-    """q/k/v-style: three weights (own bit layouts, permutations, widths) on one x, one launch."""
-    _need_kernels()
-    from exl_core.ops.cuda_candidates import chunk_table
-    K = 32 * 40
-    layouts = [[(4, K)], [(5, 32 * 8), (4, 32 * 24), (3, 32 * 8)], [(8, 32 * 4), (2, 32 * 36)]]
-    pws = [random_packed(lay, n, perm=i > 0, bias=i != 1) for i, (lay, n) in enumerate(zip(layouts, (4 * 67, 36, 512)))]
-    x = torch.randn(M, K, dtype=torch.float16)
-    cs = [pw.to("cuda") for pw in pws]
-    poison_allocator()
-    ys = torch.ops.exl_core.qgemm_mma_multi(x.cuda(), [c.qweight for c in cs], [chunk_table(pw.groups, "cuda") for pw in pws],
-                                            [c.scale for c in cs], [c.zero for c in cs], [c.perm for c in cs],
-                                            [None if c.bias is None else c.bias.half() for c in cs])
-    for y, pw in zip(ys, pws):
-        ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
-        assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3
-
-
 SKINNY_CASES = MMA_CASES + [([(4, 32 * 40)], 4 * 300)]            # + uniform 4-bit (GPTQ), 3 column tiles
 
 
@@ -186,8 +167,8 @@ def test_qgemm_skinny_vs_float64(case, M, splits):
         assert rel_err(y, ref) < 2e-3, (u4, splits)
 
 
-@pytest.mark.parametrize("M", [1, 12, 32])
-def test_qgemm_skinny_multi_vs_float64(M):
+@pytest.mark.parametrize("op,M", [("mma", 1), ("mma", 20), ("skinny", 1), ("skinny", 12), ("skinny", 32)])
+def test_multi_weight_kernels_vs_float64(op, M):
     """q/k/v-style: three weights (own layouts, permutations, widths, biases) on one x, one launch."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import chunk_table
@@ -197,7 +178,7 @@ def test_qgemm_skinny_multi_vs_float64(M):
     x = torch.randn(M, K, dtype=torch.float16)
     cs = [pw.to("cuda") for pw in pws]
     poison_allocator()
-    ys = torch.ops.exl_core.qgemm_skinny_multi(
+    ys = getattr(torch.ops.exl_core, f"qgemm_{op}_multi")(
         x.cuda(), [c.qweight for c in cs], [chunk_table(pw.groups, "cuda") for pw in pws], [c.scale for c in cs],
         [c.zero for c in cs], [c.perm for c in cs], [None if c.bias is None else c.bias.half() for c in cs])
     for y, pw in zip(ys, pws):

@@ -180,14 +180,7 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
     __syncthreads();
     for (int idx = threadIdx.x; idx < M * (s1 - s0); idx += kThreads) {   // sum of each staged chunk row
       const int m = idx / (s1 - s0), cl = idx - m * (s1 - s0);
-      const __half2* p = reinterpret_cast<const __half2*>(xs + m * xs_stride + cl * 32);
-      float a = 0.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float2 f = __half22float2(p[i]);
-        a += f.x + f.y;
-      }
-      xsum[m * kStageChunks + cl] = a;
+      xsum[m * kStageChunks + cl] = chunk_x_sum(xs + m * xs_stride + cl * 32);
     }
     __syncthreads();
     for (; c < s1; c += 2 * kKWarps) {

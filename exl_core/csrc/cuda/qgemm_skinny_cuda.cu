@@ -174,14 +174,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * nc; idx += kThreads) {  // per-chunk sums of the staged x
     const int m = idx / nc, c = idx - m * nc;
-    const __half2* p = reinterpret_cast<const __half2*>(xs + m * xs_stride + c * 32);
-    float a = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float2 f = __half22float2(p[i]);
-      a += f.x + f.y;
-    }
-    xsum[c * kRows + m] = a;
+    xsum[c * kRows + m] = chunk_x_sum(xs + m * xs_stride + c * 32);
   }
   __syncthreads();
 

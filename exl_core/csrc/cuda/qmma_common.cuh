@@ -81,6 +81,18 @@ __device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, 
   }
 }
 
+// Sum of one staged chunk (32 fp16 values) in fp32, in a fixed order.
+__device__ __forceinline__ float chunk_x_sum(const __half* xc) {
+  const __half2* p = reinterpret_cast<const __half2*>(xc);
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float2 f = __half22float2(p[i]);
+    a += f.x + f.y;
+  }
+  return a;
+}
+
 __device__ __forceinline__ uint32_t comp(const int4& v, int i) {
   return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
 }
@@ -188,6 +200,23 @@ void ensure_smem(Kern* kern, size_t smem, int dev) {
   }
 }
 
+// Launch configuration for grid (tiles, S), clusters (1, S, 1) when S > 1; `attr` must outlive it.
+inline cudaLaunchConfig_t split_config(int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream,
+                                       cudaLaunchAttribute (&attr)[1]) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(S);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = S > 1 ? 1 : 0;
+  return cfg;
+}
+
 // Co-resident blocks of `kern` with clusters of S blocks (cached per kernel, device, S and smem).
 template <typename Kern>
 int64_t resident_blocks(Kern* kern, int threads, int S, size_t smem, int dev) {
@@ -203,17 +232,8 @@ int64_t resident_blocks(Kern* kern, int threads, int S, size_t smem, int dev) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, threads, smem));
     blocks = static_cast<int64_t>(per_sm) * device_sm(dev, false);
   } else {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1, static_cast<unsigned>(S), 1);
-    cfg.blockDim = dim3(threads, 1, 1);
-    cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = static_cast<unsigned>(S);
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const cudaLaunchConfig_t cfg = split_config(1, S, threads, smem, nullptr, attr);
     int clusters = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg));
     blocks = static_cast<int64_t>(clusters) * S;
@@ -225,18 +245,8 @@ int64_t resident_blocks(Kern* kern, int threads, int S, size_t smem, int dev) {
 // Launches grid (tiles, S) with clusters (1, S, 1) when S > 1.
 template <typename Kern, typename... Args>
 void launch_split(Kern* kern, int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
-  cfg.blockDim = dim3(threads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = static_cast<unsigned>(S);
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = S > 1 ? 1 : 0;
+  const cudaLaunchConfig_t cfg = split_config(tiles, S, threads, smem, stream, attr);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
