@@ -34,7 +34,8 @@ def _load(args):
         if model.tensor_parallel.rank != 0:      # every rank runs the same job; rank 0 speaks
             sys.stdout = sys.stderr = open(os.devnull, "w")
         return model, tok
-    model, tok = load_model(path, device=args.device, progress=True)
+    model, tok = load_model(path, device=args.device, progress=True,
+                            activations=getattr(args, "activations", "exact"))
     return model, tok
 
 
@@ -59,6 +60,9 @@ def _add_model_args(p):
     p.add_argument("-m", "--model", default=None, help="model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--activations", default="exact", choices=["exact", "int8"],
+                   help="int8: decode multiplies quantized layers with int8-rounded activations (faster "
+                        "on CPU, not exact); default exact fp32")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard over torch.distributed ranks (launch with torchrun --nproc-per-node N; "
                         "NCCL on GPUs, gloo on CPUs)")
