@@ -169,6 +169,7 @@ void for_each_panel(const std::vector<Prepared>& ws,
 namespace {
 
 using exl_cpu::Prepared;
+using exl_cpu::check_cpu;
 using exl_cpu::prepare_weight;
 
 std::vector<at::Tensor> qmatmul_many(const std::string& who, const at::Tensor& x, std::vector<Prepared>& ws,
