@@ -66,7 +66,9 @@ def isa_cap():
     torch.ops.exl_core.matmul_isa(2)
 
 
-# Measured max |y - ref| / max |ref| over these tests: ~1e-7 .. 1e-6 (fp32 epilogue per chunk).
+# Measured max |y - ref| / max |ref|: 2.6e-7 worst over every width, M in {1,3,8} at 576x1536
+# (fp32 rounding of the per-chunk epilogue); against the exact float64 product (x not rounded)
+# the same cases differ by up to 6.8e-3, so this bound does tell the two apart.
 TOL = 1e-5
 
 
@@ -245,5 +247,8 @@ def test_smollm2_greedy_decode_with_int8_activations(smollm2_dir, tmp_path):
     agree = (got.argmax(-1) == exact.argmax(-1)).double().mean().item()
     rel = float((got - exact).norm() / exact.norm())
     print(f"int8 activations: top-1 agreement {agree:.4f} over {steps} steps, rel. logit error {rel:.4g}")
-    assert agree >= 0.9, agree
+    # Deterministic inputs (RTN weights, fixed prompt, teacher forcing): measured 30/32 steps
+    # (0.9375) and 0.0318; the bounds leave two tokens and ~1.5x of margin.  Per-32 int8 rounding
+    # of every matmul input is ~0.6% RMS per value, compounding over 30 layers.
+    assert agree >= 28 / 32, agree
     assert rel < 0.05, rel
