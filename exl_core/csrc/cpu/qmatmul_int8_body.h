@@ -26,16 +26,6 @@ static EXL_ALWAYS_INLINE typename I8::i load_word(const int32_t* p, int nv) {
   else return I8::iloadn(p, nv);
 }
 
-// Value I (0..31) of the chunk as an int32 per lane (any B), words at q + row * N.
-template <int B, int I, bool FULL>
-static EXL_ALWAYS_INLINE typename I8::i value(const int32_t* q, int64_t N, int nv) {
-  constexpr int pos = I * B, wi = pos / 32, off = pos % 32;
-  typename I8::i v = I8::template srl<off>(load_word<FULL>(q + wi * N, nv));
-  if constexpr (off + B > 32) v = I8::or_(v, I8::template sll<32 - off>(load_word<FULL>(q + (wi + 1) * N, nv)));
-  if constexpr (off + B != 32) v = I8::and_(v, I8::iset((1 << B) - 1));
-  return v;
-}
-
 // Group G (0..7) of the chunk: 4 u8 weights per lane in the byte order int8_order(B) gives x.
 template <int B, int G, bool FULL>
 static EXL_ALWAYS_INLINE typename I8::i group_bytes(const int32_t* q, int64_t N, int nv) {
@@ -47,11 +37,14 @@ static EXL_ALWAYS_INLINE typename I8::i group_bytes(const int32_t* q, int64_t N,
   } else if constexpr (B == 2) {  // G = 4j + t: word j shifted by 2t
     const typename I8::i w = load_word<FULL>(q + (G / 4) * N, nv);
     return I8::and_(I8::template srl<(G % 4) * 2>(w), I8::iset(0x03030303));
-  } else {  // 3/5/6-bit: values 4G..4G+3 extracted one by one, packed into bytes
-    typename I8::i v = value<B, 4 * G, FULL>(q, N, nv);
-    v = I8::or_(v, I8::template sll<8>(value<B, 4 * G + 1, FULL>(q, N, nv)));
-    v = I8::or_(v, I8::template sll<16>(value<B, 4 * G + 2, FULL>(q, N, nv)));
-    return I8::or_(v, I8::template sll<24>(value<B, 4 * G + 3, FULL>(q, N, nv)));
+  } else {  // 3/5/6-bit: the 4B-bit field of values 4G..4G+3, value k moved to byte k
+    constexpr int pos = 4 * G * B, wi = pos / 32, off = pos % 32, m = (1 << B) - 1;
+    typename I8::i f = I8::template srl<off>(load_word<FULL>(q + wi * N, nv));
+    if constexpr (off + 4 * B > 32) f = I8::or_(f, I8::template sll<32 - off>(load_word<FULL>(q + (wi + 1) * N, nv)));
+    typename I8::i v = I8::and_(f, I8::iset(m));  // bits above 4B in f are masked off below
+    v = I8::or_(v, I8::and_(I8::template sll<8 - B>(f), I8::iset(m << 8)));
+    v = I8::or_(v, I8::and_(I8::template sll<16 - 2 * B>(f), I8::iset(m << 16)));
+    return I8::or_(v, I8::and_(I8::template sll<24 - 3 * B>(f), I8::iset(m << 24)));
   }
 }
 
