@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "qmatmul.h"
+#include "qmatmul_int8.h"
 
 namespace exl_cpu {
 
@@ -41,7 +42,13 @@ void for_each_panel(const std::vector<Prepared>& ws,
 }  // namespace exl_cpu
 
 // ---- int8 activations (qmatmul_int8.h): the tensors behind an Int8X, for C++ callers -------
-#include "qmatmul_int8.h"
+// From another C++ op (e.g. a fused decoder layer), with the PackedWeight tensors:
+//   at::Tensor xf = exl_cpu::prepare_x(who, x, perm);           // fp32 [M, K], permuted
+//   exl_cpu::Int8XTensors xq = exl_cpu::quantize_x_int8(xf);    // once per x
+//   std::vector<exl_cpu::Prepared> ws;
+//   ws.push_back(exl_cpu::prepare_weight(who, M, K, qweight, groups, scale, zero, bias));  // per weight
+//   exl_cpu::qmatmul_int8_prepared(xq, ws);                     // ws[i].y = fp32 [M, N]
+// (One thread fork for all of ws; call it from outside a parallel region.)
 
 namespace exl_cpu {
 
