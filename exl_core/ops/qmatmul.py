@@ -80,6 +80,21 @@ _OP_DTYPES = (torch.float32, torch.bfloat16)
 _VIA_FP32 = (torch.float16,)   # served by the kernel through an fp32 copy of x (exact widening)
 
 
+def _prep_x(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    if x2.dtype in _VIA_FP32:
+        x2 = x2.to(torch.float32)
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def _as_x(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Kernel output [M, n] back to x's leading shape and dtype (free for 2-D x of a kernel dtype:
+    decode makes ~120 of these calls per token, each microsecond counts)."""
+    if x.dim() == 2 and y.dtype == x.dtype:
+        return y
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
     if not has_op("qmatmul"):
         return "extension exl_core._C not built or has no qmatmul kernel"
@@ -93,13 +108,9 @@ def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
 
 
 def _run_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    x2 = x.reshape(-1, pw.in_features)
-    if x2.dtype in _VIA_FP32:
-        x2 = x2.to(torch.float32)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = torch.ops.exl_core.qmatmul(x2, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features)
+    y = torch.ops.exl_core.qmatmul(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, pw.zero,
+                                   pw.perm, pw.bias)
+    return _as_x(y, x, pw.out_features)
 
 
 # ---------------------------------------------------------------------------- int8 activations
@@ -126,17 +137,10 @@ def _check_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
     return _check_cpu_fused(x, pw)
 
 
-def _prep_x(x: torch.Tensor, K: int) -> torch.Tensor:
-    x2 = x.reshape(-1, K)
-    if x2.dtype in _VIA_FP32:
-        x2 = x2.to(torch.float32)
-    return x2 if x2.is_contiguous() else x2.contiguous()
-
-
 def _run_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     y = torch.ops.exl_core.qmatmul_int8(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, pw.zero,
                                         pw.perm, pw.bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features)
+    return _as_x(y, x, pw.out_features)
 
 
 def _key(x: torch.Tensor, pw: PackedWeight):
@@ -178,15 +182,10 @@ def _check_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
 
 
 def _run_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
-    x2 = x.reshape(-1, pws[0].in_features)
-    if x2.dtype in _VIA_FP32:
-        x2 = x2.to(torch.float32)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    ys = torch.ops.exl_core.qmatmul_multi(x2, [pw.qweight for pw in pws], [pw.groups for pw in pws],
-                                          [pw.scale for pw in pws], [pw.zero for pw in pws], pws[0].perm,
-                                          [pw.bias for pw in pws])
-    return [y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
+    ys = torch.ops.exl_core.qmatmul_multi(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws],
+                                          [pw.groups for pw in pws], [pw.scale for pw in pws],
+                                          [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
+    return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
 
 
 def _check_multi_int8(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
@@ -205,7 +204,7 @@ def _run_multi_int8(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tens
     ys = torch.ops.exl_core.qmatmul_int8_multi(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws],
                                                [pw.groups for pw in pws], [pw.scale for pw in pws],
                                                [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
-    return [y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
+    return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
 
 
 def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
