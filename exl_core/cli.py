@@ -29,6 +29,9 @@ def _load(args):
         torch.set_num_threads(args.threads)
     path = _model_path(args.model)
     if getattr(args, "tensor_parallel", False):
+        if getattr(args, "activations", "exact") != "exact":
+            raise ExlError("--activations int8 is not supported with --tensor-parallel (the shards keep "
+                           "the exact path); drop one of the two")
         from .parallel.tensor_parallel import load_model_tp
         model, tok = load_model_tp(path)
         if model.tensor_parallel.rank != 0:      # every rank runs the same job; rank 0 speaks

@@ -32,6 +32,12 @@ def test_unknown_activations_kind_is_refused():
     assert "--activations" in r.stderr and "invalid choice" in r.stderr
 
 
+def test_int8_activations_with_tensor_parallel_is_refused(tmp_path):
+    r = run_cli("run", "-m", str(tmp_path), "-p", "hi", "--tensor-parallel", "--activations", "int8")
+    assert r.returncode == 2
+    assert "--tensor-parallel" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_empty_prompt_is_a_clear_error():
     r = run_cli("run", "-p", "   ")
     assert r.returncode == 2
