@@ -1,7 +1,8 @@
 """CPU decode and prompt speed of SmolLM2-135M: exl_core vs its peers, in one run.
 
 Rows: exl_core dense fp32 (native generator), exl_core GPTQ 4-bit g128 and EXL2 4.0 bpw
-(when the formats exist), HF transformers `generate` (fp32, same dense weights) and
+(when the formats exist), the same two with `activations="int8"` (int8-activation decode
+kernels; prompt rows keep the exact path), HF transformers `generate` (fp32, same dense weights) and
 llama.cpp through llama-cpp-python on the original Q4_1 GGUF (when `--llamacpp-python`
 points at an interpreter that has it; it lives in its own environment because it compiles
 for ~10 minutes).
@@ -51,14 +52,14 @@ print(json.dumps({"prompt_tok_s": n_prompt / (t1 - t0), "decode_tok_s": n_new / 
 
 
 def bench_exl(folder: Path, label: str, n_prompt: int, n_new: int, decode_prompt: list[int],
-              head: str = "exact") -> dict:
+              head: str = "exact", activations: str = "exact") -> dict:
     from exl_core.cache import Cache
     from exl_core.generation import Generator, Job
     from exl_core.generation.sampling import SamplerSettings
     from exl_core.loader import load_model
     from exl_core.model.context import ContiguousContext
 
-    model, tok = load_model(folder, head=head)
+    model, tok = load_model(folder, head=head, activations=activations)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 49000, (n_prompt,), generator=g)
     with torch.inference_mode():  # prompt: one forward pass, logits of the last row only
@@ -127,7 +128,9 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--llamacpp-python", default=None)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--formats", default="dense,gptq,exl2")
+    ap.add_argument("--out", default="cpu_decode", help="results name (bench/results/NAME.json)")
+    ap.add_argument("--formats", default="dense,gptq,exl2,gptq-int8,exl2-int8",
+                    help="rows; NAME-int8 = that format with activations='int8'")
     ap.add_argument("--head", default="int8", choices=["exact", "bf16", "int8"],
                     help="output layer of the quantized rows (the dense row keeps the exact fp32 head)")
     args = ap.parse_args()
@@ -140,18 +143,20 @@ def main():
     decode_prompt = tok.apply_chat_template([{"role": "user", "content": "Write a long story about a dragon."}],
                                             tokenize=True)
     rows = []
-    variants = {"dense": (dense, "exl_core dense fp32", "exact")}
+    variants = {"dense": (dense, "exl_core dense fp32", "exact", "exact")}
     wanted = args.formats.split(",")
-    if "gptq" in wanted or "exl2" in wanted:
-        from quantized_models import quantized_smollm2
-        for fmt in ("gptq", "exl2"):
-            if fmt in wanted:
-                name = "gptq 4-bit" if fmt == "gptq" else "exl2 4.0bpw"
-                variants[fmt] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head)", args.head)
+    from quantized_models import quantized_smollm2
+    for fmt in ("gptq", "exl2"):
+        name = "gptq 4-bit" if fmt == "gptq" else "exl2 4.0bpw"
+        if fmt in wanted:
+            variants[fmt] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head)", args.head, "exact")
+        if f"{fmt}-int8" in wanted:
+            variants[f"{fmt}-int8"] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head, int8 act.)",
+                                       args.head, "int8")
     for key in wanted:
         if key in variants:
-            folder, label, head = variants[key]
-            rows.append(bench_exl(folder, label, args.prompt_tokens, args.new_tokens, decode_prompt, head))
+            folder, label, head, act = variants[key]
+            rows.append(bench_exl(folder, label, args.prompt_tokens, args.new_tokens, decode_prompt, head, act))
             print_table(rows[-1:], ["engine", "prompt_tok_s", "decode_tok_s"])
     if not args.skip_hf:
         rows.append(bench_hf(dense, args.prompt_tokens, args.new_tokens, decode_prompt))
@@ -167,7 +172,7 @@ def main():
     cols = ["engine", "prompt_tok_s", "decode_tok_s"] + sorted({k for r in rows for k in r if "_x_" in k})
     print()
     print_table(rows, cols)
-    write_results("cpu_decode", {"threads": args.threads, "new_tokens": args.new_tokens, "head": args.head,
+    write_results(args.out, {"threads": args.threads, "new_tokens": args.new_tokens, "head": args.head,
                                  "prompt_tokens": args.prompt_tokens, "rows": rows})
 
 

@@ -29,12 +29,16 @@ def _load(args):
         torch.set_num_threads(args.threads)
     path = _model_path(args.model)
     if getattr(args, "tensor_parallel", False):
+        if getattr(args, "activations", "exact") != "exact":
+            raise ExlError("--activations int8 is not supported with --tensor-parallel (the shards keep "
+                           "the exact path); drop one of the two")
         from .parallel.tensor_parallel import load_model_tp
         model, tok = load_model_tp(path)
         if model.tensor_parallel.rank != 0:      # every rank runs the same job; rank 0 speaks
             sys.stdout = sys.stderr = open(os.devnull, "w")
         return model, tok
-    model, tok = load_model(path, device=args.device, progress=True)
+    model, tok = load_model(path, device=args.device, progress=True,
+                            activations=getattr(args, "activations", "exact"))
     return model, tok
 
 
@@ -59,6 +63,10 @@ def _add_model_args(p):
     p.add_argument("-m", "--model", default=None, help="model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--activations", default="exact", choices=["exact", "int8"],
+                   help="int8: quantized layers multiply batches of <= 8 rows (decode) with activations "
+                        "rounded to int8 per 32 values (faster on CPU, not exact); prompts and perplexity "
+                        "windows stay exact. Default: exact fp32")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard over torch.distributed ranks (launch with torchrun --nproc-per-node N; "
                         "NCCL on GPUs, gloo on CPUs)")

@@ -62,9 +62,29 @@ def lighter_head(head: QuantLinear, kind: str) -> QuantLinear:
     return QuantLinear.from_packed(pw.to(head.w_t.device))
 
 
+ACTIVATION_KINDS = ("exact", "int8")
+
+
+def set_activations(model: Model, kind: str) -> None:
+    """kind "int8": every packed layer (the head too, when packed) asks the qmatmul dispatcher for
+    the int8-activation kernel, which serves small batches (decode) with x rounded to int8 per 32
+    values (exl_core/ops/qmatmul.py); "exact" restores the exact fp32 path."""
+    if kind not in ACTIVATION_KINDS:
+        raise ConfigError(f"activations={kind!r}: expected one of {', '.join(ACTIVATION_KINDS)}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.is_quantized:
+            if kind == "int8":
+                m.packed.meta["activations"] = "int8"
+            else:
+                m.packed.meta.pop("activations", None)
+
+
 def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Optional[torch.dtype] = None,
-                progress: bool = False, head: str = "exact") -> Model:
-    """head: "exact" (as stored, in `dtype`), "bf16" or "int8" for a dense head; see lighter_head."""
+                progress: bool = False, head: str = "exact", activations: str = "exact") -> Model:
+    """head: "exact" (as stored, in `dtype`), "bf16" or "int8" for a dense head; see lighter_head.
+    activations: "exact" or "int8" (see set_activations)."""
+    if activations not in ACTIVATION_KINDS:
+        raise ConfigError(f"activations={activations!r}: expected one of {', '.join(ACTIVATION_KINDS)}")
     device = _as_device(device)
     dtype = dtype or default_dtype(device)
     names = reader.names()
@@ -100,7 +120,9 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
         bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
     model = Model.build(cfg, get, linear, head_layer, dtype, progress=bar)
     share_input_perms(model)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    set_activations(model, activations)
+    return model
 
 
 def share_input_perms(model: Model) -> None:
@@ -120,11 +142,15 @@ def share_input_perms(model: Model) -> None:
 
 
 def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memory=None,
-               progress: bool = False, load_tokenizer: bool = True, head: str = "exact"):
+               progress: bool = False, load_tokenizer: bool = True, head: str = "exact",
+               activations: str = "exact"):
     """Loads a model folder. Returns (Model, Tokenizer) (Tokenizer None when load_tokenizer=False).
 
     `head`: "exact" keeps a dense output layer as stored; "bf16" / "int8" store it in fewer
     bytes for faster decode at a stated logit error (see lighter_head).
+
+    `activations`: "exact" (default) multiplies in fp32; "int8" lets decode-sized batches of
+    quantized layers run with activations rounded to int8 per 32 values (see set_activations).
 
     `max_memory` is accepted for API compatibility (bytes the weights may take); exceeding
     it raises instead of swapping.
@@ -134,7 +160,8 @@ def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memo
         raise ConfigError(f"{p}: model folder not found")
     cfg = load_config(p)
     reader = WeightReader(p)
-    model = build_model(cfg, reader, device=device, dtype=dtype, progress=progress, head=head)
+    model = build_model(cfg, reader, device=device, dtype=dtype, progress=progress, head=head,
+                        activations=activations)
     if max_memory is not None:
         used = sum(b.numel() * b.element_size() for b in model.buffers())
         if used > max_memory:

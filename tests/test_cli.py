@@ -18,6 +18,26 @@ def test_run_default_model_answers_paris(smollm2_dir):
     assert "decode:" in r.stderr and "tokens/s" in r.stderr
 
 
+@pytest.mark.real_model
+def test_run_with_int8_activations_answers_paris(smollm2_dir):
+    r = run_cli("run", "-p", "What is the capital of France?", "--max-new-tokens", "24", "--threads", "2",
+                "--activations", "int8")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_unknown_activations_kind_is_refused():
+    r = run_cli("run", "-p", "hi", "--activations", "fp4")
+    assert r.returncode == 2
+    assert "--activations" in r.stderr and "invalid choice" in r.stderr
+
+
+def test_int8_activations_with_tensor_parallel_is_refused(tmp_path):
+    r = run_cli("run", "-m", str(tmp_path), "-p", "hi", "--tensor-parallel", "--activations", "int8")
+    assert r.returncode == 2
+    assert "--tensor-parallel" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_empty_prompt_is_a_clear_error():
     r = run_cli("run", "-p", "   ")
     assert r.returncode == 2

@@ -2,6 +2,11 @@
 
 Candidates, in priority order (see `ops/dispatch.py`):
   cuda       -- inserted first by ops/cuda_candidates.py (GEMV / mma / dequant+cuBLAS by rows).
+  cpu_int8   -- `exl_core::qmatmul_int8` (csrc/cpu/qmatmul_int8*.cpp), opt-in per weight
+                (`pw.meta["activations"] == "int8"`, set by load_model(activations="int8")) and
+                only for M <= INT8_MAX_M rows (decode): x quantized to int8 per 32-row chunk,
+                integer dot products (AVX-512 VNNI / AVX2 / scalar, bit-identical). Not exact:
+                x is replaced by its int8 rounding.
   cpu_fused  -- `exl_core::qmatmul` C++ op (csrc/cpu/qmatmul*.cpp): fused dequantise + matmul,
                 AVX-512 / AVX2 / scalar picked at run time. Batch invariant: row i of the
                 result is bit-identical whatever the number of rows and their order.
@@ -10,7 +15,8 @@ Candidates, in priority order (see `ops/dispatch.py`):
 
 `qmatmul_many(x, [pw, ...])` (q/k/v, gate/up) has its own dispatcher: `cpu_fused_multi`
 (`exl_core::qmatmul_multi`, one kernel call, bit-identical to one qmatmul per weight) when the
-weights share x's permutation, else `each` (one qmatmul per weight, any device).
+weights share x's permutation, else `each` (one qmatmul per weight, any device); `cpu_int8_multi`
+goes first on the same terms as cpu_int8 (x quantized once for all weights).
 """
 from __future__ import annotations
 
@@ -74,6 +80,21 @@ _OP_DTYPES = (torch.float32, torch.bfloat16)
 _VIA_FP32 = (torch.float16,)   # served by the kernel through an fp32 copy of x (exact widening)
 
 
+def _prep_x(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    if x2.dtype in _VIA_FP32:
+        x2 = x2.to(torch.float32)
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def _as_x(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Kernel output [M, n] back to x's leading shape and dtype (free for 2-D x of a kernel dtype:
+    decode makes ~120 of these calls per token, each microsecond counts)."""
+    if x.dim() == 2 and y.dtype == x.dtype:
+        return y
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
     if not has_op("qmatmul"):
         return "extension exl_core._C not built or has no qmatmul kernel"
@@ -87,21 +108,49 @@ def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
 
 
 def _run_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    x2 = x.reshape(-1, pw.in_features)
-    if x2.dtype in _VIA_FP32:
-        x2 = x2.to(torch.float32)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = torch.ops.exl_core.qmatmul(x2, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features)
+    y = torch.ops.exl_core.qmatmul(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, pw.zero,
+                                   pw.perm, pw.bias)
+    return _as_x(y, x, pw.out_features)
+
+
+# ---------------------------------------------------------------------------- int8 activations
+
+INT8_MAX_M = 8   # rows up to which the int8 path serves (decode); prefill keeps the exact path
+
+
+def wants_int8(pw: PackedWeight) -> bool:
+    return pw.meta.get("activations") == "int8"
+
+
+def _rows(x: torch.Tensor, K: int) -> int:
+    return x.numel() // K if K else 0
+
+
+def _check_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
+    if not wants_int8(pw):
+        return "int8 activations not requested for this weight (load_model(..., activations='int8'))"
+    if not has_op("qmatmul_int8"):
+        return "extension exl_core._C not built with exl_core::qmatmul_int8"
+    m = _rows(x, pw.in_features)
+    if m > INT8_MAX_M:
+        return f"{m} rows > {INT8_MAX_M}: large batches (prefill) keep the exact fp32 kernel"
+    return _check_cpu_fused(x, pw)
+
+
+def _run_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    y = torch.ops.exl_core.qmatmul_int8(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, pw.zero,
+                                        pw.perm, pw.bias)
+    return _as_x(y, x, pw.out_features)
 
 
 def _key(x: torch.Tensor, pw: PackedWeight):
     # everything the checks above read (has_op / extension() are fixed once imported)
-    return x.device, x.dtype, pw.qweight.device, pw.scale.dtype, pw.zero.dtype
+    return (x.device, x.dtype, pw.qweight.device, pw.scale.dtype, pw.zero.dtype, wants_int8(pw),
+            _rows(x, pw.in_features) <= INT8_MAX_M)
 
 
 DISPATCH = Dispatcher("qmatmul", [
+    Candidate("cpu_int8", _check_cpu_int8, _run_cpu_int8),
     Candidate("cpu_fused", _check_cpu_fused, _run_cpu_fused),
     Candidate("torch_ref", _check_torch_ref, _run_torch_ref),
 ], key=_key)
@@ -133,15 +182,29 @@ def _check_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
 
 
 def _run_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
-    x2 = x.reshape(-1, pws[0].in_features)
-    if x2.dtype in _VIA_FP32:
-        x2 = x2.to(torch.float32)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    ys = torch.ops.exl_core.qmatmul_multi(x2, [pw.qweight for pw in pws], [pw.groups for pw in pws],
-                                          [pw.scale for pw in pws], [pw.zero for pw in pws], pws[0].perm,
-                                          [pw.bias for pw in pws])
-    return [y.to(x.dtype).reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
+    ys = torch.ops.exl_core.qmatmul_multi(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws],
+                                          [pw.groups for pw in pws], [pw.scale for pw in pws],
+                                          [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
+    return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
+
+
+def _check_multi_int8(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
+    if not has_op("qmatmul_int8_multi"):
+        return "extension exl_core._C not built with exl_core::qmatmul_int8_multi"
+    for i, pw in enumerate(pws):
+        why = _check_cpu_int8(x, pw)
+        if why is not None:
+            return f"weight {i}: {why}"
+    if any(pw.perm is not pws[0].perm for pw in pws):
+        return "weights have different input permutations (the op permutes x once)"
+    return None
+
+
+def _run_multi_int8(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
+    ys = torch.ops.exl_core.qmatmul_int8_multi(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws],
+                                               [pw.groups for pw in pws], [pw.scale for pw in pws],
+                                               [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
+    return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
 
 
 def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
@@ -150,10 +213,12 @@ def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
     return (x.device, x.dtype,
             tuple((pw.qweight.device, pw.scale.dtype, pw.zero.dtype, pw.out_features % 4,
                    (pw.qweight.data_ptr() | pw.scale.data_ptr() | pw.zero.data_ptr()) % 16) for pw in pws),
-            all(pw.perm is pws[0].perm for pw in pws))
+            all(pw.perm is pws[0].perm for pw in pws),
+            tuple(wants_int8(pw) for pw in pws), _rows(x, pws[0].in_features) <= INT8_MAX_M)
 
 
 DISPATCH_MANY = Dispatcher("qmatmul_many", [
+    Candidate("cpu_int8_multi", _check_multi_int8, _run_multi_int8),
     Candidate("cpu_fused_multi", _check_multi_cpu, _run_multi_cpu),
     Candidate("each", lambda x, pws: None, lambda x, pws: [qmatmul(x, pw) for pw in pws]),
 ], key=_key_multi)
@@ -189,6 +254,17 @@ def _register_fake() -> None:
         @torch.library.register_fake("exl_core::qmatmul_multi")
         def _(x, qweight, groups, scale, zero, perm, bias):
             torch._check(x.dim() == 2, lambda: "qmatmul_multi: x must be 2-D")
+            return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
+
+    if has_op("qmatmul_int8"):
+        @torch.library.register_fake("exl_core::qmatmul_int8")
+        def _(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: "qmatmul_int8: x must be 2-D")
+            return x.new_empty((x.shape[0], qweight.shape[1]))
+
+        @torch.library.register_fake("exl_core::qmatmul_int8_multi")
+        def _(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: "qmatmul_int8_multi: x must be 2-D")
             return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
 
 

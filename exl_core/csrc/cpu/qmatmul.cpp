@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "qmatmul.h"
+#include "qmatmul_prep.h"
 
 namespace exl_cpu {
 
@@ -40,11 +42,8 @@ int cpu_isa_level() {
 
 int set_cpu_isa_cap(int cap) { return g_isa_cap.exchange(cap); }
 
-}  // namespace exl_cpu
-
-namespace {
-
-using exl_cpu::ChunkInfo;
+// Argument checks, x preparation and the panel split, shared with qmatmul_int8.cpp
+// (declared in qmatmul_prep.h).
 
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "exl_core::qmatmul: ", name, " must be a CPU tensor, got ", t.device());
@@ -75,13 +74,6 @@ std::vector<ChunkInfo> chunk_table(const at::Tensor& groups, int64_t K, int64_t 
               q_rows);
   return chunks;
 }
-
-// One weight's checked arguments and output; `a` points into `chunks` and the tensors kept here.
-struct Prepared {
-  std::vector<ChunkInfo> chunks;
-  at::Tensor bias_f, y;
-  exl_cpu::QGemmArgs a;
-};
 
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
@@ -140,7 +132,7 @@ at::Tensor prepare_x(const std::string& who, const at::Tensor& x, const std::opt
 
 // xsum[m, c] = x[m, 32c] + x[m, 32c+1] + ... in this order (plain scalar adds, compiled once for
 // every ISA path: the kernels' quantized partials depend on it bit for bit).
-at::Tensor chunk_sums(const at::Tensor& xf) {
+static at::Tensor chunk_sums(const at::Tensor& xf) {
   const int64_t M = xf.size(0), K = xf.size(1), nch = K / 32;
   at::Tensor out = at::empty({M, nch}, xf.options());
   const float* x = xf.data_ptr<float>();
@@ -157,29 +149,43 @@ at::Tensor chunk_sums(const at::Tensor& xf) {
 
 // All weights share x (and its permutation): one parallel region over the panels of every
 // output, so small projections (q/k/v, gate/up) cost one thread fork, not one each.
+void for_each_panel(const std::vector<Prepared>& ws,
+                    const std::function<void(size_t w, int64_t p0, int64_t p1)>& fn) {
+  std::vector<int64_t> first_panel{0};
+  for (const auto& w : ws)
+    first_panel.push_back(first_panel.back() + (w.a.M > 0 ? (w.a.N + kPanel - 1) / kPanel : 0));
+  if (first_panel.back() == 0) return;
+  at::parallel_for(0, first_panel.back(), 1, [&](int64_t p0, int64_t p1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t lo = std::max(p0, first_panel[i]) - first_panel[i];
+      const int64_t hi = std::min(p1, first_panel[i + 1]) - first_panel[i];
+      if (lo < hi) fn(i, lo, hi);
+    }
+  });
+}
+
+}  // namespace exl_cpu
+
+namespace {
+
+using exl_cpu::Prepared;
+using exl_cpu::check_cpu;
+using exl_cpu::prepare_weight;
+
 std::vector<at::Tensor> qmatmul_many(const std::string& who, const at::Tensor& x, std::vector<Prepared>& ws,
                                      const std::optional<at::Tensor>& perm) {
-  const at::Tensor xf = prepare_x(who, x, perm);
-  const at::Tensor xs = chunk_sums(xf);
-  std::vector<int64_t> first_panel{0};
+  const at::Tensor xf = exl_cpu::prepare_x(who, x, perm);
+  const at::Tensor xs = exl_cpu::chunk_sums(xf);
   for (auto& w : ws) {
     w.a.x = xf.data_ptr<float>();
     w.a.xsum = xs.data_ptr<float>();
-    first_panel.push_back(first_panel.back() + (w.a.M > 0 ? (w.a.N + exl_cpu::kPanel - 1) / exl_cpu::kPanel : 0));
   }
   const int level = exl_cpu::cpu_isa_level();
-  if (first_panel.back() > 0) {
-    at::parallel_for(0, first_panel.back(), 1, [&](int64_t p0, int64_t p1) {
-      for (size_t i = 0; i < ws.size(); ++i) {
-        const int64_t lo = std::max(p0, first_panel[i]) - first_panel[i];
-        const int64_t hi = std::min(p1, first_panel[i + 1]) - first_panel[i];
-        if (lo >= hi) continue;
-        if (level >= 2) exl_cpu::isa_avx512::qgemm(ws[i].a, lo, hi);
-        else if (level == 1) exl_cpu::isa_avx2::qgemm(ws[i].a, lo, hi);
-        else exl_cpu::isa_scalar::qgemm(ws[i].a, lo, hi);
-      }
-    });
-  }
+  exl_cpu::for_each_panel(ws, [&](size_t i, int64_t lo, int64_t hi) {
+    if (level >= 2) exl_cpu::isa_avx512::qgemm(ws[i].a, lo, hi);
+    else if (level == 1) exl_cpu::isa_avx2::qgemm(ws[i].a, lo, hi);
+    else exl_cpu::isa_scalar::qgemm(ws[i].a, lo, hi);
+  });
   std::vector<at::Tensor> out;
   for (auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));
   return out;

@@ -1,0 +1,150 @@
+// Generic body of the int8-activation matmul (qmatmul_int8.h), compiled once per ISA.
+//
+// Not a normal header: an ISA translation unit (qmatmul_int8_avx512.cpp, _avx2.cpp, _scalar.cpp)
+// sets its target, opens its own namespace and defines the trait `I8` (named apart from the
+// fp32 kernels' `V`: the same namespace holds both), then includes this file.  `I8` provides
+// (i = int32 vector, f = float vector, W lanes, one output column per lane):
+//   iload, iloadn(p, n valid lanes; rest 0), srl<S>, sll<S>, and_, or_, iset, izero,
+//   bcast_i(int32), dot<BIG>(acc, w, x): acc + sum over the 4 bytes of u8(w) * s8(x) per lane
+//   (BIG: w bytes may exceed 63, i.e. 8-bit weights), and for floats zero, bcast, load, loadn,
+//   store, storen, mul, add, fma(a,b,c) = a*b+c, fnmadd(a,b,c) = c-a*b, cvt (int -> float).
+//   MRMAX: rows per register block, NVMAX: column vectors per block.
+//
+// Loop order (one thread owns a range of 32-column panels): rows in blocks of MR, K chunks
+// outer, column vectors inner, so each chunk reads its B qweight rows across the thread's
+// columns as sequential streams; y lives in the output (one load + store per chunk).
+
+#define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
+
+static inline int lanes_valid(int64_t n_left) {
+  return n_left <= 0 ? 0 : (n_left >= I8::W ? I8::W : static_cast<int>(n_left));
+}
+
+template <bool FULL>
+static EXL_ALWAYS_INLINE typename I8::i load_word(const int32_t* p, int nv) {
+  if constexpr (FULL) return I8::iload(p);
+  else return I8::iloadn(p, nv);
+}
+
+// Group G (0..7) of the chunk: 4 u8 weights per lane in the byte order int8_order(B) gives x.
+template <int B, int G, bool FULL>
+static EXL_ALWAYS_INLINE typename I8::i group_bytes(const int32_t* q, int64_t N, int nv) {
+  if constexpr (B == 8) {
+    return load_word<FULL>(q + G * N, nv);
+  } else if constexpr (B == 4) {  // low nibbles for even G, high for odd G
+    const typename I8::i w = load_word<FULL>(q + (G / 2) * N, nv);
+    return I8::and_(I8::template srl<(G % 2) * 4>(w), I8::iset(0x0F0F0F0F));
+  } else if constexpr (B == 2) {  // G = 4j + t: word j shifted by 2t
+    const typename I8::i w = load_word<FULL>(q + (G / 4) * N, nv);
+    return I8::and_(I8::template srl<(G % 4) * 2>(w), I8::iset(0x03030303));
+  } else {  // 3/5/6-bit: the 4B-bit field of values 4G..4G+3, value k moved to byte k
+    constexpr int pos = 4 * G * B, wi = pos / 32, off = pos % 32, m = (1 << B) - 1;
+    typename I8::i f = I8::template srl<off>(load_word<FULL>(q + wi * N, nv));
+    if constexpr (off + 4 * B > 32) f = I8::or_(f, I8::template sll<32 - off>(load_word<FULL>(q + (wi + 1) * N, nv)));
+    typename I8::i v = I8::and_(f, I8::iset(m));  // bits above 4B in f are masked off below
+    v = I8::or_(v, I8::and_(I8::template sll<8 - B>(f), I8::iset(m << 8)));
+    v = I8::or_(v, I8::and_(I8::template sll<16 - 2 * B>(f), I8::iset(m << 16)));
+    return I8::or_(v, I8::and_(I8::template sll<24 - 3 * B>(f), I8::iset(m << 24)));
+  }
+}
+
+template <int B, int MR, int NV, bool FULL, int G>
+static EXL_ALWAYS_INLINE void dot_group(const int32_t* q, int64_t N, const int* nv, const int32_t* const* xr,
+                                        typename I8::i (&acc)[MR][NV]) {
+  typename I8::i xb[MR];
+  for (int r = 0; r < MR; ++r) xb[r] = I8::bcast_i(xr[r][G]);
+  for (int j = 0; j < NV; ++j) {
+    const typename I8::i w = group_bytes<B, G, FULL>(q + j * I8::W, N, nv[j]);
+    for (int r = 0; r < MR; ++r) acc[r][j] = I8::template dot<(B > 6)>(acc[r][j], w, xb[r]);
+  }
+}
+
+template <int B, int MR, int NV, bool FULL, int... G>
+static EXL_ALWAYS_INLINE void dot_chunk(const int32_t* q, int64_t N, const int* nv, const int32_t* const* xr,
+                                        typename I8::i (&acc)[MR][NV], std::integer_sequence<int, G...>) {
+  (dot_group<B, MR, NV, FULL, G>(q, N, nv, xr, acc), ...);
+}
+
+// Rows m0..m0+MR, columns n0..n0+ncols (NV vectors; FULL: all lanes valid), chunk c:
+// integer dot products, then t = fma(-(z*s), qsum, d*s) and y = fma(t, sx, y or 0) (+ bias
+// after the last chunk).  The same operations in every ISA (see qmatmul_int8.h).
+template <int B, int MR, int NV, bool FULL>
+static EXL_ALWAYS_INLINE void chunk_block(const QGemmInt8Args& a, int64_t m0, int64_t n0, int64_t ncols, int64_t c) {
+  const int64_t nch = a.x.K / 32, N = a.N;
+  const ChunkInfo ch = a.chunks[c];
+  int nv[NV];
+  for (int j = 0; j < NV; ++j) nv[j] = FULL ? I8::W : lanes_valid(ncols - j * I8::W);
+  const int32_t* xr[MR];
+  const int order = int8_order(B);
+  for (int r = 0; r < MR; ++r) xr[r] = a.x.xq + ((order * a.x.M + m0 + r) * nch + c) * 8;
+  typename I8::i acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
+  dot_chunk<B, MR, NV, FULL>(a.qweight + ch.qrow * N + n0, N, nv, xr, acc, std::make_integer_sequence<int, 8>{});
+
+  const float* srow = a.scale + static_cast<int64_t>(ch.group) * N + n0;
+  const float* zrow = a.zero + static_cast<int64_t>(ch.group) * N + n0;
+  const float* bias = (c + 1 == nch && a.bias) ? a.bias + n0 : nullptr;
+  for (int j = 0; j < NV; ++j) {
+    if (!FULL && nv[j] == 0) continue;
+    const typename I8::f s = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
+    const typename I8::f z = FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]);
+    const typename I8::f zs = I8::mul(z, s);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rc = (m0 + r) * nch + c;
+      const typename I8::f t = I8::fnmadd(zs, I8::bcast(static_cast<float>(a.x.qsum[rc])),
+                                          I8::mul(I8::cvt(acc[r][j]), s));
+      float* yp = a.y + (m0 + r) * a.ldy + n0 + j * I8::W;
+      const typename I8::f y0 = c == 0 ? I8::zero() : (FULL ? I8::load(yp) : I8::loadn(yp, nv[j]));
+      typename I8::f o = I8::fma(t, I8::bcast(a.x.sx[rc]), y0);
+      if (bias) o = I8::add(o, FULL ? I8::load(bias + j * I8::W) : I8::loadn(bias + j * I8::W, nv[j]));
+      if (FULL) I8::store(yp, o);
+      else I8::storen(yp, o, nv[j]);
+    }
+  }
+}
+
+// One chunk across columns [n_begin, n_end): NVMAX-vector blocks, then single vectors, then a
+// masked tail vector.
+template <int B, int MR>
+static void chunk_cols(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end, int64_t c) {
+  int64_t n = n_begin;
+  for (; n + I8::NVMAX * I8::W <= n_end; n += I8::NVMAX * I8::W)
+    chunk_block<B, MR, I8::NVMAX, true>(a, m0, n, I8::NVMAX * I8::W, c);
+  for (; n + I8::W <= n_end; n += I8::W) chunk_block<B, MR, 1, true>(a, m0, n, I8::W, c);
+  if (n < n_end) chunk_block<B, MR, 1, false>(a, m0, n, n_end - n, c);
+}
+
+template <int MR>
+static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end) {
+  const int64_t nch = a.x.K / 32;
+  for (int64_t c = 0; c < nch; ++c) {
+    switch (a.chunks[c].bits) {
+      case 2: chunk_cols<2, MR>(a, m0, n_begin, n_end, c); break;
+      case 3: chunk_cols<3, MR>(a, m0, n_begin, n_end, c); break;
+      case 4: chunk_cols<4, MR>(a, m0, n_begin, n_end, c); break;
+      case 5: chunk_cols<5, MR>(a, m0, n_begin, n_end, c); break;
+      case 6: chunk_cols<6, MR>(a, m0, n_begin, n_end, c); break;
+      default: chunk_cols<8, MR>(a, m0, n_begin, n_end, c); break;  // bits validated by the op
+    }
+  }
+}
+
+template <int... R>
+static void row_tail(int mr, const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end,
+                     std::integer_sequence<int, R...>) {
+  ((mr == R + 1 ? row_block<R + 1>(a, m0, n_begin, n_end) : void()), ...);
+}
+
+void qgemm_int8(const QGemmInt8Args& a, int64_t p0, int64_t p1) {
+  const int64_t n_begin = p0 * kPanel, n_end = p1 * kPanel < a.N ? p1 * kPanel : a.N;
+  if (a.x.K == 0) {  // no chunks: y = bias (or 0)
+    for (int64_t m = 0; m < a.x.M; ++m)
+      for (int64_t n = n_begin; n < n_end; ++n) a.y[m * a.ldy + n] = a.bias ? a.bias[n] : 0.0f;
+    return;
+  }
+  int64_t m = 0;
+  for (; m + I8::MRMAX <= a.x.M; m += I8::MRMAX) row_block<I8::MRMAX>(a, m, n_begin, n_end);
+  if (m < a.x.M)
+    row_tail(static_cast<int>(a.x.M - m), a, m, n_begin, n_end, std::make_integer_sequence<int, I8::MRMAX - 1>{});
+}
