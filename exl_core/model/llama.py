@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.activation import silu_mul
+from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
@@ -163,13 +164,51 @@ class Model(nn.Module):
         if n_pos is None:
             n_pos = int(ctx.positions.max()) + 1 if input_ids.numel() else 1
         cos_sin = self.rope.cos_sin(n_pos)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, ctx, cos_sin)
+        native_kv = getattr(ctx, "native_kv", None)
+        kv = native_kv() if native_kv is not None and self.layers else None
+        h, residual = decoder_layers(h, self._native_stack() if kv is not None else None, kv, cos_sin,
+                                     lambda: self._layers_python(h, ctx, cos_sin))
         h, _ = self.norm(h, residual) if residual is not None else (self.norm(h), None)
         if ctx.logit_rows is not None:
             h = h[ctx.logit_rows]
         return self.lm_head(h).float()
+
+    def _layers_python(self, h, ctx, cos_sin):
+        """The per-op decoder loop: the reference the fused `decoder_layers` op must match bit for bit."""
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, ctx, cos_sin)
+        return h, residual
+
+    def _native_stack(self) -> Optional[NativeStack]:
+        """The layers' weights handed to the fused op, rebuilt whenever a projection, a weight
+        tensor or a LoRA hook changed since the last call (modules may be swapped by set_linear,
+        tensor parallelism or a plain setattr, so each call compares what it would read)."""
+        if self.embed_weight.device.type != "cpu":
+            return None
+        state = [x for blk in self.layers for x in _block_state(blk)]
+        held = self.__dict__.get("_native")
+        if held is not None and len(held[0]) == len(state) and all(a is b for a, b in zip(held[0], state)):
+            return held[1]
+        layers, reason, consts = [], None, None
+        for i, blk in enumerate(self.layers):
+            lw, why = _layer_weights(blk)
+            a, n1, n2 = blk.self_attn, blk.input_layernorm, blk.post_attention_layernorm
+            here = (a.num_heads, a.num_kv_heads, a.head_dim, n1.eps, a.scale, a.window)
+            if why is None and (n2.eps != n1.eps or (consts is not None and here != consts)):
+                why = "norm eps or attention shape/scale/window differ from the other layers (one stack takes one)"
+            if why is not None:
+                reason = f"layer {i}: {why}"
+                break
+            consts = here
+            layers.append(lw)
+        if reason is not None:
+            stack = NativeStack.refused(reason)
+        else:
+            hq, hkv, d, eps, scale, window = consts
+            stack = NativeStack(layers, hq, hkv, d, eps, scale, window, self.dtype)
+        self.__dict__["_native"] = (state, stack)
+        return stack
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, kvs: Optional[list[SequenceKV]] = None) -> torch.Tensor:
@@ -190,3 +229,37 @@ class Model(nn.Module):
         c = self.config
         return SequenceKV.allocate(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim,
                                    self.dtype, self.device)
+
+
+_PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _block_state(blk) -> list:
+    """Every object the fused op's copy of this block depends on (compared by identity)."""
+    m = blk._modules          # direct dict reads: this runs on every decode step
+    out = [m["self_attn"], m["mlp"], m["input_layernorm"]._buffers["weight"],
+           m["post_attention_layernorm"]._buffers["weight"]]
+    for parent, name in _PROJ:
+        lin = m[parent]._modules[name]
+        out.append(lin)
+        out.append(lin.__dict__.get("lora", lin._modules.get("lora")))
+        out.extend(lin._buffers.values())
+    return out
+
+
+def _layer_weights(blk):
+    """(LayerWeights, None) for a block the fused op can run, else (None, reason)."""
+    if type(blk) is not Block or type(blk.self_attn) is not Attention or type(blk.mlp) is not MLP:
+        return None, "block, attention or MLP module is a subclass (custom forward)"
+    if type(blk.input_layernorm) is not RMSNorm or type(blk.post_attention_layernorm) is not RMSNorm:
+        return None, "norm module is a subclass (custom forward)"
+    ws = []
+    for parent, name in _PROJ:
+        lin = getattr(getattr(blk, parent), name)
+        if type(lin) is not QuantLinear:
+            return None, f"{parent}.{name} is {type(lin).__name__}, not a plain QuantLinear (tensor parallel shard?)"
+        if lin.lora is not None:
+            return None, f"{parent}.{name} has a LoRA hook attached"
+        ws.append(lin.packed if lin.is_quantized else DenseWeight(lin.w_t, lin.bias))
+    return LayerWeights(blk.input_layernorm.weight, blk.post_attention_layernorm.weight, tuple(ws)), None
