@@ -7,6 +7,7 @@ which `ModelConfig` carries.
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -186,9 +187,9 @@ class Model(nn.Module):
         tensor parallelism or a plain setattr, so each call compares what it would read)."""
         if self.embed_weight.device.type != "cpu":
             return None
-        state = [x for blk in self.layers for x in _block_state(blk)]
+        state = _stack_state(self.layers)
         held = self.__dict__.get("_native")
-        if held is not None and len(held[0]) == len(state) and all(a is b for a, b in zip(held[0], state)):
+        if held is not None and len(held[0]) == len(state) and all(map(operator.is_, held[0], state)):
             return held[1]
         layers, reason, consts = [], None, None
         for i, blk in enumerate(self.layers):
@@ -235,17 +236,30 @@ _PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj
          ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
-def _block_state(blk) -> list:
-    """Every object the fused op's copy of this block depends on (compared by identity)."""
-    m = blk._modules          # direct dict reads: this runs on every decode step
-    out = [m["self_attn"], m["mlp"], m["input_layernorm"]._buffers["weight"],
-           m["post_attention_layernorm"]._buffers["weight"]]
-    for parent, name in _PROJ:
-        lin = m[parent]._modules[name]
-        out.append(lin)
-        out.append(lin.__dict__.get("lora", lin._modules.get("lora")))
-        out.extend(lin._buffers.values())
-    return out
+_NO_LORA = object()
+
+
+_LORA = operator.methodcaller("get", "lora", _NO_LORA)
+_BUFS = operator.attrgetter("_buffers")
+_WEIGHT_BUFS = tuple(operator.methodcaller("get", n) for n in ("_pk_qweight", "w_t"))
+
+
+def _stack_state(layers) -> list:
+    """The objects the fused op's copy of the layers depends on, compared by identity on every
+    step: norm weights and, per projection, the module, its LoRA slot and its weight buffers
+    (.to() and set_packed replace them). Reads the module dicts with C-level map() calls:
+    nn.Module.__getattr__ per object would cost more than the layers' host work it saves."""
+    lins, norms = [], []
+    for blk in layers:
+        m = blk._modules
+        lins += m["self_attn"]._modules.values()
+        lins += m["mlp"]._modules.values()
+        norms += (m["input_layernorm"]._buffers["weight"], m["post_attention_layernorm"]._buffers["weight"])
+    bufs = list(map(_BUFS, lins))
+    state = [*lins, *norms, *map(_LORA, map(vars, lins))]
+    for get in _WEIGHT_BUFS:
+        state += map(get, bufs)
+    return state
 
 
 def _layer_weights(blk):
