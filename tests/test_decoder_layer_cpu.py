@@ -183,6 +183,11 @@ def test_stack_rejects_bad_input(tiny_dense):
     with pytest.raises(RuntimeError, match="k and"):
         stack.obj.forward(h, None, kv.positions, cs, kv.slots, kv.block_table, kv.cu_seqlens, kv.seq_lens_k,
                           list(kv.k)[:1], list(kv.v))
+    bad = kv.slots.clone()
+    bad[1] = kv.k[0].shape[0] * kv.k[0].shape[1]      # one past the pool
+    with pytest.raises(RuntimeError, match="outside the page pool"):
+        stack.obj.forward(h, None, kv.positions, cs, bad, kv.block_table, kv.cu_seqlens, kv.seq_lens_k,
+                          list(kv.k), list(kv.v))
     with pytest.raises(RuntimeError, match="slots"):
         stack.obj.forward(h, None, kv.positions, cs, kv.slots[:2], kv.block_table, kv.cu_seqlens, kv.seq_lens_k,
                           list(kv.k), list(kv.v))

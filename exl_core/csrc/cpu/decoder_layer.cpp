@@ -14,6 +14,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,26 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
   return out;
 }
 
+// K/V rows of the new tokens into their page slots: ops.attention.write_kv's index_copy_, as a
+// plain row copy when the dtypes match (same bytes; index_copy_ costs ~5 us a call here).
+// src (T, Hkv, D); pages (P, page_size, Hkv, D) contiguous; slots int64 [T].
+void write_pages(at::Tensor& pages, const at::Tensor& src, const at::Tensor& slots, int64_t layer) {
+  const int64_t row = pages.size(2) * pages.size(3), n_slots = pages.size(0) * pages.size(1);
+  if (src.scalar_type() != pages.scalar_type() || !src.is_contiguous()) {
+    pages.view({n_slots, pages.size(2), pages.size(3)}).index_copy_(0, slots, src.to(pages.scalar_type()));
+    return;
+  }
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const size_t bytes = (size_t)row * src.element_size();
+  char* dst = static_cast<char*>(pages.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  for (int64_t t = 0; t < src.size(0); ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < n_slots, "exl_core.DecoderStack: layer ", layer, ": slot ", sl[t],
+                " of token ", t, " outside the page pool's ", n_slots, " slots");
+    std::memcpy(dst + sl[t] * bytes, from + t * bytes, bytes);
+  }
+}
+
 class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window)
@@ -122,8 +143,8 @@ class DecoderStack : public torch::CustomClassHolder {
                 " v cache tensors");
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "exl_core.DecoderStack: h must be a contiguous (T, hidden) tensor");
     const int64_t t = h.size(0);
-    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong,
-                "exl_core.DecoderStack: slots must be int64 [T=", t, "]");
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+                "exl_core.DecoderStack: slots must be contiguous int64 [T=", t, "]");
     at::Tensor res = residual.has_value() ? *residual : at::Tensor();
     for (int64_t i = 0; i < L; ++i) {
       const Layer& ly = layers_[i];
@@ -143,8 +164,8 @@ class DecoderStack : public torch::CustomClassHolder {
                       kc.is_contiguous() && vc.is_contiguous(),
                   "exl_core.DecoderStack: layer ", i, " K/V pages must be contiguous (pages, page_size, ", hkv_, ", ",
                   d_, "), got ", kc.sizes(), " / ", vc.sizes());
-      kc.view({-1, hkv_, d_}).index_copy_(0, slots, k.to(kc.scalar_type()));   // as ops.attention.write_kv
-      vc.view({-1, hkv_, d_}).index_copy_(0, slots, v.to(vc.scalar_type()));
+      write_pages(kc, k, slots, i);
+      write_pages(vc, v, slots, i);
       const at::Tensor o = kops::paged_attention(q, kc, vc, block_table, cu_seqlens, seq_lens_k, scale_, window_);
       const at::Tensor a = linears(o.reshape({t, hq_ * d_}), {&ly.o}, linear_kernel_)[0];
       std::tie(x, res) = kops::rms_norm_residual(a, res, ly.post_norm, eps_);
