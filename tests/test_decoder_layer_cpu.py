@@ -204,3 +204,17 @@ def test_smollm2_bit_identical(smollm2_dir, tmp_path, monkeypatch, fmt):
         quantize_model_rtn(smollm2_dir, folder, fmt=fmt, bits=4, group_size=128 if fmt == "gptq" else 32)
     model, _ = load_model(folder, load_tokenizer=False)
     _assert_fused_equals_python(model, monkeypatch, lens=(4, 37, 70), steps=3, page_size=32)
+
+
+def test_replaced_weights_reach_the_stack(tiny_dense, tmp_path, monkeypatch):
+    """A weight tensor swapped after the stack was built (buffer assignment, set_packed, a new
+    module) is what the next fused pass uses: it matches the Python path and differs from before."""
+    from exl_core.model.linear import QuantLinear
+    model, _ = load_model(tiny_dense, load_tokenizer=False)
+    prompts = _prompts(model.config.vocab_size, (6, 11))
+    before = _decode_logits(model, prompts, 1)
+    down = model.layers[1].mlp.down_proj
+    down.w_t = down.w_t * 0.5                                              # buffer assignment
+    model.layers[0].self_attn.v_proj = QuantLinear.from_dense(torch.randn(128, 256) * 0.1)  # new module
+    _assert_fused_equals_python(model, monkeypatch, lens=(6, 11), steps=1)
+    assert not torch.equal(_decode_logits(model, prompts, 1)[0], before[0])

@@ -182,15 +182,29 @@ class Model(nn.Module):
         return h, residual
 
     def _native_stack(self) -> Optional[NativeStack]:
-        """The layers' weights handed to the fused op, rebuilt whenever a projection, a weight
-        tensor or a LoRA hook changed since the last call (modules may be swapped by set_linear,
-        tensor parallelism or a plain setattr, so each call compares what it would read)."""
+        """The layers' weights handed to the fused op, rebuilt when they may have changed: after
+        any module or buffer (re)registration anywhere (set_linear, tensor-parallel shards,
+        set_packed, LoRA merges: global torch hooks bump _WEIGHTS_VERSION), after .to()/.half() of
+        the model, or when a LoRA hook sits in a projection's slot (checked every call: plain
+        attributes have no hook)."""
         if self.embed_weight.device.type != "cpu":
             return None
-        state = _stack_state(self.layers)
         held = self.__dict__.get("_native")
-        if held is not None and len(held[0]) == len(state) and all(map(operator.is_, held[0], state)):
-            return held[1]
+        if held is None or held[0] != _WEIGHTS_VERSION[0]:
+            held = (_WEIGHTS_VERSION[0], self._build_native_stack())
+            self.__dict__["_native"] = held
+        stack = held[1]
+        if any(map(_HAS_LORA, stack.lora_slots)):
+            i = next(i for i, d in enumerate(stack.lora_slots) if d.get("lora") is not None)
+            p, n = _PROJ[i % len(_PROJ)]
+            return NativeStack.refused(f"layer {i // len(_PROJ)}: {p}.{n} has a LoRA hook attached")
+        return stack
+
+    def _apply(self, fn, recurse=True):
+        _WEIGHTS_VERSION[0] += 1     # .to()/.half()/.float() replace every weight tensor
+        return super()._apply(fn, recurse)
+
+    def _build_native_stack(self) -> NativeStack:
         layers, reason, consts = [], None, None
         for i, blk in enumerate(self.layers):
             lw, why = _layer_weights(blk)
@@ -204,11 +218,10 @@ class Model(nn.Module):
             consts = here
             layers.append(lw)
         if reason is not None:
-            stack = NativeStack.refused(reason)
-        else:
-            hq, hkv, d, eps, scale, window = consts
-            stack = NativeStack(layers, hq, hkv, d, eps, scale, window, self.dtype)
-        self.__dict__["_native"] = (state, stack)
+            return NativeStack.refused(reason)
+        hq, hkv, d, eps, scale, window = consts
+        stack = NativeStack(layers, hq, hkv, d, eps, scale, window, self.dtype)
+        stack.lora_slots = [vars(getattr(getattr(blk, p), n)) for blk in self.layers for p, n in _PROJ]
         return stack
 
     @torch.inference_mode()
@@ -236,30 +249,19 @@ _PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj
          ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
-_NO_LORA = object()
+# Bumped whenever any nn.Module registers a submodule or a buffer (assignment included), so a
+# model can tell its fused stack may hold replaced weights without walking its layers per step.
+_WEIGHTS_VERSION = [0]
 
 
-_LORA = operator.methodcaller("get", "lora", _NO_LORA)
-_BUFS = operator.attrgetter("_buffers")
-_WEIGHT_BUFS = tuple(operator.methodcaller("get", n) for n in ("_pk_qweight", "w_t"))
+def _bump_weights_version(*_):
+    _WEIGHTS_VERSION[0] += 1      # returns None: the registration itself is unchanged
 
 
-def _stack_state(layers) -> list:
-    """The objects the fused op's copy of the layers depends on, compared by identity on every
-    step: norm weights and, per projection, the module, its LoRA slot and its weight buffers
-    (.to() and set_packed replace them). Reads the module dicts with C-level map() calls:
-    nn.Module.__getattr__ per object would cost more than the layers' host work it saves."""
-    lins, norms = [], []
-    for blk in layers:
-        m = blk._modules
-        lins += m["self_attn"]._modules.values()
-        lins += m["mlp"]._modules.values()
-        norms += (m["input_layernorm"]._buffers["weight"], m["post_attention_layernorm"]._buffers["weight"])
-    bufs = list(map(_BUFS, lins))
-    state = [*lins, *norms, *map(_LORA, map(vars, lins))]
-    for get in _WEIGHT_BUFS:
-        state += map(get, bufs)
-    return state
+torch.nn.modules.module.register_module_module_registration_hook(_bump_weights_version)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump_weights_version)
+# QuantLinear keeps .lora in its __dict__ (an nn.Module there would be registered: version bump)
+_HAS_LORA = operator.methodcaller("get", "lora")
 
 
 def _layer_weights(blk):

@@ -62,6 +62,7 @@ class NativeStack:
                  eps: float, scale: float, window: Optional[int], dtype: torch.dtype):
         self.dtype = dtype
         self.num_layers = len(layers)
+        self.lora_slots: list = []     # projections' __dict__s whose .lora the caller re-checks (model/llama.py)
         self.obj = None
         self.reason = _weights_reason(layers, num_heads, num_kv_heads, head_dim, dtype)
         if self.reason is None:
@@ -81,7 +82,7 @@ class NativeStack:
     def refused(cls, reason: str) -> "NativeStack":
         """A stack the caller already knows the fused op cannot run (the reason says why)."""
         self = cls.__new__(cls)
-        self.dtype, self.num_layers, self.obj, self.reason = None, 0, None, reason
+        self.dtype, self.num_layers, self.obj, self.reason, self.lora_slots = None, 0, None, reason, []
         return self
 
 
