@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -128,6 +129,7 @@ def main():
     ap.add_argument("--llamacpp-python", default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--formats", default="dense,gptq,exl2")
+    ap.add_argument("--name", default="cpu_decode", help="results file bench/results/NAME.json")
     ap.add_argument("--head", default="int8", choices=["exact", "bf16", "int8"],
                     help="output layer of the quantized rows (the dense row keeps the exact fp32 head)")
     args = ap.parse_args()
@@ -167,8 +169,9 @@ def main():
     cols = ["engine", "prompt_tok_s", "decode_tok_s"] + sorted({k for r in rows for k in r if "_x_" in k})
     print()
     print_table(rows, cols)
-    write_results("cpu_decode", {"threads": args.threads, "new_tokens": args.new_tokens, "head": args.head,
-                                 "prompt_tokens": args.prompt_tokens, "rows": rows})
+    write_results(args.name, {"threads": args.threads, "new_tokens": args.new_tokens, "head": args.head,
+                              "force_kernel": os.environ.get("EXL_CORE_FORCE_KERNEL", ""),
+                              "prompt_tokens": args.prompt_tokens, "rows": rows})
 
 
 if __name__ == "__main__":
