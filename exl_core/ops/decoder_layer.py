@@ -170,11 +170,11 @@ def _run_cpu(h, stack, kv, cos_sin, fallback):
 
 
 def _key(h, stack, kv, cos_sin, fallback):
-    # everything _check_cpu reads; the switch state is part of Dispatcher's own cache state
+    # everything _check_cpu reads (stack identity is not: equal fields mean an equal answer)
     if stack is None or kv is None or not kv.k:
         return (stack is None, kv is None)
     c = kv.k[0]
-    return (id(stack), stack.reason, h.device, h.dtype, h.dim(), len(kv.k), c.device, c.dtype,
+    return (stack.reason, stack.dtype, stack.num_layers, h.device, h.dtype, h.dim(), len(kv.k), c.device, c.dtype,
             kv.block_table.dtype, kv.cu_seqlens.dtype, kv.seq_lens_k.dtype, kv.positions.dtype,
             _switch_reason())
 
