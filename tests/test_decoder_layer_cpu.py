@@ -188,6 +188,10 @@ def test_stack_rejects_bad_input(tiny_dense):
     with pytest.raises(RuntimeError, match="outside the page pool"):
         stack.obj.forward(h, None, kv.positions, cs, bad, kv.block_table, kv.cu_seqlens, kv.seq_lens_k,
                           list(kv.k), list(kv.v))
+    from exl_core.errors import KernelError
+    bad_kv = decoder_layer.PagedKV(kv.positions, bad, kv.block_table, kv.cu_seqlens, kv.seq_lens_k, kv.k, kv.v)
+    with pytest.raises(KernelError, match="outside the page pool"):
+        decoder_layer.decoder_layers(h, stack, bad_kv, cs, fallback=None)
     with pytest.raises(RuntimeError, match="slots"):
         stack.obj.forward(h, None, kv.positions, cs, kv.slots[:2], kv.block_table, kv.cu_seqlens, kv.seq_lens_k,
                           list(kv.k), list(kv.v))

@@ -20,6 +20,7 @@ import torch
 from ..formats.packed import PackedWeight
 from . import dispatch
 from .attention import SUPPORTED_HEAD_DIMS
+from ..errors import KernelError
 from .dispatch import Candidate, Dispatcher, extension
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -165,8 +166,11 @@ def _check_cpu(h, stack, kv, cos_sin, fallback) -> Optional[str]:
 
 
 def _run_cpu(h, stack, kv, cos_sin, fallback):
-    return tuple(stack.obj.forward(h, None, kv.positions, cos_sin, kv.slots, kv.block_table, kv.cu_seqlens,
-                                   kv.seq_lens_k, list(kv.k), list(kv.v)))
+    try:
+        return tuple(stack.obj.forward(h, None, kv.positions, cos_sin, kv.slots, kv.block_table, kv.cu_seqlens,
+                                       kv.seq_lens_k, list(kv.k), list(kv.v)))
+    except RuntimeError as e:    # a C++ argument check (bad slot, page, shape): name the op, keep the text
+        raise KernelError(f"decoder_layers (exl_core.DecoderStack): {e}") from e
 
 
 def _key(h, stack, kv, cos_sin, fallback):
