@@ -222,3 +222,23 @@ def test_replaced_weights_reach_the_stack(tiny_dense, tmp_path, monkeypatch):
     model.layers[0].self_attn.v_proj = QuantLinear.from_dense(torch.randn(128, 256) * 0.1)  # new module
     _assert_fused_equals_python(model, monkeypatch, lens=(6, 11), steps=1)
     assert not torch.equal(_decode_logits(model, prompts, 1)[0], before[0])
+
+
+@pytest.fixture
+def isa_level(request):
+    """Caps every CPU kernel's vector ISA (0 scalar, 1 AVX2, 2 AVX-512) for one test."""
+    ops = torch.ops.exl_core
+    prev_simd = ops.cpu_isa_limit(-1)
+    ops.matmul_isa(request.param)
+    ops.cpu_isa_limit(request.param)
+    yield request.param
+    ops.matmul_isa(2)                 # the default cap (as tests/test_dense_matmul.py restores it)
+    ops.cpu_isa_limit(prev_simd)
+
+
+@pytest.mark.parametrize("isa_level", [0, 1], indirect=True, ids=["scalar", "avx2"])
+def test_tiny_gptq_bit_identical_on_lower_isa(tiny_dense, tmp_path, monkeypatch, isa_level):
+    dst = tmp_path / "gptq"
+    quantize_model_rtn(tiny_dense, dst, fmt="gptq", bits=4, group_size=32, act_order=True)
+    model, _ = load_model(dst, load_tokenizer=False)
+    _assert_fused_equals_python(model, monkeypatch, lens=(5, 19), steps=2)
