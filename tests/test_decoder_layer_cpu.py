@@ -154,6 +154,12 @@ def test_refusals(tiny_dense, monkeypatch):
     monkeypatch.setitem(dispatch._FORCED, "rms_norm", "torch_ref")
     assert "rms_norm" in _reasons(model)["cpu_layer"]
     monkeypatch.delitem(dispatch._FORCED, "rms_norm")
+    # a hook already there when the stack is first built: refused, then served once it is gone
+    fresh, _ = load_model(tiny_dense, load_tokenizer=False)
+    fresh.layers[2].self_attn.q_proj.lora = lambda x, y: y
+    assert "layer 2: self_attn.q_proj has a LoRA hook" in _reasons(fresh)["cpu_layer"]
+    fresh.layers[2].self_attn.q_proj.lora = None
+    assert _reasons(fresh)["cpu_layer"] is None
     # float16 models: the per-op kernels do not serve them either
     model16, _ = load_model(tiny_dense, load_tokenizer=False, dtype=torch.float16)
     assert "float16" in _reasons(model16)["cpu_layer"]

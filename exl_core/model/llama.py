@@ -265,7 +265,9 @@ _HAS_LORA = operator.methodcaller("get", "lora")
 
 
 def _layer_weights(blk):
-    """(LayerWeights, None) for a block the fused op can run, else (None, reason)."""
+    """(LayerWeights, None) for a block the fused op can run, else (None, reason). LoRA hooks are
+    not looked at here: Model._native_stack checks them on every call (they come and go without
+    any registration)."""
     if type(blk) is not Block or type(blk.self_attn) is not Attention or type(blk.mlp) is not MLP:
         return None, "block, attention or MLP module is a subclass (custom forward)"
     if type(blk.input_layernorm) is not RMSNorm or type(blk.post_attention_layernorm) is not RMSNorm:
@@ -275,7 +277,5 @@ def _layer_weights(blk):
         lin = getattr(getattr(blk, parent), name)
         if type(lin) is not QuantLinear:
             return None, f"{parent}.{name} is {type(lin).__name__}, not a plain QuantLinear (tensor parallel shard?)"
-        if lin.lora is not None:
-            return None, f"{parent}.{name} has a LoRA hook attached"
         ws.append(lin.packed if lin.is_quantized else DenseWeight(lin.w_t, lin.bias))
     return LayerWeights(blk.input_layernorm.weight, blk.post_attention_layernorm.weight, tuple(ws)), None
