@@ -7,6 +7,10 @@ Candidates (see `ops/dispatch.py`):
                 Serves CPU tensors in float32/bfloat16 over a paged cache.
   python     -- the caller's own per-op loop (`fallback`), the reference; serves anything.
 
+Every projection inside the C++ op goes through one helper (`linears` in decoder_layer.cpp), chosen
+by `DecoderStack.set_linear_kernel(k)`: the switch for plugging in another matmul kernel (an
+int8-activation one) without touching the layer sequence.
+
 The ops layer knows no modules: the model hands over plain weights (`LayerWeights`) once, gets a
 `NativeStack` back, and calls `decoder_layers` per forward pass with the paged K/V tensors.
 """

@@ -4,11 +4,12 @@
 // the same C++ functions (kernels.h), so the results are bit-identical to it:
 //
 //   x, res = rms_norm(h) / rms_norm_residual(h, res)      q, k, v = linears(x, {q, k, v})
-//   q, k = rope(q, k)   K/V -> pages (index_copy_)        o = paged_attention(q, pages)
+//   q, k = rope(q, k)   k, v rows -> their page slots     o = paged_attention(q, pages)
 //   a = linears(o, {o_proj})   x, res = rms_norm_residual(a, res)
 //   g, u = linears(x, {gate, up})   h = linears(silu_mul(g, u), {down})
 //
 // What it saves is the host work between kernels: ~10 Python dispatcher calls per layer.
+// Every projection goes through `linears`, the one place another matmul kernel plugs in.
 // Shapes: h, res (T, hidden); q (T, Hq, D); k, v (T, Hkv, D); K/V pages (P, page_size, Hkv, D).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
