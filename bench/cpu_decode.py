@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -128,7 +129,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--llamacpp-python", default=None)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--out", default="cpu_decode", help="results name (bench/results/NAME.json)")
+    ap.add_argument("--out", "--name", dest="out", default="cpu_decode",
+                    help="results name (bench/results/NAME.json)")
     ap.add_argument("--formats", default="dense,gptq,exl2,gptq-int8,exl2-int8",
                     help="rows; NAME-int8 = that format with activations='int8'")
     ap.add_argument("--head", default="int8", choices=["exact", "bf16", "int8"],
@@ -173,7 +175,8 @@ def main():
     print()
     print_table(rows, cols)
     write_results(args.out, {"threads": args.threads, "new_tokens": args.new_tokens, "head": args.head,
-                                 "prompt_tokens": args.prompt_tokens, "rows": rows})
+                             "force_kernel": os.environ.get("EXL_CORE_FORCE_KERNEL", ""),
+                             "prompt_tokens": args.prompt_tokens, "rows": rows})
 
 
 if __name__ == "__main__":

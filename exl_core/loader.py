@@ -19,7 +19,7 @@ from .errors import ConfigError, FormatError
 from .formats.base import detect_format
 from .formats.safetensors_io import WeightReader
 from .model.linear import QuantLinear
-from .model.llama import Model
+from .model.llama import Model, invalidate_native_stacks
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -77,6 +77,7 @@ def set_activations(model: Model, kind: str) -> None:
                 m.packed.meta["activations"] = "int8"
             else:
                 m.packed.meta.pop("activations", None)
+    invalidate_native_stacks()          # the fused decoder stack copies the choice per weight
 
 
 def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Optional[torch.dtype] = None,

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CacheFullError, InputError
 from ..ops.attention import paged_attention, write_kv
+from ..ops.decoder_layer import PagedKV
 from .pages import PagePool, PageTable
 from .prefix import PrefixIndex, page_keys
 from .sizing import bytes_per_token, num_pages_for
@@ -175,6 +176,14 @@ class PagedContext:
         self.seq_lens_k = torch.tensor([s + n for s, n in zip(starts, new_lens)], dtype=torch.int64, device=dev)
         self.logit_rows = logit_rows.to(dev) if logit_rows is not None else None
         self.max_q_len = max(new_lens, default=0)
+
+    def native_kv(self) -> Optional[PagedKV]:
+        """The tensors a fused decoder op needs to do what `attend` does, or None when a subclass
+        changed `attend` (the fused op would skip that change)."""
+        if type(self).attend is not PagedContext.attend:
+            return None
+        return PagedKV(self.positions, self.slots, self.block_table, self.cu_seqlens, self.seq_lens_k,
+                       self.cache.k, self.cache.v)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: Optional[int]) -> torch.Tensor:

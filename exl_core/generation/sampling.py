@@ -486,6 +486,41 @@ def _uniform(rng: Optional[torch.Generator]) -> float:
     return float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device))
 
 
+def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """sample_batch's result for the common decode case, every row greedy with no bias, ban or
+    penalty (steps 1-3 change nothing), or None. Same checks and same answer as the general
+    path without its float64 copy of the logits: argmax of the exactly widened values is the
+    argmax of the originals (first max on ties either way), and one max serves the NaN/+inf
+    check, the all -inf check and the logprob."""
+    if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.dtype == torch.float32):
+        return None
+    B, V = logits.shape
+    if V == 0:
+        return None
+    one = isinstance(settings, SamplerSettings)
+    distinct = [settings] if one else list({id(s): s for s in settings}.values())
+    if (not one and len(settings) != B) or not all(
+            isinstance(s, SamplerSettings) and s.is_greedy and not s.logit_bias and not s.banned_tokens
+            and not s.uses_history for s in distinct):
+        return None
+    for arg in (histories, rngs, prompt_lens):
+        if arg is not None and len(arg) != B:
+            return None           # the general path raises the right error
+    for s in distinct:
+        s.validate(V)
+    m = logits.amax(dim=1, keepdim=True)                 # [B, 1]
+    if bool(torch.isnan(m).any() | torch.isposinf(m).any()):
+        raise InputError("logits contain NaN or +inf; the model output is corrupt")
+    alive = m > -math.inf
+    if not bool(alive.all()):
+        b = int((~alive[:, 0]).nonzero()[0])
+        raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
+                           "(check banned_tokens / logit_bias)")
+    ids = logits.argmax(dim=1)
+    lse = m + (logits - m).exp_().sum(dim=1, keepdim=True).log_()     # _lse with the max known
+    return ids, (logits.gather(1, ids[:, None]) - lse).squeeze(1)
+
+
 def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
                  histories: Optional[Sequence[History]] = None,
                  rngs: Optional[Sequence[Optional[torch.Generator]]] = None,
@@ -496,6 +531,9 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
     nothing. A seeded row is therefore reproducible whatever else shares the batch. The
     logprob is the model's own log-softmax of the chosen token (before any sampling
     transform), the same scale as `top_logprobs`."""
+    fast = _plain_greedy(logits, settings, histories, rngs, prompt_lens)
+    if fast is not None:
+        return fast
     x, greedy = _prepare(logits, settings, histories, prompt_lens)
     B = x.shape[0]
     rngs = [None] * B if rngs is None else list(rngs)

@@ -29,6 +29,10 @@ class ForwardContext(Protocol):
         tokens when given), return (T, Hq, D)."""
         ...
 
+    # Optional: `native_kv() -> Optional[ops.decoder_layer.PagedKV]`, the paged tensors that let
+    # the fused CPU decoder op (ops/decoder_layer.py) do `attend`'s work itself; contexts without
+    # it (or returning None) always run the per-layer Python path.
+
 
 @dataclass
 class SequenceKV:

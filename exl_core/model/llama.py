@@ -7,6 +7,7 @@ which `ModelConfig` carries.
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.activation import silu_mul
+from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
@@ -163,13 +165,64 @@ class Model(nn.Module):
         if n_pos is None:
             n_pos = int(ctx.positions.max()) + 1 if input_ids.numel() else 1
         cos_sin = self.rope.cos_sin(n_pos)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, ctx, cos_sin)
+        native_kv = getattr(ctx, "native_kv", None)
+        kv = native_kv() if native_kv is not None and self.layers else None
+        h, residual = decoder_layers(h, self._native_stack() if kv is not None else None, kv, cos_sin,
+                                     lambda: self._layers_python(h, ctx, cos_sin))
         h, _ = self.norm(h, residual) if residual is not None else (self.norm(h), None)
         if ctx.logit_rows is not None:
             h = h[ctx.logit_rows]
         return self.lm_head(h).float()
+
+    def _layers_python(self, h, ctx, cos_sin):
+        """The per-op decoder loop: the reference the fused `decoder_layers` op must match bit for bit."""
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, ctx, cos_sin)
+        return h, residual
+
+    def _native_stack(self) -> Optional[NativeStack]:
+        """The layers' weights handed to the fused op, rebuilt when they may have changed: after
+        any module or buffer (re)registration anywhere (set_linear, tensor-parallel shards,
+        set_packed, LoRA merges: global torch hooks bump _WEIGHTS_VERSION), after .to()/.half() of
+        the model, or when a LoRA hook sits in a projection's slot (checked every call: plain
+        attributes have no hook)."""
+        if self.embed_weight.device.type != "cpu":
+            return None
+        held = self.__dict__.get("_native")
+        if held is None or held[0] != _WEIGHTS_VERSION[0]:
+            held = (_WEIGHTS_VERSION[0], self._build_native_stack())
+            self.__dict__["_native"] = held
+        stack = held[1]
+        if any(map(_HAS_LORA, stack.lora_slots)):
+            i = next(i for i, d in enumerate(stack.lora_slots) if d.get("lora") is not None)
+            p, n = _PROJ[i % len(_PROJ)]
+            return NativeStack.refused(f"layer {i // len(_PROJ)}: {p}.{n} has a LoRA hook attached")
+        return stack
+
+    def _apply(self, fn, recurse=True):
+        _WEIGHTS_VERSION[0] += 1     # .to()/.half()/.float() replace every weight tensor
+        return super()._apply(fn, recurse)
+
+    def _build_native_stack(self) -> NativeStack:
+        layers, reason, consts = [], None, None
+        for i, blk in enumerate(self.layers):
+            lw, why = _layer_weights(blk)
+            a, n1, n2 = blk.self_attn, blk.input_layernorm, blk.post_attention_layernorm
+            here = (a.num_heads, a.num_kv_heads, a.head_dim, n1.eps, a.scale, a.window)
+            if why is None and (n2.eps != n1.eps or (consts is not None and here != consts)):
+                why = "norm eps or attention shape/scale/window differ from the other layers (one stack takes one)"
+            if why is not None:
+                reason = f"layer {i}: {why}"
+                break
+            consts = here
+            layers.append(lw)
+        if reason is not None:
+            return NativeStack.refused(reason)
+        hq, hkv, d, eps, scale, window = consts
+        stack = NativeStack(layers, hq, hkv, d, eps, scale, window, self.dtype)
+        stack.lora_slots = [vars(getattr(getattr(blk, p), n)) for blk in self.layers for p, n in _PROJ]
+        return stack
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, kvs: Optional[list[SequenceKV]] = None) -> torch.Tensor:
@@ -190,3 +243,45 @@ class Model(nn.Module):
         c = self.config
         return SequenceKV.allocate(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim,
                                    self.dtype, self.device)
+
+
+_PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+# Bumped whenever any nn.Module registers a submodule or a buffer (assignment included), so a
+# model can tell its fused stack may hold replaced weights without walking its layers per step.
+_WEIGHTS_VERSION = [0]
+
+
+def _bump_weights_version(*_):
+    _WEIGHTS_VERSION[0] += 1      # returns None: the registration itself is unchanged
+
+
+def invalidate_native_stacks() -> None:
+    """Say that packed weights changed in a way no registration shows (e.g. their kernel options
+    in `PackedWeight.meta`): every model rebuilds its fused stack on its next forward."""
+    _bump_weights_version()
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_bump_weights_version)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump_weights_version)
+# QuantLinear keeps .lora in its __dict__ (an nn.Module there would be registered: version bump)
+_HAS_LORA = operator.methodcaller("get", "lora")
+
+
+def _layer_weights(blk):
+    """(LayerWeights, None) for a block the fused op can run, else (None, reason). LoRA hooks are
+    not looked at here: Model._native_stack checks them on every call (they come and go without
+    any registration)."""
+    if type(blk) is not Block or type(blk.self_attn) is not Attention or type(blk.mlp) is not MLP:
+        return None, "block, attention or MLP module is a subclass (custom forward)"
+    if type(blk.input_layernorm) is not RMSNorm or type(blk.post_attention_layernorm) is not RMSNorm:
+        return None, "norm module is a subclass (custom forward)"
+    ws = []
+    for parent, name in _PROJ:
+        lin = getattr(getattr(blk, parent), name)
+        if type(lin) is not QuantLinear:
+            return None, f"{parent}.{name} is {type(lin).__name__}, not a plain QuantLinear (tensor parallel shard?)"
+        ws.append(lin.packed if lin.is_quantized else DenseWeight(lin.w_t, lin.bias))
+    return LayerWeights(blk.input_layernorm.weight, blk.post_attention_layernorm.weight, tuple(ws)), None

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd_util.h"
+#include "kernels.h"
 
 namespace {
 
@@ -70,6 +71,10 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry point (kernels.h)
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) { return silu_mul_cpu(gate, up); }
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) { m.def("silu_mul(Tensor gate, Tensor up) -> Tensor"); }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "simd_util.h"
+#include "kernels.h"
 
 namespace {
 
@@ -290,6 +291,14 @@ int64_t cpu_isa_limit(int64_t level) {
 int64_t cpu_isa_op() { return exl_cpu::cpu_isa(); }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry point (kernels.h)
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                           const at::Tensor& seq_lens_k, double scale, int64_t window) {
+  return paged_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window);
+}
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("cpu_isa_limit(int level) -> int", &cpu_isa_limit);

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "qmatmul.h"
+#include "kernels.h"
 
 namespace {
 
@@ -51,6 +52,12 @@ at::Tensor dense_matmul_cpu(const at::Tensor& x, const at::Tensor& w_t, const st
 }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry point (kernels.h)
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w_t, const std::optional<at::Tensor>& bias) {
+  return dense_matmul_cpu(x, w_t, bias);
+}
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("dense_matmul(Tensor x, Tensor w_t, Tensor? bias) -> Tensor");

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd_util.h"
+#include "kernels.h"
 
 namespace {
 
@@ -150,6 +151,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_residual_cpu(const at::Tensor& x, co
 }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry points (kernels.h)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_cpu(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  return rms_norm_residual_cpu(x, residual, weight, eps);
+}
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qmatmul.h"
+#include "kernels.h"
 #include "qmatmul_prep.h"
 
 namespace exl_cpu {
@@ -228,6 +229,20 @@ int64_t matmul_isa(int64_t cap) {
 }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry points (kernels.h)
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups, const at::Tensor& scale,
+                   const at::Tensor& zero, const std::optional<at::Tensor>& perm,
+                   const std::optional<at::Tensor>& bias) {
+  return qmatmul_cpu(x, qweight, groups, scale, zero, perm, bias);
+}
+std::vector<at::Tensor> qmatmul_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList groups,
+                                      at::TensorList scale, at::TensorList zero,
+                                      const std::optional<at::Tensor>& perm,
+                                      const c10::List<std::optional<at::Tensor>>& bias) {
+  return qmatmul_multi_cpu(x, qweight, groups, scale, zero, perm, bias);
+}
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qmatmul(Tensor x, Tensor qweight, Tensor groups, Tensor scale, Tensor zero, Tensor? perm, "

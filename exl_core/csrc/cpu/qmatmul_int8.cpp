@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "qmatmul_int8.h"
+#include "kernels.h"
 #include "qmatmul_prep.h"
 
 namespace exl_cpu {
@@ -172,6 +173,20 @@ std::vector<at::Tensor> qmatmul_int8_multi_cpu(const at::Tensor& x, at::TensorLi
 int64_t qmatmul_int8_isa() { return exl_cpu::int8_isa_level(); }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry points (kernels.h)
+at::Tensor qmatmul_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
+                        const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
+                        const std::optional<at::Tensor>& bias) {
+  return qmatmul_int8_cpu(x, qweight, groups, scale, zero, perm, bias);
+}
+std::vector<at::Tensor> qmatmul_int8_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList groups,
+                                           at::TensorList scale, at::TensorList zero,
+                                           const std::optional<at::Tensor>& perm,
+                                           const c10::List<std::optional<at::Tensor>>& bias) {
+  return qmatmul_int8_multi_cpu(x, qweight, groups, scale, zero, perm, bias);
+}
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qmatmul_int8(Tensor x, Tensor qweight, Tensor groups, Tensor scale, Tensor zero, Tensor? perm, "

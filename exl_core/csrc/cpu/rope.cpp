@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd_util.h"
+#include "kernels.h"
 
 namespace {
 
@@ -100,6 +101,13 @@ std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tenso
 }
 
 }  // namespace
+
+namespace exl_cpu::ops {  // plain C++ entry point (kernels.h)
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                        const at::Tensor& cos_sin) {
+  return rope_cpu(q, k, positions, cos_sin);
+}
+}  // namespace exl_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos_sin) -> (Tensor, Tensor)");

@@ -1,0 +1,204 @@
+// exl_core.DecoderStack: every decoder layer of a Llama-family model in one call on the CPU.
+//
+// Per layer, exactly the kernel sequence of the Python path (exl_core/model/llama.py), through
+// the same C++ functions (kernels.h), so the results are bit-identical to it:
+//
+//   x, res = rms_norm(h) / rms_norm_residual(h, res)      q, k, v = linears(x, {q, k, v})
+//   q, k = rope(q, k)   k, v rows -> their page slots     o = paged_attention(q, pages)
+//   a = linears(o, {o_proj})   x, res = rms_norm_residual(a, res)
+//   g, u = linears(x, {gate, up})   h = linears(silu_mul(g, u), {down})
+//
+// What it saves is the host work between kernels: ~10 Python dispatcher calls per layer.
+// Every projection goes through `linears`, the one place another matmul kernel plugs in.
+// Shapes: h, res (T, hidden); q (T, Hq, D); k, v (T, Hkv, D); K/V pages (P, page_size, Hkv, D).
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+namespace kops = exl_cpu::ops;
+
+// One projection: packed (qmatmul layout, formats/packed.py) or dense pre-transposed w_t [K, N].
+struct Linear {
+  bool packed = false;
+  bool int8 = false;        // packed, with int8 activations requested (ops/qmatmul.py wants_int8)
+  at::Tensor qweight, groups, scale, zero, w_t;
+  std::optional<at::Tensor> perm, bias;
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm;
+  Linear q, k, v, o, gate, up, down;
+};
+
+
+bool same_perm(const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b) {
+  if (a.has_value() != b.has_value()) return false;
+  return !a.has_value() || a->unsafeGetTensorImpl() == b->unsafeGetTensorImpl();
+}
+
+// y_i = x @ W_i (+ bias_i) for projections reading the same x, as the Python path computes them
+// (model/linear.py linear_many, QuantLinear.forward, ops/qmatmul.py's dispatchers): all packed with
+// one permutation -> one multi call (int8 activations when every weight asks for them and x has at
+// most `int8_rows` rows, else exact; bit-identical to one call each); otherwise each on its own
+// kernel, int8 where that weight asks and the rows allow.
+std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const Linear*> ws, int64_t int8_rows) {
+  const Linear& first = **ws.begin();
+  const bool small = x.size(0) <= int8_rows;
+  bool multi = ws.size() > 1, all_int8 = small;
+  for (const Linear* w : ws) {
+    multi = multi && w->packed && same_perm(w->perm, first.perm);
+    all_int8 = all_int8 && w->int8;
+  }
+  if (multi) {
+    std::vector<at::Tensor> qw, gr, sc, ze;
+    c10::List<std::optional<at::Tensor>> bias;
+    for (const Linear* w : ws) {
+      qw.push_back(w->qweight);
+      gr.push_back(w->groups);
+      sc.push_back(w->scale);
+      ze.push_back(w->zero);
+      bias.push_back(w->bias);
+    }
+    return all_int8 ? kops::qmatmul_int8_multi(x, qw, gr, sc, ze, first.perm, bias)
+                    : kops::qmatmul_multi(x, qw, gr, sc, ze, first.perm, bias);
+  }
+  std::vector<at::Tensor> out;
+  for (const Linear* w : ws) {
+    if (!w->packed) out.push_back(kops::dense_matmul(x, w->w_t, w->bias));
+    else if (small && w->int8) out.push_back(kops::qmatmul_int8(x, w->qweight, w->groups, w->scale, w->zero, w->perm, w->bias));
+    else out.push_back(kops::qmatmul(x, w->qweight, w->groups, w->scale, w->zero, w->perm, w->bias));
+  }
+  return out;
+}
+
+// K/V rows of the new tokens into their page slots: ops.attention.write_kv's index_copy_, as a
+// plain row copy when the dtypes match (same bytes; index_copy_ costs ~5 us a call here).
+// src (T, Hkv, D); pages (P, page_size, Hkv, D) contiguous; slots int64 [T].
+void write_pages(at::Tensor& pages, const at::Tensor& src, const at::Tensor& slots, int64_t layer) {
+  const int64_t row = pages.size(2) * pages.size(3), n_slots = pages.size(0) * pages.size(1);
+  if (src.scalar_type() != pages.scalar_type() || !src.is_contiguous()) {
+    pages.view({n_slots, pages.size(2), pages.size(3)}).index_copy_(0, slots, src.to(pages.scalar_type()));
+    return;
+  }
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const size_t bytes = (size_t)row * src.element_size();
+  char* dst = static_cast<char*>(pages.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  for (int64_t t = 0; t < src.size(0); ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < n_slots, "exl_core.DecoderStack: layer ", layer, ": slot ", sl[t],
+                " of token ", t, " outside the page pool's ", n_slots, " slots");
+    std::memcpy(dst + sl[t] * bytes, from + t * bytes, bytes);
+  }
+}
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window)
+      : hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale), window_(window) {
+    TORCH_CHECK(hq_ > 0 && hkv_ > 0 && d_ > 0 && hq_ % hkv_ == 0, "exl_core.DecoderStack: heads ", hq_, "/", hkv_,
+                " and head dim ", d_, " must be positive, query heads a multiple of kv heads");
+    TORCH_CHECK(window_ >= 0, "exl_core.DecoderStack: window must be >= 0 (0 = none)");
+  }
+
+  // Projections are added in layer order q, k, v, o, gate, up, down; add_layer takes the last 7.
+  void add_packed(at::Tensor qweight, at::Tensor groups, at::Tensor scale, at::Tensor zero,
+                  std::optional<at::Tensor> perm, std::optional<at::Tensor> bias, bool int8) {
+    Linear l;
+    l.packed = true;
+    l.int8 = int8;
+    l.qweight = qweight, l.groups = groups, l.scale = scale, l.zero = zero, l.perm = perm, l.bias = bias;
+    pending_.push_back(std::move(l));
+  }
+
+  void add_dense(at::Tensor w_t, std::optional<at::Tensor> bias) {
+    Linear l;
+    l.w_t = w_t, l.bias = bias;
+    pending_.push_back(std::move(l));
+  }
+
+  void add_layer(at::Tensor in_norm, at::Tensor post_norm) {
+    TORCH_CHECK(pending_.size() == 7, "exl_core.DecoderStack: add_layer needs 7 projections added before it "
+                "(q, k, v, o, gate, up, down), got ", pending_.size());
+    auto& p = pending_;
+    layers_.push_back(Layer{in_norm, post_norm, p[0], p[1], p[2], p[3], p[4], p[5], p[6]});
+    p.clear();
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+  // Rows up to which projections added with int8=true use int8 activations (ops/qmatmul.py INT8_MAX_M).
+  void set_int8_rows(int64_t rows) { int8_rows_ = rows; }
+
+  // h (T, hidden): the embeddings (residual None) or the previous block's output with its
+  // residual stream. Returns (h, residual) after the last layer, like the Python loop.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor h, std::optional<at::Tensor> residual, at::Tensor positions,
+                                             at::Tensor cos_sin, at::Tensor slots, at::Tensor block_table,
+                                             at::Tensor cu_seqlens, at::Tensor seq_lens_k,
+                                             std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+    const int64_t L = num_layers();
+    TORCH_CHECK((int64_t)k_caches.size() == L && (int64_t)v_caches.size() == L,
+                "exl_core.DecoderStack: ", L, " layers but ", k_caches.size(), " k and ", v_caches.size(),
+                " v cache tensors");
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "exl_core.DecoderStack: h must be a contiguous (T, hidden) tensor");
+    const int64_t t = h.size(0);
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+                "exl_core.DecoderStack: slots must be contiguous int64 [T=", t, "]");
+    at::Tensor res = residual.has_value() ? *residual : at::Tensor();
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& ly = layers_[i];
+      at::Tensor x;
+      if (res.defined()) {
+        std::tie(x, res) = kops::rms_norm_residual(h, res, ly.in_norm, eps_);
+      } else {
+        res = h;
+        x = kops::rms_norm(h, ly.in_norm, eps_);
+      }
+      auto qkv = linears(x, {&ly.q, &ly.k, &ly.v}, int8_rows_);
+      auto [q, k] = kops::rope(qkv[0].view({t, hq_, d_}), qkv[1].view({t, hkv_, d_}), positions, cos_sin);
+      const at::Tensor v = qkv[2].view({t, hkv_, d_});
+      at::Tensor& kc = k_caches[i];
+      at::Tensor& vc = v_caches[i];
+      TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == hkv_ && kc.size(3) == d_ &&
+                      kc.is_contiguous() && vc.is_contiguous(),
+                  "exl_core.DecoderStack: layer ", i, " K/V pages must be contiguous (pages, page_size, ", hkv_, ", ",
+                  d_, "), got ", kc.sizes(), " / ", vc.sizes());
+      write_pages(kc, k, slots, i);
+      write_pages(vc, v, slots, i);
+      const at::Tensor o = kops::paged_attention(q, kc, vc, block_table, cu_seqlens, seq_lens_k, scale_, window_);
+      const at::Tensor a = linears(o.reshape({t, hq_ * d_}), {&ly.o}, int8_rows_)[0];
+      std::tie(x, res) = kops::rms_norm_residual(a, res, ly.post_norm, eps_);
+      auto gu = linears(x, {&ly.gate, &ly.up}, int8_rows_);
+      h = linears(kops::silu_mul(gu[0], gu[1]), {&ly.down}, int8_rows_)[0];
+    }
+    return {h, res};
+  }
+
+ private:
+  int64_t hq_, hkv_, d_;
+  double eps_, scale_;
+  int64_t window_;
+  int64_t int8_rows_ = 0;
+  std::vector<Linear> pending_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("add_packed", &DecoderStack::add_packed)
+      .def("add_dense", &DecoderStack::add_dense)
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("set_int8_rows", &DecoderStack::set_int8_rows)
+      .def("forward", &DecoderStack::forward);
+}

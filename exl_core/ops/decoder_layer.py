@@ -1,0 +1,204 @@
+"""The decoder layer stack in one call: RMSNorm → q/k/v → rope → K/V write → paged attention →
+o_proj → residual + norm → gate/up → silu·mul → down, for every layer.
+
+Candidates (see `ops/dispatch.py`):
+  cpu_layer  -- `exl_core.DecoderStack` (csrc/cpu/decoder_layer.cpp): the same C++ kernels the
+                per-op path runs, called back to back from C++; bit-identical to that path.
+                Serves CPU tensors in float32/bfloat16 over a paged cache.
+  python     -- the caller's own per-op loop (`fallback`), the reference; serves anything.
+
+Every projection inside the C++ op goes through one helper (`linears` in decoder_layer.cpp) that
+picks the kernel the per-op path's dispatchers would: the int8-activation one for weights that ask
+for it (`wants_int8`) at up to INT8_MAX_M rows, else the exact fused one.
+
+The ops layer knows no modules: the model hands over plain weights (`LayerWeights`) once, gets a
+`NativeStack` back, and calls `decoder_layers` per forward pass with the paged K/V tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..formats.packed import PackedWeight
+from . import dispatch
+from .attention import SUPPORTED_HEAD_DIMS
+from ..errors import KernelError
+from .dispatch import Candidate, Dispatcher, extension
+from .qmatmul import INT8_MAX_M, wants_int8
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    w_t: torch.Tensor                   # (in_features, out_features), contiguous
+    bias: Optional[torch.Tensor] = None
+
+
+Weight = Union[PackedWeight, DenseWeight]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer: two norm weights and seven projections (packed or dense)."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    projections: tuple[Weight, ...]     # q, k, v, o, gate, up, down
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """What a paged ForwardContext hands the fused op: its index tensors and per-layer pages."""
+    positions: torch.Tensor             # int64 [T]
+    slots: torch.Tensor                 # int64 [T] flat slot of each new token
+    block_table: torch.Tensor           # int32 [S, max_pages]
+    cu_seqlens: torch.Tensor            # int64 [S+1]
+    seq_lens_k: torch.Tensor            # int64 [S]
+    k: Sequence[torch.Tensor]           # per layer (num_pages, page_size, Hkv, D)
+    v: Sequence[torch.Tensor]
+
+
+class NativeStack:
+    """The C++ `DecoderStack` built from the layers' weights, or the reason it cannot be."""
+
+    def __init__(self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, scale: float, window: Optional[int], dtype: torch.dtype):
+        self.dtype = dtype
+        self.num_layers = len(layers)
+        self.lora_slots: list = []     # projections' __dict__s whose .lora the caller re-checks (model/llama.py)
+        self.obj = None
+        self.reason = _weights_reason(layers, num_heads, num_kv_heads, head_dim, dtype)
+        if self.reason is None:
+            obj = torch.classes.exl_core.DecoderStack(num_heads, num_kv_heads, head_dim, float(eps), float(scale),
+                                                      int(window or 0))
+            for lw in layers:
+                for w in lw.projections:
+                    if isinstance(w, PackedWeight):
+                        obj.add_packed(w.qweight, w.groups, w.scale, w.zero, w.perm, w.bias, wants_int8(w))
+                    else:
+                        obj.add_dense(w.w_t, w.bias)
+                obj.add_layer(lw.input_norm.contiguous(), lw.post_norm.contiguous())
+            obj.set_int8_rows(INT8_MAX_M)
+            self.obj = obj
+
+
+    @classmethod
+    def refused(cls, reason: str) -> "NativeStack":
+        """A stack the caller already knows the fused op cannot run (the reason says why)."""
+        self = cls.__new__(cls)
+        self.dtype, self.num_layers, self.obj, self.reason, self.lora_slots = None, 0, None, reason, []
+        return self
+
+
+def _has_class() -> bool:
+    if extension() is None:
+        return False
+    try:
+        torch.classes.exl_core.DecoderStack   # noqa: B018 - raises when the class is not registered
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _weights_reason(layers, hq, hkv, d, dtype) -> Optional[str]:
+    if not _has_class():
+        return "extension exl_core._C not built with exl_core.DecoderStack"
+    if dtype not in _DTYPES:
+        return f"model dtype {dtype} not supported (float32, bfloat16)"
+    if d not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {d} not in {SUPPORTED_HEAD_DIMS}"
+    if hkv <= 0 or hq % hkv or hq // hkv > _MAX_REP:
+        return f"{hq} query heads over {hkv} kv heads (the attention kernel takes up to {_MAX_REP} per kv head)"
+    for i, lw in enumerate(layers):
+        if len(lw.projections) != 7:
+            return f"layer {i}: {len(lw.projections)} projections, expected 7"
+        for t in (lw.input_norm, lw.post_norm):
+            if t.device.type != "cpu" or t.dtype != dtype:
+                return f"layer {i}: norm weight {t.dtype} on {t.device}, needs {dtype} on CPU"
+        for j, w in enumerate(lw.projections):
+            why = _weight_reason(w)
+            if why is not None:
+                return f"layer {i} projection {j}: {why}"
+    return None
+
+
+def _weight_reason(w: Weight) -> Optional[str]:
+    if isinstance(w, PackedWeight):
+        if w.qweight.device.type != "cpu":
+            return f"packed weight on {w.qweight.device}"
+        if w.scale.dtype != torch.float32 or w.zero.dtype != torch.float32:
+            return f"scale/zero must be float32, got {w.scale.dtype}/{w.zero.dtype}"
+        return None
+    if w.w_t.device.type != "cpu" or w.w_t.dtype not in _DTYPES or not w.w_t.is_contiguous():
+        return f"dense weight {w.w_t.dtype} on {w.w_t.device} (needs contiguous float32/bfloat16 on CPU)"
+    return None
+
+
+# The per-op kernels the fused op stands in for: (op, candidate). When a debug switch forces or
+# disables any of them, the user asked for another kernel there, and the fused op steps aside.
+_INNER = (("qmatmul", "cpu_fused"), ("dense_linear", "cpu_fused"), ("rms_norm", "cpu"), ("rope", "cpu"),
+          ("silu_mul", "cpu"), ("attention", "cpu"))
+
+
+def _switch_reason() -> Optional[str]:
+    for op, name in _INNER:
+        forced = dispatch._FORCED.get(op)
+        if name in dispatch._DISABLED or (forced is not None and forced != name):
+            return f"EXL_CORE_FORCE_KERNEL/EXL_CORE_DISABLE_KERNEL move {op} off its {name!r} kernel"
+    return None
+
+
+def _check_cpu(h, stack, kv, cos_sin, fallback) -> Optional[str]:
+    if kv is None:
+        return "context is not a plain paged cache context"
+    if stack is None:
+        return "no native stack for this model (weights not on the CPU)"
+    if stack.reason is not None:
+        return stack.reason
+    if h.device.type != "cpu" or h.dtype != stack.dtype or h.dim() != 2:
+        return f"h {h.dtype} on {h.device}, needs (T, hidden) {stack.dtype} on CPU"
+    if len(kv.k) != stack.num_layers or not kv.k:
+        return f"cache has {len(kv.k)} layers, model {stack.num_layers} (needs at least one)"
+    c = kv.k[0]
+    if c.device.type != "cpu" or c.dtype not in _DTYPES:
+        return f"cache {c.dtype} on {c.device}, needs float32/bfloat16 on CPU"
+    if kv.block_table.dtype != torch.int32 or kv.cu_seqlens.dtype != torch.int64 or \
+            kv.seq_lens_k.dtype != torch.int64 or kv.positions.dtype != torch.int64:
+        return "index dtypes must be block_table int32, cu_seqlens/seq_lens_k/positions int64"
+    return _switch_reason()
+
+
+def _run_cpu(h, stack, kv, cos_sin, fallback):
+    try:
+        return tuple(stack.obj.forward(h, None, kv.positions, cos_sin, kv.slots, kv.block_table, kv.cu_seqlens,
+                                       kv.seq_lens_k, list(kv.k), list(kv.v)))
+    except RuntimeError as e:    # a C++ argument check (bad slot, page, shape): name the op, keep the text
+        raise KernelError(f"decoder_layers (exl_core.DecoderStack): {e}") from e
+
+
+def _key(h, stack, kv, cos_sin, fallback):
+    # everything _check_cpu reads (stack identity is not: equal fields mean an equal answer)
+    if stack is None or kv is None or not kv.k:
+        return (stack is None, kv is None)
+    c = kv.k[0]
+    return (stack.reason, stack.dtype, stack.num_layers, h.device, h.dtype, h.dim(), len(kv.k), c.device, c.dtype,
+            kv.block_table.dtype, kv.cu_seqlens.dtype, kv.seq_lens_k.dtype, kv.positions.dtype,
+            _switch_reason())
+
+
+DISPATCH = Dispatcher("decoder_layers", [
+    Candidate("cpu_layer", _check_cpu, _run_cpu),
+    Candidate("python", lambda **_: None, lambda h, stack, kv, cos_sin, fallback: fallback()),
+], key=_key)
+
+
+def decoder_layers(h: torch.Tensor, stack: Optional[NativeStack], kv: Optional[PagedKV], cos_sin: torch.Tensor,
+                   fallback: Callable[[], tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer over h (T, hidden) (the embeddings) -> (h, residual) of the last layer.
+
+    `fallback()` computes the same with the per-op path; it runs where the fused op refuses.
+    """
+    return DISPATCH(h=h, stack=stack, kv=kv, cos_sin=cos_sin, fallback=fallback)
