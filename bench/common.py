@@ -68,3 +68,18 @@ def write_results(name: str, payload: dict) -> Path:
     out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out}")
     return out
+
+
+def greedy_decode_tok_s(gen, prompt: list[int], n_new: int) -> float:
+    """Decode speed of one greedy job on a Generator: tokens after the first over the time since
+    the first token arrived (the prompt's prefill is not counted)."""
+    from exl_core.generation import Job
+    from exl_core.generation.sampling import SamplerSettings
+    gen.enqueue(Job(prompt, max_new_tokens=n_new, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False))
+    t_first, n = None, 0
+    while gen.has_work():
+        for r in gen.iterate():
+            n += len(r.token_ids)
+            if t_first is None and r.token_ids:
+                t_first = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - t_first)

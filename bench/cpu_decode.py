@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_results  # noqa: E402
+from common import greedy_decode_tok_s, print_table, write_results  # noqa: E402
 
 LLAMACPP_SCRIPT = r"""
 import json, sys, time
@@ -55,8 +55,7 @@ print(json.dumps({"prompt_tok_s": n_prompt / (t1 - t0), "decode_tok_s": n_new / 
 def bench_exl(folder: Path, label: str, n_prompt: int, n_new: int, decode_prompt: list[int],
               head: str = "exact", activations: str = "exact") -> dict:
     from exl_core.cache import Cache
-    from exl_core.generation import Generator, Job
-    from exl_core.generation.sampling import SamplerSettings
+    from exl_core.generation import Generator
     from exl_core.loader import load_model
     from exl_core.model.context import ContiguousContext
 
@@ -75,19 +74,9 @@ def bench_exl(folder: Path, label: str, n_prompt: int, n_new: int, decode_prompt
     cache = Cache(model, max_tokens=len(decode_prompt) + n_new + 512)
     gen = Generator(model, cache, tok)
 
-    def decode():
-        job = Job(decode_prompt, max_new_tokens=n_new, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False)
-        gen.enqueue(job)
-        t_first, n = None, 0
-        while gen.has_work():
-            for r in gen.iterate():
-                n += len(r.token_ids)
-                if t_first is None and r.token_ids:
-                    t_first = time.perf_counter()
-        return (n - 1) / (time.perf_counter() - t_first)
-
-    decode()  # warm-up (also fills the prefix cache; decode speed is what is timed)
-    return {"engine": label, "prompt_tok_s": n_prompt / t_prompt, "decode_tok_s": decode()}
+    greedy_decode_tok_s(gen, decode_prompt, n_new)  # warm-up (also fills the prefix cache; decode is timed)
+    return {"engine": label, "prompt_tok_s": n_prompt / t_prompt,
+            "decode_tok_s": greedy_decode_tok_s(gen, decode_prompt, n_new)}
 
 
 def bench_hf(folder: Path, n_prompt: int, n_new: int, decode_prompt: list[int]) -> dict:

@@ -16,30 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_results  # noqa: E402
+from common import greedy_decode_tok_s, print_table, write_results  # noqa: E402
 
 
 COLS = ["model", "exact_tok_s", "int8_tok_s", "int8_x_exact", "llamacpp_tok_s", "exact_x_llamacpp",
         "int8_x_llamacpp"]
-
-
-def decode_tok_s(gen, prompt, n_new) -> float:
-    from exl_core.generation import Job
-    from exl_core.generation.sampling import SamplerSettings
-    gen.enqueue(Job(prompt, max_new_tokens=n_new, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False))
-    t_first, n = None, 0
-    while gen.has_work():
-        for r in gen.iterate():
-            n += len(r.token_ids)
-            if t_first is None and r.token_ids:
-                t_first = time.perf_counter()
-    return (n - 1) / (time.perf_counter() - t_first)
 
 
 def main():
@@ -68,7 +54,7 @@ def main():
         for _ in range(args.rounds):
             for act in ("exact", "int8"):
                 set_activations(model, act)
-                best[act].append(decode_tok_s(gen, prompt, args.new_tokens))
+                best[act].append(greedy_decode_tok_s(gen, prompt, args.new_tokens))
                 if act == "exact" and args.llamacpp_python:
                     best["llamacpp"].append(bench_llamacpp(args.llamacpp_python, smollm2_gguf_path(), args.threads,
                                                            16, args.new_tokens, prompt)["decode_tok_s"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import random
 import os
 from pathlib import Path
 
@@ -61,3 +62,19 @@ def _threads():
     """Keep tests on the machine's 2 cores deterministic in thread count."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     yield
+
+
+@pytest.fixture
+def rng(request):
+    """A seeded random.Random (torch seeded too); the seed is recorded in the test's report."""
+    seed = random.randrange(2 ** 31)
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return random.Random(seed)
+
+
+@pytest.fixture
+def isa_cap():
+    """Run a test body at a given ISA cap, restoring the detected level afterwards."""
+    yield lambda level: torch.ops.exl_core.matmul_isa(level)
+    torch.ops.exl_core.matmul_isa(2)

@@ -57,19 +57,6 @@ def run_op(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     return torch.ops.exl_core.qmatmul(x, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
 
 
-@pytest.fixture
-def rng(request):
-    seed = random.randrange(2 ** 31)
-    torch.manual_seed(seed)
-    request.node.user_properties.append(("seed", seed))
-    return random.Random(seed)
-
-
-@pytest.fixture
-def isa_cap():
-    """Run a test body at a given ISA cap, restoring the detected level afterwards."""
-    yield lambda level: torch.ops.exl_core.matmul_isa(level)
-    torch.ops.exl_core.matmul_isa(2)
 
 
 @needs_op

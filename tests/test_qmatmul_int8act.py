@@ -7,7 +7,6 @@ bit; the opt-in switch goes through the dispatcher; a real model decodes sensibl
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -52,18 +51,6 @@ def run_int8(x, pw):
     return torch.ops.exl_core.qmatmul_int8(x, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
 
 
-@pytest.fixture
-def rng(request):
-    seed = random.randrange(2 ** 31)
-    torch.manual_seed(seed)
-    request.node.user_properties.append(("seed", seed))
-    return random.Random(seed)
-
-
-@pytest.fixture
-def isa_cap():
-    yield lambda level: torch.ops.exl_core.matmul_isa(level)
-    torch.ops.exl_core.matmul_isa(2)
 
 
 # Measured max |y - ref| / max |ref|: 2.6e-7 worst over every width, M in {1,3,8} at 576x1536

@@ -169,11 +169,12 @@ def qmatmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 # q/k/v (and gate/up) read the same x: one call computes all of them, so the input is permuted
 # and summed once and the threads fork once (decode makes ~200 such calls per token).
 
-def _check_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
-    if not has_op("qmatmul_multi"):
-        return "extension exl_core._C not built with exl_core::qmatmul_multi"
+def _check_multi(op: str, check_one, x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
+    """One call of `op` serves these weights: each passes `check_one`, and they share x's permutation."""
+    if not has_op(op):
+        return f"extension exl_core._C not built with exl_core::{op}"
     for i, pw in enumerate(pws):
-        why = _check_cpu_fused(x, pw)
+        why = check_one(x, pw)
         if why is not None:
             return f"weight {i}: {why}"
     if any(pw.perm is not pws[0].perm for pw in pws):
@@ -181,30 +182,26 @@ def _check_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
     return None
 
 
-def _run_multi_cpu(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
-    ys = torch.ops.exl_core.qmatmul_multi(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws],
-                                          [pw.groups for pw in pws], [pw.scale for pw in pws],
-                                          [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
+def _run_multi(op, x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
+    ys = op(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws], [pw.groups for pw in pws],
+            [pw.scale for pw in pws], [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
     return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
 
 
-def _check_multi_int8(x: torch.Tensor, pws: list[PackedWeight]) -> Optional[str]:
-    if not has_op("qmatmul_int8_multi"):
-        return "extension exl_core._C not built with exl_core::qmatmul_int8_multi"
-    for i, pw in enumerate(pws):
-        why = _check_cpu_int8(x, pw)
-        if why is not None:
-            return f"weight {i}: {why}"
-    if any(pw.perm is not pws[0].perm for pw in pws):
-        return "weights have different input permutations (the op permutes x once)"
-    return None
+def _check_multi_cpu(x, pws):
+    return _check_multi("qmatmul_multi", _check_cpu_fused, x, pws)
 
 
-def _run_multi_int8(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
-    ys = torch.ops.exl_core.qmatmul_int8_multi(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws],
-                                               [pw.groups for pw in pws], [pw.scale for pw in pws],
-                                               [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
-    return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
+def _run_multi_cpu(x, pws):
+    return _run_multi(torch.ops.exl_core.qmatmul_multi, x, pws)
+
+
+def _check_multi_int8(x, pws):
+    return _check_multi("qmatmul_int8_multi", _check_cpu_int8, x, pws)
+
+
+def _run_multi_int8(x, pws):
+    return _run_multi(torch.ops.exl_core.qmatmul_int8_multi, x, pws)
 
 
 def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
