@@ -64,9 +64,9 @@ def _add_model_args(p):
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--activations", default="exact", choices=["exact", "int8"],
-                   help="int8: quantized layers multiply batches of <= 8 rows (decode) with activations "
-                        "rounded to int8 per 32 values (faster on CPU, not exact); prompts and perplexity "
-                        "windows stay exact. Default: exact fp32")
+                   help="int8 (CPU only): quantized layers multiply calls of <= 8 rows (decode steps, and "
+                        "prompts or prompt chunks that short) with activations rounded to int8 per 32 values "
+                        "(faster, not exact); longer calls stay exact. Default: exact fp32")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard over torch.distributed ranks (launch with torchrun --nproc-per-node N; "
                         "NCCL on GPUs, gloo on CPUs)")

@@ -87,6 +87,9 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     if activations not in ACTIVATION_KINDS:
         raise ConfigError(f"activations={activations!r}: expected one of {', '.join(ACTIVATION_KINDS)}")
     device = _as_device(device)
+    if activations == "int8" and device.type != "cpu":
+        raise ConfigError(f"activations='int8' has CPU kernels only; on {device} the layers would silently "
+                          f"stay exact: use activations='exact'")
     dtype = dtype or default_dtype(device)
     names = reader.names()
     fmt = detect_format(cfg.quantization_config, names)

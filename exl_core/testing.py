@@ -79,10 +79,14 @@ def refuse_network(monkeypatch) -> None:
 def assert_same_tokens_up_to_ties(a: list, lp_a: list, b: list, lp_b: list, tol: float) -> None:
     """Two greedy runs of the same job on kernels that round differently (GPU batch sizes, graphs):
     the tokens agree, and their log-probabilities agree within `tol`, up to the first step where
-    they differ; there the two picks must have log-probabilities within `tol` of each other (a
-    near-tie), after which the continuations may differ."""
+    they differ; there the two picks must have log-probabilities within `tol` of each other and at
+    most log(1/2) (a near-tie), after which the continuations may differ."""
+    import math
     for i, (ta, tb) in enumerate(zip(a, b)):
         assert abs(lp_a[i] - lp_b[i]) < tol, f"step {i}: logprob {lp_a[i]} vs {lp_b[i]} (tokens {ta}, {tb})"
         if ta != tb:
-            return                       # a near-tie (checked above): later steps see different contexts
+            # two tokens can only tie for the top if neither has more than half the probability
+            assert max(lp_a[i], lp_b[i]) <= math.log(0.5) + tol, \
+                f"step {i}: tokens {ta} vs {tb} with logprobs {lp_a[i]}, {lp_b[i]}: a confident disagreement"
+            return                       # a near-tie: later steps see different contexts
     assert len(a) == len(b)

@@ -185,6 +185,34 @@ def test_refusals(tiny_dense, monkeypatch):
     assert "float16" in _reasons(model16)["cpu_layer"]
 
 
+def test_forced_matmul_kernels_send_int8_stacks_to_python(tiny_dense, tmp_path, monkeypatch):
+    """A forced or disabled quantized-matmul kernel changes which weights run int8 on the per-op path;
+    the stack (which picks per weight) must step aside instead of computing something else."""
+    dst = tmp_path / "gptq"
+    quantize_model_rtn(tiny_dense, dst, fmt="gptq", **QUANT[0][1])
+    model, _ = load_model(dst, load_tokenizer=False, activations="int8")
+    assert _reasons(model)["cpu_layer"] is None
+    for table, key, value in ((dispatch._FORCED, "qmatmul", "cpu_fused"),
+                              (dispatch._FORCED, "qmatmul_many", "cpu_fused_multi")):
+        monkeypatch.setitem(table, key, value)
+        assert "qmatmul" in _reasons(model)["cpu_layer"]
+        monkeypatch.delitem(table, key)
+    monkeypatch.setattr(dispatch, "_DISABLED", set(dispatch._DISABLED) | {"cpu_int8"})
+    assert "qmatmul" in _reasons(model)["cpu_layer"]
+
+
+def test_layer_list_edits_and_lora_modules_reach_the_stack(tiny_dense, monkeypatch):
+    model, _ = load_model(tiny_dense, load_tokenizer=False)
+    assert _reasons(model)["cpu_layer"] is None
+    model.layers[1].self_attn.q_proj.lora = torch.nn.Identity()     # a module hook: lives in _modules
+    assert "LoRA" in _reasons(model)["cpu_layer"]
+    del model.layers[1].self_attn.q_proj.lora
+    assert _reasons(model)["cpu_layer"] is None
+    assert model._native_stack().num_layers == 3
+    del model.layers[2]                                             # no registration hook fires
+    assert model._native_stack().num_layers == 2
+
+
 def test_lora_hook_runs_on_python_path(tiny_dense, monkeypatch):
     """With a hook attached the outputs change exactly as the hook says (the fused op would skip it)."""
     model, _ = load_model(tiny_dense, load_tokenizer=False)

@@ -7,7 +7,6 @@ which `ModelConfig` carries.
 """
 from __future__ import annotations
 
-import operator
 from typing import Callable, Optional
 
 import torch
@@ -194,8 +193,12 @@ class Model(nn.Module):
             held = (_WEIGHTS_VERSION[0], self._build_native_stack())
             self.__dict__["_native"] = held
         stack = held[1]
+        if stack.reason is None and stack.num_layers != len(self.layers):   # ModuleList edits fire no hook
+            held = (_WEIGHTS_VERSION[0], self._build_native_stack())
+            self.__dict__["_native"] = held
+            stack = held[1]
         if any(map(_HAS_LORA, stack.lora_slots)):
-            i = next(i for i, d in enumerate(stack.lora_slots) if d.get("lora") is not None)
+            i = next(i for i, d in enumerate(stack.lora_slots) if _HAS_LORA(d))
             p, n = _PROJ[i % len(_PROJ)]
             return NativeStack.refused(f"layer {i // len(_PROJ)}: {p}.{n} has a LoRA hook attached")
         return stack
@@ -207,7 +210,7 @@ class Model(nn.Module):
     def _build_native_stack(self) -> NativeStack:
         layers, reason, consts = [], None, None
         for i, blk in enumerate(self.layers):
-            lw, why = _layer_weights(blk)
+            lw, why = _layer_weights(blk, i)
             a, n1, n2 = blk.self_attn, blk.input_layernorm, blk.post_attention_layernorm
             here = (a.num_heads, a.num_kv_heads, a.head_dim, n1.eps, a.scale, a.window)
             if why is None and (n2.eps != n1.eps or (consts is not None and here != consts)):
@@ -266,11 +269,13 @@ def invalidate_native_stacks() -> None:
 
 torch.nn.modules.module.register_module_module_registration_hook(_bump_weights_version)
 torch.nn.modules.module.register_module_buffer_registration_hook(_bump_weights_version)
-# QuantLinear keeps .lora in its __dict__ (an nn.Module there would be registered: version bump)
-_HAS_LORA = operator.methodcaller("get", "lora")
+# QuantLinear keeps .lora in its __dict__; a hook that is an nn.Module lives in its _modules instead
+# (and can be deleted without any registration hook firing): both are looked at on every call.
+def _HAS_LORA(d) -> bool:
+    return d.get("lora") is not None or "lora" in d["_modules"]
 
 
-def _layer_weights(blk):
+def _layer_weights(blk, index: int):
     """(LayerWeights, None) for a block the fused op can run, else (None, reason). LoRA hooks are
     not looked at here: Model._native_stack checks them on every call (they come and go without
     any registration)."""
@@ -278,6 +283,8 @@ def _layer_weights(blk):
         return None, "block, attention or MLP module is a subclass (custom forward)"
     if type(blk.input_layernorm) is not RMSNorm or type(blk.post_attention_layernorm) is not RMSNorm:
         return None, "norm module is a subclass (custom forward)"
+    if blk.layer_idx != index:
+        return None, f"layer_idx {blk.layer_idx} at position {index} (the stack addresses caches by position)"
     ws = []
     for parent, name in _PROJ:
         lin = getattr(getattr(blk, parent), name)

@@ -75,8 +75,10 @@ _MAX_K: dict = {}
 
 
 def _skinny_ok(rows: int, pw, device) -> bool:
-    """qgemm_skinny takes rows <= 32 of fp16 x when K's slice of x fits its shared memory."""
-    if not (1 <= rows <= SKINNY_MAX_ROWS and _mma_ok(pw) and _has_cuda_kernel("qgemm_skinny")):
+    """qgemm_skinny (the caller checks x is fp16) for 1..SKINNY_MAX_ROWS rows, K > 0, when K's slice of
+    x fits the kernel's shared memory."""
+    if not (1 <= rows <= SKINNY_MAX_ROWS and pw.in_features > 0 and _mma_ok(pw) and
+            _has_cuda_kernel("qgemm_skinny")):
         return False
     key = (rows, device.index)
     if key not in _MAX_K:
@@ -95,6 +97,8 @@ def _uniform4(pw) -> bool:
 def _qmatmul_check(x, pw) -> Optional[str]:
     if x.device.type != "cuda":
         return f"x is on {x.device}, not CUDA"
+    if pw.in_features == 0:
+        return "in_features 0: nothing to multiply (the reference returns the bias)"
     if not _has_cuda_kernel("qgemv_chunks"):
         return "extension built without CUDA kernels (csrc/cuda)"
     if pw.qweight.device != x.device:

@@ -137,17 +137,22 @@ def _weight_reason(w: Weight) -> Optional[str]:
     return None
 
 
-# The per-op kernels the fused op stands in for: (op, candidate). When a debug switch forces or
-# disables any of them, the user asked for another kernel there, and the fused op steps aside.
-_INNER = (("qmatmul", "cpu_fused"), ("dense_linear", "cpu_fused"), ("rms_norm", "cpu"), ("rope", "cpu"),
-          ("silu_mul", "cpu"), ("attention", "cpu"))
+# The per-op kernels the fused op stands in for: op -> the candidates it may have chosen there. When
+# a debug switch disables any of them, or forces the op to another one, the user asked for another
+# kernel there and the fused op steps aside. The quantized matmuls step aside on any force at all:
+# the stack picks int8 or exact per weight and row count, which a forced choice would not follow.
+_INNER = {"qmatmul": ("cpu_int8", "cpu_fused"), "qmatmul_many": ("cpu_int8_multi", "cpu_fused_multi"),
+          "dense_linear": ("cpu_fused",), "rms_norm": ("cpu",), "rope": ("cpu",), "silu_mul": ("cpu",),
+          "attention": ("cpu",)}
+_PICKS_PER_WEIGHT = ("qmatmul", "qmatmul_many")
 
 
 def _switch_reason() -> Optional[str]:
-    for op, name in _INNER:
+    for op, names in _INNER.items():
         forced = dispatch._FORCED.get(op)
-        if name in dispatch._DISABLED or (forced is not None and forced != name):
-            return f"EXL_CORE_FORCE_KERNEL/EXL_CORE_DISABLE_KERNEL move {op} off its {name!r} kernel"
+        moved = forced is not None and (op in _PICKS_PER_WEIGHT or forced not in names)
+        if moved or any(n in dispatch._DISABLED for n in names):
+            return f"EXL_CORE_FORCE_KERNEL/EXL_CORE_DISABLE_KERNEL move {op} off its {'/'.join(names)} kernels"
     return None
 
 

@@ -115,7 +115,7 @@ def _run_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- int8 activations
 
-INT8_MAX_M = 8   # rows up to which the int8 path serves (decode); prefill keeps the exact path
+INT8_MAX_M = 8   # rows per call up to which the int8 path serves (decode-sized); larger calls stay exact
 
 
 def wants_int8(pw: PackedWeight) -> bool:
