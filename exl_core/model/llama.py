@@ -7,6 +7,8 @@ which `ModelConfig` carries.
 """
 from __future__ import annotations
 
+import operator
+
 from typing import Callable, Optional
 
 import torch
@@ -197,8 +199,9 @@ class Model(nn.Module):
             held = (_WEIGHTS_VERSION[0], self._build_native_stack())
             self.__dict__["_native"] = held
             stack = held[1]
-        if any(map(_HAS_LORA, stack.lora_slots)):
-            i = next(i for i, d in enumerate(stack.lora_slots) if _HAS_LORA(d))
+        if any(map(_LORA_ATTR, stack.lora_slots)) or any(map(_LORA_MODULE, stack.lora_modules)):
+            i = next(i for i, (d, m) in enumerate(zip(stack.lora_slots, stack.lora_modules))
+                     if d.get("lora") is not None or "lora" in m)
             p, n = _PROJ[i % len(_PROJ)]
             return NativeStack.refused(f"layer {i // len(_PROJ)}: {p}.{n} has a LoRA hook attached")
         return stack
@@ -225,6 +228,7 @@ class Model(nn.Module):
         hq, hkv, d, eps, scale, window = consts
         stack = NativeStack(layers, hq, hkv, d, eps, scale, window, self.dtype)
         stack.lora_slots = [vars(getattr(getattr(blk, p), n)) for blk in self.layers for p, n in _PROJ]
+        stack.lora_modules = [d["_modules"] for d in stack.lora_slots]
         return stack
 
     @torch.inference_mode()
@@ -270,9 +274,10 @@ def invalidate_native_stacks() -> None:
 torch.nn.modules.module.register_module_module_registration_hook(_bump_weights_version)
 torch.nn.modules.module.register_module_buffer_registration_hook(_bump_weights_version)
 # QuantLinear keeps .lora in its __dict__; a hook that is an nn.Module lives in its _modules instead
-# (and can be deleted without any registration hook firing): both are looked at on every call.
-def _HAS_LORA(d) -> bool:
-    return d.get("lora") is not None or "lora" in d["_modules"]
+# (and can be deleted without any registration hook firing): both are looked at on every call, with
+# C-level callables over the cached dicts (no Python frame per projection per step).
+_LORA_ATTR = operator.methodcaller("get", "lora")
+_LORA_MODULE = operator.methodcaller("__contains__", "lora")
 
 
 def _layer_weights(blk, index: int):

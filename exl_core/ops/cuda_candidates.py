@@ -24,6 +24,7 @@ once per weight and cached on the device in `pw.meta`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -37,6 +38,7 @@ GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@functools.lru_cache(maxsize=None)        # the extension is fixed once imported; checked on every call
 def _has_cuda_kernel(op: str) -> bool:
     return extension() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"exl_core::{op}", "CUDA")
 

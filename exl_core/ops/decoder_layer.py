@@ -69,6 +69,7 @@ class NativeStack:
         self.dtype = dtype
         self.num_layers = len(layers)
         self.lora_slots: list = []     # projections' __dict__s whose .lora the caller re-checks (model/llama.py)
+        self.lora_modules: list = []   # and their _modules dicts (a LoRA hook that is an nn.Module)
         self.obj = None
         self.reason = _weights_reason(layers, num_heads, num_kv_heads, head_dim, dtype)
         if self.reason is None:
@@ -90,6 +91,7 @@ class NativeStack:
         """A stack the caller already knows the fused op cannot run (the reason says why)."""
         self = cls.__new__(cls)
         self.dtype, self.num_layers, self.obj, self.reason, self.lora_slots = None, 0, None, reason, []
+        self.lora_modules = []
         return self
 
 

@@ -266,31 +266,52 @@ int64_t max_k_for(int64_t M, int dev) {
   return static_cast<int64_t>(max_cpb(static_cast<int>(M))) * S * 32;
 }
 
+// Split count and chunks per block for one launch shape: S = s_min (x must fit shared memory) or,
+// on sm_90 without a forced `splits`, the largest S (>= 2 chunks per K warp) whose grid still fits
+// one wave of co-resident clusters (more blocks in flight keep more weight bytes in flight; a
+// partial second wave costs a block time). Returns {S, cpb}.
 template <int NT, bool U4>
-void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
+std::pair<int, int> plan_splits(int M, int C, int64_t tiles, int dev, int splits) {
   auto* kern = qgemm_skinny_kernel<NT, U4>;
-  const int C = static_cast<int>(K / 32);
-  const int64_t tiles = assign_tiles(mats, kTileN);
   const bool clusters = device_sm(dev, true) >= 9;
   const int s_min = (C + max_cpb(M) - 1) / max_cpb(M);
-  TORCH_CHECK(s_min <= (clusters ? kMaxSplits : 1), "exl_core::qgemm_skinny: K = ", K, " too large for ", M,
-              " rows (x does not fit shared memory; see qgemm_skinny_max_k)");
+  TORCH_CHECK(s_min <= (clusters ? kMaxSplits : 1), "exl_core::qgemm_skinny: K = ", int64_t(C) * 32,
+              " too large for ", M, " rows (x does not fit shared memory; see qgemm_skinny_max_k)");
   int S = s_min;
   if (splits > 0) {
     S = std::max(s_min, std::min(splits, clusters ? kMaxSplits : 1));
   } else if (clusters) {
-    // Largest S (>= 2 chunks per K warp) whose grid still fits one wave of co-resident clusters:
-    // more blocks in flight keep more weight bytes in flight; a partial second wave costs a block time.
     for (int s = std::min(kMaxSplits, std::max(1, C / (2 * kKWarps))); s > s_min; --s) {
-      const int cpb = (C + s - 1) / s;
-      if (tiles * s <= resident_blocks(kern, kThreads, s, smem_bytes(M, cpb), dev)) {
+      if (tiles * s <= resident_blocks(kern, kThreads, s, smem_bytes(M, (C + s - 1) / s), dev)) {
         S = s;
         break;
       }
     }
   }
   const int cpb = (C + S - 1) / S;
-  S = (C + cpb - 1) / cpb;
+  return {(C + cpb - 1) / cpb, cpb};
+}
+
+template <int NT, bool U4>
+void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
+  auto* kern = qgemm_skinny_kernel<NT, U4>;
+  const int C = static_cast<int>(K / 32);
+  const int64_t tiles = assign_tiles(mats, kTileN);
+  // decode launches the same few shapes every step: plan each once (no occupancy queries per call)
+  static std::map<std::tuple<int, int, int64_t, int, int>, std::pair<int, int>> plans;
+  std::pair<int, int> plan;
+  {
+    const std::lock_guard<std::mutex> lock(host_mutex());
+    const auto key = std::make_tuple(M, C, tiles, dev, splits);
+    auto it = plans.find(key);
+    if (it != plans.end()) plan = it->second;
+  }
+  if (plan.first == 0) {
+    plan = plan_splits<NT, U4>(M, C, tiles, dev, splits);
+    const std::lock_guard<std::mutex> lock(host_mutex());
+    plans[std::make_tuple(M, C, tiles, dev, splits)] = plan;
+  }
+  const auto [S, cpb] = plan;
   const size_t smem = smem_bytes(M, cpb);
   ensure_smem(kern, smem, dev);
   launch_split(kern, tiles, S, kThreads, smem, stream, x, M, K, C, cpb, mats);
