@@ -1,0 +1,158 @@
+"""Generator streaming on `TinyLM` (generator_support.py): stop strings split across tokens,
+callbacks that stop a job, cancellation, the sync/async stream APIs and abandoned streams."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from exl_core.cache import Cache
+from exl_core.generation import Generator, Job
+from exl_core.generation.sampling import SamplerSettings
+from exl_core.model.context import ContiguousContext
+from generator_support import (GREEDY, CharTokenizer, TinyLM, _one_thread,  # noqa: F401 (autouse fixture)
+                               assert_pool_idle, rand_prompt, reference_greedy, run_all)
+
+
+def _forcing(seq, vocab=300):
+    """token_filter that makes the model emit `seq` token by token."""
+    def f(ids, logits):
+        k = len(ids) - f.prompt_len
+        out = torch.full_like(logits, -1e4)
+        out[seq[min(k, len(seq) - 1)]] = 0.0
+        return out
+    return f
+
+
+def test_stop_string_split_across_tokens():
+    model = TinyLM()
+    tok = CharTokenizer()
+    P = tok.PIECES
+    cache = Cache(model, max_tokens=1024, page_size=16)
+    gen = Generator(model, cache, tok, max_batch_tokens=64, max_chunk_size=32)
+    xx, S, T, OP, OPyy, space = (P.index(x) for x in ("xx ", "S", "T", "OP", "OP yy", " "))
+    # "ab" + "xx " + "S" + "T" + "OP yy" ...: "STOP" completes inside the 5th token
+    seq = [0, 1, xx, S, T, OPyy, 2, 3]
+    f = _forcing(seq)
+    job = Job(rand_prompt(7), max_new_tokens=20, sampler=GREEDY, stop=["STOP"], token_filter=f)
+    f.prompt_len = 7
+    gen.enqueue(job)
+    pieces = []
+    for r in run_all(gen):
+        pieces.append(r.text)
+        assert "S" not in "".join(pieces)          # held back until it could not be a stop prefix
+    assert job.finish_reason == "stop" and job.text == "abxx " == "".join(pieces)
+    assert job.generated == seq[:6]
+    # a near miss "STx" is released once it can no longer become "STOP"
+    seq2 = [S, T, 4, S, 5, space]
+    f2 = _forcing(seq2)
+    f2.prompt_len = 3
+    j2 = gen.enqueue(Job(rand_prompt(3), max_new_tokens=6, sampler=GREEDY, stop=["STOP", 299], token_filter=f2))
+    run_all(gen)
+    assert j2.text == "STeSf " and j2.finish_reason == "length"
+    # a stop token ends the job without emitting it
+    f3 = _forcing([0, 298, 1])
+    f3.prompt_len = 2
+    j3 = gen.enqueue(Job(rand_prompt(2), max_new_tokens=6, sampler=GREEDY, stop=[298], token_filter=f3))
+    f4 = _forcing([2, 299, 1])
+    f4.prompt_len = 2
+    j4 = gen.enqueue(Job(rand_prompt(2), max_new_tokens=6, sampler=GREEDY, token_filter=f4))
+    run_all(gen)
+    assert (j3.text, j3.finish_reason) == ("a", "stop")
+    assert (j4.text, j4.finish_reason, j4.generated) == ("c", "eos", [2, 299])
+    assert_pool_idle(cache)
+
+
+def test_callback_false_stops_and_frees_pages():
+    model = TinyLM()
+    cache = Cache(model, max_tokens=512, page_size=16)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    seen = []
+
+    def cb(r):
+        seen.append(r.token_ids[0])
+        return len(seen) < 3
+    j = gen.enqueue(Job(rand_prompt(40), max_new_tokens=50, sampler=GREEDY, callback=cb))
+    other = gen.enqueue(Job(rand_prompt(40), max_new_tokens=8, sampler=GREEDY))
+    results = run_all(gen)
+    assert j.finish_reason == "callback" and len(j.generated) == 3 and seen == j.generated
+    assert [r.finish_reason for r in results if r.job is j][-1] == "callback"
+    assert other.finish_reason == "length" and len(other.generated) == 8
+    assert_pool_idle(cache)
+
+
+def test_cancel_queued_and_running():
+    model = TinyLM()
+    cache = Cache(model, max_tokens=96, page_size=16)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    a = gen.enqueue(Job(rand_prompt(40), max_new_tokens=40, sampler=GREEDY))
+    b = gen.enqueue(Job(rand_prompt(40), max_new_tokens=40, sampler=GREEDY))
+    gen.iterate()
+    assert a.status == "active" and b.status == "queued"
+    assert gen.cancel(b) and gen.cancel(a)
+    assert not gen.cancel(a)
+    res = gen.iterate()
+    assert {(r.job.identifier, r.finish_reason) for r in res} == {(a.identifier, "cancelled"),
+                                                                 (b.identifier, "cancelled")}
+    assert not gen.has_work()
+    assert_pool_idle(cache)
+
+
+def test_generate_stream_and_async_agree():
+    model = TinyLM()
+    tok = CharTokenizer()
+    cache = Cache(model, max_tokens=1024, page_size=16)
+    gen = Generator(model, cache, tok, max_batch_tokens=64, max_chunk_size=32)
+    prompts = ["hello there", "abc", "the quick brown fox"]
+    texts = gen.generate(prompts, max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)
+    assert isinstance(texts, list) and len(texts) == 3
+    for p, t in zip(prompts, texts):
+        ref = reference_greedy(model, tok.encode(p), 10)
+        assert t == tok.decode(ref)
+    assert gen.generate(prompts[0], max_new_tokens=10, sampler=GREEDY, stop_on_eos=False) == texts[0]
+    assert "".join(gen.stream(prompts[1], max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)) == texts[1]
+    chat = gen.generate(prompts[2], max_new_tokens=5, sampler=GREEDY, chat=True, stop_on_eos=False)
+    assert chat == tok.decode(reference_greedy(model, tok.encode(prompts[2] + "z"), 5))
+
+    async def main():
+        outs = await asyncio.gather(*[_collect(gen.astream(p, max_new_tokens=10, sampler=GREEDY, stop_on_eos=False))
+                                      for p in prompts])
+        j = Job(tok.encode(prompts[0]), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)
+        gen.enqueue(j)
+        res = [r async for r in gen.aiterate()]
+        return outs, "".join(r.text for r in res if r.job is j)
+    outs, via_aiterate = asyncio.run(main())
+    assert outs == texts and via_aiterate == texts[0]
+    assert_pool_idle(cache)
+
+
+async def _collect(agen):
+    return "".join([x async for x in agen])
+
+
+def test_stream_abandoned_cancels_job():
+    model = TinyLM()
+    tok = CharTokenizer()
+    cache = Cache(model, max_tokens=512, page_size=16)
+    gen = Generator(model, cache, tok, max_batch_tokens=64, max_chunk_size=32)
+    it = gen.stream("abcdef", max_new_tokens=100, sampler=GREEDY, stop_on_eos=False)
+    next(it)
+    it.close()
+    gen.iterate()
+    assert not gen.has_work()
+    assert_pool_idle(cache)
+
+
+def test_logprobs_match_float64_reference():
+    model = TinyLM()
+    cache = Cache(model, max_tokens=512, page_size=16)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    p = rand_prompt(33)
+    j = gen.enqueue(Job(p, max_new_tokens=4, sampler=SamplerSettings(temperature=0.8), seed=7, return_logprobs=True))
+    lps = [lp for r in run_all(gen) for lp in r.logprobs]
+    ids = list(p)
+    for t, lp in zip(j.generated, lps):
+        logits = model.forward(torch.tensor(ids), ContiguousContext([len(ids)], [None]))[-1].double()
+        assert lp == pytest.approx(float(torch.log_softmax(logits, 0)[t]), abs=1e-3)
+        ids.append(t)
