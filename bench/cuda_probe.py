@@ -3,6 +3,7 @@
     python bench/cuda_probe.py [mma|gemv|skinny|skinny_tiled] [M] [splits]   # ncu -k regex:qgemm ...
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
     python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
+    python bench/cuda_probe.py syncs CKPT                    # where a prefill / decode step syncs the host
 """
 from __future__ import annotations
 
@@ -56,8 +57,49 @@ def layout_table() -> None:
             print(f"K={K:5d} N={N:5d} M={M:2d} equal={same}: " + "  ".join(cells), flush=True)
 
 
+def host_syncs(ckpt: str) -> None:
+    """Every place a 512-token prefill and an eager decode step make the host wait for the GPU
+    (torch's sync debug mode), by innermost exl_core frame: each one stalls the launch queue."""
+    import collections
+    import traceback
+    import warnings
+    sys.path.insert(0, "bench")
+    from gpu_bench import DecodeContext, PrefillContext, StaticKV
+    from exl_core.loader import load_model
+    model, _ = load_model(ckpt, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    kv = StaticKV(model, 1, 520)
+    ids = torch.randint(0, model.config.vocab_size, (512,)).cuda()
+    with torch.inference_mode():
+        tok = model.forward(ids, PrefillContext(kv, 512)).argmax(-1)       # warm (tables, plans)
+        kv.pos.fill_(512)
+        for label, fn in (("prefill 512", lambda: model.forward(ids, PrefillContext(kv, 512))),
+                          ("decode step", lambda: model.forward(tok, DecodeContext(kv)))):
+            torch.cuda.synchronize()
+            where: collections.Counter = collections.Counter()
+
+            def record(message, category, filename, lineno, file=None, line=None):
+                frames = [f for f in traceback.extract_stack()[:-1] if "exl_core" in f.filename]
+                f = frames[-1] if frames else None
+                where[f"{f.filename.split('exl_core/')[-1]}:{f.lineno} {f.line}" if f else str(message)[:60]] += 1
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            print(f"{label}: {sum(where.values())} syncing calls")
+            for k, n in where.most_common(12):
+                print(f"  {n:4d}x {k}")
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "mma"
+    if what == "syncs":
+        host_syncs(sys.argv[2])
+        return
     if what == "layout":
         layout_table()
         return

@@ -55,6 +55,56 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
     y[row * H + i] = cvt<T>(f32<T>(w[i]) * f32<T>(cvt<T>(f32<T>(src[i]) * r)));
 }
 
+// The same with 16-byte vectors kept in registers between the two passes (H * sizeof(T) % 16 == 0,
+// aligned rows, H <= kNormThreads * NV * 16 / sizeof(T)): one read of x and residual instead of
+// scalar loads and a re-read; per element the same roundings as rms_norm_kernel.
+template <typename T, int NV>
+__global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                                                     const T* __restrict__ w, int64_t H, float eps,
+                                                                     T* __restrict__ y, T* __restrict__ h_out) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t row = blockIdx.x, nvec = H / V;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
+  uint4 hv[NV];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+    if (vi >= nvec) break;
+    hv[i] = xr[vi];
+    T* hp = reinterpret_cast<T*>(&hv[i]);
+    if (res) {
+      const uint4 rv = reinterpret_cast<const uint4*>(res + row * H)[vi];
+      const T* rp = reinterpret_cast<const T*>(&rv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) hp[e] = cvt<T>(f32<T>(hp[e]) + f32<T>(rp[e]));
+      reinterpret_cast<uint4*>(h_out + row * H)[vi] = hv[i];
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) ss += f32<T>(hp[e]) * f32<T>(hp[e]);
+  }
+  __shared__ float part[kNormThreads / 32];
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) tot += part[i];
+  const float r = rsqrtf(tot / static_cast<float>(H) + eps);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+    if (vi >= nvec) break;
+    const uint4 wv = reinterpret_cast<const uint4*>(w)[vi];
+    const T* wp = reinterpret_cast<const T*>(&wv);
+    T* hp = reinterpret_cast<T*>(&hv[i]);
+#pragma unroll
+    for (int e = 0; e < V; ++e) hp[e] = cvt<T>(f32<T>(wp[e]) * f32<T>(cvt<T>(f32<T>(hp[e]) * r)));
+    reinterpret_cast<uint4*>(y + row * H)[vi] = hv[i];
+  }
+}
+constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
+
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -105,6 +155,45 @@ __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, in
   out[th * D + half + i] = cvt<T>(x2 * cv + x1 * sv);
 }
 
+// q and k in one launch, 4 pairs per thread (8- or 16-byte loads): (T, Hq, D) and (T, Hk, D) contiguous,
+// D % 8 == 0, rows aligned to 4 elements.  Same math and roundings as rope_kernel.
+template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
+
+template <typename T>
+__global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, int64_t q_heads, int64_t Hq,
+                                   const T* __restrict__ k, T* __restrict__ ko, int64_t k_heads, int64_t Hk, int D,
+                                   const int64_t* __restrict__ pos, const float* __restrict__ cs, int64_t max_pos) {
+  const int per_head = D / 8, half = D / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t head = idx / per_head;
+  const int j = static_cast<int>(idx - head * per_head) * 4;
+  const T* x = q;
+  T* out = qo;
+  int64_t H = Hq;
+  if (head >= q_heads) {
+    head -= q_heads;
+    if (head >= k_heads) return;
+    x = k, out = ko, H = Hk;
+  }
+  const int64_t p = pos[head / H];
+  const bool ok = p >= 0 && p < max_pos;                     // out of the table: NaN rows (see rope_kernel)
+  const float* c = cs + (ok ? p : 0) * D;
+  const float4 cv = ok ? *reinterpret_cast<const float4*>(c + j) : make_float4(NAN, NAN, NAN, NAN);
+  const float4 sv = *reinterpret_cast<const float4*>(c + half + j);
+  const Vec4<T> a = *reinterpret_cast<const Vec4<T>*>(x + head * D + j);
+  const Vec4<T> b = *reinterpret_cast<const Vec4<T>*>(x + head * D + half + j);
+  Vec4<T> oa, ob;
+  const float cc[4] = {cv.x, cv.y, cv.z, cv.w}, ss[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float x1 = f32<T>(a.v[e]), x2 = f32<T>(b.v[e]);
+    oa.v[e] = cvt<T>(x1 * cc[e] - x2 * ss[e]);
+    ob.v[e] = cvt<T>(x2 * cc[e] + x1 * ss[e]);
+  }
+  *reinterpret_cast<Vec4<T>*>(out + head * D + j) = oa;
+  *reinterpret_cast<Vec4<T>*>(out + head * D + half + j) = ob;
+}
+
 #define EXL_PW_DISPATCH(dtype, NAME, ...)                                                   \
   [&] {                                                                                     \
     if ((dtype) == at::kHalf) { using scalar_t = __half; return __VA_ARGS__(); }            \
@@ -114,6 +203,13 @@ __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, in
   }()
 
 template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// Every defined tensor's data is 16-byte aligned (the vector kernels' precondition).
+bool aligned16(std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts)
+    if (t->defined() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
+  return true;
+}
 
 void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* na, const char* nb) {
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(), op, ": ", na, " and ", nb,
@@ -141,7 +237,11 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   EXL_PW_DISPATCH(x.scalar_type(), op, [&] {
-    rms_norm_kernel<scalar_t><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
+    constexpr int V = 16 / sizeof(scalar_t);
+    bool vec = H % V == 0 && H <= static_cast<int64_t>(kNormThreads) * kNormVecs * V;
+    vec = vec && aligned16({&x, &w, &y, &res, &h});
+    auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
+    kern<<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
         ptr<scalar_t>(x), res_ ? ptr<scalar_t>(res) : nullptr, ptr<scalar_t>(w), H, static_cast<float>(eps),
         ptr<scalar_t>(y), res_ ? ptr<scalar_t>(h) : nullptr);
   });
@@ -211,7 +311,22 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tens
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto pos = positions.to(at::kLong).contiguous();
   const auto cs = cos_sin.contiguous();
-  return {rope_one(q, pos, cs, stream), rope_one(k, pos, cs, stream)};
+  const int64_t D = q.size(2);
+  const auto qc = q.contiguous(), kc = k.contiguous();
+  bool vec = D % 8 == 0 && q.scalar_type() == k.scalar_type();
+  auto qo = at::empty_like(qc), ko = at::empty_like(kc);
+  vec = vec && aligned16({&qc, &kc, &qo, &ko, &cs});
+  if (!vec) return {rope_one(q, pos, cs, stream), rope_one(k, pos, cs, stream)};
+  const int64_t q_heads = qc.size(0) * qc.size(1), k_heads = kc.size(0) * kc.size(1);
+  const int64_t n = (q_heads + k_heads) * (D / 8);
+  if (!n) return {qo, ko};
+  EXL_PW_DISPATCH(q.scalar_type(), op, [&] {
+    rope_qk_vec_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+        ptr<scalar_t>(qc), ptr<scalar_t>(qo), q_heads, qc.size(1), ptr<scalar_t>(kc), ptr<scalar_t>(ko), k_heads,
+        kc.size(1), static_cast<int>(D), pos.data_ptr<int64_t>(), cs.data_ptr<float>(), cs.size(0));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {qo, ko};
 }
 
 }  // namespace

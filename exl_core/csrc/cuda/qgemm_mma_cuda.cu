@@ -11,7 +11,7 @@
 //            Column tile v (0..3) of the mma is the strided column set {4g + v}.
 //   K order: k is a reduction index, so the mma's k slots may map to any real k as long as
 //            A and B agree. B takes pairs (q_p, q_p+4) (one shift + LOP3 for 4-bit); x is
-//            staged in shared memory already in that order (frag_to_real below), fp16.
+//            staged in shared memory already in that order (stage_x_frag, qmma_common.cuh), fp16.
 //   split-K: the grid's y dimension splits K; on sm_90 those blocks form one thread-block
 //            cluster and reduce their partial tiles through distributed shared memory, so the
 //            result is deterministic and written once (with bias) by one launch.
@@ -171,12 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
   for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
     const int s1 = min(c_end, s0 + kStageChunks), L = (s1 - s0) * 32;
     if (s0 != c_begin) __syncthreads();                       // previous stage fully consumed
-    for (int idx = threadIdx.x; idx < M * L; idx += kThreads) {   // real rows only
-      const int m = idx / L, pos = idx - m * L;
-      const int within = pos & 31;
-      const int64_t k = static_cast<int64_t>(s0) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
-      xs[m * xs_stride + pos] = x[m * K + (perm ? __ldg(perm + k) : k)];
-    }
+    stage_x_frag(xs, xs_stride, x, M, M, K, static_cast<int64_t>(s0) * 32, L, perm);   // real rows only
     __syncthreads();
     for (int idx = threadIdx.x; idx < M * (s1 - s0); idx += kThreads) {   // sum of each staged chunk row
       const int m = idx / (s1 - s0), cl = idx - m * (s1 - s0);

@@ -162,19 +162,11 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
 
   const int nc = c_end - c_begin, L = nc * 32;
   for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
-  for (int idx = threadIdx.x; idx < kRows * L; idx += kThreads) {   // x[:, perm] in fragment order
-    const int m = idx / L, pos = idx - m * L, within = pos & 31;
-    __half v = __float2half_rn(0.f);
-    if (m < M) {
-      const int64_t k = static_cast<int64_t>(c_begin) * 32 + (pos & ~31) + frag_to_real(within >> 4, within & 15);
-      v = x[m * K + (perm ? __ldg(perm + k) : k)];
-    }
-    xs[m * xs_stride + pos] = v;
-  }
+  stage_x_frag(xs, xs_stride, x, M, kRows, K, static_cast<int64_t>(c_begin) * 32, L, perm);
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * nc; idx += kThreads) {  // per-chunk sums of the staged x
     const int m = idx / nc, c = idx - m * nc;
-    xsum[c * kRows + m] = chunk_x_sum(xs + m * xs_stride + c * 32);
+    xsum[c * kRows + m] = m < M ? chunk_x_sum(xs + m * xs_stride + c * 32) : 0.f;
   }
   __syncthreads();
 

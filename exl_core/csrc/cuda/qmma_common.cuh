@@ -17,11 +17,58 @@ namespace exl_mma {
 
 constexpr int kMaxSplits = 8;   // portable cluster size
 
-// Real k (0..31 inside a chunk) held by staged slot j*16 + f (j: k16 step, f: mma k slot).
-// Lane t's pairs are (q_p, q_p+4) of its values 8t..8t+7: step j uses p = 2j (k slots 2t, 2t+1)
-// and p = 2j + 1 (k slots 2t+8, 2t+9).
-__device__ __forceinline__ int frag_to_real(int j, int f) {
-  return 8 * ((f & 7) >> 1) + 2 * j + (f >> 3) + 4 * (f & 1);
+// Stages rows [0, rows) of x[:, perm[k0 .. k0 + L)] into xs [rows][xs_stride] fp16 in fragment order
+// (the order the mma fragments read); rows >= M are zero-filled without
+// loads.  Each thread takes 8 consecutive k at a time and issues all of its loads (one 16-byte load
+// per row without perm, 8 independent gathers with perm) before its stores: the staging costs one or
+// two memory latencies per block instead of one per element (the per-element loop was the kernels'
+// fixed cost per call).  Lane t's mma k16 step j reads its pairs (q_p, q_p+4) of values 8t..8t+7 with
+// p = 2j and 2j + 1: real k = 8a + 4b + 2j + c sits at slot 16j + 8c + 2a + b, so the pair (k, k + 4)
+// is one 32-bit store.
+__device__ __forceinline__ uint32_t half_bits(const uint4& v, int i) {
+  const uint32_t w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+  return (i & 1) ? (w >> 16) : (w & 0xFFFFu);
+}
+
+// The 8 values of row m, staged pairs (k, k + 4) -> slots 16j + 8c of dst (i = 2j + c).
+__device__ __forceinline__ void store_frag8(uint32_t* dst, const uint4& v) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[(16 * (i >> 1) + 8 * (i & 1)) >> 1] = half_bits(v, i) | half_bits(v, i + 4) << 16;
+}
+
+__device__ __forceinline__ void stage_x_frag(__half* xs, int xs_stride, const __half* __restrict__ x, int M, int rows,
+                                             int64_t K, int64_t k0, int L, const int64_t* __restrict__ perm) {
+  const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
+  const bool vec = perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (K & 7) == 0;
+  const int rs = xs_stride >> 1;                               // row stride in 32-bit words
+  for (int s = threadIdx.x; s < (L >> 3); s += blockDim.x) {
+    const int64_t kk = k0 + (s << 3);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xs + ((s << 3) & ~31) + 2 * (s & 3));
+    if (vec) {
+      constexpr int RB = 4;                                    // rows loaded before their stores
+      for (int m0 = 0; m0 < rows; m0 += RB) {
+        uint4 v[RB];
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+          v[r] = m0 + r < M ? __ldg(reinterpret_cast<const uint4*>(x + (m0 + r) * K + kk)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+          if (m0 + r < rows) store_frag8(dst + (m0 + r) * rs, v[r]);
+      }
+    } else {
+      int src[8];                                              // K < 2^31
+#pragma unroll
+      for (int i = 0; i < 8; ++i) src[i] = static_cast<int>(perm ? __ldg(perm + kk + i) : kk + i);
+      for (int m = 0; m < rows; ++m) {
+        uint32_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (m < M) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) h[i] = __ldg(xu + m * K + src[i]);
+        }
+        store_frag8(dst + m * rs, make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16));
+      }
+    }
+  }
 }
 
 struct Raw {        // one chunk's words for a lane's 4 columns
