@@ -5,7 +5,7 @@
 #   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 # Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding),
-# gen (Generator tok/s), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
+# gen (Generator tok/s), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || exit 0
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
   done ) >"$OUT/ckpt_log.txt" 2>&1 &
@@ -47,6 +47,10 @@ fi
 wait $ck_pid || { cat "$OUT/ckpt_log.txt"; exit 1; }
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee "$OUT/bench_log.txt" | tail -60
+fi
+if has nopdl; then    # A/B: the same graph decode and prompt with programmatic dependent launch off
+  EXL_CORE_PDL=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
+    --json bench/results/gpu_h200_nopdl.json 2>&1 | tee "$OUT/nopdl_log.txt" | tail -14
 fi
 if has probe; then    # where the host waits for the GPU; the decode kernel alone on 16 distinct weights
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py syncs "$CK/gptq" 2>&1 | tee "$OUT/probe_log.txt" | tail -30

@@ -286,7 +286,8 @@ def profile_table(fn, label: str, top: int = 14) -> list[dict]:
     return rows[:top]
 
 
-def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
+def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False) -> None:
+    """quick: CUDA-graph decode and the prompt only (no sweep, eager runs or profiles), for A/B runs."""
     from exl_core.loader import load_model
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -296,14 +297,14 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
     nbytes = bytes_per_token(model)
     r["bytes_per_token_gb"] = nbytes / 1e9
     r["floor_bs1_tok_s"] = bw * 1e9 / nbytes
-    if fmt == "gptq":
+    if fmt == "gptq" and not quick:
         try:
             out["gemv_sweep"] = gemv_sweep(model)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             out["gemv_sweep_error"] = repr(e)[:300]
     for B in (1, 8, 32):
-        for graphs in (False, True):
+        for graphs in ((True,) if quick else (False, True)):
             key = f"bs{B}_decode_tok_s" + ("" if graphs else "_eager")
             try:
                 r[key] = decode_tok_s(model, B, graphs)
@@ -312,7 +313,7 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict) -> None:
                 r[key + "_error"] = repr(e)[:300]
         if f"bs{B}_decode_tok_s" not in r and f"bs{B}_decode_tok_s_eager" in r:
             r[f"bs{B}_decode_tok_s"] = r[f"bs{B}_decode_tok_s_eager"]
-    if PROFILE:
+    if PROFILE and not quick:
         try:
             r["profile_decode_bs1"] = profile_decode(model, 1)
             kv = StaticKV(model, 1, 2048)
@@ -338,7 +339,7 @@ def _write(out: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_h200.json").write_text(text + "\n")
+        Path(os.environ["OUT"], path.name).write_text(text + "\n")
 
 
 def main() -> None:
@@ -346,6 +347,7 @@ def main() -> None:
     ap.add_argument("--gptq", type=Path)
     ap.add_argument("--exl2", type=Path)
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_h200.json")
+    ap.add_argument("--quick", action="store_true", help="graph decode and prompt only (A/B runs)")
     a = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch"}
@@ -353,10 +355,10 @@ def main() -> None:
     for fmt in ("gptq", "exl2"):
         p = getattr(a, fmt)
         if p is not None:
-            bench_format(p, fmt, bw, out)
+            bench_format(p, fmt, bw, out, a.quick)
             _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
-        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("mma", "gemv", "dequant_mm", "mma_s1", "mma_s2", "mma_s4", "mma_s8")
+        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("skinny", "mma", "gemv", "dequant_mm")
                           if n + "_us" in row)
         errs = [k for k in row if k.endswith("_error")]
         print(f"K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: {cells} {errs if errs else ''}")

@@ -11,6 +11,8 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include "pdl.cuh"
+
 namespace {
 
 template <typename T> __device__ __forceinline__ float f32(T v);
@@ -29,6 +31,8 @@ template <typename T>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                  const T* __restrict__ w, int64_t H, float eps,
                                                                  T* __restrict__ y, T* __restrict__ h_out) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * H;
   float ss = 0.f;
@@ -62,6 +66,8 @@ template <typename T, int NV>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
@@ -107,6 +113,8 @@ constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
 
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float gv = f32<T>(g[i]);
@@ -118,6 +126,8 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
 template <typename T>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n_vec,
                                     T* __restrict__ y) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   constexpr int V = 16 / sizeof(T);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_vec) return;
@@ -139,6 +149,8 @@ template <typename T>
 __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, int64_t D,
                             const int64_t* __restrict__ pos, const float* __restrict__ cs, int64_t max_pos,
                             T* __restrict__ out) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   const int64_t half = D / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;   // over rows*H*half
   if (idx >= rows * H * half) return;
@@ -163,6 +175,8 @@ template <typename T>
 __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, int64_t q_heads, int64_t Hq,
                                    const T* __restrict__ k, T* __restrict__ ko, int64_t k_heads, int64_t Hk, int D,
                                    const int64_t* __restrict__ pos, const float* __restrict__ cs, int64_t max_pos) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   const int per_head = D / 8, half = D / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t head = idx / per_head;
@@ -236,14 +250,16 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
   if (rows == 0) return {y, h};
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = x.device().index();
   EXL_PW_DISPATCH(x.scalar_type(), op, [&] {
     constexpr int V = 16 / sizeof(scalar_t);
     bool vec = H % V == 0 && H <= static_cast<int64_t>(kNormThreads) * kNormVecs * V;
     vec = vec && aligned16({&x, &w, &y, &res, &h});
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
-    kern<<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
-        ptr<scalar_t>(x), res_ ? ptr<scalar_t>(res) : nullptr, ptr<scalar_t>(w), H, static_cast<float>(eps),
-        ptr<scalar_t>(y), res_ ? ptr<scalar_t>(h) : nullptr);
+    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev,
+        static_cast<const scalar_t*>(ptr<scalar_t>(x)), static_cast<const scalar_t*>(res_ ? ptr<scalar_t>(res) : nullptr),
+        static_cast<const scalar_t*>(ptr<scalar_t>(w)), H, static_cast<float>(eps), ptr<scalar_t>(y),
+        res_ ? ptr<scalar_t>(h) : static_cast<scalar_t*>(nullptr));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
@@ -268,17 +284,20 @@ at::Tensor silu_mul_cuda(const at::Tensor& g_, const at::Tensor& u_) {
   if (!n) return y;
   const c10::cuda::CUDAGuard guard(g.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = g.device().index();
   EXL_PW_DISPATCH(g.scalar_type(), op, [&] {
     constexpr int V = 16 / sizeof(scalar_t);
     const bool vec = n % V == 0 && reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(u.data_ptr()) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0;
     if (vec)
-      silu_mul_vec_kernel<scalar_t><<<static_cast<unsigned>((n / V + 255) / 256), 256, 0, stream>>>(
-          ptr<scalar_t>(g), ptr<scalar_t>(u), n / V, ptr<scalar_t>(y));
+      exl_pdl::launch_pdl(silu_mul_vec_kernel<scalar_t>, dim3(static_cast<unsigned>((n / V + 255) / 256)), dim3(256), 0,
+                          stream, dev, static_cast<const scalar_t*>(ptr<scalar_t>(g)),
+                          static_cast<const scalar_t*>(ptr<scalar_t>(u)), n / V, ptr<scalar_t>(y));
     else
-      silu_mul_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-          ptr<scalar_t>(g), ptr<scalar_t>(u), n, ptr<scalar_t>(y));
+      exl_pdl::launch_pdl(silu_mul_kernel<scalar_t>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), 0, stream,
+                          dev, static_cast<const scalar_t*>(ptr<scalar_t>(g)),
+                          static_cast<const scalar_t*>(ptr<scalar_t>(u)), n, ptr<scalar_t>(y));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
@@ -291,8 +310,10 @@ at::Tensor rope_one(const at::Tensor& x_, const at::Tensor& pos, const at::Tenso
   const int64_t n = rows * H * (D / 2);
   if (!n) return out;
   EXL_PW_DISPATCH(x.scalar_type(), "exl_core::rope (CUDA)", [&] {
-    rope_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-        ptr<scalar_t>(x), rows, H, D, pos.data_ptr<int64_t>(), cs.data_ptr<float>(), cs.size(0), ptr<scalar_t>(out));
+    exl_pdl::launch_pdl(rope_kernel<scalar_t>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), 0, stream,
+                        x.device().index(), static_cast<const scalar_t*>(ptr<scalar_t>(x)), rows, H, D,
+                        static_cast<const int64_t*>(pos.data_ptr<int64_t>()), static_cast<const float*>(cs.data_ptr<float>()),
+                        cs.size(0), ptr<scalar_t>(out));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -321,9 +342,11 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tens
   const int64_t n = (q_heads + k_heads) * (D / 8);
   if (!n) return {qo, ko};
   EXL_PW_DISPATCH(q.scalar_type(), op, [&] {
-    rope_qk_vec_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-        ptr<scalar_t>(qc), ptr<scalar_t>(qo), q_heads, qc.size(1), ptr<scalar_t>(kc), ptr<scalar_t>(ko), k_heads,
-        kc.size(1), static_cast<int>(D), pos.data_ptr<int64_t>(), cs.data_ptr<float>(), cs.size(0));
+    exl_pdl::launch_pdl(rope_qk_vec_kernel<scalar_t>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), 0, stream,
+                        q.device().index(), static_cast<const scalar_t*>(ptr<scalar_t>(qc)), ptr<scalar_t>(qo), q_heads,
+                        qc.size(1), static_cast<const scalar_t*>(ptr<scalar_t>(kc)), ptr<scalar_t>(ko), k_heads,
+                        kc.size(1), static_cast<int>(D), static_cast<const int64_t*>(pos.data_ptr<int64_t>()),
+                        static_cast<const float*>(cs.data_ptr<float>()), cs.size(0));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {qo, ko};

@@ -167,6 +167,8 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
   load_chunk(cur0, c < c_end, chunks + 3 * c, qw, col, valid, t);
   load_chunk(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qw, col, valid, t);
   for (int i = threadIdx.x; i < (c_end - c_begin) * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
+  exl_pdl::pdl_wait();                                        // x comes from the previous kernel (PDL)
+  exl_pdl::pdl_trigger();
 
   for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
     const int s1 = min(c_end, s0 + kStageChunks), L = (s1 - s0) * 32;
@@ -246,7 +248,7 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
   S = (C + cpb - 1) / cpb;
   const size_t smem = smem_bytes(MT, cpb);
   ensure_smem(qgemm_mma_kernel<MT>, smem, dev);
-  launch_split(qgemm_mma_kernel<MT>, tiles, S, kThreads, smem, stream, x, M, K, C, cpb, mats);
+  launch_split(qgemm_mma_kernel<MT>, tiles, S, kThreads, smem, stream, dev, x, M, K, C, cpb, mats);
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K, one

@@ -162,6 +162,9 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
 
   const int nc = c_end - c_begin, L = nc * 32;
   for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
+  // Everything above reads weight data fixed at load time; x comes from the previous kernel (PDL).
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
   stage_x_frag(xs, xs_stride, x, M, kRows, K, static_cast<int64_t>(c_begin) * 32, L, perm);
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * nc; idx += kThreads) {  // per-chunk sums of the staged x
@@ -306,7 +309,7 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
   const auto [S, cpb] = plan;
   const size_t smem = smem_bytes(M, cpb);
   ensure_smem(kern, smem, dev);
-  launch_split(kern, tiles, S, kThreads, smem, stream, x, M, K, C, cpb, mats);
+  launch_split(kern, tiles, S, kThreads, smem, stream, dev, x, M, K, C, cpb, mats);
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K in

@@ -8,6 +8,8 @@
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -290,12 +292,13 @@ int64_t resident_blocks(Kern* kern, int threads, int S, size_t smem, int dev) {
 }
 
 // Launches grid (tiles, S) with clusters (1, S, 1) when S > 1.
+// The kernel is launched with PDL where it is on (pdl.cuh: it must call pdl_wait() before reading x).
 template <typename Kern, typename... Args>
-void launch_split(Kern* kern, int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream, Args... args) {
+void launch_split(Kern* kern, int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream, int dev,
+                  Args... args) {
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = split_config(tiles, S, threads, smem, stream, attr);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  exl_pdl::launch_ex(cfg, dev, kern, args...);
 }
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }

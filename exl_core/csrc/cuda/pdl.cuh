@@ -1,0 +1,74 @@
+// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start while the
+// kernel before it in the stream is still running.  Decode runs ~11 small kernels per layer, each
+// paying launch latency and a drain before the next could begin; with PDL the next kernel's blocks
+// are resident early and its weight loads (data fixed at load time) overlap the previous kernel.
+//
+// Contract for every kernel launched through launch_pdl: call pdl_wait() before the first read of
+// anything an earlier kernel may write (activations, outputs, K/V) and before the first global
+// write; pdl_wait() returns once the previous grid has completed and its writes are visible, so
+// completion stays transitive along the stream.  pdl_trigger() lets the next kernel launch
+// (it still waits for this one's completion in its own pdl_wait()).
+// EXL_CORE_PDL=0 turns the attribute off (A/B timing, debugging); kernels then run serialized.
+#pragma once
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace exl_pdl {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// PDL on for this device: sm_90 or newer and EXL_CORE_PDL not "0".
+inline bool pdl_enabled(int dev) {
+  static const bool env_on = [] {
+    const char* v = std::getenv("EXL_CORE_PDL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  static int major[64] = {0};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (!major[dev]) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
+  return env_on && major[dev] >= 9;
+}
+
+// cudaLaunchKernelEx with `cfg` (grid, block, smem, stream and up to one attribute already set)
+// plus the programmatic-serialization attribute where PDL is on.
+template <typename Kern, typename... Args>
+void launch_ex(cudaLaunchConfig_t cfg, int dev, Kern* kern, Args... args) {
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  for (unsigned i = 0; i < cfg.numAttrs && n < 1; ++i) attrs[n++] = cfg.attrs[i];
+  if (pdl_enabled(dev)) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, args...));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// kern<<<grid, block, smem, stream>>>(args...) with PDL where it is on.
+template <typename Kern, typename... Args>
+void launch_pdl(Kern* kern, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int dev, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  launch_ex(cfg, dev, kern, args...);
+}
+
+}  // namespace exl_pdl
