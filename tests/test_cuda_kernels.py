@@ -147,7 +147,7 @@ SKINNY_CASES = MMA_CASES + [([(4, 32 * 40)], 4 * 300)]            # + uniform 4-
 def test_qgemm_skinny_vs_float64(case, M, splits):
     """The decode kernel (weights as the mma's A operand) on its own, for every row count it takes."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import chunk_table
+    from exl_core.ops.cuda_candidates import _uniform4, chunk_table
     layout, N = SKINNY_CASES[case]
     pw = random_packed(layout, N, perm=random.random() < 0.7, bias=random.random() < 0.5)
     K = pw.in_features
@@ -157,7 +157,8 @@ def test_qgemm_skinny_vs_float64(case, M, splits):
     x = torch.randn(M, K, dtype=torch.float16)
     ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
     c = pw.to("cuda")
-    uniform4 = all(b == 4 for b, *_ in pw.groups.tolist())
+    uniform4 = _uniform4(pw)                  # the callers' check: 4-bit words in K order
+    assert uniform4 == all(b == 4 for b, *_ in pw.groups.tolist())   # random_packed writes K order
     ch = chunk_table(pw.groups, "cuda")
     bias = None if pw.bias is None else c.bias.half()
     for u4 in ({False, uniform4}):
@@ -327,3 +328,4 @@ def test_rope_position_outside_table_gives_nan_rows():
     qo, ko = apply_rope(q, k, torch.tensor([0, 16, 5], device="cuda"), cs)
     assert torch.isnan(qo[1]).all() and torch.isnan(ko[1]).all()
     assert not torch.isnan(qo[[0, 2]]).any() and not torch.isnan(ko[[0, 2]]).any()
+

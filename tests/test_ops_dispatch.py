@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from exl_core.errors import KernelError
 from exl_core.ops.dispatch import Candidate, Dispatcher
@@ -53,3 +54,16 @@ def test_cached_choice_follows_forcing_and_replacement(monkeypatch):
     d.candidates[0] = D.Candidate("c", lambda x: None, lambda x: calls.append("c"))   # same length, new member
     d(x=1)
     assert calls == ["a", "b", "c"]
+
+
+def test_uniform4_needs_words_in_k_order():
+    """The uniform-4-bit decode kernel computes chunk c's word rows as 4c..4c+3 instead of reading the
+    chunk table, so the flag must be refused for 4-bit weights packed in another order (runs without a GPU)."""
+    from types import SimpleNamespace
+    from exl_core.ops.cuda_candidates import _uniform4
+    k_order = torch.tensor([[4, 0, 128, 0], [4, 128, 128, 16]], dtype=torch.int32)
+    swapped = torch.tensor([[4, 0, 128, 16], [4, 128, 128, 0]], dtype=torch.int32)
+    mixed = torch.tensor([[4, 0, 128, 0], [3, 128, 128, 16]], dtype=torch.int32)
+    assert _uniform4(SimpleNamespace(groups=k_order, meta={}))
+    assert not _uniform4(SimpleNamespace(groups=swapped, meta={}))
+    assert not _uniform4(SimpleNamespace(groups=mixed, meta={}))

@@ -89,10 +89,12 @@ def _skinny_ok(rows: int, pw, device) -> bool:
 
 
 def _uniform4(pw) -> bool:
-    """Every chunk 4-bit (GPTQ 4-bit): the kernel variant without the per-chunk width switch."""
+    """Every chunk 4-bit with its words in K order (GPTQ 4-bit: chunk c in qweight rows 4c..4c+3): the
+    kernel variant without the per-chunk width switch, which computes word rows instead of reading them."""
     cached = pw.meta.get("_cuda_uniform4")
     if cached is None:
-        cached = pw.meta["_cuda_uniform4"] = bool((pw.groups[:, 0] == 4).all())
+        g = pw.groups
+        cached = pw.meta["_cuda_uniform4"] = bool((g[:, 0] == 4).all() and (g[:, 3] * 8 == g[:, 1]).all())
     return cached
 
 

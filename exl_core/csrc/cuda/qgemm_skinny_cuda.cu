@@ -57,10 +57,12 @@ inline size_t smem_bytes(int M, int cpb) {
 
 // The words of chunk entry e (bits, group, qrow) holding a lane's values 8t..8t+7; `base` points at
 // word (row 0, the lane's first column) and rows are `ldq` words apart.
+// U4 (every chunk 4-bit, words in chunk order): chunk c's words are rows 4c..4c+3, no table read --
+// the first loads of a launch do not wait for the table.
 template <bool U4>
-__device__ __forceinline__ void load_words(Raw& r, const int32_t* e, const int32_t* base, int64_t ldq, int t) {
+__device__ __forceinline__ void load_words(Raw& r, const int32_t* e, int c, const int32_t* base, int64_t ldq, int t) {
   if constexpr (U4) {
-    r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(e[2] + t) * ldq));
+    r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(4 * c + t) * ldq));
   } else {
     const int bits = e[0], start = 8 * t * bits;
     const int32_t* p = base + static_cast<int64_t>(e[2] + (start >> 5)) * ldq;
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
-    if (w_begin + i < w_end) load_words<U4>(ring[i], chunks + 3 * (w_begin + i), base, ldq, t);
+    if (w_begin + i < w_end) load_words<U4>(ring[i], chunks + 3 * (w_begin + i), w_begin + i, base, ldq, t);
   }
 
   const int nc = c_end - c_begin, L = nc * 32;
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       step(ring[i], c + i - c_begin);
-      if (c + i + R < w_end) load_words<U4>(ring[i], tab + 3 * (c + i + R - c_begin), base, ldq, t);
+      if (c + i + R < w_end) load_words<U4>(ring[i], tab + 3 * (c + i + R - c_begin), c + i + R, base, ldq, t);
     }
   }
 #pragma unroll
@@ -313,8 +315,9 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K in
-// one launch; x fp16 [M <= 32, K]. `uniform4`: every chunk of every weight is 4-bit (GPTQ 4-bit) --
-// selects the kernel without the per-chunk width switch.
+// one launch; x fp16 [M <= 32, K]. `uniform4`: every chunk of every weight is 4-bit and chunk c's words
+// are rows 4c..4c+3 (GPTQ 4-bit; the caller checks, ops/cuda_candidates.py _uniform4) -- selects the
+// kernel without the per-chunk width switch or table reads for the weight loads.
 std::vector<at::Tensor> qgemm_skinny_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,

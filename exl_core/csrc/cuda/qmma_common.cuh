@@ -212,8 +212,12 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
   cluster.sync();                                             // every block's `red` is final
   const int rank = static_cast<int>(cluster.block_rank());
   for (int idx = rank * nthreads + threadIdx.x; idx < E; idx += S * nthreads) {
+    float v[kMaxSplits];                                      // all remote reads in flight, then the sum
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
     float a = 0.f;
-    for (int q = 0; q < S; ++q) a += cluster.map_shared_rank(red, q)[idx];
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) a += v[q];
     store(idx, a);
   }
   cluster.sync();                                             // keep `red` alive until all reads are done
