@@ -4,6 +4,7 @@
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
     python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
     python bench/cuda_probe.py syncs CKPT                    # where a prefill / decode step syncs the host
+    python bench/cuda_probe.py prompt CKPT                   # 2048-token prefill: SDPA backends, host time
 """
 from __future__ import annotations
 
@@ -95,8 +96,43 @@ def host_syncs(ckpt: str) -> None:
                 print(f"  {n:4d}x {k}")
 
 
+def prompt_backends(ckpt: str) -> None:
+    """2048-token prefill (gpu_bench's harness) under each SDPA backend: GPU time (events) and the host's
+    time to issue the forward (no sync): host time near GPU time means the launch queue runs dry."""
+    import time
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sys.path.insert(0, "bench")
+    from gpu_bench import PrefillContext, StaticKV, gpu_time
+    from exl_core.loader import load_model
+    model, _ = load_model(ckpt, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    kv = StaticKV(model, 1, 2048)
+    ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
+    fn = lambda: model.forward(ids, PrefillContext(kv, 2048))  # noqa: E731
+    with torch.inference_mode():
+        for name, backends in (("default", None), ("flash", [SDPBackend.FLASH_ATTENTION]),
+                               ("cudnn", [SDPBackend.CUDNN_ATTENTION]), ("efficient", [SDPBackend.EFFICIENT_ATTENTION])):
+            try:
+                ctx = sdpa_kernel(backends) if backends else torch.autograd.graph.saved_tensors_hooks(id, id)
+                with ctx:
+                    t = gpu_time(fn, 5, warmup=2)
+                    host = []
+                    for _ in range(3):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        fn()
+                        host.append(time.perf_counter() - t0)
+                        torch.cuda.synchronize()
+                print(f"prompt 2048 sdpa={name:9s} {2048 / t:9.0f} tok/s  gpu {t * 1e3:6.2f} ms  host issue "
+                      f"{min(host) * 1e3:6.2f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"prompt 2048 sdpa={name}: {type(e).__name__} {str(e)[:150]}")
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "mma"
+    if what == "prompt":
+        prompt_backends(sys.argv[2])
+        return
     if what == "syncs":
         host_syncs(sys.argv[2])
         return

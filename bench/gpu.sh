@@ -54,6 +54,7 @@ if has nopdl; then    # A/B: the same graph decode and prompt with programmatic 
 fi
 if has probe; then    # where the host waits for the GPU; the decode kernel alone on 16 distinct weights
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py syncs "$CK/gptq" 2>&1 | tee "$OUT/probe_log.txt" | tail -30
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py prompt "$CK/gptq" 2>&1 | tee -a "$OUT/probe_log.txt" | tail -6
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py layout 2>&1 | tee -a "$OUT/probe_log.txt" | tail -14
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs

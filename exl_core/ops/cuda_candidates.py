@@ -9,16 +9,17 @@ same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep")
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
                        decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
                        one launch; q/k/v and gate/up together (`qgemm_skinny_multi`)
-  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS (in practice 9..16, or where skinny refuses), same layout:
+  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS (in practice 17..32, or where skinny refuses), same layout:
                        fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch;
                        q/k/v and gate/up together in one launch (`qgemm_mma_multi`)
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):
                        fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`), deterministic
   otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
-Measured (us, 4096x4096 / 4096x11008 / 11008x4096, bench/results/gpu_h200.json): M=1 skinny
-12.4/21.5/26.0, gemv 13.8/23.0/24.9, mma 13.3/32.1/27.5; M=8 skinny 16.1/26.7/33.6, mma 16.3/41.8/35.4,
-gemv 20.4/41.2/43.3; M=16 skinny 22.7/57.6/48.3, mma 20.3/52.6/44.1, dequant+cuBLAS 23.5/61.1/61.0;
-M=32 skinny 40.2/113.0/112.2 (earlier run), mma 30.6/85.7/71.2, dequant+cuBLAS 23.7/61.2/61.6.
+Measured (us, 4096x4096 / 4096x11008 / 11008x4096, bench/results/gpu_h200.json, with PDL): M=1 skinny
+8.8/15.6/18.6, gemv 13.9/23.2/25.0, mma 12.3/29.7/25.7; M=8 skinny 9.8/17.1/20.5, mma 13.1/32.4/27.8;
+M=16 skinny 12.1/26.6/22.7, mma 15.3/36.2/31.2, dequant+cuBLAS 23.4/61.1/61.1; M=32 skinny
+19.8/58.3/56.8, mma 21.4/55.8/48.7, dequant+cuBLAS 23.7/61.4/61.9; M=64 mma 42.2/109.6/93.5,
+dequant+cuBLAS 22.4/61.2/63.3.
 The chunk table (int32 [K/32, 3]: bits, group, first qweight row per 32 rows of K) is built
 once per weight and cached on the device in `pw.meta`.
 """
@@ -31,9 +32,9 @@ import torch
 
 from .dispatch import Candidate, extension
 
-SKINNY_MAX_ROWS = 8         # fp16: at 16 rows qgemm_mma is faster, at 32 dequantise + cuBLAS (sweep)
+SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
-MMA_MAX_ROWS = 16           # above this dequantise + cuBLAS is faster (the 2-m-tile kernel spills)
+MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
