@@ -133,7 +133,9 @@ class DecodeContext:
         kc, vc = kv.k[layer], kv.v[layer]
         kc.index_copy_(2, kv.pos, k.unsqueeze(2))                          # (B, Hkv, 1, D) at pos
         vc.index_copy_(2, kv.pos, v.unsqueeze(2))
-        mask = (kv.kpos <= kv.pos).view(1, 1, 1, -1)                       # keys 0..pos
+        if layer == 0:                                                     # keys 0..pos, once per step
+            self.mask = (kv.kpos <= kv.pos).view(1, 1, 1, -1)
+        mask = self.mask
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)                                               # (B, Hq, D)
 

@@ -9,7 +9,8 @@ same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep")
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
                        decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
                        one launch; q/k/v and gate/up together (`qgemm_skinny_multi`)
-  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS (in practice 17..32, or where skinny refuses), same layout:
+  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS (in practice 17..32, or where skinny refuses; mixed widths
+  up to MMA_MIXED_MAX_ROWS), same layout:
                        fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch;
                        q/k/v and gate/up together in one launch (`qgemm_mma_multi`)
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):
@@ -35,6 +36,8 @@ from .dispatch import Candidate, extension
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
+MMA_MIXED_MAX_ROWS = 16     # mixed widths (EXL2): at 32 rows dequantise + cuBLAS won end to end (bs32
+                            # 2,599.1 vs 2,447.0 tok/s with qgemm_mma)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -89,6 +92,11 @@ def _skinny_ok(rows: int, pw, device) -> bool:
     return pw.in_features <= _MAX_K[key]
 
 
+def _mma_rows_ok(rows: int, pw) -> bool:
+    """qgemm_mma's row range for this weight (the caller checks _mma_ok)."""
+    return MMA_MIN_ROWS <= rows <= (MMA_MAX_ROWS if _uniform4(pw) else MMA_MIXED_MAX_ROWS)
+
+
 def _uniform4(pw) -> bool:
     """Every chunk 4-bit with its words in K order (GPTQ 4-bit: chunk c in qweight rows 4c..4c+3): the
     kernel variant without the per-chunk width switch, which computes word rows instead of reading them."""
@@ -127,7 +135,7 @@ def _qmatmul_run(x, pw):
         bias = bias.contiguous()
     if x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
-    elif x2.dtype == torch.float16 and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and _mma_ok(pw):
+    elif x2.dtype == torch.float16 and _mma_rows_ok(rows, pw) and _mma_ok(pw):
         y = torch.ops.exl_core.qgemm_mma(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
     elif rows <= GEMV_MAX_ROWS:
         y = torch.ops.exl_core.qgemv_chunks(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
@@ -166,7 +174,7 @@ def _many_run(x, pws):
     x2 = x.reshape(-1, pws[0].in_features)
     rows = x2.shape[0]
     skinny = all(_skinny_ok(rows, pw, x.device) for pw in pws)
-    if not (skinny or MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS):
+    if not (skinny or all(_mma_rows_ok(rows, pw) for pw in pws)):
         return [_qmatmul_run(x, pw) for pw in pws]
     if not x2.is_contiguous():
         x2 = x2.contiguous()
