@@ -138,15 +138,12 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
   const int64_t N = mat.N;
   const int tile = static_cast<int>(blockIdx.x) - mat.tile0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  cluster_begin();
   constexpr int kRows = MT * 16;
   constexpr int xs_stride = xs_stride_of();
-  float* recv = reinterpret_cast<float*>(smem_raw);                                   // cluster_store's
-  unsigned char* smem = smem_raw + cluster_recv_bytes(M * kTileN, gridDim.y);
-  int32_t* tab = reinterpret_cast<int32_t*>(smem);
-  float* xsum = reinterpret_cast<float*>(smem + tab_bytes(cpb));                      // [kRows][kStageChunks]
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
+  float* xsum = reinterpret_cast<float*>(smem_raw + tab_bytes(cpb));                  // [kRows][kStageChunks]
   __half* xs = reinterpret_cast<__half*>(xsum + kRows * kStageChunks);                // [kRows][xs_stride]
-  float* red = reinterpret_cast<float*>(smem);
+  float* red = reinterpret_cast<float*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int nw = warp % kColWarps, kw = warp / kColWarps;
   const int64_t wcol = static_cast<int64_t>(tile) * kTileN + nw * 32;
@@ -215,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
     for (int w = 1; w < kKWarps; ++w) a += red[w * kRows * kTileN + idx];
     red[idx] = a;
   }
-  cluster_store(red, recv, E, kTileN, kThreads, tile, mat);
+  cluster_store(red, E, kTileN, kThreads, tile, mat);
 }
 
 // ----------------------------------------------------------------------------- host side
@@ -231,7 +228,7 @@ size_t smem_bytes(int mt, int cpb) {
 // 1 if none does (then the grid has enough blocks by itself).
 template <int MT>
 int best_splits(int64_t tiles, int C, int dev) {
-  const size_t smem = smem_bytes(MT, C) + cluster_recv_bytes(MT * 16 * kTileN, kMaxSplits);   // upper bound over S
+  const size_t smem = smem_bytes(MT, C);                      // upper bound over S (table bytes)
   for (int S = std::min(kMaxSplits, std::max(1, C / 4)); S > 1; --S)
     if (tiles * S <= resident_blocks(qgemm_mma_kernel<MT>, kThreads, S, smem, dev)) return S;
   return 1;
@@ -249,7 +246,7 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
   }
   const int cpb = (C + S - 1) / S;
   S = (C + cpb - 1) / cpb;
-  const size_t smem = smem_bytes(MT, cpb) + cluster_recv_bytes(M * kTileN, S);
+  const size_t smem = smem_bytes(MT, cpb);
   ensure_smem(qgemm_mma_kernel<MT>, smem, dev);
   launch_split(qgemm_mma_kernel<MT>, tiles, S, kThreads, smem, stream, dev, x, M, K, C, cpb, mats);
 }

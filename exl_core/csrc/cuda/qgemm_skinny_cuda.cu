@@ -46,8 +46,8 @@ __host__ __device__ inline size_t xsum_bytes(int M, int cpb) {
 }
 __host__ __device__ inline int xs_stride_of(int cpb) { return cpb * 32 + kPad; }
 
-// Shared memory after cluster_store's receive area: [chunk table cpb x 3][x sums cpb x rows fp32]
-// [x rows x xs_stride fp16]; after the K loop the same bytes hold the partial tiles [kKWarps][M][kTileN] fp32.
+// Shared memory: [chunk table cpb x 3][x sums cpb x rows fp32][x rows x xs_stride fp16]; after the K
+// loop the same bytes hold the partial tiles [kKWarps][M][kTileN] fp32.
 inline size_t smem_bytes(int M, int cpb) {
   const size_t stage =
       tab_bytes(cpb) + xsum_bytes(M, cpb) + static_cast<size_t>(rows_of(M)) * xs_stride_of(cpb) * 2;
@@ -138,14 +138,11 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  cluster_begin();
-  float* recv = reinterpret_cast<float*>(smem_raw);                                       // cluster_store's
-  unsigned char* smem = smem_raw + cluster_recv_bytes(M * kTileN, gridDim.y);
   const int xs_stride = xs_stride_of(cpb);
-  int32_t* tab = reinterpret_cast<int32_t*>(smem);
-  float* xsum = reinterpret_cast<float*>(smem + tab_bytes(cpb));                          // [cpb][kRows]
-  __half* xs = reinterpret_cast<__half*>(smem + tab_bytes(cpb) + xsum_bytes(M, cpb));     // [kRows][xs_stride]
-  float* red = reinterpret_cast<float*>(smem);
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
+  float* xsum = reinterpret_cast<float*>(smem_raw + tab_bytes(cpb));                      // [cpb][kRows]
+  __half* xs = reinterpret_cast<__half*>(smem_raw + tab_bytes(cpb) + xsum_bytes(M, cpb)); // [kRows][xs_stride]
+  float* red = reinterpret_cast<float*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int nw = warp % kColWarps, kw = warp / kColWarps;
   const int64_t col = tile * kTileN + nw * 32 + 4 * g;        // this lane's 4 columns
@@ -244,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
     for (int w = 1; w < kKWarps; ++w) a += red[w * E + idx];
     red[idx] = a;
   }
-  cluster_store(red, recv, E, kTileN, kThreads, tile, mat);
+  cluster_store(red, E, kTileN, kThreads, tile, mat);
 }
 
 // ----------------------------------------------------------------------------- host side
@@ -254,7 +251,7 @@ int max_cpb(int M) {
   int lo = kKWarps, hi = 1 << 16;
   while (lo < hi) {                                           // largest cpb with smem_bytes <= budget
     const int mid = (lo + hi + 1) / 2;
-    if (smem_bytes(M, mid) + cluster_recv_bytes(M * kTileN, kMaxSplits) <= kSmemBudget) lo = mid; else hi = mid - 1;
+    if (smem_bytes(M, mid) <= kSmemBudget) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -282,8 +279,7 @@ std::pair<int, int> plan_splits(int M, int C, int64_t tiles, int dev, int splits
     S = std::max(s_min, std::min(splits, clusters ? kMaxSplits : 1));
   } else if (clusters) {
     for (int s = std::min(kMaxSplits, std::max(1, C / (2 * kKWarps))); s > s_min; --s) {
-      const size_t smem = smem_bytes(M, (C + s - 1) / s) + cluster_recv_bytes(M * kTileN, s);
-      if (tiles * s <= resident_blocks(kern, kThreads, s, smem, dev)) {
+      if (tiles * s <= resident_blocks(kern, kThreads, s, smem_bytes(M, (C + s - 1) / s), dev)) {
         S = s;
         break;
       }
@@ -313,7 +309,7 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
     plans[std::make_tuple(M, C, tiles, dev, splits)] = plan;
   }
   const auto [S, cpb] = plan;
-  const size_t smem = smem_bytes(M, cpb) + cluster_recv_bytes(M * kTileN, S);
+  const size_t smem = smem_bytes(M, cpb);
   ensure_smem(kern, smem, dev);
   launch_split(kern, tiles, S, kThreads, smem, stream, dev, x, M, K, C, cpb, mats);
 }

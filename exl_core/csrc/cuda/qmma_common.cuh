@@ -186,30 +186,11 @@ inline int64_t assign_tiles(Mats& mats, int tile_n) {
   return tiles;
 }
 
-// Split-K over a thread-block cluster (sm_90), one cluster barrier per launch:
-//   kernel start   cluster_begin(): a relaxed arrive -- nobody may write a block's shared memory before
-//                  that block runs, and nobody waits for this until its K loop is done;
-//   cluster_store  wait for that phase, then reduce-scatter: output idx belongs to rank idx / P
-//                  (P = ceil(E / S)); every block writes its partial of those outputs into the owner's
-//                  receive area [S][P] (remote stores, fire and forget), arrive.release / wait.acquire,
-//                  then each owner adds its S slots in rank order (deterministic) and stores y (+ bias).
-// No block reads another block's shared memory, so none has to stay alive for the others (a pull
-// reduction needs a second barrier for that) and the receive area is disjoint from everything else.
-// The receive area sits at the start of dynamic shared memory: cluster_recv_bytes(E, S) bytes.
-__host__ __device__ inline size_t cluster_recv_bytes(int E, int S) {
-  return S > 1 ? ((static_cast<size_t>((E + S - 1) / S) * S * 4 + 15) & ~size_t(15)) : 0;
-}
-
-__device__ __forceinline__ void cluster_begin() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (gridDim.y > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-
-// red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns); recv is
-// the receive area.  Every thread of the block must call this (after cluster_begin at the start).
-__device__ __forceinline__ void cluster_store(const float* red, float* recv, int E, int tile_n, int nthreads,
-                                              int64_t tile, const Mat& mat) {
+// red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns); the
+// gridDim.y blocks of a column tile (one cluster on sm_90) add theirs in rank order and write
+// y (+ bias) once: deterministic, no atomics.  Every thread of the block must call this.
+__device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
+                                              const Mat& mat) {
   const int64_t N = mat.N;
   auto store = [&](int idx, float a) {
     const int m = idx / tile_n;
@@ -220,26 +201,26 @@ __device__ __forceinline__ void cluster_store(const float* red, float* recv, int
     }
   };
   const int S = gridDim.y;
-  __syncthreads();                                            // red is final
   if (S == 1) {
+    __syncthreads();
     for (int idx = threadIdx.x; idx < E; idx += nthreads) store(idx, red[idx]);
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank()), P = (E + S - 1) / S;
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");          // every block has started
-  for (int idx = threadIdx.x; idx < E; idx += nthreads) {
-    const int q = idx / P;
-    cluster.map_shared_rank(recv, q)[rank * P + (idx - q * P)] = red[idx];
-  }
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-  for (int j = threadIdx.x; j < P && rank * P + j < E; j += nthreads) {
+  cluster.sync();                                             // every block's `red` is final
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int idx = rank * nthreads + threadIdx.x; idx < E; idx += S * nthreads) {
+    float v[kMaxSplits];                                      // all remote reads in flight, then the sum
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
     float a = 0.f;
-    for (int r = 0; r < S; ++r) a += recv[r * P + j];
-    store(rank * P + j, a);
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) a += v[q];
+    store(idx, a);
   }
+  cluster.sync();                                             // keep `red` alive until all reads are done
 #endif
 }
 
