@@ -26,6 +26,18 @@ template <> __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v)
 
 constexpr int kNormThreads = 256;
 
+// rsqrt(mean(h^2) + eps) of a row from each thread's sum of squares (one block of kNormThreads per row).
+__device__ __forceinline__ float rms_scale(float ss, int64_t H, float eps) {
+  __shared__ float part[kNormThreads / 32];
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) tot += part[i];
+  return rsqrtf(tot / static_cast<float>(H) + eps);
+}
+
 // One block per row. h = x (+ residual, rounded to T); y = w * T(h * rsqrt(mean(h^2) + eps)).
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
@@ -45,14 +57,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
     }
     ss += v * v;
   }
-  __shared__ float part[kNormThreads / 32];
-  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float tot = 0.f;
-#pragma unroll
-  for (int i = 0; i < kNormThreads / 32; ++i) tot += part[i];
-  const float r = rsqrtf(tot / static_cast<float>(H) + eps);
+  const float r = rms_scale(ss, H, eps);
   // With a residual, re-read h from h_out: the block's own writes are visible after the barrier.
   const T* src = res ? h_out + row * H : xr;
   for (int64_t i = threadIdx.x; i < H; i += kNormThreads)
@@ -89,14 +94,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
 #pragma unroll
     for (int e = 0; e < V; ++e) ss += f32<T>(hp[e]) * f32<T>(hp[e]);
   }
-  __shared__ float part[kNormThreads / 32];
-  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float tot = 0.f;
-#pragma unroll
-  for (int i = 0; i < kNormThreads / 32; ++i) tot += part[i];
-  const float r = rsqrtf(tot / static_cast<float>(H) + eps);
+  const float r = rms_scale(ss, H, eps);
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
