@@ -11,6 +11,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
+# The device tool returns at most 8 files from $OUT: every phase's log goes to one file (the JSONs,
+# cuda_tests.txt and gpu_log.txt stay within that); the build and checkpoint logs only when they fail.
+LOG="$OUT/gpu_log.txt"
+BUILD_LOG=/tmp/exl_build_log.txt CKPT_LOG=/tmp/exl_ckpt_log.txt
 export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # bench scripts import exl_core from the tree
@@ -21,8 +25,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
 if has build; then
   t0=$(date +%s)
-  if ! $PY setup.py build_ext --inplace -q >"$OUT/build_log.txt" 2>&1; then
-    grep -i -B2 -A6 "error" "$OUT/build_log.txt" | head -60
+  if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
+    cp "$BUILD_LOG" "$OUT/"
+    grep -i -B2 -A6 "error" "$BUILD_LOG" | head -60
     exit 1
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
@@ -33,7 +38,7 @@ $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h
 ( has ckpt || has bench || has spec || has gen || has probe || has nopdl || exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
-  done ) >"$OUT/ckpt_log.txt" 2>&1 &
+  done ) >"$CKPT_LOG" 2>&1 &
 ck_pid=$!
 
 if has tests; then
@@ -44,23 +49,23 @@ if has tests; then
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
 fi
 
-wait $ck_pid || { cat "$OUT/ckpt_log.txt"; exit 1; }
+wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
 if has bench; then
-  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee "$OUT/bench_log.txt" | tail -60
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has nopdl; then    # A/B: the same graph decode and prompt with programmatic dependent launch off
   EXL_CORE_PDL=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
-    --json bench/results/gpu_h200_nopdl.json 2>&1 | tee "$OUT/nopdl_log.txt" | tail -14
+    --json bench/results/gpu_h200_nopdl.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has probe; then    # where the host waits for the GPU; the decode kernel alone on 16 distinct weights
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py syncs "$CK/gptq" 2>&1 | tee "$OUT/probe_log.txt" | tail -30
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py prompt "$CK/gptq" 2>&1 | tee -a "$OUT/probe_log.txt" | tail -6
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py layout 2>&1 | tee -a "$OUT/probe_log.txt" | tail -14
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py syncs "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -30
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py prompt "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -6
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py layout 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
-  timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee "$OUT/gen_log.txt" | tail -8
+  timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee -a "$LOG" | tail -8
 fi
 if has spec; then     # speculative decoding on the same 7B-shaped GPTQ checkpoint (issue 8's H200 row)
   timeout ${SPEC_TIMEOUT:-120} $PY bench/speculative.py --gpu-7b "$CK/gptq" --new-tokens 128 --k 4 \
-    --draft-layers 4,8 2>&1 | tee "$OUT/spec_log.txt" | tail -8
+    --draft-layers 4,8 2>&1 | tee -a "$LOG" | tail -8
 fi
