@@ -2,7 +2,8 @@
 
 Rows: exl_core dense fp32 (native generator), exl_core GPTQ 4-bit g128 and EXL2 4.0 bpw
 (when the formats exist), the same two with `activations="int8"` (int8-activation decode
-kernels; prompt rows keep the exact path), HF transformers `generate` (fp32, same dense weights) and
+kernels; prompt rows keep the exact path), with `prefill="bf16"` (bf16-activation prompt
+kernels; decode keeps the exact path) and with both (`--formats gptq-int8-bf16`), HF transformers `generate` (fp32, same dense weights) and
 llama.cpp through llama-cpp-python on the original Q4_1 GGUF (when `--llamacpp-python`
 points at an interpreter that has it; it lives in its own environment because it compiles
 for ~10 minutes).
@@ -53,13 +54,13 @@ print(json.dumps({"prompt_tok_s": n_prompt / (t1 - t0), "decode_tok_s": n_new / 
 
 
 def bench_exl(folder: Path, label: str, n_prompt: int, n_new: int, decode_prompt: list[int],
-              head: str = "exact", activations: str = "exact") -> dict:
+              head: str = "exact", activations: str = "exact", prefill: str = "exact") -> dict:
     from exl_core.cache import Cache
     from exl_core.generation import Generator
     from exl_core.loader import load_model
     from exl_core.model.context import ContiguousContext
 
-    model, tok = load_model(folder, head=head, activations=activations)
+    model, tok = load_model(folder, head=head, activations=activations, prefill=prefill)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 49000, (n_prompt,), generator=g)
     with torch.inference_mode():  # prompt: one forward pass, logits of the last row only
@@ -120,8 +121,9 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", "--name", dest="out", default="cpu_decode",
                     help="results name (bench/results/NAME.json)")
-    ap.add_argument("--formats", default="dense,gptq,exl2,gptq-int8,exl2-int8",
-                    help="rows; NAME-int8 = that format with activations='int8'")
+    ap.add_argument("--formats", default="dense,gptq,exl2,gptq-int8,exl2-int8,gptq-bf16,exl2-bf16",
+                    help="rows; NAME-int8 = that format with activations='int8', NAME-bf16 with "
+                         "prefill='bf16', NAME-int8-bf16 with both")
     ap.add_argument("--head", default="int8", choices=["exact", "bf16", "int8"],
                     help="output layer of the quantized rows (the dense row keeps the exact fp32 head)")
     args = ap.parse_args()
@@ -134,20 +136,22 @@ def main():
     decode_prompt = tok.apply_chat_template([{"role": "user", "content": "Write a long story about a dragon."}],
                                             tokenize=True)
     rows = []
-    variants = {"dense": (dense, "exl_core dense fp32", "exact", "exact")}
+    variants = {"dense": (dense, "exl_core dense fp32", "exact", "exact", "exact")}
     wanted = args.formats.split(",")
     from quantized_models import quantized_smollm2
     for fmt in ("gptq", "exl2"):
         name = "gptq 4-bit" if fmt == "gptq" else "exl2 4.0bpw"
-        if fmt in wanted:
-            variants[fmt] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head)", args.head, "exact")
-        if f"{fmt}-int8" in wanted:
-            variants[f"{fmt}-int8"] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head, int8 act.)",
-                                       args.head, "int8")
+        for suffix, act, pre, note in (("", "exact", "exact", ""), ("-int8", "int8", "exact", ", int8 act."),
+                                       ("-bf16", "exact", "bf16", ", bf16 prefill"),
+                                       ("-int8-bf16", "int8", "bf16", ", int8 act., bf16 prefill")):
+            if fmt + suffix in wanted:
+                variants[fmt + suffix] = (quantized_smollm2(fmt), f"exl_core {name} ({args.head} head{note})",
+                                          args.head, act, pre)
     for key in wanted:
         if key in variants:
-            folder, label, head, act = variants[key]
-            rows.append(bench_exl(folder, label, args.prompt_tokens, args.new_tokens, decode_prompt, head, act))
+            folder, label, head, act, pre = variants[key]
+            rows.append(bench_exl(folder, label, args.prompt_tokens, args.new_tokens, decode_prompt, head, act,
+                                  pre))
             print_table(rows[-1:], ["engine", "prompt_tok_s", "decode_tok_s"])
     if not args.skip_hf:
         rows.append(bench_hf(dense, args.prompt_tokens, args.new_tokens, decode_prompt))
