@@ -39,9 +39,10 @@ def run_bf16(x, pw):
     return torch.ops.exl_core.qmatmul_bf16(x, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
 
 
-# Measured max |y - ref_bf16| / max |ref_bf16|: 2.5e-7 worst over the shapes below (fp32 sums of
-# exact bf16 x integer products); the exact product (x not rounded) is at least 1.06e-3 away from
-# the same outputs, so the bound tells the two apart: _check asserts both on every call.
+# Measured max |y - ref_bf16| / max |ref_bf16|: 4.8e-7 worst over the shapes below, two seeds
+# (fp32 sums of exact bf16 x integer products); the exact product (x not rounded) is at least
+# 7.8e-4 away from the same outputs, so the bound tells the two apart: _check asserts both on
+# every call.
 TOL = 1e-5
 
 

@@ -4,6 +4,7 @@
 // exl_core::qmatmul (qmatmul_prep.h); the kernel is qmatmul_bf16_avx512.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <string>
@@ -32,6 +33,18 @@ namespace {
 
 using exl_cpu::Prepared;
 
+// xs [M, K/32] chunk sums -> [M, G] group sums (a group's chunks added in order).
+at::Tensor group_sums(const at::Tensor& xs, const std::vector<exl_cpu::ChunkInfo>& chunks) {
+  const int64_t M = xs.size(0), nch = xs.size(1);
+  const int64_t G = chunks.empty() ? 0 : chunks.back().group + 1;
+  at::Tensor out = at::zeros({M, G}, xs.options());
+  const float* s = xs.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < nch; ++c) o[m * G + chunks[c].group] += s[m * nch + c];
+  return out;
+}
+
 std::vector<at::Tensor> qmatmul_bf16_many(const std::string& who, const at::Tensor& x, std::vector<Prepared>& ws,
                                           const std::optional<at::Tensor>& perm) {
   TORCH_CHECK(exl_cpu::bf16_dot_available(), who,
@@ -40,9 +53,14 @@ std::vector<at::Tensor> qmatmul_bf16_many(const std::string& who, const at::Tens
   const at::Tensor xb = xf.to(at::kBFloat16).contiguous();         // the rounding this op is about
   const at::Tensor xs = exl_cpu::chunk_sums(xb.to(at::kFloat));    // zero-point term of the ROUNDED x
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  for (auto& w : ws) w.a.xsum = xs.data_ptr<float>();
+  std::vector<at::Tensor> xsg;
+  std::vector<exl_cpu::Bf16X> bx;
+  for (auto& w : ws) {
+    xsg.push_back(group_sums(xs, w.chunks));
+    bx.push_back({xp, xsg.back().data_ptr<float>(), xsg.back().size(1)});
+  }
   exl_cpu::for_each_panel(ws, [&](size_t i, int64_t lo, int64_t hi) {
-    exl_cpu::isa_avx512bf16::qgemm_bf16(ws[i].a, xp, lo, hi);
+    exl_cpu::isa_avx512bf16::qgemm_bf16(ws[i].a, bx[i], lo, hi);
   });
   std::vector<at::Tensor> out;
   for (auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));

@@ -11,11 +11,16 @@ namespace exl_cpu {
 // True when the CPU has AVX512_BF16 and the ISA cap (set_cpu_isa_cap) allows AVX-512.
 bool bf16_dot_available();
 
+// The rounded activations as the kernel reads them (a.x and a.xsum are not read).
+struct Bf16X {
+  const uint16_t* xb;    // bf16 [M, K], permuted, row stride K
+  const float* xsum_g;   // [M, G]: per group of the weight, its rows of the rounded x summed in order
+  int64_t G;
+};
+
 namespace isa_avx512bf16 {
-// Output columns of panels [p0, p1) (columns p0*32 .. min(p1*32, N)) of y = x @ W + bias, with
-// xb the bf16 [M, K] activations (row stride K; a.x is not read) and a.xsum the chunk sums of
-// the rounded values.
-void qgemm_bf16(const QGemmArgs& a, const uint16_t* xb, int64_t p0, int64_t p1);
+// Output columns of panels [p0, p1) (columns p0*32 .. min(p1*32, N)) of y = x @ W + bias.
+void qgemm_bf16(const QGemmArgs& a, const Bf16X& x, int64_t p0, int64_t p1);
 }  // namespace isa_avx512bf16
 
 }  // namespace exl_cpu
