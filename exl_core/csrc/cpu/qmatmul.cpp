@@ -133,7 +133,7 @@ at::Tensor prepare_x(const std::string& who, const at::Tensor& x, const std::opt
 
 // xsum[m, c] = x[m, 32c] + x[m, 32c+1] + ... in this order (plain scalar adds, compiled once for
 // every ISA path: the kernels' quantized partials depend on it bit for bit).
-at::Tensor chunk_sums(const at::Tensor& xf) {
+static at::Tensor chunk_sums(const at::Tensor& xf) {
   const int64_t M = xf.size(0), K = xf.size(1), nch = K / 32;
   at::Tensor out = at::empty({M, nch}, xf.options());
   const float* x = xf.data_ptr<float>();

@@ -34,9 +34,6 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
 // x [M, K] (bf16 widened, permuted by `perm` when given) as contiguous fp32.
 at::Tensor prepare_x(const std::string& who, const at::Tensor& x, const std::optional<at::Tensor>& perm);
 
-// xsum [M, K/32]: x[m, 32c .. 32c+31] summed in order (the kernels' quantized partials need it).
-at::Tensor chunk_sums(const at::Tensor& xf);
-
 // Calls fn(weight index, p0, p1) for the 32-column panels [p0, p1) of every weight, all
 // weights in one parallel region (one thread fork for q/k/v).
 void for_each_panel(const std::vector<Prepared>& ws,
