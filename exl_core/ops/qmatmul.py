@@ -185,9 +185,10 @@ def _run_cpu_bf16(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 def _key(x: torch.Tensor, pw: PackedWeight):
     # everything the checks above read (has_op / extension() are fixed once imported; the bf16 support
-    # query only where a weight asks for bf16, so decode pays nothing for it)
+    # query only where cpu_bf16 could serve, so decode-sized calls pay nothing for it)
+    small = _rows(x, pw.in_features) <= INT8_MAX_M
     return (x.device, x.dtype, pw.qweight.device, pw.scale.dtype, pw.zero.dtype, wants_int8(pw),
-            wants_bf16(pw) and _bf16_ok(), _rows(x, pw.in_features) <= INT8_MAX_M)
+            wants_bf16(pw) and not small and _bf16_ok(), small)
 
 
 DISPATCH = Dispatcher("qmatmul", [
@@ -262,7 +263,8 @@ def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
                    (pw.qweight.data_ptr() | pw.scale.data_ptr() | pw.zero.data_ptr()) % 16) for pw in pws),
             all(pw.perm is pws[0].perm for pw in pws),
             tuple(wants_int8(pw) for pw in pws), tuple(wants_bf16(pw) for pw in pws),
-            any(map(wants_bf16, pws)) and _bf16_ok(), _rows(x, pws[0].in_features) <= INT8_MAX_M)
+            _rows(x, pws[0].in_features) > INT8_MAX_M and any(map(wants_bf16, pws)) and _bf16_ok(),
+            _rows(x, pws[0].in_features) <= INT8_MAX_M)
 
 
 DISPATCH_MANY = Dispatcher("qmatmul_many", [
