@@ -65,6 +65,16 @@ def test_matches_bf16_reference_576x1536(bits, M, perm, rng):
 
 
 @needs_cpu
+def test_bound_rejects_the_exact_kernel(rng):
+    """The reverse of _check's second assertion: exact outputs fail the bf16 bound."""
+    pw = rand_packed(576, 1536, rng, bits=(4,), group_size=128)
+    x = torch.randn(37, 576)
+    exact = torch.ops.exl_core.qmatmul(x, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm, pw.bias)
+    assert rel_err(exact, reference(x, pw)) < TOL
+    assert rel_err(exact, reference_bf16(x, pw)) > 10 * TOL
+
+
+@needs_cpu
 @pytest.mark.parametrize("M", [9, 37, 512])
 def test_gptq_g128_act_order_k_not_multiple_of_group(M, rng):
     """GPTQ 4-bit g128 at K = 576 (last group 64 rows), act-order permutation, down_proj's shape too."""
