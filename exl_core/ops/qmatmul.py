@@ -10,8 +10,10 @@ Candidates, in priority order (see `ops/dispatch.py`):
   cpu_bf16   -- `exl_core::qmatmul_bf16` (csrc/cpu/qmatmul_bf16*.cpp), opt-in per weight
                 (`pw.meta["prefill"] == "bf16"`, set by load_model(prefill="bf16")) and only for
                 M >= BF16_MIN_M rows (prompts): x rounded to bf16, raw q exact, products summed
-                in fp32 by AVX512_BF16 `vdpbf16ps`; refused where the CPU lacks it. Not exact:
-                ~1e-3 relative error from the rounding of x. Batch invariant among such calls.
+                in fp32 by AVX512_BF16 `vdpbf16ps`; refused where the CPU lacks it (the exact
+                kernel serves). Contract: the exact product of x rounded to bf16 (nearest even),
+                i.e. torch_ref(x.bfloat16(), pw) up to fp32 summation order. Not exact: ~1e-3
+                relative error from the rounding of x. Batch invariant among such calls.
   cpu_fused  -- `exl_core::qmatmul` C++ op (csrc/cpu/qmatmul*.cpp): fused dequantise + matmul,
                 AVX-512 / AVX2 / scalar picked at run time. Batch invariant: row i of the
                 result is bit-identical whatever the number of rows and their order.
