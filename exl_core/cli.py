@@ -32,13 +32,17 @@ def _load(args):
         if getattr(args, "activations", "exact") != "exact":
             raise ExlError("--activations int8 is not supported with --tensor-parallel (the shards keep "
                            "the exact path); drop one of the two")
+        if getattr(args, "prefill", "exact") != "exact":
+            raise ExlError("--prefill bf16 is not supported with --tensor-parallel (the shards keep "
+                           "the exact path); drop one of the two")
         from .parallel.tensor_parallel import load_model_tp
         model, tok = load_model_tp(path)
         if model.tensor_parallel.rank != 0:      # every rank runs the same job; rank 0 speaks
             sys.stdout = sys.stderr = open(os.devnull, "w")
         return model, tok
     model, tok = load_model(path, device=args.device, progress=True,
-                            activations=getattr(args, "activations", "exact"))
+                            activations=getattr(args, "activations", "exact"),
+                            prefill=getattr(args, "prefill", "exact"))
     return model, tok
 
 
@@ -67,6 +71,10 @@ def _add_model_args(p):
                    help="int8 (CPU only): quantized layers multiply calls of <= 8 rows (decode steps, and "
                         "prompts or prompt chunks that short) with activations rounded to int8 per 32 values "
                         "(faster, not exact); longer calls stay exact. Default: exact fp32")
+    p.add_argument("--prefill", default="exact", choices=["exact", "bf16"],
+                   help="bf16 (CPU with AVX512_BF16 only): quantized layers multiply calls of >= 9 rows "
+                        "(prompts) with activations rounded to bf16, weights exact (faster, ~1e-3 relative "
+                        "error); independent of --activations, which covers the shorter calls. Default: exact fp32")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard over torch.distributed ranks (launch with torchrun --nproc-per-node N; "
                         "NCCL on GPUs, gloo on CPUs)")

@@ -80,16 +80,43 @@ def set_activations(model: Model, kind: str) -> None:
     invalidate_native_stacks()          # the fused decoder stack copies the choice per weight
 
 
+PREFILL_KINDS = ("exact", "bf16")
+
+
+def set_prefill(model: Model, kind: str) -> None:
+    """kind "bf16": every packed layer (the head too, when packed) asks the qmatmul dispatcher for the
+    bf16-activation kernel, which serves prompt-sized calls (>= BF16_MIN_M = 9 rows) with x rounded
+    to bf16 and the weights exact (AVX512_BF16 CPUs; elsewhere the exact kernel keeps serving);
+    "exact" restores the exact fp32 path. Independent of set_activations, which governs the
+    decode-sized calls (<= 8 rows): the two row ranges never overlap, and a caller may want one
+    lossy path without the other (exact prompt scoring with int8 decode, or the reverse)."""
+    if kind not in PREFILL_KINDS:
+        raise ConfigError(f"prefill={kind!r}: expected one of {', '.join(PREFILL_KINDS)}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.is_quantized:
+            if kind == "bf16":
+                m.packed.meta["prefill"] = "bf16"
+            else:
+                m.packed.meta.pop("prefill", None)
+    invalidate_native_stacks()          # the fused decoder stack steps aside for bf16 prompts
+
+
 def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Optional[torch.dtype] = None,
-                progress: bool = False, head: str = "exact", activations: str = "exact") -> Model:
+                progress: bool = False, head: str = "exact", activations: str = "exact",
+                prefill: str = "exact") -> Model:
     """head: "exact" (as stored, in `dtype`), "bf16" or "int8" for a dense head; see lighter_head.
-    activations: "exact" or "int8" (see set_activations)."""
+    activations: "exact" or "int8" (see set_activations); prefill: "exact" or "bf16" (see set_prefill)."""
     if activations not in ACTIVATION_KINDS:
         raise ConfigError(f"activations={activations!r}: expected one of {', '.join(ACTIVATION_KINDS)}")
+    if prefill not in PREFILL_KINDS:
+        raise ConfigError(f"prefill={prefill!r}: expected one of {', '.join(PREFILL_KINDS)}")
     device = _as_device(device)
     if activations == "int8" and device.type != "cpu":
         raise ConfigError(f"activations='int8' has CPU kernels only; on {device} the layers would silently "
                           f"stay exact: use activations='exact'")
+    if prefill == "bf16" and device.type != "cpu":
+        raise ConfigError(f"prefill='bf16' has CPU kernels only; on {device} the layers would silently "
+                          f"stay exact: use prefill='exact'")
     dtype = dtype or default_dtype(device)
     names = reader.names()
     fmt = detect_format(cfg.quantization_config, names)
@@ -126,6 +153,7 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     share_input_perms(model)
     model = model.to(device).eval()
     set_activations(model, activations)
+    set_prefill(model, prefill)
     return model
 
 
@@ -147,7 +175,7 @@ def share_input_perms(model: Model) -> None:
 
 def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memory=None,
                progress: bool = False, load_tokenizer: bool = True, head: str = "exact",
-               activations: str = "exact"):
+               activations: str = "exact", prefill: str = "exact"):
     """Loads a model folder. Returns (Model, Tokenizer) (Tokenizer None when load_tokenizer=False).
 
     `head`: "exact" keeps a dense output layer as stored; "bf16" / "int8" store it in fewer
@@ -155,6 +183,10 @@ def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memo
 
     `activations`: "exact" (default) multiplies in fp32; "int8" lets decode-sized batches of
     quantized layers run with activations rounded to int8 per 32 values (see set_activations).
+
+    `prefill`: "exact" (default) multiplies in fp32; "bf16" lets prompt-sized batches (>= 9 rows)
+    of quantized layers run with activations rounded to bf16 on AVX512_BF16 CPUs (see set_prefill;
+    ~1e-3 relative error per matmul, measured cost in bench/results/cpu_prompt_bf16_ppl.json).
 
     `max_memory` is accepted for API compatibility (bytes the weights may take); exceeding
     it raises instead of swapping.
@@ -165,7 +197,7 @@ def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memo
     cfg = load_config(p)
     reader = WeightReader(p)
     model = build_model(cfg, reader, device=device, dtype=dtype, progress=progress, head=head,
-                        activations=activations)
+                        activations=activations, prefill=prefill)
     if max_memory is not None:
         used = sum(b.numel() * b.element_size() for b in model.buffers())
         if used > max_memory:

@@ -183,3 +183,50 @@ def test_paged_cpu_rejects_bad_table():
     table[0, 1] = -1
     with pytest.raises(RuntimeError, match="block_table"):
         torch.ops.exl_core.paged_attention(q, kc, vc, table, cu, lens, 0.1, 0)
+
+
+# ---------------------------------------------------------------------------- contiguous K/V
+# attention_contiguous (ContiguousContext's attention): the C++ kernel over K/V viewed as one page.
+
+def _dense_f64(q, k, v, scale, q_start, window):
+    """attention_dense's formula in float64: a reference independent of both fp32 paths."""
+    tq, hq, d = q.shape
+    rep = hq // k.shape[1]
+    kf = k.double().transpose(0, 1).repeat_interleave(rep, 0)
+    vf = v.double().transpose(0, 1).repeat_interleave(rep, 0)
+    s = q.double().transpose(0, 1) @ kf.transpose(1, 2) * scale
+    qpos = torch.arange(q_start, q_start + tq).unsqueeze(1)
+    kpos = torch.arange(k.shape[0]).unsqueeze(0)
+    mask = (kpos > qpos) | ((kpos <= qpos - window) if window else torch.zeros_like(kpos > qpos))
+    return (torch.softmax(s.masked_fill(mask, -math.inf), -1) @ vf).transpose(0, 1)
+
+
+@pytest.mark.skipif(not has_op("paged_attention"), reason="C++ extension not built")
+@pytest.mark.parametrize("tq,q_start,window", [(37, 0, None), (512, 0, None), (5, 33, None), (41, 0, 16), (1, 70, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contiguous_uses_cpu_kernel_and_matches_float64(tq, q_start, window, dtype):
+    hq, hkv, d = 9, 3, 64
+    q = torch.randn(tq, hq, d).to(dtype)
+    k = torch.randn(q_start + tq, hkv, d).to(dtype)
+    v = torch.randn(q_start + tq, hkv, d).to(dtype)
+    args = dict(q=q, k=k, v=v, scale=d ** -0.5, q_start=q_start, window=window)
+    assert A.CONTIGUOUS_ATTENTION.select(**args).name == "cpu"
+    poison = torch.full((tq, hq, d), float("nan"), dtype=dtype)
+    del poison
+    out = A.attention_contiguous(q, k, v, scale=d ** -0.5, q_start=q_start, window=window)
+    ref = _dense_f64(q, k, v, d ** -0.5, q_start, window)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2          # bf16: the output's own rounding
+    assert float((out.double() - ref).abs().max()) < tol
+    dense = A.attention_dense(q, k, v, scale=d ** -0.5, q_start=q_start, window=window)
+    assert float((dense.double() - ref).abs().max()) < tol
+
+
+def test_contiguous_falls_back_with_reasons():
+    q, k = torch.randn(4, 4, 96), torch.randn(4, 2, 96)     # head dim 96: no C++ instance
+    reasons = dict(A.CONTIGUOUS_ATTENTION.reasons(q=q, k=k, v=k, scale=0.1, q_start=0, window=None))
+    assert reasons["cpu"] is not None and reasons["torch_ref"] is None
+    out = A.attention_contiguous(q, k, k, scale=0.1, q_start=0)
+    assert torch.equal(out, A.attention_dense(q, k, k, scale=0.1, q_start=0))
+    q, k = torch.randn(4, 4, 64), torch.randn(6, 2, 64)     # keys past the last query
+    assert "keys" in dict(A.CONTIGUOUS_ATTENTION.reasons(q=q, k=k, v=k, scale=0.1, q_start=0, window=None))["cpu"]

@@ -55,3 +55,15 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
     r = run_cli("run", "-m", str(tmp_path), "-p", "hi")
     assert r.returncode == 2
     assert "GPT2LMHeadModel" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_prefill_kind_is_refused():
+    r = run_cli("run", "-p", "hi", "--prefill", "fp8")
+    assert r.returncode == 2
+    assert "--prefill" in r.stderr and "invalid choice" in r.stderr
+
+
+def test_bf16_prefill_with_tensor_parallel_is_refused(tmp_path):
+    r = run_cli("run", "-m", str(tmp_path), "-p", "hi", "--tensor-parallel", "--prefill", "bf16")
+    assert r.returncode == 2
+    assert "--prefill bf16" in r.stderr and "Traceback" not in r.stderr

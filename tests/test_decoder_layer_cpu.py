@@ -127,6 +127,29 @@ def test_int8_activations_bit_identical_and_switchable(tiny_dense, tmp_path, mon
     assert all(torch.equal(a, b) for a, b in zip(exact, _decode_logits(model, prompts, 2)))
 
 
+@pytest.mark.skipif(not (dispatch.has_op("qmatmul_bf16") and torch.ops.exl_core.qmatmul_bf16_supported()),
+                    reason="CPU without AVX512_BF16")
+def test_bf16_prefill_steps_aside_for_prompts_only(tiny_dense, tmp_path, monkeypatch):
+    """prefill="bf16": the stack has no bf16 kernel, so the 68-row prefill runs per op (where the
+    bf16 kernel serves) and the 3-row decode passes stay in the stack; logits equal the per-op path's
+    bit for bit, and the prefill differs from the exact model's."""
+    from exl_core.loader import set_prefill
+    dst = tmp_path / "gptq"
+    quantize_model_rtn(tiny_dense, dst, fmt="gptq", **QUANT[0][1])
+    model, _ = load_model(dst, load_tokenizer=False, prefill="bf16")
+    prompts = _prompts(model.config.vocab_size, (5, 23, 40))
+    counter = _Counter(monkeypatch)
+    got = _decode_logits(model, prompts, 2)
+    assert counter.calls == {"cpu_layer": 2, "python": 1}
+    monkeypatch.setitem(dispatch._FORCED, "decoder_layers", "python")
+    ref = _decode_logits(model, prompts, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    set_prefill(model, "exact")
+    exact = _decode_logits(model, prompts, 2)
+    err = float((got[0] - exact[0]).norm() / exact[0].norm())
+    assert 0 < err < 0.02, err
+
+
 def test_tiny_mixed_dense_and_packed_bias_window(tmp_path_factory, tmp_path, monkeypatch):
     """Qwen2-style q/k/v bias, a sliding window shorter than the prompts (pages leave the
     window), and one projection per layer swapped to dense (q/k/v then run one by one)."""

@@ -64,7 +64,7 @@ class ContiguousContext:
         self.logit_rows = logit_rows
 
     def attend(self, layer, q, k, v, scale, window):
-        from ..ops.attention import attention_dense  # ops layer: no model knowledge
+        from ..ops.attention import attention_contiguous  # ops layer: no model knowledge
         outs = []
         cu = self.cu_seqlens.tolist()
         for s, kv in enumerate(self.kvs):
@@ -76,7 +76,7 @@ class ContiguousContext:
                 keys, vals = kv.k[layer][:start + b - a], kv.v[layer][:start + b - a]
             else:
                 keys, vals = k[a:b], v[a:b]
-            outs.append(attention_dense(q[a:b], keys, vals, scale=scale, q_start=start, window=window))
+            outs.append(attention_contiguous(q[a:b], keys, vals, scale=scale, q_start=start, window=window))
         return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
 
     def finish(self):

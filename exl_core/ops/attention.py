@@ -195,6 +195,52 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                            window=window or None, max_q_len=max_q_len)
 
 
+# ---------------------------------------------------------------------------------------------
+# One sequence with contiguous K/V (ContiguousContext): attention_dense's contract, dispatched.
+# The C++ kernel reads K/V as one page of Tk slots (a view, no copy): same kernel and bits as
+# the paged path, without the (Hq, Tq, Tk) score tensor the reference builds and masks.
+
+
+_MAX_REP = 16   # query heads per kv head the C++ kernel takes (MAX_REP in csrc/cpu/attention.cpp)
+
+
+def _contig_cpu_check(q, k, v, scale, q_start, window) -> Optional[str]:
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not (T, H, D) pairs"
+    if k.shape[0] != q_start + q.shape[0]:
+        return f"{k.shape[0]} keys for queries at positions {q_start}..{q_start + q.shape[0] - 1}: the kernel " \
+               f"needs keys exactly up to the last query"
+    if k.shape[0] == 0 or k.dtype != v.dtype:
+        return f"no keys, or k/v dtypes differ ({k.dtype}, {v.dtype})"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.shape[1] // k.shape[1] > _MAX_REP:
+        return f"{q.shape[1]} query heads over {k.shape[1]} kv heads: the kernel takes up to {_MAX_REP} per kv head"
+    return _paged_cpu_check(q, k, v, torch.empty(0, 0, dtype=torch.int32), torch.empty(0, dtype=torch.int64),
+                            torch.empty(0, dtype=torch.int64), scale, window)
+
+
+def _contig_cpu_run(q, k, v, scale, q_start, window):
+    one = lambda t: t.contiguous().unsqueeze(0)  # noqa: E731  (1 page, Tk slots, Hkv, D)
+    return torch.ops.exl_core.paged_attention(q.contiguous(), one(k), one(v), torch.zeros(1, 1, dtype=torch.int32),
+                                              torch.tensor([0, q.shape[0]]), torch.tensor([k.shape[0]]),
+                                              float(scale), int(window or 0))
+
+
+def _contig_ref_run(q, k, v, scale, q_start, window):
+    return attention_dense(q, k, v, scale=scale, q_start=q_start, window=window)
+
+
+CONTIGUOUS_ATTENTION = Dispatcher("attention", [    # same op name as the paged one: one force/disable switch
+    Candidate("cpu", _contig_cpu_check, _contig_cpu_run),
+    Candidate("torch_ref", lambda **_: None, _contig_ref_run),
+])
+
+
+def attention_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                         q_start: int, window: Optional[int] = None) -> torch.Tensor:
+    """`attention_dense` (same arguments and result), served by the C++ kernel where it can."""
+    return CONTIGUOUS_ATTENTION(q=q, k=k, v=v, scale=scale, q_start=q_start, window=window or None)
+
+
 def _register_fakes() -> None:
     """Meta/fake kernels so torch.compile and opcheck can trace the C++ ops."""
     if has_op("paged_attention"):

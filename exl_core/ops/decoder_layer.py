@@ -9,7 +9,8 @@ Candidates (see `ops/dispatch.py`):
 
 Every projection inside the C++ op goes through one helper (`linears` in decoder_layer.cpp) that
 picks the kernel the per-op path's dispatchers would: the int8-activation one for weights that ask
-for it (`wants_int8`) at up to INT8_MAX_M rows, else the exact fused one.
+for it (`wants_int8`) at up to INT8_MAX_M rows, else the exact fused one. It has no bf16 kernel: where
+weights ask for bf16 prompts (`wants_bf16`), calls of BF16_MIN_M rows or more run the per-op path.
 
 The ops layer knows no modules: the model hands over plain weights (`LayerWeights`) once, gets a
 `NativeStack` back, and calls `decoder_layers` per forward pass with the paged K/V tensors.
@@ -26,7 +27,7 @@ from . import dispatch
 from .attention import SUPPORTED_HEAD_DIMS
 from ..errors import KernelError
 from .dispatch import Candidate, Dispatcher, extension
-from .qmatmul import INT8_MAX_M, wants_int8
+from .qmatmul import BF16_MIN_M, INT8_MAX_M, wants_bf16, wants_int8
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
@@ -71,6 +72,8 @@ class NativeStack:
         self.lora_slots: list = []     # projections' __dict__s whose .lora the caller re-checks (model/llama.py)
         self.lora_modules: list = []   # and their _modules dicts (a LoRA hook that is an nn.Module)
         self.obj = None
+        # the stack has no bf16 kernel: where a weight asks for it, prompt-sized calls run per op
+        self.bf16_prefill = any(isinstance(w, PackedWeight) and wants_bf16(w) for lw in layers for w in lw.projections)
         self.reason = _weights_reason(layers, num_heads, num_kv_heads, head_dim, dtype)
         if self.reason is None:
             obj = torch.classes.exl_core.DecoderStack(num_heads, num_kv_heads, head_dim, float(eps), float(scale),
@@ -91,6 +94,7 @@ class NativeStack:
         """A stack the caller already knows the fused op cannot run (the reason says why)."""
         self = cls.__new__(cls)
         self.dtype, self.num_layers, self.obj, self.reason, self.lora_slots = None, 0, None, reason, []
+        self.bf16_prefill = False
         self.lora_modules = []
         return self
 
@@ -158,6 +162,10 @@ def _switch_reason() -> Optional[str]:
     return None
 
 
+def _bf16_rows(h, stack) -> bool:
+    return stack.bf16_prefill and h.dim() == 2 and h.shape[0] >= BF16_MIN_M
+
+
 def _check_cpu(h, stack, kv, cos_sin, fallback) -> Optional[str]:
     if kv is None:
         return "context is not a plain paged cache context"
@@ -167,6 +175,8 @@ def _check_cpu(h, stack, kv, cos_sin, fallback) -> Optional[str]:
         return stack.reason
     if h.device.type != "cpu" or h.dtype != stack.dtype or h.dim() != 2:
         return f"h {h.dtype} on {h.device}, needs (T, hidden) {stack.dtype} on CPU"
+    if _bf16_rows(h, stack):
+        return f"{h.shape[0]} rows with prefill='bf16': the per-op path has the bf16 kernel, the stack does not"
     if len(kv.k) != stack.num_layers or not kv.k:
         return f"cache has {len(kv.k)} layers, model {stack.num_layers} (needs at least one)"
     c = kv.k[0]
@@ -193,7 +203,7 @@ def _key(h, stack, kv, cos_sin, fallback):
     c = kv.k[0]
     return (stack.reason, stack.dtype, stack.num_layers, h.device, h.dtype, h.dim(), len(kv.k), c.device, c.dtype,
             kv.block_table.dtype, kv.cu_seqlens.dtype, kv.seq_lens_k.dtype, kv.positions.dtype,
-            _switch_reason())
+            _switch_reason(), _bf16_rows(h, stack))
 
 
 DISPATCH = Dispatcher("decoder_layers", [

@@ -7,6 +7,13 @@ Candidates, in priority order (see `ops/dispatch.py`):
                 only for M <= INT8_MAX_M rows (decode): x quantized to int8 per 32-row chunk,
                 integer dot products (AVX-512 VNNI / AVX2 / scalar, bit-identical). Not exact:
                 x is replaced by its int8 rounding.
+  cpu_bf16   -- `exl_core::qmatmul_bf16` (csrc/cpu/qmatmul_bf16*.cpp), opt-in per weight
+                (`pw.meta["prefill"] == "bf16"`, set by load_model(prefill="bf16")) and only for
+                M >= BF16_MIN_M rows (prompts): x rounded to bf16, raw q exact, products summed
+                in fp32 by AVX512_BF16 `vdpbf16ps`; refused where the CPU lacks it (the exact
+                kernel serves). Contract: the exact product of x rounded to bf16 (nearest even),
+                i.e. torch_ref(x.bfloat16(), pw) up to fp32 summation order. Not exact: ~1e-3
+                relative error from the rounding of x. Batch invariant among such calls.
   cpu_fused  -- `exl_core::qmatmul` C++ op (csrc/cpu/qmatmul*.cpp): fused dequantise + matmul,
                 AVX-512 / AVX2 / scalar picked at run time. Batch invariant: row i of the
                 result is bit-identical whatever the number of rows and their order.
@@ -16,7 +23,8 @@ Candidates, in priority order (see `ops/dispatch.py`):
 `qmatmul_many(x, [pw, ...])` (q/k/v, gate/up) has its own dispatcher: `cpu_fused_multi`
 (`exl_core::qmatmul_multi`, one kernel call, bit-identical to one qmatmul per weight) when the
 weights share x's permutation, else `each` (one qmatmul per weight, any device); `cpu_int8_multi`
-goes first on the same terms as cpu_int8 (x quantized once for all weights).
+and `cpu_bf16_multi` go first on the same terms as cpu_int8 / cpu_bf16 (x rounded once for all
+weights).
 """
 from __future__ import annotations
 
@@ -143,14 +151,51 @@ def _run_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     return _as_x(y, x, pw.out_features)
 
 
+# ---------------------------------------------------------------------------- bf16 activations (prefill)
+
+BF16_MIN_M = INT8_MAX_M + 1   # rows per call from which the bf16 path serves (prompts); the dispatch keys
+                              # read one `rows <= INT8_MAX_M` flag for both switches
+
+
+def wants_bf16(pw: PackedWeight) -> bool:
+    return pw.meta.get("prefill") == "bf16"
+
+
+def _bf16_ok() -> bool:
+    # asked per call (cheap, one C++ call): tests cap the ISA at run time
+    return has_op("qmatmul_bf16") and torch.ops.exl_core.qmatmul_bf16_supported()
+
+
+def _check_cpu_bf16(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
+    if not wants_bf16(pw):
+        return "bf16 prefill not requested for this weight (load_model(..., prefill='bf16'))"
+    if not has_op("qmatmul_bf16"):
+        return "extension exl_core._C not built with exl_core::qmatmul_bf16"
+    if not torch.ops.exl_core.qmatmul_bf16_supported():
+        return "CPU lacks AVX512_BF16 (vdpbf16ps) or the ISA cap hides AVX-512"
+    m = _rows(x, pw.in_features)
+    if m < BF16_MIN_M:
+        return f"{m} rows < {BF16_MIN_M}: decode-sized calls keep their kernels"
+    return _check_cpu_fused(x, pw)
+
+
+def _run_cpu_bf16(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    y = torch.ops.exl_core.qmatmul_bf16(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, pw.zero,
+                                        pw.perm, pw.bias)
+    return _as_x(y, x, pw.out_features)
+
+
 def _key(x: torch.Tensor, pw: PackedWeight):
-    # everything the checks above read (has_op / extension() are fixed once imported)
+    # everything the checks above read (has_op / extension() are fixed once imported; the bf16 support
+    # query only where cpu_bf16 could serve, so decode-sized calls pay nothing for it)
+    small = _rows(x, pw.in_features) <= INT8_MAX_M
     return (x.device, x.dtype, pw.qweight.device, pw.scale.dtype, pw.zero.dtype, wants_int8(pw),
-            _rows(x, pw.in_features) <= INT8_MAX_M)
+            wants_bf16(pw) and not small and _bf16_ok(), small)
 
 
 DISPATCH = Dispatcher("qmatmul", [
     Candidate("cpu_int8", _check_cpu_int8, _run_cpu_int8),
+    Candidate("cpu_bf16", _check_cpu_bf16, _run_cpu_bf16),
     Candidate("cpu_fused", _check_cpu_fused, _run_cpu_fused),
     Candidate("torch_ref", _check_torch_ref, _run_torch_ref),
 ], key=_key)
@@ -204,6 +249,14 @@ def _run_multi_int8(x, pws):
     return _run_multi(torch.ops.exl_core.qmatmul_int8_multi, x, pws)
 
 
+def _check_multi_bf16(x, pws):
+    return _check_multi("qmatmul_bf16_multi", _check_cpu_bf16, x, pws)
+
+
+def _run_multi_bf16(x, pws):
+    return _run_multi(torch.ops.exl_core.qmatmul_bf16_multi, x, pws)
+
+
 def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
     # everything the checks read: _check_multi_cpu's, and cuda_candidates' (its one-launch kernel
     # also needs N % 4 == 0 and 16-byte aligned buffers); the "each" fallback re-dispatches per weight
@@ -211,11 +264,14 @@ def _key_multi(x: torch.Tensor, pws: list[PackedWeight]):
             tuple((pw.qweight.device, pw.scale.dtype, pw.zero.dtype, pw.out_features % 4,
                    (pw.qweight.data_ptr() | pw.scale.data_ptr() | pw.zero.data_ptr()) % 16) for pw in pws),
             all(pw.perm is pws[0].perm for pw in pws),
-            tuple(wants_int8(pw) for pw in pws), _rows(x, pws[0].in_features) <= INT8_MAX_M)
+            tuple(wants_int8(pw) for pw in pws), tuple(wants_bf16(pw) for pw in pws),
+            _rows(x, pws[0].in_features) > INT8_MAX_M and any(map(wants_bf16, pws)) and _bf16_ok(),
+            _rows(x, pws[0].in_features) <= INT8_MAX_M)
 
 
 DISPATCH_MANY = Dispatcher("qmatmul_many", [
     Candidate("cpu_int8_multi", _check_multi_int8, _run_multi_int8),
+    Candidate("cpu_bf16_multi", _check_multi_bf16, _run_multi_bf16),
     Candidate("cpu_fused_multi", _check_multi_cpu, _run_multi_cpu),
     Candidate("each", lambda x, pws: None, lambda x, pws: [qmatmul(x, pw) for pw in pws]),
 ], key=_key_multi)
@@ -262,6 +318,17 @@ def _register_fake() -> None:
         @torch.library.register_fake("exl_core::qmatmul_int8_multi")
         def _(x, qweight, groups, scale, zero, perm, bias):
             torch._check(x.dim() == 2, lambda: "qmatmul_int8_multi: x must be 2-D")
+            return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
+
+    if has_op("qmatmul_bf16"):
+        @torch.library.register_fake("exl_core::qmatmul_bf16")
+        def _(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: "qmatmul_bf16: x must be 2-D")
+            return x.new_empty((x.shape[0], qweight.shape[1]))
+
+        @torch.library.register_fake("exl_core::qmatmul_bf16_multi")
+        def _(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: "qmatmul_bf16_multi: x must be 2-D")
             return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
 
 

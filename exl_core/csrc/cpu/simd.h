@@ -97,6 +97,8 @@ static void fill_tile_quant(const QGemmArgs& a, int64_t k0, int kc, int64_t n0, 
   }
 }
 
+#ifndef EXL_SIMD_QUANT_TILE_ONLY  // qmatmul_bf16_avx512.cpp takes only the unpacking above
+
 // Dense tile: copy/convert w[k0:k0+kc, cols] into the same [np][kc][32] layout (zero padded).
 static void fill_tile_dense(const DenseGemmArgs& a, int64_t k0, int kc, int64_t n0, int np, float* tile) {
   for (int p = 0; p < np; ++p) {
@@ -406,5 +408,7 @@ void dense_gemm(const DenseGemmArgs& a, int64_t p0, int64_t p1) {
     default: dense_small_any<4>(a, c0, c1); break;
   }
 }
+
+#endif  // EXL_SIMD_QUANT_TILE_ONLY
 
 #undef EXL_ALWAYS_INLINE
