@@ -3,7 +3,7 @@
 Rows: exl_core dense fp32 (native generator), exl_core GPTQ 4-bit g128 and EXL2 4.0 bpw
 (when the formats exist), the same two with `activations="int8"` (int8-activation decode
 kernels; prompt rows keep the exact path), with `prefill="bf16"` (bf16-activation prompt
-kernels; decode keeps the exact path) and with both (`--formats gptq-int8-bf16`), HF transformers `generate` (fp32, same dense weights) and
+kernels for calls of 9+ rows; this batch-1 decode keeps the exact path) and with both (`--formats gptq-int8-bf16`), HF transformers `generate` (fp32, same dense weights) and
 llama.cpp through llama-cpp-python on the original Q4_1 GGUF (when `--llamacpp-python`
 points at an interpreter that has it; it lives in its own environment because it compiles
 for ~10 minutes).

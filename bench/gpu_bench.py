@@ -224,7 +224,7 @@ def gemv_sweep(model) -> list[dict]:
     (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
     GB/s counts packed words + scale/zero once per call."""
-    from exl_core.ops.cuda_candidates import _chunks_of
+    from exl_core.ops.cuda_candidates import _chunks_of, _uniform4
     by_shape: dict = {}
     for _, lin in model.linear_layers():
         pw = lin.packed
@@ -240,7 +240,7 @@ def gemv_sweep(model) -> list[dict]:
         for M in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(M, K).to("cuda", model.dtype)
             ch = {id(pw): pw.meta["_cuda_chunks"] for pw in pws}
-            u4 = all(b == 4 for b in pws[0].groups[:, 0].tolist())
+            u4 = all(_uniform4(pw) for pw in pws)              # the library's own check, every weight
             paths = {
                 "skinny": lambda pw: ops.qgemm_skinny(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
                 "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
@@ -352,7 +352,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="graph decode and prompt only (A/B runs)")
     a = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                 "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch"}
+                 "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch",
+                 "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):
         p = getattr(a, fmt)

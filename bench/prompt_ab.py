@@ -6,7 +6,7 @@ through ContiguousContext (as bench/cpu_decode.py), best of `--passes` per proce
         [--rounds 3] [--passes 3] [--threads 2] [--prefill exact] [--name prompt_ab]
 
 Each tree must have its extension built in place.  `--prefill` other than exact is passed to
-trees whose load_model accepts it.  Writes bench/results/NAME.json (every round's tok/s).
+every tree's load_model (a tree without the option fails; compare such trees with exact).  Writes bench/results/NAME.json (every round's tok/s).
 """
 from __future__ import annotations
 

@@ -73,8 +73,9 @@ def _add_model_args(p):
                         "(faster, not exact); longer calls stay exact. Default: exact fp32")
     p.add_argument("--prefill", default="exact", choices=["exact", "bf16"],
                    help="bf16 (CPU with AVX512_BF16 only): quantized layers multiply calls of >= 9 rows "
-                        "(prompts) with activations rounded to bf16, weights exact (faster, ~1e-3 relative "
-                        "error); independent of --activations, which covers the shorter calls. Default: exact fp32")
+                        "(prompts, and batched decode steps of 9+ sequences) with activations rounded to bf16, "
+                        "weights exact (faster, ~1e-3 relative error); independent of --activations, which covers "
+                        "the shorter calls. Default: exact fp32")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard over torch.distributed ranks (launch with torchrun --nproc-per-node N; "
                         "NCCL on GPUs, gloo on CPUs)")

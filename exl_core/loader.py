@@ -89,7 +89,9 @@ def set_prefill(model: Model, kind: str) -> None:
     to bf16 and the weights exact (AVX512_BF16 CPUs; elsewhere the exact kernel keeps serving);
     "exact" restores the exact fp32 path. Independent of set_activations, which governs the
     decode-sized calls (<= 8 rows): the two row ranges never overlap, and a caller may want one
-    lossy path without the other (exact prompt scoring with int8 decode, or the reverse)."""
+    lossy path without the other (exact prompt scoring with int8 decode, or the reverse). The rule is
+    the row count, not the phase: a decode step batching 9+ sequences, or a speculative verify pass of
+    9+ rows, also runs bf16 (and the per-op path instead of the fused decoder stack)."""
     if kind not in PREFILL_KINDS:
         raise ConfigError(f"prefill={kind!r}: expected one of {', '.join(PREFILL_KINDS)}")
     for m in model.modules():

@@ -67,3 +67,17 @@ def test_uniform4_needs_words_in_k_order():
     assert _uniform4(SimpleNamespace(groups=k_order, meta={}))
     assert not _uniform4(SimpleNamespace(groups=swapped, meta={}))
     assert not _uniform4(SimpleNamespace(groups=mixed, meta={}))
+
+
+def test_cuda_qmatmul_row_policy():
+    """Which tensor-core kernel may take how many rows (runs without a GPU): uniform 4-bit weights use
+    qgemm_mma up to MMA_MAX_ROWS, other weights (EXL2 mixed widths) only up to MMA_MIXED_MAX_ROWS,
+    nothing below MMA_MIN_ROWS."""
+    from types import SimpleNamespace
+    from exl_core.ops import cuda_candidates as cc
+    u4 = SimpleNamespace(groups=torch.tensor([[4, 0, 128, 0], [4, 128, 128, 16]], dtype=torch.int32), meta={})
+    mixed = SimpleNamespace(groups=torch.tensor([[4, 0, 128, 0], [3, 128, 128, 16]], dtype=torch.int32), meta={})
+    assert cc.MMA_MIN_ROWS <= cc.MMA_MIXED_MAX_ROWS < cc.MMA_MAX_ROWS
+    assert cc._mma_rows_ok(cc.MMA_MAX_ROWS, u4) and not cc._mma_rows_ok(cc.MMA_MAX_ROWS + 1, u4)
+    assert cc._mma_rows_ok(cc.MMA_MIXED_MAX_ROWS, mixed) and not cc._mma_rows_ok(cc.MMA_MIXED_MAX_ROWS + 1, mixed)
+    assert not cc._mma_rows_ok(cc.MMA_MIN_ROWS - 1, u4)

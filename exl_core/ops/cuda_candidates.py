@@ -16,7 +16,8 @@ same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep")
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):
                        fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`), deterministic
   otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
-Measured (us, 4096x4096 / 4096x11008 / 11008x4096, bench/results/gpu_h200.json, with PDL): M=1 skinny
+Measured (us, 4096x4096 / 4096x11008 / 11008x4096, with PDL; the sweep of commit 3517c25:
+`git show 3517c25:bench/results/gpu_h200.json`, the committed file is a later run within ~0.5 us): M=1 skinny
 8.8/15.6/18.6, gemv 13.9/23.2/25.0, mma 12.3/29.7/25.7; M=8 skinny 9.8/17.1/20.5, mma 13.1/32.4/27.8;
 M=16 skinny 12.1/26.6/22.7, mma 15.3/36.2/31.2, dequant+cuBLAS 23.4/61.1/61.1; M=32 skinny
 19.8/58.3/56.8, mma 21.4/55.8/48.7, dequant+cuBLAS 23.7/61.4/61.9; M=64 mma 42.2/109.6/93.5,
@@ -36,8 +37,8 @@ from .dispatch import Candidate, extension
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
-MMA_MIXED_MAX_ROWS = 16     # mixed widths (EXL2): at 32 rows dequantise + cuBLAS won end to end (bs32
-                            # 2,599.1 vs 2,447.0 tok/s with qgemm_mma)
+MMA_MIXED_MAX_ROWS = 16     # weights that are not uniform 4-bit: measured on EXL2 mixed widths only, where
+                            # dequantise + cuBLAS won at 32 rows end to end (bs32 2,599.1 vs 2,447.0 tok/s)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

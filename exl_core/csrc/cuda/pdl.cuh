@@ -6,7 +6,12 @@
 // Contract for every kernel launched through launch_pdl: call pdl_wait() before the first read of
 // anything an earlier kernel may write (activations, outputs, K/V) and before the first global
 // write; pdl_wait() returns once the previous grid has completed and its writes are visible, so
-// completion stays transitive along the stream.  pdl_trigger() lets the next kernel launch
+// completion stays transitive along the stream.  Reads before pdl_wait() are allowed only for data
+// that the kernel immediately before in the stream does not write: the decode kernels read their
+// weights (qweight, chunk table) there, which the library writes by copies at load time, never by the
+// kernel right before a matmul.  (Each of our kernels triggers only after its own wait, so a kernel's
+// early reads can overlap only its direct predecessor.)  A caller that builds weights with a GPU kernel
+// and calls torch.ops.exl_core.qgemm_* straight after must put a sync or a non-PDL op in between.  pdl_trigger() lets the next kernel launch
 // (it still waits for this one's completion in its own pdl_wait()).
 // EXL_CORE_PDL=0 turns the attribute off (A/B timing, debugging); kernels then run serialized.
 #pragma once
