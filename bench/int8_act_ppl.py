@@ -29,6 +29,37 @@ def chunked_logits_fn(model, rows: int):
     return fn
 
 
+def mode_ppl(key: str, kinds: tuple, setter, logits_fn, ctx: int, windows: int) -> list[dict]:
+    """Perplexity of the GPTQ and EXL2 4-bit SmolLM2 models under each `kinds` of the `key` switch
+    (setter(model, kind)), same text, windows and chunking (logits_fn(model)); the first kind is the
+    base of ppl_rel_change. Shared with bench/bf16_prefill_ppl.py."""
+    from convert_smollm2 import heldout_text
+    from quantized_models import quantized_smollm2
+    from exl_core.eval.perplexity import perplexity_from_logits_fn
+    from exl_core.loader import load_model
+
+    rows = []
+    ids = None
+    for fmt in ("gptq", "exl2"):
+        model, tok = load_model(quantized_smollm2(fmt))
+        if ids is None:
+            ids = tok.encode(heldout_text(), add_bos=False, special=False)
+        for kind in kinds:
+            setter(model, kind)
+            t = time.time()
+            with torch.inference_mode():
+                r = perplexity_from_logits_fn(logits_fn(model), ids, ctx=ctx, max_windows=windows)
+            rows.append({"model": f"{fmt} 4-bit rtn", key: kind, "ppl": r.ppl, "tokens": r.tokens,
+                         "windows": r.windows, "eval_s": round(time.time() - t, 1)})
+            print_table(rows[-1:], ["model", key, "ppl", "tokens", "eval_s"])
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b[key] == kinds[0])
+        r["ppl_rel_change"] = r["ppl"] / base["ppl"] - 1
+    print()
+    print_table(rows, ["model", key, "ppl", "ppl_rel_change", "tokens", "windows", "eval_s"])
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=256)
@@ -37,28 +68,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from convert_smollm2 import heldout_text
-    from quantized_models import quantized_smollm2
-    from exl_core.eval.perplexity import perplexity_from_logits_fn
-    from exl_core.loader import load_model, set_activations
-
-    rows = []
-    ids = None
-    for fmt in ("gptq", "exl2"):
-        model, tok = load_model(quantized_smollm2(fmt))
-        if ids is None:
-            ids = tok.encode(heldout_text(), add_bos=False, special=False)
-        for act in ("exact", "int8"):
-            set_activations(model, act)
-            t = time.time()
-            with torch.inference_mode():
-                r = perplexity_from_logits_fn(chunked_logits_fn(model, args.rows), ids, ctx=args.ctx,
-                                              max_windows=args.windows)
-            rows.append({"model": f"{fmt} 4-bit rtn", "activations": act, "ppl": r.ppl, "tokens": r.tokens,
-                         "windows": r.windows, "eval_s": round(time.time() - t, 1)})
-            print_table(rows[-1:], ["model", "activations", "ppl", "tokens", "eval_s"])
-    print()
-    print_table(rows, ["model", "activations", "ppl", "tokens", "windows", "eval_s"])
+    from exl_core.loader import set_activations
+    rows = mode_ppl("activations", ("exact", "int8"), set_activations, lambda m: chunked_logits_fn(m, args.rows),
+                    args.ctx, args.windows)
     write_results("int8_act_ppl", {"ctx": args.ctx, "rows_per_call": args.rows,
                                    "text": "stdlib docstrings (bench/convert_smollm2.py heldout_text)",
                                    "results": rows})

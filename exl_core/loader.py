@@ -65,19 +65,26 @@ def lighter_head(head: QuantLinear, kind: str) -> QuantLinear:
 ACTIVATION_KINDS = ("exact", "int8")
 
 
+def _mark_packed(model: Model, key: str, kind: str, kinds: tuple) -> None:
+    """Sets packed.meta[key] = kind on every packed layer (the head too, when packed), or removes it
+    for "exact"; the qmatmul dispatcher reads it per call. The fused decoder stack copies the choice
+    per weight, so its cache is dropped."""
+    if kind not in kinds:
+        raise ConfigError(f"{key}={kind!r}: expected one of {', '.join(kinds)}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.is_quantized:
+            if kind == "exact":
+                m.packed.meta.pop(key, None)
+            else:
+                m.packed.meta[key] = kind
+    invalidate_native_stacks()
+
+
 def set_activations(model: Model, kind: str) -> None:
     """kind "int8": every packed layer (the head too, when packed) asks the qmatmul dispatcher for
     the int8-activation kernel, which serves small batches (decode) with x rounded to int8 per 32
     values (exl_core/ops/qmatmul.py); "exact" restores the exact fp32 path."""
-    if kind not in ACTIVATION_KINDS:
-        raise ConfigError(f"activations={kind!r}: expected one of {', '.join(ACTIVATION_KINDS)}")
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m.is_quantized:
-            if kind == "int8":
-                m.packed.meta["activations"] = "int8"
-            else:
-                m.packed.meta.pop("activations", None)
-    invalidate_native_stacks()          # the fused decoder stack copies the choice per weight
+    _mark_packed(model, "activations", kind, ACTIVATION_KINDS)
 
 
 PREFILL_KINDS = ("exact", "bf16")
@@ -92,15 +99,7 @@ def set_prefill(model: Model, kind: str) -> None:
     lossy path without the other (exact prompt scoring with int8 decode, or the reverse). The rule is
     the row count, not the phase: a decode step batching 9+ sequences, or a speculative verify pass of
     9+ rows, also runs bf16 (and the per-op path instead of the fused decoder stack)."""
-    if kind not in PREFILL_KINDS:
-        raise ConfigError(f"prefill={kind!r}: expected one of {', '.join(PREFILL_KINDS)}")
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m.is_quantized:
-            if kind == "bf16":
-                m.packed.meta["prefill"] = "bf16"
-            else:
-                m.packed.meta.pop("prefill", None)
-    invalidate_native_stacks()          # the fused decoder stack steps aside for bf16 prompts
+    _mark_packed(model, "prefill", kind, PREFILL_KINDS)
 
 
 def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Optional[torch.dtype] = None,

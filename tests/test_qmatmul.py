@@ -41,6 +41,22 @@ def rand_packed(K: int, N: int, rng: random.Random, bits=None, perm=True, bias=T
         bias=torch.randn(N) if bias else None).validate("test weight")
 
 
+def check_multi_equals_single(multi_op, run_single, M: int, rng: random.Random) -> None:
+    """A *_multi quantized matmul op equals one call per weight, and row i of a call does not depend
+    on the other rows (shared by the int8- and bf16-activation tests)."""
+    import dataclasses
+    K = 256
+    perm = torch.randperm(K)
+    pws = [dataclasses.replace(rand_packed(K, n, rng), perm=perm) for n in (96, 32, 160)]
+    x = torch.randn(M, K)
+    ys = multi_op(x, [p.qweight for p in pws], [p.groups for p in pws], [p.scale for p in pws],
+                  [p.zero for p in pws], perm, [p.bias for p in pws])
+    for pw, y in zip(pws, ys):
+        assert torch.equal(y, run_single(x, pw))
+        for i in (0, M // 2, M - 1):
+            assert torch.equal(y[i], run_single(x[i:i + 1], pw)[0])
+
+
 def reference(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     y = x.double() @ dequantize_reference(pw, torch.float64)
     return y if pw.bias is None else y + pw.bias.double()

@@ -16,7 +16,7 @@ from exl_core.formats.packed import SUPPORTED_BITS, dequantize_reference
 from exl_core.ops import qmatmul as qm
 from exl_core.ops.dispatch import has_op
 
-from test_qmatmul import rand_packed, reference, rel_err
+from test_qmatmul import check_multi_equals_single, rand_packed, reference, rel_err
 
 needs_op = pytest.mark.skipif(not has_op("qmatmul_bf16"), reason="exl_core._C not built with qmatmul_bf16")
 
@@ -107,17 +107,7 @@ def test_bf16_input_and_small_m(rng):
 @needs_cpu
 def test_rows_independent_and_multi_equals_single(rng):
     """Row i does not depend on the other rows; the multi op equals one call per weight."""
-    K = 256
-    perm = torch.randperm(K)
-    pws = [dataclasses.replace(rand_packed(K, n, rng), perm=perm) for n in (96, 32, 160)]
-    x = torch.randn(40, K)
-    ys = torch.ops.exl_core.qmatmul_bf16_multi(x, [p.qweight for p in pws], [p.groups for p in pws],
-                                               [p.scale for p in pws], [p.zero for p in pws], perm,
-                                               [p.bias for p in pws])
-    for pw, y in zip(pws, ys):
-        assert torch.equal(y, run_bf16(x, pw))
-        for i in (0, 4, 39):
-            assert torch.equal(y[i], run_bf16(x[i:i + 1], pw)[0])
+    check_multi_equals_single(torch.ops.exl_core.qmatmul_bf16_multi, run_bf16, 40, rng)
 
 
 @needs_op

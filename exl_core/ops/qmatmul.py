@@ -297,39 +297,25 @@ def _register_fake() -> None:
         return
     _register_fake.done = True
 
-    @torch.library.register_fake("exl_core::qmatmul")
-    def _(x, qweight, groups, scale, zero, perm, bias):
-        torch._check(x.dim() == 2, lambda: "qmatmul: x must be 2-D")
-        torch._check(qweight.dim() == 2, lambda: "qmatmul: qweight must be 2-D")
-        return x.new_empty((x.shape[0], qweight.shape[1]))
-
-    if has_op("qmatmul_multi"):
-        @torch.library.register_fake("exl_core::qmatmul_multi")
-        def _(x, qweight, groups, scale, zero, perm, bias):
-            torch._check(x.dim() == 2, lambda: "qmatmul_multi: x must be 2-D")
-            return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
-
-    if has_op("qmatmul_int8"):
-        @torch.library.register_fake("exl_core::qmatmul_int8")
-        def _(x, qweight, groups, scale, zero, perm, bias):
-            torch._check(x.dim() == 2, lambda: "qmatmul_int8: x must be 2-D")
+    # every quantized matmul op has the same signature: one weight -> [M, N], a list -> one per weight
+    def single(name):
+        def fake(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: f"{name}: x must be 2-D")
+            torch._check(qweight.dim() == 2, lambda: f"{name}: qweight must be 2-D")
             return x.new_empty((x.shape[0], qweight.shape[1]))
+        return fake
 
-        @torch.library.register_fake("exl_core::qmatmul_int8_multi")
-        def _(x, qweight, groups, scale, zero, perm, bias):
-            torch._check(x.dim() == 2, lambda: "qmatmul_int8_multi: x must be 2-D")
+    def multi(name):
+        def fake(x, qweight, groups, scale, zero, perm, bias):
+            torch._check(x.dim() == 2, lambda: f"{name}: x must be 2-D")
             return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
+        return fake
 
-    if has_op("qmatmul_bf16"):
-        @torch.library.register_fake("exl_core::qmatmul_bf16")
-        def _(x, qweight, groups, scale, zero, perm, bias):
-            torch._check(x.dim() == 2, lambda: "qmatmul_bf16: x must be 2-D")
-            return x.new_empty((x.shape[0], qweight.shape[1]))
-
-        @torch.library.register_fake("exl_core::qmatmul_bf16_multi")
-        def _(x, qweight, groups, scale, zero, perm, bias):
-            torch._check(x.dim() == 2, lambda: "qmatmul_bf16_multi: x must be 2-D")
-            return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
+    for op in ("qmatmul", "qmatmul_int8", "qmatmul_bf16"):
+        if has_op(op):
+            torch.library.register_fake(f"exl_core::{op}")(single(op))
+        if has_op(f"{op}_multi"):
+            torch.library.register_fake(f"exl_core::{op}_multi")(multi(f"{op}_multi"))
 
 
 _register_fake()

@@ -113,6 +113,39 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
 }
 
 // x [M, K] (bf16 widened, permuted) as contiguous fp32.
+std::vector<Prepared> prepare_one(const std::string& who, const at::Tensor& x, const at::Tensor& qweight,
+                                  const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
+                                  const std::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
+  std::vector<Prepared> ws;
+  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias));
+  return ws;
+}
+
+std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, at::TensorList qweight,
+                                   at::TensorList groups, at::TensorList scale, at::TensorList zero,
+                                   const c10::List<std::optional<at::Tensor>>& bias) {
+  const size_t n = qweight.size();
+  TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
+              who, ": qweight, groups, scale, zero, bias must be lists of one equal, non-zero length, got ", n,
+              ", ", groups.size(), ", ", scale.size(), ", ", zero.size(), ", ", bias.size());
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
+  std::vector<Prepared> ws;
+  ws.reserve(n);
+  for (size_t i = 0; i < n; ++i)
+    ws.push_back(prepare_weight(who + " weight " + std::to_string(i), x.size(0), x.size(1), qweight[i],
+                                groups[i], scale[i], zero[i], bias.get(i)));
+  return ws;
+}
+
+std::vector<at::Tensor> outputs_like(const at::Tensor& x, const std::vector<Prepared>& ws) {
+  std::vector<at::Tensor> out;
+  for (const auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));
+  return out;
+}
+
 at::Tensor prepare_x(const std::string& who, const at::Tensor& x, const std::optional<at::Tensor>& perm) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
@@ -170,8 +203,6 @@ void for_each_panel(const std::vector<Prepared>& ws,
 namespace {
 
 using exl_cpu::Prepared;
-using exl_cpu::check_cpu;
-using exl_cpu::prepare_weight;
 
 std::vector<at::Tensor> qmatmul_many(const std::string& who, const at::Tensor& x, std::vector<Prepared>& ws,
                                      const std::optional<at::Tensor>& perm) {
@@ -187,19 +218,14 @@ std::vector<at::Tensor> qmatmul_many(const std::string& who, const at::Tensor& x
     else if (level == 1) exl_cpu::isa_avx2::qgemm(ws[i].a, lo, hi);
     else exl_cpu::isa_scalar::qgemm(ws[i].a, lo, hi);
   });
-  std::vector<at::Tensor> out;
-  for (auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));
-  return out;
+  return exl_cpu::outputs_like(x, ws);
 }
 
 at::Tensor qmatmul_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
                        const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
                        const std::optional<at::Tensor>& bias) {
   const std::string who = "exl_core::qmatmul";
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
-  std::vector<Prepared> ws;
-  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias));
+  auto ws = exl_cpu::prepare_one(who, x, qweight, groups, scale, zero, bias);
   return qmatmul_many(who, x, ws, perm)[0];
 }
 
@@ -207,19 +233,9 @@ std::vector<at::Tensor> qmatmul_multi_cpu(const at::Tensor& x, at::TensorList qw
                                           at::TensorList scale, at::TensorList zero,
                                           const std::optional<at::Tensor>& perm,
                                           const c10::List<std::optional<at::Tensor>>& bias) {
-  const size_t n = qweight.size();
-  TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
-              "exl_core::qmatmul_multi: qweight, groups, scale, zero, bias must be lists of one equal, non-zero "
-              "length, got ", n, ", ", groups.size(), ", ", scale.size(), ", ", zero.size(), ", ", bias.size());
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, "exl_core::qmatmul_multi: x must be 2-D [M, K], got ", x.sizes());
-  std::vector<Prepared> ws;
-  ws.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const std::string who = "exl_core::qmatmul_multi weight " + std::to_string(i);
-    ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight[i], groups[i], scale[i], zero[i], bias.get(i)));
-  }
-  return qmatmul_many("exl_core::qmatmul_multi", x, ws, perm);
+  const std::string who = "exl_core::qmatmul_multi";
+  auto ws = exl_cpu::prepare_list(who, x, qweight, groups, scale, zero, bias);
+  return qmatmul_many(who, x, ws, perm);
 }
 
 int64_t matmul_isa(int64_t cap) {

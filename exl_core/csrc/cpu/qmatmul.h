@@ -37,6 +37,14 @@ struct QGemmArgs {
   const float* xsum;       // [M, K / 32]: sum of x[m, 32c .. 32c+31] in order (chunk_sums)
 };
 
+// K == 0 (an empty reduction): columns [n0, n0 + ncols) of every row of y are the bias, or 0
+// (Args: QGemmArgs or DenseGemmArgs, which share M, y, ldy and bias).
+template <typename Args>
+inline void write_empty_reduction(const Args& a, int64_t n0, int64_t ncols) {
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t n = n0; n < n0 + ncols; ++n) a.y[m * a.ldy + n] = a.bias ? a.bias[n] : 0.0f;
+}
+
 struct DenseGemmArgs {
   const float* x;          // fp32 [M, K], row stride ldx
   int64_t ldx, M, K, N;

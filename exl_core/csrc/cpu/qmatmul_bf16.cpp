@@ -83,19 +83,14 @@ std::vector<at::Tensor> qmatmul_bf16_many(const std::string& who, const at::Tens
   exl_cpu::for_each_panel(ws, [&](size_t i, int64_t lo, int64_t hi) {
     exl_cpu::isa_avx512bf16::qgemm_bf16(ws[i].a, bx[i], lo, hi);
   });
-  std::vector<at::Tensor> out;
-  for (auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));
-  return out;
+  return exl_cpu::outputs_like(x, ws);
 }
 
 at::Tensor qmatmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
                             const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
                             const std::optional<at::Tensor>& bias) {
   const std::string who = "exl_core::qmatmul_bf16";
-  exl_cpu::check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
-  std::vector<Prepared> ws;
-  ws.push_back(exl_cpu::prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias));
+  auto ws = exl_cpu::prepare_one(who, x, qweight, groups, scale, zero, bias);
   return qmatmul_bf16_many(who, x, ws, perm)[0];
 }
 
@@ -103,21 +98,9 @@ std::vector<at::Tensor> qmatmul_bf16_multi_cpu(const at::Tensor& x, at::TensorLi
                                                at::TensorList scale, at::TensorList zero,
                                                const std::optional<at::Tensor>& perm,
                                                const c10::List<std::optional<at::Tensor>>& bias) {
-  const size_t n = qweight.size();
-  TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
-              "exl_core::qmatmul_bf16_multi: qweight, groups, scale, zero, bias must be lists of one equal, "
-              "non-zero length, got ", n, ", ", groups.size(), ", ", scale.size(), ", ", zero.size(), ", ",
-              bias.size());
-  exl_cpu::check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, "exl_core::qmatmul_bf16_multi: x must be 2-D [M, K], got ", x.sizes());
-  std::vector<Prepared> ws;
-  ws.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const std::string who = "exl_core::qmatmul_bf16_multi weight " + std::to_string(i);
-    ws.push_back(exl_cpu::prepare_weight(who, x.size(0), x.size(1), qweight[i], groups[i], scale[i], zero[i],
-                                         bias.get(i)));
-  }
-  return qmatmul_bf16_many("exl_core::qmatmul_bf16_multi", x, ws, perm);
+  const std::string who = "exl_core::qmatmul_bf16_multi";
+  auto ws = exl_cpu::prepare_list(who, x, qweight, groups, scale, zero, bias);
+  return qmatmul_bf16_many(who, x, ws, perm);
 }
 
 bool qmatmul_bf16_supported() { return exl_cpu::bf16_dot_available(); }

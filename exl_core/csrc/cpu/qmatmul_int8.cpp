@@ -135,19 +135,14 @@ std::vector<at::Tensor> int8_many(const std::string& who, const at::Tensor& x, s
                                   const std::optional<at::Tensor>& perm) {
   const at::Tensor xf = exl_cpu::prepare_x(who, x, perm);
   exl_cpu::qmatmul_int8_prepared(exl_cpu::quantize_x_int8(xf), ws);
-  std::vector<at::Tensor> out;
-  for (auto& w : ws) out.push_back(x.scalar_type() == at::kFloat ? w.y : w.y.to(x.scalar_type()));
-  return out;
+  return exl_cpu::outputs_like(x, ws);
 }
 
 at::Tensor qmatmul_int8_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& groups,
                             const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
                             const std::optional<at::Tensor>& bias) {
   const std::string who = "exl_core::qmatmul_int8";
-  exl_cpu::check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
-  std::vector<exl_cpu::Prepared> ws;
-  ws.push_back(exl_cpu::prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias));
+  auto ws = exl_cpu::prepare_one(who, x, qweight, groups, scale, zero, bias);
   return int8_many(who, x, ws, perm)[0];
 }
 
@@ -156,17 +151,7 @@ std::vector<at::Tensor> qmatmul_int8_multi_cpu(const at::Tensor& x, at::TensorLi
                                                const std::optional<at::Tensor>& perm,
                                                const c10::List<std::optional<at::Tensor>>& bias) {
   const std::string who = "exl_core::qmatmul_int8_multi";
-  const size_t n = qweight.size();
-  TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
-              who, ": qweight, groups, scale, zero, bias must be lists of one equal, non-zero length, got ", n,
-              ", ", groups.size(), ", ", scale.size(), ", ", zero.size(), ", ", bias.size());
-  exl_cpu::check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
-  std::vector<exl_cpu::Prepared> ws;
-  ws.reserve(n);
-  for (size_t i = 0; i < n; ++i)
-    ws.push_back(exl_cpu::prepare_weight(who + " weight " + std::to_string(i), x.size(0), x.size(1), qweight[i],
-                                         groups[i], scale[i], zero[i], bias.get(i)));
+  auto ws = exl_cpu::prepare_list(who, x, qweight, groups, scale, zero, bias);
   return int8_many(who, x, ws, perm);
 }
 

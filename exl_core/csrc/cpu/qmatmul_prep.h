@@ -2,6 +2,7 @@
 // usable by other C++ ops that call them: argument checks of one PackedWeight, x preparation
 // and the split of output panels over threads.  Not included by the ISA translation units.
 #pragma once
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <functional>
@@ -30,6 +31,19 @@ struct Prepared {
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
                         const std::optional<at::Tensor>& bias);
+
+// The argument handling every quantized matmul op shares: x checked (CPU, 2-D) and its weights
+// prepared, one (the single-weight ops) or a list (the *_multi ops: equal, non-empty lists; errors
+// name "who weight i").
+std::vector<Prepared> prepare_one(const std::string& who, const at::Tensor& x, const at::Tensor& qweight,
+                                  const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
+                                  const std::optional<at::Tensor>& bias);
+std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, at::TensorList qweight,
+                                   at::TensorList groups, at::TensorList scale, at::TensorList zero,
+                                   const c10::List<std::optional<at::Tensor>>& bias);
+
+// Each weight's fp32 y in x's dtype (the ops' return value).
+std::vector<at::Tensor> outputs_like(const at::Tensor& x, const std::vector<Prepared>& ws);
 
 // x [M, K] (bf16 widened, permuted by `perm` when given) as contiguous fp32.
 at::Tensor prepare_x(const std::string& who, const at::Tensor& x, const std::optional<at::Tensor>& perm);

@@ -363,9 +363,8 @@ static void gemm_cols(const Args& a, int64_t c0, int64_t c1, Fill fill, const QG
   for (int64_t n0 = c0; n0 < c1; n0 += nbp * kPanel) {
     const int64_t ncols = (n0 + nbp * kPanel <= c1) ? nbp * kPanel : c1 - n0;
     const int np = static_cast<int>((ncols + kPanel - 1) / kPanel);
-    if (a.K == 0) {  // empty reduction: y = bias or 0
-      for (int64_t m = 0; m < a.M; ++m)
-        for (int64_t n = n0; n < n0 + ncols; ++n) a.y[m * a.ldy + n] = a.bias ? a.bias[n] : 0.0f;
+    if (a.K == 0) {
+      write_empty_reduction(a, n0, ncols);
       continue;
     }
     for (int64_t k0 = 0; k0 < a.K; k0 += KC) {

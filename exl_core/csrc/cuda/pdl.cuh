@@ -35,16 +35,24 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// The device's compute-capability major (want_major) or multiprocessor count, cached per device.
+inline int device_sm(int dev, bool want_major) {
+  static int sms[64] = {0}, major[64] = {0};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (!sms[dev]) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
+  }
+  return want_major ? major[dev] : sms[dev];
+}
+
 // PDL on for this device: sm_90 or newer and EXL_CORE_PDL not "0".
 inline bool pdl_enabled(int dev) {
   static const bool env_on = [] {
     const char* v = std::getenv("EXL_CORE_PDL");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  static int major[64] = {0};
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (!major[dev]) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
-  return env_on && major[dev] >= 9;
+  return env_on && device_sm(dev, true) >= 9;
 }
 
 // cudaLaunchKernelEx with `cfg` (grid, block, smem, stream and up to one attribute already set)

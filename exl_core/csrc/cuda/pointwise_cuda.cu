@@ -332,10 +332,10 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tens
   const auto cs = cos_sin.contiguous();
   const int64_t D = q.size(2);
   const auto qc = q.contiguous(), kc = k.contiguous();
-  bool vec = D % 8 == 0 && q.scalar_type() == k.scalar_type();
+  // fresh outputs are 16-byte aligned (caching allocator); the inputs and the table may not be
+  if (D % 8 != 0 || q.scalar_type() != k.scalar_type() || !aligned16({&qc, &kc, &cs}))
+    return {rope_one(qc, pos, cs, stream), rope_one(kc, pos, cs, stream)};
   auto qo = at::empty_like(qc), ko = at::empty_like(kc);
-  vec = vec && aligned16({&qc, &kc, &qo, &ko, &cs});
-  if (!vec) return {rope_one(q, pos, cs, stream), rope_one(k, pos, cs, stream)};
   const int64_t q_heads = qc.size(0) * qc.size(1), k_heads = kc.size(0) * kc.size(1);
   const int64_t n = (q_heads + k_heads) * (D / 8);
   if (!n) return {qo, ko};

@@ -17,6 +17,8 @@
 
 namespace exl_mma {
 
+using exl_pdl::device_sm;
+
 constexpr int kMaxSplits = 8;   // portable cluster size
 
 // Stages rows [0, rows) of x[:, perm[k0 .. k0 + L)] into xs [rows][xs_stride] fp16 in fragment order
@@ -226,15 +228,6 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
 
 // ----------------------------------------------------------------------------- host side
 
-inline int device_sm(int dev, bool want_major) {
-  static int sms[64] = {0}, major[64] = {0};
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (!sms[dev]) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
-  }
-  return want_major ? major[dev] : sms[dev];
-}
 
 inline std::mutex& host_mutex() {
   static std::mutex mu;
