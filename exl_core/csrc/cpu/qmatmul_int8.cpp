@@ -122,7 +122,7 @@ void qmatmul_int8_prepared(const Int8XTensors& x, std::vector<Prepared>& ws) {
   for (const auto& w : ws) {
     TORCH_CHECK(w.a.M == x.M && w.a.K == x.K, "exl_cpu::qmatmul_int8_prepared: weight prepared for [", w.a.M,
                 ", ", w.a.K, "], x is [", x.M, ", ", x.K, "]");
-    args.push_back(QGemmInt8Args{xv, w.a.N, w.a.qweight, w.a.scale, w.a.zero, w.a.chunks, w.a.bias, w.a.y, w.a.ldy});
+    args.push_back(QGemmInt8Args{xv, &w.a});
   }
   for_each_panel(ws, [&](size_t i, int64_t p0, int64_t p1) { qgemm_int8(args[i], p0, p1); });
 }

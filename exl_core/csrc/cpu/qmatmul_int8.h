@@ -28,16 +28,11 @@ struct Int8X {
   const int32_t* qsum;  // [M, K/32] sum of the chunk's 32 int8 values
 };
 
+// x quantized, and the weight's fields of the exact kernel's arguments (w->x / w->xsum unused;
+// w->M and w->K equal x's).
 struct QGemmInt8Args {
   Int8X x;
-  int64_t N;
-  const int32_t* qweight;  // [Q, N]
-  const float* scale;      // [G, N]
-  const float* zero;       // [G, N]
-  const ChunkInfo* chunks; // [K / 32]
-  const float* bias;       // fp32 [N] or nullptr
-  float* y;                // fp32 [M, N], row stride ldy
-  int64_t ldy;
+  const QGemmArgs* w;
 };
 
 constexpr int kInt8Orders = 3;

@@ -70,8 +70,8 @@ static EXL_ALWAYS_INLINE void dot_chunk(const int32_t* q, int64_t N, const int* 
 // after the last chunk).  The same operations in every ISA (see qmatmul_int8.h).
 template <int B, int MR, int NV, bool FULL>
 static EXL_ALWAYS_INLINE void chunk_block(const QGemmInt8Args& a, int64_t m0, int64_t n0, int64_t ncols, int64_t c) {
-  const int64_t nch = a.x.K / 32, N = a.N;
-  const ChunkInfo ch = a.chunks[c];
+  const int64_t nch = a.x.K / 32, N = a.w->N;
+  const ChunkInfo ch = a.w->chunks[c];
   int nv[NV];
   for (int j = 0; j < NV; ++j) nv[j] = FULL ? I8::W : lanes_valid(ncols - j * I8::W);
   const int32_t* xr[MR];
@@ -80,11 +80,11 @@ static EXL_ALWAYS_INLINE void chunk_block(const QGemmInt8Args& a, int64_t m0, in
   typename I8::i acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
-  dot_chunk<B, MR, NV, FULL>(a.qweight + ch.qrow * N + n0, N, nv, xr, acc, std::make_integer_sequence<int, 8>{});
+  dot_chunk<B, MR, NV, FULL>(a.w->qweight + ch.qrow * N + n0, N, nv, xr, acc, std::make_integer_sequence<int, 8>{});
 
-  const float* srow = a.scale + static_cast<int64_t>(ch.group) * N + n0;
-  const float* zrow = a.zero + static_cast<int64_t>(ch.group) * N + n0;
-  const float* bias = (c + 1 == nch && a.bias) ? a.bias + n0 : nullptr;
+  const float* srow = a.w->scale + static_cast<int64_t>(ch.group) * N + n0;
+  const float* zrow = a.w->zero + static_cast<int64_t>(ch.group) * N + n0;
+  const float* bias = (c + 1 == nch && a.w->bias) ? a.w->bias + n0 : nullptr;
   for (int j = 0; j < NV; ++j) {
     if (!FULL && nv[j] == 0) continue;
     const typename I8::f s = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
@@ -94,7 +94,7 @@ static EXL_ALWAYS_INLINE void chunk_block(const QGemmInt8Args& a, int64_t m0, in
       const int64_t rc = (m0 + r) * nch + c;
       const typename I8::f t = I8::fnmadd(zs, I8::bcast(static_cast<float>(a.x.qsum[rc])),
                                           I8::mul(I8::cvt(acc[r][j]), s));
-      float* yp = a.y + (m0 + r) * a.ldy + n0 + j * I8::W;
+      float* yp = a.w->y + (m0 + r) * a.w->ldy + n0 + j * I8::W;
       const typename I8::f y0 = c == 0 ? I8::zero() : (FULL ? I8::load(yp) : I8::loadn(yp, nv[j]));
       typename I8::f o = I8::fma(t, I8::bcast(a.x.sx[rc]), y0);
       if (bias) o = I8::add(o, FULL ? I8::load(bias + j * I8::W) : I8::loadn(bias + j * I8::W, nv[j]));
@@ -119,7 +119,7 @@ template <int MR>
 static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end) {
   const int64_t nch = a.x.K / 32;
   for (int64_t c = 0; c < nch; ++c) {
-    switch (a.chunks[c].bits) {
+    switch (a.w->chunks[c].bits) {
       case 2: chunk_cols<2, MR>(a, m0, n_begin, n_end, c); break;
       case 3: chunk_cols<3, MR>(a, m0, n_begin, n_end, c); break;
       case 4: chunk_cols<4, MR>(a, m0, n_begin, n_end, c); break;
@@ -137,10 +137,9 @@ static void row_tail(int mr, const QGemmInt8Args& a, int64_t m0, int64_t n_begin
 }
 
 void qgemm_int8(const QGemmInt8Args& a, int64_t p0, int64_t p1) {
-  const int64_t n_begin = p0 * kPanel, n_end = p1 * kPanel < a.N ? p1 * kPanel : a.N;
+  const int64_t n_begin = p0 * kPanel, n_end = p1 * kPanel < a.w->N ? p1 * kPanel : a.w->N;
   if (a.x.K == 0) {  // no chunks: y = bias (or 0)
-    for (int64_t m = 0; m < a.x.M; ++m)
-      for (int64_t n = n_begin; n < n_end; ++n) a.y[m * a.ldy + n] = a.bias ? a.bias[n] : 0.0f;
+    write_empty_reduction(*a.w, n_begin, n_end - n_begin);
     return;
   }
   int64_t m = 0;
