@@ -8,7 +8,7 @@ rest of the step (scheduler, context tensors, stop checks, streaming text). cpu_
 is the process's CPU time per token: on a shared machine it moves less than wall time.
 Also times the quantized matmuls of one decode step alone (the layers' kernel floor).
 
-    python bench/cpu_decode_breakdown.py [--threads 1] [--new-tokens 128] [--format gptq]
+    python bench/cpu_decode_breakdown.py [--threads 1] [--new-tokens 128] [--format gptq] [--activations int8]
 """
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def _decode(gen, prompt, n_new, timers=()):
 
 
 def _matmul_floor(model, reps=20) -> float:
-    """Seconds for one decode step's quantized/dense matmuls of the layers alone (M = 1)."""
+    """Seconds for one decode step's quantized/dense matmuls of the layers alone (M = 1), each
+    through the kernel the model's dispatch would pick (int8 activations where requested)."""
+    from exl_core.ops.qmatmul import wants_int8
     calls = []
     for blk in model.layers:
         for m in (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj, blk.self_attn.o_proj,
@@ -61,8 +63,9 @@ def _matmul_floor(model, reps=20) -> float:
             x = torch.randn(1, m.in_features, dtype=model.dtype)
             if m.is_quantized:
                 pw = m.packed
-                calls.append(lambda x=x, pw=pw: torch.ops.exl_core.qmatmul(x, pw.qweight, pw.groups, pw.scale,
-                                                                           pw.zero, pw.perm, pw.bias))
+                op = torch.ops.exl_core.qmatmul_int8 if wants_int8(pw) else torch.ops.exl_core.qmatmul
+                calls.append(lambda x=x, pw=pw, op=op: op(x, pw.qweight, pw.groups, pw.scale, pw.zero, pw.perm,
+                                                          pw.bias))
             else:
                 calls.append(lambda x=x, m=m: torch.ops.exl_core.dense_matmul(x, m.w_t, m.bias))
     best = float("inf")
@@ -79,6 +82,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
+    ap.add_argument("--activations", default="exact", choices=["exact", "int8"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -90,7 +94,7 @@ def main():
     from exl_core.ops.dispatch import Candidate
     from quantized_models import quantized_smollm2
 
-    model, tok = load_model(quantized_smollm2(args.format), head="int8")
+    model, tok = load_model(quantized_smollm2(args.format), head="int8", activations=args.activations)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Write a long story about a dragon."}],
                                      tokenize=True)
     layers_t, head_t, sample_t = _Timer(), _Timer(), _Timer()
@@ -119,8 +123,10 @@ def main():
     cols = ["layers_path", "ms_per_token", "cpu_ms_per_token", "tok_s", "layers_ms", "layer_matmuls_ms", "layers_other_ms", "head_ms",
             "sample_ms", "rest_ms", "speedup"]
     print_table(rows, cols)
-    write_results(f"cpu_decode_breakdown_{args.format}_{args.threads}thread",
-                  {"threads": args.threads, "new_tokens": args.new_tokens, "format": args.format, "rows": rows})
+    suffix = "" if args.activations == "exact" else f"_{args.activations}"
+    write_results(f"cpu_decode_breakdown_{args.format}{suffix}_{args.threads}thread",
+                  {"threads": args.threads, "new_tokens": args.new_tokens, "format": args.format,
+                   "activations": args.activations, "rows": rows})
 
 
 if __name__ == "__main__":
