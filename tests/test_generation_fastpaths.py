@@ -40,3 +40,35 @@ def test_plain_greedy_fast_path_matches_general_path():
         sample_batch(dead, s)
     with pytest.raises(SamplerError, match="row 0"):
         sample_batch(dead.double(), s)
+
+
+@pytest.mark.parametrize("isa", [0, 2])
+def test_greedy_pick_op_against_float64(isa):
+    """exl_core::greedy_pick (the CPU fast path's one op) vs a float64 brute force: first index of
+    the maximum, log-sum-exp, NaN flagged in row_max; AVX-512 and scalar paths, ragged V."""
+    from exl_core.ops.dispatch import has_op
+    if not has_op("greedy_pick"):
+        pytest.skip("extension without exl_core::greedy_pick")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))    # fresh data every run
+    x = torch.randn(6, 3001, generator=g) * 4
+    x[1, 100] = x[1, 2999] = x[1].max() + 2        # tie: lowest id
+    x[2, :] = -math.inf
+    x[2, 17] = -3.0                                # a single finite token
+    x[3, 5] = float("nan")
+    x[4, :] = -math.inf                            # dead row
+    x[5, 3000] = 50.0                              # the maximum in the ragged tail
+    prev = torch.ops.exl_core.cpu_isa_limit(isa)
+    try:
+        ids, lse, m = torch.ops.exl_core.greedy_pick(x)
+    finally:
+        torch.ops.exl_core.cpu_isa_limit(prev)
+    assert lse.dtype == torch.float64 and ids.dtype == torch.int64
+    ok = [0, 1, 2, 5]
+    ref_lse = torch.logsumexp(x.double(), dim=1)
+    for b in ok:
+        row = x[b].double()
+        assert int(ids[b]) == int((row == row.max()).nonzero()[0])
+        assert float(m[b]) == float(row.max())
+        assert abs(float(lse[b]) - float(ref_lse[b])) < 1e-6 * max(1.0, abs(float(ref_lse[b])))
+    assert int(ids[1]) == 100 and int(ids[2]) == 17 and int(ids[5]) == 3000
+    assert math.isnan(float(m[3])) and float(m[4]) == -math.inf

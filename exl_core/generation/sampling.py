@@ -508,17 +508,46 @@ def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tu
             return None           # the general path raises the right error
     for s in distinct:
         s.validate(V)
-    m = logits.amax(dim=1, keepdim=True)                 # [B, 1]
+    if _native_lse(logits):
+        ids, lse, m = torch.ops.exl_core.greedy_pick(logits)          # argmax and lse: two C++ passes
+        _check_row_max(m)
+        return ids, _chosen_logprobs(logits, ids, lse)
+    m = logits.amax(dim=1)                                            # [B]
+    _check_row_max(m)
+    ids = logits.argmax(dim=1)
+    m = m[:, None]
+    lse = m + (logits - m).exp_().sum(dim=1, keepdim=True).log_()     # _lse with the max known
+    return ids, (logits.gather(1, ids[:, None]) - lse).squeeze(1)
+
+
+def _native_lse(lg: torch.Tensor) -> bool:
+    """exl_core::greedy_pick serves these float32 [B, V] logits (CPU, contiguous, op built)."""
+    if lg.device.type != "cpu" or not lg.is_contiguous():
+        return False
+    from ..ops.dispatch import has_op
+    return has_op("greedy_pick")
+
+
+def _chosen_logprobs(lg: torch.Tensor, ids: torch.Tensor, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The model's log-softmax of the chosen tokens, float32 [B], from float32 logits [B, V]: on
+    CPU through greedy_pick's float64 log-sum-exp (both sampler paths, so they agree bit for bit),
+    elsewhere through torch's float32 passes."""
+    if lse is None and _native_lse(lg):
+        lse = torch.ops.exl_core.greedy_pick(lg)[1]
+    if lse is not None:
+        return (lg.gather(1, ids[:, None]).squeeze(1).double() - lse).float()
+    return (lg.gather(1, ids[:, None]) - _lse(lg)).squeeze(1)
+
+
+def _check_row_max(m: torch.Tensor) -> None:
+    """Row maxima [B] (NaN where a row holds a NaN) -> the errors sample_batch raises."""
     if bool(torch.isnan(m).any() | torch.isposinf(m).any()):
         raise InputError("logits contain NaN or +inf; the model output is corrupt")
     alive = m > -math.inf
     if not bool(alive.all()):
-        b = int((~alive[:, 0]).nonzero()[0])
+        b = int((~alive).nonzero()[0])
         raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
                            "(check banned_tokens / logit_bias)")
-    ids = logits.argmax(dim=1)
-    lse = m + (logits - m).exp_().sum(dim=1, keepdim=True).log_()     # _lse with the max known
-    return ids, (logits.gather(1, ids[:, None]) - lse).squeeze(1)
 
 
 def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
@@ -550,10 +579,7 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
             ids = _draw(x, u)
         else:
             ids[sampled] = _draw(x[sampled], u)
-    # The reported logprob needs no float64: float32 exp is several times faster on CPU.
-    lg = logits.to(torch.float32)
-    logprobs = lg.gather(1, ids[:, None]) - _lse(lg)
-    return ids, logprobs.squeeze(1)
+    return ids, _chosen_logprobs(logits.to(torch.float32), ids)
 
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, history: History = None,

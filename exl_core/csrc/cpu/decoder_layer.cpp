@@ -15,6 +15,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -99,6 +101,30 @@ void write_pages(at::Tensor& pages, const at::Tensor& src, const at::Tensor& slo
   }
 }
 
+// Wall time per stage of forward(), summed over layers and calls while enabled (bench only:
+// bench/cpu_decode_breakdown.py reads it; off by default, then one branch per stage).
+enum Stage { kNorm, kQKV, kRope, kAttention, kO, kGateUp, kSiluMul, kDown, kStages };
+constexpr std::array<const char*, kStages> kStageNames{"norm", "qkv", "rope_kv_write", "attention",
+                                                       "o_proj", "gate_up", "silu_mul", "down"};
+
+class StageClock {
+ public:
+  bool on = false;
+  std::array<double, kStages> seconds{};
+  void start() {
+    if (on) t_ = std::chrono::steady_clock::now();
+  }
+  void stop(Stage s) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    seconds[s] += std::chrono::duration<double>(now - t_).count();
+    t_ = now;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point t_;
+};
+
 class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window)
@@ -134,6 +160,16 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
+  // Per-stage wall seconds since the last call (stage name -> seconds); `enable` turns the
+  // clock on or off for the calls that follow.
+  c10::Dict<std::string, double> stage_times(bool enable) {
+    c10::Dict<std::string, double> out;
+    for (int i = 0; i < kStages; ++i) out.insert(kStageNames[i], clock_.seconds[i]);
+    clock_.seconds.fill(0.0);
+    clock_.on = enable;
+    return out;
+  }
+
   // Rows up to which projections added with int8=true use int8 activations (ops/qmatmul.py INT8_MAX_M).
   void set_int8_rows(int64_t rows) { int8_rows_ = rows; }
 
@@ -155,13 +191,16 @@ class DecoderStack : public torch::CustomClassHolder {
     for (int64_t i = 0; i < L; ++i) {
       const Layer& ly = layers_[i];
       at::Tensor x;
+      clock_.start();
       if (res.defined()) {
         std::tie(x, res) = kops::rms_norm_residual(h, res, ly.in_norm, eps_);
       } else {
         res = h;
         x = kops::rms_norm(h, ly.in_norm, eps_);
       }
+      clock_.stop(kNorm);
       auto qkv = linears(x, {&ly.q, &ly.k, &ly.v}, int8_rows_);
+      clock_.stop(kQKV);
       auto [q, k] = kops::rope(qkv[0].view({t, hq_, d_}), qkv[1].view({t, hkv_, d_}), positions, cos_sin);
       const at::Tensor v = qkv[2].view({t, hkv_, d_});
       at::Tensor& kc = k_caches[i];
@@ -172,11 +211,19 @@ class DecoderStack : public torch::CustomClassHolder {
                   d_, "), got ", kc.sizes(), " / ", vc.sizes());
       write_pages(kc, k, slots, i);
       write_pages(vc, v, slots, i);
+      clock_.stop(kRope);
       const at::Tensor o = kops::paged_attention(q, kc, vc, block_table, cu_seqlens, seq_lens_k, scale_, window_);
+      clock_.stop(kAttention);
       const at::Tensor a = linears(o.reshape({t, hq_ * d_}), {&ly.o}, int8_rows_)[0];
+      clock_.stop(kO);
       std::tie(x, res) = kops::rms_norm_residual(a, res, ly.post_norm, eps_);
+      clock_.stop(kNorm);
       auto gu = linears(x, {&ly.gate, &ly.up}, int8_rows_);
-      h = linears(kops::silu_mul(gu[0], gu[1]), {&ly.down}, int8_rows_)[0];
+      clock_.stop(kGateUp);
+      const at::Tensor act = kops::silu_mul(gu[0], gu[1]);
+      clock_.stop(kSiluMul);
+      h = linears(act, {&ly.down}, int8_rows_)[0];
+      clock_.stop(kDown);
     }
     return {h, res};
   }
@@ -188,6 +235,7 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t int8_rows_ = 0;
   std::vector<Linear> pending_;
   std::vector<Layer> layers_;
+  StageClock clock_;
 };
 
 }  // namespace
@@ -200,5 +248,6 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_int8_rows", &DecoderStack::set_int8_rows)
+      .def("stage_times", &DecoderStack::stage_times)
       .def("forward", &DecoderStack::forward);
 }

@@ -10,9 +10,9 @@
 //   store, storen, mul, add, fma(a,b,c) = a*b+c, fnmadd(a,b,c) = c-a*b, cvt (int -> float).
 //   MRMAX: rows per register block, NVMAX: column vectors per block.
 //
-// Loop order (one thread owns a range of 32-column panels): rows in blocks of MR, K chunks
-// outer, column vectors inner, so each chunk reads its B qweight rows across the thread's
-// columns as sequential streams; y lives in the output (one load + store per chunk).
+// Loop order (one thread owns a range of 32-column panels): rows in blocks of MR, runs of K
+// chunks of one group outer, column vectors inner, so each run reads its qweight rows across
+// the thread's columns as sequential streams; y lives in the output between runs.
 
 #define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -65,67 +65,90 @@ static EXL_ALWAYS_INLINE void dot_chunk(const int32_t* q, int64_t N, const int* 
   (dot_group<B, MR, NV, FULL, G>(q, N, nv, xr, acc), ...);
 }
 
-// Rows m0..m0+MR, columns n0..n0+ncols (NV vectors; FULL: all lanes valid), chunk c:
-// integer dot products, then t = fma(-(z*s), qsum, d*s) and y = fma(t, sx, y or 0) (+ bias
-// after the last chunk).  The same operations in every ISA (see qmatmul_int8.h).
+// Rows m0..m0+MR, columns n0..n0+ncols (NV vectors; FULL: all lanes valid), chunks [c0, c1)
+// of one group (one scale/zero row): per chunk, integer dot products, then
+// t = fma(-(z*s), qsum, d*s) and y = fma(t, sx, y or 0) (+ bias after the last chunk of K).
+// The same operations in every ISA (see qmatmul_int8.h); y stays in registers across the run,
+// so a run of R chunks loads and stores y once instead of R times (same values, same order).
 template <int B, int MR, int NV, bool FULL>
-static EXL_ALWAYS_INLINE void chunk_block(const QGemmInt8Args& a, int64_t m0, int64_t n0, int64_t ncols, int64_t c) {
+static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int64_t n0, int64_t ncols, int64_t c0,
+                                        int64_t c1) {
   const int64_t nch = a.x.K / 32, N = a.w->N;
-  const ChunkInfo ch = a.w->chunks[c];
+  const int group = a.w->chunks[c0].group;
   int nv[NV];
   for (int j = 0; j < NV; ++j) nv[j] = FULL ? I8::W : lanes_valid(ncols - j * I8::W);
-  const int32_t* xr[MR];
-  const int order = int8_order(B);
-  for (int r = 0; r < MR; ++r) xr[r] = a.x.xq + ((order * a.x.M + m0 + r) * nch + c) * 8;
-  typename I8::i acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
-  dot_chunk<B, MR, NV, FULL>(a.w->qweight + ch.qrow * N + n0, N, nv, xr, acc, std::make_integer_sequence<int, 8>{});
-
-  const float* srow = a.w->scale + static_cast<int64_t>(ch.group) * N + n0;
-  const float* zrow = a.w->zero + static_cast<int64_t>(ch.group) * N + n0;
-  const float* bias = (c + 1 == nch && a.w->bias) ? a.w->bias + n0 : nullptr;
+  const float* srow = a.w->scale + static_cast<int64_t>(group) * N + n0;
+  const float* zrow = a.w->zero + static_cast<int64_t>(group) * N + n0;
+  typename I8::f s[NV], zs[NV], y[MR][NV];
   for (int j = 0; j < NV; ++j) {
-    if (!FULL && nv[j] == 0) continue;
-    const typename I8::f s = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
+    s[j] = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
     const typename I8::f z = FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]);
-    const typename I8::f zs = I8::mul(z, s);
+    zs[j] = I8::mul(z, s[j]);
+    for (int r = 0; r < MR; ++r) {
+      const float* yp = a.w->y + (m0 + r) * a.w->ldy + n0 + j * I8::W;
+      y[r][j] = c0 == 0 ? I8::zero() : (FULL ? I8::load(yp) : I8::loadn(yp, nv[j]));
+    }
+  }
+  const int order = int8_order(B);
+  for (int64_t c = c0; c < c1; ++c) {
+    const int32_t* xr[MR];
+    for (int r = 0; r < MR; ++r) xr[r] = a.x.xq + ((order * a.x.M + m0 + r) * nch + c) * 8;
+    typename I8::i acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
+    dot_chunk<B, MR, NV, FULL>(a.w->qweight + a.w->chunks[c].qrow * N + n0, N, nv, xr, acc,
+                               std::make_integer_sequence<int, 8>{});
     for (int r = 0; r < MR; ++r) {
       const int64_t rc = (m0 + r) * nch + c;
-      const typename I8::f t = I8::fnmadd(zs, I8::bcast(static_cast<float>(a.x.qsum[rc])),
-                                          I8::mul(I8::cvt(acc[r][j]), s));
-      float* yp = a.w->y + (m0 + r) * a.w->ldy + n0 + j * I8::W;
-      const typename I8::f y0 = c == 0 ? I8::zero() : (FULL ? I8::load(yp) : I8::loadn(yp, nv[j]));
-      typename I8::f o = I8::fma(t, I8::bcast(a.x.sx[rc]), y0);
+      const typename I8::f qs = I8::bcast(static_cast<float>(a.x.qsum[rc])), sx = I8::bcast(a.x.sx[rc]);
+      for (int j = 0; j < NV; ++j)
+        y[r][j] = I8::fma(I8::fnmadd(zs[j], qs, I8::mul(I8::cvt(acc[r][j]), s[j])), sx, y[r][j]);
+    }
+  }
+  const float* bias = (c1 == nch && a.w->bias) ? a.w->bias + n0 : nullptr;
+  for (int j = 0; j < NV; ++j) {
+    if (!FULL && nv[j] == 0) continue;
+    for (int r = 0; r < MR; ++r) {
+      typename I8::f o = y[r][j];
       if (bias) o = I8::add(o, FULL ? I8::load(bias + j * I8::W) : I8::loadn(bias + j * I8::W, nv[j]));
+      float* yp = a.w->y + (m0 + r) * a.w->ldy + n0 + j * I8::W;
       if (FULL) I8::store(yp, o);
       else I8::storen(yp, o, nv[j]);
     }
   }
 }
 
-// One chunk across columns [n_begin, n_end): NVMAX-vector blocks, then single vectors, then a
-// masked tail vector.
+// One run of chunks across columns [n_begin, n_end): NVMAX-vector blocks, then single
+// vectors, then a masked tail vector.
 template <int B, int MR>
-static void chunk_cols(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end, int64_t c) {
+static void run_cols(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end, int64_t c0, int64_t c1) {
   int64_t n = n_begin;
   for (; n + I8::NVMAX * I8::W <= n_end; n += I8::NVMAX * I8::W)
-    chunk_block<B, MR, I8::NVMAX, true>(a, m0, n, I8::NVMAX * I8::W, c);
-  for (; n + I8::W <= n_end; n += I8::W) chunk_block<B, MR, 1, true>(a, m0, n, I8::W, c);
-  if (n < n_end) chunk_block<B, MR, 1, false>(a, m0, n, n_end - n, c);
+    run_block<B, MR, I8::NVMAX, true>(a, m0, n, I8::NVMAX * I8::W, c0, c1);
+  for (; n + I8::W <= n_end; n += I8::W) run_block<B, MR, 1, true>(a, m0, n, I8::W, c0, c1);
+  if (n < n_end) run_block<B, MR, 1, false>(a, m0, n, n_end - n, c0, c1);
 }
+
+// Chunks per run: with one row, y of a column block fits in registers beside the
+// accumulators, so runs cover a whole group (up to 4 chunks = 128 rows of K); with more rows
+// y would spill, so each chunk is its own run (the loads/stores the registers would save).
+template <int MR>
+constexpr int64_t kRunChunks = MR == 1 ? 4 : 1;
 
 template <int MR>
 static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end) {
   const int64_t nch = a.x.K / 32;
-  for (int64_t c = 0; c < nch; ++c) {
-    switch (a.w->chunks[c].bits) {
-      case 2: chunk_cols<2, MR>(a, m0, n_begin, n_end, c); break;
-      case 3: chunk_cols<3, MR>(a, m0, n_begin, n_end, c); break;
-      case 4: chunk_cols<4, MR>(a, m0, n_begin, n_end, c); break;
-      case 5: chunk_cols<5, MR>(a, m0, n_begin, n_end, c); break;
-      case 6: chunk_cols<6, MR>(a, m0, n_begin, n_end, c); break;
-      default: chunk_cols<8, MR>(a, m0, n_begin, n_end, c); break;  // bits validated by the op
+  const ChunkInfo* ch = a.w->chunks;
+  for (int64_t c0 = 0, c1; c0 < nch; c0 = c1) {
+    for (c1 = c0 + 1; c1 < nch && c1 - c0 < kRunChunks<MR> && ch[c1].group == ch[c0].group; ++c1) {
+    }
+    switch (ch[c0].bits) {  // a group has one bit width
+      case 2: run_cols<2, MR>(a, m0, n_begin, n_end, c0, c1); break;
+      case 3: run_cols<3, MR>(a, m0, n_begin, n_end, c0, c1); break;
+      case 4: run_cols<4, MR>(a, m0, n_begin, n_end, c0, c1); break;
+      case 5: run_cols<5, MR>(a, m0, n_begin, n_end, c0, c1); break;
+      case 6: run_cols<6, MR>(a, m0, n_begin, n_end, c0, c1); break;
+      default: run_cols<8, MR>(a, m0, n_begin, n_end, c0, c1); break;  // bits validated by the op
     }
   }
 }
