@@ -109,11 +109,16 @@ def main():
         dispatch._FORCED["decoder_layers"] = mode
         gen = Generator(model, Cache(model, max_tokens=len(prompt) + args.new_tokens + 64), tok)
         _decode(gen, prompt, args.new_tokens)                       # warm-up
+        stack = model._native_stack().obj if mode == "cpu_layer" else None
+        if stack is not None:
+            stack.stage_times(True)                                 # per-stage clock inside the C++ stack
         steps, wall, cpu = _decode(gen, prompt, args.new_tokens, (layers_t, head_t, sample_t))
+        stages = {k: v / steps * 1e3 for k, v in stack.stage_times(False).items()} if stack is not None else {}
         ms = lambda s: s / steps * 1e3  # noqa: E731
         rows.append({"layers_path": mode, "ms_per_token": ms(wall), "tok_s": steps / wall, "cpu_ms_per_token": ms(cpu),
                      "layers_ms": ms(layers_t.total), "head_ms": ms(head_t.total), "sample_ms": ms(sample_t.total),
-                     "rest_ms": ms(wall - layers_t.total - head_t.total - sample_t.total)})
+                     "rest_ms": ms(wall - layers_t.total - head_t.total - sample_t.total),
+                     "stack_stage_ms": stages})
     dispatch._FORCED.pop("decoder_layers")
     floor = _matmul_floor(model) * 1e3
     for r in rows:
@@ -123,6 +128,7 @@ def main():
     cols = ["layers_path", "ms_per_token", "cpu_ms_per_token", "tok_s", "layers_ms", "layer_matmuls_ms", "layers_other_ms", "head_ms",
             "sample_ms", "rest_ms", "speedup"]
     print_table(rows, cols)
+    print("C++ stack, ms per token by stage: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[1]["stack_stage_ms"].items()))
     suffix = "" if args.activations == "exact" else f"_{args.activations}"
     write_results(f"cpu_decode_breakdown_{args.format}{suffix}_{args.threads}thread",
                   {"threads": args.threads, "new_tokens": args.new_tokens, "format": args.format,
