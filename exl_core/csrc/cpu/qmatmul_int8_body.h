@@ -66,38 +66,41 @@ static EXL_ALWAYS_INLINE void dot_chunk(const int32_t* q, int64_t N, const int* 
 }
 
 // Rows m0..m0+MR, columns n0..n0+ncols (NV vectors; FULL: all lanes valid), chunks [c0, c1)
-// of one group (one scale/zero row): per chunk, integer dot products, then
-// t = fma(-(z*s), qsum, d*s) and y = fma(t, sx, y or 0) (+ bias after the last chunk of K).
-// The same operations in every ISA (see qmatmul_int8.h); y stays in registers across the run,
-// so a run of R chunks loads and stores y once instead of R times (same values, same order).
+// of one bit width: per chunk, integer dot products, then t = fma(-(z*s), qsum, d*s) with its
+// group's scale/zero and y = fma(t, sx, y or 0) (+ bias after the last chunk of K). The same
+// operations in every ISA (see qmatmul_int8.h); y stays in registers across the run, so a run
+// of R chunks loads and stores y once instead of R times (same values, same order).
 template <int B, int MR, int NV, bool FULL>
 static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int64_t n0, int64_t ncols, int64_t c0,
                                         int64_t c1) {
   const int64_t nch = a.x.K / 32, N = a.w->N;
-  const int group = a.w->chunks[c0].group;
   int nv[NV];
   for (int j = 0; j < NV; ++j) nv[j] = FULL ? I8::W : lanes_valid(ncols - j * I8::W);
-  const float* srow = a.w->scale + static_cast<int64_t>(group) * N + n0;
-  const float* zrow = a.w->zero + static_cast<int64_t>(group) * N + n0;
   typename I8::f s[NV], zs[NV], y[MR][NV];
-  for (int j = 0; j < NV; ++j) {
-    s[j] = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
-    const typename I8::f z = FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]);
-    zs[j] = I8::mul(z, s[j]);
+  for (int j = 0; j < NV; ++j)
     for (int r = 0; r < MR; ++r) {
       const float* yp = a.w->y + (m0 + r) * a.w->ldy + n0 + j * I8::W;
       y[r][j] = c0 == 0 ? I8::zero() : (FULL ? I8::load(yp) : I8::loadn(yp, nv[j]));
     }
-  }
   const int order = int8_order(B);
+  int group = -1;
   for (int64_t c = c0; c < c1; ++c) {
+    const ChunkInfo ch = a.w->chunks[c];
+    if (ch.group != group) {  // a group's scale/zero row is loaded once per run
+      group = ch.group;
+      const float* srow = a.w->scale + static_cast<int64_t>(group) * N + n0;
+      const float* zrow = a.w->zero + static_cast<int64_t>(group) * N + n0;
+      for (int j = 0; j < NV; ++j) {
+        s[j] = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
+        zs[j] = I8::mul(FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]), s[j]);
+      }
+    }
     const int32_t* xr[MR];
     for (int r = 0; r < MR; ++r) xr[r] = a.x.xq + ((order * a.x.M + m0 + r) * nch + c) * 8;
     typename I8::i acc[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
-    dot_chunk<B, MR, NV, FULL>(a.w->qweight + a.w->chunks[c].qrow * N + n0, N, nv, xr, acc,
-                               std::make_integer_sequence<int, 8>{});
+    dot_chunk<B, MR, NV, FULL>(a.w->qweight + ch.qrow * N + n0, N, nv, xr, acc, std::make_integer_sequence<int, 8>{});
     for (int r = 0; r < MR; ++r) {
       const int64_t rc = (m0 + r) * nch + c;
       const typename I8::f qs = I8::bcast(static_cast<float>(a.x.qsum[rc])), sx = I8::bcast(a.x.sx[rc]);
@@ -129,20 +132,24 @@ static void run_cols(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_
   if (n < n_end) run_block<B, MR, 1, false>(a, m0, n, n_end - n, c0, c1);
 }
 
-// Chunks per run: with one row, y of a column block fits in registers beside the
-// accumulators, so runs cover a whole group (up to 4 chunks = 128 rows of K); with more rows
-// y would spill, so each chunk is its own run (the loads/stores the registers would save).
-template <int MR>
-constexpr int64_t kRunChunks = MR == 1 ? 4 : 1;
+// qweight rows per run of chunks: with one row, y of a column block fits in registers beside
+// the accumulators, so a run covers several chunks of one bit width (2 at 4 bits). Runs read
+// their rows as parallel streams, and past ~8 the prefetchers lose them: SmolLM2 decode,
+// GPTQ 4-bit, best of 6 interleaved: 8 rows 160.2 tok/s, 1 chunk per run 150.3, 16 rows
+// 149.7, 32 rows 132.4 (EXL2: 133.2 / 127.4 / 119.9 / 110.9; that build also read float16
+// copies of scale/zero, which measured no gain, 154.1 vs 153.5 tok/s, and were dropped). With
+// more rows y would spill, so each chunk is its own run.
+constexpr int kRunRows = 8;
 
 template <int MR>
 static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end) {
   const int64_t nch = a.x.K / 32;
   const ChunkInfo* ch = a.w->chunks;
   for (int64_t c0 = 0, c1; c0 < nch; c0 = c1) {
-    for (c1 = c0 + 1; c1 < nch && c1 - c0 < kRunChunks<MR> && ch[c1].group == ch[c0].group; ++c1) {
+    const int64_t max_chunks = MR == 1 && kRunRows >= 2 * ch[c0].bits ? kRunRows / ch[c0].bits : 1;
+    for (c1 = c0 + 1; c1 < nch && c1 - c0 < max_chunks && ch[c1].bits == ch[c0].bits; ++c1) {
     }
-    switch (ch[c0].bits) {  // a group has one bit width
+    switch (ch[c0].bits) {
       case 2: run_cols<2, MR>(a, m0, n_begin, n_end, c0, c1); break;
       case 3: run_cols<3, MR>(a, m0, n_begin, n_end, c0, c1); break;
       case 4: run_cols<4, MR>(a, m0, n_begin, n_end, c0, c1); break;
