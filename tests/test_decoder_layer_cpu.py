@@ -104,10 +104,14 @@ def test_tiny_quantized_bit_identical(tiny_dense, tmp_path, monkeypatch, fmt, kw
     quantize_model_rtn(tiny_dense, dst, fmt=fmt, **kw)
     model, _ = load_model(dst, load_tokenizer=False)
     assert all(m.is_quantized for n, m in model.linear_layers() if n != "lm_head")
+    # q|k|v and gate|up fuse where they share one group layout and permutation: not with
+    # act-order (a permutation each) or mixed EXL2 widths; decode steps then use the fused weights
+    fusable = not kw.get("act_order")
+    assert (model._native_stack().fused == 2 * model.config.num_hidden_layers) == fusable
     _assert_fused_equals_python(model, monkeypatch)
 
 
-@pytest.mark.parametrize("fmt,kw", [QUANT[0], QUANT[2]], ids=["gptq4-act", "exl2-mixed-act"])
+@pytest.mark.parametrize("fmt,kw", QUANT, ids=["gptq4-act", "gptq3-asym-fused", "exl2-mixed-act"])
 def test_int8_activations_bit_identical_and_switchable(tiny_dense, tmp_path, monkeypatch, fmt, kw):
     """activations="int8": the stack picks the int8 kernel exactly where the per-op dispatchers do
     (decode rows <= INT8_MAX_M; the ragged prefill keeps the exact kernel), so the logits match bit

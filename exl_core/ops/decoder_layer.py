@@ -31,6 +31,10 @@ from .qmatmul import BF16_MIN_M, INT8_MAX_M, wants_bf16, wants_int8
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
+# Decode-sized calls (up to INT8_MAX_M rows) read q|k|v and gate|up as one packed weight each
+# (DecoderStack.set_fused): a copy of those weights, made while it costs at most this many bytes
+# for the whole model (SmolLM2-135M 4-bit: 37 MB), since the stack then holds them twice.
+FUSE_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -72,10 +76,12 @@ class NativeStack:
         self.lora_slots: list = []     # projections' __dict__s whose .lora the caller re-checks (model/llama.py)
         self.lora_modules: list = []   # and their _modules dicts (a LoRA hook that is an nn.Module)
         self.obj = None
+        self.fused = 0                 # weights handed over fused (q|k|v, gate|up) for decode-sized calls
         # the stack has no bf16 kernel: where a weight asks for it, prompt-sized calls run per op
         self.bf16_prefill = any(isinstance(w, PackedWeight) and wants_bf16(w) for lw in layers for w in lw.projections)
         self.reason = _weights_reason(layers, num_heads, num_kv_heads, head_dim, dtype)
         if self.reason is None:
+            budget = FUSE_MAX_BYTES if _fused_bytes(layers) <= FUSE_MAX_BYTES else 0
             obj = torch.classes.exl_core.DecoderStack(num_heads, num_kv_heads, head_dim, float(eps), float(scale),
                                                       int(window or 0))
             for lw in layers:
@@ -85,7 +91,10 @@ class NativeStack:
                     else:
                         obj.add_dense(w.w_t, w.bias)
                 obj.add_layer(lw.input_norm.contiguous(), lw.post_norm.contiguous())
+                budget, n = _add_fused(obj, lw.projections, budget)
+                self.fused += n
             obj.set_int8_rows(INT8_MAX_M)
+            obj.set_fused_rows(INT8_MAX_M)
             self.obj = obj
 
 
@@ -96,7 +105,60 @@ class NativeStack:
         self.dtype, self.num_layers, self.obj, self.reason, self.lora_slots = None, 0, None, reason, []
         self.bf16_prefill = False
         self.lora_modules = []
+        self.fused = 0
         return self
+
+
+_FUSED_PARTS = ((0, (0, 1, 2)), (1, (4, 5)))     # (set_fused index, projections): q|k|v, gate|up
+
+
+def _fusable(parts: Sequence[Weight]) -> bool:
+    """Packed weights that one kernel call can serve side by side: same K, group layout,
+    permutation, int8 choice, and all or none with a bias."""
+    first = parts[0]
+    if not all(isinstance(w, PackedWeight) for w in parts):
+        return False
+    return all(w.in_features == first.in_features and torch.equal(w.groups, first.groups)
+               and (w.perm is first.perm or (w.perm is not None and first.perm is not None
+                                             and torch.equal(w.perm, first.perm)))
+               and wants_int8(w) == wants_int8(first) and (w.bias is None) == (first.bias is None)
+               for w in parts)
+
+
+def _packed_bytes(w: PackedWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scale, w.zero))
+
+
+def _fused_bytes(layers: Sequence[LayerWeights]) -> int:
+    """Bytes the fused copies of every layer would take."""
+    total = 0
+    for lw in layers:
+        for _, idx in _FUSED_PARTS:
+            parts = [lw.projections[i] for i in idx]
+            if _fusable(parts):
+                total += sum(_packed_bytes(w) for w in parts)
+    return total
+
+
+def _add_fused(obj, projections: Sequence[Weight], budget: int) -> tuple[int, int]:
+    """Hands the stack the last added layer's fused q|k|v and gate|up where fusable and within the
+    byte budget; returns (budget left, fused weights handed over)."""
+    handed = 0
+    for which, idx in _FUSED_PARTS:
+        parts = [projections[i] for i in idx]
+        if not _fusable(parts):
+            continue
+        size = sum(_packed_bytes(w) for w in parts)
+        if size > budget:
+            continue
+        cat = lambda f: torch.cat([f(w) for w in parts], dim=1).contiguous()  # noqa: E731
+        bias = None if parts[0].bias is None else torch.cat([w.bias.float() for w in parts])
+        obj.set_fused(which, cat(lambda w: w.qweight), parts[0].groups, cat(lambda w: w.scale),
+                      cat(lambda w: w.zero), parts[0].perm, bias, wants_int8(parts[0]),
+                      [w.out_features for w in parts])
+        budget -= size
+        handed += 1
+    return budget, handed
 
 
 def _has_class() -> bool:
