@@ -18,6 +18,11 @@ from ..ops.qmatmul import qmatmul, qmatmul_many
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 
+# Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
+# skip re-checking every projection for LoRA hooks on every forward pass).
+LORA_VERSION = [0]
+
+
 class QuantLinear(nn.Module):
     """y = x @ W (+ bias), W (in_features, out_features) packed or dense.
 
@@ -32,6 +37,16 @@ class QuantLinear(nn.Module):
         self.register_buffer("w_t", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.lora = None  # set by exl_core.model.lora: adds x·A·B·scale on the fly
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "lora":
+            LORA_VERSION[0] += 1     # the fused decoder stack re-checks its projections' hooks
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        if name == "lora":
+            LORA_VERSION[0] += 1
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "QuantLinear":

@@ -20,7 +20,7 @@ from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import QuantLinear, linear_many
+from .linear import LORA_VERSION, QuantLinear, linear_many
 from .rope import RopeTable
 
 
@@ -186,8 +186,8 @@ class Model(nn.Module):
         """The layers' weights handed to the fused op, rebuilt when they may have changed: after
         any module or buffer (re)registration anywhere (set_linear, tensor-parallel shards,
         set_packed, LoRA merges: global torch hooks bump _WEIGHTS_VERSION), after .to()/.half() of
-        the model, or when a LoRA hook sits in a projection's slot (checked every call: plain
-        attributes have no hook)."""
+        the model, or when a LoRA hook sits in a projection's slot (re-checked whenever a
+        QuantLinear's `lora` was set or deleted: LORA_VERSION)."""
         if self.embed_weight.device.type != "cpu":
             return None
         held = self.__dict__.get("_native")
@@ -199,12 +199,20 @@ class Model(nn.Module):
             held = (_WEIGHTS_VERSION[0], self._build_native_stack())
             self.__dict__["_native"] = held
             stack = held[1]
+        scan = self.__dict__.get("_lora_scan")     # (LORA_VERSION, stack, answer): hooks change rarely
+        if scan is None or scan[0] != LORA_VERSION[0] or scan[1] is not stack:
+            scan = (LORA_VERSION[0], stack, self._lora_refusal(stack))
+            self.__dict__["_lora_scan"] = scan
+        return scan[2] or stack
+
+    @staticmethod
+    def _lora_refusal(stack: NativeStack) -> Optional[NativeStack]:
         if any(map(_LORA_ATTR, stack.lora_slots)) or any(map(_LORA_MODULE, stack.lora_modules)):
             i = next(i for i, (d, m) in enumerate(zip(stack.lora_slots, stack.lora_modules))
                      if d.get("lora") is not None or "lora" in m)
             p, n = _PROJ[i % len(_PROJ)]
             return NativeStack.refused(f"layer {i // len(_PROJ)}: {p}.{n} has a LoRA hook attached")
-        return stack
+        return None
 
     def _apply(self, fn, recurse=True):
         _WEIGHTS_VERSION[0] += 1     # .to()/.half()/.float() replace every weight tensor
