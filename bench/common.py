@@ -83,3 +83,8 @@ def greedy_decode_tok_s(gen, prompt: list[int], n_new: int) -> float:
             if t_first is None and r.token_ids:
                 t_first = time.perf_counter()
     return (n - 1) / (time.perf_counter() - t_first)
+
+
+def spread(vals: list[float]) -> dict:
+    """best (max), min and median of per-run values (higher is better)."""
+    return {"best": max(vals), "min": min(vals), "median": statistics.median(vals)}

@@ -37,7 +37,7 @@ class _Timer:
         return timed
 
 
-def _decode(gen, prompt, n_new, timers=()):
+def _decode(gen, prompt, n_new, timers=(), stack=None):
     from exl_core.generation import Job
     from exl_core.generation.sampling import SamplerSettings
     job = Job(prompt, max_new_tokens=n_new, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False)
@@ -45,6 +45,8 @@ def _decode(gen, prompt, n_new, timers=()):
     gen.iterate()                                  # prefill (not timed)
     for t in timers:
         t.total = 0.0
+    if stack is not None:
+        stack.stage_times(True)                    # zeroes and starts the C++ stack's stage clock
     steps, t0, c0 = 0, time.perf_counter(), time.process_time()
     while gen.has_work():
         gen.iterate()
@@ -110,9 +112,7 @@ def main():
         gen = Generator(model, Cache(model, max_tokens=len(prompt) + args.new_tokens + 64), tok)
         _decode(gen, prompt, args.new_tokens)                       # warm-up
         stack = model._native_stack().obj if mode == "cpu_layer" else None
-        if stack is not None:
-            stack.stage_times(True)                                 # per-stage clock inside the C++ stack
-        steps, wall, cpu = _decode(gen, prompt, args.new_tokens, (layers_t, head_t, sample_t))
+        steps, wall, cpu = _decode(gen, prompt, args.new_tokens, (layers_t, head_t, sample_t), stack)
         stages = {k: v / steps * 1e3 for k, v in stack.stage_times(False).items()} if stack is not None else {}
         ms = lambda s: s / steps * 1e3  # noqa: E731
         rows.append({"layers_path": mode, "ms_per_token": ms(wall), "tok_s": steps / wall, "cpu_ms_per_token": ms(cpu),

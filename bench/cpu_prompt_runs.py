@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, print_table, write_results  # noqa: E402
+from common import RESULTS, print_table, spread, write_results  # noqa: E402
 
 
 def main():
@@ -42,8 +41,7 @@ def main():
             vals = [p[key] for p in per if key in p]
             if vals:
                 row[key] = vals
-                row[f"{key}_best"], row[f"{key}_min"] = max(vals), min(vals)
-                row[f"{key}_median"] = statistics.median(vals)
+                row.update({f"{key}_{k}": v for k, v in spread(vals).items()})
         rows.append(row)
     print()
     print_table(rows, ["engine", "prompt_tok_s_best", "prompt_tok_s_min", "prompt_x_llamacpp_best",

@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--head", default="int8", choices=["exact", "bf16", "int8"])
     ap.add_argument("--llamacpp-python", default=None)
+    ap.add_argument("--out", default=None, help="results name (default int8_act_ab[_Nthread])")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from quantized_models import quantized_smollm2
@@ -69,7 +70,7 @@ def main():
         print_table(rows[-1:], COLS)
     print()
     print_table(rows, COLS)
-    name = "int8_act_ab" if args.threads == 2 else f"int8_act_ab_{args.threads}thread"
+    name = args.out or ("int8_act_ab" if args.threads == 2 else f"int8_act_ab_{args.threads}thread")
     write_results(name, {"threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
                          "loadavg_end": list(os.getloadavg()), "rows": rows})
 

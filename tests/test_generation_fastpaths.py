@@ -59,7 +59,7 @@ def test_greedy_pick_op_against_float64(isa):
     x[5, 3000] = 50.0                              # the maximum in the ragged tail
     prev = torch.ops.exl_core.cpu_isa_limit(isa)
     try:
-        ids, lse, m = torch.ops.exl_core.greedy_pick(x)
+        ids, lse, m, lp = torch.ops.exl_core.greedy_pick(x)
     finally:
         torch.ops.exl_core.cpu_isa_limit(prev)
     assert lse.dtype == torch.float64 and ids.dtype == torch.int64
@@ -70,5 +70,6 @@ def test_greedy_pick_op_against_float64(isa):
         assert int(ids[b]) == int((row == row.max()).nonzero()[0])
         assert float(m[b]) == float(row.max())
         assert abs(float(lse[b]) - float(ref_lse[b])) < 1e-6 * max(1.0, abs(float(ref_lse[b])))
+        assert lp[b] == (x[b, ids[b]].double() - lse[b]).float()      # the chosen token's logprob
     assert int(ids[1]) == 100 and int(ids[2]) == 17 and int(ids[5]) == 3000
     assert math.isnan(float(m[3])) and float(m[4]) == -math.inf

@@ -509,9 +509,9 @@ def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tu
     for s in distinct:
         s.validate(V)
     if _native_lse(logits):
-        ids, lse, m = torch.ops.exl_core.greedy_pick(logits)          # argmax and lse: two C++ passes
+        ids, _, m, logprobs = torch.ops.exl_core.greedy_pick(logits)  # argmax and lse: two C++ passes
         _check_row_max(m)
-        return ids, _chosen_logprobs(logits, ids, lse)
+        return ids, logprobs                                          # = _chosen_logprobs(logits, ids, lse)
     m = logits.amax(dim=1)                                            # [B]
     _check_row_max(m)
     ids = logits.argmax(dim=1)
@@ -524,8 +524,13 @@ def _native_lse(lg: torch.Tensor) -> bool:
     """exl_core::greedy_pick serves these float32 [B, V] logits (CPU, contiguous, op built)."""
     if lg.device.type != "cpu" or not lg.is_contiguous():
         return False
-    from ..ops.dispatch import has_op
-    return has_op("greedy_pick")
+    if _GREEDY_OP[0] is None:                 # looked up once: has_op costs ~20 us a step here
+        from ..ops.dispatch import has_op
+        _GREEDY_OP[0] = has_op("greedy_pick")
+    return _GREEDY_OP[0]
+
+
+_GREEDY_OP: list = [None]
 
 
 def _chosen_logprobs(lg: torch.Tensor, ids: torch.Tensor, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -540,14 +545,16 @@ def _chosen_logprobs(lg: torch.Tensor, ids: torch.Tensor, lse: Optional[torch.Te
 
 
 def _check_row_max(m: torch.Tensor) -> None:
-    """Row maxima [B] (NaN where a row holds a NaN) -> the errors sample_batch raises."""
-    if bool(torch.isnan(m).any() | torch.isposinf(m).any()):
+    """Row maxima [B] (NaN where a row holds a NaN) -> the errors sample_batch raises. One
+    tolist, not a chain of tiny torch ops: right after a decode step each op runs with cold
+    caches and costs ~20 us."""
+    maxes = m.tolist()
+    if any(math.isnan(v) or v == math.inf for v in maxes):
         raise InputError("logits contain NaN or +inf; the model output is corrupt")
-    alive = m > -math.inf
-    if not bool(alive.all()):
-        b = int((~alive).nonzero()[0])
-        raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
-                           "(check banned_tokens / logit_bias)")
+    for b, v in enumerate(maxes):
+        if v == -math.inf:
+            raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
+                               "(check banned_tokens / logit_bias)")
 
 
 def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
