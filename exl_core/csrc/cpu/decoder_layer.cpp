@@ -32,6 +32,7 @@ struct Linear {
   bool packed = false;
   bool int8 = false;        // packed, with int8 activations requested (ops/qmatmul.py wants_int8)
   at::Tensor qweight, groups, scale, zero, w_t;
+  at::Tensor zero_i8;  // what the int8 kernel reads: [G] when every column shares its group's zero, else zero
   std::optional<at::Tensor> perm, bias;
 };
 
@@ -77,7 +78,7 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
       qw.push_back(w->qweight);
       gr.push_back(w->groups);
       sc.push_back(w->scale);
-      ze.push_back(w->zero);
+      ze.push_back(all_int8 ? w->zero_i8 : w->zero);
       bias.push_back(w->bias);
     }
     return all_int8 ? kops::qmatmul_int8_multi(x, qw, gr, sc, ze, first.perm, bias)
@@ -86,7 +87,8 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
   std::vector<at::Tensor> out;
   for (const Linear* w : ws) {
     if (!w->packed) out.push_back(kops::dense_matmul(x, w->w_t, w->bias));
-    else if (small && w->int8) out.push_back(kops::qmatmul_int8(x, w->qweight, w->groups, w->scale, w->zero, w->perm, w->bias));
+    else if (small && w->int8)
+      out.push_back(kops::qmatmul_int8(x, w->qweight, w->groups, w->scale, w->zero_i8, w->perm, w->bias));
     else out.push_back(kops::qmatmul(x, w->qweight, w->groups, w->scale, w->zero, w->perm, w->bias));
   }
   return out;
@@ -146,13 +148,11 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // Projections are added in layer order q, k, v, o, gate, up, down; add_layer takes the last 7.
+  // zero_i8: the int8 kernel's zero ([G] per-group points, ops/qmatmul.py int8_zero); None: zero.
   void add_packed(at::Tensor qweight, at::Tensor groups, at::Tensor scale, at::Tensor zero,
-                  std::optional<at::Tensor> perm, std::optional<at::Tensor> bias, bool int8) {
-    Linear l;
-    l.packed = true;
-    l.int8 = int8;
-    l.qweight = qweight, l.groups = groups, l.scale = scale, l.zero = zero, l.perm = perm, l.bias = bias;
-    pending_.push_back(std::move(l));
+                  std::optional<at::Tensor> perm, std::optional<at::Tensor> bias, bool int8,
+                  std::optional<at::Tensor> zero_i8) {
+    pending_.push_back(packed_linear(qweight, groups, scale, zero, perm, bias, int8, zero_i8));
   }
 
   void add_dense(at::Tensor w_t, std::optional<at::Tensor> bias) {
@@ -175,7 +175,7 @@ class DecoderStack : public torch::CustomClassHolder {
   // output columns are the parts' in order (sizes); serves calls of up to `fused_rows` rows.
   void set_fused(int64_t which, at::Tensor qweight, at::Tensor groups, at::Tensor scale, at::Tensor zero,
                  std::optional<at::Tensor> perm, std::optional<at::Tensor> bias, bool int8,
-                 std::vector<int64_t> sizes) {
+                 std::optional<at::Tensor> zero_i8, std::vector<int64_t> sizes) {
     TORCH_CHECK(!layers_.empty() && (which == 0 || which == 1), "exl_core.DecoderStack: set_fused(", which,
                 ") needs an added layer and which in {0: q|k|v, 1: gate|up}");
     Layer& ly = layers_.back();
@@ -188,9 +188,7 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == total, "exl_core.DecoderStack: fused qweight ",
                 qweight.sizes(), " does not have the ", total, " columns of its parts");
     Fused f;
-    f.w.packed = true;
-    f.w.int8 = int8;
-    f.w.qweight = qweight, f.w.groups = groups, f.w.scale = scale, f.w.zero = zero, f.w.perm = perm, f.w.bias = bias;
+    f.w = packed_linear(qweight, groups, scale, zero, perm, bias, int8, zero_i8);
     f.sizes = std::move(sizes);
     (which == 0 ? ly.qkv : ly.gate_up) = std::move(f);
   }
@@ -266,6 +264,17 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  static Linear packed_linear(at::Tensor qweight, at::Tensor groups, at::Tensor scale, at::Tensor zero,
+                              std::optional<at::Tensor> perm, std::optional<at::Tensor> bias, bool int8,
+                              std::optional<at::Tensor> zero_i8) {
+    Linear l;
+    l.packed = true;
+    l.int8 = int8;
+    l.qweight = qweight, l.groups = groups, l.scale = scale, l.zero = zero, l.perm = perm, l.bias = bias;
+    l.zero_i8 = zero_i8.value_or(zero);
+    return l;
+  }
+
   // x through projections sharing it: their fused weight for decode-sized x, else one by one.
   std::vector<at::Tensor> project(const at::Tensor& x, const Fused& fused, std::initializer_list<const Linear*> ws) {
     if (!fused.defined() || x.size(0) > fused_rows_) return linears(x, ws, int8_rows_);

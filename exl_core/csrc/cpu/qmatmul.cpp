@@ -78,7 +78,7 @@ std::vector<ChunkInfo> chunk_table(const at::Tensor& groups, int64_t K, int64_t 
 
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool group_zero) {
   check_cpu(qweight, "qweight");
   check_cpu(groups, "groups");
   check_cpu(scale, "scale");
@@ -90,11 +90,19 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
               who, ": groups must be a contiguous int32 [G, 4] tensor, got ", groups.scalar_type(), " ",
               groups.sizes());
   const int64_t N = qweight.size(1), G = groups.size(0);
+  const bool per_group = group_zero && zero.dim() == 1;
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scale, "scale"}, {zero, "zero"}}) {
+    if (per_group && &t == &zero) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(0) == G, who,
+                  ": a per-group zero must be a contiguous float32 [", G, "] tensor, got ", t.scalar_type(), " ",
+                  t.sizes());
+      continue;
+    }
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == G &&
                     t.size(1) == N,
-                who, ": ", name, " must be a contiguous float32 [", G, ", ", N, "] tensor, got ",
-                t.scalar_type(), " ", t.sizes());
+                who, ": ", name, " must be a contiguous float32 [", G, ", ", N, "] tensor",
+                group_zero && &t == &zero ? " (or [G] with one zero per group)" : "", ", got ", t.scalar_type(),
+                " ", t.sizes());
   }
   Prepared p;
   p.chunks = chunk_table(groups, K, qweight.size(0));
@@ -109,23 +117,24 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
                            zero.data_ptr<float>(), p.chunks.data(),
                            p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr, p.y.data_ptr<float>(), N,
                            nullptr};
+  p.a.zero_per_group = per_group;
   return p;
 }
 
 // x [M, K] (bf16 widened, permuted) as contiguous fp32.
 std::vector<Prepared> prepare_one(const std::string& who, const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                                  const std::optional<at::Tensor>& bias) {
+                                  const std::optional<at::Tensor>& bias, bool group_zero) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
   std::vector<Prepared> ws;
-  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias));
+  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias, group_zero));
   return ws;
 }
 
 std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, at::TensorList qweight,
                                    at::TensorList groups, at::TensorList scale, at::TensorList zero,
-                                   const c10::List<std::optional<at::Tensor>>& bias) {
+                                   const c10::List<std::optional<at::Tensor>>& bias, bool group_zero) {
   const size_t n = qweight.size();
   TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
               who, ": qweight, groups, scale, zero, bias must be lists of one equal, non-zero length, got ", n,
@@ -136,7 +145,7 @@ std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, 
   ws.reserve(n);
   for (size_t i = 0; i < n; ++i)
     ws.push_back(prepare_weight(who + " weight " + std::to_string(i), x.size(0), x.size(1), qweight[i],
-                                groups[i], scale[i], zero[i], bias.get(i)));
+                                groups[i], scale[i], zero[i], bias.get(i), group_zero));
   return ws;
 }
 

@@ -35,6 +35,10 @@ struct QGemmArgs {
   float* y;                // fp32 [M, N], row stride ldy
   int64_t ldy;
   const float* xsum;       // [M, K / 32]: sum of x[m, 32c .. 32c+31] in order (chunk_sums)
+  // zero holds one value per group ([G]) instead of [G, N]: every column of a group shares its
+  // zero point (EXL2, symmetric GPTQ). The int8 kernel only, where [G, N] zeros of 32-row groups
+  // are a sixth of the bytes a decode step streams.
+  bool zero_per_group = false;
 };
 
 // K == 0 (an empty reduction): columns [n0, n0 + ncols) of every row of y are the bias, or 0

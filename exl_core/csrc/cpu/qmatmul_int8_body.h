@@ -92,7 +92,9 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
       const float* zrow = a.w->zero + static_cast<int64_t>(group) * N + n0;
       for (int j = 0; j < NV; ++j) {
         s[j] = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
-        zs[j] = I8::mul(FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]), s[j]);
+        const typename I8::f z = a.w->zero_per_group ? I8::bcast(a.w->zero[group])
+                                 : FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]);
+        zs[j] = I8::mul(z, s[j]);
       }
     }
     const int32_t* xr[MR];

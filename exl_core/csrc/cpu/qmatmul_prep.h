@@ -28,19 +28,21 @@ struct Prepared {
   QGemmArgs a;
 };
 
+// group_zero: zero may also be [G], one zero point per group (QGemmArgs::zero_per_group; the
+// int8 kernel only).
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                        const std::optional<at::Tensor>& bias);
+                        const std::optional<at::Tensor>& bias, bool group_zero = false);
 
 // The argument handling every quantized matmul op shares: x checked (CPU, 2-D) and its weights
 // prepared, one (the single-weight ops) or a list (the *_multi ops: equal, non-empty lists; errors
 // name "who weight i").
 std::vector<Prepared> prepare_one(const std::string& who, const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                                  const std::optional<at::Tensor>& bias);
+                                  const std::optional<at::Tensor>& bias, bool group_zero = false);
 std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, at::TensorList qweight,
                                    at::TensorList groups, at::TensorList scale, at::TensorList zero,
-                                   const c10::List<std::optional<at::Tensor>>& bias);
+                                   const c10::List<std::optional<at::Tensor>>& bias, bool group_zero = false);
 
 // Each weight's fp32 y in x's dtype (the ops' return value).
 std::vector<at::Tensor> outputs_like(const at::Tensor& x, const std::vector<Prepared>& ws);
