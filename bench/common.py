@@ -88,3 +88,45 @@ def greedy_decode_tok_s(gen, prompt: list[int], n_new: int) -> float:
 def spread(vals: list[float]) -> dict:
     """best (max), min and median of per-run values (higher is better)."""
     return {"best": max(vals), "min": min(vals), "median": statistics.median(vals)}
+
+
+def repeated_runs_cli(script: str, runs: int, name: str) -> tuple:
+    """Command line of a repeat driver: --runs, --name, then `-- ARGS` for bench/`script`.
+    Returns (args, script arguments, the runs' JSON payloads)."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=runs)
+    ap.add_argument("--name", default=name)
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help=f"arguments for {script} (after --)")
+    args = ap.parse_args()
+    rest = [a for a in args.rest if a != "--"]
+    return args, rest, repeated_runs(script, rest, args.runs, args.name)
+
+
+def repeated_runs(script: str, rest: list[str], runs: int, name: str) -> list[dict]:
+    """Runs bench/`script` `runs` times, each a fresh process writing results NAME_runI (its
+    `--out`); returns their JSON payloads."""
+    import subprocess
+    import sys
+    out = []
+    for i in range(1, runs + 1):
+        subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *rest, "--out", f"{name}_run{i}"],
+                       check=True)
+        out.append(json.loads((RESULTS / f"{name}_run{i}.json").read_text()))
+    return out
+
+
+def spread_rows(runs: list[dict], id_key: str, keys: tuple[str, ...]) -> list[dict]:
+    """One row per row id (`id_key`) of the first run: every run's value of each key, and their
+    spread as KEY_best / KEY_min / KEY_median."""
+    rows = []
+    for rid in [r[id_key] for r in runs[0]["rows"]]:
+        per = [next(r for r in run["rows"] if r[id_key] == rid) for run in runs]
+        row = {id_key: rid}
+        for key in keys:
+            vals = [p[key] for p in per if key in p]
+            if vals:
+                row[key] = vals
+                row.update({f"{key}_{k}": v for k, v in spread(vals).items()})
+        rows.append(row)
+    return rows

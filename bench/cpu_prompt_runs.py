@@ -9,40 +9,16 @@ llama.cpp of every run, their best (max), min and median.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, print_table, spread, write_results  # noqa: E402
+from common import print_table, repeated_runs_cli, spread_rows, write_results  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--name", default="cpu_prompt_bf16")
-    ap.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for cpu_decode.py (after --)")
-    args = ap.parse_args()
-    rest = [a for a in args.rest if a != "--"]
-    runs = []
-    for i in range(1, args.runs + 1):
-        name = f"{args.name}_run{i}"
-        subprocess.run([sys.executable, str(Path(__file__).with_name("cpu_decode.py")), *rest, "--out", name],
-                       check=True)
-        runs.append(json.loads((RESULTS / f"{name}.json").read_text()))
-    engines = [r["engine"] for r in runs[0]["rows"]]
-    rows = []
-    for e in engines:
-        per = [next(r for r in run["rows"] if r["engine"] == e) for run in runs]
-        row = {"engine": e}
-        for key in ("prompt_tok_s", "prompt_x_llamacpp", "decode_tok_s", "decode_x_llamacpp"):
-            vals = [p[key] for p in per if key in p]
-            if vals:
-                row[key] = vals
-                row.update({f"{key}_{k}": v for k, v in spread(vals).items()})
-        rows.append(row)
+    args, rest, runs = repeated_runs_cli("cpu_decode.py", 3, "cpu_prompt_bf16")
+    rows = spread_rows(runs, "engine", ("prompt_tok_s", "prompt_x_llamacpp", "decode_tok_s", "decode_x_llamacpp"))
     print()
     print_table(rows, ["engine", "prompt_tok_s_best", "prompt_tok_s_min", "prompt_x_llamacpp_best",
                        "prompt_x_llamacpp_median", "prompt_x_llamacpp_min"])
