@@ -158,9 +158,11 @@ def test_bf16_prefill_steps_aside_for_prompts_only(tiny_dense, tmp_path, monkeyp
     assert 0 < err < 0.02, err
 
 
-def test_tiny_mixed_dense_and_packed_bias_window(tmp_path_factory, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dense_k", [True, False], ids=["k-dense", "all-packed-fused"])
+def test_tiny_mixed_dense_and_packed_bias_window(tmp_path_factory, tmp_path, monkeypatch, dense_k):
     """Qwen2-style q/k/v bias, a sliding window shorter than the prompts (pages leave the
-    window), and one projection per layer swapped to dense (q/k/v then run one by one)."""
+    window), and one projection per layer swapped to dense (q/k/v then run one by one), or all
+    packed (q|k|v fused with their biases for decode steps)."""
     from exl_core.model.linear import QuantLinear
     from exl_core.testing import make_tiny_model
     src = make_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=7, use_sliding_window=True,
@@ -170,8 +172,10 @@ def test_tiny_mixed_dense_and_packed_bias_window(tmp_path_factory, tmp_path, mon
     model, _ = load_model(dst, load_tokenizer=False)
     assert model.config.sliding_window == 12 and model.config.attention_bias
     for name, m in list(model.linear_layers()):
-        if name.endswith("k_proj"):
+        if name.endswith("k_proj") and dense_k:
             model.set_linear(name, QuantLinear.from_dense(m.dense_weight(), m.packed.bias))
+    # dense k: gate|up fuse, q|k|v cannot; all packed: both, q|k|v with their biases
+    assert model._native_stack().fused == (1 if dense_k else 2) * model.config.num_hidden_layers
     _assert_fused_equals_python(model, monkeypatch, lens=(3, 17, 30), steps=5, page_size=4)
 
 
