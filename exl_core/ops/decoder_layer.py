@@ -11,6 +11,9 @@ Every projection inside the C++ op goes through one helper (`linears` in decoder
 picks the kernel the per-op path's dispatchers would: the int8-activation one for weights that ask
 for it (`wants_int8`) at up to INT8_MAX_M rows, else the exact fused one. It has no bf16 kernel: where
 weights ask for bf16 prompts (`wants_bf16`), calls of BF16_MIN_M rows or more run the per-op path.
+For decode-sized calls it reads q|k|v and gate|up as one packed weight each (copies made within
+FUSE_MAX_BYTES where the parts share their layout; bit-identical outputs), and the int8 kernel
+gets one zero point per group where the weight's columns share it (`int8_zero`).
 
 The ops layer knows no modules: the model hands over plain weights (`LayerWeights`) once, gets a
 `NativeStack` back, and calls `decoder_layers` per forward pass with the paged K/V tensors.
