@@ -9,7 +9,9 @@
 //   g, u = linears(x, {gate, up})   h = linears(silu_mul(g, u), {down})
 //
 // What it saves is the host work between kernels: ~10 Python dispatcher calls per layer.
-// Every projection goes through `linears`, the one place another matmul kernel plugs in.
+// Every projection goes through `linears`, the one place another matmul kernel plugs in; for
+// decode-sized x, q|k|v and gate|up go through one fused weight each when the caller handed
+// them over (set_fused; same columns, same bits).
 // Shapes: h, res (T, hidden); q (T, Hq, D); k, v (T, Hkv, D); K/V pages (P, page_size, Hkv, D).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
