@@ -275,23 +275,24 @@ def _bump_weights_version(*_):
 
 def invalidate_native_stacks() -> None:
     """Say that packed weights changed in a way no registration shows (e.g. their kernel options
-    in `PackedWeight.meta`): every model rebuilds its fused stack on its next forward."""
+    in `PackedWeight.meta`, or values edited in place: the stack's fused q|k|v / gate|up copies
+    are snapshots): every model rebuilds its fused stack on its next forward."""
     _bump_weights_version()
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_bump_weights_version)
 torch.nn.modules.module.register_module_buffer_registration_hook(_bump_weights_version)
 # QuantLinear keeps .lora in its __dict__; a hook that is an nn.Module lives in its _modules instead
-# (and can be deleted without any registration hook firing): both are looked at on every call, with
-# C-level callables over the cached dicts (no Python frame per projection per step).
+# (and can be deleted without any registration hook firing): both are looked at whenever a
+# QuantLinear's `lora` was set or deleted (LORA_VERSION), with C-level callables over the cached dicts.
 _LORA_ATTR = operator.methodcaller("get", "lora")
 _LORA_MODULE = operator.methodcaller("__contains__", "lora")
 
 
 def _layer_weights(blk, index: int):
     """(LayerWeights, None) for a block the fused op can run, else (None, reason). LoRA hooks are
-    not looked at here: Model._native_stack checks them on every call (they come and go without
-    any registration)."""
+    not looked at here: Model._native_stack checks them whenever one was set or deleted (they come
+    and go without any registration)."""
     if type(blk) is not Block or type(blk.self_attn) is not Attention or type(blk.mlp) is not MLP:
         return None, "block, attention or MLP module is a subclass (custom forward)"
     if type(blk.input_layernorm) is not RMSNorm or type(blk.post_attention_layernorm) is not RMSNorm:

@@ -150,16 +150,16 @@ def int8_zero(pw: PackedWeight) -> torch.Tensor:
     shares it (EXL2 always, symmetric GPTQ, the int8 head), else pw.zero [G, N]. The same values,
     so the same results, from a sixth fewer bytes per decode step at EXL2's 32-row groups (SmolLM2
     EXL2 int8 decode, two models in one process, best of 6 interleaved: 135.5 -> 144.0 and
-    137.6 -> 145.8 tok/s). Cached on the weight, keyed by the zero tensor's storage, shape and
-    in-place version (tensors made under inference_mode have none)."""
+    137.6 -> 145.8 tok/s). Cached on the weight for this very zero tensor at its in-place version
+    (tensors made under inference_mode have none: edit those in place and the cache cannot tell)."""
     z = pw.zero
-    key = (z.data_ptr(), tuple(z.shape), None if z.is_inference() else z._version)
+    version = None if z.is_inference() else z._version
     held = pw.__dict__.get("_int8_zero")
-    if held is None or held[0] != key:
+    if held is None or held[0] is not z or held[1] != version:
         per_group = z.dim() == 2 and z.shape[1] > 0 and bool((z == z[:, :1]).all())
-        held = (key, z[:, 0].contiguous() if per_group else z)
+        held = (z, version, z[:, 0].contiguous() if per_group else z)
         pw.__dict__["_int8_zero"] = held
-    return held[1]
+    return held[2]
 
 
 def _run_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:

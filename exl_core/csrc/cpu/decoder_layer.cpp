@@ -186,7 +186,12 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(sizes.size() == parts.size(), "exl_core.DecoderStack: set_fused(", which, ") needs ", parts.size(),
                 " sizes, got ", sizes.size());
     int64_t total = 0;
-    for (int64_t s : sizes) total += s;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      TORCH_CHECK(parts[i]->packed && parts[i]->qweight.size(1) == sizes[i], "exl_core.DecoderStack: set_fused(",
+                  which, ") part ", i, " has ", parts[i]->packed ? parts[i]->qweight.size(1) : 0,
+                  " packed columns, sizes says ", sizes[i]);
+      total += sizes[i];
+    }
     TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == total, "exl_core.DecoderStack: fused qweight ",
                 qweight.sizes(), " does not have the ", total, " columns of its parts");
     Fused f;
