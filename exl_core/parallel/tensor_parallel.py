@@ -23,6 +23,7 @@ all-gather (hidden). The head is sliced by vocabulary and gathered.
 from __future__ import annotations
 
 import dataclasses
+import atexit
 import os
 from typing import Optional
 
@@ -141,6 +142,11 @@ def shard_model(model, tp: Optional[TPGroup] = None, device=None):
     return model
 
 
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_tensor_parallel(backend: Optional[str] = None) -> TPGroup:
     """Initialises the default process group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR/PORT); NCCL when CUDA is available, else gloo. Sets this rank's CUDA device."""
@@ -150,6 +156,10 @@ def init_tensor_parallel(backend: Optional[str] = None) -> TPGroup:
                              "--nproc-per-node N, or call dist.init_process_group yourself")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend)
+        # A group left to interpreter teardown can abort the process ("terminate called without
+        # an active exception" from a still-running gloo thread, seen once under a loaded test
+        # run): the group this call made is destroyed before teardown.
+        atexit.register(_destroy_group)
     tp = TPGroup.current()
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", tp.rank)) % torch.cuda.device_count())
