@@ -22,8 +22,8 @@ all-gather (hidden). The head is sliced by vocabulary and gathered.
 """
 from __future__ import annotations
 
-import dataclasses
 import atexit
+import dataclasses
 import os
 from typing import Optional
 
