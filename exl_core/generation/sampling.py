@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..errors import InputError, SamplerError
+from .logprobs import check_row_max, chosen_logprobs, lse_rows, native_lse
 
 History = Union[torch.Tensor, Sequence[int], None]
 
@@ -256,13 +257,6 @@ def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
     return greater | (eq & (eq.cumsum(dim=1) <= n_eq))
 
 
-def _lse(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over rows, [B, V] -> [B, 1] (rows have a finite max). Written out because
-    torch.logsumexp is several times slower than these plain passes on CPU."""
-    m = x.amax(dim=1, keepdim=True)
-    return m + (x - m).exp_().sum(dim=1, keepdim=True).log_()
-
-
 # A full sort of the vocabulary costs ~10 ms on CPU; the sets that top-p and typical keep are
 # usually small, so they look at the best `k` candidates (torch.topk) and grow k only when
 # the answer might lie beyond them.
@@ -274,7 +268,7 @@ def _top_p(x: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """Keep mask [B, V] of the smallest prefix (logit desc, then token id asc) whose mass
     reaches p."""
     B, V = x.shape
-    lse = _lse(x)                                                      # [B, 1]
+    lse = lse_rows(x)                                                  # [B, 1]
     k = min(V, _FIRST_K)
     while True:
         vals, idx = torch.topk(x, k, dim=1)                             # [B, k], desc, ties arbitrary
@@ -508,53 +502,16 @@ def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tu
             return None           # the general path raises the right error
     for s in distinct:
         s.validate(V)
-    if _native_lse(logits):
+    if native_lse(logits):
         ids, _, m, logprobs = torch.ops.exl_core.greedy_pick(logits)  # argmax and lse: two C++ passes
-        _check_row_max(m)
-        return ids, logprobs                                          # = _chosen_logprobs(logits, ids, lse)
+        check_row_max(m)
+        return ids, logprobs                                          # = chosen_logprobs(logits, ids, lse)
     m = logits.amax(dim=1)                                            # [B]
-    _check_row_max(m)
+    check_row_max(m)
     ids = logits.argmax(dim=1)
     m = m[:, None]
-    lse = m + (logits - m).exp_().sum(dim=1, keepdim=True).log_()     # _lse with the max known
+    lse = m + (logits - m).exp_().sum(dim=1, keepdim=True).log_()     # lse_rows with the max known
     return ids, (logits.gather(1, ids[:, None]) - lse).squeeze(1)
-
-
-def _native_lse(lg: torch.Tensor) -> bool:
-    """exl_core::greedy_pick serves these float32 [B, V] logits (CPU, contiguous, op built)."""
-    if lg.device.type != "cpu" or not lg.is_contiguous():
-        return False
-    if _GREEDY_OP[0] is None:                 # looked up once: has_op costs ~20 us a step here
-        from ..ops.dispatch import has_op
-        _GREEDY_OP[0] = has_op("greedy_pick")
-    return _GREEDY_OP[0]
-
-
-_GREEDY_OP: list = [None]
-
-
-def _chosen_logprobs(lg: torch.Tensor, ids: torch.Tensor, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The model's log-softmax of the chosen tokens, float32 [B], from float32 logits [B, V]: on
-    CPU through greedy_pick's float64 log-sum-exp (both sampler paths, so they agree bit for bit),
-    elsewhere through torch's float32 passes."""
-    if lse is None and _native_lse(lg):
-        lse = torch.ops.exl_core.greedy_pick(lg)[1]
-    if lse is not None:
-        return (lg.gather(1, ids[:, None]).squeeze(1).double() - lse).float()
-    return (lg.gather(1, ids[:, None]) - _lse(lg)).squeeze(1)
-
-
-def _check_row_max(m: torch.Tensor) -> None:
-    """Row maxima [B] (NaN where a row holds a NaN) -> the errors sample_batch raises. One
-    tolist, not a chain of tiny torch ops: right after a decode step each op runs with cold
-    caches and costs ~20 us."""
-    maxes = m.tolist()
-    if any(math.isnan(v) or v == math.inf for v in maxes):
-        raise InputError("logits contain NaN or +inf; the model output is corrupt")
-    for b, v in enumerate(maxes):
-        if v == -math.inf:
-            raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "
-                               "(check banned_tokens / logit_bias)")
 
 
 def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
@@ -586,7 +543,7 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
             ids = _draw(x, u)
         else:
             ids[sampled] = _draw(x[sampled], u)
-    return ids, _chosen_logprobs(logits.to(torch.float32), ids)
+    return ids, chosen_logprobs(logits.to(torch.float32), ids)
 
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, history: History = None,

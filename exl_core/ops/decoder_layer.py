@@ -84,10 +84,11 @@ class NativeStack:
         self.bf16_prefill = any(isinstance(w, PackedWeight) and wants_bf16(w) for lw in layers for w in lw.projections)
         self.reason = _weights_reason(layers, num_heads, num_kv_heads, head_dim, dtype)
         if self.reason is None:
-            budget = FUSE_MAX_BYTES if _fused_bytes(layers) <= FUSE_MAX_BYTES else 0
+            fusions = [_fusions(lw.projections) for lw in layers]
+            fuse = sum(_packed_bytes(w) for f in fusions for _, parts in f for w in parts) <= FUSE_MAX_BYTES
             obj = torch.classes.exl_core.DecoderStack(num_heads, num_kv_heads, head_dim, float(eps), float(scale),
                                                       int(window or 0))
-            for lw in layers:
+            for lw, layer_fusions in zip(layers, fusions):
                 for w in lw.projections:
                     if isinstance(w, PackedWeight):
                         obj.add_packed(w.qweight, w.groups, w.scale, w.zero, w.perm, w.bias, wants_int8(w),
@@ -95,8 +96,9 @@ class NativeStack:
                     else:
                         obj.add_dense(w.w_t, w.bias)
                 obj.add_layer(lw.input_norm.contiguous(), lw.post_norm.contiguous())
-                budget, n = _add_fused(obj, lw.projections, budget)
-                self.fused += n
+                for which, parts in layer_fusions if fuse else ():
+                    _set_fused(obj, which, parts)
+                    self.fused += 1
             obj.set_int8_rows(INT8_MAX_M)
             obj.set_fused_rows(INT8_MAX_M)
             self.obj = obj
@@ -133,38 +135,21 @@ def _packed_bytes(w: PackedWeight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.qweight, w.scale, w.zero))
 
 
-def _fused_bytes(layers: Sequence[LayerWeights]) -> int:
-    """Bytes the fused copies of every layer would take."""
-    total = 0
-    for lw in layers:
-        for _, idx in _FUSED_PARTS:
-            parts = [lw.projections[i] for i in idx]
-            if _fusable(parts):
-                total += sum(_packed_bytes(w) for w in parts)
-    return total
+def _fusions(projections: Sequence[Weight]) -> list[tuple[int, list[PackedWeight]]]:
+    """(set_fused index, parts) of one layer's fusable q|k|v and gate|up."""
+    groups = [(which, [projections[i] for i in idx]) for which, idx in _FUSED_PARTS]
+    return [(which, parts) for which, parts in groups if _fusable(parts)]
 
 
-def _add_fused(obj, projections: Sequence[Weight], budget: int) -> tuple[int, int]:
-    """Hands the stack the last added layer's fused q|k|v and gate|up where fusable and within the
-    byte budget; returns (budget left, fused weights handed over)."""
-    handed = 0
-    for which, idx in _FUSED_PARTS:
-        parts = [projections[i] for i in idx]
-        if not _fusable(parts):
-            continue
-        size = sum(_packed_bytes(w) for w in parts)
-        if size > budget:
-            continue
-        cat = lambda f: torch.cat([f(w) for w in parts], dim=1).contiguous()  # noqa: E731
-        bias = None if parts[0].bias is None else torch.cat([w.bias.float() for w in parts])
-        fused = PackedWeight(cat(lambda w: w.qweight), parts[0].groups, cat(lambda w: w.scale), cat(lambda w: w.zero),
-                             parts[0].perm, parts[0].in_features, sum(w.out_features for w in parts))
-        int8 = wants_int8(parts[0])
-        obj.set_fused(which, fused.qweight, fused.groups, fused.scale, fused.zero, fused.perm, bias, int8,
-                      int8_zero(fused) if int8 else None, [w.out_features for w in parts])
-        budget -= size
-        handed += 1
-    return budget, handed
+def _set_fused(obj, which: int, parts: list[PackedWeight]) -> None:
+    """Hands the stack the last added layer's parts packed side by side along N."""
+    cat = lambda f: torch.cat([f(w) for w in parts], dim=1).contiguous()  # noqa: E731
+    bias = None if parts[0].bias is None else torch.cat([w.bias.float() for w in parts])
+    fused = PackedWeight(cat(lambda w: w.qweight), parts[0].groups, cat(lambda w: w.scale), cat(lambda w: w.zero),
+                         parts[0].perm, parts[0].in_features, sum(w.out_features for w in parts))
+    int8 = wants_int8(parts[0])
+    obj.set_fused(which, fused.qweight, fused.groups, fused.scale, fused.zero, fused.perm, bias, int8,
+                  int8_zero(fused) if int8 else None, [w.out_features for w in parts])
 
 
 def _has_class() -> bool:
