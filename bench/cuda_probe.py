@@ -3,6 +3,7 @@
     python bench/cuda_probe.py [mma|gemv|skinny|skinny_tiled] [M] [splits]   # ncu -k regex:qgemm ...
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
     python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
+    python bench/cuda_probe.py kslice                        # decode kernels: qgemm_kslice variants vs skinny
     python bench/cuda_probe.py syncs CKPT                    # where a prefill / decode step syncs the host
     python bench/cuda_probe.py prompt CKPT                   # 2048-token prefill: SDPA backends, host time
 """
@@ -29,6 +30,67 @@ def tiled(qweight: torch.Tensor) -> torch.Tensor:
     """[Q, N] -> [N/128, Q, 128]: each 128-column strip contiguous."""
     Q, N = qweight.shape
     return qweight.view(Q, N // 128, 128).permute(1, 0, 2).contiguous()
+
+
+def weight_exl2(K=4096, N=4096) -> PackedWeight:
+    """EXL2-like: 3/4/5-bit groups of 128 rows mixed (~4.0 bits), a random input permutation."""
+    groups, q = [], 0
+    for i, k in enumerate(range(0, K, 128)):
+        bits = (5, 4, 4, 4, 4, 4, 4, 4, 4, 4, 3)[i % 11]
+        groups.append((bits, k, 128, q))
+        q += 128 * bits // 32
+    qw = torch.randint(-2**31, 2**31, (q, N), dtype=torch.int64).to(torch.int32)
+    G = len(groups)
+    return PackedWeight(qw, torch.tensor(groups, dtype=torch.int32), torch.rand(G, N) * 0.002 + 0.002,
+                        torch.full((G, N), 8.0), torch.randperm(K), K, N).to("cuda")
+
+
+def kslice_table() -> None:
+    """Per decode shape (single weights and the q/k/v, gate/up launches of a 7B layer), M = 1 and 8:
+    qgemm_skinny (its policy) against qgemm_kslice per (kw, ring), 16 distinct weights per CUDA graph."""
+    sys.path.insert(0, "bench")
+    from gpu_bench import graph_time
+    from exl_core.ops.cuda_candidates import _min_group
+    ops = torch.ops.exl_core
+    shapes = (("4096x4096", 4096, (4096,)), ("qkv 4096x3x4096", 4096, (4096,) * 3),
+              ("gate_up 4096x2x11008", 4096, (11008, 11008)), ("11008x4096", 11008, (4096,)))
+    for fmt in ("gptq", "exl2"):
+        make = weight if fmt == "gptq" else weight_exl2
+        u4 = fmt == "gptq"
+        rings = (8, 16) if u4 else (4, 8)
+        for name, K, Ns in shapes:
+            sets = [[make(K, N) for N in Ns] for _ in range(max(2, 16 // len(Ns)))]
+            for s in sets:
+                for pw in s:
+                    pw.meta["_ch"] = chunk_table(pw.groups, "cuda")
+            nbytes = sum(t.numel() * t.element_size() for pw in sets[0] for t in (pw.qweight, pw.scale, pw.zero))
+            mg = _min_group(sets[0][0])
+            for M in (1, 8):
+                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+
+                def args(s):
+                    return (x, [p.qweight for p in s], [p.meta["_ch"] for p in s], [p.scale for p in s],
+                            [p.zero for p in s], [p.perm for p in s], [None] * len(s))
+                ref = ops.qgemm_skinny_multi(*args(sets[0]), u4)
+                cells = []
+                t = graph_time(lambda: [ops.qgemm_skinny_multi(*args(s), u4) for s in sets]) / len(sets)
+                cells.append(f"skinny {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
+                tiles = sum((N + 31) // 32 for N in Ns)
+                for kw in (4, 8, 16):
+                    if not ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0, kw):
+                        cells.append(f"k{kw} no fit")
+                        continue
+                    for ring in rings:
+                        y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring, mg)
+                        err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
+                        t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s), u4, kw, ring, mg)
+                                                for s in sets]) / len(sets)
+                        cells.append(f"k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
+                                     f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
+                if ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0, 0):
+                    t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s), u4, 0, 0, mg) for s in sets]) / len(sets)
+                    cells.append(f"policy {t * 1e6:6.1f}us")
+                print(f"{fmt} {name:22s} M={M}: " + " | ".join(cells), flush=True)
 
 
 def layout_table() -> None:
@@ -138,6 +200,9 @@ def main() -> None:
         return
     if what == "layout":
         layout_table()
+        return
+    if what == "kslice":
+        kslice_table()
         return
     if what == "check":
         for code in ("ops.qgemm_mma(x.float(), pw.qweight, ch, pw.scale, pw.zero, None, None)",

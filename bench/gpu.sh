@@ -5,7 +5,8 @@
 #   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 # Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding),
-# gen (Generator tok/s), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
+# gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
+# with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +32,14 @@ if has build; then
     exit 1
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
+  # SAVE_SO=1: hand the built extension back (the device tool returns files under $OUT), so a later
+  # call that changes only Python can carry it instead of rebuilding
+  [ -n "${SAVE_SO:-}" ] && cp exl_core/_C*.so "$OUT/"
 fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || exit 0
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
   done ) >"$CKPT_LOG" 2>&1 &
@@ -52,6 +56,13 @@ fi
 wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -60
+fi
+if has kslice; then   # qgemm_kslice per (warps along K, ring depth) against qgemm_skinny, 7B decode shapes
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py kslice 2>&1 | tee -a "$LOG" | tail -20
+fi
+if has noks; then     # A/B: the same graph decode with the previous decode kernel (qgemm_skinny)
+  EXL_CORE_KSLICE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+    --json bench/results/gpu_h200_noks.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nopdl; then    # A/B: the same graph decode and prompt with programmatic dependent launch off
   EXL_CORE_PDL=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

@@ -219,12 +219,13 @@ def graph_time(fn, reps: int = 10) -> float:
 
 @torch.inference_mode()
 def gemv_sweep(model) -> list[dict]:
-    """Per projection shape and M, every qmatmul path on the same weights: the decode kernel
-    (qgemm_skinny, with its split-K choices), the tensor-core kernel (qgemm_mma), the fp32 GEMV
+    """Per projection shape and M, every qmatmul path on the same weights: the batch-1 decode kernel
+    (qgemm_kslice, 1..8 rows), the skinny decode kernel (qgemm_skinny, with its split-K choices), the
+    tensor-core kernel (qgemm_mma), the fp32 GEMV
     (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
     GB/s counts packed words + scale/zero once per call."""
-    from exl_core.ops.cuda_candidates import _chunks_of, _uniform4
+    from exl_core.ops.cuda_candidates import _chunks_of, _min_group, _uniform4
     by_shape: dict = {}
     for _, lin in model.linear_layers():
         pw = lin.packed
@@ -242,6 +243,8 @@ def gemv_sweep(model) -> list[dict]:
             ch = {id(pw): pw.meta["_cuda_chunks"] for pw in pws}
             u4 = all(_uniform4(pw) for pw in pws)              # the library's own check, every weight
             paths = {
+                "kslice": lambda pw: ops.qgemm_kslice(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4,
+                                                      min_group=_min_group(pw)),
                 "skinny": lambda pw: ops.qgemm_skinny(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
                 "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
                 "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
@@ -254,7 +257,9 @@ def gemv_sweep(model) -> list[dict]:
                         x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4, sp))(sp)
             row = {"K": K, "N": N, "M": M}
             for name, f in paths.items():
-                if (name == "gemv" and M > 16) or (name.startswith("skinny") and M > 32):
+                if ((name == "gemv" and M > 16) or (name.startswith("skinny") and M > 32) or
+                        (name == "kslice" and (x.dtype != torch.float16 or not ops.qgemm_kslice_fits(
+                            M, K, (N + 31) // 32, _min_group(pws[0]), u4, 0)))):
                     continue
                 try:
                     t = graph_time(lambda: [f(pw) for pw in pws]) / len(pws)
@@ -354,6 +359,7 @@ def main() -> None:
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch",
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
+                 "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):
@@ -362,7 +368,7 @@ def main() -> None:
             bench_format(p, fmt, bw, out, a.quick)
             _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
-        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("skinny", "mma", "gemv", "dequant_mm")
+        cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("kslice", "skinny", "mma", "gemv", "dequant_mm")
                           if n + "_us" in row)
         errs = [k for k in row if k.endswith("_error")]
         print(f"K={row['K']:5d} N={row['N']:5d} M={row['M']:3d}: {cells} {errs if errs else ''}")

@@ -168,7 +168,60 @@ def test_qgemm_skinny_vs_float64(case, M, splits):
         assert rel_err(y, ref) < 2e-3, (u4, splits)
 
 
-@pytest.mark.parametrize("op,M", [("mma", 1), ("mma", 20), ("skinny", 1), ("skinny", 12), ("skinny", 32)])
+KSLICE_CASES = SKINNY_CASES + [([(4, 32)] * 60 + [(4, 64)] * 10, 4 * 9),  # groups of 32 and 64 rows
+                                ([(4, 128)] * 40, 4 * 40)]                 # 40 groups of 128
+
+
+@pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=["mixed", "split", "long", "uniform4", "g32", "g128"])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("kw,ring", [(0, 0), (4, 0), (8, 16), (16, 0)])
+def test_qgemm_kslice_vs_float64(case, M, kw, ring):
+    """The batch-1 decode kernel on its own: every width, act-order, warps along K, ring depths, scale
+    slots fewer than the groups a warp spans (min_group larger than the real groups), unaligned x."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import _uniform4, chunk_table
+    layout, N = KSLICE_CASES[case]
+    pw = random_packed(layout, N, perm=random.random() < 0.6, bias=random.random() < 0.5)
+    K = pw.in_features
+    W = dequantize_reference(pw)
+    x = torch.randn(M, K, dtype=torch.float16)
+    ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
+    c = pw.to("cuda")
+    ch = chunk_table(pw.groups, "cuda")
+    bias = None if pw.bias is None else c.bias.half()
+    xc = x.cuda()
+    if random.random() < 0.3:                                  # 8-byte offset: the gather path stages x
+        buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
+        xc = buf[4:].view(M, K)
+        xc.copy_(x)
+    for u4 in ({False, _uniform4(pw)}):
+        if ring and not u4:
+            ring = 8
+        for min_group in (0, 128):
+            if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw):
+                continue                                       # shared memory: the policy sends it to skinny
+            poison_allocator()
+            y = torch.ops.exl_core.qgemm_kslice(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, kw, ring,
+                                                min_group)
+            assert y.dtype == torch.float16 and y.shape == (M, N)
+            assert rel_err(y, ref) < 2e-3, (u4, min_group)
+
+
+def test_qgemm_kslice_policy_and_limits():
+    """The policy sends 1..8 fp16 rows to qgemm_kslice; it refuses more rows (the caller's limit) and
+    shapes whose x does not fit shared memory, which then go to qgemm_skinny."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import KSLICE_ON, _kslice_ok
+    pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")
+    dev = torch.device("cuda", 0)
+    assert _kslice_ok(1, [pw], dev) == KSLICE_ON and _kslice_ok(8, [pw], dev) == KSLICE_ON
+    assert not _kslice_ok(9, [pw], dev)
+    assert torch.ops.exl_core.qgemm_kslice_fits(1, 11008, 128, 128, True, 0)
+    assert not torch.ops.exl_core.qgemm_kslice_fits(8, 65536, 128, 128, True, 0)
+    assert not torch.ops.exl_core.qgemm_kslice_fits(9, 4096, 128, 128, True, 0)
+
+
+@pytest.mark.parametrize("op,M", [("mma", 1), ("mma", 20), ("skinny", 1), ("skinny", 12), ("skinny", 32), ("kslice", 1), ("kslice", 8)])
 def test_multi_weight_kernels_vs_float64(op, M):
     """q/k/v-style: three weights (own layouts, permutations, widths, biases) on one x, one launch."""
     _need_kernels()

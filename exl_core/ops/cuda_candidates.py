@@ -6,6 +6,9 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
+  fp16 x, M <= KSLICE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting:
+                       batch-1 decode kernel, 32 columns x K slices per block, one launch
+                       (`exl_core::qgemm_kslice`, `qgemm_kslice_multi`); EXL_CORE_KSLICE=0 turns it off (A/B)
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
                        decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
                        one launch; q/k/v and gate/up together (`qgemm_skinny_multi`)
@@ -28,12 +31,15 @@ once per weight and cached on the device in `pw.meta`.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
 
 from .dispatch import Candidate, extension
 
+KSLICE_MAX_ROWS = 8         # one mma n-tile of x rows
+KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -93,6 +99,31 @@ def _skinny_ok(rows: int, pw, device) -> bool:
     return pw.in_features <= _MAX_K[key]
 
 
+_KSLICE_FITS: dict = {}
+
+
+def _min_group(pw) -> int:
+    """The weight's smallest group (rows of K): sizes qgemm_kslice's scale slots."""
+    cached = pw.meta.get("_cuda_min_group")
+    if cached is None:
+        cached = pw.meta["_cuda_min_group"] = int(pw.groups[:, 2].min()) if pw.groups.numel() else 0
+    return cached
+
+
+def _kslice_ok(rows: int, pws, device) -> bool:
+    """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
+    (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
+    if not (KSLICE_ON and 1 <= rows <= KSLICE_MAX_ROWS and pws[0].in_features > 0 and
+            all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_kslice")):
+        return False
+    tiles = sum((pw.out_features + 31) // 32 for pw in pws)
+    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), all(_uniform4(pw) for pw in pws),
+           device.index or 0)
+    if key not in _KSLICE_FITS:
+        _KSLICE_FITS[key] = bool(torch.ops.exl_core.qgemm_kslice_fits(*key))
+    return _KSLICE_FITS[key]
+
+
 def _mma_rows_ok(rows: int, pw) -> bool:
     """qgemm_mma's row range for this weight (the caller checks _mma_ok)."""
     return MMA_MIN_ROWS <= rows <= (MMA_MAX_ROWS if _uniform4(pw) else MMA_MIXED_MAX_ROWS)
@@ -134,7 +165,10 @@ def _qmatmul_run(x, pw):
     rows = x2.shape[0]
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
+    if x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
+        y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
+                                            min_group=_min_group(pw))
+    elif x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
     elif x2.dtype == torch.float16 and _mma_rows_ok(rows, pw) and _mma_ok(pw):
         y = torch.ops.exl_core.qgemm_mma(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
@@ -174,7 +208,8 @@ def _many_run(x, pws):
     """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
     x2 = x.reshape(-1, pws[0].in_features)
     rows = x2.shape[0]
-    skinny = all(_skinny_ok(rows, pw, x.device) for pw in pws)
+    kslice = _kslice_ok(rows, pws, x.device)
+    skinny = kslice or all(_skinny_ok(rows, pw, x.device) for pw in pws)
     if not (skinny or all(_mma_rows_ok(rows, pw) for pw in pws)):
         return [_qmatmul_run(x, pw) for pw in pws]
     if not x2.is_contiguous():
@@ -182,8 +217,11 @@ def _many_run(x, pws):
     args = (x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
             [pw.zero for pw in pws], [_perm_of(pw, x.device) for pw in pws],
             [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws])
-    if skinny:
-        ys = torch.ops.exl_core.qgemm_skinny_multi(*args, all(_uniform4(pw) for pw in pws))
+    u4 = all(_uniform4(pw) for pw in pws)
+    if kslice:
+        ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
+    elif skinny:
+        ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)
     else:
         ys = torch.ops.exl_core.qgemm_mma_multi(*args)
     return [y.reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]

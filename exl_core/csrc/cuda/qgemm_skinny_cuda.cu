@@ -55,22 +55,6 @@ inline size_t smem_bytes(int M, int cpb) {
   return std::max(stage, red);
 }
 
-// The words of chunk entry e (bits, group, qrow) holding a lane's values 8t..8t+7; `base` points at
-// word (row 0, the lane's first column) and rows are `ldq` words apart.
-// U4 (every chunk 4-bit, words in chunk order): chunk c's words are rows 4c..4c+3, no table read --
-// the first loads of a launch do not wait for the table.
-template <bool U4>
-__device__ __forceinline__ void load_words(Raw& r, const int32_t* e, int c, const int32_t* base, int64_t ldq, int t) {
-  if constexpr (U4) {
-    r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(4 * c + t) * ldq));
-  } else {
-    const int bits = e[0], start = 8 * t * bits;
-    const int32_t* p = base + static_cast<int64_t>(e[2] + (start >> 5)) * ldq;
-    r.lo = __ldg(reinterpret_cast<const int4*>(p));
-    r.hi = (start & 31) + 8 * bits > 32 ? __ldg(reinterpret_cast<const int4*>(p + ldq)) : make_int4(0, 0, 0, 0);
-  }
-}
-
 // d[u][nt] += A(tile u of the chunk's words) x B(x rows of n-tile nt), both k16 steps of the chunk.
 template <int BITS, int NT>
 __device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int g, int t,
@@ -107,24 +91,6 @@ __device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __ha
     case 6: chunk_mma<6, NT>(r, xc, xs_stride, g, t, d); break;
     default: chunk_mma<8, NT>(r, xc, xs_stride, g, t, d); break;
   }
-}
-
-// acc += s * (d - (1024 + z) * xg) for the lane's 4 columns (s4/z4) and its x rows 2t, 2t+1 per n-tile.
-template <int NT>
-__device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, float (&xg)[NT][2],
-                                            float (&d)[2][NT][4], float (&acc)[2][NT][4]) {
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int v = 2 * u + (i >> 1);                       // C row g -> column 4g+2u, row g+8 -> 4g+2u+1
-        acc[u][nt][i] = fmaf(compf(s4, v), fmaf(-1024.f - compf(z4, v), xg[nt][i & 1], d[u][nt][i]), acc[u][nt][i]);
-        d[u][nt][i] = 0.f;
-      }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xg[nt][0] = xg[nt][1] = 0.f;
 }
 
 // grid (total column tiles, splits); block kThreads.

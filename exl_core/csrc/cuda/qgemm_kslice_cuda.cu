@@ -1,0 +1,367 @@
+// exl_core::qgemm_kslice: the batch-1 decode kernel (1..8 rows of fp16 x) over the PackedWeight chunk
+// table, built so that a launch is one memory latency of prologue, a stream of weight loads and one
+// block barrier at the end.
+//
+// Why not qgemm_skinny: its blocks split K across a thread-block cluster, stage x for all column warps
+// behind two block barriers and reduce through two cluster barriers; under ncu its warps spend most
+// cycles at those barriers (0.30 issued warps per scheduler, DRAM 15 %), so a 4096x4096 4-bit matrix
+// costs ~8.8 us against 2.0 us of weight reads.  Here:
+//   block      32 output columns (one warp's width) x KW warps; warp w owns chunks [c0, c1) of K, so
+//              each warp streams its own weights and needs only its own slice of x: no block barrier
+//              until the KW partial sums are added (one __syncthreads, fixed order: deterministic).
+//   prologue   the ring's weight loads are issued first, then the warp's chunk-table slice and the
+//              scale/zero rows of its groups go to shared memory by cp.async, all before the PDL wait
+//              (weights are fixed at load time); after it x's slice follows by cp.async (or a gather
+//              under act-order) and one __syncwarp makes it all visible.
+//   mma        as in qgemm_skinny: weights are the A operand of m16n8k16 (a lane's 16-byte load = 4
+//              columns x 8 k, fp16 1024 + q by one LOP3 per pair), x is B; lane t's B pairs are its own
+//              8 values of x (one 16-byte shared load, 4 PRMT), and a second mma with A = 1 sums x over
+//              the chunk in fp32 for the zero term: acc += s * (x.(1024 + q) - (1024 + z) * sum(x)).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "qmma_common.cuh"
+
+namespace {
+using namespace exl_mma;
+
+constexpr int kTile = 32;        // output columns per block
+constexpr int kMaxRows = 8;      // one mma n-tile
+constexpr int kXPad = 32;        // halves of padding per staged x row: rows g, g+1 on other banks
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Shared memory of one block: [chunk table n_chunks x 3 int32][scale/zero KW x slots x 64 fp32]
+// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32].
+struct Smem {
+  size_t tab, sz, xs, red, total;
+  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride) {
+    tab = 0;
+    sz = (static_cast<size_t>(n_chunks) * 12 + 15) & ~size_t(15);
+    xs = sz + static_cast<size_t>(kw) * slots * 64 * 4;
+    red = xs + ((static_cast<size_t>(M) * xs_stride * 2 + 15) & ~size_t(15));
+    total = red + static_cast<size_t>(kw) * M * kTile * 4;
+  }
+};
+
+// Lane t's B fragments from its 8 values x[8t..8t+7] of a chunk: pair p = (x_p, x_p+4), the order
+// pair_bits gives the weights.
+__device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
+  b[0] = __byte_perm(v.x, v.z, 0x5410);
+  b[1] = __byte_perm(v.x, v.z, 0x7632);
+  b[2] = __byte_perm(v.y, v.w, 0x5410);
+  b[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+
+// d[u] += A(tile u of the chunk's words) x B, both k16 steps of the chunk.
+template <int BITS>
+__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[4], int t, float (&d)[2][1][4]) {
+  const int sh = (8 * t * BITS) & 31;
+  uint32_t a[4][4];                                           // [column 4g+v][pair p]
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) a[v][p] = pair_bits<BITS>(wl, wh, sh, p);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      mma16816(d[u][0], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
+               b[2 * j], b[2 * j + 1]);
+}
+
+__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[4], int t,
+                                                float (&d)[2][1][4]) {
+  switch (bits) {
+    case 4: chunk_mma_b<4>(r, b, t, d); break;
+    case 2: chunk_mma_b<2>(r, b, t, d); break;
+    case 3: chunk_mma_b<3>(r, b, t, d); break;
+    case 5: chunk_mma_b<5>(r, b, t, d); break;
+    case 6: chunk_mma_b<6>(r, b, t, d); break;
+    default: chunk_mma_b<8>(r, b, t, d); break;
+  }
+}
+
+// grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
+// (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
+template <int KW, bool U4, int R>
+__global__ void __launch_bounds__(32 * KW)
+    qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
+                        const Mats mats) {
+  const Mat& mat = block_mat(mats);
+  const int64_t N = mat.N;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t col = tile * kTile + 4 * g;                  // this lane's 4 columns
+  // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
+  const int64_t lcol = col < N ? col : N - 4;
+  const int32_t* base = mat.qw.at(0, lcol);
+  const int64_t ldq = mat.qw.ldq;
+  const int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
+  const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem lay(n_chunks, KW, slots, M, xs_stride);
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
+  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
+  __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
+  float* red = reinterpret_cast<float*>(smem_raw + lay.red);
+
+  Raw ring[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
+  if constexpr (U4) {                                         // first weight loads need no table
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
+  }
+  for (int i = lane; i < (c1 - c0) * 3; i += 32) tab[3 * c0 + i] = __ldg(mat.chunks + 3 * c0 + i);
+  __syncwarp();
+  if constexpr (!U4) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (c0 + i < c1) load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
+  }
+  // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
+  const int gA = c1 > c0 ? tab[3 * c0 + 1] : 0;
+  const int gw = c1 > c0 ? min(slots, tab[3 * (c1 - 1) + 1] - gA + 1) : 0;
+  for (int j = lane; j < gw * 16; j += 32) {
+    const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
+    int64_t cq = tile * kTile + 4 * q;
+    cq = cq < N ? cq : N - 4;
+    cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
+  }
+
+  exl_pdl::pdl_wait();                                        // x is the previous kernel's output
+  exl_pdl::pdl_trigger();
+  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
+  const int64_t* perm = mat.perm;
+  if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+    for (int j = lane; j < M * (kwl >> 3); j += 32) {
+      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+      cp_async16(xs + m * xs_stride + k, x + m * K + k);
+    }
+  } else {
+    const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
+    unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
+    for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {  // 8 gathers in flight per lane and row
+      int src[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int k = k0 + 32 * i;
+        src[i] = k < kw0 + kwl ? static_cast<int>(perm ? __ldg(perm + k) : k) : -1;
+      }
+      for (int m = 0; m < M; ++m) {
+        unsigned short h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = src[i] >= 0 ? __ldg(xu + m * K + src[i]) : 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (src[i] >= 0) xsu[m * xs_stride + k0 + 32 * i] = h[i];
+      }
+    }
+  }
+  cp_async_wait_all();
+  __syncwarp();
+
+  float d[2][1][4], acc[2][1][4], dx[4] = {0.f, 0.f, 0.f, 0.f}, xg[1][2] = {{0.f, 0.f}};
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[u][0][i] = acc[u][0][i] = 0.f;
+  float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
+  int grp = -1;
+  const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g
+  constexpr uint32_t kOnes = 0x3C003C00u;                     // fp16 (1, 1)
+
+  auto flush = [&]() {
+    xg[0][0] = dx[0];
+    xg[0][1] = dx[1];
+    flush_group<1>(s4, z4, xg, d, acc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dx[i] = 0.f;
+  };
+  auto step = [&](const Raw& r, int c) {
+    const int32_t* e = tab + 3 * c;
+    const int ge = e[1];
+    if (ge != grp) {                                          // warp-uniform
+      if (grp >= 0) flush();
+      grp = ge;
+      const int s = ge - gA;
+      if (s < slots) {
+        s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
+        z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
+      } else {
+        s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+        z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+      }
+    }
+    uint32_t b[4];
+    b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b);
+    mma16816(dx, kOnes, kOnes, kOnes, kOnes, b[0], b[1]);
+    mma16816(dx, kOnes, kOnes, kOnes, kOnes, b[2], b[3]);
+    if constexpr (U4) chunk_mma_b<4>(r, b, t, d);
+    else chunk_mma_b_any(e[0], r, b, t, d);
+  };
+
+  int c = c0;
+  for (; c + R <= c1; c += R) {                               // full ring turns: refill each slot after use
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      step(ring[i], c + i);
+      if (c + i + R < c1) load_words<U4>(ring[i], tab + 3 * (c + i + R), c + i + R, base, ldq, t);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)                                 // the last partial turn
+    if (c + i < c1) step(ring[i], c + i);
+  if (grp >= 0) flush();
+
+  // acc[u][0][i]: column 4g + 2u + (i >> 1), x row 2t + (i & 1).
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 2 * t + (i & 1);
+      if (row < M) red[(warp * M + row) * kTile + 4 * g + 2 * u + (i >> 1)] = acc[u][0][i];
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {
+    const int m = idx / kTile, cl = idx - m * kTile;
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) a += red[(w * M + m) * kTile + cl];
+    const int64_t n = tile * kTile + cl;
+    if (n < N) {
+      if (mat.bias) a += __half2float(mat.bias[n]);
+      mat.y[m * N + n] = __float2half_rn(a);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- host side
+
+constexpr size_t kSmemMax = 160 * 1024;   // beyond this the launch is refused (qgemm_skinny takes it)
+
+struct Plan {
+  int kw, ring, slots, xs_stride;
+  size_t smem;
+};
+
+// Warps per block from the grid: few column tiles (one 4096-wide matrix: 128 on 132 SMs) take 16 warps
+// along K so every SM streams with many loads in flight; many tiles take fewer, shorter blocks so the
+// grid spreads evenly.  `min_group`: the smallest group (rows) of the weights, for the scale slots.
+Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev) {
+  const int sms = device_sm(dev, false);
+  if (kw <= 0) kw = tiles <= sms ? 16 : tiles <= 3 * sms ? 8 : 4;
+  if (ring <= 0) ring = u4 ? 8 : 4;
+  const int n_chunks = static_cast<int>(K / 32);
+  const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
+  const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
+  const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
+  const int xs_stride = static_cast<int>(K) + (M > 1 ? kXPad : 0);
+  return {kw, ring, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total};
+}
+
+template <int KW, bool U4, int R>
+void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
+                cudaStream_t stream) {
+  auto* kern = qgemm_kslice_kernel<KW, U4, R>;
+  ensure_smem(kern, p.smem, dev);
+  exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, M, K,
+                      static_cast<int>(K / 32), p.slots, p.xs_stride, mats);
+}
+
+template <bool U4, int R>
+bool launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
+               cudaStream_t stream) {
+  switch (p.kw) {
+    case 4: launch_one<4, U4, R>(x, M, K, tiles, p, mats, dev, stream); return true;
+    case 8: launch_one<8, U4, R>(x, M, K, tiles, p, mats, dev, stream); return true;
+    case 16: launch_one<16, U4, R>(x, M, K, tiles, p, mats, dev, stream); return true;
+    default: return false;
+  }
+}
+
+// Launches for 1..8 rows where shared memory allows; false (nothing launched) otherwise.
+bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int kw, int ring, int64_t min_group,
+                   int dev, cudaStream_t stream) {
+  if (M < 1 || M > kMaxRows) return false;
+  const int64_t tiles = assign_tiles(mats, kTile);
+  const Plan p = plan_for(M, K, tiles, kw, ring, min_group, u4, dev);
+  if (p.smem > kSmemMax) return false;
+  if (u4) {
+    if (p.ring == 8) return launch_kw<true, 8>(x, M, K, tiles, p, mats, dev, stream);
+    if (p.ring == 16) return launch_kw<true, 16>(x, M, K, tiles, p, mats, dev, stream);
+  } else {
+    if (p.ring == 4) return launch_kw<false, 4>(x, M, K, tiles, p, mats, dev, stream);
+    if (p.ring == 8) return launch_kw<false, 8>(x, M, K, tiles, p, mats, dev, stream);
+  }
+  return false;
+}
+
+// ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 8, K], up to kMaxMats weights on one
+// x in one launch.  kw (warps along K: 4, 8, 16) and ring (chunks of words in registers per lane:
+// 8 or 16 for uniform 4-bit, 4 or 8 otherwise) 0 = chosen here; min_group: the weights' smallest group
+// in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see qgemm_kslice_fits).
+std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                           at::TensorList scale, at::TensorList zero,
+                                           const c10::List<c10::optional<at::Tensor>>& perm,
+                                           const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
+                                           int64_t kw, int64_t ring, int64_t min_group) {
+  std::vector<at::Tensor> ys;
+  const c10::cuda::CUDAGuard guard(x.device());
+  Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
+  if (M == 0) return ys;
+  const int dev = x.device().index();
+  TORCH_CHECK(launch_kslice(reinterpret_cast<const __half*>(x.data_ptr()), static_cast<int>(M), K, mats, uniform4,
+                            static_cast<int>(kw), static_cast<int>(ring), min_group, dev,
+                            c10::cuda::getCurrentCUDAStream()),
+              "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw, ", ring = ", ring,
+              " (shared memory or an unknown kw/ring)");
+  return ys;
+}
+
+at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
+                        const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                        const c10::optional<at::Tensor>& bias, bool uniform4, int64_t kw, int64_t ring,
+                        int64_t min_group) {
+  c10::List<c10::optional<at::Tensor>> p, b;
+  p.push_back(perm);
+  b.push_back(bias);
+  return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group)[0];
+}
+
+// Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw (0: its policy's); a
+// call it refuses raises, which on some images kills the process (see NOTES.md), so callers ask first.
+bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, bool uniform4, int64_t device,
+                       int64_t kw) {
+  if (rows < 1 || rows > kMaxRows || K % 32 != 0 || (kw != 0 && kw != 4 && kw != 8 && kw != 16)) return false;
+  return plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), 0, min_group, uniform4,
+                  static_cast<int>(device)).smem <= kSmemMax;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("qgemm_kslice(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
+        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor");
+  m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
+        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor[]");
+  m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0) -> bool",
+        &qgemm_kslice_fits);
+}
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("qgemm_kslice", &qgemm_kslice);
+  m.impl("qgemm_kslice_multi", &qgemm_kslice_multi);
+}
