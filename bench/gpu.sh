@@ -6,7 +6,8 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 # Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
-# with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
+# with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), readbw (bench/read_bw.cu: read bandwidth by
+# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,9 @@ fi
 wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -60
+fi
+if has readbw; then   # read-only bandwidth by access method (plain loads, the decode pattern, TMA bulk copies)
+  nvcc -O3 -arch=sm_90 -o /tmp/read_bw bench/read_bw.cu && timeout 120 /tmp/read_bw 2>&1 | tee -a "$LOG" | tail -40
 fi
 if has kslice; then   # qgemm_kslice per (warps along K, ring depth) against qgemm_skinny, 7B decode shapes
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py kslice 2>&1 | tee -a "$LOG" | tail -20

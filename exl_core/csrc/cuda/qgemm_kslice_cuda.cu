@@ -9,15 +9,10 @@
 //   block      32 output columns (one warp's width) x KW warps; warp w owns chunks [c0, c1) of K, so
 //              each warp streams its own weights and needs only its own slice of x: no block barrier
 //              until the KW partial sums are added (one __syncthreads, fixed order: deterministic).
-//   pipeline   weights go through a ring of R chunks per warp in shared memory by cp.async, one commit
-//              group per chunk, each lane copying and reading back only its own 16 bytes: a chunk is
-//              waited for by group count (cp.async.wait_group R-1), so R chunks are really in flight.
-//              (A ring in registers, the first version, measured no gain from R 8 -> 16: with 6
-//              scoreboards per warp, waiting on one load also waits on younger loads sharing its
-//              scoreboard.)  Each chunk that starts a group brings the group's scale/zero row along.
-//   prologue   chunk-table slice, then the ring's first R chunks, all before the PDL wait (weights are
-//              fixed at load time); after it x's slice is staged (16-byte loads, or a gather under
-//              act-order) and one __syncwarp makes it visible.
+//   prologue   the ring's weight loads are issued first, then the warp's chunk-table slice and the
+//              scale/zero rows of its groups go to shared memory by cp.async, all before the PDL wait
+//              (weights are fixed at load time); after it x's slice follows by cp.async (or a gather
+//              under act-order) and one __syncwarp makes it all visible.
 //   mma        as in qgemm_skinny: weights are the A operand of m16n8k16 (a lane's 16-byte load = 4
 //              columns x 8 k, fp16 1024 + q by one LOP3 per pair), x is B; lane t's B pairs are its own
 //              8 values of x (one 16-byte shared load, 4 PRMT), and a second mma with A = 1 sums x over
@@ -41,22 +36,14 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Words per lane and chunk in the weight ring: uniform 4-bit needs one int4, mixed widths two.
-template <bool U4> constexpr int kWords = U4 ? 1 : 2;
-
-// Shared memory of one block: [chunk table n_chunks x 3 int32][weight ring KW x R x 32 lanes x W int4]
-// [scale/zero KW x (R + 1) x 64 fp32][x rows x xs_stride fp16][partial sums KW x M x kTile fp32].
+// Shared memory of one block: [chunk table n_chunks x 3 int32][scale/zero KW x slots x 64 fp32]
+// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32].
 struct Smem {
-  size_t tab, ring, sz, xs, red, total;
-  __host__ __device__ Smem(int n_chunks, int kw, int R, int words, int M, int xs_stride) {
+  size_t tab, sz, xs, red, total;
+  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride) {
     tab = 0;
-    ring = (static_cast<size_t>(n_chunks) * 12 + 15) & ~size_t(15);
-    sz = ring + static_cast<size_t>(kw) * R * 32 * words * 16;
-    xs = sz + static_cast<size_t>(kw) * (R + 1) * 64 * 4;
+    sz = (static_cast<size_t>(n_chunks) * 12 + 15) & ~size_t(15);
+    xs = sz + static_cast<size_t>(kw) * slots * 64 * 4;
     red = xs + ((static_cast<size_t>(M) * xs_stride * 2 + 15) & ~size_t(15));
     total = red + static_cast<size_t>(kw) * M * kTile * 4;
   }
@@ -102,11 +89,12 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
   }
 }
 
-// grid (total column tiles); block 32 * KW; `xs_stride`: halves per staged x row.
+// grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
+// (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
 template <int KW, bool U4, int R>
-__global__ void __launch_bounds__(32 * KW, 1)
-    qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int xs_stride, const Mats mats) {
-  constexpr int W = kWords<U4>, SL = R + 1;                  // scale slots: groups live in the ring + 1
+__global__ void __launch_bounds__(32 * KW)
+    qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
+                        const Mats mats) {
   const Mat& mat = block_mat(mats);
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
@@ -120,87 +108,67 @@ __global__ void __launch_bounds__(32 * KW, 1)
   const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem lay(n_chunks, KW, R, W, M, xs_stride);
+  const Smem lay(n_chunks, KW, slots, M, xs_stride);
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
-  int4* ring = reinterpret_cast<int4*>(smem_raw + lay.ring) + warp * R * 32 * W + lane * W;   // + slot * 32 * W
-  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * SL * 64;                 // [SL][scale | zero]
+  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
   float* red = reinterpret_cast<float*>(smem_raw + lay.red);
 
-  // Chunk c's words into ring slot `slot` (each lane its own), and when c starts a group (or is the
-  // warp's first) that group's scale/zero row into scale slot group % SL (16 lanes, 16 bytes each).
-  // Groups are consecutive along the chunks, so at most R + 1 are live: the one being flushed and
-  // those of the R chunks in the ring.
-  auto issue = [&](int c, int slot) {
-    int4* dst = ring + slot * 32 * W;
-    const int32_t* e = tab + 3 * c;
-    if constexpr (U4) {
-      cp_async16(dst, base + static_cast<int64_t>(4 * c + t) * ldq);
-    } else {
-      const int bits = e[0], start = 8 * t * bits;
-      const int32_t* p = base + static_cast<int64_t>(e[2] + (start >> 5)) * ldq;
-      cp_async16(dst, p);
-      if ((start & 31) + 8 * bits > 32) cp_async16(dst + 1, p + ldq);
-    }
-    const int ge = e[1];
-    if ((c == c0 || e[-2] != ge) && lane < 16) {              // warp-uniform condition
-      const int half = lane >> 3, q = lane & 7;
-      int64_t cq = tile * kTile + 4 * q;
-      cq = cq < N ? cq : N - 4;
-      cp_async16(szw + (ge % SL) * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(ge) * N + cq);
-    }
-  };
-
+  Raw ring[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
+  if constexpr (U4) {                                         // first weight loads need no table
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
+  }
   for (int i = lane; i < (c1 - c0) * 3; i += 32) tab[3 * c0 + i] = __ldg(mat.chunks + 3 * c0 + i);
   __syncwarp();
+  if constexpr (!U4) {
 #pragma unroll
-  for (int i = 0; i < R; ++i) {                               // one commit group per slot, empty past c1
-    if (c0 + i < c1) issue(c0 + i, i);
-    cp_async_commit();
+    for (int i = 0; i < R; ++i)
+      if (c0 + i < c1) load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
+  }
+  // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
+  const int gA = c1 > c0 ? tab[3 * c0 + 1] : 0;
+  const int gw = c1 > c0 ? min(slots, tab[3 * (c1 - 1) + 1] - gA + 1) : 0;
+  for (int j = lane; j < gw * 16; j += 32) {
+    const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
+    int64_t cq = tile * kTile + 4 * q;
+    cq = cq < N ? cq : N - 4;
+    cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
   }
 
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
   exl_pdl::pdl_trigger();
-  {
-    const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
-    const int64_t* perm = mat.perm;
-    if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
-      const int per_row = kwl >> 3, total = M * per_row;
-      for (int j0 = lane; j0 < total; j0 += 4 * 32) {       // 4 loads in flight per lane, then the stores
-        uint4 v[4];
-        int off[4];
+  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
+  const int64_t* perm = mat.perm;
+  if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+    for (int j = lane; j < M * (kwl >> 3); j += 32) {
+      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+      cp_async16(xs + m * xs_stride + k, x + m * K + k);
+    }
+  } else {
+    const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
+    unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
+    for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {  // 8 gathers in flight per lane and row
+      int src[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int j = j0 + 32 * i;
-          const int m = j / max(per_row, 1), k = kw0 + 8 * (j - m * per_row);
-          off[i] = j < total ? m * xs_stride + k : -1;
-          if (j < total) v[i] = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (off[i] >= 0) *reinterpret_cast<uint4*>(xs + off[i]) = v[i];
+      for (int i = 0; i < 8; ++i) {
+        const int k = k0 + 32 * i;
+        src[i] = k < kw0 + kwl ? static_cast<int>(perm ? __ldg(perm + k) : k) : -1;
       }
-    } else {
-      const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
-      unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
-      for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {  // 8 gathers in flight per lane and row
-        int src[8];
+      for (int m = 0; m < M; ++m) {
+        unsigned short h[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int k = k0 + 32 * i;
-          src[i] = k < kw0 + kwl ? static_cast<int>(perm ? __ldg(perm + k) : k) : -1;
-        }
-        for (int m = 0; m < M; ++m) {
-          unsigned short h[8];
+        for (int i = 0; i < 8; ++i) h[i] = src[i] >= 0 ? __ldg(xu + m * K + src[i]) : 0;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) h[i] = src[i] >= 0 ? __ldg(xu + m * K + src[i]) : 0;
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (src[i] >= 0) xsu[m * xs_stride + k0 + 32 * i] = h[i];
-        }
+        for (int i = 0; i < 8; ++i)
+          if (src[i] >= 0) xsu[m * xs_stride + k0 + 32 * i] = h[i];
       }
     }
   }
+  cp_async_wait_all();
   __syncwarp();
 
   float d[2][1][4], acc[2][1][4], dx[4] = {0.f, 0.f, 0.f, 0.f}, xg[1][2] = {{0.f, 0.f}};
@@ -220,39 +188,40 @@ __global__ void __launch_bounds__(32 * KW, 1)
 #pragma unroll
     for (int i = 0; i < 4; ++i) dx[i] = 0.f;
   };
-  // Chunk c from ring slot `slot`: its commit group has landed (R - 1 younger ones may be pending);
-  // the __syncwarp makes the other lanes' scale copies visible.
-  auto step = [&](int c, int slot) {
-    cp_async_wait<R - 1>();
-    __syncwarp();
+  auto step = [&](const Raw& r, int c) {
     const int32_t* e = tab + 3 * c;
     const int ge = e[1];
     if (ge != grp) {                                          // warp-uniform
       if (grp >= 0) flush();
       grp = ge;
-      s4 = *reinterpret_cast<const float4*>(szw + (ge % SL) * 64 + 4 * g);
-      z4 = *reinterpret_cast<const float4*>(szw + (ge % SL) * 64 + 32 + 4 * g);
+      const int s = ge - gA;
+      if (s < slots) {
+        s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
+        z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
+      } else {
+        s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+        z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+      }
     }
-    Raw r;
-    r.lo = ring[slot * 32 * W];
-    r.hi = W > 1 ? ring[slot * 32 * W + 1] : make_int4(0, 0, 0, 0);
     uint32_t b[4];
     b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b);
     mma16816(dx, kOnes, kOnes, kOnes, kOnes, b[0], b[1]);
     mma16816(dx, kOnes, kOnes, kOnes, kOnes, b[2], b[3]);
     if constexpr (U4) chunk_mma_b<4>(r, b, t, d);
     else chunk_mma_b_any(e[0], r, b, t, d);
-    __syncwarp();                                             // every lane read the slot before its refill
   };
 
-  for (int c = c0; c < c1; c += R) {
+  int c = c0;
+  for (; c + R <= c1; c += R) {                               // full ring turns: refill each slot after use
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      if (c + i < c1) step(c + i, i);
-      if (c + i + R < c1) issue(c + i + R, i);
-      cp_async_commit();
+      step(ring[i], c + i);
+      if (c + i + R < c1) load_words<U4>(ring[i], tab + 3 * (c + i + R), c + i + R, base, ldq, t);
     }
   }
+#pragma unroll
+  for (int i = 0; i < R; ++i)                                 // the last partial turn
+    if (c + i < c1) step(ring[i], c + i);
   if (grp >= 0) flush();
 
   // acc[u][0][i]: column 4g + 2u + (i >> 1), x row 2t + (i & 1).
@@ -282,20 +251,23 @@ __global__ void __launch_bounds__(32 * KW, 1)
 constexpr size_t kSmemMax = 160 * 1024;   // beyond this the launch is refused (qgemm_skinny takes it)
 
 struct Plan {
-  int kw, ring, xs_stride;
+  int kw, ring, slots, xs_stride;
   size_t smem;
 };
 
 // Warps per block from the grid: few column tiles (one 4096-wide matrix: 128 on 132 SMs) take 16 warps
 // along K so every SM streams with many loads in flight; many tiles take fewer, shorter blocks so the
-// grid spreads evenly.
-Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, bool u4, int dev) {
+// grid spreads evenly.  `min_group`: the smallest group (rows) of the weights, for the scale slots.
+Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev) {
   const int sms = device_sm(dev, false);
   if (kw <= 0) kw = tiles <= sms ? 16 : tiles <= 3 * sms ? 8 : 4;
-  if (ring <= 0) ring = 8;
+  if (ring <= 0) ring = u4 ? 8 : 4;
+  const int n_chunks = static_cast<int>(K / 32);
+  const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
+  const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
+  const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
   const int xs_stride = static_cast<int>(K) + (M > 1 ? kXPad : 0);
-  return {kw, ring, xs_stride, Smem(static_cast<int>(K / 32), kw, ring, u4 ? kWords<true> : kWords<false>, M,
-                                    xs_stride).total};
+  return {kw, ring, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total};
 }
 
 template <int KW, bool U4, int R>
@@ -304,7 +276,7 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
   auto* kern = qgemm_kslice_kernel<KW, U4, R>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, M, K,
-                      static_cast<int>(K / 32), p.xs_stride, mats);
+                      static_cast<int>(K / 32), p.slots, p.xs_stride, mats);
 }
 
 template <bool U4, int R>
@@ -318,33 +290,32 @@ bool launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, 
   }
 }
 
-bool valid_ring(int ring, bool u4) { return ring == 0 || ring == 4 || ring == 8 || (u4 && ring == 16); }
-
 // Launches for 1..8 rows where shared memory allows; false (nothing launched) otherwise.
-bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int kw, int ring, int dev,
-                   cudaStream_t stream) {
-  if (M < 1 || M > kMaxRows || !valid_ring(ring, u4)) return false;
+bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int kw, int ring, int64_t min_group,
+                   int dev, cudaStream_t stream) {
+  if (M < 1 || M > kMaxRows) return false;
   const int64_t tiles = assign_tiles(mats, kTile);
-  const Plan p = plan_for(M, K, tiles, kw, ring, u4, dev);
+  const Plan p = plan_for(M, K, tiles, kw, ring, min_group, u4, dev);
   if (p.smem > kSmemMax) return false;
-  switch (p.ring * 2 + (u4 ? 1 : 0)) {
-    case 9: return launch_kw<true, 4>(x, M, K, tiles, p, mats, dev, stream);
-    case 17: return launch_kw<true, 8>(x, M, K, tiles, p, mats, dev, stream);
-    case 33: return launch_kw<true, 16>(x, M, K, tiles, p, mats, dev, stream);
-    case 8: return launch_kw<false, 4>(x, M, K, tiles, p, mats, dev, stream);
-    case 16: return launch_kw<false, 8>(x, M, K, tiles, p, mats, dev, stream);
-    default: return false;
+  if (u4) {
+    if (p.ring == 8) return launch_kw<true, 8>(x, M, K, tiles, p, mats, dev, stream);
+    if (p.ring == 16) return launch_kw<true, 16>(x, M, K, tiles, p, mats, dev, stream);
+  } else {
+    if (p.ring == 4) return launch_kw<false, 4>(x, M, K, tiles, p, mats, dev, stream);
+    if (p.ring == 8) return launch_kw<false, 8>(x, M, K, tiles, p, mats, dev, stream);
   }
+  return false;
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 8, K], up to kMaxMats weights on one
-// x in one launch.  kw (warps along K: 4, 8, 16) and ring (chunks in flight per warp: 4, 8, and 16 for
-// uniform 4-bit) 0 = chosen here.  Raises where the shape does not fit (ask qgemm_kslice_fits first).
+// x in one launch.  kw (warps along K: 4, 8, 16) and ring (chunks of words in registers per lane:
+// 8 or 16 for uniform 4-bit, 4 or 8 otherwise) 0 = chosen here; min_group: the weights' smallest group
+// in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see qgemm_kslice_fits).
 std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                           int64_t kw, int64_t ring) {
+                                           int64_t kw, int64_t ring, int64_t min_group) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
@@ -353,7 +324,8 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
   if (M == 0) return ys;
   const int dev = x.device().index();
   TORCH_CHECK(launch_kslice(reinterpret_cast<const __half*>(x.data_ptr()), static_cast<int>(M), K, mats, uniform4,
-                            static_cast<int>(kw), static_cast<int>(ring), dev, c10::cuda::getCurrentCUDAStream()),
+                            static_cast<int>(kw), static_cast<int>(ring), min_group, dev,
+                            c10::cuda::getCurrentCUDAStream()),
               "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw, ", ring = ", ring,
               " (shared memory or an unknown kw/ring)");
   return ys;
@@ -361,21 +333,20 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
 
 at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
                         const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
-                        const c10::optional<at::Tensor>& bias, bool uniform4, int64_t kw, int64_t ring) {
+                        const c10::optional<at::Tensor>& bias, bool uniform4, int64_t kw, int64_t ring,
+                        int64_t min_group) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
-  return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring)[0];
+  return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group)[0];
 }
 
-// Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (0: its policy's);
-// a call it refuses raises, which on some images kills the process (see NOTES.md), so callers ask first.
-bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, bool uniform4, int64_t device, int64_t kw,
-                       int64_t ring) {
-  if (rows < 1 || rows > kMaxRows || K % 32 != 0 || (kw != 0 && kw != 4 && kw != 8 && kw != 16) ||
-      !valid_ring(static_cast<int>(ring), uniform4))
-    return false;
-  return plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring), uniform4,
+// Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw (0: its policy's); a
+// call it refuses raises, which on some images kills the process (see NOTES.md), so callers ask first.
+bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, bool uniform4, int64_t device,
+                       int64_t kw) {
+  if (rows < 1 || rows > kMaxRows || K % 32 != 0 || (kw != 0 && kw != 4 && kw != 8 && kw != 16)) return false;
+  return plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), 0, min_group, uniform4,
                   static_cast<int>(device)).smem <= kSmemMax;
 }
 
@@ -383,10 +354,10 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, bool uniform4, in
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_kslice(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0) -> Tensor");
+        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0) -> Tensor[]");
-  m.def("qgemm_kslice_fits(int rows, int K, int tiles, bool uniform4, int device, int kw=0, int ring=0) -> bool",
+        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor[]");
+  m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0) -> bool",
         &qgemm_kslice_fits);
 }
 
