@@ -50,21 +50,19 @@ def kslice_table() -> None:
     qgemm_skinny (its policy) against qgemm_kslice per (kw, ring), 16 distinct weights per CUDA graph."""
     sys.path.insert(0, "bench")
     from gpu_bench import graph_time
-    from exl_core.ops.cuda_candidates import _min_group
     ops = torch.ops.exl_core
     shapes = (("4096x4096", 4096, (4096,)), ("qkv 4096x3x4096", 4096, (4096,) * 3),
               ("gate_up 4096x2x11008", 4096, (11008, 11008)), ("11008x4096", 11008, (4096,)))
     for fmt in ("gptq", "exl2"):
         make = weight if fmt == "gptq" else weight_exl2
         u4 = fmt == "gptq"
-        rings = (8, 16) if u4 else (4, 8)
+        rings = (4, 8, 16) if u4 else (4, 8)
         for name, K, Ns in shapes:
             sets = [[make(K, N) for N in Ns] for _ in range(max(2, 16 // len(Ns)))]
             for s in sets:
                 for pw in s:
                     pw.meta["_ch"] = chunk_table(pw.groups, "cuda")
             nbytes = sum(t.numel() * t.element_size() for pw in sets[0] for t in (pw.qweight, pw.scale, pw.zero))
-            mg = _min_group(sets[0][0])
             for M in (1, 8):
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 
@@ -76,29 +74,20 @@ def kslice_table() -> None:
                 t = graph_time(lambda: [ops.qgemm_skinny_multi(*args(s), u4) for s in sets]) / len(sets)
                 cells.append(f"skinny {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
                 tiles = sum((N + 31) // 32 for N in Ns)
-                # row-major words, and 32-column tiles [N/32, Q, 32] (a warp's chunk = 512 contiguous bytes)
-                layouts = [("", [[p.qweight for p in s_] for s_ in sets])]
-                if u4:
-                    layouts.append(("T32", [[tiled(p.qweight, 32) for p in s_] for s_ in sets]))
-                for lname, qs in layouts:
-                    def largs(i):
-                        return (x, qs[i]) + args(sets[i])[2:]
-                    for kw in (8, 16):
-                        if not ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0, kw):
-                            cells.append(f"{lname}k{kw} no fit")
+                for kw in (8, 16):
+                    for ring in rings:
+                        if not ops.qgemm_kslice_fits(M, K, tiles, u4, 0, kw, ring):
+                            cells.append(f"k{kw}r{ring} no fit")
                             continue
-                        for ring in rings:
-                            y = ops.qgemm_kslice_multi(*largs(0), u4, kw, ring, mg)
-                            err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
-                            t = graph_time(lambda: [ops.qgemm_kslice_multi(*largs(i), u4, kw, ring, mg)
-                                                    for i in range(len(sets))]) / len(sets)
-                            cells.append(f"{lname}k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
-                                         f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
-                if u4:
-                    t128 = [[tiled(p.qweight, 128) for p in s_] for s_ in sets]
-                    t = graph_time(lambda: [ops.qgemm_skinny_multi(x, t128[i], *args(sets[i])[2:], u4)
-                                            for i in range(len(sets))]) / len(sets)
-                    cells.append(f"T128skinny {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
+                        y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring)
+                        err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
+                        t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, kw, ring)
+                                                for s_ in sets]) / len(sets)
+                        cells.append(f"k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
+                                     f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
+                if ops.qgemm_kslice_fits(M, K, tiles, u4, 0):
+                    t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4) for s_ in sets]) / len(sets)
+                    cells.append(f"policy {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
                 print(f"{fmt} {name:22s} M={M}: " + " | ".join(cells), flush=True)
 
 
