@@ -26,10 +26,10 @@ def weight(K=4096, N=4096, bits=4) -> PackedWeight:
     return PackedWeight(qw, groups, torch.rand(G, N) * 0.002 + 0.002, torch.full((G, N), 8.0), None, K, N).to("cuda")
 
 
-def tiled(qweight: torch.Tensor, T: int = 128) -> torch.Tensor:
-    """[Q, N] -> [N/T, Q, T]: each T-column strip contiguous."""
+def tiled(qweight: torch.Tensor) -> torch.Tensor:
+    """[Q, N] -> [N/128, Q, 128]: each 128-column strip contiguous."""
     Q, N = qweight.shape
-    return qweight.view(Q, N // T, T).permute(1, 0, 2).contiguous()
+    return qweight.view(Q, N // 128, 128).permute(1, 0, 2).contiguous()
 
 
 def weight_exl2(K=4096, N=4096) -> PackedWeight:
@@ -50,19 +50,21 @@ def kslice_table() -> None:
     qgemm_skinny (its policy) against qgemm_kslice per (kw, ring), 16 distinct weights per CUDA graph."""
     sys.path.insert(0, "bench")
     from gpu_bench import graph_time
+    from exl_core.ops.cuda_candidates import _min_group
     ops = torch.ops.exl_core
     shapes = (("4096x4096", 4096, (4096,)), ("qkv 4096x3x4096", 4096, (4096,) * 3),
               ("gate_up 4096x2x11008", 4096, (11008, 11008)), ("11008x4096", 11008, (4096,)))
     for fmt in ("gptq", "exl2"):
         make = weight if fmt == "gptq" else weight_exl2
         u4 = fmt == "gptq"
-        rings = (4, 8, 16) if u4 else (4, 8)
+        rings = (8, 16) if u4 else (4, 8)
         for name, K, Ns in shapes:
             sets = [[make(K, N) for N in Ns] for _ in range(max(2, 16 // len(Ns)))]
             for s in sets:
                 for pw in s:
                     pw.meta["_ch"] = chunk_table(pw.groups, "cuda")
             nbytes = sum(t.numel() * t.element_size() for pw in sets[0] for t in (pw.qweight, pw.scale, pw.zero))
+            mg = _min_group(sets[0][0])
             for M in (1, 8):
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 
@@ -75,19 +77,19 @@ def kslice_table() -> None:
                 cells.append(f"skinny {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
                 tiles = sum((N + 31) // 32 for N in Ns)
                 for kw in (8, 16):
+                    if not ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0, kw):
+                        cells.append(f"k{kw} no fit")
+                        continue
                     for ring in rings:
-                        if not ops.qgemm_kslice_fits(M, K, tiles, u4, 0, kw, ring):
-                            cells.append(f"k{kw}r{ring} no fit")
-                            continue
-                        y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring)
+                        y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring, mg)
                         err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
-                        t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, kw, ring)
+                        t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, kw, ring, mg)
                                                 for s_ in sets]) / len(sets)
                         cells.append(f"k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
                                      f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
-                if ops.qgemm_kslice_fits(M, K, tiles, u4, 0):
-                    t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4) for s_ in sets]) / len(sets)
-                    cells.append(f"policy {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
+                if ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0):
+                    t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, 0, 0, mg) for s_ in sets]) / len(sets)
+                    cells.append(f"policy {t * 1e6:6.1f}us")
                 print(f"{fmt} {name:22s} M={M}: " + " | ".join(cells), flush=True)
 
 

@@ -225,7 +225,7 @@ def gemv_sweep(model) -> list[dict]:
     (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
     GB/s counts packed words + scale/zero once per call."""
-    from exl_core.ops.cuda_candidates import _chunks_of, _uniform4
+    from exl_core.ops.cuda_candidates import _chunks_of, _min_group, _uniform4
     by_shape: dict = {}
     for _, lin in model.linear_layers():
         pw = lin.packed
@@ -243,7 +243,8 @@ def gemv_sweep(model) -> list[dict]:
             ch = {id(pw): pw.meta["_cuda_chunks"] for pw in pws}
             u4 = all(_uniform4(pw) for pw in pws)              # the library's own check, every weight
             paths = {
-                "kslice": lambda pw: ops.qgemm_kslice(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
+                "kslice": lambda pw: ops.qgemm_kslice(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4,
+                                                      min_group=_min_group(pw)),
                 "skinny": lambda pw: ops.qgemm_skinny(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
                 "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
                 "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
@@ -258,7 +259,7 @@ def gemv_sweep(model) -> list[dict]:
             for name, f in paths.items():
                 if ((name == "gemv" and M > 16) or (name.startswith("skinny") and M > 32) or
                         (name == "kslice" and (x.dtype != torch.float16 or not ops.qgemm_kslice_fits(
-                            M, K, (N + 31) // 32, u4, 0)))):
+                            M, K, (N + 31) // 32, _min_group(pws[0]), u4, 0)))):
                     continue
                 try:
                     t = graph_time(lambda: [f(pw) for pw in pws]) / len(pws)

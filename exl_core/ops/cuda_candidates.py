@@ -7,7 +7,7 @@ without CUDA, so CPU behaviour is unchanged.
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
   fp16 x, M <= KSLICE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting:
-                       batch-1 decode kernel, 32 columns x K slices per tile, one wave of blocks, one launch
+                       batch-1 decode kernel, 32 columns x K slices per block, one launch
                        (`exl_core::qgemm_kslice`, `qgemm_kslice_multi`); EXL_CORE_KSLICE=0 turns it off (A/B)
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
                        decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
@@ -102,14 +102,23 @@ def _skinny_ok(rows: int, pw, device) -> bool:
 _KSLICE_FITS: dict = {}
 
 
+def _min_group(pw) -> int:
+    """The weight's smallest group (rows of K): sizes qgemm_kslice's scale slots."""
+    cached = pw.meta.get("_cuda_min_group")
+    if cached is None:
+        cached = pw.meta["_cuda_min_group"] = int(pw.groups[:, 2].min()) if pw.groups.numel() else 0
+    return cached
+
+
 def _kslice_ok(rows: int, pws, device) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
-    (x's rows, the chunk table) fits; pws share K."""
+    (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
     if not (KSLICE_ON and 1 <= rows <= KSLICE_MAX_ROWS and pws[0].in_features > 0 and
             all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_kslice")):
         return False
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
-    key = (rows, pws[0].in_features, tiles, all(_uniform4(pw) for pw in pws), device.index or 0)
+    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), all(_uniform4(pw) for pw in pws),
+           device.index or 0)
     if key not in _KSLICE_FITS:
         _KSLICE_FITS[key] = bool(torch.ops.exl_core.qgemm_kslice_fits(*key))
     return _KSLICE_FITS[key]
@@ -157,7 +166,8 @@ def _qmatmul_run(x, pw):
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     if x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
-        y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
+        y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
+                                            min_group=_min_group(pw))
     elif x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
     elif x2.dtype == torch.float16 and _mma_rows_ok(rows, pw) and _mma_ok(pw):
@@ -209,7 +219,7 @@ def _many_run(x, pws):
             [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws])
     u4 = all(_uniform4(pw) for pw in pws)
     if kslice:
-        ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4)
+        ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
     elif skinny:
         ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)
     else:

@@ -79,15 +79,13 @@ struct Raw {        // one chunk's words for a lane's 4 columns
   int4 lo, hi;
 };
 
-// Where word (row, col) of a packed weight lives: row-major [Q, N] (ldq = N, tstride = 128, tshift 7),
-// or column-tiled [N/T, Q, T] for T = 32 or 128 (ldq = T, tstride = Q*T, tshift = log2 T) so one
-// T-column strip is contiguous.
+// Where word (row, col) of a packed weight lives: row-major [Q, N] (ldq = N, tstride = 128), or
+// column-tiled [N/128, Q, 128] (ldq = 128, tstride = Q*128) so one 128-column strip is contiguous.
 struct QPtr {
   const int32_t* q;
   int64_t ldq, tstride;
-  int tshift;
   __device__ __forceinline__ const int32_t* at(int64_t row, int64_t col) const {
-    return q + (col >> tshift) * tstride + row * ldq + (col & ((1 << tshift) - 1));
+    return q + (col >> 7) * tstride + row * ldq + (col & 127);
   }
 };
 
@@ -354,13 +352,12 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
     TORCH_CHECK(q.is_cuda() && ch.is_cuda() && s.is_cuda() && z.is_cuda() && q.device() == x.device(), op,
                 ": weight ", i, " must be on x's GPU");
-    TORCH_CHECK(q.dtype() == at::kInt && (q.dim() == 2 || (q.dim() == 3 && (q.size(2) == 32 || q.size(2) == 128))) &&
-                    q.is_contiguous() && aligned16(q), op, ": qweight ", i,
-                " must be contiguous, 16-byte aligned int32 [rows, N] or column-tiled [N/T, rows, T], T = 32 or 128");
+    TORCH_CHECK(q.dtype() == at::kInt && (q.dim() == 2 || (q.dim() == 3 && q.size(2) == 128)) && q.is_contiguous() &&
+                    aligned16(q), op, ": qweight ", i,
+                " must be contiguous, 16-byte aligned int32 [rows, N] or column-tiled [N/128, rows, 128]");
     const bool tiled = q.dim() == 3;
-    const int64_t T = tiled ? q.size(2) : 128;
     const int64_t N = tiled ? s.size(1) : q.size(1), Q = tiled ? q.size(1) : q.size(0);
-    TORCH_CHECK(!tiled || q.size(0) * T == N, op, ": tiled qweight ", i, " has ", q.size(0), " tiles for N = ", N);
+    TORCH_CHECK(!tiled || q.size(0) * 128 == N, op, ": tiled qweight ", i, " has ", q.size(0), " tiles for N = ", N);
     TORCH_CHECK(N % 4 == 0, op, ": weight ", i, " has N = ", N, "; N must be a multiple of 4 (16-byte column loads)");
     TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(1) == 3 && ch.is_contiguous() &&
                     ch.size(0) * 32 == K, op, ": chunk table ", i, " must be int32 [K/32 = ", K / 32, ", 3], got ",
@@ -374,7 +371,7 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
                        ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
     ys.push_back(at::empty({M, N}, x.options()));
-    const QPtr qp{q.data_ptr<int32_t>(), tiled ? T : N, tiled ? Q * T : 128, T == 32 ? 5 : 7};
+    const QPtr qp{q.data_ptr<int32_t>(), tiled ? 128 : N, tiled ? Q * 128 : 128};
     mats.m[i] = Mat{qp, ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
                     p ? p->data_ptr<int64_t>() : nullptr,
                     b ? reinterpret_cast<const __half*>(b->data_ptr()) : nullptr,
