@@ -232,14 +232,17 @@ def test_decode_kernels_on_column_tiled_words(T, M):
 
 
 def test_qgemm_kslice_policy_and_limits():
-    """The policy sends 1..8 fp16 rows to qgemm_kslice; it refuses more rows (the caller's limit) and
-    shapes whose x does not fit shared memory, which then go to qgemm_skinny."""
+    """The policy sends 1..8 fp16 rows of uniform 4-bit weights (1 row of mixed widths) to qgemm_kslice; it
+    refuses more rows, launches of more than ~3 tiles per SM and shapes whose x does not fit shared
+    memory, which then go to qgemm_skinny."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import KSLICE_ON, _kslice_ok
     pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")
     dev = torch.device("cuda", 0)
     assert _kslice_ok(1, [pw], dev) == KSLICE_ON and _kslice_ok(8, [pw], dev) == KSLICE_ON
     assert not _kslice_ok(9, [pw], dev)
+    mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")   # EXL2-like: 1 row only
+    assert _kslice_ok(1, [mixed], dev) == KSLICE_ON and not _kslice_ok(2, [mixed], dev)
     assert torch.ops.exl_core.qgemm_kslice_fits(1, 11008, 128, 128, True, 0)
     assert not torch.ops.exl_core.qgemm_kslice_fits(8, 65536, 128, 128, True, 0)
     assert not torch.ops.exl_core.qgemm_kslice_fits(9, 4096, 128, 128, True, 0)

@@ -6,7 +6,8 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
-  fp16 x, M <= KSLICE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting:
+  fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 row for mixed widths), N % 4 == 0, 16-byte aligned
+  buffers, shared memory permitting, at most ~3 column tiles of 32 per SM (not gate/up):
                        batch-1 decode kernel, 32 columns x K slices per block, one launch
                        (`exl_core::qgemm_kslice`, `qgemm_kslice_multi`); EXL_CORE_KSLICE=0 turns it off (A/B)
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
@@ -19,7 +20,10 @@ same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep")
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):
                        fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`), deterministic
   otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
-Measured (us, 4096x4096 / 4096x11008 / 11008x4096, with PDL; the sweep of commit 3517c25:
+qgemm_kslice vs qgemm_skinny (us, M=1, bench/cuda_probe.py kslice, 16 distinct weights per CUDA graph, H200):
+GPTQ 4096x4096 6.9 vs 8.8, q/k/v 3x4096 17.5 vs 19.7, 11008x4096 14.1 vs 18.6, gate/up 2x11008 29.0 vs 27.4
+(skinny kept); EXL2 9.7 vs 13.3, 26.2 vs 26.4, 21.6 vs 26.3, 42.8 vs 37.0 (skinny kept).
+Measured before qgemm_kslice (us, 4096x4096 / 4096x11008 / 11008x4096, with PDL; the sweep of commit 3517c25:
 `git show 3517c25:bench/results/gpu_h200.json`, the committed file is a later run within ~0.5 us): M=1 skinny
 8.8/15.6/18.6, gemv 13.9/23.2/25.0, mma 12.3/29.7/25.7; M=8 skinny 9.8/17.1/20.5, mma 13.1/32.4/27.8;
 M=16 skinny 12.1/26.6/22.7, mma 15.3/36.2/31.2, dequant+cuBLAS 23.4/61.1/61.1; M=32 skinny
@@ -39,6 +43,8 @@ import torch
 from .dispatch import Candidate, extension
 
 KSLICE_MAX_ROWS = 8         # one mma n-tile of x rows
+KSLICE_MIXED_MAX_ROWS = 1   # mixed widths / act-order: at 8 rows q/k/v took 50.0 us against skinny's 32.0 (the
+                            # x gather is per row); 1 row is the only other count measured (26.2 vs 26.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -113,12 +119,12 @@ def _min_group(pw) -> int:
 def _kslice_ok(rows: int, pws, device) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
     (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
-    if not (KSLICE_ON and 1 <= rows <= KSLICE_MAX_ROWS and pws[0].in_features > 0 and
-            all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_kslice")):
+    u4 = all(_uniform4(pw) for pw in pws)
+    if not (KSLICE_ON and 1 <= rows <= (KSLICE_MAX_ROWS if u4 else KSLICE_MIXED_MAX_ROWS) and
+            pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_kslice")):
         return False
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
-    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), all(_uniform4(pw) for pw in pws),
-           device.index or 0)
+    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), u4, device.index or 0)
     if key not in _KSLICE_FITS:
         _KSLICE_FITS[key] = bool(torch.ops.exl_core.qgemm_kslice_fits(*key))
     return _KSLICE_FITS[key]
