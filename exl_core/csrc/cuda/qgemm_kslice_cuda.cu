@@ -66,14 +66,8 @@ __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
 // d[u] += A(tile u of the chunk's words) x B, both k16 steps of the chunk.
 template <int BITS>
 __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[4], int t, float (&d)[2][1][4]) {
-  const int sh = (8 * t * BITS) & 31;
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
-#pragma unroll
-    for (int p = 0; p < 4; ++p) a[v][p] = pair_bits<BITS>(wl, wh, sh, p);
-  }
+  a_frags<BITS>(r, t, a);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll

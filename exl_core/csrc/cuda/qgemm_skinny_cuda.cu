@@ -59,14 +59,8 @@ inline size_t smem_bytes(int M, int cpb) {
 template <int BITS, int NT>
 __device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int g, int t,
                                           float (&d)[2][NT][4]) {
-  const int sh = (8 * t * BITS) & 31;
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
-#pragma unroll
-    for (int p = 0; p < 4; ++p) a[v][p] = pair_bits<BITS>(wl, wh, sh, p);
-  }
+  a_frags<BITS>(r, t, a);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll

@@ -167,6 +167,18 @@ __device__ __forceinline__ float compf(const float4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// A fragments of one chunk for the lane: a[v][p] = pair p (pair_bits) of its values 8t..8t+7 of column 4g+v.
+template <int BITS>
+__device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]) {
+  const int sh = (8 * t * BITS) & 31;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) a[v][p] = pair_bits<BITS>(wl, wh, sh, p);
+  }
+}
+
 // acc += s * (d - (1024 + z) * xg) for the lane's 4 columns (s4/z4) and its x rows 2t, 2t+1 per n-tile.
 template <int NT>
 __device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, float (&xg)[NT][2],
