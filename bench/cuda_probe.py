@@ -9,8 +9,13 @@
 """
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -52,6 +57,7 @@ def kslice_table() -> None:
     from gpu_bench import graph_time
     from exl_core.ops.cuda_candidates import _min_group
     ops = torch.ops.exl_core
+    rows = []
     shapes = (("4096x4096", 4096, (4096,)), ("qkv 4096x3x4096", 4096, (4096,) * 3),
               ("gate_up 4096x2x11008", 4096, (11008, 11008)), ("11008x4096", 11008, (4096,)))
     for fmt in ("gptq", "exl2"):
@@ -91,6 +97,24 @@ def kslice_table() -> None:
                     t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, 0, 0, mg) for s_ in sets]) / len(sets)
                     cells.append(f"policy {t * 1e6:6.1f}us")
                 print(f"{fmt} {name:22s} M={M}: " + " | ".join(cells), flush=True)
+                rows.append(kslice_row(fmt, name, M, cells))
+    write_probe_json("cuda_kslice_h200", rows)
+
+
+def kslice_row(fmt: str, shape: str, M: int, cells: list[str]) -> dict:
+    """One printed line of kslice_table as {variant: us}."""
+    us = {m[1]: float(m[2]) for m in (re.match(r"(\S+)\s+([0-9.]+)us", c) for c in cells) if m}
+    return {"format": fmt, "shape": shape, "M": M, "us": us}
+
+
+def write_probe_json(name: str, rows: list[dict]) -> None:
+    body = json.dumps({"benchmark": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "what": "us per call, 16 distinct weights per CUDA graph", "rows": rows}, indent=1) + "\n"
+    path = Path(__file__).parent / "results" / f"{name}.json"
+    path.write_text(body)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(body)
 
 
 def layout_table() -> None:

@@ -33,9 +33,6 @@ if has build; then
     exit 1
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
-  # SAVE_SO=1: hand the built extension back (the device tool returns files under $OUT), so a later
-  # call that changes only Python can carry it instead of rebuilding
-  [ -n "${SAVE_SO:-}" ] && cp exl_core/_C*.so "$OUT/"
 fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
@@ -59,7 +56,8 @@ if has bench; then
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has readbw; then   # read-only bandwidth by access method (plain loads, the decode pattern, TMA bulk copies)
-  nvcc -O3 -arch=sm_90 -o /tmp/read_bw bench/read_bw.cu && timeout 120 /tmp/read_bw 2>&1 | tee -a "$LOG" | tail -40
+  nvcc -O3 -arch=sm_90 -o /tmp/read_bw bench/read_bw.cu && timeout 120 /tmp/read_bw 2>&1 | $PY bench/read_bw_json.py \
+    | tee -a "$LOG" | tail -40
 fi
 if has kslice; then   # qgemm_kslice per (warps along K, ring depth) against qgemm_skinny, 7B decode shapes
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py kslice 2>&1 | tee -a "$LOG" | tail -20
