@@ -124,8 +124,14 @@ def test_int8_activations_bit_identical_and_switchable(tiny_dense, tmp_path, mon
     from exl_core.ops.qmatmul import int8_zero
     shared = int8_zero(model.layers[0].mlp.down_proj.packed).dim() == 1    # one zero point per group
     assert shared == (fmt == "exl2" or kw.get("sym", True))
+    stack = model._native_stack()
+    assert stack.panel_bytes > 0                          # the int8 kernel reads panel-major copies
     _assert_fused_equals_python(model, monkeypatch)
     prompts = _prompts(model.config.vocab_size, (5, 23, 40))
+    panels = _decode_logits(model, prompts, 2)
+    assert stack.obj.set_panel_major(False) == 0          # row-major words: the same bits
+    assert all(torch.equal(a, b) for a, b in zip(panels, _decode_logits(model, prompts, 2)))
+    assert stack.obj.set_panel_major(True) == stack.panel_bytes
     int8 = _decode_logits(model, prompts, 2)
     set_activations(model, "exact")
     exact = _decode_logits(model, prompts, 2)

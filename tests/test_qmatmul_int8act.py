@@ -262,3 +262,36 @@ def test_per_group_zero_bit_identical(bits, rng, isa_cap):
     pw.zero[0, 5] += 1.0                                                   # in place: no longer shared
     assert qm.int8_zero(pw) is pw.zero
     assert qm.int8_zero(rand_packed(352, 64, rng, bits=bits)).dim() == 2  # random zeros: [G, N]
+
+
+def to_panels(t: torch.Tensor) -> torch.Tensor:
+    """[R, N] -> [N/32, R, 32], the int8 kernel's panel-major form (DecoderStack.set_panel_major)."""
+    return t.view(t.shape[0], t.shape[1] // 32, 32).permute(1, 0, 2).contiguous()
+
+
+@needs_op
+@pytest.mark.parametrize("bits", [*[(b,) for b in SUPPORTED_BITS], None])   # None: mixed widths
+def test_panel_major_weights_bit_identical(bits, rng, isa_cap):
+    """Panel-major words/scales/zeros (one contiguous stream per thread) give the very bits of the
+    row-major call on every ISA path, for 1..8 rows, both zero forms, single and multi calls; the
+    exact kernel and wrongly shaped panels are refused."""
+    pw = rand_packed(352, 224, rng, bits=bits)
+    q, s = to_panels(pw.qweight), to_panels(pw.scale)
+    zeros = ((pw.zero, to_panels(pw.zero)), (pw.zero[:, 0].contiguous(), pw.zero[:, 0].contiguous()))
+    for M in (1, 3, 8):
+        x = torch.randn(M, 352)
+        for cap in (2, 1, 0):
+            isa_cap(cap)
+            for z_rm, z_pm in zeros:
+                want = torch.ops.exl_core.qmatmul_int8(x, pw.qweight, pw.groups, pw.scale, z_rm, pw.perm, pw.bias)
+                got = torch.ops.exl_core.qmatmul_int8(x, q, pw.groups, s, z_pm, pw.perm, pw.bias)
+                assert torch.equal(got, want), f"ISA cap {cap}, M {M}, zero {tuple(z_rm.shape)}"
+                many = torch.ops.exl_core.qmatmul_int8_multi(x, [q, pw.qweight], [pw.groups] * 2, [s, pw.scale],
+                                                             [z_pm, z_rm], pw.perm, [pw.bias] * 2)
+                assert torch.equal(many[0], want) and torch.equal(many[1], want)
+        assert rel_err(got, reference_int8(x, dataclasses.replace(pw, zero=zeros[1][0][:, None].expand_as(pw.zero)))) < TOL
+    with pytest.raises(RuntimeError, match="qweight must be a contiguous int32"):
+        torch.ops.exl_core.qmatmul(x, q, pw.groups, s, to_panels(pw.zero), pw.perm, pw.bias)
+    with pytest.raises(RuntimeError, match=r"scale must be a contiguous float32 \[N/32, G, 32\]"):
+        torch.ops.exl_core.qmatmul_int8(x, q, pw.groups, pw.scale, to_panels(pw.zero), pw.perm, pw.bias)
+

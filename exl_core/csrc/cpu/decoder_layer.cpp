@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "qmatmul.h"
 
 namespace {
 
@@ -35,8 +36,19 @@ struct Linear {
   bool int8 = false;        // packed, with int8 activations requested (ops/qmatmul.py wants_int8)
   at::Tensor qweight, groups, scale, zero, w_t;
   at::Tensor zero_i8;  // what the int8 kernel reads: [G] when every column shares its group's zero, else zero
+  // Panel-major copies for the int8 kernel (DecoderStack::set_panel_major; undefined: row-major):
+  // qweight [N/32, Q, 32], scale and a [G, N] zero_i8 as [N/32, G, 32].
+  at::Tensor qweight_pm, scale_pm, zero_pm;
   std::optional<at::Tensor> perm, bias;
+  const at::Tensor& q8() const { return qweight_pm.defined() ? qweight_pm : qweight; }
+  const at::Tensor& s8() const { return qweight_pm.defined() ? scale_pm : scale; }
+  const at::Tensor& z8() const { return qweight_pm.defined() ? zero_pm : zero_i8; }
 };
+
+// [R, N] -> [N/32, R, 32]: each 32-column panel's rows contiguous.
+at::Tensor to_panels(const at::Tensor& t) {
+  return t.view({t.size(0), t.size(1) / exl_cpu::kPanel, exl_cpu::kPanel}).permute({1, 0, 2}).contiguous();
+}
 
 // Projections that read the same x, packed side by side along N into one weight (q|k|v,
 // gate|up): one matrix streams as one set of rows where three cold ones each start their own
@@ -77,10 +89,10 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
     std::vector<at::Tensor> qw, gr, sc, ze;
     c10::List<std::optional<at::Tensor>> bias;
     for (const Linear* w : ws) {
-      qw.push_back(w->qweight);
+      qw.push_back(all_int8 ? w->q8() : w->qweight);
       gr.push_back(w->groups);
-      sc.push_back(w->scale);
-      ze.push_back(all_int8 ? w->zero_i8 : w->zero);
+      sc.push_back(all_int8 ? w->s8() : w->scale);
+      ze.push_back(all_int8 ? w->z8() : w->zero);
       bias.push_back(w->bias);
     }
     return all_int8 ? kops::qmatmul_int8_multi(x, qw, gr, sc, ze, first.perm, bias)
@@ -90,7 +102,7 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
   for (const Linear* w : ws) {
     if (!w->packed) out.push_back(kops::dense_matmul(x, w->w_t, w->bias));
     else if (small && w->int8)
-      out.push_back(kops::qmatmul_int8(x, w->qweight, w->groups, w->scale, w->zero_i8, w->perm, w->bias));
+      out.push_back(kops::qmatmul_int8(x, w->q8(), w->groups, w->s8(), w->z8(), w->perm, w->bias));
     else out.push_back(kops::qmatmul(x, w->qweight, w->groups, w->scale, w->zero, w->perm, w->bias));
   }
   return out;
@@ -215,6 +227,38 @@ class DecoderStack : public torch::CustomClassHolder {
   // Rows up to which projections added with int8=true use int8 activations (ops/qmatmul.py INT8_MAX_M).
   void set_int8_rows(int64_t rows) { int8_rows_ = rows; }
 
+  // on: the int8 kernel reads panel-major copies (each thread's columns one contiguous stream
+  // instead of one short stream per qweight row) of the weights decode uses: the fused q|k|v and
+  // gate|up where set, their parts where not, o and down; only int8 projections whose columns are
+  // whole panels.  Same results bit for bit.  Returns the bytes the copies take (0 when off).
+  int64_t set_panel_major(bool on) {
+    int64_t bytes = 0;
+    auto apply = [&](Linear& l) {
+      l.qweight_pm = l.scale_pm = l.zero_pm = at::Tensor();
+      if (!on || !l.packed || !l.int8 || l.qweight.size(1) % exl_cpu::kPanel) return;
+      l.qweight_pm = to_panels(l.qweight);
+      l.scale_pm = to_panels(l.scale);
+      l.zero_pm = l.zero_i8.dim() == 2 ? to_panels(l.zero_i8) : l.zero_i8;
+      for (const at::Tensor* t : {&l.qweight_pm, &l.scale_pm})
+        bytes += t->numel() * t->element_size();
+      if (l.zero_i8.dim() == 2) bytes += l.zero_pm.numel() * l.zero_pm.element_size();
+    };
+    auto apply_fused = [&](Fused& f, std::initializer_list<Linear*> parts) {
+      if (f.defined()) apply(f.w);
+      for (Linear* l : parts) {
+        if (f.defined()) l->qweight_pm = l->scale_pm = l->zero_pm = at::Tensor();   // decode takes f
+        else apply(*l);
+      }
+    };
+    for (Layer& ly : layers_) {
+      apply_fused(ly.qkv, {&ly.q, &ly.k, &ly.v});
+      apply_fused(ly.gate_up, {&ly.gate, &ly.up});
+      apply(ly.o);
+      apply(ly.down);
+    }
+    return bytes;
+  }
+
   // h (T, hidden): the embeddings (residual None) or the previous block's output with its
   // residual stream. Returns (h, residual) after the last layer, like the Python loop.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor h, std::optional<at::Tensor> residual, at::Tensor positions,
@@ -315,6 +359,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_int8_rows", &DecoderStack::set_int8_rows)
+      .def("set_panel_major", &DecoderStack::set_panel_major)
       .def("set_fused", &DecoderStack::set_fused)
       .def("set_fused_rows", &DecoderStack::set_fused_rows)
       .def("stage_times", &DecoderStack::stage_times)

@@ -78,19 +78,23 @@ std::vector<ChunkInfo> chunk_table(const at::Tensor& groups, int64_t K, int64_t 
 
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                        const std::optional<at::Tensor>& bias, bool group_zero) {
+                        const std::optional<at::Tensor>& bias, bool int8_forms) {
   check_cpu(qweight, "qweight");
   check_cpu(groups, "groups");
   check_cpu(scale, "scale");
   check_cpu(zero, "zero");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt && qweight.is_contiguous(),
-              who, ": qweight must be a contiguous int32 [Q, N] tensor, got ", qweight.scalar_type(), " ",
+  const bool panels = int8_forms && qweight.dim() == 3;
+  TORCH_CHECK((qweight.dim() == 2 || (panels && qweight.size(2) == kPanel)) && qweight.scalar_type() == at::kInt &&
+                  qweight.is_contiguous(),
+              who, ": qweight must be a contiguous int32 [Q, N] tensor",
+              int8_forms ? " (or panel-major [N/32, Q, 32])" : "", ", got ", qweight.scalar_type(), " ",
               qweight.sizes());
   TORCH_CHECK(groups.dim() == 2 && groups.size(1) == 4 && groups.scalar_type() == at::kInt && groups.is_contiguous(),
               who, ": groups must be a contiguous int32 [G, 4] tensor, got ", groups.scalar_type(), " ",
               groups.sizes());
-  const int64_t N = qweight.size(1), G = groups.size(0);
-  const bool per_group = group_zero && zero.dim() == 1;
+  const int64_t N = panels ? qweight.size(0) * kPanel : qweight.size(1), G = groups.size(0);
+  const int64_t Q = panels ? qweight.size(1) : qweight.size(0);
+  const bool per_group = int8_forms && zero.dim() == 1;
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scale, "scale"}, {zero, "zero"}}) {
     if (per_group && &t == &zero) {
       TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(0) == G, who,
@@ -98,14 +102,17 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
                   t.sizes());
       continue;
     }
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == G &&
-                    t.size(1) == N,
-                who, ": ", name, " must be a contiguous float32 [", G, ", ", N, "] tensor",
-                group_zero && &t == &zero ? " (or [G] with one zero per group)" : "", ", got ", t.scalar_type(),
-                " ", t.sizes());
+    const bool shaped = panels ? t.dim() == 3 && t.size(0) == N / kPanel && t.size(1) == G && t.size(2) == kPanel
+                               : t.dim() == 2 && t.size(0) == G && t.size(1) == N;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && shaped, who, ": ", name,
+                " must be a contiguous float32 ",
+                panels ? "[N/32, G, 32] = [" + std::to_string(N / kPanel) + ", " + std::to_string(G) + ", 32]"
+                       : "[" + std::to_string(G) + ", " + std::to_string(N) + "]",
+                " tensor", int8_forms && &t == &zero ? " (or [G] with one zero per group)" : "", ", got ",
+                t.scalar_type(), " ", t.sizes());
   }
   Prepared p;
-  p.chunks = chunk_table(groups, K, qweight.size(0));
+  p.chunks = chunk_table(groups, K, Q);
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && at::isFloatingType(bias->scalar_type()),
@@ -118,23 +125,25 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
                            p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr, p.y.data_ptr<float>(), N,
                            nullptr};
   p.a.zero_per_group = per_group;
+  p.a.panel_major = panels;
+  p.a.q_rows = Q;
   return p;
 }
 
 // x [M, K] (bf16 widened, permuted) as contiguous fp32.
 std::vector<Prepared> prepare_one(const std::string& who, const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                                  const std::optional<at::Tensor>& bias, bool group_zero) {
+                                  const std::optional<at::Tensor>& bias, bool int8_forms) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2, who, ": x must be 2-D [M, K], got ", x.sizes());
   std::vector<Prepared> ws;
-  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias, group_zero));
+  ws.push_back(prepare_weight(who, x.size(0), x.size(1), qweight, groups, scale, zero, bias, int8_forms));
   return ws;
 }
 
 std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, at::TensorList qweight,
                                    at::TensorList groups, at::TensorList scale, at::TensorList zero,
-                                   const c10::List<std::optional<at::Tensor>>& bias, bool group_zero) {
+                                   const c10::List<std::optional<at::Tensor>>& bias, bool int8_forms) {
   const size_t n = qweight.size();
   TORCH_CHECK(n > 0 && groups.size() == n && scale.size() == n && zero.size() == n && bias.size() == n,
               who, ": qweight, groups, scale, zero, bias must be lists of one equal, non-zero length, got ", n,
@@ -145,7 +154,7 @@ std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, 
   ws.reserve(n);
   for (size_t i = 0; i < n; ++i)
     ws.push_back(prepare_weight(who + " weight " + std::to_string(i), x.size(0), x.size(1), qweight[i],
-                                groups[i], scale[i], zero[i], bias.get(i), group_zero));
+                                groups[i], scale[i], zero[i], bias.get(i), int8_forms));
   return ws;
 }
 

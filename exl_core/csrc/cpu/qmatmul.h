@@ -39,6 +39,10 @@ struct QGemmArgs {
   // zero point (EXL2, symmetric GPTQ). The int8 kernel only, where [G, N] zeros of 32-row groups
   // are a sixth of the bytes a decode step streams.
   bool zero_per_group = false;
+  // Panel-major weight (the int8 kernel only; N % kPanel == 0): qweight [N/kPanel, Q, kPanel], scale
+  // (and a [G, N] zero) [N/kPanel, G, kPanel], so one thread's panels are one contiguous stream.
+  bool panel_major = false;
+  int64_t q_rows = 0;       // Q (panel-major only)
 };
 
 // K == 0 (an empty reduction): columns [n0, n0 + ncols) of every row of y are the bias, or 0

@@ -142,7 +142,7 @@ at::Tensor qmatmul_int8_cpu(const at::Tensor& x, const at::Tensor& qweight, cons
                             const at::Tensor& scale, const at::Tensor& zero, const std::optional<at::Tensor>& perm,
                             const std::optional<at::Tensor>& bias) {
   const std::string who = "exl_core::qmatmul_int8";
-  auto ws = exl_cpu::prepare_one(who, x, qweight, groups, scale, zero, bias, /*group_zero=*/true);
+  auto ws = exl_cpu::prepare_one(who, x, qweight, groups, scale, zero, bias, /*int8_forms=*/true);
   return int8_many(who, x, ws, perm)[0];
 }
 
@@ -151,7 +151,7 @@ std::vector<at::Tensor> qmatmul_int8_multi_cpu(const at::Tensor& x, at::TensorLi
                                                const std::optional<at::Tensor>& perm,
                                                const c10::List<std::optional<at::Tensor>>& bias) {
   const std::string who = "exl_core::qmatmul_int8_multi";
-  auto ws = exl_cpu::prepare_list(who, x, qweight, groups, scale, zero, bias, /*group_zero=*/true);
+  auto ws = exl_cpu::prepare_list(who, x, qweight, groups, scale, zero, bias, /*int8_forms=*/true);
   return int8_many(who, x, ws, perm);
 }
 

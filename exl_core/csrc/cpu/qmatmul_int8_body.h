@@ -10,9 +10,13 @@
 //   store, storen, mul, add, fma(a,b,c) = a*b+c, fnmadd(a,b,c) = c-a*b, cvt (int -> float).
 //   MRMAX: rows per register block, NVMAX: column vectors per block.
 //
-// Loop order (one thread owns a range of 32-column panels): rows in blocks of MR, runs of K
-// chunks of one group outer, column vectors inner, so each run reads its qweight rows across
-// the thread's columns as sequential streams; y lives in the output between runs.
+// Loop order (one thread owns a range of 32-column panels): rows in blocks of MR, then
+//   row-major words [Q, N]: runs of K chunks of one group outer, column vectors inner, so each run
+//     reads its qweight rows across the thread's columns as sequential streams; y lives in the
+//     output between runs;
+//   panel-major words [N/32, Q, 32] (QGemmArgs::panel_major): column blocks outer, all of K inner,
+//     so a thread reads its panels as one contiguous stream and y stays in registers.
+// Each output element sees the same operations in the same order either way (bit-identical).
 
 #define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -27,6 +31,7 @@ static EXL_ALWAYS_INLINE typename I8::i load_word(const int32_t* p, int nv) {
 }
 
 // Group G (0..7) of the chunk: 4 u8 weights per lane in the byte order int8_order(B) gives x.
+// q: the vector's word in the chunk's first row; rows are N words apart.
 template <int B, int G, bool FULL>
 static EXL_ALWAYS_INLINE typename I8::i group_bytes(const int32_t* q, int64_t N, int nv) {
   if constexpr (B == 8) {
@@ -49,18 +54,18 @@ static EXL_ALWAYS_INLINE typename I8::i group_bytes(const int32_t* q, int64_t N,
 }
 
 template <int B, int MR, int NV, bool FULL, int G>
-static EXL_ALWAYS_INLINE void dot_group(const int32_t* q, int64_t N, const int* nv, const int32_t* const* xr,
+static EXL_ALWAYS_INLINE void dot_group(const int32_t* const* q, int64_t N, const int* nv, const int32_t* const* xr,
                                         typename I8::i (&acc)[MR][NV]) {
   typename I8::i xb[MR];
   for (int r = 0; r < MR; ++r) xb[r] = I8::bcast_i(xr[r][G]);
   for (int j = 0; j < NV; ++j) {
-    const typename I8::i w = group_bytes<B, G, FULL>(q + j * I8::W, N, nv[j]);
+    const typename I8::i w = group_bytes<B, G, FULL>(q[j], N, nv[j]);
     for (int r = 0; r < MR; ++r) acc[r][j] = I8::template dot<(B > 6)>(acc[r][j], w, xb[r]);
   }
 }
 
 template <int B, int MR, int NV, bool FULL, int... G>
-static EXL_ALWAYS_INLINE void dot_chunk(const int32_t* q, int64_t N, const int* nv, const int32_t* const* xr,
+static EXL_ALWAYS_INLINE void dot_chunk(const int32_t* const* q, int64_t N, const int* nv, const int32_t* const* xr,
                                         typename I8::i (&acc)[MR][NV], std::integer_sequence<int, G...>) {
   (dot_group<B, MR, NV, FULL, G>(q, N, nv, xr, acc), ...);
 }
@@ -76,6 +81,18 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
   const int64_t nch = a.x.K / 32, N = a.w->N;
   int nv[NV];
   for (int j = 0; j < NV; ++j) nv[j] = FULL ? I8::W : lanes_valid(ncols - j * I8::W);
+  // Where column vector j's words, scale and zero rows start (row 0 / group 0), and their row strides.
+  const bool pm = a.w->panel_major;
+  const int64_t ldq = pm ? kPanel : N;
+  const int64_t groups = pm ? a.w->chunks[nch - 1].group + 1 : 0;   // groups are in chunk order
+  const int32_t* qv[NV];
+  int64_t sv[NV];                                      // offset of the vector's group-0 scale/zero
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = n0 + j * I8::W;
+    qv[j] = pm ? a.w->qweight + (col / kPanel) * a.w->q_rows * kPanel + col % kPanel : a.w->qweight + col;
+    sv[j] = pm ? (col / kPanel) * groups * kPanel + col % kPanel : col;
+  }
+  const int64_t lds = pm ? kPanel : N;
   typename I8::f s[NV], zs[NV], y[MR][NV];
   for (int j = 0; j < NV; ++j)
     for (int r = 0; r < MR; ++r) {
@@ -88,12 +105,11 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
     const ChunkInfo ch = a.w->chunks[c];
     if (ch.group != group) {  // a group's scale/zero row is loaded once per run
       group = ch.group;
-      const float* srow = a.w->scale + static_cast<int64_t>(group) * N + n0;
-      const float* zrow = a.w->zero + static_cast<int64_t>(group) * N + n0;
       for (int j = 0; j < NV; ++j) {
-        s[j] = FULL ? I8::load(srow + j * I8::W) : I8::loadn(srow + j * I8::W, nv[j]);
+        const int64_t o = sv[j] + static_cast<int64_t>(group) * lds;
+        s[j] = FULL ? I8::load(a.w->scale + o) : I8::loadn(a.w->scale + o, nv[j]);
         const typename I8::f z = a.w->zero_per_group ? I8::bcast(a.w->zero[group])
-                                 : FULL ? I8::load(zrow + j * I8::W) : I8::loadn(zrow + j * I8::W, nv[j]);
+                                 : FULL ? I8::load(a.w->zero + o) : I8::loadn(a.w->zero + o, nv[j]);
         zs[j] = I8::mul(z, s[j]);
       }
     }
@@ -102,7 +118,9 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
     typename I8::i acc[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
-    dot_chunk<B, MR, NV, FULL>(a.w->qweight + ch.qrow * N + n0, N, nv, xr, acc, std::make_integer_sequence<int, 8>{});
+    const int32_t* qc[NV];
+    for (int j = 0; j < NV; ++j) qc[j] = qv[j] + ch.qrow * ldq;
+    dot_chunk<B, MR, NV, FULL>(qc, ldq, nv, xr, acc, std::make_integer_sequence<int, 8>{});
     for (int r = 0; r < MR; ++r) {
       const int64_t rc = (m0 + r) * nch + c;
       const typename I8::f qs = I8::bcast(static_cast<float>(a.x.qsum[rc])), sx = I8::bcast(a.x.sx[rc]);
@@ -143,12 +161,14 @@ static void run_cols(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_
 // more rows y would spill, so each chunk is its own run.
 constexpr int kRunRows = 8;
 
+// Runs of chunks over columns [n_begin, n_end): each run as long as its bit width lasts, capped
+// at max_rows qweight rows (MR == 1) or one chunk.
 template <int MR>
-static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end) {
+static void runs(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end, int64_t max_rows) {
   const int64_t nch = a.x.K / 32;
   const ChunkInfo* ch = a.w->chunks;
   for (int64_t c0 = 0, c1; c0 < nch; c0 = c1) {
-    const int64_t max_chunks = MR == 1 && kRunRows >= 2 * ch[c0].bits ? kRunRows / ch[c0].bits : 1;
+    const int64_t max_chunks = MR == 1 && max_rows >= 2 * ch[c0].bits ? max_rows / ch[c0].bits : 1;
     for (c1 = c0 + 1; c1 < nch && c1 - c0 < max_chunks && ch[c1].bits == ch[c0].bits; ++c1) {
     }
     switch (ch[c0].bits) {
@@ -160,6 +180,16 @@ static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64
       default: run_cols<8, MR>(a, m0, n_begin, n_end, c0, c1); break;  // bits validated by the op
     }
   }
+}
+
+template <int MR>
+static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64_t n_end) {
+  if (!a.w->panel_major) {
+    runs<MR>(a, m0, n_begin, n_end, kRunRows);
+    return;
+  }
+  constexpr int64_t step = I8::NVMAX * I8::W;  // one register block of columns through all of K
+  for (int64_t n = n_begin; n < n_end; n += step) runs<MR>(a, m0, n, n + step < n_end ? n + step : n_end, 1 << 30);
 }
 
 template <int... R>

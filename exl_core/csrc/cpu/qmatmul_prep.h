@@ -28,21 +28,22 @@ struct Prepared {
   QGemmArgs a;
 };
 
-// group_zero: zero may also be [G], one zero point per group (QGemmArgs::zero_per_group; the
-// int8 kernel only).
+// int8_forms: the int8 kernel's extra argument forms are accepted: zero [G], one zero point per
+// group (QGemmArgs::zero_per_group), and panel-major weights (QGemmArgs::panel_major: qweight
+// [N/32, Q, 32], scale and a [G, N]-shaped zero as [N/32, G, 32]; see panel_major_copy).
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                        const std::optional<at::Tensor>& bias, bool group_zero = false);
+                        const std::optional<at::Tensor>& bias, bool int8_forms = false);
 
 // The argument handling every quantized matmul op shares: x checked (CPU, 2-D) and its weights
 // prepared, one (the single-weight ops) or a list (the *_multi ops: equal, non-empty lists; errors
 // name "who weight i").
 std::vector<Prepared> prepare_one(const std::string& who, const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
-                                  const std::optional<at::Tensor>& bias, bool group_zero = false);
+                                  const std::optional<at::Tensor>& bias, bool int8_forms = false);
 std::vector<Prepared> prepare_list(const std::string& who, const at::Tensor& x, at::TensorList qweight,
                                    at::TensorList groups, at::TensorList scale, at::TensorList zero,
-                                   const c10::List<std::optional<at::Tensor>>& bias, bool group_zero = false);
+                                   const c10::List<std::optional<at::Tensor>>& bias, bool int8_forms = false);
 
 // Each weight's fp32 y in x's dtype (the ops' return value).
 std::vector<at::Tensor> outputs_like(const at::Tensor& x, const std::vector<Prepared>& ws);
