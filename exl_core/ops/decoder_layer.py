@@ -39,13 +39,11 @@ _MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
 # for the whole model (SmolLM2-135M 4-bit: 37 MB), since the stack then holds them twice.
 FUSE_MAX_BYTES = 256 << 20
 # The int8 kernel reads panel-major copies of the weights decode uses (DecoderStack.set_panel_major:
-# one contiguous stream per thread instead of one short stream per qweight row and per scale row)
-# where groups are shorter than PANEL_BELOW_GROUP rows, and while the int8 projections take at most
-# PANEL_MAX_BYTES, since they are held twice. SmolLM2-135M decode, int8, same process, 10 interleaved
-# rounds: EXL2 4-bit groups of 32 median 127.3 -> 156.5 tok/s (66 MB of copies); GPTQ 4-bit groups
-# of 128 157.8 -> 160.2, within noise, so those keep row-major words and no copies.
+# one contiguous stream per thread instead of one short stream per qweight row and per scale row),
+# made while the int8 projections take at most this many bytes, since they are then held twice.
+# SmolLM2-135M int8 decode, one model per process, 10 interleaved rounds with the copies on/off:
+# GPTQ 4-bit g128 median 141.1 -> 166.6 tok/s (57 MB of copies), EXL2 4-bit g32 153.4 -> 185.2 (66 MB).
 PANEL_MAX_BYTES = 512 << 20
-PANEL_BELOW_GROUP = 128
 
 
 @dataclass(frozen=True)
@@ -111,8 +109,7 @@ class NativeStack:
             obj.set_int8_rows(INT8_MAX_M)
             obj.set_fused_rows(INT8_MAX_M)
             int8 = [w for lw in layers for w in lw.projections if isinstance(w, PackedWeight) and wants_int8(w)]
-            if (int8 and sum(map(_packed_bytes, int8)) <= PANEL_MAX_BYTES
-                    and min(int(w.groups[:, 2].min()) for w in int8) < PANEL_BELOW_GROUP):
+            if int8 and sum(map(_packed_bytes, int8)) <= PANEL_MAX_BYTES:
                 self.panel_bytes = obj.set_panel_major(True)
             self.obj = obj
 
