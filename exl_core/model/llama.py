@@ -276,7 +276,8 @@ def _bump_weights_version(*_):
 def invalidate_native_stacks() -> None:
     """Say that packed weights changed in a way no registration shows (e.g. their kernel options
     in `PackedWeight.meta`, or values edited in place: the stack's fused q|k|v / gate|up copies
-    are snapshots): every model rebuilds its fused stack on its next forward."""
+    and its panel-major int8 copies are snapshots): every model rebuilds its fused stack on its
+    next forward."""
     _bump_weights_version()
 
 
