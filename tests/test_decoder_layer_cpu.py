@@ -128,9 +128,13 @@ def test_int8_activations_bit_identical_and_switchable(tiny_dense, tmp_path, mon
     assert stack.panel_bytes > 0                          # the int8 kernel reads panel-major copies
     _assert_fused_equals_python(model, monkeypatch)
     prompts = _prompts(model.config.vocab_size, (5, 23, 40))
+    stack.obj.panel_reads()
     panels = _decode_logits(model, prompts, 2)
+    per_layer = 4 if stack.fused else 7                   # q|k|v, o, gate|up, down fused; else one by one
+    assert stack.obj.panel_reads() == 2 * model.config.num_hidden_layers * per_layer   # 2 decode passes
     assert stack.obj.set_panel_major(False) == 0          # row-major words: the same bits
     assert all(torch.equal(a, b) for a, b in zip(panels, _decode_logits(model, prompts, 2)))
+    assert stack.obj.panel_reads() == 0
     assert stack.obj.set_panel_major(True) == stack.panel_bytes
     int8 = _decode_logits(model, prompts, 2)
     set_activations(model, "exact")

@@ -294,4 +294,10 @@ def test_panel_major_weights_bit_identical(bits, rng, isa_cap):
         torch.ops.exl_core.qmatmul(x, q, pw.groups, s, to_panels(pw.zero), pw.perm, pw.bias)
     with pytest.raises(RuntimeError, match=r"scale must be a contiguous float32 \[N/32, G, 32\]"):
         torch.ops.exl_core.qmatmul_int8(x, q, pw.groups, pw.scale, to_panels(pw.zero), pw.perm, pw.bias)
+    with pytest.raises(RuntimeError, match=r"panel-major \[N/32, Q, 32\]"):     # 16-column panels
+        torch.ops.exl_core.qmatmul_int8(x, q.view(-1, q.shape[1], 16), pw.groups, s, pw.zero[:, 0].contiguous(),
+                                        pw.perm, pw.bias)
+    with pytest.raises(RuntimeError, match="groups need"):                       # a panel's rows cut short
+        torch.ops.exl_core.qmatmul_int8(x, q[:, :-1].contiguous(), pw.groups, s, to_panels(pw.zero), pw.perm,
+                                        pw.bias)
 

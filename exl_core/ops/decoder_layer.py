@@ -40,7 +40,8 @@ _MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
 FUSE_MAX_BYTES = 256 << 20
 # The int8 kernel reads panel-major copies of the weights decode uses (DecoderStack.set_panel_major:
 # one contiguous stream per thread instead of one short stream per qweight row and per scale row),
-# made while the int8 projections take at most this many bytes, since they are then held twice.
+# made while the int8 projections take at most this many bytes, since they are then held twice (q|k|v
+# and gate|up three times: the parts, the stack's fused copy, its panel-major copy).
 # SmolLM2-135M int8 decode, one model per process, 10 interleaved rounds with the copies on/off:
 # GPTQ 4-bit g128 median 141.1 -> 166.6 tok/s (57 MB of copies), EXL2 4-bit g32 153.4 -> 185.2 (66 MB).
 PANEL_MAX_BYTES = 512 << 20

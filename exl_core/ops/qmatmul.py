@@ -314,18 +314,23 @@ def _register_fake() -> None:
         return
     _register_fake.done = True
 
-    # every quantized matmul op has the same signature: one weight -> [M, N], a list -> one per weight
+    # every quantized matmul op has the same signature: one weight -> [M, N], a list -> one per weight;
+    # the int8 ops also take panel-major words [N/32, Q, 32]
+    def cols(q):
+        return q.shape[0] * 32 if q.dim() == 3 else q.shape[1]
+
     def single(name):
         def fake(x, qweight, groups, scale, zero, perm, bias):
             torch._check(x.dim() == 2, lambda: f"{name}: x must be 2-D")
-            torch._check(qweight.dim() == 2, lambda: f"{name}: qweight must be 2-D")
-            return x.new_empty((x.shape[0], qweight.shape[1]))
+            torch._check(qweight.dim() == 2 or (name.startswith("qmatmul_int8") and qweight.dim() == 3),
+                         lambda: f"{name}: qweight must be 2-D")
+            return x.new_empty((x.shape[0], cols(qweight)))
         return fake
 
     def multi(name):
         def fake(x, qweight, groups, scale, zero, perm, bias):
             torch._check(x.dim() == 2, lambda: f"{name}: x must be 2-D")
-            return [x.new_empty((x.shape[0], q.shape[1])) for q in qweight]
+            return [x.new_empty((x.shape[0], cols(q))) for q in qweight]
         return fake
 
     for op in ("qmatmul", "qmatmul_int8", "qmatmul_bf16"):

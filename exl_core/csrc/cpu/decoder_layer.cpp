@@ -77,7 +77,9 @@ bool same_perm(const std::optional<at::Tensor>& a, const std::optional<at::Tenso
 // one permutation -> one multi call (int8 activations when every weight asks for them and x has at
 // most `int8_rows` rows, else exact; bit-identical to one call each); otherwise each on its own
 // kernel, int8 where that weight asks and the rows allow.
-std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const Linear*> ws, int64_t int8_rows) {
+// panel_reads counts the int8 weights served from panel-major copies (DecoderStack::panel_reads).
+std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const Linear*> ws, int64_t int8_rows,
+                                int64_t& panel_reads) {
   const Linear& first = **ws.begin();
   const bool small = x.size(0) <= int8_rows;
   bool multi = ws.size() > 1, all_int8 = small;
@@ -89,6 +91,7 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
     std::vector<at::Tensor> qw, gr, sc, ze;
     c10::List<std::optional<at::Tensor>> bias;
     for (const Linear* w : ws) {
+      panel_reads += all_int8 && w->qweight_pm.defined();
       qw.push_back(all_int8 ? w->q8() : w->qweight);
       gr.push_back(w->groups);
       sc.push_back(all_int8 ? w->s8() : w->scale);
@@ -101,8 +104,10 @@ std::vector<at::Tensor> linears(const at::Tensor& x, std::initializer_list<const
   std::vector<at::Tensor> out;
   for (const Linear* w : ws) {
     if (!w->packed) out.push_back(kops::dense_matmul(x, w->w_t, w->bias));
-    else if (small && w->int8)
+    else if (small && w->int8) {
+      panel_reads += w->qweight_pm.defined();
       out.push_back(kops::qmatmul_int8(x, w->q8(), w->groups, w->s8(), w->z8(), w->perm, w->bias));
+    }
     else out.push_back(kops::qmatmul(x, w->qweight, w->groups, w->scale, w->zero, w->perm, w->bias));
   }
   return out;
@@ -176,6 +181,8 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   void add_layer(at::Tensor in_norm, at::Tensor post_norm) {
+    TORCH_CHECK(!panels_, "exl_core.DecoderStack: add_layer after set_panel_major(true): the new layer would have "
+                "no panel-major copies; add every layer first");
     TORCH_CHECK(pending_.size() == 7, "exl_core.DecoderStack: add_layer needs 7 projections added before it "
                 "(q, k, v, o, gate, up, down), got ", pending_.size());
     auto& p = pending_;
@@ -190,6 +197,8 @@ class DecoderStack : public torch::CustomClassHolder {
   void set_fused(int64_t which, at::Tensor qweight, at::Tensor groups, at::Tensor scale, at::Tensor zero,
                  std::optional<at::Tensor> perm, std::optional<at::Tensor> bias, bool int8,
                  std::optional<at::Tensor> zero_i8, std::vector<int64_t> sizes) {
+    TORCH_CHECK(!panels_, "exl_core.DecoderStack: set_fused after set_panel_major(true): the fused weight would "
+                "have no panel-major copy; fuse first");
     TORCH_CHECK(!layers_.empty() && (which == 0 || which == 1), "exl_core.DecoderStack: set_fused(", which,
                 ") needs an added layer and which in {0: q|k|v, 1: gate|up}");
     Layer& ly = layers_.back();
@@ -231,17 +240,18 @@ class DecoderStack : public torch::CustomClassHolder {
   // instead of one short stream per qweight row) of the weights decode uses: the fused q|k|v and
   // gate|up where set, their parts where not, o and down; only int8 projections whose columns are
   // whole panels.  Same results bit for bit.  Returns the bytes the copies take (0 when off).
+  // Call it after the last add_layer / set_fused (those refuse while it is on), and not while
+  // another thread runs forward (the copies it frees may be in use).
   int64_t set_panel_major(bool on) {
     int64_t bytes = 0;
     auto apply = [&](Linear& l) {
       l.qweight_pm = l.scale_pm = l.zero_pm = at::Tensor();
       if (!on || !l.packed || !l.int8 || l.qweight.size(1) % exl_cpu::kPanel) return;
-      l.qweight_pm = to_panels(l.qweight);
-      l.scale_pm = to_panels(l.scale);
-      l.zero_pm = l.zero_i8.dim() == 2 ? to_panels(l.zero_i8) : l.zero_i8;
-      for (const at::Tensor* t : {&l.qweight_pm, &l.scale_pm})
-        bytes += t->numel() * t->element_size();
-      if (l.zero_i8.dim() == 2) bytes += l.zero_pm.numel() * l.zero_pm.element_size();
+      at::Tensor q = to_panels(l.qweight), sc = to_panels(l.scale);   // all three or none
+      at::Tensor z = l.zero_i8.dim() == 2 ? to_panels(l.zero_i8) : l.zero_i8;
+      bytes += q.numel() * q.element_size() + sc.numel() * sc.element_size() +
+               (l.zero_i8.dim() == 2 ? z.numel() * z.element_size() : 0);
+      l.qweight_pm = std::move(q), l.scale_pm = std::move(sc), l.zero_pm = std::move(z);
     };
     auto apply_fused = [&](Fused& f, std::initializer_list<Linear*> parts) {
       if (f.defined()) apply(f.w);
@@ -256,7 +266,16 @@ class DecoderStack : public torch::CustomClassHolder {
       apply(ly.o);
       apply(ly.down);
     }
+    panels_ = on;
     return bytes;
+  }
+
+  // int8 weight reads served from the panel-major copies since the last call (tests: the copies
+  // are really read).
+  int64_t panel_reads() {
+    const int64_t n = panel_reads_;
+    panel_reads_ = 0;
+    return n;
   }
 
   // h (T, hidden): the embeddings (residual None) or the previous block's output with its
@@ -300,7 +319,7 @@ class DecoderStack : public torch::CustomClassHolder {
       clock_.stop(kRope);
       const at::Tensor o = kops::paged_attention(q, kc, vc, block_table, cu_seqlens, seq_lens_k, scale_, window_);
       clock_.stop(kAttention);
-      const at::Tensor a = linears(o.reshape({t, hq_ * d_}), {&ly.o}, int8_rows_)[0];
+      const at::Tensor a = linears(o.reshape({t, hq_ * d_}), {&ly.o}, int8_rows_, panel_reads_)[0];
       clock_.stop(kO);
       std::tie(x, res) = kops::rms_norm_residual(a, res, ly.post_norm, eps_);
       clock_.stop(kNorm);
@@ -308,7 +327,7 @@ class DecoderStack : public torch::CustomClassHolder {
       clock_.stop(kGateUp);
       const at::Tensor act = kops::silu_mul(gu[0], gu[1]);
       clock_.stop(kSiluMul);
-      h = linears(act, {&ly.down}, int8_rows_)[0];
+      h = linears(act, {&ly.down}, int8_rows_, panel_reads_)[0];
       clock_.stop(kDown);
     }
     return {h, res};
@@ -328,8 +347,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // x through projections sharing it: their fused weight for decode-sized x, else one by one.
   std::vector<at::Tensor> project(const at::Tensor& x, const Fused& fused, std::initializer_list<const Linear*> ws) {
-    if (!fused.defined() || x.size(0) > fused_rows_) return linears(x, ws, int8_rows_);
-    const at::Tensor y = linears(x, {&fused.w}, int8_rows_)[0];
+    if (!fused.defined() || x.size(0) > fused_rows_) return linears(x, ws, int8_rows_, panel_reads_);
+    const at::Tensor y = linears(x, {&fused.w}, int8_rows_, panel_reads_)[0];
     std::vector<at::Tensor> out;
     int64_t off = 0;
     for (int64_t n : fused.sizes) {
@@ -344,6 +363,8 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t window_;
   int64_t int8_rows_ = 0;
   int64_t fused_rows_ = 0;
+  bool panels_ = false;          // set_panel_major(true) is in force
+  int64_t panel_reads_ = 0;
   std::vector<Linear> pending_;
   std::vector<Layer> layers_;
   StageClock clock_;
@@ -360,6 +381,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_int8_rows", &DecoderStack::set_int8_rows)
       .def("set_panel_major", &DecoderStack::set_panel_major)
+      .def("panel_reads", &DecoderStack::panel_reads)
       .def("set_fused", &DecoderStack::set_fused)
       .def("set_fused_rows", &DecoderStack::set_fused_rows)
       .def("stage_times", &DecoderStack::stage_times)

@@ -127,6 +127,7 @@ Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::
   p.a.zero_per_group = per_group;
   p.a.panel_major = panels;
   p.a.q_rows = Q;
+  p.a.n_groups = G;
   return p;
 }
 

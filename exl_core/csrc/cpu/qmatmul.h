@@ -43,6 +43,7 @@ struct QGemmArgs {
   // (and a [G, N] zero) [N/kPanel, G, kPanel], so one thread's panels are one contiguous stream.
   bool panel_major = false;
   int64_t q_rows = 0;       // Q (panel-major only)
+  int64_t n_groups = 0;     // G (panel-major only: the scale panels' row count)
 };
 
 // K == 0 (an empty reduction): columns [n0, n0 + ncols) of every row of y are the bias, or 0

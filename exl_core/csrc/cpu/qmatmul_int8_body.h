@@ -15,7 +15,7 @@
 //     reads its qweight rows across the thread's columns as sequential streams; y lives in the
 //     output between runs;
 //   panel-major words [N/32, Q, 32] (QGemmArgs::panel_major): column blocks outer, all of K inner,
-//     so a thread reads its panels as one contiguous stream and y stays in registers.
+//     so a thread reads its panels as one contiguous stream (and, for one row, y stays in registers).
 // Each output element sees the same operations in the same order either way (bit-identical).
 
 #define EXL_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -84,7 +84,7 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
   // Where column vector j's words, scale and zero rows start (row 0 / group 0), and their row strides.
   const bool pm = a.w->panel_major;
   const int64_t ldq = pm ? kPanel : N;
-  const int64_t groups = pm ? a.w->chunks[nch - 1].group + 1 : 0;   // groups are in chunk order
+  const int64_t groups = a.w->n_groups;
   const int32_t* qv[NV];
   int64_t sv[NV];                                      // offset of the vector's group-0 scale/zero
   for (int j = 0; j < NV; ++j) {

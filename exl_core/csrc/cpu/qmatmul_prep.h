@@ -30,7 +30,7 @@ struct Prepared {
 
 // int8_forms: the int8 kernel's extra argument forms are accepted: zero [G], one zero point per
 // group (QGemmArgs::zero_per_group), and panel-major weights (QGemmArgs::panel_major: qweight
-// [N/32, Q, 32], scale and a [G, N]-shaped zero as [N/32, G, 32]; see panel_major_copy).
+// [N/32, Q, 32], scale and a [G, N]-shaped zero as [N/32, G, 32]; DecoderStack::set_panel_major).
 Prepared prepare_weight(const std::string& who, int64_t M, int64_t K, const at::Tensor& qweight,
                         const at::Tensor& groups, const at::Tensor& scale, const at::Tensor& zero,
                         const std::optional<at::Tensor>& bias, bool int8_forms = false);
