@@ -301,3 +301,16 @@ def test_panel_major_weights_bit_identical(bits, rng, isa_cap):
         torch.ops.exl_core.qmatmul_int8(x, q[:, :-1].contiguous(), pw.groups, s, to_panels(pw.zero), pw.perm,
                                         pw.bias)
 
+
+
+def test_fake_kernels_take_panel_major_words():
+    """Under FakeTensor (torch.compile tracing) the int8 ops give [M, N] for panel-major words too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    qm._register_fake()
+    with FakeTensorMode():
+        x, g = torch.empty(3, 64), torch.empty(2, 4, dtype=torch.int32)
+        q, s = torch.empty(4, 8, 32, dtype=torch.int32), torch.empty(4, 2, 32)
+        assert torch.ops.exl_core.qmatmul_int8(x, q, g, s, s, None, None).shape == (3, 128)
+        ys = torch.ops.exl_core.qmatmul_int8_multi(x, [q, torch.empty(8, 96, dtype=torch.int32)], [g, g], [s, s],
+                                                   [s, s], None, [None, None])
+        assert [tuple(y.shape) for y in ys] == [(3, 128), (3, 96)]

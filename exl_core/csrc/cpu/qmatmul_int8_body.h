@@ -81,18 +81,16 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
   const int64_t nch = a.x.K / 32, N = a.w->N;
   int nv[NV];
   for (int j = 0; j < NV; ++j) nv[j] = FULL ? I8::W : lanes_valid(ncols - j * I8::W);
-  // Where column vector j's words, scale and zero rows start (row 0 / group 0), and their row strides.
+  // Where column vector j's words (row 0) and scale/zero (group 0) start; rows of both are `ld` apart.
   const bool pm = a.w->panel_major;
-  const int64_t ldq = pm ? kPanel : N;
-  const int64_t groups = a.w->n_groups;
+  const int64_t ld = pm ? kPanel : N;
   const int32_t* qv[NV];
-  int64_t sv[NV];                                      // offset of the vector's group-0 scale/zero
+  int64_t sv[NV];
   for (int j = 0; j < NV; ++j) {
-    const int64_t col = n0 + j * I8::W;
-    qv[j] = pm ? a.w->qweight + (col / kPanel) * a.w->q_rows * kPanel + col % kPanel : a.w->qweight + col;
-    sv[j] = pm ? (col / kPanel) * groups * kPanel + col % kPanel : col;
+    const int64_t col = n0 + j * I8::W, panel = col / kPanel;
+    qv[j] = a.w->qweight + (pm ? panel * a.w->q_rows * kPanel + col % kPanel : col);
+    sv[j] = pm ? panel * a.w->n_groups * kPanel + col % kPanel : col;
   }
-  const int64_t lds = pm ? kPanel : N;
   typename I8::f s[NV], zs[NV], y[MR][NV];
   for (int j = 0; j < NV; ++j)
     for (int r = 0; r < MR; ++r) {
@@ -106,7 +104,7 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
     if (ch.group != group) {  // a group's scale/zero row is loaded once per run
       group = ch.group;
       for (int j = 0; j < NV; ++j) {
-        const int64_t o = sv[j] + static_cast<int64_t>(group) * lds;
+        const int64_t o = sv[j] + static_cast<int64_t>(group) * ld;
         s[j] = FULL ? I8::load(a.w->scale + o) : I8::loadn(a.w->scale + o, nv[j]);
         const typename I8::f z = a.w->zero_per_group ? I8::bcast(a.w->zero[group])
                                  : FULL ? I8::load(a.w->zero + o) : I8::loadn(a.w->zero + o, nv[j]);
@@ -119,8 +117,8 @@ static EXL_ALWAYS_INLINE void run_block(const QGemmInt8Args& a, int64_t m0, int6
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NV; ++j) acc[r][j] = I8::izero();
     const int32_t* qc[NV];
-    for (int j = 0; j < NV; ++j) qc[j] = qv[j] + ch.qrow * ldq;
-    dot_chunk<B, MR, NV, FULL>(qc, ldq, nv, xr, acc, std::make_integer_sequence<int, 8>{});
+    for (int j = 0; j < NV; ++j) qc[j] = qv[j] + ch.qrow * ld;
+    dot_chunk<B, MR, NV, FULL>(qc, ld, nv, xr, acc, std::make_integer_sequence<int, 8>{});
     for (int r = 0; r < MR; ++r) {
       const int64_t rc = (m0 + r) * nch + c;
       const typename I8::f qs = I8::bcast(static_cast<float>(a.x.qsum[rc])), sx = I8::bcast(a.x.sx[rc]);
@@ -189,7 +187,9 @@ static void row_block(const QGemmInt8Args& a, int64_t m0, int64_t n_begin, int64
     return;
   }
   constexpr int64_t step = I8::NVMAX * I8::W;  // one register block of columns through all of K
-  for (int64_t n = n_begin; n < n_end; n += step) runs<MR>(a, m0, n, n + step < n_end ? n + step : n_end, 1 << 30);
+  constexpr int64_t kUncapped = int64_t(1) << 30;   // a panel's words are one stream: runs need no row cap
+  for (int64_t n = n_begin; n < n_end; n += step)
+    runs<MR>(a, m0, n, n + step < n_end ? n + step : n_end, kUncapped);
 }
 
 template <int... R>
