@@ -51,8 +51,9 @@ def weight_exl2(K=4096, N=4096) -> PackedWeight:
 
 
 def kslice_table() -> None:
-    """Per decode shape (single weights and the q/k/v, gate/up launches of a 7B layer), M = 1 and 8:
-    qgemm_skinny (its policy) against qgemm_kslice per (kw, ring), 16 distinct weights per CUDA graph."""
+    """Per decode shape (single weights and the q/k/v, gate/up launches of a 7B layer), M = 1, 8, 16, 32:
+    qgemm_skinny (its policy; and for 16/32 rows qgemm_mma and dequantise + cuBLAS) against qgemm_kslice per
+    (kw, ring), 16 distinct weights per CUDA graph."""
     sys.path.insert(0, "bench")
     from gpu_bench import graph_time
     from exl_core.ops.cuda_candidates import _min_group
@@ -71,7 +72,7 @@ def kslice_table() -> None:
                     pw.meta["_ch"] = chunk_table(pw.groups, "cuda")
             nbytes = sum(t.numel() * t.element_size() for pw in sets[0] for t in (pw.qweight, pw.scale, pw.zero))
             mg = _min_group(sets[0][0])
-            for M in (1, 8):
+            for M in (1, 8, 16, 32):
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 
                 def args(s):
@@ -81,12 +82,18 @@ def kslice_table() -> None:
                 cells = []
                 t = graph_time(lambda: [ops.qgemm_skinny_multi(*args(s), u4) for s in sets]) / len(sets)
                 cells.append(f"skinny {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s")
+                if M > 8:                                     # the other paths the policy had for these rows
+                    t = graph_time(lambda: [ops.qgemm_mma_multi(*args(s)) for s in sets]) / len(sets)
+                    cells.append(f"mma {t * 1e6:6.1f}us")
+                    t = graph_time(lambda: [x @ ops.qdequant_chunks(p.qweight, p.meta["_ch"], p.scale, p.zero, p.perm,
+                                                                    torch.float16) for s in sets for p in s]) / len(sets)
+                    cells.append(f"dequant_mm {t * 1e6:6.1f}us")
                 tiles = sum((N + 31) // 32 for N in Ns)
-                for kw in (8, 16):
+                for kw in ((8, 16) if M <= 8 else (4, 8)):
                     if not ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0, kw):
                         cells.append(f"k{kw} no fit")
                         continue
-                    for ring in rings:
+                    for ring in (rings if M <= 8 else (0,)):
                         y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring, mg)
                         err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
                         t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, kw, ring, mg)

@@ -4,7 +4,8 @@
 # print the benchmark table (bench/gpu_bench.py). Logs and the JSON go to $OUT (or bench/results).
 #   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
-# Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding),
+# Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
+# (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
@@ -37,7 +38,7 @@ fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || exit 0
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
   done ) >"$CKPT_LOG" 2>&1 &
@@ -74,6 +75,9 @@ if has probe; then    # where the host waits for the GPU; the decode kernel alon
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py syncs "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -30
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py prompt "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -6
   timeout ${PROBE_TIMEOUT:-150} $PY bench/cuda_probe.py layout 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has promptprobe; then   # 2048-token prompt: graph vs eager, dequantise/GEMM overlap and L2 slices, K/V copy layouts
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/prompt_probe.py "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -30
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
   timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee -a "$LOG" | tail -8

@@ -220,7 +220,7 @@ def graph_time(fn, reps: int = 10) -> float:
 @torch.inference_mode()
 def gemv_sweep(model) -> list[dict]:
     """Per projection shape and M, every qmatmul path on the same weights: the batch-1 decode kernel
-    (qgemm_kslice, 1..8 rows), the skinny decode kernel (qgemm_skinny, with its split-K choices), the
+    (qgemm_kslice, 1..32 rows), the skinny decode kernel (qgemm_skinny, with its split-K choices), the
     tensor-core kernel (qgemm_mma), the fp32 GEMV
     (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);

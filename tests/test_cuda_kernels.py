@@ -173,11 +173,11 @@ KSLICE_CASES = SKINNY_CASES + [([(4, 32)] * 60 + [(4, 64)] * 10, 4 * 9),  # grou
 
 
 @pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=["mixed", "split", "long", "uniform4", "g32", "g128"])
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 16, 20, 32])          # staged x (1 n-tile); x from global (2, 4)
 @pytest.mark.parametrize("kw,ring", [(0, 0), (4, 0), (8, 16), (16, 0)])
 def test_qgemm_kslice_vs_float64(case, M, kw, ring):
-    """The batch-1 decode kernel on its own: every width, act-order, warps along K, ring depths, scale
-    slots fewer than the groups a warp spans (min_group larger than the real groups), unaligned x."""
+    """The decode kernel on its own: every width, act-order, warps along K, ring depths, scale slots fewer
+    than the groups a warp spans (min_group larger than the real groups), unaligned x, 1..32 rows."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import _uniform4, chunk_table
     layout, N = KSLICE_CASES[case]
@@ -198,8 +198,8 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
         if ring and not u4:
             ring = 8
         for min_group in (0, 128):
-            if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw):
-                continue                                       # shared memory: the policy sends it to skinny
+            if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw, ring):
+                continue                                       # shared memory or no such instance
             poison_allocator()
             y = torch.ops.exl_core.qgemm_kslice(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, kw, ring,
                                                 min_group)
@@ -207,7 +207,7 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
             assert rel_err(y, ref) < 2e-3, (u4, min_group)
 
 
-@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("M", [1, 8, 32])
 def test_decode_kernels_on_column_tiled_words(M):
     """qweight as [N/128, Q, 128] (each 128-column strip contiguous) gives the row-major result in both
     decode kernels."""
@@ -232,26 +232,31 @@ def test_decode_kernels_on_column_tiled_words(M):
 
 
 def test_qgemm_kslice_policy_and_limits():
-    """The policy sends 1..8 fp16 rows of uniform 4-bit weights (1 row of mixed widths) to qgemm_kslice; it
-    refuses more rows, launches of more than ~3 tiles per SM and shapes whose x does not fit shared
-    memory, which then go to qgemm_skinny."""
+    """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 9..32 rows of mixed widths) to
+    qgemm_kslice; it refuses more rows, staged-x launches of more than ~3 tiles per SM, shapes whose x does
+    not fit shared memory and instances that do not exist, which then go elsewhere."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import KSLICE_ON, _kslice_ok
     pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")
     dev = torch.device("cuda", 0)
-    assert _kslice_ok(1, [pw], dev) == KSLICE_ON and _kslice_ok(8, [pw], dev) == KSLICE_ON
-    assert not _kslice_ok(9, [pw], dev)
-    mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")   # EXL2-like: 1 row only
-    assert _kslice_ok(1, [mixed], dev) == KSLICE_ON and not _kslice_ok(2, [mixed], dev)
-    assert torch.ops.exl_core.qgemm_kslice_fits(1, 11008, 128, 128, True, 0)
-    assert not torch.ops.exl_core.qgemm_kslice_fits(8, 65536, 128, 128, True, 0)
-    assert not torch.ops.exl_core.qgemm_kslice_fits(9, 4096, 128, 128, True, 0)
-    many = 4 * torch.cuda.get_device_properties(0).multi_processor_count   # gate/up-sized: skinny's
-    assert not torch.ops.exl_core.qgemm_kslice_fits(1, 4096, many, 128, True, 0)
-    assert torch.ops.exl_core.qgemm_kslice_fits(1, 4096, many, 128, True, 0, 8)
+    assert all(_kslice_ok(m, [pw], dev) == KSLICE_ON for m in (1, 8, 9, 32))
+    assert not _kslice_ok(33, [pw], dev)
+    mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")   # EXL2-like
+    assert all(_kslice_ok(m, [mixed], dev) == KSLICE_ON for m in (1, 9, 32))
+    assert not any(_kslice_ok(m, [mixed], dev) for m in (2, 8))
+    fits = torch.ops.exl_core.qgemm_kslice_fits
+    assert fits(1, 11008, 128, 128, True, 0) and fits(32, 11008, 128, 128, True, 0)
+    assert not fits(8, 65536, 128, 128, True, 0)
+    assert not fits(33, 4096, 128, 128, True, 0)
+    many = 4 * torch.cuda.get_device_properties(0).multi_processor_count   # gate/up-sized
+    assert not fits(1, 4096, many, 128, True, 0)            # staged x: skinny's
+    assert fits(1, 4096, many, 128, True, 0, 8) and fits(32, 4096, many, 128, True, 0)
+    assert not fits(9, 4096, 128, 128, True, 0, 16)          # no 16-warp instance above 8 rows
+    assert not fits(9, 4096, 128, 128, True, 0, 0, 16) and fits(9, 4096, 128, 128, True, 0, 0, 8)
 
 
-@pytest.mark.parametrize("op,M", [("mma", 1), ("mma", 20), ("skinny", 1), ("skinny", 12), ("skinny", 32), ("kslice", 1), ("kslice", 8)])
+@pytest.mark.parametrize("op,M", [("mma", 1), ("mma", 20), ("skinny", 1), ("skinny", 12), ("skinny", 32), ("kslice", 1),
+                                  ("kslice", 8), ("kslice", 12), ("kslice", 32)])
 def test_multi_weight_kernels_vs_float64(op, M):
     """q/k/v-style: three weights (own layouts, permutations, widths, biases) on one x, one launch."""
     _need_kernels()

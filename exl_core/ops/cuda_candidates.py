@@ -6,9 +6,9 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
-  fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 row for mixed widths), N % 4 == 0, 16-byte aligned
-  buffers, shared memory permitting, at most ~3 column tiles of 32 per SM (not gate/up):
-                       batch-1 decode kernel, 32 columns x K slices per block, one launch
+  fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 or 9+ rows for mixed widths), N % 4 == 0, 16-byte aligned
+  buffers, shared memory permitting, up to 8 rows at most ~3 column tiles of 32 per SM (not gate/up):
+                       decode kernel, 32 columns x K slices per block, one launch
                        (`exl_core::qgemm_kslice`, `qgemm_kslice_multi`); EXL_CORE_KSLICE=0 turns it off (A/B)
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
                        decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
@@ -42,9 +42,10 @@ import torch
 
 from .dispatch import Candidate, extension
 
-KSLICE_MAX_ROWS = 8         # one mma n-tile of x rows
-KSLICE_MIXED_MAX_ROWS = 1   # mixed widths / act-order: at 8 rows q/k/v took 50.0 us against skinny's 32.0 (the
-                            # x gather is per row); 1 row is the only other count measured (26.2 vs 26.4)
+KSLICE_MAX_ROWS = 32        # four mma n-tiles of x rows; above 8 rows x is read from global memory, not staged
+KSLICE_STAGED_ROWS = 8      # rows whose x the kernel stages in shared memory (gathering it per row under act-order)
+KSLICE_MIXED_ROWS = (1, 9)  # mixed widths / act-order take 1 row, or 9 and more (x pre-permuted per weight): at
+                            # 8 staged rows q/k/v took 50.0 us against skinny's 32.0 (the per-row gather)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -120,8 +121,9 @@ def _kslice_ok(rows: int, pws, device) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
     (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
     u4 = all(_uniform4(pw) for pw in pws)
-    if not (KSLICE_ON and 1 <= rows <= (KSLICE_MAX_ROWS if u4 else KSLICE_MIXED_MAX_ROWS) and
-            pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_kslice")):
+    rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1])
+    if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and
+            _has_cuda_kernel("qgemm_kslice")):
         return False
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
     key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), u4, device.index or 0)

@@ -32,7 +32,9 @@ namespace {
 using namespace exl_mma;
 
 constexpr int kTile = 32;        // output columns per block
-constexpr int kMaxRows = 8;      // one mma n-tile
+constexpr int kMaxRows = 32;     // four mma n-tiles
+constexpr int kStagedRows = 8;   // up to one n-tile, x is staged in shared memory; more rows (which would not
+                                 // fit: 32 x 4096 fp16 is 256 KB) read x from global memory (L1/L2-resident)
 constexpr int kXPad = 32;        // halves of padding per staged x row: rows g, g+1 on other banks
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -63,37 +65,49 @@ __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
   b[3] = __byte_perm(v.y, v.w, 0x7632);
 }
 
-// d[u] += A(tile u of the chunk's words) x B, both k16 steps of the chunk.
-template <int BITS>
-__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[4], int t, float (&d)[2][1][4]) {
+// d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
+// A fragment serves every n-tile.
+template <int BITS, int NT>
+__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4]) {
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
   a_frags<BITS>(r, t, a);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int u = 0; u < 2; ++u)
-      mma16816(d[u][0], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
-               b[2 * j], b[2 * j + 1]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma16816(d[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
+                 b[nt][2 * j], b[nt][2 * j + 1]);
 }
 
-__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[4], int t,
-                                                float (&d)[2][1][4]) {
+template <int NT>
+__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[NT][4], int t,
+                                                float (&d)[2][NT][4]) {
   switch (bits) {
-    case 4: chunk_mma_b<4>(r, b, t, d); break;
-    case 2: chunk_mma_b<2>(r, b, t, d); break;
-    case 3: chunk_mma_b<3>(r, b, t, d); break;
-    case 5: chunk_mma_b<5>(r, b, t, d); break;
-    case 6: chunk_mma_b<6>(r, b, t, d); break;
-    default: chunk_mma_b<8>(r, b, t, d); break;
+    case 4: chunk_mma_b<4, NT>(r, b, t, d); break;
+    case 2: chunk_mma_b<2, NT>(r, b, t, d); break;
+    case 3: chunk_mma_b<3, NT>(r, b, t, d); break;
+    case 5: chunk_mma_b<5, NT>(r, b, t, d); break;
+    case 6: chunk_mma_b<6, NT>(r, b, t, d); break;
+    default: chunk_mma_b<8, NT>(r, b, t, d); break;
   }
 }
 
 // grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
 // (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
-template <int KW, bool U4, int R>
+// NT n-tiles of 8 x rows.  NT == 1: x's rows staged in shared memory.  NT > 1 (9..32 rows): every lane loads
+// its B fragments (8 values of a row, 16 bytes) straight from global memory into a ring of XR chunks, as it
+// does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
+// passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
+// shared memory) disappears.
+template <int KW, bool U4, int R, int NT>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
                         const Mats mats) {
+  constexpr bool XG = NT > 1;
+  constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
+  static_assert(R % XR == 0, "the x ring must turn with the weight ring");
   const Mat& mat = block_mat(mats);
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
@@ -142,7 +156,9 @@ __global__ void __launch_bounds__(32 * KW)
   exl_pdl::pdl_trigger();
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   const int64_t* perm = mat.perm;
-  if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+  if constexpr (XG) {
+    // nothing to stage
+  } else if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);
@@ -170,24 +186,42 @@ __global__ void __launch_bounds__(32 * KW)
   cp_async_wait_all();
   __syncwarp();
 
-  float d[2][1][4], acc[2][1][4], dx[4] = {0.f, 0.f, 0.f, 0.f}, xg[1][2] = {{0.f, 0.f}};
+  float d[2][NT][4], acc[2][NT][4], dx[NT][4], xg[NT][2];
 #pragma unroll
-  for (int u = 0; u < 2; ++u)
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) d[u][0][i] = acc[u][0][i] = 0.f;
+    for (int i = 0; i < 4; ++i) d[0][nt][i] = d[1][nt][i] = acc[0][nt][i] = acc[1][nt][i] = dx[nt][i] = 0.f;
+    xg[nt][0] = xg[nt][1] = 0.f;
+  }
   float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
   int grp = -1;
-  const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g
+  const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g (staged x)
   constexpr uint32_t kOnes = 0x3C003C00u;                     // fp16 (1, 1)
+  // x from global memory: lane (g, t) of n-tile nt reads row 8 nt + g, values 8t..8t+7 of each chunk.
+  const __half* xbase = XG && mat.x != nullptr ? mat.x : x;
+  const __half* xp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xp[nt] = 8 * nt + g < M ? xbase + (8 * nt + g) * K + 8 * t : nullptr;
+  uint4 xr[XR][NT];
+  auto load_x = [&](uint4 (&v)[NT], int c) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      v[nt] = xp[nt] ? __ldg(reinterpret_cast<const uint4*>(xp[nt] + c * 32)) : make_uint4(0, 0, 0, 0);
+  };
 
   auto flush = [&]() {
-    xg[0][0] = dx[0];
-    xg[0][1] = dx[1];
-    flush_group<1>(s4, z4, xg, d, acc);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dx[i] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) {
+      xg[nt][0] = dx[nt][0];
+      xg[nt][1] = dx[nt][1];
+    }
+    flush_group<NT>(s4, z4, xg, d, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
   };
-  auto step = [&](const Raw& r, int c) {
+  auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
     const int ge = e[1];
     if (ge != grp) {                                          // warp-uniform
@@ -202,35 +236,55 @@ __global__ void __launch_bounds__(32 * KW)
         z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
       }
     }
-    uint32_t b[4];
-    b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b);
-    mma16816(dx, kOnes, kOnes, kOnes, kOnes, b[0], b[1]);
-    mma16816(dx, kOnes, kOnes, kOnes, kOnes, b[2], b[3]);
-    if constexpr (U4) chunk_mma_b<4>(r, b, t, d);
-    else chunk_mma_b_any(e[0], r, b, t, d);
+    uint32_t b[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if constexpr (XG) b_pairs(xv[nt], b[nt]);
+      else b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b[nt]);
+      mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
+      mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
+    }
+    if constexpr (U4) chunk_mma_b<4, NT>(r, b, t, d);
+    else chunk_mma_b_any<NT>(e[0], r, b, t, d);
   };
+  // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.
+  auto refill = [&](int i, int c) {
+    if (c + R < c1) load_words<U4>(ring[i], tab + 3 * (c + R), c + R, base, ldq, t);
+    if constexpr (XG)
+      if (c + XR < c1) load_x(xr[i % XR], c + XR);
+  };
+  if constexpr (XG) {
+#pragma unroll
+    for (int i = 0; i < XR; ++i)
+      if (c0 + i < c1) load_x(xr[i], c0 + i);
+  }
 
   int c = c0;
   for (; c + R <= c1; c += R) {                               // full ring turns: refill each slot after use
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      step(ring[i], c + i);
-      if (c + i + R < c1) load_words<U4>(ring[i], tab + 3 * (c + i + R), c + i + R, base, ldq, t);
+      step(ring[i], xr[i % XR], c + i);
+      refill(i, c + i);
     }
   }
 #pragma unroll
   for (int i = 0; i < R; ++i)                                 // the last partial turn
-    if (c + i < c1) step(ring[i], c + i);
+    if (c + i < c1) {
+      step(ring[i], xr[i % XR], c + i);
+      if constexpr (XG) refill(i, c + i);
+    }
   if (grp >= 0) flush();
 
-  // acc[u][0][i]: column 4g + 2u + (i >> 1), x row 2t + (i & 1).
+  // acc[u][nt][i]: column 4g + 2u + (i >> 1), x row 8 nt + 2t + (i & 1).
 #pragma unroll
   for (int u = 0; u < 2; ++u)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = 2 * t + (i & 1);
-      if (row < M) red[(warp * M + row) * kTile + 4 * g + 2 * u + (i >> 1)] = acc[u][0][i];
-    }
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = 8 * nt + 2 * t + (i & 1);
+        if (row < M) red[(warp * M + row) * kTile + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
+      }
   __syncthreads();
   for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {
     const int m = idx / kTile, cl = idx - m * kTile;
@@ -250,66 +304,84 @@ __global__ void __launch_bounds__(32 * KW)
 constexpr size_t kSmemMax = 160 * 1024;   // beyond this the launch is refused (qgemm_skinny takes it)
 
 struct Plan {
-  int kw, ring, slots, xs_stride;
+  int kw, ring, nt, slots, xs_stride;
   size_t smem;
 };
+
+int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
 // every SM streams with many loads in flight; more tiles take 8 (measured on the H200, bench/cuda_probe.py
 // kslice: 4096x4096 M=1 6.8 us with 16 warps, 7.5 with 8; q/k/v 3x4096 17.6 us with 8, 20.3 with 16).
+// More than 8 rows: 8 warps (their accumulators and x ring take ~200 registers a lane; 16 warps would not fit).
 // `min_group`: the smallest group (rows) of the weights, for the scale slots.
 Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev) {
-  if (kw <= 0) kw = tiles <= device_sm(dev, false) ? 16 : 8;
+  const int nt = n_tiles_for(M);
+  if (kw <= 0) kw = nt > 1 ? 8 : tiles <= device_sm(dev, false) ? 16 : 8;
   if (ring <= 0) ring = u4 ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
   const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
-  const int xs_stride = static_cast<int>(K) + (M > 1 ? kXPad : 0);
-  return {kw, ring, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total};
+  const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
+  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total};
 }
 
-template <int KW, bool U4, int R>
+// The instances: staged x (1 n-tile) with 4/8/16 warps and rings 8/16 (uniform 4-bit) or 4/8; x from global
+// memory (2 or 4 n-tiles) with 4/8 warps and ring 8 (uniform 4-bit) or 4.
+bool plan_has_kernel(const Plan& p, bool u4) {
+  if (p.nt == 1) return (p.kw == 4 || p.kw == 8 || p.kw == 16) && (u4 ? p.ring == 8 || p.ring == 16 : p.ring == 4 || p.ring == 8);
+  return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
+}
+
+template <int KW, bool U4, int R, int NT>
 void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                 cudaStream_t stream) {
-  auto* kern = qgemm_kslice_kernel<KW, U4, R>;
+  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, M, K,
                       static_cast<int>(K / 32), p.slots, p.xs_stride, mats);
 }
 
-template <bool U4, int R>
-bool launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
+template <bool U4, int R, int NT>
+void launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
   switch (p.kw) {
-    case 4: launch_one<4, U4, R>(x, M, K, tiles, p, mats, dev, stream); return true;
-    case 8: launch_one<8, U4, R>(x, M, K, tiles, p, mats, dev, stream); return true;
-    case 16: launch_one<16, U4, R>(x, M, K, tiles, p, mats, dev, stream); return true;
-    default: return false;
+    case 4: launch_one<4, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); break;
+    case 8: launch_one<8, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); break;
+    default:
+      if constexpr (NT == 1) launch_one<16, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
+      break;
   }
 }
 
-// Launches for 1..8 rows where shared memory allows; false (nothing launched) otherwise.
+// Launches for 1..32 rows where a kernel instance exists and shared memory allows; false (nothing
+// launched) otherwise.
 bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int kw, int ring, int64_t min_group,
                    int dev, cudaStream_t stream) {
   if (M < 1 || M > kMaxRows) return false;
   const int64_t tiles = assign_tiles(mats, kTile);
   const Plan p = plan_for(M, K, tiles, kw, ring, min_group, u4, dev);
-  if (p.smem > kSmemMax) return false;
-  if (u4) {
-    if (p.ring == 8) return launch_kw<true, 8>(x, M, K, tiles, p, mats, dev, stream);
-    if (p.ring == 16) return launch_kw<true, 16>(x, M, K, tiles, p, mats, dev, stream);
+  if (p.smem > kSmemMax || !plan_has_kernel(p, u4)) return false;
+  if (p.nt == 1) {
+    if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
+    else if (u4) launch_kw<true, 16, 1>(x, M, K, tiles, p, mats, dev, stream);
+    else if (p.ring == 4) launch_kw<false, 4, 1>(x, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
+  } else if (p.nt == 2) {
+    if (u4) launch_kw<true, 8, 2>(x, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 2>(x, M, K, tiles, p, mats, dev, stream);
   } else {
-    if (p.ring == 4) return launch_kw<false, 4>(x, M, K, tiles, p, mats, dev, stream);
-    if (p.ring == 8) return launch_kw<false, 8>(x, M, K, tiles, p, mats, dev, stream);
+    if (u4) launch_kw<true, 8, 4>(x, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 4>(x, M, K, tiles, p, mats, dev, stream);
   }
-  return false;
+  return true;
 }
 
-// ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 8, K], up to kMaxMats weights on one
-// x in one launch.  kw (warps along K: 4, 8, 16) and ring (chunks of words in registers per lane:
-// 8 or 16 for uniform 4-bit, 4 or 8 otherwise) 0 = chosen here; min_group: the weights' smallest group
-// in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see qgemm_kslice_fits).
+// ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one
+// x in one launch.  kw (warps along K: 4, 8, 16; 4 or 8 above 8 rows) and ring (chunks of words in registers
+// per lane: 8 or 16 for uniform 4-bit, 4 or 8 otherwise; above 8 rows 8 and 4) 0 = chosen here; min_group:
+// the weights' smallest group in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see qgemm_kslice_fits).
 std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,
@@ -322,7 +394,21 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
   if (M == 0) return ys;
   const int dev = x.device().index();
-  TORCH_CHECK(launch_kslice(reinterpret_cast<const __half*>(x.data_ptr()), static_cast<int>(M), K, mats, uniform4,
+  // Rows read from global memory (more than kStagedRows) come 16 bytes at a time: x aligned, and each
+  // act-order weight gets its own permuted copy of x (a small gather, instead of one per element and block).
+  at::Tensor xa = x;
+  std::vector<at::Tensor> xperm;
+  if (n_tiles_for(static_cast<int>(M)) > 1) {
+    if (!aligned16(x)) xa = x.clone();
+    for (int i = 0; i < mats.n; ++i) {
+      const c10::optional<at::Tensor> p = perm.get(i);
+      if (!p) continue;
+      xperm.push_back(x.index_select(1, *p));
+      mats.m[i].x = reinterpret_cast<const __half*>(xperm.back().data_ptr());
+      mats.m[i].perm = nullptr;
+    }
+  }
+  TORCH_CHECK(launch_kslice(reinterpret_cast<const __half*>(xa.data_ptr()), static_cast<int>(M), K, mats, uniform4,
                             static_cast<int>(kw), static_cast<int>(ring), min_group, dev,
                             c10::cuda::getCurrentCUDAStream()),
               "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw, ", ring = ", ring,
@@ -340,17 +426,18 @@ at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at
   return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group)[0];
 }
 
-// Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw (0: whether its policy
-// wants the launch at all); a call it refuses raises, which on some images kills the process (see
+// Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
+// policy wants the launch at all); a call it refuses raises, which on some images kills the process (see
 // NOTES.md), so callers ask first.
 bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, bool uniform4, int64_t device,
-                       int64_t kw) {
-  if (rows < 1 || rows > kMaxRows || K % 32 != 0 || (kw != 0 && kw != 4 && kw != 8 && kw != 16)) return false;
-  // The policy (kw 0) declines launches of more than ~3 blocks per SM: one block per tile then runs in
-  // waves and qgemm_skinny is faster (gate/up 2x11008 M=1: 27.4 vs 28.5-29.8 us GPTQ, 37.4 vs 42.9 EXL2).
-  if (kw == 0 && tiles > 3 * device_sm(static_cast<int>(device), false)) return false;
-  return plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), 0, min_group, uniform4,
-                  static_cast<int>(device)).smem <= kSmemMax;
+                       int64_t kw, int64_t ring) {
+  if (rows < 1 || rows > kMaxRows || K % 32 != 0 || kw < 0 || ring < 0) return false;
+  // The policy (kw 0) declines staged-x launches of more than ~3 blocks per SM: one block per tile then runs
+  // in waves and qgemm_skinny is faster (gate/up 2x11008 M=1: 27.4 vs 28.5-29.8 us GPTQ, 37.4 vs 42.9 EXL2).
+  if (kw == 0 && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false)) return false;
+  const Plan p = plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
+                          uniform4, static_cast<int>(device));
+  return p.smem <= kSmemMax && plan_has_kernel(p, uniform4);
 }
 
 }  // namespace
@@ -360,7 +447,8 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor[]");
-  m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0) -> bool",
+  m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
+        "int ring=0) -> bool",
         &qgemm_kslice_fits);
 }
 

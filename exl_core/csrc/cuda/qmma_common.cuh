@@ -210,6 +210,7 @@ struct Mat {
   __half* y;                  // [M, N]
   int64_t N;
   int tile0;                  // first blockIdx.x of this matrix
+  const __half* x;            // this matrix's own x (qgemm_kslice: x permuted for act-order), or null
 };
 struct Mats {
   Mat m[kMaxMats];
@@ -387,7 +388,7 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     mats.m[i] = Mat{qp, ch.data_ptr<int32_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
                     p ? p->data_ptr<int64_t>() : nullptr,
                     b ? reinterpret_cast<const __half*>(b->data_ptr()) : nullptr,
-                    reinterpret_cast<__half*>(ys.back().data_ptr()), N, 0};
+                    reinterpret_cast<__half*>(ys.back().data_ptr()), N, 0, nullptr};
   }
   return mats;
 }
