@@ -7,7 +7,8 @@
 # Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
-# with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), readbw (bench/read_bw.cu: read bandwidth by
+# with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
+# K/V cache as (B, Hkv, T, D)), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -38,7 +39,8 @@ fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || exit 0
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || has kvhtd ||
+  exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
   done ) >"$CKPT_LOG" 2>&1 &
@@ -66,6 +68,10 @@ fi
 if has noks; then     # A/B: the same graph decode with the previous decode kernel (qgemm_skinny)
   EXL_CORE_KSLICE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json bench/results/gpu_h200_noks.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \
+    --json bench/results/gpu_h200_kvhtd.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nopdl; then    # A/B: the same graph decode and prompt with programmatic dependent launch off
   EXL_CORE_PDL=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

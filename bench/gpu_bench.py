@@ -86,17 +86,28 @@ class _CapPositions(torch.Tensor):
         return torch.tensor(0)
 
 
+TOKEN_MAJOR = True    # K/V cache (B, T, Hkv, D): the paged cache's layout (exl_core/cache/paged.py) and
+                      # ExLlamaV2's; a prefill writes it with one contiguous copy (64 writes of 2048 x 32 x 128:
+                      # 649 us against 1,575 us into (B, Hkv, T, D), bench/prompt_probe.py). --kv-layout htd: the latter (A/B)
+
+
 class StaticKV:
-    """K/V of B equal-length sequences: per layer (B, Hkv, max_len, D)."""
+    """K/V of B equal-length sequences: per layer (B, max_len, Hkv, D), or (B, Hkv, max_len, D) with
+    TOKEN_MAJOR off; `htd(t)` views either as (B, Hkv, T, D) for SDPA."""
 
     def __init__(self, model, B: int, max_len: int):
         c = model.config
-        shape = (B, c.num_key_value_heads, max_len, c.head_dim)
+        shape = ((B, max_len, c.num_key_value_heads, c.head_dim) if TOKEN_MAJOR else
+                 (B, c.num_key_value_heads, max_len, c.head_dim))
         self.k = [torch.zeros(shape, dtype=model.dtype, device="cuda") for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=model.dtype, device="cuda") for _ in range(c.num_hidden_layers)]
         self.B, self.max_len = B, max_len
         self.pos = torch.zeros(1, dtype=torch.int64, device="cuda")      # next position (device side)
         self.kpos = torch.arange(max_len, device="cuda")
+
+    @staticmethod
+    def htd(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2) if TOKEN_MAJOR else t
 
 
 class PrefillContext:
@@ -110,11 +121,17 @@ class PrefillContext:
     def attend(self, layer, q, k, v, scale, window):
         B, T = self.kv.B, self.T
         q = q.view(B, T, *q.shape[1:]).transpose(1, 2)                   # (B, Hq, T, D)
-        k = k.view(B, T, *k.shape[1:]).transpose(1, 2)                   # (B, Hkv, T, D)
-        v = v.view(B, T, *v.shape[1:]).transpose(1, 2)
-        self.kv.k[layer][:, :, :T] = k
-        self.kv.v[layer][:, :, :T] = v
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        k = k.view(B, T, *k.shape[1:])                                   # (B, T, Hkv, D)
+        v = v.view(B, T, *v.shape[1:])
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        if TOKEN_MAJOR:
+            kc[:, :T] = k
+            vc[:, :T] = v
+        else:
+            kc[:, :, :T] = k.transpose(1, 2)
+            vc[:, :, :T] = v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+                                           enable_gqa=True)
         return o.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[3])
 
 
@@ -131,12 +148,14 @@ class DecodeContext:
     def attend(self, layer, q, k, v, scale, window):
         kv = self.kv
         kc, vc = kv.k[layer], kv.v[layer]
-        kc.index_copy_(2, kv.pos, k.unsqueeze(2))                          # (B, Hkv, 1, D) at pos
-        vc.index_copy_(2, kv.pos, v.unsqueeze(2))
+        t = 1 if TOKEN_MAJOR else 2
+        kc.index_copy_(t, kv.pos, k.unsqueeze(t))                          # one token at pos
+        vc.index_copy_(t, kv.pos, v.unsqueeze(t))
         if layer == 0:                                                     # keys 0..pos, once per step
             self.mask = (kv.kpos <= kv.pos).view(1, 1, 1, -1)
         mask = self.mask
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv.htd(kc), kv.htd(vc), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
         return o.squeeze(2)                                               # (B, Hq, D)
 
 
@@ -355,11 +374,15 @@ def main() -> None:
     ap.add_argument("--exl2", type=Path)
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_h200.json")
     ap.add_argument("--quick", action="store_true", help="graph decode and prompt only (A/B runs)")
+    ap.add_argument("--kv-layout", choices=("thd", "htd"), default="thd",
+                    help="the bench's K/V cache: (B, T, Hkv, D) (default) or (B, Hkv, T, D) (A/B)")
     a = ap.parse_args()
+    global TOKEN_MAJOR
+    TOKEN_MAJOR = a.kv_layout == "thd"
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch",
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
-                 "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0",
+                 "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0", "kv_layout": a.kv_layout,
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):

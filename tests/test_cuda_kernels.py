@@ -112,6 +112,31 @@ def test_qgemv_and_dequant_ops_direct(M):
     assert rel_err(w, W) < 1e-3
 
 
+def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
+    """qdequant_chunks(col0, cols) gives exactly those columns of the whole dequantisation; the large-M path
+    takes weights wider than two slices slice by slice (each GEMM writing y's columns in place) and matches
+    the float64 reference, with and without bias."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    pw = random_packed(LAYOUTS[1], 4 * 67, perm=True, bias=True)      # every width, N = 268
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    ch = cc.chunk_table(pw.groups, "cuda")
+    ops = torch.ops.exl_core
+    full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, torch.float16)
+    for col0, cols in ((0, 64), (64, 100), (200, 68), (267, 1), (100, -1)):
+        poison_allocator()
+        part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, torch.float16, col0, cols)
+        assert torch.equal(part, full[:, col0:col0 + cols] if cols >= 0 else full[:, col0:])
+    monkeypatch.setattr(cc, "DEQUANT_SLICE", 64)                     # slices of 64, 64, 64, 64, 12 columns
+    x = torch.randn(40, pw.in_features, dtype=torch.float16)
+    for bias in (None, c.bias.half()):
+        poison_allocator()
+        y = cc._dequant_mm(x.cuda(), c, ch, c.perm, bias)
+        ref = x.double() @ W + (0 if bias is None else pw.bias.half().double())
+        assert y.shape == (40, 268) and rel_err(y, ref) < 2e-3
+
+
 MMA_CASES = [                                                     # (layout, N)
     (LAYOUTS[1], 4 * 67),                                         # every width, partial column tile
     ([(4, 32 * 96)], 4 * 33),                                     # split-K over a cluster
@@ -232,7 +257,7 @@ def test_decode_kernels_on_column_tiled_words(M):
 
 
 def test_qgemm_kslice_policy_and_limits():
-    """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 9..32 rows of mixed widths) to
+    """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths) to
     qgemm_kslice; it refuses more rows, staged-x launches of more than ~3 tiles per SM, shapes whose x does
     not fit shared memory and instances that do not exist, which then go elsewhere."""
     _need_kernels()
@@ -242,8 +267,8 @@ def test_qgemm_kslice_policy_and_limits():
     assert all(_kslice_ok(m, [pw], dev) == KSLICE_ON for m in (1, 8, 9, 32))
     assert not _kslice_ok(33, [pw], dev)
     mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")   # EXL2-like
-    assert all(_kslice_ok(m, [mixed], dev) == KSLICE_ON for m in (1, 9, 32))
-    assert not any(_kslice_ok(m, [mixed], dev) for m in (2, 8))
+    assert all(_kslice_ok(m, [mixed], dev) == KSLICE_ON for m in (1, 17, 32))
+    assert not any(_kslice_ok(m, [mixed], dev) for m in (2, 8, 16))
     fits = torch.ops.exl_core.qgemm_kslice_fits
     assert fits(1, 11008, 128, 128, True, 0) and fits(32, 11008, 128, 128, True, 0)
     assert not fits(8, 65536, 128, 128, True, 0)

@@ -6,7 +6,7 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
-  fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 or 9+ rows for mixed widths), N % 4 == 0, 16-byte aligned
+  fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 or 17+ rows for mixed widths), N % 4 == 0, 16-byte aligned
   buffers, shared memory permitting, up to 8 rows at most ~3 column tiles of 32 per SM (not gate/up):
                        decode kernel, 32 columns x K slices per block, one launch
                        (`exl_core::qgemm_kslice`, `qgemm_kslice_multi`); EXL_CORE_KSLICE=0 turns it off (A/B)
@@ -44,8 +44,10 @@ from .dispatch import Candidate, extension
 
 KSLICE_MAX_ROWS = 32        # four mma n-tiles of x rows; above 8 rows x is read from global memory, not staged
 KSLICE_STAGED_ROWS = 8      # rows whose x the kernel stages in shared memory (gathering it per row under act-order)
-KSLICE_MIXED_ROWS = (1, 9)  # mixed widths / act-order take 1 row, or 9 and more (x pre-permuted per weight): at
-                            # 8 staged rows q/k/v took 50.0 us against skinny's 32.0 (the per-row gather)
+KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and more (x pre-permuted per weight): at
+                             # 8 staged rows q/k/v took 50.0 us against skinny's 32.0 (the per-row gather); at 16
+                             # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
+                             # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -53,6 +55,7 @@ MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows:
 MMA_MIXED_MAX_ROWS = 16     # weights that are not uniform 4-bit: measured on EXL2 mixed widths only, where
                             # dequantise + cuBLAS won at 32 rows end to end (bs32 2,599.1 vs 2,447.0 tok/s)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
+DEQUANT_SLICE = 4096        # dequantise + cuBLAS: columns per slice of weights wider than two slices (_dequant_mm)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -183,9 +186,32 @@ def _qmatmul_run(x, pw):
     elif rows <= GEMV_MAX_ROWS:
         y = torch.ops.exl_core.qgemv_chunks(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
     else:
-        w = torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks, pw.scale, pw.zero, perm, x.dtype)  # [K, N]
-        y = torch.addmm(bias, x2, w) if bias is not None else x2 @ w
+        y = _dequant_mm(x2, pw, chunks, perm, bias)
     return y.reshape(*x.shape[:-1], pw.out_features)
+
+
+def _dequant_mm(x2, pw, chunks, perm, bias):
+    """x2 @ W (+ bias), W dequantised to x2's dtype for cuBLAS. Weights wider than 2 x DEQUANT_SLICE go in
+    slices of DEQUANT_SLICE columns, each dequantised into the block the slice before freed (the allocator
+    hands it back on the same stream), so the fp16 scratch stays L2-sized and the GEMM writes y's columns in
+    place. bench/prompt_probe.py (H200, x [2048, 4096], 8 distinct weights per graph): 4096x11008 312.6 ->
+    284.6 us per weight in slices of 4096; slices of 2048 lost on 4096x4096 (108.4 vs 103.2) and 11008x4096
+    (275.5 vs 267.3), where the narrower GEMMs cost more than the scratch saves."""
+    N = pw.out_features
+    deq = torch.ops.exl_core.qdequant_chunks
+    if N <= 2 * DEQUANT_SLICE:
+        w = deq(pw.qweight, chunks, pw.scale, pw.zero, perm, x2.dtype)          # [K, N]
+        return torch.addmm(bias, x2, w) if bias is not None else x2 @ w
+    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    for n0 in range(0, N, DEQUANT_SLICE):
+        n1 = min(N, n0 + DEQUANT_SLICE)
+        w = deq(pw.qweight, chunks, pw.scale, pw.zero, perm, x2.dtype, n0, n1 - n0)
+        if bias is not None:
+            torch.addmm(bias[n0:n1], x2, w, out=y[:, n0:n1])
+        else:
+            torch.mm(x2, w, out=y[:, n0:n1])
+        del w                                                                   # its block serves the next slice
+    return y
 
 
 def _perm_of(pw, device):

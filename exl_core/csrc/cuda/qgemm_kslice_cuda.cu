@@ -313,11 +313,15 @@ int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
 // every SM streams with many loads in flight; more tiles take 8 (measured on the H200, bench/cuda_probe.py
 // kslice: 4096x4096 M=1 6.8 us with 16 warps, 7.5 with 8; q/k/v 3x4096 17.6 us with 8, 20.3 with 16).
-// More than 8 rows: 8 warps (their accumulators and x ring take ~200 registers a lane; 16 warps would not fit).
+// More than 8 rows: 8 warps, or 4 where the grid has several tiles per SM (2 n-tiles: more than one per SM;
+// 4 n-tiles: more than three) -- 4-warp blocks then share an SM (GPTQ M=16 q/k/v 18.9 us with 4, 27.5 with 8,
+// 4096x4096 9.3 with 8, 12.2 with 4; M=32 gate/up 66.0 with 4, 74.6 with 8, q/k/v 38.4 with 8, 44.2 with 4).
+// Their accumulators and x ring take 160-222 registers a lane: no 16-warp instance.
 // `min_group`: the smallest group (rows) of the weights, for the scale slots.
 Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev) {
   const int nt = n_tiles_for(M);
-  if (kw <= 0) kw = nt > 1 ? 8 : tiles <= device_sm(dev, false) ? 16 : 8;
+  const int64_t sms = device_sm(dev, false);
+  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : 8;
   if (ring <= 0) ring = u4 ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns

@@ -22,6 +22,8 @@
 
 #include <vector>
 
+#include "pdl.cuh"
+
 namespace {
 
 constexpr int kThreads = 128;
@@ -151,13 +153,17 @@ __global__ void finish_kernel(const float* __restrict__ part, int64_t slices, co
   y[i] = from_f<T>(v);
 }
 
-// One thread per (chunk, column): 32 dequantised values written to rows perm[k] of W [K, N].
+// One thread per (chunk, column): 32 dequantised values written to rows perm[k] of W [K, N]; word rows
+// are ldq apart.  Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the
+// GEMM before may still read: the allocator hands the same block to each slice) is written after it.
 template <typename T, int BITS>
-__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t N, float s, float zs, const int64_t* perm,
-                                              int64_t k0, int64_t col, T* W) {
+__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t N, float s, float zs,
+                                              const int64_t* perm, int64_t k0, int64_t col, T* W) {
   uint32_t w[BITS];
 #pragma unroll
-  for (int j = 0; j < BITS; ++j) w[j] = __ldg(qw + j * N);
+  for (int j = 0; j < BITS; ++j) w[j] = __ldg(qw + j * ldq);
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
   constexpr uint32_t mask = (1u << BITS) - 1u;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -170,23 +176,29 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t N, floa
   }
 }
 
+// W [K, N] from columns [0, N) of qweight/scale/zero whose rows are ldq apart (the caller offsets them to a
+// column slice).
 template <typename T>
-__global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t N,
-                               const float* __restrict__ scale, const float* __restrict__ zero,
+__global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
+                               int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
                                const int64_t* __restrict__ perm, T* __restrict__ W) {
   const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (col >= N) return;
+  if (col >= N) {
+    exl_pdl::pdl_wait();                                        // every block waits: completion stays transitive
+    exl_pdl::pdl_trigger();
+    return;
+  }
   const int64_t c = blockIdx.y;
   const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
-  const float s = scale[g * N + col], zs = zero[g * N + col] * s;
-  const int32_t* qw = qweight + static_cast<int64_t>(qrow) * N + col;
+  const float s = scale[g * ldq + col], zs = zero[g * ldq + col] * s;
+  const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
   switch (bits) {
-    case 4: dequant_chunk<T, 4>(qw, N, s, zs, perm, c * 32, col, W); break;
-    case 2: dequant_chunk<T, 2>(qw, N, s, zs, perm, c * 32, col, W); break;
-    case 3: dequant_chunk<T, 3>(qw, N, s, zs, perm, c * 32, col, W); break;
-    case 5: dequant_chunk<T, 5>(qw, N, s, zs, perm, c * 32, col, W); break;
-    case 6: dequant_chunk<T, 6>(qw, N, s, zs, perm, c * 32, col, W); break;
-    default: dequant_chunk<T, 8>(qw, N, s, zs, perm, c * 32, col, W); break;
+    case 4: dequant_chunk<T, 4>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
+    case 2: dequant_chunk<T, 2>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
+    case 3: dequant_chunk<T, 3>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
+    case 5: dequant_chunk<T, 5>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
+    case 6: dequant_chunk<T, 6>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
+    default: dequant_chunk<T, 8>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
   }
 }
 
@@ -302,22 +314,32 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
-// W [K, N] in the original row order, dtype `dtype`: the dequantised weight for cuBLAS.
+// W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
+// weight (cols -1: to the end) for cuBLAS.  Large-M callers take wide weights in L2-sized column slices.
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
-                           const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype) {
-  const int64_t K = chunks.size(0) * 32, N = qweight.size(1);
+                           const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
+                           int64_t col0, int64_t cols) {
+  const int64_t K = chunks.size(0) * 32, ldq = qweight.size(1);
   check_common(qweight, chunks, scale, zero, perm, K);
+  if (cols < 0) cols = ldq - col0;
+  TORCH_CHECK(col0 >= 0 && cols >= 0 && col0 + cols <= ldq, "exl_core::qdequant_chunks: columns [", col0, ", ",
+              col0 + cols, ") outside the weight's ", ldq);
+  const int64_t N = cols;
   const c10::cuda::CUDAGuard guard(qweight.device());
   auto W = at::empty({K, N}, qweight.options().dtype(dtype));
   if (K == 0 || N == 0) return W;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = qweight.device().index();
   const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
   const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(chunks.size(0)));
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
-    dequant_kernel<scalar_t><<<grid, 128, 0, stream>>>(chunks.data_ptr<int32_t>(), qweight.data_ptr<int32_t>(), N,
-        scale.data_ptr<float>(), zero.data_ptr<float>(), pp, reinterpret_cast<scalar_t*>(W.data_ptr()));
+    exl_pdl::launch_pdl(dequant_kernel<scalar_t>, grid, dim3(128), 0, stream, dev,
+                        static_cast<const int32_t*>(chunks.data_ptr<int32_t>()),
+                        static_cast<const int32_t*>(qweight.data_ptr<int32_t>() + col0), ldq, N,
+                        static_cast<const float*>(scale.data_ptr<float>() + col0),
+                        static_cast<const float*>(zero.data_ptr<float>() + col0), pp,
+                        reinterpret_cast<scalar_t*>(W.data_ptr()));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return W;
 }
 
@@ -357,7 +379,7 @@ at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const auto chunks = chunk_table_cuda(groups, x.size(1), qweight.size(0), x.device());
   const auto xc = x.contiguous();
   if (x.size(0) <= 16) return qgemv_chunks(xc, qweight, chunks, scale, zero, perm, bias);
-  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type());
+  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1);
   auto y = at::matmul(xc, W);
   if (bias) y.add_(*bias);
   return y;
@@ -369,7 +391,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemv_chunks(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias) -> Tensor");
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "ScalarType dtype) -> Tensor");
+        "ScalarType dtype, int col0=0, int cols=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
