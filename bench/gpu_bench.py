@@ -339,9 +339,15 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
                 r[key + "_error"] = repr(e)[:300]
         if f"bs{B}_decode_tok_s" not in r and f"bs{B}_decode_tok_s_eager" in r:
             r[f"bs{B}_decode_tok_s"] = r[f"bs{B}_decode_tok_s_eager"]
+    try:             # before the profiles: after a torch.profiler session launches cost more host time
+        r["prompt2048_tok_s"] = prompt_tok_s(model)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        r["prompt2048_error"] = repr(e)[:300]
     if PROFILE and not quick:
         try:
             r["profile_decode_bs1"] = profile_decode(model, 1)
+            r["profile_decode_bs32"] = profile_decode(model, 32)
             kv = StaticKV(model, 1, 2048)
             ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
             r["profile_prompt2048"] = profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)),
@@ -350,11 +356,6 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r["profile_error"] = repr(e)[:300]
-    try:
-        r["prompt2048_tok_s"] = prompt_tok_s(model)
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        r["prompt2048_error"] = repr(e)[:300]
     r["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
     del model
     torch.cuda.empty_cache()

@@ -24,6 +24,12 @@
 
 #include "pdl.cuh"
 
+#include <type_traits>
+
+namespace {
+inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+}  // namespace
+
 namespace {
 
 constexpr int kThreads = 128;
@@ -176,6 +182,83 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
   }
 }
 
+// Two 16-bit values as one 32-bit word, a in the low half (the lower address).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// dequant_chunk for 8 adjacent columns of a 16-bit W: two 16-byte loads per word row, one 16-byte store per
+// W row (a warp stores 512 contiguous bytes instead of 64).
+template <typename T, int BITS>
+__device__ __forceinline__ void dequant_chunk8(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[8],
+                                               const float (&zs)[8], const int64_t* perm, int64_t k0, T* Wc) {
+  uint32_t w[BITS][8];
+#pragma unroll
+  for (int j = 0; j < BITS; ++j) {
+    const int4 a = __ldg(reinterpret_cast<const int4*>(qw + j * ldq));
+    const int4 b = __ldg(reinterpret_cast<const int4*>(qw + j * ldq + 4));
+    w[j][0] = a.x, w[j][1] = a.y, w[j][2] = a.z, w[j][3] = a.w;
+    w[j][4] = b.x, w[j][5] = b.y, w[j][6] = b.z, w[j][7] = b.w;
+  }
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
+    float f[8];
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      uint32_t q = w[wi][v] >> off;
+      if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
+      f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
+    }
+    const int64_t k = k0 + i;
+    const int64_t row = perm ? perm[k] : k;
+    *reinterpret_cast<uint4*>(Wc + row * N) =
+        make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+  }
+}
+
+// dequant_kernel with 8 columns per thread (fp16/bf16 W; N % 8 == 0, ldq % 4 == 0, 16-byte aligned buffers).
+template <typename T>
+__global__ void dequant8_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
+                                int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
+                                const int64_t* __restrict__ perm, T* __restrict__ W) {
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (col >= N) {
+    exl_pdl::pdl_wait();
+    exl_pdl::pdl_trigger();
+    return;
+  }
+  const int64_t c = blockIdx.y;
+  const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
+  float s[8], zs[8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float4 sv = __ldg(reinterpret_cast<const float4*>(scale + g * ldq + col + 4 * h));
+    const float4 zv = __ldg(reinterpret_cast<const float4*>(zero + g * ldq + col + 4 * h));
+    s[4 * h] = sv.x, s[4 * h + 1] = sv.y, s[4 * h + 2] = sv.z, s[4 * h + 3] = sv.w;
+    zs[4 * h] = zv.x * sv.x, zs[4 * h + 1] = zv.y * sv.y, zs[4 * h + 2] = zv.z * sv.z, zs[4 * h + 3] = zv.w * sv.w;
+  }
+  const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
+  T* Wc = W + col;
+  switch (bits) {
+    case 4: dequant_chunk8<T, 4>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 2: dequant_chunk8<T, 2>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 3: dequant_chunk8<T, 3>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 5: dequant_chunk8<T, 5>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 6: dequant_chunk8<T, 6>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    default: dequant_chunk8<T, 8>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+  }
+}
+
 // W [K, N] from columns [0, N) of qweight/scale/zero whose rows are ldq apart (the caller offsets them to a
 // column slice).
 template <typename T>
@@ -314,6 +397,20 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
+template <typename T>
+void launch_dequant(bool vec8, dim3 grid, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch,
+                    const int32_t* qp, int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp,
+                    T* out) {
+  if constexpr (!std::is_same<T, float>::value) {
+    if (vec8) {
+      const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
+      exl_pdl::launch_pdl(dequant8_kernel<T>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+      return;
+    }
+  }
+  exl_pdl::launch_pdl(dequant_kernel<T>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+}
+
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
 // weight (cols -1: to the end) for cuBLAS.  Large-M callers take wide weights in L2-sized column slices.
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
@@ -332,13 +429,14 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   const int dev = qweight.device().index();
   const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
   const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(chunks.size(0)));
+  const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
+  const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
+  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp) && is_aligned16(sp) &&
+                    is_aligned16(zp);
+  const int32_t* ch = chunks.data_ptr<int32_t>();
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
-    exl_pdl::launch_pdl(dequant_kernel<scalar_t>, grid, dim3(128), 0, stream, dev,
-                        static_cast<const int32_t*>(chunks.data_ptr<int32_t>()),
-                        static_cast<const int32_t*>(qweight.data_ptr<int32_t>() + col0), ldq, N,
-                        static_cast<const float*>(scale.data_ptr<float>() + col0),
-                        static_cast<const float*>(zero.data_ptr<float>() + col0), pp,
-                        reinterpret_cast<scalar_t*>(W.data_ptr()));
+    launch_dequant<scalar_t>(vec8, grid, chunks.size(0), stream, dev, ch, qp, ldq, N, sp, zp, pp,
+                             reinterpret_cast<scalar_t*>(W.data_ptr()));
   });
   return W;
 }
