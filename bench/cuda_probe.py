@@ -1,6 +1,6 @@
 """Probe one qmatmul kernel on a random 4096x4096 4-bit weight (for ncu, or a quick timing).
 
-    python bench/cuda_probe.py [mma|gemv|skinny|skinny_tiled] [M] [splits]   # ncu -k regex:qgemm ...
+    python bench/cuda_probe.py [mma|gemv|skinny|skinny_tiled|ks] [M] [splits]   # ncu -k regex:qgemm ...
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
     python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
     python bench/cuda_probe.py kslice                        # decode kernels: qgemm_kslice variants vs skinny
@@ -256,6 +256,8 @@ def main() -> None:
             pw.meta["_ch"] = ch
             if what == "mma":
                 ops.qgemm_mma(x, pw.qweight, ch, pw.scale, pw.zero, None, None, splits)
+            elif what == "ks":                            # qgemm_kslice, its policy's kw / ring
+                ops.qgemm_kslice(x, pw.qweight, ch, pw.scale, pw.zero, None, None, True, min_group=128)
             elif what.startswith("skinny"):
                 q = tiled(pw.qweight) if what == "skinny_tiled" else pw.qweight
                 ops.qgemm_skinny(x, q, ch, pw.scale, pw.zero, None, None, True, splits)

@@ -8,7 +8,7 @@
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
-# K/V cache as (B, Hkv, T, D)), readbw (bench/read_bw.cu: read bandwidth by
+# K/V cache as (B, Hkv, T, D)), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -84,6 +84,11 @@ if has probe; then    # where the host waits for the GPU; the decode kernel alon
 fi
 if has promptprobe; then   # 2048-token prompt: graph vs eager, dequantise/GEMM overlap and L2 slices, K/V copy layouts
   timeout ${PROBE_TIMEOUT:-150} $PY bench/prompt_probe.py "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -30
+fi
+if has ncu; then      # qgemm_kslice at 32 rows (4096x4096) under Nsight Compute: what limits it
+  timeout ${PROBE_TIMEOUT:-150} ncu --clock-control none -k regex:qgemm_kslice --launch-skip 8 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section LaunchStats $PY bench/cuda_probe.py ks 32 2>&1 | tee -a "$LOG" | tail -90
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
   timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee -a "$LOG" | tail -8

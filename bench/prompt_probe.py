@@ -11,6 +11,7 @@
                against a (1, T, H, D) cache (contiguous copy)
 
     python bench/prompt_probe.py CKPT    # JSON: bench/results/prompt_probe_h200.json (and $OUT/ when set)
+    PROBE_PARTS=matmul PROBE_SLICES=4096,5504 python bench/prompt_probe.py CKPT   # a subset
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ T = 2048
 NW = 8                                                    # weights per graph: 8 x >= 32 MB of W, L2 is 50 MB
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))
 PER_LAYER = {(4096, 4096): 4, (4096, 11008): 2, (11008, 4096): 1}   # q/k/v/o, gate/up, down of a 7B layer
-SLICES = (1024, 2048, 4096)
+SLICES = tuple(int(v) for v in os.environ.get("PROBE_SLICES", "1024,2048,4096").split(","))
+PARTS = set(os.environ.get("PROBE_PARTS", "baseline,matmul,kv_copy,projection,graph").split(","))
 ROWS: list[dict] = []
 
 
@@ -176,6 +178,10 @@ def part_matmul(K: int, N: int, side) -> dict:
             dq(pw)                                        # dropped at once: one reused block, as in the model
     attempt(r, "a_dequant_us", lambda: us(dq_only))
     attempt(r, "b_gemm_us", lambda: us(lambda: [x @ w for w in ws]))
+    wts = [w.t().contiguous() for w in ws]                # W stored [N, K]: cuBLAS's TN form instead of NN
+    attempt(r, "b_gemm_tn_us", lambda: us(lambda: [x @ wt.t() for wt in wts]))
+    attempt(r, "b_gemm_tn_maxdiff", lambda: float((x @ wts[0].t() - ref).abs().max()))
+    wts.clear()
     attempt(r, "c_dequant_gemm_us", lambda: us(lambda: [x @ dq(pw) for pw in pws]))
     ev_dq = [torch.cuda.Event() for _ in pws]
     ev_mm = [torch.cuda.Event() for _ in pws]
@@ -271,6 +277,7 @@ def main() -> None:
         steps.append(("graph", lambda: part_graph(model, ids, kv)))         # last: see the docstring
     else:
         add(m)
+    steps = [(n, f) for n, f in steps if n.split()[0] in PARTS]        # PROBE_PARTS: a subset
     for name, fn in steps:
         try:
             fn()
