@@ -194,11 +194,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 }
 
 // dequant_chunk for 8 adjacent columns of a 16-bit W: two 16-byte loads per word row, one 16-byte store per
-// W row (a warp stores 512 contiguous bytes instead of 64).  `rows`: the chunk's 32 destination rows (the
-// block's copy of perm[k0 ..]) or null for rows k0 ...
+// W row (a warp stores 512 contiguous bytes instead of 64).
 template <typename T, int BITS>
 __device__ __forceinline__ void dequant_chunk8(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[8],
-                                               const float (&zs)[8], const int64_t* rows, int64_t k0, T* Wc) {
+                                               const float (&zs)[8], const int64_t* perm, int64_t k0, T* Wc) {
   uint32_t w[BITS][8];
 #pragma unroll
   for (int j = 0; j < BITS; ++j) {
@@ -220,7 +219,8 @@ __device__ __forceinline__ void dequant_chunk8(const int32_t* qw, int64_t ldq, i
       if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
       f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
     }
-    const int64_t row = rows ? rows[i] : k0 + i;
+    const int64_t k = k0 + i;
+    const int64_t row = perm ? perm[k] : k;
     *reinterpret_cast<uint4*>(Wc + row * N) =
         make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
   }
@@ -231,20 +231,13 @@ template <typename T>
 __global__ void dequant8_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
                                 int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
                                 const int64_t* __restrict__ perm, T* __restrict__ W) {
-  const int64_t c = blockIdx.y;
-  // act-order: the chunk's 32 destination rows once per block in shared memory (every thread stores to all
-  // 32; read from global memory per store they were a dependent load each).  blockDim >= 32.
-  __shared__ int64_t rows[32];
-  if (perm != nullptr) {
-    if (threadIdx.x < 32) rows[threadIdx.x] = __ldg(perm + c * 32 + threadIdx.x);
-    __syncthreads();
-  }
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (col >= N) {
     exl_pdl::pdl_wait();
     exl_pdl::pdl_trigger();
     return;
   }
+  const int64_t c = blockIdx.y;
   const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
   float s[8], zs[8];
 #pragma unroll
@@ -256,14 +249,13 @@ __global__ void dequant8_kernel(const int32_t* __restrict__ chunks, const int32_
   }
   const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
   T* Wc = W + col;
-  const int64_t* rp = perm ? rows : nullptr;
   switch (bits) {
-    case 4: dequant_chunk8<T, 4>(qw, ldq, N, s, zs, rp, c * 32, Wc); break;
-    case 2: dequant_chunk8<T, 2>(qw, ldq, N, s, zs, rp, c * 32, Wc); break;
-    case 3: dequant_chunk8<T, 3>(qw, ldq, N, s, zs, rp, c * 32, Wc); break;
-    case 5: dequant_chunk8<T, 5>(qw, ldq, N, s, zs, rp, c * 32, Wc); break;
-    case 6: dequant_chunk8<T, 6>(qw, ldq, N, s, zs, rp, c * 32, Wc); break;
-    default: dequant_chunk8<T, 8>(qw, ldq, N, s, zs, rp, c * 32, Wc); break;
+    case 4: dequant_chunk8<T, 4>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 2: dequant_chunk8<T, 2>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 3: dequant_chunk8<T, 3>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 5: dequant_chunk8<T, 5>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 6: dequant_chunk8<T, 6>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    default: dequant_chunk8<T, 8>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
   }
 }
 
