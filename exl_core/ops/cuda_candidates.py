@@ -23,6 +23,9 @@ same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep")
 qgemm_kslice vs qgemm_skinny (us, M=1, bench/cuda_probe.py kslice, 16 distinct weights per CUDA graph, H200):
 GPTQ 4096x4096 6.9 vs 8.8, q/k/v 3x4096 17.5 vs 19.7, 11008x4096 14.1 vs 18.6, gate/up 2x11008 29.0 vs 27.4
 (skinny kept); EXL2 9.7 vs 13.3, 26.2 vs 26.4, 21.6 vs 26.3, 42.8 vs 37.0 (skinny kept).
+qgemm_kslice above 8 rows (x from global memory) against the paths those rows had (same run, us, GPTQ
+4096x4096 / q/k/v / gate/up / 11008x4096): M=16 kslice 9.3/18.9/34.4/21.7 vs skinny 11.2/27.6/44.2/21.9;
+M=32 kslice 12.9/38.4/66.0/30.2 vs qgemm_mma 20.6/57.3/108.6/46.1 (bench/results/cuda_kslice_h200.json).
 Measured before qgemm_kslice (us, 4096x4096 / 4096x11008 / 11008x4096, with PDL; the sweep of commit 3517c25:
 `git show 3517c25:bench/results/gpu_h200.json`, the committed file is a later run within ~0.5 us): M=1 skinny
 8.8/15.6/18.6, gemv 13.9/23.2/25.0, mma 12.3/29.7/25.7; M=8 skinny 9.8/17.1/20.5, mma 13.1/32.4/27.8;
@@ -43,7 +46,6 @@ import torch
 from .dispatch import Candidate, extension
 
 KSLICE_MAX_ROWS = 32        # four mma n-tiles of x rows; above 8 rows x is read from global memory, not staged
-KSLICE_STAGED_ROWS = 8      # rows whose x the kernel stages in shared memory (gathering it per row under act-order)
 KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and more (x pre-permuted per weight): at
                              # 8 staged rows q/k/v took 50.0 us against skinny's 32.0 (the per-row gather); at 16
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice

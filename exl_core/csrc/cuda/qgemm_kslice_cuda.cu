@@ -403,7 +403,8 @@ bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int k
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one
 // x in one launch.  kw (warps along K: 4, 8, 16; 4 or 8 above 8 rows) and ring (chunks of words in registers
 // per lane: 8 or 16 for uniform 4-bit, 4 or 8 otherwise; above 8 rows 8 and 4) 0 = chosen here; min_group:
-// the weights' smallest group in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see qgemm_kslice_fits).
+// the weights' smallest group in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see
+// qgemm_kslice_fits).
 std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,
@@ -437,8 +438,8 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
         mats.m[i].perm = nullptr;
         ++n;
       }
-      exl_pdl::launch_pdl(gather_cols_kernel, dim3(static_cast<unsigned>((K + 255) / 256), static_cast<unsigned>(M), static_cast<unsigned>(n)),
-                          dim3(256), 0, c10::cuda::getCurrentCUDAStream(), dev,
+      const dim3 grid(static_cast<unsigned>((K + 255) / 256), static_cast<unsigned>(M), static_cast<unsigned>(n));
+      exl_pdl::launch_pdl(gather_cols_kernel, grid, dim3(256), 0, c10::cuda::getCurrentCUDAStream(), dev,
                           static_cast<const __half*>(reinterpret_cast<const __half*>(x.data_ptr())), K, gs);
     }
   }

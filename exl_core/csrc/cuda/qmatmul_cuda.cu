@@ -159,29 +159,6 @@ __global__ void finish_kernel(const float* __restrict__ part, int64_t slices, co
   y[i] = from_f<T>(v);
 }
 
-// One thread per (chunk, column): 32 dequantised values written to rows perm[k] of W [K, N]; word rows
-// are ldq apart.  Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the
-// GEMM before may still read: the allocator hands the same block to each slice) is written after it.
-template <typename T, int BITS>
-__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t N, float s, float zs,
-                                              const int64_t* perm, int64_t k0, int64_t col, T* W) {
-  uint32_t w[BITS];
-#pragma unroll
-  for (int j = 0; j < BITS; ++j) w[j] = __ldg(qw + j * ldq);
-  exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger();
-  constexpr uint32_t mask = (1u << BITS) - 1u;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
-    uint32_t q = w[wi] >> off;
-    if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi] << (32 - off);
-    const int64_t k = k0 + i;
-    const int64_t row = perm ? perm[k] : k;
-    W[row * N + col] = from_f<T>(fmaf(q_to_f(q & mask), s, -zs));
-  }
-}
-
 // Two 16-bit values as one 32-bit word, a in the low half (the lower address).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
 template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
@@ -193,18 +170,26 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// dequant_chunk for 8 adjacent columns of a 16-bit W: two 16-byte loads per word row, one 16-byte store per
-// W row (a warp stores 512 contiguous bytes instead of 64).
-template <typename T, int BITS>
-__device__ __forceinline__ void dequant_chunk8(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[8],
-                                               const float (&zs)[8], const int64_t* perm, int64_t k0, T* Wc) {
-  uint32_t w[BITS][8];
+// One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of
+// W [K, N] at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two
+// 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
+// Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
+// read: the allocator hands the same block to each slice) is written after it.
+template <typename T, int BITS, int V>
+__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[V],
+                                              const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
+  uint32_t w[BITS][V];
 #pragma unroll
   for (int j = 0; j < BITS; ++j) {
-    const int4 a = __ldg(reinterpret_cast<const int4*>(qw + j * ldq));
-    const int4 b = __ldg(reinterpret_cast<const int4*>(qw + j * ldq + 4));
-    w[j][0] = a.x, w[j][1] = a.y, w[j][2] = a.z, w[j][3] = a.w;
-    w[j][4] = b.x, w[j][5] = b.y, w[j][6] = b.z, w[j][7] = b.w;
+    if constexpr (V == 1) {
+      w[j][0] = __ldg(qw + j * ldq);
+    } else {
+#pragma unroll
+      for (int h = 0; h < V / 4; ++h) {
+        const int4 a = __ldg(reinterpret_cast<const int4*>(qw + j * ldq + 4 * h));
+        w[j][4 * h] = a.x, w[j][4 * h + 1] = a.y, w[j][4 * h + 2] = a.z, w[j][4 * h + 3] = a.w;
+      }
+    }
   }
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
@@ -212,60 +197,32 @@ __device__ __forceinline__ void dequant_chunk8(const int32_t* qw, int64_t ldq, i
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
-    float f[8];
+    float f[V];
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
+    for (int v = 0; v < V; ++v) {
       uint32_t q = w[wi][v] >> off;
       if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
       f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
     }
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
-    *reinterpret_cast<uint4*>(Wc + row * N) =
-        make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
-  }
-}
-
-// dequant_kernel with 8 columns per thread (fp16/bf16 W; N % 8 == 0, ldq % 4 == 0, 16-byte aligned buffers).
-template <typename T>
-__global__ void dequant8_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
-                                int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
-                                const int64_t* __restrict__ perm, T* __restrict__ W) {
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  if (col >= N) {
-    exl_pdl::pdl_wait();
-    exl_pdl::pdl_trigger();
-    return;
-  }
-  const int64_t c = blockIdx.y;
-  const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
-  float s[8], zs[8];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float4 sv = __ldg(reinterpret_cast<const float4*>(scale + g * ldq + col + 4 * h));
-    const float4 zv = __ldg(reinterpret_cast<const float4*>(zero + g * ldq + col + 4 * h));
-    s[4 * h] = sv.x, s[4 * h + 1] = sv.y, s[4 * h + 2] = sv.z, s[4 * h + 3] = sv.w;
-    zs[4 * h] = zv.x * sv.x, zs[4 * h + 1] = zv.y * sv.y, zs[4 * h + 2] = zv.z * sv.z, zs[4 * h + 3] = zv.w * sv.w;
-  }
-  const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
-  T* Wc = W + col;
-  switch (bits) {
-    case 4: dequant_chunk8<T, 4>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 2: dequant_chunk8<T, 2>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 3: dequant_chunk8<T, 3>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 5: dequant_chunk8<T, 5>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 6: dequant_chunk8<T, 6>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    default: dequant_chunk8<T, 8>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    if constexpr (V == 1) {
+      Wc[row * N] = from_f<T>(f[0]);
+    } else {
+      static_assert(V == 8, "16-byte stores of 8 16-bit values");
+      *reinterpret_cast<uint4*>(Wc + row * N) =
+          make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+    }
   }
 }
 
 // W [K, N] from columns [0, N) of qweight/scale/zero whose rows are ldq apart (the caller offsets them to a
-// column slice).
-template <typename T>
+// column slice); V columns per thread (V = 8: N % 8 == 0, ldq % 4 == 0, 16-byte aligned buffers).
+template <typename T, int V>
 __global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
                                int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
                                const int64_t* __restrict__ perm, T* __restrict__ W) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= N) {
     exl_pdl::pdl_wait();                                        // every block waits: completion stays transitive
     exl_pdl::pdl_trigger();
@@ -273,15 +230,21 @@ __global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t
   }
   const int64_t c = blockIdx.y;
   const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
-  const float s = scale[g * ldq + col], zs = zero[g * ldq + col] * s;
+  float s[V], zs[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    s[v] = __ldg(scale + g * ldq + col + v);
+    zs[v] = __ldg(zero + g * ldq + col + v) * s[v];
+  }
   const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
+  T* Wc = W + col;
   switch (bits) {
-    case 4: dequant_chunk<T, 4>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
-    case 2: dequant_chunk<T, 2>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
-    case 3: dequant_chunk<T, 3>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
-    case 5: dequant_chunk<T, 5>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
-    case 6: dequant_chunk<T, 6>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
-    default: dequant_chunk<T, 8>(qw, ldq, N, s, zs, perm, c * 32, col, W); break;
+    case 4: dequant_chunk<T, 4, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 2: dequant_chunk<T, 2, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 3: dequant_chunk<T, 3, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 5: dequant_chunk<T, 5, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 6: dequant_chunk<T, 6, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    default: dequant_chunk<T, 8, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
   }
 }
 
@@ -404,11 +367,11 @@ void launch_dequant(bool vec8, dim3 grid, int64_t n_chunks, cudaStream_t stream,
   if constexpr (!std::is_same<T, float>::value) {
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(dequant8_kernel<T>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+      exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
       return;
     }
   }
-  exl_pdl::launch_pdl(dequant_kernel<T>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+  exl_pdl::launch_pdl(dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
 }
 
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
