@@ -123,11 +123,13 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
     c = pw.to("cuda")
     ch = cc.chunk_table(pw.groups, "cuda")
     ops = torch.ops.exl_core
-    full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, torch.float16)
-    for col0, cols in ((0, 64), (64, 100), (200, 68), (267, 1), (100, -1)):
-        poison_allocator()
-        part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, torch.float16, col0, cols)
-        assert torch.equal(part, full[:, col0:col0 + cols] if cols >= 0 else full[:, col0:])
+    for dt in (torch.float16, torch.bfloat16):                       # N = 268: the whole weight takes 1 column
+        full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt)    # per thread, slices 0/64 and
+        assert rel_err(full, W) < (1e-3 if dt == torch.float16 else 8e-3)         # 100/-1 take 8 (16-byte stores)
+        for col0, cols in ((0, 64), (64, 100), (200, 68), (267, 1), (100, -1)):
+            poison_allocator()
+            part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt, col0, cols)
+            assert torch.equal(part, full[:, col0:col0 + cols] if cols >= 0 else full[:, col0:]), (dt, col0)
     monkeypatch.setattr(cc, "DEQUANT_SLICE", 64)                     # slices of 64, 64, 64, 64, 12 columns
     x = torch.randn(40, pw.in_features, dtype=torch.float16)
     for bias in (None, c.bias.half()):
@@ -220,13 +222,12 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
         xc = buf[4:].view(M, K)
         xc.copy_(x)
     for u4 in ({False, _uniform4(pw)}):
-        if ring and not u4:
-            ring = 8
+        r = 8 if ring and not u4 else ring                     # the mixed-width kernel's deeper ring
         for min_group in (0, 128):
-            if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw, ring):
+            if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw, r):
                 continue                                       # shared memory or no such instance
             poison_allocator()
-            y = torch.ops.exl_core.qgemm_kslice(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, kw, ring,
+            y = torch.ops.exl_core.qgemm_kslice(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, kw, r,
                                                 min_group)
             assert y.dtype == torch.float16 and y.shape == (M, N)
             assert rel_err(y, ref) < 2e-3, (u4, min_group)
@@ -254,6 +255,34 @@ def test_decode_kernels_on_column_tiled_words(M):
         poison_allocator()
         y = ops.qgemm_kslice(x.cuda(), q, ch, c.scale, c.zero, c.perm, c.bias.half(), u4)
         assert rel_err(y, ref) < 2e-3
+
+
+@pytest.mark.parametrize("M", [12, 32])
+def test_qgemm_kslice_many_rows_act_order_unaligned_x(M):
+    """9..32 rows read x from global memory: act-order weights (two sharing one permutation, one with its
+    own, one without) get x permuted by one gather launch; x at an 8-byte offset is realigned first."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    K = 32 * 40
+    layouts = [[(4, K)], [(4, K)], [(5, 32 * 8), (4, 32 * 24), (3, 32 * 8)], [(4, K)]]
+    pws = [random_packed(lay, n, perm=i < 3, bias=i == 2) for i, (lay, n) in enumerate(zip(layouts, (4 * 67, 36, 512, 64)))]
+    pws[1].perm = pws[0].perm.clone()                                 # q/k-style: one permutation for both
+    x = torch.randn(M, K, dtype=torch.float16)
+    buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
+    xc = buf[4:].view(M, K)
+    xc.copy_(x)
+    cs = [pw.to("cuda") for pw in pws]
+    for u4 in (False, True):
+        sel = [0, 1, 3] if u4 else [0, 1, 2, 3]                       # uniform 4-bit kernel: 4-bit weights only
+        poison_allocator()
+        ys = torch.ops.exl_core.qgemm_kslice_multi(
+            xc, [cs[i].qweight for i in sel], [chunk_table(pws[i].groups, "cuda") for i in sel],
+            [cs[i].scale for i in sel], [cs[i].zero for i in sel], [cs[i].perm for i in sel],
+            [None if cs[i].bias is None else cs[i].bias.half() for i in sel], u4)
+        for y, i in zip(ys, sel):
+            pw = pws[i]
+            ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+            assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3, (u4, i)
 
 
 def test_qgemm_kslice_policy_and_limits():

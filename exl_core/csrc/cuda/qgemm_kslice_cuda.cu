@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(32 * KW)
 // xp[i][m][k] = x[m][perm_i[k]] for the act-order weights of one launch (blockIdx.z = weight, y = row): the
 // permuted copies the kernel above reads for more than kStagedRows rows.  One launch instead of an
 // index_select per weight (EXL2 bs32: 224 calls, 1.42 ms per decode step); launched with PDL like the
-// kernel it feeds, so it waits for x's producer and the matmul waits for it.
+// kernel it feeds, so it waits for x's producer and the matmul waits for it.  perm is read after the wait
+// too: on a first call the op before may be the one that converted it (cuda_candidates._perm_of).
 struct Gather {
   const int64_t* perm[kMaxMats];
   __half* out[kMaxMats];
@@ -311,10 +312,9 @@ struct Gather {
 __global__ void gather_cols_kernel(const __half* __restrict__ x, int64_t K, const Gather gs) {
   const int i = blockIdx.z, m = blockIdx.y;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t src = k < K ? __ldg(gs.perm[i] + k) : 0;   // weights' data: before the wait
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
-  if (k < K) gs.out[i][m * K + k] = x[m * K + src];
+  if (k < K) gs.out[i][m * K + k] = x[m * K + __ldg(gs.perm[i] + k)];
 }
 
 // ----------------------------------------------------------------------------- host side
@@ -365,15 +365,20 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
                       static_cast<int>(K / 32), p.slots, p.xs_stride, mats);
 }
 
+// false (nothing launched) for a kw without an instance.
 template <bool U4, int R, int NT>
-void launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
+bool launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
   switch (p.kw) {
-    case 4: launch_one<4, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); break;
-    case 8: launch_one<8, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); break;
-    default:
-      if constexpr (NT == 1) launch_one<16, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
-      break;
+    case 4: launch_one<4, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); return true;
+    case 8: launch_one<8, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); return true;
+    case 16:
+      if constexpr (NT == 1) {
+        launch_one<16, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
+        return true;
+      }
+      return false;
+    default: return false;
   }
 }
 
@@ -386,18 +391,17 @@ bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int k
   const Plan p = plan_for(M, K, tiles, kw, ring, min_group, u4, dev);
   if (p.smem > kSmemMax || !plan_has_kernel(p, u4)) return false;
   if (p.nt == 1) {
-    if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
-    else if (u4) launch_kw<true, 16, 1>(x, M, K, tiles, p, mats, dev, stream);
-    else if (p.ring == 4) launch_kw<false, 4, 1>(x, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<false, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
-  } else if (p.nt == 2) {
-    if (u4) launch_kw<true, 8, 2>(x, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<false, 4, 2>(x, M, K, tiles, p, mats, dev, stream);
-  } else {
-    if (u4) launch_kw<true, 8, 4>(x, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<false, 4, 4>(x, M, K, tiles, p, mats, dev, stream);
+    if (u4 && p.ring == 8) return launch_kw<true, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
+    if (u4) return launch_kw<true, 16, 1>(x, M, K, tiles, p, mats, dev, stream);
+    if (p.ring == 4) return launch_kw<false, 4, 1>(x, M, K, tiles, p, mats, dev, stream);
+    return launch_kw<false, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
   }
-  return true;
+  if (p.nt == 2) {
+    if (u4) return launch_kw<true, 8, 2>(x, M, K, tiles, p, mats, dev, stream);
+    return launch_kw<false, 4, 2>(x, M, K, tiles, p, mats, dev, stream);
+  }
+  if (u4) return launch_kw<true, 8, 4>(x, M, K, tiles, p, mats, dev, stream);
+  return launch_kw<false, 4, 4>(x, M, K, tiles, p, mats, dev, stream);
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one
