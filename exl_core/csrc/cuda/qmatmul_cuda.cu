@@ -92,6 +92,17 @@ __device__ __forceinline__ void gemv_chunk(const int32_t* qw, int64_t N, const f
   }
 }
 
+// Scale and scale * zero of V adjacent columns from `col` of group g (scale/zero rows ldq apart).
+template <int V>
+__device__ __forceinline__ void group_scale_zero(const float* scale, const float* zero, int64_t g, int64_t ldq,
+                                                 int64_t col, float (&s)[V], float (&zs)[V]) {
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    s[v] = __ldg(scale + g * ldq + col + v);
+    zs[v] = __ldg(zero + g * ldq + col + v) * s[v];
+  }
+}
+
 template <typename T, int M, int VEC>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(
     const T* __restrict__ x, int64_t m_rows, int64_t K, const int32_t* __restrict__ chunks, int64_t n_chunks,
@@ -123,11 +134,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(
   for (int c = 0; c < nc; ++c) {
     const int bits = chunks[(c0 + c) * 3], g = chunks[(c0 + c) * 3 + 1], qrow = chunks[(c0 + c) * 3 + 2];
     float s[VEC], zs[VEC];
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      s[v] = __ldg(scale + g * N + col + v);
-      zs[v] = __ldg(zero + g * N + col + v) * s[v];
-    }
+    group_scale_zero<VEC>(scale, zero, g, N, col, s, zs);
     const int32_t* qw = qweight + static_cast<int64_t>(qrow) * N + col;
     const float* xc = xs + c * 32;
     switch (bits) {
@@ -231,11 +238,7 @@ __global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t
   const int64_t c = blockIdx.y;
   const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
   float s[V], zs[V];
-#pragma unroll
-  for (int v = 0; v < V; ++v) {
-    s[v] = __ldg(scale + g * ldq + col + v);
-    zs[v] = __ldg(zero + g * ldq + col + v) * s[v];
-  }
+  group_scale_zero<V>(scale, zero, g, ldq, col, s, zs);
   const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
   T* Wc = W + col;
   switch (bits) {
