@@ -125,7 +125,7 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
     ops = torch.ops.exl_core
     for dt in (torch.float16, torch.bfloat16):                       # N = 268: the whole weight takes 1 column
         full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt)    # per thread, slices 0/64 and
-        assert rel_err(full, W) < (1e-3 if dt == torch.float16 else 8e-3)         # 100/-1 take 8 (16-byte stores)
+        assert rel_err(full, W) < (1e-3 if dt == torch.float16 else 4e-3)         # 100/-1 take 8 (16-byte stores)
         for col0, cols in ((0, 64), (64, 100), (200, 68), (267, 1), (100, -1)):
             poison_allocator()
             part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt, col0, cols)

@@ -13,8 +13,8 @@ same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep")
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
                        decode kernel, weights as the tensor-core A operand (`exl_core::qgemm_skinny`),
                        one launch; q/k/v and gate/up together (`qgemm_skinny_multi`)
-  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS (in practice 17..32, or where skinny refuses; mixed widths
-  up to MMA_MIXED_MAX_ROWS), same layout:
+  fp16 x, MMA_MIN_ROWS <= M <= MMA_MAX_ROWS (in practice only where kslice and skinny refuse, e.g. x past
+  their shared memory; mixed widths up to MMA_MIXED_MAX_ROWS), same layout:
                        fused dequantise + tensor-core GEMM (`exl_core::qgemm_mma`), one launch;
                        q/k/v and gate/up together in one launch (`qgemm_mma_multi`)
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):

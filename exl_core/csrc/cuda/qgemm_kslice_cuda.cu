@@ -275,16 +275,7 @@ __global__ void __launch_bounds__(32 * KW)
     }
   if (grp >= 0) flush();
 
-  // acc[u][nt][i]: column 4g + 2u + (i >> 1), x row 8 nt + 2t + (i & 1).
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = 8 * nt + 2 * t + (i & 1);
-        if (row < M) red[(warp * M + row) * kTile + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
-      }
+  store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
   __syncthreads();
   for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {
     const int m = idx / kTile, cl = idx - m * kTile;

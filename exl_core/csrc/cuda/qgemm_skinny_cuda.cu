@@ -183,16 +183,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   if (grp >= 0) flush_group<NT>(s4, z4, xg, d, acc);
 
   __syncthreads();                                            // x stage dead: reuse as `red`
-  // acc[u][nt][i]: column 4g + 2u + (i >> 1), x row nt*8 + 2t + (i & 1).
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = nt * 8 + 2 * t + (i & 1);
-        if (row < M) red[(kw * M + row) * kTileN + nw * 32 + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
-      }
+  store_partials<NT>(acc, red + kw * M * kTileN + nw * 32, kTileN, M, g, t);
   __syncthreads();
   const int E = M * kTileN;
   for (int idx = threadIdx.x; idx < E; idx += kThreads) {

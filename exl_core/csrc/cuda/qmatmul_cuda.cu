@@ -224,7 +224,7 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
 }
 
 // W [K, N] from columns [0, N) of qweight/scale/zero whose rows are ldq apart (the caller offsets them to a
-// column slice); V columns per thread (V = 8: N % 8 == 0, ldq % 4 == 0, 16-byte aligned buffers).
+// column slice); V columns per thread (V = 8: N % 8 == 0, ldq % 4 == 0, 16-byte aligned qweight and W).
 template <typename T, int V>
 __global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
                                int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
@@ -397,8 +397,8 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(chunks.size(0)));
   const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
   const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
-  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp) && is_aligned16(sp) &&
-                    is_aligned16(zp);
+  // 16-byte word loads (qp aligned, rows ldq % 4 words apart) and W row stores (N % 8); scale/zero go per value
+  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
   const int32_t* ch = chunks.data_ptr<int32_t>();
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
     launch_dequant<scalar_t>(vec8, grid, chunks.size(0), stream, dev, ch, qp, ldq, N, sp, zp, pp,

@@ -179,22 +179,39 @@ __device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]
   }
 }
 
-// acc += s * (d - (1024 + z) * xg) for the lane's 4 columns (s4/z4) and its x rows 2t, 2t+1 per n-tile.
-template <int NT>
-__device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, float (&xg)[NT][2],
-                                            float (&d)[2][NT][4], float (&acc)[2][NT][4]) {
+// f(u, nt, i) for each of a lane's accumulator elements [2][NT][4]: element (u, nt, i) is output column
+// 4g + 2u + (i >> 1) (C row g -> column 4g+2u, row g+8 -> 4g+2u+1) and x row 8 nt + 2t + (i & 1).
+template <int NT, typename F>
+__device__ __forceinline__ void for_each_acc(F&& f) {
 #pragma unroll
   for (int u = 0; u < 2; ++u)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int v = 2 * u + (i >> 1);                       // C row g -> column 4g+2u, row g+8 -> 4g+2u+1
-        acc[u][nt][i] = fmaf(compf(s4, v), fmaf(-1024.f - compf(z4, v), xg[nt][i & 1], d[u][nt][i]), acc[u][nt][i]);
-        d[u][nt][i] = 0.f;
-      }
+      for (int i = 0; i < 4; ++i) f(u, nt, i);
+}
+
+// acc += s * (d - (1024 + z) * xg) for the lane's 4 columns (s4/z4) and its x rows 2t, 2t+1 per n-tile.
+template <int NT>
+__device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, float (&xg)[NT][2],
+                                            float (&d)[2][NT][4], float (&acc)[2][NT][4]) {
+  for_each_acc<NT>([&](int u, int nt, int i) {
+    const int v = 2 * u + (i >> 1);
+    acc[u][nt][i] = fmaf(compf(s4, v), fmaf(-1024.f - compf(z4, v), xg[nt][i & 1], d[u][nt][i]), acc[u][nt][i]);
+    d[u][nt][i] = 0.f;
+  });
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xg[nt][0] = xg[nt][1] = 0.f;
+}
+
+// The lane's accumulators into a row-major partial tile: part[row * ld + column within the warp's 32], rows
+// below M only.
+template <int NT>
+__device__ __forceinline__ void store_partials(const float (&acc)[2][NT][4], float* part, int ld, int M, int g, int t) {
+  for_each_acc<NT>([&](int u, int nt, int i) {
+    const int row = 8 * nt + 2 * t + (i & 1);
+    if (row < M) part[row * ld + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
+  });
 }
 
 // Several weights that read the same x (q/k/v, gate/up) run in one launch: the grid's x dimension
