@@ -8,7 +8,7 @@
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
-# K/V cache as (B, Hkv, T, D)), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
+# K/V cache as (B, Hkv, T, D)), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -39,7 +39,7 @@ fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || has kvhtd ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || has kvhtd || has sdpa ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -52,6 +52,11 @@ if has tests; then
     tests/test_cuda_graphs.py tests/test_attention_gathered.py >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
+  # the newest kernel's tests in a process of their own: a crash there cannot hide the results above
+  timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_paged_attention.py \
+    >>"$OUT/cuda_tests.txt" 2>&1
+  echo "paged attention tests (rc $?):"; tail -1 "$OUT/cuda_tests.txt"
+  grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | tail -10
 fi
 
 wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
@@ -72,6 +77,10 @@ fi
 if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \
     --json bench/results/gpu_h200_kvhtd.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has sdpa; then     # A/B: the bench's decode attention as the masked SDPA over every slot (before the paged kernel)
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --decode-attn sdpa \
+    --json bench/results/gpu_h200_sdpa.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nopdl; then    # A/B: the same graph decode and prompt with programmatic dependent launch off
   EXL_CORE_PDL=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from exl_core.ops.attention import paged_attention
+
 PROMPT, DECODE = 128, 128
 PROFILE = os.environ.get("EXL_BENCH_PROFILE", "1") == "1"
 
@@ -91,6 +93,10 @@ TOKEN_MAJOR = True    # K/V cache (B, T, Hkv, D): the paged cache's layout (exl_
                       # 649 us against 1,575 us into (B, Hkv, T, D), bench/prompt_probe.py). --kv-layout htd: the latter (A/B)
 
 
+PAGED_DECODE = True  # decode attention by the library's paged kernel over the static cache; --decode-attn sdpa:
+                     # the masked SDPA over every slot this bench used before (A/B)
+
+
 class StaticKV:
     """K/V of B equal-length sequences: per layer (B, max_len, Hkv, D), or (B, Hkv, max_len, D) with
     TOKEN_MAJOR off; `htd(t)` views either as (B, Hkv, T, D) for SDPA."""
@@ -151,6 +157,14 @@ class DecodeContext:
         t = 1 if TOKEN_MAJOR else 2
         kc.index_copy_(t, kv.pos, k.unsqueeze(t))                          # one token at pos
         vc.index_copy_(t, kv.pos, v.unsqueeze(t))
+        if PAGED_DECODE and TOKEN_MAJOR:
+            # the library's paged kernel (the Generator's decode path): sequence b is page b of max_len slots
+            if layer == 0:
+                B = kv.B
+                self.table = torch.arange(B, dtype=torch.int32, device="cuda").view(B, 1)
+                self.cu = torch.arange(B + 1, dtype=torch.int64, device="cuda")
+                self.lens = (kv.pos + 1).expand(B).contiguous()
+            return paged_attention(q, kc, vc, self.table, self.cu, self.lens, scale, window, max_q_len=1)
         if layer == 0:                                                     # keys 0..pos, once per step
             self.mask = (kv.kpos <= kv.pos).view(1, 1, 1, -1)
         mask = self.mask
@@ -377,13 +391,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="graph decode and prompt only (A/B runs)")
     ap.add_argument("--kv-layout", choices=("thd", "htd"), default="thd",
                     help="the bench's K/V cache: (B, T, Hkv, D) (default) or (B, Hkv, T, D) (A/B)")
+    ap.add_argument("--decode-attn", choices=("paged", "sdpa"), default="paged",
+                    help="decode attention: the paged kernel (default) or a masked SDPA over all slots (A/B)")
     a = ap.parse_args()
-    global TOKEN_MAJOR
+    global TOKEN_MAJOR, PAGED_DECODE
     TOKEN_MAJOR = a.kv_layout == "thd"
+    PAGED_DECODE = a.decode_attn == "paged"
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch",
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
                  "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0", "kv_layout": a.kv_layout,
+                 "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):

@@ -165,13 +165,15 @@ def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, s
 
 
 def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
-    # everything _paged_cpu_check reads
-    return (q.device, q.dtype, q.shape[-1], k_cache.dtype, block_table.dtype, cu_seqlens_q.dtype,
-            seq_lens_k.dtype, k_cache.is_contiguous(), v_cache.is_contiguous())
+    # everything the candidates' checks read (cuda_candidates._paged_check: the row bound and GQA ratio too)
+    return (q.device, q.dtype, q.shape[-1], q.shape[1] // max(k_cache.shape[2], 1), k_cache.dtype,
+            block_table.dtype, cu_seqlens_q.dtype, seq_lens_k.dtype, k_cache.is_contiguous(),
+            v_cache.is_contiguous(), max_q_len, k_cache.device, block_table.device, cu_seqlens_q.device,
+            seq_lens_k.device)
 
 
 PAGED_ATTENTION = Dispatcher("attention", [
-    # slot: Candidate("cuda", ...) goes first once csrc/cuda has a paged kernel
+    # cuda_candidates.install() puts Candidate("cuda", ...) first (csrc/cuda/paged_attention_cuda.cu)
     Candidate("cpu", _paged_cpu_check, _paged_cpu_run),
     Candidate("torch_ref", lambda **_: None, _paged_ref_run),
 ], key=_paged_key)

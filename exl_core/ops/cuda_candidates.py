@@ -320,12 +320,48 @@ def _dense_run(x, w_t, bias):
     return y.reshape(*x.shape[:-1], w_t.shape[1])
 
 
+# Paged attention straight over the cache pages (paged_attention_cuda.cu) for decode and speculative
+# verification rows; longer query runs (prefill chunks) stay with gathered_sdpa, whose flash SDPA
+# reads each key once for all rows where this kernel reads it once per row.
+PAGED_MAX_Q_ROWS = 16
+
+
+def _paged_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window,
+                 max_q_len=None) -> Optional[str]:
+    if not _has_cuda_kernel("paged_attention"):
+        return "extension built without the CUDA paged_attention kernel"
+    dev = q.device
+    if dev.type != "cuda" or any(t.device != dev for t in (k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)):
+        return "tensors not all on one CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype:
+        return f"dtypes q={q.dtype}, cache={k_cache.dtype}; kernel takes one of float16/bfloat16 for both"
+    if q.shape[-1] not in (64, 128, 256) or q.shape[1] // k_cache.shape[2] > 8:
+        return f"head dim {q.shape[-1]} / {q.shape[1] // k_cache.shape[2]} heads per kv head; kernel takes " \
+               f"64/128/256 and at most 8"
+    if max_q_len is None or max_q_len > PAGED_MAX_Q_ROWS:
+        return f"max_q_len {max_q_len}: the kernel serves up to {PAGED_MAX_Q_ROWS} query rows per sequence"
+    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int64 or seq_lens_k.dtype != torch.int64:
+        return "index dtypes must be block_table int32, cu_seqlens_q/seq_lens_k int64"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "k_cache / v_cache not contiguous"
+    return None
+
+
+def _paged_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
+    q = q.contiguous()
+    if q.data_ptr() % 16:                       # 16-byte loads of q rows
+        q = q.clone()
+    return torch.ops.exl_core.paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
+                                              float(scale), int(window or 0))
+
+
 # ---------------------------------------------------------------------------- registration
 
 def install() -> None:
     """Put a `cuda` candidate at the front of each dispatcher (idempotent)."""
-    from . import activation, linear, norm, qmatmul, rope
+    from . import activation, attention, linear, norm, qmatmul, rope
     pairs = [
+        (attention.PAGED_ATTENTION, Candidate("cuda", _paged_check, _paged_run)),
         (linear.DISPATCH, Candidate("cuda", _dense_check, _dense_run)),
         (qmatmul.DISPATCH, Candidate("cuda", _qmatmul_check, _qmatmul_run)),
         (norm.RMS_NORM, Candidate("cuda", _norm_check, _norm_run)),

@@ -1,0 +1,378 @@
+// CUDA implementation of exl_core::paged_attention (schema in csrc/cpu/attention.cpp): attention of
+// a few query rows per sequence straight over the paged K/V cache, for decode and speculative
+// verification. The gathering fallback (ops/attention_gathered.py) copies every sequence's pages
+// into a padded (S, Hkv, L, D) tensor, zeroes the unwritten slots and runs a masked SDPA: ~5 passes
+// over the K/V bytes per layer. Here each K/V byte a row can see is read once per row.
+//
+// Work split (flash-decoding): one block per (query row, kv head, key split). A block owns every
+// query head of its kv head (G = Hq / Hkv heads, GQA), so K and V are read once for the group. Each
+// lane loads 8 consecutive elements (16 bytes) of a key row; D/8 lanes cover one key, so a warp
+// walks 32/(D/8) keys per step and each lane group keeps its own online-softmax state (max, sum,
+// 8 output values per head) in registers; the groups merge through shared memory at the end.
+// With one split the block writes the output; with several, each writes its unnormalised partial
+// (sum p*v, max, sum p) and paged_attention_combine_kernel merges them.
+//
+// The number of splits depends only on shapes the host knows (rows, kv heads, table width x page
+// size), never on device values, so a CUDA graph can record the call. Every row reads keys
+// [lo, pos] only: pos = seq_lens_k[s] - q_len_s + j, lo = pos - window + 1 (window > 0) or 0; slots
+// past a sequence's end and pages outside its window (-1 in the table) are never touched. Page
+// numbers are clamped into the cache so a corrupt table cannot read out of bounds.
+// Math in fp32 (scores scaled in the log2 domain, exp2f); output in q's dtype.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "pdl.cuh"
+
+namespace {
+
+constexpr int kThreads = 128;                 // 4 warps per block
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T> struct Vec;             // 8 elements <-> fp32
+template <> struct Vec<__half> {
+  static __device__ __forceinline__ void to_f32(const uint4& u, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  static __device__ __forceinline__ __half from_f32(float v) { return __float2half_rn(v); }
+};
+template <> struct Vec<__nv_bfloat16> {
+  static __device__ __forceinline__ void to_f32(const uint4& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __bfloat1622float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  static __device__ __forceinline__ __nv_bfloat16 from_f32(float v) { return __float2bfloat16_rn(v); }
+};
+
+struct Args {
+  const void* q;                 // (T, Hq, D)
+  const void* k;                 // (P, page, Hkv, D)
+  const void* v;
+  const int* table;              // (S, W)
+  const int64_t* cu_q;           // (S + 1)
+  const int64_t* lens;           // (S)
+  void* out;                     // (T, Hq, D), written when splits == 1
+  float* part_o;                 // (splits, T, Hq, D) unnormalised sums, splits > 1
+  float* part_ml;                // (splits, T, Hq, 2) running max (log2 domain) and sum
+  int S, W, page, P, Hq, Hkv, window, chunk, splits;
+  float scale_log2;              // softmax scale * log2(e)
+};
+
+// The sequence of query row `row`: the s with cu_q[s] <= row < cu_q[s + 1] (empty sequences skipped).
+__device__ __forceinline__ int sequence_of(const int64_t* cu, int S, int64_t row) {
+  int lo = 0, hi = S - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (cu[mid + 1] > row) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a) {
+  constexpr int LPK = D / 8;                  // lanes per key
+  constexpr int KPW = 32 / LPK;               // keys per warp step
+  constexpr int NG = kWarps * KPW;            // lane groups per block
+  constexpr int KPB = NG;                     // keys per block step
+  __shared__ float sm_acc[NG][G][D];
+  __shared__ float sm_m[NG][G], sm_l[NG][G];
+
+  exl_pdl::pdl_wait();                        // q, K and V come from the kernels just before
+  exl_pdl::pdl_trigger();
+  const int64_t row = blockIdx.x;
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int grp = warp * KPW + lane / LPK, sub = lane % LPK;      // lane group, 8-element slice in the key
+  const int gq = a.Hq / a.Hkv;                                    // real heads per kv head (<= G)
+
+  const int s = sequence_of(a.cu_q, a.S, row);
+  const int64_t qlen = a.cu_q[s + 1] - a.cu_q[s];
+  const int64_t pos = a.lens[s] - qlen + (row - a.cu_q[s]);      // this row's position = its last key
+  int64_t lo = a.window > 0 ? pos - a.window + 1 : 0;
+  if (lo < 0) lo = 0;
+  const int64_t k0 = static_cast<int64_t>(split) * a.chunk;
+  const int64_t first = k0 > lo ? k0 : lo;
+  int64_t end = k0 + a.chunk;                                     // exclusive
+  if (end > pos + 1) end = pos + 1;
+
+  float qf[G][8];                                                 // q * scale * log2(e), this lane's slice
+  const T* qbase = static_cast<const T*>(a.q) + (row * a.Hq + static_cast<int64_t>(kvh) * gq) * D + sub * 8;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (g < gq) {
+      Vec<T>::to_f32(*reinterpret_cast<const uint4*>(qbase + g * D), qf[g]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qf[g][i] *= a.scale_log2;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qf[g][i] = 0.f;
+    }
+  }
+  float m[G], l[G], acc[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+  }
+
+  const T* kbase = static_cast<const T*>(a.k);
+  const T* vbase = static_cast<const T*>(a.v);
+  const int* trow = a.table + static_cast<int64_t>(s) * a.W;
+  const int64_t slot_stride = static_cast<int64_t>(a.Hkv) * D;   // elements between two slots of a page
+  constexpr int U = 2;                                            // block steps whose loads are in flight together
+  for (int64_t base = first; base < end; base += U * KPB) {
+    uint4 kr[U], vr[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = base + u * KPB + grp;
+      ok[u] = t < end;
+      if (ok[u]) {
+        const int64_t pi = t / a.page;
+        int pg = pi < a.W ? trow[pi] : 0;
+        pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
+        const int64_t off = (static_cast<int64_t>(pg) * a.page + t % a.page) * slot_stride + kvh * D + sub * 8;
+        kr[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
+        vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8], vf[8];
+      if (ok[u]) {
+        Vec<T>::to_f32(kr[u], kf);
+        Vec<T>::to_f32(vr[u], vf);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float sc = 0.f;
+        if (ok[u]) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sc = fmaf(qf[g][i], kf[i], sc);
+        }
+#pragma unroll
+        for (int o = LPK / 2; o; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);   // within the lane group
+        if (ok[u]) {
+          const float mn = fmaxf(m[g], sc);
+          const float corr = exp2f(m[g] - mn);                    // m = -inf at first: corr = 0
+          const float p = exp2f(sc - mn);
+          l[g] = l[g] * corr + p;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
+          m[g] = mn;
+        }
+      }
+    }
+  }
+
+  // merge the lane groups: every group's state to shared memory, then each thread reduces outputs
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sm_acc[grp][g][sub * 8 + i] = acc[g][i];
+    if (sub == 0) {
+      sm_m[grp][g] = m[g];
+      sm_l[grp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < gq * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < NG; ++r) mx = fmaxf(mx, sm_m[r][g]);
+    float sum = 0.f, o = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int r = 0; r < NG; ++r) {
+        const float w = exp2f(sm_m[r][g] - mx);                  // 0 for groups that saw no key
+        sum = fmaf(sm_l[r][g], w, sum);
+        o = fmaf(sm_acc[r][g][d], w, o);
+      }
+    }
+    const int64_t head = static_cast<int64_t>(kvh) * gq + g;
+    if (a.splits == 1) {
+      static_cast<T*>(a.out)[(row * a.Hq + head) * D + d] = Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f);
+    } else {
+      const int64_t pidx = (static_cast<int64_t>(split) * gridDim.x + row) * a.Hq + head;
+      a.part_o[pidx * D + d] = o;
+      if (d == 0) {
+        a.part_ml[pidx * 2] = mx;
+        a.part_ml[pidx * 2 + 1] = sum;
+      }
+    }
+  }
+}
+
+// One block of D threads per (row, head): merge the splits' partials.
+template <typename T>
+__global__ void paged_attention_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                               int splits, int64_t rows_heads, int D, T* __restrict__ out) {
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
+  const int64_t rh = blockIdx.x;
+  float mx = -INFINITY;
+  for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[(z * rows_heads + rh) * 2]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float sum = 0.f, o = 0.f;
+    if (mx != -INFINITY) {
+      for (int z = 0; z < splits; ++z) {
+        const int64_t p = z * rows_heads + rh;
+        const float w = exp2f(part_ml[p * 2] - mx);
+        sum = fmaf(part_ml[p * 2 + 1], w, sum);
+        o = fmaf(part_o[p * D + d], w, o);
+      }
+    }
+    out[rh * D + d] = Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f);
+  }
+}
+
+template <typename T, int D, int G>
+void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
+  exl_pdl::launch_pdl(paged_attention_kernel<T, D, G>,
+                      dim3(static_cast<unsigned>(rows), static_cast<unsigned>(a.Hkv), static_cast<unsigned>(a.splits)),
+                      dim3(kThreads), 0, stream, dev, a);
+}
+
+template <typename T, int D>
+void launch_g(const Args& a, int64_t rows, int g, cudaStream_t stream, int dev) {
+  if (g == 1) launch<T, D, 1>(a, rows, stream, dev);
+  else if (g == 2) launch<T, D, 2>(a, rows, stream, dev);
+  else if (g <= 4) launch<T, D, 4>(a, rows, stream, dev);
+  else launch<T, D, 8>(a, rows, stream, dev);
+}
+
+template <typename T>
+void launch_d(const Args& a, int64_t rows, int D, int g, cudaStream_t stream, int dev) {
+  if (D == 64) launch_g<T, 64>(a, rows, g, stream, dev);
+  else if (D == 128) launch_g<T, 128>(a, rows, g, stream, dev);
+  else launch_g<T, 256>(a, rows, g, stream, dev);
+}
+
+// Keys per split and split count: enough blocks for ~4 per SM, at least 64 keys per split.
+int pick_splits(int64_t rows, int64_t hkv, int64_t max_keys, int sms, int* chunk) {
+  const int64_t base = rows * hkv;
+  int64_t splits = (4LL * sms + base - 1) / base;
+  const int64_t most = (max_keys + 63) / 64;
+  if (splits > most) splits = most;
+  if (splits < 1) splits = 1;
+  int64_t c = (max_keys + splits - 1) / splits;
+  c = (c + 15) / 16 * 16;
+  splits = (max_keys + c - 1) / c;
+  *chunk = static_cast<int>(c);
+  return static_cast<int>(splits < 1 ? 1 : splits);
+}
+
+at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table_, const at::Tensor& cu_seqlens_q_,
+                                const at::Tensor& seq_lens_k_, double scale, int64_t window) {
+  const char* op = "exl_core::paged_attention (CUDA)";
+  TORCH_CHECK(q_.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+              ": q must be (T, Hq, D) and k/v caches (pages, page_size, Hkv, D), got ", q_.sizes(), ", ",
+              k_cache.sizes(), ", ", v_cache.sizes());
+  const int64_t D = q_.size(2), Hq = q_.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128 || D == 256), op, ": head dim ", D,
+              " (cache ", k_cache.size(3), "); the kernel takes 64, 128 or 256");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, op, ": ", Hq, " query heads over ", Hkv,
+              " kv heads; the kernel takes 1..8 query heads per kv head");
+  TORCH_CHECK(q_.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q_.scalar_type() == at::kHalf || q_.scalar_type() == at::kBFloat16),
+              op, ": q and the caches must share dtype float16 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) > 0 && k_cache.size(1) > 0, op,
+              ": caches must be contiguous and hold at least one slot");
+  TORCH_CHECK(block_table_.scalar_type() == at::kInt && cu_seqlens_q_.scalar_type() == at::kLong &&
+                  seq_lens_k_.scalar_type() == at::kLong && block_table_.dim() == 2,
+              op, ": block_table int32 (S, W), cu_seqlens_q and seq_lens_k int64");
+  const int64_t S = seq_lens_k_.size(0);
+  TORCH_CHECK(cu_seqlens_q_.numel() == S + 1 && block_table_.size(0) == S, op, ": ", S,
+              " sequences need cu_seqlens_q of ", S + 1, " and block_table of ", S, " rows");
+  TORCH_CHECK(q_.is_cuda() && k_cache.device() == q_.device() && block_table_.device() == q_.device() &&
+                  cu_seqlens_q_.device() == q_.device() && seq_lens_k_.device() == q_.device(),
+              op, ": every tensor must be on the same GPU");
+  const c10::cuda::CUDAGuard guard(q_.device());
+  auto q = q_.contiguous();
+  auto out = at::empty_like(q);
+  const int64_t rows = q.size(0);
+  if (rows == 0 || S == 0) return out;
+  auto table = block_table_.contiguous(), cu = cu_seqlens_q_.contiguous(), lens = seq_lens_k_.contiguous();
+  const int dev = q.device().index();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+
+  Args a{};
+  a.q = q.data_ptr();
+  a.k = k_cache.data_ptr();
+  a.v = v_cache.data_ptr();
+  a.table = table.data_ptr<int>();
+  a.cu_q = cu.data_ptr<int64_t>();
+  a.lens = lens.data_ptr<int64_t>();
+  a.out = out.data_ptr();
+  a.S = static_cast<int>(S);
+  a.W = static_cast<int>(table.size(1));
+  a.page = static_cast<int>(k_cache.size(1));
+  a.P = static_cast<int>(k_cache.size(0));
+  a.Hq = static_cast<int>(Hq);
+  a.Hkv = static_cast<int>(Hkv);
+  a.window = static_cast<int>(window > 0 ? window : 0);
+  a.scale_log2 = static_cast<float>(scale) * kLog2e;
+  const int64_t max_keys = std::max<int64_t>(1, static_cast<int64_t>(a.W) * a.page);
+  a.splits = pick_splits(rows, Hkv, max_keys, exl_pdl::device_sm(dev, false), &a.chunk);
+  at::Tensor part_o, part_ml;
+  if (a.splits > 1) {
+    part_o = at::empty({a.splits, rows, Hq, D}, q.options().dtype(at::kFloat));
+    part_ml = at::empty({a.splits, rows, Hq, 2}, q.options().dtype(at::kFloat));
+    a.part_o = part_o.data_ptr<float>();
+    a.part_ml = part_ml.data_ptr<float>();
+  }
+  const int g = static_cast<int>(Hq / Hkv);
+  if (q.scalar_type() == at::kHalf) launch_d<__half>(a, rows, static_cast<int>(D), g, stream, dev);
+  else launch_d<__nv_bfloat16>(a, rows, static_cast<int>(D), g, stream, dev);
+  if (a.splits > 1) {
+    const int threads = static_cast<int>(D);
+    if (q.scalar_type() == at::kHalf)
+      exl_pdl::launch_pdl(paged_attention_combine_kernel<__half>, dim3(static_cast<unsigned>(rows * Hq)), dim3(threads),
+                          0, stream, dev, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
+                          a.splits, rows * Hq, threads, static_cast<__half*>(a.out));
+    else
+      exl_pdl::launch_pdl(paged_attention_combine_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(rows * Hq)),
+                          dim3(threads), 0, stream, dev, static_cast<const float*>(a.part_o),
+                          static_cast<const float*>(a.part_ml), a.splits, rows * Hq, threads,
+                          static_cast<__nv_bfloat16*>(a.out));
+  }
+  return out;
+}
+
+int64_t paged_attention_cuda_splits(int64_t rows, int64_t hkv, int64_t max_keys, int64_t device) {
+  int chunk = 0;
+  return pick_splits(rows, hkv, std::max<int64_t>(1, max_keys), exl_pdl::device_sm(static_cast<int>(device), false),
+                     &chunk);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("paged_attention_cuda_splits(int rows, int hkv, int max_keys, int device) -> int",
+        &paged_attention_cuda_splits);
+}
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("paged_attention", &paged_attention_cuda); }

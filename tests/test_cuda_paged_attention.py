@@ -1,0 +1,154 @@
+"""The CUDA paged attention kernel (csrc/cuda/paged_attention_cuda.cu) against the host-walking
+reference in float64: decode rows, speculative-verify rows, GQA ratios the kernel pads (3 -> 4,
+7 -> 8), head dims 64/128/256, odd page sizes, sliding windows with released pages, several key
+splits, and a CUDA graph replayed over new tables and lengths. Cache slots no query may read hold
+NaN, so a stray read shows up in the output."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_gathered import _case
+
+from exl_core.ops.attention import PAGED_ATTENTION, paged_attention, paged_attention_ref
+
+pytestmark = pytest.mark.cuda
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _need_kernel():
+    from exl_core.ops.cuda_candidates import _has_cuda_kernel
+    if not _has_cuda_kernel("paged_attention"):
+        pytest.fail("torch sees a GPU but exl_core._C was built without the CUDA paged_attention kernel")
+
+
+def _ref64(q, kc, vc, table, cu, lens, scale, window):
+    """float64 reference on the CPU; NaN slots stay NaN (the reference reads only visible keys)."""
+    return paged_attention_ref(q.double(), kc.double(), vc.double(), table, cu, lens, scale, window)
+
+
+def _run_cuda(q, kc, vc, table, cu, lens, scale, window, max_q_len):
+    dev = "cuda"
+    args = dict(q=q.to(dev), k_cache=kc.to(dev), v_cache=vc.to(dev), block_table=table.to(dev),
+                cu_seqlens_q=cu.to(dev), seq_lens_k=lens.to(dev), scale=scale, window=window, max_q_len=max_q_len)
+    assert PAGED_ATTENTION.select(**args).name == "cuda"
+    return paged_attention(**args).cpu()
+
+
+def _check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf: a slot outside the visible keys was read or an output not written"
+    err = (out.double() - ref).abs().max().item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (14, 2, 128), (8, 1, 128), (4, 2, 256)])
+def test_decode_rows(dtype, hq, hkv, d):
+    _need_kernel()
+    q_lens, k_lens = [1, 1, 1, 1], [5, 17, 64, 130]
+    q, kc, vc, table, cu, lens = _case(q_lens, k_lens, hq=hq, hkv=hkv, d=d, page=16, dtype=dtype, seed=hq + d)
+    ref = _ref64(q, kc, vc, table, cu, lens, d ** -0.5, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, d ** -0.5, None, 1), ref, dtype)
+
+
+@pytest.mark.parametrize("q_lens,k_lens,window,drop,page", [
+    ([3, 1, 12], [20, 9, 12], None, 0, 8),        # verify rows, decode, a short fresh prefill
+    ([2, 2], [16, 3], None, 0, 5),                # odd page size
+    ([1, 4], [40, 30], 6, 2, 8),                  # sliding window, first pages released (-1)
+    ([1, 1], [700, 3], None, 0, 16),              # long sequence: several key splits
+    ([1], [1], None, 0, 256),                     # one key
+    ([5, 1], [260, 257], 100, 0, 256),            # window across a page border of big pages
+])
+def test_mixed_rows_windows_pages(q_lens, k_lens, window, drop, page):
+    _need_kernel()
+    dtype = torch.float16
+    q, kc, vc, table, cu, lens = _case(q_lens, k_lens, hq=8, hkv=2, d=128, page=page, dtype=dtype,
+                                       drop_first_pages=drop, seed=len(q_lens) + page)
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.08, window)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, 0.08, window, max(q_lens)), ref, dtype)
+
+
+def test_several_splits_are_used_and_merge():
+    """Batch 1 over 2,000 keys: the launch splits the keys; the merged result equals one pass."""
+    _need_kernel()
+    splits = torch.ops.exl_core.paged_attention_cuda_splits(1, 2, 2048, 0)
+    assert splits > 1
+    q, kc, vc, table, cu, lens = _case([1], [2000], hq=8, hkv=2, d=128, page=256, dtype=torch.float16, seed=7)
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.1, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, torch.float16)
+
+
+def test_many_rows_one_split():
+    """Enough (row, kv head) blocks to fill the GPU: one split, the block writes the output itself."""
+    _need_kernel()
+    assert torch.ops.exl_core.paged_attention_cuda_splits(40, 16, 64, 0) == 1
+    q, kc, vc, table, cu, lens = _case([1] * 40, [1 + 3 * i for i in range(40)], hq=16, hkv=16, d=64, page=4,
+                                       dtype=torch.bfloat16, seed=11)
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.125, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, 0.125, None, 1), ref, torch.bfloat16)
+
+
+def test_sequence_without_rows():
+    _need_kernel()
+    q, kc, vc, table, cu, lens = _case([3, 1], [9, 4], hq=4, hkv=2, d=64, dtype=torch.float16)
+    cu = torch.tensor([0, 3, 3, 4])                                 # the middle sequence adds no rows
+    table = torch.cat([table[:1], table[:1], table[1:]])
+    lens = torch.tensor([9, 9, 4])
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.125, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, 0.125, None, 3), ref, torch.float16)
+
+
+def test_long_query_runs_go_to_the_gathering_path():
+    _need_kernel()
+    q, kc, vc, table, cu, lens = _case([40], [40], hq=4, hkv=2, d=64, dtype=torch.float16)
+    args = dict(q=q.cuda(), k_cache=kc.cuda(), v_cache=vc.cuda(), block_table=table.cuda(), cu_seqlens_q=cu.cuda(),
+                seq_lens_k=lens.cuda(), scale=0.125, window=None, max_q_len=40)
+    assert PAGED_ATTENTION.select(**args).name == "gathered_sdpa"
+    args["max_q_len"] = None                                       # no host bound: never the per-row kernel
+    assert PAGED_ATTENTION.select(**args).name == "gathered_sdpa"
+
+
+def test_graph_replay_over_new_tables_and_lengths():
+    """Split count and launch shape come from host-known shapes only: one recorded graph serves
+    every step's tables, lengths and values."""
+    _need_kernel()
+    dtype, hq, hkv, d, page, width = torch.float16, 8, 2, 128, 16, 10
+    steps = [_case([1, 1, 1], k, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, seed=i)
+             for i, k in enumerate(([5, 100, 37], [120, 1, 64], [17, 33, 127]))]
+    num_pages = max(s[1].shape[0] for s in steps)
+    q_s = torch.zeros(3, hq, d, dtype=dtype, device="cuda")
+    k_s = torch.zeros(num_pages, page, hkv, d, dtype=dtype, device="cuda")
+    v_s = torch.zeros_like(k_s)
+    t_s = torch.full((3, width), -1, dtype=torch.int32, device="cuda")
+    cu_s = torch.arange(4, dtype=torch.int64, device="cuda")
+    l_s = torch.ones(3, dtype=torch.int64, device="cuda")
+
+    def load(case):
+        q, kc, vc, table, _cu, lens = case
+        q_s.copy_(q)
+        k_s.zero_()
+        v_s.zero_()
+        k_s[:kc.shape[0]].copy_(kc.nan_to_num(0.0))
+        v_s[:vc.shape[0]].copy_(vc.nan_to_num(0.0))
+        t_s.fill_(-1)
+        t_s[:, :table.shape[1]].copy_(table)
+        l_s.copy_(lens)
+
+    def fn():
+        return paged_attention(q_s, k_s, v_s, t_s, cu_s, l_s, 0.09, None, max_q_len=1)
+
+    load(steps[0])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    for case in steps:
+        load(case)
+        g.replay()
+        q, kc, vc, table, cu, lens = case
+        _check(out.cpu(), _ref64(q, kc, vc, table, cu, lens, 0.09, None), dtype)
