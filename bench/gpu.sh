@@ -8,7 +8,7 @@
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
-# K/V cache as (B, Hkv, T, D)), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
+# K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -39,7 +39,7 @@ fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || has kvhtd || has sdpa ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -105,4 +105,11 @@ fi
 if has spec; then     # speculative decoding on the same 7B-shaped GPTQ checkpoint (issue 8's H200 row)
   timeout ${SPEC_TIMEOUT:-120} $PY bench/speculative.py --gpu-7b "$CK/gptq" --new-tokens 128 --k 4 \
     --draft-layers 4,8 2>&1 | tee -a "$LOG" | tail -8
+fi
+if has exlv2; then    # the peer on the same checkpoints: ExLlamaV2 0.3.2 (its wheel in .whl/, carried), ratios vs this call
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/exlv2_site \
+    .whl/exllamav2-*.whl || echo "exlv2: no wheel in .whl/ (carry it)"
+  PYTHONPATH=/tmp/exlv2_site:$PYTHONPATH TORCH_CUDA_ARCH_LIST=9.0 timeout ${EXLV2_TIMEOUT:-300} $PY bench/exllamav2_peer.py \
+    --gptq "$CK/gptq" --exl2 "$CK/exl2" --ours "$OUT/gpu_h200.json" --ours-generator "$OUT/gpu_generator.json" 2>&1 \
+    | tee -a "$LOG" | tail -16
 fi

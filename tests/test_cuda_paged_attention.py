@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_attention_gathered import _case
 
-from exl_core.ops.attention import PAGED_ATTENTION, paged_attention, paged_attention_ref
+from exl_core.ops.attention import PAGED_ATTENTION, paged_attention
 
 pytestmark = pytest.mark.cuda
 
@@ -23,8 +23,24 @@ def _need_kernel():
 
 
 def _ref64(q, kc, vc, table, cu, lens, scale, window):
-    """float64 reference on the CPU; NaN slots stay NaN (the reference reads only visible keys)."""
-    return paged_attention_ref(q.double(), kc.double(), vc.double(), table, cu, lens, scale, window)
+    """Brute force in float64 on the CPU, row by row: the keys at positions lo..pos through the table,
+    query head h on kv head h // (Hq / Hkv). Reads only visible slots (NaN elsewhere stays out)."""
+    q, kc, vc = q.double(), kc.double(), vc.double()
+    page, group = kc.shape[1], q.shape[1] // kc.shape[2]
+    out = torch.empty_like(q)
+    for s in range(lens.shape[0]):
+        a, b = int(cu[s]), int(cu[s + 1])
+        for r in range(a, b):
+            pos = int(lens[s]) - (b - a) + (r - a)
+            lo = max(0, pos - window + 1) if window else 0
+            ts = range(lo, pos + 1)
+            keys = torch.stack([kc[int(table[s, t // page]), t % page] for t in ts])      # (L, Hkv, D)
+            vals = torch.stack([vc[int(table[s, t // page]), t % page] for t in ts])
+            keys = keys.repeat_interleave(group, dim=1)                                  # (L, Hq, D)
+            vals = vals.repeat_interleave(group, dim=1)
+            p = torch.softmax(torch.einsum("hd,lhd->hl", q[r], keys) * scale, dim=-1)
+            out[r] = torch.einsum("hl,lhd->hd", p, vals)
+    return out
 
 
 def _run_cuda(q, kc, vc, table, cu, lens, scale, window, max_q_len):

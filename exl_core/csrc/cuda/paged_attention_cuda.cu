@@ -140,15 +140,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
   const T* vbase = static_cast<const T*>(a.v);
   const int* trow = a.table + static_cast<int64_t>(s) * a.W;
   const int64_t slot_stride = static_cast<int64_t>(a.Hkv) * D;   // elements between two slots of a page
-  constexpr int U = 2;                                            // block steps whose loads are in flight together
-  for (int64_t base = first; base < end; base += U * KPB) {
-    uint4 kr[U], vr[U];
-    bool ok[U];
+  // U block steps per iteration, and the next iteration's loads issued before this one's math
+  // (software pipeline): 2U keys' K and V per lane group in flight. Fewer for large groups (registers).
+  constexpr int U = G <= 2 ? 4 : 2;
+  auto fetch = [&](int64_t b0, uint4 (&kr)[U], uint4 (&vr)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t t = base + u * KPB + grp;
-      ok[u] = t < end;
-      if (ok[u]) {
+      const int64_t t = b0 + u * KPB + grp;
+      if (t < end) {
         const int64_t pi = t / a.page;
         int pg = pi < a.W ? trow[pi] : 0;
         pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
@@ -157,32 +156,61 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
         vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
       }
     }
+  };
+  uint4 kn[U], vn[U];
+  if (first < end) fetch(first, kn, vn);
+  for (int64_t b0 = first; b0 < end; b0 += U * KPB) {
+    uint4 kr[U], vr[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float kf[8], vf[8];
-      if (ok[u]) {
-        Vec<T>::to_f32(kr[u], kf);
-        Vec<T>::to_f32(vr[u], vf);
-      }
+      kr[u] = kn[u];
+      vr[u] = vn[u];
+    }
+    if (b0 + U * KPB < end) fetch(b0 + U * KPB, kn, vn);
+    // scores of this lane group's U keys for every head, then one rescale per head for all U
+    float sc[U][G];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool ok = b0 + u * KPB + grp < end;
+      float kf[8];
+      Vec<T>::to_f32(kr[u], kf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float sc = 0.f;
-        if (ok[u]) {
+        float x = 0.f;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) sc = fmaf(qf[g][i], kf[i], sc);
-        }
+        for (int i = 0; i < 8; ++i) x = fmaf(qf[g][i], kf[i], x);
 #pragma unroll
-        for (int o = LPK / 2; o; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);   // within the lane group
-        if (ok[u]) {
-          const float mn = fmaxf(m[g], sc);
-          const float corr = exp2f(m[g] - mn);                    // m = -inf at first: corr = 0
-          const float p = exp2f(sc - mn);
-          l[g] = l[g] * corr + p;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
-          m[g] = mn;
-        }
+        for (int o = LPK / 2; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);   // within the lane group
+        sc[u][g] = ok ? x : -INFINITY;
       }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mn = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mn = fmaxf(mn, sc[u][g]);
+      if (mn == -INFINITY) continue;                              // this group saw no key yet
+      const float corr = exp2f(m[g] - mn);                        // m = -inf at first: corr = 0
+      l[g] *= corr;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] *= corr;
+      m[g] = mn;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = exp2f(sc[u][g] - mn);                    // 0 for keys past the end
+        l[g] += p;
+        sc[u][g] = p;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (b0 + u * KPB + grp >= end) continue;                    // kr/vr hold stale values there
+      float vf[8];
+      Vec<T>::to_f32(vr[u], vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(sc[u][g], vf[i], acc[g][i]);
     }
   }
 
