@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -85,6 +86,25 @@ def prompt_tok_s(model) -> float:
     return LONG / ts[len(ts) // 2]
 
 
+def without_g_idx(src: Path, dst: Path) -> Path:
+    """A copy of a GPTQ folder minus its g_idx tensors. Ours are trivial (row // group, no act-order),
+    but ExLlamaV2 takes any g_idx that is not all zeros as act-order (ext.make_q_matrix: q_perm); the
+    copy shows what it does on the plain path. Same weights, same math."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    if (dst / "config.json").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), "pt") as h:
+                save_file({k: h.get_tensor(k) for k in h.keys() if not k.endswith(".g_idx")}, str(dst / f.name),
+                          metadata=h.metadata())
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
 def bench(folder: Path, r: dict) -> None:
     t0 = time.perf_counter()
     model = load(folder)
@@ -110,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gptq", type=Path)
     ap.add_argument("--exl2", type=Path)
+    ap.add_argument("--gptq-no-gidx", type=Path, metavar="SRC",
+                    help="also (or only) the GPTQ folder SRC with its g_idx tensors removed (written beside it)")
     ap.add_argument("--ours", type=Path, help="gpu_h200.json of the same call (bench/gpu_bench.py)")
     ap.add_argument("--ours-generator", type=Path, help="gpu_generator.json of the same call")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "exllamav2_h200.json")
@@ -121,7 +143,10 @@ def main() -> None:
                  "torch": torch.__version__, "import_and_build_s": time.perf_counter() - t0,
                  "workload": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy; prompt {LONG} tokens",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for fmt in ("gptq", "exl2"):
+    if a.gptq_no_gidx is not None:
+        a.gptq_no_gidx = without_g_idx(a.gptq_no_gidx, a.gptq_no_gidx.with_name(a.gptq_no_gidx.name + "_nogidx"))
+    formats = ("gptq", "gptq_no_gidx", "exl2")
+    for fmt in formats:
         folder = getattr(a, fmt)
         if folder is None:
             continue
@@ -135,19 +160,22 @@ def main() -> None:
     gen = json.loads(a.ours_generator.read_text()) if a.ours_generator and a.ours_generator.exists() else {}
     gen_rows = {row["batch"]: row.get("graphs_tok_s") for row in gen.get("rows", [])}
     keys = ["bs1_decode_tok_s", "bs8_decode_tok_s", "bs32_decode_tok_s", "prompt2048_tok_s"]
-    print(f"\n{'metric':20s} {'fmt':5s} {'ExLlamaV2':>10s} {'exl_core':>10s} {'ratio':>7s} {'exl_core Generator':>19s}")
-    for fmt in ("gptq", "exl2"):
+    print(f"\n{'metric':20s} {'fmt':12s} {'ExLlamaV2':>10s} {'exl_core':>10s} {'ratio':>7s} {'exl_core Generator':>19s}")
+    for fmt in formats:
+        if fmt not in out:
+            continue
+        mine_fmt = "gptq" if fmt == "gptq_no_gidx" else fmt        # the same weights for exl_core
         for k in keys:
-            peer, mine = out.get(fmt, {}).get(k), ours.get(fmt, {}).get(k)
+            peer, mine = out[fmt].get(k), ours.get(mine_fmt, {}).get(k)
             ratio = mine / peer if peer and mine else None
             if ratio is not None:
                 out[fmt][k.replace("_tok_s", "_ratio")] = ratio
             b = int(k[2:k.index("_")]) if k.startswith("bs") else None
-            g = gen_rows.get(b) if fmt == "gptq" and b else None
+            g = gen_rows.get(b) if mine_fmt == "gptq" and b else None
             if g and peer:
                 out[fmt][k.replace("_tok_s", "_generator_ratio")] = g / peer
             cell = lambda v, w: f"{v:{w}.1f}" if isinstance(v, float) else f"{'-':>{w}s}"  # noqa: E731
-            print(f"{k:20s} {fmt:5s} {cell(peer, 10)} {cell(mine, 10)} "
+            print(f"{k:20s} {fmt:12s} {cell(peer, 10)} {cell(mine, 10)} "
                   f"{(f'{ratio:7.3f}' if ratio else '      -')} {cell(g, 19)}")
     text = json.dumps(out, indent=1) + "\n"
     a.json.parent.mkdir(parents=True, exist_ok=True)

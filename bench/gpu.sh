@@ -4,6 +4,8 @@
 # print the benchmark table (bench/gpu_bench.py). Logs and the JSON go to $OUT (or bench/results).
 #   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
+#   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
+#   narrower runs when device time is short
 # Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
@@ -48,8 +50,8 @@ ck_pid=$!
 
 if has tests; then
   t0=$(date +%s)
-  timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_model.py \
-    tests/test_cuda_graphs.py tests/test_attention_gathered.py >"$OUT/cuda_tests.txt" 2>&1
+  timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda_kernels.py \
+    tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py} >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
   # the newest kernel's tests in a process of their own: a crash there cannot hide the results above
@@ -60,8 +62,9 @@ if has tests; then
 fi
 
 wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
-if has bench; then
-  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -60
+if has bench; then     # BENCH_ARGS=--quick: graph decode and prompt only
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" ${BENCH_ARGS:-} 2>&1 \
+    | tee -a "$LOG" | tail -60
 fi
 if has readbw; then   # read-only bandwidth by access method (plain loads, the decode pattern, TMA bulk copies)
   nvcc -O3 -arch=sm_90 -o /tmp/read_bw bench/read_bw.cu && timeout 120 /tmp/read_bw 2>&1 | $PY bench/read_bw_json.py \
@@ -110,6 +113,7 @@ if has exlv2; then    # the peer on the same checkpoints: ExLlamaV2 0.3.2 (its w
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/exlv2_site \
     .whl/exllamav2-*.whl || echo "exlv2: no wheel in .whl/ (carry it)"
   PYTHONPATH=/tmp/exlv2_site:$PYTHONPATH TORCH_CUDA_ARCH_LIST=9.0 timeout ${EXLV2_TIMEOUT:-300} $PY bench/exllamav2_peer.py \
-    --gptq "$CK/gptq" --exl2 "$CK/exl2" --ours "$OUT/gpu_h200.json" --ours-generator "$OUT/gpu_generator.json" 2>&1 \
+    ${EXLV2_ARGS:---gptq $CK/gptq --exl2 $CK/exl2 --gptq-no-gidx $CK/gptq} --ours "$OUT/gpu_h200.json" \
+    --ours-generator "$OUT/gpu_generator.json" 2>&1 \
     | tee -a "$LOG" | tail -16
 fi

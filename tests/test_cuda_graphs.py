@@ -57,6 +57,18 @@ def test_static_decode_context_gives_the_same_tokens(tiny, attention, monkeypatc
     assert static == plain
 
 
+def test_static_decode_context_with_sliding_window_pages(tiny_model_factory):
+    """Released window pages (-1 in the tables) travel through the packed host buffer unchanged."""
+    folder = tiny_model_factory("mistral", seed=6, vocab_size=500, num_attention_heads=4, num_key_value_heads=2,
+                                sliding_window=20)
+    model, _ = load_model(folder, load_tokenizer=False)
+    seed = random.randrange(1 << 20)
+    plain, _ = _run(model, False, seed)
+    static, gen = _run(model, True, seed)
+    assert gen.graphs is not None and len(gen.graphs._entries) >= 3
+    assert static == plain
+
+
 def test_graphs_off_by_default_on_cpu(tiny):
     model, _ = load_model(tiny, load_tokenizer=False)
     assert Generator(model, Cache(model, max_tokens=256)).graphs is None

@@ -168,3 +168,40 @@ def test_graph_replay_over_new_tables_and_lengths():
         g.replay()
         q, kc, vc, table, cu, lens = case
         _check(out.cpu(), _ref64(q, kc, vc, table, cu, lens, 0.09, None), dtype)
+
+
+def test_generator_decodes_through_the_kernel(tiny_model_factory, monkeypatch):
+    """A fp16 model with 64-wide heads on the GPU: the Generator's decode steps (CUDA graphs) run
+    this kernel, and every job's tokens match the same jobs with attention forced to the gathering
+    path, up to near-ties (the two round differently)."""
+    _need_kernel()
+    import random
+
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    from exl_core.loader import load_model
+    from exl_core.ops import dispatch
+    from exl_core.testing import assert_same_tokens_up_to_ties
+    folder = tiny_model_factory("llama", seed=5, vocab_size=500, hidden_size=256, intermediate_size=384,
+                                num_attention_heads=4, num_key_value_heads=2)
+    model, _ = load_model(folder, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    rnd = random.Random(3)
+    prompts = [[rnd.randrange(3, 500) for _ in range(n)] for n in (5, 40, 19, 70)]
+
+    def run():
+        gen = Generator(model, Cache(model, max_tokens=2048, page_size=16), None, max_batch_tokens=256)
+        jobs = gen.enqueue([Job(p, max_new_tokens=m, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False,
+                                return_logprobs=True) for p, m in zip(prompts, (12, 7, 20, 3))])
+        while gen.has_work():
+            gen.iterate()
+        assert gen.graphs is not None and gen.graphs.replays > 0
+        return [(j.generated, list(j.logprobs)) for j in jobs]
+
+    PAGED_ATTENTION._chosen.clear()
+    mine = run()
+    assert any(c.name == "cuda" for c in PAGED_ATTENTION._chosen.values())
+    monkeypatch.setitem(dispatch._FORCED, "attention", "gathered_sdpa")
+    theirs = run()
+    for (ta, la), (tb, lb) in zip(mine, theirs):
+        assert_same_tokens_up_to_ties(ta, la, tb, lb, 2e-2)

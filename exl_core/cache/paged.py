@@ -143,9 +143,14 @@ class Cache:
                 logit_rows: Optional[torch.Tensor] = None) -> "PagedContext":
         """Context for one forward pass: sequence s appends `new_lens[s]` tokens after its
         `num_tokens` stored ones. Takes the pages the new tokens need (from reservations)."""
+        self.prepare(tables, new_lens)
+        return PagedContext(self, tables, new_lens, logit_rows)
+
+    def prepare(self, tables: Sequence[PageTable], new_lens: Sequence[int]) -> None:
+        """Take the pages `new_lens[s]` more tokens of each table need (from reservations); for
+        callers that build their own context (cuda_graphs.StaticDecodeContext)."""
         for t, n in zip(tables, new_lens):
             t.ensure(self.pool, t.num_tokens + n)
-        return PagedContext(self, tables, new_lens, logit_rows)
 
 
 class PagedContext:

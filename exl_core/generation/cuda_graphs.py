@@ -4,8 +4,8 @@ A decode step (every sequence feeds one token, every row wants logits, no LoRA) 
 CUDA launches ~10 kernels per layer; eagerly, Python and the launch queue cost more than the
 kernels at batch 1. `GraphedDecoder` records the model's forward once per (batch size,
 block-table width bucket) over a `StaticDecodeContext` — the paged context's tensors at fixed
-addresses — and each later step only copies the step's positions/slots/table into those
-buffers and replays.
+addresses — and each later step copies the step's ids/positions/slots/table into those
+buffers (one host-to-device copy) and replays.
 
 Why it is exact: the graph runs the same kernels on the same values as the eager forward
 (attention through `gathered_sdpa`, which reads no host value); block tables are padded with
@@ -19,10 +19,12 @@ how the CPU tests check the padding and buffer logic the graphs depend on.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from array import array
+from typing import Optional, Sequence
 
 import torch
 
+from ..cache.pages import PageTable
 from ..cache.paged import PagedContext
 
 # Block tables are padded to a multiple of this many tokens' worth of pages: few graphs as sequences
@@ -31,35 +33,51 @@ WIDTH_BUCKET_TOKENS = 256
 
 
 class StaticDecodeContext(PagedContext):
-    """A PagedContext for S single-token rows whose tensors never move (graph inputs)."""
+    """A PagedContext for S single-token rows whose tensors never move (graph inputs).
+
+    ids, positions, slots, seq_lens_k (int64) and the block table (int32, S x width) are views of
+    one device byte buffer, filled each step from one (pinned) host buffer by a single copy: a step
+    costs one host-to-device transfer instead of a tensor per field plus copies into the buffers."""
 
     def __init__(self, cache, batch: int, width: int, num_positions: int):   # noqa: D107 - no super().__init__
         dev = cache.device
         self.cache = cache
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.batch, self.width = batch, width
+        head = 8 * 4 * batch                                  # four int64 fields of `batch` values
+        nbytes = head + -(-4 * batch * width // 8) * 8
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        pinned = dev.type == "cuda"
+        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
+        self.ids, self.positions, self.slots, self.seq_lens_k = self._dev[:head].view(torch.int64).split(batch)
+        self.block_table = self._dev[head:head + 4 * batch * width].view(torch.int32).view(batch, width)
         self.cu_seqlens = torch.arange(batch + 1, dtype=torch.int64, device=dev)
-        self.block_table = torch.full((batch, width), -1, dtype=torch.int32, device=dev)
-        self.seq_lens_k = torch.ones(batch, dtype=torch.int64, device=dev)
         self.logit_rows = None
         self.max_q_len = 1
         self.num_positions = num_positions       # the model sizes its rope lookup from this, no sync
 
-    def load(self, ctx: PagedContext) -> None:
-        """Copy one step's values (a PagedContext of the same batch) into the fixed buffers."""
+    def fill(self, ids: Sequence[int], tables: Sequence[PageTable]) -> None:
+        """This step's values (one new token per table, pages already taken) into the fixed buffers."""
         from ..ops.attention_gathered import forget_plan
         forget_plan()                            # same tensor objects, new values: no stale plan
-        w = ctx.block_table.shape[1]
-        self.positions.copy_(ctx.positions)
-        self.slots.copy_(ctx.slots)
-        self.seq_lens_k.copy_(ctx.seq_lens_k)
-        self.block_table[:, w:].fill_(-1)
-        self.block_table[:, :w].copy_(ctx.block_table)
+        if self._copied is not None:
+            self._copied.synchronize()           # the previous step's copy has read the host buffer
+        starts = [t.num_tokens for t in tables]
+        slots = [t.slots(n, 1)[0] for t, n in zip(tables, starts)]
+        rows: list[int] = []
+        for t in tables:
+            rows += t.pages + [-1] * (self.width - len(t.pages))
+        raw = (array("q", [*ids, *starts, *slots, *(n + 1 for n in starts)]).tobytes() +
+               array("i", rows).tobytes())
+        self._host[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self._dev.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
 
 class _Entry:
-    def __init__(self, ctx: StaticDecodeContext, ids: torch.Tensor):
-        self.ctx, self.ids = ctx, ids
+    def __init__(self, ctx: StaticDecodeContext):
+        self.ctx = ctx
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.logits: Optional[torch.Tensor] = None
         self.eager_only = False
@@ -83,24 +101,23 @@ class GraphedDecoder:
         adapters change weights and per-row plans the recorded kernels would not see)."""
         return 0 < len(lens) <= self.max_batch and all(n == 1 for n in lens) and all(wants_logits)
 
-    def run(self, ids: list[int], ctx: PagedContext) -> torch.Tensor:
-        """Logits (S, vocab) of this decode step; valid until the next call."""
-        s, w = len(ids), ctx.block_table.shape[1]
+    def run(self, ids: list[int], tables: Sequence[PageTable]) -> torch.Tensor:
+        """Logits (S, vocab) of this decode step (one new token per table, its page already taken
+        by Cache.prepare); valid until the next call."""
+        s, w = len(ids), max([len(t.pages) for t in tables] + [1])
         width = -(-w // self.bucket) * self.bucket
         key = (s, width)
         e = self._entries.get(key)
         fresh = e is None
         if fresh:
-            e = self._entries[key] = _Entry(StaticDecodeContext(self.cache, s, width, self.num_positions),
-                                            torch.zeros(s, dtype=torch.int64, device=self.cache.device))
-        e.ids.copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
-        e.ctx.load(ctx)
+            e = self._entries[key] = _Entry(StaticDecodeContext(self.cache, s, width, self.num_positions))
+        e.ctx.fill(ids, tables)
         if not self.capture:
-            return self.model.forward(e.ids, e.ctx)
+            return self.model.forward(e.ctx.ids, e.ctx)
         if fresh:
             return self._record(e)
         if e.eager_only:
-            return self.model.forward(e.ids, e.ctx)
+            return self.model.forward(e.ctx.ids, e.ctx)
         e.graph.replay()
         self.replays += 1
         return e.logits
@@ -109,7 +126,7 @@ class GraphedDecoder:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            eager = self.model.forward(e.ids, e.ctx)                  # warm-up: also this step's answer
+            eager = self.model.forward(e.ctx.ids, e.ctx)                  # warm-up: also this step's answer
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # the warm-up left its attention plan cached for these very tensors: a capture that reused it
@@ -118,7 +135,7 @@ class GraphedDecoder:
         forget_plan()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                e.logits = self.model.forward(e.ids, e.ctx)
+                e.logits = self.model.forward(e.ctx.ids, e.ctx)
             e.graph = graph
         except RuntimeError as exc:      # some kernel of this model cannot be recorded: stay eager, say so
             warnings.warn(f"CUDA graph capture failed ({exc}); decoding this batch shape eagerly")

@@ -155,7 +155,8 @@ class Generator:
             tables = [i.job.table for i in plan.items]
             if self.graphs is not None and lora_manager(self.model) is None and \
                     self.graphs.accepts(lens, [i.wants_logits for i in plan.items]):
-                logits = self.graphs.run(ids, self.cache.context(tables, lens))              # (S, V)
+                self.cache.prepare(tables, lens)
+                logits = self.graphs.run(ids, tables)                                         # (S, V)
             else:
                 ctx = self.cache.context(tables, lens, torch.tensor(rows, dtype=torch.int64, device=dev))
                 with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):

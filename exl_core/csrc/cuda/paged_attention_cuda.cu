@@ -35,6 +35,7 @@ namespace {
 constexpr int kThreads = 128;                 // 4 warps per block
 constexpr int kWarps = kThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kStagedPages = 128;             // page numbers of a split held in shared memory
 
 template <typename T> struct Vec;             // 8 elements <-> fp32
 template <> struct Vec<__half> {
@@ -95,6 +96,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
   constexpr int KPB = NG;                     // keys per block step
   __shared__ float sm_acc[NG][G][D];
   __shared__ float sm_m[NG][G], sm_l[NG][G];
+  __shared__ int sm_pages[kStagedPages];
 
   exl_pdl::pdl_wait();                        // q, K and V come from the kernels just before
   exl_pdl::pdl_trigger();
@@ -104,15 +106,32 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
   const int grp = warp * KPW + lane / LPK, sub = lane % LPK;      // lane group, 8-element slice in the key
   const int gq = a.Hq / a.Hkv;                                    // real heads per kv head (<= G)
 
-  const int s = sequence_of(a.cu_q, a.S, row);
-  const int64_t qlen = a.cu_q[s + 1] - a.cu_q[s];
-  const int64_t pos = a.lens[s] - qlen + (row - a.cu_q[s]);      // this row's position = its last key
+  // The row's sequence: decode batches have cu_q = 0, 1, 2, ... so s = row is tried first (two loads
+  // in flight together) before the binary search (log2 S dependent loads).
+  int s = row < a.S ? static_cast<int>(row) : a.S - 1;
+  int64_t cs = a.cu_q[s], ce = a.cu_q[s + 1];
+  if (!(cs <= row && row < ce)) {
+    s = sequence_of(a.cu_q, a.S, row);
+    cs = a.cu_q[s];
+    ce = a.cu_q[s + 1];
+  }
+  // This split's page numbers to shared memory, read while the row's length is on its way (they depend
+  // on the split, not on the length); clamped into the cache so a corrupt table cannot read out of bounds.
+  const int* trow = a.table + static_cast<int64_t>(s) * a.W;
+  const int k0 = split * a.chunk;
+  const int p0 = k0 / a.page;
+  const int kmax = a.W * a.page;
+  const int np = k0 < kmax ? ((k0 + a.chunk < kmax ? k0 + a.chunk : kmax) - 1) / a.page - p0 + 1 : 0;
+  const int staged = np < kStagedPages ? np : kStagedPages;
+  for (int i = threadIdx.x; i < staged; i += kThreads) {
+    const int pg = trow[p0 + i];
+    sm_pages[i] = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
+  }
+  const int64_t pos = a.lens[s] - (ce - cs) + (row - cs);        // this row's position = its last key
   int64_t lo = a.window > 0 ? pos - a.window + 1 : 0;
   if (lo < 0) lo = 0;
-  const int64_t k0 = static_cast<int64_t>(split) * a.chunk;
-  const int64_t first = k0 > lo ? k0 : lo;
-  int64_t end = k0 + a.chunk;                                     // exclusive
-  if (end > pos + 1) end = pos + 1;
+  const int first = static_cast<int>(k0 > lo ? k0 : lo);
+  const int end = static_cast<int>(k0 + a.chunk < pos + 1 ? k0 + a.chunk : pos + 1);   // exclusive
 
   float qf[G][8];                                                 // q * scale * log2(e), this lane's slice
   const T* qbase = static_cast<const T*>(a.q) + (row * a.Hq + static_cast<int64_t>(kvh) * gq) * D + sub * 8;
@@ -138,20 +157,27 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
 
   const T* kbase = static_cast<const T*>(a.k);
   const T* vbase = static_cast<const T*>(a.v);
-  const int* trow = a.table + static_cast<int64_t>(s) * a.W;
   const int64_t slot_stride = static_cast<int64_t>(a.Hkv) * D;   // elements between two slots of a page
+  const int pshift = (a.page & (a.page - 1)) == 0 ? __ffs(a.page) - 1 : -1;   // power-of-two pages: shifts
+  __syncthreads();                                                // sm_pages
   // U block steps per iteration, and the next iteration's loads issued before this one's math
   // (software pipeline): 2U keys' K and V per lane group in flight. Fewer for large groups (registers).
   constexpr int U = G <= 2 ? 4 : 2;
-  auto fetch = [&](int64_t b0, uint4 (&kr)[U], uint4 (&vr)[U]) {
+  auto fetch = [&](int b0, uint4 (&kr)[U], uint4 (&vr)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t t = b0 + u * KPB + grp;
+      const int t = b0 + u * KPB + grp;
       if (t < end) {
-        const int64_t pi = t / a.page;
-        int pg = pi < a.W ? trow[pi] : 0;
-        pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
-        const int64_t off = (static_cast<int64_t>(pg) * a.page + t % a.page) * slot_stride + kvh * D + sub * 8;
+        const int pi = pshift >= 0 ? t >> pshift : t / a.page;
+        const int slot = pshift >= 0 ? t & (a.page - 1) : t - pi * a.page;
+        int pg;
+        if (pi - p0 < staged) {
+          pg = sm_pages[pi - p0];
+        } else {                                                  // past the staged pages (tiny pages)
+          pg = pi < a.W ? trow[pi] : 0;
+          pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
+        }
+        const int64_t off = (static_cast<int64_t>(pg) * a.page + slot) * slot_stride + kvh * D + sub * 8;
         kr[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
         vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
       }
@@ -159,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
   };
   uint4 kn[U], vn[U];
   if (first < end) fetch(first, kn, vn);
-  for (int64_t b0 = first; b0 < end; b0 += U * KPB) {
+  for (int b0 = first; b0 < end; b0 += U * KPB) {
     uint4 kr[U], vr[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
