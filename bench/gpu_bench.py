@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from exl_core.ops.attention import paged_attention
+from exl_core.ops.attention import paged_attention, write_kv
 
 PROMPT, DECODE = 128, 128
 PROFILE = os.environ.get("EXL_BENCH_PROFILE", "1") == "1"
@@ -93,8 +93,8 @@ TOKEN_MAJOR = True    # K/V cache (B, T, Hkv, D): the paged cache's layout (exl_
                       # 649 us against 1,575 us into (B, Hkv, T, D), bench/prompt_probe.py). --kv-layout htd: the latter (A/B)
 
 
-PAGED_DECODE = True  # decode attention by the library's paged kernel over the static cache; --decode-attn sdpa:
-                     # the masked SDPA over every slot this bench used before (A/B)
+PAGED_DECODE = True  # decode K/V write and attention by the library's kernels over the static cache; --decode-attn
+                     # sdpa: index_copy and the masked SDPA over every slot this bench used before (A/B)
 
 
 class StaticKV:
@@ -154,17 +154,20 @@ class DecodeContext:
     def attend(self, layer, q, k, v, scale, window):
         kv = self.kv
         kc, vc = kv.k[layer], kv.v[layer]
-        t = 1 if TOKEN_MAJOR else 2
-        kc.index_copy_(t, kv.pos, k.unsqueeze(t))                          # one token at pos
-        vc.index_copy_(t, kv.pos, v.unsqueeze(t))
         if PAGED_DECODE and TOKEN_MAJOR:
-            # the library's paged kernel (the Generator's decode path): sequence b is page b of max_len slots
+            # the library's K/V write and paged kernel (the Generator's decode path): sequence b is page b
+            # of max_len slots
             if layer == 0:
                 B = kv.B
                 self.table = torch.arange(B, dtype=torch.int32, device="cuda").view(B, 1)
                 self.cu = torch.arange(B + 1, dtype=torch.int64, device="cuda")
                 self.lens = (kv.pos + 1).expand(B).contiguous()
+                self.slots = torch.arange(B, device="cuda") * kv.max_len + kv.pos
+            write_kv(kc, vc, k, v, self.slots)
             return paged_attention(q, kc, vc, self.table, self.cu, self.lens, scale, window, max_q_len=1)
+        t = 1 if TOKEN_MAJOR else 2
+        kc.index_copy_(t, kv.pos, k.unsqueeze(t))                          # one token at pos
+        vc.index_copy_(t, kv.pos, v.unsqueeze(t))
         if layer == 0:                                                     # keys 0..pos, once per step
             self.mask = (kv.kpos <= kv.pos).view(1, 1, 1, -1)
         mask = self.mask

@@ -1,8 +1,9 @@
-"""The CUDA paged attention kernel (csrc/cuda/paged_attention_cuda.cu) against the host-walking
+"""The CUDA paged attention kernel (csrc/cuda/paged_attention_cuda.cu) against a brute-force
 reference in float64: decode rows, speculative-verify rows, GQA ratios the kernel pads (3 -> 4,
 7 -> 8), head dims 64/128/256, odd page sizes, sliding windows with released pages, several key
-splits, and a CUDA graph replayed over new tables and lengths. Cache slots no query may read hold
-NaN, so a stray read shows up in the output."""
+splits, a CUDA graph replayed over new tables and lengths, and the Generator on it. Cache slots no
+query may read hold NaN, so a stray read shows up in the output. Also the K/V write kernel
+(kv_write_cuda.cu) against index_copy."""
 from __future__ import annotations
 
 import pytest
@@ -190,7 +191,8 @@ def test_generator_decodes_through_the_kernel(tiny_model_factory, monkeypatch):
     prompts = [[rnd.randrange(3, 500) for _ in range(n)] for n in (5, 40, 19, 70)]
 
     def run():
-        gen = Generator(model, Cache(model, max_tokens=2048, page_size=16), None, max_batch_tokens=256)
+        gen = Generator(model, Cache(model, max_tokens=2048, page_size=16), None, max_batch_tokens=256,
+                        max_chunk_size=64)
         jobs = gen.enqueue([Job(p, max_new_tokens=m, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False,
                                 return_logprobs=True) for p, m in zip(prompts, (12, 7, 20, 3))])
         while gen.has_work():
@@ -205,3 +207,30 @@ def test_generator_decodes_through_the_kernel(tiny_model_factory, monkeypatch):
     theirs = run()
     for (ta, la), (tb, lb) in zip(mine, theirs):
         assert_same_tokens_up_to_ties(ta, la, tb, lb, 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kv_write_kernel_matches_index_copy(dtype):
+    """write_kv on the GPU (one kernel for k and v) against index_copy on the CPU: v a strided view
+    (rows of a wider tensor), slots in any order; every other slot keeps its poison."""
+    from exl_core.ops.attention import _kv_kernel_serves, write_kv
+    _need_kernel()
+    g = torch.Generator().manual_seed(1)
+    pages, page, hkv, d, t = 6, 8, 2, 64, 5
+    kc = torch.full((pages, page, hkv, d), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    wide = torch.randn(t, hkv, 2 * d, generator=g).to(dtype).cuda()
+    rows = torch.randn(t, 3 * hkv * d, generator=g).to(dtype).cuda()
+    v_inner = wide[:, :, :d]                                      # inner dims strided: index_copy path
+    v_rows = rows[:, hkv * d:2 * hkv * d].view(t, hkv, d)        # rows strided: the kernel's
+    slots = torch.tensor([17, 3, 40, 0, 29])
+    for vv, kernel in ((v_inner, False), (v_rows, True)):
+        ref_k, ref_v = kc.clone(), vc.clone()
+        ref_k.view(-1, hkv, d).index_copy_(0, slots, k)
+        ref_v.view(-1, hkv, d).index_copy_(0, slots, vv.cpu())
+        gk, gv = kc.cuda(), vc.cuda()
+        assert _kv_kernel_serves(gk, gv, k.cuda(), vv) == kernel
+        write_kv(gk, gv, k.cuda(), vv, slots.cuda())
+        assert torch.equal(gk.cpu().nan_to_num(7.0), ref_k.nan_to_num(7.0))
+        assert torch.equal(gv.cpu().nan_to_num(7.0), ref_v.nan_to_num(7.0))
