@@ -40,11 +40,28 @@ History = Union[torch.Tensor, Sequence[int], None]
 
 
 def _is_real(v) -> bool:          # numbers.* so numpy scalars pass too; bools are not numbers here
+    t = type(v)
+    if t is float or t is int:    # the usual case, without the ABC machinery (validate runs every step)
+        return True
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _is_int(v) -> bool:
+    if type(v) is int:
+        return True
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+# (field, valid, rule) of SamplerSettings' float fields, checked by `validate`
+_FLOAT_RULES = (
+    ("temperature", lambda v: v >= 0, "must be a finite number >= 0 (0 = greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+    ("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
+    ("typical", lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+    ("repetition_penalty", lambda v: v > 0, "must be a finite number > 0 (1 = off)"),
+    ("frequency_penalty", lambda v: True, "must be a finite number (0 = off)"),
+    ("presence_penalty", lambda v: True, "must be a finite number (0 = off)"),
+)
 
 
 @dataclass
@@ -106,16 +123,7 @@ class SamplerSettings:
         def bad(name, value, rule):
             raise SamplerError(f"SamplerSettings.{name}={value!r} is invalid: {rule}")
 
-        floats = {
-            "temperature": (lambda v: v >= 0, "must be a finite number >= 0 (0 = greedy)"),
-            "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
-            "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0 = off)"),
-            "typical": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
-            "repetition_penalty": (lambda v: v > 0, "must be a finite number > 0 (1 = off)"),
-            "frequency_penalty": (lambda v: True, "must be a finite number (0 = off)"),
-            "presence_penalty": (lambda v: True, "must be a finite number (0 = off)"),
-        }
-        for name, (ok, rule) in floats.items():
+        for name, ok, rule in _FLOAT_RULES:
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or not ok(v):
                 bad(name, v, rule)
