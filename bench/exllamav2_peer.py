@@ -106,6 +106,7 @@ def without_g_idx(src: Path, dst: Path) -> Path:
 
 
 def bench(folder: Path, r: dict) -> None:
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = load(folder)
     r["load_s"] = time.perf_counter() - t0

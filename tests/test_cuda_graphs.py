@@ -57,15 +57,26 @@ def test_static_decode_context_gives_the_same_tokens(tiny, attention, monkeypatc
     assert static == plain
 
 
-def test_static_decode_context_with_sliding_window_pages(tiny_model_factory):
+def test_static_decode_context_with_sliding_window_pages(tiny_model_factory, monkeypatch):
     """Released window pages (-1 in the tables) travel through the packed host buffer unchanged."""
+    from exl_core.generation import cuda_graphs
     folder = tiny_model_factory("mistral", seed=6, vocab_size=500, num_attention_heads=4, num_key_value_heads=2,
                                 sliding_window=20)
     model, _ = load_model(folder, load_tokenizer=False)
+    released = []
+    fill = cuda_graphs.StaticDecodeContext.fill
+
+    def spy(self, ids, tables):
+        released.append(any(-1 in t.pages for t in tables))
+        fill(self, ids, tables)
+        assert (self.block_table == -1).any().item() == (released[-1] or any(
+            len(t.pages) < self.width for t in tables))
+    monkeypatch.setattr(cuda_graphs.StaticDecodeContext, "fill", spy)
     seed = random.randrange(1 << 20)
     plain, _ = _run(model, False, seed)
     static, gen = _run(model, True, seed)
     assert gen.graphs is not None and len(gen.graphs._entries) >= 3
+    assert any(released), "no released window page reached a graphed step"
     assert static == plain
 
 

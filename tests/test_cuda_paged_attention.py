@@ -52,6 +52,11 @@ def _run_cuda(q, kc, vc, table, cu, lens, scale, window, max_q_len):
     return paged_attention(**args).cpu()
 
 
+def _splits(rows, hkv, table, page):
+    """The key splits the op launches for this call's shapes."""
+    return torch.ops.exl_core.paged_attention_cuda_splits(rows, hkv, table.shape[1] * page, torch.cuda.current_device())
+
+
 def _check(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == dtype
     assert torch.isfinite(out).all(), "NaN/inf: a slot outside the visible keys was read or an output not written"
@@ -76,6 +81,7 @@ def test_decode_rows(dtype, hq, hkv, d):
     ([1, 1], [700, 3], None, 0, 16),              # long sequence: several key splits
     ([1], [1], None, 0, 256),                     # one key
     ([5, 1], [260, 257], 100, 0, 256),            # window across a page border of big pages
+    ([1, 3], [900, 700], 100, 20, 16),            # window, released pages and many splits together
 ])
 def test_mixed_rows_windows_pages(q_lens, k_lens, window, drop, page):
     _need_kernel()
@@ -89,9 +95,8 @@ def test_mixed_rows_windows_pages(q_lens, k_lens, window, drop, page):
 def test_several_splits_are_used_and_merge():
     """Batch 1 over 2,000 keys: the launch splits the keys; the merged result equals one pass."""
     _need_kernel()
-    splits = torch.ops.exl_core.paged_attention_cuda_splits(1, 2, 2048, 0)
-    assert splits > 1
     q, kc, vc, table, cu, lens = _case([1], [2000], hq=8, hkv=2, d=128, page=256, dtype=torch.float16, seed=7)
+    assert _splits(1, 2, table, 256) > 1
     ref = _ref64(q, kc, vc, table, cu, lens, 0.1, None)
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, torch.float16)
 
@@ -99,11 +104,22 @@ def test_several_splits_are_used_and_merge():
 def test_many_rows_one_split():
     """Enough (row, kv head) blocks to fill the GPU: one split, the block writes the output itself."""
     _need_kernel()
-    assert torch.ops.exl_core.paged_attention_cuda_splits(40, 16, 64, 0) == 1
     q, kc, vc, table, cu, lens = _case([1] * 40, [1 + 3 * i for i in range(40)], hq=16, hkv=16, d=64, page=4,
                                        dtype=torch.bfloat16, seed=11)
+    assert _splits(40, 16, table, 4) == 1
     ref = _ref64(q, kc, vc, table, cu, lens, 0.125, None)
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.125, None, 1), ref, torch.bfloat16)
+
+
+def test_tiny_pages_past_the_staged_table():
+    """One split over 150 pages of 4 slots: page numbers past the 128 a block stages in shared
+    memory come from the table in global memory."""
+    _need_kernel()
+    q, kc, vc, table, cu, lens = _case([1] * 40, [600 - 7 * i for i in range(40)], hq=16, hkv=16, d=64, page=4,
+                                       dtype=torch.float16, seed=12)
+    assert _splits(40, 16, table, 4) == 1 and table.shape[1] > 128
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.125, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, 0.125, None, 1), ref, torch.float16)
 
 
 def test_sequence_without_rows():
@@ -144,10 +160,10 @@ def test_graph_replay_over_new_tables_and_lengths():
     def load(case):
         q, kc, vc, table, _cu, lens = case
         q_s.copy_(q)
-        k_s.zero_()
-        v_s.zero_()
-        k_s[:kc.shape[0]].copy_(kc.nan_to_num(0.0))
-        v_s[:vc.shape[0]].copy_(vc.nan_to_num(0.0))
+        k_s.fill_(float("nan"))                                 # slots no query may read stay NaN
+        v_s.fill_(float("nan"))
+        k_s[:kc.shape[0]].copy_(kc)
+        v_s[:vc.shape[0]].copy_(vc)
         t_s.fill_(-1)
         t_s[:, :table.shape[1]].copy_(table)
         l_s.copy_(lens)
@@ -214,7 +230,9 @@ def test_kv_write_kernel_matches_index_copy(dtype):
     """write_kv on the GPU (one kernel for k and v) against index_copy on the CPU: v a strided view
     (rows of a wider tensor), slots in any order; every other slot keeps its poison."""
     from exl_core.ops.attention import _kv_kernel_serves, write_kv
-    _need_kernel()
+    from exl_core.ops.cuda_candidates import _has_cuda_kernel
+    if not _has_cuda_kernel("kv_write"):
+        pytest.fail("torch sees a GPU but exl_core._C was built without the CUDA kv_write kernel")
     g = torch.Generator().manual_seed(1)
     pages, page, hkv, d, t = 6, 8, 2, 64, 5
     kc = torch.full((pages, page, hkv, d), float("nan"), dtype=dtype)

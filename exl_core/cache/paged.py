@@ -153,6 +153,26 @@ class Cache:
             t.ensure(self.pool, t.num_tokens + n)
 
 
+def table_width(tables: Sequence[PageTable]) -> int:
+    """Block-table columns a batch needs: its longest page list (at least 1)."""
+    return max([len(t.pages) for t in tables] + [1])
+
+
+def step_indices(tables: Sequence[PageTable], new_lens: Sequence[int], width: int
+                 ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Host lists of one forward pass where table s appends new_lens[s] tokens after its stored ones:
+    positions and slots per new token, keys per sequence after the pass, and the block table flat,
+    each row padded with -1 to `width` (PagedContext; cuda_graphs.StaticDecodeContext packs the same)."""
+    pos, slots, lens, rows = [], [], [], []
+    for t, n in zip(tables, new_lens):
+        s = t.num_tokens
+        pos.extend(range(s, s + n))
+        slots.extend(t.slots(s, n))
+        lens.append(s + n)
+        rows += t.pages + [-1] * (width - len(t.pages))
+    return pos, slots, lens, rows
+
+
 class PagedContext:
     """`ForwardContext` over the paged cache for a flat ragged batch.
 
@@ -164,21 +184,16 @@ class PagedContext:
                  logit_rows: Optional[torch.Tensor] = None):
         dev = cache.device
         self.cache = cache
-        starts = [t.num_tokens for t in tables]
-        pos, slots = [], []
-        for t, s, n in zip(tables, starts, new_lens):
-            pos.extend(range(s, s + n))
-            slots.extend(t.slots(s, n))
+        width = table_width(tables)
+        pos, slots, lens, rows = step_indices(tables, new_lens, width)
         cu = [0]
         for n in new_lens:
             cu.append(cu[-1] + n)
-        width = max([len(t.pages) for t in tables] + [1])
-        table_rows = [t.pages + [-1] * (width - len(t.pages)) for t in tables]
         self.positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=dev)
         self.slots = torch.tensor(slots, dtype=torch.int64, device=dev)
-        self.block_table = torch.tensor(table_rows, dtype=torch.int32, device=dev).reshape(len(tables), width)
-        self.seq_lens_k = torch.tensor([s + n for s, n in zip(starts, new_lens)], dtype=torch.int64, device=dev)
+        self.block_table = torch.tensor(rows, dtype=torch.int32, device=dev).reshape(len(tables), width)
+        self.seq_lens_k = torch.tensor(lens, dtype=torch.int64, device=dev)
         self.logit_rows = logit_rows.to(dev) if logit_rows is not None else None
         self.max_q_len = max(new_lens, default=0)
 

@@ -8,8 +8,9 @@ addresses — and each later step copies the step's ids/positions/slots/table in
 buffers (one host-to-device copy) and replays.
 
 Why it is exact: the graph runs the same kernels on the same values as the eager forward
-(attention through `gathered_sdpa`, which reads no host value); block tables are padded with
--1 to the bucket width, pages the attention zeroes and masks. The first step of each shape
+(attention through the CUDA paged kernel, or `gathered_sdpa` where it does not serve; neither
+reads a host value); block tables are padded with -1 to the bucket width, pages past a sequence's
+length that the paged kernel never reads and the gathering path zeroes and masks. The first step of each shape
 runs eagerly on a side stream (the warm-up CUDA graphs need; its logits are that step's
 answer), then the same forward is recorded for later steps.
 
@@ -25,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..cache.pages import PageTable
-from ..cache.paged import PagedContext
+from ..cache.paged import PagedContext, step_indices, table_width
 
 # Block tables are padded to a multiple of this many tokens' worth of pages: few graphs as sequences
 # grow, while the gathered attention (whose work grows with the padded width) reads little padding.
@@ -62,16 +63,14 @@ class StaticDecodeContext(PagedContext):
         forget_plan()                            # same tensor objects, new values: no stale plan
         if self._copied is not None:
             self._copied.synchronize()           # the previous step's copy has read the host buffer
-        starts = [t.num_tokens for t in tables]
-        slots = [t.slots(n, 1)[0] for t, n in zip(tables, starts)]
-        rows: list[int] = []
-        for t in tables:
-            rows += t.pages + [-1] * (self.width - len(t.pages))
-        raw = (array("q", [*ids, *starts, *slots, *(n + 1 for n in starts)]).tobytes() +
-               array("i", rows).tobytes())
+        pos, slots, lens, rows = step_indices(tables, [1] * len(tables), self.width)
+        raw = array("q", [*ids, *pos, *slots, *lens]).tobytes() + array("i", rows).tobytes()
         self._host[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        self._dev.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
+        if self._copied is None:
+            self._dev.copy_(self._host)
+            return
+        with torch.cuda.device(self._dev.device):    # the event must follow the copy's stream (the cache's GPU)
+            self._dev.copy_(self._host, non_blocking=True)
             self._copied.record()
 
 
@@ -104,7 +103,7 @@ class GraphedDecoder:
     def run(self, ids: list[int], tables: Sequence[PageTable]) -> torch.Tensor:
         """Logits (S, vocab) of this decode step (one new token per table, its page already taken
         by Cache.prepare); valid until the next call."""
-        s, w = len(ids), max([len(t.pages) for t in tables] + [1])
+        s, w = len(ids), table_width(tables)
         width = -(-w // self.bucket) * self.bucket
         key = (s, width)
         e = self._entries.get(key)

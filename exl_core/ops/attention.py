@@ -119,6 +119,8 @@ def _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k
         raise InputError(f"paged_attention: cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be int64 [S+1={s + 1}]")
     if seq_lens_k.dim() != 1 or seq_lens_k.shape[0] != s:
         raise InputError(f"paged_attention: seq_lens_k {tuple(seq_lens_k.shape)} must be int64 [S={s}]")
+    if s == 0 and t > 0:
+        raise InputError(f"paged_attention: {t} query rows but no sequence (block_table has no rows)")
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -169,6 +171,11 @@ def _paged_cpu_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
         return f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}"
     if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype not in (torch.float32, torch.bfloat16):
         return f"dtypes q={q.dtype}, cache={k_cache.dtype}; kernel takes float32/bfloat16"
+    return paged_layout_problem(k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
+
+
+def paged_layout_problem(k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k) -> Optional[str]:
+    """What the native paged kernels (CPU and CUDA) need of the index dtypes and cache layout, or None."""
     if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int64 or seq_lens_k.dtype != torch.int64:
         return "index dtypes must be block_table int32, cu_seqlens_q/seq_lens_k int64"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -186,12 +193,20 @@ def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, s
     return paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window)
 
 
+# Query rows per sequence up to which the CUDA kernel serves (cuda_candidates._paged_check); longer runs
+# (prefill chunks) go to gathered_sdpa, whose flash SDPA reads each key once for all rows.
+PAGED_MAX_Q_ROWS = 16
+
+
 def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
-    # everything the candidates' checks read (cuda_candidates._paged_check: the row bound and GQA ratio too)
+    # everything the candidates' checks read (cuda_candidates._paged_check: the row bound, GQA ratio,
+    # devices, cache alignment and key range too)
     return (q.device, q.dtype, q.shape[-1], q.shape[1] // max(k_cache.shape[2], 1), k_cache.dtype,
             block_table.dtype, cu_seqlens_q.dtype, seq_lens_k.dtype, k_cache.is_contiguous(),
-            v_cache.is_contiguous(), max_q_len, k_cache.device, block_table.device, cu_seqlens_q.device,
-            seq_lens_k.device)
+            v_cache.is_contiguous(), max_q_len is not None and max_q_len <= PAGED_MAX_Q_ROWS,
+            k_cache.device, v_cache.device, block_table.device, cu_seqlens_q.device, seq_lens_k.device,
+            k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0,
+            block_table.shape[1] * k_cache.shape[1] < 1 << 30)
 
 
 PAGED_ATTENTION = Dispatcher("attention", [

@@ -321,13 +321,11 @@ def _dense_run(x, w_t, bias):
 
 
 # Paged attention straight over the cache pages (paged_attention_cuda.cu) for decode and speculative
-# verification rows; longer query runs (prefill chunks) stay with gathered_sdpa, whose flash SDPA
-# reads each key once for all rows where this kernel reads it once per row.
-PAGED_MAX_Q_ROWS = 16
-
+# verification rows (up to attention.PAGED_MAX_Q_ROWS per sequence).
 
 def _paged_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window,
                  max_q_len=None) -> Optional[str]:
+    from .attention import PAGED_MAX_Q_ROWS, paged_layout_problem
     if not _has_cuda_kernel("paged_attention"):
         return "extension built without the CUDA paged_attention kernel"
     dev = q.device
@@ -340,17 +338,14 @@ def _paged_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sca
                f"64/128/256 and at most 8"
     if max_q_len is None or max_q_len > PAGED_MAX_Q_ROWS:
         return f"max_q_len {max_q_len}: the kernel serves up to {PAGED_MAX_Q_ROWS} query rows per sequence"
-    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int64 or seq_lens_k.dtype != torch.int64:
-        return "index dtypes must be block_table int32, cu_seqlens_q/seq_lens_k int64"
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return "k_cache / v_cache not contiguous"
-    return None
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        return "k_cache / v_cache not 16-byte aligned"
+    if block_table.shape[1] * k_cache.shape[1] >= 1 << 30:
+        return "table width x page size >= 2^30 keys (the kernel counts keys in 32 bits)"
+    return paged_layout_problem(k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
 
 
 def _paged_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
-    q = q.contiguous()
-    if q.data_ptr() % 16:                       # 16-byte loads of q rows
-        q = q.clone()
     return torch.ops.exl_core.paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
                                               float(scale), int(window or 0))
 

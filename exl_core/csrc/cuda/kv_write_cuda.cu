@@ -2,7 +2,8 @@
 // The torch path (two index_copy_ kernels) costs two launches per layer and decode runs ~10 small
 // kernels per layer, so at batch 1 the launch count is what the step pays for. Each thread moves 16
 // bytes of one row of k and the same 16 bytes of v; dtype-agnostic (rows are copied as bytes).
-// Slots outside the cache are skipped (ops/attention.write_kv only sends slots of its page tables).
+// Slots outside the cache are skipped, where index_copy_ would raise (ops/attention.write_kv only sends
+// slots of its own page tables). ops/attention._kv_kernel_serves mirrors the layout check below.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -48,7 +49,8 @@ void kv_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const a
   };
   TORCH_CHECK(row_bytes % 16 == 0 && rows_ok(k) && rows_ok(v), op,
               ": rows of k and v must be contiguous, 16-byte aligned multiples of 16 bytes");
-  TORCH_CHECK(k.device() == k_cache.device() && v.device() == k_cache.device() && slots.device() == k_cache.device(),
+  TORCH_CHECK(k.device() == k_cache.device() && v.device() == k_cache.device() && slots.device() == k_cache.device() &&
+                  v_cache.device() == k_cache.device(),
               op, ": every tensor must be on the cache's GPU");
   const int64_t rows = k.size(0), vecs = row_bytes / 16;
   if (rows == 0) return;

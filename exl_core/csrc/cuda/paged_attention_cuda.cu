@@ -13,10 +13,12 @@
 // (sum p*v, max, sum p) and paged_attention_combine_kernel merges them.
 //
 // The number of splits depends only on shapes the host knows (rows, kv heads, table width x page
-// size), never on device values, so a CUDA graph can record the call. Every row reads keys
-// [lo, pos] only: pos = seq_lens_k[s] - q_len_s + j, lo = pos - window + 1 (window > 0) or 0; slots
-// past a sequence's end and pages outside its window (-1 in the table) are never touched. Page
-// numbers are clamped into the cache so a corrupt table cannot read out of bounds.
+// size), never on device values, so a CUDA graph can record the call. Every row reads the K/V of keys
+// [lo, pos] only: pos = seq_lens_k[s] - q_len_s + j, lo = pos - window + 1 (window > 0) or 0; K/V slots
+// past a sequence's end and pages outside its window (-1 in the table) are never read (a split's table
+// entries are, -1 included, when staged). Page numbers are clamped into the cache, so a corrupt table
+// (-1 or out of range inside the visible keys) reads the wrong page, never out of bounds: its output is
+// undefined, where the CPU kernel raises; the library's own tables never hold one.
 // Math in fp32 (scores scaled in the log2 domain, exp2f); output in q's dtype.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -26,6 +28,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "pdl.cuh"
@@ -37,30 +40,30 @@ constexpr int kWarps = kThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kStagedPages = 128;             // page numbers of a split held in shared memory
 
-template <typename T> struct Vec;             // 8 elements <-> fp32
-template <> struct Vec<__half> {
+// fp16 / bf16 pairs and single values to and from fp32
+__device__ __forceinline__ float2 pair_f32(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 pair_f32(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+__device__ __forceinline__ void store_f32(float v, __half* out) { *out = __float2half_rn(v); }
+__device__ __forceinline__ void store_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+template <typename T> struct PairOf;
+template <> struct PairOf<__half> { using type = __half2; };
+template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+template <typename T> struct Vec {            // 8 elements (16 bytes) <-> fp32
   static __device__ __forceinline__ void to_f32(const uint4& u, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
+    const auto* h = reinterpret_cast<const typename PairOf<T>::type*>(&u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 v = __half22float2(h[i]);
+      const float2 v = pair_f32(h[i]);
       f[2 * i] = v.x;
       f[2 * i + 1] = v.y;
     }
   }
-  static __device__ __forceinline__ __half from_f32(float v) { return __float2half_rn(v); }
-};
-template <> struct Vec<__nv_bfloat16> {
-  static __device__ __forceinline__ void to_f32(const uint4& u, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __bfloat1622float2(h[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
+  static __device__ __forceinline__ T from_f32(float v) {
+    T out;
+    store_f32(v, &out);
+    return out;
   }
-  static __device__ __forceinline__ __nv_bfloat16 from_f32(float v) { return __float2bfloat16_rn(v); }
 };
 
 struct Args {
@@ -364,11 +367,19 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   TORCH_CHECK(q_.is_cuda() && k_cache.device() == q_.device() && block_table_.device() == q_.device() &&
                   cu_seqlens_q_.device() == q_.device() && seq_lens_k_.device() == q_.device(),
               op, ": every tensor must be on the same GPU");
+  TORCH_CHECK(v_cache.device() == q_.device(), op, ": v_cache must be on q's GPU");
+  TORCH_CHECK(block_table_.size(1) * k_cache.size(1) < (int64_t{1} << 30), op,
+              ": table width x page size must stay below 2^30 keys (32-bit key arithmetic)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(v_cache.data_ptr()) % 16 == 0,
+              op, ": caches must be 16-byte aligned (16-byte loads)");
   const c10::cuda::CUDAGuard guard(q_.device());
   auto q = q_.contiguous();
+  if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();   // 16-byte loads of q rows
   auto out = at::empty_like(q);
   const int64_t rows = q.size(0);
-  if (rows == 0 || S == 0) return out;
+  TORCH_CHECK(rows == 0 || S > 0, op, ": ", rows, " query rows but no sequence");
+  if (rows == 0) return out;
   auto table = block_table_.contiguous(), cu = cu_seqlens_q_.contiguous(), lens = seq_lens_k_.contiguous();
   const int dev = q.device().index();
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -387,7 +398,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   a.P = static_cast<int>(k_cache.size(0));
   a.Hq = static_cast<int>(Hq);
   a.Hkv = static_cast<int>(Hkv);
-  a.window = static_cast<int>(window > 0 ? window : 0);
+  a.window = static_cast<int>(window > 0 ? std::min<int64_t>(window, int64_t{1} << 30) : 0);   // wider = no window
   a.scale_log2 = static_cast<float>(scale) * kLog2e;
   const int64_t max_keys = std::max<int64_t>(1, static_cast<int64_t>(a.W) * a.page);
   a.splits = pick_splits(rows, Hkv, max_keys, exl_pdl::device_sm(dev, false), &a.chunk);
