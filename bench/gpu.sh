@@ -97,10 +97,13 @@ fi
 if has promptprobe; then   # 2048-token prompt: graph vs eager, dequantise/GEMM overlap and L2 slices, K/V copy layouts
   timeout ${PROBE_TIMEOUT:-150} $PY bench/prompt_probe.py "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -30
 fi
-if has ncu; then      # qgemm_kslice at 32 rows (4096x4096) under Nsight Compute: what limits it
+if has ncu; then      # qgemm_kslice at 32 rows (4096x4096) under Nsight Compute: what limits it. The L2 and DRAM
+  # byte counts test the hypothesis of NOTES.md (x re-read from L2 by each of the 128 column tiles: ~32 MB of L2
+  # reads against ~8.4 MB of weights from DRAM)
   timeout ${PROBE_TIMEOUT:-150} ncu --clock-control none -k regex:qgemm_kslice --launch-skip 8 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --section LaunchStats $PY bench/cuda_probe.py ks 32 2>&1 | tee -a "$LOG" | tail -90
+    --section LaunchStats --metrics lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed \
+    $PY bench/cuda_probe.py ks 32 2>&1 | tee -a "$LOG" | tail -100
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
   timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee -a "$LOG" | tail -8
