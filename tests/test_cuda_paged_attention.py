@@ -14,7 +14,9 @@ from exl_core.ops.attention import PAGED_ATTENTION, paged_attention
 
 pytestmark = pytest.mark.cuda
 
-TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# Rounding the fp32 result to the output dtype moves it by at most half an ulp: 2^-11 |x| (fp16), 2^-8 |x|
+# (bf16). The bound allowed is twice that, plus 1e-4 for fp32 accumulation and fp16 subnormals.
+RTOL = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
 def _need_kernel():
@@ -60,8 +62,8 @@ def _splits(rows, hkv, table, page):
 def _check(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == dtype
     assert torch.isfinite(out).all(), "NaN/inf: a slot outside the visible keys was read or an output not written"
-    err = (out.double() - ref).abs().max().item()
-    assert err < TOL[dtype], err
+    excess = ((out.double() - ref).abs() - (RTOL[dtype] * ref.abs() + 1e-4)).max().item()
+    assert excess <= 0, f"error beyond output rounding by {excess}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -226,10 +228,12 @@ def test_generator_decodes_through_the_kernel(tiny_model_factory, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_kv_write_kernel_matches_index_copy(dtype):
-    """write_kv on the GPU (one kernel for k and v) against index_copy on the CPU: v a strided view
-    (rows of a wider tensor), slots in any order; every other slot keeps its poison."""
-    from exl_core.ops.attention import _kv_kernel_serves, write_kv
+def test_kv_write_matches_index_copy(dtype):
+    """write_kv on the GPU (kv_write: the one-launch kernel for 16-byte rows, index_copy inside the op for
+    other layouts) against index_copy on the CPU: rows of a wider tensor (the kernel), inner dims strided
+    and k of another dtype than the cache (the op's fallback), slots in any order; every other slot keeps
+    its poison."""
+    from exl_core.ops.attention import write_kv
     from exl_core.ops.cuda_candidates import _has_cuda_kernel
     if not _has_cuda_kernel("kv_write"):
         pytest.fail("torch sees a GPU but exl_core._C was built without the CUDA kv_write kernel")
@@ -237,18 +241,19 @@ def test_kv_write_kernel_matches_index_copy(dtype):
     pages, page, hkv, d, t = 6, 8, 2, 64, 5
     kc = torch.full((pages, page, hkv, d), float("nan"), dtype=dtype)
     vc = kc.clone()
-    k = torch.randn(t, hkv, d, generator=g).to(dtype)
-    wide = torch.randn(t, hkv, 2 * d, generator=g).to(dtype).cuda()
     rows = torch.randn(t, 3 * hkv * d, generator=g).to(dtype).cuda()
-    v_inner = wide[:, :, :d]                                      # inner dims strided: index_copy path
-    v_rows = rows[:, hkv * d:2 * hkv * d].view(t, hkv, d)        # rows strided: the kernel's
+    wide = torch.randn(t, hkv, 2 * d, generator=g).to(dtype).cuda()
+    k = torch.randn(t, hkv, d, generator=g).to(dtype).cuda()
+    other = torch.float32 if dtype != torch.float32 else torch.float16
+    cases = (("rows strided", k, rows[:, hkv * d:2 * hkv * d].view(t, hkv, d)),
+             ("inner strided", k, wide[:, :, :d]),
+             ("k in another dtype", k.to(other), rows[:, :hkv * d].view(t, hkv, d)))
     slots = torch.tensor([17, 3, 40, 0, 29])
-    for vv, kernel in ((v_inner, False), (v_rows, True)):
+    for name, kk, vv in cases:
         ref_k, ref_v = kc.clone(), vc.clone()
-        ref_k.view(-1, hkv, d).index_copy_(0, slots, k)
+        ref_k.view(-1, hkv, d).index_copy_(0, slots, kk.cpu().to(dtype))
         ref_v.view(-1, hkv, d).index_copy_(0, slots, vv.cpu())
         gk, gv = kc.cuda(), vc.cuda()
-        assert _kv_kernel_serves(gk, gv, k.cuda(), vv) == kernel
-        write_kv(gk, gv, k.cuda(), vv, slots.cuda())
-        assert torch.equal(gk.cpu().nan_to_num(7.0), ref_k.nan_to_num(7.0))
-        assert torch.equal(gv.cpu().nan_to_num(7.0), ref_v.nan_to_num(7.0))
+        write_kv(gk, gv, kk, vv, slots.cuda())
+        assert torch.equal(gk.cpu().nan_to_num(7.0), ref_k.nan_to_num(7.0)), name
+        assert torch.equal(gv.cpu().nan_to_num(7.0), ref_v.nan_to_num(7.0)), name

@@ -69,8 +69,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise InputError("write_kv: k_cache / v_cache must be contiguous (they are written through a flat view)")
     slots = slots.to(device=k_cache.device, dtype=torch.int64)
-    if _kv_kernel_serves(k_cache, v_cache, k, v):
-        torch.ops.exl_core.kv_write(k_cache, v_cache, k, v, slots)        # one launch for both (kv_write_cuda.cu)
+    if k_cache.device.type == "cuda" and _kv_kernel():
+        torch.ops.exl_core.kv_write(k_cache, v_cache, k, v, slots)   # both in one launch (kv_write_cuda.cu)
         return
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
@@ -80,20 +80,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 _KV_KERNEL: Optional[bool] = None
 
 
-def _kv_kernel_serves(k_cache, v_cache, k, v) -> bool:
-    """The CUDA kv_write kernel takes these: same dtype and GPU, rows of 16-byte multiples, 16-byte aligned."""
+def _kv_kernel() -> bool:
+    """The extension has the CUDA kv_write kernel (it falls back to index_copy itself for layouts it
+    cannot take)."""
     global _KV_KERNEL
-    if k_cache.device.type != "cuda":
-        return False
     if _KV_KERNEL is None:
         _KV_KERNEL = has_op("kv_write") and torch._C._dispatch_has_kernel_for_dispatch_key("exl_core::kv_write", "CUDA")
-    if not _KV_KERNEL or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        return False
-    es = k.element_size()
-    row = k.shape[1] * k.shape[2] * es
-    return (row % 16 == 0 and k.device == k_cache.device and v.device == k_cache.device and
-            all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * es) % 16 == 0 and
-                t.data_ptr() % 16 == 0 for t in (k, v)))
+    return _KV_KERNEL
 
 
 def _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:

@@ -2,8 +2,9 @@
 // The torch path (two index_copy_ kernels) costs two launches per layer and decode runs ~10 small
 // kernels per layer, so at batch 1 the launch count is what the step pays for. Each thread moves 16
 // bytes of one row of k and the same 16 bytes of v; dtype-agnostic (rows are copied as bytes).
-// Slots outside the cache are skipped, where index_copy_ would raise (ops/attention.write_kv only sends
-// slots of its own page tables). ops/attention._kv_kernel_serves mirrors the layout check below.
+// Rows that are not 16-byte aligned multiples of 16 bytes, or k/v of another dtype than the cache, go
+// through index_copy_ here (one place decides). Slots outside the cache are skipped by the kernel, where
+// index_copy_ would raise (ops/attention.write_kv only sends slots of its own page tables).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -32,29 +33,29 @@ void kv_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const a
                    const at::Tensor& slots) {
   const char* op = "exl_core::kv_write (CUDA)";
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              op, ": caches must be contiguous (pages, page_size, Hkv, D) of one shape");
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              op, ": caches must be contiguous (pages, page_size, Hkv, D) of one shape and dtype");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
               op, ": k, v must be (T, Hkv, D) matching the cache, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              op, ": k, v and the caches must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0), op,
               ": slots must be int64 [T]");
-  const int64_t es = k.element_size(), D = k.size(2), H = k.size(1);
-  const int64_t row_bytes = H * D * es;
-  auto rows_ok = [&](const at::Tensor& t) {
-    return t.stride(2) == 1 && t.stride(1) == D && (t.stride(0) * es) % 16 == 0 &&
-           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  };
-  TORCH_CHECK(row_bytes % 16 == 0 && rows_ok(k) && rows_ok(v), op,
-              ": rows of k and v must be contiguous, 16-byte aligned multiples of 16 bytes");
   TORCH_CHECK(k.device() == k_cache.device() && v.device() == k_cache.device() && slots.device() == k_cache.device() &&
                   v_cache.device() == k_cache.device(),
               op, ": every tensor must be on the cache's GPU");
+  const int64_t es = k_cache.element_size(), D = k.size(2), H = k.size(1);
+  const int64_t row_bytes = H * D * es;
+  auto rows_ok = [&](const at::Tensor& t) {
+    return t.scalar_type() == k_cache.scalar_type() && t.stride(2) == 1 && t.stride(1) == D &&
+           (t.stride(0) * es) % 16 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  if (row_bytes % 16 != 0 || !rows_ok(k) || !rows_ok(v)) {      // other layouts and dtypes: torch's copy
+    k_cache.view({-1, H, D}).index_copy_(0, slots, k.to(k_cache.scalar_type()));
+    v_cache.view({-1, H, D}).index_copy_(0, slots, v.to(k_cache.scalar_type()));
+    return;
+  }
   const int64_t rows = k.size(0), vecs = row_bytes / 16;
   if (rows == 0) return;
-  const c10::cuda::CUDAGuard guard(k_cache.device());
   const int64_t n = rows * vecs;
   const int threads = 256;
   exl_pdl::launch_pdl(kv_write_kernel, dim3(static_cast<unsigned>((n + threads - 1) / threads)), dim3(threads), 0,

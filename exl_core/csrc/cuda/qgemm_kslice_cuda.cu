@@ -356,44 +356,33 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
                       static_cast<int>(K / 32), p.slots, p.xs_stride, mats);
 }
 
-// false (nothing launched) for a kw without an instance.
+// The instance for p.kw (plan_has_kernel has checked that one exists).
 template <bool U4, int R, int NT>
-bool launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
+void launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
-  switch (p.kw) {
-    case 4: launch_one<4, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); return true;
-    case 8: launch_one<8, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream); return true;
-    case 16:
-      if constexpr (NT == 1) {
-        launch_one<16, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
-        return true;
-      }
-      return false;
-    default: return false;
+  if (p.kw == 4) launch_one<4, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
+  else if (p.kw == 8) launch_one<8, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
+  else if constexpr (NT == 1) launch_one<16, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
+}
+
+// The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
+void launch_plan(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
+                 int dev, cudaStream_t stream) {
+  if (p.nt == 1) {
+    if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
+    else if (u4) launch_kw<true, 16, 1>(x, M, K, tiles, p, mats, dev, stream);
+    else if (p.ring == 4) launch_kw<false, 4, 1>(x, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
+  } else if (p.nt == 2) {
+    if (u4) launch_kw<true, 8, 2>(x, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 2>(x, M, K, tiles, p, mats, dev, stream);
+  } else {
+    if (u4) launch_kw<true, 8, 4>(x, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 4>(x, M, K, tiles, p, mats, dev, stream);
   }
 }
 
-// Launches for 1..32 rows where a kernel instance exists and shared memory allows; false (nothing
-// launched) otherwise.
-bool launch_kslice(const __half* x, int M, int64_t K, Mats& mats, bool u4, int kw, int ring, int64_t min_group,
-                   int dev, cudaStream_t stream) {
-  if (M < 1 || M > kMaxRows) return false;
-  const int64_t tiles = assign_tiles(mats, kTile);
-  const Plan p = plan_for(M, K, tiles, kw, ring, min_group, u4, dev);
-  if (p.smem > kSmemMax || !plan_has_kernel(p, u4)) return false;
-  if (p.nt == 1) {
-    if (u4 && p.ring == 8) return launch_kw<true, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
-    if (u4) return launch_kw<true, 16, 1>(x, M, K, tiles, p, mats, dev, stream);
-    if (p.ring == 4) return launch_kw<false, 4, 1>(x, M, K, tiles, p, mats, dev, stream);
-    return launch_kw<false, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
-  }
-  if (p.nt == 2) {
-    if (u4) return launch_kw<true, 8, 2>(x, M, K, tiles, p, mats, dev, stream);
-    return launch_kw<false, 4, 2>(x, M, K, tiles, p, mats, dev, stream);
-  }
-  if (u4) return launch_kw<true, 8, 4>(x, M, K, tiles, p, mats, dev, stream);
-  return launch_kw<false, 4, 4>(x, M, K, tiles, p, mats, dev, stream);
-}
+bool plan_usable(const Plan& p, bool u4) { return p.smem <= kSmemMax && plan_has_kernel(p, u4); }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one
 // x in one launch.  kw (warps along K: 4, 8, 16; 4 or 8 above 8 rows) and ring (chunks of words in registers
@@ -412,6 +401,12 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
   if (M == 0) return ys;
   const int dev = x.device().index();
+  // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
+  const int64_t tiles = assign_tiles(mats, kTile);
+  const Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
+                             uniform4, dev);
+  TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
+              ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   // Rows read from global memory (more than kStagedRows) come 16 bytes at a time: x aligned, and each
   // act-order weight gets its own permuted copy of x (a small gather, instead of one per element and block).
   at::Tensor xa = x;
@@ -438,11 +433,8 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                           static_cast<const __half*>(reinterpret_cast<const __half*>(x.data_ptr())), K, gs);
     }
   }
-  TORCH_CHECK(launch_kslice(reinterpret_cast<const __half*>(xa.data_ptr()), static_cast<int>(M), K, mats, uniform4,
-                            static_cast<int>(kw), static_cast<int>(ring), min_group, dev,
-                            c10::cuda::getCurrentCUDAStream()),
-              "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw, ", ring = ", ring,
-              " (shared memory or an unknown kw/ring)");
+  launch_plan(reinterpret_cast<const __half*>(xa.data_ptr()), static_cast<int>(M), K, tiles, plan, mats, uniform4, dev,
+              c10::cuda::getCurrentCUDAStream());
   return ys;
 }
 
@@ -465,9 +457,9 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
   // The policy (kw 0) declines staged-x launches of more than ~3 blocks per SM: one block per tile then runs
   // in waves and qgemm_skinny is faster (gate/up 2x11008 M=1: 27.4 vs 28.5-29.8 us GPTQ, 37.4 vs 42.9 EXL2).
   if (kw == 0 && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false)) return false;
-  const Plan p = plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
-                          uniform4, static_cast<int>(device));
-  return p.smem <= kSmemMax && plan_has_kernel(p, uniform4);
+  return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),
+                               min_group, uniform4, static_cast<int>(device)),
+                      uniform4);
 }
 
 }  // namespace

@@ -20,26 +20,16 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "pdl.cuh"
-
-#include <type_traits>
-
-namespace {
-inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-}  // namespace
 
 namespace {
 
 constexpr int kThreads = 128;
 
-int sm_count(int dev) {
-  static int cached[64] = {0};
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (!cached[dev]) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
-  return cached[dev];
-}
+inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
@@ -284,7 +274,7 @@ constexpr int kMaxGemvRows = 16;
 // K-slices of the GEMV: enough for ~4 blocks per SM, shared memory kMaxGemvRows*cpb*32*4 bytes under
 // 32 KB. Independent of the number of rows, so every row is summed the same way whatever the batch.
 int64_t gemv_chunks_per_slice(const at::Tensor& x, int64_t N, int64_t C) {
-  const int sms = sm_count(x.device().index());
+  const int sms = exl_pdl::device_sm(x.device().index(), false);
   const int64_t col_blocks = (N + kThreads * 4 - 1) / (kThreads * 4);
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(C, (4 * sms + col_blocks - 1) / col_blocks));
   return std::min<int64_t>((C + splits - 1) / splits, 32768 / (kMaxGemvRows * 32 * 4));
