@@ -100,6 +100,13 @@ def kslice_table() -> None:
                                                 for s_ in sets]) / len(sets)
                         cells.append(f"k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
                                      f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
+                wtiles = sum((N + 127) // 128 for N in Ns)
+                if M > 8 and ops.qgemm_wide_fits(M, K, wtiles, mg):
+                    y = ops.qgemm_wide_multi(*args(sets[0]), u4, 0, mg)
+                    err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
+                    t = graph_time(lambda: [ops.qgemm_wide_multi(*args(s_), u4, 0, mg) for s_ in sets]) / len(sets)
+                    cells.append(f"wide {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
+                                 f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
                 if ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0):
                     t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, 0, 0, mg) for s_ in sets]) / len(sets)
                     cells.append(f"policy {t * 1e6:6.1f}us")

@@ -6,7 +6,7 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
+# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
@@ -29,6 +29,18 @@ PHASES=${PHASES:-build tests bench spec gen}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
+if has wide; then     # design probe for the 9..32-row decode GEMM (standalone nvcc build, seconds)
+  nvcc -O3 -arch=sm_90 -o /tmp/wide_probe bench/wide_probe.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/wide_probe 2>&1 \
+    | tee -a "$LOG" | grep -v '^JSON' | tail -40
+  [ -n "${WIDE_NCU:-}" ] && timeout 120 ncu --clock-control none -k regex:wide_kernel --launch-skip 4 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wide_probe one 2>&1 \
+    | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " | tail -90
+  # SASS with stall samples per instruction (CSV, analysed off the machine)
+  [ -n "${WIDE_NCU:-}" ] && timeout 120 ncu --clock-control none -k regex:wide_kernel --launch-skip 4 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/wide_probe one \
+    >"$OUT/wide_sass.csv" 2>/dev/null; ls -la "$OUT/wide_sass.csv" 2>/dev/null
+fi
 if has build; then
   t0=$(date +%s)
   if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then

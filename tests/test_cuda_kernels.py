@@ -233,6 +233,85 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
             assert rel_err(y, ref) < 2e-3, (u4, min_group)
 
 
+@pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=["mixed", "split", "long", "uniform4", "g32", "g128"])
+@pytest.mark.parametrize("M", [9, 16, 17, 23, 32])                # 2 and 4 n-tiles, rows short of a tile
+@pytest.mark.parametrize("splits", [0, 1, 3, 8])
+def test_qgemm_wide_vs_float64(case, M, splits):
+    """The batch decode kernel on its own: every width, act-order (x permuted by the gather), K split over a
+    cluster (splits that leave the last one short or empty), scale/zero rows beyond the staged bound (min_group
+    larger than the real groups), unaligned x, 9..32 rows."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import _uniform4, chunk_table
+    layout, N = KSLICE_CASES[case]
+    pw = random_packed(layout, N, perm=random.random() < 0.6, bias=random.random() < 0.5)
+    K = pw.in_features
+    W = dequantize_reference(pw)
+    x = torch.randn(M, K, dtype=torch.float16)
+    ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
+    c = pw.to("cuda")
+    ch = chunk_table(pw.groups, "cuda")
+    bias = None if pw.bias is None else c.bias.half()
+    xc = x.cuda()
+    if random.random() < 0.3:                                  # 8-byte offset: realigned by a copy first
+        buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
+        xc = buf[4:].view(M, K)
+        xc.copy_(x)
+    tiles = (N + 127) // 128
+    for u4 in ({False, _uniform4(pw)}):
+        for min_group in (0, 128):
+            if not torch.ops.exl_core.qgemm_wide_fits(M, K, tiles, min_group, splits):
+                continue
+            poison_allocator()
+            y = torch.ops.exl_core.qgemm_wide(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, splits, min_group)
+            assert y.dtype == torch.float16 and y.shape == (M, N)
+            assert rel_err(y, ref) < 2e-3, (u4, min_group)
+
+
+@pytest.mark.parametrize("M", [20, 32])
+def test_qgemm_wide_multi_act_order_unaligned_x(M):
+    """q/k/v-style: four weights on one x in one launch (two sharing one permutation, one with its own widths
+    and permutation, one without), x at an 8-byte offset."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    K = 32 * 40
+    layouts = [[(4, K)], [(4, K)], [(5, 32 * 8), (4, 32 * 24), (3, 32 * 8)], [(4, K)]]
+    pws = [random_packed(lay, n, perm=i < 3, bias=i == 2) for i, (lay, n) in enumerate(zip(layouts, (4 * 67, 36, 512, 64)))]
+    pws[1].perm = pws[0].perm.clone()
+    x = torch.randn(M, K, dtype=torch.float16)
+    buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
+    xc = buf[4:].view(M, K)
+    xc.copy_(x)
+    cs = [pw.to("cuda") for pw in pws]
+    for u4 in (False, True):
+        sel = [0, 1, 3] if u4 else [0, 1, 2, 3]
+        poison_allocator()
+        ys = torch.ops.exl_core.qgemm_wide_multi(
+            xc, [cs[i].qweight for i in sel], [chunk_table(pws[i].groups, "cuda") for i in sel],
+            [cs[i].scale for i in sel], [cs[i].zero for i in sel], [cs[i].perm for i in sel],
+            [None if cs[i].bias is None else cs[i].bias.half() for i in sel], u4)
+        for y, i in zip(ys, sel):
+            pw = pws[i]
+            ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+            assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3, (u4, i)
+
+
+def test_qgemm_wide_policy_and_limits():
+    """The policy sends 17..32 fp16 rows to qgemm_wide (uniform 4-bit and mixed widths), 16 and fewer elsewhere;
+    it refuses more rows, bad split counts and K that is not a multiple of 32."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import WIDE_ON, _wide_ok
+    dev = torch.device("cuda", 0)
+    pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")
+    mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")
+    for w in (pw, mixed):
+        assert all(_wide_ok(m, [w], dev) == WIDE_ON for m in (17, 24, 32))
+        assert not any(_wide_ok(m, [w], dev) for m in (1, 8, 16, 33))
+    fits = torch.ops.exl_core.qgemm_wide_fits
+    assert fits(32, 11008, 32, 128) and fits(17, 4096, 172, 128) and fits(32, 4096, 1, 128, 1)
+    assert not fits(32, 4096, 1, 32, 1)                      # 128 groups of scale/zero rows: over shared memory
+    assert not fits(33, 4096, 32, 128) and not fits(32, 4096 + 16, 32, 128) and not fits(32, 4096, 32, 128, 9)
+
+
 @pytest.mark.parametrize("M", [1, 8, 32])
 def test_decode_kernels_on_column_tiled_words(M):
     """qweight as [N/128, Q, 128] (each 128-column strip contiguous) gives the row-major result in both
@@ -255,6 +334,10 @@ def test_decode_kernels_on_column_tiled_words(M):
         poison_allocator()
         y = ops.qgemm_kslice(x.cuda(), q, ch, c.scale, c.zero, c.perm, c.bias.half(), u4)
         assert rel_err(y, ref) < 2e-3
+        if M > 8:
+            poison_allocator()
+            y = ops.qgemm_wide(x.cuda(), q, ch, c.scale, c.zero, c.perm, c.bias.half(), u4)
+            assert rel_err(y, ref) < 2e-3
 
 
 @pytest.mark.parametrize("M", [12, 32])
@@ -310,7 +393,7 @@ def test_qgemm_kslice_policy_and_limits():
 
 
 @pytest.mark.parametrize("op,M", [("mma", 1), ("mma", 20), ("skinny", 1), ("skinny", 12), ("skinny", 32), ("kslice", 1),
-                                  ("kslice", 8), ("kslice", 12), ("kslice", 32)])
+                                  ("kslice", 8), ("kslice", 12), ("kslice", 32), ("wide", 12), ("wide", 32)])
 def test_multi_weight_kernels_vs_float64(op, M):
     """q/k/v-style: three weights (own layouts, permutations, widths, biases) on one x, one launch."""
     _need_kernels()

@@ -6,6 +6,10 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
+  fp16 x, WIDE_MIN_ROWS <= M <= WIDE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting:
+                       decode GEMM for batches, 128 columns x one K range per block with x's rows staged
+                       once per block, weights scaled in fp16 before the mma (`exl_core::qgemm_wide`,
+                       `qgemm_wide_multi`); EXL_CORE_WIDE=0 turns it off (A/B)
   fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 or 17+ rows for mixed widths), N % 4 == 0, 16-byte aligned
   buffers, shared memory permitting, up to 8 rows at most ~3 column tiles of 32 per SM (not gate/up):
                        decode kernel, 32 columns x K slices per block, one launch
@@ -32,6 +36,10 @@ Measured before qgemm_kslice (us, 4096x4096 / 4096x11008 / 11008x4096, with PDL;
 M=16 skinny 12.1/26.6/22.7, mma 15.3/36.2/31.2, dequant+cuBLAS 23.4/61.1/61.1; M=32 skinny
 19.8/58.3/56.8, mma 21.4/55.8/48.7, dequant+cuBLAS 23.7/61.4/61.9; M=64 mma 42.2/109.6/93.5,
 dequant+cuBLAS 22.4/61.2/63.3.
+qgemm_wide vs qgemm_kslice (us, GPTQ 4-bit g128, bench/wide_probe.cu: the same kernel standalone, 16 distinct
+weights per CUDA graph, H200; kslice from cuda_kslice_h200.json): 32 rows 4096x4096 13.0 vs 12.9, q/k/v 26.5 vs
+38.4, gate/up 39.9 vs 66.0, 11008x4096 27.3 vs 30.2; 16 rows 10.5 vs 9.3, 20.8 vs 18.9, 30.2 vs 34.4, 21.2 vs
+21.7 (so 16 rows stay on kslice).
 The chunk table (int32 [K/32, 3]: bits, group, first qweight row per 32 rows of K) is built
 once per weight and cached on the device in `pw.meta`.
 """
@@ -51,6 +59,8 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
+WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide: four n-tiles of x rows (at 9..16 rows kslice is as fast)
+WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -137,6 +147,22 @@ def _kslice_ok(rows: int, pws, device) -> bool:
     return _KSLICE_FITS[key]
 
 
+_WIDE_FITS: dict = {}
+
+
+def _wide_ok(rows: int, pws, device) -> bool:
+    """qgemm_wide (the caller checks x is fp16) for WIDE_MIN_ROWS..WIDE_MAX_ROWS rows when its shared memory
+    (x stages, the chunk table slice, the block's scale/zero rows) fits; pws share K."""
+    if not (WIDE_ON and WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and
+            all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_wide")):
+        return False
+    tiles = sum((pw.out_features + 127) // 128 for pw in pws)
+    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws))
+    if key not in _WIDE_FITS:
+        _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
+    return _WIDE_FITS[key]
+
+
 def _mma_rows_ok(rows: int, pw) -> bool:
     """qgemm_mma's row range for this weight (the caller checks _mma_ok)."""
     return MMA_MIN_ROWS <= rows <= (MMA_MAX_ROWS if _uniform4(pw) else MMA_MIXED_MAX_ROWS)
@@ -178,7 +204,10 @@ def _qmatmul_run(x, pw):
     rows = x2.shape[0]
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
+    if x2.dtype == torch.float16 and _wide_ok(rows, [pw], x.device):
+        y = torch.ops.exl_core.qgemm_wide(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
+                                          min_group=_min_group(pw))
+    elif x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                             min_group=_min_group(pw))
     elif x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
@@ -244,7 +273,8 @@ def _many_run(x, pws):
     """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
     x2 = x.reshape(-1, pws[0].in_features)
     rows = x2.shape[0]
-    kslice = _kslice_ok(rows, pws, x.device)
+    wide = _wide_ok(rows, pws, x.device)
+    kslice = wide or _kslice_ok(rows, pws, x.device)
     skinny = kslice or all(_skinny_ok(rows, pw, x.device) for pw in pws)
     if not (skinny or all(_mma_rows_ok(rows, pw) for pw in pws)):
         return [_qmatmul_run(x, pw) for pw in pws]
@@ -254,7 +284,9 @@ def _many_run(x, pws):
             [pw.zero for pw in pws], [_perm_of(pw, x.device) for pw in pws],
             [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws])
     u4 = all(_uniform4(pw) for pw in pws)
-    if kslice:
+    if wide:
+        ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
+    elif kslice:
         ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
     elif skinny:
         ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)

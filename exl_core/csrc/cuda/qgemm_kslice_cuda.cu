@@ -290,24 +290,6 @@ __global__ void __launch_bounds__(32 * KW)
   }
 }
 
-// xp[i][m][k] = x[m][perm_i[k]] for the act-order weights of one launch (blockIdx.z = weight, y = row): the
-// permuted copies the kernel above reads for more than kStagedRows rows.  One launch instead of an
-// index_select per weight (EXL2 bs32: 224 calls, 1.42 ms per decode step); launched with PDL like the
-// kernel it feeds, so it waits for x's producer and the matmul waits for it.  perm is read after the wait
-// too: on a first call the op before may be the one that converted it (cuda_candidates._perm_of).
-struct Gather {
-  const int64_t* perm[kMaxMats];
-  __half* out[kMaxMats];
-};
-
-__global__ void gather_cols_kernel(const __half* __restrict__ x, int64_t K, const Gather gs) {
-  const int i = blockIdx.z, m = blockIdx.y;
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger();
-  if (k < K) gs.out[i][m * K + k] = x[m * K + __ldg(gs.perm[i] + k)];
-}
-
 // ----------------------------------------------------------------------------- host side
 
 constexpr size_t kSmemMax = 160 * 1024;   // beyond this the launch is refused (qgemm_skinny takes it)
@@ -413,25 +395,7 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
   at::Tensor xperm;
   if (n_tiles_for(static_cast<int>(M)) > 1) {
     if (!aligned16(x)) xa = x.clone();
-    Gather gs{};
-    int n = 0;
-    for (int i = 0; i < mats.n; ++i) n += perm.get(i).has_value();
-    if (n > 0) {
-      xperm = at::empty({n, M, K}, x.options());
-      n = 0;
-      for (int i = 0; i < mats.n; ++i) {
-        const c10::optional<at::Tensor> p = perm.get(i);
-        if (!p) continue;
-        gs.perm[n] = p->data_ptr<int64_t>();
-        gs.out[n] = reinterpret_cast<__half*>(xperm[n].data_ptr());
-        mats.m[i].x = gs.out[n];
-        mats.m[i].perm = nullptr;
-        ++n;
-      }
-      const dim3 grid(static_cast<unsigned>((K + 255) / 256), static_cast<unsigned>(M), static_cast<unsigned>(n));
-      exl_pdl::launch_pdl(gather_cols_kernel, grid, dim3(256), 0, c10::cuda::getCurrentCUDAStream(), dev,
-                          static_cast<const __half*>(reinterpret_cast<const __half*>(x.data_ptr())), K, gs);
-    }
+    xperm = permute_x_per_weight(x, perm, mats, dev);
   }
   launch_plan(reinterpret_cast<const __half*>(xa.data_ptr()), static_cast<int>(M), K, tiles, plan, mats, uniform4, dev,
               c10::cuda::getCurrentCUDAStream());
