@@ -256,7 +256,7 @@ def graph_time(fn, reps: int = 10) -> float:
 @torch.inference_mode()
 def gemv_sweep(model) -> list[dict]:
     """Per projection shape and M, every qmatmul path on the same weights: the batch-1 decode kernel
-    (qgemm_kslice, 1..32 rows), the skinny decode kernel (qgemm_skinny, with its split-K choices), the
+    (qgemm_kslice, 1..32 rows), the batch decode kernel (qgemm_wide, 9..32 rows), the skinny decode kernel (qgemm_skinny, with its split-K choices), the
     tensor-core kernel (qgemm_mma), the fp32 GEMV
     (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
@@ -281,6 +281,8 @@ def gemv_sweep(model) -> list[dict]:
             paths = {
                 "kslice": lambda pw: ops.qgemm_kslice(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4,
                                                       min_group=_min_group(pw)),
+                "wide": lambda pw: ops.qgemm_wide(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4,
+                                                  min_group=_min_group(pw)),
                 "skinny": lambda pw: ops.qgemm_skinny(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
                 "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
                 "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
@@ -295,7 +297,9 @@ def gemv_sweep(model) -> list[dict]:
             for name, f in paths.items():
                 if ((name == "gemv" and M > 16) or (name.startswith("skinny") and M > 32) or
                         (name == "kslice" and (x.dtype != torch.float16 or not ops.qgemm_kslice_fits(
-                            M, K, (N + 31) // 32, _min_group(pws[0]), u4, 0)))):
+                            M, K, (N + 31) // 32, _min_group(pws[0]), u4, 0))) or
+                        (name == "wide" and (x.dtype != torch.float16 or M < 9 or not ops.qgemm_wide_fits(
+                            M, K, (N + 127) // 128, _min_group(pws[0]))))):
                     continue
                 try:
                     t = graph_time(lambda: [f(pw) for pw in pws]) / len(pws)

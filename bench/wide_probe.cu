@@ -230,6 +230,153 @@ __global__ void __launch_bounds__(32 * CW, (CPW == 1 ? 16 : 12) / CW) wide_kerne
   cluster.sync();
   const int rank = static_cast<int>(cluster.block_rank());
   for (int idx = rank * blockDim.x + threadIdx.x; idx < E; idx += S * blockDim.x) {
+    float v[16];
+#pragma unroll
+    for (int q = 0; q < 16; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
+    float a = 0.f;
+#pragma unroll
+    for (int q = 0; q < 16; ++q) a += v[q];
+    store(idx, a);
+  }
+  cluster.sync();
+}
+
+// Variant "ws": the weights also go through the shared-memory stages by cp.async (each thread copies the 16 bytes
+// it will read, so only x needs the block barrier): NSTAGE-1 stages of R chunks in flight per lane without
+// registers, where the register ring held R.
+template <int CW, int NT, int R, int NSTAGE>
+__global__ void __launch_bounds__(32 * CW, 8 / CW) wide_ws_kernel(const __half* __restrict__ x, int M, int K, int N,
+                                                                  const int* __restrict__ qw, const float* __restrict__ scale,
+                                                                  const float* __restrict__ zero, int gs,
+                                                                  __half* __restrict__ y, int cps) {
+  constexpr int TILE = 32 * CW, ROWS = 8 * NT, SW = R * 32 + kPad, PIECES = ROWS * R * 4;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);                             // [NSTAGE][ROWS][SW]
+  int4* wsm = reinterpret_cast<int4*>(smem_raw + NSTAGE * ROWS * SW * 2);         // [NSTAGE][R][TILE]
+  float* red = reinterpret_cast<float*>(smem_raw);                              // [M][TILE] after the loop
+  const int xbytes = max(NSTAGE * ROWS * SW * 2 + NSTAGE * R * TILE * 16, M * TILE * 4);
+  float* szs = reinterpret_cast<float*>(smem_raw + xbytes);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n_chunks = K / 32;
+  const int c_begin = blockIdx.y * cps, c_end = min(n_chunks, c_begin + cps), nc = max(0, c_end - c_begin);
+  const int col = blockIdx.x * TILE + warp * 32 + 4 * g, lcol = col < N ? col : N - 4;
+  const int* wsrc = qw + static_cast<size_t>(4 * c_begin + t) * N + lcol;        // chunk c_begin's word
+  const int gshift = 31 - __clz(gs / 32);
+  const int g_first = c_begin >> gshift, ngr = nc > 0 ? ((c_end - 1) >> gshift) - g_first + 1 : 0;
+  for (int i = threadIdx.x; i < ngr * (TILE / 2); i += blockDim.x) {
+    const int gr = i / (TILE / 2), r = i % (TILE / 2), half = r / (TILE / 4), q = r % (TILE / 4);
+    int cq = blockIdx.x * TILE + 4 * q;
+    cq = cq < N ? cq : N - 4;
+    cp_async16(szs + (gr * 2 + half) * TILE + 4 * q, (half ? zero : scale) + static_cast<size_t>(g_first + gr) * N + cq);
+  }
+  if (M < ROWS) {
+    for (int i = threadIdx.x; i < (ROWS - M) * (SW / 8); i += blockDim.x) {
+      const int r = M + i / (SW / 8), q = i % (SW / 8);
+#pragma unroll
+      for (int st = 0; st < NSTAGE; ++st) reinterpret_cast<uint4*>(xs + (st * ROWS + r) * SW)[q] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  const int nst = (nc + R - 1) / R;
+  const __half* xsrc = x + static_cast<size_t>(c_begin) * 32;
+  auto issue = [&](int s) {
+    const int st = s % NSTAGE, L = min(R, nc - s * R);
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (i < L) cp_async16(wsm + (st * R + i) * TILE + threadIdx.x, wsrc + static_cast<size_t>(4 * (s * R + i)) * N);
+    __half* dst = xs + st * ROWS * SW;
+#pragma unroll
+    for (int i0 = 0; i0 < PIECES; i0 += 32 * CW) {
+      const int i = i0 + threadIdx.x, m = i / (R * 4), k = 8 * (i % (R * 4));
+      if (m < M && k < L * 32) cp_async16(dst + m * SW + k, xsrc + static_cast<size_t>(m) * K + s * R * 32 + k);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < NSTAGE - 1; ++s) {
+    if (s < nst) issue(s);
+    cp_commit();
+  }
+  float acc[2][NT][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
+  __half2 sh[4], zs[4];
+  const __half2 k1024 = __float2half2_rn(1024.f);
+  int grp = -1;
+  for (int s = 0; s < nst; ++s) {
+    cp_wait<NSTAGE - 2>();
+    __syncthreads();
+    if (s + NSTAGE - 1 < nst) issue(s + NSTAGE - 1);
+    cp_commit();
+    const int st = s % NSTAGE;
+    const __half* xb = xs + st * ROWS * SW + g * SW + 8 * t;
+    const int cs = c_begin + s * R;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (cs + i >= c_end) break;
+      const int gi = (cs + i) >> gshift;
+      if (gi != grp) {
+        grp = gi;
+        const float* sp = szs + (gi - g_first) * 2 * TILE + warp * 32 + 4 * g;
+        const float4 s4 = *reinterpret_cast<const float4*>(sp), z4 = *reinterpret_cast<const float4*>(sp + TILE);
+        const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, zv[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          sh[v] = __float2half2_rn(sv[v]);
+          zs[v] = __float2half2_rn(-zv[v] * sv[v]);
+        }
+      }
+      const int4 wv = wsm[(st * R + i) * TILE + threadIdx.x];
+      uint32_t b[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) b_pairs(*reinterpret_cast<const uint4*>(xb + nt * 8 * SW + i * 32), b[nt]);
+      const uint32_t w[4] = {static_cast<uint32_t>(wv.x), static_cast<uint32_t>(wv.y), static_cast<uint32_t>(wv.z),
+                             static_cast<uint32_t>(wv.w)};
+      uint32_t a[4][4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v)
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const uint32_t hb = ((w[v] >> (4 * p)) & 0x000F000Fu) | 0x64006400u;
+          a[v][p] = h2u(__hfma2(__hsub2(u2h(hb), k1024), sh[v], zs[v]));
+        }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            mma16816(acc[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
+                     b[nt][2 * j], b[nt][2 * j + 1]);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = 8 * nt + 2 * t + (i & 1);
+        if (row < M) red[row * TILE + warp * 32 + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
+      }
+  const int E = M * TILE, S = gridDim.y;
+  auto store = [&](int idx, float v) {
+    const int m = idx / TILE, n = blockIdx.x * TILE + idx % TILE;
+    if (n < N) y[static_cast<size_t>(m) * N + n] = __float2half_rn(v);
+  };
+  if (S == 1) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < E; idx += blockDim.x) store(idx, red[idx]);
+    return;
+  }
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int idx = rank * blockDim.x + threadIdx.x; idx < E; idx += S * blockDim.x) {
     float v[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
@@ -262,17 +409,24 @@ struct Set {
   __half* y;
 };
 
-template <int CW, int NT, int R, int NSTAGE, int CPW = 1>
+template <int CW, int NT, int R, int NSTAGE, int CPW = 1, bool WS_ = false>
 struct Launcher {
+  static constexpr bool WS = WS_;
   static size_t smem(int M, int K = 4096, int S = 8) {
     const int cps = (K / 32 + S - 1) / S, ngr = cps * 32 / 128 + 2;
-    return std::max(static_cast<size_t>(NSTAGE) * 8 * NT * (R * 32 + kPad) * 2, static_cast<size_t>(M) * 32 * CW * CPW * 4) +
-           static_cast<size_t>(ngr) * 2 * 32 * CW * CPW * 4;
+    const size_t stages = static_cast<size_t>(NSTAGE) * 8 * NT * (R * 32 + kPad) * 2 +
+                          (WS ? static_cast<size_t>(NSTAGE) * R * 32 * CW * 16 : 0);
+    return std::max(stages, static_cast<size_t>(M) * 32 * CW * CPW * 4) + static_cast<size_t>(ngr) * 2 * 32 * CW * CPW * 4;
+  }
+  static auto kern() {
+    if constexpr (WS) return wide_ws_kernel<CW, NT, R, NSTAGE>;
+    else return wide_kernel<CW, NT, R, NSTAGE, CPW>;
   }
   static void go(const __half* x, int M, int K, int N, const Set& w, int S, cudaStream_t st) {
-    auto* kern = wide_kernel<CW, NT, R, NSTAGE, CPW>;
+    auto* k = kern();
     const size_t sm = smem(M, K, S);
-    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    if (S > 8) CK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     const int n_chunks = K / 32, cps = (n_chunks + S - 1) / S;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((N + 32 * CW * CPW - 1) / (32 * CW * CPW), S, 1);
@@ -286,12 +440,12 @@ struct Launcher {
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = S > 1 ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, kern, x, M, K, N, static_cast<const int*>(w.qw), static_cast<const float*>(w.s),
+    CK(cudaLaunchKernelEx(&cfg, k, x, M, K, N, static_cast<const int*>(w.qw), static_cast<const float*>(w.s),
                           static_cast<const float*>(w.z), 128, w.y, cps));
   }
   static int regs() {
     cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, wide_kernel<CW, NT, R, NSTAGE, CPW>));
+    CK(cudaFuncGetAttributes(&a, kern()));
     return a.numRegs;
   }
 };
@@ -355,10 +509,13 @@ template <class L>
 void row(const char* name, const char* shape, const __half* x, int M, int K, int N, std::vector<Set>& sets) {
   float best = 1e30f;
   int best_s = 0;
-  printf("%-16s %-12s M=%2d regs=%3d smem=%6zu err=%.2e |", name, shape, M, L::regs(), L::smem(M),
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, L::kern(), 128, L::smem(M, K, 4)));
+  printf("%-16s %-12s M=%2d regs=%3d smem=%6zu occ=%d err=%.2e |", name, shape, M, L::regs(), L::smem(M), per_sm,
          max_rel_err<L>(x, M, K, N, sets[0]));
-  for (int S : {1, 2, 4, 8}) {
+  for (int S : {2, 3, 4, 5, 6, 8, 12, 16}) {
     if (L::smem(M, K, S) > 200 * 1024) continue;
+    if (S > 8 && L::WS) continue;
     const float us = time_us<L>(x, M, K, N, sets, S);
     printf(" S%d %6.1f", S, us);
     if (us < best) { best = us; best_s = S; }
@@ -407,21 +564,14 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&x, hx.size() * 2));
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     if (g_one) {
-      for (auto& w : sets) Launcher<4, 4, 8, 3>::go(x, 32, K, N, w, 8, 0);
+      for (auto& w : sets) Launcher<4, 4, 4, 3>::go(x, 32, K, N, w, 16, 0);
       CK(cudaDeviceSynchronize());
       return 0;
     }
-    for (int M : {16, 32}) {
-      if (M == 32) {
-        row<Launcher<4, 4, 8, 3>>("cw4 r8 st3", sh.name, x, M, K, N, sets);
-        row<Launcher<4, 4, 4, 3>>("cw4 r4 st3", sh.name, x, M, K, N, sets);
-        row<Launcher<8, 4, 8, 2>>("cw8 r8 st2", sh.name, x, M, K, N, sets);
-        row<Launcher<4, 4, 4, 3, 2>>("cw4 r4 st3 x2", sh.name, x, M, K, N, sets);
-        row<Launcher<2, 4, 4, 3, 2>>("cw2 r4 st3 x2", sh.name, x, M, K, N, sets);
-      } else {
-        row<Launcher<4, 2, 8, 3>>("cw4 r8 st3", sh.name, x, M, K, N, sets);
-        row<Launcher<4, 2, 4, 3, 2>>("cw4 r4 st3 x2", sh.name, x, M, K, N, sets);
-      }
+    for (int M : {32}) {
+      row<Launcher<4, 4, 4, 3>>("cw4 r4 st3", sh.name, x, M, K, N, sets);
+      row<Launcher<4, 4, 4, 2>>("cw4 r4 st2", sh.name, x, M, K, N, sets);
+      row<Launcher<4, 4, 2, 4>>("cw4 r2 st4", sh.name, x, M, K, N, sets);
     }
     for (auto& w : sets) {
       CK(cudaFree(w.qw));

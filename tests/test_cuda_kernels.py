@@ -296,16 +296,19 @@ def test_qgemm_wide_multi_act_order_unaligned_x(M):
 
 
 def test_qgemm_wide_policy_and_limits():
-    """The policy sends 17..32 fp16 rows to qgemm_wide (uniform 4-bit and mixed widths), 16 and fewer elsewhere;
-    it refuses more rows, bad split counts and K that is not a multiple of 32."""
+    """The policy sends 17..32 fp16 rows to qgemm_wide (mixed widths; uniform 4-bit from 64 tiles of 128 columns
+    in the launch), 16 and fewer elsewhere; it refuses more rows, bad split counts and K that is not a multiple of
+    32."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import WIDE_ON, _wide_ok
+    from exl_core.ops.cuda_candidates import WIDE_ON, WIDE_U4_MIN_TILES, _wide_ok
     dev = torch.device("cuda", 0)
-    pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")
+    pw = random_packed([(4, 1024)], 128 * WIDE_U4_MIN_TILES, perm=False).to("cuda")
+    narrow = random_packed([(4, 1024)], 128 * WIDE_U4_MIN_TILES - 128, perm=False).to("cuda")
     mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")
     for w in (pw, mixed):
         assert all(_wide_ok(m, [w], dev) == WIDE_ON for m in (17, 24, 32))
         assert not any(_wide_ok(m, [w], dev) for m in (1, 8, 16, 33))
+    assert not _wide_ok(32, [narrow], dev) and _wide_ok(32, [narrow, narrow], dev) == WIDE_ON
     fits = torch.ops.exl_core.qgemm_wide_fits
     assert fits(32, 11008, 32, 128) and fits(17, 4096, 172, 128) and fits(32, 4096, 1, 128, 1)
     assert not fits(32, 4096, 1, 32, 1)                      # 128 groups of scale/zero rows: over shared memory

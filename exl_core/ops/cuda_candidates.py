@@ -6,7 +6,8 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
-  fp16 x, WIDE_MIN_ROWS <= M <= WIDE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting:
+  fp16 x, WIDE_MIN_ROWS <= M <= WIDE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting,
+  mixed widths or at least WIDE_U4_MIN_TILES x 128 columns in the launch:
                        decode GEMM for batches, 128 columns x one K range per block with x's rows staged
                        once per block, weights scaled in fp16 before the mma (`exl_core::qgemm_wide`,
                        `qgemm_wide_multi`); EXL_CORE_WIDE=0 turns it off (A/B)
@@ -60,6 +61,10 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide: four n-tiles of x rows (at 9..16 rows kslice is as fast)
+WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
+                            # cuda_probe.py kslice, one call) 4096x4096 wide 14.4 vs kslice 13.0 us, 11008x4096 32.2
+                            # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
+                            # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7)
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -157,6 +162,8 @@ def _wide_ok(rows: int, pws, device) -> bool:
             all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_wide")):
         return False
     tiles = sum((pw.out_features + 127) // 128 for pw in pws)
+    if tiles < WIDE_U4_MIN_TILES and all(_uniform4(pw) for pw in pws):
+        return False
     key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws))
     if key not in _WIDE_FITS:
         _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
