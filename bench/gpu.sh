@@ -8,7 +8,7 @@
 #   narrower runs when device time is short
 # Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
-# gen (Generator tok/s), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
+# gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
@@ -53,7 +53,7 @@ fi
 $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -88,6 +88,10 @@ fi
 if has noks; then     # A/B: the same graph decode with the previous decode kernel (qgemm_skinny)
   EXL_CORE_KSLICE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json bench/results/gpu_h200_noks.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has nowide; then   # A/B: the same graph decode with the 17..32-row path on qgemm_kslice instead of qgemm_wide
+  EXL_CORE_WIDE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+    --json bench/results/gpu_h200_nowide.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \
