@@ -407,7 +407,8 @@ def main() -> None:
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch",
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
-                 "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0", "kv_layout": a.kv_layout,
+                 "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0",
+                 "wide": os.environ.get("EXL_CORE_WIDE", "1") != "0", "kv_layout": a.kv_layout,
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()

@@ -14,6 +14,18 @@
 //   A       the weights, scaled in fp16 before the mma: pair (1024+q) by one LOP3, -1024 exact (HSUB2), then
 //           q*s - z*s (HFMA2): 16 mma per chunk and one accumulator set (no x sums, no fp32 d/acc split).
 //   split-K grid y, clusters (1, S, 1) reduced through distributed shared memory, as qgemm_skinny.
+// What the probe found (H200, this file's calls in one session; bench/results/wide_probe_h200.json):
+//   v1 (per-chunk global loads of scale/zero, runtime divisions in the loops): 4096x4096 18.3, q/k/v 35.9,
+//      gate/up 59.0, 11008x4096 40.7 us at 32 rows (qgemm_kslice 12.9 / 38.4 / 66.0 / 30.2).
+//   scale/zero staged in shared memory by cp.async, zero-fill only for rows >= M: 14.9 / 30.1 / 50.1 / 33.9.
+//   v2 loop (pointer increments, full stages without per-chunk bounds checks, compile-time divisors in the x
+//      staging): cw4 r4 st3 13.0 / 26.5 / 39.9 / 27.3 -- the kernel qgemm_wide_cuda.cu ports.  ncu (cw4 r8 st3,
+//      4096x4096, 8 splits): 12.8 instructions per HMMA, stall samples prologue 28 % / loop 46 % / cluster
+//      reduction 26 %; 5.7 cycles between a warp's instructions, 8 warps per SM.
+//   not kept: two 32-column sets per warp (one x fragment for both; 168 registers) 15.4 / 27.5 / 36.7 / 31.9;
+//      weights through the shared-memory stages by cp.async (more bytes in flight, fewer blocks per SM):
+//      18.5 / 35.1 / 57.5 / 38.7 at best; split counts 3, 5, 6, 12, 16 (clusters above 8 non-portable) and
+//      ring/stage depths r4 st2, r2 st4: within +-1 us of the best or worse.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -16,9 +16,11 @@
 //   split-K    grid y, a cluster (1, S, 1) per column tile reduced through distributed shared memory
 //              (cluster_store: deterministic, bias fused).
 // Act-order weights read x permuted by one gather launch (permute_x_per_weight).
-// Measured (H200, 16 distinct weights per CUDA graph, GPTQ 4-bit g128, 32 rows, us; bench/wide_probe.cu, the
-// same kernel without the table): 4096x4096 13.0 (qgemm_kslice 12.9), q/k/v 26.5 (38.4), gate/up 39.9 (66.0),
-// 11008x4096 27.3 (30.2).
+// Measured (H200, 32 rows, us, 16 distinct weights per CUDA graph; bench/cuda_probe.py kslice, one call,
+// bench/results/cuda_kslice_h200.json) against qgemm_kslice: GPTQ 4-bit g128 4096x4096 14.4 (13.0), q/k/v 27.6
+// (38.9), gate/up 47.2 (66.1), 11008x4096 32.2 (30.5); EXL2 ~4.0 bpw act-order 18.7 (18.7), 52.3 (53.7), 56.4
+// (87.3), 42.0 (44.7).  The standalone probe (no chunk table, no PDL) ran GPTQ at 13.0 / 26.5 / 39.9 / 27.3.
+// Resource report (sm_90): uniform 4-bit 112 (4 n-tiles) / 111 (2) registers, mixed widths 168 / 142; no spills.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
