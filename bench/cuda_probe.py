@@ -101,7 +101,7 @@ def kslice_table() -> None:
                         cells.append(f"k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
                                      f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
                 wtiles = sum((N + 127) // 128 for N in Ns)
-                if M > 8 and ops.qgemm_wide_fits(M, K, wtiles, mg):
+                if M > 8 and ops.qgemm_wide_fits(M, K, wtiles, mg, 0):
                     y = ops.qgemm_wide_multi(*args(sets[0]), u4, 0, mg)
                     err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
                     t = graph_time(lambda: [ops.qgemm_wide_multi(*args(s_), u4, 0, mg) for s_ in sets]) / len(sets)

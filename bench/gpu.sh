@@ -30,9 +30,11 @@ has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
 if has wide; then     # design probe for the 9..32-row decode GEMM (standalone nvcc build, seconds)
-  nvcc -O3 -arch=sm_90 -o /tmp/wide_probe bench/wide_probe.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/wide_probe 2>&1 \
-    | tee -a "$LOG" | grep -v '^JSON' | tail -40
-  grep '^JSON ' "$LOG" | sed 's/^JSON //' >"$OUT/wide_probe_rows.jsonl"   # one row per kernel variant and shape
+  nvcc -O3 -arch=sm_90 -o /tmp/wide_probe bench/wide_probe.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/wide_probe \
+    >/tmp/wide_probe.txt 2>&1
+  cat /tmp/wide_probe.txt >>"$LOG"
+  grep -v '^JSON' /tmp/wide_probe.txt | tail -40
+  grep '^JSON ' /tmp/wide_probe.txt | sed 's/^JSON //' >"$OUT/wide_probe_rows.jsonl"   # a row per variant and shape
   [ -n "${WIDE_NCU:-}" ] && timeout 120 ncu --clock-control none -k regex:wide_kernel --launch-skip 4 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wide_probe one 2>&1 \

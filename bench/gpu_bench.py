@@ -299,7 +299,7 @@ def gemv_sweep(model) -> list[dict]:
                         (name == "kslice" and (x.dtype != torch.float16 or not ops.qgemm_kslice_fits(
                             M, K, (N + 31) // 32, _min_group(pws[0]), u4, 0))) or
                         (name == "wide" and (x.dtype != torch.float16 or M < 9 or not ops.qgemm_wide_fits(
-                            M, K, (N + 127) // 128, _min_group(pws[0]))))):
+                            M, K, (N + 127) // 128, _min_group(pws[0]), 0)))):
                     continue
                 try:
                     t = graph_time(lambda: [f(pw) for pw in pws]) / len(pws)

@@ -238,8 +238,9 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
 @pytest.mark.parametrize("splits", [0, 1, 3, 8])
 def test_qgemm_wide_vs_float64(case, M, splits):
     """The batch decode kernel on its own: every width, act-order (x permuted by the gather), K split over a
-    cluster (splits that leave the last one short or empty), scale/zero rows beyond the staged bound (min_group
-    larger than the real groups), unaligned x, 9..32 rows."""
+    cluster (splits that leave the last one short; a count that would leave one empty is reduced), scale/zero
+    rows beyond the staged bound (min_group larger than the real groups), unaligned x, 9..32 rows. With the
+    weight's real smallest group every split count fits these shapes."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import _uniform4, chunk_table
     layout, N = KSLICE_CASES[case]
@@ -257,14 +258,17 @@ def test_qgemm_wide_vs_float64(case, M, splits):
         xc = buf[4:].view(M, K)
         xc.copy_(x)
     tiles = (N + 127) // 128
+    ran = 0
     for u4 in ({False, _uniform4(pw)}):
-        for min_group in (0, 128):
-            if not torch.ops.exl_core.qgemm_wide_fits(M, K, tiles, min_group, splits):
-                continue
+        for min_group in (0, 128, int(pw.groups[:, 2].min())):   # assumed 32, a bound over the real, the real
+            if not torch.ops.exl_core.qgemm_wide_fits(M, K, tiles, min_group, 0, splits):
+                continue                                       # one split over a long K: shared memory
+            ran += 1
             poison_allocator()
             y = torch.ops.exl_core.qgemm_wide(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, splits, min_group)
             assert y.dtype == torch.float16 and y.shape == (M, N)
             assert rel_err(y, ref) < 2e-3, (u4, min_group)
+    assert ran, "no configuration fits (the weight's real group bound always should)"
 
 
 @pytest.mark.parametrize("M", [20, 32])
@@ -296,23 +300,26 @@ def test_qgemm_wide_multi_act_order_unaligned_x(M):
 
 
 def test_qgemm_wide_policy_and_limits():
-    """The policy sends 17..32 fp16 rows to qgemm_wide (mixed widths; uniform 4-bit from 64 tiles of 128 columns
-    in the launch), 16 and fewer elsewhere; it refuses more rows, bad split counts and K that is not a multiple of
-    32."""
+    """The policy sends fp16 rows to qgemm_wide: mixed widths 9..32, uniform 4-bit 17..32 from 64 tiles of 128
+    columns in the launch; fewer rows go elsewhere; it refuses more rows, bad split counts and K that is not a
+    multiple of 32."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import WIDE_ON, WIDE_U4_MIN_TILES, _wide_ok
     dev = torch.device("cuda", 0)
     pw = random_packed([(4, 1024)], 128 * WIDE_U4_MIN_TILES, perm=False).to("cuda")
     narrow = random_packed([(4, 1024)], 128 * WIDE_U4_MIN_TILES - 128, perm=False).to("cuda")
     mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")
-    for w in (pw, mixed):
-        assert all(_wide_ok(m, [w], dev) == WIDE_ON for m in (17, 24, 32))
-        assert not any(_wide_ok(m, [w], dev) for m in (1, 8, 16, 33))
+    assert all(_wide_ok(m, [pw], dev) == WIDE_ON for m in (17, 24, 32))
+    assert not any(_wide_ok(m, [pw], dev) for m in (1, 8, 16, 33))
+    assert all(_wide_ok(m, [mixed], dev) == WIDE_ON for m in (9, 16, 17, 32))
+    assert not any(_wide_ok(m, [mixed], dev) for m in (1, 8, 33))
     assert not _wide_ok(32, [narrow], dev) and _wide_ok(32, [narrow, narrow], dev) == WIDE_ON
     fits = torch.ops.exl_core.qgemm_wide_fits
-    assert fits(32, 11008, 32, 128) and fits(17, 4096, 172, 128) and fits(32, 4096, 1, 128, 1)
-    assert not fits(32, 4096, 1, 32, 1)                      # 128 groups of scale/zero rows: over shared memory
-    assert not fits(33, 4096, 32, 128) and not fits(32, 4096 + 16, 32, 128) and not fits(32, 4096, 32, 128, 9)
+    assert fits(32, 11008, 32, 128, 0) and fits(17, 4096, 172, 128, 0) and fits(32, 4096, 1, 128, 0, 1)
+    assert not fits(32, 4096, 1, 32, 0, 1)                   # 128 groups of scale/zero rows: over shared memory
+    assert not fits(33, 4096, 32, 128, 0) and not fits(32, 4096 + 16, 32, 128, 0) and not fits(32, 4096, 32, 128, 0, 9)
+    if torch.cuda.get_device_capability(0)[0] < 9:           # no thread-block clusters: one split only
+        assert not fits(32, 4096, 32, 128, 0, 2)
 
 
 @pytest.mark.parametrize("M", [1, 8, 32])

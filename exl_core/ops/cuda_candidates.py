@@ -6,8 +6,9 @@ without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
 same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
-  fp16 x, WIDE_MIN_ROWS <= M <= WIDE_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, shared memory permitting,
-  mixed widths or at least WIDE_U4_MIN_TILES x 128 columns in the launch:
+  fp16 x, N % 4 == 0, 16-byte aligned buffers, shared memory permitting, mixed widths with WIDE_MIXED_MIN_ROWS <=
+  M <= WIDE_MAX_ROWS, or uniform 4-bit with WIDE_MIN_ROWS <= M <= WIDE_MAX_ROWS over at least WIDE_U4_MIN_TILES x
+  128 columns in the launch:
                        decode GEMM for batches, 128 columns x one K range per block with x's rows staged
                        once per block, weights scaled in fp16 before the mma (`exl_core::qgemm_wide`,
                        `qgemm_wide_multi`); EXL_CORE_WIDE=0 turns it off (A/B)
@@ -37,10 +38,11 @@ Measured before qgemm_kslice (us, 4096x4096 / 4096x11008 / 11008x4096, with PDL;
 M=16 skinny 12.1/26.6/22.7, mma 15.3/36.2/31.2, dequant+cuBLAS 23.4/61.1/61.1; M=32 skinny
 19.8/58.3/56.8, mma 21.4/55.8/48.7, dequant+cuBLAS 23.7/61.4/61.9; M=64 mma 42.2/109.6/93.5,
 dequant+cuBLAS 22.4/61.2/63.3.
-qgemm_wide vs qgemm_kslice (us, GPTQ 4-bit g128, bench/wide_probe.cu: the same kernel standalone, 16 distinct
-weights per CUDA graph, H200; kslice from cuda_kslice_h200.json): 32 rows 4096x4096 13.0 vs 12.9, q/k/v 26.5 vs
-38.4, gate/up 39.9 vs 66.0, 11008x4096 27.3 vs 30.2; 16 rows 10.5 vs 9.3, 20.8 vs 18.9, 30.2 vs 34.4, 21.2 vs
-21.7 (so 16 rows stay on kslice).
+qgemm_wide vs qgemm_kslice (us, GPTQ 4-bit g128, 4096x4096 / q/k/v / gate/up / 11008x4096, one call of
+bench/cuda_probe.py kslice, 16 distinct weights per CUDA graph, H200, bench/results/cuda_kslice_h200.json): 32 rows
+14.4 / 27.6 / 47.2 / 32.2 vs 13.0 / 38.9 / 66.1 / 30.5; 16 rows 10.6 / 20.6 / 35.3 / 24.9 vs 9.5 / 19.4 / 34.7 /
+21.8 (so 16 rows stay on kslice). Mixed widths (EXL2 ~4.0 bpw, act-order) at 16 rows, where kslice does not go:
+wide 15.2 / 42.6 / 46.6 / 34.0 vs qgemm_skinny 20.4 / 43.8 / 73.9 / 41.5, so mixed widths take wide from 9 rows.
 The chunk table (int32 [K/32, 3]: bits, group, first qweight row per 32 rows of K) is built
 once per weight and cached on the device in `pw.meta`.
 """
@@ -60,7 +62,8 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
-WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide: four n-tiles of x rows (at 9..16 rows kslice is as fast)
+WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide, uniform 4-bit: at 9..16 rows kslice is as fast
+WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
 WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
                             # cuda_probe.py kslice, one call) 4096x4096 wide 14.4 vs kslice 13.0 us, 11008x4096 32.2
                             # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
@@ -158,13 +161,15 @@ _WIDE_FITS: dict = {}
 def _wide_ok(rows: int, pws, device) -> bool:
     """qgemm_wide (the caller checks x is fp16) for WIDE_MIN_ROWS..WIDE_MAX_ROWS rows when its shared memory
     (x stages, the chunk table slice, the block's scale/zero rows) fits; pws share K."""
-    if not (WIDE_ON and WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and
+    u4 = all(_uniform4(pw) for pw in pws)
+    lo = WIDE_MIN_ROWS if u4 else WIDE_MIXED_MIN_ROWS
+    if not (WIDE_ON and lo <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and
             all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_wide")):
         return False
     tiles = sum((pw.out_features + 127) // 128 for pw in pws)
-    if tiles < WIDE_U4_MIN_TILES and all(_uniform4(pw) for pw in pws):
+    if tiles < WIDE_U4_MIN_TILES and u4:
         return False
-    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws))
+    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), device.index or 0)
     if key not in _WIDE_FITS:
         _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
     return _WIDE_FITS[key]

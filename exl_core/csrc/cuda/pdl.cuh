@@ -18,22 +18,12 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include "pdl_device.cuh"
+
 #include <cstdlib>
 #include <cstring>
 
 namespace exl_pdl {
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // The device's compute-capability major (want_major) or multiprocessor count, cached per device.
 inline int device_sm(int dev, bool want_major) {

@@ -37,12 +37,6 @@ constexpr int kStagedRows = 8;   // up to one n-tile, x is staged in shared memo
                                  // fit: 32 x 4096 fp16 is 256 KB) read x from global memory (L1/L2-resident)
 constexpr int kXPad = 32;        // halves of padding per staged x row: rows g, g+1 on other banks
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // Shared memory of one block: [chunk table n_chunks x 3 int32][scale/zero KW x slots x 64 fp32]
 // [x rows x xs_stride fp16][partial sums KW x M x kTile fp32].
 struct Smem {
@@ -55,15 +49,6 @@ struct Smem {
     total = red + static_cast<size_t>(kw) * M * kTile * 4;
   }
 };
-
-// Lane t's B fragments from its 8 values x[8t..8t+7] of a chunk: pair p = (x_p, x_p+4), the order
-// pair_bits gives the weights.
-__device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
-  b[0] = __byte_perm(v.x, v.z, 0x5410);
-  b[1] = __byte_perm(v.x, v.z, 0x7632);
-  b[2] = __byte_perm(v.y, v.w, 0x5410);
-  b[3] = __byte_perm(v.y, v.w, 0x7632);
-}
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.

@@ -1,0 +1,249 @@
+// The kernel of exl_core::qgemm_wide (host side: qgemm_wide_cuda.cu), without torch headers so that
+// bench/wide_probe.cu builds and times it with plain nvcc.
+// exl_core::qgemm_wide: the decode GEMM for 9..32 rows of fp16 x (batch 8-32 decode steps) over the
+// PackedWeight chunk table.
+//
+// Why not qgemm_kslice at these rows: its block is 32 output columns x KW warps along K, so every block reads
+// all of x from L2 (4 16-byte loads per lane per chunk at 32 rows, 4x the weight bytes), and it keeps the
+// scale for later (fp32 d/acc split plus 8 mma per chunk summing x for the zero term): 213-222 registers,
+// ~2 warps per scheduler, ~0.7 TB/s at 32 rows.  Here (designed and tuned in bench/wide_probe.cu):
+//   block      4 warps side by side = 128 output columns of one K range, so x leaves L2 once per 128
+//              columns; its rows for the range go to shared memory by cp.async in kStages stages of kRing
+//              chunks, every warp reads them (one 16-byte shared load per row group of 8 and chunk).
+//   A          the weights, scaled before the mma: pairs of (1024 + q) by one LOP3 (a_frags), q exact by one
+//              HSUB2, then q*s - z*s by one HFMA2 (fp16 weights as a dense fp16 GEMM would hold them): 16 mma
+//              per chunk at 32 rows and one accumulator set.  s and z of the block's groups are staged in
+//              shared memory by cp.async before the PDL wait.
+//   weights    a ring of kRing chunks of words in registers per lane, refilled as each chunk is used.
+//   split-K    grid y, a cluster (1, S, 1) per column tile reduced through distributed shared memory
+//              (cluster_store: deterministic, bias fused).
+// Act-order weights read x permuted by one gather launch (permute_x_per_weight).
+// Measured (H200, 32 rows, us, 16 distinct weights per CUDA graph; bench/cuda_probe.py kslice, one call,
+// bench/results/cuda_kslice_h200.json) against qgemm_kslice: GPTQ 4-bit g128 4096x4096 14.4 (13.0), q/k/v 27.6
+// (38.9), gate/up 47.2 (66.1), 11008x4096 32.2 (30.5); EXL2 ~4.0 bpw act-order 18.7 (18.7), 52.3 (53.7), 56.4
+// (87.3), 42.0 (44.7).  The standalone probe (no chunk table, no PDL) ran GPTQ at 13.0 / 26.5 / 39.9 / 27.3.
+// Resource report (sm_90): uniform 4-bit 112 (4 n-tiles) / 111 (2) registers, mixed widths 168 / 142; no spills.
+#pragma once
+#include <cuda_fp16.h>
+
+#include "pdl_device.cuh"
+#include "qmma_device.cuh"
+
+namespace exl_wide {
+using namespace exl_mma;
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps, kTile = 32 * kWarps;   // 128 output columns per block
+constexpr int kRing = 4;          // chunks of words in flight per lane = chunks per x stage (the kernel's default)
+constexpr int kStages = 3;        // x stages in shared memory (default)
+constexpr int kXPad = 32;         // halves of padding per staged row: the two rows of one LDS.128 phase on other banks
+constexpr int kMaxRows = 32;
+constexpr size_t kSmemMax = 100 * 1024;   // two blocks per SM
+
+__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Shared memory of one block: [x stages kStages x rows x kStageW fp16 | after the K loop: partial tile M x kTile
+// fp32][chunk table slice cps x 3 int32][scale/zero of the block's groups: groups x (scale kTile | zero kTile) fp32]
+template <int RING = kRing, int STAGES = kStages>
+struct Smem {
+  static constexpr int kStageW = RING * 32 + kXPad;                    // staged row width in halves
+  size_t tab, sz, total;
+  __host__ __device__ Smem(int rows, int M, int cps, int groups) {
+    const size_t xs = static_cast<size_t>(STAGES) * rows * kStageW * 2, red = static_cast<size_t>(M) * kTile * 4;
+    tab = xs > red ? xs : red;
+    sz = tab + ((static_cast<size_t>(cps) * 12 + 15) & ~size_t(15));
+    total = sz + static_cast<size_t>(groups) * 2 * kTile * 4;
+  }
+};
+
+// The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
+template <int BITS>
+__device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
+                                         uint32_t (&a)[4][4]) {
+  a_frags<BITS>(r, t, a);
+  const __half2 k1024 = __float2half2_rn(1024.f);
+#pragma unroll
+  for (int v = 0; v < 4; ++v)
+#pragma unroll
+    for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(__hsub2(u2h(a[v][p]), k1024), sh[v], zs[v]));
+}
+
+template <int NT>
+__device__ __forceinline__ void chunk_mma(const uint32_t (&a)[4][4], const uint32_t (&b)[NT][4], float (&acc)[2][NT][4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma16816(acc[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
+                 b[nt][2 * j], b[nt][2 * j + 1]);
+}
+
+// grid (total column tiles, S); block kThreads; cluster (1, S, 1) when S > 1.  The block's K range is chunks
+// [blockIdx.y * cps, + cps).  U4: every chunk 4-bit with its words in chunk order (no table read for the
+// words).  x (or the weight's permuted copy mat.x) 16-byte aligned, K % 32 == 0.
+// RING / STAGES: the ring depth (= chunks per x stage) and x stages; the extension runs the defaults, the probe
+// (bench/wide_probe.cu) times others.
+template <int NT, bool U4, int RING = kRing, int STAGES = kStages>
+__global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
+    qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
+                      const Mats mats) {
+  constexpr int kRing = RING, kStages = STAGES, kStageW = Smem<RING, STAGES>::kStageW;
+  constexpr int kRows = 8 * NT, kPieces = kRows * kRing * 4;   // 16-byte pieces of x per stage
+  const Mat& mat = block_mat(mats);
+  const int64_t N = mat.N;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int c_begin = static_cast<int>(blockIdx.y) * cps;
+  const int c_end = min(n_chunks, c_begin + cps), nc = max(0, c_end - c_begin);
+  const int64_t col = tile * kTile + warp * 32 + 4 * g;      // this lane's 4 columns
+  // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
+  const int64_t lcol = col < N ? col : N - 4;
+  const int32_t* base = mat.qw.at(0, lcol);
+  const int64_t ldq = mat.qw.ldq;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem<RING, STAGES> lay(kRows, M, cps, max_groups);
+  __half* xs = reinterpret_cast<__half*>(smem_raw);                     // [kStages][kRows][kStageW]
+  float* red = reinterpret_cast<float*>(smem_raw);                      // [M][kTile], after the K loop
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);        // chunks [c_begin, c_end)
+  float* szs = reinterpret_cast<float*>(smem_raw + lay.sz);             // [group - g_first][2][kTile]
+
+  Raw ring[kRing];
+  const int32_t* wnext = base + static_cast<int64_t>(4 * c_begin + t) * ldq;   // U4: chunk c's word, row 4c + t
+  if constexpr (U4) {                                                   // the first loads need no table
+#pragma unroll
+    for (int i = 0; i < kRing; ++i) {
+      ring[i].lo = i < nc ? __ldg(reinterpret_cast<const int4*>(wnext + static_cast<int64_t>(4 * i) * ldq))
+                          : make_int4(0, 0, 0, 0);
+      ring[i].hi = make_int4(0, 0, 0, 0);
+    }
+    wnext += static_cast<int64_t>(4 * kRing) * ldq;
+  }
+  for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(mat.chunks + 3 * c_begin + i);
+  __syncthreads();
+  if constexpr (!U4) {
+#pragma unroll
+    for (int i = 0; i < kRing; ++i) {
+      ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
+      if (i < nc) load_words<false>(ring[i], tab + 3 * i, c_begin + i, base, ldq, t);
+    }
+  }
+  // scale/zero rows of the block's groups (consecutive along the chunks; at most max_groups, the host's bound)
+  const int g_first = nc > 0 ? tab[1] : 0;
+  const int ngr = nc > 0 ? min(max_groups, tab[3 * (nc - 1) + 1] - g_first + 1) : 0;
+  for (int i = threadIdx.x; i < ngr * (kTile / 2); i += kThreads) {
+    const int gr = i / (kTile / 2), r = i % (kTile / 2), half = r / (kTile / 4), q = r % (kTile / 4);
+    int64_t cq = tile * kTile + 4 * q;
+    cq = cq < N ? cq : N - 4;
+    cp_async16(szs + (gr * 2 + half) * kTile + 4 * q,
+               (half ? mat.zero : mat.scale) + static_cast<int64_t>(g_first + gr) * N + cq);
+  }
+
+  exl_pdl::pdl_wait();                                                  // x is the previous kernel's output
+  exl_pdl::pdl_trigger();
+  // rows M..kRows-1 of every stage stay zero (cp.async never writes them)
+  if (M < kRows) {
+    for (int i = threadIdx.x; i < (kRows - M) * (kStageW / 8); i += kThreads) {
+      const int r = M + i / (kStageW / 8), q = i % (kStageW / 8);
+#pragma unroll
+      for (int st = 0; st < kStages; ++st)
+        reinterpret_cast<uint4*>(xs + (st * kRows + r) * kStageW)[q] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  const __half* xsrc = (mat.x != nullptr ? mat.x : x) + static_cast<int64_t>(c_begin) * 32;
+  const int nst = (nc + kRing - 1) / kRing;
+  auto issue = [&](int s) {                                             // stage s: chunks c_begin + s*kRing ..
+    __half* dst = xs + (s % kStages) * kRows * kStageW;
+    const int L = min(kRing, nc - s * kRing) * 32;
+#pragma unroll
+    for (int i0 = 0; i0 < kPieces; i0 += kThreads) {
+      const int i = i0 + threadIdx.x, m = i / (kRing * 4), k = 8 * (i % (kRing * 4));
+      if (m < M && k < L) cp_async16(dst + m * kStageW + k, xsrc + m * K + s * kRing * 32 + k);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nst) issue(s);
+    cp_async_commit();                                                        // group 0 also holds scale/zero
+  }
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
+  __half2 sh[4], zs[4];
+  int grp = -1;
+
+  // Chunk c (slot i of the ring, its x at xb): new group -> its s and -z*s in fp16; B from the stage; A scaled;
+  // the slot refilled with chunk c + kRing when `reload`.
+  auto chunk = [&](int i, int c, const __half* xb, bool reload) {
+    const int32_t* e = tab + 3 * (c - c_begin);
+    const int ge = e[1];
+    if (ge != grp) {                                                    // warp-uniform
+      grp = ge;
+      const float* sp = szs + (ge - g_first) * 2 * kTile + warp * 32 + 4 * g;
+      float4 s4, z4;
+      if (ge - g_first < max_groups) {
+        s4 = *reinterpret_cast<const float4*>(sp);
+        z4 = *reinterpret_cast<const float4*>(sp + kTile);
+      } else {                                                          // beyond the staged groups (not expected)
+        s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+        z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+      }
+      const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, zv[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        sh[v] = __float2half2_rn(sv[v]);
+        zs[v] = __float2half2_rn(-zv[v] * sv[v]);
+      }
+    }
+    uint32_t b[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) b_pairs(*reinterpret_cast<const uint4*>(xb + nt * 8 * kStageW + i * 32), b[nt]);
+    uint32_t a[4][4];
+    if constexpr (U4) {
+      scaled_a<4>(ring[i], t, sh, zs, a);
+      if (reload) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
+      wnext += 4 * ldq;
+    } else {
+      switch (e[0]) {
+        case 4: scaled_a<4>(ring[i], t, sh, zs, a); break;
+        case 2: scaled_a<2>(ring[i], t, sh, zs, a); break;
+        case 3: scaled_a<3>(ring[i], t, sh, zs, a); break;
+        case 5: scaled_a<5>(ring[i], t, sh, zs, a); break;
+        case 6: scaled_a<6>(ring[i], t, sh, zs, a); break;
+        default: scaled_a<8>(ring[i], t, sh, zs, a); break;
+      }
+      if (reload) load_words<false>(ring[i], e + 3 * kRing, c + kRing, base, ldq, t);
+    }
+    chunk_mma<NT>(a, b, acc);
+  };
+
+  for (int s = 0; s < nst; ++s) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();                                                    // stage s landed; stage s-1 is free
+    if (s + kStages - 1 < nst) issue(s + kStages - 1);
+    cp_async_commit();
+    const __half* xb = xs + (s % kStages) * kRows * kStageW + g * kStageW + 8 * t;
+    const int cs = c_begin + s * kRing;
+    if (cs + 2 * kRing <= c_end) {                                      // a full stage whose refills all exist
+#pragma unroll
+      for (int i = 0; i < kRing; ++i) chunk(i, cs + i, xb, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRing; ++i)
+        if (cs + i < c_end) chunk(i, cs + i, xb, cs + i + kRing < c_end);
+    }
+  }
+
+  __syncthreads();                                                      // x stages dead: red aliases them
+  store_partials<NT>(acc, red + warp * 32, kTile, M, g, t);
+  cluster_store(red, M * kTile, kTile, kThreads, tile, mat);
+}
+
+}  // namespace exl_wide

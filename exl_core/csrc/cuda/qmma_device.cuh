@@ -1,0 +1,321 @@
+// Device-side pieces shared by the tensor-core quantized GEMM kernels (qgemm_mma, qgemm_skinny, qgemm_kslice,
+// qgemm_wide) that need no torch headers, so standalone probes (bench/wide_probe.cu) build them with plain nvcc:
+// mma wrapper, packed-bits -> fp16 fragment pairs, the K order x is staged in, the per-lane word loads, cp.async,
+// the multi-weight table and the split-K reduction over a thread-block cluster.  See qmatmul_cuda.cu for the chunk
+// table (bits, group, first qweight row).  Host code with torch types: qmma_common.cuh.
+#pragma once
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace exl_mma {
+
+constexpr int kMaxSplits = 8;   // portable cluster size
+
+// Stages rows [0, rows) of x[:, perm[k0 .. k0 + L)] into xs [rows][xs_stride] fp16 in fragment order
+// (the order the mma fragments read); rows >= M are zero-filled without
+// loads.  Each thread takes 8 consecutive k at a time and issues all of its loads (one 16-byte load
+// per row without perm, 8 independent gathers with perm) before its stores: the staging costs one or
+// two memory latencies per block instead of one per element (the per-element loop was the kernels'
+// fixed cost per call).  Lane t's mma k16 step j reads its pairs (q_p, q_p+4) of values 8t..8t+7 with
+// p = 2j and 2j + 1: real k = 8a + 4b + 2j + c sits at slot 16j + 8c + 2a + b, so the pair (k, k + 4)
+// is one 32-bit store.
+__device__ __forceinline__ uint32_t half_bits(const uint4& v, int i) {
+  const uint32_t w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+  return (i & 1) ? (w >> 16) : (w & 0xFFFFu);
+}
+
+// The 8 values of row m, staged pairs (k, k + 4) -> slots 16j + 8c of dst (i = 2j + c).
+__device__ __forceinline__ void store_frag8(uint32_t* dst, const uint4& v) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[(16 * (i >> 1) + 8 * (i & 1)) >> 1] = half_bits(v, i) | half_bits(v, i + 4) << 16;
+}
+
+__device__ __forceinline__ void stage_x_frag(__half* xs, int xs_stride, const __half* __restrict__ x, int M, int rows,
+                                             int64_t K, int64_t k0, int L, const int64_t* __restrict__ perm) {
+  const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
+  const bool vec = perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (K & 7) == 0;
+  const int rs = xs_stride >> 1;                               // row stride in 32-bit words
+  for (int s = threadIdx.x; s < (L >> 3); s += blockDim.x) {
+    const int64_t kk = k0 + (s << 3);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xs + ((s << 3) & ~31) + 2 * (s & 3));
+    if (vec) {
+      constexpr int RB = 4;                                    // rows loaded before their stores
+      for (int m0 = 0; m0 < rows; m0 += RB) {
+        uint4 v[RB];
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+          v[r] = m0 + r < M ? __ldg(reinterpret_cast<const uint4*>(x + (m0 + r) * K + kk)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+          if (m0 + r < rows) store_frag8(dst + (m0 + r) * rs, v[r]);
+      }
+    } else {
+      int src[8];                                              // K < 2^31
+#pragma unroll
+      for (int i = 0; i < 8; ++i) src[i] = static_cast<int>(perm ? __ldg(perm + kk + i) : kk + i);
+      for (int m = 0; m < rows; ++m) {
+        uint32_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (m < M) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) h[i] = __ldg(xu + m * K + src[i]);
+        }
+        store_frag8(dst + m * rs, make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16));
+      }
+    }
+  }
+}
+
+struct Raw {        // one chunk's words for a lane's 4 columns
+  int4 lo, hi;
+};
+
+// Where word (row, col) of a packed weight lives: row-major [Q, N] (ldq = N, tstride = 128), or
+// column-tiled [N/128, Q, 128] (ldq = 128, tstride = Q*128) so one 128-column strip is contiguous.
+struct QPtr {
+  const int32_t* q;
+  int64_t ldq, tstride;
+  __device__ __forceinline__ const int32_t* at(int64_t row, int64_t col) const {
+    return q + (col >> 7) * tstride + row * ldq + (col & 127);
+  }
+};
+
+// Words of chunk entry `tab` (bits, group, qrow) holding values 8t..8t+7 of columns col..col+3;
+// `hi` only where those values straddle two words.
+template <bool U4>
+__device__ __forceinline__ void load_raw(Raw& r, bool exists, const int32_t* tab, const QPtr& qw, int64_t col,
+                                         bool valid, int t) {
+  if constexpr (U4) {
+    r.lo = make_int4(0, 0, 0, 0);
+    if (exists && valid) r.lo = __ldg(reinterpret_cast<const int4*>(qw.at(tab[2] + t, col)));
+  } else {
+    r.lo = r.hi = make_int4(0, 0, 0, 0);
+    if (!exists || !valid) return;
+    const int bits = tab[0], start = 8 * t * bits;
+    const int32_t* p = qw.at(tab[2] + (start >> 5), col);
+    r.lo = __ldg(reinterpret_cast<const int4*>(p));
+    if ((start & 31) + 8 * bits > 32) r.hi = __ldg(reinterpret_cast<const int4*>(p + qw.ldq));
+  }
+}
+
+// The words of chunk entry e (bits, group, qrow) holding a lane's values 8t..8t+7; `base` points at
+// word (row 0, the lane's first column) and rows are `ldq` words apart.
+// U4 (every chunk 4-bit, words in chunk order): chunk c's words are rows 4c..4c+3, no table read --
+// the first loads of a launch do not wait for the table.
+template <bool U4>
+__device__ __forceinline__ void load_words(Raw& r, const int32_t* e, int c, const int32_t* base, int64_t ldq, int t) {
+  if constexpr (U4) {
+    r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(4 * c + t) * ldq));
+  } else {
+    const int bits = e[0], start = 8 * t * bits;
+    const int32_t* p = base + static_cast<int64_t>(e[2] + (start >> 5)) * ldq;
+    r.lo = __ldg(reinterpret_cast<const int4*>(p));
+    r.hi = (start & 31) + 8 * bits > 32 ? __ldg(reinterpret_cast<const int4*>(p + ldq)) : make_int4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Pair p of a lane's 8 values as fp16x2 bits of (1024 + q_p, 1024 + q_p+4), exact for q < 1024.
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  if constexpr (BITS == 4) {
+    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;   // 8 values in one word, sh == 0
+  } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
+    const uint32_t w = __funnelshift_r(wl, wh, sh);
+    return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
+  } else {                                                    // 5, 6, 8 bits: up to 64-bit window
+    const uint64_t w = ((static_cast<uint64_t>(wh) << 32) | wl) >> sh;
+    const uint32_t a = static_cast<uint32_t>(w >> (BITS * p)) & mask;
+    const uint32_t b = static_cast<uint32_t>(w >> (BITS * (p + 4))) & mask;
+    return a | (b << 16) | 0x64006400u;
+  }
+}
+
+// Sum of one staged chunk (32 fp16 values) in fp32, in a fixed order.
+__device__ __forceinline__ float chunk_x_sum(const __half* xc) {
+  const __half2* p = reinterpret_cast<const __half2*>(xc);
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float2 f = __half22float2(p[i]);
+    a += f.x + f.y;
+  }
+  return a;
+}
+
+__device__ __forceinline__ uint32_t comp(const int4& v, int i) {
+  return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
+}
+__device__ __forceinline__ float compf(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// A fragments of one chunk for the lane: a[v][p] = pair p (pair_bits) of its values 8t..8t+7 of column 4g+v.
+template <int BITS>
+__device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]) {
+  const int sh = (8 * t * BITS) & 31;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) a[v][p] = pair_bits<BITS>(wl, wh, sh, p);
+  }
+}
+
+// f(u, nt, i) for each of a lane's accumulator elements [2][NT][4]: element (u, nt, i) is output column
+// 4g + 2u + (i >> 1) (C row g -> column 4g+2u, row g+8 -> 4g+2u+1) and x row 8 nt + 2t + (i & 1).
+template <int NT, typename F>
+__device__ __forceinline__ void for_each_acc(F&& f) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f(u, nt, i);
+}
+
+// acc += s * (d - (1024 + z) * xg) for the lane's 4 columns (s4/z4) and its x rows 2t, 2t+1 per n-tile.
+template <int NT>
+__device__ __forceinline__ void flush_group(const float4& s4, const float4& z4, float (&xg)[NT][2],
+                                            float (&d)[2][NT][4], float (&acc)[2][NT][4]) {
+  for_each_acc<NT>([&](int u, int nt, int i) {
+    const int v = 2 * u + (i >> 1);
+    acc[u][nt][i] = fmaf(compf(s4, v), fmaf(-1024.f - compf(z4, v), xg[nt][i & 1], d[u][nt][i]), acc[u][nt][i]);
+    d[u][nt][i] = 0.f;
+  });
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xg[nt][0] = xg[nt][1] = 0.f;
+}
+
+// The lane's accumulators into a row-major partial tile: part[row * ld + column within the warp's 32], rows
+// below M only.
+template <int NT>
+__device__ __forceinline__ void store_partials(const float (&acc)[2][NT][4], float* part, int ld, int M, int g, int t) {
+  for_each_acc<NT>([&](int u, int nt, int i) {
+    const int row = 8 * nt + 2 * t + (i & 1);
+    if (row < M) part[row * ld + 4 * g + 2 * u + (i >> 1)] = acc[u][nt][i];
+  });
+}
+
+// Several weights that read the same x (q/k/v, gate/up) run in one launch: the grid's x dimension
+// walks the column tiles of matrix 0, then matrix 1, ...; every block serves one matrix.
+constexpr int kMaxMats = 4;
+struct Mat {
+  QPtr qw;
+  const int32_t* chunks;      // [K/32, 3]
+  const float* scale;
+  const float* zero;
+  const int64_t* perm;        // or null
+  const __half* bias;         // or null
+  __half* y;                  // [M, N]
+  int64_t N;
+  int tile0;                  // first blockIdx.x of this matrix
+  const __half* x;            // this matrix's own x (qgemm_kslice: x permuted for act-order), or null
+};
+struct Mats {
+  Mat m[kMaxMats];
+  int n;
+};
+
+__device__ __forceinline__ const Mat& block_mat(const Mats& mats) {
+  int mi = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxMats; ++i)
+    if (i < mats.n && static_cast<int>(blockIdx.x) >= mats.m[i].tile0) mi = i;
+  return mats.m[mi];
+}
+
+// Sets tile0 of every matrix for tiles of `tile_n` columns; returns the total number of tiles.
+inline int64_t assign_tiles(Mats& mats, int tile_n) {
+  int64_t tiles = 0;
+  for (int i = 0; i < mats.n; ++i) {
+    mats.m[i].tile0 = static_cast<int>(tiles);
+    tiles += (mats.m[i].N + tile_n - 1) / tile_n;
+  }
+  return tiles;
+}
+
+// red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns); the
+// gridDim.y blocks of a column tile (one cluster on sm_90) add theirs in rank order and write
+// y (+ bias) once: deterministic, no atomics.  Every thread of the block must call this.
+__device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
+                                              const Mat& mat) {
+  const int64_t N = mat.N;
+  auto store = [&](int idx, float a) {
+    const int m = idx / tile_n;
+    const int64_t n = tile * tile_n + idx % tile_n;
+    if (n < N) {
+      if (mat.bias) a += __half2float(mat.bias[n]);
+      mat.y[m * N + n] = __float2half_rn(a);
+    }
+  };
+  const int S = gridDim.y;
+  if (S == 1) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < E; idx += nthreads) store(idx, red[idx]);
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();                                             // every block's `red` is final
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int idx = rank * nthreads + threadIdx.x; idx < E; idx += S * nthreads) {
+    float v[kMaxSplits];                                      // all remote reads in flight, then the sum
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
+    float a = 0.f;
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) a += v[q];
+    store(idx, a);
+  }
+  cluster.sync();                                             // keep `red` alive until all reads are done
+#endif
+}
+
+// Lane t's B fragments from its 8 values x[8t..8t+7] of a chunk: pair p = (x_p, x_p+4), the order a_frags gives
+// the weights.
+__device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
+  b[0] = __byte_perm(v.x, v.z, 0x5410);
+  b[1] = __byte_perm(v.x, v.z, 0x7632);
+  b[2] = __byte_perm(v.y, v.w, 0x5410);
+  b[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Launch configuration for grid (tiles, S), clusters (1, S, 1) when S > 1; `attr` must outlive it.
+inline cudaLaunchConfig_t split_config(int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream,
+                                       cudaLaunchAttribute (&attr)[1]) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(S), 1);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(S);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = S > 1 ? 1 : 0;
+  return cfg;
+}
+
+}  // namespace exl_mma
