@@ -199,6 +199,24 @@ KSLICE_CASES = SKINNY_CASES + [([(4, 32)] * 60 + [(4, 64)] * 10, 4 * 9),  # grou
                                 ([(4, 128)] * 40, 4 * 40)]                 # 40 groups of 128
 
 
+def _decode_case(case: int, M: int):
+    """KSLICE_CASES[case] with random act-order and bias, its float64 reference for M fp16 rows, and x on the GPU
+    (3 times in 10 at an 8-byte offset: the kernels' staging and realignment paths)."""
+    from exl_core.ops.cuda_candidates import chunk_table
+    layout, N = KSLICE_CASES[case]
+    pw = random_packed(layout, N, perm=random.random() < 0.6, bias=random.random() < 0.5)
+    K = pw.in_features
+    x = torch.randn(M, K, dtype=torch.float16)
+    ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+    c = pw.to("cuda")
+    xc = x.cuda()
+    if random.random() < 0.3:
+        buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
+        xc = buf[4:].view(M, K)
+        xc.copy_(x)
+    return pw, c, chunk_table(pw.groups, "cuda"), None if pw.bias is None else c.bias.half(), xc, ref
+
+
 @pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=["mixed", "split", "long", "uniform4", "g32", "g128"])
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 16, 20, 32])          # staged x (1 n-tile); x from global (2, 4)
 @pytest.mark.parametrize("kw,ring", [(0, 0), (4, 0), (8, 16), (16, 0)])
@@ -206,21 +224,9 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
     """The decode kernel on its own: every width, act-order, warps along K, ring depths, scale slots fewer
     than the groups a warp spans (min_group larger than the real groups), unaligned x, 1..32 rows."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import _uniform4, chunk_table
-    layout, N = KSLICE_CASES[case]
-    pw = random_packed(layout, N, perm=random.random() < 0.6, bias=random.random() < 0.5)
-    K = pw.in_features
-    W = dequantize_reference(pw)
-    x = torch.randn(M, K, dtype=torch.float16)
-    ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
-    c = pw.to("cuda")
-    ch = chunk_table(pw.groups, "cuda")
-    bias = None if pw.bias is None else c.bias.half()
-    xc = x.cuda()
-    if random.random() < 0.3:                                  # 8-byte offset: the gather path stages x
-        buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
-        xc = buf[4:].view(M, K)
-        xc.copy_(x)
+    from exl_core.ops.cuda_candidates import _uniform4
+    pw, c, ch, bias, xc, ref = _decode_case(case, M)
+    K, N = pw.in_features, pw.out_features
     for u4 in ({False, _uniform4(pw)}):
         r = 8 if ring and not u4 else ring                     # the mixed-width kernel's deeper ring
         for min_group in (0, 128):
@@ -242,21 +248,9 @@ def test_qgemm_wide_vs_float64(case, M, splits):
     rows beyond the staged bound (min_group larger than the real groups), unaligned x, 9..32 rows. With the
     weight's real smallest group every split count fits these shapes."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import _uniform4, chunk_table
-    layout, N = KSLICE_CASES[case]
-    pw = random_packed(layout, N, perm=random.random() < 0.6, bias=random.random() < 0.5)
-    K = pw.in_features
-    W = dequantize_reference(pw)
-    x = torch.randn(M, K, dtype=torch.float16)
-    ref = x.double() @ W + (pw.bias.half().double() if pw.bias is not None else 0)
-    c = pw.to("cuda")
-    ch = chunk_table(pw.groups, "cuda")
-    bias = None if pw.bias is None else c.bias.half()
-    xc = x.cuda()
-    if random.random() < 0.3:                                  # 8-byte offset: realigned by a copy first
-        buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
-        xc = buf[4:].view(M, K)
-        xc.copy_(x)
+    from exl_core.ops.cuda_candidates import _uniform4
+    pw, c, ch, bias, xc, ref = _decode_case(case, M)
+    K, N = pw.in_features, pw.out_features
     tiles = (N + 127) // 128
     ran = 0
     for u4 in ({False, _uniform4(pw)}):
@@ -269,34 +263,6 @@ def test_qgemm_wide_vs_float64(case, M, splits):
             assert y.dtype == torch.float16 and y.shape == (M, N)
             assert rel_err(y, ref) < 2e-3, (u4, min_group)
     assert ran, "no configuration fits (the weight's real group bound always should)"
-
-
-@pytest.mark.parametrize("M", [20, 32])
-def test_qgemm_wide_multi_act_order_unaligned_x(M):
-    """q/k/v-style: four weights on one x in one launch (two sharing one permutation, one with its own widths
-    and permutation, one without), x at an 8-byte offset."""
-    _need_kernels()
-    from exl_core.ops.cuda_candidates import chunk_table
-    K = 32 * 40
-    layouts = [[(4, K)], [(4, K)], [(5, 32 * 8), (4, 32 * 24), (3, 32 * 8)], [(4, K)]]
-    pws = [random_packed(lay, n, perm=i < 3, bias=i == 2) for i, (lay, n) in enumerate(zip(layouts, (4 * 67, 36, 512, 64)))]
-    pws[1].perm = pws[0].perm.clone()
-    x = torch.randn(M, K, dtype=torch.float16)
-    buf = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
-    xc = buf[4:].view(M, K)
-    xc.copy_(x)
-    cs = [pw.to("cuda") for pw in pws]
-    for u4 in (False, True):
-        sel = [0, 1, 3] if u4 else [0, 1, 2, 3]
-        poison_allocator()
-        ys = torch.ops.exl_core.qgemm_wide_multi(
-            xc, [cs[i].qweight for i in sel], [chunk_table(pws[i].groups, "cuda") for i in sel],
-            [cs[i].scale for i in sel], [cs[i].zero for i in sel], [cs[i].perm for i in sel],
-            [None if cs[i].bias is None else cs[i].bias.half() for i in sel], u4)
-        for y, i in zip(ys, sel):
-            pw = pws[i]
-            ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
-            assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3, (u4, i)
 
 
 def test_qgemm_wide_policy_and_limits():
@@ -350,10 +316,11 @@ def test_decode_kernels_on_column_tiled_words(M):
             assert rel_err(y, ref) < 2e-3
 
 
-@pytest.mark.parametrize("M", [12, 32])
-def test_qgemm_kslice_many_rows_act_order_unaligned_x(M):
-    """9..32 rows read x from global memory: act-order weights (two sharing one permutation, one with its
-    own, one without) get x permuted by one gather launch; x at an 8-byte offset is realigned first."""
+@pytest.mark.parametrize("op,M", [("kslice", 12), ("kslice", 32), ("wide", 12), ("wide", 20), ("wide", 32)])
+def test_decode_kernels_many_rows_act_order_unaligned_x(op, M):
+    """9..32 rows (qgemm_kslice reads x from global memory there, qgemm_wide stages it per block): act-order
+    weights (two sharing one permutation, one with its own, one without) get x permuted by one gather launch;
+    x at an 8-byte offset is realigned first."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import chunk_table
     K = 32 * 40
@@ -368,7 +335,7 @@ def test_qgemm_kslice_many_rows_act_order_unaligned_x(M):
     for u4 in (False, True):
         sel = [0, 1, 3] if u4 else [0, 1, 2, 3]                       # uniform 4-bit kernel: 4-bit weights only
         poison_allocator()
-        ys = torch.ops.exl_core.qgemm_kslice_multi(
+        ys = getattr(torch.ops.exl_core, f"qgemm_{op}_multi")(
             xc, [cs[i].qweight for i in sel], [chunk_table(pws[i].groups, "cuda") for i in sel],
             [cs[i].scale for i in sel], [cs[i].zero for i in sel], [cs[i].perm for i in sel],
             [None if cs[i].bias is None else cs[i].bias.half() for i in sel], u4)

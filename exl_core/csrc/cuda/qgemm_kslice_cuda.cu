@@ -56,14 +56,7 @@ template <int BITS, int NT>
 __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4]) {
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
   a_frags<BITS>(r, t, a);
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mma16816(d[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
-                 b[nt][2 * j], b[nt][2 * j + 1]);
+  mma_chunk<NT>(a, b, d);
 }
 
 template <int NT>

@@ -68,18 +68,6 @@ __device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh
     for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(__hsub2(u2h(a[v][p]), k1024), sh[v], zs[v]));
 }
 
-template <int NT>
-__device__ __forceinline__ void chunk_mma(const uint32_t (&a)[4][4], const uint32_t (&b)[NT][4], float (&acc)[2][NT][4]) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mma16816(acc[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
-                 b[nt][2 * j], b[nt][2 * j + 1]);
-}
-
 // grid (total column tiles, S); block kThreads; cluster (1, S, 1) when S > 1.  The block's K range is chunks
 // [blockIdx.y * cps, + cps).  U4: every chunk 4-bit with its words in chunk order (no table read for the
 // words).  x (or the weight's permuted copy mat.x) 16-byte aligned, K % 32 == 0.
@@ -221,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       }
       if (reload) load_words<false>(ring[i], e + 3 * kRing, c + kRing, base, ldq, t);
     }
-    chunk_mma<NT>(a, b, acc);
+    mma_chunk<NT>(a, b, acc);
   };
 
   for (int s = 0; s < nst; ++s) {

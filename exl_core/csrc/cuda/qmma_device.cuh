@@ -283,6 +283,20 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
 #endif
 }
 
+// d[u][nt] += A(tile u of the chunk: a from a_frags, raw or scaled) x B(n-tile nt), both k16 steps of the chunk:
+// one A fragment serves every n-tile.
+template <int NT>
+__device__ __forceinline__ void mma_chunk(const uint32_t (&a)[4][4], const uint32_t (&b)[NT][4], float (&d)[2][NT][4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma16816(d[u][nt], a[2 * u][2 * j], a[2 * u + 1][2 * j], a[2 * u][2 * j + 1], a[2 * u + 1][2 * j + 1],
+                 b[nt][2 * j], b[nt][2 * j + 1]);
+}
+
 // Lane t's B fragments from its 8 values x[8t..8t+7] of a chunk: pair p = (x_p, x_p+4), the order a_frags gives
 // the weights.
 __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
