@@ -5,7 +5,7 @@ at the front. Every check refuses (with a reason) off the GPU or when the extens
 without CUDA, so CPU behaviour is unchanged.
 
 qmatmul policy (rows M of x), from bench/gpu_bench.py's sweep on the H200 (every path on the
-same 7B-shaped weights in CUDA graphs; bench/results/gpu_h200.json "gemv_sweep"):
+same 7B-shaped weights in CUDA graphs; "gemv_sweep" of a full run, bench/results/gpu_h200_run_b944a0b.json):
   fp16 x, N % 4 == 0, 16-byte aligned buffers, shared memory permitting, mixed widths with WIDE_MIXED_MIN_ROWS <=
   M <= WIDE_MAX_ROWS, or uniform 4-bit with WIDE_MIN_ROWS <= M <= WIDE_MAX_ROWS over at least WIDE_U4_MIN_TILES x
   128 columns in the launch:
