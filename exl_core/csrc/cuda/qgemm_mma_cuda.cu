@@ -48,7 +48,7 @@ __device__ __forceinline__ void load_chunk(Chunk& r, bool exists, const int32_t*
 // d holds ~7 bits of cancellation at most (|q| <= 255 against 1024) within fp32: far below fp16.
 // The D fragment's columns are 8t..8t+7 of the warp's 32, so the lane reads those scales/zeros.
 template <int BITS, int MT>
-__device__ __forceinline__ void mma_chunk(const Chunk& r, const __half* xc, int xs_stride, const float* xsum_c,
+__device__ __forceinline__ void mma_chunk_mt(const Chunk& r, const __half* xc, int xs_stride, const float* xsum_c,
                                           int xsum_stride, const float* __restrict__ scale,
                                           const float* __restrict__ zero, int64_t N, int64_t scol, int g, int t, int M,
                                           float (&acc)[MT][4][4]) {
@@ -112,7 +112,7 @@ __device__ __forceinline__ void mma_chunk_any(const Chunk& r, const __half* xc, 
                                               const float* __restrict__ zero, int64_t N, int64_t scol, int g, int t,
                                               int M, float (&acc)[MT][4][4]) {
 #define EXL_MMA_CASE(B) \
-  case B: mma_chunk<B, MT>(r, xc, xs_stride, xsum_c, xsum_stride, scale, zero, N, scol, g, t, M, acc); break;
+  case B: mma_chunk_mt<B, MT>(r, xc, xs_stride, xsum_c, xsum_stride, scale, zero, N, scol, g, t, M, acc); break;
   switch (r.bits) {
     EXL_MMA_CASE(4) EXL_MMA_CASE(2) EXL_MMA_CASE(3) EXL_MMA_CASE(5) EXL_MMA_CASE(6) EXL_MMA_CASE(8)
     default: break;                                           // 0: no chunk

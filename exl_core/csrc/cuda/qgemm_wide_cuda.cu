@@ -72,7 +72,7 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
   const int dev = x.device().index();
   const int64_t tiles = assign_tiles(mats, kTile);
   const Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(splits), min_group, dev);
-  TORCH_CHECK(plan_usable(plan, K) && (plan.splits == 1 || device_sm(dev, true) >= 9),
+  TORCH_CHECK(plan_usable(plan, K) && (splits <= 1 || device_sm(dev, true) >= 9),   // as qgemm_wide_fits
               "exl_core::qgemm_wide: no plan for M = ", M, ", K = ", K, ", splits = ", splits,
               " (shared memory, or splits without thread-block clusters below sm_90)");
   // checked before anything is launched: a refused call leaves no gather behind
@@ -98,9 +98,8 @@ at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::
   return qgemm_wide_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits, min_group)[0];
 }
 
-// Whether qgemm_wide takes M rows of K over `tiles` 128-column tiles on `device` (splits 0: its own choice); a call
-// it refuses
-// raises, which on some images kills the process (see NOTES.md), so callers ask first.
+// Whether qgemm_wide takes M rows of K over `tiles` 128-column tiles on `device` (splits 0: its own choice); a
+// call it refuses raises, which on some images kills the process (see NOTES.md), so callers ask first.
 bool qgemm_wide_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, int64_t device, int64_t splits) {
   if (rows < 1 || rows > kMaxRows || K < 32 || K % 32 != 0 || tiles < 1 || splits < 0 || splits > kMaxSplits)
     return false;
