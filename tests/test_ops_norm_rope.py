@@ -172,7 +172,13 @@ def test_rope_bf16(path):
     gq, gk = _call(ROPE.ROPE, path, q=q, k=k, positions=pos, cos_sin=table)
     assert gq.dtype == torch.bfloat16 and gk.dtype == torch.bfloat16
     rq, rk = ROPE.apply_rope_ref(q.float(), k.float(), pos, table)  # fp32 math, then one bf16 rounding
-    assert torch.equal(gq, rq.bfloat16()) and torch.equal(gk, rk.bfloat16())
+    for g, r in ((gq, rq), (gk, rk)):
+        # fp32 results one ulp apart (fused vs separate multiply-add) can round to neighbouring bf16 values when
+        # they straddle a rounding boundary: allow one bf16 ulp, but nearly every element must be exact
+        rb = r.bfloat16().float()
+        diff = (g.float() - rb).abs()
+        ulp = torch.exp2(torch.floor(torch.log2(rb.abs().clamp_min(2.0 ** -100))) - 7)
+        assert (diff <= ulp).all() and float((diff == 0).float().mean()) > 0.99
 
 
 def test_rope_bad_input():
