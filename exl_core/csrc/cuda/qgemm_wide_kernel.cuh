@@ -1,6 +1,5 @@
 // The kernel of exl_core::qgemm_wide (host side: qgemm_wide_cuda.cu), without torch headers so that
-// bench/wide_probe.cu builds and times it with plain nvcc.
-// exl_core::qgemm_wide: the decode GEMM for 9..32 rows of fp16 x (batch 8-32 decode steps) over the
+// bench/wide_probe.cu builds and times it with plain nvcc: the decode GEMM for 9..32 rows of fp16 x (batch 8-32 decode steps) over the
 // PackedWeight chunk table.
 //
 // Why not qgemm_kslice at these rows: its block is 32 output columns x KW warps along K, so every block reads
@@ -21,7 +20,8 @@
 // Measured (H200, 32 rows, us, 16 distinct weights per CUDA graph; bench/cuda_probe.py kslice, one call,
 // bench/results/cuda_kslice_h200.json) against qgemm_kslice: GPTQ 4-bit g128 4096x4096 14.4 (13.0), q/k/v 27.6
 // (38.9), gate/up 47.2 (66.1), 11008x4096 32.2 (30.5); EXL2 ~4.0 bpw act-order 18.7 (18.7), 52.3 (53.7), 56.4
-// (87.3), 42.0 (44.7).  The standalone probe (no chunk table, no PDL) ran GPTQ at 13.0 / 26.5 / 39.9 / 27.3.
+// (87.3), 42.0 (44.7).  This kernel in the probe (no PDL, one matrix per launch; wide_probe_h200.json call 9):
+// GPTQ 14.1 / 28.2 / 41.4 / 29.1; the probe's own v2 without the chunk table ran 13.0 / 26.5 / 39.9 / 27.3.
 // Resource report (sm_90): uniform 4-bit 112 (4 n-tiles) / 111 (2) registers, mixed widths 168 / 142; no spills.
 #pragma once
 #include <cuda_fp16.h>
