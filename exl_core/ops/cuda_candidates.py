@@ -159,8 +159,9 @@ _WIDE_FITS: dict = {}
 
 
 def _wide_ok(rows: int, pws, device) -> bool:
-    """qgemm_wide (the caller checks x is fp16) for WIDE_MIN_ROWS..WIDE_MAX_ROWS rows when its shared memory
-    (x stages, the chunk table slice, the block's scale/zero rows) fits; pws share K."""
+    """qgemm_wide (the caller checks x is fp16): mixed widths from WIDE_MIXED_MIN_ROWS, uniform 4-bit from
+    WIDE_MIN_ROWS over at least WIDE_U4_MIN_TILES column tiles, up to WIDE_MAX_ROWS rows, when its shared memory
+    (x stages, the chunk table slice, the block's scale/zero rows) fits on this device; pws share K."""
     u4 = all(_uniform4(pw) for pw in pws)
     lo = WIDE_MIN_ROWS if u4 else WIDE_MIXED_MIN_ROWS
     if not (WIDE_ON and lo <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and
