@@ -49,6 +49,7 @@ class StaticDecodeContext(PagedContext):
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         pinned = dev.type == "cuda"
         self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._host_bytes = memoryview(self._host.numpy())     # the step's bytes go straight in (no tensor)
         self._copied = torch.cuda.Event() if pinned else None
         self.ids, self.positions, self.slots, self.seq_lens_k = self._dev[:head].view(torch.int64).split(batch)
         self.block_table = self._dev[head:head + 4 * batch * width].view(torch.int32).view(batch, width)
@@ -65,7 +66,7 @@ class StaticDecodeContext(PagedContext):
             self._copied.synchronize()           # the previous step's copy has read the host buffer
         pos, slots, lens, rows = step_indices(tables, [1] * len(tables), self.width)
         raw = array("q", [*ids, *pos, *slots, *lens]).tobytes() + array("i", rows).tobytes()
-        self._host[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self._host_bytes[:len(raw)] = raw
         if self._copied is None:
             self._dev.copy_(self._host)
             return

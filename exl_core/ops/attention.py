@@ -44,8 +44,8 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 #   position p of sequence s -> page block_table[s, p // page_size], slot p % page_size
 # ---------------------------------------------------------------------------------------------
 
-from ..errors import InputError, KernelError  # noqa: E402
-from .dispatch import Candidate, Dispatcher, has_op  # noqa: E402
+from ..errors import InputError  # noqa: E402
+from .dispatch import Candidate, Dispatcher, has_cuda_kernel, has_op  # noqa: E402
 
 SUPPORTED_HEAD_DIMS = (64, 128)   # the C++ kernel's unrolled head sizes
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,24 +69,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise InputError("write_kv: k_cache / v_cache must be contiguous (they are written through a flat view)")
     slots = slots.to(device=k_cache.device, dtype=torch.int64)
-    if k_cache.device.type == "cuda" and _kv_kernel():
+    if k_cache.device.type == "cuda" and has_cuda_kernel("kv_write"):   # it falls back to index_copy itself
         torch.ops.exl_core.kv_write(k_cache, v_cache, k, v, slots)   # both in one launch (kv_write_cuda.cu)
         return
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
-
-
-_KV_KERNEL: Optional[bool] = None
-
-
-def _kv_kernel() -> bool:
-    """The extension has the CUDA kv_write kernel (it falls back to index_copy itself for layouts it
-    cannot take)."""
-    global _KV_KERNEL
-    if _KV_KERNEL is None:
-        _KV_KERNEL = has_op("kv_write") and torch._C._dispatch_has_kernel_for_dispatch_key("exl_core::kv_write", "CUDA")
-    return _KV_KERNEL
 
 
 def _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:

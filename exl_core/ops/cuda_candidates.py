@@ -48,13 +48,12 @@ once per weight and cached on the device in `pw.meta`.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
 import torch
 
-from .dispatch import Candidate, extension
+from .dispatch import Candidate, has_cuda_kernel
 
 KSLICE_MAX_ROWS = 32        # four mma n-tiles of x rows; above 8 rows x is read from global memory, not staged
 KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and more (x pre-permuted per weight): at
@@ -79,9 +78,7 @@ DEQUANT_SLICE = 4096        # dequantise + cuBLAS: columns per slice of weights 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)        # the extension is fixed once imported; checked on every call
-def _has_cuda_kernel(op: str) -> bool:
-    return extension() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"exl_core::{op}", "CUDA")
+_has_cuda_kernel = has_cuda_kernel       # the name the kernels' tests import
 
 
 def chunk_table(groups: torch.Tensor, device: torch.device) -> torch.Tensor:

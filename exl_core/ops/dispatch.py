@@ -10,6 +10,7 @@ disable candidates (read here and nowhere else):
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -123,3 +124,10 @@ def has_op(name: str) -> bool:
     if extension() is None:
         return False
     return hasattr(torch.ops.exl_core, name)
+
+
+@functools.lru_cache(maxsize=None)        # the extension is fixed once imported; asked on every call
+def has_cuda_kernel(name: str) -> bool:
+    """True when torch.ops.exl_core.<name> has a CUDA kernel (the extension was built with CUDA sources)."""
+    import torch
+    return has_op(name) and torch._C._dispatch_has_kernel_for_dispatch_key(f"exl_core::{name}", "CUDA")
