@@ -6,7 +6,8 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
+# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), gemv (bench/gemv_probe.cu: the
+# batch-1 GEMV per launch and as a PDL chain of decode layers, standalone), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
@@ -43,6 +44,13 @@ if has wide; then     # design probe for the 9..32-row decode GEMM (standalone n
   [ -n "${WIDE_NCU:-}" ] && timeout 120 ncu --clock-control none -k regex:wide_kernel --launch-skip 4 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/wide_probe one \
     >"$OUT/wide_sass.csv" 2>/dev/null; ls -la "$OUT/wide_sass.csv" 2>/dev/null
+fi
+if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and as a PDL chain of decode layers
+  nvcc -O3 -arch=sm_90 -o /tmp/gemv_probe bench/gemv_probe.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/gemv_probe \
+    >/tmp/gemv_probe.txt 2>&1
+  cat /tmp/gemv_probe.txt >>"$LOG"
+  grep -v '^JSON' /tmp/gemv_probe.txt | tail -40
+  grep '^JSON ' /tmp/gemv_probe.txt | sed 's/^JSON //' >"$OUT/gemv_probe_rows.jsonl"
 fi
 if has build; then
   t0=$(date +%s)

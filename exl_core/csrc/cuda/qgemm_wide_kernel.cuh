@@ -39,9 +39,6 @@ constexpr int kXPad = 32;         // halves of padding per staged row: the two r
 constexpr int kMaxRows = 32;
 constexpr size_t kSmemMax = 100 * 1024;   // two blocks per SM
 
-__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
-
 // Shared memory of one block: [x stages kStages x rows x kStageW fp16 | after the K loop: partial tile M x kTile
 // fp32][chunk table slice cps x 3 int32][scale/zero of the block's groups: groups x (scale kTile | zero kTile) fp32]
 template <int RING = kRing, int STAGES = kStages>
@@ -55,18 +52,6 @@ struct Smem {
     total = sz + static_cast<size_t>(groups) * 2 * kTile * 4;
   }
 };
-
-// The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
-template <int BITS>
-__device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
-                                         uint32_t (&a)[4][4]) {
-  a_frags<BITS>(r, t, a);
-  const __half2 k1024 = __float2half2_rn(1024.f);
-#pragma unroll
-  for (int v = 0; v < 4; ++v)
-#pragma unroll
-    for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(__hsub2(u2h(a[v][p]), k1024), sh[v], zs[v]));
-}
 
 // grid (total column tiles, S); block kThreads; cluster (1, S, 1) when S > 1.  The block's K range is chunks
 // [blockIdx.y * cps, + cps).  U4: every chunk 4-bit with its words in chunk order (no table read for the
@@ -183,12 +168,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
         s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
         z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
       }
-      const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, zv[4] = {z4.x, z4.y, z4.z, z4.w};
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        sh[v] = __float2half2_rn(sv[v]);
-        zs[v] = __float2half2_rn(-zv[v] * sv[v]);
-      }
+      half_scales(s4, z4, sh, zs);
     }
     uint32_t b[NT][4];
 #pragma unroll
@@ -199,14 +179,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       if (reload) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
       wnext += 4 * ldq;
     } else {
-      switch (e[0]) {
-        case 4: scaled_a<4>(ring[i], t, sh, zs, a); break;
-        case 2: scaled_a<2>(ring[i], t, sh, zs, a); break;
-        case 3: scaled_a<3>(ring[i], t, sh, zs, a); break;
-        case 5: scaled_a<5>(ring[i], t, sh, zs, a); break;
-        case 6: scaled_a<6>(ring[i], t, sh, zs, a); break;
-        default: scaled_a<8>(ring[i], t, sh, zs, a); break;
-      }
+      scaled_a_any(e[0], ring[i], t, sh, zs, a);
       if (reload) load_words<false>(ring[i], e + 3 * kRing, c + kRing, base, ldq, t);
     }
     mma_chunk<NT>(a, b, acc);

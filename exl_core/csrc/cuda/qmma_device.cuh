@@ -172,6 +172,44 @@ __device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]
   }
 }
 
+__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
+template <int BITS>
+__device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
+                                         uint32_t (&a)[4][4]) {
+  a_frags<BITS>(r, t, a);
+  const __half2 k1024 = __float2half2_rn(1024.f);
+#pragma unroll
+  for (int v = 0; v < 4; ++v)
+#pragma unroll
+    for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(__hsub2(u2h(a[v][p]), k1024), sh[v], zs[v]));
+}
+
+// s and -z*s of a lane's 4 columns as fp16 pairs (both halves alike), the operands scaled_a takes.
+__device__ __forceinline__ void half_scales(const float4& s4, const float4& z4, __half2 (&sh)[4], __half2 (&zs)[4]) {
+  const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, zv[4] = {z4.x, z4.y, z4.z, z4.w};
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    sh[v] = __float2half2_rn(sv[v]);
+    zs[v] = __float2half2_rn(-zv[v] * sv[v]);
+  }
+}
+
+// scaled_a for a chunk of `bits` (mixed-width tables).
+__device__ __forceinline__ void scaled_a_any(int bits, const Raw& r, int t, const __half2 (&sh)[4],
+                                             const __half2 (&zs)[4], uint32_t (&a)[4][4]) {
+  switch (bits) {
+    case 4: scaled_a<4>(r, t, sh, zs, a); break;
+    case 2: scaled_a<2>(r, t, sh, zs, a); break;
+    case 3: scaled_a<3>(r, t, sh, zs, a); break;
+    case 5: scaled_a<5>(r, t, sh, zs, a); break;
+    case 6: scaled_a<6>(r, t, sh, zs, a); break;
+    default: scaled_a<8>(r, t, sh, zs, a); break;
+  }
+}
+
 // f(u, nt, i) for each of a lane's accumulator elements [2][NT][4]: element (u, nt, i) is output column
 // 4g + 2u + (i >> 1) (C row g -> column 4g+2u, row g+8 -> 4g+2u+1) and x row 8 nt + 2t + (i & 1).
 template <int NT, typename F>

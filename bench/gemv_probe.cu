@@ -1,0 +1,357 @@
+// Probe for the batch-1 decode GEMV (bs1 decode): the extension's qgemm_kslice kernel
+// (exl_core/csrc/cuda/qgemm_kslice_kernel.cuh, no torch headers) built in seconds with plain nvcc and timed, with
+// programmatic dependent launch as the extension launches it, both per launch and as a chain of decode layers
+// (q/k/v -> o -> gate/up -> down, 8 layers of distinct weights in one CUDA graph): a chain shows how much of
+// the next launch's weight stream overlaps the previous launch (weights are read before the PDL wait).
+//   nvcc -O3 -arch=sm_90 -o /tmp/gemv_probe bench/gemv_probe.cu && /tmp/gemv_probe
+// (bench/gpu.sh phase `gemv`.)  Per-launch figures: 16 distinct weight sets back to back in one CUDA graph,
+// median of 10 replays, us per launch.  err: max |y - fp32 reference| / max |reference| on poisoned output.
+// The floor: a read-only kernel over the same bytes (words, scale, zero) launched the same way.
+// Variants: the shipped kernel (raw (1024 + q) mma, fp32 group flush) and SCALED (fp16 (q - z) * s before the
+// mma: one accumulator set), each with the registers capped so that two launches' blocks share an SM
+// (cap 64: __launch_bounds__ min blocks) or not.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernel (no torch headers)
+
+using namespace exl_mma;
+using namespace exl_kslice;
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+// fp32 reference: y[n] = sum_k x[k] * (q - z) * s, M = 1
+__global__ void ref_kernel(const __half* x, int K, int N, const int* qw, const float* scale, const float* zero, float* y) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float a = 0.f;
+  for (int k = 0; k < K; ++k) {
+    const int q = (qw[static_cast<size_t>(k / 8) * N + n] >> (4 * (k % 8))) & 15;
+    const int gi = k / 128;
+    a += __half2float(x[k]) * (q - zero[static_cast<size_t>(gi) * N + n]) * scale[static_cast<size_t>(gi) * N + n];
+  }
+  y[n] = a;
+}
+
+struct W {                      // one GPTQ 4-bit g128 weight [K, N]
+  int K, N;
+  int* qw;
+  float *s, *z;
+  __half* y;
+  int* chunks;                  // [K/32, 3]: bits 4, group c/4, first word row 4c
+};
+
+W make_weight(int K, int N) {
+  W w{K, N};
+  const int G = K / 128;
+  std::vector<int> hq(static_cast<size_t>(K) / 8 * N);
+  std::vector<float> hs(static_cast<size_t>(G) * N), hz(static_cast<size_t>(G) * N);
+  for (auto& v : hq) v = (rand() << 16) ^ rand();
+  for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
+  for (auto& v : hz) v = static_cast<float>(rand() % 16);
+  std::vector<int> ch(static_cast<size_t>(K / 32) * 3);
+  for (int c = 0; c < K / 32; ++c) ch[3 * c] = 4, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = 4 * c;
+  CK(cudaMalloc(&w.qw, hq.size() * 4));
+  CK(cudaMalloc(&w.s, hs.size() * 4));
+  CK(cudaMalloc(&w.z, hz.size() * 4));
+  CK(cudaMalloc(&w.y, static_cast<size_t>(N) * 2));
+  CK(cudaMalloc(&w.chunks, ch.size() * 4));
+  CK(cudaMemcpy(w.qw, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.s, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
+  return w;
+}
+
+// One launch: several weights on one x (q/k/v, gate/up), as the extension's multi-weight launch.
+using Op = std::vector<W*>;
+
+cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, cudaStream_t st, cudaLaunchAttribute (&attr)[1]) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// ----------------------------------------------------------------------------- the floor: read the same bytes
+struct Bufs {
+  const int4* p[12];
+  int64_t n[12];                // 16-byte units
+  int nb;
+};
+
+// Every block takes an equal share of the concatenated buffers; all of a thread's loads (U per pass) are issued
+// before the PDL wait (as the GEMV's weight ring), the xor after it.
+template <int U>
+__global__ void __launch_bounds__(512) read_kernel(const Bufs b, int64_t total, int* out) {
+  const int64_t per = (total + gridDim.x - 1) / gridDim.x, i0 = blockIdx.x * per, i1 = min(total, i0 + per);
+  int acc = 0;
+  bool waited = false;
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += U * blockDim.x) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int64_t j = i + u * blockDim.x;
+      v[u] = make_int4(0, 0, 0, 0);
+      if (j < i1) {
+        int k = 0;
+        while (k + 1 < b.nb && j >= b.n[k]) j -= b.n[k++];
+        v[u] = __ldg(b.p[k] + j);
+      }
+    }
+    if (!waited) {
+      exl_pdl::pdl_wait();
+      exl_pdl::pdl_trigger();
+      waited = true;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (!waited) {
+    exl_pdl::pdl_wait();
+    exl_pdl::pdl_trigger();
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
+struct ReadLauncher {
+  static int* sink;
+  static void go(const Op& op, const __half*, cudaStream_t st) {
+    Bufs b{};
+    int64_t total = 0;
+    for (W* w : op) {
+      const int64_t words = static_cast<int64_t>(w->K) / 8 * w->N, sz = static_cast<int64_t>(w->K) / 128 * w->N;
+      b.p[b.nb] = reinterpret_cast<const int4*>(w->qw), b.n[b.nb++] = words / 4;
+      b.p[b.nb] = reinterpret_cast<const int4*>(w->s), b.n[b.nb++] = sz / 4;
+      b.p[b.nb] = reinterpret_cast<const int4*>(w->z), b.n[b.nb++] = sz / 4;
+      total += words / 4 + sz / 2;
+    }
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = pdl_config(dim3(2 * sms), dim3(512), 0, st, attr);
+    CK(cudaLaunchKernelEx(&cfg, read_kernel<8>, b, total, sink));
+  }
+  static std::string name() { return "read floor"; }
+};
+int* ReadLauncher::sink = nullptr;
+
+// ----------------------------------------------------------------------------- qgemm_kslice, M = 1
+// KW warps along K, ring R, SCALED, register cap (0: none; else min blocks = 65536 / (cap * 32 * KW)).
+template <int KW, int R, bool SCALED, int CAP>
+struct KsLauncher {
+  static constexpr int kMinB = CAP > 0 ? 65536 / (CAP * 32 * KW) : 1;
+  static auto kern() { return qgemm_kslice_kernel<KW, true, R, 1, SCALED, kMinB>; }
+  static size_t smem(int K) {
+    const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
+    const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
+    return Smem(n_chunks, KW, slots, 1, K).total;
+  }
+  static void go(const Op& op, const __half* x, cudaStream_t st) {
+    const int K = op[0]->K, n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
+    const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
+    const size_t sm = smem(K);
+    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    Mats mats{};
+    mats.n = static_cast<int>(op.size());
+    for (int i = 0; i < mats.n; ++i) {
+      Mat& m = mats.m[i];
+      m.qw = QPtr{op[i]->qw, op[i]->N, 128};
+      m.chunks = op[i]->chunks;
+      m.scale = op[i]->s;
+      m.zero = op[i]->z;
+      m.y = op[i]->y;
+      m.N = op[i]->N;
+    }
+    const int64_t tiles = assign_tiles(mats, kTile);
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, 1, static_cast<int64_t>(K), n_chunks, slots, K, mats));
+  }
+  static int regs() {
+    cudaFuncAttributes a;
+    CK(cudaFuncGetAttributes(&a, kern()));
+    return a.numRegs;
+  }
+  static int occ(int K) {
+    int per_sm = 0;
+    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem(K))));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern(), 32 * KW, smem(K)));
+    return per_sm;
+  }
+  static std::string name() {
+    char b[64];
+    snprintf(b, sizeof b, "k%d r%d %s%s", KW, R, SCALED ? "scaled" : "raw", CAP ? " cap64" : "");
+    return b;
+  }
+};
+
+// ----------------------------------------------------------------------------- timing
+float time_graph(cudaStream_t st, cudaGraphExec_t exec) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ts;
+  for (int r = 0; r < 12; ++r) {
+    CK(cudaEventRecord(e0, st));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 2) ts.push_back(ms);
+  }
+  std::sort(ts.begin(), ts.end());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ts[ts.size() / 2] * 1000.f;
+}
+
+// us of the whole sequence of launches (each a (launcher, op, x)) from one CUDA graph.
+template <class F>
+float time_seq(F&& launch_all) {
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  launch_all(st);   // warm, and surfaces launch errors
+  CK(cudaStreamSynchronize(st));
+  CK(cudaGetLastError());
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  launch_all(st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  const float us = time_graph(st, exec);
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(st));
+  return us;
+}
+
+template <class L>
+double max_rel_err(W& w, const __half* x) {
+  float* ref;
+  CK(cudaMalloc(&ref, sizeof(float) * w.N));
+  ref_kernel<<<(w.N + 127) / 128, 128>>>(x, w.K, w.N, w.qw, w.s, w.z, ref);
+  CK(cudaMemset(w.y, 0xFF, sizeof(__half) * w.N));   // poisoned: NaN where nothing is written
+  L::go(Op{&w}, x, 0);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> r(w.N);
+  std::vector<__half> o(w.N);
+  CK(cudaMemcpy(r.data(), ref, sizeof(float) * w.N, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(o.data(), w.y, sizeof(__half) * w.N, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  for (int i = 0; i < w.N; ++i) {
+    const double d = static_cast<double>(__half2float(o[i])) - r[i];
+    num = std::max(num, std::isnan(d) ? 1e30 : std::fabs(d));
+    den = std::max(den, static_cast<double>(std::fabs(r[i])));
+  }
+  CK(cudaFree(ref));
+  return num / den;
+}
+
+constexpr int kLayers = 8;
+struct Layer {
+  W q, k, v, o, gate, up, down;
+};
+std::vector<Layer> g_layers;
+__half *g_x4096, *g_x11008;
+
+// Launchers per op of a layer: q/k/v, o, gate/up, down.
+template <class Lqkv, class Lo, class Lgu, class Ld>
+void layer_row(const char* name) {
+  // per-launch times: each op over the 8 layers' weights back to back (the same op, distinct weights)
+  auto op_us = [&](auto launcher, auto pick, const __half* x) {
+    using L = decltype(launcher);
+    return time_seq([&](cudaStream_t st) {
+             for (auto& l : g_layers) L::go(pick(l), x, st);
+           }) / kLayers;
+  };
+  const float t_qkv = op_us(Lqkv{}, [](Layer& l) { return Op{&l.q, &l.k, &l.v}; }, g_x4096);
+  const float t_o = op_us(Lo{}, [](Layer& l) { return Op{&l.o}; }, g_x4096);
+  const float t_gu = op_us(Lgu{}, [](Layer& l) { return Op{&l.gate, &l.up}; }, g_x4096);
+  const float t_d = op_us(Ld{}, [](Layer& l) { return Op{&l.down}; }, g_x11008);
+  const float chain = time_seq([&](cudaStream_t st) {
+                        for (auto& l : g_layers) {
+                          Lqkv::go(Op{&l.q, &l.k, &l.v}, g_x4096, st);
+                          Lo::go(Op{&l.o}, g_x4096, st);
+                          Lgu::go(Op{&l.gate, &l.up}, g_x4096, st);
+                          Ld::go(Op{&l.down}, g_x11008, st);
+                        }
+                      }) / kLayers;
+  // bytes a layer reads: words K*N/2, scale + zero 8 bytes per 128 rows and column
+  const double bytes = (4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096) * (0.5 + 8.0 / 128);
+  printf("%-34s qkv %6.2f  o %6.2f  gu %6.2f  down %6.2f  sum %6.2f | chain %6.2f us/layer (%.0f GB/s)\n", name,
+         t_qkv, t_o, t_gu, t_d, t_qkv + t_o + t_gu + t_d, chain, bytes / chain / 1e3);
+  printf("JSON {\"variant\": \"%s\", \"qkv_us\": %.2f, \"o_us\": %.2f, \"gu_us\": %.2f, \"down_us\": %.2f, "
+         "\"chain_us_per_layer\": %.2f, \"chain_gb_s\": %.0f}\n",
+         name, t_qkv, t_o, t_gu, t_d, chain, bytes / chain / 1e3);
+}
+
+template <class L>
+void check_row() {
+  Layer& l = g_layers[0];
+  const double e1 = max_rel_err<L>(l.o, g_x4096), e2 = max_rel_err<L>(l.down, g_x11008);
+  printf("%-22s regs %3d  blocks/SM (K 4096) %d  err 4096x4096 %.2e  11008x4096 %.2e\n", L::name().c_str(), L::regs(),
+         L::occ(4096), e1, e2);
+  printf("JSON {\"check\": \"%s\", \"regs\": %d, \"blocks_per_sm\": %d, \"err_o\": %.3e, \"err_down\": %.3e}\n",
+         L::name().c_str(), L::regs(), L::occ(4096), e1, e2);
+}
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  srand(1);
+  CK(cudaMalloc(&ReadLauncher::sink, 4));
+  for (int i = 0; i < kLayers; ++i)
+    g_layers.push_back({make_weight(4096, 4096), make_weight(4096, 4096), make_weight(4096, 4096),
+                        make_weight(4096, 4096), make_weight(4096, 11008), make_weight(4096, 11008),
+                        make_weight(11008, 4096)});
+  std::vector<__half> hx(11008);
+  for (auto& v : hx) v = __float2half(2.f * rand() / RAND_MAX - 1.f);
+  CK(cudaMalloc(&g_x4096, 4096 * 2));
+  CK(cudaMalloc(&g_x11008, 11008 * 2));
+  CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
+
+  check_row<KsLauncher<16, 8, false, 0>>();
+  check_row<KsLauncher<16, 8, true, 0>>();
+  check_row<KsLauncher<16, 8, true, 64>>();
+  check_row<KsLauncher<8, 8, true, 64>>();
+  check_row<KsLauncher<16, 8, false, 64>>();
+  check_row<KsLauncher<16, 4, true, 64>>();
+
+  layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+  // the extension's policy at M = 1 (gate/up runs qgemm_skinny there; here kslice k8)
+  layer_row<KsLauncher<8, 8, false, 0>, KsLauncher<16, 8, false, 0>, KsLauncher<8, 8, false, 0>,
+            KsLauncher<16, 8, false, 0>>("raw  (k8 k16 k8 k16)");
+  layer_row<KsLauncher<8, 8, true, 0>, KsLauncher<16, 8, true, 0>, KsLauncher<8, 8, true, 0>,
+            KsLauncher<16, 8, true, 0>>("scaled (k8 k16 k8 k16)");
+  layer_row<KsLauncher<8, 8, true, 64>, KsLauncher<16, 8, true, 64>, KsLauncher<8, 8, true, 64>,
+            KsLauncher<16, 8, true, 64>>("scaled cap64 (k8 k16 k8 k16)");
+  layer_row<KsLauncher<16, 8, true, 64>, KsLauncher<16, 8, true, 64>, KsLauncher<16, 8, true, 64>,
+            KsLauncher<16, 8, true, 64>>("scaled cap64 (k16 all)");
+  layer_row<KsLauncher<8, 8, false, 64>, KsLauncher<16, 8, false, 64>, KsLauncher<8, 8, false, 64>,
+            KsLauncher<16, 8, false, 64>>("raw cap64 (k8 k16 k8 k16)");
+  layer_row<KsLauncher<4, 8, true, 64>, KsLauncher<4, 8, true, 64>, KsLauncher<4, 8, true, 64>,
+            KsLauncher<4, 8, true, 64>>("scaled cap64 (k4 all)");
+  layer_row<KsLauncher<8, 4, true, 64>, KsLauncher<16, 4, true, 64>, KsLauncher<8, 4, true, 64>,
+            KsLauncher<16, 4, true, 64>>("scaled cap64 r4 (k8 k16 k8 k16)");
+  layer_row<KsLauncher<16, 4, true, 64>, KsLauncher<16, 4, true, 64>, KsLauncher<16, 4, true, 64>,
+            KsLauncher<16, 4, true, 64>>("scaled cap64 r4 (k16 all)");
+  return 0;
+}

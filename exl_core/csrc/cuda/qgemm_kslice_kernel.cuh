@@ -1,0 +1,290 @@
+// exl_core::qgemm_kslice: the batch-1 decode kernel (1..8 rows of fp16 x) over the PackedWeight chunk
+// table, built so that a launch is one memory latency of prologue, a stream of weight loads and one
+// block barrier at the end.
+//
+// Why not qgemm_skinny: its blocks split K across a thread-block cluster, stage x for all column warps
+// behind two block barriers and reduce through two cluster barriers; under ncu its warps spend most
+// cycles at those barriers (0.30 issued warps per scheduler, DRAM 15 %): 8.8 us for a 4096x4096 4-bit
+// matrix, against 4.1 us for a plain read of the same bytes in the same pattern (bench/read_bw.cu).
+// Here:
+//   block      32 output columns (one warp's width) x KW warps; warp w owns chunks [c0, c1) of K, so
+//              each warp streams its own weights and needs only its own slice of x: no block barrier
+//              until the KW partial sums are added (one __syncthreads, fixed order: deterministic).
+//   prologue   the ring's weight loads are issued first, then the warp's chunk-table slice and the
+//              scale/zero rows of its groups go to shared memory by cp.async, all before the PDL wait
+//              (weights are fixed at load time); after it x's slice follows by cp.async (or a gather
+//              under act-order) and one __syncwarp makes it all visible.
+//   mma        as in qgemm_skinny: weights are the A operand of m16n8k16 (a lane's 16-byte load = 4
+//              columns x 8 k, fp16 1024 + q by one LOP3 per pair), x is B; lane t's B pairs are its own
+//              8 values of x (one 16-byte shared load, 4 PRMT), and a second mma with A = 1 sums x over
+//              the chunk in fp32 for the zero term: acc += s * (x.(1024 + q) - (1024 + z) * sum(x)).
+// Measured and not kept (H200, bench/cuda_probe.py kslice; csrc/cuda/NOTES.md): the weight ring in
+// shared memory by cp.async (waited by group count) instead of registers: 4096x4096 8.1 vs 6.8 us;
+// persistent blocks walking several tiles with the ring running across tiles: gate/up 30.9 vs 29.1 us,
+// 4096x4096 8.2 vs 6.8; 32-column-tiled words (each warp's stream contiguous): within 0.4 us of row-major.
+// This header holds the kernel without torch headers (bench/gemv_probe.cu builds it with plain nvcc); the
+// host side (plan, checks, launch, op registration) is qgemm_kslice_cuda.cu.
+#pragma once
+#include <cuda_fp16.h>
+
+#include "pdl_device.cuh"
+#include "qmma_device.cuh"
+
+namespace exl_kslice {
+using namespace exl_mma;
+
+constexpr int kTile = 32;        // output columns per block
+constexpr int kMaxRows = 32;     // four mma n-tiles
+constexpr int kStagedRows = 8;   // up to one n-tile, x is staged in shared memory; more rows (which would not
+                                 // fit: 32 x 4096 fp16 is 256 KB) read x from global memory (L1/L2-resident)
+constexpr int kXPad = 32;        // halves of padding per staged x row: rows g, g+1 on other banks
+
+// Shared memory of one block: [chunk table n_chunks x 3 int32][scale/zero KW x slots x 64 fp32]
+// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32].
+struct Smem {
+  size_t tab, sz, xs, red, total;
+  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride) {
+    tab = 0;
+    sz = (static_cast<size_t>(n_chunks) * 12 + 15) & ~size_t(15);
+    xs = sz + static_cast<size_t>(kw) * slots * 64 * 4;
+    red = xs + ((static_cast<size_t>(M) * xs_stride * 2 + 15) & ~size_t(15));
+    total = red + static_cast<size_t>(kw) * M * kTile * 4;
+  }
+};
+
+// d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
+// A fragment serves every n-tile.
+template <int BITS, int NT>
+__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4]) {
+  uint32_t a[4][4];                                           // [column 4g+v][pair p]
+  a_frags<BITS>(r, t, a);
+  mma_chunk<NT>(a, b, d);
+}
+
+template <int NT>
+__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[NT][4], int t,
+                                                float (&d)[2][NT][4]) {
+  switch (bits) {
+    case 4: chunk_mma_b<4, NT>(r, b, t, d); break;
+    case 2: chunk_mma_b<2, NT>(r, b, t, d); break;
+    case 3: chunk_mma_b<3, NT>(r, b, t, d); break;
+    case 5: chunk_mma_b<5, NT>(r, b, t, d); break;
+    case 6: chunk_mma_b<6, NT>(r, b, t, d); break;
+    default: chunk_mma_b<8, NT>(r, b, t, d); break;
+  }
+}
+
+// grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
+// (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
+// NT n-tiles of 8 x rows.  NT == 1: x's rows staged in shared memory.  NT > 1 (9..32 rows): every lane loads
+// its B fragments (8 values of a row, 16 bytes) straight from global memory into a ring of XR chunks, as it
+// does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
+// passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
+// shared memory) disappears.
+// SCALED: the weights are scaled in fp16 before the mma as in qgemm_wide ((q - z) * s by HSUB2 + HFMA2, one
+// accumulator set, no x-sum mma and no group flush: fewer registers); otherwise raw (1024 + q) with the fp32
+// group flush above.  MINB: blocks per SM the register allocation must allow (__launch_bounds__).
+template <int KW, bool U4, int R, int NT, bool SCALED = false, int MINB = 1>
+__global__ void __launch_bounds__(32 * KW, MINB)
+    qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
+                        const Mats mats) {
+  constexpr bool XG = NT > 1;
+  constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
+  static_assert(R % XR == 0, "the x ring must turn with the weight ring");
+  const Mat& mat = block_mat(mats);
+  const int64_t N = mat.N;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t col = tile * kTile + 4 * g;                  // this lane's 4 columns
+  // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
+  const int64_t lcol = col < N ? col : N - 4;
+  const int32_t* base = mat.qw.at(0, lcol);
+  const int64_t ldq = mat.qw.ldq;
+  const int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
+  const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem lay(n_chunks, KW, slots, M, xs_stride);
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
+  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
+  __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
+  float* red = reinterpret_cast<float*>(smem_raw + lay.red);
+
+  Raw ring[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
+  if constexpr (U4) {                                         // first weight loads need no table
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
+  }
+  for (int i = lane; i < (c1 - c0) * 3; i += 32) tab[3 * c0 + i] = __ldg(mat.chunks + 3 * c0 + i);
+  __syncwarp();
+  if constexpr (!U4) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (c0 + i < c1) load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
+  }
+  // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
+  const int gA = c1 > c0 ? tab[3 * c0 + 1] : 0;
+  const int gw = c1 > c0 ? min(slots, tab[3 * (c1 - 1) + 1] - gA + 1) : 0;
+  for (int j = lane; j < gw * 16; j += 32) {
+    const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
+    int64_t cq = tile * kTile + 4 * q;
+    cq = cq < N ? cq : N - 4;
+    cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
+  }
+
+  exl_pdl::pdl_wait();                                        // x is the previous kernel's output
+  exl_pdl::pdl_trigger();
+  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
+  const int64_t* perm = mat.perm;
+  if constexpr (XG) {
+    // nothing to stage
+  } else if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+    for (int j = lane; j < M * (kwl >> 3); j += 32) {
+      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+      cp_async16(xs + m * xs_stride + k, x + m * K + k);
+    }
+  } else {
+    const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
+    unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
+    for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {  // 8 gathers in flight per lane and row
+      int src[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int k = k0 + 32 * i;
+        src[i] = k < kw0 + kwl ? static_cast<int>(perm ? __ldg(perm + k) : k) : -1;
+      }
+      for (int m = 0; m < M; ++m) {
+        unsigned short h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = src[i] >= 0 ? __ldg(xu + m * K + src[i]) : 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (src[i] >= 0) xsu[m * xs_stride + k0 + 32 * i] = h[i];
+      }
+    }
+  }
+  cp_async_wait_all();
+  __syncwarp();
+
+  float d[2][NT][4], acc[2][NT][4], dx[NT][4], xg[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[0][nt][i] = d[1][nt][i] = acc[0][nt][i] = acc[1][nt][i] = dx[nt][i] = 0.f;
+    xg[nt][0] = xg[nt][1] = 0.f;
+  }
+  float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
+  __half2 sh[4], zs[4];                                       // SCALED: this group's s and -z*s
+  int grp = -1;
+  const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g (staged x)
+  constexpr uint32_t kOnes = 0x3C003C00u;                     // fp16 (1, 1)
+  // x from global memory: lane (g, t) of n-tile nt reads row 8 nt + g, values 8t..8t+7 of each chunk.
+  const __half* xbase = XG && mat.x != nullptr ? mat.x : x;
+  const __half* xp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xp[nt] = 8 * nt + g < M ? xbase + (8 * nt + g) * K + 8 * t : nullptr;
+  uint4 xr[XR][NT];
+  auto load_x = [&](uint4 (&v)[NT], int c) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      v[nt] = xp[nt] ? __ldg(reinterpret_cast<const uint4*>(xp[nt] + c * 32)) : make_uint4(0, 0, 0, 0);
+  };
+
+  auto flush = [&]() {
+    if constexpr (SCALED) return;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      xg[nt][0] = dx[nt][0];
+      xg[nt][1] = dx[nt][1];
+    }
+    flush_group<NT>(s4, z4, xg, d, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
+  };
+  auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
+    const int32_t* e = tab + 3 * c;
+    const int ge = e[1];
+    if (ge != grp) {                                          // warp-uniform
+      if (grp >= 0) flush();
+      grp = ge;
+      const int s = ge - gA;
+      if (s < slots) {
+        s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
+        z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
+      } else {
+        s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+        z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+      }
+      if constexpr (SCALED) half_scales(s4, z4, sh, zs);
+    }
+    uint32_t b[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if constexpr (XG) b_pairs(xv[nt], b[nt]);
+      else b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b[nt]);
+      if constexpr (!SCALED) {
+        mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
+        mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
+      }
+    }
+    if constexpr (SCALED) {
+      uint32_t a[4][4];
+      if constexpr (U4) scaled_a<4>(r, t, sh, zs, a);
+      else scaled_a_any(e[0], r, t, sh, zs, a);
+      mma_chunk<NT>(a, b, acc);
+    } else if constexpr (U4) {
+      chunk_mma_b<4, NT>(r, b, t, d);
+    } else {
+      chunk_mma_b_any<NT>(e[0], r, b, t, d);
+    }
+  };
+  // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.
+  auto refill = [&](int i, int c) {
+    if (c + R < c1) load_words<U4>(ring[i], tab + 3 * (c + R), c + R, base, ldq, t);
+    if constexpr (XG)
+      if (c + XR < c1) load_x(xr[i % XR], c + XR);
+  };
+  if constexpr (XG) {
+#pragma unroll
+    for (int i = 0; i < XR; ++i)
+      if (c0 + i < c1) load_x(xr[i], c0 + i);
+  }
+
+  int c = c0;
+  for (; c + R <= c1; c += R) {                               // full ring turns: refill each slot after use
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      step(ring[i], xr[i % XR], c + i);
+      refill(i, c + i);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)                                 // the last partial turn
+    if (c + i < c1) {
+      step(ring[i], xr[i % XR], c + i);
+      if constexpr (XG) refill(i, c + i);
+    }
+  if (grp >= 0) flush();
+
+  store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {
+    const int m = idx / kTile, cl = idx - m * kTile;
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) a += red[(w * M + m) * kTile + cl];
+    const int64_t n = tile * kTile + cl;
+    if (n < N) {
+      if (mat.bias) a += __half2float(mat.bias[n]);
+      mat.y[m * N + n] = __float2half_rn(a);
+    }
+  }
+}
+
+
+}  // namespace exl_kslice
