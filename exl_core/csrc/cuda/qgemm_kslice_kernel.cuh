@@ -193,18 +193,19 @@ __global__ void __launch_bounds__(32 * KW, MINB)
       v[nt] = xp[nt] ? __ldg(reinterpret_cast<const uint4*>(xp[nt] + c * 32)) : make_uint4(0, 0, 0, 0);
   };
 
-  auto flush = [&]() {
-    if constexpr (SCALED) return;
+  auto flush = [&]() {                                        // SCALED: nothing to flush
+    if constexpr (!SCALED) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      xg[nt][0] = dx[nt][0];
-      xg[nt][1] = dx[nt][1];
+      for (int nt = 0; nt < NT; ++nt) {
+        xg[nt][0] = dx[nt][0];
+        xg[nt][1] = dx[nt][1];
+      }
+      flush_group<NT>(s4, z4, xg, d, acc);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
     }
-    flush_group<NT>(s4, z4, xg, d, acc);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
   };
   auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
