@@ -170,9 +170,8 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 // One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of
 // W [K, N] at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two
 // 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
-// Launched with PDL: the words and the act-order rows (load-time data) are read before pdl_wait, W (which the
-// GEMM before may still read: the allocator hands the same block to each slice) is written after it.  The rows
-// are loaded before the wait too, so their latency overlaps the kernel before instead of preceding the stores.
+// Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
+// read: the allocator hands the same block to each slice) is written after it.
 template <typename T, int BITS, int V>
 __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[V],
                                               const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
@@ -189,9 +188,6 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
       }
     }
   }
-  int rows[32];                                                 // W rows of the chunk's 32 values (K < 2^31)
-#pragma unroll
-  for (int i = 0; i < 32; ++i) rows[i] = static_cast<int>(perm ? __ldg(perm + k0 + i) : k0 + i);
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
   constexpr uint32_t mask = (1u << BITS) - 1u;
@@ -205,7 +201,8 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
       if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
       f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
     }
-    const int64_t row = rows[i];
+    const int64_t k = k0 + i;
+    const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {
       Wc[row * N] = from_f<T>(f[0]);
     } else {
