@@ -30,11 +30,10 @@
 #include <vector>
 
 #include "../exl_core/csrc/cuda/qgemm_wide_kernel.cuh"   // the extension's kernel (no torch headers)
+#include "probe_common.cuh"
 
 using namespace exl_mma;
 using namespace exl_wide;
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 // fp32 reference: y[m][n] = sum_k x[m][k] * (q - z) * s
 __global__ void ref_kernel(const __half* x, int M, int K, int N, const int* qw, const float* scale, const float* zero,
@@ -94,35 +93,9 @@ struct Launcher {
 
 template <class L>
 float time_us(const __half* x, int M, int K, int N, std::vector<Set>& sets, int S) {
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  L::go(x, M, K, N, sets[0], S, st);   // warm, and surfaces launch errors
-  CK(cudaStreamSynchronize(st));
-  CK(cudaGetLastError());
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  for (auto& w : sets) L::go(x, M, K, N, w, S, st);
-  CK(cudaStreamEndCapture(st, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> ts;
-  for (int r = 0; r < 12; ++r) {
-    CK(cudaEventRecord(e0, st));
-    CK(cudaGraphLaunch(exec, st));
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r >= 2) ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaStreamDestroy(st));
-  return ts[ts.size() / 2] * 1000.f / sets.size();
+  return time_seq([&](cudaStream_t st) {
+           for (auto& w : sets) L::go(x, M, K, N, w, S, st);
+         }) / sets.size();
 }
 
 template <class L>
