@@ -152,7 +152,7 @@ int* ReadLauncher::sink = nullptr;
 // KW warps along K, ring R, SCALED, register cap (0: none; else min blocks = 65536 / (cap * 32 * KW)).
 template <int KW, int R, bool SCALED, int CAP>
 struct KsLauncher {
-  static constexpr int kMinB = CAP > 0 ? 65536 / (CAP * 32 * KW) : 1;
+  static constexpr int kMinB = CAP > 0 ? 65536 / (CAP * 32 * KW) : 0;   // 0: none, as the extension
   static auto kern() { return qgemm_kslice_kernel<KW, true, R, 1, SCALED, kMinB>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;

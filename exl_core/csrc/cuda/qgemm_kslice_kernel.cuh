@@ -84,7 +84,7 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
 // SCALED: the weights are scaled in fp16 before the mma as in qgemm_wide ((q - z) * s by HSUB2 + HFMA2, one
 // accumulator set, no x-sum mma and no group flush: fewer registers); otherwise raw (1024 + q) with the fp32
 // group flush above.  MINB: blocks per SM the register allocation must allow (__launch_bounds__); 0 (the
-// extension) states none, which is not the same as 1: ptxas then chose 125-150 vs 95-127 registers for some instances.
+// extension) states none -- not the same as 1, with which ptxas gave some instances more registers (95 -> 116, 125 -> 150).
 template <int KW, bool U4, int R, int NT, bool SCALED = false, int MINB = 0>
 __global__ void __launch_bounds__(32 * KW, MINB)
     qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
