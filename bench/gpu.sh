@@ -31,6 +31,7 @@ has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
 if has wide; then     # design probe for the 9..32-row decode GEMM (standalone nvcc build, seconds)
+  rm -f /tmp/wide_probe.txt /tmp/wide_probe
   nvcc -O3 -arch=sm_90 -o /tmp/wide_probe bench/wide_probe.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/wide_probe \
     >/tmp/wide_probe.txt 2>&1
   cat /tmp/wide_probe.txt >>"$LOG"
@@ -46,6 +47,7 @@ if has wide; then     # design probe for the 9..32-row decode GEMM (standalone n
     >"$OUT/wide_sass.csv" 2>/dev/null; ls -la "$OUT/wide_sass.csv" 2>/dev/null
 fi
 if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and as a PDL chain of decode layers
+  rm -f /tmp/gemv_probe.txt /tmp/gemv_probe                  # a warm machine's old output must not pass as this run's
   nvcc -O3 -arch=sm_90 -o /tmp/gemv_probe bench/gemv_probe.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/gemv_probe \
     >/tmp/gemv_probe.txt 2>&1
   cat /tmp/gemv_probe.txt >>"$LOG"
