@@ -7,9 +7,8 @@
 // (bench/gpu.sh phase `gemv`.)  Per-launch figures: 8 layers' distinct weights back to back in one CUDA graph,
 // median of 10 replays, us per launch.  err: max |y - fp32 reference| / max |reference| on poisoned output.
 // The floor: a read-only kernel over the same bytes (words, scale, zero) launched the same way.
-// Variants: the shipped kernel (raw (1024 + q) mma, fp32 group flush) and SCALED (fp16 (q - z) * s before the
-// mma: one accumulator set), each with the registers capped so that two launches' blocks share an SM
-// (cap 64: __launch_bounds__ min blocks) or not.
+// Variants measured and dropped (fp16 scale before the mma, registers capped at 64; results in
+// bench/results/gemv_probe_h200.json): `git show 166985b:bench/gemv_probe.cu` has them.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -149,11 +148,10 @@ struct ReadLauncher {
 int* ReadLauncher::sink = nullptr;
 
 // ----------------------------------------------------------------------------- qgemm_kslice, M = 1
-// KW warps along K, ring R, SCALED, register cap (0: none; else min blocks = 65536 / (cap * 32 * KW)).
-template <int KW, int R, bool SCALED, int CAP>
+// KW warps along K, ring R.
+template <int KW, int R>
 struct KsLauncher {
-  static constexpr int kMinB = CAP > 0 ? 65536 / (CAP * 32 * KW) : 0;   // 0: none, as the extension
-  static auto kern() { return qgemm_kslice_kernel<KW, true, R, 1, SCALED, kMinB>; }
+  static auto kern() { return qgemm_kslice_kernel<KW, true, R, 1>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
@@ -193,7 +191,7 @@ struct KsLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "k%d r%d %s%s", KW, R, SCALED ? "scaled" : "raw", CAP ? " cap64" : "");
+    snprintf(b, sizeof b, "k%d r%d", KW, R);
     return b;
   }
 };
@@ -289,30 +287,13 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
 
-  check_row<KsLauncher<16, 8, false, 0>>();
-  check_row<KsLauncher<16, 8, true, 0>>();
-  check_row<KsLauncher<16, 8, true, 64>>();
-  check_row<KsLauncher<8, 8, true, 64>>();
-  check_row<KsLauncher<16, 8, false, 64>>();
-  check_row<KsLauncher<16, 4, true, 64>>();
+  check_row<KsLauncher<16, 8>>();
+  check_row<KsLauncher<8, 8>>();
+  check_row<KsLauncher<16, 16>>();
 
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   // the extension's policy at M = 1 (gate/up runs qgemm_skinny there; here kslice k8)
-  layer_row<KsLauncher<8, 8, false, 0>, KsLauncher<16, 8, false, 0>, KsLauncher<8, 8, false, 0>,
-            KsLauncher<16, 8, false, 0>>("raw  (k8 k16 k8 k16)");
-  layer_row<KsLauncher<8, 8, true, 0>, KsLauncher<16, 8, true, 0>, KsLauncher<8, 8, true, 0>,
-            KsLauncher<16, 8, true, 0>>("scaled (k8 k16 k8 k16)");
-  layer_row<KsLauncher<8, 8, true, 64>, KsLauncher<16, 8, true, 64>, KsLauncher<8, 8, true, 64>,
-            KsLauncher<16, 8, true, 64>>("scaled cap64 (k8 k16 k8 k16)");
-  layer_row<KsLauncher<16, 8, true, 64>, KsLauncher<16, 8, true, 64>, KsLauncher<16, 8, true, 64>,
-            KsLauncher<16, 8, true, 64>>("scaled cap64 (k16 all)");
-  layer_row<KsLauncher<8, 8, false, 64>, KsLauncher<16, 8, false, 64>, KsLauncher<8, 8, false, 64>,
-            KsLauncher<16, 8, false, 64>>("raw cap64 (k8 k16 k8 k16)");
-  layer_row<KsLauncher<4, 8, true, 64>, KsLauncher<4, 8, true, 64>, KsLauncher<4, 8, true, 64>,
-            KsLauncher<4, 8, true, 64>>("scaled cap64 (k4 all)");
-  layer_row<KsLauncher<8, 4, true, 64>, KsLauncher<16, 4, true, 64>, KsLauncher<8, 4, true, 64>,
-            KsLauncher<16, 4, true, 64>>("scaled cap64 r4 (k8 k16 k8 k16)");
-  layer_row<KsLauncher<16, 4, true, 64>, KsLauncher<16, 4, true, 64>, KsLauncher<16, 4, true, 64>,
-            KsLauncher<16, 4, true, 64>>("scaled cap64 r4 (k16 all)");
+  layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
+  layer_row<KsLauncher<8, 16>, KsLauncher<16, 16>, KsLauncher<8, 16>, KsLauncher<16, 16>>("kslice r16 (k8 k16 k8 k16)");
   return 0;
 }

@@ -22,6 +22,9 @@
 // shared memory by cp.async (waited by group count) instead of registers: 4096x4096 8.1 vs 6.8 us;
 // persistent blocks walking several tiles with the ring running across tiles: gate/up 30.9 vs 29.1 us,
 // 4096x4096 8.2 vs 6.8; 32-column-tiled words (each warp's stream contiguous): within 0.4 us of row-major.
+// Measured in bench/gemv_probe.cu (M = 1, PDL chain of decode layers, bench/results/gemv_probe_h200.json) and not
+// kept: fp16 (q - z) * s before the mma as in qgemm_wide (chain 66.11 vs 64.83 us a layer), registers capped at 64
+// by __launch_bounds__ (73.22 with spills; ring 4 64.95); both lived here as template options in commit 166985b.
 // This header holds the kernel without torch headers (bench/gemv_probe.cu builds it with plain nvcc); the
 // host side (plan, checks, launch, op registration) is qgemm_kslice_cuda.cu.
 #pragma once
@@ -81,12 +84,8 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
 // does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
 // passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
 // shared memory) disappears.
-// SCALED: the weights are scaled in fp16 before the mma as in qgemm_wide ((q - z) * s by HSUB2 + HFMA2, one
-// accumulator set, no x-sum mma and no group flush: fewer registers); otherwise raw (1024 + q) with the fp32
-// group flush above.  MINB: blocks per SM the register allocation must allow (__launch_bounds__); 0 (the
-// extension) states none -- not the same as 1, with which ptxas gave some instances more registers (95 -> 116, 125 -> 150).
-template <int KW, bool U4, int R, int NT, bool SCALED = false, int MINB = 0>
-__global__ void __launch_bounds__(32 * KW, MINB)
+template <int KW, bool U4, int R, int NT>
+__global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
                         const Mats mats) {
   constexpr bool XG = NT > 1;
@@ -178,7 +177,6 @@ __global__ void __launch_bounds__(32 * KW, MINB)
     xg[nt][0] = xg[nt][1] = 0.f;
   }
   float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
-  __half2 sh[4], zs[4];                                       // SCALED: this group's s and -z*s
   int grp = -1;
   const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g (staged x)
   constexpr uint32_t kOnes = 0x3C003C00u;                     // fp16 (1, 1)
@@ -194,19 +192,17 @@ __global__ void __launch_bounds__(32 * KW, MINB)
       v[nt] = xp[nt] ? __ldg(reinterpret_cast<const uint4*>(xp[nt] + c * 32)) : make_uint4(0, 0, 0, 0);
   };
 
-  auto flush = [&]() {                                        // SCALED: nothing to flush
-    if constexpr (!SCALED) {
+  auto flush = [&]() {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        xg[nt][0] = dx[nt][0];
-        xg[nt][1] = dx[nt][1];
-      }
-      flush_group<NT>(s4, z4, xg, d, acc);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) {
+      xg[nt][0] = dx[nt][0];
+      xg[nt][1] = dx[nt][1];
     }
+    flush_group<NT>(s4, z4, xg, d, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
   };
   auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
@@ -222,28 +218,17 @@ __global__ void __launch_bounds__(32 * KW, MINB)
         s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
         z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
       }
-      if constexpr (SCALED) half_scales(s4, z4, sh, zs);
     }
     uint32_t b[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if constexpr (XG) b_pairs(xv[nt], b[nt]);
       else b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b[nt]);
-      if constexpr (!SCALED) {
-        mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
-        mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
-      }
+      mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
+      mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
     }
-    if constexpr (SCALED) {
-      uint32_t a[4][4];
-      if constexpr (U4) scaled_a<4>(r, t, sh, zs, a);
-      else scaled_a_any(e[0], r, t, sh, zs, a);
-      mma_chunk<NT>(a, b, acc);
-    } else if constexpr (U4) {
-      chunk_mma_b<4, NT>(r, b, t, d);
-    } else {
-      chunk_mma_b_any<NT>(e[0], r, b, t, d);
-    }
+    if constexpr (U4) chunk_mma_b<4, NT>(r, b, t, d);
+    else chunk_mma_b_any<NT>(e[0], r, b, t, d);
   };
   // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.
   auto refill = [&](int i, int c) {
