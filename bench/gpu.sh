@@ -53,6 +53,20 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   cat /tmp/gemv_probe.txt >>"$LOG"
   grep -v '^JSON' /tmp/gemv_probe.txt | tail -40
   grep '^JSON ' /tmp/gemv_probe.txt | sed 's/^JSON //' >"$OUT/gemv_probe_rows.jsonl"
+  if [ -n "${GEMV_NCU:-}" ]; then   # kslice and streamk on o and gate/up under Nsight Compute, the second layer's four
+    nvcc -O3 -lineinfo -arch=sm_90 -o /tmp/gemv_probe_li bench/gemv_probe.cu
+    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 4 --launch-count 4 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/gemv_probe_li ncu 2>&1 \
+      | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/gemv_ncu.txt"
+    timeout 150 ncu --clock-control none -k regex:streamk --launch-skip 3 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/gemv_probe_li ncu \
+      >"$OUT/gemv_sk_sass.csv" 2>/dev/null
+    timeout 150 ncu --clock-control none -k regex:kslice --launch-skip 3 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/gemv_probe_li ncu \
+      >"$OUT/gemv_ks_sass.csv" 2>/dev/null
+    ls -la "$OUT"
+  fi
 fi
 if has build; then
   t0=$(date +%s)
