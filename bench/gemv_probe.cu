@@ -7,8 +7,8 @@
 // (bench/gpu.sh phase `gemv`.)  Per-launch figures: 8 layers' distinct weights back to back in one CUDA graph,
 // median of 10 replays, us per launch.  err: max |y - fp32 reference| / max |reference| on poisoned output.
 // The floor: a read-only kernel over the same bytes (words, scale, zero) launched the same way.
-// Variants measured and dropped (fp16 scale before the mma, registers capped at 64; results in
-// bench/results/gemv_probe_h200.json): `git show 166985b:bench/gemv_probe.cu` has them.
+// Variants measured and dropped (results in bench/results/gemv_probe_h200.json): fp16 scale before the mma and
+// registers capped at 64 (`git show 166985b:bench/gemv_probe.cu`); a stream-K GEMV (`git show 4cfbdd6`).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -19,8 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernels (no torch headers)
-#include "../exl_core/csrc/cuda/qgemm_streamk_kernel.cuh"
+#include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernel (no torch headers)
 #include "probe_common.cuh"
 
 using namespace exl_mma;
@@ -197,62 +196,6 @@ struct KsLauncher {
   }
 };
 
-// ----------------------------------------------------------------------------- qgemm_streamk, M = 1
-// WPB warps per block, BPS blocks per SM (one wave), ring R; U4 false runs the general (chunk-table) path.
-template <int WPB, int BPS, int R, bool U4 = true, int DBG = 0>
-struct SkLauncher {
-  static exl_streamk::Work work;
-  static auto kern() { return exl_streamk::qgemm_streamk_kernel<WPB, U4, R, DBG>; }
-  static int slots() { return 16; }
-  static size_t smem(int K, int nmats) { return exl_streamk::Smem(K, 1, nmats, WPB, slots()).total; }
-  static void go(const Op& op, const __half* x, cudaStream_t st) {
-    const int K = op[0]->K, C = K / 32;
-    if (work.cnt == nullptr) {
-      CK(cudaMalloc(&work.cnt, 4096 * sizeof(int)));
-      CK(cudaMemset(work.cnt, 0, 4096 * sizeof(int)));
-      CK(cudaMalloc(&work.part, 132 * 8 * 16 * 2 * 32 * sizeof(float)));
-    }
-    Mats mats{};
-    mats.n = static_cast<int>(op.size());
-    for (int i = 0; i < mats.n; ++i) {
-      Mat& m = mats.m[i];
-      m.qw = QPtr{op[i]->qw, op[i]->N, 128};
-      m.chunks = op[i]->chunks;
-      m.scale = op[i]->s;
-      m.zero = op[i]->z;
-      m.y = op[i]->y;
-      m.N = op[i]->N;
-    }
-    const int64_t tiles = assign_tiles(mats, exl_streamk::kTile), U = tiles * C;
-    int sms;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int64_t blocks = std::min<int64_t>(static_cast<int64_t>(BPS) * sms, (U + WPB - 1) / WPB);
-    const size_t sm = smem(K, mats.n);
-    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(blocks)), dim3(32 * WPB), sm, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<int64_t>(K), C, U, slots(), 1, mats.n, mats, work));
-  }
-  static int regs() {
-    cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, kern()));
-    return a.numRegs;
-  }
-  static int occ(int K) {
-    int per_sm = 0;
-    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem(K, 3))));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern(), 32 * WPB, smem(K, 3)));
-    return per_sm;
-  }
-  static std::string name() {
-    char b[64];
-    snprintf(b, sizeof b, "streamk w%d b%d r%d%s%s", WPB, BPS, R, U4 ? "" : " tab", DBG == 1 ? " nofence" : DBG == 2 ? " nosum" : "");
-    return b;
-  }
-};
-template <int WPB, int BPS, int R, bool U4, int DBG>
-exl_streamk::Work SkLauncher<WPB, BPS, R, U4, DBG>::work = {nullptr, nullptr};
-
 template <class L>
 double max_rel_err(W& w, const __half* x) {
   float* ref;
@@ -348,9 +291,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 3; ++i) {
       Layer& l = g_layers[i];
       KsLauncher<16, 8>::go(Op{&l.o}, g_x4096, 0);
-      SkLauncher<16, 1, 8>::go(Op{&l.o}, g_x4096, 0);
       KsLauncher<8, 8>::go(Op{&l.gate, &l.up}, g_x4096, 0);
-      SkLauncher<16, 1, 8>::go(Op{&l.gate, &l.up}, g_x4096, 0);
     }
     CK(cudaDeviceSynchronize());
     return 0;
@@ -358,27 +299,9 @@ int main(int argc, char** argv) {
   check_row<KsLauncher<16, 8>>();
   check_row<KsLauncher<8, 8>>();
   check_row<KsLauncher<16, 16>>();
-  check_row<SkLauncher<8, 2, 8>>();
-  check_row<SkLauncher<16, 1, 8>>();
-  check_row<SkLauncher<4, 4, 8>>();
-  check_row<SkLauncher<8, 2, 8, false>>();
-
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   // the extension's policy at M = 1 (gate/up runs qgemm_skinny there; here kslice k8)
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
   layer_row<KsLauncher<8, 16>, KsLauncher<16, 16>, KsLauncher<8, 16>, KsLauncher<16, 16>>("kslice r16 (k8 k16 k8 k16)");
-  using S8 = SkLauncher<8, 2, 8>;
-  layer_row<S8, S8, S8, S8>("streamk w8 b2 r8");
-  using S16 = SkLauncher<16, 1, 8>;
-  layer_row<S16, S16, S16, S16>("streamk w16 b1 r8");
-  using S44 = SkLauncher<4, 4, 8>;
-  layer_row<S44, S44, S44, S44>("streamk w4 b4 r8");
-  using S8t = SkLauncher<8, 2, 8, false>;
-  layer_row<S8t, S8t, S8t, S8t>("streamk w8 b2 r8 tab");
-  // timing only (wrong sums, not checked): no fences; no shared-tile sums at all
-  using S8f = SkLauncher<8, 2, 8, true, 1>;
-  layer_row<S8f, S8f, S8f, S8f>("streamk w8 b2 r8 nofence");
-  using S8n = SkLauncher<8, 2, 8, true, 2>;
-  layer_row<S8n, S8n, S8n, S8n>("streamk w8 b2 r8 nosum");
   return 0;
 }

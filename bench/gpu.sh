@@ -7,7 +7,8 @@
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
 # Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), gemv (bench/gemv_probe.cu: the
-# batch-1 GEMV per launch and as a PDL chain of decode layers, standalone), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
+# batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice's o and
+# gate/up under Nsight Compute, with a per-instruction SASS CSV), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
@@ -53,15 +54,12 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   cat /tmp/gemv_probe.txt >>"$LOG"
   grep -v '^JSON' /tmp/gemv_probe.txt | tail -40
   grep '^JSON ' /tmp/gemv_probe.txt | sed 's/^JSON //' >"$OUT/gemv_probe_rows.jsonl"
-  if [ -n "${GEMV_NCU:-}" ]; then   # kslice and streamk on o and gate/up under Nsight Compute, the second layer's four
+  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice on o and gate/up under Nsight Compute (the second layer's)
     nvcc -O3 -lineinfo -arch=sm_90 -o /tmp/gemv_probe_li bench/gemv_probe.cu
-    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 4 --launch-count 4 \
+    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/gemv_probe_li ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/gemv_ncu.txt"
-    timeout 150 ncu --clock-control none -k regex:streamk --launch-skip 3 --launch-count 1 \
-      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/gemv_probe_li ncu \
-      >"$OUT/gemv_sk_sass.csv" 2>/dev/null
     timeout 150 ncu --clock-control none -k regex:kslice --launch-skip 3 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/gemv_probe_li ncu \
       >"$OUT/gemv_ks_sass.csv" 2>/dev/null

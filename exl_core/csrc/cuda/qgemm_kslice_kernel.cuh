@@ -55,6 +55,28 @@ struct Smem {
   }
 };
 
+// d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
+// A fragment serves every n-tile.
+template <int BITS, int NT>
+__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4]) {
+  uint32_t a[4][4];                                           // [column 4g+v][pair p]
+  a_frags<BITS>(r, t, a);
+  mma_chunk<NT>(a, b, d);
+}
+
+template <int NT>
+__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[NT][4], int t,
+                                                float (&d)[2][NT][4]) {
+  switch (bits) {
+    case 4: chunk_mma_b<4, NT>(r, b, t, d); break;
+    case 2: chunk_mma_b<2, NT>(r, b, t, d); break;
+    case 3: chunk_mma_b<3, NT>(r, b, t, d); break;
+    case 5: chunk_mma_b<5, NT>(r, b, t, d); break;
+    case 6: chunk_mma_b<6, NT>(r, b, t, d); break;
+    default: chunk_mma_b<8, NT>(r, b, t, d); break;
+  }
+}
+
 // grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
 // (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
 // NT n-tiles of 8 x rows.  NT == 1: x's rows staged in shared memory.  NT > 1 (9..32 rows): every lane loads

@@ -335,28 +335,6 @@ __device__ __forceinline__ void mma_chunk(const uint32_t (&a)[4][4], const uint3
                  b[nt][2 * j], b[nt][2 * j + 1]);
 }
 
-// d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
-// A fragment serves every n-tile.
-template <int BITS, int NT>
-__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4]) {
-  uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  a_frags<BITS>(r, t, a);
-  mma_chunk<NT>(a, b, d);
-}
-
-template <int NT>
-__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[NT][4], int t,
-                                                float (&d)[2][NT][4]) {
-  switch (bits) {
-    case 4: chunk_mma_b<4, NT>(r, b, t, d); break;
-    case 2: chunk_mma_b<2, NT>(r, b, t, d); break;
-    case 3: chunk_mma_b<3, NT>(r, b, t, d); break;
-    case 5: chunk_mma_b<5, NT>(r, b, t, d); break;
-    case 6: chunk_mma_b<6, NT>(r, b, t, d); break;
-    default: chunk_mma_b<8, NT>(r, b, t, d); break;
-  }
-}
-
 // Lane t's B fragments from its 8 values x[8t..8t+7] of a chunk: pair p = (x_p, x_p+4), the order a_frags gives
 // the weights.
 __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
