@@ -25,37 +25,56 @@
 using namespace exl_mma;
 using namespace exl_kslice;
 
-// fp32 reference: y[n] = sum_k x[k] * (q - z) * s, M = 1
-__global__ void ref_kernel(const __half* x, int K, int N, const int* qw, const float* scale, const float* zero, float* y) {
+// fp32 reference over the chunk table (any width; value j of a chunk sits at bits j*bits.. of its word rows):
+// y[n] = sum_k x[perm[k]] * (q - z) * s, M = 1
+__global__ void ref_kernel(const __half* x, int K, int N, const int* qw, const int* chunks, const float* scale,
+                           const float* zero, const int64_t* perm, float* y) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
   float a = 0.f;
-  for (int k = 0; k < K; ++k) {
-    const int q = (qw[static_cast<size_t>(k / 8) * N + n] >> (4 * (k % 8))) & 15;
-    const int gi = k / 128;
-    a += __half2float(x[k]) * (q - zero[static_cast<size_t>(gi) * N + n]) * scale[static_cast<size_t>(gi) * N + n];
+  for (int c = 0; c < K / 32; ++c) {
+    const int bits = chunks[3 * c], gi = chunks[3 * c + 1], qrow = chunks[3 * c + 2];
+    for (int j = 0; j < 32; ++j) {
+      const int pos = j * bits, w = pos >> 5, off = pos & 31;
+      uint64_t win = static_cast<uint32_t>(qw[static_cast<size_t>(qrow + w) * N + n]);
+      if (off + bits > 32)
+        win |= static_cast<uint64_t>(static_cast<uint32_t>(qw[static_cast<size_t>(qrow + w + 1) * N + n])) << 32;
+      const int q = static_cast<int>((win >> off) & ((1u << bits) - 1u));
+      const int k = 32 * c + j;
+      a += __half2float(x[perm ? perm[k] : k]) * (q - zero[static_cast<size_t>(gi) * N + n]) *
+           scale[static_cast<size_t>(gi) * N + n];
+    }
   }
   y[n] = a;
 }
 
-struct W {                      // one GPTQ 4-bit g128 weight [K, N]
+struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-like mixed widths with a permutation
   int K, N;
   int* qw;
   float *s, *z;
   __half* y;
-  int* chunks;                  // [K/32, 3]: bits 4, group c/4, first word row 4c
+  int* chunks;                  // [K/32, 3]: bits, group c/4, first word row
+  int64_t* perm;                // or null
 };
 
-W make_weight(int K, int N) {
+// mixed: the bench's EXL2 layout (bench/make_7b_checkpoint.py exl2_segments): the first ~K/11 rows 5-bit, the last
+// ~K/11 3-bit, the rest 4-bit, groups of 128 rows, and a random act-order permutation.
+W make_weight(int K, int N, bool mixed = false) {
   W w{K, N};
-  const int G = K / 128;
-  std::vector<int> hq(static_cast<size_t>(K) / 8 * N);
+  const int G = K / 128, C = K / 32;
+  const int edge = std::max(128, (K / 11) / 128 * 128);
+  std::vector<int> ch(static_cast<size_t>(C) * 3);
+  int qrow = 0;
+  for (int c = 0; c < C; ++c) {
+    const int bits = !mixed ? 4 : 32 * c < edge ? 5 : 32 * c >= K - edge ? 3 : 4;
+    ch[3 * c] = bits, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = qrow;
+    qrow += bits;
+  }
+  std::vector<int> hq(static_cast<size_t>(qrow) * N);
   std::vector<float> hs(static_cast<size_t>(G) * N), hz(static_cast<size_t>(G) * N);
   for (auto& v : hq) v = (rand() << 16) ^ rand();
   for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
   for (auto& v : hz) v = static_cast<float>(rand() % 16);
-  std::vector<int> ch(static_cast<size_t>(K / 32) * 3);
-  for (int c = 0; c < K / 32; ++c) ch[3 * c] = 4, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = 4 * c;
   CK(cudaMalloc(&w.qw, hq.size() * 4));
   CK(cudaMalloc(&w.s, hs.size() * 4));
   CK(cudaMalloc(&w.z, hz.size() * 4));
@@ -65,6 +84,14 @@ W make_weight(int K, int N) {
   CK(cudaMemcpy(w.s, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
+  w.perm = nullptr;
+  if (mixed) {
+    std::vector<int64_t> pm(K);
+    for (int k = 0; k < K; ++k) pm[k] = k;
+    for (int k = K - 1; k > 0; --k) std::swap(pm[k], pm[rand() % (k + 1)]);
+    CK(cudaMalloc(&w.perm, static_cast<size_t>(K) * 8));
+    CK(cudaMemcpy(w.perm, pm.data(), static_cast<size_t>(K) * 8, cudaMemcpyHostToDevice));
+  }
   return w;
 }
 
@@ -149,9 +176,10 @@ int* ReadLauncher::sink = nullptr;
 
 // ----------------------------------------------------------------------------- qgemm_kslice, M = 1
 // KW warps along K, ring R.
-template <int KW, int R>
+// GS: the group shift passed (2: GPTQ g128's regular groups, as the extension passes them; -1: the chunk table).
+template <int KW, int R, bool U4 = true, int GS = 2>
 struct KsLauncher {
-  static auto kern() { return qgemm_kslice_kernel<KW, true, R, 1>; }
+  static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
@@ -170,13 +198,14 @@ struct KsLauncher {
       m.chunks = op[i]->chunks;
       m.scale = op[i]->s;
       m.zero = op[i]->z;
+      m.perm = op[i]->perm;
       m.y = op[i]->y;
       m.N = op[i]->N;
     }
     const int64_t tiles = assign_tiles(mats, kTile);
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, kern(), x, 1, static_cast<int64_t>(K), n_chunks, slots, K, mats));
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, 1, static_cast<int64_t>(K), n_chunks, slots, K, U4 ? GS : -1, mats));
   }
   static int regs() {
     cudaFuncAttributes a;
@@ -191,7 +220,7 @@ struct KsLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "k%d r%d", KW, R);
+    snprintf(b, sizeof b, "k%d r%d%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "");
     return b;
   }
 };
@@ -200,7 +229,7 @@ template <class L>
 double max_rel_err(W& w, const __half* x) {
   float* ref;
   CK(cudaMalloc(&ref, sizeof(float) * w.N));
-  ref_kernel<<<(w.N + 127) / 128, 128>>>(x, w.K, w.N, w.qw, w.s, w.z, ref);
+  ref_kernel<<<(w.N + 127) / 128, 128>>>(x, w.K, w.N, w.qw, w.chunks, w.s, w.z, w.perm, ref);
   CK(cudaMemset(w.y, 0xFF, sizeof(__half) * w.N));   // poisoned: NaN where nothing is written
   L::go(Op{&w}, x, 0);
   CK(cudaDeviceSynchronize());
@@ -222,17 +251,17 @@ constexpr int kLayers = 8;
 struct Layer {
   W q, k, v, o, gate, up, down;
 };
-std::vector<Layer> g_layers;
+std::vector<Layer> g_layers, g_layers_mixed;
 __half *g_x4096, *g_x11008;
 
 // Launchers per op of a layer: q/k/v, o, gate/up, down.
 template <class Lqkv, class Lo, class Lgu, class Ld>
-void layer_row(const char* name) {
+void layer_row(const char* name, std::vector<Layer>& layers = g_layers) {
   // per-launch times: each op over the 8 layers' weights back to back (the same op, distinct weights)
   auto op_us = [&](auto launcher, auto pick, const __half* x) {
     using L = decltype(launcher);
     return time_seq([&](cudaStream_t st) {
-             for (auto& l : g_layers) L::go(pick(l), x, st);
+             for (auto& l : layers) L::go(pick(l), x, st);
            }) / kLayers;
   };
   const float t_qkv = op_us(Lqkv{}, [](Layer& l) { return Op{&l.q, &l.k, &l.v}; }, g_x4096);
@@ -240,7 +269,7 @@ void layer_row(const char* name) {
   const float t_gu = op_us(Lgu{}, [](Layer& l) { return Op{&l.gate, &l.up}; }, g_x4096);
   const float t_d = op_us(Ld{}, [](Layer& l) { return Op{&l.down}; }, g_x11008);
   const float chain = time_seq([&](cudaStream_t st) {
-                        for (auto& l : g_layers) {
+                        for (auto& l : layers) {
                           Lqkv::go(Op{&l.q, &l.k, &l.v}, g_x4096, st);
                           Lo::go(Op{&l.o}, g_x4096, st);
                           Lgu::go(Op{&l.gate, &l.up}, g_x4096, st);
@@ -257,8 +286,8 @@ void layer_row(const char* name) {
 }
 
 template <class L>
-void check_row() {
-  Layer& l = g_layers[0];
+void check_row(std::vector<Layer>& layers = g_layers) {
+  Layer& l = layers[0];
   const double e1 = max_rel_err<L>(l.o, g_x4096), e2 = max_rel_err<L>(l.down, g_x11008);
   printf("%-22s regs %3d  blocks/SM (K 4096) %d  err 4096x4096 %.2e  11008x4096 %.2e\n", L::name().c_str(), L::regs(),
          L::occ(4096), e1, e2);
@@ -280,6 +309,11 @@ int main(int argc, char** argv) {
     g_layers.push_back({make_weight(4096, 4096), make_weight(4096, 4096), make_weight(4096, 4096),
                         make_weight(4096, 4096), make_weight(4096, 11008), make_weight(4096, 11008),
                         make_weight(11008, 4096)});
+  for (int i = 0; i < kLayers; ++i)
+    g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
+                              make_weight(4096, 4096, true), make_weight(4096, 4096, true),
+                              make_weight(4096, 11008, true), make_weight(4096, 11008, true),
+                              make_weight(11008, 4096, true)});
   std::vector<__half> hx(11008);
   for (auto& v : hx) v = __float2half(2.f * rand() / RAND_MAX - 1.f);
   CK(cudaMalloc(&g_x4096, 4096 * 2));
@@ -290,8 +324,11 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "ncu") {       // a few launches for Nsight Compute: o, then gate/up
     for (int i = 0; i < 3; ++i) {
       Layer& l = g_layers[i];
+      Layer& lm = g_layers_mixed[i];
       KsLauncher<16, 8>::go(Op{&l.o}, g_x4096, 0);
       KsLauncher<8, 8>::go(Op{&l.gate, &l.up}, g_x4096, 0);
+      KsLauncher<8, 4, false>::go(Op{&lm.q, &lm.k, &lm.v}, g_x4096, 0);
+      KsLauncher<16, 4, false>::go(Op{&lm.o}, g_x4096, 0);
     }
     CK(cudaDeviceSynchronize());
     return 0;
@@ -299,9 +336,20 @@ int main(int argc, char** argv) {
   check_row<KsLauncher<16, 8>>();
   check_row<KsLauncher<8, 8>>();
   check_row<KsLauncher<16, 16>>();
+  check_row<KsLauncher<16, 8, true, -1>>();
+  check_row<KsLauncher<16, 4, false>>(g_layers_mixed);
+  check_row<KsLauncher<8, 4, false>>(g_layers_mixed);
+  check_row<KsLauncher<16, 8, false>>(g_layers_mixed);
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   // the extension's policy at M = 1 (gate/up runs qgemm_skinny there; here kslice k8)
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
   layer_row<KsLauncher<8, 16>, KsLauncher<16, 16>, KsLauncher<8, 16>, KsLauncher<16, 16>>("kslice r16 (k8 k16 k8 k16)");
+  layer_row<KsLauncher<8, 8, true, -1>, KsLauncher<16, 8, true, -1>, KsLauncher<8, 8, true, -1>,
+            KsLauncher<16, 8, true, -1>>("kslice r8, groups from the table");
+  // EXL2-like weights (5/4/3-bit segments, act-order permutation); the extension runs gate/up on qgemm_skinny here
+  layer_row<KsLauncher<8, 4, false>, KsLauncher<16, 4, false>, KsLauncher<8, 4, false>, KsLauncher<16, 4, false>>(
+      "mixed r4 (k8 k16 k8 k16)", g_layers_mixed);
+  layer_row<KsLauncher<8, 8, false>, KsLauncher<16, 8, false>, KsLauncher<8, 8, false>, KsLauncher<16, 8, false>>(
+      "mixed r8 (k8 k16 k8 k16)", g_layers_mixed);
   return 0;
 }

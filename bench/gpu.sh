@@ -13,7 +13,8 @@
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
-# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
+# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nopf (EXL2 with
+# EXL_CORE_DEQUANT_PREFETCH=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,13 +55,13 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   cat /tmp/gemv_probe.txt >>"$LOG"
   grep -v '^JSON' /tmp/gemv_probe.txt | tail -40
   grep '^JSON ' /tmp/gemv_probe.txt | sed 's/^JSON //' >"$OUT/gemv_probe_rows.jsonl"
-  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice on o and gate/up under Nsight Compute (the second layer's)
+  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice under Nsight Compute (the second layer's o and gate/up, EXL2-like q/k/v and o; SASS CSV of the first)
     nvcc -O3 -lineinfo -arch=sm_90 -o /tmp/gemv_probe_li bench/gemv_probe.cu
-    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 2 --launch-count 2 \
+    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 4 --launch-count 4 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/gemv_probe_li ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/gemv_ncu.txt"
-    timeout 150 ncu --clock-control none -k regex:kslice --launch-skip 3 --launch-count 1 \
+    timeout 150 ncu --clock-control none -k regex:kslice --launch-skip 6 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/gemv_probe_li ncu \
       >"$OUT/gemv_ks_sass.csv" 2>/dev/null
     ls -la "$OUT"
@@ -80,7 +81,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw) ;; *) only_probes=0 ;; esac; d
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nopf || has nogs || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -127,6 +128,14 @@ fi
 if has sdpa; then     # A/B: the bench's decode attention as the masked SDPA over every slot (before the paged kernel)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --decode-attn sdpa \
     --json bench/results/gpu_h200_sdpa.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has nopf; then     # A/B: the EXL2 prompt with the dequantise kernel's act-order rows read after its PDL wait
+  EXL_CORE_DEQUANT_PREFETCH=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+    --json /tmp/gpu_h200_nopf.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has nogs; then     # A/B: GPTQ decode with qgemm_kslice reading each chunk's group from the chunk table
+  EXL_CORE_GROUP_SHIFT=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
+    --json /tmp/gpu_h200_nogs.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nopdl; then    # A/B: the same graph decode and prompt with programmatic dependent launch off
   EXL_CORE_PDL=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

@@ -196,7 +196,10 @@ def test_qgemm_skinny_vs_float64(case, M, splits):
 
 
 KSLICE_CASES = SKINNY_CASES + [([(4, 32)] * 60 + [(4, 64)] * 10, 4 * 9),  # groups of 32 and 64 rows
-                                ([(4, 128)] * 40, 4 * 40)]                 # 40 groups of 128
+                                ([(4, 128)] * 40, 4 * 40),                 # 40 groups of 128 (group_shift 2)
+                                ([(4, 64)] * 37 + [(4, 32)], 4 * 21),     # groups of 64, a short last (shift 1)
+                                ([(4, 32)] * 90, 4 * 7)]                   # groups of 32 (shift 0)
+KSLICE_IDS = ["mixed", "split", "long", "uniform4", "g32_64", "g128", "g64", "g32"]
 
 
 def _decode_case(case: int, M: int):
@@ -217,14 +220,15 @@ def _decode_case(case: int, M: int):
     return pw, c, chunk_table(pw.groups, "cuda"), None if pw.bias is None else c.bias.half(), xc, ref
 
 
-@pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=["mixed", "split", "long", "uniform4", "g32", "g128"])
+@pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=KSLICE_IDS)
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 16, 20, 32])          # staged x (1 n-tile); x from global (2, 4)
 @pytest.mark.parametrize("kw,ring", [(0, 0), (4, 0), (8, 16), (16, 0)])
 def test_qgemm_kslice_vs_float64(case, M, kw, ring):
     """The decode kernel on its own: every width, act-order, warps along K, ring depths, scale slots fewer
-    than the groups a warp spans (min_group larger than the real groups), unaligned x, 1..32 rows."""
+    than the groups a warp spans (min_group larger than the real groups), unaligned x, 1..32 rows, groups from
+    the chunk table and (regular groups, uniform 4-bit) from the group shift."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import _uniform4
+    from exl_core.ops.cuda_candidates import _group_shift, _uniform4
     pw, c, ch, bias, xc, ref = _decode_case(case, M)
     K, N = pw.in_features, pw.out_features
     for u4 in ({False, _uniform4(pw)}):
@@ -232,14 +236,15 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
         for min_group in (0, 128):
             if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw, r):
                 continue                                       # shared memory or no such instance
-            poison_allocator()
-            y = torch.ops.exl_core.qgemm_kslice(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, kw, r,
-                                                min_group)
-            assert y.dtype == torch.float16 and y.shape == (M, N)
-            assert rel_err(y, ref) < 2e-3, (u4, min_group)
+            for gs in {-1, _group_shift(pw) if u4 else -1}:
+                poison_allocator()
+                y = torch.ops.exl_core.qgemm_kslice(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, kw, r,
+                                                    min_group, gs)
+                assert y.dtype == torch.float16 and y.shape == (M, N)
+                assert rel_err(y, ref) < 2e-3, (u4, min_group, gs)
 
 
-@pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=["mixed", "split", "long", "uniform4", "g32", "g128"])
+@pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=KSLICE_IDS)
 @pytest.mark.parametrize("M", [9, 16, 17, 23, 32])                # 2 and 4 n-tiles, rows short of a tile
 @pytest.mark.parametrize("splits", [0, 1, 3, 8])
 def test_qgemm_wide_vs_float64(case, M, splits):

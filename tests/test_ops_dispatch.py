@@ -69,6 +69,32 @@ def test_uniform4_needs_words_in_k_order():
     assert not _uniform4(SimpleNamespace(groups=mixed, meta={}))
 
 
+def test_group_shift_only_for_regular_power_of_two_groups():
+    """qgemm_kslice computes chunk c's group as c >> shift instead of reading the chunk table, so the shift must
+    be refused for groups that are not equal, in order, of 32 * 2**s rows (runs without a GPU)."""
+    from types import SimpleNamespace
+    from exl_core.ops.cuda_candidates import _group_shift, _pws_group_shift
+
+    def pw(layout, K=None):                                    # layout [(bits, k_len)] in K order
+        rows, k, q = [], 0, 0
+        for bits, n in layout:
+            rows.append((bits, k, n, q))
+            k, q = k + n, q + n * bits // 32
+        return SimpleNamespace(groups=torch.tensor(rows, dtype=torch.int32), in_features=K or k, meta={})
+
+    assert _group_shift(pw([(4, 128)] * 3)) == 2
+    assert _group_shift(pw([(4, 64)] * 3 + [(4, 32)])) == 1    # a short last group
+    assert _group_shift(pw([(4, 32)] * 5)) == 0
+    assert _group_shift(pw([(4, 96)] * 2)) == -1               # 3 chunks a group: not a power of two
+    assert _group_shift(pw([(4, 64), (4, 128)])) == -1         # unequal
+    assert _group_shift(pw([(4, 32), (4, 64)])) == -1          # first one short
+    swapped = pw([(4, 128)] * 2)
+    swapped.groups[:, 1] = torch.tensor([128, 0])             # out of K order
+    assert _group_shift(swapped) == -1
+    assert _pws_group_shift([pw([(4, 128)] * 2), pw([(4, 128)] * 4)]) == 2
+    assert _pws_group_shift([pw([(4, 128)] * 2), pw([(4, 64)] * 4)]) == -1
+
+
 def test_cuda_qmatmul_row_policy():
     """Which tensor-core kernel may take how many rows (runs without a GPU): uniform 4-bit weights use
     qgemm_mma up to MMA_MAX_ROWS, other weights (EXL2 mixed widths) only up to MMA_MIXED_MAX_ROWS,

@@ -61,6 +61,7 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
+GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: qgemm_kslice reads groups from the table (A/B)
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide, uniform 4-bit: at 9..16 rows kslice is as fast
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
 WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
@@ -135,6 +136,31 @@ def _min_group(pw) -> int:
     if cached is None:
         cached = pw.meta["_cuda_min_group"] = int(pw.groups[:, 2].min()) if pw.groups.numel() else 0
     return cached
+
+
+def _group_shift(pw) -> int:
+    """s where every group is 32 * 2**s rows of K in order (chunk c in group c >> s: GPTQ, with or without
+    act-order, whose groups run in quantisation order), else -1: qgemm_kslice then reads the chunk table."""
+    if not GROUP_SHIFT_ON:
+        return -1
+    cached = pw.meta.get("_cuda_group_shift")
+    if cached is None:
+        cached = -1
+        g = pw.groups.cpu().long()                                  # (bits, k_start, k_len, qrow_start)
+        gs = int(g[0, 2]) if g.shape[0] else 0
+        cpg = gs // 32
+        if gs % 32 == 0 and cpg >= 1 and cpg & (cpg - 1) == 0:
+            starts = torch.arange(g.shape[0]) * gs
+            if torch.equal(g[:, 1], starts) and torch.equal(g[:, 2], (pw.in_features - starts).clamp(max=gs)):
+                cached = cpg.bit_length() - 1
+        pw.meta["_cuda_group_shift"] = cached
+    return cached
+
+
+def _pws_group_shift(pws) -> int:
+    """The weights' common group shift (one launch serves them all), or -1."""
+    shifts = {_group_shift(pw) for pw in pws}
+    return shifts.pop() if len(shifts) == 1 else -1
 
 
 def _kslice_ok(rows: int, pws, device) -> bool:
@@ -219,6 +245,7 @@ def _qmatmul_run(x, pw):
                                           min_group=_min_group(pw))
     elif x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
+                                            group_shift=_group_shift(pw),
                                             min_group=_min_group(pw))
     elif x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
@@ -297,7 +324,8 @@ def _many_run(x, pws):
     if wide:
         ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
     elif kslice:
-        ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
+        ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
+                                                   group_shift=_pws_group_shift(pws))
     elif skinny:
         ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)
     else:

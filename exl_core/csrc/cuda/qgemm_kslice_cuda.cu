@@ -18,6 +18,7 @@ constexpr size_t kSmemMax = 160 * 1024;   // beyond this the launch is refused (
 struct Plan {
   int kw, ring, nt, slots, xs_stride;
   size_t smem;
+  int gshift;   // regular groups: chunk c in group c >> gshift (uniform 4-bit only), else -1 (the chunk table)
 };
 
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
@@ -40,7 +41,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
   const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
   const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
-  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total};
+  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total, -1};
 }
 
 // The instances: staged x (1 n-tile) with 4/8/16 warps and rings 8/16 (uniform 4-bit) or 4/8; x from global
@@ -56,7 +57,7 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
   auto* kern = qgemm_kslice_kernel<KW, U4, R, NT>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, M, K,
-                      static_cast<int>(K / 32), p.slots, p.xs_stride, mats);
+                      static_cast<int>(K / 32), p.slots, p.xs_stride, p.gshift, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
@@ -96,7 +97,7 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                           int64_t kw, int64_t ring, int64_t min_group) {
+                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
@@ -106,8 +107,11 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
   const int dev = x.device().index();
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
-  const Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
-                             uniform4, dev);
+  Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
+                       uniform4, dev);
+  TORCH_CHECK(group_shift >= -1 && group_shift < 16, "exl_core::qgemm_kslice: group_shift ", group_shift,
+              " (-1: the chunk table; s: chunk c in group c >> s)");
+  plan.gshift = uniform4 ? static_cast<int>(group_shift) : -1;
   TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   // Rows read from global memory (more than kStagedRows) come 16 bytes at a time: x aligned, and each
@@ -126,11 +130,12 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
 at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
                         const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
                         const c10::optional<at::Tensor>& bias, bool uniform4, int64_t kw, int64_t ring,
-                        int64_t min_group) {
+                        int64_t min_group, int64_t group_shift) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
-  return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group)[0];
+  return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
+                            group_shift)[0];
 }
 
 // Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
@@ -151,9 +156,10 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_kslice(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor");
+        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0) -> Tensor[]");
+        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
+        "int group_shift=-1) -> Tensor[]");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
         "int ring=0) -> bool",
         &qgemm_kslice_fits);

@@ -87,7 +87,7 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
 template <int KW, bool U4, int R, int NT>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
-                        const Mats mats) {
+                        int gshift, const Mats mats) {
   constexpr bool XG = NT > 1;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
@@ -118,16 +118,21 @@ __global__ void __launch_bounds__(32 * KW)
     for (int i = 0; i < R; ++i)
       if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
   }
-  for (int i = lane; i < (c1 - c0) * 3; i += 32) tab[3 * c0 + i] = __ldg(mat.chunks + 3 * c0 + i);
-  __syncwarp();
+  // Regular groups (uniform 4-bit only; every launch's weights alike): chunk c is in group c >> gshift, and the
+  // table is not read at all -- its load was the prologue's longest wait (bench/gemv_probe.cu under ncu).
+  const bool reg = U4 && gshift >= 0;
+  if (!reg) {
+    for (int i = lane; i < (c1 - c0) * 3; i += 32) tab[3 * c0 + i] = __ldg(mat.chunks + 3 * c0 + i);
+    __syncwarp();
+  }
   if constexpr (!U4) {
 #pragma unroll
     for (int i = 0; i < R; ++i)
       if (c0 + i < c1) load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
   }
   // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
-  const int gA = c1 > c0 ? tab[3 * c0 + 1] : 0;
-  const int gw = c1 > c0 ? min(slots, tab[3 * (c1 - 1) + 1] - gA + 1) : 0;
+  const int gA = c1 <= c0 ? 0 : reg ? c0 >> gshift : tab[3 * c0 + 1];
+  const int gw = c1 <= c0 ? 0 : min(slots, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
   for (int j = lane; j < gw * 16; j += 32) {
     const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
     int64_t cq = tile * kTile + 4 * q;
@@ -206,7 +211,7 @@ __global__ void __launch_bounds__(32 * KW)
   };
   auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
-    const int ge = e[1];
+    const int ge = reg ? c >> gshift : e[1];
     if (ge != grp) {                                          // warp-uniform
       if (grp >= 0) flush();
       grp = ge;
