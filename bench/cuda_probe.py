@@ -56,7 +56,7 @@ def kslice_table() -> None:
     (kw, ring), 16 distinct weights per CUDA graph."""
     sys.path.insert(0, "bench")
     from gpu_bench import graph_time
-    from exl_core.ops.cuda_candidates import _min_group
+    from exl_core.ops.cuda_candidates import _group_shift, _min_group
     ops = torch.ops.exl_core
     rows = []
     shapes = (("4096x4096", 4096, (4096,)), ("qkv 4096x3x4096", 4096, (4096,) * 3),
@@ -72,6 +72,7 @@ def kslice_table() -> None:
                     pw.meta["_ch"] = chunk_table(pw.groups, "cuda")
             nbytes = sum(t.numel() * t.element_size() for pw in sets[0] for t in (pw.qweight, pw.scale, pw.zero))
             mg = _min_group(sets[0][0])
+            gs = _group_shift(sets[0][0]) if u4 else -1              # as the dispatcher passes it
             for M in (1, 8, 16, 32):
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 
@@ -94,21 +95,21 @@ def kslice_table() -> None:
                         cells.append(f"k{kw} no fit")
                         continue
                     for ring in (rings if M <= 8 else (0,)):
-                        y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring, mg)
+                        y = ops.qgemm_kslice_multi(*args(sets[0]), u4, kw, ring, mg, gs)
                         err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
-                        t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, kw, ring, mg)
+                        t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, kw, ring, mg, gs)
                                                 for s_ in sets]) / len(sets)
                         cells.append(f"k{kw}r{ring} {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
                                      f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
                 wtiles = sum((N + 127) // 128 for N in Ns)
                 if M > 8 and ops.qgemm_wide_fits(M, K, wtiles, mg, 0):
-                    y = ops.qgemm_wide_multi(*args(sets[0]), u4, 0, mg)
+                    y = ops.qgemm_wide_multi(*args(sets[0]), u4, 0, mg, gs)
                     err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(y, ref))
-                    t = graph_time(lambda: [ops.qgemm_wide_multi(*args(s_), u4, 0, mg) for s_ in sets]) / len(sets)
+                    t = graph_time(lambda: [ops.qgemm_wide_multi(*args(s_), u4, 0, mg, gs) for s_ in sets]) / len(sets)
                     cells.append(f"wide {t * 1e6:6.1f}us {nbytes / t / 1e9:5.0f}GB/s"
                                  f"{'' if err < 2e-3 else f' ERR {err:.1e}'}")
                 if ops.qgemm_kslice_fits(M, K, tiles, mg, u4, 0):
-                    t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, 0, 0, mg) for s_ in sets]) / len(sets)
+                    t = graph_time(lambda: [ops.qgemm_kslice_multi(*args(s_), u4, 0, 0, mg, gs) for s_ in sets]) / len(sets)
                     cells.append(f"policy {t * 1e6:6.1f}us")
                 print(f"{fmt} {name:22s} M={M}: " + " | ".join(cells), flush=True)
                 rows.append(kslice_row(fmt, name, M, cells))

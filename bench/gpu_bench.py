@@ -261,7 +261,7 @@ def gemv_sweep(model) -> list[dict]:
     (qgemv_chunks), dequantise + cuBLAS. Each timing runs the shape's
     16 distinct layer weights back to back in one CUDA graph (> L2: no cache reuse between calls);
     GB/s counts packed words + scale/zero once per call."""
-    from exl_core.ops.cuda_candidates import _chunks_of, _min_group, _uniform4
+    from exl_core.ops.cuda_candidates import _chunks_of, _group_shift, _min_group, _uniform4
     by_shape: dict = {}
     for _, lin in model.linear_layers():
         pw = lin.packed
@@ -280,9 +280,9 @@ def gemv_sweep(model) -> list[dict]:
             u4 = all(_uniform4(pw) for pw in pws)              # the library's own check, every weight
             paths = {
                 "kslice": lambda pw: ops.qgemm_kslice(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4,
-                                                      min_group=_min_group(pw)),
+                                                      min_group=_min_group(pw), group_shift=_group_shift(pw)),
                 "wide": lambda pw: ops.qgemm_wide(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4,
-                                                  min_group=_min_group(pw)),
+                                                  min_group=_min_group(pw), group_shift=_group_shift(pw)),
                 "skinny": lambda pw: ops.qgemm_skinny(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None, u4),
                 "mma": lambda pw: ops.qgemm_mma(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),
                 "gemv": lambda pw: ops.qgemv_chunks(x, pw.qweight, ch[id(pw)], pw.scale, pw.zero, pw.perm, None),

@@ -82,7 +82,8 @@ struct Launcher {
     m.N = N;
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = split_config((N + kTile - 1) / kTile, S, kThreads, sm, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, kern(), x, M, static_cast<int64_t>(K), n_chunks, cps, groups(cps), mats));
+    // groups of 128 rows: chunk c in group c >> 2, as the extension passes GPTQ g128 (group_shift)
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, M, static_cast<int64_t>(K), n_chunks, cps, groups(cps), 2, mats));
   }
   static int regs() {
     cudaFuncAttributes a;

@@ -255,7 +255,7 @@ def test_qgemm_wide_vs_float64(case, M, splits):
     _need_kernels()
     if splits > 1 and torch.cuda.get_device_capability(0)[0] < 9:
         pytest.skip("K splits are reduced through thread-block clusters (sm_90)")
-    from exl_core.ops.cuda_candidates import _uniform4
+    from exl_core.ops.cuda_candidates import _group_shift, _uniform4
     pw, c, ch, bias, xc, ref = _decode_case(case, M)
     K, N = pw.in_features, pw.out_features
     tiles = (N + 127) // 128
@@ -265,10 +265,12 @@ def test_qgemm_wide_vs_float64(case, M, splits):
             if not torch.ops.exl_core.qgemm_wide_fits(M, K, tiles, min_group, 0, splits):
                 continue                                       # one split over a long K: shared memory
             ran += 1
-            poison_allocator()
-            y = torch.ops.exl_core.qgemm_wide(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, splits, min_group)
-            assert y.dtype == torch.float16 and y.shape == (M, N)
-            assert rel_err(y, ref) < 2e-3, (u4, min_group)
+            for gs in {-1, _group_shift(pw) if u4 else -1}:    # groups from the table, or c >> shift
+                poison_allocator()
+                y = torch.ops.exl_core.qgemm_wide(xc, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, splits,
+                                                  min_group, gs)
+                assert y.dtype == torch.float16 and y.shape == (M, N)
+                assert rel_err(y, ref) < 2e-3, (u4, min_group, gs)
     assert ran, "no configuration fits (the weight's real group bound always should)"
 
 

@@ -61,7 +61,7 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
-GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: qgemm_kslice reads groups from the table (A/B)
+GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide, uniform 4-bit: at 9..16 rows kslice is as fast
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
 WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
@@ -140,7 +140,8 @@ def _min_group(pw) -> int:
 
 def _group_shift(pw) -> int:
     """s where every group is 32 * 2**s rows of K in order (chunk c in group c >> s: GPTQ, with or without
-    act-order, whose groups run in quantisation order), else -1: qgemm_kslice then reads the chunk table."""
+    act-order, whose groups run in quantisation order), else -1: qgemm_kslice and qgemm_wide then read the
+    chunk table (uniform 4-bit weights only use the shift)."""
     if not GROUP_SHIFT_ON:
         return -1
     cached = pw.meta.get("_cuda_group_shift")
@@ -242,7 +243,7 @@ def _qmatmul_run(x, pw):
         bias = bias.contiguous()
     if x2.dtype == torch.float16 and _wide_ok(rows, [pw], x.device):
         y = torch.ops.exl_core.qgemm_wide(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
-                                          min_group=_min_group(pw))
+                                          min_group=_min_group(pw), group_shift=_group_shift(pw))
     elif x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                             group_shift=_group_shift(pw),
@@ -322,7 +323,8 @@ def _many_run(x, pws):
             [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws])
     u4 = all(_uniform4(pw) for pw in pws)
     if wide:
-        ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws))
+        ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
+                                                 group_shift=_pws_group_shift(pws))
     elif kslice:
         ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
                                                    group_shift=_pws_group_shift(pws))

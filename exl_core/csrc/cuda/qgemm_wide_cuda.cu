@@ -48,21 +48,23 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, in
 bool plan_usable(const Plan& p, int64_t K) { return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0; }
 
 template <int NT, bool U4>
-void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev) {
+void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift, const Mats& mats,
+                int dev) {
   auto* kern = qgemm_wide_kernel<NT, U4>;
   ensure_smem(kern, p.smem, dev);
   launch_split(kern, tiles, p.splits, kThreads, p.smem, c10::cuda::getCurrentCUDAStream(), dev, x, M, K,
-               static_cast<int>(K / 32), p.cps, p.groups, mats);
+               static_cast<int>(K / 32), p.cps, p.groups, U4 ? gshift : -1, mats);
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one x in one
-// launch.  splits 0 = chosen here; min_group: the weights' smallest group in rows (0 = unknown, assume 32).
+// launch.  splits 0 = chosen here; min_group: the weights' smallest group in rows (0 = unknown, assume 32);
+// group_shift s >= 0: every weight's chunk c is in group c >> s (uniform 4-bit only; -1: the chunk table).
 // Raises where the shape does not fit (see qgemm_wide_fits).
 std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                          at::TensorList scale, at::TensorList zero,
                                          const c10::List<c10::optional<at::Tensor>>& perm,
                                          const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                         int64_t splits, int64_t min_group) {
+                                         int64_t splits, int64_t min_group, int64_t group_shift) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   Mats mats = build_mats("exl_core::qgemm_wide", x, qweight, chunks, scale, zero, perm, bias, ys);
@@ -75,27 +77,32 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
   TORCH_CHECK(plan_usable(plan, K) && (splits <= 1 || device_sm(dev, true) >= 9),   // as qgemm_wide_fits
               "exl_core::qgemm_wide: no plan for M = ", M, ", K = ", K, ", splits = ", splits,
               " (shared memory, or splits without thread-block clusters below sm_90)");
+  TORCH_CHECK(group_shift >= -1 && group_shift < 16, "exl_core::qgemm_wide: group_shift ", group_shift,
+              " (-1: the chunk table; s: chunk c in group c >> s)");
+  const int gs = static_cast<int>(group_shift);
   // checked before anything is launched: a refused call leaves no gather behind
   const at::Tensor xa = aligned16(x) ? x : x.clone();                   // cp.async reads 16 bytes
   const at::Tensor xperm = permute_x_per_weight(xa, perm, mats, dev);
   const __half* xp = reinterpret_cast<const __half*>(xa.data_ptr());
   if (plan.nt == 2) {
-    if (uniform4) launch_one<2, true>(xp, static_cast<int>(M), K, tiles, plan, mats, dev);
-    else launch_one<2, false>(xp, static_cast<int>(M), K, tiles, plan, mats, dev);
+    if (uniform4) launch_one<2, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    else launch_one<2, false>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   } else {
-    if (uniform4) launch_one<4, true>(xp, static_cast<int>(M), K, tiles, plan, mats, dev);
-    else launch_one<4, false>(xp, static_cast<int>(M), K, tiles, plan, mats, dev);
+    if (uniform4) launch_one<4, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    else launch_one<4, false>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   }
   return ys;
 }
 
 at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                       const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
-                      const c10::optional<at::Tensor>& bias, bool uniform4, int64_t splits, int64_t min_group) {
+                      const c10::optional<at::Tensor>& bias, bool uniform4, int64_t splits, int64_t min_group,
+                      int64_t group_shift) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
-  return qgemm_wide_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits, min_group)[0];
+  return qgemm_wide_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits, min_group,
+                          group_shift)[0];
 }
 
 // Whether qgemm_wide takes M rows of K over `tiles` 128-column tiles on `device` (splits 0: its own choice); a
@@ -112,9 +119,10 @@ bool qgemm_wide_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, 
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_wide(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "Tensor? bias, bool uniform4=False, int splits=0, int min_group=0) -> Tensor");
+        "Tensor? bias, bool uniform4=False, int splits=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_wide_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0) -> Tensor[]");
+        "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
+        "int group_shift=-1) -> Tensor[]");
   m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0) -> bool",
         &qgemm_wide_fits);
 }

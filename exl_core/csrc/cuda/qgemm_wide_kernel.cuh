@@ -61,7 +61,7 @@ struct Smem {
 template <int NT, bool U4, int RING = kRing, int STAGES = kStages>
 __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
     qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
-                      const Mats mats) {
+                      int gshift, const Mats mats) {
   constexpr int kRing = RING, kStages = STAGES, kStageW = Smem<RING, STAGES>::kStageW;
   constexpr int kRows = 8 * NT, kPieces = kRows * kRing * 4;   // 16-byte pieces of x per stage
   const Mat& mat = block_mat(mats);
@@ -94,8 +94,12 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     }
     wnext += static_cast<int64_t>(4 * kRing) * ldq;
   }
-  for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(mat.chunks + 3 * c_begin + i);
-  __syncthreads();
+  // Regular groups (uniform 4-bit; qgemm_kslice's group_shift): chunk c is in group c >> gshift, no table read.
+  const bool reg = U4 && gshift >= 0;
+  if (!reg) {
+    for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(mat.chunks + 3 * c_begin + i);
+    __syncthreads();
+  }
   if constexpr (!U4) {
 #pragma unroll
     for (int i = 0; i < kRing; ++i) {
@@ -104,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     }
   }
   // scale/zero rows of the block's groups (consecutive along the chunks; at most max_groups, the host's bound)
-  const int g_first = nc > 0 ? tab[1] : 0;
-  const int ngr = nc > 0 ? min(max_groups, tab[3 * (nc - 1) + 1] - g_first + 1) : 0;
+  const int g_first = nc <= 0 ? 0 : reg ? c_begin >> gshift : tab[1];
+  const int ngr = nc <= 0 ? 0 : min(max_groups, (reg ? (c_end - 1) >> gshift : tab[3 * (nc - 1) + 1]) - g_first + 1);
   for (int i = threadIdx.x; i < ngr * (kTile / 2); i += kThreads) {
     const int gr = i / (kTile / 2), r = i % (kTile / 2), half = r / (kTile / 4), q = r % (kTile / 4);
     int64_t cq = tile * kTile + 4 * q;
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   // the slot refilled with chunk c + kRing when `reload`.
   auto chunk = [&](int i, int c, const __half* xb, bool reload) {
     const int32_t* e = tab + 3 * (c - c_begin);
-    const int ge = e[1];
+    const int ge = reg ? c >> gshift : e[1];
     if (ge != grp) {                                                    // warp-uniform
       grp = ge;
       const float* sp = szs + (ge - g_first) * 2 * kTile + warp * 32 + 4 * g;
