@@ -205,7 +205,8 @@ struct KsLauncher {
     const int64_t tiles = assign_tiles(mats, kTile);
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, kern(), x, 1, static_cast<int64_t>(K), n_chunks, slots, K, U4 ? GS : -1, mats));
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<const __half*>(nullptr), 1, static_cast<int64_t>(K), n_chunks,
+                          slots, K, U4 ? GS : -1, mats));
   }
   static int regs() {
     cudaFuncAttributes a;

@@ -355,6 +355,48 @@ def test_decode_kernels_many_rows_act_order_unaligned_x(op, M):
             assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3, (u4, i)
 
 
+@pytest.mark.parametrize("case", [0, 3, 5], ids=["mixed", "uniform4", "g128"])
+@pytest.mark.parametrize("M", [1, 3, 8])                          # the staged rows
+def test_qgemm_kslice_silu_vs_float64_and_unfused(case, M):
+    """The down projection with silu(gate) * up computed while x is staged: against float64 (the product rounded
+    as exl_core::silu_mul rounds it), and bit-identical to silu_mul then qgemm_kslice (the same staged values)."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import _group_shift, _uniform4
+    pw, c, ch, bias, xc, ref = _decode_case(case, M)
+    K, N = pw.in_features, pw.out_features
+    gate, up = xc, torch.randn(M, K, dtype=torch.float16, device="cuda")
+    act = torch.ops.exl_core.silu_mul(gate, up)
+    g64, u64 = gate.double().cpu(), up.double().cpu()
+    act_ref = (torch.nn.functional.silu(g64).half().double() * u64).half().double()
+    ref = act_ref @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+    ran = 0
+    for u4 in ({False, _uniform4(pw)}):
+        if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, 0, u4, 0, 8, 0):
+            continue
+        gs = _group_shift(pw) if u4 else -1
+        poison_allocator()
+        y = torch.ops.exl_core.qgemm_kslice_silu(gate, up, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, 8, 0,
+                                                 0, gs)
+        assert y.dtype == torch.float16 and y.shape == (M, N)
+        assert rel_err(y, ref) < 2e-3, u4
+        y2 = torch.ops.exl_core.qgemm_kslice(act, c.qweight, ch, c.scale, c.zero, c.perm, bias, u4, 8, 0, 0, gs)
+        assert torch.equal(y, y2), u4
+        ran += 1
+    assert ran
+
+
+@pytest.mark.parametrize("M", [1, 8, 12])                         # fused (staged rows), and the two-step path
+def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
+    """ops.qmatmul_silu on the GPU (one launch where the decode kernel stages x) equals silu_mul then qmatmul."""
+    _need_kernels()
+    from exl_core.ops.activation import silu_mul
+    from exl_core.ops.qmatmul import qmatmul, qmatmul_silu
+    pw = random_packed([(4, 128)] * 8, 4 * 40, perm=True, bias=True).to("cuda")
+    gate = torch.randn(M, pw.in_features, dtype=torch.float16, device="cuda")
+    up = torch.randn(M, pw.in_features, dtype=torch.float16, device="cuda")
+    assert torch.equal(qmatmul_silu(gate, up, pw), qmatmul(silu_mul(gate, up), pw))
+
+
 def test_qgemm_kslice_policy_and_limits():
     """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths) to
     qgemm_kslice; it refuses more rows, staged-x launches of more than ~3 tiles per SM, shapes whose x does

@@ -306,3 +306,18 @@ def test_loaded_act_order_projections_take_the_one_call_path():
     x = torch.randn(2, pws[0].in_features)
     chosen = qm.DISPATCH_MANY.select(x=x, pws=pws)
     assert chosen.name == "cpu_fused_multi"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 5])
+def test_qmatmul_silu_is_silu_mul_then_qmatmul(dtype, M, rng):
+    """The MLP's down projection op (fused on CUDA's decode kernel) gives exactly the two steps' values here,
+    and names mismatched inputs."""
+    from exl_core.ops.activation import silu_mul
+    pw = rand_packed(160, 24, rng)
+    gate, up = torch.randn(M, 160).to(dtype), torch.randn(M, 160).to(dtype)
+    assert torch.equal(qm.qmatmul_silu(gate, up, pw), qm.qmatmul(silu_mul(gate, up), pw))
+    with pytest.raises(InputError, match="same shape"):
+        qm.qmatmul_silu(gate, up[:, :96], pw)
+    with pytest.raises(InputError, match="in_features=160"):
+        qm.qmatmul_silu(gate[:, :96], up[:, :96], pw)

@@ -13,7 +13,8 @@ from torch import nn
 
 from ..formats.packed import PackedWeight
 from ..ops.linear import dense_linear
-from ..ops.qmatmul import qmatmul, qmatmul_many
+from ..ops.activation import silu_mul
+from ..ops.qmatmul import qmatmul, qmatmul_many, qmatmul_silu
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
@@ -124,10 +125,24 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}, bias={bias is not None}"
 
 
+def _plain_packed(m) -> bool:
+    """A packed QuantLinear without LoRA (not dense, not a tensor-parallel shard or other subclass): its output is
+    qmatmul(x, m.packed), so fused ops may compute it."""
+    return type(m) is QuantLinear and m._packed is not None and m.lora is None
+
+
 def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
     """[layer(x) for layer in layers] for projections that read the same x (q/k/v, gate/up): one
     kernel call when every layer is a plain packed QuantLinear without LoRA (same results);
     anything else (dense, LoRA, tensor-parallel shards, subclasses) runs layer by layer."""
-    if all(type(m) is QuantLinear and m._packed is not None and m.lora is None for m in layers):
+    if all(_plain_packed(m) for m in layers):
         return qmatmul_many(x, [m.packed for m in layers])
     return [m(x) for m in layers]
+
+
+def linear_silu(gate: torch.Tensor, up: torch.Tensor, layer) -> torch.Tensor:
+    """layer(silu_mul(gate, up)), the MLP's down projection: one fused op for a plain packed QuantLinear (the
+    same values), the two steps for anything else."""
+    if _plain_packed(layer):
+        return qmatmul_silu(gate, up, layer.packed)
+    return layer(silu_mul(gate, up))

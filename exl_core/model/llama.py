@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.activation import silu_mul
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import LORA_VERSION, QuantLinear, linear_many
+from .linear import LORA_VERSION, QuantLinear, linear_many, linear_silu
 from .rope import RopeTable
 
 
@@ -62,7 +61,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = linear_many(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(silu_mul(gate, up))
+        return linear_silu(gate, up, self.down_proj)
 
 
 class Block(nn.Module):

@@ -56,12 +56,14 @@ import torch
 from .dispatch import Candidate, has_cuda_kernel
 
 KSLICE_MAX_ROWS = 32        # four mma n-tiles of x rows; above 8 rows x is read from global memory, not staged
+KSLICE_STAGED_ROWS = 8      # rows whose x qgemm_kslice stages (there qgemm_kslice_silu computes silu(gate) * up)
 KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and more (x pre-permuted per weight): at
                              # 8 staged rows q/k/v took 50.0 us against skinny's 32.0 (the per-row gather); at 16
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
+SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide, uniform 4-bit: at 9..16 rows kslice is as fast
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
 WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
@@ -283,6 +285,31 @@ def _dequant_mm(x2, pw, chunks, perm, bias):
     return y
 
 
+def _silu_down_check(gate, up, pw) -> Optional[str]:
+    why = _qmatmul_check(gate, pw)
+    if why is None and (up.device != gate.device or up.dtype != gate.dtype):
+        why = f"up {up.dtype} on {up.device}, gate {gate.dtype} on {gate.device}"
+    return why
+
+
+def _silu_down_run(gate, up, pw):
+    """One launch (qgemm_kslice_silu) where the decode kernel takes these rows with x staged, else silu_mul then
+    qmatmul (both through their dispatchers)."""
+    g2 = gate.reshape(-1, pw.in_features)
+    rows = g2.shape[0]
+    if not (SILU_FUSE_ON and gate.dtype == torch.float16 and rows <= KSLICE_STAGED_ROWS and _mma_ok(pw) and
+            _kslice_ok(rows, [pw], gate.device) and _has_cuda_kernel("qgemm_kslice_silu")):
+        from .activation import silu_mul
+        from .qmatmul import qmatmul
+        return qmatmul(silu_mul(gate, up), pw)
+    bias = pw.bias if pw.bias is None or pw.bias.dtype == gate.dtype else pw.bias.to(gate.dtype)
+    y = torch.ops.exl_core.qgemm_kslice_silu(g2.contiguous(), up.reshape(-1, pw.in_features).contiguous(),
+                                             pw.qweight, _chunks_of(pw), pw.scale, pw.zero, _perm_of(pw, gate.device),
+                                             None if bias is None else bias.contiguous(), _uniform4(pw),
+                                             min_group=_min_group(pw), group_shift=_group_shift(pw))
+    return y.reshape(*gate.shape[:-1], pw.out_features)
+
+
 def _perm_of(pw, device):
     perm = pw.perm
     if perm is not None and (perm.dtype != torch.int64 or perm.device != device):
@@ -438,6 +465,8 @@ def install() -> None:
     ]
     if getattr(qmatmul, "DISPATCH_MANY", None) is not None:      # qmatmul_many (q/k/v, gate/up)
         pairs.append((qmatmul.DISPATCH_MANY, Candidate("cuda", _many_check, _many_run)))
+    if getattr(qmatmul, "DISPATCH_SILU", None) is not None:      # qmatmul_silu (the MLP's down projection)
+        pairs.append((qmatmul.DISPATCH_SILU, Candidate("cuda", _silu_down_check, _silu_down_run)))
     for disp, cand in pairs:
         # replace any other candidate called "cuda" (an op module's placeholder must not serve
         # behind ours: it would reach the C++ checks that crash instead of refusing)

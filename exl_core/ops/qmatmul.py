@@ -307,6 +307,31 @@ def qmatmul_many(x: torch.Tensor, pws: list[PackedWeight]) -> list[torch.Tensor]
     return DISPATCH_MANY(x=x, pws=pws)
 
 
+# ---------------------------------------------------------------------------- SwiGLU's down projection
+# qmatmul(silu_mul(gate, up), pw): the `cuda` candidate (ops/cuda_candidates.py) computes the product while the
+# batch-1 decode kernel stages x, one launch instead of two; everywhere else the two ops run in turn.
+
+def _run_silu_each(gate: torch.Tensor, up: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    from .activation import silu_mul
+    return qmatmul(silu_mul(gate, up), pw)
+
+
+DISPATCH_SILU = Dispatcher("qmatmul_silu", [
+    Candidate("each", lambda gate, up, pw: None, _run_silu_each),
+], key=lambda gate, up, pw: (gate.device, gate.dtype, up.device, up.dtype, pw.qweight.device, pw.scale.dtype,
+                             pw.zero.dtype))
+
+
+def qmatmul_silu(gate: torch.Tensor, up: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """qmatmul(silu_mul(gate, up), pw) (the MLP's down projection), the same values as the two calls."""
+    if gate.shape != up.shape:
+        raise InputError(f"qmatmul_silu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    if gate.dim() < 1 or gate.shape[-1] != pw.in_features:
+        raise InputError(f"qmatmul_silu: gate has shape {tuple(gate.shape)}, last dim must be in_features="
+                         f"{pw.in_features} of the packed weight")
+    return DISPATCH_SILU(gate=gate, up=up, pw=pw)
+
+
 # ---------------------------------------------------------------------------- fake (meta) impl
 
 def _register_fake() -> None:

@@ -52,37 +52,37 @@ bool plan_has_kernel(const Plan& p, bool u4) {
 }
 
 template <int KW, bool U4, int R, int NT>
-void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
-                cudaStream_t stream) {
+void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats,
+                int dev, cudaStream_t stream) {
   auto* kern = qgemm_kslice_kernel<KW, U4, R, NT>;
   ensure_smem(kern, p.smem, dev);
-  exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, M, K,
+  exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
                       static_cast<int>(K / 32), p.slots, p.xs_stride, p.gshift, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
 template <bool U4, int R, int NT>
-void launch_kw(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
+void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
-  if (p.kw == 4) launch_one<4, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
-  else if (p.kw == 8) launch_one<8, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
-  else if constexpr (NT == 1) launch_one<16, U4, R, NT>(x, M, K, tiles, p, mats, dev, stream);
+  if (p.kw == 4) launch_one<4, U4, R, NT>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if (p.kw == 8) launch_one<8, U4, R, NT>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if constexpr (NT == 1) launch_one<16, U4, R, NT>(x, up, M, K, tiles, p, mats, dev, stream);
 }
 
 // The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
-void launch_plan(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
+void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
                  int dev, cudaStream_t stream) {
   if (p.nt == 1) {
-    if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
-    else if (u4) launch_kw<true, 16, 1>(x, M, K, tiles, p, mats, dev, stream);
-    else if (p.ring == 4) launch_kw<false, 4, 1>(x, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<false, 8, 1>(x, M, K, tiles, p, mats, dev, stream);
+    if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, up, M, K, tiles, p, mats, dev, stream);
+    else if (u4) launch_kw<true, 16, 1>(x, up, M, K, tiles, p, mats, dev, stream);
+    else if (p.ring == 4) launch_kw<false, 4, 1>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 8, 1>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (p.nt == 2) {
-    if (u4) launch_kw<true, 8, 2>(x, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<false, 4, 2>(x, M, K, tiles, p, mats, dev, stream);
+    if (u4) launch_kw<true, 8, 2>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 2>(x, up, M, K, tiles, p, mats, dev, stream);
   } else {
-    if (u4) launch_kw<true, 8, 4>(x, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<false, 4, 4>(x, M, K, tiles, p, mats, dev, stream);
+    if (u4) launch_kw<true, 8, 4>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 4>(x, up, M, K, tiles, p, mats, dev, stream);
   }
 }
 
@@ -93,11 +93,12 @@ bool plan_usable(const Plan& p, bool u4) { return p.smem <= kSmemMax && plan_has
 // per lane: 8 or 16 for uniform 4-bit, 4 or 8 otherwise; above 8 rows 8 and 4) 0 = chosen here; min_group:
 // the weights' smallest group in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see
 // qgemm_kslice_fits).
-std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
-                                           at::TensorList scale, at::TensorList zero,
-                                           const c10::List<c10::optional<at::Tensor>>& perm,
-                                           const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
+// up (or undefined): x is the MLP's gate and the kernel multiplies silu(x) * up, staged rows only.
+std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at::TensorList qweight,
+                                   at::TensorList chunks, at::TensorList scale, at::TensorList zero,
+                                   const c10::List<c10::optional<at::Tensor>>& perm,
+                                   const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t kw,
+                                   int64_t ring, int64_t min_group, int64_t group_shift) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
@@ -114,6 +115,11 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
   plan.gshift = uniform4 ? static_cast<int>(group_shift) : -1;
   TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
+  if (up.defined())
+    TORCH_CHECK(plan.nt == 1 && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
+                    up.sizes() == x.sizes() && up.is_contiguous(),
+                "exl_core::qgemm_kslice_silu: up must be contiguous float16 like gate ", x.sizes(), " on its GPU, and ",
+                "at most ", kStagedRows, " rows; got ", up.dtype(), " ", up.sizes());
   // Rows read from global memory (more than kStagedRows) come 16 bytes at a time: x aligned, and each
   // act-order weight gets its own permuted copy of x (a small gather, instead of one per element and block).
   at::Tensor xa = x;
@@ -122,9 +128,32 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
     if (!aligned16(x)) xa = x.clone();
     xperm = permute_x_per_weight(x, perm, mats, dev);
   }
-  launch_plan(reinterpret_cast<const __half*>(xa.data_ptr()), static_cast<int>(M), K, tiles, plan, mats, uniform4, dev,
-              c10::cuda::getCurrentCUDAStream());
+  launch_plan(reinterpret_cast<const __half*>(xa.data_ptr()),
+              up.defined() ? reinterpret_cast<const __half*>(up.data_ptr()) : nullptr, static_cast<int>(M), K, tiles,
+              plan, mats, uniform4, dev, c10::cuda::getCurrentCUDAStream());
   return ys;
+}
+
+std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                           at::TensorList scale, at::TensorList zero,
+                                           const c10::List<c10::optional<at::Tensor>>& perm,
+                                           const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
+                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
+  return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
+                    group_shift);
+}
+
+// y [M, N] = (silu(gate) * up)[:, perm] @ W (+ bias) for M <= 8 rows: the MLP's down projection with the SwiGLU
+// product computed while x is staged (one launch fewer per layer in batch-1 decode).
+at::Tensor qgemm_kslice_silu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& qweight,
+                             const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
+                             const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
+                             bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
+  c10::List<c10::optional<at::Tensor>> p, b;
+  p.push_back(perm);
+  b.push_back(bias);
+  return kslice_run(gate, up, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
+                    group_shift)[0];
 }
 
 at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
@@ -160,6 +189,9 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
         "int group_shift=-1) -> Tensor[]");
+  m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
+        "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
+        "int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
         "int ring=0) -> bool",
         &qgemm_kslice_fits);
@@ -168,4 +200,5 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("qgemm_kslice", &qgemm_kslice);
   m.impl("qgemm_kslice_multi", &qgemm_kslice_multi);
+  m.impl("qgemm_kslice_silu", &qgemm_kslice_silu);
 }

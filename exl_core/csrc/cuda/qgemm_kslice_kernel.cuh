@@ -86,8 +86,8 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
 // shared memory) disappears.
 template <int KW, bool U4, int R, int NT>
 __global__ void __launch_bounds__(32 * KW)
-    qgemm_kslice_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int slots, int xs_stride,
-                        int gshift, const Mats mats) {
+    qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
+                        int slots, int xs_stride, int gshift, const Mats mats) {
   constexpr bool XG = NT > 1;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
@@ -144,15 +144,31 @@ __global__ void __launch_bounds__(32 * KW)
   exl_pdl::pdl_trigger();
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   const int64_t* perm = mat.perm;
+  // up (staged rows only): x is the MLP's gate and the staged rows are silu(gate) * up, the down projection's input
+  // without a silu_mul launch between gate/up and down.
+  const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(up)) & 15) == 0;
   if constexpr (XG) {
     // nothing to stage
-  } else if (perm == nullptr && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+  } else if (perm == nullptr && aligned && up == nullptr) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);
     }
+  } else if (perm == nullptr && aligned) {
+    for (int j = lane; j < M * (kwl >> 3); j += 32) {
+      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
+      const uint4 uv = __ldg(reinterpret_cast<const uint4*>(up + m * K + k));
+      uint4 o;
+      const __half *gp = reinterpret_cast<const __half*>(&gv), *upp = reinterpret_cast<const __half*>(&uv);
+      __half* op = reinterpret_cast<__half*>(&o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) op[i] = silu_mul_half(gp[i], upp[i]);
+      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = o;
+    }
   } else {
     const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
+    const unsigned short* __restrict__ uu = reinterpret_cast<const unsigned short*>(up);
     unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
     for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {  // 8 gathers in flight per lane and row
       int src[8];
@@ -165,6 +181,11 @@ __global__ void __launch_bounds__(32 * KW)
         unsigned short h[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) h[i] = src[i] >= 0 ? __ldg(xu + m * K + src[i]) : 0;
+        if (uu != nullptr) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (src[i] >= 0) h[i] = __half_as_ushort(silu_mul_half(__ushort_as_half(h[i]), __ldg(up + m * K + src[i])));
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           if (src[i] >= 0) xsu[m * xs_stride + k0 + 32 * i] = h[i];
