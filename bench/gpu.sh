@@ -13,8 +13,7 @@
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
-# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nopf (EXL2 with
-# EXL_CORE_DEQUANT_PREFETCH=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
+# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -82,7 +81,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw) ;; *) only_probes=0 ;; esac; d
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nopf || has nogs || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -129,10 +128,6 @@ fi
 if has sdpa; then     # A/B: the bench's decode attention as the masked SDPA over every slot (before the paged kernel)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --decode-attn sdpa \
     --json bench/results/gpu_h200_sdpa.json 2>&1 | tee -a "$LOG" | tail -14
-fi
-if has nopf; then     # A/B: the EXL2 prompt with the dequantise kernel's act-order rows read after its PDL wait
-  EXL_CORE_DEQUANT_PREFETCH=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
-    --json /tmp/gpu_h200_nopf.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nosilu; then   # A/B: decode with silu_mul launched before the down projection instead of fused into it
   EXL_CORE_SILU_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \

@@ -20,8 +20,6 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -172,11 +170,9 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 // One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of
 // W [K, N] at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two
 // 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
-// Launched with PDL: the words and the destination rows (load-time data) are read before pdl_wait, W (which the
-// GEMM before may still read: the allocator hands the same block to each slice) is written after it.
-// PM: 0 no permutation, 1 perm read per store after the wait (A/B: EXL_CORE_DEQUANT_PREFETCH=0), 2 perm read
-// before the wait.
-template <typename T, int BITS, int V, int PM>
+// Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
+// read: the allocator hands the same block to each slice) is written after it.
+template <typename T, int BITS, int V>
 __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[V],
                                               const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
   uint32_t w[BITS][V];
@@ -192,11 +188,6 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
       }
     }
   }
-  // The destination rows too (act-order: perm, fixed at load time) before the wait: after it, each store's
-  // address would otherwise wait on its own perm load.
-  int row[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) row[i] = static_cast<int>(PM == 2 ? __ldg(perm + k0 + i) : k0 + i);   // K < 2^31
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
   constexpr uint32_t mask = (1u << BITS) - 1u;
@@ -210,12 +201,13 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
       if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
       f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
     }
-    if constexpr (PM == 1) row[i] = static_cast<int>(perm[k0 + i]);
+    const int64_t k = k0 + i;
+    const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {
-      Wc[row[i] * N] = from_f<T>(f[0]);
+      Wc[row * N] = from_f<T>(f[0]);
     } else {
       static_assert(V == 8, "16-byte stores of 8 16-bit values");
-      *reinterpret_cast<uint4*>(Wc + row[i] * N) =
+      *reinterpret_cast<uint4*>(Wc + row * N) =
           make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
     }
   }
@@ -223,7 +215,7 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
 
 // W [K, N] from columns [0, N) of qweight/scale/zero whose rows are ldq apart (the caller offsets them to a
 // column slice); V columns per thread (V = 8: N % 8 == 0, ldq % 4 == 0, 16-byte aligned qweight and W).
-template <typename T, int V, int PM>
+template <typename T, int V>
 __global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
                                int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
                                const int64_t* __restrict__ perm, T* __restrict__ W) {
@@ -240,12 +232,12 @@ __global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t
   const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
   T* Wc = W + col;
   switch (bits) {
-    case 4: dequant_chunk<T, 4, V, PM>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 2: dequant_chunk<T, 2, V, PM>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 3: dequant_chunk<T, 3, V, PM>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 5: dequant_chunk<T, 5, V, PM>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 6: dequant_chunk<T, 6, V, PM>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    default: dequant_chunk<T, 8, V, PM>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 4: dequant_chunk<T, 4, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 2: dequant_chunk<T, 2, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 3: dequant_chunk<T, 3, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 5: dequant_chunk<T, 5, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    case 6: dequant_chunk<T, 6, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
+    default: dequant_chunk<T, 8, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
   }
 }
 
@@ -361,15 +353,6 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
-// EXL_CORE_DEQUANT_PREFETCH=0: act-order rows read after the PDL wait, one per store (the A/B of the prefetch).
-bool dequant_prefetch() {
-  static const bool on = [] {
-    const char* e = std::getenv("EXL_CORE_DEQUANT_PREFETCH");
-    return e == nullptr || std::string(e) != "0";
-  }();
-  return on;
-}
-
 template <typename T>
 void launch_dequant(bool vec8, dim3 grid, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch,
                     const int32_t* qp, int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp,
@@ -377,14 +360,11 @@ void launch_dequant(bool vec8, dim3 grid, int64_t n_chunks, cudaStream_t stream,
   if constexpr (!std::is_same<T, float>::value) {
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
-      if (!pp) exl_pdl::launch_pdl(dequant_kernel<T, 8, 0>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
-      else if (dequant_prefetch()) exl_pdl::launch_pdl(dequant_kernel<T, 8, 2>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
-      else exl_pdl::launch_pdl(dequant_kernel<T, 8, 1>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+      exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
       return;
     }
   }
-  if (pp) exl_pdl::launch_pdl(dequant_kernel<T, 1, 2>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
-  else exl_pdl::launch_pdl(dequant_kernel<T, 1, 0>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+  exl_pdl::launch_pdl(dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
 }
 
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
