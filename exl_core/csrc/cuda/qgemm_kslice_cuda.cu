@@ -51,28 +51,31 @@ bool plan_has_kernel(const Plan& p, bool u4) {
   return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
 }
 
-template <int KW, bool U4, int R, int NT>
+template <int KW, bool U4, int R, int NT, bool ACT>
 void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats,
                 int dev, cudaStream_t stream) {
-  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT>;
+  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
                       static_cast<int>(K / 32), p.slots, p.xs_stride, p.gshift, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
-template <bool U4, int R, int NT>
+template <bool U4, int R, int NT, bool ACT = false>
 void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
-  if (p.kw == 4) launch_one<4, U4, R, NT>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if (p.kw == 8) launch_one<8, U4, R, NT>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if constexpr (NT == 1) launch_one<16, U4, R, NT>(x, up, M, K, tiles, p, mats, dev, stream);
+  if (p.kw == 4) launch_one<4, U4, R, NT, ACT>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT>(x, up, M, K, tiles, p, mats, dev, stream);
 }
 
 // The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
 void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
                  int dev, cudaStream_t stream) {
-  if (p.nt == 1) {
+  if (up != nullptr) {                                        // kslice_run checked: one n-tile, the default ring
+    if (u4) launch_kw<true, 8, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
+  } else if (p.nt == 1) {
     if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, up, M, K, tiles, p, mats, dev, stream);
     else if (u4) launch_kw<true, 16, 1>(x, up, M, K, tiles, p, mats, dev, stream);
     else if (p.ring == 4) launch_kw<false, 4, 1>(x, up, M, K, tiles, p, mats, dev, stream);
@@ -116,10 +119,10 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   if (up.defined())
-    TORCH_CHECK(plan.nt == 1 && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
+    TORCH_CHECK(plan.nt == 1 && plan.ring == (uniform4 ? 8 : 4) && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
                     up.sizes() == x.sizes() && up.is_contiguous(),
-                "exl_core::qgemm_kslice_silu: up must be contiguous float16 like gate ", x.sizes(), " on its GPU, and ",
-                "at most ", kStagedRows, " rows; got ", up.dtype(), " ", up.sizes());
+                "exl_core::qgemm_kslice_silu: up must be contiguous float16 like gate ", x.sizes(), " on its GPU, ",
+                "at most ", kStagedRows, " rows, the default ring; got ", up.dtype(), " ", up.sizes(), ", ring ", ring);
   // Rows read from global memory (more than kStagedRows) come 16 bytes at a time: x aligned, and each
   // act-order weight gets its own permuted copy of x (a small gather, instead of one per element and block).
   at::Tensor xa = x;

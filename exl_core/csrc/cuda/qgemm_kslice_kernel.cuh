@@ -84,7 +84,7 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
 // does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
 // passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
 // shared memory) disappears.
-template <int KW, bool U4, int R, int NT>
+template <int KW, bool U4, int R, int NT, bool ACT = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, const Mats mats) {
@@ -144,17 +144,18 @@ __global__ void __launch_bounds__(32 * KW)
   exl_pdl::pdl_trigger();
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   const int64_t* perm = mat.perm;
-  // up (staged rows only): x is the MLP's gate and the staged rows are silu(gate) * up, the down projection's input
-  // without a silu_mul launch between gate/up and down.
-  const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(up)) & 15) == 0;
+  // ACT (staged rows only): x is the MLP's gate, `up` its up, and the staged rows are silu(gate) * up, the down
+  // projection's input without a silu_mul launch between gate/up and down.  Its own instances: the extra code in
+  // the gather path cost the mixed-width kernel ~4 % of EXL2 batch-1 decode when it was a runtime branch.
+  const bool aligned = ((reinterpret_cast<uintptr_t>(x) | (ACT ? reinterpret_cast<uintptr_t>(up) : 0)) & 15) == 0;
   if constexpr (XG) {
     // nothing to stage
-  } else if (perm == nullptr && aligned && up == nullptr) {
+  } else if (perm == nullptr && aligned && !ACT) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);
     }
-  } else if (perm == nullptr && aligned) {
+  } else if (ACT && perm == nullptr && aligned) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       const uint4 gv = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
@@ -168,7 +169,6 @@ __global__ void __launch_bounds__(32 * KW)
     }
   } else {
     const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
-    const unsigned short* __restrict__ uu = reinterpret_cast<const unsigned short*>(up);
     unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
     for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {  // 8 gathers in flight per lane and row
       int src[8];
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(32 * KW)
         unsigned short h[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) h[i] = src[i] >= 0 ? __ldg(xu + m * K + src[i]) : 0;
-        if (uu != nullptr) {
+        if constexpr (ACT) {
 #pragma unroll
           for (int i = 0; i < 8; ++i)
             if (src[i] >= 0) h[i] = __half_as_ushort(silu_mul_half(__ushort_as_half(h[i]), __ldg(up + m * K + src[i])));
