@@ -145,8 +145,9 @@ __global__ void __launch_bounds__(32 * KW)
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   const int64_t* perm = mat.perm;
   // ACT (staged rows only): x is the MLP's gate, `up` its up, and the staged rows are silu(gate) * up, the down
-  // projection's input without a silu_mul launch between gate/up and down.  Its own instances: the extra code in
-  // the gather path cost the mixed-width kernel ~4 % of EXL2 batch-1 decode when it was a runtime branch.
+  // projection's input without a silu_mul launch between gate/up and down.  Its own instances, so the plain
+  // kernels keep their code (as a runtime branch, EXL2 batch-1 decode measured 254.4-255.5 tok/s in one call
+  // against 264.9-266.1 in earlier calls; with the split 260.2 -- not separated from the spread between machines).
   const bool aligned = ((reinterpret_cast<uintptr_t>(x) | (ACT ? reinterpret_cast<uintptr_t>(up) : 0)) & 15) == 0;
   if constexpr (XG) {
     // nothing to stage
