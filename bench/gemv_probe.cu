@@ -322,7 +322,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
 
-  if (argc > 1 && std::string(argv[1]) == "ncu") {       // a few launches for Nsight Compute: o, then gate/up
+  // a few launches for Nsight Compute, per layer: o, gate/up, EXL2-like q/k/v, EXL2-like o
+  if (argc > 1 && std::string(argv[1]) == "ncu") {
     for (int i = 0; i < 3; ++i) {
       Layer& l = g_layers[i];
       Layer& lm = g_layers_mixed[i];

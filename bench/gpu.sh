@@ -7,8 +7,8 @@
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
 # Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), gemv (bench/gemv_probe.cu: the
-# batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice's o and
-# gate/up under Nsight Compute, with a per-instruction SASS CSV), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
+# batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice under Nsight
+# Compute: the second layer's o and gate/up, and EXL2-like q/k/v and o; a per-instruction SASS CSV of the q/k/v), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
@@ -55,7 +55,8 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   cat /tmp/gemv_probe.txt >>"$LOG"
   grep -v '^JSON' /tmp/gemv_probe.txt | tail -40
   grep '^JSON ' /tmp/gemv_probe.txt | sed 's/^JSON //' >"$OUT/gemv_probe_rows.jsonl"
-  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice under Nsight Compute (the second layer's o and gate/up, EXL2-like q/k/v and o; SASS CSV of the first)
+  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice under Nsight Compute (the second layer's o and gate/up, EXL2-like q/k/v and o; SASS CSV of that q/k/v)
+    rm -f /tmp/gemv_probe_li
     nvcc -O3 -lineinfo -arch=sm_90 -o /tmp/gemv_probe_li bench/gemv_probe.cu
     timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 4 --launch-count 4 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
@@ -133,7 +134,7 @@ if has nosilu; then   # A/B: decode with silu_mul launched before the down proje
   EXL_CORE_SILU_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nosilu.json 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has nogs; then     # A/B: GPTQ decode with qgemm_kslice reading each chunk's group from the chunk table
+if has nogs; then     # A/B: GPTQ decode with qgemm_kslice and qgemm_wide reading each chunk's group from the chunk table
   EXL_CORE_GROUP_SHIFT=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
     --json /tmp/gpu_h200_nogs.json 2>&1 | tee -a "$LOG" | tail -14
 fi

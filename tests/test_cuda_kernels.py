@@ -394,6 +394,9 @@ def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
     pw = random_packed([(4, 128)] * 8, 4 * 40, perm=True, bias=True).to("cuda")
     gate = torch.randn(M, pw.in_features, dtype=torch.float16, device="cuda")
     up = torch.randn(M, pw.in_features, dtype=torch.float16, device="cuda")
+    from exl_core.ops import cuda_candidates as cc
+    if M <= cc.KSLICE_STAGED_ROWS and cc.KSLICE_ON and cc.SILU_FUSE_ON:   # the fused launch's precondition holds
+        assert cc._kslice_ok(M, [pw], gate.device)
     assert torch.equal(qmatmul_silu(gate, up, pw), qmatmul(silu_mul(gate, up), pw))
 
 

@@ -152,7 +152,7 @@ def _group_shift(pw) -> int:
         g = pw.groups.cpu().long()                                  # (bits, k_start, k_len, qrow_start)
         gs = int(g[0, 2]) if g.shape[0] else 0
         cpg = gs // 32
-        if gs % 32 == 0 and cpg >= 1 and cpg & (cpg - 1) == 0:
+        if gs % 32 == 0 and cpg >= 1 and cpg & (cpg - 1) == 0 and cpg < 1 << 15:   # the kernels take s < 16
             starts = torch.arange(g.shape[0]) * gs
             if torch.equal(g[:, 1], starts) and torch.equal(g[:, 2], (pw.in_features - starts).clamp(max=gs)):
                 cached = cpg.bit_length() - 1
