@@ -299,9 +299,8 @@ def _silu_down_run(gate, up, pw):
     rows = g2.shape[0]
     if not (SILU_FUSE_ON and gate.dtype == torch.float16 and rows <= KSLICE_STAGED_ROWS and _mma_ok(pw) and
             _kslice_ok(rows, [pw], gate.device) and _has_cuda_kernel("qgemm_kslice_silu")):
-        from .activation import silu_mul
-        from .qmatmul import qmatmul
-        return qmatmul(silu_mul(gate, up), pw)
+        from .qmatmul import _run_silu_each
+        return _run_silu_each(gate, up, pw)
     bias = pw.bias if pw.bias is None or pw.bias.dtype == gate.dtype else pw.bias.to(gate.dtype)
     y = torch.ops.exl_core.qgemm_kslice_silu(g2.contiguous(), up.reshape(-1, pw.in_features).contiguous(),
                                              pw.qweight, _chunks_of(pw), pw.scale, pw.zero, _perm_of(pw, gate.device),

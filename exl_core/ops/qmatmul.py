@@ -25,6 +25,9 @@ Candidates, in priority order (see `ops/dispatch.py`):
 weights share x's permutation, else `each` (one qmatmul per weight, any device); `cpu_int8_multi`
 and `cpu_bf16_multi` go first on the same terms as cpu_int8 / cpu_bf16 (x rounded once for all
 weights).
+
+`qmatmul_silu(gate, up, pw)` (the MLP's down projection) is qmatmul(silu_mul(gate, up), pw): `each` runs the two
+ops; the `cuda` candidate fuses the product into the batch-1 decode kernel's staging of x.
 """
 from __future__ import annotations
 
