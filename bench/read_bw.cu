@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+#include "probe_common.cuh"   // CK, time_seq
 
 template <int U>
 __global__ void read_ldg(const int4* __restrict__ p, size_t n, int* out) {
@@ -94,35 +94,8 @@ __global__ void read_bulk(const char* __restrict__ p, size_t per, int SB, int* o
 }
 
 template <typename F>
-float graph_us(F launch16) {   // median us of one replay of 16 launches, / 16
-  cudaStream_t st;
-  CK(cudaStreamCreate(&st));
-  launch16(st);
-  CK(cudaStreamSynchronize(st));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  launch16(st);
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ts;
-  for (int r = 0; r < 11; ++r) {
-    CK(cudaEventRecord(a, st));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(b, st));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (r) ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaStreamDestroy(st));
-  return ts[ts.size() / 2] * 1000.f / 16;
+float graph_us(F launch16) {   // us of one launch: median replay of 16 launches (probe_common.cuh), / 16
+  return time_seq(launch16) / 16;
 }
 
 int main() {

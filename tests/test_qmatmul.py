@@ -311,12 +311,16 @@ def test_loaded_act_order_projections_take_the_one_call_path():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 5])
 def test_qmatmul_silu_is_silu_mul_then_qmatmul(dtype, M, rng):
-    """The MLP's down projection op (fused on CUDA's decode kernel) gives exactly the two steps' values here,
-    and names mismatched inputs."""
+    """The MLP's down projection op (fused on CUDA's decode kernel): against float64 (the product rounded to the
+    input dtype, as HF's act_fn(gate) * up), the same values as the two steps here, and mismatched inputs named."""
     from exl_core.ops.activation import silu_mul
     pw = rand_packed(160, 24, rng)
     gate, up = torch.randn(M, 160).to(dtype), torch.randn(M, 160).to(dtype)
-    assert torch.equal(qm.qmatmul_silu(gate, up, pw), qm.qmatmul(silu_mul(gate, up), pw))
+    y = qm.qmatmul_silu(gate, up, pw)
+    act = (torch.nn.functional.silu(gate.double()).to(dtype).double() * up.double()).to(dtype)
+    assert y.dtype == dtype and y.shape == (M, 24)
+    assert rel_err(y, reference(act, pw)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(y, qm.qmatmul(silu_mul(gate, up), pw))
     with pytest.raises(InputError, match="same shape"):
         qm.qmatmul_silu(gate, up[:, :96], pw)
     with pytest.raises(InputError, match="in_features=160"):

@@ -11,18 +11,13 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include "act_device.cuh"
 #include "pdl.cuh"
 
 namespace {
 
-template <typename T> __device__ __forceinline__ float f32(T v);
-template <> __device__ __forceinline__ float f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float f32<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T cvt(float v);
-template <> __device__ __forceinline__ float cvt<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half cvt<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using exl_act::cvt;
+using exl_act::f32;
 
 constexpr int kNormThreads = 256;
 
@@ -115,9 +110,7 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
   exl_pdl::pdl_trigger();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float gv = f32<T>(g[i]);
-  const T s = cvt<T>(gv / (1.f + __expf(-gv)));          // F.silu rounds to T
-  y[i] = cvt<T>(f32<T>(s) * f32<T>(u[i]));
+  y[i] = exl_act::silu_mul<T>(g[i], u[i]);                // F.silu rounds to T, then the product
 }
 
 // The same, 16 bytes of gate and up per thread (n % (16 / sizeof(T)) == 0, 16-byte aligned buffers).
@@ -135,10 +128,7 @@ __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict
   const T* up = reinterpret_cast<const T*>(&uv);
   T* op = reinterpret_cast<T*>(&out);
 #pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const float a = f32<T>(gp[k]);
-    op[k] = cvt<T>(f32<T>(cvt<T>(a / (1.f + __expf(-a)))) * f32<T>(up[k]));
-  }
+  for (int k = 0; k < V; ++k) op[k] = exl_act::silu_mul<T>(gp[k], up[k]);
   reinterpret_cast<uint4*>(y)[i] = out;
 }
 

@@ -30,6 +30,7 @@
 #pragma once
 #include <cuda_fp16.h>
 
+#include "act_device.cuh"
 #include "pdl_device.cuh"
 #include "qmma_device.cuh"
 
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(32 * KW)
       const __half *gp = reinterpret_cast<const __half*>(&gv), *upp = reinterpret_cast<const __half*>(&uv);
       __half* op = reinterpret_cast<__half*>(&o);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) op[i] = silu_mul_half(gp[i], upp[i]);
+      for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
       *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = o;
     }
   } else {
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(32 * KW)
         if constexpr (ACT) {
 #pragma unroll
           for (int i = 0; i < 8; ++i)
-            if (src[i] >= 0) h[i] = __half_as_ushort(silu_mul_half(__ushort_as_half(h[i]), __ldg(up + m * K + src[i])));
+            if (src[i] >= 0) h[i] = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h[i]), __ldg(up + m * K + src[i])));
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i)

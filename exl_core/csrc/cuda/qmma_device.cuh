@@ -68,13 +68,6 @@ __device__ __forceinline__ void stage_x_frag(__half* xs, int xs_stride, const __
   }
 }
 
-// silu(g) * u in fp16 as exl_core::silu_mul computes it on the GPU (pointwise_cuda.cu): F.silu's result rounded
-// to fp16, then the product rounded.
-__device__ __forceinline__ __half silu_mul_half(__half g, __half u) {
-  const float a = __half2float(g);
-  return __float2half_rn(__half2float(__float2half_rn(a / (1.f + __expf(-a)))) * __half2float(u));
-}
-
 struct Raw {        // one chunk's words for a lane's 4 columns
   int4 lo, hi;
 };
