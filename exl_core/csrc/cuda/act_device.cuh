@@ -1,5 +1,6 @@
-// Device-side rounding helpers of the pointwise ops, without torch headers so the decode kernels (which fuse
-// SwiGLU's product into their staging of x, qgemm_kslice_kernel.cuh) round exactly as exl_core::silu_mul does.
+// Device-side value conversions (float <-> float / half / bfloat16, round to nearest) and the pointwise ops'
+// rounding rule for SwiGLU's product, without torch headers: pointwise_cuda.cu, qmatmul_cuda.cu and the decode
+// kernel that fuses the product into its staging of x (qgemm_kslice_kernel.cuh) share them.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

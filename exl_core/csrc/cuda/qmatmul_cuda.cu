@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "act_device.cuh"
 #include "pdl.cuh"
 
 namespace {
@@ -31,14 +32,8 @@ constexpr int kThreads = 128;
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <typename T> __device__ __forceinline__ float to_f(T v);
-template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using exl_act::cvt;   // value conversions of the pointwise ops (act_device.cuh)
+using exl_act::f32;
 
 // Exact int -> float for q < 2^23 without the slow I2F path: 2^23 + q as float bits, minus 2^23.
 __device__ __forceinline__ float q_to_f(uint32_t q) { return __uint_as_float(q | 0x4B000000u) - 8388608.0f; }
@@ -109,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(
     if (m < m_rows && i < nc * 32) {
       const int64_t k = k0 + i;
       const int64_t src = perm ? perm[k] : k;
-      v = to_f<T>(x[m * K + src]);
+      v = f32<T>(x[m * K + src]);
     }
     xs[idx] = v;
   }
@@ -152,8 +147,8 @@ __global__ void finish_kernel(const float* __restrict__ part, int64_t slices, co
   if (i >= rows * N) return;
   float v = 0.f;
   for (int64_t s = 0; s < slices; ++s) v += part[s * rows * N + i];
-  if (bias) v += to_f<T>(bias[i % N]);
-  y[i] = from_f<T>(v);
+  if (bias) v += f32<T>(bias[i % N]);
+  y[i] = cvt<T>(v);
 }
 
 // Two 16-bit values as one 32-bit word, a in the low half (the lower address).
@@ -204,7 +199,7 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {
-      Wc[row * N] = from_f<T>(f[0]);
+      Wc[row * N] = cvt<T>(f[0]);
     } else {
       static_assert(V == 8, "16-byte stores of 8 16-bit values");
       *reinterpret_cast<uint4*>(Wc + row * N) =
