@@ -62,11 +62,10 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
 W make_weight(int K, int N, bool mixed = false) {
   W w{K, N};
   const int G = K / 128, C = K / 32;
-  const int edge = std::max(128, (K / 11) / 128 * 128);
   std::vector<int> ch(static_cast<size_t>(C) * 3);
   int qrow = 0;
   for (int c = 0; c < C; ++c) {
-    const int bits = !mixed ? 4 : 32 * c < edge ? 5 : 32 * c >= K - edge ? 3 : 4;
+    const int bits = chunk_bits(c, K, mixed);
     ch[3 * c] = bits, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = qrow;
     qrow += bits;
   }
@@ -85,31 +84,12 @@ W make_weight(int K, int N, bool mixed = false) {
   CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
   w.perm = nullptr;
-  if (mixed) {
-    std::vector<int64_t> pm(K);
-    for (int k = 0; k < K; ++k) pm[k] = k;
-    for (int k = K - 1; k > 0; --k) std::swap(pm[k], pm[rand() % (k + 1)]);
-    CK(cudaMalloc(&w.perm, static_cast<size_t>(K) * 8));
-    CK(cudaMemcpy(w.perm, pm.data(), static_cast<size_t>(K) * 8, cudaMemcpyHostToDevice));
-  }
+  if (mixed) w.perm = random_perm(K);
   return w;
 }
 
 // One launch: several weights on one x (q/k/v, gate/up), as the extension's multi-weight launch.
 using Op = std::vector<W*>;
-
-cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, cudaStream_t st, cudaLaunchAttribute (&attr)[1]) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
 
 // ----------------------------------------------------------------------------- the floor: read the same bytes
 struct Bufs {

@@ -6,14 +6,16 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), gemv (bench/gemv_probe.cu: the
+# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), dequant (bench/dequant_probe.cu: the
+# prompt's dequantise kernels, alone and followed by their cuBLAS GEMMs, standalone), gemv (bench/gemv_probe.cu: the
 # batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice under Nsight
 # Compute: the second layer's o and gate/up, and EXL2-like q/k/v and o; a per-instruction SASS CSV of the q/k/v), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
-# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
+# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), norows8 (the
+# prompt alone, alternating runs with EXL_CORE_DEQUANT_ROWS8=0 and =1), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -68,6 +70,23 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
     ls -la "$OUT"
   fi
 fi
+if has dequant; then  # design probe for the prompt's dequantise (and, where cuBLAS links, dequantise + GEMM chains)
+  rm -f /tmp/dequant_probe.txt /tmp/dequant_probe
+  CUBLAS_H=$(find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/local/lib/python3*/dist-packages/nvidia \
+    /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name cublas_v2.h 2>/dev/null | head -1)
+  CUBLAS_SO=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/local/lib/python3*/dist-packages/nvidia \
+    /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name "libcublas.so*" 2>/dev/null | head -1)
+  echo "cublas: ${CUBLAS_H:-none} ${CUBLAS_SO:-none}"
+  if [ -n "$CUBLAS_H" ] && [ -n "$CUBLAS_SO" ]; then   # -l:<file> links the versioned name a wheel ships
+    nvcc -O3 -arch=sm_90 -DWITH_CUBLAS -I"$(dirname "$CUBLAS_H")" -o /tmp/dequant_probe bench/dequant_probe.cu \
+      -L"$(dirname "$CUBLAS_SO")" -l:"$(basename "$CUBLAS_SO")" -Xlinker -rpath="$(dirname "$CUBLAS_SO")" || true
+  fi
+  [ -x /tmp/dequant_probe ] || nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu
+  timeout ${PROBE_TIMEOUT:-150} /tmp/dequant_probe >/tmp/dequant_probe.txt 2>&1
+  cat /tmp/dequant_probe.txt >>"$LOG"
+  grep -v '^JSON' /tmp/dequant_probe.txt | tail -40
+  grep '^JSON ' /tmp/dequant_probe.txt | sed 's/^JSON //' >"$OUT/dequant_probe_rows.jsonl"
+fi
 if has build; then
   t0=$(date +%s)
   if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
@@ -77,12 +96,12 @@ if has build; then
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-only_probes=1     # the standalone probes (wide, gemv, readbw) need no extension build
-for p in $PHASES; do case $p in wide|gemv|readbw) ;; *) only_probes=0 ;; esac; done
+only_probes=1     # the standalone probes (wide, gemv, readbw, dequant) need no extension build
+for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;; esac; done
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has norows8 || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -133,6 +152,22 @@ fi
 if has nosilu; then   # A/B: decode with silu_mul launched before the down projection instead of fused into it
   EXL_CORE_SILU_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nosilu.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has norows8; then  # A/B: the prompt with the previous dequantise (EXL_CORE_DEQUANT_ROWS8=0), alternating runs
+  for i in 1 2; do
+    for v in 0 1; do
+      EXL_CORE_DEQUANT_ROWS8=$v env -u OUT timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
+        --exl2 "$CK/exl2" --prompt-only --json /tmp/prompt_rows8_${v}_$i.json >>"$LOG" 2>&1
+    done
+  done
+  $PY - "$OUT/gpu_h200_rows8_ab.json" <<'PYEOF' | tee -a "$LOG"
+import json, sys
+runs = {f"rows8={v} run {i}": json.load(open(f"/tmp/prompt_rows8_{v}_{i}.json")) for i in (1, 2) for v in (0, 1)}
+for k, d in runs.items():
+    print(f"{k}: copy {d['copy_bw_gb_s']:.1f} GB/s, prompt gptq {d['gptq'].get('prompt2048_tok_s', 0):.1f}, "
+          f"exl2 {d['exl2'].get('prompt2048_tok_s', 0):.1f} tok/s")
+json.dump(runs, open(sys.argv[1], "w"), indent=1)
+PYEOF
 fi
 if has nogs; then     # A/B: GPTQ decode with qgemm_kslice and qgemm_wide reading each chunk's group from the chunk table
   EXL_CORE_GROUP_SHIFT=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

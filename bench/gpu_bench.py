@@ -333,8 +333,9 @@ def profile_table(fn, label: str, top: int = 14) -> list[dict]:
     return rows[:top]
 
 
-def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False) -> None:
-    """quick: CUDA-graph decode and the prompt only (no sweep, eager runs or profiles), for A/B runs."""
+def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False, prompt_only: bool = False) -> None:
+    """quick: CUDA-graph decode and the prompt only (no sweep, eager runs or profiles), for A/B runs;
+    prompt_only: the prompt alone (A/B runs of the prompt path)."""
     from exl_core.loader import load_model
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -350,7 +351,7 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             out["gemv_sweep_error"] = repr(e)[:300]
-    for B in (1, 8, 32):
+    for B in (() if prompt_only else (1, 8, 32)):
         for graphs in ((True,) if quick else (False, True)):
             key = f"bs{B}_decode_tok_s" + ("" if graphs else "_eager")
             try:
@@ -365,7 +366,7 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         r["prompt2048_error"] = repr(e)[:300]
-    if PROFILE and not quick:
+    if PROFILE and not quick and not prompt_only:
         try:
             r["profile_decode_bs1"] = profile_decode(model, 1)
             r["profile_decode_bs32"] = profile_decode(model, 32)
@@ -396,6 +397,7 @@ def main() -> None:
     ap.add_argument("--exl2", type=Path)
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_h200.json")
     ap.add_argument("--quick", action="store_true", help="graph decode and prompt only (A/B runs)")
+    ap.add_argument("--prompt-only", action="store_true", help="the 2048-token prompt only (A/B runs)")
     ap.add_argument("--kv-layout", choices=("thd", "htd"), default="thd",
                     help="the bench's K/V cache: (B, T, Hkv, D) (default) or (B, Hkv, T, D) (A/B)")
     ap.add_argument("--decode-attn", choices=("paged", "sdpa"), default="paged",
@@ -409,13 +411,14 @@ def main() -> None:
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
                  "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0",
                  "wide": os.environ.get("EXL_CORE_WIDE", "1") != "0", "kv_layout": a.kv_layout,
+                 "dequant_rows8": os.environ.get("EXL_CORE_DEQUANT_ROWS8", "1") != "0",
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):
         p = getattr(a, fmt)
         if p is not None:
-            bench_format(p, fmt, bw, out, a.quick)
+            bench_format(p, fmt, bw, out, a.quick or a.prompt_only, a.prompt_only)
             _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
         cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("kslice", "skinny", "mma", "gemv", "dequant_mm")

@@ -1,9 +1,10 @@
-// What the standalone CUDA probes (wide_probe.cu, gemv_probe.cu) share: the error check and the timing of a
-// sequence of launches replayed from one CUDA graph.
+// What the standalone CUDA probes (wide_probe.cu, gemv_probe.cu, dequant_probe.cu) share: the error check, the
+// timing of a sequence of launches replayed from one CUDA graph, PDL launch configs and the bench's weight layouts.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -49,4 +50,37 @@ float time_seq(F&& launch_all) {
   CK(cudaGraphDestroy(graph));
   CK(cudaStreamDestroy(st));
   return us;
+}
+
+// A launch config with programmatic dependent launch, as the extension launches its kernels.
+inline cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                                     cudaLaunchAttribute (&attr)[1]) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Bits of chunk c (32 rows) of a K-row weight: 4, or the bench's EXL2 layout (bench/make_7b_checkpoint.py
+// exl2_segments): the first ~K/11 rows 5-bit, the last ~K/11 3-bit, the rest 4-bit.
+inline int chunk_bits(int c, int K, bool mixed) {
+  const int edge = std::max(128, (K / 11) / 128 * 128);
+  return !mixed ? 4 : 32 * c < edge ? 5 : 32 * c >= K - edge ? 3 : 4;
+}
+
+// A random act-order permutation of K rows, int64 on the device.
+inline int64_t* random_perm(int K) {
+  std::vector<int64_t> pm(K);
+  for (int k = 0; k < K; ++k) pm[k] = k;
+  for (int k = K - 1; k > 0; --k) std::swap(pm[k], pm[rand() % (k + 1)]);
+  int64_t* d;
+  CK(cudaMalloc(&d, static_cast<size_t>(K) * 8));
+  CK(cudaMemcpy(d, pm.data(), static_cast<size_t>(K) * 8, cudaMemcpyHostToDevice));
+  return d;
 }

@@ -139,6 +139,27 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
         assert y.shape == (40, 268) and rel_err(y, ref) < 2e-3
 
 
+
+@pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_vectorised_equals_per_column_and_float64(perm, dtype):
+    """The 16-byte dequantise (a warp per 8 rows of a chunk, 256 columns a block: every width's bits in one or
+    two word rows) writes exactly what the per-column kernel writes, and both match float64: N = 536 is two
+    full blocks and a partial one; the slice from column 1 is misaligned, so it takes the per-column kernel."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    pw = random_packed(LAYOUTS[1] + [(5, 64), (6, 32), (8, 64), (2, 64)], 8 * 67, perm=perm)
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    ch = chunk_table(pw.groups, "cuda")
+    ops = torch.ops.exl_core
+    poison_allocator()
+    full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype)
+    assert rel_err(full, W) < (1e-3 if dtype == torch.float16 else 4e-3)
+    poison_allocator()
+    part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, 1, -1)
+    assert torch.equal(part, full[:, 1:])
+
 MMA_CASES = [                                                     # (layout, N)
     (LAYOUTS[1], 4 * 67),                                         # every width, partial column tile
     ([(4, 32 * 96)], 4 * 33),                                     # split-K over a cluster

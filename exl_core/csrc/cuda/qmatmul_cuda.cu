@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "act_device.cuh"
+#include "dequant_kernel.cuh"
 #include "pdl.cuh"
 
 namespace {
@@ -34,9 +35,11 @@ inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) 
 
 using exl_act::cvt;   // value conversions of the pointwise ops (act_device.cuh)
 using exl_act::f32;
+using exl_dequant::group_scale_zero;   // shared with the dequantise (dequant_kernel.cuh)
+using exl_dequant::q_to_f;
+using exl_dequant::dequant_kernel;
+using exl_dequant::dequant_rows8_kernel;
 
-// Exact int -> float for q < 2^23 without the slow I2F path: 2^23 + q as float bits, minus 2^23.
-__device__ __forceinline__ float q_to_f(uint32_t q) { return __uint_as_float(q | 0x4B000000u) - 8388608.0f; }
 
 // Loads VEC adjacent words of one qweight row (16 / 8 / 4 bytes).
 template <int VEC>
@@ -77,16 +80,6 @@ __device__ __forceinline__ void gemv_chunk(const int32_t* qw, int64_t N, const f
   }
 }
 
-// Scale and scale * zero of V adjacent columns from `col` of group g (scale/zero rows ldq apart).
-template <int V>
-__device__ __forceinline__ void group_scale_zero(const float* scale, const float* zero, int64_t g, int64_t ldq,
-                                                 int64_t col, float (&s)[V], float (&zs)[V]) {
-#pragma unroll
-  for (int v = 0; v < V; ++v) {
-    s[v] = __ldg(scale + g * ldq + col + v);
-    zs[v] = __ldg(zero + g * ldq + col + v) * s[v];
-  }
-}
 
 template <typename T, int M, int VEC>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(
@@ -149,91 +142,6 @@ __global__ void finish_kernel(const float* __restrict__ part, int64_t slices, co
   for (int64_t s = 0; s < slices; ++s) v += part[s * rows * N + i];
   if (bias) v += f32<T>(bias[i % N]);
   y[i] = cvt<T>(v);
-}
-
-// Two 16-bit values as one 32-bit word, a in the low half (the lower address).
-template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of
-// W [K, N] at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two
-// 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
-// Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
-// read: the allocator hands the same block to each slice) is written after it.
-template <typename T, int BITS, int V>
-__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t N, const float (&s)[V],
-                                              const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
-  uint32_t w[BITS][V];
-#pragma unroll
-  for (int j = 0; j < BITS; ++j) {
-    if constexpr (V == 1) {
-      w[j][0] = __ldg(qw + j * ldq);
-    } else {
-#pragma unroll
-      for (int h = 0; h < V / 4; ++h) {
-        const int4 a = __ldg(reinterpret_cast<const int4*>(qw + j * ldq + 4 * h));
-        w[j][4 * h] = a.x, w[j][4 * h + 1] = a.y, w[j][4 * h + 2] = a.z, w[j][4 * h + 3] = a.w;
-      }
-    }
-  }
-  exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger();
-  constexpr uint32_t mask = (1u << BITS) - 1u;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
-    float f[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-      uint32_t q = w[wi][v] >> off;
-      if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
-      f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
-    }
-    const int64_t k = k0 + i;
-    const int64_t row = perm ? perm[k] : k;
-    if constexpr (V == 1) {
-      Wc[row * N] = cvt<T>(f[0]);
-    } else {
-      static_assert(V == 8, "16-byte stores of 8 16-bit values");
-      *reinterpret_cast<uint4*>(Wc + row * N) =
-          make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
-    }
-  }
-}
-
-// W [K, N] from columns [0, N) of qweight/scale/zero whose rows are ldq apart (the caller offsets them to a
-// column slice); V columns per thread (V = 8: N % 8 == 0, ldq % 4 == 0, 16-byte aligned qweight and W).
-template <typename T, int V>
-__global__ void dequant_kernel(const int32_t* __restrict__ chunks, const int32_t* __restrict__ qweight, int64_t ldq,
-                               int64_t N, const float* __restrict__ scale, const float* __restrict__ zero,
-                               const int64_t* __restrict__ perm, T* __restrict__ W) {
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
-  if (col >= N) {
-    exl_pdl::pdl_wait();                                        // every block waits: completion stays transitive
-    exl_pdl::pdl_trigger();
-    return;
-  }
-  const int64_t c = blockIdx.y;
-  const int bits = chunks[c * 3], g = chunks[c * 3 + 1], qrow = chunks[c * 3 + 2];
-  float s[V], zs[V];
-  group_scale_zero<V>(scale, zero, g, ldq, col, s, zs);
-  const int32_t* qw = qweight + static_cast<int64_t>(qrow) * ldq + col;
-  T* Wc = W + col;
-  switch (bits) {
-    case 4: dequant_chunk<T, 4, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 2: dequant_chunk<T, 2, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 3: dequant_chunk<T, 3, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 5: dequant_chunk<T, 5, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    case 6: dequant_chunk<T, 6, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-    default: dequant_chunk<T, 8, V>(qw, ldq, N, s, zs, perm, c * 32, Wc); break;
-  }
 }
 
 // ----------------------------------------------------------------------------- host side
@@ -348,11 +256,27 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
+// EXL_CORE_DEQUANT_ROWS8=0: the previous vectorised dequantise (a thread per chunk and 8 columns), for A/B runs.
+inline bool rows8_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EXL_CORE_DEQUANT_ROWS8");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
 template <typename T>
 void launch_dequant(bool vec8, dim3 grid, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch,
                     const int32_t* qp, int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp,
                     T* out) {
   if constexpr (!std::is_same<T, float>::value) {
+    if (vec8 && rows8_enabled()) {
+      const dim3 g(static_cast<unsigned>((N + exl_dequant::kRows8Cols - 1) / exl_dequant::kRows8Cols),
+                   static_cast<unsigned>(n_chunks));
+      exl_pdl::launch_pdl(dequant_rows8_kernel<T>, g, dim3(exl_dequant::kRows8Threads), 0, stream, dev, ch, qp, ldq,
+                          N, sp, zp, pp, out);
+      return;
+    }
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
       exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
@@ -382,8 +306,9 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(chunks.size(0)));
   const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
   const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
-  // 16-byte word loads (qp aligned, rows ldq % 4 words apart) and W row stores (N % 8); scale/zero go per value
-  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
+  // 16-byte word, scale and zero loads (aligned, rows ldq % 4 apart) and W row stores (N % 8)
+  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp) && is_aligned16(sp) &&
+                    is_aligned16(zp);
   const int32_t* ch = chunks.data_ptr<int32_t>();
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
     launch_dequant<scalar_t>(vec8, grid, chunks.size(0), stream, dev, ch, qp, ldq, N, sp, zp, pp,
