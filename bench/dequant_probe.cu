@@ -1,15 +1,14 @@
-// Probe for the prompt path's dequantise (packed weight -> fp16 W [K, N] for cuBLAS): the extension's kernels
-// (exl_core/csrc/cuda/dequant_kernel.cuh, no torch headers) built with plain nvcc and timed as the prompt runs them,
-// with programmatic dependent launch: per decoder layer of a Llama-2-7B shape, q/k/v/o (4096 x 4096), gate and up
-// (4096 x 11008, each in column slices of 4096 as `_dequant_mm` takes them) and down (11008 x 4096), four layers of
-// distinct weights in one CUDA graph, all writing one scratch W as the allocator hands the extension one block.
-// Formats: GPTQ 4-bit g128 (the bench's: no act-order), the same with a random act-order, the bench's EXL2 widths
-// (5/4/3-bit segments) without and with act-order.  Floors: cudaMemset of the same W bytes (write only) and a D2D copy.
-// With -DWITH_CUBLAS (-lcublas) also the prompt's chain as it runs: each dequantise followed by its GEMM on 2048 rows
-// of x (y = x W, cublasGemmEx, fp32 accumulate), against the GEMMs alone.
+// Probe for the prompt path's dequantise (packed weight -> fp16 W [K, N] for cuBLAS): the extension's kernel
+// (exl_core/csrc/cuda/dequant_kernel.cuh, no torch headers) built with plain nvcc, launched with programmatic dependent
+// launch as the extension launches it, over four Llama-2-7B-shaped decoder layers of distinct weights in one CUDA graph.
+// Three schedules of a layer's dequantise launches (see `plan`): one weight (or 4096-column slice) per launch, as
+// the extension did; q|k|v and gate|up side by side in one launch each; everything in two launches before the GEMMs.
+// Each is timed alone and, with -DWITH_CUBLAS (-lcublas), followed by its GEMMs on 2048 rows of x (cublasGemmEx, fp32
+// accumulate), against the GEMMs alone. Formats: GPTQ 4-bit g128 (the bench's: no act-order) and the bench's EXL2
+// widths (5/4/3-bit segments) with a random act-order. Every part of the first layer is checked bit for bit against a
+// host computation of the kernel's formula (fp32 fma, one rounding to fp16).
 //   nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu [-DWITH_CUBLAS -lcublas] && /tmp/dequant_probe
-// (bench/gpu.sh phase `dequant`.)  Each output W is checked bit for bit against a host computation of the same
-// formula (fp32 fma, one rounding to fp16) on the first layer.
+// (bench/gpu.sh phase `dequant`.)  bench/results/dequant_probe_h200.json has the runs.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #ifdef WITH_CUBLAS
@@ -75,73 +74,171 @@ DW make(int K, int ldq, bool mixed, bool act_order, bool keep_host) {
   return w;
 }
 
-struct Launch {                   // one dequantise: columns [col0, col0 + N) of a weight
+// One dequantise launch: columns [col0, col0 + N) of each of its weights, side by side in W (row stride ldw).
+struct Part {
   DW* w;
   int col0, N;
 };
+struct Launch {
+  std::vector<Part> parts;
+  __half* W;
+  int ldw() const {
+    int n = 0;
+    for (const auto& p : parts) n += p.N;
+    return ldw_override ? ldw_override : n;
+  }
+  int ldw_override = 0;           // W wider than these parts (all-first: every K = 4096 weight in one W)
+  int w_col0 = 0;                 // the first part's column in W
+};
 
-enum Kern { kV8 = 0, kRows8 = 1 };
-const char* kern_name[] = {"v8 (thread per chunk x 8 cols)", "rows8 (warp per 8 rows x 256 cols)"};
-
-void launch(Kern k, const Launch& l, __half* W, cudaStream_t st) {
-  const DW& w = *l.w;
-  const int32_t* qp = w.qw + l.col0;
-  const float *sp = w.s + l.col0, *zp = w.z + l.col0;
-  cudaLaunchAttribute attr[1];
-  const int64_t ldq = w.ldq, N = l.N;
-  if (k == kRows8) {
-    const cudaLaunchConfig_t cfg = pdl_config(dim3((N + kRows8Cols - 1) / kRows8Cols, w.K / 32),
-                                              dim3(kRows8Threads), 0, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, dequant_rows8_kernel<__half>, (const int32_t*)w.chunks, qp, ldq, N, sp, zp,
-                          (const int64_t*)w.perm, W));
-  } else {
-    const cudaLaunchConfig_t cfg = pdl_config(dim3((N + 511) / 512, w.K / 32), dim3(64), 0, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, dequant_kernel<__half, 8>, (const int32_t*)w.chunks, qp, ldq, N, sp, zp,
-                          (const int64_t*)w.perm, W));
+// Timing control: the dequantise's stores without its loads or math (the same threads, rows -- through perm -- and
+// 16-byte stores as dequant_kernel<T, 8>; garbage values).  A variant writing one contiguous 32 KB piece per block
+// timed the same after the GEMMs (bench/results/dequant_probe_h200.json): the row pattern is not the cost.
+__global__ void store_only_kernel(const __grid_constant__ DequantMats mats) {
+  const DequantMat& m = mats.m[blockIdx.z];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
+  if (col >= m.N) return;
+  const int64_t c = blockIdx.y;
+  const uint4 v = make_uint4(static_cast<uint32_t>(c), static_cast<uint32_t>(col), 0u, 0u);
+  __half* W = static_cast<__half*>(m.W);
+#pragma unroll 4
+  for (int i = 0; i < 32; ++i) {
+    const int64_t row = m.perm ? m.perm[c * 32 + i] : c * 32 + i;
+    *reinterpret_cast<uint4*>(W + row * mats.ldw + col) = v;
   }
 }
 
-struct Layer {
-  DW m[7];                        // q, k, v, o, gate, up, down
-  std::vector<Launch> all, attn, mlp_in, down;
-};
+// What a dequantise slot of a schedule runs: the kernels, the stores alone (store_only_kernel), or a memset of W.
+// (A warp-per-8-rows kernel, dequant_rows8_kernel in `git show e060c29:exl_core/csrc/cuda/dequant_kernel.cuh`, lost
+// alone and after the GEMMs: bench/results/dequant_probe_h200.json.)
+enum Kind { kV8 = 0, kStoresOnly, kMemset };
+const char* kind_name[] = {"dequant_kernel<half, 8>", "stores only", "memset"};
+const char* kind_key[] = {"v8", "stores_only", "memset"};
 
-void plan(Layer& L) {
-  for (int i = 0; i < 4; ++i) L.attn.push_back({&L.m[i], 0, 4096});
-  for (int i = 4; i < 6; ++i)
-    for (int c0 = 0; c0 < 11008; c0 += 4096) L.mlp_in.push_back({&L.m[i], c0, std::min(4096, 11008 - c0)});
-  L.down.push_back({&L.m[6], 0, 4096});
-  for (auto* v : {&L.attn, &L.mlp_in, &L.down}) L.all.insert(L.all.end(), v->begin(), v->end());
+void launch(const Launch& l, cudaStream_t st, int kind) {
+  DequantMats mats{};
+  mats.n = static_cast<int>(l.parts.size());
+  mats.ldw = l.ldw();
+  int64_t max_n = 0, col = l.w_col0, elems = 0;
+  for (int i = 0; i < mats.n; ++i) {
+    const Part& p = l.parts[i];
+    DequantMat& m = mats.m[i];
+    m.chunks = p.w->chunks;
+    m.qweight = p.w->qw + p.col0;
+    m.scale = p.w->s + p.col0;
+    m.zero = p.w->z + p.col0;
+    m.perm = p.w->perm;
+    m.W = l.W + col;
+    m.ldq = p.w->ldq;
+    m.N = p.N;
+    col += p.N;
+    max_n = std::max<int64_t>(max_n, p.N);
+    elems += static_cast<int64_t>(p.w->K) * p.N;
+  }
+  if (kind == kMemset) {
+    CK(cudaMemsetAsync(l.W + l.w_col0, 0, elems * 2, st));
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>((max_n + 511) / 512), l.parts[0].w->K / 32,
+                                                 mats.n), dim3(64), 0, st, attr);
+  void (*kern)(DequantMats) = kind == kV8 ? dequant_kernel<__half, 8> : store_only_kernel;
+  CK(cudaLaunchKernelEx(&cfg, kern, mats));
 }
 
-Layer make_layer(bool mixed, bool act_order, bool keep_host) {
-  Layer L;
+// A GEMM of the prompt: y (row stride ldy, from column y_col) = x[:, :K] (2048 rows) times N columns of W from w_col.
+struct Gemm {
+  int K, N;
+  const __half* W;
+  int ldw, w_col;
+  int y_col, ldy;
+};
+
+struct Layer {
+  Layer() = default;
+  Layer(const Layer&) = delete;
+  DW m[7];                        // q, k, v, o, gate, up, down
+};
+
+// In place: launches point at L.m, so a Layer is never copied or moved after this.
+void fill_layer(Layer& L, bool mixed, bool act_order, bool keep_host) {
   for (int i = 0; i < 4; ++i) L.m[i] = make(4096, 4096, mixed, act_order, keep_host);
   for (int i = 4; i < 6; ++i) L.m[i] = make(4096, 11008, mixed, act_order, keep_host);
   L.m[6] = make(11008, 4096, mixed, act_order, keep_host);
-  plan(L);
-  return L;
 }
 
-int64_t bytes_of(const std::vector<Launch>& ls, int64_t* w_bytes) {   // read (words, scale, zero of the slice) + write
-  int64_t r = 0, wr = 0;
-  for (const auto& l : ls) {
-    r += l.w->bytes * l.N / l.w->ldq;
-    wr += static_cast<int64_t>(l.w->K) * l.N * 2;
+// The three schedules of a layer's dequantise launches and GEMMs:
+//   per weight: 11 x (dequantise one weight or 4096-column slice into one scratch, GEMM) -- the extension today;
+//   grouped:    q|k|v, o, gate|up, down: each group dequantised side by side in one launch, then one GEMM;
+//   all first:  the six K = 4096 weights in one launch, down in a second, then the four grouped GEMMs.
+enum Sched { kPerWeight = 0, kGrouped = 1, kAllFirst = 2 };
+const char* sched_name[] = {"per_weight", "grouped", "all_first"};
+
+struct Plan {
+  std::vector<Launch> dq;
+  std::vector<Gemm> gemm;
+  std::vector<std::pair<int, int>> order;   // (0 = dequantise / 1 = GEMM, index)
+};
+
+Plan plan(Layer& L, Sched s, __half* W, __half* W2) {
+  Plan p;
+  auto dq = [&](std::vector<Part> parts, __half* w, int ldw = 0, int w_col0 = 0) {
+    Launch l;
+    l.parts = std::move(parts);
+    l.W = w;
+    l.ldw_override = ldw;
+    l.w_col0 = w_col0;
+    p.dq.push_back(l);
+    p.order.push_back({0, static_cast<int>(p.dq.size()) - 1});
+  };
+  auto gemm = [&](int K, int N, const __half* w, int ldw, int w_col, int y_col, int ldy) {
+    p.gemm.push_back({K, N, w, ldw, w_col, y_col, ldy});
+    p.order.push_back({1, static_cast<int>(p.gemm.size()) - 1});
+  };
+  if (s == kPerWeight) {
+    for (int i = 0; i < 4; ++i) dq({{&L.m[i], 0, 4096}}, W), gemm(4096, 4096, W, 4096, 0, 0, 4096);
+    for (int i = 4; i < 6; ++i)
+      for (int c0 = 0; c0 < 11008; c0 += 4096) {
+        const int n = std::min(4096, 11008 - c0);
+        dq({{&L.m[i], c0, n}}, W), gemm(4096, n, W, n, 0, c0, 11008);
+      }
+    dq({{&L.m[6], 0, 4096}}, W), gemm(11008, 4096, W, 4096, 0, 0, 4096);
+  } else if (s == kGrouped) {
+    dq({{&L.m[0], 0, 4096}, {&L.m[1], 0, 4096}, {&L.m[2], 0, 4096}}, W), gemm(4096, 12288, W, 12288, 0, 0, 12288);
+    dq({{&L.m[3], 0, 4096}}, W), gemm(4096, 4096, W, 4096, 0, 0, 4096);
+    dq({{&L.m[4], 0, 11008}, {&L.m[5], 0, 11008}}, W), gemm(4096, 22016, W, 22016, 0, 0, 22016);
+    dq({{&L.m[6], 0, 4096}}, W), gemm(11008, 4096, W, 4096, 0, 0, 4096);
+  } else {
+    const int ld = 3 * 4096 + 4096 + 2 * 11008;
+    dq({{&L.m[0], 0, 4096}, {&L.m[1], 0, 4096}, {&L.m[2], 0, 4096}, {&L.m[3], 0, 4096}, {&L.m[4], 0, 11008},
+        {&L.m[5], 0, 11008}}, W, ld);
+    dq({{&L.m[6], 0, 4096}}, W2);
+    gemm(4096, 12288, W, ld, 0, 0, 12288);
+    gemm(4096, 4096, W, ld, 12288, 0, 4096);
+    gemm(4096, 22016, W, ld, 16384, 0, 22016);
+    gemm(11008, 4096, W2, 4096, 0, 0, 4096);
   }
-  if (w_bytes) *w_bytes = wr;
-  return r + wr;
+  return p;
 }
 
-// Host reference of one launch: the kernels' formula (fp32 fma of q, s and -z s, one rounding to fp16).
-bool check(const Launch& l, const __half* W) {
-  const DW& w = *l.w;
-  std::vector<__half> got(static_cast<size_t>(w.K) * l.N);
-  CK(cudaMemcpy(got.data(), W, got.size() * 2, cudaMemcpyDeviceToHost));
+int64_t dq_bytes(const Plan& p) {   // read (words, scale, zero of the parts) + write
+  int64_t b = 0;
+  for (const auto& l : p.dq)
+    for (const auto& q : l.parts) b += q.w->bytes * q.N / q.w->ldq + static_cast<int64_t>(q.w->K) * q.N * 2;
+  return b;
+}
+
+// Host reference of one part: the kernels' formula (fp32 fma of q, s and -z s, one rounding to fp16).
+bool check(const Part& pt, const __half* Wcol, int ldw) {
+  const DW& w = *pt.w;
+  std::vector<__half> got(static_cast<size_t>(w.K) * ldw);
+  CK(cudaMemcpy(got.data(), Wcol, (static_cast<size_t>(w.K - 1) * ldw + pt.N) * 2, cudaMemcpyDeviceToHost));
   for (int c = 0; c < w.K / 32; ++c) {
     const int bits = w.hch[3 * c], g = w.hch[3 * c + 1], qrow = w.hch[3 * c + 2];
-    for (int n = 0; n < l.N; ++n) {
-      const int col = l.col0 + n;
+    for (int n = 0; n < pt.N; ++n) {
+      const int col = pt.col0 + n;
       const float s = w.hs[static_cast<size_t>(g) * w.ldq + col], zs = w.hz[static_cast<size_t>(g) * w.ldq + col] * s;
       for (int j = 0; j < 32; ++j) {
         const int pos = j * bits, wi = pos >> 5, off = pos & 31;
@@ -151,7 +248,7 @@ bool check(const Launch& l, const __half* W) {
         const uint32_t q = static_cast<uint32_t>((win >> off) & ((1u << bits) - 1u));
         const int64_t k = 32 * c + j, row = w.hperm.empty() ? k : w.hperm[k];
         const __half want = __float2half_rn(std::fmaf(static_cast<float>(q), s, -zs));
-        const __half have = got[static_cast<size_t>(row) * l.N + n];
+        const __half have = got[static_cast<size_t>(row) * ldw + n];
         if (memcmp(&want, &have, 2) != 0) {
           printf("MISMATCH K %d ldq %d col %d k %lld: %f vs %f\n", w.K, w.ldq, col, (long long)k,
                  __half2float(want), __half2float(have));
@@ -168,46 +265,30 @@ bool check(const Launch& l, const __half* W) {
 #endif
 
 int main() {
+  setvbuf(stdout, nullptr, _IONBF, 0);   // a crash keeps what was printed
   srand(1234);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  for (auto kf : {dequant_kernel<__half, 8>}) {
-    cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, kf));
-    printf("v8 registers %d\n", a.numRegs);
-  }
   {
     cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, dequant_rows8_kernel<__half>));
-    printf("rows8 registers %d\n", a.numRegs);
+    CK(cudaFuncGetAttributes(&a, dequant_kernel<__half, 8>));
+    printf("dequant_kernel<half, 8>: %d registers, %zu B local\n", a.numRegs, a.localSizeBytes);
   }
-  __half* W;
-  const size_t w_max = static_cast<size_t>(11008) * 4096;
+  const size_t w_max = static_cast<size_t>(4096) * (3 * 4096 + 4096 + 2 * 11008);   // all first: 315 MB
+  __half *W, *W2, *W3;             // W3: the overlap's second scratch
   CK(cudaMalloc(&W, w_max * 2));
-
-  // floors: cudaMemset over a layer's W sizes (write only), a D2D copy of the largest W
+  CK(cudaMalloc(&W3, static_cast<size_t>(11008) * 4096 * 2));
+  CK(cudaMalloc(&W2, static_cast<size_t>(11008) * 4096 * 2));
+  {
+    const size_t n = static_cast<size_t>(11008) * 4096;
+    const float cus = time_seq([&](cudaStream_t st) { CK(cudaMemcpyAsync(W2, W, n * 2, cudaMemcpyDeviceToDevice, st)); });
+    printf("copy: %.2f us for %zu MB, %.1f GB/s read+write\n", cus, n * 2 >> 20, 2.0 * n * 2 / cus / 1e3);
+    printf("JSON {\"row\": \"copy\", \"us\": %.3f, \"gb_s_rw\": %.1f}\n", cus, 2.0 * n * 2 / cus / 1e3);
+  }
   const int n_layers = 4;
   struct Fmt { const char* name; bool mixed, act_order; };
-  const Fmt fmts[] = {{"gptq", false, false}, {"gptq_actorder", false, true}, {"exl2_noperm", true, false},
-                      {"exl2", true, true}};
-  {
-    Layer L = make_layer(false, false, false);
-    int64_t wb;
-    bytes_of(L.all, &wb);
-    const float us = time_seq([&](cudaStream_t st) {
-                       for (int r = 0; r < n_layers; ++r)
-                         for (const auto& l : L.all) CK(cudaMemsetAsync(W, r, static_cast<size_t>(l.w->K) * l.N * 2, st));
-                     }) / n_layers;
-    printf("memset floor: %.2f us a layer, %.1f GB/s written\n", us, wb / us / 1e3);
-    printf("JSON {\"row\": \"memset_floor\", \"us_per_layer\": %.3f, \"gb_s\": %.1f}\n", us, wb / us / 1e3);
-    __half* W2;
-    CK(cudaMalloc(&W2, w_max * 2));
-    const float cus = time_seq([&](cudaStream_t st) { CK(cudaMemcpyAsync(W2, W, w_max * 2, cudaMemcpyDeviceToDevice, st)); });
-    printf("copy: %.2f us for %zu MB, %.1f GB/s read+write\n", cus, w_max * 2 >> 20, 2.0 * w_max * 2 / cus / 1e3);
-    printf("JSON {\"row\": \"copy\", \"us\": %.3f, \"gb_s_rw\": %.1f}\n", cus, 2.0 * w_max * 2 / cus / 1e3);
-    CK(cudaFree(W2));
-  }
+  const Fmt fmts[] = {{"gptq", false, false}, {"exl2", true, true}};
 
 #ifdef WITH_CUBLAS
   cublasHandle_t h;
@@ -215,82 +296,132 @@ int main() {
   const int M = 2048;
   __half *x, *y;
   CK(cudaMalloc(&x, static_cast<size_t>(M) * 11008 * 2));
-  CK(cudaMalloc(&y, static_cast<size_t>(M) * 11008 * 2));
+  CK(cudaMalloc(&y, static_cast<size_t>(M) * 22016 * 2));
   {
     std::vector<__half> hx(static_cast<size_t>(M) * 11008);
     for (auto& v : hx) v = __float2half(rand() / static_cast<float>(RAND_MAX) - 0.5f);
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   }
-  // y[:, col0:col0+N] (row stride ldq) = x[:, :K] W, as _dequant_mm's column slices write y in place
-  auto gemm = [&](const Launch& l, cudaStream_t st) {
+  auto gemm = [&](const Gemm& g, cudaStream_t st) {     // row-major y = x W as cuBLAS's column-major y^T = W^T x^T
     const float one = 1.f, zero = 0.f;
     CB(cublasSetStream(h, st));
-    CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, l.N, M, l.w->K, &one, W, CUDA_R_16F, l.N, x, CUDA_R_16F, 11008,
-                    &zero, y + l.col0, CUDA_R_16F, l.w->ldq, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, g.N, M, g.K, &one, g.W + g.w_col, CUDA_R_16F, g.ldw, x, CUDA_R_16F,
+                    11008, &zero, y + g.y_col, CUDA_R_16F, g.ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
-  bool gemm_done = false;
 #endif
 
   for (const Fmt& f : fmts) {
-    std::vector<Layer> layers;
-    for (int r = 0; r < n_layers; ++r) layers.push_back(make_layer(f.mixed, f.act_order, r == 0));
-    // bit-for-bit check of both kernels on the first layer: one of each shape
-    for (Kern k : {kV8, kRows8}) {
+    std::vector<Layer> layers(n_layers);
+    for (int r = 0; r < n_layers; ++r) fill_layer(layers[r], f.mixed, f.act_order, r == 0);
+    for (int s = 0; s < 2; ++s) {                       // per weight, grouped (all-first lost: bench/results)
+      std::vector<Plan> plans;
+      for (auto& L : layers) plans.push_back(plan(L, static_cast<Sched>(s), W, W2));
+      // bit-for-bit check of every part of the first layer's launches, every dequantise kernel
       bool ok = true;
-      for (const Launch* l : {&layers[0].attn[0], &layers[0].mlp_in[2], &layers[0].down[0]}) {
-        CK(cudaMemset(W, 0xFF, w_max * 2));
-        launch(k, *l, W, 0);
-        CK(cudaDeviceSynchronize());
-        ok = ok && check(*l, W);
-      }
-      printf("%s %s: check %s\n", f.name, kern_name[k], ok ? "ok" : "FAILED");
+      for (int kind : {kV8})
+        for (const auto& l : plans[0].dq) {
+          CK(cudaMemset(l.W, 0xFF, (l.W == W ? w_max : static_cast<size_t>(11008) * 4096) * 2));
+          launch(l, 0, kind);
+          CK(cudaDeviceSynchronize());
+          int col = l.w_col0;
+          for (const auto& p : l.parts) {
+            ok = ok && check(p, l.W + col, l.ldw());
+            col += p.N;
+          }
+        }
+      printf("%s %s: check %s\n", f.name, sched_name[s], ok ? "ok" : "FAILED");
       if (!ok) exit(1);
-    }
-    for (Kern k : {kV8, kRows8}) {
-      std::string row = std::string("{\"row\": \"dequant\", \"format\": \"") + f.name + "\", \"kernel\": \"" +
-                        (k == kV8 ? "v8" : "rows8") + "\"";
-      printf("%-14s %-36s", f.name, kern_name[k]);
-      const char* part_names[] = {"layer", "qkvo", "gate_up", "down"};
-      for (int p = 0; p < 4; ++p) {
-        auto pick = [&](Layer& L) -> std::vector<Launch>& {
-          return p == 0 ? L.all : p == 1 ? L.attn : p == 2 ? L.mlp_in : L.down;
-        };
+      std::string row = std::string("{\"row\": \"schedule\", \"format\": \"") + f.name + "\", \"schedule\": \"" +
+                        sched_name[s] + "\"";
+      for (int kind : {kV8, kStoresOnly}) {
         const float us = time_seq([&](cudaStream_t st) {
-                           for (auto& L : layers)
-                             for (const auto& l : pick(L)) launch(k, l, W, st);
+                           for (auto& p : plans)
+                             for (const auto& l : p.dq) launch(l, st, kind);
                          }) / n_layers;
-        const double gbs = bytes_of(pick(layers[0]), nullptr) / us / 1e3;
-        printf("  %s %8.2f us (%6.1f GB/s)", part_names[p], us, gbs);
-        row += std::string(", \"") + part_names[p] + "_us\": " + std::to_string(us) + ", \"" + part_names[p] +
-               "_gb_s\": " + std::to_string(gbs);
+        printf("%-5s %-10s %-28s alone %8.2f us a layer (%zu launches, %.1f GB/s)\n", f.name, sched_name[s],
+               kind_name[kind], us, plans[0].dq.size(), dq_bytes(plans[0]) / us / 1e3);
+        row += std::string(", \"") + kind_key[kind] + "_alone_us\": " + std::to_string(us);
       }
-      printf("\n");
+#ifdef WITH_CUBLAS
+      // three interleaved rounds: the GEMMs alone, and after each dequantise variant / the stores alone / a memset of
+      // the same W bytes (write traffic without loads or math)
+      for (int round = 0; round < 3; ++round) {
+        const float g_us = time_seq([&](cudaStream_t st) {
+                             for (auto& p : plans)
+                               for (const auto& g : p.gemm) gemm(g, st);
+                           }) / n_layers;
+        printf("   round %d: GEMMs alone %8.2f;", round, g_us);
+        row += ", \"gemm_us_" + std::to_string(round) + "\": " + std::to_string(g_us);
+        for (int kind : {kV8, kStoresOnly, kMemset}) {
+          const float us = time_seq([&](cudaStream_t st) {
+                             for (auto& p : plans)
+                               for (auto [k, i] : p.order)
+                                 if (k == 1) gemm(p.gemm[i], st); else launch(p.dq[i], st, kind);
+                           }) / n_layers;
+          printf(" %s +%.2f", kind_key[kind], us - g_us);
+          row += std::string(", \"") + kind_key[kind] + "_gemm_us_" + std::to_string(round) + "\": " + std::to_string(us);
+        }
+        printf("\n");
+      }
+      // Overlap (per weight only): the dequantise of the next weight on a side stream into the other of two scratch
+      // buffers while this weight's GEMM runs, cuBLAS told to leave `free` SMs to it (cublasSetSmCountTarget).
+      if (s == kPerWeight) {
+        std::vector<std::pair<Launch, Gemm>> seq;
+        for (auto& p : plans) {
+          int d = 0, g = 0;
+          for (auto [k, i] : p.order) (void)i, k == 0 ? ++d : ++g;
+          for (int i = 0; i < d; ++i) seq.push_back({p.dq[i], p.gemm[i]});
+        }
+        const int n = static_cast<int>(seq.size());
+        std::vector<cudaEvent_t> dq_done(n), gemm_done(n);
+        for (int i = 0; i < n; ++i) {
+          CK(cudaEventCreateWithFlags(&dq_done[i], cudaEventDisableTiming));
+          CK(cudaEventCreateWithFlags(&gemm_done[i], cudaEventDisableTiming));
+        }
+        cudaStream_t side;
+        CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+        cudaEvent_t fork, join;
+        CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+        __half* bufs[2] = {W, W3};
+        for (int free : {0, 8, 16, 24}) {
+          CB(cublasSetSmCountTarget(h, free ? prop.multiProcessorCount - free : 0));
+          const float us = time_seq([&](cudaStream_t st) {
+                             CK(cudaEventRecord(fork, st));
+                             CK(cudaStreamWaitEvent(side, fork));
+                             for (int i = 0; i < n; ++i) {
+                               Launch l = seq[i].first;
+                               Gemm g = seq[i].second;
+                               l.W = bufs[i % 2];
+                               g.W = bufs[i % 2];
+                               if (i >= 2) CK(cudaStreamWaitEvent(side, gemm_done[i - 2]));
+                               launch(l, side, kV8);
+                               CK(cudaEventRecord(dq_done[i], side));
+                               CK(cudaStreamWaitEvent(st, dq_done[i]));
+                               gemm(g, st);
+                               CK(cudaEventRecord(gemm_done[i], st));
+                             }
+                             CK(cudaEventRecord(join, side));
+                             CK(cudaStreamWaitEvent(st, join));
+                           }) / n_layers;
+          printf("   overlap, %2d SMs left to the dequantise: %8.2f us a layer\n", free, us);
+          row += ", \"overlap_free" + std::to_string(free) + "_us\": " + std::to_string(us);
+        }
+        CB(cublasSetSmCountTarget(h, 0));
+        const float g_us = time_seq([&](cudaStream_t st) {
+                             for (auto& p : plans)
+                               for (const auto& g : p.gemm) gemm(g, st);
+                           }) / n_layers;
+        printf("   GEMMs alone again %8.2f\n", g_us);
+        for (int i = 0; i < n; ++i) {
+          CK(cudaEventDestroy(dq_done[i]));
+          CK(cudaEventDestroy(gemm_done[i]));
+        }
+        CK(cudaStreamDestroy(side));
+      }
+#endif
       printf("JSON %s}\n", row.c_str());
     }
-#ifdef WITH_CUBLAS
-    // the prompt's chain: dequantise, then its GEMM, for every launch of the layer
-    if (!gemm_done) {
-      const float us = time_seq([&](cudaStream_t st) {
-                         for (auto& L : layers)
-                           for (const auto& l : L.all) gemm(l, st);
-                       }) / n_layers;
-      printf("GEMMs alone (M %d): %.2f us a layer\n", M, us);
-      printf("JSON {\"row\": \"gemm_only\", \"us_per_layer\": %.3f}\n", us);
-      gemm_done = true;
-    }
-    for (Kern k : {kV8, kRows8}) {
-      const float us = time_seq([&](cudaStream_t st) {
-                         for (auto& L : layers)
-                           for (const auto& l : L.all) {
-                             launch(k, l, W, st);
-                             gemm(l, st);
-                           }
-                       }) / n_layers;
-      printf("%s %s + GEMM: %.2f us a layer\n", f.name, k == kV8 ? "v8" : "rows8", us);
-      printf("JSON {\"row\": \"dequant_gemm\", \"format\": \"%s\", \"kernel\": \"%s\", \"us_per_layer\": %.3f}\n", f.name,
-             k == kV8 ? "v8" : "rows8", us);
-    }
-#endif
     for (auto& L : layers)
       for (auto& m : L.m) {
         CK(cudaFree(m.qw));

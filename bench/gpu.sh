@@ -82,9 +82,15 @@ if has dequant; then  # design probe for the prompt's dequantise (and, where cuB
       -L"$(dirname "$CUBLAS_SO")" -l:"$(basename "$CUBLAS_SO")" -Xlinker -rpath="$(dirname "$CUBLAS_SO")" || true
   fi
   [ -x /tmp/dequant_probe ] || nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 >/tmp/dequant_smi.txt 2>&1 &
+  smi=$!
   timeout ${PROBE_TIMEOUT:-150} /tmp/dequant_probe >/tmp/dequant_probe.txt 2>&1
+  kill $smi 2>/dev/null
+  echo "SM clock / power while the probe ran (every 200 ms):" >>/tmp/dequant_probe.txt
+  cat /tmp/dequant_smi.txt >>/tmp/dequant_probe.txt
   cat /tmp/dequant_probe.txt >>"$LOG"
-  grep -v '^JSON' /tmp/dequant_probe.txt | tail -40
+  grep -v '^JSON' /tmp/dequant_probe.txt | grep -v ' MHz, ' | tail -40
+  grep ' MHz, ' /tmp/dequant_probe.txt | awk -F', ' '{print "sm", $2}' | sort | uniq -c | sort -rn | head -8   # clock histogram
   grep '^JSON ' /tmp/dequant_probe.txt | sed 's/^JSON //' >"$OUT/dequant_probe_rows.jsonl"
 fi
 if has build; then

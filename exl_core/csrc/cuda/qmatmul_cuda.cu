@@ -38,7 +38,6 @@ using exl_act::f32;
 using exl_dequant::group_scale_zero;   // shared with the dequantise (dequant_kernel.cuh)
 using exl_dequant::q_to_f;
 using exl_dequant::dequant_kernel;
-using exl_dequant::dequant_rows8_kernel;
 
 
 // Loads VEC adjacent words of one qweight row (16 / 8 / 4 bytes).
@@ -256,34 +255,22 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
-// EXL_CORE_DEQUANT_ROWS8=0: the previous vectorised dequantise (a thread per chunk and 8 columns), for A/B runs.
-inline bool rows8_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EXL_CORE_DEQUANT_ROWS8");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
-
 template <typename T>
-void launch_dequant(bool vec8, dim3 grid, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch,
-                    const int32_t* qp, int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp,
-                    T* out) {
+void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch, const int32_t* qp,
+                    int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out) {
+  exl_dequant::DequantMats mats{};
+  mats.n = 1;
+  mats.ldw = N;
+  mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N};
   if constexpr (!std::is_same<T, float>::value) {
-    if (vec8 && rows8_enabled()) {
-      const dim3 g(static_cast<unsigned>((N + exl_dequant::kRows8Cols - 1) / exl_dequant::kRows8Cols),
-                   static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(dequant_rows8_kernel<T>, g, dim3(exl_dequant::kRows8Threads), 0, stream, dev, ch, qp, ldq,
-                          N, sp, zp, pp, out);
-      return;
-    }
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+      exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, mats);
       return;
     }
   }
-  exl_pdl::launch_pdl(dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, ch, qp, ldq, N, sp, zp, pp, out);
+  const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(n_chunks));
+  exl_pdl::launch_pdl(dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, mats);
 }
 
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
@@ -303,15 +290,13 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dev = qweight.device().index();
   const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
-  const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(chunks.size(0)));
   const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
   const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
-  // 16-byte word, scale and zero loads (aligned, rows ldq % 4 apart) and W row stores (N % 8)
-  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp) && is_aligned16(sp) &&
-                    is_aligned16(zp);
+  // 16-byte word loads (qp aligned, rows ldq % 4 words apart) and W row stores (N % 8); scale/zero go per value
+  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
   const int32_t* ch = chunks.data_ptr<int32_t>();
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
-    launch_dequant<scalar_t>(vec8, grid, chunks.size(0), stream, dev, ch, qp, ldq, N, sp, zp, pp,
+    launch_dequant<scalar_t>(vec8, chunks.size(0), stream, dev, ch, qp, ldq, N, sp, zp, pp,
                              reinterpret_cast<scalar_t*>(W.data_ptr()));
   });
   return W;
