@@ -14,8 +14,8 @@
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
-# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), norows8 (the
-# prompt alone, alternating runs with EXL_CORE_DEQUANT_ROWS8=0 and =1), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
+# access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nofuse (bench's
+# graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0 and EXL_CORE_ROPE_KV_FUSE=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -107,7 +107,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has norows8 || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -159,21 +159,9 @@ if has nosilu; then   # A/B: decode with silu_mul launched before the down proje
   EXL_CORE_SILU_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nosilu.json 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has norows8; then  # A/B: the prompt with the previous dequantise (EXL_CORE_DEQUANT_ROWS8=0), alternating runs
-  for i in 1 2; do
-    for v in 0 1; do
-      EXL_CORE_DEQUANT_ROWS8=$v env -u OUT timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
-        --exl2 "$CK/exl2" --prompt-only --json /tmp/prompt_rows8_${v}_$i.json >>"$LOG" 2>&1
-    done
-  done
-  $PY - "$OUT/gpu_h200_rows8_ab.json" <<'PYEOF' | tee -a "$LOG"
-import json, sys
-runs = {f"rows8={v} run {i}": json.load(open(f"/tmp/prompt_rows8_{v}_{i}.json")) for i in (1, 2) for v in (0, 1)}
-for k, d in runs.items():
-    print(f"{k}: copy {d['copy_bw_gb_s']:.1f} GB/s, prompt gptq {d['gptq'].get('prompt2048_tok_s', 0):.1f}, "
-          f"exl2 {d['exl2'].get('prompt2048_tok_s', 0):.1f} tok/s")
-json.dump(runs, open(sys.argv[1], "w"), indent=1)
-PYEOF
+if has nofuse; then   # A/B: decode with attention's split merge by the combine kernel and rope + K/V write as two launches
+  EXL_CORE_ATTN_CLUSTER=0 EXL_CORE_ROPE_KV_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
+    --exl2 "$CK/exl2" --quick --json /tmp/gpu_h200_nofuse.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nogs; then     # A/B: GPTQ decode with qgemm_kslice and qgemm_wide reading each chunk's group from the chunk table
   EXL_CORE_GROUP_SHIFT=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

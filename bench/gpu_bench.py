@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from exl_core.ops.attention import paged_attention, write_kv
+from exl_core.ops.attention import paged_attention, rope_write_kv, write_kv
+from exl_core.ops.rope import apply_rope
 
 PROMPT, DECODE = 128, 128
 PROFILE = os.environ.get("EXL_BENCH_PROFILE", "1") == "1"
@@ -151,18 +152,30 @@ class DecodeContext:
         self.positions = p
         self.logit_rows = None
 
+    def _paged(self, layer):
+        """The library's paged decode (the Generator's path): sequence b is page b of max_len slots."""
+        kv = self.kv
+        if layer == 0:
+            B = kv.B
+            self.table = torch.arange(B, dtype=torch.int32, device="cuda").view(B, 1)
+            self.cu = torch.arange(B + 1, dtype=torch.int64, device="cuda")
+            self.lens = (kv.pos + 1).expand(B).contiguous()
+            self.slots = torch.arange(B, device="cuda") * kv.max_len + kv.pos
+        return kv.k[layer], kv.v[layer]
+
+    def attend_rope(self, layer, q, k, v, cos_sin, scale, window):
+        if not (PAGED_DECODE and TOKEN_MAJOR):
+            q, k = apply_rope(q, k, self.positions, cos_sin)
+            return self.attend(layer, q, k, v, scale, window)
+        kc, vc = self._paged(layer)
+        q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)   # as PagedContext.attend_rope
+        return paged_attention(q, kc, vc, self.table, self.cu, self.lens, scale, window, max_q_len=1)
+
     def attend(self, layer, q, k, v, scale, window):
         kv = self.kv
         kc, vc = kv.k[layer], kv.v[layer]
         if PAGED_DECODE and TOKEN_MAJOR:
-            # the library's K/V write and paged kernel (the Generator's decode path): sequence b is page b
-            # of max_len slots
-            if layer == 0:
-                B = kv.B
-                self.table = torch.arange(B, dtype=torch.int32, device="cuda").view(B, 1)
-                self.cu = torch.arange(B + 1, dtype=torch.int64, device="cuda")
-                self.lens = (kv.pos + 1).expand(B).contiguous()
-                self.slots = torch.arange(B, device="cuda") * kv.max_len + kv.pos
+            kc, vc = self._paged(layer)
             write_kv(kc, vc, k, v, self.slots)
             return paged_attention(q, kc, vc, self.table, self.cu, self.lens, scale, window, max_q_len=1)
         t = 1 if TOKEN_MAJOR else 2
@@ -411,7 +424,8 @@ def main() -> None:
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
                  "kslice": os.environ.get("EXL_CORE_KSLICE", "1") != "0",
                  "wide": os.environ.get("EXL_CORE_WIDE", "1") != "0", "kv_layout": a.kv_layout,
-                 "dequant_rows8": os.environ.get("EXL_CORE_DEQUANT_ROWS8", "1") != "0",
+                 "attn_cluster": os.environ.get("EXL_CORE_ATTN_CLUSTER", "1") != "0",
+                 "rope_kv_fuse": os.environ.get("EXL_CORE_ROPE_KV_FUSE", "1") != "0",
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()

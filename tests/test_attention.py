@@ -168,6 +168,30 @@ def test_write_kv_roundtrip():
         A.write_kv(kc, vc, k, v, slots[:3])
 
 
+
+def test_rope_write_kv_rotates_against_float64_and_stores():
+    """rope_write_kv (the two ops on the CPU) returns q rotated as the float64 formula rotates it and stores k
+    rotated the same way and v as it is in their slots; bad input raises as the two ops raise."""
+    from exl_core.ops.rope import cos_sin_table
+    pages, ps, hq, hkv, d, t = 5, 4, 6, 2, 64, 3
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    pos, slots = torch.tensor([0, 7, 19]), torch.tensor([5, 0, 13])
+    cs = cos_sin_table(1.0 / (10000 ** (torch.arange(0, d, 2).double() / d)), 32)
+    kc = torch.full((pages, ps, hkv, d), math.nan)
+    vc = torch.full_like(kc, math.nan)
+    qo = A.rope_write_kv(q, k, v, pos, cs, kc, vc, slots)
+
+    def rot(x):                                                     # float64: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+        c, s = cs[pos].double()[:, None, :d // 2], cs[pos].double()[:, None, d // 2:]
+        x1, x2 = x.double()[..., :d // 2], x.double()[..., d // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    assert torch.allclose(qo.double(), rot(q), atol=1e-5)
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    assert torch.allclose(flat_k[slots].double(), rot(k), atol=1e-5) and torch.equal(flat_v[slots], v)
+    with pytest.raises(InputError, match="slots"):
+        A.rope_write_kv(q, k, v, pos, cs, kc, vc, slots[:2])
+
 @pytest.mark.skipif(not has_op("paged_attention"), reason="C++ extension not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_opcheck(dtype):

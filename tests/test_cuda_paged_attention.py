@@ -1,7 +1,8 @@
 """The CUDA paged attention kernel (csrc/cuda/paged_attention_cuda.cu) against a brute-force
 reference in float64: decode rows, speculative-verify rows, GQA ratios the kernel pads (3 -> 4,
 7 -> 8), head dims 64/128/256, odd page sizes, sliding windows with released pages, several key
-splits, a CUDA graph replayed over new tables and lengths, and the Generator on it. Cache slots no
+splits (merged in-kernel through a cluster, or by the combine kernel), a CUDA graph replayed over new tables
+and lengths, and the Generator on it. Cache slots no
 query may read hold NaN, so a stray read shows up in the output. Also the K/V write kernel
 (kv_write_cuda.cu) against index_copy."""
 from __future__ import annotations
@@ -101,6 +102,19 @@ def test_several_splits_are_used_and_merge():
     assert _splits(1, 2, table, 256) > 1
     ref = _ref64(q, kc, vc, table, cu, lens, 0.1, None)
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, torch.float16)
+
+
+@pytest.mark.parametrize("keys,merge", [(400, "cluster"), (2000, "combine kernel")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_merge_paths(keys, merge, dtype):
+    """2..8 splits merge inside the kernel (a thread-block cluster on sm_90, the combine kernel below it);
+    more than 8 take the combine kernel everywhere. Both equal the float64 reference."""
+    _need_kernel()
+    q, kc, vc, table, cu, lens = _case([1], [keys], hq=8, hkv=2, d=128, page=16, dtype=dtype, seed=keys)
+    n = _splits(1, 2, table, 16)
+    assert (2 <= n <= 8) if merge == "cluster" else n > 8, n
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.1, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, dtype)
 
 
 def test_many_rows_one_split():
@@ -257,3 +271,33 @@ def test_kv_write_matches_index_copy(dtype):
         write_kv(gk, gv, kk, vv, slots.cuda())
         assert torch.equal(gk.cpu().nan_to_num(7.0), ref_k.nan_to_num(7.0)), name
         assert torch.equal(gv.cpu().nan_to_num(7.0), ref_v.nan_to_num(7.0)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 128), (9, 3, 64)])
+def test_rope_kv_write_equals_rope_then_write(dtype, hq, hkv, d):
+    """rope_write_kv's one launch (exl_core::rope_kv_write) gives the rotated q and writes the rotated k and v
+    into their slots bit for bit as apply_rope then write_kv: contiguous positions and a broadcast one (stride 0,
+    as a graphed decode step passes it), a slot outside the cache (skipped by both), a position past the rope
+    table (NaN rows from both); every other slot keeps its poison."""
+    from exl_core.ops import attention as att
+    from exl_core.ops.rope import apply_rope, cos_sin_table
+    from exl_core.ops.cuda_candidates import _has_cuda_kernel
+    if not _has_cuda_kernel("rope_kv_write"):
+        pytest.fail("torch sees a GPU but exl_core._C was built without the CUDA rope_kv_write kernel")
+    g = torch.Generator().manual_seed(hq + d)
+    pages, page, t = 6, 8, 5
+    cos_sin = cos_sin_table(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 64).cuda()
+    kc0 = torch.full((pages, page, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype).cuda() for h in (hq, hkv, hkv))
+    slots = torch.tensor([17, 3, 400, 0, 29], device="cuda")                     # 400: outside the cache
+    for name, pos in (("rows", torch.tensor([5, 0, 63, 9, 64], device="cuda")),  # 64: past the table
+                      ("broadcast", torch.tensor([7], device="cuda").expand(t))):
+        assert att._rope_kv_fusable(q, k, v, pos, cos_sin, kc0, kc0, slots), name
+        kc, vc = kc0.clone(), kc0.clone()
+        qo = att.rope_write_kv(q, k, v, pos, cos_sin, kc, vc, slots)
+        rq, rk = apply_rope(q, k, pos, cos_sin)
+        ref_k, ref_v = kc0.clone(), kc0.clone()
+        att.write_kv(ref_k, ref_v, rk, v, slots)
+        for got, want in ((qo, rq), (kc, ref_k), (vc, ref_v)):
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), name

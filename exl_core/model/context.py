@@ -29,6 +29,8 @@ class ForwardContext(Protocol):
         tokens when given), return (T, Hq, D)."""
         ...
 
+    # Optional: `attend_rope(layer, q, k, v, cos_sin, scale, window)`, `attend` of q and k before rope
+    # (rotated at `positions` with cos_sin), for contexts that fuse rope into their K/V write.
     # Optional: `native_kv() -> Optional[ops.decoder_layer.PagedKV]`, the paged tensors that let
     # the fused CPU decoder op (ops/decoder_layer.py) do `attend`'s work itself; contexts without
     # it (or returning None) always run the per-layer Python path.

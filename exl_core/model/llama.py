@@ -49,8 +49,12 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)                   # (T, Hq, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)                # (T, Hkv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, ctx.positions, cos_sin)
-        out = ctx.attend(layer_idx, q, k, v, self.scale, self.window)  # (T, Hq, D)
+        attend_rope = getattr(ctx, "attend_rope", None)     # rope inside the context's K/V write (one launch)
+        if attend_rope is not None:
+            out = attend_rope(layer_idx, q, k, v, cos_sin, self.scale, self.window)
+        else:
+            q, k = apply_rope(q, k, ctx.positions, cos_sin)
+            out = ctx.attend(layer_idx, q, k, v, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -46,6 +47,7 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 
 from ..errors import InputError  # noqa: E402
 from .dispatch import Candidate, Dispatcher, has_cuda_kernel, has_op  # noqa: E402
+from .rope import apply_rope  # noqa: E402
 
 SUPPORTED_HEAD_DIMS = (64, 128)   # the C++ kernel's unrolled head sizes
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,6 +77,46 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+# EXL_CORE_ROPE_KV_FUSE=0: rope_write_kv runs rope and the K/V write as two ops (A/B runs).
+ROPE_KV_FUSE = os.environ.get("EXL_CORE_ROPE_KV_FUSE", "1") != "0"
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> torch.Tensor:
+    """apply_rope(q, k), then write_kv(k_cache, v_cache, rotated k, v, slots); returns the rotated q.
+
+    On CUDA, where the tensors allow it, one launch (exl_core::rope_kv_write: the rope kernel writes k's
+    rotated rows and v's rows into their slots) instead of two, with the two ops' results bit for bit;
+    everywhere else the two ops."""
+    if _rope_kv_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
+        return torch.ops.exl_core.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    q, k = apply_rope(q, k, positions, cos_sin)
+    write_kv(k_cache, v_cache, k, v, slots)
+    return q
+
+
+def _rope_kv_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots) -> bool:
+    """The fused kernel's conditions (anything else, bad input included, goes to the two ops, which check it)."""
+    if not (ROPE_KV_FUSE and q.device.type == "cuda" and has_cuda_kernel("rope_kv_write")):
+        return False
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        return False
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or d % 8 or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        return False
+    ts = (q, k, v, k_cache, v_cache)
+    if any(x.dtype != q.dtype or not x.is_contiguous() or x.data_ptr() % 16 or x.device != q.device for x in ts):
+        return False
+    if (positions.dtype != torch.int64 or positions.dim() != 1 or positions.shape[0] != t
+            or positions.device != q.device):
+        return False
+    if slots.dtype != torch.int64 or slots.shape != (t,) or not slots.is_contiguous() or slots.device != q.device:
+        return False
+    return (cos_sin.dtype == torch.float32 and cos_sin.dim() == 2 and cos_sin.shape[1] == d
+            and cos_sin.is_contiguous() and cos_sin.data_ptr() % 16 == 0 and cos_sin.device == q.device)
 
 
 def _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:

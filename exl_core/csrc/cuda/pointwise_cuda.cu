@@ -157,12 +157,18 @@ __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, in
 
 // q and k in one launch, 4 pairs per thread (8- or 16-byte loads): (T, Hq, D) and (T, Hk, D) contiguous,
 // D % 8 == 0, rows aligned to 4 elements.  Same math and roundings as rope_kernel.
+// With `slots` (exl_core::rope_kv_write, decode's K/V write fused in): k's rotated rows go to their cache slots
+// (kc, (slots, Hk, D)) instead of ko, and a third range of threads copies v's rows to vc the same way; rows whose
+// slot is outside the cache are skipped, as exl_core::kv_write skips them.
 template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
 
 template <typename T>
 __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, int64_t q_heads, int64_t Hq,
                                    const T* __restrict__ k, T* __restrict__ ko, int64_t k_heads, int64_t Hk, int D,
-                                   const int64_t* __restrict__ pos, const float* __restrict__ cs, int64_t max_pos) {
+                                   const int64_t* __restrict__ pos, int64_t pos_stride, const float* __restrict__ cs,
+                                   int64_t max_pos, const T* __restrict__ v, const int64_t* __restrict__ slots,
+                                   int64_t num_slots,
+                                   T* __restrict__ kc, T* __restrict__ vc) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
   exl_pdl::pdl_trigger();
   const int per_head = D / 8, half = D / 2;
@@ -170,14 +176,30 @@ __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, 
   int64_t head = idx / per_head;
   const int j = static_cast<int>(idx - head * per_head) * 4;
   const T* x = q;
-  T* out = qo;
+  T* orow;                                                   // this head's output row
   int64_t H = Hq;
-  if (head >= q_heads) {
+  if (head < q_heads) {
+    orow = qo + head * D;
+  } else {
     head -= q_heads;
-    if (head >= k_heads) return;
-    x = k, out = ko, H = Hk;
+    const bool is_v = head >= k_heads;
+    if (is_v) head -= k_heads;
+    if (head >= k_heads || (is_v && slots == nullptr)) return;
+    x = is_v ? v : k, H = Hk;
+    if (slots != nullptr) {
+      const int64_t t = head / Hk, slot = slots[t];
+      if (slot < 0 || slot >= num_slots) return;
+      orow = (is_v ? vc : kc) + (slot * Hk + (head - t * Hk)) * D;
+    } else {
+      orow = ko + head * D;
+    }
+    if (is_v) {                                              // v: copied as it is
+      *reinterpret_cast<Vec4<T>*>(orow + j) = *reinterpret_cast<const Vec4<T>*>(x + head * D + j);
+      *reinterpret_cast<Vec4<T>*>(orow + half + j) = *reinterpret_cast<const Vec4<T>*>(x + head * D + half + j);
+      return;
+    }
   }
-  const int64_t p = pos[head / H];
+  const int64_t p = pos[head / H * pos_stride];              // stride 0: one position broadcast over the rows
   const bool ok = p >= 0 && p < max_pos;                     // out of the table: NaN rows (see rope_kernel)
   const float* c = cs + (ok ? p : 0) * D;
   const float4 cv = ok ? *reinterpret_cast<const float4*>(c + j) : make_float4(NAN, NAN, NAN, NAN);
@@ -192,8 +214,8 @@ __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, 
     oa.v[e] = cvt<T>(x1 * cc[e] - x2 * ss[e]);
     ob.v[e] = cvt<T>(x2 * cc[e] + x1 * ss[e]);
   }
-  *reinterpret_cast<Vec4<T>*>(out + head * D + j) = oa;
-  *reinterpret_cast<Vec4<T>*>(out + head * D + half + j) = ob;
+  *reinterpret_cast<Vec4<T>*>(orow + j) = oa;
+  *reinterpret_cast<Vec4<T>*>(orow + half + j) = ob;
 }
 
 #define EXL_PW_DISPATCH(dtype, NAME, ...)                                                   \
@@ -333,11 +355,58 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tens
     exl_pdl::launch_pdl(rope_qk_vec_kernel<scalar_t>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), 0, stream,
                         q.device().index(), static_cast<const scalar_t*>(ptr<scalar_t>(qc)), ptr<scalar_t>(qo), q_heads,
                         qc.size(1), static_cast<const scalar_t*>(ptr<scalar_t>(kc)), ptr<scalar_t>(ko), k_heads,
-                        kc.size(1), static_cast<int>(D), static_cast<const int64_t*>(pos.data_ptr<int64_t>()),
-                        static_cast<const float*>(cs.data_ptr<float>()), cs.size(0));
+                        kc.size(1), static_cast<int>(D), static_cast<const int64_t*>(pos.data_ptr<int64_t>()), int64_t{1},
+                        static_cast<const float*>(cs.data_ptr<float>()), cs.size(0), static_cast<const scalar_t*>(nullptr),
+                        static_cast<const int64_t*>(nullptr), int64_t{0}, static_cast<scalar_t*>(nullptr),
+                        static_cast<scalar_t*>(nullptr));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {qo, ko};
+}
+
+// rope of q and k, with k's rotated rows and v's rows written to their cache slots (one launch for decode's rope
+// and K/V write; ops/attention.rope_write_kv sends only calls that meet these conditions and otherwise runs the
+// two ops, whose results this equals bit for bit).  Returns the rotated q.
+at::Tensor rope_kv_write_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                              const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& slots) {
+  const char* op = "exl_core::rope_kv_write (CUDA)";
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(2) && q.size(2) % 8 == 0,
+              op, ": q (T, Hq, D), k and v (T, Hkv, D) with D % 8 == 0, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == k.size(1) &&
+                  k_cache.size(3) == k.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              op, ": caches must be contiguous (pages, page_size, Hkv, D) matching k");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && k_cache.scalar_type() == dt &&
+                  v_cache.scalar_type() == dt && q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              op, ": q, k, v and the caches must be contiguous and of one dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.numel() == q.size(0) &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == q.size(0),
+              op, ": positions must be int64 [T] (any stride), slots contiguous int64 [T]");
+  TORCH_CHECK(cos_sin.dtype() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == q.size(2) &&
+                  cos_sin.is_contiguous(), op, ": cos_sin must be contiguous float32 [P, D]");
+  for (const at::Tensor* t : {&q, &k, &v, &positions, &cos_sin, &k_cache, &v_cache, &slots})
+    TORCH_CHECK(t->device() == q.device(), op, ": every tensor must be on q's GPU");
+  TORCH_CHECK(aligned16({&q, &k, &v, &cos_sin, &k_cache, &v_cache}), op, ": tensors must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto qo = at::empty_like(q);
+  const int64_t D = q.size(2), q_heads = q.size(0) * q.size(1), k_heads = k.size(0) * k.size(1);
+  const int64_t n = (q_heads + 2 * k_heads) * (D / 8);
+  if (!n) return qo;
+  EXL_PW_DISPATCH(dt, op, [&] {
+    exl_pdl::launch_pdl(rope_qk_vec_kernel<scalar_t>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), 0,
+                        c10::cuda::getCurrentCUDAStream(), q.device().index(),
+                        static_cast<const scalar_t*>(ptr<scalar_t>(q)), ptr<scalar_t>(qo), q_heads, q.size(1),
+                        static_cast<const scalar_t*>(ptr<scalar_t>(k)), static_cast<scalar_t*>(nullptr), k_heads,
+                        k.size(1), static_cast<int>(D), static_cast<const int64_t*>(positions.data_ptr<int64_t>()),
+                        positions.stride(0), static_cast<const float*>(cos_sin.data_ptr<float>()), cos_sin.size(0),
+                        static_cast<const scalar_t*>(ptr<scalar_t>(v)),
+                        static_cast<const int64_t*>(slots.data_ptr<int64_t>()), k_cache.size(0) * k_cache.size(1),
+                        ptr<scalar_t>(k_cache), ptr<scalar_t>(v_cache));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return qo;
 }
 
 }  // namespace
@@ -347,4 +416,10 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("rms_norm_residual", &rms_norm_residual_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("rope", &rope_cuda);
+  m.impl("rope_kv_write", &rope_kv_write_cuda);
+}
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }
