@@ -125,6 +125,22 @@ class PrefillContext:
         self.positions = torch.arange(T, device="cuda").repeat(kv.B)
         self.logit_rows = torch.arange(kv.B, device="cuda") * T + T - 1
 
+    def attend_rope(self, layer, q, k, v, cos_sin, scale, window):
+        """Rope and the K/V write in one launch (the library's rope_write_kv, as PagedContext.attend_rope; the
+        cache (B, max_len, Hkv, D) is B pages of max_len slots), then SDPA over the cache's first T slots."""
+        if not TOKEN_MAJOR:
+            q, k = apply_rope(q, k, self.positions, cos_sin)
+            return self.attend(layer, q, k, v, scale, window)
+        B, T, L = self.kv.B, self.T, self.kv.max_len
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        if layer == 0:
+            self.slots = (torch.arange(B, device="cuda")[:, None] * L + torch.arange(T, device="cuda")).reshape(-1)
+        q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
+        q = q.view(B, T, *q.shape[1:]).transpose(1, 2)                   # (B, Hq, T, D)
+        o = F.scaled_dot_product_attention(q, kc[:, :T].transpose(1, 2), vc[:, :T].transpose(1, 2), is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[3])
+
     def attend(self, layer, q, k, v, scale, window):
         B, T = self.kv.B, self.T
         q = q.view(B, T, *q.shape[1:]).transpose(1, 2)                   # (B, Hq, T, D)

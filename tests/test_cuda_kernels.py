@@ -160,6 +160,37 @@ def test_dequant_vectorised_equals_per_column_and_float64(perm, dtype):
     part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, 1, -1)
     assert torch.equal(part, full[:, 1:])
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qmatmul_add_into_residual(monkeypatch, dtype):
+    """qmatmul_add_ on the prompt path adds x @ W into the residual in place (the GEMM's beta = 1), in one piece
+    and in column slices, within the output rounding of the float64 sum; decode-sized rows and a weight with a
+    bias are refused, with the residual untouched."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops.qmatmul import adds_in_place, qmatmul_add_
+    pw = random_packed(LAYOUTS[1], 8 * 67, perm=True)                 # every width, act-order, N = 536
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    for slice_cols in (cc.DEQUANT_SLICE, 128):                        # one GEMM; slices 128 x 4 + 24
+        monkeypatch.setattr(cc, "DEQUANT_SLICE", slice_cols)
+        x = torch.randn(48, pw.in_features).to(dtype)
+        res = torch.randn(48, pw.out_features).to(dtype)
+        want = res.double() + x.double() @ W
+        got = res.cuda()
+        ptr = got.data_ptr()
+        assert adds_in_place(got, x.cuda(), c) and qmatmul_add_(got, x.cuda(), c)
+        assert got.data_ptr() == ptr and rel_err(got, want) < (2e-3 if dtype == torch.float16 else 1e-2)
+    small = torch.randn(32, pw.in_features).to(dtype).cuda()
+    res = torch.randn(32, pw.out_features).to(dtype).cuda()
+    before = res.clone()
+    assert not qmatmul_add_(res, small, c) and torch.equal(res, before)
+    c.bias = torch.randn(pw.out_features).to(dtype).cuda()
+    big = torch.randn(48, pw.in_features).to(dtype).cuda()
+    res = torch.randn(48, pw.out_features).to(dtype).cuda()
+    before = res.clone()
+    assert not qmatmul_add_(res, big, c) and torch.equal(res, before)
+
 MMA_CASES = [                                                     # (layout, N)
     (LAYOUTS[1], 4 * 67),                                         # every width, partial column tile
     ([(4, 32 * 96)], 4 * 33),                                     # split-K over a cluster

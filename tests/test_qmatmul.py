@@ -325,3 +325,13 @@ def test_qmatmul_silu_is_silu_mul_then_qmatmul(dtype, M, rng):
         qm.qmatmul_silu(gate, up[:, :96], pw)
     with pytest.raises(InputError, match="in_features=160"):
         qm.qmatmul_silu(gate[:, :96], up[:, :96], pw)
+
+
+def test_add_into_residual_refused_off_cuda(rng):
+    """qmatmul_add_ is only taken on CUDA's prompt path: on the CPU it says no and leaves the residual alone (the
+    model then adds through the RMSNorm that follows, as before)."""
+    pw = rand_packed(96, 64, rng)
+    x, res = torch.randn(40, 96), torch.randn(40, 64)
+    before = res.clone()
+    assert not qm.adds_in_place(res, x, pw)
+    assert not qm.qmatmul_add_(res, x, pw) and torch.equal(res, before)

@@ -14,7 +14,7 @@ from torch import nn
 from ..formats.packed import PackedWeight
 from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
-from ..ops.qmatmul import qmatmul, qmatmul_many, qmatmul_silu
+from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
@@ -139,6 +139,16 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
         return qmatmul_many(x, [m.packed for m in layers])
     return [m(x) for m in layers]
 
+
+def linear_add_(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
+    """residual += layer(x) in place, in one kernel call, for a plain packed layer without bias where one takes the
+    add (the prompt's o and down projections on CUDA: the GEMM's beta = 1); returns False, doing nothing, elsewhere."""
+    return _plain_packed(layer) and layer.packed.bias is None and qmatmul_add_(residual, x, layer.packed)
+
+
+def linear_adds_in_place(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
+    """Whether linear_add_(residual, x, layer) would do the add (x: any tensor of its device, dtype and shape)."""
+    return _plain_packed(layer) and layer.packed.bias is None and adds_in_place(residual, x, layer.packed)
 
 def linear_silu(gate: torch.Tensor, up: torch.Tensor, layer) -> torch.Tensor:
     """layer(silu_mul(gate, up)), the MLP's down projection: one fused op for a plain packed QuantLinear (the

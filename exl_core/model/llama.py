@@ -19,7 +19,8 @@ from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import LORA_VERSION, QuantLinear, linear_many, linear_silu
+from .linear import LORA_VERSION, QuantLinear, linear_add_, linear_adds_in_place, linear_many, linear_silu
+from ..ops.activation import silu_mul
 from .rope import RopeTable
 
 
@@ -42,8 +43,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = cfg.sliding_window
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
-        """cos_sin: the rope table covering every position in ctx (looked up once per forward)."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor,
+                residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """cos_sin: the rope table covering every position in ctx (looked up once per forward). With `residual`,
+        o_proj's output may go into it in place (linear_add_): None is returned then."""
         t = x.shape[0]
         q, k, v = linear_many(x, (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(t, self.num_heads, self.head_dim)                   # (T, Hq, D)
@@ -55,7 +58,10 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, k, ctx.positions, cos_sin)
             out = ctx.attend(layer_idx, q, k, v, self.scale, self.window)  # (T, Hq, D)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if residual is not None and linear_add_(residual, out, self.o_proj):
+            return None
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -63,8 +69,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def forward(self, x):
+    def forward(self, x, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """With `residual`, down_proj's output may go into it in place (linear_add_): None is returned then."""
         gate, up = linear_many(x, (self.gate_proj, self.up_proj))
+        if residual is not None and linear_adds_in_place(residual, gate, self.down_proj):   # gate: h's shape
+            linear_add_(residual, silu_mul(gate, up), self.down_proj)
+            return None
         return linear_silu(gate, up, self.down_proj)
 
 
@@ -75,17 +85,23 @@ class Block(nn.Module):
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
         self.layer_idx = layer_idx
 
-    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext,
+    def forward(self, h: Optional[torch.Tensor], residual: Optional[torch.Tensor], ctx: ForwardContext,
                 cos_sin: torch.Tensor):
-        """h: output of the previous block (not yet added to the residual stream)."""
+        """h: output of the previous block not yet added to the residual stream, or None when the previous block
+        added it already (o and down add into the residual in their GEMM on the prompt path: linear_add_)."""
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
+        elif h is None:
+            x = self.input_layernorm(residual)
         else:
             x, residual = self.input_layernorm(h, residual)
-        attn = self.self_attn(x, ctx, self.layer_idx, cos_sin)
-        x, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(x), residual
+        own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
+        attn = self.self_attn(x, ctx, self.layer_idx, cos_sin, residual) if own else \
+            self.self_attn(x, ctx, self.layer_idx, cos_sin)
+        x, residual = ((self.post_attention_layernorm(residual), residual) if attn is None else
+                       self.post_attention_layernorm(attn, residual))
+        return (self.mlp(x, residual) if own else self.mlp(x)), residual
 
 
 LinearFactory = Callable[[str, int, int, bool], QuantLinear]   # (prefix, in, out, bias) -> layer
@@ -173,7 +189,10 @@ class Model(nn.Module):
         kv = native_kv() if native_kv is not None and self.layers else None
         h, residual = decoder_layers(h, self._native_stack() if kv is not None else None, kv, cos_sin,
                                      lambda: self._layers_python(h, ctx, cos_sin))
-        h, _ = self.norm(h, residual) if residual is not None else (self.norm(h), None)
+        if residual is None:
+            h = self.norm(h)
+        else:
+            h = self.norm(residual) if h is None else self.norm(h, residual)[0]
         if ctx.logit_rows is not None:
             h = h[ctx.logit_rows]
         return self.lm_head(h).float()

@@ -243,41 +243,88 @@ def _qmatmul_run(x, pw):
     rows = x2.shape[0]
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if x2.dtype == torch.float16 and _wide_ok(rows, [pw], x.device):
+    route = _route(rows, pw, x2)
+    if route == "wide":
         y = torch.ops.exl_core.qgemm_wide(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                           min_group=_min_group(pw), group_shift=_group_shift(pw))
-    elif x2.dtype == torch.float16 and _kslice_ok(rows, [pw], x.device):
+    elif route == "kslice":
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                             group_shift=_group_shift(pw),
                                             min_group=_min_group(pw))
-    elif x2.dtype == torch.float16 and _skinny_ok(rows, pw, x.device):
+    elif route == "skinny":
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
-    elif x2.dtype == torch.float16 and _mma_rows_ok(rows, pw) and _mma_ok(pw):
+    elif route == "mma":
         y = torch.ops.exl_core.qgemm_mma(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
-    elif rows <= GEMV_MAX_ROWS:
+    elif route == "gemv":
         y = torch.ops.exl_core.qgemv_chunks(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias)
     else:
         y = _dequant_mm(x2, pw, chunks, perm, bias)
     return y.reshape(*x.shape[:-1], pw.out_features)
 
 
-def _dequant_mm(x2, pw, chunks, perm, bias):
+def _route(rows: int, pw, x2) -> str:
+    """The kernel _qmatmul_run gives these rows: a decode kernel, the fp32 GEMV, or dequantise + cuBLAS."""
+    if x2.dtype == torch.float16:
+        dev = x2.device
+        if _wide_ok(rows, [pw], dev):
+            return "wide"
+        if _kslice_ok(rows, [pw], dev):
+            return "kslice"
+        if _skinny_ok(rows, pw, dev):
+            return "skinny"
+        if _mma_rows_ok(rows, pw) and _mma_ok(pw):
+            return "mma"
+    return "gemv" if rows <= GEMV_MAX_ROWS else "dequant"
+
+
+def _add_check(residual, x, pw) -> Optional[str]:
+    rows = x.numel() // max(1, pw.in_features)
+    if rows <= MMA_MAX_ROWS:            # checked first: decode asks on every call
+        return f"{rows} rows: the decode kernels (up to {MMA_MAX_ROWS} rows) have no add in their epilogue"
+    why = _qmatmul_check(x, pw)
+    if why is not None:
+        return why
+    x2 = x.reshape(-1, pw.in_features)
+    if x.dtype == torch.float32:
+        return "float32 x: the fp32 path is not cuBLAS's"
+    if pw.bias is not None:
+        return "a bias (the add takes none)"
+    if (residual.dtype != x.dtype or residual.device != x.device or not residual.is_contiguous()
+            or residual.shape != (x2.shape[0], pw.out_features)):
+        return f"residual {residual.dtype} {tuple(residual.shape)} is not a contiguous [rows, N] tensor in x's dtype"
+    if _route(x2.shape[0], pw, x2) != "dequant":
+        return "these rows take a decode kernel (no add in its epilogue)"
+    return None
+
+
+def _add_run(residual, x, pw) -> None:
+    x2 = x.reshape(-1, pw.in_features)
+    _dequant_mm(x2 if x2.is_contiguous() else x2.contiguous(), pw, _chunks_of(pw), _perm_of(pw, x.device), None,
+                add_to=residual)
+
+
+def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     """x2 @ W (+ bias), W dequantised to x2's dtype for cuBLAS. Weights wider than 2 x DEQUANT_SLICE go in
     slices of DEQUANT_SLICE columns, each dequantised into the block the slice before freed (the allocator
     hands it back on the same stream), so the fp16 scratch stays L2-sized and the GEMM writes y's columns in
     place. bench/prompt_probe.py (H200, x [2048, 4096], 8 distinct weights per graph): 4096x11008 312.6 ->
     284.6 us per weight in slices of 4096; slices of 2048 lost on 4096x4096 (108.4 vs 103.2) and 11008x4096
-    (275.5 vs 267.3), where the narrower GEMMs cost more than the scratch saves."""
+    (275.5 vs 267.3), where the narrower GEMMs cost more than the scratch saves.
+    add_to (no bias): add_to += x2 @ W in place, the GEMM's beta = 1 (the residual stream: no separate add)."""
     N = pw.out_features
     deq = torch.ops.exl_core.qdequant_chunks
     if N <= 2 * DEQUANT_SLICE:
         w = deq(pw.qweight, chunks, pw.scale, pw.zero, perm, x2.dtype)          # [K, N]
+        if add_to is not None:
+            return add_to.addmm_(x2, w)
         return torch.addmm(bias, x2, w) if bias is not None else x2 @ w
-    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    y = add_to if add_to is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, N, DEQUANT_SLICE):
         n1 = min(N, n0 + DEQUANT_SLICE)
         w = deq(pw.qweight, chunks, pw.scale, pw.zero, perm, x2.dtype, n0, n1 - n0)
-        if bias is not None:
+        if add_to is not None:
+            y[:, n0:n1].addmm_(x2, w)
+        elif bias is not None:
             torch.addmm(bias[n0:n1], x2, w, out=y[:, n0:n1])
         else:
             torch.mm(x2, w, out=y[:, n0:n1])
@@ -466,6 +513,8 @@ def install() -> None:
         pairs.append((qmatmul.DISPATCH_MANY, Candidate("cuda", _many_check, _many_run)))
     if getattr(qmatmul, "DISPATCH_SILU", None) is not None:      # qmatmul_silu (the MLP's down projection)
         pairs.append((qmatmul.DISPATCH_SILU, Candidate("cuda", _silu_down_check, _silu_down_run)))
+    if getattr(qmatmul, "DISPATCH_ADD", None) is not None:       # qmatmul_add_ (o and down into the residual)
+        pairs.append((qmatmul.DISPATCH_ADD, Candidate("cuda", _add_check, _add_run)))
     for disp, cand in pairs:
         # replace any other candidate called "cuda" (an op module's placeholder must not serve
         # behind ours: it would reach the C++ checks that crash instead of refusing)

@@ -335,6 +335,26 @@ def qmatmul_silu(gate: torch.Tensor, up: torch.Tensor, pw: PackedWeight) -> torc
     return DISPATCH_SILU(gate=gate, up=up, pw=pw)
 
 
+# ---------------------------------------------------------------------------- into the residual stream
+# residual += qmatmul(x, pw) (o and down): the `cuda` candidate (ops/cuda_candidates.py) does it in the GEMM of the
+# dequantise + cuBLAS path (beta = 1, in place), where the prompt's rows go; everywhere else nothing is done and
+# the caller adds (the RMSNorm that follows takes the residual: one pass, not two).
+
+DISPATCH_ADD = Dispatcher("qmatmul_add_", [
+    Candidate("none", lambda residual, x, pw: None, lambda residual, x, pw: False),
+])
+
+
+def adds_in_place(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight) -> bool:
+    """Whether qmatmul_add_(residual, x, pw) would do the add (x: any tensor of its device, dtype and shape)."""
+    return DISPATCH_ADD.select(residual=residual, x=x, pw=pw).name != "none"
+
+
+def qmatmul_add_(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight) -> bool:
+    """residual += qmatmul(x, pw) in place where one kernel call does it; returns whether it did (False: nothing
+    done, the caller adds qmatmul(x, pw) its own way)."""
+    return DISPATCH_ADD(residual=residual, x=x, pw=pw)
+
 # ---------------------------------------------------------------------------- fake (meta) impl
 
 def _register_fake() -> None:
