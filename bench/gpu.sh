@@ -15,7 +15,7 @@
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nofuse (bench's
-# graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0 and EXL_CORE_ROPE_KV_FUSE=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
+# graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0, EXL_CORE_ROPE_KV_FUSE=0 and EXL_CORE_RESIDUAL_ADD=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -159,8 +159,9 @@ if has nosilu; then   # A/B: decode with silu_mul launched before the down proje
   EXL_CORE_SILU_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nosilu.json 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has nofuse; then   # A/B: decode with attention's split merge by the combine kernel and rope + K/V write as two launches
-  EXL_CORE_ATTN_CLUSTER=0 EXL_CORE_ROPE_KV_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
+if has nofuse; then   # A/B: attention's split merge by the combine kernel, rope + K/V write as two launches, o/down not
+  # adding into the residual in their GEMM (the prompt)
+  EXL_CORE_ATTN_CLUSTER=0 EXL_CORE_ROPE_KV_FUSE=0 EXL_CORE_RESIDUAL_ADD=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
     --exl2 "$CK/exl2" --quick --json /tmp/gpu_h200_nofuse.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nogs; then     # A/B: GPTQ decode with qgemm_kslice and qgemm_wide reading each chunk's group from the chunk table

@@ -442,6 +442,7 @@ def main() -> None:
                  "wide": os.environ.get("EXL_CORE_WIDE", "1") != "0", "kv_layout": a.kv_layout,
                  "attn_cluster": os.environ.get("EXL_CORE_ATTN_CLUSTER", "1") != "0",
                  "rope_kv_fuse": os.environ.get("EXL_CORE_ROPE_KV_FUSE", "1") != "0",
+                 "residual_add": os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0",
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()

@@ -71,6 +71,7 @@ WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 colu
                             # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
                             # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7)
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
+RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -278,6 +279,8 @@ def _route(rows: int, pw, x2) -> str:
 
 
 def _add_check(residual, x, pw) -> Optional[str]:
+    if not RESIDUAL_ADD_ON:
+        return "EXL_CORE_RESIDUAL_ADD=0"
     rows = x.numel() // max(1, pw.in_features)
     if rows <= MMA_MAX_ROWS:            # checked first: decode asks on every call
         return f"{rows} rows: the decode kernels (up to {MMA_MAX_ROWS} rows) have no add in their epilogue"
