@@ -107,8 +107,8 @@ def test_several_splits_are_used_and_merge():
 @pytest.mark.parametrize("keys,merge", [(400, "cluster"), (2000, "combine kernel")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_split_merge_paths(keys, merge, dtype):
-    """2..8 splits merge inside the kernel (a thread-block cluster on sm_90, the combine kernel below it);
-    more than 8 take the combine kernel everywhere. Both equal the float64 reference."""
+    """2..8 splits of a small grid merge inside the kernel (a thread-block cluster on sm_90, the combine kernel
+    below it); more than 8 take the combine kernel everywhere. Both equal the float64 reference."""
     _need_kernel()
     q, kc, vc, table, cu, lens = _case([1], [keys], hq=8, hkv=2, d=128, page=16, dtype=dtype, seed=keys)
     n = _splits(1, 2, table, 16)

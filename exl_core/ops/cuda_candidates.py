@@ -300,10 +300,11 @@ def _add_check(residual, x, pw) -> Optional[str]:
     return None
 
 
-def _add_run(residual, x, pw) -> None:
+def _add_run(residual, x, pw) -> bool:
     x2 = x.reshape(-1, pw.in_features)
     _dequant_mm(x2 if x2.is_contiguous() else x2.contiguous(), pw, _chunks_of(pw), _perm_of(pw, x.device), None,
                 add_to=residual)
+    return True
 
 
 def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):

@@ -9,8 +9,8 @@
 // lane loads 8 consecutive elements (16 bytes) of a key row; D/8 lanes cover one key, so a warp
 // walks 32/(D/8) keys per step and each lane group keeps its own online-softmax state (max, sum,
 // 8 output values per head) in registers; the groups merge through shared memory at the end.
-// With one split the block writes the output. With several on sm_90 (up to 8: a portable cluster), the
-// splits of a (row, kv head) run as one thread-block cluster: each leaves its unnormalised partial (sum p*v,
+// With one split the block writes the output. With several on sm_90 (up to 8: a portable cluster) and a grid of
+// about one wave (at most 2 blocks per SM), the splits of a (row, kv head) run as one thread-block cluster: each leaves its unnormalised partial (sum p*v,
 // max, sum p) in its shared memory and rank 0 merges them through distributed shared memory, in split order
 // (no second launch: the combine kernel was 2.3 us of a ~2.7 ms batch-1 step, once per layer). Otherwise
 // each split writes its partial to global memory and paged_attention_combine_kernel merges them.
@@ -463,7 +463,11 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   a.scale_log2 = static_cast<float>(scale) * kLog2e;
   const int64_t max_keys = std::max<int64_t>(1, static_cast<int64_t>(a.W) * a.page);
   a.splits = pick_splits(rows, Hkv, max_keys, exl_pdl::device_sm(dev, false), &a.chunk);
-  a.cluster = a.splits > 1 && a.splits <= kMaxClusterSplits && cluster_merge_enabled(dev);
+  // The cluster merge where the grid is about one wave (batch 1: 32 (row, kv head) pairs x 5 splits on the bench's
+  // 7B); at batch 8 (256 pairs x 3 splits) it measured ~1-2 % slower than the combine kernel (same-call A/B).
+  const int sms = exl_pdl::device_sm(dev, false);
+  a.cluster = a.splits > 1 && a.splits <= kMaxClusterSplits && rows * Hkv * a.splits <= 2 * sms &&
+              cluster_merge_enabled(dev);
   at::Tensor part_o, part_ml;
   if (a.splits > 1 && !a.cluster) {
     part_o = at::empty({a.splits, rows, Hq, D}, q.options().dtype(at::kFloat));
