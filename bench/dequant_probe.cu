@@ -7,7 +7,7 @@
 // accumulate), against the GEMMs alone. Formats: GPTQ 4-bit g128 (the bench's: no act-order) and the bench's EXL2
 // widths (5/4/3-bit segments) with a random act-order. Every part of the first layer is checked bit for bit against a
 // host computation of the kernel's formula (fp32 fma, one rounding to fp16).
-//   nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu [-DWITH_CUBLAS -lcublas] && /tmp/dequant_probe
+//   nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu [-DWITH_CUBLAS -lcublas] && /tmp/dequant_probe [check]
 // (bench/gpu.sh phase `dequant`.)  bench/results/dequant_probe_h200.json has the runs.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,52 +27,7 @@
 
 using namespace exl_dequant;
 
-struct DW {                       // one packed weight: K rows, ldq columns
-  int K, ldq;
-  int* qw;
-  float *s, *z;
-  int* chunks;                    // [K/32, 3]: bits, group c/4, first word row
-  int64_t* perm;                  // or null
-  std::vector<int> hq, hch;       // host copies (first layer only: the check)
-  std::vector<float> hs, hz;
-  std::vector<int64_t> hperm;
-  int64_t bytes;                  // words + scale + zero
-};
-
-DW make(int K, int ldq, bool mixed, bool act_order, bool keep_host) {
-  DW w{K, ldq};
-  const int G = K / 128, C = K / 32;
-  std::vector<int> ch(static_cast<size_t>(C) * 3);
-  int qrow = 0;
-  for (int c = 0; c < C; ++c) {
-    const int bits = chunk_bits(c, K, mixed);
-    ch[3 * c] = bits, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = qrow;
-    qrow += bits;
-  }
-  std::vector<int> hq(static_cast<size_t>(qrow) * ldq);
-  std::vector<float> hs(static_cast<size_t>(G) * ldq), hz(static_cast<size_t>(G) * ldq);
-  for (auto& v : hq) v = (rand() << 16) ^ rand();
-  for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
-  for (auto& v : hz) v = static_cast<float>(rand() % 16);
-  CK(cudaMalloc(&w.qw, hq.size() * 4));
-  CK(cudaMalloc(&w.s, hs.size() * 4));
-  CK(cudaMalloc(&w.z, hz.size() * 4));
-  CK(cudaMalloc(&w.chunks, ch.size() * 4));
-  CK(cudaMemcpy(w.qw, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.s, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
-  w.perm = act_order ? random_perm(K) : nullptr;
-  w.bytes = static_cast<int64_t>(hq.size() + hs.size() + hz.size()) * 4;
-  if (keep_host) {
-    w.hq = std::move(hq), w.hch = std::move(ch), w.hs = std::move(hs), w.hz = std::move(hz);
-    if (w.perm) {
-      w.hperm.resize(K);
-      CK(cudaMemcpy(w.hperm.data(), w.perm, static_cast<size_t>(K) * 8, cudaMemcpyDeviceToHost));
-    }
-  }
-  return w;
-}
+using DW = PackedDev;                // one packed weight (probe_common.cuh)
 
 // One dequantise launch: columns [col0, col0 + N) of each of its weights, side by side in W (row stride ldw).
 struct Part {
@@ -164,9 +119,9 @@ struct Layer {
 
 // In place: launches point at L.m, so a Layer is never copied or moved after this.
 void fill_layer(Layer& L, bool mixed, bool act_order, bool keep_host) {
-  for (int i = 0; i < 4; ++i) L.m[i] = make(4096, 4096, mixed, act_order, keep_host);
-  for (int i = 4; i < 6; ++i) L.m[i] = make(4096, 11008, mixed, act_order, keep_host);
-  L.m[6] = make(11008, 4096, mixed, act_order, keep_host);
+  for (int i = 0; i < 4; ++i) L.m[i] = make_packed(4096, 4096, mixed, act_order, keep_host);
+  for (int i = 4; i < 6; ++i) L.m[i] = make_packed(4096, 11008, mixed, act_order, keep_host);
+  L.m[6] = make_packed(11008, 4096, mixed, act_order, keep_host);
 }
 
 // The three schedules of a layer's dequantise launches and GEMMs:
@@ -264,8 +219,9 @@ bool check(const Part& pt, const __half* Wcol, int ldw) {
 #define CB(x) do { cublasStatus_t e = (x); if (e != CUBLAS_STATUS_SUCCESS) { printf("%s:%d cublas %d\n", __FILE__, __LINE__, (int)e); exit(1); } } while (0)
 #endif
 
-int main() {
+int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);   // a crash keeps what was printed
+  const bool check_only = argc > 1 && strcmp(argv[1], "check") == 0;   // the bit-for-bit checks, no timings
   srand(1234);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -331,6 +287,7 @@ int main() {
         }
       printf("%s %s: check %s\n", f.name, sched_name[s], ok ? "ok" : "FAILED");
       if (!ok) exit(1);
+      if (check_only) continue;
       std::string row = std::string("{\"row\": \"schedule\", \"format\": \"") + f.name + "\", \"schedule\": \"" +
                         sched_name[s] + "\"";
       for (int kind : {kV8, kStoresOnly}) {
@@ -423,13 +380,7 @@ int main() {
       printf("JSON %s}\n", row.c_str());
     }
     for (auto& L : layers)
-      for (auto& m : L.m) {
-        CK(cudaFree(m.qw));
-        CK(cudaFree(m.s));
-        CK(cudaFree(m.z));
-        CK(cudaFree(m.chunks));
-        if (m.perm) CK(cudaFree(m.perm));
-      }
+      for (auto& m : L.m) free_packed(m);
   }
   printf("done\n");
   return 0;

@@ -60,31 +60,9 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
 // mixed: the bench's EXL2 layout (bench/make_7b_checkpoint.py exl2_segments): the first ~K/11 rows 5-bit, the last
 // ~K/11 3-bit, the rest 4-bit, groups of 128 rows, and a random act-order permutation.
 W make_weight(int K, int N, bool mixed = false) {
-  W w{K, N};
-  const int G = K / 128, C = K / 32;
-  std::vector<int> ch(static_cast<size_t>(C) * 3);
-  int qrow = 0;
-  for (int c = 0; c < C; ++c) {
-    const int bits = chunk_bits(c, K, mixed);
-    ch[3 * c] = bits, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = qrow;
-    qrow += bits;
-  }
-  std::vector<int> hq(static_cast<size_t>(qrow) * N);
-  std::vector<float> hs(static_cast<size_t>(G) * N), hz(static_cast<size_t>(G) * N);
-  for (auto& v : hq) v = (rand() << 16) ^ rand();
-  for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
-  for (auto& v : hz) v = static_cast<float>(rand() % 16);
-  CK(cudaMalloc(&w.qw, hq.size() * 4));
-  CK(cudaMalloc(&w.s, hs.size() * 4));
-  CK(cudaMalloc(&w.z, hz.size() * 4));
+  const PackedDev p = make_packed(K, N, mixed, mixed);
+  W w{K, N, p.qw, p.s, p.z, nullptr, p.chunks, p.perm};
   CK(cudaMalloc(&w.y, static_cast<size_t>(N) * 2));
-  CK(cudaMalloc(&w.chunks, ch.size() * 4));
-  CK(cudaMemcpy(w.qw, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.s, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
-  w.perm = nullptr;
-  if (mixed) w.perm = random_perm(K);
   return w;
 }
 

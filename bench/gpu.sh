@@ -84,7 +84,7 @@ if has dequant; then  # design probe for the prompt's dequantise (and, where cuB
   [ -x /tmp/dequant_probe ] || nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 >/tmp/dequant_smi.txt 2>&1 &
   smi=$!
-  timeout ${PROBE_TIMEOUT:-150} /tmp/dequant_probe >/tmp/dequant_probe.txt 2>&1
+  timeout ${PROBE_TIMEOUT:-150} /tmp/dequant_probe ${DEQUANT_ARGS:-} >/tmp/dequant_probe.txt 2>&1   # DEQUANT_ARGS=check: checks only
   kill $smi 2>/dev/null
   echo "SM clock / power while the probe ran (every 200 ms):" >>/tmp/dequant_probe.txt
   cat /tmp/dequant_smi.txt >>/tmp/dequant_probe.txt

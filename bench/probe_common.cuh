@@ -84,3 +84,62 @@ inline int64_t* random_perm(int K) {
   CK(cudaMemcpy(d, pm.data(), static_cast<size_t>(K) * 8, cudaMemcpyHostToDevice));
   return d;
 }
+
+// A packed weight of K rows and ldq columns on the device, as the bench's checkpoints hold them: random words, scales
+// in [0.002, 0.004], zeros 0..15, groups of 128 rows, the chunk table (bits, group, first word row) of chunk_bits's
+// layout, and with act_order a random permutation; keep_host keeps the host copies (for references).
+struct PackedDev {
+  int K = 0, ldq = 0;
+  int* qw = nullptr;
+  float *s = nullptr, *z = nullptr;
+  int* chunks = nullptr;
+  int64_t* perm = nullptr;
+  int64_t bytes = 0;              // words + scale + zero
+  std::vector<int> hq, hch;
+  std::vector<float> hs, hz;
+  std::vector<int64_t> hperm;
+};
+
+inline PackedDev make_packed(int K, int ldq, bool mixed, bool act_order, bool keep_host = false) {
+  PackedDev w;
+  w.K = K, w.ldq = ldq;
+  const int G = K / 128, C = K / 32;
+  std::vector<int> ch(static_cast<size_t>(C) * 3);
+  int qrow = 0;
+  for (int c = 0; c < C; ++c) {
+    const int bits = chunk_bits(c, K, mixed);
+    ch[3 * c] = bits, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = qrow;
+    qrow += bits;
+  }
+  std::vector<int> hq(static_cast<size_t>(qrow) * ldq);
+  std::vector<float> hs(static_cast<size_t>(G) * ldq), hz(static_cast<size_t>(G) * ldq);
+  for (auto& v : hq) v = (rand() << 16) ^ rand();
+  for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
+  for (auto& v : hz) v = static_cast<float>(rand() % 16);
+  CK(cudaMalloc(&w.qw, hq.size() * 4));
+  CK(cudaMalloc(&w.s, hs.size() * 4));
+  CK(cudaMalloc(&w.z, hz.size() * 4));
+  CK(cudaMalloc(&w.chunks, ch.size() * 4));
+  CK(cudaMemcpy(w.qw, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.s, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
+  if (act_order) w.perm = random_perm(K);
+  w.bytes = static_cast<int64_t>(hq.size() + hs.size() + hz.size()) * 4;
+  if (keep_host) {
+    w.hq = std::move(hq), w.hch = std::move(ch), w.hs = std::move(hs), w.hz = std::move(hz);
+    if (w.perm) {
+      w.hperm.resize(K);
+      CK(cudaMemcpy(w.hperm.data(), w.perm, static_cast<size_t>(K) * 8, cudaMemcpyDeviceToHost));
+    }
+  }
+  return w;
+}
+
+inline void free_packed(PackedDev& w) {
+  CK(cudaFree(w.qw));
+  CK(cudaFree(w.s));
+  CK(cudaFree(w.z));
+  CK(cudaFree(w.chunks));
+  if (w.perm) CK(cudaFree(w.perm));
+}

@@ -155,31 +155,14 @@ int main(int argc, char** argv) {
   for (const Shape& sh : shapes) {
     if (g_one && sh.K != 4096) continue;
     if (g_one && sh.N != 4096) continue;
-    const int K = sh.K, N = sh.N, G = K / 128;
+    const int K = sh.K, N = sh.N;
     const size_t wbytes = static_cast<size_t>(K) / 8 * N * 4;
     const int nsets = std::max<int>(2, static_cast<int>(std::min<size_t>(16, (400u << 20) / wbytes)));
     std::vector<Set> sets(nsets);
-    std::vector<int> hq(static_cast<size_t>(K) / 8 * N);
-    std::vector<float> hs(static_cast<size_t>(G) * N), hz(static_cast<size_t>(G) * N);
-    for (auto& w : sets) {
-      for (auto& v : hq) v = (rand() << 16) ^ rand();
-      for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
-      for (auto& v : hz) v = static_cast<float>(rand() % 16);
-      CK(cudaMalloc(&w.qw, hq.size() * 4));
-      CK(cudaMalloc(&w.s, hs.size() * 4));
-      CK(cudaMalloc(&w.z, hz.size() * 4));
+    for (auto& w : sets) {                            // GPTQ 4-bit g128 (probe_common.cuh)
+      const PackedDev p = make_packed(K, N, false, false);
+      w.qw = p.qw, w.s = p.s, w.z = p.z, w.chunks = p.chunks;
       CK(cudaMalloc(&w.y, static_cast<size_t>(32) * N * 2));
-      std::vector<int> ch(static_cast<size_t>(K / 32) * 3);
-      for (int c = 0; c < K / 32; ++c) {
-        ch[3 * c] = 4;
-        ch[3 * c + 1] = c / 4;
-        ch[3 * c + 2] = 4 * c;
-      }
-      CK(cudaMalloc(&w.chunks, ch.size() * 4));
-      CK(cudaMemcpy(w.chunks, ch.data(), ch.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(w.qw, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(w.s, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(w.z, hz.data(), hz.size() * 4, cudaMemcpyHostToDevice));
     }
     std::vector<__half> hx(static_cast<size_t>(32) * K);
     for (auto& v : hx) v = __float2half(2.f * rand() / RAND_MAX - 1.f);

@@ -20,6 +20,16 @@ namespace exl_dequant {
 // Exact int -> float for q < 2^23 without the slow I2F path: 2^23 + q as float bits, minus 2^23.
 __device__ __forceinline__ float q_to_f(uint32_t q) { return __uint_as_float(q | 0x4B000000u) - 8388608.0f; }
 
+// Value i (0..31) of a chunk's column v as float, scaled: its BITS bits start at bit i*BITS of the chunk's
+// BITS words w[.][v] (a value may straddle two words).  i and BITS are constants after unrolling.
+template <int BITS, int V>
+__device__ __forceinline__ float chunk_value(const uint32_t (&w)[BITS][V], int i, int v, float s, float zs) {
+  const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
+  uint32_t q = w[wi][v] >> off;
+  if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
+  return fmaf(q_to_f(q & ((1u << BITS) - 1u)), s, -zs);
+}
+
 // Scale and scale * zero of V adjacent columns from `col` of group g (scale/zero rows ldq apart).
 template <int V>
 __device__ __forceinline__ void group_scale_zero(const float* scale, const float* zero, int64_t g, int64_t ldq,
@@ -66,17 +76,11 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
   }
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
-  constexpr uint32_t mask = (1u << BITS) - 1u;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
     float f[V];
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      uint32_t q = w[wi][v] >> off;
-      if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
-      f[v] = fmaf(q_to_f(q & mask), s[v], -zs[v]);
-    }
+    for (int v = 0; v < V; ++v) f[v] = chunk_value<BITS, V>(w, i, v, s[v], zs[v]);
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {

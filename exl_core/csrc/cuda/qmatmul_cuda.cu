@@ -36,7 +36,6 @@ inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) 
 using exl_act::cvt;   // value conversions of the pointwise ops (act_device.cuh)
 using exl_act::f32;
 using exl_dequant::group_scale_zero;   // shared with the dequantise (dequant_kernel.cuh)
-using exl_dequant::q_to_f;
 using exl_dequant::dequant_kernel;
 
 
@@ -61,18 +60,14 @@ __device__ __forceinline__ void gemv_chunk(const int32_t* qw, int64_t N, const f
   uint32_t w[BITS][VEC];
 #pragma unroll
   for (int j = 0; j < BITS; ++j) load_words<VEC>(qw + j * N, w[j]);
-  constexpr uint32_t mask = (1u << BITS) - 1u;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    const int pos = i * BITS, wi = pos >> 5, off = pos & 31;
     float xv[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) xv[m] = xs[m * xs_stride + i];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
-      uint32_t q = w[wi][v] >> off;
-      if (off + BITS > 32) q |= w[(wi + 1) < BITS ? wi + 1 : wi][v] << (32 - off);
-      const float wf = fmaf(q_to_f(q & mask), s[v], -zs[v]);
+      const float wf = exl_dequant::chunk_value<BITS, VEC>(w, i, v, s[v], zs[v]);
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[m][v] = fmaf(xv[m], wf, acc[m][v]);
     }
