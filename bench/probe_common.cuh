@@ -113,7 +113,7 @@ inline PackedDev make_packed(int K, int ldq, bool mixed, bool act_order, bool ke
   }
   std::vector<int> hq(static_cast<size_t>(qrow) * ldq);
   std::vector<float> hs(static_cast<size_t>(G) * ldq), hz(static_cast<size_t>(G) * ldq);
-  for (auto& v : hq) v = (rand() << 16) ^ rand();
+  for (auto& v : hq) v = static_cast<int>((static_cast<uint32_t>(rand()) << 16) ^ static_cast<uint32_t>(rand()));
   for (auto& v : hs) v = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
   for (auto& v : hz) v = static_cast<float>(rand() % 16);
   CK(cudaMalloc(&w.qw, hq.size() * 4));

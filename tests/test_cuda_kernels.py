@@ -143,9 +143,9 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
 @pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequant_vectorised_equals_per_column_and_float64(perm, dtype):
-    """The 16-byte dequantise (a warp per 8 rows of a chunk, 256 columns a block: every width's bits in one or
-    two word rows) writes exactly what the per-column kernel writes, and both match float64: N = 536 is two
-    full blocks and a partial one; the slice from column 1 is misaligned, so it takes the per-column kernel."""
+    """The 16-byte dequantise (8 columns a thread, 512 a block) writes exactly what the per-column kernel writes,
+    and both match float64, for every width: N = 536 is one full block and 24 columns; the slice from column 1 is
+    misaligned, so it takes the per-column kernel."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import chunk_table
     pw = random_packed(LAYOUTS[1] + [(5, 64), (6, 32), (8, 64), (2, 64)], 8 * 67, perm=perm)

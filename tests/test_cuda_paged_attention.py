@@ -104,15 +104,20 @@ def test_several_splits_are_used_and_merge():
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, torch.float16)
 
 
-@pytest.mark.parametrize("keys,merge", [(400, "cluster"), (2000, "combine kernel")])
+@pytest.mark.parametrize("rows,keys,merge", [(1, 400, "cluster"), (1, 2000, "combine kernel"),
+                                             (40, 400, "combine kernel")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_split_merge_paths(keys, merge, dtype):
-    """2..8 splits of a small grid merge inside the kernel (a thread-block cluster on sm_90, the combine kernel
-    below it); more than 8 take the combine kernel everywhere. Both equal the float64 reference."""
+def test_split_merge_paths(rows, keys, merge, dtype):
+    """2..8 splits of a small grid (at most 2 blocks per SM) merge inside the kernel (a thread-block cluster on
+    sm_90, the combine kernel below it); more than 8 splits, or 2..8 over a larger grid, take the combine kernel.
+    All equal the float64 reference. (Which path ran is not visible from here: the shapes are chosen by the rule.)"""
     _need_kernel()
-    q, kc, vc, table, cu, lens = _case([1], [keys], hq=8, hkv=2, d=128, page=16, dtype=dtype, seed=keys)
-    n = _splits(1, 2, table, 16)
-    assert (2 <= n <= 8) if merge == "cluster" else n > 8, n
+    q, kc, vc, table, cu, lens = _case([1] * rows, [keys - i for i in range(rows)], hq=8, hkv=2, d=128, page=16,
+                                       dtype=dtype, seed=keys + rows)
+    n = _splits(rows, 2, table, 16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    small = rows * 2 * n <= 2 * sms
+    assert (2 <= n <= 8 and small) if merge == "cluster" else (n > 8 or (n > 1 and not small)), (n, small)
     ref = _ref64(q, kc, vc, table, cu, lens, 0.1, None)
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, dtype)
 
@@ -279,7 +284,7 @@ def test_rope_kv_write_equals_rope_then_write(dtype, hq, hkv, d):
     """rope_write_kv's one launch (exl_core::rope_kv_write) gives the rotated q and writes the rotated k and v
     into their slots bit for bit as apply_rope then write_kv: contiguous positions and a broadcast one (stride 0,
     as a graphed decode step passes it), a slot outside the cache (skipped by both), a position past the rope
-    table (NaN rows from both); every other slot keeps its poison."""
+    table (NaN rows from both, in q and in the k slot); every other slot keeps its poison."""
     from exl_core.ops import attention as att
     from exl_core.ops.rope import apply_rope, cos_sin_table
     from exl_core.ops.cuda_candidates import _has_cuda_kernel
@@ -288,7 +293,7 @@ def test_rope_kv_write_equals_rope_then_write(dtype, hq, hkv, d):
     g = torch.Generator().manual_seed(hq + d)
     pages, page, t = 6, 8, 5
     cos_sin = cos_sin_table(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 64).cuda()
-    kc0 = torch.full((pages, page, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    kc0 = torch.full((pages, page, hkv, d), 1234.0, dtype=dtype, device="cuda")      # finite: a skipped write shows
     q, k, v = (torch.randn(t, h, d, generator=g).to(dtype).cuda() for h in (hq, hkv, hkv))
     slots = torch.tensor([17, 3, 400, 0, 29], device="cuda")                     # 400: outside the cache
     for name, pos in (("rows", torch.tensor([5, 0, 63, 9, 64], device="cuda")),  # 64: past the table

@@ -73,8 +73,8 @@ class MLP(nn.Module):
         """With `residual`, down_proj's output may go into it in place (linear_add_): None is returned then."""
         gate, up = linear_many(x, (self.gate_proj, self.up_proj))
         if residual is not None and linear_adds_in_place(residual, gate, self.down_proj):   # gate: h's shape
-            linear_add_(residual, silu_mul(gate, up), self.down_proj)
-            return None
+            h = silu_mul(gate, up)
+            return None if linear_add_(residual, h, self.down_proj) else self.down_proj(h)
         return linear_silu(gate, up, self.down_proj)
 
 

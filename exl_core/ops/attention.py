@@ -90,7 +90,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
     On CUDA, where the tensors allow it, one launch (exl_core::rope_kv_write: the rope kernel writes k's
     rotated rows and v's rows into their slots) instead of two, with the two ops' results bit for bit;
-    everywhere else the two ops."""
+    everywhere else the two ops. The fused call does not go through the rope dispatcher: EXL_CORE_FORCE_KERNEL /
+    EXL_CORE_DISABLE_KERNEL settings for rope apply with EXL_CORE_ROPE_KV_FUSE=0."""
     if _rope_kv_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
         return torch.ops.exl_core.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
     q, k = apply_rope(q, k, positions, cos_sin)

@@ -320,6 +320,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
     }
     cl.sync();                                // the other splits keep their shared memory until rank 0 is done
   }
+#else
+  if (a.cluster) __trap();                    // the host sets cluster only on sm_90 devices, which run sm_90 code
 #endif
 }
 
@@ -464,7 +466,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   const int64_t max_keys = std::max<int64_t>(1, static_cast<int64_t>(a.W) * a.page);
   a.splits = pick_splits(rows, Hkv, max_keys, exl_pdl::device_sm(dev, false), &a.chunk);
   // The cluster merge where the grid is about one wave (batch 1: 32 (row, kv head) pairs x 5 splits on the bench's
-  // 7B); at batch 8 (256 pairs x 3 splits) it measured ~1-2 % slower than the combine kernel (same-call A/B).
+  // 7B). At batch 8 (256 pairs x 3 splits), with it on at every grid, decode measured ~1 % slower than with the
+  // combine kernel, in A/Bs that also turned the rope fusion off (not separated); NOTES.md has the figures.
   const int sms = exl_pdl::device_sm(dev, false);
   a.cluster = a.splits > 1 && a.splits <= kMaxClusterSplits && rows * Hkv * a.splits <= 2 * sms &&
               cluster_merge_enabled(dev);
