@@ -150,6 +150,7 @@ def linear_adds_in_place(residual: torch.Tensor, x: torch.Tensor, layer) -> bool
     """Whether linear_add_(residual, x, layer) would do the add (x: any tensor of its device, dtype and shape)."""
     return _plain_packed(layer) and layer.packed.bias is None and adds_in_place(residual, x, layer.packed)
 
+
 def linear_silu(gate: torch.Tensor, up: torch.Tensor, layer) -> torch.Tensor:
     """layer(silu_mul(gate, up)), the MLP's down projection: one fused op for a plain packed QuantLinear (the
     same values), the two steps for anything else."""

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.activation import silu_mul
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
 from .linear import LORA_VERSION, QuantLinear, linear_add_, linear_adds_in_place, linear_many, linear_silu
-from ..ops.activation import silu_mul
 from .rope import RopeTable
 
 
