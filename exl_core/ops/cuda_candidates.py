@@ -281,9 +281,8 @@ def _route(rows: int, pw, x2) -> str:
 def _add_check(residual, x, pw) -> Optional[str]:
     if not RESIDUAL_ADD_ON:
         return "EXL_CORE_RESIDUAL_ADD=0"
-    rows = x.numel() // max(1, pw.in_features)
-    if rows <= MMA_MAX_ROWS:            # checked first: decode asks on every call
-        return f"{rows} rows: the decode kernels (up to {MMA_MAX_ROWS} rows) have no add in their epilogue"
+    if x.numel() <= MMA_MAX_ROWS * pw.in_features:
+        return "decode-sized rows: the decode kernels have no add in their epilogue"
     why = _qmatmul_check(x, pw)
     if why is not None:
         return why

@@ -82,9 +82,10 @@ class Dispatcher:
         detail = "; ".join(f"{n}: {r}" for n, r in self.reasons(**args))
         raise KernelError(f"no kernel for {self.op}: {detail}")
 
-    def __call__(self, **args):
+    def choose(self, **args) -> Candidate:
+        """The candidate a call with these arguments runs: `select`, cached by `key` when there is one."""
         if self.key is None:
-            return self.select(**args).run(**args)
+            return self.select(**args)
         # the cached choices hold only while the candidate list and the force/disable settings do
         state = (tuple(map(id, self.candidates)), _FORCED.get(self.op), frozenset(_DISABLED))
         if state != self._state:
@@ -94,7 +95,10 @@ class Dispatcher:
         c = self._chosen.get(k)
         if c is None:
             c = self._chosen[k] = self.select(**args)
-        return c.run(**args)
+        return c
+
+    def __call__(self, **args):
+        return self.choose(**args).run(**args)
 
 
 def extension():

@@ -340,20 +340,30 @@ def qmatmul_silu(gate: torch.Tensor, up: torch.Tensor, pw: PackedWeight) -> torc
 # dequantise + cuBLAS path (beta = 1, in place), where the prompt's rows go; everywhere else nothing is done and
 # the caller adds (the RMSNorm that follows takes the residual: one pass, not two).
 
+def _key_add(residual, x, pw):
+    # everything cuda_candidates' _add_check and _qmatmul_check read; the candidates' row rules change only at
+    # or below 64 rows (decode kernels take up to 32), so longer calls share one entry
+    rows = x.numel() // max(1, pw.in_features)
+    return (x.device, x.dtype, residual.device, residual.dtype, residual.is_contiguous(),
+            tuple(residual.shape) == (rows, pw.out_features), rows if rows <= 64 else -1, pw.in_features,
+            pw.qweight.device, pw.scale.dtype, pw.zero.dtype, pw.bias is None)
+
+
 DISPATCH_ADD = Dispatcher("qmatmul_add_", [
     Candidate("none", lambda residual, x, pw: None, lambda residual, x, pw: False),
-])
+], key=_key_add)
 
 
 def adds_in_place(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight) -> bool:
     """Whether qmatmul_add_(residual, x, pw) would do the add (x: any tensor of its device, dtype and shape)."""
-    return DISPATCH_ADD.select(residual=residual, x=x, pw=pw).name != "none"
+    return DISPATCH_ADD.choose(residual=residual, x=x, pw=pw).name != "none"
 
 
 def qmatmul_add_(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight) -> bool:
     """residual += qmatmul(x, pw) in place where one kernel call does it; returns whether it did (False: nothing
     done, the caller adds qmatmul(x, pw) its own way)."""
     return DISPATCH_ADD(residual=residual, x=x, pw=pw)
+
 
 # ---------------------------------------------------------------------------- fake (meta) impl
 

@@ -38,7 +38,6 @@ using exl_act::f32;
 using exl_dequant::group_scale_zero;   // shared with the dequantise (dequant_kernel.cuh)
 using exl_dequant::dequant_kernel;
 
-
 // Loads VEC adjacent words of one qweight row (16 / 8 / 4 bytes).
 template <int VEC>
 __device__ __forceinline__ void load_words(const int32_t* p, uint32_t (&w)[VEC]) {
@@ -73,7 +72,6 @@ __device__ __forceinline__ void gemv_chunk(const int32_t* qw, int64_t N, const f
     }
   }
 }
-
 
 template <typename T, int M, int VEC>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(

@@ -1,0 +1,92 @@
+"""The prompt's path on CUDA (rows past the decode kernels): dequantise to W in x's dtype (qdequant_chunks, the
+16-byte and the per-column kernel, column slices), x @ W through cuBLAS in slices, and the residual stream's add
+inside that GEMM (qmatmul_add_), against float64 references.  Helpers from test_cuda_kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_kernels import LAYOUTS, _need_kernels, poison_allocator, random_packed, rel_err
+
+from exl_core.formats.packed import dequantize_reference
+
+pytestmark = pytest.mark.cuda
+
+
+def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
+    """qdequant_chunks(col0, cols) gives exactly those columns of the whole dequantisation; the large-M path
+    takes weights wider than two slices slice by slice (each GEMM writing y's columns in place) and matches
+    the float64 reference, with and without bias."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    pw = random_packed(LAYOUTS[1], 4 * 67, perm=True, bias=True)      # every width, N = 268
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    ch = cc.chunk_table(pw.groups, "cuda")
+    ops = torch.ops.exl_core
+    for dt in (torch.float16, torch.bfloat16):                       # N = 268: the whole weight takes 1 column
+        full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt)    # per thread, slices 0/64 and
+        assert rel_err(full, W) < (1e-3 if dt == torch.float16 else 4e-3)         # 100/-1 take 8 (16-byte stores)
+        for col0, cols in ((0, 64), (64, 100), (200, 68), (267, 1), (100, -1)):
+            poison_allocator()
+            part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt, col0, cols)
+            assert torch.equal(part, full[:, col0:col0 + cols] if cols >= 0 else full[:, col0:]), (dt, col0)
+    monkeypatch.setattr(cc, "DEQUANT_SLICE", 64)                     # slices of 64, 64, 64, 64, 12 columns
+    x = torch.randn(40, pw.in_features, dtype=torch.float16)
+    for bias in (None, c.bias.half()):
+        poison_allocator()
+        y = cc._dequant_mm(x.cuda(), c, ch, c.perm, bias)
+        ref = x.double() @ W + (0 if bias is None else pw.bias.half().double())
+        assert y.shape == (40, 268) and rel_err(y, ref) < 2e-3
+
+
+
+@pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_vectorised_equals_per_column_and_float64(perm, dtype):
+    """The 16-byte dequantise (8 columns a thread, 512 a block) writes exactly what the per-column kernel writes,
+    and both match float64, for every width: N = 536 is one full block and 24 columns; the slice from column 1 is
+    misaligned, so it takes the per-column kernel."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import chunk_table
+    pw = random_packed(LAYOUTS[1] + [(5, 64), (6, 32), (8, 64), (2, 64)], 8 * 67, perm=perm)
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    ch = chunk_table(pw.groups, "cuda")
+    ops = torch.ops.exl_core
+    poison_allocator()
+    full = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype)
+    assert rel_err(full, W) < (1e-3 if dtype == torch.float16 else 4e-3)
+    poison_allocator()
+    part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, 1, -1)
+    assert torch.equal(part, full[:, 1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qmatmul_add_into_residual(monkeypatch, dtype):
+    """qmatmul_add_ on the prompt path adds x @ W into the residual in place (the GEMM's beta = 1), in one piece
+    and in column slices, within the output rounding of the float64 sum; decode-sized rows and a weight with a
+    bias are refused, with the residual untouched."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops.qmatmul import adds_in_place, qmatmul_add_
+    pw = random_packed(LAYOUTS[1], 8 * 67, perm=True)                 # every width, act-order, N = 536
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    for slice_cols in (cc.DEQUANT_SLICE, 128):                        # one GEMM; slices 128 x 4 + 24
+        monkeypatch.setattr(cc, "DEQUANT_SLICE", slice_cols)
+        x = torch.randn(48, pw.in_features).to(dtype)
+        res = torch.randn(48, pw.out_features).to(dtype)
+        want = res.double() + x.double() @ W
+        got = res.cuda()
+        ptr = got.data_ptr()
+        assert adds_in_place(got, x.cuda(), c) and qmatmul_add_(got, x.cuda(), c)
+        assert got.data_ptr() == ptr and rel_err(got, want) < (2e-3 if dtype == torch.float16 else 1e-2)
+    small = torch.randn(32, pw.in_features).to(dtype).cuda()
+    res = torch.randn(32, pw.out_features).to(dtype).cuda()
+    before = res.clone()
+    assert not qmatmul_add_(res, small, c) and torch.equal(res, before)
+    c.bias = torch.randn(pw.out_features).to(dtype).cuda()
+    big = torch.randn(48, pw.in_features).to(dtype).cuda()
+    res = torch.randn(48, pw.out_features).to(dtype).cuda()
+    before = res.clone()
+    assert not qmatmul_add_(res, big, c) and torch.equal(res, before)
