@@ -7,8 +7,14 @@
 // (bench/gpu.sh phase `gemv`.)  Per-launch figures: 8 layers' distinct weights back to back in one CUDA graph,
 // median of 10 replays, us per launch.  err: max |y - fp32 reference| / max |reference| on poisoned output.
 // The floor: a read-only kernel over the same bytes (words, scale, zero) launched the same way.
+// Rows: GPTQ (ring 8 as shipped, ring 4); where the mixed-width (EXL2) penalty comes from -- 4-bit words through the
+// mixed-width path, mixed widths without and with an act-order permutation, the shared-memory gather of act-order x
+// (sg) -- and GPTQ act-order with and without sg.  `ncu` launches, per layer, GPTQ q/k/v, 4-bit q/k/v through the
+// mixed-width path and EXL2-like q/k/v (bench/gpu.sh GEMV_NCU=1).
 // Variants measured and dropped (results in bench/results/gemv_probe_h200.json): fp16 scale before the mma and
-// registers capped at 64 (`git show 166985b:bench/gemv_probe.cu`); a stream-K GEMV (`git show 4cfbdd6`).
+// registers capped at 64 (`git show 166985b:bench/gemv_probe.cu`); a stream-K GEMV (`git show 4cfbdd6`); the chunk
+// table passed as runs in the launch's parameters instead of loaded (chain within 0.8 us); a loop per width run
+// with the width a template argument (the kernel grew to 240 KB of code: slower than the per-chunk switch).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -18,6 +24,7 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+#include <type_traits>
 
 #include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernel (no torch headers)
 #include "probe_common.cuh"
@@ -59,8 +66,8 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
 
 // mixed: the bench's EXL2 layout (bench/make_7b_checkpoint.py exl2_segments): the first ~K/11 rows 5-bit, the last
 // ~K/11 3-bit, the rest 4-bit, groups of 128 rows, and a random act-order permutation.
-W make_weight(int K, int N, bool mixed = false) {
-  const PackedDev p = make_packed(K, N, mixed, mixed);
+W make_weight(int K, int N, bool mixed = false, int act = -1) {
+  const PackedDev p = make_packed(K, N, mixed, act < 0 ? mixed : act != 0);
   W w{K, N, p.qw, p.s, p.z, nullptr, p.chunks, p.perm};
   CK(cudaMalloc(&w.y, static_cast<size_t>(N) * 2));
   return w;
@@ -135,13 +142,14 @@ int* ReadLauncher::sink = nullptr;
 // ----------------------------------------------------------------------------- qgemm_kslice, M = 1
 // KW warps along K, ring R.
 // GS: the group shift passed (2: GPTQ g128's regular groups, as the extension passes them; -1: the chunk table).
-template <int KW, int R, bool U4 = true, int GS = 2>
+// SG: act-order x gathered from a shared-memory copy of x (the kernel's sgather).
+template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false>
 struct KsLauncher {
   static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
-    return Smem(n_chunks, KW, slots, 1, K).total;
+    return Smem(n_chunks, KW, slots, 1, K, SG ? gather_halves(1, K, false) : 0).total;
   }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
     const int K = op[0]->K, n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
@@ -164,7 +172,7 @@ struct KsLauncher {
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
     CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<const __half*>(nullptr), 1, static_cast<int64_t>(K), n_chunks,
-                          slots, K, U4 ? GS : -1, mats));
+                          slots, K, U4 ? GS : -1, SG ? 1 : 0, mats));
   }
   static int regs() {
     cudaFuncAttributes a;
@@ -179,7 +187,7 @@ struct KsLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "k%d r%d%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "");
+    snprintf(b, sizeof b, "k%d r%d%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "");
     return b;
   }
 };
@@ -210,7 +218,7 @@ constexpr int kLayers = 8;
 struct Layer {
   W q, k, v, o, gate, up, down;
 };
-std::vector<Layer> g_layers, g_layers_mixed;
+std::vector<Layer> g_layers, g_layers_mixed, g_layers_u4perm, g_layers_mixed_noperm;
 __half *g_x4096, *g_x11008;
 
 // Launchers per op of a layer: q/k/v, o, gate/up, down.
@@ -273,6 +281,17 @@ int main(int argc, char** argv) {
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 11008, true), make_weight(4096, 11008, true),
                               make_weight(11008, 4096, true)});
+  // where the mixed-width penalty comes from: 4-bit with a permutation, mixed widths without one
+  for (int i = 0; i < kLayers; ++i) {
+    g_layers_u4perm.push_back({make_weight(4096, 4096, false, 1), make_weight(4096, 4096, false, 1),
+                               make_weight(4096, 4096, false, 1), make_weight(4096, 4096, false, 1),
+                               make_weight(4096, 11008, false, 1), make_weight(4096, 11008, false, 1),
+                               make_weight(11008, 4096, false, 1)});
+    g_layers_mixed_noperm.push_back({make_weight(4096, 4096, true, 0), make_weight(4096, 4096, true, 0),
+                                     make_weight(4096, 4096, true, 0), make_weight(4096, 4096, true, 0),
+                                     make_weight(4096, 11008, true, 0), make_weight(4096, 11008, true, 0),
+                                     make_weight(11008, 4096, true, 0)});
+  }
   std::vector<__half> hx(11008);
   for (auto& v : hx) v = __float2half(2.f * rand() / RAND_MAX - 1.f);
   CK(cudaMalloc(&g_x4096, 4096 * 2));
@@ -281,35 +300,49 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
 
   // a few launches for Nsight Compute, per layer: o, gate/up, EXL2-like q/k/v, EXL2-like o
-  if (argc > 1 && std::string(argv[1]) == "ncu") {
+  if (argc > 1 && std::string(argv[1]) == "ncu") {   // per layer: GPTQ q/k/v, the mixed path on 4-bit q/k/v, EXL2-like q/k/v
     for (int i = 0; i < 3; ++i) {
       Layer& l = g_layers[i];
       Layer& lm = g_layers_mixed[i];
-      KsLauncher<16, 8>::go(Op{&l.o}, g_x4096, 0);
-      KsLauncher<8, 8>::go(Op{&l.gate, &l.up}, g_x4096, 0);
+      KsLauncher<8, 4>::go(Op{&l.q, &l.k, &l.v}, g_x4096, 0);
+      KsLauncher<8, 4, false>::go(Op{&l.q, &l.k, &l.v}, g_x4096, 0);
       KsLauncher<8, 4, false>::go(Op{&lm.q, &lm.k, &lm.v}, g_x4096, 0);
-      KsLauncher<16, 4, false>::go(Op{&lm.o}, g_x4096, 0);
     }
     CK(cudaDeviceSynchronize());
     return 0;
   }
   check_row<KsLauncher<16, 8>>();
-  check_row<KsLauncher<8, 8>>();
-  check_row<KsLauncher<16, 16>>();
-  check_row<KsLauncher<16, 8, true, -1>>();
+  check_row<KsLauncher<8, 4>>();
   check_row<KsLauncher<16, 4, false>>(g_layers_mixed);
   check_row<KsLauncher<8, 4, false>>(g_layers_mixed);
-  check_row<KsLauncher<16, 8, false>>(g_layers_mixed);
+  check_row<KsLauncher<8, 8, false>>(g_layers_mixed);
+  check_row<KsLauncher<16, 4, false, 2, true>>(g_layers_mixed);
+  check_row<KsLauncher<16, 8, true, 2, true>>(g_layers_u4perm);
+  check_row<KsLauncher<16, 4, false>>(g_layers);
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  // the extension's policy at M = 1 (gate/up runs qgemm_skinny there; here kslice k8)
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
-  layer_row<KsLauncher<8, 16>, KsLauncher<16, 16>, KsLauncher<8, 16>, KsLauncher<16, 16>>("kslice r16 (k8 k16 k8 k16)");
-  layer_row<KsLauncher<8, 8, true, -1>, KsLauncher<16, 8, true, -1>, KsLauncher<8, 8, true, -1>,
-            KsLauncher<16, 8, true, -1>>("kslice r8, groups from the table");
-  // EXL2-like weights (5/4/3-bit segments, act-order permutation); the extension runs gate/up on qgemm_skinny here
-  layer_row<KsLauncher<8, 4, false>, KsLauncher<16, 4, false>, KsLauncher<8, 4, false>, KsLauncher<16, 4, false>>(
-      "mixed r4 (k8 k16 k8 k16)", g_layers_mixed);
-  layer_row<KsLauncher<8, 8, false>, KsLauncher<16, 8, false>, KsLauncher<8, 8, false>, KsLauncher<16, 8, false>>(
-      "mixed r8 (k8 k16 k8 k16)", g_layers_mixed);
+  layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("kslice r4 (k8 k16 k8 k16)");
+  auto mixed = [](const char* name, std::vector<Layer>& layers, auto ring, auto sg) {
+    constexpr int R = decltype(ring)::value;
+    constexpr bool SG = decltype(sg)::value;
+    using A = KsLauncher<8, R, false, 2, SG>;
+    using B = KsLauncher<16, R, false, 2, SG>;
+    layer_row<A, B, A, B>(name, layers);
+  };
+  using R4 = std::integral_constant<int, 4>;
+  using R8 = std::integral_constant<int, 8>;
+  using Y = std::true_type;
+  using N = std::false_type;
+  mixed("4-bit via the mixed path r4", g_layers, R4{}, N{});
+  mixed("mixed, no perm r4", g_layers_mixed_noperm, R4{}, N{});
+  mixed("mixed r4 (EXL2-like)", g_layers_mixed, R4{}, N{});
+  mixed("mixed r4 sg", g_layers_mixed, R4{}, Y{});
+  mixed("mixed r8 sg", g_layers_mixed, R8{}, Y{});
+  layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("4-bit + perm, U4 r8", g_layers_u4perm);
+  {
+    using A = KsLauncher<8, 8, true, 2, true>;
+    using B = KsLauncher<16, 8, true, 2, true>;
+    layer_row<A, B, A, B>("4-bit + perm, U4 r8 sg", g_layers_u4perm);
+  }
   return 0;
 }

@@ -15,7 +15,8 @@
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nofuse (bench's
-# graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0, EXL_CORE_ROPE_KV_FUSE=0 and EXL_CORE_RESIDUAL_ADD=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0), nosilu
+# graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0, EXL_CORE_ROPE_KV_FUSE=0 and EXL_CORE_RESIDUAL_ADD=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0),
+# nosg (both formats with EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -57,14 +58,14 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   cat /tmp/gemv_probe.txt >>"$LOG"
   grep -v '^JSON' /tmp/gemv_probe.txt | tail -40
   grep '^JSON ' /tmp/gemv_probe.txt | sed 's/^JSON //' >"$OUT/gemv_probe_rows.jsonl"
-  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice under Nsight Compute (the second layer's o and gate/up, EXL2-like q/k/v and o; SASS CSV of that q/k/v)
+  if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice under Nsight Compute (the second layer's GPTQ q/k/v, 4-bit q/k/v through the mixed-width path, EXL2-like q/k/v; SASS CSV of the last)
     rm -f /tmp/gemv_probe_li
     nvcc -O3 -lineinfo -arch=sm_90 -o /tmp/gemv_probe_li bench/gemv_probe.cu
-    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 4 --launch-count 4 \
+    timeout 150 ncu --clock-control none -k regex:qgemm_ --launch-skip 3 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/gemv_probe_li ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/gemv_ncu.txt"
-    timeout 150 ncu --clock-control none -k regex:kslice --launch-skip 6 --launch-count 1 \
+    timeout 150 ncu --clock-control none -k regex:kslice --launch-skip 5 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --page source --print-source sass --csv /tmp/gemv_probe_li ncu \
       >"$OUT/gemv_ks_sass.csv" 2>/dev/null
     ls -la "$OUT"
@@ -107,7 +108,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -163,6 +164,10 @@ if has nofuse; then   # A/B: attention's split merge by the combine kernel, rope
   # adding into the residual in their GEMM (the prompt)
   EXL_CORE_ATTN_CLUSTER=0 EXL_CORE_ROPE_KV_FUSE=0 EXL_CORE_RESIDUAL_ADD=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
     --exl2 "$CK/exl2" --quick --json /tmp/gpu_h200_nofuse.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has nosg; then     # A/B: act-order x gathered from global memory by every qgemm_kslice block (no shared-memory copy)
+  EXL_CORE_KSLICE_SGATHER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+    --json /tmp/gpu_h200_nosg.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has nogs; then     # A/B: GPTQ decode with qgemm_kslice and qgemm_wide reading each chunk's group from the chunk table
   EXL_CORE_GROUP_SHIFT=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

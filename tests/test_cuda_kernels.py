@@ -358,6 +358,50 @@ def test_qgemm_kslice_silu_vs_float64_and_unfused(case, M):
     assert ran
 
 
+@pytest.mark.parametrize("case", [0, 2, 3], ids=["mixed", "long", "uniform4"])
+@pytest.mark.parametrize("M", [1, 3, 8])                          # the staged rows
+def test_qgemm_kslice_act_order_gather_paths_agree(case, M):
+    """Act-order x at a 16-byte aligned address is gathered from a copy of x in shared memory (where the copy fits
+    the block), at an unaligned one from global memory: both stage the same values, so the outputs are
+    bit-identical, and both match float64 -- plain, and with silu(gate) * up staged for the down projection."""
+    _need_kernels()
+    from exl_core.ops.cuda_candidates import _group_shift, _uniform4, chunk_table
+    layout, N = KSLICE_CASES[case]
+    pw = random_packed(layout, N, perm=True)
+    K = pw.in_features
+    gate, up = torch.randn(M, K, dtype=torch.float16), torch.randn(M, K, dtype=torch.float16)
+    c, ch, deq = pw.to("cuda"), chunk_table(pw.groups, "cuda"), dequantize_reference(pw)
+    act_ref = (torch.nn.functional.silu(gate.double()).half().double() * up.double()).half().double()
+
+    def placed(t: torch.Tensor, offset: int) -> torch.Tensor:   # t on the GPU, `offset` halves into an aligned buffer
+        buf = torch.empty(t.numel() + 8, dtype=torch.float16, device="cuda")
+        view = buf[offset:offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+
+    ran = 0
+    for u4 in {False, _uniform4(pw)}:
+        gs = _group_shift(pw) if u4 else -1
+        for silu in (False, True):
+            if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, 0, u4, 0, 8, 0):
+                continue
+            ran += 1
+            ys = []
+            for offset in (0, 4):                              # aligned: shared-memory gather; 8 bytes off: global
+                g, u = placed(gate, offset), placed(up, offset)
+                poison_allocator()
+                if silu:
+                    y = torch.ops.exl_core.qgemm_kslice_silu(g, u, c.qweight, ch, c.scale, c.zero, c.perm, None, u4, 8,
+                                                             0, 0, gs)
+                else:
+                    y = torch.ops.exl_core.qgemm_kslice(g, c.qweight, ch, c.scale, c.zero, c.perm, None, u4, 8, 0, 0, gs)
+                ys.append(y)
+            ref = (act_ref if silu else gate.double()) @ deq
+            assert torch.equal(ys[0], ys[1]), (u4, silu)
+            assert rel_err(ys[0], ref) < 2e-3, (u4, silu)
+    assert ran
+
+
 @pytest.mark.parametrize("M", [1, 8, 12])                         # fused (staged rows), and the two-step path
 def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
     """ops.qmatmul_silu on the GPU (one launch where the decode kernel stages x) equals silu_mul then qmatmul."""

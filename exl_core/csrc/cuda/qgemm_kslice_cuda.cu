@@ -4,6 +4,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "qgemm_kslice_kernel.cuh"
 #include "qmma_common.cuh"
 
@@ -19,7 +22,21 @@ struct Plan {
   int kw, ring, nt, slots, xs_stride;
   size_t smem;
   int gshift;   // regular groups: chunk c in group c >> gshift (uniform 4-bit only), else -1 (the chunk table)
+  int sgather;  // act-order x gathered from a shared-memory copy of x (smem includes the copy), else 0
 };
+
+// Shared memory a block may take for the shared-memory gather of act-order x: two blocks of 8 warps still fit an
+// SM; a 16-warp block runs alone (register-bound) and may take up to kSmemMax.
+constexpr size_t kGatherSmem = 100 * 1024;
+
+// EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory by every block (A/B runs).
+bool sgather_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EXL_CORE_KSLICE_SGATHER");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
 
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
@@ -41,7 +58,18 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
   const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
   const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
-  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total, -1};
+  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total, -1, 0};
+}
+
+// Takes the shared-memory gather where p stages x (one n-tile), some weight has a permutation and the copy of x
+// still fits the block (a plan without it stays usable: the gather is an option, never a reason to refuse).
+void plan_sgather(Plan& p, int M, int64_t K, bool any_perm, bool act) {
+  if (p.nt != 1 || !any_perm || !sgather_enabled()) return;
+  const size_t with = Smem(static_cast<int>(K / 32), p.kw, p.slots, M, p.xs_stride, gather_halves(M, K, act)).total;
+  if (with <= (p.kw == 16 ? kSmemMax : kGatherSmem)) {
+    p.sgather = 1;
+    p.smem = with;
+  }
 }
 
 // The instances: staged x (1 n-tile) with 4/8/16 warps and rings 8/16 (uniform 4-bit) or 4/8; x from global
@@ -57,7 +85,7 @@ void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t til
   auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
-                      static_cast<int>(K / 32), p.slots, p.xs_stride, p.gshift, mats);
+                      static_cast<int>(K / 32), p.slots, p.xs_stride, p.gshift, p.sgather, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
@@ -118,6 +146,9 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   plan.gshift = uniform4 ? static_cast<int>(group_shift) : -1;
   TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
+  bool any_perm = false;
+  for (int i = 0; i < mats.n; ++i) any_perm = any_perm || mats.m[i].perm != nullptr;
+  plan_sgather(plan, static_cast<int>(M), K, any_perm, up.defined());
   if (up.defined())
     TORCH_CHECK(plan.nt == 1 && plan.ring == (uniform4 ? 8 : 4) && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
                     up.sizes() == x.sizes() && up.is_contiguous(),

@@ -44,38 +44,32 @@ constexpr int kStagedRows = 8;   // up to one n-tile, x is staged in shared memo
 constexpr int kXPad = 32;        // halves of padding per staged x row: rows g, g+1 on other banks
 
 // Shared memory of one block: [chunk table n_chunks x 3 int32][scale/zero KW x slots x 64 fp32]
-// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32].
+// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32][xr: x_halves fp16, act-order x copied whole].
 struct Smem {
-  size_t tab, sz, xs, red, total;
-  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride) {
+  size_t tab, sz, xs, red, xr, total;
+  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride, int64_t x_halves = 0) {
     tab = 0;
     sz = (static_cast<size_t>(n_chunks) * 12 + 15) & ~size_t(15);
     xs = sz + static_cast<size_t>(kw) * slots * 64 * 4;
     red = xs + ((static_cast<size_t>(M) * xs_stride * 2 + 15) & ~size_t(15));
-    total = red + static_cast<size_t>(kw) * M * kTile * 4;
+    xr = red + static_cast<size_t>(kw) * M * kTile * 4;
+    total = xr + static_cast<size_t>(x_halves) * 2;
   }
 };
 
+// Halves of x a block copies whole for the shared-memory gather of act-order weights (gate and up rows with ACT).
+__host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
+
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.
+// (BITS 0: the width `bits` at run time, a_frags_any.)
 template <int BITS, int NT>
-__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4]) {
+__device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4],
+                                            int bits = BITS) {
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  a_frags<BITS>(r, t, a);
+  if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
+  else a_frags_any(bits, r, t, a);
   mma_chunk<NT>(a, b, d);
-}
-
-template <int NT>
-__device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const uint32_t (&b)[NT][4], int t,
-                                                float (&d)[2][NT][4]) {
-  switch (bits) {
-    case 4: chunk_mma_b<4, NT>(r, b, t, d); break;
-    case 2: chunk_mma_b<2, NT>(r, b, t, d); break;
-    case 3: chunk_mma_b<3, NT>(r, b, t, d); break;
-    case 5: chunk_mma_b<5, NT>(r, b, t, d); break;
-    case 6: chunk_mma_b<6, NT>(r, b, t, d); break;
-    default: chunk_mma_b<8, NT>(r, b, t, d); break;
-  }
 }
 
 // grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
@@ -88,7 +82,7 @@ __device__ __forceinline__ void chunk_mma_b_any(int bits, const Raw& r, const ui
 template <int KW, bool U4, int R, int NT, bool ACT = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
-                        int slots, int xs_stride, int gshift, const Mats mats) {
+                        int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
   constexpr bool XG = NT > 1;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
@@ -105,7 +99,7 @@ __global__ void __launch_bounds__(32 * KW)
   const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem lay(n_chunks, KW, slots, M, xs_stride);
+  const Smem lay(n_chunks, KW, slots, M, xs_stride, sgather ? gather_halves(M, K, ACT) : 0);
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
   float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
@@ -168,6 +162,47 @@ __global__ void __launch_bounds__(32 * KW)
 #pragma unroll
       for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
       *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = o;
+    }
+  } else if (sgather && perm != nullptr && aligned) {
+    // Act-order, shared-memory gather: the block copies x's rows whole (16-byte pieces; with ACT gate's, then
+    // up's) and every warp gathers its slice from that copy.  Gathering from global memory instead moves a
+    // 32-byte sector per 2-byte value and every block repeats it (gemv_probe.cu: 4-bit weights with a
+    // permutation ran the decode chain at 77.65 us a layer against 62.42 without).  perm is read after the
+    // PDL wait (see permute_x_per_weight); its loads are coalesced.
+    __half* xr = reinterpret_cast<__half*>(smem_raw + lay.xr);
+    const int per_row = static_cast<int>(K >> 3), nrows = ACT ? 2 * M : M;
+    for (int j = threadIdx.x; j < nrows * per_row; j += 32 * KW) {
+      const int r = j / per_row, k = 8 * (j - r * per_row);
+      cp_async16(xr + static_cast<int64_t>(r) * K + k, (r < M ? x + r * K : up + (r - M) * K) + k);
+    }
+    int src[8];                                               // the first pass's indices load during the copy
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int k = kw0 + lane + 32 * i;
+      src[i] = k < kw0 + kwl ? static_cast<int>(__ldg(perm + k)) : -1;
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    const unsigned short* xru = reinterpret_cast<const unsigned short*>(xr);
+    unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
+    for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {
+      if (k0 != kw0 + lane) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int k = k0 + 32 * i;
+          src[i] = k < kw0 + kwl ? static_cast<int>(__ldg(perm + k)) : -1;
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (src[i] < 0) continue;
+          unsigned short h = xru[m * K + src[i]];
+          if constexpr (ACT)
+            h = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h), __ushort_as_half(xru[(M + m) * K + src[i]])));
+          xsu[m * xs_stride + k0 + 32 * i] = h;
+        }
+      }
     }
   } else {
     const unsigned short* __restrict__ xu = reinterpret_cast<const unsigned short*>(x);
@@ -256,7 +291,7 @@ __global__ void __launch_bounds__(32 * KW)
       mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
     }
     if constexpr (U4) chunk_mma_b<4, NT>(r, b, t, d);
-    else chunk_mma_b_any<NT>(e[0], r, b, t, d);
+    else chunk_mma_b<0, NT>(r, b, t, d, e[0]);
   };
   // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.
   auto refill = [&](int i, int c) {

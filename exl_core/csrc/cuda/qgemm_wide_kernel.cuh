@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       if (reload) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
       wnext += 4 * ldq;
     } else {
-      scaled_a_any(e[0], ring[i], t, sh, zs, a);
+      scaled_a<0>(ring[i], t, sh, zs, a, e[0]);
       if (reload) load_words<false>(ring[i], e + 3 * kRing, c + kRing, base, ldq, t);
     }
     mma_chunk<NT>(a, b, acc);

@@ -172,14 +172,42 @@ __device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]
   }
 }
 
+// a_frags for a width known only at run time (2..8 bits): one code path for every width, ~5 instructions a pair
+// against 2 for a_frags<4>.  Kernels holding a_frags<B> for each of the six widths were ~2x the size of their
+// 4-bit-only twins and stalled on instruction fetch (qgemm_kslice on 4-bit words through its mixed-width path,
+// under ncu: 2.16 cycles a issue waiting for instructions against 0.36, 30.37 against 17.50 us; gemv_probe.cu).
+__device__ __forceinline__ void a_frags_rt(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
+  const uint32_t sh = static_cast<uint32_t>(8 * t * bits) & 31u, mask = (1u << bits) - 1u, mask_hi = mask << 16;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t wl = comp(r.lo, v), wh = comp(r.hi, v);
+    const uint32_t lo = __funnelshift_rc(wl, wh, sh), hi = __funnelshift_rc(wh, 0u, sh);   // values 0..7 from bit 0
+    const uint32_t lo4 = __funnelshift_rc(lo, hi, 4 * bits), hi4 = __funnelshift_rc(hi, 0u, 4 * bits);   // 4..7
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t q0 = __funnelshift_rc(lo, hi, bits * p), q4 = __funnelshift_rc(lo4, hi4, bits * p);
+      a[v][p] = (q0 & mask) | ((q4 << 16) & mask_hi) | 0x64006400u;
+    }
+  }
+}
+
+// Mixed-width tables: 4-bit chunks (most of an EXL2 matrix near 4 bpw) by a_frags<4>, every other width by the one
+// runtime path, so a kernel holds two extractions instead of six.
+__device__ __forceinline__ void a_frags_any(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
+  if (bits == 4) a_frags<4>(r, t, a);
+  else a_frags_rt(bits, r, t, a);
+}
+
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
 // The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
+// (BITS 0: the width `bits` at run time.)
 template <int BITS>
 __device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
-                                         uint32_t (&a)[4][4]) {
-  a_frags<BITS>(r, t, a);
+                                         uint32_t (&a)[4][4], int bits = BITS) {
+  if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
+  else a_frags_any(bits, r, t, a);
   const __half2 k1024 = __float2half2_rn(1024.f);
 #pragma unroll
   for (int v = 0; v < 4; ++v)
@@ -194,19 +222,6 @@ __device__ __forceinline__ void half_scales(const float4& s4, const float4& z4, 
   for (int v = 0; v < 4; ++v) {
     sh[v] = __float2half2_rn(sv[v]);
     zs[v] = __float2half2_rn(-zv[v] * sv[v]);
-  }
-}
-
-// scaled_a for a chunk of `bits` (mixed-width tables).
-__device__ __forceinline__ void scaled_a_any(int bits, const Raw& r, int t, const __half2 (&sh)[4],
-                                             const __half2 (&zs)[4], uint32_t (&a)[4][4]) {
-  switch (bits) {
-    case 4: scaled_a<4>(r, t, sh, zs, a); break;
-    case 2: scaled_a<2>(r, t, sh, zs, a); break;
-    case 3: scaled_a<3>(r, t, sh, zs, a); break;
-    case 5: scaled_a<5>(r, t, sh, zs, a); break;
-    case 6: scaled_a<6>(r, t, sh, zs, a); break;
-    default: scaled_a<8>(r, t, sh, zs, a); break;
   }
 }
 
