@@ -358,7 +358,7 @@ def test_qgemm_kslice_silu_vs_float64_and_unfused(case, M):
     assert ran
 
 
-@pytest.mark.parametrize("case", [0, 2, 3], ids=["mixed", "long", "uniform4"])
+@pytest.mark.parametrize("case", [0, 1, 3], ids=["mixed", "split", "uniform4"])   # K 320 / 3072 / 1280: 8 staged rows fit
 @pytest.mark.parametrize("M", [1, 3, 8])                          # the staged rows
 def test_qgemm_kslice_act_order_gather_paths_agree(case, M):
     """Act-order x at a 16-byte aligned address is gathered from a copy of x in shared memory (where the copy fits
