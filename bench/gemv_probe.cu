@@ -299,8 +299,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
 
-  // a few launches for Nsight Compute, per layer: o, gate/up, EXL2-like q/k/v, EXL2-like o
-  if (argc > 1 && std::string(argv[1]) == "ncu") {   // per layer: GPTQ q/k/v, the mixed path on 4-bit q/k/v, EXL2-like q/k/v
+  // a few launches for Nsight Compute, per layer: GPTQ q/k/v, 4-bit q/k/v through the mixed-width path, EXL2-like q/k/v
+  if (argc > 1 && std::string(argv[1]) == "ncu") {
     for (int i = 0; i < 3; ++i) {
       Layer& l = g_layers[i];
       Layer& lm = g_layers_mixed[i];

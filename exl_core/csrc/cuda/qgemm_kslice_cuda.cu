@@ -51,9 +51,7 @@ int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev) {
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
-  // Mixed widths with more than 4 staged rows take 16 warps as well: EXL2 q/k/v at M = 8 ran 32.2 us with 16, 49.8
-  // with 8 (at M = 1 24.2 and 22.4; bench/results/cuda_kslice_h200.json, stop 21; 2..7 rows not measured).
-  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms || (!u4 && M > 4) ? 16 : 8;
+  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : 8;
   if (ring <= 0) ring = u4 ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns

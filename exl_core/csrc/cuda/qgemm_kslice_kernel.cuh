@@ -9,11 +9,15 @@
 // Here:
 //   block      32 output columns (one warp's width) x KW warps; warp w owns chunks [c0, c1) of K, so
 //              each warp streams its own weights and needs only its own slice of x: no block barrier
-//              until the KW partial sums are added (one __syncthreads, fixed order: deterministic).
+//              until the KW partial sums are added (one __syncthreads, fixed order: deterministic) --
+//              except under act-order, where the block first copies x whole (below).
 //   prologue   the ring's weight loads are issued first, then the warp's chunk-table slice and the
 //              scale/zero rows of its groups go to shared memory by cp.async, all before the PDL wait
-//              (weights are fixed at load time); after it x's slice follows by cp.async (or a gather
-//              under act-order) and one __syncwarp makes it all visible.
+//              (weights are fixed at load time); after it x's slice follows by cp.async, or under
+//              act-order a gather from a block-wide copy of x in shared memory (one __syncthreads) or,
+//              where the copy does not fit, from global memory; one __syncwarp makes it all visible.
+//   widths     4-bit chunks by a_frags<4>, every other width by one runtime path (a_frags_any): the
+//              kernel's code must fit the instruction cache (see a_frags_rt).
 //   mma        as in qgemm_skinny: weights are the A operand of m16n8k16 (a lane's 16-byte load = 4
 //              columns x 8 k, fp16 1024 + q by one LOP3 per pair), x is B; lane t's B pairs are its own
 //              8 values of x (one 16-byte shared load, 4 PRMT), and a second mma with A = 1 sums x over

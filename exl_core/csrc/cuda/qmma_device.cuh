@@ -173,9 +173,10 @@ __device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]
 }
 
 // a_frags for a width known only at run time (2..8 bits): one code path for every width, ~5 instructions a pair
-// against 2 for a_frags<4>.  Kernels holding a_frags<B> for each of the six widths were ~2x the size of their
-// 4-bit-only twins and stalled on instruction fetch (qgemm_kslice on 4-bit words through its mixed-width path,
-// under ncu: 2.16 cycles a issue waiting for instructions against 0.36, 30.37 against 17.50 us; gemv_probe.cu).
+// against 2 for a_frags<4>.  With a_frags<B> for each of the six widths qgemm_kslice's mixed-width instances held
+// 110-112 KB of code (58-60 KB for its 4-bit ones) and ran 4-bit words at 83.60-87.72 us a decode layer against
+// 60.78 with only a_frags<4> compiled in; a loop per width (237-242 KB) stalled under ncu 2.16 cycles a issue
+// waiting for instructions against 0.36 for the 4-bit kernel (bench/gemv_probe.cu, csrc/cuda/NOTES.md).
 __device__ __forceinline__ void a_frags_rt(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
   const uint32_t sh = static_cast<uint32_t>(8 * t * bits) & 31u, mask = (1u << bits) - 1u, mask_hi = mask << 16;
 #pragma unroll
