@@ -26,7 +26,8 @@
 #include <vector>
 #include <type_traits>
 
-#include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernel (no torch headers)
+#include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernels (no torch headers)
+#include "../exl_core/csrc/cuda/qgemm_skinny_kernel.cuh"
 #include "probe_common.cuh"
 
 using namespace exl_mma;
@@ -192,6 +193,77 @@ struct KsLauncher {
   }
 };
 
+// ----------------------------------------------------------------------------- qgemm_skinny, M = 1
+// The extension's batch-1 gate/up kernel (its policy sends launches of more than 3 blocks per SM there), with the
+// extension's split rule (qgemm_skinny_cuda.cu plan_splits): the most splits, up to a cluster of 8, whose grid
+// still fits one wave of co-resident clusters.
+template <bool U4>
+struct SkLauncher {
+  static auto kern() { return exl_skinny::qgemm_skinny_kernel<1, U4>; }
+  static std::pair<int, int> plan(int C, int64_t tiles) {            // {splits, chunks per block}
+    const int s_min = (C + exl_skinny::max_cpb(1) - 1) / exl_skinny::max_cpb(1);
+    int S = s_min;
+    for (int s = std::min(kMaxSplits, std::max(1, C / (2 * exl_skinny::kKWarps))); s > s_min; --s) {
+      const size_t sm = exl_skinny::smem_bytes(1, (C + s - 1) / s);
+      CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+      cudaLaunchAttribute attr[1];
+      const cudaLaunchConfig_t cfg = split_config(1, s, exl_skinny::kThreads, sm, nullptr, attr);
+      int clusters = 0;
+      CK(cudaOccupancyMaxActiveClusters(&clusters, kern(), &cfg));
+      if (tiles * s <= static_cast<int64_t>(clusters) * s) {
+        S = s;
+        break;
+      }
+    }
+    const int cpb = (C + S - 1) / S;
+    return {(C + cpb - 1) / cpb, cpb};
+  }
+  static void go(const Op& op, const __half* x, cudaStream_t st) {
+    const int K = op[0]->K, C = K / 32;
+    Mats mats{};
+    mats.n = static_cast<int>(op.size());
+    for (int i = 0; i < mats.n; ++i) {
+      Mat& m = mats.m[i];
+      m.qw = QPtr{op[i]->qw, op[i]->N, 128};
+      m.chunks = op[i]->chunks;
+      m.scale = op[i]->s;
+      m.zero = op[i]->z;
+      m.perm = op[i]->perm;
+      m.y = op[i]->y;
+      m.N = op[i]->N;
+    }
+    const int64_t tiles = assign_tiles(mats, exl_skinny::kTileN);
+    const auto [S, cpb] = plan(C, tiles);
+    const size_t sm = exl_skinny::smem_bytes(1, cpb);
+    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    cudaLaunchAttribute attr[2];                                  // PDL, as the extension launches; a cluster of S
+    cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles), S), dim3(exl_skinny::kThreads), sm, st,
+                                        reinterpret_cast<cudaLaunchAttribute(&)[1]>(attr[0]));
+    if (S > 1) {
+      attr[1].id = cudaLaunchAttributeClusterDimension;
+      attr[1].val.clusterDim.x = 1;
+      attr[1].val.clusterDim.y = static_cast<unsigned>(S);
+      attr[1].val.clusterDim.z = 1;
+      cfg.numAttrs = 2;
+    }
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, 1, static_cast<int64_t>(K), C, cpb, mats));
+  }
+  static int regs() {
+    cudaFuncAttributes a;
+    CK(cudaFuncGetAttributes(&a, kern()));
+    return a.numRegs;
+  }
+  static int occ(int K) {
+    const int C = K / 32, cpb = plan(C, 32).second;
+    int per_sm = 0;
+    const size_t sm = exl_skinny::smem_bytes(1, cpb);
+    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern(), exl_skinny::kThreads, sm));
+    return per_sm;
+  }
+  static std::string name() { return U4 ? "skinny" : "skinny mixed"; }
+};
+
 template <class L>
 double max_rel_err(W& w, const __half* x) {
   float* ref;
@@ -319,6 +391,8 @@ int main(int argc, char** argv) {
   check_row<KsLauncher<16, 4, false, 2, true>>(g_layers_mixed);
   check_row<KsLauncher<16, 8, true, 2, true>>(g_layers_u4perm);
   check_row<KsLauncher<16, 4, false>>(g_layers);
+  check_row<SkLauncher<true>>();
+  check_row<SkLauncher<false>>(g_layers_mixed);
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
   layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("kslice r4 (k8 k16 k8 k16)");
@@ -338,6 +412,13 @@ int main(int argc, char** argv) {
   mixed("mixed r4 (EXL2-like)", g_layers_mixed, R4{}, N{});
   mixed("mixed r4 sg", g_layers_mixed, R4{}, Y{});
   mixed("mixed r8 sg", g_layers_mixed, R8{}, Y{});
+  // the extension's kernels at M = 1: gate/up on qgemm_skinny (its down adds the SwiGLU, not modelled here)
+  layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, SkLauncher<true>, KsLauncher<16, 8>>("GPTQ as the extension (gu skinny)");
+  {
+    using A = KsLauncher<8, 4, false, 2, true>;
+    using B = KsLauncher<16, 4, false, 2, true>;
+    layer_row<A, B, SkLauncher<false>, B>("EXL2-like as the extension (gu skinny)", g_layers_mixed);
+  }
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("4-bit + perm, U4 r8", g_layers_u4perm);
   {
     using A = KsLauncher<8, 8, true, 2, true>;
