@@ -77,6 +77,23 @@ W make_weight(int K, int N, bool mixed = false, int act = -1) {
 // One launch: several weights on one x (q/k/v, gate/up), as the extension's multi-weight launch.
 using Op = std::vector<W*>;
 
+// The kernels' multi-weight table for one launch (tile0 set by the launcher's assign_tiles).
+Mats mats_of(const Op& op) {
+  Mats mats{};
+  mats.n = static_cast<int>(op.size());
+  for (int i = 0; i < mats.n; ++i) {
+    Mat& m = mats.m[i];
+    m.qw = QPtr{op[i]->qw, op[i]->N, 128};
+    m.chunks = op[i]->chunks;
+    m.scale = op[i]->s;
+    m.zero = op[i]->z;
+    m.perm = op[i]->perm;
+    m.y = op[i]->y;
+    m.N = op[i]->N;
+  }
+  return mats;
+}
+
 // ----------------------------------------------------------------------------- the floor: read the same bytes
 struct Bufs {
   const int4* p[12];
@@ -157,18 +174,7 @@ struct KsLauncher {
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
     const size_t sm = smem(K);
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
-    Mats mats{};
-    mats.n = static_cast<int>(op.size());
-    for (int i = 0; i < mats.n; ++i) {
-      Mat& m = mats.m[i];
-      m.qw = QPtr{op[i]->qw, op[i]->N, 128};
-      m.chunks = op[i]->chunks;
-      m.scale = op[i]->s;
-      m.zero = op[i]->z;
-      m.perm = op[i]->perm;
-      m.y = op[i]->y;
-      m.N = op[i]->N;
-    }
+    Mats mats = mats_of(op);
     const int64_t tiles = assign_tiles(mats, kTile);
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
@@ -220,18 +226,7 @@ struct SkLauncher {
   }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
     const int K = op[0]->K, C = K / 32;
-    Mats mats{};
-    mats.n = static_cast<int>(op.size());
-    for (int i = 0; i < mats.n; ++i) {
-      Mat& m = mats.m[i];
-      m.qw = QPtr{op[i]->qw, op[i]->N, 128};
-      m.chunks = op[i]->chunks;
-      m.scale = op[i]->s;
-      m.zero = op[i]->z;
-      m.perm = op[i]->perm;
-      m.y = op[i]->y;
-      m.N = op[i]->N;
-    }
+    Mats mats = mats_of(op);
     const int64_t tiles = assign_tiles(mats, exl_skinny::kTileN);
     const auto [S, cpb] = plan(C, tiles);
     const size_t sm = exl_skinny::smem_bytes(1, cpb);
