@@ -203,9 +203,10 @@ struct KsLauncher {
 // The extension's batch-1 gate/up kernel (its policy sends launches of more than 3 blocks per SM there), with the
 // extension's split rule (qgemm_skinny_cuda.cu plan_splits): the most splits, up to a cluster of 8, whose grid
 // still fits one wave of co-resident clusters.
-template <bool U4>
+// RT / MINB: the kernel's template options (runtime-width extraction, blocks per SM), measured here first.
+template <bool U4, bool RT = false, int MINB = 0>
 struct SkLauncher {
-  static auto kern() { return exl_skinny::qgemm_skinny_kernel<1, U4>; }
+  static auto kern() { return exl_skinny::qgemm_skinny_kernel<1, U4, RT, MINB>; }
   static std::pair<int, int> plan(int C, int64_t tiles) {            // {splits, chunks per block}
     const int s_min = (C + exl_skinny::max_cpb(1) - 1) / exl_skinny::max_cpb(1);
     int S = s_min;
@@ -256,7 +257,11 @@ struct SkLauncher {
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern(), exl_skinny::kThreads, sm));
     return per_sm;
   }
-  static std::string name() { return U4 ? "skinny" : "skinny mixed"; }
+  static std::string name() {
+    char b[64];
+    snprintf(b, sizeof b, "skinny%s%s minb %d", U4 ? "" : " mixed", RT ? " rt" : "", MINB);
+    return b;
+  }
 };
 
 template <class L>
@@ -388,6 +393,8 @@ int main(int argc, char** argv) {
   check_row<KsLauncher<16, 4, false>>(g_layers);
   check_row<SkLauncher<true>>();
   check_row<SkLauncher<false>>(g_layers_mixed);
+  check_row<SkLauncher<false, true>>(g_layers_mixed);
+  check_row<SkLauncher<false, true, 2>>(g_layers_mixed);
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
   layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("kslice r4 (k8 k16 k8 k16)");
@@ -413,6 +420,8 @@ int main(int argc, char** argv) {
     using A = KsLauncher<8, 4, false, 2, true>;
     using B = KsLauncher<16, 4, false, 2, true>;
     layer_row<A, B, SkLauncher<false>, B>("EXL2-like as the extension (gu skinny)", g_layers_mixed);
+    layer_row<A, B, SkLauncher<false, true>, B>("EXL2-like, gu skinny rt", g_layers_mixed);
+    layer_row<A, B, SkLauncher<false, true, 2>, B>("EXL2-like, gu skinny rt minb 2", g_layers_mixed);
   }
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("4-bit + perm, U4 r8", g_layers_u4perm);
   {

@@ -70,11 +70,13 @@ inline int max_cpb(int M) {
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(x rows of n-tile nt), both k16 steps of the chunk.
+// (BITS 0: the width `bits` at run time, a_frags_any.)
 template <int BITS, int NT>
 __device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int g, int t,
-                                          float (&d)[2][NT][4]) {
+                                          float (&d)[2][NT][4], int bits = BITS) {
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  a_frags<BITS>(r, t, a);
+  if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
+  else a_frags_any(bits, r, t, a);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -102,8 +104,11 @@ __device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __ha
 }
 
 // grid (total column tiles, splits); block kThreads.
-template <int NT, bool U4>
-__global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
+// RT and MINB (bench/gemv_probe.cu only, not yet measured; the extension runs the defaults): mixed widths through
+// the one runtime extraction (a_frags_any, as qgemm_kslice and qgemm_wide) instead of the per-width switch, and
+// a blocks-per-SM bound other than Cfg's (with RT the 1-n-tile instance spills 148 bytes at Cfg's 80 registers).
+template <int NT, bool U4, bool RT = false, int MINB = 0>
+__global__ void __launch_bounds__(kThreads, MINB > 0 ? MINB : Cfg<NT, U4>::kMinBlocks)
     qgemm_skinny_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cpb, const Mats mats) {
   constexpr int R = Cfg<NT, U4>::R, kRows = 8 * NT;
   const Mat& mat = block_mat(mats);
@@ -180,6 +185,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
     }
     const __half* xc = xs + cl * 32;
     if constexpr (U4) chunk_mma<4, NT>(r, xc, xs_stride, g, t, d);
+    else if constexpr (RT) chunk_mma<0, NT>(r, xc, xs_stride, g, t, d, e[0]);
     else chunk_mma_any<NT>(e[0], r, xc, xs_stride, g, t, d);
   };
 
