@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 #include <type_traits>
@@ -207,7 +208,10 @@ struct KsLauncher {
 template <bool U4, bool RT = false, int MINB = 0>
 struct SkLauncher {
   static auto kern() { return exl_skinny::qgemm_skinny_kernel<1, U4, RT, MINB>; }
-  static std::pair<int, int> plan(int C, int64_t tiles) {            // {splits, chunks per block}
+  static std::pair<int, int> plan(int C, int64_t tiles) {            // {splits, chunks per block}, planned once per
+    static std::map<std::pair<int, int64_t>, std::pair<int, int>> cache;   // shape (not again while a graph captures)
+    const auto hit = cache.find({C, tiles});
+    if (hit != cache.end()) return hit->second;
     const int s_min = (C + exl_skinny::max_cpb(1) - 1) / exl_skinny::max_cpb(1);
     int S = s_min;
     for (int s = std::min(kMaxSplits, std::max(1, C / (2 * exl_skinny::kKWarps))); s > s_min; --s) {
@@ -223,7 +227,7 @@ struct SkLauncher {
       }
     }
     const int cpb = (C + S - 1) / S;
-    return {(C + cpb - 1) / cpb, cpb};
+    return cache[{C, tiles}] = {(C + cpb - 1) / cpb, cpb};
   }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
     const int K = op[0]->K, C = K / 32;
