@@ -103,10 +103,14 @@ __device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __ha
   }
 }
 
+// RT: mixed widths through the one runtime extraction (a_frags_any, as qgemm_kslice and qgemm_wide) instead of the
+// per-width switch (chunk_mma_any), whose six inlined copies made the mixed instances 117-129 KB of code against
+// 57-65 KB with RT (sm_90 cubin) -- the size that stalled qgemm_kslice on instruction fetch (NOTES.md).  MINB: a
+// blocks-per-SM bound other than Cfg's: with RT the 1-n-tile instance spills 148 bytes at Cfg's 80 registers
+// (3 blocks per SM) and none at 128 (2 blocks per SM), so the extension's RT instances use kRtMinBlocks.
+template <int NT> constexpr int kRtMinBlocks = NT == 1 ? 2 : 0;
+
 // grid (total column tiles, splits); block kThreads.
-// RT and MINB (bench/gemv_probe.cu only, not yet measured; the extension runs the defaults): mixed widths through
-// the one runtime extraction (a_frags_any, as qgemm_kslice and qgemm_wide) instead of the per-width switch, and
-// a blocks-per-SM bound other than Cfg's (with RT the 1-n-tile instance spills 148 bytes at Cfg's 80 registers).
 template <int NT, bool U4, bool RT = false, int MINB = 0>
 __global__ void __launch_bounds__(kThreads, MINB > 0 ? MINB : Cfg<NT, U4>::kMinBlocks)
     qgemm_skinny_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cpb, const Mats mats) {
