@@ -204,10 +204,9 @@ struct KsLauncher {
 // The extension's batch-1 gate/up kernel (its policy sends launches of more than 3 blocks per SM there), with the
 // extension's split rule (qgemm_skinny_cuda.cu plan_splits): the most splits, up to a cluster of 8, whose grid
 // still fits one wave of co-resident clusters.
-// RT / MINB: the kernel's template options (runtime-width extraction, blocks per SM), measured here first.
-template <bool U4, bool RT = false, int MINB = 0>
+template <bool U4>
 struct SkLauncher {
-  static auto kern() { return exl_skinny::qgemm_skinny_kernel<1, U4, RT, MINB>; }
+  static auto kern() { return exl_skinny::qgemm_skinny_kernel<1, U4>; }
   static std::pair<int, int> plan(int C, int64_t tiles) {            // {splits, chunks per block}, planned once per
     static std::map<std::pair<int, int64_t>, std::pair<int, int>> cache;   // shape (not again while a graph captures)
     const auto hit = cache.find({C, tiles});
@@ -263,7 +262,7 @@ struct SkLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "skinny%s%s minb %d", U4 ? "" : " mixed", RT ? " rt" : "", MINB);
+    snprintf(b, sizeof b, "skinny%s", U4 ? "" : " mixed");
     return b;
   }
 };
@@ -424,8 +423,6 @@ int main(int argc, char** argv) {
     using A = KsLauncher<8, 4, false, 2, true>;
     using B = KsLauncher<16, 4, false, 2, true>;
     layer_row<A, B, SkLauncher<false>, B>("EXL2-like as the extension (gu skinny)", g_layers_mixed);
-    layer_row<A, B, SkLauncher<false, true>, B>("EXL2-like, gu skinny rt", g_layers_mixed);
-    layer_row<A, B, SkLauncher<false, true, 2>, B>("EXL2-like, gu skinny rt minb 2", g_layers_mixed);
   }
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("4-bit + perm, U4 r8", g_layers_u4perm);
   {

@@ -4,9 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "qgemm_skinny_kernel.cuh"
 #include "qmma_common.cuh"
 
@@ -15,21 +12,6 @@ using namespace exl_mma;
 using namespace exl_skinny;
 
 // ----------------------------------------------------------------------------- host side
-
-// The instance for mixed widths (RT, see the kernel) or uniform 4-bit.
-template <int NT, bool U4, bool RT>
-constexpr auto kernel_for() {
-  return qgemm_skinny_kernel<NT, U4, RT, RT ? kRtMinBlocks<NT> : 0>;
-}
-
-// EXL_CORE_SKINNY_RT=0: mixed widths through the per-width switch instead of the runtime extraction (A/B runs).
-bool rt_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EXL_CORE_SKINNY_RT");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
 
 // Largest K (multiple of 32) the kernel takes for M rows on this device: splits are capped at
 // kMaxSplits on sm_90 (cluster size) and 1 elsewhere.
@@ -42,9 +24,9 @@ int64_t max_k_for(int64_t M, int dev) {
 // on sm_90 without a forced `splits`, the largest S (>= 2 chunks per K warp) whose grid still fits
 // one wave of co-resident clusters (more blocks in flight keep more weight bytes in flight; a
 // partial second wave costs a block time). Returns {S, cpb}.
-template <int NT, bool U4, bool RT>
+template <int NT, bool U4>
 std::pair<int, int> plan_splits(int M, int C, int64_t tiles, int dev, int splits) {
-  auto* kern = kernel_for<NT, U4, RT>();
+  auto* kern = qgemm_skinny_kernel<NT, U4>;
   const bool clusters = device_sm(dev, true) >= 9;
   const int s_min = (C + max_cpb(M) - 1) / max_cpb(M);
   TORCH_CHECK(s_min <= (clusters ? kMaxSplits : 1), "exl_core::qgemm_skinny: K = ", int64_t(C) * 32,
@@ -64,13 +46,13 @@ std::pair<int, int> plan_splits(int M, int C, int64_t tiles, int dev, int splits
   return {(C + cpb - 1) / cpb, cpb};
 }
 
-template <int NT, bool U4, bool RT = false>
+template <int NT, bool U4>
 void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, cudaStream_t stream) {
-  auto* kern = kernel_for<NT, U4, RT>();
+  auto* kern = qgemm_skinny_kernel<NT, U4>;
   const int C = static_cast<int>(K / 32);
   const int64_t tiles = assign_tiles(mats, kTileN);
   // decode launches the same few shapes every step: plan each once (no occupancy queries per call)
-  static std::map<std::tuple<int, int, int64_t, int, int>, std::pair<int, int>> plans;   // per instance
+  static std::map<std::tuple<int, int, int64_t, int, int>, std::pair<int, int>> plans;
   std::pair<int, int> plan;
   {
     const std::lock_guard<std::mutex> lock(host_mutex());
@@ -79,7 +61,7 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
     if (it != plans.end()) plan = it->second;
   }
   if (plan.first == 0) {
-    plan = plan_splits<NT, U4, RT>(M, C, tiles, dev, splits);
+    plan = plan_splits<NT, U4>(M, C, tiles, dev, splits);
     const std::lock_guard<std::mutex> lock(host_mutex());
     plans[std::make_tuple(M, C, tiles, dev, splits)] = plan;
   }
@@ -108,10 +90,9 @@ std::vector<at::Tensor> qgemm_skinny_multi(const at::Tensor& x, at::TensorList q
   const auto* xp = reinterpret_cast<const __half*>(x.data_ptr());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int m = static_cast<int>(M), sp = static_cast<int>(splits);
-#define EXL_SKINNY_LAUNCH(NT)                                                      \
-  (uniform4 ? launch<NT, true>(xp, m, K, mats, dev, sp, stream)                    \
-   : rt_enabled() ? launch<NT, false, true>(xp, m, K, mats, dev, sp, stream)       \
-                  : launch<NT, false>(xp, m, K, mats, dev, sp, stream))
+#define EXL_SKINNY_LAUNCH(NT)                                       \
+  (uniform4 ? launch<NT, true>(xp, m, K, mats, dev, sp, stream)     \
+            : launch<NT, false>(xp, m, K, mats, dev, sp, stream))
   if (M <= 8) EXL_SKINNY_LAUNCH(1);
   else if (M <= 16) EXL_SKINNY_LAUNCH(2);
   else EXL_SKINNY_LAUNCH(4);

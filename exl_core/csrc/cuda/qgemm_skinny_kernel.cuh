@@ -70,13 +70,11 @@ inline int max_cpb(int M) {
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(x rows of n-tile nt), both k16 steps of the chunk.
-// (BITS 0: the width `bits` at run time, a_frags_any.)
 template <int BITS, int NT>
 __device__ __forceinline__ void chunk_mma(const Raw& r, const __half* xc, int xs_stride, int g, int t,
-                                          float (&d)[2][NT][4], int bits = BITS) {
+                                          float (&d)[2][NT][4]) {
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
-  else a_frags_any(bits, r, t, a);
+  a_frags<BITS>(r, t, a);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -103,16 +101,13 @@ __device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __ha
   }
 }
 
-// RT: mixed widths through the one runtime extraction (a_frags_any, as qgemm_kslice and qgemm_wide) instead of the
-// per-width switch (chunk_mma_any), whose six inlined copies made the mixed instances 117-129 KB of code against
-// 57-65 KB with RT (sm_90 cubin) -- the size that stalled qgemm_kslice on instruction fetch (NOTES.md).  MINB: a
-// blocks-per-SM bound other than Cfg's: with RT the 1-n-tile instance spills 148 bytes at Cfg's 80 registers
-// (3 blocks per SM) and none at 128 (2 blocks per SM), so the extension's RT instances use kRtMinBlocks.
-template <int NT> constexpr int kRtMinBlocks = NT == 1 ? 2 : 0;
-
 // grid (total column tiles, splits); block kThreads.
-template <int NT, bool U4, bool RT = false, int MINB = 0>
-__global__ void __launch_bounds__(kThreads, MINB > 0 ? MINB : Cfg<NT, U4>::kMinBlocks)
+// Mixed widths keep the per-width switch (chunk_mma_any, 117-129 KB of sm_90 code per instance): the runtime
+// extraction that shrank qgemm_kslice's (a_frags_any, 57-65 KB here) lost in this kernel, whose 1-n-tile instance
+// then needs 128 registers (2 blocks per SM, not 3) to avoid spilling: EXL2 batch-1 decode 277.0 vs 300.9 tok/s,
+// batch 8 1,572.7 vs 1,618.0 (H200, same call; NOTES.md, session of 2026-12-01 (third)).
+template <int NT, bool U4>
+__global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
     qgemm_skinny_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cpb, const Mats mats) {
   constexpr int R = Cfg<NT, U4>::R, kRows = 8 * NT;
   const Mat& mat = block_mat(mats);
@@ -189,7 +184,6 @@ __global__ void __launch_bounds__(kThreads, MINB > 0 ? MINB : Cfg<NT, U4>::kMinB
     }
     const __half* xc = xs + cl * 32;
     if constexpr (U4) chunk_mma<4, NT>(r, xc, xs_stride, g, t, d);
-    else if constexpr (RT) chunk_mma<0, NT>(r, xc, xs_stride, g, t, d, e[0]);
     else chunk_mma_any<NT>(e[0], r, xc, xs_stride, g, t, d);
   };
 
