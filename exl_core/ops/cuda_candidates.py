@@ -61,6 +61,10 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # 8 staged rows q/k/v took 50.0 us against skinny's 32.0 (the per-row gather); at 16
                              # rows kslice and skinny tie (q/k/v 47.1 vs 44.0, gate/up 62.9 vs 74.1); at 32 kslice
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
+KSLICE_MIXED_ONE_WAVE = True  # and 2..8 staged rows where the launch has at most one column tile per SM (the o
+                             # projection: qgemm_kslice's policy then runs 16 warps a block): EXL2 4096x4096 at 8 rows
+                             # 10.8-11.0 us against skinny's 14.7-16.3 (H200, cuda_probe.py kslice, two calls); q/k/v
+                             # (384 tiles) ties with skinny (32.2-32.6 vs 31.9-32.0) and stays there
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
@@ -171,15 +175,27 @@ def _kslice_ok(rows: int, pws, device) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
     (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
     u4 = all(_uniform4(pw) for pw in pws)
-    rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1])
+    tiles = sum((pw.out_features + 31) // 32 for pw in pws)
+    rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1] or
+                                                (KSLICE_MIXED_ONE_WAVE and rows <= KSLICE_STAGED_ROWS and
+                                                 tiles <= _sm_count(device)))
     if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and
             _has_cuda_kernel("qgemm_kslice")):
         return False
-    tiles = sum((pw.out_features + 31) // 32 for pw in pws)
     key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), u4, device.index or 0)
     if key not in _KSLICE_FITS:
         _KSLICE_FITS[key] = bool(torch.ops.exl_core.qgemm_kslice_fits(*key))
     return _KSLICE_FITS[key]
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    idx = device.index or 0
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 _WIDE_FITS: dict = {}
