@@ -18,7 +18,8 @@
 # graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0, EXL_CORE_ROPE_KV_FUSE=0 and EXL_CORE_RESIDUAL_ADD=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0),
 # nosg (both formats with EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), knockout (bench/decode_knockout.py: the graphed decode with norms,
-# attention, rope or the head knocked out, for their share of the step), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
+# attention, rope or the head knocked out, for their share of the step), attnab (both formats with
+# EXL_CORE_ATTN_HEAD_MAJOR=0, then EXL_CORE_ATTN_EARLY=0: the paged attention's launch order and early loads), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,7 +110,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has attnab || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -169,6 +170,12 @@ fi
 if has nosg; then     # A/B: act-order x gathered from global memory by every qgemm_kslice block (no shared-memory copy)
   EXL_CORE_KSLICE_SGATHER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nosg.json 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has attnab; then    # A/B: the paged attention's launch order row-major, then its reads all after the PDL wait
+  EXL_CORE_ATTN_HEAD_MAJOR=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+    --json /tmp/gpu_h200_attn_rowmajor.json 2>&1 | tee -a "$LOG" | tail -14
+  EXL_CORE_ATTN_EARLY=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+    --json /tmp/gpu_h200_attn_late.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has knockout; then  # where a graphed decode step's time goes: parts knocked out one at a time (same process)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_knockout.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -24

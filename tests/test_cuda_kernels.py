@@ -422,18 +422,24 @@ def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
 
 
 def test_qgemm_kslice_policy_and_limits():
-    """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths) to
-    qgemm_kslice; it refuses more rows, staged-x launches of more than ~3 tiles per SM, shapes whose x does
-    not fit shared memory and instances that do not exist, which then go elsewhere."""
+    """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths, and 2..8 where
+    the launch has at most one column tile per SM) to qgemm_kslice; it refuses more rows, staged-x launches of more
+    than ~3 tiles per SM, shapes whose x does not fit shared memory and instances that do not exist, which then go
+    elsewhere."""
     _need_kernels()
-    from exl_core.ops.cuda_candidates import KSLICE_ON, _kslice_ok
+    from exl_core.ops.cuda_candidates import KSLICE_MIXED_ONE_WAVE, KSLICE_ON, _kslice_ok
     pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")
     dev = torch.device("cuda", 0)
     assert all(_kslice_ok(m, [pw], dev) == KSLICE_ON for m in (1, 8, 9, 32))
     assert not _kslice_ok(33, [pw], dev)
     mixed = random_packed([(5, 32 * 4), (4, 32 * 8)], 256, perm=True).to("cuda")   # EXL2-like
     assert all(_kslice_ok(m, [mixed], dev) == KSLICE_ON for m in (1, 17, 32))
-    assert not any(_kslice_ok(m, [mixed], dev) for m in (2, 8, 16))
+    assert all(_kslice_ok(m, [mixed], dev) == (KSLICE_ON and KSLICE_MIXED_ONE_WAVE) for m in (2, 8))   # 8 tiles
+    assert not _kslice_ok(16, [mixed], dev)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mixed_wide = random_packed([(5, 32 * 4), (4, 32 * 8)], 32 * (sms + 1), perm=True).to("cuda")   # sms + 1 tiles
+    assert _kslice_ok(1, [mixed_wide], dev) == KSLICE_ON
+    assert not any(_kslice_ok(m, [mixed_wide], dev) for m in (2, 8))
     fits = torch.ops.exl_core.qgemm_kslice_fits
     assert fits(1, 11008, 128, 128, True, 0) and fits(32, 11008, 128, 128, True, 0)
     assert not fits(8, 65536, 128, 128, True, 0)

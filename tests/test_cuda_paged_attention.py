@@ -143,6 +143,34 @@ def test_tiny_pages_past_the_staged_table():
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.125, None, 1), ref, torch.float16)
 
 
+@pytest.mark.parametrize("q_lens,k_lens", [([1], [400]), ([1] * 40, [400] * 40), ([3, 1, 4], [20, 5, 300]),
+                                           ([1, 2], [3, 70])])
+def test_own_keys_written_by_the_kernel_just_before(q_lens, k_lens):
+    """The kernel reads the keys older than the step's rows before its PDL wait and the rows' own keys after it:
+    with those own keys written by write_kv's kernel right before it in the stream (no sync between, as a decode
+    step runs them), and NaN in their slots until then, every output equals the float64 reference -- for one
+    cluster-merged batch-1 row, 40 rows with the combine kernel, verify rows (q_len 3, 4) and own keys inside a
+    split's first window."""
+    _need_kernel()
+    from exl_core.ops.attention import write_kv
+    dtype, hq, hkv, d, page = torch.float16, 8, 2, 128, 16
+    q, kc, vc, table, cu, lens = _case(q_lens, k_lens, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, seed=sum(k_lens))
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.1, None)
+    slots = [int(table[s, t // page]) * page + t % page
+             for s, (ql, kl) in enumerate(zip(q_lens, k_lens)) for t in range(kl - ql, kl)]
+    slots_t = torch.tensor(slots, dtype=torch.int64)
+    new_k = kc.view(-1, hkv, d)[slots_t].cuda()
+    new_v = vc.view(-1, hkv, d)[slots_t].cuda()
+    gk, gv = kc.cuda(), vc.cuda()
+    args = [t.cuda() for t in (q, table, cu, lens)]
+    for _ in range(3):
+        gk.view(-1, hkv, d)[slots_t.cuda()] = float("nan")      # the rows' own slots: NaN until written
+        gv.view(-1, hkv, d)[slots_t.cuda()] = float("nan")
+        write_kv(gk, gv, new_k, new_v, slots_t.cuda())
+        out = paged_attention(args[0], gk, gv, args[1], args[2], args[3], 0.1, None, max_q_len=max(q_lens))
+        _check(out.cpu(), ref, dtype)
+
+
 def test_sequence_without_rows():
     _need_kernel()
     q, kc, vc, table, cu, lens = _case([3, 1], [9, 4], hq=4, hkv=2, d=64, dtype=torch.float16)

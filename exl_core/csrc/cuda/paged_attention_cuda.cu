@@ -86,6 +86,8 @@ struct Args {
   int S, W, page, P, Hq, Hkv, window, chunk, splits;
   float scale_log2;              // softmax scale * log2(e)
   bool cluster;                  // splits > 1 launched as clusters (1, 1, splits): merged in-kernel
+  bool head_major;               // grid (Hkv, rows, splits): blocks next in launch order share a row (below)
+  bool early;                    // the first keys' K/V loaded before the PDL wait (below)
 };
 constexpr int kMaxClusterSplits = 8;   // portable cluster size
 
@@ -100,8 +102,17 @@ __device__ __forceinline__ int sequence_of(const int64_t* cu, int S, int64_t row
   return lo;
 }
 
+// Launch order (head_major): blocks next to each other in the grid read the same key slots of one sequence for
+// neighbouring kv heads -- in the (pages, page, Hkv, D) cache those are adjacent 2*D-byte pieces of one
+// Hkv*D*2-byte slot -- instead of the same head of different sequences.
+// Before the PDL wait (early): the row's sequence, length and page numbers (written by no kernel of this step) and
+// the K/V of the block's first keys that are older than the step's rows.  The kernel just before -- the step's K/V
+// write, rope_kv_write or kv_write -- writes only the rows' own positions (the last q_len keys of each sequence),
+// so those keys, and q, are read after the wait (pdl.cuh's contract: nothing the predecessor writes is read early).
+// Blocks per SM as the register report had them before the early loads (G 1: 94-96 registers, 5 blocks; G 2/4: 124-126,
+// 4; G 8: 225-232, 2); without the bound the early loads' extra live state took G 1 to 122 (4 blocks).
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, G == 1 ? 5 : G <= 4 ? 4 : 2) paged_attention_kernel(const Args a) {
   constexpr int LPK = D / 8;                  // lanes per key
   constexpr int KPW = 32 / LPK;               // keys per warp step
   constexpr int NG = kWarps * KPW;            // lane groups per block
@@ -111,10 +122,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
   __shared__ int sm_pages[kStagedPages];
   __shared__ float cl_m[G], cl_l[G];          // this split's max and sum per head (cluster merge)
 
-  exl_pdl::pdl_wait();                        // q, K and V come from the kernels just before
-  exl_pdl::pdl_trigger();
-  const int64_t row = blockIdx.x;
-  const int kvh = blockIdx.y, split = blockIdx.z;
+  if (!a.early) {
+    exl_pdl::pdl_wait();                      // q, K and V come from the kernels just before
+    exl_pdl::pdl_trigger();
+  }
+  const int64_t row = a.head_major ? blockIdx.y : blockIdx.x;
+  const int64_t rows = a.head_major ? gridDim.y : gridDim.x;
+  const int kvh = a.head_major ? blockIdx.x : blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int grp = warp * KPW + lane / LPK, sub = lane % LPK;      // lane group, 8-element slice in the key
   const int gq = a.Hq / a.Hkv;                                    // real heads per kv head (<= G)
@@ -145,6 +159,46 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
   if (lo < 0) lo = 0;
   const int first = static_cast<int>(k0 > lo ? k0 : lo);
   const int end = static_cast<int>(k0 + a.chunk < pos + 1 ? k0 + a.chunk : pos + 1);   // exclusive
+  // keys before `fresh` were written by earlier steps; [fresh, end) by the kernel just before (the rows' own)
+  const int64_t own0 = a.lens[s] - (ce - cs);
+  const int fresh = static_cast<int>(own0 < first ? first : own0 < end ? own0 : end);
+
+  const T* kbase = static_cast<const T*>(a.k);
+  const T* vbase = static_cast<const T*>(a.v);
+  const int64_t slot_stride = static_cast<int64_t>(a.Hkv) * D;   // elements between two slots of a page
+  const int pshift = (a.page & (a.page - 1)) == 0 ? __ffs(a.page) - 1 : -1;   // power-of-two pages: shifts
+  __syncthreads();                                                // sm_pages
+  // U block steps per iteration, and the next iteration's loads issued before this one's math
+  // (software pipeline): 2U keys' K and V per lane group in flight. Fewer for large groups (registers).
+  constexpr int U = G <= 2 ? 4 : 2;
+  // the K and V rows of keys b0 + u * KPB + grp that lie in [lo_t, hi_t)
+  auto fetch = [&](int b0, uint4 (&kr)[U], uint4 (&vr)[U], int lo_t, int hi_t) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = b0 + u * KPB + grp;
+      if (t >= lo_t && t < hi_t) {
+        const int pi = pshift >= 0 ? t >> pshift : t / a.page;
+        const int slot = pshift >= 0 ? t & (a.page - 1) : t - pi * a.page;
+        int pg;
+        if (pi - p0 < staged) {
+          pg = sm_pages[pi - p0];
+        } else {                                                  // past the staged pages (tiny pages)
+          pg = pi < a.W ? trow[pi] : 0;
+          pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
+        }
+        const int64_t off = (static_cast<int64_t>(pg) * a.page + slot) * slot_stride + kvh * D + sub * 8;
+        kr[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
+        vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+      }
+    }
+  };
+  uint4 kn[U], vn[U];
+  if (first < end) fetch(first, kn, vn, first, a.early ? fresh : end);
+  if (a.early) {
+    exl_pdl::pdl_wait();                      // q and the rows' own K/V come from the kernel just before
+    exl_pdl::pdl_trigger();
+    if (fresh < end) fetch(first, kn, vn, fresh, end);
+  }
 
   float qf[G][8];                                                 // q * scale * log2(e), this lane's slice
   const T* qbase = static_cast<const T*>(a.q) + (row * a.Hq + static_cast<int64_t>(kvh) * gq) * D + sub * 8;
@@ -168,36 +222,6 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
   }
 
-  const T* kbase = static_cast<const T*>(a.k);
-  const T* vbase = static_cast<const T*>(a.v);
-  const int64_t slot_stride = static_cast<int64_t>(a.Hkv) * D;   // elements between two slots of a page
-  const int pshift = (a.page & (a.page - 1)) == 0 ? __ffs(a.page) - 1 : -1;   // power-of-two pages: shifts
-  __syncthreads();                                                // sm_pages
-  // U block steps per iteration, and the next iteration's loads issued before this one's math
-  // (software pipeline): 2U keys' K and V per lane group in flight. Fewer for large groups (registers).
-  constexpr int U = G <= 2 ? 4 : 2;
-  auto fetch = [&](int b0, uint4 (&kr)[U], uint4 (&vr)[U]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = b0 + u * KPB + grp;
-      if (t < end) {
-        const int pi = pshift >= 0 ? t >> pshift : t / a.page;
-        const int slot = pshift >= 0 ? t & (a.page - 1) : t - pi * a.page;
-        int pg;
-        if (pi - p0 < staged) {
-          pg = sm_pages[pi - p0];
-        } else {                                                  // past the staged pages (tiny pages)
-          pg = pi < a.W ? trow[pi] : 0;
-          pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
-        }
-        const int64_t off = (static_cast<int64_t>(pg) * a.page + slot) * slot_stride + kvh * D + sub * 8;
-        kr[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
-        vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
-      }
-    }
-  };
-  uint4 kn[U], vn[U];
-  if (first < end) fetch(first, kn, vn);
   for (int b0 = first; b0 < end; b0 += U * KPB) {
     uint4 kr[U], vr[U];
 #pragma unroll
@@ -205,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
       kr[u] = kn[u];
       vr[u] = vn[u];
     }
-    if (b0 + U * KPB < end) fetch(b0 + U * KPB, kn, vn);
+    if (b0 + U * KPB < end) fetch(b0 + U * KPB, kn, vn, first, end);
     // scores of this lane group's U keys for every head, then one rescale per head for all U
     float sc[U][G];
 #pragma unroll
@@ -288,7 +312,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Args a)
         cl_l[g] = sum;
       }
     } else {
-      const int64_t pidx = (static_cast<int64_t>(split) * gridDim.x + row) * a.Hq + head;
+      const int64_t pidx = (static_cast<int64_t>(split) * rows + row) * a.Hq + head;
       a.part_o[pidx * D + d] = o;
       if (d == 0) {
         a.part_ml[pidx * 2] = mx;
@@ -351,7 +375,8 @@ __global__ void paged_attention_combine_kernel(const float* __restrict__ part_o,
 template <typename T, int D, int G>
 void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(a.Hkv), static_cast<unsigned>(a.splits));
+  cfg.gridDim = a.head_major ? dim3(static_cast<unsigned>(a.Hkv), static_cast<unsigned>(rows), static_cast<unsigned>(a.splits))
+                             : dim3(static_cast<unsigned>(rows), static_cast<unsigned>(a.Hkv), static_cast<unsigned>(a.splits));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -388,6 +413,12 @@ bool cluster_merge_enabled(int dev) {
     return !(v && std::strcmp(v, "0") == 0);
   }();
   return env_on && exl_pdl::device_sm(dev, true) >= 9;
+}
+
+// EXL_CORE_ATTN_HEAD_MAJOR=0 / EXL_CORE_ATTN_EARLY=0: row-major launch order / every read after the PDL wait (A/B runs).
+bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::strcmp(v, "0") == 0);
 }
 
 // Keys per split and split count: enough blocks for ~4 per SM, at least 64 keys per split.
@@ -471,6 +502,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   const int sms = exl_pdl::device_sm(dev, false);
   a.cluster = a.splits > 1 && a.splits <= kMaxClusterSplits && rows * Hkv * a.splits <= 2 * sms &&
               cluster_merge_enabled(dev);
+  static const bool head_major_on = env_on("EXL_CORE_ATTN_HEAD_MAJOR"), early_on = env_on("EXL_CORE_ATTN_EARLY");
+  a.head_major = head_major_on && rows <= 65535;              // rows on grid y
+  a.early = early_on;
   at::Tensor part_o, part_ml;
   if (a.splits > 1 && !a.cluster) {
     part_o = at::empty({a.splits, rows, Hq, D}, q.options().dtype(at::kFloat));
