@@ -7,9 +7,10 @@ could fusing them into the projections gain), against the projections themselves
 A knocked-out part returns its input instead of its result, so the numbers the step computes are garbage; only its
 time is measured. Knock-outs: `norm` (every RMSNorm, and the residual add it carries), `attn` (the paged attention;
 rope and the K/V write still run), `rope_attn` (both), `head` (the fp16 lm_head: a memset of the logits instead),
-and `all` (the three, leaving the projections, the embedding and the argmax). Also, for EXL2 at batch 8, the
-dispatcher's rule that sends a mixed-width launch of at most one column tile per SM to qgemm_kslice
-(`KSLICE_MIXED_ONE_WAVE`) on and off.
+and `all` (the three, leaving the projections, the embedding and the argmax). Also same-process A/B variants:
+`kslice_mixed_off` (EXL2, batch 8: the dispatcher's rule that sends a mixed-width launch of at most one column tile
+per SM to qgemm_kslice, `KSLICE_MIXED_ONE_WAVE`, off) and `attn_one_wave_off` (batches 8 and 32: the paged attention's
+one-wave instance off, EXL_CORE_ATTN_ONE_WAVE=0, which the extension reads per call).
 
     python bench/decode_knockout.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
 """
@@ -70,29 +71,44 @@ def knocked_out(model, what: str):
             model.lm_head.forward = head_forward
 
 
+@contextmanager
+def variant_set(variant: str):
+    """A same-process A/B variant (module docstring) for the duration."""
+    if variant == "kslice_mixed_off":
+        cuda_candidates.KSLICE_MIXED_ONE_WAVE = False
+    elif variant == "attn_one_wave_off":
+        os.environ["EXL_CORE_ATTN_ONE_WAVE"] = "0"
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}")
+    try:
+        yield
+    finally:
+        cuda_candidates.KSLICE_MIXED_ONE_WAVE = True
+        os.environ.pop("EXL_CORE_ATTN_ONE_WAVE", None)
+
+
 def run_format(path: Path, fmt: str, reps: int) -> list[dict]:
     from exl_core.loader import load_model
     model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     rows = []
-    cases = [(B, k, True) for B in (1, 32) for k in KNOCKOUTS]
+    cases = [(B, k, "") for B in (1, 32) for k in KNOCKOUTS] + [(32, "none", "attn_one_wave_off"), (8, "none", ""),
+                                                                (8, "none", "attn_one_wave_off")]
     if fmt == "exl2":
-        cases += [(8, "none", True), (8, "none", False)]
-    for B, what, one_wave in cases:
-        cuda_candidates.KSLICE_MIXED_ONE_WAVE = one_wave
-        with knocked_out(model, what):
+        cases += [(8, "none", "kslice_mixed_off")]
+    for B, what, variant in cases:
+        with knocked_out(model, what), variant_set(variant):
             tok_s = [gpu_bench.decode_tok_s(model, B, True) for _ in range(reps)]
-        cuda_candidates.KSLICE_MIXED_ONE_WAVE = True
         best = max(tok_s)
-        row = {"format": fmt, "batch": B, "knockout": what, "kslice_mixed_one_wave": one_wave, "tok_s": tok_s,
+        row = {"format": fmt, "batch": B, "knockout": what, "variant": variant, "tok_s": tok_s,
                "step_ms": B / best * 1e3}
         rows.append(row)
-        print(f"{fmt} bs{B:<3d} {what:10s} one_wave={int(one_wave)}: {' '.join(f'{t:9.1f}' for t in tok_s)} tok/s, "
+        print(f"{fmt} bs{B:<3d} {what:10s} {variant:18s}: {' '.join(f'{t:9.1f}' for t in tok_s)} tok/s, "
               f"step {row['step_ms']:.4f} ms", flush=True)
-    for B in (1, 32):
-        base = next(r["step_ms"] for r in rows if r["batch"] == B and r["knockout"] == "none")
+    for B in (1, 8, 32):
+        base = [r["step_ms"] for r in rows if r["batch"] == B and r["knockout"] == "none" and not r["variant"]]
         for r in rows:
-            if r["batch"] == B and r["knockout"] != "none":
-                r["saved_ms"] = base - r["step_ms"]
+            if base and r["batch"] == B and (r["knockout"] != "none" or r["variant"]):
+                r["saved_ms"] = base[0] - r["step_ms"]
     del model
     torch.cuda.empty_cache()
     return rows
@@ -114,11 +130,10 @@ def main() -> None:
         p = getattr(a, fmt)
         if p is not None:
             out["rows"] += run_format(p, fmt, a.reps)
-    print(f"\n{'format':6s} {'batch':>5s} {'knockout':10s} {'step ms':>9s} {'saved ms':>9s}")
+    print(f"\n{'format':6s} {'batch':>5s} {'knockout':10s} {'variant':18s} {'step ms':>9s} {'saved ms':>9s}")
     for r in out["rows"]:
         saved = f"{r['saved_ms']:9.4f}" if "saved_ms" in r else f"{'-':>9s}"
-        print(f"{r['format']:6s} {r['batch']:5d} {r['knockout']:10s} {r['step_ms']:9.4f} {saved}"
-              + ("" if r["kslice_mixed_one_wave"] else "  (KSLICE_MIXED_ONE_WAVE off)"))
+        print(f"{r['format']:6s} {r['batch']:5d} {r['knockout']:10s} {r['variant']:18s} {r['step_ms']:9.4f} {saved}")
     text = json.dumps(out, indent=1) + "\n"
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(text)

@@ -132,6 +132,24 @@ def test_many_rows_one_split():
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.125, None, 1), ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("one_wave", ["1", "0"])
+@pytest.mark.parametrize("dtype,d", [(torch.float16, 128), (torch.bfloat16, 64)])
+def test_grid_of_one_wave_instance(one_wave, dtype, d, monkeypatch):
+    """48 rows x 16 kv heads, one split: more blocks than one wave of the default one-head-per-kv-head instance
+    (5 per SM) and at most one wave of the 8-per-SM instance, which then runs (EXL_CORE_ATTN_ONE_WAVE=0: the
+    default one); both equal the float64 reference."""
+    _need_kernel()
+    monkeypatch.setenv("EXL_CORE_ATTN_ONE_WAVE", one_wave)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = -(-(5 * sms + 1) // 16)                                  # just past 5 blocks per SM
+    assert rows * 16 <= 8 * sms
+    q, kc, vc, table, cu, lens = _case([1] * rows, [1 + (7 * i) % 200 for i in range(rows)], hq=16, hkv=16, d=d,
+                                       page=16, dtype=dtype, seed=rows + d)
+    assert _splits(rows, 16, table, 16) == 1
+    ref = _ref64(q, kc, vc, table, cu, lens, d ** -0.5, None)
+    _check(_run_cuda(q, kc, vc, table, cu, lens, d ** -0.5, None, 1), ref, dtype)
+
+
 def test_tiny_pages_past_the_staged_table():
     """One split over 150 pages of 4 slots: page numbers past the 128 a block stages in shared
     memory come from the table in global memory."""

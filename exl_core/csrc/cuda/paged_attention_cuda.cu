@@ -111,8 +111,13 @@ __device__ __forceinline__ int sequence_of(const int64_t* cu, int S, int64_t row
 // so those keys, and q, are read after the wait (pdl.cuh's contract: nothing the predecessor writes is read early).
 // Blocks per SM as the register report had them before the early loads (G 1: 94-96 registers, 5 blocks; G 2/4: 124-126,
 // 4; G 8: 225-232, 2); without the bound the early loads' extra live state took G 1 to 122 (4 blocks).
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads, G == 1 ? 5 : G <= 4 ? 4 : 2) paged_attention_kernel(const Args a) {
+// WAVE (G 1 only): 2 block steps per iteration instead of 4 and 8 blocks per SM (64 registers), for grids of 5..8
+// blocks per SM -- batch 32 of a 32-kv-head model is 1,024 blocks, 1.55 waves of the 5-per-SM instance -- so the
+// grid runs as one wave with the same bytes in flight per SM.
+template <int G, bool WAVE> constexpr int kMinBlocks = WAVE ? 8 : G == 1 ? 5 : G <= 4 ? 4 : 2;
+
+template <typename T, int D, int G, bool WAVE = false>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention_kernel(const Args a) {
   constexpr int LPK = D / 8;                  // lanes per key
   constexpr int KPW = 32 / LPK;               // keys per warp step
   constexpr int NG = kWarps * KPW;            // lane groups per block
@@ -170,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, G == 1 ? 5 : G <= 4 ? 4 : 2) paged_a
   __syncthreads();                                                // sm_pages
   // U block steps per iteration, and the next iteration's loads issued before this one's math
   // (software pipeline): 2U keys' K and V per lane group in flight. Fewer for large groups (registers).
-  constexpr int U = G <= 2 ? 4 : 2;
+  constexpr int U = G <= 2 && !WAVE ? 4 : 2;
   // the K and V rows of keys b0 + u * KPB + grp that lie in [lo_t, hi_t)
   auto fetch = [&](int b0, uint4 (&kr)[U], uint4 (&vr)[U], int lo_t, int hi_t) {
 #pragma unroll
@@ -372,7 +377,7 @@ __global__ void paged_attention_combine_kernel(const float* __restrict__ part_o,
   }
 }
 
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool WAVE = false>
 void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = a.head_major ? dim3(static_cast<unsigned>(a.Hkv), static_cast<unsigned>(rows), static_cast<unsigned>(a.splits))
@@ -388,12 +393,22 @@ void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  exl_pdl::launch_ex(cfg, dev, paged_attention_kernel<T, D, G>, a);
+  exl_pdl::launch_ex(cfg, dev, paged_attention_kernel<T, D, G, WAVE>, a);
+}
+
+// The one-wave instance (WAVE) where the grid is more than one wave of the default G 1 instance and at most one of
+// its own.  EXL_CORE_ATTN_ONE_WAVE=0: never (A/B runs; read per call, so one process can time both).
+bool one_wave(const Args& a, int64_t rows, int dev) {
+  const char* v = std::getenv("EXL_CORE_ATTN_ONE_WAVE");
+  if (v && std::strcmp(v, "0") == 0) return false;
+  const int64_t blocks = rows * a.Hkv * a.splits, sms = exl_pdl::device_sm(dev, false);
+  return !a.cluster && blocks > kMinBlocks<1, false> * sms && blocks <= kMinBlocks<1, true> * sms;
 }
 
 template <typename T, int D>
 void launch_g(const Args& a, int64_t rows, int g, cudaStream_t stream, int dev) {
-  if (g == 1) launch<T, D, 1>(a, rows, stream, dev);
+  if (g == 1 && one_wave(a, rows, dev)) launch<T, D, 1, true>(a, rows, stream, dev);
+  else if (g == 1) launch<T, D, 1>(a, rows, stream, dev);
   else if (g == 2) launch<T, D, 2>(a, rows, stream, dev);
   else if (g <= 4) launch<T, D, 4>(a, rows, stream, dev);
   else launch<T, D, 8>(a, rows, stream, dev);
