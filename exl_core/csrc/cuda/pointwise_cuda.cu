@@ -61,22 +61,15 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 
 // The same with 16-byte vectors kept in registers between the two passes (H * sizeof(T) % 16 == 0,
 // aligned rows, H <= kNormThreads * NV * 16 / sizeof(T)): one read of x and residual instead of
-// scalar loads and a re-read; per element the same roundings as rms_norm_kernel.  The weight (fixed at load
-// time) is read before the PDL wait: its load no longer follows the sum of squares on the critical path.
+// scalar loads and a re-read; per element the same roundings as rms_norm_kernel.
 template <typename T, int NV>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out) {
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V;
-  uint4 wv[NV];
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
-    if (vi < nvec) wv[i] = reinterpret_cast<const uint4*>(w)[vi];
-  }
-  exl_pdl::pdl_wait();      // x and the residual come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger();
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
   uint4 hv[NV];
   float ss = 0.f;
@@ -101,7 +94,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   for (int i = 0; i < NV; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
     if (vi >= nvec) break;
-    const T* wp = reinterpret_cast<const T*>(&wv[i]);
+    const uint4 wv = reinterpret_cast<const uint4*>(w)[vi];
+    const T* wp = reinterpret_cast<const T*>(&wv);
     T* hp = reinterpret_cast<T*>(&hv[i]);
 #pragma unroll
     for (int e = 0; e < V; ++e) hp[e] = cvt<T>(f32<T>(wp[e]) * f32<T>(cvt<T>(f32<T>(hp[e]) * r)));
@@ -175,48 +169,41 @@ __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, 
                                    int64_t max_pos, const T* __restrict__ v, const int64_t* __restrict__ slots,
                                    int64_t num_slots,
                                    T* __restrict__ kc, T* __restrict__ vc) {
-  // Before the PDL wait: positions, slots and the cos/sin rows -- written by no kernel of the layer (the step's
-  // host copies or torch ops, or load time), never by the projection just before, which writes q, k and v.
+  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   const int per_head = D / 8, half = D / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t head = idx / per_head;
   const int j = static_cast<int>(idx - head * per_head) * 4;
   const T* x = q;
-  T* orow = nullptr;                                         // this head's output row (nullptr: nothing to do)
+  T* orow;                                                   // this head's output row
   int64_t H = Hq;
-  bool is_v = false;
   if (head < q_heads) {
     orow = qo + head * D;
   } else {
     head -= q_heads;
-    is_v = head >= k_heads;
+    const bool is_v = head >= k_heads;
     if (is_v) head -= k_heads;
-    if (head < k_heads && !(is_v && slots == nullptr)) {
-      x = is_v ? v : k, H = Hk;
-      if (slots != nullptr) {
-        const int64_t t = head / Hk, slot = slots[t];
-        if (slot >= 0 && slot < num_slots) orow = (is_v ? vc : kc) + (slot * Hk + (head - t * Hk)) * D;
-      } else {
-        orow = ko + head * D;
-      }
+    if (head >= k_heads || (is_v && slots == nullptr)) return;
+    x = is_v ? v : k, H = Hk;
+    if (slots != nullptr) {
+      const int64_t t = head / Hk, slot = slots[t];
+      if (slot < 0 || slot >= num_slots) return;
+      orow = (is_v ? vc : kc) + (slot * Hk + (head - t * Hk)) * D;
+    } else {
+      orow = ko + head * D;
+    }
+    if (is_v) {                                              // v: copied as it is
+      *reinterpret_cast<Vec4<T>*>(orow + j) = *reinterpret_cast<const Vec4<T>*>(x + head * D + j);
+      *reinterpret_cast<Vec4<T>*>(orow + half + j) = *reinterpret_cast<const Vec4<T>*>(x + head * D + half + j);
+      return;
     }
   }
-  float4 cv = make_float4(0.f, 0.f, 0.f, 0.f), sv = cv;
-  if (orow != nullptr && !is_v) {
-    const int64_t p = pos[head / H * pos_stride];            // stride 0: one position broadcast over the rows
-    const bool ok = p >= 0 && p < max_pos;                   // out of the table: NaN rows (see rope_kernel)
-    const float* c = cs + (ok ? p : 0) * D;
-    cv = ok ? *reinterpret_cast<const float4*>(c + j) : make_float4(NAN, NAN, NAN, NAN);
-    sv = *reinterpret_cast<const float4*>(c + half + j);
-  }
-  exl_pdl::pdl_wait();      // q, k and v come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger();
-  if (orow == nullptr) return;
-  if (is_v) {                                                // v: copied as it is
-    *reinterpret_cast<Vec4<T>*>(orow + j) = *reinterpret_cast<const Vec4<T>*>(x + head * D + j);
-    *reinterpret_cast<Vec4<T>*>(orow + half + j) = *reinterpret_cast<const Vec4<T>*>(x + head * D + half + j);
-    return;
-  }
+  const int64_t p = pos[head / H * pos_stride];              // stride 0: one position broadcast over the rows
+  const bool ok = p >= 0 && p < max_pos;                     // out of the table: NaN rows (see rope_kernel)
+  const float* c = cs + (ok ? p : 0) * D;
+  const float4 cv = ok ? *reinterpret_cast<const float4*>(c + j) : make_float4(NAN, NAN, NAN, NAN);
+  const float4 sv = *reinterpret_cast<const float4*>(c + half + j);
   const Vec4<T> a = *reinterpret_cast<const Vec4<T>*>(x + head * D + j);
   const Vec4<T> b = *reinterpret_cast<const Vec4<T>*>(x + head * D + half + j);
   Vec4<T> oa, ob;
