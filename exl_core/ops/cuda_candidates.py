@@ -63,7 +63,8 @@ KSLICE_MIXED_ROWS = (1, 17)  # mixed widths / act-order take 1 row, or 17 and mo
                              # wins everywhere (q/k/v 68.2 vs qgemm_mma 79.1, gate/up 97.1 vs dequantise+cuBLAS 131.4)
 KSLICE_MIXED_ONE_WAVE = True  # and 2..8 staged rows where the launch has at most one column tile per SM (the o
                              # projection: qgemm_kslice's policy then runs 16 warps a block): EXL2 4096x4096 at 8 rows
-                             # 10.8-11.0 us against skinny's 14.7-16.3 (H200, cuda_probe.py kslice, two calls); q/k/v
+                             # 10.8-11.0 us against qgemm_skinny's 16.3 (H200, cuda_probe.py kslice), batch-8 decode
+                             # step 1.0378x-1.0452x faster (bench/decode_knockout.py, same process, four calls); q/k/v
                              # (384 tiles) ties with skinny (32.2-32.6 vs 31.9-32.0) and stays there
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)

@@ -397,8 +397,8 @@ void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
 }
 
 // The one-wave instance (WAVE) where an unsplit grid is more than one wave of the default G 1 instance and at most
-// one of its own (H200, same process: batch 32 step 4.8055 vs 4.9491 ms GPTQ, 6.4832 vs 6.6490 EXL2; with key splits,
-// batch 8's 256 pairs x 3, it lost: 3.2752 vs 3.2685, 4.7318 vs 4.7027).  EXL_CORE_ATTN_ONE_WAVE=0: never (A/B runs;
+// one of its own (H200, same process: batch 32 step 4.8054 vs 4.9490 ms GPTQ, 6.4831 vs 6.6489 EXL2; with key splits,
+// batch 8's 256 pairs x 3, it lost: 3.2751 vs 3.2684, 4.7318 vs 4.7026).  EXL_CORE_ATTN_ONE_WAVE=0: never (A/B runs;
 // read per call, so one process can time both).
 bool one_wave(const Args& a, int64_t rows, int dev) {
   const char* v = std::getenv("EXL_CORE_ATTN_ONE_WAVE");
