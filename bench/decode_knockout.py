@@ -17,7 +17,6 @@ one-wave instance off, EXL_CORE_ATTN_ONE_WAVE=0, which the extension reads per c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from contextlib import contextmanager
@@ -134,11 +133,7 @@ def main() -> None:
     for r in out["rows"]:
         saved = f"{r['saved_ms']:9.4f}" if "saved_ms" in r else f"{'-':>9s}"
         print(f"{r['format']:6s} {r['batch']:5d} {r['knockout']:10s} {r['variant']:18s} {r['step_ms']:9.4f} {saved}")
-    text = json.dumps(out, indent=1) + "\n"
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], a.json.name).write_text(text)
+    gpu_bench._write(out, a.json)                 # and a copy to $OUT when set
 
 
 if __name__ == "__main__":
