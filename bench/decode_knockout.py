@@ -56,23 +56,24 @@ def knocked_out(model, what: str):
                 self._paged(layer)
                 return q
         ctx.attend_rope = attend_rope
-    head_forward = None
+    head_patched = False
     if "head" in parts:
         vocab = model.config.vocab_size
-        head_forward = model.lm_head.forward
+        head_patched = True
         model.lm_head.forward = lambda h: h.new_zeros(h.shape[0], vocab)
     try:
         yield
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
-        if head_forward is not None:
-            model.lm_head.forward = head_forward
+        if head_patched:
+            del model.lm_head.forward                 # the class's forward again (no instance attribute left)
 
 
 @contextmanager
 def variant_set(variant: str):
-    """A same-process A/B variant (module docstring) for the duration."""
+    """A same-process A/B variant (module docstring) for the duration; the previous settings come back after."""
+    saved_rule, saved_env = cuda_candidates.KSLICE_MIXED_ONE_WAVE, os.environ.get("EXL_CORE_ATTN_ONE_WAVE")
     if variant == "kslice_mixed_off":
         cuda_candidates.KSLICE_MIXED_ONE_WAVE = False
     elif variant == "attn_one_wave_off":
@@ -82,8 +83,11 @@ def variant_set(variant: str):
     try:
         yield
     finally:
-        cuda_candidates.KSLICE_MIXED_ONE_WAVE = True
-        os.environ.pop("EXL_CORE_ATTN_ONE_WAVE", None)
+        cuda_candidates.KSLICE_MIXED_ONE_WAVE = saved_rule
+        if saved_env is None:
+            os.environ.pop("EXL_CORE_ATTN_ONE_WAVE", None)
+        else:
+            os.environ["EXL_CORE_ATTN_ONE_WAVE"] = saved_env
 
 
 def run_format(path: Path, fmt: str, reps: int) -> list[dict]:

@@ -65,7 +65,8 @@ KSLICE_MIXED_ONE_WAVE = True  # and 2..8 staged rows where the launch has at mos
                              # projection: qgemm_kslice's policy then runs 16 warps a block): EXL2 4096x4096 at 8 rows
                              # 10.8-11.0 us against qgemm_skinny's 16.3 (H200, cuda_probe.py kslice), batch-8 decode
                              # step 1.0378x-1.0452x faster (bench/decode_knockout.py, same process, four calls); q/k/v
-                             # (384 tiles) ties with skinny (32.2-32.6 vs 31.9-32.0) and stays there
+                             # (384 tiles) ties with skinny (32.2-32.6 vs 32.0) and stays there; not for the SwiGLU-fused
+                             # down projection (qgemm_kslice_silu at 2..5 rows of K 11008: not measured)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
@@ -172,13 +173,13 @@ def _pws_group_shift(pws) -> int:
     return shifts.pop() if len(shifts) == 1 else -1
 
 
-def _kslice_ok(rows: int, pws, device) -> bool:
+def _kslice_ok(rows: int, pws, device, one_wave: bool = True) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
     (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
     u4 = all(_uniform4(pw) for pw in pws)
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
     rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1] or
-                                                (KSLICE_MIXED_ONE_WAVE and rows <= KSLICE_STAGED_ROWS and
+                                                (one_wave and KSLICE_MIXED_ONE_WAVE and rows <= KSLICE_STAGED_ROWS and
                                                  tiles <= _sm_count(device)))
     if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and
             _has_cuda_kernel("qgemm_kslice")):
@@ -365,7 +366,7 @@ def _silu_down_run(gate, up, pw):
     g2 = gate.reshape(-1, pw.in_features)
     rows = g2.shape[0]
     if not (SILU_FUSE_ON and gate.dtype == torch.float16 and rows <= KSLICE_STAGED_ROWS and _mma_ok(pw) and
-            _kslice_ok(rows, [pw], gate.device) and _has_cuda_kernel("qgemm_kslice_silu")):
+            _kslice_ok(rows, [pw], gate.device, one_wave=False) and _has_cuda_kernel("qgemm_kslice_silu")):
         from .qmatmul import _run_silu_each
         return _run_silu_each(gate, up, pw)
     bias = pw.bias if pw.bias is None or pw.bias.dtype == gate.dtype else pw.bias.to(gate.dtype)
