@@ -163,14 +163,15 @@ def test_tiny_pages_past_the_staged_table():
 
 
 @pytest.mark.parametrize("q_lens,k_lens", [([1], [400]), ([1] * 40, [400] * 40), ([3, 1, 4], [20, 5, 300]),
-                                           ([1, 2], [3, 70])])
+                                           ([1, 2], [3, 70]), ([3, 2], [10, 6]), ([4], [4])])
 def test_own_keys_written_by_the_kernel_just_before(q_lens, k_lens):
     """The kernel reads the keys older than the step's rows before its PDL wait and the rows' own keys after it:
     with those own keys written by write_kv's kernel right before it in the stream (no sync between, as a decode
     step runs them), and NaN in their slots until then, every output equals the float64 reference -- for one
     cluster-merged batch-1 row and 40 rows with the combine kernel (own key inside a split's first window), verify
-    rows (q_len 2..4, own keys past the first window). A race shows only when the early loads overtake the write,
-    so a pass is evidence, not proof."""
+    rows with own keys past the first window, inside it (q_len 3 and 2 from key 7 and 4), and a sequence that is
+    all own keys (nothing read early). A race shows only when the early loads overtake the write, so a pass is
+    evidence, not proof."""
     _need_kernel()
     from exl_core.ops.attention import write_kv
     dtype, hq, hkv, d, page = torch.float16, 8, 2, 128, 16

@@ -35,8 +35,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "pdl.cuh"
 
@@ -165,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
   const int first = static_cast<int>(k0 > lo ? k0 : lo);
   const int end = static_cast<int>(k0 + a.chunk < pos + 1 ? k0 + a.chunk : pos + 1);   // exclusive
   // keys before `fresh` were written by earlier steps; [fresh, end) by the kernel just before (the rows' own)
-  const int64_t own0 = a.lens[s] - (ce - cs);
+  const int64_t own0 = pos - (row - cs);                         // the sequence's first row's position
   const int fresh = static_cast<int>(own0 < first ? first : own0 < end ? own0 : end);
 
   const T* kbase = static_cast<const T*>(a.k);
@@ -401,8 +399,7 @@ void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
 // batch 8's 256 pairs x 3, it lost: 3.2751 vs 3.2684, 4.7318 vs 4.7026).  EXL_CORE_ATTN_ONE_WAVE=0: never (A/B runs;
 // read per call, so one process can time both).
 bool one_wave(const Args& a, int64_t rows, int dev) {
-  const char* v = std::getenv("EXL_CORE_ATTN_ONE_WAVE");
-  if (v && std::strcmp(v, "0") == 0) return false;
+  if (!exl_pdl::env_on("EXL_CORE_ATTN_ONE_WAVE")) return false;
   const int64_t blocks = rows * a.Hkv * a.splits, sms = exl_pdl::device_sm(dev, false);
   return a.splits == 1 && blocks > kMinBlocks<1, false> * sms && blocks <= kMinBlocks<1, true> * sms;
 }
@@ -425,17 +422,8 @@ void launch_d(const Args& a, int64_t rows, int D, int g, cudaStream_t stream, in
 
 // Splits merged in-kernel through a cluster (sm_90); EXL_CORE_ATTN_CLUSTER=0: the combine kernel (A/B runs).
 bool cluster_merge_enabled(int dev) {
-  static const bool env_on = [] {
-    const char* v = std::getenv("EXL_CORE_ATTN_CLUSTER");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return env_on && exl_pdl::device_sm(dev, true) >= 9;
-}
-
-// EXL_CORE_ATTN_HEAD_MAJOR=0 / EXL_CORE_ATTN_EARLY=0: row-major launch order / every read after the PDL wait (A/B runs).
-bool env_on(const char* name) {
-  const char* v = std::getenv(name);
-  return !(v && std::strcmp(v, "0") == 0);
+  static const bool on = exl_pdl::env_on("EXL_CORE_ATTN_CLUSTER");
+  return on && exl_pdl::device_sm(dev, true) >= 9;
 }
 
 // Keys per split and split count: enough blocks for ~4 per SM, at least 64 keys per split.
@@ -519,7 +507,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   const int sms = exl_pdl::device_sm(dev, false);
   a.cluster = a.splits > 1 && a.splits <= kMaxClusterSplits && rows * Hkv * a.splits <= 2 * sms &&
               cluster_merge_enabled(dev);
-  static const bool head_major_on = env_on("EXL_CORE_ATTN_HEAD_MAJOR"), early_on = env_on("EXL_CORE_ATTN_EARLY");
+  // EXL_CORE_ATTN_HEAD_MAJOR=0 / EXL_CORE_ATTN_EARLY=0: row-major launch order / every read after the PDL wait (A/B).
+  static const bool head_major_on = exl_pdl::env_on("EXL_CORE_ATTN_HEAD_MAJOR"),
+                    early_on = exl_pdl::env_on("EXL_CORE_ATTN_EARLY");
   a.head_major = head_major_on && rows <= 65535;              // rows on grid y
   a.early = early_on;
   at::Tensor part_o, part_ml;

@@ -38,13 +38,16 @@ inline int device_sm(int dev, bool want_major) {
   return want_major ? major[dev] : sms[dev];
 }
 
+// An A/B switch of the kernels: on unless the environment variable `name` is "0".
+inline bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 // PDL on for this device: sm_90 or newer and EXL_CORE_PDL not "0".
 inline bool pdl_enabled(int dev) {
-  static const bool env_on = [] {
-    const char* v = std::getenv("EXL_CORE_PDL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return env_on && device_sm(dev, true) >= 9;
+  static const bool on = env_on("EXL_CORE_PDL");
+  return on && device_sm(dev, true) >= 9;
 }
 
 // cudaLaunchKernelEx with `cfg` (grid, block, smem, stream and up to one attribute already set)

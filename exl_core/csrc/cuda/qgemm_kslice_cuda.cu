@@ -4,9 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "qgemm_kslice_kernel.cuh"
 #include "qmma_common.cuh"
 
@@ -31,10 +28,7 @@ constexpr size_t kGatherSmem = 100 * 1024;
 
 // EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory by every block (A/B runs).
 bool sgather_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EXL_CORE_KSLICE_SGATHER");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool on = exl_pdl::env_on("EXL_CORE_KSLICE_SGATHER");
   return on;
 }
 
