@@ -64,7 +64,7 @@ def kslice_table() -> None:
     for fmt in ("gptq", "exl2"):
         make = weight if fmt == "gptq" else weight_exl2
         u4 = fmt == "gptq"
-        rings = (8, 16) if u4 else (4, 8)
+        rings = (4, 8)
         for name, K, Ns in shapes:
             sets = [[make(K, N) for N in Ns] for _ in range(max(2, 16 // len(Ns)))]
             for s in sets:

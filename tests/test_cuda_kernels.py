@@ -196,7 +196,7 @@ def _decode_case(case: int, M: int):
 
 @pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=KSLICE_IDS)
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 16, 20, 32])          # staged x (1 n-tile); x from global (2, 4)
-@pytest.mark.parametrize("kw,ring", [(0, 0), (4, 0), (8, 16), (16, 0)])
+@pytest.mark.parametrize("kw,ring", [(0, 0), (4, 0), (8, 8), (16, 4)])
 def test_qgemm_kslice_vs_float64(case, M, kw, ring):
     """The decode kernel on its own: every width, act-order, warps along K, ring depths, scale slots fewer
     than the groups a warp spans (min_group larger than the real groups), unaligned x, 1..32 rows, groups from
@@ -206,7 +206,7 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
     pw, c, ch, bias, xc, ref = _decode_case(case, M)
     K, N = pw.in_features, pw.out_features
     for u4 in ({False, _uniform4(pw)}):
-        r = 8 if ring and not u4 else ring                     # the mixed-width kernel's deeper ring
+        r = ring
         for min_group in (0, 128):
             if not torch.ops.exl_core.qgemm_kslice_fits(M, K, (N + 31) // 32, min_group, u4, 0, kw, r):
                 continue                                       # shared memory or no such instance
@@ -423,8 +423,8 @@ def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
 
 def test_qgemm_kslice_policy_and_limits():
     """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths, and 2..8 where
-    the launch has at most one column tile per SM) to qgemm_kslice; it refuses more rows, staged-x launches of more
-    than ~3 tiles per SM, shapes whose x does not fit shared memory and instances that do not exist, which then go
+    the launch has at most one column tile per SM) to qgemm_kslice; it refuses more rows, mixed-width staged-x launches
+    of more than ~3 tiles per SM, shapes whose x does not fit shared memory and instances that do not exist, which then go
     elsewhere."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import KSLICE_MIXED_ONE_WAVE, KSLICE_ON, _kslice_ok
@@ -445,8 +445,9 @@ def test_qgemm_kslice_policy_and_limits():
     assert not fits(8, 65536, 128, 128, True, 0)
     assert not fits(33, 4096, 128, 128, True, 0)
     many = 4 * torch.cuda.get_device_properties(0).multi_processor_count   # gate/up-sized
-    assert not fits(1, 4096, many, 128, True, 0)            # staged x: skinny's
-    assert fits(1, 4096, many, 128, True, 0, 8) and fits(32, 4096, many, 128, True, 0)
+    assert not fits(1, 4096, many, 128, False, 0)           # staged x, mixed widths: skinny's
+    assert fits(1, 4096, many, 128, True, 0)                # uniform 4-bit: kslice's (ring 4)
+    assert fits(1, 4096, many, 128, False, 0, 8) and fits(32, 4096, many, 128, True, 0)
     assert not fits(9, 4096, 128, 128, True, 0, 16)          # no 16-warp instance above 8 rows
     assert not fits(9, 4096, 128, 128, True, 0, 0, 16) and fits(9, 4096, 128, 128, True, 0, 0, 8)
 

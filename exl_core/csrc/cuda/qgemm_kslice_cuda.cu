@@ -42,11 +42,16 @@ int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 // 4096x4096 9.3 with 8, 12.2 with 4; M=32 gate/up 66.0 with 4, 74.6 with 8, q/k/v 38.4 with 8, 44.2 with 4).
 // Their accumulators and x ring take 160-222 registers a lane: no 16-warp instance.
 // `min_group`: the smallest group (rows) of the weights, for the scale slots.
-Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev) {
+// Ring (chunks of words in flight per lane): 4, except 8 for uniform 4-bit above 8 rows and under the fused SwiGLU.
+// Since the 4-bit extraction takes one LOP3 a pair instead of two (qmma_device.cuh and_or), ring 4 beats ring 8
+// at one row (bench/gemv_probe.cu, H200, same call, us: q/k/v k8 12.59 vs 15.32, o k16 5.98 vs 6.35, gate/up k8
+// 23.37 vs 25.16; down k16 13.61 vs 13.10 -- the fused down projection keeps ring 8).
+Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev,
+              bool act = false) {
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
   if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : 8;
-  if (ring <= 0) ring = u4 ? 8 : 4;
+  if (ring <= 0) ring = u4 && (nt > 1 || act) ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
@@ -66,10 +71,10 @@ void plan_sgather(Plan& p, int M, int64_t K, bool any_perm, bool act) {
   }
 }
 
-// The instances: staged x (1 n-tile) with 4/8/16 warps and rings 8/16 (uniform 4-bit) or 4/8; x from global
-// memory (2 or 4 n-tiles) with 4/8 warps and ring 8 (uniform 4-bit) or 4.
+// The instances: staged x (1 n-tile) with 4/8/16 warps and rings 4/8; x from global memory (2 or 4 n-tiles) with
+// 4/8 warps and ring 8 (uniform 4-bit) or 4.
 bool plan_has_kernel(const Plan& p, bool u4) {
-  if (p.nt == 1) return (p.kw == 4 || p.kw == 8 || p.kw == 16) && (u4 ? p.ring == 8 || p.ring == 16 : p.ring == 4 || p.ring == 8);
+  if (p.nt == 1) return (p.kw == 4 || p.kw == 8 || p.kw == 16) && (p.ring == 4 || p.ring == 8);
   return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
 }
 
@@ -99,7 +104,7 @@ void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t ti
     else launch_kw<false, 4, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (p.nt == 1) {
     if (u4 && p.ring == 8) launch_kw<true, 8, 1>(x, up, M, K, tiles, p, mats, dev, stream);
-    else if (u4) launch_kw<true, 16, 1>(x, up, M, K, tiles, p, mats, dev, stream);
+    else if (u4) launch_kw<true, 4, 1>(x, up, M, K, tiles, p, mats, dev, stream);
     else if (p.ring == 4) launch_kw<false, 4, 1>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 8, 1>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (p.nt == 2) {
@@ -115,7 +120,7 @@ bool plan_usable(const Plan& p, bool u4) { return p.smem <= kSmemMax && plan_has
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one
 // x in one launch.  kw (warps along K: 4, 8, 16; 4 or 8 above 8 rows) and ring (chunks of words in registers
-// per lane: 8 or 16 for uniform 4-bit, 4 or 8 otherwise; above 8 rows 8 and 4) 0 = chosen here; min_group:
+// per lane: 4 or 8; above 8 rows 8 for uniform 4-bit and 4 otherwise) 0 = chosen here; min_group:
 // the weights' smallest group in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see
 // qgemm_kslice_fits).
 // up (or undefined): x is the MLP's gate and the kernel multiplies silu(x) * up, staged rows only.
@@ -134,7 +139,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
   Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
-                       uniform4, dev);
+                       uniform4, dev, up.defined());
   TORCH_CHECK(group_shift >= -1 && group_shift < 16, "exl_core::qgemm_kslice: group_shift ", group_shift,
               " (-1: the chunk table; s: chunk c in group c >> s)");
   plan.gshift = uniform4 ? static_cast<int>(group_shift) : -1;
@@ -201,9 +206,12 @@ at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at
 bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, bool uniform4, int64_t device,
                        int64_t kw, int64_t ring) {
   if (rows < 1 || rows > kMaxRows || K % 32 != 0 || kw < 0 || ring < 0) return false;
-  // The policy (kw 0) declines staged-x launches of more than ~3 blocks per SM: one block per tile then runs
-  // in waves and qgemm_skinny is faster (gate/up 2x11008 M=1: 27.4 vs 28.5-29.8 us GPTQ, 37.4 vs 42.9 EXL2).
-  if (kw == 0 && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false)) return false;
+  // The policy (kw 0) declines mixed-width staged-x launches of more than ~3 blocks per SM: one block per tile
+  // then runs in waves and qgemm_skinny is faster (gate/up 2x11008 M=1, EXL2-like: 33.69 vs 36.03 us,
+  // bench/gemv_probe.cu).  Uniform 4-bit, since ring 4 and the cheaper extraction, is faster there (GPTQ 23.37
+  // vs 24.19; before them 27.4 vs 28.5-29.8, when this rule covered both).
+  if (kw == 0 && !uniform4 && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false))
+    return false;
   return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),
                                min_group, uniform4, static_cast<int>(device)),
                       uniform4);

@@ -297,9 +297,19 @@ __global__ void __launch_bounds__(32 * KW)
     if constexpr (U4) chunk_mma_b<4, NT>(r, b, t, d);
     else chunk_mma_b<0, NT>(r, b, t, d, e[0]);
   };
-  // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.
+  // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.  Uniform 4-bit: the words of
+  // chunk c + R by a pointer that walks 4 rows a chunk -- from `base` per chunk, ptxas re-read the Mat's fields
+  // from constant memory (indexed by the block's matrix) and redid the 64-bit address each time, ~25 instructions
+  // ahead of every refill load (SASS of the k8 ring-4 instance).
+  const int32_t* wnext = base + static_cast<int64_t>(4 * (c0 + R) + t) * ldq;
+  const int64_t wstep = 4 * ldq;
   auto refill = [&](int i, int c) {
-    if (c + R < c1) load_words<U4>(ring[i], tab + 3 * (c + R), c + R, base, ldq, t);
+    if constexpr (U4) {
+      if (c + R < c1) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
+      wnext += wstep;
+    } else if (c + R < c1) {
+      load_words<false>(ring[i], tab + 3 * (c + R), c + R, base, ldq, t);
+    }
     if constexpr (XG)
       if (c + XR < c1) load_x(xr[i % XR], c + XR);
   };

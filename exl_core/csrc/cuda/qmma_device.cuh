@@ -124,12 +124,25 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// (a & mask) | bits in one LOP3: written as C, the two constants cannot both be immediates of one LOP3, and
+// ptxas emits an AND and an OR (SASS of qgemm_wide's loop: 32 of its ~118 instructions a chunk were these pairs).
+template <uint32_t MASK, uint32_t BITS>
+__device__ __forceinline__ uint32_t and_or(uint32_t a) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "n"(MASK), "n"(BITS));   // 0xEA: (a & b) | c
+  return d;
+}
+
 // Pair p of a lane's 8 values as fp16x2 bits of (1024 + q_p, 1024 + q_p+4), exact for q < 1024.
 template <int BITS>
 __device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
   constexpr uint32_t mask = (1u << BITS) - 1u;
   if constexpr (BITS == 4) {
-    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;   // 8 values in one word, sh == 0
+#ifdef EXL_MMA_DEQUANT_V0   // A/B in the standalone probes only (bench/gpu.sh PROBE_AB=1): the previous code
+    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;
+#else
+    return and_or<0x000F000Fu, 0x64006400u>(wl >> (4 * p));   // 8 values in one word, sh == 0
+#endif
   } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
     const uint32_t w = __funnelshift_r(wl, wh, sh);
     return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
@@ -204,12 +217,32 @@ __device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__
 
 // The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
 // (BITS 0: the width `bits` at run time.)
+// 4-bit words: pairs 1 and 3 are taken in place (mask 0x00F000F0: fp16 1024 + 16 q, exact) and made q by one HFMA2
+// (x / 16 - 64, exact), so a word costs one shift instead of three; the result is the same bits as the shifts'.
 template <int BITS>
 __device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
                                          uint32_t (&a)[4][4], int bits = BITS) {
+  const __half2 k1024 = __float2half2_rn(1024.f);
+#ifdef EXL_MMA_DEQUANT_V0
+  if constexpr (false) {
+#else
+  if constexpr (BITS == 4) {
+#endif
+    const __half2 k16th = __float2half2_rn(0.0625f), km64 = __float2half2_rn(-64.f);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t w = comp(r.lo, v), w8 = w >> 8;
+      const __half2 q[4] = {__hsub2(u2h(and_or<0x000F000Fu, 0x64006400u>(w)), k1024),
+                            __hfma2(u2h(and_or<0x00F000F0u, 0x64006400u>(w)), k16th, km64),
+                            __hsub2(u2h(and_or<0x000F000Fu, 0x64006400u>(w8)), k1024),
+                            __hfma2(u2h(and_or<0x00F000F0u, 0x64006400u>(w8)), k16th, km64)};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(q[p], sh[v], zs[v]));
+    }
+    return;
+  }
   if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
   else a_frags_any(bits, r, t, a);
-  const __half2 k1024 = __float2half2_rn(1024.f);
 #pragma unroll
   for (int v = 0; v < 4; ++v)
 #pragma unroll
