@@ -67,13 +67,34 @@ __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { r
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.
 // (BITS 0: the width `bits` at run time, a_frags_any.)
-template <int BITS, int NT>
+// S16: x staged by stage_pairs16, so A's pairs 1 and 3 are 1024 + 16 q (a_frags16).
+template <int BITS, int NT, bool S16>
 __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4],
                                             int bits = BITS) {
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
+  if constexpr (S16 && BITS > 0) a_frags16<BITS>(r, t, a);
+  else if constexpr (S16) a_frags16_any(bits, r, t, a);
+  else if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
   else a_frags_any(bits, r, t, a);
   mma_chunk<NT>(a, b, d);
+}
+
+// flush_group for staged x (one n-tile, stage_pairs16): dx[0..1] holds the sums of pairs 0 and 2 (e) and dx[2..3] of
+// pairs 1 and 3 as staged (o, x / 16) for x rows 2t, 2t+1, so x . q = d - 1024 (e + o) and sum(x) = e + 16 o.
+__device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4, float (&dx)[1][4],
+                                              float (&d)[2][1][4], float (&acc)[2][1][4]) {
+  const float t1[2] = {dx[0][0] + dx[0][2], dx[0][1] + dx[0][3]};
+  const float t2[2] = {fmaf(16.f, dx[0][2], dx[0][0]), fmaf(16.f, dx[0][3], dx[0][1])};
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int v = 2 * u + (i >> 1), row = i & 1;
+      acc[u][0][i] = fmaf(compf(s4, v), fmaf(-compf(z4, v), t2[row], fmaf(-1024.f, t1[row], d[u][0][i])), acc[u][0][i]);
+      d[u][0][i] = 0.f;
+    }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dx[0][i] = 0.f;
 }
 
 // grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
@@ -151,9 +172,20 @@ __global__ void __launch_bounds__(32 * KW)
   if constexpr (XG) {
     // nothing to stage
   } else if (perm == nullptr && aligned && !ACT) {
-    for (int j = lane; j < M * (kwl >> 3); j += 32) {
-      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-      cp_async16(xs + m * xs_stride + k, x + m * K + k);
+    // 16-byte pieces into the pair order (stage_pairs16), four loads in flight per lane before their stores
+    const int pieces = M * (kwl >> 3);
+    for (int j0 = lane; j0 < pieces; j0 += 4 * 32) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + 32 * u, m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+        if (j < pieces) v[u] = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + 32 * u, m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+        if (j < pieces) *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs16(v[u]);
+      }
     }
   } else if (ACT && perm == nullptr && aligned) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
@@ -165,7 +197,7 @@ __global__ void __launch_bounds__(32 * KW)
       __half* op = reinterpret_cast<__half*>(&o);
 #pragma unroll
       for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
-      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = o;
+      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs16(o);
     }
   } else if (sgather && perm != nullptr && aligned) {
     // Act-order, shared-memory gather: the block copies x's rows whole (16-byte pieces; with ACT gate's, then
@@ -204,7 +236,8 @@ __global__ void __launch_bounds__(32 * KW)
           unsigned short h = xru[m * K + src[i]];
           if constexpr (ACT)
             h = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h), __ushort_as_half(xru[(M + m) * K + src[i]])));
-          xsu[m * xs_stride + k0 + 32 * i] = h;
+          const int k = k0 + 32 * i;                          // k & 7 == lane & 7: the pair slot is per lane
+          xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h);
         }
       }
     }
@@ -228,8 +261,10 @@ __global__ void __launch_bounds__(32 * KW)
             if (src[i] >= 0) h[i] = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h[i]), __ldg(up + m * K + src[i])));
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (src[i] >= 0) xsu[m * xs_stride + k0 + 32 * i] = h[i];
+        for (int i = 0; i < 8; ++i) {
+          const int k = k0 + 32 * i;
+          if (src[i] >= 0) xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h[i]);
+        }
       }
     }
   }
@@ -246,7 +281,7 @@ __global__ void __launch_bounds__(32 * KW)
   float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
   int grp = -1;
   const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g (staged x)
-  constexpr uint32_t kOnes = 0x3C003C00u;                     // fp16 (1, 1)
+  constexpr uint32_t kOnes = 0x3C003C00u, kZero = 0u;      // fp16 (1, 1), (0, 0)
   // x from global memory: lane (g, t) of n-tile nt reads row 8 nt + g, values 8t..8t+7 of each chunk.  Rows past M
   // read row M - 1 instead: an mma's output row n depends on x row n only, and rows past M are never stored, so
   // no zero fill and no per-load check (which cost ~16 instructions a chunk at 4 n-tiles).
@@ -261,42 +296,58 @@ __global__ void __launch_bounds__(32 * KW)
   };
 
   auto flush = [&]() {
+    if constexpr (XG) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      xg[nt][0] = dx[nt][0];
-      xg[nt][1] = dx[nt][1];
+      for (int nt = 0; nt < NT; ++nt) {
+        xg[nt][0] = dx[nt][0];
+        xg[nt][1] = dx[nt][1];
+      }
+      flush_group<NT>(s4, z4, xg, d, acc);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
+    } else {
+      flush_group16(s4, z4, dx, d, acc);
     }
-    flush_group<NT>(s4, z4, xg, d, acc);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
   };
+  // Regular groups: the group check runs at a group's first chunk only (gnext); table groups check every chunk.
+  int gnext = c0;
   auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
-    const int ge = reg ? c >> gshift : e[1];
-    if (ge != grp) {                                          // warp-uniform
-      if (grp >= 0) flush();
-      grp = ge;
-      const int s = ge - gA;
-      if (s < slots) {
-        s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
-        z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
-      } else {
-        s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
-        z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+    if (c == gnext) {                                         // warp-uniform
+      const int ge = reg ? c >> gshift : e[1];
+      gnext = reg ? (ge + 1) << gshift : c + 1;
+      if (ge != grp) {
+        if (grp >= 0) flush();
+        grp = ge;
+        const int s = ge - gA;
+        if (s < slots) {
+          s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
+          z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
+        } else {
+          s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+          z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+        }
       }
     }
     uint32_t b[NT][4];
+    if constexpr (XG) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if constexpr (XG) b_pairs(xv[nt], b[nt]);
-      else b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b[nt]);
-      mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
-      mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
+      for (int nt = 0; nt < NT; ++nt) {
+        b_pairs(xv[nt], b[nt]);
+        mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
+        mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
+      }
+    } else {                                                  // staged in the pair order: the words are B
+      const uint4 v = *reinterpret_cast<const uint4*>(xrow + c * 32);
+      b[0][0] = v.x, b[0][1] = v.y, b[0][2] = v.z, b[0][3] = v.w;
+      // A rows g (k slots 0..7: pairs 0, 2) and g + 8 (slots 8..15: pairs 1, 3) sum those pairs apart
+      mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][0], b[0][1]);
+      mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][2], b[0][3]);
     }
-    if constexpr (U4) chunk_mma_b<4, NT>(r, b, t, d);
-    else chunk_mma_b<0, NT>(r, b, t, d, e[0]);
+    if constexpr (U4) chunk_mma_b<4, NT, !XG>(r, b, t, d);
+    else chunk_mma_b<0, NT, !XG>(r, b, t, d, e[0]);
   };
   // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.  Uniform 4-bit: the words of
   // chunk c + R by a pointer that walks 4 rows a chunk -- from `base` per chunk, ptxas re-read the Mat's fields

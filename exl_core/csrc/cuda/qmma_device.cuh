@@ -215,6 +215,56 @@ __device__ __forceinline__ void a_frags_any(int bits, const Raw& r, int t, uint3
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
+// "Pairs 1 and 3 by 16" (qgemm_kslice's staged x): A's pairs 1 and 3 are fp16 1024 + 16 q instead of 1024 + q and
+// the staged x of those pairs is divided by 16, so x * A keeps q * x and its offset becomes 1024 * (x / 16).  For
+// 4-bit words, pair 1 is then mask 0x00F000F0 of the word itself and pair 3 of the word >> 8: one shift a word
+// instead of three (the other widths pay one HFMA2 for each such pair).  x / 16 is exact but for fp16 subnormals.
+template <int BITS>
+__device__ __forceinline__ void a_frags16(const Raw& r, int t, uint32_t (&a)[4][4]) {
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t w = comp(r.lo, v), w8 = w >> 8;
+      a[v][0] = and_or<0x000F000Fu, 0x64006400u>(w);
+      a[v][1] = and_or<0x00F000F0u, 0x64006400u>(w);
+      a[v][2] = and_or<0x000F000Fu, 0x64006400u>(w8);
+      a[v][3] = and_or<0x00F000F0u, 0x64006400u>(w8);
+    }
+  } else {
+    a_frags<BITS>(r, t, a);
+    const __half2 k16 = __float2half2_rn(16.f), km15360 = __float2half2_rn(-15360.f);
+#pragma unroll
+    for (int v = 0; v < 4; ++v)                     // (1024 + q) * 16 - 15360 = 1024 + 16 q, exact (q < 256)
+#pragma unroll
+      for (int p = 1; p < 4; p += 2) a[v][p] = h2u(__hfma2(u2h(a[v][p]), k16, km15360));
+  }
+}
+
+__device__ __forceinline__ void a_frags16_any(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
+  if (bits == 4) {
+    a_frags16<4>(r, t, a);
+  } else {
+    a_frags_rt(bits, r, t, a);
+    const __half2 k16 = __float2half2_rn(16.f), km15360 = __float2half2_rn(-15360.f);
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+#pragma unroll
+      for (int p = 1; p < 4; p += 2) a[v][p] = h2u(__hfma2(u2h(a[v][p]), k16, km15360));
+  }
+}
+
+// 8 staged values x0..x7 (one 16-byte piece of a row) in the order the lane's B words are read, pair p = (x_p,
+// x_p+4), pairs 1 and 3 divided by 16 (a_frags16); pairs16_slot: where value j of the piece lands (halves).
+__device__ __forceinline__ uint4 stage_pairs16(const uint4& v) {
+  const __half2 k16th = __float2half2_rn(0.0625f);
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), h2u(__hmul2(u2h(__byte_perm(v.x, v.z, 0x7632)), k16th)),
+                    __byte_perm(v.y, v.w, 0x5410), h2u(__hmul2(u2h(__byte_perm(v.y, v.w, 0x7632)), k16th)));
+}
+__device__ __forceinline__ int pairs16_slot(int j) { return 2 * (j & 3) + (j >> 2); }
+__device__ __forceinline__ unsigned short pairs16_value(int j, unsigned short h) {
+  return (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
+}
+
 // The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
 // (BITS 0: the width `bits` at run time.)
 // 4-bit words: pairs 1 and 3 are taken in place (mask 0x00F000F0: fp16 1024 + 16 q, exact) and made q by one HFMA2
