@@ -423,8 +423,8 @@ def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
 
 def test_qgemm_kslice_policy_and_limits():
     """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths, and 2..8 where
-    the launch has at most one column tile per SM) to qgemm_kslice; it refuses more rows, mixed-width staged-x launches
-    of more than ~3 tiles per SM, shapes whose x does not fit shared memory and instances that do not exist, which then go
+    the launch has at most one column tile per SM) to qgemm_kslice; it refuses more rows, staged-x launches of more
+    than ~3 tiles per SM (but uniform 4-bit at one row), shapes whose x does not fit shared memory and instances that do not exist, which then go
     elsewhere."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import KSLICE_MIXED_ONE_WAVE, KSLICE_ON, _kslice_ok
@@ -445,8 +445,8 @@ def test_qgemm_kslice_policy_and_limits():
     assert not fits(8, 65536, 128, 128, True, 0)
     assert not fits(33, 4096, 128, 128, True, 0)
     many = 4 * torch.cuda.get_device_properties(0).multi_processor_count   # gate/up-sized
-    assert not fits(1, 4096, many, 128, False, 0)           # staged x, mixed widths: skinny's
-    assert fits(1, 4096, many, 128, True, 0)                # uniform 4-bit: kslice's (ring 4)
+    assert not fits(1, 4096, many, 128, False, 0) and not fits(8, 4096, many, 128, True, 0)   # staged x: skinny's
+    assert fits(1, 4096, many, 128, True, 0)                # but uniform 4-bit at one row: kslice's (ring 4)
     assert fits(1, 4096, many, 128, False, 0, 8) and fits(32, 4096, many, 128, True, 0)
     assert not fits(9, 4096, 128, 128, True, 0, 16)          # no 16-warp instance above 8 rows
     assert not fits(9, 4096, 128, 128, True, 0, 0, 16) and fits(9, 4096, 128, 128, True, 0, 0, 8)

@@ -206,11 +206,11 @@ at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at
 bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, bool uniform4, int64_t device,
                        int64_t kw, int64_t ring) {
   if (rows < 1 || rows > kMaxRows || K % 32 != 0 || kw < 0 || ring < 0) return false;
-  // The policy (kw 0) declines mixed-width staged-x launches of more than ~3 blocks per SM: one block per tile
-  // then runs in waves and qgemm_skinny is faster (gate/up 2x11008 M=1, EXL2-like: 33.69 vs 36.03 us,
-  // bench/gemv_probe.cu).  Uniform 4-bit, since ring 4 and the cheaper extraction, is faster there (GPTQ 23.37
-  // vs 24.19; before them 27.4 vs 28.5-29.8, when this rule covered both).
-  if (kw == 0 && !uniform4 && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false))
+  // The policy (kw 0) declines staged-x launches of more than ~3 blocks per SM: one block per tile then runs in
+  // waves and qgemm_skinny is faster (H200, bench/cuda_probe.py kslice, gate/up 2x11008: EXL2 M=1 34.1 vs 39.6 us,
+  // GPTQ M=8 26.8 vs 31.4) -- except uniform 4-bit at one row, where ring 4 and the cheaper extraction made
+  // qgemm_kslice faster (GPTQ 19.6 vs 24.2; before them 27.3 vs 27.1).
+  if (kw == 0 && (!uniform4 || rows > 1) && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false))
     return false;
   return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),
                                min_group, uniform4, static_cast<int>(device)),

@@ -67,13 +67,13 @@ __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { r
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.
 // (BITS 0: the width `bits` at run time, a_frags_any.)
-// S16: x staged by stage_pairs16, so A's pairs 1 and 3 are 1024 + 16 q (a_frags16).
+// S16 (4-bit only): x staged by stage_pairs16, so A's pairs 1 and 3 are 1024 + 16 q (a_frags16).
 template <int BITS, int NT, bool S16>
 __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4],
                                             int bits = BITS) {
+  static_assert(!S16 || BITS == 4, "pairs by 16: 4-bit words");
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  if constexpr (S16 && BITS > 0) a_frags16<BITS>(r, t, a);
-  else if constexpr (S16) a_frags16_any(bits, r, t, a);
+  if constexpr (S16) a_frags16(r, a);
   else if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
   else a_frags_any(bits, r, t, a);
   mma_chunk<NT>(a, b, d);
@@ -109,6 +109,10 @@ __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
   constexpr bool XG = NT > 1;
+  // Uniform 4-bit staged rows take x in the B-pair order with pairs 1 and 3 divided by 16 (stage_pairs16, a_frags16):
+  // one shift a word and no PRMT in the loop.  Mixed widths keep the plain order: their other widths would pay an
+  // HFMA2 a pair for it (EXL2 M=1 q/k/v 22.2 -> 23.7 us when they took it, bench/cuda_probe.py kslice).
+  constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
   const Mat& mat = block_mat(mats);
@@ -172,19 +176,18 @@ __global__ void __launch_bounds__(32 * KW)
   if constexpr (XG) {
     // nothing to stage
   } else if (perm == nullptr && aligned && !ACT) {
-    // 16-byte pieces into the pair order (stage_pairs16), four loads in flight per lane before their stores
-    const int pieces = M * (kwl >> 3);
-    for (int j0 = lane; j0 < pieces; j0 += 4 * 32) {
-      uint4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = j0 + 32 * u, m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-        if (j < pieces) v[u] = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = j0 + 32 * u, m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-        if (j < pieces) *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs16(v[u]);
+    // by cp.async, every piece in flight at once; S16 reorders them in place below (staging through registers, as
+    // loads then stores, made 8 rows slower: GPTQ q/k/v M=8 19.4 -> 21.0 us)
+    for (int j = lane; j < M * (kwl >> 3); j += 32) {
+      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+      cp_async16(xs + m * xs_stride + k, x + m * K + k);
+    }
+    if constexpr (S16) {
+      cp_async_wait_all();                                    // a lane reorders only the pieces it copied
+      for (int j = lane; j < M * (kwl >> 3); j += 32) {
+        const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+        uint4* p = reinterpret_cast<uint4*>(xs + m * xs_stride + k);
+        *p = stage_pairs16(*p);
       }
     }
   } else if (ACT && perm == nullptr && aligned) {
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(32 * KW)
       __half* op = reinterpret_cast<__half*>(&o);
 #pragma unroll
       for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
-      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs16(o);
+      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = S16 ? stage_pairs16(o) : o;
     }
   } else if (sgather && perm != nullptr && aligned) {
     // Act-order, shared-memory gather: the block copies x's rows whole (16-byte pieces; with ACT gate's, then
@@ -236,8 +239,9 @@ __global__ void __launch_bounds__(32 * KW)
           unsigned short h = xru[m * K + src[i]];
           if constexpr (ACT)
             h = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h), __ushort_as_half(xru[(M + m) * K + src[i]])));
-          const int k = k0 + 32 * i;                          // k & 7 == lane & 7: the pair slot is per lane
-          xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h);
+          const int k = k0 + 32 * i;
+          if constexpr (S16) xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h);
+          else xsu[m * xs_stride + k] = h;
         }
       }
     }
@@ -263,7 +267,9 @@ __global__ void __launch_bounds__(32 * KW)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int k = k0 + 32 * i;
-          if (src[i] >= 0) xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h[i]);
+          if (src[i] < 0) continue;
+          if constexpr (S16) xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h[i]);
+          else xsu[m * xs_stride + k] = h[i];
         }
       }
     }
@@ -296,7 +302,7 @@ __global__ void __launch_bounds__(32 * KW)
   };
 
   auto flush = [&]() {
-    if constexpr (XG) {
+    if constexpr (!S16) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         xg[nt][0] = dx[nt][0];
@@ -332,10 +338,11 @@ __global__ void __launch_bounds__(32 * KW)
       }
     }
     uint32_t b[NT][4];
-    if constexpr (XG) {
+    if constexpr (!S16) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        b_pairs(xv[nt], b[nt]);
+        if constexpr (XG) b_pairs(xv[nt], b[nt]);
+        else b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b[nt]);
         mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
         mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
       }
@@ -346,8 +353,8 @@ __global__ void __launch_bounds__(32 * KW)
       mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][0], b[0][1]);
       mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][2], b[0][3]);
     }
-    if constexpr (U4) chunk_mma_b<4, NT, !XG>(r, b, t, d);
-    else chunk_mma_b<0, NT, !XG>(r, b, t, d, e[0]);
+    if constexpr (U4) chunk_mma_b<4, NT, S16>(r, b, t, d);
+    else chunk_mma_b<0, NT, false>(r, b, t, d, e[0]);
   };
   // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.  Uniform 4-bit: the words of
   // chunk c + R by a pointer that walks 4 rows a chunk -- from `base` per chunk, ptxas re-read the Mat's fields

@@ -215,41 +215,18 @@ __device__ __forceinline__ void a_frags_any(int bits, const Raw& r, int t, uint3
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
-// "Pairs 1 and 3 by 16" (qgemm_kslice's staged x): A's pairs 1 and 3 are fp16 1024 + 16 q instead of 1024 + q and
-// the staged x of those pairs is divided by 16, so x * A keeps q * x and its offset becomes 1024 * (x / 16).  For
-// 4-bit words, pair 1 is then mask 0x00F000F0 of the word itself and pair 3 of the word >> 8: one shift a word
-// instead of three (the other widths pay one HFMA2 for each such pair).  x / 16 is exact but for fp16 subnormals.
-template <int BITS>
-__device__ __forceinline__ void a_frags16(const Raw& r, int t, uint32_t (&a)[4][4]) {
-  if constexpr (BITS == 4) {
+// "Pairs 1 and 3 by 16" (qgemm_kslice's staged rows of uniform 4-bit weights): A's pairs 1 and 3 are fp16 1024 + 16 q
+// instead of 1024 + q and the staged x of those pairs is divided by 16, so x * A keeps q * x and its offset becomes
+// 1024 * (x / 16).  Pair 1 is then mask 0x00F000F0 of the word itself and pair 3 of the word >> 8: one shift a word
+// instead of three.  x / 16 is exact but for fp16 subnormals.
+__device__ __forceinline__ void a_frags16(const Raw& r, uint32_t (&a)[4][4]) {
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const uint32_t w = comp(r.lo, v), w8 = w >> 8;
-      a[v][0] = and_or<0x000F000Fu, 0x64006400u>(w);
-      a[v][1] = and_or<0x00F000F0u, 0x64006400u>(w);
-      a[v][2] = and_or<0x000F000Fu, 0x64006400u>(w8);
-      a[v][3] = and_or<0x00F000F0u, 0x64006400u>(w8);
-    }
-  } else {
-    a_frags<BITS>(r, t, a);
-    const __half2 k16 = __float2half2_rn(16.f), km15360 = __float2half2_rn(-15360.f);
-#pragma unroll
-    for (int v = 0; v < 4; ++v)                     // (1024 + q) * 16 - 15360 = 1024 + 16 q, exact (q < 256)
-#pragma unroll
-      for (int p = 1; p < 4; p += 2) a[v][p] = h2u(__hfma2(u2h(a[v][p]), k16, km15360));
-  }
-}
-
-__device__ __forceinline__ void a_frags16_any(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
-  if (bits == 4) {
-    a_frags16<4>(r, t, a);
-  } else {
-    a_frags_rt(bits, r, t, a);
-    const __half2 k16 = __float2half2_rn(16.f), km15360 = __float2half2_rn(-15360.f);
-#pragma unroll
-    for (int v = 0; v < 4; ++v)
-#pragma unroll
-      for (int p = 1; p < 4; p += 2) a[v][p] = h2u(__hfma2(u2h(a[v][p]), k16, km15360));
+  for (int v = 0; v < 4; ++v) {
+    const uint32_t w = comp(r.lo, v), w8 = w >> 8;
+    a[v][0] = and_or<0x000F000Fu, 0x64006400u>(w);
+    a[v][1] = and_or<0x00F000F0u, 0x64006400u>(w);
+    a[v][2] = and_or<0x000F000Fu, 0x64006400u>(w8);
+    a[v][3] = and_or<0x00F000F0u, 0x64006400u>(w8);
   }
 }
 
