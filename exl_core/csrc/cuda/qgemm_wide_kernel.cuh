@@ -140,21 +140,6 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       if (m < M && k < L) cp_async16(dst + m * kStageW + k, xsrc + m * K + s * kRing * 32 + k);
     }
   };
-  // Once stage s has landed, each thread puts the pieces it copied into the B-pair order (pair_order) before the
-  // barrier that publishes the stage: a lane's B words are then one shared load, without b_pairs' 4 PRMT per n-tile
-  // and chunk (16 of the loop's ~96 instructions a chunk at 32 rows; SASS).  Rows M.. are zeros either way.
-  auto reorder = [&](int s) {
-    __half* dst = xs + (s % kStages) * kRows * kStageW;
-    const int L = min(kRing, nc - s * kRing) * 32;
-#pragma unroll
-    for (int i0 = 0; i0 < kPieces; i0 += kThreads) {
-      const int i = i0 + threadIdx.x, m = i / (kRing * 4), k = 8 * (i % (kRing * 4));
-      if (m < M && k < L) {
-        uint4* p = reinterpret_cast<uint4*>(dst + m * kStageW + k);
-        *p = pair_order(*p);
-      }
-    }
-  };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < nst) issue(s);
@@ -191,10 +176,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     }
     uint32_t b[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint4 v = *reinterpret_cast<const uint4*>(xb + nt * 8 * kStageW + i * 32);   // in pair order (reorder)
-      b[nt][0] = v.x, b[nt][1] = v.y, b[nt][2] = v.z, b[nt][3] = v.w;
-    }
+    for (int nt = 0; nt < NT; ++nt) b_pairs(*reinterpret_cast<const uint4*>(xb + nt * 8 * kStageW + i * 32), b[nt]);
     uint32_t a[4][4];
     if constexpr (U4) {
       scaled_a<4>(ring[i], t, sh, zs, a);
@@ -208,9 +190,8 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   };
 
   for (int s = 0; s < nst; ++s) {
-    cp_async_wait<kStages - 2>();                                       // this thread's copies of stage s landed
-    reorder(s);
-    __syncthreads();                                                    // stage s in pair order; stage s-1 is free
+    cp_async_wait<kStages - 2>();
+    __syncthreads();                                                    // stage s landed; stage s-1 is free
     if (s + kStages - 1 < nst) issue(s + kStages - 1);
     cp_async_commit();
     const __half* xb = xs + (s % kStages) * kRows * kStageW + g * kStageW + 8 * t;

@@ -230,6 +230,17 @@ __device__ __forceinline__ void a_frags16(const Raw& r, uint32_t (&a)[4][4]) {
   }
 }
 
+// 8 staged values x0..x7 (one 16-byte piece of a row) in the order the lane's B words are read, pair p = (x_p,
+// x_p+4), pairs 1 and 3 divided by 16 (a_frags16); pairs16_slot: where value j of the piece lands (halves).
+__device__ __forceinline__ uint4 stage_pairs16(const uint4& v) {
+  const __half2 k16th = __float2half2_rn(0.0625f);
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), h2u(__hmul2(u2h(__byte_perm(v.x, v.z, 0x7632)), k16th)),
+                    __byte_perm(v.y, v.w, 0x5410), h2u(__hmul2(u2h(__byte_perm(v.y, v.w, 0x7632)), k16th)));
+}
+__device__ __forceinline__ int pairs16_slot(int j) { return 2 * (j & 3) + (j >> 2); }
+__device__ __forceinline__ unsigned short pairs16_value(int j, unsigned short h) {
+  return (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
+}
 
 // The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
 // (BITS 0: the width `bits` at run time.)
@@ -407,24 +418,6 @@ __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
   b[1] = __byte_perm(v.x, v.z, 0x7632);
   b[2] = __byte_perm(v.y, v.w, 0x5410);
   b[3] = __byte_perm(v.y, v.w, 0x7632);
-}
-
-// A 16-byte piece x0..x7 of a staged row put into b_pairs' order in place, so the loop's B words are one shared load.
-__device__ __forceinline__ uint4 pair_order(const uint4& v) {
-  uint32_t b[4];
-  b_pairs(v, b);
-  return make_uint4(b[0], b[1], b[2], b[3]);
-}
-
-// pair_order with pairs 1 and 3 divided by 16 (a_frags16); pairs16_slot: where value j of the piece lands (halves).
-__device__ __forceinline__ uint4 stage_pairs16(const uint4& v) {
-  const __half2 k16th = __float2half2_rn(0.0625f);
-  const uint4 o = pair_order(v);
-  return make_uint4(o.x, h2u(__hmul2(u2h(o.y), k16th)), o.z, h2u(__hmul2(u2h(o.w), k16th)));
-}
-__device__ __forceinline__ int pairs16_slot(int j) { return 2 * (j & 3) + (j >> 2); }
-__device__ __forceinline__ unsigned short pairs16_value(int j, unsigned short h) {
-  return (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
