@@ -13,7 +13,8 @@ same 7B-shaped weights in CUDA graphs; "gemv_sweep" of a full run, bench/results
                        once per block, weights scaled in fp16 before the mma (`exl_core::qgemm_wide`,
                        `qgemm_wide_multi`); EXL_CORE_WIDE=0 turns it off (A/B)
   fp16 x, M <= KSLICE_MAX_ROWS (uniform 4-bit; 1 or 17+ rows for mixed widths), N % 4 == 0, 16-byte aligned
-  buffers, shared memory permitting, up to 8 rows at most ~3 column tiles of 32 per SM (not gate/up):
+  buffers, shared memory permitting, up to 8 rows at most ~3 column tiles of 32 per SM (not gate/up), but
+  uniform 4-bit gate/up at one row:
                        decode kernel, 32 columns x K slices per block, one launch
                        (`exl_core::qgemm_kslice`, `qgemm_kslice_multi`); EXL_CORE_KSLICE=0 turns it off (A/B)
   fp16 x, M <= SKINNY_MAX_ROWS, N % 4 == 0, 16-byte aligned buffers, K within the kernel's limit:
@@ -26,9 +27,12 @@ same 7B-shaped weights in CUDA graphs; "gemv_sweep" of a full run, bench/results
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):
                        fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`), deterministic
   otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
-qgemm_kslice vs qgemm_skinny (us, M=1, bench/cuda_probe.py kslice, 16 distinct weights per CUDA graph, H200):
-GPTQ 4096x4096 6.9 vs 8.8, q/k/v 3x4096 17.5 vs 19.7, 11008x4096 14.1 vs 18.6, gate/up 2x11008 29.0 vs 27.4
-(skinny kept); EXL2 9.7 vs 13.3, 26.2 vs 26.4, 21.6 vs 26.3, 42.8 vs 37.0 (skinny kept).
+qgemm_kslice vs qgemm_skinny (us, M=1, bench/cuda_probe.py kslice, 16 distinct weights per CUDA graph, H200;
+bench/results/cuda_kslice_h200_run_b5b4aff.json): GPTQ 4096x4096 5.6 vs 8.1, q/k/v 3x4096 10.9 vs 17.8, 11008x4096
+12.1 vs 16.9, gate/up 2x11008 19.7 vs 24.2 (at 8 rows 31.4 vs 26.8: skinny there); EXL2 (the earlier sweep,
+bench/results/cuda_kslice_h200.json: b5b4aff's mixed-width staging was reverted) 8.1 vs 12.7, 22.2 vs 26.2, 18.6 vs
+26.5, gate/up 37.6 vs 36.7 (skinny kept). (GPTQ before the one-LOP3 extraction, the walking refill and ring 4:
+6.9 / 17.5 / 14.1 / 29.0 vs skinny 8.8 / 19.7 / 18.6 / 27.4.)
 qgemm_kslice above 8 rows (x from global memory) against the paths those rows had (same run, us, GPTQ
 4096x4096 / q/k/v / gate/up / 11008x4096): M=16 kslice 9.3/18.9/34.4/21.7 vs skinny 11.2/27.6/44.2/21.9;
 M=32 kslice 12.9/38.4/66.0/30.2 vs qgemm_mma 20.6/57.3/108.6/46.1 (bench/results/cuda_kslice_h200.json).

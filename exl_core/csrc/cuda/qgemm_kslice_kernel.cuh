@@ -22,6 +22,10 @@
 //              columns x 8 k, fp16 1024 + q by one LOP3 per pair), x is B; lane t's B pairs are its own
 //              8 values of x (one 16-byte shared load, 4 PRMT), and a second mma with A = 1 sums x over
 //              the chunk in fp32 for the zero term: acc += s * (x.(1024 + q) - (1024 + z) * sum(x)).
+//              Uniform 4-bit staged rows (S16): x staged in the B-pair order with pairs 1 and 3 divided by
+//              16, A's pairs 1 and 3 taken in place as 1024 + 16 q (a_frags16): one shift a word, no PRMT;
+//              the sum mma keeps the two pair sums apart (flush_group16).  SASS of the k8 ring-4 instance:
+//              ~43 instructions a chunk (~90 before the changes of stop 23, csrc/cuda/NOTES.md).
 // Measured and not kept (H200, bench/cuda_probe.py kslice; csrc/cuda/NOTES.md): the weight ring in
 // shared memory by cp.async (waited by group count) instead of registers: 4096x4096 8.1 vs 6.8 us;
 // persistent blocks walking several tiles with the ring running across tiles: gate/up 30.9 vs 29.1 us,
