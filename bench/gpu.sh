@@ -37,25 +37,21 @@ PHASES=${PHASES:-build tests bench spec gen}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
-# PROBE_AB=1: the wide and gemv probes are also built with -DEXL_MMA_DEQUANT_V0 (qmma_device.cuh's previous 4-bit
-# extraction) and run right after, on the same machine; their JSON rows carry "build": "v0" / "head".
-probe_ab() {          # probe_ab NAME: build bench/NAME.cu (and its v0 twin), run, log, JSON rows to $OUT/NAME_rows.jsonl
-  local name=$1 v flags
-  : >"$OUT/${name}_rows.jsonl"
-  for v in ${PROBE_AB:+v0} head; do                          # head last: ncu below runs /tmp/$name
-    flags=""; [ $v = v0 ] && flags=-DEXL_MMA_DEQUANT_V0
-    rm -f /tmp/$name.txt /tmp/$name                            # a warm machine's old output must not pass as this run's
-    nvcc -O3 -arch=sm_90 $flags -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name \
-      >/tmp/$name.txt 2>&1
-    echo "== $name ($v)" | tee -a "$LOG"
-    cat /tmp/$name.txt >>"$LOG"
-    grep -v '^JSON' /tmp/$name.txt | tail -40
-    grep '^JSON ' /tmp/$name.txt | sed "s/^JSON {/{\"build\": \"$v\", /" >>"$OUT/${name}_rows.jsonl"
-  done
+# A standalone probe: build bench/NAME.cu with plain nvcc (seconds), run it, log it, its JSON rows to
+# $OUT/NAME_rows.jsonl.  PROBE_FLAGS: extra nvcc flags (a macro a probe reads, for an A/B build of the same probe).
+probe_run() {
+  local name=$1
+  rm -f /tmp/$name.txt /tmp/$name                              # a warm machine's old output must not pass as this run's
+  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name \
+    >/tmp/$name.txt 2>&1
+  echo "== $name ${PROBE_FLAGS:-}" | tee -a "$LOG"
+  cat /tmp/$name.txt >>"$LOG"
+  grep -v '^JSON' /tmp/$name.txt | tail -40
+  grep '^JSON ' /tmp/$name.txt | sed 's/^JSON //' >"$OUT/${name}_rows.jsonl"
 }
 
 if has wide; then     # design probe for the 9..32-row decode GEMM (standalone nvcc build, seconds)
-  probe_ab wide_probe                                        # a row per variant and shape
+  probe_run wide_probe                                       # a row per variant and shape
   [ -n "${WIDE_NCU:-}" ] && timeout 120 ncu --clock-control none -k regex:wide_kernel --launch-skip 4 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wide_probe one 2>&1 \
@@ -66,7 +62,7 @@ if has wide; then     # design probe for the 9..32-row decode GEMM (standalone n
     >"$OUT/wide_sass.csv" 2>/dev/null; ls -la "$OUT/wide_sass.csv" 2>/dev/null
 fi
 if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and as a PDL chain of decode layers
-  probe_ab gemv_probe
+  probe_run gemv_probe
   if [ -n "${GEMV_NCU:-}" ]; then   # qgemm_kslice under Nsight Compute (the second layer's GPTQ q/k/v, 4-bit q/k/v through the mixed-width path, EXL2-like q/k/v; SASS CSV of the last)
     rm -f /tmp/gemv_probe_li
     nvcc -O3 -lineinfo -arch=sm_90 -o /tmp/gemv_probe_li bench/gemv_probe.cu

@@ -31,8 +31,9 @@ qgemm_kslice vs qgemm_skinny (us, M=1, bench/cuda_probe.py kslice, 16 distinct w
 bench/results/cuda_kslice_h200_run_b5b4aff.json): GPTQ 4096x4096 5.6 vs 8.1, q/k/v 3x4096 10.9 vs 17.8, 11008x4096
 12.1 vs 16.9, gate/up 2x11008 19.7 vs 24.2 (at 8 rows 31.4 vs 26.8: skinny there); EXL2 (the earlier sweep,
 bench/results/cuda_kslice_h200.json: b5b4aff's mixed-width staging was reverted) 8.1 vs 12.7, 22.2 vs 26.2, 18.6 vs
-26.5, gate/up 37.6 vs 36.7 (skinny kept). (GPTQ before the one-LOP3 extraction, the walking refill and ring 4:
-6.9 / 17.5 / 14.1 / 29.0 vs skinny 8.8 / 19.7 / 18.6 / 27.4.)
+26.5, gate/up 37.6 vs 36.7 (skinny kept). (GPTQ in that earlier sweep, before the one-LOP3 extraction, the walking
+refill and ring 4: 6.6 / 16.8 / 13.7 / 27.3 vs skinny 8.8 / 19.6 / 18.3 / 27.1.) b5b4aff's GPTQ figures were taken
+with a staging through registers that 57704d5 replaced by cp.async (not swept since).
 qgemm_kslice above 8 rows (x from global memory) against the paths those rows had (same run, us, GPTQ
 4096x4096 / q/k/v / gate/up / 11008x4096): M=16 kslice 9.3/18.9/34.4/21.7 vs skinny 11.2/27.6/44.2/21.9;
 M=32 kslice 12.9/38.4/66.0/30.2 vs qgemm_mma 20.6/57.3/108.6/46.1 (bench/results/cuda_kslice_h200.json).

@@ -207,9 +207,10 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
                        int64_t kw, int64_t ring) {
   if (rows < 1 || rows > kMaxRows || K % 32 != 0 || kw < 0 || ring < 0) return false;
   // The policy (kw 0) declines staged-x launches of more than ~3 blocks per SM: one block per tile then runs in
-  // waves and qgemm_skinny is faster (H200, bench/cuda_probe.py kslice, gate/up 2x11008: EXL2 M=1 34.1 vs 39.6 us,
-  // GPTQ M=8 26.8 vs 31.4) -- except uniform 4-bit at one row, where ring 4 and the cheaper extraction made
-  // qgemm_kslice faster (GPTQ 19.6 vs 24.2; before them 27.3 vs 27.1).
+  // waves and qgemm_skinny is faster (H200, bench/cuda_probe.py kslice, gate/up 2x11008, cuda_kslice_h200.json:
+  // GPTQ M=1 27.3 vs 27.1 us, EXL2 M=1 37.6 vs 36.7, GPTQ M=8 31.3 vs 29.7) -- except uniform 4-bit at one row, where
+  // ring 4 and the cheaper extraction made qgemm_kslice faster (cuda_kslice_h200_run_b5b4aff.json: 19.6 vs 24.2).
+  // Whether 2..8 uniform 4-bit rows should be spared too is not settled (csrc/cuda/NOTES.md, stop 23).
   if (kw == 0 && (!uniform4 || rows > 1) && rows <= kStagedRows && tiles > 3 * device_sm(static_cast<int>(device), false))
     return false;
   return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),

@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(32 * KW)
   constexpr bool XG = NT > 1;
   // Uniform 4-bit staged rows take x in the B-pair order with pairs 1 and 3 divided by 16 (stage_pairs16, a_frags16):
   // one shift a word and no PRMT in the loop.  Mixed widths keep the plain order: their other widths would pay an
-  // HFMA2 a pair for it (EXL2 M=1 q/k/v 22.2 -> 23.7 us when they took it, bench/cuda_probe.py kslice).
+  // HFMA2 a pair for it (the build that gave it to them ran EXL2 M=1 q/k/v at 23.7 us against 22.2 in an earlier
+  // sweep; csrc/cuda/NOTES.md, stop 23).
   constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
@@ -180,8 +181,8 @@ __global__ void __launch_bounds__(32 * KW)
   if constexpr (XG) {
     // nothing to stage
   } else if (perm == nullptr && aligned && !ACT) {
-    // by cp.async, every piece in flight at once; S16 reorders them in place below (staging through registers, as
-    // loads then stores, made 8 rows slower: GPTQ q/k/v M=8 19.4 -> 21.0 us)
+    // by cp.async, every piece in flight at once; S16 reorders them in place below (the build that staged through
+    // registers, loads then stores, ran GPTQ q/k/v M=8 at 21.0 us against 19.4 in an earlier sweep)
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);

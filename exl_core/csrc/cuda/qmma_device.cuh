@@ -138,11 +138,7 @@ template <int BITS>
 __device__ __forceinline__ uint32_t pair_bits(uint32_t wl, uint32_t wh, int sh, int p) {
   constexpr uint32_t mask = (1u << BITS) - 1u;
   if constexpr (BITS == 4) {
-#ifdef EXL_MMA_DEQUANT_V0   // A/B in the standalone probes only (bench/gpu.sh PROBE_AB=1): the previous code
-    return ((wl >> (4 * p)) & 0x000F000Fu) | 0x64006400u;
-#else
     return and_or<0x000F000Fu, 0x64006400u>(wl >> (4 * p));   // 8 values in one word, sh == 0
-#endif
   } else if constexpr (BITS * 8 <= 32) {                      // 2, 3 bits: 16 / 24-bit window
     const uint32_t w = __funnelshift_r(wl, wh, sh);
     return ((w >> (BITS * p)) & mask) | (((w >> (BITS * (p + 4))) & mask) << 16) | 0x64006400u;
@@ -250,11 +246,7 @@ template <int BITS>
 __device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
                                          uint32_t (&a)[4][4], int bits = BITS) {
   const __half2 k1024 = __float2half2_rn(1024.f);
-#ifdef EXL_MMA_DEQUANT_V0
-  if constexpr (false) {
-#else
   if constexpr (BITS == 4) {
-#endif
     const __half2 k16th = __float2half2_rn(0.0625f), km64 = __float2half2_rn(-64.f);
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
