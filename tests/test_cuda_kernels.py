@@ -424,8 +424,8 @@ def test_qmatmul_silu_dispatch_on_cuda_equals_two_steps(M):
 def test_qgemm_kslice_policy_and_limits():
     """The policy sends 1..32 fp16 rows of uniform 4-bit weights (1 or 17..32 rows of mixed widths, and 2..8 where
     the launch has at most one column tile per SM) to qgemm_kslice; it refuses more rows, staged-x launches of more
-    than ~3 tiles per SM (but uniform 4-bit at one row), shapes whose x does not fit shared memory and instances that do not exist, which then go
-    elsewhere."""
+    than ~3 tiles per SM (but uniform 4-bit at one row), shapes whose x does not fit shared memory and instances
+    that do not exist, which then go elsewhere."""
     _need_kernels()
     from exl_core.ops.cuda_candidates import KSLICE_MIXED_ONE_WAVE, KSLICE_ON, _kslice_ok
     pw = random_packed([(4, 4096)], 4096, perm=False).to("cuda")

@@ -226,38 +226,24 @@ __device__ __forceinline__ void a_frags16(const Raw& r, uint32_t (&a)[4][4]) {
   }
 }
 
-// 8 staged values x0..x7 (one 16-byte piece of a row) in the order the lane's B words are read, pair p = (x_p,
-// x_p+4), pairs 1 and 3 divided by 16 (a_frags16); pairs16_slot: where value j of the piece lands (halves).
-__device__ __forceinline__ uint4 stage_pairs16(const uint4& v) {
-  const __half2 k16th = __float2half2_rn(0.0625f);
-  return make_uint4(__byte_perm(v.x, v.z, 0x5410), h2u(__hmul2(u2h(__byte_perm(v.x, v.z, 0x7632)), k16th)),
-                    __byte_perm(v.y, v.w, 0x5410), h2u(__hmul2(u2h(__byte_perm(v.y, v.w, 0x7632)), k16th)));
-}
-__device__ __forceinline__ int pairs16_slot(int j) { return 2 * (j & 3) + (j >> 2); }
-__device__ __forceinline__ unsigned short pairs16_value(int j, unsigned short h) {
-  return (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
-}
-
 // The lane's scaled A fragments of one chunk: a[v][p] = (q - z) * s of pair p of column 4g+v, in fp16.
 // (BITS 0: the width `bits` at run time.)
-// 4-bit words: pairs 1 and 3 are taken in place (mask 0x00F000F0: fp16 1024 + 16 q, exact) and made q by one HFMA2
-// (x / 16 - 64, exact), so a word costs one shift instead of three; the result is the same bits as the shifts'.
+// 4-bit words: a_frags16's pairs (1 and 3 as fp16 1024 + 16 q, exact), made q by one HSUB2 / one HFMA2 (x / 16 - 64,
+// exact), so a word costs one shift instead of three; the result is the same bits as the shifts'.
 template <int BITS>
 __device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh)[4], const __half2 (&zs)[4],
                                          uint32_t (&a)[4][4], int bits = BITS) {
   const __half2 k1024 = __float2half2_rn(1024.f);
   if constexpr (BITS == 4) {
     const __half2 k16th = __float2half2_rn(0.0625f), km64 = __float2half2_rn(-64.f);
+    a_frags16(r, a);
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const uint32_t w = comp(r.lo, v), w8 = w >> 8;
-      const __half2 q[4] = {__hsub2(u2h(and_or<0x000F000Fu, 0x64006400u>(w)), k1024),
-                            __hfma2(u2h(and_or<0x00F000F0u, 0x64006400u>(w)), k16th, km64),
-                            __hsub2(u2h(and_or<0x000F000Fu, 0x64006400u>(w8)), k1024),
-                            __hfma2(u2h(and_or<0x00F000F0u, 0x64006400u>(w8)), k16th, km64)};
+    for (int v = 0; v < 4; ++v)
 #pragma unroll
-      for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(q[p], sh[v], zs[v]));
-    }
+      for (int p = 0; p < 4; ++p) {
+        const __half2 q = (p & 1) ? __hfma2(u2h(a[v][p]), k16th, km64) : __hsub2(u2h(a[v][p]), k1024);
+        a[v][p] = h2u(__hfma2(q, sh[v], zs[v]));
+      }
     return;
   }
   if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
@@ -410,6 +396,20 @@ __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
   b[1] = __byte_perm(v.x, v.z, 0x7632);
   b[2] = __byte_perm(v.y, v.w, 0x5410);
   b[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+
+// 8 staged values x0..x7 (one 16-byte piece of a row) in b_pairs' order with pairs 1 and 3 divided by 16
+// (a_frags16), stored so the loop reads a lane's B words with one shared load; pairs16_slot / pairs16_value: where
+// value j of the piece lands (halves) and what is stored there.
+__device__ __forceinline__ uint4 stage_pairs16(const uint4& v) {
+  const __half2 k16th = __float2half2_rn(0.0625f);
+  uint32_t b[4];
+  b_pairs(v, b);
+  return make_uint4(b[0], h2u(__hmul2(u2h(b[1]), k16th)), b[2], h2u(__hmul2(u2h(b[3]), k16th)));
+}
+__device__ __forceinline__ int pairs16_slot(int j) { return 2 * (j & 3) + (j >> 2); }
+__device__ __forceinline__ unsigned short pairs16_value(int j, unsigned short h) {
+  return (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
