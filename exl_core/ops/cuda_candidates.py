@@ -72,6 +72,8 @@ KSLICE_MIXED_ONE_WAVE = True  # and 2..8 staged rows where the launch has at mos
                              # step 1.0378x-1.0452x faster (bench/decode_knockout.py, same process, four calls); q/k/v
                              # (384 tiles) ties with skinny (32.2-32.6 vs 32.0) and stays there; not for the SwiGLU-fused
                              # down projection (qgemm_kslice_silu at 2..5 rows of K 11008: not measured)
+KSLICE_MIXED_WAVES = os.environ.get("EXL_CORE_KSLICE_MIXED_SKINNY", "1") == "0"   # A/B: mixed widths at 2..8 rows
+                             # on qgemm_kslice whatever the tile count (its C++ policy reads the same variable)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
@@ -185,7 +187,8 @@ def _kslice_ok(rows: int, pws, device, one_wave: bool = True) -> bool:
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
     rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1] or
                                                 (one_wave and KSLICE_MIXED_ONE_WAVE and rows <= KSLICE_STAGED_ROWS and
-                                                 tiles <= _sm_count(device)))
+                                                 tiles <= _sm_count(device)) or
+                                                (KSLICE_MIXED_WAVES and rows <= KSLICE_STAGED_ROWS))
     if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and
             _has_cuda_kernel("qgemm_kslice")):
         return False

@@ -39,6 +39,13 @@ bool u4_one_row_only() {
   return on;
 }
 
+// EXL_CORE_KSLICE_MIXED_SKINNY=0: mixed-width staged launches of more than ~3 tiles per SM (EXL2 gate/up at 1..8 rows)
+// take qgemm_kslice too (A/B runs: bench/gpu.sh phase mixks; the Python policy reads the same variable).
+bool mixed_waves_to_skinny() {
+  static const bool on = exl_pdl::env_on("EXL_CORE_KSLICE_MIXED_SKINNY");
+  return on;
+}
+
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
@@ -217,8 +224,9 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
   // waves and qgemm_skinny is faster (H200, bench/cuda_probe.py kslice, gate/up 2x11008, cuda_kslice_h200.json:
   // GPTQ M=1 27.3 vs 27.1 us, EXL2 M=1 37.6 vs 36.7, GPTQ M=8 31.3 vs 29.7) -- except uniform 4-bit at one row, where
   // ring 4 and the cheaper extraction made qgemm_kslice faster (cuda_kslice_h200_run_b5b4aff.json: 19.6 vs 24.2).
-  // Whether 2..8 uniform 4-bit rows should be spared too is not settled (csrc/cuda/NOTES.md, stop 23).
-  if (kw == 0 && (!uniform4 || (rows > 1 && u4_one_row_only())) && rows <= kStagedRows &&
+  // 2..8 uniform 4-bit rows stay refused: sparing them (EXL_CORE_KSLICE_U4_ONE_ROW=0) ran GPTQ batch-8 decode at
+  // 2,459.4 tok/s against 2,574.8 (bench/results/gpu_h200_u4rows.json, same call).
+  if (kw == 0 && (uniform4 ? rows > 1 && u4_one_row_only() : mixed_waves_to_skinny()) && rows <= kStagedRows &&
       tiles > 3 * device_sm(static_cast<int>(device), false))
     return false;
   return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),

@@ -20,12 +20,13 @@
 //              kernel's code must fit the instruction cache (see a_frags_rt).
 //   mma        as in qgemm_skinny: weights are the A operand of m16n8k16 (a lane's 16-byte load = 4
 //              columns x 8 k, fp16 1024 + q by one LOP3 per pair), x is B; lane t's B pairs are its own
-//              8 values of x (one 16-byte shared load, 4 PRMT), and a second mma with A = 1 sums x over
-//              the chunk in fp32 for the zero term: acc += s * (x.(1024 + q) - (1024 + z) * sum(x)).
-//              Uniform 4-bit staged rows (S16): x staged in the B-pair order with pairs 1 and 3 divided by
-//              16, A's pairs 1 and 3 taken in place as 1024 + 16 q (a_frags16): one shift a word, no PRMT;
-//              the sum mma keeps the two pair sums apart (flush_group16).  SASS of the k8 ring-4 instance:
-//              ~43 instructions a chunk (~90 before the changes of stop 23, csrc/cuda/NOTES.md).
+//              8 values of x (staged rows: stored in the pair order, one 16-byte shared load; 9..32 rows:
+//              one 16-byte global load, 4 PRMT), and a second mma with A = 1 sums x over the chunk in fp32
+//              for the zero term: acc += s * (x.(1024 + q) - (1024 + z) * sum(x)).
+//              Uniform 4-bit staged rows (S16): pairs 1 and 3 of x staged divided by 16, A's pairs 1 and 3
+//              taken in place as 1024 + 16 q (a_frags16): one shift a word; the sum mma keeps the two pair
+//              sums apart (flush_group16).  SASS of the k8 ring-4 instance: ~43 instructions a chunk (~90
+//              before the changes of stop 23, csrc/cuda/NOTES.md).
 // Measured and not kept (H200, bench/cuda_probe.py kslice; csrc/cuda/NOTES.md): the weight ring in
 // shared memory by cp.async (waited by group count) instead of registers: 4096x4096 8.1 vs 6.8 us;
 // persistent blocks walking several tiles with the ring running across tiles: gate/up 30.9 vs 29.1 us,
@@ -71,7 +72,7 @@ __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { r
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.
 // (BITS 0: the width `bits` at run time, a_frags_any.)
-// S16 (4-bit only): x staged by stage_pairs16, so A's pairs 1 and 3 are 1024 + 16 q (a_frags16).
+// S16 (4-bit only): x staged by stage_pairs<true>, so A's pairs 1 and 3 are 1024 + 16 q (a_frags16).
 template <int BITS, int NT, bool S16>
 __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4],
                                             int bits = BITS) {
@@ -83,7 +84,7 @@ __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT
   mma_chunk<NT>(a, b, d);
 }
 
-// flush_group for staged x (one n-tile, stage_pairs16): dx[0..1] holds the sums of pairs 0 and 2 (e) and dx[2..3] of
+// flush_group for staged x (one n-tile, stage_pairs<true>): dx[0..1] holds the sums of pairs 0 and 2 (e) and dx[2..3] of
 // pairs 1 and 3 as staged (o, x / 16) for x rows 2t, 2t+1, so x . q = d - 1024 (e + o) and sum(x) = e + 16 o.
 __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4, float (&dx)[1][4],
                                               float (&d)[2][1][4], float (&acc)[2][1][4]) {
@@ -113,10 +114,10 @@ __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
   constexpr bool XG = NT > 1;
-  // Uniform 4-bit staged rows take x in the B-pair order with pairs 1 and 3 divided by 16 (stage_pairs16, a_frags16):
-  // one shift a word and no PRMT in the loop.  Mixed widths keep the plain order: their other widths would pay an
-  // HFMA2 a pair for it (the build that gave it to them ran EXL2 M=1 q/k/v at 23.7 us against 22.2 in an earlier
-  // sweep; csrc/cuda/NOTES.md, stop 23).
+  // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
+  // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
+  // not: their other widths would pay an HFMA2 a pair for it (the build that gave it to them ran EXL2 M=1 q/k/v at
+  // 23.7 us against 22.2 in an earlier sweep; csrc/cuda/NOTES.md, stop 23).
   constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(32 * KW)
   const int64_t col = tile * kTile + 4 * g;                  // this lane's 4 columns
   // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
   const int64_t lcol = col < N ? col : N - 4;
-  const int32_t* base = mat.qw.at(0, lcol);
+  const int32_t* base = opaque_ptr(mat.qw.at(0, lcol));
   const int64_t ldq = mat.qw.ldq;
   const int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
   const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
@@ -181,19 +182,17 @@ __global__ void __launch_bounds__(32 * KW)
   if constexpr (XG) {
     // nothing to stage
   } else if (perm == nullptr && aligned && !ACT) {
-    // by cp.async, every piece in flight at once; S16 reorders them in place below (the build that staged through
+    // by cp.async, every piece in flight at once, then reordered in place (the build that staged through
     // registers, loads then stores, ran GPTQ q/k/v M=8 at 21.0 us against 19.4 in an earlier sweep)
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);
     }
-    if constexpr (S16) {
-      cp_async_wait_all();                                    // a lane reorders only the pieces it copied
-      for (int j = lane; j < M * (kwl >> 3); j += 32) {
-        const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-        uint4* p = reinterpret_cast<uint4*>(xs + m * xs_stride + k);
-        *p = stage_pairs16(*p);
-      }
+    cp_async_wait_all();                                      // a lane reorders only the pieces it copied
+    for (int j = lane; j < M * (kwl >> 3); j += 32) {
+      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+      uint4* p = reinterpret_cast<uint4*>(xs + m * xs_stride + k);
+      *p = stage_pairs<S16>(*p);
     }
   } else if (ACT && perm == nullptr && aligned) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(32 * KW)
       __half* op = reinterpret_cast<__half*>(&o);
 #pragma unroll
       for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
-      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = S16 ? stage_pairs16(o) : o;
+      *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs<S16>(o);
     }
   } else if (sgather && perm != nullptr && aligned) {
     // Act-order, shared-memory gather: the block copies x's rows whole (16-byte pieces; with ACT gate's, then
@@ -245,8 +244,7 @@ __global__ void __launch_bounds__(32 * KW)
           if constexpr (ACT)
             h = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h), __ushort_as_half(xru[(M + m) * K + src[i]])));
           const int k = k0 + 32 * i;
-          if constexpr (S16) xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h);
-          else xsu[m * xs_stride + k] = h;
+          xsu[m * xs_stride + (k & ~7) + pairs_slot(k & 7)] = pairs_value<S16>(k & 7, h);
         }
       }
     }
@@ -273,8 +271,7 @@ __global__ void __launch_bounds__(32 * KW)
         for (int i = 0; i < 8; ++i) {
           const int k = k0 + 32 * i;
           if (src[i] < 0) continue;
-          if constexpr (S16) xsu[m * xs_stride + (k & ~7) + pairs16_slot(k & 7)] = pairs16_value(k & 7, h[i]);
-          else xsu[m * xs_stride + k] = h[i];
+          xsu[m * xs_stride + (k & ~7) + pairs_slot(k & 7)] = pairs_value<S16>(k & 7, h[i]);
         }
       }
     }
@@ -296,14 +293,26 @@ __global__ void __launch_bounds__(32 * KW)
   // x from global memory: lane (g, t) of n-tile nt reads row 8 nt + g, values 8t..8t+7 of each chunk.  Rows past M
   // read row M - 1 instead: an mma's output row n depends on x row n only, and rows past M are never stored, so
   // no zero fill and no per-load check (which cost ~16 instructions a chunk at 4 n-tiles).
+  // xt[nt]: the lane's 8 values of chunk `cturn` (the first chunk of the ring turn in progress) in row 8 nt + g,
+  // advanced once a turn, so a load is xt + an immediate.  The pointers pass through opaque_ptr: from the
+  // expression ptxas re-derived the clamped rows and the 64-bit addresses before every load (~40 of ~135
+  // instructions a chunk in the k8 ring-8 4-n-tile instance's SASS).
   const __half* xbase = XG && mat.x != nullptr ? mat.x : x;
-  const __half* xp[NT];
+  const __half* xt[NT];
+  if constexpr (XG) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xp[nt] = xbase + min(8 * nt + g, M - 1) * K + 8 * t;
+    for (int nt = 0; nt < NT; ++nt) xt[nt] = opaque_ptr(xbase + (min(8 * nt + g, M - 1) * K + 8 * t + c0 * 32));
+  }
   uint4 xr[XR][NT];
-  auto load_x = [&](uint4 (&v)[NT], int c) {
+  auto load_x = [&](uint4 (&v)[NT], int off) {               // chunk cturn + off
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) v[nt] = __ldg(reinterpret_cast<const uint4*>(xp[nt] + c * 32));
+    for (int nt = 0; nt < NT; ++nt) v[nt] = __ldg(reinterpret_cast<const uint4*>(xt[nt] + off * 32));
+  };
+  auto next_turn = [&]() {
+    if constexpr (XG) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xt[nt] += R * 32;
+    }
   };
 
   auto flush = [&]() {
@@ -343,20 +352,20 @@ __global__ void __launch_bounds__(32 * KW)
       }
     }
     uint32_t b[NT][4];
-    if constexpr (!S16) {
+    if constexpr (XG) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        if constexpr (XG) b_pairs(xv[nt], b[nt]);
-        else b_pairs(*reinterpret_cast<const uint4*>(xrow + c * 32), b[nt]);
+        b_pairs(xv[nt], b[nt]);
         mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][0], b[nt][1]);
         mma16816(dx[nt], kOnes, kOnes, kOnes, kOnes, b[nt][2], b[nt][3]);
       }
     } else {                                                  // staged in the pair order: the words are B
       const uint4 v = *reinterpret_cast<const uint4*>(xrow + c * 32);
       b[0][0] = v.x, b[0][1] = v.y, b[0][2] = v.z, b[0][3] = v.w;
-      // A rows g (k slots 0..7: pairs 0, 2) and g + 8 (slots 8..15: pairs 1, 3) sum those pairs apart
-      mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][0], b[0][1]);
-      mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][2], b[0][3]);
+      // S16: A rows g (k slots 0..7: pairs 0, 2) and g + 8 (slots 8..15: pairs 1, 3) sum those pairs apart
+      constexpr uint32_t kA12 = S16 ? kZero : kOnes;
+      mma16816(dx[0], kOnes, kA12, kA12, kOnes, b[0][0], b[0][1]);
+      mma16816(dx[0], kOnes, kA12, kA12, kOnes, b[0][2], b[0][3]);
     }
     if constexpr (U4) chunk_mma_b<4, NT, S16>(r, b, t, d);
     else chunk_mma_b<0, NT, false>(r, b, t, d, e[0]);
@@ -367,7 +376,7 @@ __global__ void __launch_bounds__(32 * KW)
   // ahead of every refill load (SASS of the k8 ring-4 instance).
   const int32_t* wnext = base + static_cast<int64_t>(4 * (c0 + R) + t) * ldq;
   const int64_t wstep = 4 * ldq;
-  auto refill = [&](int i, int c) {
+  auto refill = [&](int i, int c) {                           // c = cturn + i
     if constexpr (U4) {
       if (c + R < c1) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
       wnext += wstep;
@@ -375,12 +384,12 @@ __global__ void __launch_bounds__(32 * KW)
       load_words<false>(ring[i], tab + 3 * (c + R), c + R, base, ldq, t);
     }
     if constexpr (XG)
-      if (c + XR < c1) load_x(xr[i % XR], c + XR);
+      if (c + XR < c1) load_x(xr[i % XR], i + XR);
   };
   if constexpr (XG) {
 #pragma unroll
     for (int i = 0; i < XR; ++i)
-      if (c0 + i < c1) load_x(xr[i], c0 + i);
+      if (c0 + i < c1) load_x(xr[i], i);
   }
 
   int c = c0;
@@ -390,6 +399,7 @@ __global__ void __launch_bounds__(32 * KW)
       step(ring[i], xr[i % XR], c + i);
       refill(i, c + i);
     }
+    next_turn();
   }
 #pragma unroll
   for (int i = 0; i < R; ++i)                                 // the last partial turn

@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   const int64_t col = tile * kTileN + nw * 32 + 4 * g;        // this lane's 4 columns
   // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns and are not stored.
   const int64_t lcol = col < N ? col : N - 4;
-  const int32_t* base = mat.qw.at(0, lcol);
+  const int32_t* base = opaque_ptr(mat.qw.at(0, lcol));   // kept in registers, not re-derived per load
   const int64_t ldq = mat.qw.ldq;
   const int c_begin = blockIdx.y * cpb, c_end = min(n_chunks, c_begin + cpb);
   const int per = (c_end - c_begin + kKWarps - 1) / kKWarps;

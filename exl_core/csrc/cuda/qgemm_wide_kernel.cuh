@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   const int64_t col = tile * kTile + warp * 32 + 4 * g;      // this lane's 4 columns
   // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
   const int64_t lcol = col < N ? col : N - 4;
-  const int32_t* base = mat.qw.at(0, lcol);
+  const int32_t* base = opaque_ptr(mat.qw.at(0, lcol));   // kept in registers, not re-derived per load
   const int64_t ldq = mat.qw.ldq;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];

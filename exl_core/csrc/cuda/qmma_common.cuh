@@ -95,6 +95,8 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     TORCH_CHECK(q.dtype() == at::kInt && (q.dim() == 2 || (q.dim() == 3 && q.size(2) == 128)) && q.is_contiguous() &&
                     aligned16(q), op, ": qweight ", i,
                 " must be contiguous, 16-byte aligned int32 [rows, N] or column-tiled [N/128, rows, 128]");
+    TORCH_CHECK(q.numel() < (int64_t(1) << 31), op, ": qweight ", i, " has ", q.numel(),
+                " words; the decode kernels address a matrix's words with 32-bit offsets (< 2^31)");
     const bool tiled = q.dim() == 3;
     const int64_t N = tiled ? s.size(1) : q.size(1), Q = tiled ? q.size(1) : q.size(0);
     TORCH_CHECK(!tiled || q.size(0) * 128 == N, op, ": tiled qweight ", i, " has ", q.size(0), " tiles for N = ", N);

@@ -68,6 +68,14 @@ __device__ __forceinline__ void stage_x_frag(__half* xs, int xs_stride, const __
   }
 }
 
+// p itself, but opaque to the compiler: a pointer computed once stays in its registers instead of being re-derived
+// from its expression before every use (ptxas does that under register pressure, in 64-bit arithmetic).
+template <typename T>
+__device__ __forceinline__ T* opaque_ptr(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 struct Raw {        // one chunk's words for a lane's 4 columns
   int4 lo, hi;
 };
@@ -109,10 +117,13 @@ __device__ __forceinline__ void load_words(Raw& r, const int32_t* e, int c, cons
   if constexpr (U4) {
     r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(4 * c + t) * ldq));
   } else {
-    const int bits = e[0], start = 8 * t * bits;
-    const int32_t* p = base + static_cast<int64_t>(e[2] + (start >> 5)) * ldq;
-    r.lo = __ldg(reinterpret_cast<const int4*>(p));
-    r.hi = (start & 31) + 8 * bits > 32 ? __ldg(reinterpret_cast<const int4*>(p + ldq)) : make_int4(0, 0, 0, 0);
+    // 32-bit word offsets from `base` (build_mats checks every qweight has < 2^31 words): in 64 bits, with `base`
+    // re-derived from the Mat, this address was ~35 of ~100 instructions a 4-bit chunk (SASS of qgemm_kslice's
+    // mixed-width k8 ring-4 instance)
+    const int bits = e[0], start = 8 * t * bits, ld = static_cast<int>(ldq);
+    const int off = (e[2] + (start >> 5)) * ld;
+    r.lo = __ldg(reinterpret_cast<const int4*>(base + off));
+    r.hi = (start & 31) + 8 * bits > 32 ? __ldg(reinterpret_cast<const int4*>(base + (off + ld))) : make_int4(0, 0, 0, 0);
   }
 }
 
@@ -398,18 +409,21 @@ __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
   b[3] = __byte_perm(v.y, v.w, 0x7632);
 }
 
-// 8 staged values x0..x7 (one 16-byte piece of a row) in b_pairs' order with pairs 1 and 3 divided by 16
-// (a_frags16), stored so the loop reads a lane's B words with one shared load; pairs16_slot / pairs16_value: where
-// value j of the piece lands (halves) and what is stored there.
-__device__ __forceinline__ uint4 stage_pairs16(const uint4& v) {
+// 8 staged values x0..x7 (one 16-byte piece of a row) in b_pairs' order, stored so the loop reads a lane's B words
+// with one shared load; BY16: pairs 1 and 3 divided by 16 (a_frags16).  pairs_slot / pairs_value: where value j of
+// the piece lands (halves) and what is stored there.
+template <bool BY16>
+__device__ __forceinline__ uint4 stage_pairs(const uint4& v) {
   const __half2 k16th = __float2half2_rn(0.0625f);
   uint32_t b[4];
   b_pairs(v, b);
-  return make_uint4(b[0], h2u(__hmul2(u2h(b[1]), k16th)), b[2], h2u(__hmul2(u2h(b[3]), k16th)));
+  if constexpr (BY16) return make_uint4(b[0], h2u(__hmul2(u2h(b[1]), k16th)), b[2], h2u(__hmul2(u2h(b[3]), k16th)));
+  else return make_uint4(b[0], b[1], b[2], b[3]);
 }
-__device__ __forceinline__ int pairs16_slot(int j) { return 2 * (j & 3) + (j >> 2); }
-__device__ __forceinline__ unsigned short pairs16_value(int j, unsigned short h) {
-  return (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
+__device__ __forceinline__ int pairs_slot(int j) { return 2 * (j & 3) + (j >> 2); }
+template <bool BY16>
+__device__ __forceinline__ unsigned short pairs_value(int j, unsigned short h) {
+  return BY16 && (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
