@@ -72,26 +72,24 @@ __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { r
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.
 // (BITS 0: the width `bits` at run time, a_frags_any.)
-// S16: x staged by stage_pairs<true>, so A's pairs 1 and 3 are 1024 + 16 q for 4-bit words (a_frags16), 16384 + 16 q
-// for other widths (a_frags_rt<true>).
+// S16 (4-bit only): x staged by stage_pairs<true>, so A's pairs 1 and 3 are 1024 + 16 q (a_frags16).
 template <int BITS, int NT, bool S16>
 __device__ __forceinline__ void chunk_mma_b(const Raw& r, const uint32_t (&b)[NT][4], int t, float (&d)[2][NT][4],
                                             int bits = BITS) {
-  static_assert(!S16 || BITS == 4 || BITS == 0, "pairs by 16: 4-bit or mixed words");
+  static_assert(!S16 || BITS == 4, "pairs by 16: 4-bit words");
   uint32_t a[4][4];                                           // [column 4g+v][pair p]
-  if constexpr (S16 && BITS == 4) a_frags16(r, a);
+  if constexpr (S16) a_frags16(r, a);
   else if constexpr (BITS > 0) a_frags<BITS>(r, t, a);
-  else a_frags_any<S16>(bits, r, t, a);
+  else a_frags_any(bits, r, t, a);
   mma_chunk<NT>(a, b, d);
 }
 
 // flush_group for staged x (one n-tile, stage_pairs<true>): dx[0..1] holds the sums of pairs 0 and 2 (e) and dx[2..3] of
-// pairs 1 and 3 as staged (o, x / 16) for x rows 2t, 2t+1, so sum(x) = e + 16 o and x . q = d - 1024 (e + o) for
-// 4-bit groups (pairs 1 and 3 of A: 1024 + 16 q), d - 1024 (e + 16 o) for other widths (16384 + 16 q: `wide`).
+// pairs 1 and 3 as staged (o, x / 16) for x rows 2t, 2t+1, so x . q = d - 1024 (e + o) and sum(x) = e + 16 o.
 __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4, float (&dx)[1][4],
-                                              float (&d)[2][1][4], float (&acc)[2][1][4], bool wide = false) {
+                                              float (&d)[2][1][4], float (&acc)[2][1][4]) {
+  const float t1[2] = {dx[0][0] + dx[0][2], dx[0][1] + dx[0][3]};
   const float t2[2] = {fmaf(16.f, dx[0][2], dx[0][0]), fmaf(16.f, dx[0][3], dx[0][1])};
-  const float t1[2] = {wide ? t2[0] : dx[0][0] + dx[0][2], wide ? t2[1] : dx[0][1] + dx[0][3]};
 #pragma unroll
   for (int u = 0; u < 2; ++u)
 #pragma unroll
@@ -116,11 +114,11 @@ __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
   constexpr bool XG = NT > 1;
-  // Staged rows are stored in the B-pair order with pairs 1 and 3 divided by 16 (stage_pairs<true>), so a chunk's B
-  // words are one shared load, no PRMT, and 4-bit words cost one shift (a_frags16); other widths take their pairs 1
-  // and 3 as 16384 + 16 q at no cost (a_frags_rt<true>).  (Stop 23 gave mixed widths this staging with an HFMA2 a
-  // pair for their other widths and lost: EXL2 M=1 q/k/v 23.7 us against 22.2; csrc/cuda/NOTES.md.)
-  constexpr bool S16 = !XG;
+  // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
+  // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
+  // not: their other widths would pay an HFMA2 a pair for it (the build that gave it to them ran EXL2 M=1 q/k/v at
+  // 23.7 us against 22.2 in an earlier sweep; csrc/cuda/NOTES.md, stop 23).
+  constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
   const Mat& mat = block_mat(mats);
@@ -290,7 +288,6 @@ __global__ void __launch_bounds__(32 * KW)
   }
   float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), z4 = s4;
   int grp = -1;
-  bool gwide = false;                                         // the group's width is not 4 bits (S16's flush)
   const __half* xrow = xs + (g < M ? g : 0) * xs_stride + 8 * t;   // B column g = x row g (staged x)
   constexpr uint32_t kOnes = 0x3C003C00u, kZero = 0u;      // fp16 (1, 1), (0, 0)
   // x from global memory: lane (g, t) of n-tile nt reads row 8 nt + g, values 8t..8t+7 of each chunk.  Rows past M
@@ -331,7 +328,7 @@ __global__ void __launch_bounds__(32 * KW)
 #pragma unroll
         for (int i = 0; i < 4; ++i) dx[nt][i] = 0.f;
     } else {
-      flush_group16(s4, z4, dx, d, acc, !U4 && gwide);
+      flush_group16(s4, z4, dx, d, acc);
     }
   };
   // Regular groups: the group check runs at a group's first chunk only (gnext); table groups check every chunk.
@@ -344,7 +341,6 @@ __global__ void __launch_bounds__(32 * KW)
       if (ge != grp) {
         if (grp >= 0) flush();
         grp = ge;
-        if constexpr (!U4) gwide = e[0] != 4;                 // a group has one width
         const int s = ge - gA;
         if (s < slots) {
           s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
@@ -366,12 +362,13 @@ __global__ void __launch_bounds__(32 * KW)
     } else {                                                  // staged in the pair order: the words are B
       const uint4 v = *reinterpret_cast<const uint4*>(xrow + c * 32);
       b[0][0] = v.x, b[0][1] = v.y, b[0][2] = v.z, b[0][3] = v.w;
-      // A rows g (k slots 0..7: pairs 0, 2) and g + 8 (slots 8..15: pairs 1, 3) sum those pairs apart
-      mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][0], b[0][1]);
-      mma16816(dx[0], kOnes, kZero, kZero, kOnes, b[0][2], b[0][3]);
+      // S16: A rows g (k slots 0..7: pairs 0, 2) and g + 8 (slots 8..15: pairs 1, 3) sum those pairs apart
+      constexpr uint32_t kA12 = S16 ? kZero : kOnes;
+      mma16816(dx[0], kOnes, kA12, kA12, kOnes, b[0][0], b[0][1]);
+      mma16816(dx[0], kOnes, kA12, kA12, kOnes, b[0][2], b[0][3]);
     }
     if constexpr (U4) chunk_mma_b<4, NT, S16>(r, b, t, d);
-    else chunk_mma_b<0, NT, S16>(r, b, t, d, e[0]);
+    else chunk_mma_b<0, NT, false>(r, b, t, d, e[0]);
   };
   // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.  Uniform 4-bit: the words of
   // chunk c + R by a pointer that walks 4 rows a chunk -- from `base` per chunk, ptxas re-read the Mat's fields

@@ -197,9 +197,6 @@ __device__ __forceinline__ void a_frags(const Raw& r, int t, uint32_t (&a)[4][4]
 // 110-112 KB of code (58-60 KB for its 4-bit ones) and ran 4-bit words at 83.60-87.72 us a decode layer against
 // 60.78 with only a_frags<4> compiled in; a loop per width (237-242 KB) stalled under ncu 2.16 cycles a issue
 // waiting for instructions against 0.36 for the 4-bit kernel (bench/gemv_probe.cu, csrc/cuda/NOTES.md).
-// BY16: pairs 1 and 3 as fp16 16384 + 16 q (exponent 2^14, whose spacing is 16: exact for q < 1024) for x staged with
-// those pairs divided by 16 (stage_pairs<true>): the same extraction with another exponent, no extra instruction.
-template <bool BY16 = false>
 __device__ __forceinline__ void a_frags_rt(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
   const uint32_t sh = static_cast<uint32_t>(8 * t * bits) & 31u, mask = (1u << bits) - 1u, mask_hi = mask << 16;
 #pragma unroll
@@ -210,27 +207,16 @@ __device__ __forceinline__ void a_frags_rt(int bits, const Raw& r, int t, uint32
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       const uint32_t q0 = __funnelshift_rc(lo, hi, bits * p), q4 = __funnelshift_rc(lo4, hi4, bits * p);
-      a[v][p] = (q0 & mask) | ((q4 << 16) & mask_hi) | (BY16 && (p & 1) ? 0x74007400u : 0x64006400u);
+      a[v][p] = (q0 & mask) | ((q4 << 16) & mask_hi) | 0x64006400u;
     }
   }
 }
 
 // Mixed-width tables: 4-bit chunks (most of an EXL2 matrix near 4 bpw) by a_frags<4>, every other width by the one
-// runtime path, so a kernel holds two extractions instead of six.  BY16 (x staged by stage_pairs<true>): 4-bit
-// pairs 1 and 3 are 1024 + 16 q (a_frags16), other widths' 16384 + 16 q (a_frags_rt<true>).
-template <bool BY16 = false>
-__device__ __forceinline__ void a_frags_any(int bits, const Raw& r, int t, uint32_t (&a)[4][4]);
-
-__device__ __forceinline__ void a_frags16(const Raw& r, uint32_t (&a)[4][4]);
-
-template <bool BY16>
+// runtime path, so a kernel holds two extractions instead of six.
 __device__ __forceinline__ void a_frags_any(int bits, const Raw& r, int t, uint32_t (&a)[4][4]) {
-  if (bits == 4) {
-    if constexpr (BY16) a_frags16(r, a);
-    else a_frags<4>(r, t, a);
-  } else {
-    a_frags_rt<BY16>(bits, r, t, a);
-  }
+  if (bits == 4) a_frags<4>(r, t, a);
+  else a_frags_rt(bits, r, t, a);
 }
 
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
