@@ -79,6 +79,11 @@ class PackedWeight:
             raise FormatError(f"{name}: bias must be [{N}], got {tuple(self.bias.shape)}")
         return self
 
+    def portable_meta(self) -> dict:
+        """meta without the per-device caches the kernels keep there (keys starting with "_"), for a weight
+        derived from this one (other columns, another permutation)."""
+        return {k: v for k, v in self.meta.items() if not k.startswith("_")}
+
     def to(self, device) -> "PackedWeight":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedWeight(mv(self.qweight), self.groups, mv(self.scale), mv(self.zero), mv(self.perm),

@@ -38,6 +38,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("w_t", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.lora = None  # set by exl_core.model.lora: adds x·A·B·scale on the fly
+        # Where the checkpoint's order was changed at load (loader.fold_down_perms): input j of this layer is the
+        # checkpoint's input input_order[j], output j its output output_order[j]; int64 CPU tensors or None.
+        # LoRA adapters (checkpoint order) are reordered by them.
+        self.input_order: Optional[torch.Tensor] = None
+        self.output_order: Optional[torch.Tensor] = None
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -72,6 +77,22 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"_pk_{f}", getattr(pw, f), persistent=False)
         self._packed = pw
 
+    def with_columns(self, cols: torch.Tensor) -> "QuantLinear":
+        """A new layer computing output columns `cols` (int64 indices, in that order) of this one; a packed
+        weight's per-device caches (meta keys starting with "_") are dropped.  Not for layers with LoRA."""
+        pick = lambda t: None if t is None else t.index_select(-1, cols.to(t.device)).contiguous()  # noqa: E731
+        if self._packed is not None:
+            pw = self.packed
+            new = QuantLinear.from_packed(PackedWeight(pick(pw.qweight), pw.groups, pick(pw.scale), pick(pw.zero),
+                                                       pw.perm, pw.in_features, int(cols.numel()), pick(pw.bias),
+                                                       pw.portable_meta()))
+        else:
+            new = QuantLinear.from_dense(pick(self.w_t).t(), pick(self.bias))
+        cols = cols.cpu()
+        new.input_order = self.input_order
+        new.output_order = cols if self.output_order is None else self.output_order[cols]
+        return new
+
     @property
     def is_quantized(self) -> bool:
         return self._packed is not None
@@ -104,7 +125,8 @@ class QuantLinear(nn.Module):
         return self
 
     def dense_weight(self, dtype=torch.float32) -> torch.Tensor:
-        """W in HF layout (out_features, in_features), dequantised when packed."""
+        """W in HF layout (out_features, in_features), dequantised when packed; its rows and columns in the
+        layer's own order (input_order / output_order say where the loader changed the checkpoint's)."""
         if self._packed is None:
             return self.w_t.t().to(dtype)
         from ..formats.packed import dequantize_reference

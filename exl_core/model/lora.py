@@ -264,7 +264,8 @@ class LoraAdapter:
         return int(self.config["r"])
 
     def delta(self, module: str) -> torch.Tensor:
-        """The float32 weight update of one layer in HF layout (out, in): scale * B @ A."""
+        """The float32 weight update of one layer in HF layout (out, in): scale * B @ A, in the layer's own channel
+        order (QuantLinear.input_order / output_order: as the layer's dense_weight)."""
         ad = self.layers[module]
         return (ad.a_t @ ad.b_t).t() * ad.scale
 
@@ -385,8 +386,13 @@ def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = Fa
                 torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoraError(f"{where}: lora_A/lora_B must be finite floating-point tensors")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        out[module] = _LayerAdapter(a.t().to(dev, torch.float32).contiguous(),
-                                    b.t().to(dev, torch.float32).contiguous(), scale)
+        a_t, b_t = a.t(), b.t()
+        if layer.input_order is not None:          # the layer's inputs / outputs were reordered at load
+            a_t = a_t[layer.input_order]
+        if layer.output_order is not None:
+            b_t = b_t[:, layer.output_order]
+        out[module] = _LayerAdapter(a_t.to(dev, torch.float32).contiguous(), b_t.to(dev, torch.float32).contiguous(),
+                                    scale)
 
     adapter = LoraAdapter(manager, name, folder, cfg, out)
     for module, lad in out.items():

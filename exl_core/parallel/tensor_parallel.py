@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InputError
-from ..formats.packed import PackedWeight
 from ..model.linear import QuantLinear
 
 
@@ -63,13 +62,7 @@ def slice_columns(layer: QuantLinear, cols: torch.Tensor) -> QuantLinear:
     """A new QuantLinear computing only output columns `cols` (int64 indices) of `layer`."""
     if layer.lora is not None:
         raise InputError("tensor parallel: shard the model before loading LoRA adapters")
-    pick = lambda t: None if t is None else t.index_select(-1, cols.to(t.device)).contiguous()  # noqa: E731
-    if layer.is_quantized:
-        pw = layer.packed
-        meta = {k: v for k, v in pw.meta.items() if not k.startswith("_")}   # drop per-device caches
-        return QuantLinear.from_packed(PackedWeight(pick(pw.qweight), pw.groups, pick(pw.scale), pick(pw.zero),
-                                                    pw.perm, pw.in_features, int(cols.numel()), pick(pw.bias), meta))
-    return QuantLinear.from_dense(pick(layer.w_t).t(), pick(layer.bias))
+    return layer.with_columns(cols)
 
 
 class ColumnShard(nn.Module):

@@ -45,7 +45,10 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, in
   }
 }
 
-bool plan_usable(const Plan& p, int64_t K) { return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0; }
+// K < 2^26: the kernel steps over x's rows by 32-bit offsets (16 rows a pass at most)
+bool plan_usable(const Plan& p, int64_t K) {
+  return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0 && K < (int64_t(1) << 26);
+}
 
 template <int NT, bool U4>
 void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift, const Mats& mats,

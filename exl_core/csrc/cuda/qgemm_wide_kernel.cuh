@@ -129,15 +129,24 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
         reinterpret_cast<uint4*>(xs + (st * kRows + r) * kStageW)[q] = make_uint4(0, 0, 0, 0);
     }
   }
-  const __half* xsrc = (mat.x != nullptr ? mat.x : x) + static_cast<int64_t>(c_begin) * 32;
+  // A thread's pieces of every stage: rows pm + j * kRP (pass j), halves pk..pk+7 of the stage's kRing chunks.  Its
+  // source pointer is computed once (opaque_ptr) and the passes are 32-bit offsets from it: per piece, ptxas had
+  // re-derived the row, the 64-bit address and the limits (~80 instructions a stage of 4 chunks, between the stage's
+  // barrier and its first mma; SASS of the 4-n-tile uniform 4-bit instance).
+  constexpr int kP = kRing * 4, kRP = kThreads / kP, kPasses = kRows / kRP;   // pieces a row, rows a pass, passes
+  static_assert(kThreads % kP == 0 && kRows % kRP == 0 && kPasses * kThreads == kPieces, "x pieces per thread");
+  const int pm = threadIdx.x / kP, pk = 8 * (threadIdx.x % kP);
+  const __half* xpiece = opaque_ptr((mat.x != nullptr ? mat.x : x) + (static_cast<int64_t>(c_begin) * 32 +
+                                                                      static_cast<int64_t>(pm) * K + pk));
+  const int pass_stride = kRP * static_cast<int>(K);                   // K < 2^26 (plan_usable)
   const int nst = (nc + kRing - 1) / kRing;
   auto issue = [&](int s) {                                             // stage s: chunks c_begin + s*kRing ..
-    __half* dst = xs + (s % kStages) * kRows * kStageW;
-    const int L = min(kRing, nc - s * kRing) * 32;
+    __half* dst = xs + (s % kStages) * kRows * kStageW + pm * kStageW + pk;
+    const __half* src = xpiece + s * (kRing * 32);
+    if (pk < min(kRing, nc - s * kRing) * 32) {
 #pragma unroll
-    for (int i0 = 0; i0 < kPieces; i0 += kThreads) {
-      const int i = i0 + threadIdx.x, m = i / (kRing * 4), k = 8 * (i % (kRing * 4));
-      if (m < M && k < L) cp_async16(dst + m * kStageW + k, xsrc + m * K + s * kRing * 32 + k);
+      for (int j = 0; j < kPasses; ++j)
+        if (pm + j * kRP < M) cp_async16(dst + j * kRP * kStageW, src + j * pass_stride);
     }
   };
 #pragma unroll
