@@ -168,7 +168,9 @@ class Model(nn.Module):
                 yield (name if name == "lm_head" else f"model.{name}"), mod
 
     def set_linear(self, hf_name: str, layer: QuantLinear) -> None:
-        """Replace the projection called `hf_name` (as yielded by linear_layers)."""
+        """Replace the projection called `hf_name` (as yielded by linear_layers).  Where the loader reordered the
+        old layer's channels (its input_order / output_order, loader.fold_down_perms), the new one must compute in
+        that order and carry the same orders for LoRA adapters loaded later."""
         path = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
         parent, _, attr = path.rpartition(".")
         setattr(self.get_submodule(parent) if parent else self, attr, layer)

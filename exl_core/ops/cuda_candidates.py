@@ -73,7 +73,8 @@ KSLICE_MIXED_ONE_WAVE = True  # and 2..8 staged rows where the launch has at mos
                              # (384 tiles) ties with skinny (32.2-32.6 vs 32.0) and stays there; not for the SwiGLU-fused
                              # down projection (qgemm_kslice_silu at 2..5 rows of K 11008: not measured)
 KSLICE_MIXED_WAVES = os.environ.get("EXL_CORE_KSLICE_MIXED_SKINNY", "1") == "0"   # A/B: mixed widths at 2..8 rows
-                             # on qgemm_kslice whatever the tile count (its C++ policy reads the same variable)
+                             # on qgemm_kslice whatever the tile count, the SwiGLU-fused down included (its C++
+                             # policy reads the same variable)
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
@@ -118,11 +119,13 @@ def _chunks_of(pw) -> torch.Tensor:
 # ---------------------------------------------------------------------------- qmatmul
 
 def _mma_ok(pw) -> bool:
-    """qgemm_mma's layout needs: 4-column (16-byte) loads of qweight, scale and zero."""
+    """qgemm_mma's layout needs (and the other decode kernels, which share its launch table): 4-column (16-byte)
+    loads of qweight, scale and zero, and fewer than 2^31 words of qweight."""
     key = pw.qweight.data_ptr()            # buffers can be replaced (set_packed, .to): re-check then
     cached = pw.meta.get("_cuda_mma_ok")
     if cached is None or cached[0] != key:
         ok = (_has_cuda_kernel("qgemm_mma") and pw.out_features % 4 == 0 and
+              pw.qweight.numel() < 2 ** 31 and                  # build_mats: 32-bit word offsets
               all(t.data_ptr() % 16 == 0 for t in (pw.qweight, pw.scale, pw.zero)))
         cached = pw.meta["_cuda_mma_ok"] = (key, ok)
     return cached[1]

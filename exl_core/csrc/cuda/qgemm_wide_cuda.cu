@@ -45,7 +45,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, in
   }
 }
 
-// K < 2^26: the kernel steps over x's rows by 32-bit offsets (16 rows a pass at most)
+// K < 2^26: the kernel steps over x's rows by 32-bit offsets (at most 31 rows, 31 * 2^26 < 2^31)
 bool plan_usable(const Plan& p, int64_t K) {
   return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0 && K < (int64_t(1) << 26);
 }

@@ -118,7 +118,7 @@ __device__ __forceinline__ void load_words(Raw& r, const int32_t* e, int c, cons
     r.lo = __ldg(reinterpret_cast<const int4*>(base + static_cast<int64_t>(4 * c + t) * ldq));
   } else {
     // 32-bit word offsets from `base` (build_mats checks every qweight has < 2^31 words): in 64 bits, with `base`
-    // re-derived from the Mat, this address was ~35 of ~100 instructions a 4-bit chunk (SASS of qgemm_kslice's
+    // re-derived from the Mat, this address was ~37 of ~100 instructions a 4-bit chunk (SASS of qgemm_kslice's
     // mixed-width k8 ring-4 instance)
     const int bits = e[0], start = 8 * t * bits, ld = static_cast<int>(ldq);
     const int off = (e[2] + (start >> 5)) * ld;
@@ -414,11 +414,14 @@ __device__ __forceinline__ void b_pairs(const uint4& v, uint32_t (&b)[4]) {
 // the piece lands (halves) and what is stored there.
 template <bool BY16>
 __device__ __forceinline__ uint4 stage_pairs(const uint4& v) {
-  const __half2 k16th = __float2half2_rn(0.0625f);
   uint32_t b[4];
   b_pairs(v, b);
-  if constexpr (BY16) return make_uint4(b[0], h2u(__hmul2(u2h(b[1]), k16th)), b[2], h2u(__hmul2(u2h(b[3]), k16th)));
-  else return make_uint4(b[0], b[1], b[2], b[3]);
+  if constexpr (BY16) {
+    const __half2 k16th = __float2half2_rn(0.0625f);
+    return make_uint4(b[0], h2u(__hmul2(u2h(b[1]), k16th)), b[2], h2u(__hmul2(u2h(b[3]), k16th)));
+  } else {
+    return make_uint4(b[0], b[1], b[2], b[3]);
+  }
 }
 __device__ __forceinline__ int pairs_slot(int j) { return 2 * (j & 3) + (j >> 2); }
 template <bool BY16>
