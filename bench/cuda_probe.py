@@ -4,6 +4,7 @@
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
     python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
     python bench/cuda_probe.py kslice                        # decode kernels: qgemm_kslice variants vs skinny
+    python bench/cuda_probe.py ks|wide M                     # 8 distinct 4096x4096 weights x 3 rounds (for ncu)
     python bench/cuda_probe.py syncs CKPT                    # where a prefill / decode step syncs the host
     python bench/cuda_probe.py prompt CKPT                   # 2048-token prefill: SDPA backends, host time
 """
@@ -266,6 +267,8 @@ def main() -> None:
                 ops.qgemm_mma(x, pw.qweight, ch, pw.scale, pw.zero, None, None, splits)
             elif what == "ks":                            # qgemm_kslice, its policy's kw / ring
                 ops.qgemm_kslice(x, pw.qweight, ch, pw.scale, pw.zero, None, None, True, min_group=128)
+            elif what == "wide":                          # qgemm_wide, its policy's splits; GPTQ g128 group shift
+                ops.qgemm_wide(x, pw.qweight, ch, pw.scale, pw.zero, None, None, True, splits, 128, 2)
             elif what.startswith("skinny"):
                 q = tiled(pw.qweight) if what == "skinny_tiled" else pw.qweight
                 ops.qgemm_skinny(x, q, ch, pw.scale, pw.zero, None, None, True, splits)
