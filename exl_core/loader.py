@@ -182,9 +182,8 @@ def fold_down_perms(model: Model) -> None:
     down_proj needs no gather of its input.  The MLP's function is unchanged (ExLlamaV2 reorders the same channels
     at load).  The decode kernels then stage x with plain 16-byte copies instead of a gather per block (H200 GEMV
     probe, EXL2-like down projection at one row, the same kernel instance: 16.87 us a layer without a permutation
-    against 19.43 with the shared-memory gather), and
-    batch decode drops one gather launch a layer: EXL2 7B-shaped decode 1.0456x / 1.0552x / 1.0403x at batch 1 / 8 /
-    32 (same call, bench/results/gpu_h200_nofold.json).  The layers record the reorder (input_order /
+    against 19.43 with the shared-memory gather), and batch decode drops one gather launch a layer: EXL2 7B-shaped
+    decode 1.0456x / 1.0552x / 1.0403x at batch 1 / 8 / 32 (same call, bench/results/gpu_h200_nofold.json).  The layers record the reorder (input_order /
     output_order) for LoRA adapters.  EXL_CORE_FOLD_DOWN_PERM=0 leaves the checkpoint's order (A/B runs)."""
     if os.environ.get("EXL_CORE_FOLD_DOWN_PERM", "1") == "0":
         return

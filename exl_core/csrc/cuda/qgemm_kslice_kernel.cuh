@@ -116,8 +116,9 @@ __global__ void __launch_bounds__(32 * KW)
   constexpr bool XG = NT > 1;
   // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
   // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
-  // not: their other widths would pay an HFMA2 a pair for it (the build that gave it to them ran EXL2 M=1 q/k/v at
-  // 23.7 us against 22.2 in an earlier sweep; csrc/cuda/NOTES.md, stop 23).
+  // not: twice given it, they lost -- with an HFMA2 a pair for their other widths (stop 23: EXL2 M=1 q/k/v 23.7 us
+  // against 22.2) and with those pairs as fp16 16384 + 16 q at no cost (stop 24, e59ddcf: GEMV probe EXL2-like chain
+  // 86.99 against 84.59 us a layer; csrc/cuda/NOTES.md).
   constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
