@@ -170,7 +170,6 @@ __global__ void __launch_bounds__(32 * KW)
     cq = cq < N ? cq : N - 4;
     cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
   }
-  if (mats.l2pf) prefetch_chunks_l2<U4>(mat.qw.at(0, tile * kTile), ldq, tab + 3 * c0, c0, c1, lane);
 
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
   exl_pdl::pdl_trigger();

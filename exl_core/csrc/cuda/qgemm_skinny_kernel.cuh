@@ -142,8 +142,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
 
   const int nc = c_end - c_begin, L = nc * 32;
   for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
-  if (mats.l2pf && tile * kTileN + nw * 32 < N)               // the table entries from global memory (not yet synced)
-    prefetch_chunks_l2<U4>(mat.qw.at(0, tile * kTileN + nw * 32), ldq, chunks + 3 * w_begin, w_begin, w_end, lane);
   // Everything above reads weight data fixed at load time; x comes from the previous kernel (PDL).
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();

@@ -117,8 +117,6 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     cp_async16(szs + (gr * 2 + half) * kTile + 4 * q,
                (half ? mat.zero : mat.scale) + static_cast<int64_t>(g_first + gr) * N + cq);
   }
-  if (mats.l2pf && tile * kTile + warp * 32 < N)
-    prefetch_chunks_l2<U4>(mat.qw.at(0, tile * kTile + warp * 32), ldq, tab, c_begin, c_end, lane);
 
   exl_pdl::pdl_wait();                                                  // x is the previous kernel's output
   exl_pdl::pdl_trigger();

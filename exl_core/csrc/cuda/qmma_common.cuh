@@ -88,8 +88,6 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
   TORCH_CHECK(K % 32 == 0, op, ": K = ", K, " must be a multiple of 32");
   Mats mats{};
   mats.n = static_cast<int>(n);
-  static const bool l2pf = exl_pdl::env_on("EXL_CORE_L2_PREFETCH");   // A/B runs: "0" turns the prefetch off
-  mats.l2pf = l2pf ? 1 : 0;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
     TORCH_CHECK(q.is_cuda() && ch.is_cuda() && s.is_cuda() && z.is_cuda() && q.device() == x.device(), op,

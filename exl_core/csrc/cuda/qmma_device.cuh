@@ -328,29 +328,7 @@ struct Mat {
 struct Mats {
   Mat m[kMaxMats];
   int n;
-  int l2pf;                   // 1: each warp requests its whole slice of the weights into L2 first (prefetch_chunks_l2)
 };
-
-// Chunks [c0, c1) of a warp's 32-column slice of a weight requested into L2, one 128-byte row a lane per pass:
-// `seg` is row 0 of the slice (rows ldq words apart); the rows are 4 a chunk for uniform 4-bit words, else from the
-// chunk table entries (bits, group, first row) of c0..c1-1 at tab[0], tab[3], ... (shared or global memory).
-// Why: a lane keeps only its ring's few chunks in flight, so a warp's stream pays a DRAM latency per ring turn
-// and a launch ramps up and drains on every kernel boundary; with the whole slice requested at once (before the
-// PDL wait, where the blocks are resident early, it overlaps the kernel before) the ring's loads hit or join
-// fills already under way.  No write, no ordering: a prefetch never changes a result.
-template <bool U4>
-__device__ __forceinline__ void prefetch_chunks_l2(const int32_t* seg, int64_t ldq, const int32_t* tab, int c0, int c1,
-                                                   int lane) {
-  if (c0 >= c1) return;
-  int r0 = 4 * c0, r1 = 4 * c1;
-  if constexpr (!U4) {
-    const int32_t* last = tab + 3 * (c1 - 1 - c0);
-    r0 = tab[2];
-    r1 = last[2] + last[0];
-  }
-  for (int r = r0 + lane; r < r1; r += 32)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(seg + static_cast<int64_t>(r) * ldq));
-}
 
 __device__ __forceinline__ const Mat& block_mat(const Mats& mats) {
   int mi = 0;
