@@ -102,17 +102,20 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
   for (int i = 0; i < 4; ++i) dx[0][i] = 0.f;
 }
 
-// grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
-// (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
+// One warp's part of a launch: chunks [c0, c1) of K, its words at rows rowoff + (whatever the layout puts there):
+// uniform 4-bit (U4) words of chunk c at rows rowoff + 4c .. + 3 (rowoff 0 for a uniform 4-bit weight; a warp of a
+// mixed-width launch whose chunks are one run of consecutive 4-bit chunks takes this path with the run's offset).
+// `slots` x KW: groups whose scale/zero rows are staged in shared memory, slot = group (a warp spanning groups
+// past them reads those from global memory); `xs_stride`: halves per staged x row.
 // NT n-tiles of 8 x rows.  NT == 1: x's rows staged in shared memory.  NT > 1 (9..32 rows): every lane loads
 // its B fragments (8 values of a row, 16 bytes) straight from global memory into a ring of XR chunks, as it
 // does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
 // passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
 // shared memory) disappears.
-template <int KW, bool U4, int R, int NT, bool ACT = false>
-__global__ void __launch_bounds__(32 * KW)
-    qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
-                        int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
+template <int KW, bool U4, int R, int NT, bool ACT>
+__device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K,
+                                            int n_chunks, int slots, int xs_stride, int gshift, int sgather,
+                                            const Mat& mat, int c0, int c1, int rowoff) {
   constexpr bool XG = NT > 1;
   // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
   // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
@@ -122,22 +125,19 @@ __global__ void __launch_bounds__(32 * KW)
   constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
-  const Mat& mat = block_mat(mats);
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t col = tile * kTile + 4 * g;                  // this lane's 4 columns
   // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
   const int64_t lcol = col < N ? col : N - 4;
-  const int32_t* base = opaque_ptr(mat.qw.at(0, lcol));
+  const int32_t* base = opaque_ptr(mat.qw.at(rowoff, lcol));
   const int64_t ldq = mat.qw.ldq;
-  const int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
-  const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem lay(n_chunks, KW, slots, M, xs_stride, sgather ? gather_halves(M, K, ACT) : 0);
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
-  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
+  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz);   // [KW x slots][scale 32 | zero 32], slot = group
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
   float* red = reinterpret_cast<float*>(smem_raw + lay.red);
 
@@ -161,14 +161,17 @@ __global__ void __launch_bounds__(32 * KW)
     for (int i = 0; i < R; ++i)
       if (c0 + i < c1) load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
   }
-  // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
+  // Scale/zero rows of the warp's groups that have a slot (groups are consecutive along the chunks, from 0; a group
+  // two warps share is staged by both, the same bytes).  Slots are the block's, not a warp's: warps of uneven
+  // chunk counts (warp splits) need no more of them.
+  const int nslots = KW * slots;
   const int gA = c1 <= c0 ? 0 : reg ? c0 >> gshift : tab[3 * c0 + 1];
-  const int gw = c1 <= c0 ? 0 : min(slots, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
+  const int gw = c1 <= c0 ? 0 : min(nslots - gA, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
   for (int j = lane; j < gw * 16; j += 32) {
     const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
     int64_t cq = tile * kTile + 4 * q;
     cq = cq < N ? cq : N - 4;
-    cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
+    cp_async16(szw + (gA + s) * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
   }
 
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
@@ -342,10 +345,9 @@ __global__ void __launch_bounds__(32 * KW)
       if (ge != grp) {
         if (grp >= 0) flush();
         grp = ge;
-        const int s = ge - gA;
-        if (s < slots) {
-          s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
-          z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
+        if (ge < nslots) {
+          s4 = *reinterpret_cast<const float4*>(szw + ge * 64 + 4 * g);
+          z4 = *reinterpret_cast<const float4*>(szw + ge * 64 + 32 + 4 * g);
         } else {
           s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
           z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
@@ -423,6 +425,34 @@ __global__ void __launch_bounds__(32 * KW)
       mat.y[m * N + n] = __float2half_rn(a);
     }
   }
+}
+
+// grid (total column tiles); block 32 * KW.  Warp w takes chunks [n_chunks w / KW, n_chunks (w + 1) / KW), or, for a
+// mixed-width weight with warp splits (Mat::split, staged rows), its split's range; a split warp whose chunks are
+// one 4-bit run runs the uniform 4-bit path (kslice_warp<U4 = true>): EXL2's ~4.0 bpw weights are mostly 4-bit
+// runs, and the table-driven path costs ~1.8x a chunk (bench/gemv_probe.cu, H200: 4-bit q/k/v through the
+// mixed path 17.96 us against 10.20).  Both paths reach the same block barriers in the same order.
+template <int KW, bool U4, int R, int NT, bool ACT = false>
+__global__ void __launch_bounds__(32 * KW)
+    qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
+                        int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
+  const Mat& mat = block_mat(mats);
+  const int warp = threadIdx.x >> 5;
+  int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
+  int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
+  if constexpr (!U4 && NT == 1 && (KW == 8 || KW == 16)) {
+    if (mat.split) {
+      const int* sp = mat.ws + (KW == 8 ? 0 : kSplitInts8);   // starts [KW + 1], then row offsets [KW]
+      c0 = sp[warp];
+      c1 = sp[warp + 1];
+      const int rowoff = sp[KW + 1 + warp];
+      if (rowoff != kMixedWarp) {
+        kslice_warp<KW, true, R, NT, ACT>(x, up, M, K, n_chunks, slots, xs_stride, -1, sgather, mat, c0, c1, rowoff);
+        return;
+      }
+    }
+  }
+  kslice_warp<KW, U4, R, NT, ACT>(x, up, M, K, n_chunks, slots, xs_stride, gshift, sgather, mat, c0, c1, 0);
 }
 
 
