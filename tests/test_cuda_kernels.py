@@ -237,7 +237,8 @@ def test_qgemm_kslice_warp_splits_vs_float64(case, M, kw):
         pw = random_packed(layout, N, perm=perm, bias=True)
         K = pw.in_features
         sp = warp_splits(pw.groups)
-        assert sp is not None and (sp != _MIXED_WARP).sum() > 2 * (kw + 1)   # some warps on the 4-bit path
+        assert sp is not None and sum(v != _MIXED_WARP for v in sp) > 2 * (kw + 1)   # some warps on the 4-bit path
+        sp = [1] + sp
         if not ops.qgemm_kslice_fits(M, K, (N + 31) // 32, 0, False, 0, kw, 4):
             pytest.skip(f"no {kw}-warp instance for K {K}")
         c, ch = pw.to("cuda"), chunk_table(pw.groups, "cuda")
@@ -258,7 +259,7 @@ def test_qgemm_kslice_warp_splits_vs_float64(case, M, kw):
         poison_allocator()
         y1, y2 = ops.qgemm_kslice_multi(x.cuda(), [c.qweight, oc.qweight], [ch, chunk_table(other.groups, "cuda")],
                                         [c.scale, oc.scale], [c.zero, oc.zero], [c.perm, oc.perm], [b16, None], False,
-                                        kw, 4, 0, -1, [sp, None])
+                                        kw, 4, 0, -1, sp + [0] * len(sp))
         assert torch.equal(y1, y)
         assert rel_err(y2, x.double() @ dequantize_reference(other)) < 2e-3, perm
 
@@ -270,12 +271,14 @@ def test_qgemm_kslice_refuses_bad_warp_splits():
     pw = random_packed(SPLIT_LAYOUTS[0][0], 64, perm=False)
     c, ch = pw.to("cuda"), chunk_table(pw.groups, "cuda")
     x = torch.randn(1, pw.in_features, dtype=torch.float16, device="cuda")
-    sp = warp_splits(pw.groups)
-    bad_rows = sp.clone()
-    bad_rows[9 + 3] = 10 ** 6                                       # warp 3 of 8: a row offset past qweight
-    bad_order = sp.clone()
-    bad_order[2], bad_order[3] = bad_order[3], bad_order[2]
-    for bad, msg in ((bad_rows, "leave qweight"), (bad_order, "go back"), (sp[:-1], "CPU int32")):
+    sp = [1] + warp_splits(pw.groups)                               # the flag, then starts (9) and offsets (8)
+    bad_rows = list(sp)
+    bad_rows[1 + 9 + 3] = 10 ** 6                                   # warp 3 of 8: a row offset past qweight
+    bad_order = list(sp)
+    bad_order[3], bad_order[4] = bad_order[4], bad_order[3]
+    bad_flag = [2] + sp[1:]
+    for bad, msg in ((bad_rows, "leave qweight"), (bad_order, "go back"), (sp[:-1], "ints a weight"),
+                     (bad_flag, "flag must be 0 or 1")):
         with pytest.raises(RuntimeError, match=msg):
             torch.ops.exl_core.qgemm_kslice(x, c.qweight, ch, c.scale, c.zero, None, None, False, 8, 4, 0, -1, bad)
 

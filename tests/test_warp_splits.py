@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from exl_core.ops.cuda_candidates import (_MIXED_WARP, MIXED_CHUNK_COST, SPLIT_WARPS, _chunk_runs, _warp_cost,
-                                          chunk_table, warp_splits)
+from exl_core.ops.cuda_candidates import (_MIXED_WARP, MIXED_CHUNK_COST, SPLIT_INTS, SPLIT_WARPS, _chunk_runs,
+                                          _warp_cost, chunk_table, warp_splits)
 
 
 def _groups(layout):
@@ -25,12 +25,12 @@ def _groups(layout):
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def _decode(sp: torch.Tensor):
-    v, out, at = sp.tolist(), {}, 0
+def _decode(sp: list[int]):
+    v, out, at = sp, {}, 0
     for kw in SPLIT_WARPS:
         out[kw] = (v[at:at + kw + 1], v[at + kw + 1:at + 2 * kw + 1])
         at += 2 * kw + 1
-    assert at == len(v)
+    assert at == len(v) == SPLIT_INTS
     return out
 
 

@@ -112,6 +112,7 @@ def chunk_table(groups: torch.Tensor, device: torch.device) -> torch.Tensor:
 # mixed path 17.96 us, through the 4-bit path 10.20; real mixed widths 18.78).
 MIXED_CHUNK_COST = 1.8
 SPLIT_WARPS = (8, 16)          # the staged-row instances' warps along K (csrc/cuda/qmma_device.cuh kSplitInts)
+SPLIT_INTS = sum(2 * kw + 1 for kw in SPLIT_WARPS)   # starts (kw + 1) and row offsets (kw) per warp count
 SPLITS_ON = os.environ.get("EXL_CORE_KSLICE_SPLITS", "1") != "0"   # 0: equal warp ranges, all on the table path (A/B)
 _MIXED_WARP = -(1 << 31)       # kMixedWarp: a warp on the table-driven path
 
@@ -152,7 +153,7 @@ def _greedy_starts(run: list[int], kw: int, cap: float) -> Optional[list[int]]:
     return starts if a == n else None
 
 
-def warp_splits(groups: torch.Tensor) -> Optional[torch.Tensor]:
+def warp_splits(groups: torch.Tensor) -> Optional[list[int]]:
     """qgemm_kslice's warp splits of a mixed-width weight: for 8 and 16 warps along K, the chunk ranges that
     minimise the slowest warp's cost (a warp within one 4-bit run runs the uniform 4-bit path), then each warp's
     row offset (its run's first row - 4 x its first chunk) or _MIXED_WARP.  None where no chunk is 4-bit.
@@ -175,14 +176,22 @@ def warp_splits(groups: torch.Tensor) -> Optional[torch.Tensor]:
         offs = [rows[a] - 4 * a if b > a and run[a] >= 0 and run[a] == run[b - 1] else _MIXED_WARP
                 for a, b in zip(starts, starts[1:])]
         out += starts + offs
-    return torch.tensor(out, dtype=torch.int32)
+    return out
 
 
-def _splits_of(pw) -> Optional[torch.Tensor]:
-    """warp_splits of the weight's groups, once per weight (None for uniform 4-bit weights: no table path)."""
+def _splits_of(pw) -> list[int]:
+    """The weight's entry of the kslice ops' `splits` argument, once per weight: a flag (1: warp splits follow,
+    0: none -- uniform 4-bit weights have no table path) and warp_splits of its groups (zeros where none)."""
     if "_cuda_splits" not in pw.meta:
-        pw.meta["_cuda_splits"] = None if _uniform4(pw) or not SPLITS_ON else warp_splits(pw.groups)
+        sp = None if _uniform4(pw) or not SPLITS_ON else warp_splits(pw.groups)
+        pw.meta["_cuda_splits"] = [0] * (1 + SPLIT_INTS) if sp is None else [1] + sp
     return pw.meta["_cuda_splits"]
+
+
+def _pws_splits(pws) -> list[int]:
+    """The `splits` argument of one launch over pws: their entries one after another, or [] where none has any."""
+    entries = [_splits_of(pw) for pw in pws]
+    return [v for e in entries for v in e] if any(e[0] for e in entries) else []
 
 
 def _chunks_of(pw) -> torch.Tensor:
@@ -358,7 +367,7 @@ def _qmatmul_run(x, pw):
     elif route == "kslice":
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                             group_shift=_group_shift(pw),
-                                            min_group=_min_group(pw), splits=_splits_of(pw))
+                                            min_group=_min_group(pw), splits=_pws_splits([pw]))
     elif route == "skinny":
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
     elif route == "mma":
@@ -463,7 +472,7 @@ def _silu_down_run(gate, up, pw):
                                              pw.qweight, _chunks_of(pw), pw.scale, pw.zero, _perm_of(pw, gate.device),
                                              None if bias is None else bias.contiguous(), _uniform4(pw),
                                              min_group=_min_group(pw), group_shift=_group_shift(pw),
-                                             splits=_splits_of(pw))
+                                             splits=_pws_splits([pw]))
     return y.reshape(*gate.shape[:-1], pw.out_features)
 
 
@@ -512,7 +521,7 @@ def _many_run(x, pws):
     elif kslice:
         ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
                                                    group_shift=_pws_group_shift(pws),
-                                                   splits=[_splits_of(pw) for pw in pws])
+                                                   splits=_pws_splits(pws))
     elif skinny:
         ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)
     else:

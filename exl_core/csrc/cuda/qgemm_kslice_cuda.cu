@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "qgemm_kslice_kernel.cuh"
 #include "qmma_common.cuh"
@@ -134,22 +135,27 @@ void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t ti
 
 bool plan_usable(const Plan& p, bool u4) { return p.smem <= kSmemMax && plan_has_kernel(p, u4); }
 
-// Copies each weight's warp splits (a CPU int32 [kSplitInts] or None; cuda_candidates.warp_splits) into its Mat
-// after checking they stay inside the weight: the starts run from 0 to K/32 without going back, and a 4-bit-run
-// warp's rows lie within qweight.  Whether those rows hold 4-bit words is the caller's to know (the same groups
-// made both); the kernel consults splits only in its mixed-width staged-row instances.
-void set_splits(Mats& mats, const c10::List<c10::optional<at::Tensor>>& splits, at::TensorList qweight, int64_t K) {
-  if (splits.size() == 0) return;
-  TORCH_CHECK(splits.size() == static_cast<size_t>(mats.n), "exl_core::qgemm_kslice: ", splits.size(),
-              " warp splits for ", mats.n, " weights");
+// Copies each weight's warp splits into its Mat after checking they stay inside the weight: `splits` is empty
+// (none) or, per weight, 1 + kSplitInts ints -- a flag (0: none, 1: these) and cuda_candidates.warp_splits.  The
+// starts run from 0 to K/32 without going back, and a 4-bit-run warp's rows lie within qweight; whether those rows
+// hold 4-bit words is the caller's to know (the same groups made both).  The kernel consults splits only in its
+// mixed-width staged-row instances.
+void set_splits(Mats& mats, at::IntArrayRef splits, at::TensorList qweight, int64_t K) {
+  if (splits.empty()) return;
+  constexpr int kEntry = 1 + kSplitInts;
+  TORCH_CHECK(splits.size() == static_cast<size_t>(mats.n) * kEntry, "exl_core::qgemm_kslice: warp splits need ",
+              kEntry, " ints a weight (a flag, then the splits) for ", mats.n, " weights, got ", splits.size());
   const int n_chunks = static_cast<int>(K / 32);
   for (int i = 0; i < mats.n; ++i) {
-    const c10::optional<at::Tensor> sp = splits.get(i);
-    if (!sp) continue;
-    TORCH_CHECK(sp->device().is_cpu() && sp->dtype() == at::kInt && sp->dim() == 1 && sp->numel() == kSplitInts &&
-                    sp->is_contiguous(), "exl_core::qgemm_kslice: warp splits ", i, " must be a contiguous CPU int32 [",
-                kSplitInts, "], got ", sp->dtype(), " ", sp->sizes(), " on ", sp->device());
-    const int32_t* v = sp->data_ptr<int32_t>();
+    const int64_t* e = splits.data() + static_cast<size_t>(i) * kEntry;
+    TORCH_CHECK(e[0] == 0 || e[0] == 1, "exl_core::qgemm_kslice: warp splits ", i, " flag must be 0 or 1, got ", e[0]);
+    if (e[0] == 0) continue;
+    int32_t v[kSplitInts];
+    for (int j = 0; j < kSplitInts; ++j) {
+      TORCH_CHECK(e[1 + j] >= INT32_MIN && e[1 + j] <= INT32_MAX, "exl_core::qgemm_kslice: warp splits ", i,
+                  " hold a value past int32");
+      v[j] = static_cast<int32_t>(e[1 + j]);
+    }
     const at::Tensor& q = qweight[i];
     const int64_t rows = q.dim() == 3 ? q.size(1) : q.size(0);
     for (int kw : {8, 16}) {
@@ -178,8 +184,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
                                    at::TensorList chunks, at::TensorList scale, at::TensorList zero,
                                    const c10::List<c10::optional<at::Tensor>>& perm,
                                    const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t kw,
-                                   int64_t ring, int64_t min_group, int64_t group_shift,
-                                   const c10::List<c10::optional<at::Tensor>>& splits) {
+                                   int64_t ring, int64_t min_group, int64_t group_shift, at::IntArrayRef splits) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
@@ -224,7 +229,7 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            const c10::List<c10::optional<at::Tensor>>& perm,
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
                                            int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
-                                           const c10::List<c10::optional<at::Tensor>>& splits) {
+                                           at::IntArrayRef splits) {
   return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
                     group_shift, splits);
 }
@@ -235,25 +240,23 @@ at::Tensor qgemm_kslice_silu(const at::Tensor& gate, const at::Tensor& up, const
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
                              bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
-                             const c10::optional<at::Tensor>& splits) {
-  c10::List<c10::optional<at::Tensor>> p, b, sp;
+                             at::IntArrayRef splits) {
+  c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
-  sp.push_back(splits);
   return kslice_run(gate, up, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                    group_shift, sp)[0];
+                    group_shift, splits)[0];
 }
 
 at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
                         const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
                         const c10::optional<at::Tensor>& bias, bool uniform4, int64_t kw, int64_t ring,
-                        int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& splits) {
-  c10::List<c10::optional<at::Tensor>> p, b, sp;
+                        int64_t min_group, int64_t group_shift, at::IntArrayRef splits) {
+  c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
-  sp.push_back(splits);
   return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                            group_shift, sp)[0];
+                            group_shift, splits)[0];
 }
 
 // Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
@@ -281,13 +284,13 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_kslice(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1, "
-        "Tensor? splits=None) -> Tensor");
+        "int[] splits=[]) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, Tensor?[] splits=[]) -> Tensor[]");
+        "int group_shift=-1, int[] splits=[]) -> Tensor[]");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, Tensor? splits=None) -> Tensor");
+        "int group_shift=-1, int[] splits=[]) -> Tensor");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
         "int ring=0) -> bool",
         &qgemm_kslice_fits);
