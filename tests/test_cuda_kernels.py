@@ -264,25 +264,6 @@ def test_qgemm_kslice_warp_splits_vs_float64(case, M, kw):
         assert rel_err(y2, x.double() @ dequantize_reference(other)) < 2e-3, perm
 
 
-def test_qgemm_kslice_refuses_bad_warp_splits():
-    """Splits that would send a warp outside the weight are refused by name, before anything is launched."""
-    _need_kernels()
-    from exl_core.ops.cuda_candidates import chunk_table, warp_splits
-    pw = random_packed(SPLIT_LAYOUTS[0][0], 64, perm=False)
-    c, ch = pw.to("cuda"), chunk_table(pw.groups, "cuda")
-    x = torch.randn(1, pw.in_features, dtype=torch.float16, device="cuda")
-    sp = [1] + warp_splits(pw.groups)                               # the flag, then starts (9) and offsets (8)
-    bad_rows = list(sp)
-    bad_rows[1 + 9 + 3] = 10 ** 6                                   # warp 3 of 8: a row offset past qweight
-    bad_order = list(sp)
-    bad_order[3], bad_order[4] = bad_order[4], bad_order[3]
-    bad_flag = [2] + sp[1:]
-    for bad, msg in ((bad_rows, "leave qweight"), (bad_order, "go back"), (sp[:-1], "ints a weight"),
-                     (bad_flag, "flag must be 0 or 1")):
-        with pytest.raises(RuntimeError, match=msg):
-            torch.ops.exl_core.qgemm_kslice(x, c.qweight, ch, c.scale, c.zero, None, None, False, 8, 4, 0, -1, bad)
-
-
 @pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=KSLICE_IDS)
 @pytest.mark.parametrize("M", [9, 16, 17, 23, 32])                # 2 and 4 n-tiles, rows short of a tile
 @pytest.mark.parametrize("splits", [0, 1, 3, 8])
