@@ -218,52 +218,6 @@ def test_qgemm_kslice_vs_float64(case, M, kw, ring):
                 assert rel_err(y, ref) < 2e-3, (u4, min_group, gs)
 
 
-SPLIT_LAYOUTS = [([(5, 256), (4, 3584), (3, 256)], 4 * 33),                   # the bench's EXL2 segments (K 4096)
-                 ([(6, 64), (4, 1024), (5, 96), (4, 512), (3, 128)], 4 * 20)]   # two 4-bit runs, odd widths
-
-
-@pytest.mark.parametrize("case", [0, 1], ids=["bench", "two_runs"])
-@pytest.mark.parametrize("M", [1, 5, 8])                          # the staged rows
-@pytest.mark.parametrize("kw", [8, 16])
-def test_qgemm_kslice_warp_splits_vs_float64(case, M, kw):
-    """Mixed widths with warp splits (warps within a 4-bit run take the uniform 4-bit path at their run's rows):
-    against float64, plain and act-order, the SwiGLU-fused variant, and beside a weight without splits in one
-    multi-weight launch."""
-    _need_kernels()
-    from exl_core.ops.cuda_candidates import _MIXED_WARP, chunk_table, warp_splits
-    layout, N = SPLIT_LAYOUTS[case]
-    ops = torch.ops.exl_core
-    for perm in (False, True):
-        pw = random_packed(layout, N, perm=perm, bias=True)
-        K = pw.in_features
-        sp = warp_splits(pw.groups)
-        assert sp is not None and sum(v != _MIXED_WARP for v in sp) > 2 * (kw + 1)   # some warps on the 4-bit path
-        sp = [1] + sp
-        if not ops.qgemm_kslice_fits(M, K, (N + 31) // 32, 0, False, 0, kw, 4):
-            pytest.skip(f"no {kw}-warp instance for K {K}")
-        c, ch = pw.to("cuda"), chunk_table(pw.groups, "cuda")
-        w64, b16 = dequantize_reference(pw), c.bias.half()
-        x = torch.randn(M, K, dtype=torch.float16)
-        ref = x.double() @ w64 + pw.bias.half().double()
-        poison_allocator()
-        y = ops.qgemm_kslice(x.cuda(), c.qweight, ch, c.scale, c.zero, c.perm, b16, False, kw, 4, 0, -1, sp)
-        assert rel_err(y, ref) < 2e-3, perm
-        up = torch.randn(M, K, dtype=torch.float16)
-        act = (torch.nn.functional.silu(x.double()).half().double() * up.double()).half().double()
-        poison_allocator()
-        ys = ops.qgemm_kslice_silu(x.cuda(), up.cuda(), c.qweight, ch, c.scale, c.zero, c.perm, b16, False, kw, 0, 0,
-                                   -1, sp)
-        assert rel_err(ys, act @ w64 + pw.bias.half().double()) < 2e-3, perm
-        other = random_packed(layout, N, perm=perm, seed=3)
-        oc = other.to("cuda")
-        poison_allocator()
-        y1, y2 = ops.qgemm_kslice_multi(x.cuda(), [c.qweight, oc.qweight], [ch, chunk_table(other.groups, "cuda")],
-                                        [c.scale, oc.scale], [c.zero, oc.zero], [c.perm, oc.perm], [b16, None], False,
-                                        kw, 4, 0, -1, sp + [0] * len(sp))
-        assert torch.equal(y1, y)
-        assert rel_err(y2, x.double() @ dequantize_reference(other)) < 2e-3, perm
-
-
 @pytest.mark.parametrize("case", range(len(KSLICE_CASES)), ids=KSLICE_IDS)
 @pytest.mark.parametrize("M", [9, 16, 17, 23, 32])                # 2 and 4 n-tiles, rows short of a tile
 @pytest.mark.parametrize("splits", [0, 1, 3, 8])

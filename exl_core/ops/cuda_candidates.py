@@ -107,93 +107,6 @@ def chunk_table(groups: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device)
 
 
-# qgemm_kslice's warp splits for mixed-width weights (EXL2): a chunk on the table-driven path costs about this many
-# chunks of a 4-bit run on the uniform 4-bit path (bench/gemv_probe.cu, H200, stop 25 call 2: 4-bit q/k/v through the
-# mixed path 17.96 us, through the 4-bit path 10.20; real mixed widths 18.78).
-MIXED_CHUNK_COST = 1.8
-SPLIT_WARPS = (8, 16)          # the staged-row instances' warps along K (csrc/cuda/qmma_device.cuh kSplitInts)
-SPLIT_INTS = sum(2 * kw + 1 for kw in SPLIT_WARPS)   # starts (kw + 1) and row offsets (kw) per warp count
-SPLITS_ON = os.environ.get("EXL_CORE_KSLICE_SPLITS", "1") != "0"   # 0: equal warp ranges, all on the table path (A/B)
-_MIXED_WARP = -(1 << 31)       # kMixedWarp: a warp on the table-driven path
-
-
-def _chunk_runs(groups: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Per chunk: its first qweight row, and its 4-bit run (the first chunk of a run of consecutive 4-bit chunks
-    whose rows follow 4 apart) or -1 for a chunk of another width."""
-    rows, run = [], []
-    for bits, _k, k_len, q0 in groups.tolist():
-        for c in range(k_len // 32):
-            r = q0 + c * bits
-            if bits != 4:
-                run.append(-1)
-            elif run and run[-1] >= 0 and r == rows[-1] + 4:
-                run.append(run[-1])
-            else:
-                run.append(len(run))
-            rows.append(r)
-    return rows, run
-
-
-def _warp_cost(run: list[int], a: int, b: int) -> float:
-    """Chunks [a, b) on one warp: 1 a chunk where they are one 4-bit run, else MIXED_CHUNK_COST a chunk."""
-    if b <= a:
-        return 0.0
-    return float(b - a) if run[a] >= 0 and run[a] == run[b - 1] else MIXED_CHUNK_COST * (b - a)
-
-
-def _greedy_starts(run: list[int], kw: int, cap: float) -> Optional[list[int]]:
-    """Warp starts giving each warp as many chunks as fit `cap`, or None where kw warps do not reach the end."""
-    starts, a, n = [0], 0, len(run)
-    for _ in range(kw):
-        b = a
-        while b < n and _warp_cost(run, a, b + 1) <= cap:
-            b += 1
-        starts.append(b)
-        a = b
-    return starts if a == n else None
-
-
-def warp_splits(groups: torch.Tensor) -> Optional[list[int]]:
-    """qgemm_kslice's warp splits of a mixed-width weight: for 8 and 16 warps along K, the chunk ranges that
-    minimise the slowest warp's cost (a warp within one 4-bit run runs the uniform 4-bit path), then each warp's
-    row offset (its run's first row - 4 x its first chunk) or _MIXED_WARP.  None where no chunk is 4-bit.
-    The costs only grow as a range grows, so the greedy fill decides each candidate bound exactly."""
-    rows, run = _chunk_runs(groups)
-    n = len(run)
-    if n == 0 or all(r < 0 for r in run):
-        return None
-    caps = sorted({float(k) for k in range(1, n + 1)} | {MIXED_CHUNK_COST * k for k in range(1, n + 1)})
-    out: list[int] = []
-    for kw in SPLIT_WARPS:
-        lo, hi = 0, len(caps) - 1                      # caps[-1] (every chunk on one warp) always fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _greedy_starts(run, kw, caps[mid]) is None:
-                lo = mid + 1
-            else:
-                hi = mid
-        starts = _greedy_starts(run, kw, caps[lo])
-        offs = [rows[a] - 4 * a if b > a and run[a] >= 0 and run[a] == run[b - 1] else _MIXED_WARP
-                for a, b in zip(starts, starts[1:])]
-        out += starts + offs
-    return out
-
-
-def _splits_of(pw) -> list[int]:
-    """The weight's entry of the kslice ops' `splits` argument, once per weight: a flag (1: warp splits follow,
-    0: none -- uniform 4-bit weights have no table path) and warp_splits of its groups (zeros where none)."""
-    if "_cuda_splits" not in pw.meta:
-        sp = None if _uniform4(pw) or not SPLITS_ON else warp_splits(pw.groups)
-        pw.meta["_cuda_splits"] = [0] * (1 + SPLIT_INTS) if sp is None else [1] + sp
-    return pw.meta["_cuda_splits"]
-
-
-def _pws_splits(pws) -> list[int]:
-    """The `splits` argument of one launch over pws: their entries one after another, or [] where none has any."""
-    entries = [_splits_of(pw) for pw in pws]
-    return [v for e in entries for v in e] if any(e[0] for e in entries) else []
-
-
 def _chunks_of(pw) -> torch.Tensor:
     dev = pw.qweight.device
     cached = pw.meta.get("_cuda_chunks")
@@ -367,7 +280,7 @@ def _qmatmul_run(x, pw):
     elif route == "kslice":
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                             group_shift=_group_shift(pw),
-                                            min_group=_min_group(pw), splits=_pws_splits([pw]))
+                                            min_group=_min_group(pw))
     elif route == "skinny":
         y = torch.ops.exl_core.qgemm_skinny(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw))
     elif route == "mma":
@@ -471,8 +384,7 @@ def _silu_down_run(gate, up, pw):
     y = torch.ops.exl_core.qgemm_kslice_silu(g2.contiguous(), up.reshape(-1, pw.in_features).contiguous(),
                                              pw.qweight, _chunks_of(pw), pw.scale, pw.zero, _perm_of(pw, gate.device),
                                              None if bias is None else bias.contiguous(), _uniform4(pw),
-                                             min_group=_min_group(pw), group_shift=_group_shift(pw),
-                                             splits=_pws_splits([pw]))
+                                             min_group=_min_group(pw), group_shift=_group_shift(pw))
     return y.reshape(*gate.shape[:-1], pw.out_features)
 
 
@@ -520,8 +432,7 @@ def _many_run(x, pws):
                                                  group_shift=_pws_group_shift(pws))
     elif kslice:
         ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
-                                                   group_shift=_pws_group_shift(pws),
-                                                   splits=_pws_splits(pws))
+                                                   group_shift=_pws_group_shift(pws))
     elif skinny:
         ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)
     else:

@@ -4,9 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdint>
-
 #include "qgemm_kslice_kernel.cuh"
 #include "qmma_common.cuh"
 
@@ -135,45 +132,6 @@ void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t ti
 
 bool plan_usable(const Plan& p, bool u4) { return p.smem <= kSmemMax && plan_has_kernel(p, u4); }
 
-// Copies each weight's warp splits into its Mat after checking they stay inside the weight: `splits` is empty
-// (none) or, per weight, 1 + kSplitInts ints -- a flag (0: none, 1: these) and cuda_candidates.warp_splits.  The
-// starts run from 0 to K/32 without going back, and a 4-bit-run warp's rows lie within qweight; whether those rows
-// hold 4-bit words is the caller's to know (the same groups made both).  The kernel consults splits only in its
-// mixed-width staged-row instances.
-void set_splits(Mats& mats, at::IntArrayRef splits, at::TensorList qweight, int64_t K) {
-  if (splits.empty()) return;
-  constexpr int kEntry = 1 + kSplitInts;
-  TORCH_CHECK(splits.size() == static_cast<size_t>(mats.n) * kEntry, "exl_core::qgemm_kslice: warp splits need ",
-              kEntry, " ints a weight (a flag, then the splits) for ", mats.n, " weights, got ", splits.size());
-  const int n_chunks = static_cast<int>(K / 32);
-  for (int i = 0; i < mats.n; ++i) {
-    const int64_t* e = splits.data() + static_cast<size_t>(i) * kEntry;
-    TORCH_CHECK(e[0] == 0 || e[0] == 1, "exl_core::qgemm_kslice: warp splits ", i, " flag must be 0 or 1, got ", e[0]);
-    if (e[0] == 0) continue;
-    int32_t v[kSplitInts];
-    for (int j = 0; j < kSplitInts; ++j) {
-      TORCH_CHECK(e[1 + j] >= INT32_MIN && e[1 + j] <= INT32_MAX, "exl_core::qgemm_kslice: warp splits ", i,
-                  " hold a value past int32");
-      v[j] = static_cast<int32_t>(e[1 + j]);
-    }
-    const at::Tensor& q = qweight[i];
-    const int64_t rows = q.dim() == 3 ? q.size(1) : q.size(0);
-    for (int kw : {8, 16}) {
-      const int32_t* st = v + (kw == 8 ? 0 : kSplitInts8);
-      TORCH_CHECK(st[0] == 0 && st[kw] == n_chunks, "exl_core::qgemm_kslice: warp splits ", i, " (", kw,
-                  " warps) must run from chunk 0 to ", n_chunks);
-      for (int w = 0; w < kw; ++w) {
-        TORCH_CHECK(st[w] <= st[w + 1], "exl_core::qgemm_kslice: warp splits ", i, " go back at warp ", w);
-        const int64_t off = st[kw + 1 + w];
-        TORCH_CHECK(off == kMixedWarp || (off + 4LL * st[w] >= 0 && off + 4LL * st[w + 1] <= rows),
-                    "exl_core::qgemm_kslice: warp splits ", i, ": warp ", w, "'s 4-bit rows leave qweight");
-      }
-    }
-    mats.m[i].split = 1;
-    std::copy(v, v + kSplitInts, mats.m[i].ws);
-  }
-}
-
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one
 // x in one launch.  kw (warps along K: 4, 8, 16; 4 or 8 above 8 rows) and ring (chunks of words in registers
 // per lane: 4 or 8; above 8 rows 8 for uniform 4-bit and 4 otherwise) 0 = chosen here; min_group:
@@ -184,12 +142,11 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
                                    at::TensorList chunks, at::TensorList scale, at::TensorList zero,
                                    const c10::List<c10::optional<at::Tensor>>& perm,
                                    const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t kw,
-                                   int64_t ring, int64_t min_group, int64_t group_shift, at::IntArrayRef splits) {
+                                   int64_t ring, int64_t min_group, int64_t group_shift) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
   const int64_t M = x.size(0), K = x.size(1);
-  if (!uniform4) set_splits(mats, splits, qweight, K);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
   if (M == 0) return ys;
   const int dev = x.device().index();
@@ -228,10 +185,9 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
-                                           at::IntArrayRef splits) {
+                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
   return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
-                    group_shift, splits);
+                    group_shift);
 }
 
 // y [M, N] = (silu(gate) * up)[:, perm] @ W (+ bias) for M <= 8 rows: the MLP's down projection with the SwiGLU
@@ -239,24 +195,23 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
 at::Tensor qgemm_kslice_silu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& qweight,
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
-                             bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
-                             at::IntArrayRef splits) {
+                             bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   return kslice_run(gate, up, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                    group_shift, splits)[0];
+                    group_shift)[0];
 }
 
 at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
                         const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
                         const c10::optional<at::Tensor>& bias, bool uniform4, int64_t kw, int64_t ring,
-                        int64_t min_group, int64_t group_shift, at::IntArrayRef splits) {
+                        int64_t min_group, int64_t group_shift) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                            group_shift, splits)[0];
+                            group_shift)[0];
 }
 
 // Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
@@ -283,14 +238,13 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_kslice(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1, "
-        "int[] splits=[]) -> Tensor");
+        "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, int[] splits=[]) -> Tensor[]");
+        "int group_shift=-1) -> Tensor[]");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, int[] splits=[]) -> Tensor");
+        "int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
         "int ring=0) -> bool",
         &qgemm_kslice_fits);

@@ -46,8 +46,6 @@
 namespace exl_kslice {
 using namespace exl_mma;
 
-template <bool B> struct Bool { static constexpr bool value = B; };   // a compile-time flag a generic lambda takes
-
 constexpr int kTile = 32;        // output columns per block
 constexpr int kMaxRows = 32;     // four mma n-tiles
 constexpr int kStagedRows = 8;   // up to one n-tile, x is staged in shared memory; more rows (which would not
@@ -104,22 +102,17 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
   for (int i = 0; i < 4; ++i) dx[0][i] = 0.f;
 }
 
-// One warp's part of a launch: chunks [c0, c1) of K.  U4: chunk c's words at qweight rows 4c .. 4c + 3.  Mixed
-// widths: the chunk table's rows, except that a warp given a row offset (run4: rowoff != kMixedWarp, its chunks one
-// run of consecutive 4-bit chunks at rows rowoff + 4c) runs a second copy of the main loop with the 4-bit
-// extraction and the words by a pointer walk -- only the loop is duplicated: with the whole body instantiated twice
-// (the mixed kernels ~119 KB of code instead of ~69 KB) EXL2 batch-1 decode fell to 276.5-291.2 tok/s from ~330
-// (H200, stop 25 call 4).  `slots` x KW: groups whose scale/zero rows are staged in shared memory, slot = group (a
-// warp spanning groups past them reads those from global memory); `xs_stride`: halves per staged x row.
+// grid (total column tiles); block 32 * KW.  `slots`: groups per warp whose scale/zero rows are staged
+// (a warp spanning more groups reads the rest from global memory); `xs_stride`: halves per staged x row.
 // NT n-tiles of 8 x rows.  NT == 1: x's rows staged in shared memory.  NT > 1 (9..32 rows): every lane loads
 // its B fragments (8 values of a row, 16 bytes) straight from global memory into a ring of XR chunks, as it
 // does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
 // passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
 // shared memory) disappears.
-template <int KW, bool U4, int R, int NT, bool ACT>
-__device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K,
-                                            int n_chunks, int slots, int xs_stride, int gshift, int sgather,
-                                            const Mat& mat, int c0, int c1, int rowoff) {
+template <int KW, bool U4, int R, int NT, bool ACT = false>
+__global__ void __launch_bounds__(32 * KW)
+    qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
+                        int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
   constexpr bool XG = NT > 1;
   // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
   // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
@@ -129,6 +122,7 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
   constexpr bool S16 = U4 && !XG;
   constexpr int XR = XG ? 8 / NT : 1;                         // chunks of x in flight per lane: 32 registers
   static_assert(R % XR == 0, "the x ring must turn with the weight ring");
+  const Mat& mat = block_mat(mats);
   const int64_t N = mat.N;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -137,12 +131,13 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
   const int64_t lcol = col < N ? col : N - 4;
   const int32_t* base = opaque_ptr(mat.qw.at(0, lcol));
   const int64_t ldq = mat.qw.ldq;
-  const bool run4 = !U4 && !XG && rowoff != kMixedWarp;      // warp-uniform
+  const int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
+  const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem lay(n_chunks, KW, slots, M, xs_stride, sgather ? gather_halves(M, K, ACT) : 0);
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
-  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz);   // [KW x slots][scale 32 | zero 32], slot = group
+  float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
   float* red = reinterpret_cast<float*>(smem_raw + lay.red);
 
@@ -164,22 +159,16 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
   if constexpr (!U4) {
 #pragma unroll
     for (int i = 0; i < R; ++i)
-      if (c0 + i < c1) {
-        if (run4) load_words<true>(ring[i], nullptr, c0 + i, base + static_cast<int64_t>(rowoff) * ldq, ldq, t);
-        else load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
-      }
+      if (c0 + i < c1) load_words<false>(ring[i], tab + 3 * (c0 + i), c0 + i, base, ldq, t);
   }
-  // Scale/zero rows of the warp's groups that have a slot (groups are consecutive along the chunks, from 0; a group
-  // two warps share is staged by both, the same bytes).  Slots are the block's, not a warp's: warps of uneven
-  // chunk counts (warp splits) need no more of them.
-  const int nslots = KW * slots;
+  // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
   const int gA = c1 <= c0 ? 0 : reg ? c0 >> gshift : tab[3 * c0 + 1];
-  const int gw = c1 <= c0 ? 0 : min(nslots - gA, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
+  const int gw = c1 <= c0 ? 0 : min(slots, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
   for (int j = lane; j < gw * 16; j += 32) {
     const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
     int64_t cq = tile * kTile + 4 * q;
     cq = cq < N ? cq : N - 4;
-    cp_async16(szw + (gA + s) * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
+    cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
   }
 
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
@@ -345,9 +334,7 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
   };
   // Regular groups: the group check runs at a group's first chunk only (gnext); table groups check every chunk.
   int gnext = c0;
-  // w4: a Bool tag, true where the warp's chunks are 4-bit words at rows 4c (+ rowoff): U4, or run4.
-  auto step = [&](auto w4, const Raw& r, const uint4 (&xv)[NT], int c) {
-    constexpr bool W4 = decltype(w4)::value;
+  auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
     if (c == gnext) {                                         // warp-uniform
       const int ge = reg ? c >> gshift : e[1];
@@ -355,9 +342,10 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
       if (ge != grp) {
         if (grp >= 0) flush();
         grp = ge;
-        if (ge < nslots) {
-          s4 = *reinterpret_cast<const float4*>(szw + ge * 64 + 4 * g);
-          z4 = *reinterpret_cast<const float4*>(szw + ge * 64 + 32 + 4 * g);
+        const int s = ge - gA;
+        if (s < slots) {
+          s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
+          z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
         } else {
           s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
           z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
@@ -381,17 +369,16 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
       mma16816(dx[0], kOnes, kA12, kA12, kOnes, b[0][2], b[0][3]);
     }
     if constexpr (U4) chunk_mma_b<4, NT, S16>(r, b, t, d);
-    else if constexpr (W4) chunk_mma_b<4, NT, false>(r, b, t, d);
     else chunk_mma_b<0, NT, false>(r, b, t, d, e[0]);
   };
   // After chunk c's step: its slots take chunk c + R's words and chunk c + XR's x.  Uniform 4-bit: the words of
   // chunk c + R by a pointer that walks 4 rows a chunk -- from `base` per chunk, ptxas re-read the Mat's fields
   // from constant memory (indexed by the block's matrix) and redid the 64-bit address each time, ~25 instructions
   // ahead of every refill load (SASS of the k8 ring-4 instance).
-  const int32_t* wnext = base + (static_cast<int64_t>(run4 ? rowoff : 0) + 4 * (c0 + R) + t) * ldq;
+  const int32_t* wnext = base + static_cast<int64_t>(4 * (c0 + R) + t) * ldq;
   const int64_t wstep = 4 * ldq;
-  auto refill = [&](auto w4, int i, int c) {                  // c = cturn + i
-    if constexpr (decltype(w4)::value) {
+  auto refill = [&](int i, int c) {                           // c = cturn + i
+    if constexpr (U4) {
       if (c + R < c1) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
       wnext += wstep;
     } else if (c + R < c1) {
@@ -406,29 +393,21 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
       if (c0 + i < c1) load_x(xr[i], i);
   }
 
-  auto run = [&](auto w4) {
-    int c = c0;
-    for (; c + R <= c1; c += R) {                             // full ring turns: refill each slot after use
+  int c = c0;
+  for (; c + R <= c1; c += R) {                               // full ring turns: refill each slot after use
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        step(w4, ring[i], xr[i % XR], c + i);
-        refill(w4, i, c + i);
-      }
-      next_turn();
+    for (int i = 0; i < R; ++i) {
+      step(ring[i], xr[i % XR], c + i);
+      refill(i, c + i);
     }
-#pragma unroll
-    for (int i = 0; i < R; ++i)                               // the last partial turn
-      if (c + i < c1) {
-        step(w4, ring[i], xr[i % XR], c + i);
-        if constexpr (XG) refill(w4, i, c + i);
-      }
-  };
-  if constexpr (!U4 && !XG) {
-    if (run4) run(Bool<true>{});
-    else run(Bool<false>{});
-  } else {
-    run(Bool<U4>{});
+    next_turn();
   }
+#pragma unroll
+  for (int i = 0; i < R; ++i)                                 // the last partial turn
+    if (c + i < c1) {
+      step(ring[i], xr[i % XR], c + i);
+      if constexpr (XG) refill(i, c + i);
+    }
   if (grp >= 0) flush();
 
   store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
@@ -444,31 +423,6 @@ __device__ __forceinline__ void kslice_warp(const __half* __restrict__ x, const 
       mat.y[m * N + n] = __float2half_rn(a);
     }
   }
-}
-
-// grid (total column tiles); block 32 * KW.  Warp w takes chunks [n_chunks w / KW, n_chunks (w + 1) / KW), or, for a
-// mixed-width weight with warp splits (Mat::split, staged rows), its split's range; a split warp whose chunks are
-// one 4-bit run runs the 4-bit loop (kslice_warp's run4): EXL2's ~4.0 bpw weights are mostly 4-bit runs, and the
-// table-driven path costs ~1.8x a chunk (bench/gemv_probe.cu, H200: 4-bit q/k/v through the mixed path 17.96 us
-// against 10.20 through the uniform 4-bit kernel).
-template <int KW, bool U4, int R, int NT, bool ACT = false>
-__global__ void __launch_bounds__(32 * KW)
-    qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
-                        int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
-  const Mat& mat = block_mat(mats);
-  const int warp = threadIdx.x >> 5;
-  int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * warp / KW);
-  int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
-  int rowoff = kMixedWarp;
-  if constexpr (!U4 && NT == 1 && (KW == 8 || KW == 16)) {
-    if (mat.split) {
-      const int* sp = mat.ws + (KW == 8 ? 0 : kSplitInts8);   // starts [KW + 1], then row offsets [KW]
-      c0 = sp[warp];
-      c1 = sp[warp + 1];
-      rowoff = sp[KW + 1 + warp];
-    }
-  }
-  kslice_warp<KW, U4, R, NT, ACT>(x, up, M, K, n_chunks, slots, xs_stride, gshift, sgather, mat, c0, c1, rowoff);
 }
 
 

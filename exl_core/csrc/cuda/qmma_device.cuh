@@ -313,11 +313,6 @@ __device__ __forceinline__ void store_partials(const float (&acc)[2][NT][4], flo
 // Several weights that read the same x (q/k/v, gate/up) run in one launch: the grid's x dimension
 // walks the column tiles of matrix 0, then matrix 1, ...; every block serves one matrix.
 constexpr int kMaxMats = 4;
-// Warp splits of a mixed-width weight for qgemm_kslice's staged rows (8 and 16 warps along K): per warp count, the
-// chunk starts [KW + 1] then each warp's row offset [KW] -- kMixedWarp for a warp on the table-driven path, else
-// its chunks are one run of 4-bit chunks at rows offset + 4c (exl_core/ops/cuda_candidates.py warp_splits).
-constexpr int kSplitInts8 = 8 + 1 + 8, kSplitInts = kSplitInts8 + 16 + 1 + 16;
-constexpr int kMixedWarp = -2147483647 - 1;
 struct Mat {
   QPtr qw;
   const int32_t* chunks;      // [K/32, 3]
@@ -329,8 +324,6 @@ struct Mat {
   int64_t N;
   int tile0;                  // first blockIdx.x of this matrix
   const __half* x;            // this matrix's own x (qgemm_kslice: x permuted for act-order), or null
-  int split;                  // 1: ws holds warp splits (qgemm_kslice only)
-  int ws[kSplitInts];
 };
 struct Mats {
   Mat m[kMaxMats];
