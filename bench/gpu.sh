@@ -20,8 +20,7 @@
 # nosg (both formats with EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), u4rows (GPTQ with EXL_CORE_KSLICE_U4_ONE_ROW=0: gate/up at 2..8 rows on
 # qgemm_kslice too), mixks (EXL2 with EXL_CORE_KSLICE_MIXED_SKINNY=0: mixed widths at 1..8 rows on qgemm_kslice), nofold (EXL2 with
-# EXL_CORE_FOLD_DOWN_PERM=0: down_proj keeps its act-order permutation), xgring4 (GPTQ with EXL_CORE_KSLICE_XG_RING=4: the 9..32-row
-# qgemm_kslice on ring 4), knockout (bench/decode_knockout.py: the graphed decode with norms,
+# EXL_CORE_FOLD_DOWN_PERM=0: down_proj keeps its act-order permutation), knockout (bench/decode_knockout.py: the graphed decode with norms,
 # attention, rope or the head knocked out, for their share of the step), attnab (both formats with
 # EXL_CORE_ATTN_HEAD_MAJOR=0, then EXL_CORE_ATTN_EARLY=0: the paged attention's launch order and early loads), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
@@ -117,7 +116,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has xgring4 || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has attnab || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has attnab || has nofuse || has nosilu || has noks || has nowide || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -194,10 +193,6 @@ fi
 if has nofold; then   # A/B: EXL2 with down_proj's act-order permutation left in place (loader.fold_down_perms off)
   EXL_CORE_FOLD_DOWN_PERM=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nofold.json 2>&1 | tee -a "$LOG" | tail -14
-fi
-if has xgring4; then  # A/B: GPTQ with EXL_CORE_KSLICE_XG_RING=4 (qgemm_kslice above 8 rows, uniform 4-bit: ring 4, not 8)
-  EXL_CORE_KSLICE_XG_RING=4 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
-    --json /tmp/gpu_h200_xgring4.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has mixks; then    # A/B: EXL2 (mixed widths) at 1..8 rows on qgemm_kslice whatever the tile count (gate/up too)
   EXL_CORE_KSLICE_MIXED_SKINNY=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \

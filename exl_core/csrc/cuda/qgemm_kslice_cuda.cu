@@ -4,9 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "qgemm_kslice_kernel.cuh"
 #include "qmma_common.cuh"
 
@@ -51,17 +48,6 @@ bool mixed_waves_to_skinny() {
 
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
-// Ring of uniform 4-bit weights above 8 rows: 8, or 4 with EXL_CORE_KSLICE_XG_RING=4 (A/B runs: under Nsight Compute
-// the 8-ring 4-n-tile instance's warps stalled 1.66 cycles per issued instruction on "no instruction", its loop
-// 1,749 static instructions, ~28 KB; stop 25 call 2, csrc/cuda/NOTES.md).
-int xg_ring_u4() {
-  static const int ring = [] {
-    const char* v = std::getenv("EXL_CORE_KSLICE_XG_RING");
-    return v && std::strcmp(v, "4") == 0 ? 4 : 8;
-  }();
-  return ring;
-}
-
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
 // every SM streams with many loads in flight; more tiles take 8 (measured on the H200, bench/cuda_probe.py
 // kslice: 4096x4096 M=1 6.8 us with 16 warps, 7.5 with 8; q/k/v 3x4096 17.6 us with 8, 20.3 with 16).
@@ -70,8 +56,7 @@ int xg_ring_u4() {
 // 4096x4096 9.3 with 8, 12.2 with 4; M=32 gate/up 66.0 with 4, 74.6 with 8, q/k/v 38.4 with 8, 44.2 with 4).
 // Their accumulators and x ring take 160-222 registers a lane: no 16-warp instance.
 // `min_group`: the smallest group (rows) of the weights, for the scale slots.
-// Ring (chunks of words in flight per lane): 4, except 8 for uniform 4-bit above 8 rows (xg_ring_u4) and under the
-// fused SwiGLU.
+// Ring (chunks of words in flight per lane): 4, except 8 for uniform 4-bit above 8 rows and under the fused SwiGLU.
 // Since the 4-bit extraction takes one LOP3 a pair instead of two (qmma_device.cuh and_or), ring 4 beats ring 8
 // at one row (bench/gemv_probe.cu, H200, same call, us: q/k/v k8 12.59 vs 15.32, o k16 5.98 vs 6.35, gate/up k8
 // 23.37 vs 25.16; down k16 13.61 vs 13.10 -- the fused down projection keeps ring 8).
@@ -80,7 +65,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
   if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : 8;
-  if (ring <= 0) ring = u4 && act ? 8 : u4 && nt > 1 ? xg_ring_u4() : 4;
+  if (ring <= 0) ring = u4 && (nt > 1 || act) ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
@@ -101,10 +86,10 @@ void plan_sgather(Plan& p, int M, int64_t K, bool any_perm, bool act) {
 }
 
 // The instances: staged x (1 n-tile) with 4/8/16 warps and rings 4/8; x from global memory (2 or 4 n-tiles) with
-// 4/8 warps and ring 4, or 8 for uniform 4-bit.
+// 4/8 warps and ring 8 (uniform 4-bit) or 4.
 bool plan_has_kernel(const Plan& p, bool u4) {
   if (p.nt == 1) return (p.kw == 4 || p.kw == 8 || p.kw == 16) && (p.ring == 4 || p.ring == 8);
-  return (p.kw == 4 || p.kw == 8) && (p.ring == 4 || (u4 && p.ring == 8));
+  return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
 }
 
 template <int KW, bool U4, int R, int NT, bool ACT>
@@ -137,12 +122,10 @@ void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t ti
     else if (p.ring == 4) launch_kw<false, 4, 1>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 8, 1>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (p.nt == 2) {
-    if (u4 && p.ring == 8) launch_kw<true, 8, 2>(x, up, M, K, tiles, p, mats, dev, stream);
-    else if (u4) launch_kw<true, 4, 2>(x, up, M, K, tiles, p, mats, dev, stream);
+    if (u4) launch_kw<true, 8, 2>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 2>(x, up, M, K, tiles, p, mats, dev, stream);
   } else {
-    if (u4 && p.ring == 8) launch_kw<true, 8, 4>(x, up, M, K, tiles, p, mats, dev, stream);
-    else if (u4) launch_kw<true, 4, 4>(x, up, M, K, tiles, p, mats, dev, stream);
+    if (u4) launch_kw<true, 8, 4>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 4>(x, up, M, K, tiles, p, mats, dev, stream);
   }
 }
