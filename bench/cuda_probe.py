@@ -4,7 +4,7 @@
     python bench/cuda_probe.py check                         # do the C++ input checks raise (not crash)?
     python bench/cuda_probe.py layout                        # row-major vs column-tiled qweight, timed
     python bench/cuda_probe.py kslice                        # decode kernels: qgemm_kslice variants vs skinny
-    python bench/cuda_probe.py ks|wide M                     # 8 distinct 4096x4096 weights x 3 rounds (for ncu)
+    python bench/cuda_probe.py ks|wide M [splits K N]        # 8 distinct KxN weights (4096x4096) x 3 rounds (for ncu)
     python bench/cuda_probe.py syncs CKPT                    # where a prefill / decode step syncs the host
     python bench/cuda_probe.py prompt CKPT                   # 2048-token prefill: SDPA backends, host time
 """
@@ -256,8 +256,12 @@ def main() -> None:
         return
     M = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     splits = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    pws = [weight() for _ in range(8)]
-    x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
+    # K and N (default 4096 x 4096): one weight of N = 12288 or 22016 columns gives the grid of the batch-32 q/k/v or
+    # gate/up launch (3 x 4096 or 2 x 11008 columns), K = 11008 the down projection's
+    K = int(sys.argv[4]) if len(sys.argv) > 4 else 4096
+    N = int(sys.argv[5]) if len(sys.argv) > 5 else 4096
+    pws = [weight(K, N) for _ in range(8)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     ops = torch.ops.exl_core
     for _ in range(3):
         for pw in pws:
@@ -275,7 +279,7 @@ def main() -> None:
             else:
                 ops.qgemv_chunks(x, pw.qweight, ch, pw.scale, pw.zero, None, None)
     torch.cuda.synchronize()
-    print("probe done", what, M, splits)
+    print("probe done", what, M, splits, K, N)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), ncu32 (qgemm_wide and
-# the 9..32-row qgemm_kslice at 32 rows under Nsight Compute: stall reasons), readbw (bench/read_bw.cu: read bandwidth by
+# the 9..32-row qgemm_kslice at the bench's batch-32 launches under Nsight Compute: stall reasons, a SASS CSV), readbw (bench/read_bw.cu: read bandwidth by
 # access method), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nofuse (bench's
 # graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0, EXL_CORE_ROPE_KV_FUSE=0 and EXL_CORE_RESIDUAL_ADD=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0),
 # nosg (both formats with EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory), nosilu
@@ -222,15 +222,20 @@ if has ncu; then      # qgemm_kslice at 32 rows (4096x4096) under Nsight Compute
     --section LaunchStats --metrics lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed \
     $PY bench/cuda_probe.py ks 32 2>&1 | tee -a "$LOG" | tail -100
 fi
-if has ncu32; then    # the batch-32 decode kernels under Nsight Compute: qgemm_wide (q/k/v, gate/up at 32 rows) and
-  # the 9..32-row qgemm_kslice (o, down), 4096x4096 at 32 rows: stall reasons per issued instruction, to tell latency
-  # (the x ring, the stage barrier, warps per scheduler) from issue (csrc/cuda/NOTES.md, stop 24: "Next")
-  for k in wide ks; do
+if has ncu32; then    # the batch-32 decode kernels under Nsight Compute, at the bench's launches: qgemm_wide on q/k/v (one
+  # 4096 x 12288 weight: the 3 x 4096 launch's grid) and gate/up (4096 x 22016), the 9..32-row qgemm_kslice on o (4096 x
+  # 4096) and down (11008 x 4096), 32 rows: stall reasons per issued instruction (stop 25 profiled 4096 x 4096 only, a
+  # shape that runs on kslice at batch 32); then gate/up's per-instruction stall samples as a SASS CSV
+  for spec in "wide 32 0 4096 12288" "wide 32 0 4096 22016" "ks 32 0 4096 4096" "ks 32 0 11008 4096"; do
     timeout ${PROBE_TIMEOUT:-150} ncu --clock-control none -k regex:qgemm_ --launch-skip 8 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-      $PY bench/cuda_probe.py $k 32 2>&1 | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | tail -70
+      $PY bench/cuda_probe.py $spec 2>&1 | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " \
+      | tail -70
   done
+  timeout ${PROBE_TIMEOUT:-150} ncu --clock-control none -k regex:qgemm_ --launch-skip 8 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+    $PY bench/cuda_probe.py wide 32 0 4096 22016 >"$OUT/wide_gu_sass.csv" 2>/dev/null; ls -la "$OUT/wide_gu_sass.csv"
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
   timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee -a "$LOG" | tail -8
