@@ -80,7 +80,7 @@ GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslic
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide, uniform 4-bit: at 9..16 rows kslice is as fast
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
-WIDE_U4_MIN_TILES = 64      # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
+WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # A/B knob; uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
                             # cuda_probe.py kslice, one call) 4096x4096 wide 14.4 vs kslice 13.0 us, 11008x4096 32.2
                             # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
                             # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7)

@@ -348,9 +348,12 @@ inline int64_t assign_tiles(Mats& mats, int tile_n) {
   return tiles;
 }
 
-// red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns); the
-// gridDim.y blocks of a column tile (one cluster on sm_90) add theirs in rank order and write
-// y (+ bias) once: deterministic, no atomics.  Every thread of the block must call this.
+// red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns, 16-byte aligned); the
+// gridDim.y blocks of a column tile (one cluster on sm_90) add theirs in rank order and write y (+ bias) once:
+// deterministic, no atomics.  Every thread of the block must call this.  Four columns a thread at a time (tile_n %
+// 4 == 0 and N % 4 == 0, so a piece is all in range or all out): a 16-byte read per rank and an 8-byte store, a
+// quarter of the remote round trips of one float at a time.
+#if defined(EXL_CLUSTER_STORE_V0)   // A/B of the probes only (PROBE_FLAGS=-DEXL_CLUSTER_STORE_V0): one float at a time
 __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
                                               const Mat& mat) {
   const int64_t N = mat.N;
@@ -371,10 +374,10 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();                                             // every block's `red` is final
+  cluster.sync();
   const int rank = static_cast<int>(cluster.block_rank());
   for (int idx = rank * nthreads + threadIdx.x; idx < E; idx += S * nthreads) {
-    float v[kMaxSplits];                                      // all remote reads in flight, then the sum
+    float v[kMaxSplits];
 #pragma unroll
     for (int q = 0; q < kMaxSplits; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
     float a = 0.f;
@@ -382,9 +385,68 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
     for (int q = 0; q < kMaxSplits; ++q) a += v[q];
     store(idx, a);
   }
-  cluster.sync();                                             // keep `red` alive until all reads are done
+  cluster.sync();
 #endif
 }
+#else
+__device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
+                                              const Mat& mat) {
+  const int64_t N = mat.N;
+  auto store4 = [&](int idx, float4 a) {                      // idx: the piece's first element
+    const int m = idx / tile_n;
+    const int64_t n = tile * tile_n + idx % tile_n;
+    if (n < N) {
+      if (mat.bias) {
+        a.x += __half2float(mat.bias[n]);
+        a.y += __half2float(mat.bias[n + 1]);
+        a.z += __half2float(mat.bias[n + 2]);
+        a.w += __half2float(mat.bias[n + 3]);
+      }
+      const __half2 lo = __floats2half2_rn(a.x, a.y), hi = __floats2half2_rn(a.z, a.w);
+      *reinterpret_cast<uint2*>(mat.y + m * N + n) = make_uint2(h2u(lo), h2u(hi));
+    }
+  };
+  const int S = gridDim.y, E4 = E / 4;
+  if (S == 1) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < E4; i += nthreads) store4(4 * i, reinterpret_cast<const float4*>(red)[i]);
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();                                             // every block's `red` is final
+  const int rank = static_cast<int>(cluster.block_rank()), step = S * nthreads;
+  // two pieces an iteration, every remote read of both in flight before the sums (at 32 rows of 128 columns a
+  // thread has at most 4 pieces: the loop's latency is 1-2 round trips)
+  for (int i = rank * nthreads + threadIdx.x; i < E4; i += 2 * step) {
+    const bool two = i + step < E4;
+    float4 v[2][kMaxSplits];
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) {
+      const float4* r = reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q < S ? q : 0));
+      v[0][q] = q < S ? r[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[1][q] = q < S && two ? r[i + step] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float4 a = v[h][0];
+#pragma unroll
+      for (int q = 1; q < kMaxSplits; ++q) {
+        a.x += v[h][q].x;
+        a.y += v[h][q].y;
+        a.z += v[h][q].z;
+        a.w += v[h][q].w;
+      }
+      if (h == 0 || two) store4(4 * (i + h * step), a);
+    }
+  }
+  // keep `red` alive until every rank's reads are done: their values are already used, so no ordering is needed
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
+#endif
 
 // d[u][nt] += A(tile u of the chunk: a from a_frags, raw or scaled) x B(n-tile nt), both k16 steps of the chunk:
 // one A fragment serves every n-tile.
