@@ -185,7 +185,14 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     }
     uint32_t b[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) b_pairs(*reinterpret_cast<const uint4*>(xb + nt * 8 * kStageW + i * 32), b[nt]);
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 v = *reinterpret_cast<const uint4*>(xb + nt * 8 * kStageW + i * 32);
+#if defined(EXL_WIDE_PRMT_V0)   // A/B of the probe only: every warp reorders the staged rows itself
+      b_pairs(v, b[nt]);
+#else                           // staged in the pair order (permute_stage below)
+      b[nt][0] = v.x, b[nt][1] = v.y, b[nt][2] = v.z, b[nt][3] = v.w;
+#endif
+    }
     uint32_t a[4][4];
     if constexpr (U4) {
       scaled_a<4>(ring[i], t, sh, zs, a);
@@ -198,8 +205,24 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     mma_chunk<NT>(a, b, acc);
   };
 
+  // Stage s's pieces that this thread copied, reordered in place into b_pairs' order once, so that the four warps
+  // reading them load B words with no PRMT (16 a chunk each at 4 n-tiles: ~1 instruction per HMMA of the loop in
+  // the gate/up instance's SASS, done 4 times over for the same x).  Rows past M are zero (unchanged by it); pieces
+  // past the weight's last chunk hold stale bytes that no chunk reads.
+  auto permute_stage = [&](int s) {
+#if !defined(EXL_WIDE_PRMT_V0)
+    __half* dst = xs + (s % kStages) * kRows * kStageW + pm * kStageW + pk;
+#pragma unroll
+    for (int j = 0; j < kPasses; ++j)
+      if (pm + j * kRP < M) {
+        uint4* p = reinterpret_cast<uint4*>(dst + j * kRP * kStageW);
+        *p = stage_pairs<false>(*p);
+      }
+#endif
+  };
   for (int s = 0; s < nst; ++s) {
     cp_async_wait<kStages - 2>();
+    permute_stage(s);                                                   // this thread's own pieces: no barrier first
     __syncthreads();                                                    // stage s landed; stage s-1 is free
     if (s + kStages - 1 < nst) issue(s + kStages - 1);
     cp_async_commit();
