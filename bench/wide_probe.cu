@@ -170,13 +170,13 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&x, hx.size() * 2));
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     if (g_one) {
-      for (auto& w : sets) Launcher<4, 3>::go(x, 32, K, N, w, 8, 0);
+      for (auto& w : sets) Launcher<4, 2>::go(x, 32, K, N, w, 8, 0);
       CK(cudaDeviceSynchronize());
       return 0;
     }
     for (int M : {17, 32}) {
-      row<Launcher<4, 3>>("ring4 stages3", sh.name, x, M, K, N, sets);   // the extension's instance
-      row<Launcher<4, 2>>("ring4 stages2", sh.name, x, M, K, N, sets);
+      row<Launcher<4, 2>>("ring4 stages2", sh.name, x, M, K, N, sets);   // the extension's instance
+      row<Launcher<4, 3>>("ring4 stages3", sh.name, x, M, K, N, sets);
       row<Launcher<2, 4>>("ring2 stages4", sh.name, x, M, K, N, sets);
     }
     for (auto& w : sets) {

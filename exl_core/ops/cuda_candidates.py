@@ -85,6 +85,8 @@ WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # 
                             # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
                             # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7)
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
+WIDE_NARROW_SPLITS = int(os.environ.get("EXL_CORE_WIDE_NARROW_SPLITS", "0"))   # A/B knob: K splits (cluster size) of
+                            # single-weight launches narrower than 64 tiles (o, down; with the knob above lowered)
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -275,7 +277,9 @@ def _qmatmul_run(x, pw):
         bias = bias.contiguous()
     route = _route(rows, pw, x2)
     if route == "wide":
+        narrow = (pw.out_features + 127) // 128 < 64
         y = torch.ops.exl_core.qgemm_wide(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
+                                          splits=WIDE_NARROW_SPLITS if narrow else 0,
                                           min_group=_min_group(pw), group_shift=_group_shift(pw))
     elif route == "kslice":
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),

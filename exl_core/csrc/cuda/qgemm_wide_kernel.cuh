@@ -8,7 +8,8 @@
 // ~2 warps per scheduler, ~0.7 TB/s at 32 rows.  Here (designed and tuned in bench/wide_probe.cu):
 //   block      4 warps side by side = 128 output columns of one K range, so x leaves L2 once per 128
 //              columns; its rows for the range go to shared memory by cp.async in kStages stages of kRing
-//              chunks, every warp reads them (one 16-byte shared load per row group of 8 and chunk).
+//              chunks, each piece reordered in place into the B-pair order by the thread that copied it, so
+//              every warp reads its B words with one 16-byte shared load per row group of 8 and chunk, no PRMT.
 //   A          the weights, scaled before the mma: pairs of (1024 + q) by one LOP3 (a_frags), q exact by one
 //              HSUB2, then q*s - z*s by one HFMA2 (fp16 weights as a dense fp16 GEMM would hold them): 16 mma
 //              per chunk at 32 rows and one accumulator set.  s and z of the block's groups are staged in
@@ -34,7 +35,8 @@ using namespace exl_mma;
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps, kTile = 32 * kWarps;   // 128 output columns per block
 constexpr int kRing = 4;          // chunks of words in flight per lane = chunks per x stage (the kernel's default)
-constexpr int kStages = 3;        // x stages in shared memory (default)
+constexpr int kStages = 2;        // x stages in shared memory (default; 3 ran 0.3-1.8 % slower once the stages were
+                                  // reordered in place, bench/wide_probe.cu, 2026-12-01)
 constexpr int kXPad = 32;         // halves of padding per staged row: the two rows of one LDS.128 phase on other banks
 constexpr int kMaxRows = 32;
 constexpr size_t kSmemMax = 100 * 1024;   // two blocks per SM
@@ -187,11 +189,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const uint4 v = *reinterpret_cast<const uint4*>(xb + nt * 8 * kStageW + i * 32);
-#if defined(EXL_WIDE_PRMT_V0)   // A/B of the probe only: every warp reorders the staged rows itself
-      b_pairs(v, b[nt]);
-#else                           // staged in the pair order (permute_stage below)
-      b[nt][0] = v.x, b[nt][1] = v.y, b[nt][2] = v.z, b[nt][3] = v.w;
-#endif
+      b[nt][0] = v.x, b[nt][1] = v.y, b[nt][2] = v.z, b[nt][3] = v.w;   // staged in the pair order (permute_stage)
     }
     uint32_t a[4][4];
     if constexpr (U4) {
@@ -210,7 +208,6 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   // the gate/up instance's SASS, done 4 times over for the same x).  Rows past M are zero (unchanged by it); pieces
   // past the weight's last chunk hold stale bytes that no chunk reads.
   auto permute_stage = [&](int s) {
-#if !defined(EXL_WIDE_PRMT_V0)
     __half* dst = xs + (s % kStages) * kRows * kStageW + pm * kStageW + pk;
 #pragma unroll
     for (int j = 0; j < kPasses; ++j)
@@ -218,7 +215,6 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
         uint4* p = reinterpret_cast<uint4*>(dst + j * kRP * kStageW);
         *p = stage_pairs<false>(*p);
       }
-#endif
   };
   for (int s = 0; s < nst; ++s) {
     cp_async_wait<kStages - 2>();

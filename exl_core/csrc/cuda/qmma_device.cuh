@@ -353,42 +353,6 @@ inline int64_t assign_tiles(Mats& mats, int tile_n) {
 // deterministic, no atomics.  Every thread of the block must call this.  Four columns a thread at a time (tile_n %
 // 4 == 0 and N % 4 == 0, so a piece is all in range or all out): a 16-byte read per rank and an 8-byte store, a
 // quarter of the remote round trips of one float at a time.
-#if defined(EXL_CLUSTER_STORE_V0)   // A/B of the probes only (PROBE_FLAGS=-DEXL_CLUSTER_STORE_V0): one float at a time
-__device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
-                                              const Mat& mat) {
-  const int64_t N = mat.N;
-  auto store = [&](int idx, float a) {
-    const int m = idx / tile_n;
-    const int64_t n = tile * tile_n + idx % tile_n;
-    if (n < N) {
-      if (mat.bias) a += __half2float(mat.bias[n]);
-      mat.y[m * N + n] = __float2half_rn(a);
-    }
-  };
-  const int S = gridDim.y;
-  if (S == 1) {
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < E; idx += nthreads) store(idx, red[idx]);
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int rank = static_cast<int>(cluster.block_rank());
-  for (int idx = rank * nthreads + threadIdx.x; idx < E; idx += S * nthreads) {
-    float v[kMaxSplits];
-#pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q) v[q] = q < S ? cluster.map_shared_rank(red, q)[idx] : 0.f;
-    float a = 0.f;
-#pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q) a += v[q];
-    store(idx, a);
-  }
-  cluster.sync();
-#endif
-}
-#else
 __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
                                               const Mat& mat) {
   const int64_t N = mat.N;
@@ -445,8 +409,6 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
-
-#endif
 
 // d[u][nt] += A(tile u of the chunk: a from a_frags, raw or scaled) x B(n-tile nt), both k16 steps of the chunk:
 // one A fragment serves every n-tile.
