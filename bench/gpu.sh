@@ -160,8 +160,6 @@ fi
 if has widetiles; then  # A/B: uniform 4-bit o and down (fewer than 64 tiles of 128 columns) on qgemm_wide at 17..32 rows
   EXL_CORE_WIDE_U4_MIN_TILES=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
     --json /tmp/gpu_h200_widetiles.json 2>&1 | tee -a "$LOG" | tail -14
-  EXL_CORE_WIDE_U4_MIN_TILES=1 EXL_CORE_WIDE_NARROW_SPLITS=4 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py \
-    --gptq "$CK/gptq" --quick --json /tmp/gpu_h200_widetiles_s4.json 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \

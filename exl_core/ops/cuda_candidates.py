@@ -80,13 +80,16 @@ GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslic
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide, uniform 4-bit: at 9..16 rows kslice is as fast
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
-WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # A/B knob; uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
+WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # (env: A/B runs)
+                            # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
                             # cuda_probe.py kslice, one call) 4096x4096 wide 14.4 vs kslice 13.0 us, 11008x4096 32.2
                             # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
-                            # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7)
+                            # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7). Re-checked end to end after
+                            # the wide kernel's faster reduction (stop 26, GPTQ bs32, same call, gpu.sh widetiles):
+                            # o/down on wide 7,004.2 vs 7,620.4 tok/s (call 2), 7,182.7 vs 7,731.9 (call 4), and
+                            # with 4 splits instead of 8 6,430.1 -- though bench/wide_probe.cu times wide's 4096x4096
+                            # and 11008x4096 at 12.3 / 25.3 us, below kslice's 13.0 / 30.5 of the older sweep
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
-WIDE_NARROW_SPLITS = int(os.environ.get("EXL_CORE_WIDE_NARROW_SPLITS", "0"))   # A/B knob: K splits (cluster size) of
-                            # single-weight launches narrower than 64 tiles (o, down; with the knob above lowered)
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -277,9 +280,7 @@ def _qmatmul_run(x, pw):
         bias = bias.contiguous()
     route = _route(rows, pw, x2)
     if route == "wide":
-        narrow = (pw.out_features + 127) // 128 < 64
         y = torch.ops.exl_core.qgemm_wide(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
-                                          splits=WIDE_NARROW_SPLITS if narrow else 0,
                                           min_group=_min_group(pw), group_shift=_group_shift(pw))
     elif route == "kslice":
         y = torch.ops.exl_core.qgemm_kslice(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
