@@ -22,7 +22,7 @@
 // bench/results/cuda_kslice_h200.json) against qgemm_kslice: GPTQ 4-bit g128 4096x4096 14.4 (13.0), q/k/v 27.6
 // (38.9), gate/up 47.2 (66.1), 11008x4096 32.2 (30.5); EXL2 ~4.0 bpw act-order 18.7 (18.7), 52.3 (53.7), 56.4
 // (87.3), 42.0 (44.7).  This kernel in the probe (no PDL, one matrix per launch; wide_probe_h200.json call 9):
-// GPTQ 14.1 / 28.2 / 41.4 / 29.1; the probe's own v2 without the chunk table ran 13.0 / 26.5 / 39.9 / 27.3.
+// GPTQ 14.1 / 28.2 / 41.3 / 29.1; the probe's own v2 without the chunk table ran 13.0 / 26.4 / 39.9 / 27.3.
 // Stop 26 (bench/wide_probe.cu, 32 rows, one call): 12.24-12.29 / 23.51-23.62 / 33.64-34.00 / 25.29 us after the
 // four-column cluster reduction, the in-place reorder of the x stages and two stages (NOTES.md, session "seventh").
 // Resource report (sm_90, stop 26): uniform 4-bit 127 (4 n-tiles) / 109 (2) registers, mixed widths 168 / 160; no spills.
