@@ -19,9 +19,13 @@ permutation:
     W_perm[k_start + i, n] = (q[i, n] - zero[g, n]) * scale[g, n]
 
     groups  int32 [G, 4]   rows (bits, k_start, k_len, qrow_start), sorted by k_start,
-                           covering [0, K) without gaps.
+                           covering [0, R) without gaps, R = k_rows (K unless set below).
     scale   float32 [G, N]
     zero    float32 [G, N] (EXL2: 2^(bits-1) everywhere; GPTQ: the stored zero point)
+
+W_perm may have more rows than x has columns (`rows` = R > K, only with a permutation of length R whose
+values repeat): several rows then add into the same row of W (exl_core.formats.uniform4 writes 5..8-bit
+values as two 4-bit rows this way).
 
 `PackedWeight` is a plain container; `exl_core.ops.qmatmul` runs it and
 `exl_core.formats.packed.dequantize_reference` is the float64 specification.
@@ -49,10 +53,16 @@ class PackedWeight:
     out_features: int
     bias: Optional[torch.Tensor] = None   # [N] or None
     meta: dict = field(default_factory=dict)  # format-specific notes (e.g. source format, bpw)
+    rows: Optional[int] = None       # rows of W_perm when more than in_features (perm then [rows], repeating)
+
+    @property
+    def k_rows(self) -> int:
+        """Rows of W_perm (what the groups cover): in_features unless `rows` says more."""
+        return self.in_features if self.rows is None else self.rows
 
     def validate(self, name: str = "weight") -> "PackedWeight":
         """Checks the invariants above; raises FormatError naming `name`."""
-        K, N = self.in_features, self.out_features
+        K, N = self.k_rows, self.out_features
         g = self.groups
         if g.dim() != 2 or g.shape[1] != 4 or g.dtype != torch.int32:
             raise FormatError(f"{name}: groups must be int32 [G, 4], got {tuple(g.shape)} {g.dtype}")
@@ -67,6 +77,12 @@ class PackedWeight:
             expect_q += k_len * bits // 32
         if expect_k != K:
             raise FormatError(f"{name}: groups cover {expect_k} rows, in_features is {K}")
+        if self.rows is not None and (self.rows < self.in_features or self.perm is None):
+            raise FormatError(f"{name}: rows = {self.rows} needs a permutation and at least in_features = "
+                              f"{self.in_features} rows")
+        if self.perm is not None and self.rows is not None and self.perm.numel() and (
+                int(self.perm.min()) < 0 or int(self.perm.max()) >= self.in_features):
+            raise FormatError(f"{name}: perm values must lie in [0, {self.in_features})")
         if tuple(self.qweight.shape) != (expect_q, N) or self.qweight.dtype != torch.int32:
             raise FormatError(f"{name}: qweight must be int32 [{expect_q}, {N}], got "
                               f"{tuple(self.qweight.shape)} {self.qweight.dtype}")
@@ -87,13 +103,38 @@ class PackedWeight:
     def to(self, device) -> "PackedWeight":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedWeight(mv(self.qweight), self.groups, mv(self.scale), mv(self.zero), mv(self.perm),
-                            self.in_features, self.out_features, mv(self.bias), dict(self.meta))
+                            self.in_features, self.out_features, mv(self.bias), dict(self.meta), self.rows)
 
     @property
     def bits_per_weight(self) -> float:
         """Bits of qweight + per-group scale/zero as the source format stores them is format-specific;
         this counts only the packed values (meta['bpw'] carries the file's own figure)."""
         return self.qweight.numel() * 32 / (self.in_features * self.out_features)
+
+
+def unpack_group(words: torch.Tensor, bits: int, k_len: int) -> torch.Tensor:
+    """int32 [k_len*bits/32, N] little-endian bit streams -> int64 [k_len, N] values (any device; vectorised
+    unpack_bitstream)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF                        # [Q, N] unsigned
+    pos = torch.arange(k_len, device=w.device) * bits              # first stream bit of value i
+    wi, off = pos // 32, (pos % 32).unsqueeze(1)                   # [k_len], [k_len, 1]
+    lo = w[wi] >> off                                              # [k_len, N]
+    nxt = torch.clamp(wi + 1, max=w.shape[0] - 1)                  # straddling values read word+1
+    hi = torch.where(off + bits > 32, w[nxt] << (32 - off), torch.zeros_like(lo))
+    return (lo | hi) & ((1 << bits) - 1)
+
+
+def scatter_rows(pw: PackedWeight, w_perm: torch.Tensor) -> torch.Tensor:
+    """W [in_features, N] from W_perm [k_rows, N]: W[perm[k]] = W_perm[k], rows sharing a perm value added."""
+    if pw.perm is None:
+        return w_perm
+    perm = pw.perm.to(w_perm.device)
+    if pw.rows is None:
+        w = torch.empty_like(w_perm)
+        w[perm] = w_perm
+        return w
+    return torch.zeros(pw.in_features, w_perm.shape[1], dtype=w_perm.dtype,
+                       device=w_perm.device).index_add_(0, perm, w_perm)
 
 
 def pack_bitstream(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -130,13 +171,8 @@ def unpack_bitstream(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 def dequantize_reference(pw: PackedWeight, dtype=torch.float64) -> torch.Tensor:
     """The executable specification: W [K, N] in the ORIGINAL (unpermuted) row order."""
-    K, N = pw.in_features, pw.out_features
-    w_perm = torch.empty(K, N, dtype=dtype)
+    w_perm = torch.empty(pw.k_rows, pw.out_features, dtype=dtype)
     for gi, (bits, k_start, k_len, q_start) in enumerate(pw.groups.tolist()):
         q = unpack_bitstream(pw.qweight[q_start:q_start + k_len * bits // 32].cpu(), bits, k_len)
         w_perm[k_start:k_start + k_len] = (q.to(dtype) - pw.zero[gi].cpu().to(dtype)) * pw.scale[gi].cpu().to(dtype)
-    if pw.perm is None:
-        return w_perm
-    w = torch.empty_like(w_perm)
-    w[pw.perm.cpu()] = w_perm  # x_perm @ W_perm == x @ W with W[perm] = W_perm
-    return w
+    return scatter_rows(pw, w_perm)  # x_perm @ W_perm == x @ W with W[perm] = W_perm

@@ -36,21 +36,10 @@ from typing import Optional
 import torch
 
 from ..errors import InputError
-from ..formats.packed import PackedWeight
+from ..formats.packed import PackedWeight, scatter_rows, unpack_group
 from .dispatch import Candidate, Dispatcher, has_op
 
 # ---------------------------------------------------------------------------- torch reference
-
-
-def _unpack_group(words: torch.Tensor, bits: int, k_len: int) -> torch.Tensor:
-    """int32 [k_len*bits/32, N] little-endian bit streams -> int64 [k_len, N] values (any device)."""
-    w = words.to(torch.int64) & 0xFFFFFFFF                        # [Q, N] unsigned
-    pos = torch.arange(k_len, device=w.device) * bits              # first stream bit of value i
-    wi, off = pos // 32, (pos % 32).unsqueeze(1)                   # [k_len], [k_len, 1]
-    lo = w[wi] >> off                                              # [k_len, N]
-    nxt = torch.clamp(wi + 1, max=w.shape[0] - 1)                  # straddling values read word+1
-    hi = torch.where(off + bits > 32, w[nxt] << (32 - off), torch.zeros_like(lo))
-    return (lo | hi) & ((1 << bits) - 1)
 
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -58,17 +47,12 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
 
     Same formula as the kernel, w = (q - zero) * scale, but not bit-matched to it; the float64
     specification stays `exl_core.formats.packed.dequantize_reference`."""
-    K, N = pw.in_features, pw.out_features
     dev = pw.qweight.device
-    w_perm = torch.empty(K, N, dtype=dtype, device=dev)
+    w_perm = torch.empty(pw.k_rows, pw.out_features, dtype=dtype, device=dev)
     for gi, (bits, k_start, k_len, q_start) in enumerate(pw.groups.tolist()):
-        q = _unpack_group(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
+        q = unpack_group(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
         w_perm[k_start:k_start + k_len] = ((q.to(dtype) - pw.zero[gi].to(dtype)) * pw.scale[gi].to(dtype))
-    if pw.perm is None:
-        return w_perm
-    w = torch.empty_like(w_perm)
-    w[pw.perm.to(dev)] = w_perm          # x[:, perm] @ W_perm == x @ W
-    return w
+    return scatter_rows(pw, w_perm)      # x[:, perm] @ W_perm == x @ W
 
 
 def _run_torch_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:

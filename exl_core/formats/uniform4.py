@@ -1,0 +1,81 @@
+"""A mixed-width weight (EXL2) rewritten exactly as uniform 4-bit rows, for the GPU's 4-bit kernels.
+
+Why: on the H200 the mixed-width decode kernels hold 128-168 registers and a width-dispatching extraction;
+an EXL2 4.0 bpw model's batch-1 step with everything but the projections knocked out takes 1.719x GPTQ's
+(exl_core/csrc/cuda/NOTES.md, session "seventh"), although most of its rows are 4-bit.
+
+How, per group of W_perm (a PackedWeight's rows share one width):
+  2..4 bits   the values as they are, stored in 4 bits (same zero and scale).
+  5..8 bits   q = 16 h + r with r, h in [0, 16): the group's row keeps r with zero 8 and the group's scale;
+              an extra row, appended after all K rows, holds h with zero (z - 8) / 16 and scale 16 * s, and
+              reads the same x column (perm repeats it).  (r - 8) s + (h - (z - 8) / 16) 16 s = (q - z) s.
+The result is a PackedWeight of 4-bit groups over rows = K + (rows of 5..8-bit groups) with a permutation of
+that length (PackedWeight.rows): W = sum of the rows that share an x column.  Centring r on 8 keeps the main
+row's term in [-8 s, 7 s], as a 4-bit weight's, so kernels that scale weights in fp16 round it the same way.
+Every value is exact in float64 (tests/test_uniform4.py against dequantize_reference).  Storage grows where
+rows are not 4-bit (3-bit rows 4/3, 5-bit 8/5, 2-bit 2x, 8-bit 1x): `as_uniform4` declines above max_growth.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .packed import PackedWeight, unpack_group
+
+
+def growth(pw: PackedWeight) -> float:
+    """Packed words of the uniform 4-bit form over the weight's own."""
+    words = 0
+    for bits, _k, k_len, _q in pw.groups.tolist():
+        words += k_len * 4 // 32 * (2 if bits > 4 else 1)
+    return words / max(1, pw.qweight.shape[0])
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """int64 [k, N] values in [0, 16), k % 8 == 0 -> int32 [k / 8, N] (value 8r + t in bits 4t..4t+3)."""
+    k, n = q.shape
+    shifts = (torch.arange(8, device=q.device, dtype=torch.int64) * 4).view(1, 8, 1)
+    words = (q.view(k // 8, 8, n) << shifts).sum(dim=1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWeight]:
+    """pw with every group 4-bit (see the module docstring), on pw's device; None when pw already is uniform
+    4-bit, has more rows than in_features already, would grow by more than max_growth, or has a 5..8-bit
+    group's zero z for which (z - 8) / 16 is not exact in float32 (EXL2's and GPTQ's integer zeros are)."""
+    groups = pw.groups.tolist()
+    if pw.rows is not None or all(g[0] == 4 for g in groups) or growth(pw) > max_growth:
+        return None
+    K, N = pw.in_features, pw.out_features
+    dev = pw.qweight.device
+    perm = pw.perm.to(dev) if pw.perm is not None else torch.arange(K, device=dev)
+    main_q, extra_q, main_g, extra_g, extra_rows = [], [], [], [], []
+    for gi, (bits, k_start, k_len, q_start) in enumerate(groups):
+        q = unpack_group(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
+        s, z = pw.scale[gi], pw.zero[gi]
+        if bits <= 4:
+            main_q.append(q)
+            main_g.append((s, z))
+            continue
+        zh = ((z.double() - 8) / 16).float()
+        if not torch.equal(zh.double() * 16 + 8, z.double()):      # a zero whose split would round
+            return None
+        main_q.append(q & 15)
+        main_g.append((s, torch.full_like(z, 8.0)))
+        extra_q.append(q >> 4)
+        extra_g.append((s * 16, zh))
+        extra_rows.append(perm[k_start:k_start + k_len])
+    lens = [g[2] for g in groups] + [g[2] for g in groups if g[0] > 4]
+    new_groups, k = [], 0
+    for k_len in lens:
+        new_groups.append((4, k, k_len, k // 8))
+        k += k_len
+    parts = main_g + extra_g
+    out = PackedWeight(_pack4(torch.cat(main_q + extra_q)).contiguous(),
+                       torch.tensor(new_groups, dtype=torch.int32),
+                       torch.stack([p[0] for p in parts]).contiguous(),
+                       torch.stack([p[1] for p in parts]).contiguous(),
+                       torch.cat([perm] + extra_rows).contiguous(), K, N, pw.bias,
+                       dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed")), k)
+    return out.validate("uniform4")

@@ -1,0 +1,85 @@
+"""exl_core.formats.uniform4: mixed-width weights rewritten as uniform 4-bit rows, checked exactly against the
+float64 specification (dequantize_reference) and the torch dequantiser."""
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from exl_core.errors import FormatError
+from exl_core.formats.packed import PackedWeight, dequantize_reference, pack_bitstream
+from exl_core.formats.uniform4 import as_uniform4, growth
+from exl_core.ops.qmatmul import dequantize
+
+
+def mixed(K, N, bits_of_group, seed, zeros="exl2", perm=True, group=64):
+    """A PackedWeight with one width per group of `group` rows; EXL2 zeros 2^(b-1) or random integer zeros."""
+    g = torch.Generator().manual_seed(seed)
+    rows, parts, q = [], [], 0
+    for i, k in enumerate(range(0, K, group)):
+        b = bits_of_group[i % len(bits_of_group)]
+        parts.append(pack_bitstream(torch.randint(0, 2 ** b, (group, N), generator=g), b))
+        rows.append((b, k, group, q))
+        q += group * b // 32
+    G = len(rows)
+    if zeros == "exl2":
+        zero = torch.tensor([[2.0 ** (r[0] - 1)] for r in rows]).expand(G, N).contiguous()
+    else:
+        zero = torch.stack([torch.randint(0, 2 ** r[0], (N,), generator=g).float() for r in rows])
+    return PackedWeight(torch.cat(parts), torch.tensor(rows, dtype=torch.int32),
+                        torch.rand(G, N, generator=g) * 0.05 + 1e-3, zero,
+                        torch.randperm(K, generator=g) if perm else None, K, N,
+                        torch.randn(N, generator=g)).validate("mixed")
+
+
+@pytest.mark.parametrize("widths", [(5, 4, 4, 4, 3), (2, 3, 4, 5, 6, 8), (8,), (6, 4)])
+@pytest.mark.parametrize("zeros", ["exl2", "int"])
+@pytest.mark.parametrize("perm", [True, False])
+def test_exact_against_the_specification(widths, zeros, perm):
+    pw = mixed(384, 40, widths, seed=len(widths), zeros=zeros, perm=perm)
+    u = as_uniform4(pw, max_growth=10.0)
+    assert u is not None
+    assert set(u.groups[:, 0].tolist()) == {4}
+    extra = sum(64 for i in range(384 // 64) if widths[i % len(widths)] > 4)
+    assert u.rows == 384 + extra and u.in_features == 384 and u.perm.numel() == u.rows
+    assert torch.equal(dequantize_reference(u), dequantize_reference(pw))      # float64: every value exact
+    assert torch.equal(dequantize(u, torch.float64), dequantize(pw, torch.float64))
+    # the kernels' view: x gathered by the (repeating) permutation times W_perm
+    x = torch.randn(3, 384, dtype=torch.float64)
+    w_perm = dequantize_reference(dataclasses.replace(u, perm=None, rows=None, in_features=u.rows))
+    torch.testing.assert_close(x[:, u.perm] @ w_perm, x @ dequantize_reference(pw), rtol=1e-12, atol=1e-12)
+
+
+def test_main_rows_stay_in_the_4bit_range():
+    """A split group's row keeps r - 8 in [-8, 7] (as a 4-bit weight's), its extra row the rest."""
+    pw = mixed(128, 8, (5,), seed=3, perm=False)
+    u = as_uniform4(pw, max_growth=10.0)
+    assert torch.equal(u.zero[:2], torch.full((2, 8), 8.0))
+    assert torch.allclose(u.scale[2:], pw.scale * 16) and torch.equal(u.zero[2:], torch.full((2, 8), 0.5))
+
+
+def test_growth_and_what_is_left_alone():
+    bench = mixed(704, 16, (5, 4, 4, 4, 4, 4, 4, 4, 4, 4, 3), seed=1)    # the H200 bench's mix: 1/11 at 5 and 3 bits
+    assert growth(bench) == pytest.approx(12 / 11)
+    assert as_uniform4(bench) is not None                                 # 1.0909 <= 1.15
+    assert as_uniform4(mixed(256, 16, (2,), seed=2)) is None              # 2-bit rows double
+    assert as_uniform4(mixed(256, 16, (4,), seed=2)) is None              # already uniform 4-bit
+    u = as_uniform4(bench)
+    assert as_uniform4(u) is None                                         # not twice
+
+
+def test_fractional_zero_that_would_round_is_declined():
+    pw = mixed(128, 8, (5,), seed=4, perm=False)
+    assert as_uniform4(dataclasses.replace(pw, zero=pw.zero + 1e-6), max_growth=10.0) is not None  # 16 + 1e-6: exact
+    assert as_uniform4(dataclasses.replace(pw, zero=torch.full_like(pw.zero, 0.3)), max_growth=10.0) is None
+
+
+def test_validate_checks_the_extra_rows():
+    u = as_uniform4(mixed(128, 8, (5, 4), seed=5), max_growth=10.0)
+    with pytest.raises(FormatError, match="needs a permutation"):
+        dataclasses.replace(u, perm=None).validate("w")
+    bad = u.perm.clone()
+    bad[-1] = 128
+    with pytest.raises(FormatError, match=r"perm values must lie in \[0, 128\)"):
+        dataclasses.replace(u, perm=bad).validate("w")
+    assert u.to("cpu").rows == u.rows
