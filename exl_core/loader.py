@@ -19,6 +19,7 @@ from .config import ModelConfig, load_config
 from .errors import ConfigError, FormatError
 from .formats.base import detect_format
 from .formats.safetensors_io import WeightReader
+from .formats.uniform4 import as_uniform4
 from .model.linear import QuantLinear
 from .model.llama import Model, invalidate_native_stacks
 
@@ -155,6 +156,8 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     share_input_perms(model)
     fold_down_perms(model)
     model = model.to(device).eval()
+    if torch.device(device).type == "cuda" and os.environ.get("EXL_CORE_EXL2_AS_U4", "0") == "1":
+        as_uniform4_weights(model)
     set_activations(model, activations)
     set_prefill(model, prefill)
     return model
@@ -174,6 +177,25 @@ def share_input_perms(model: Model) -> None:
                 pw = layer.packed
                 if first is not None and pw.perm is not None and pw.perm is not first and torch.equal(pw.perm, first):
                     layer.set_packed(dataclasses.replace(pw, perm=first))
+
+
+def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
+    """Rewrites every packed projection that is not uniform 4-bit (EXL2's mixed widths) as uniform 4-bit rows
+    (formats.uniform4: exact; 5..8-bit values take a second row) where that grows it by at most max_growth, so the
+    GPU runs it on the 4-bit decode kernels instead of the mixed-width ones.  Returns how many it rewrote.
+    load_model calls it for CUDA models under EXL_CORE_EXL2_AS_U4=1 -- off by default until it is measured on a
+    GPU: written after stop 26's device time was spent, its kernels' host code only compile-checked
+    (exl_core/csrc/cuda/NOTES.md, session "seventh")."""
+    n = 0
+    for _, layer in model.linear_layers():
+        if type(layer) is QuantLinear and layer.is_quantized:
+            u = as_uniform4(layer.packed, max_growth)
+            if u is not None:
+                layer.set_packed(u)
+                n += 1
+    if n:
+        invalidate_native_stacks()
+    return n
 
 
 def fold_down_perms(model: Model) -> None:

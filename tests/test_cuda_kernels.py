@@ -535,3 +535,54 @@ def test_bad_input_names_the_problem():
     x = torch.randn(2, pw.in_features + 32, device="cuda", dtype=torch.float16)
     with pytest.raises(InputError, match="in_features"):
         qmatmul(x, pw)
+
+
+# formats.uniform4: mixed widths rewritten as uniform 4-bit rows, some rows repeated through the permutation (K' > K).
+# Written after stop 26's device time was spent: these run on the next device call.
+U4_LAYOUTS = [
+    [(5, 128), (4, 128), (4, 128), (3, 128)],                    # the H200 bench's mix (5/4/3 bits)
+    [(8, 64), (6, 64), (5, 64), (4, 128), (2, 64)],              # every width that splits, and 2-bit
+]
+
+
+@pytest.mark.parametrize("layout", range(len(U4_LAYOUTS)))
+@pytest.mark.parametrize("M", [1, 3, 8, 12, 17, 32, 48])         # kslice staged / from global, wide, dequant
+@pytest.mark.parametrize("N", [4 * 33, 1024])                    # few tiles; enough for qgemm_wide at 32 rows
+def test_uniform4_rows_through_the_dispatcher(layout, M, N):
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import qmatmul as qm
+    from exl_core.ops.cuda_candidates import _route
+    pw = random_packed(U4_LAYOUTS[layout], N, perm=random.random() < 0.7, bias=random.random() < 0.5)
+    u = as_uniform4(pw, max_growth=10.0)
+    assert u is not None and u.rows > u.in_features
+    x = torch.randn(M, pw.in_features, dtype=torch.float16)
+    ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+    uc = u.to("cuda")
+    if uc.bias is not None:
+        uc.bias = uc.bias.half()
+    xc = x.cuda()
+    assert _route(M, uc, xc) in ("kslice", "wide", "dequant")
+    poison_allocator()
+    y = qm.qmatmul(xc, uc)
+    assert y.shape == (M, N) and rel_err(y, ref) < 2e-3
+    # q/k/v-style: three rewritten weights of the same layout in one call
+    us = [as_uniform4(random_packed(U4_LAYOUTS[layout], n, perm=True), max_growth=10.0) for n in (N, 64, N)]
+    ys = qm.qmatmul_many(xc, [w.to("cuda") for w in us])
+    for w, yw in zip(us, ys):
+        assert rel_err(yw, x.double() @ dequantize_reference(w)) < 2e-3
+
+
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_uniform4_rows_silu_down(M):
+    """The down projection with silu(gate) * up computed while x is staged (qgemm_kslice_silu), rewritten weight."""
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops.qmatmul import qmatmul_silu
+    pw = random_packed(U4_LAYOUTS[0], 256, perm=True)
+    u = as_uniform4(pw, max_growth=10.0)
+    gate, up = torch.randn(M, pw.in_features, dtype=torch.float16), torch.randn(M, pw.in_features, dtype=torch.float16)
+    act = (torch.nn.functional.silu(gate.double()) * up.double()).half().double()
+    ref = act @ dequantize_reference(pw)
+    y = qmatmul_silu(gate.cuda(), up.cuda(), u.to("cuda"))
+    assert rel_err(y, ref) < 3e-3

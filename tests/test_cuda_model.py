@@ -73,3 +73,16 @@ def test_generator_batched_equals_alone_on_gpu(quant_dir):
         # cuBLAS (prefill) rounds differently for different row counts: equal up to near-ties
         assert_same_tokens_up_to_ties(alone.generated, alone.logprobs, j.generated, j.logprobs, 2e-3)
         assert len(j.generated) == 8
+
+
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_cuda_uniform4_rewrite_matches_cpu(quant_dir, T):
+    """EXL2's mixed widths rewritten as uniform 4-bit rows on the GPU (loader.as_uniform4_weights, what
+    EXL_CORE_EXL2_AS_U4=1 does): the logits still match the CPU model's."""
+    from exl_core.loader import as_uniform4_weights, load_model
+    cpu, _ = load_model(quant_dir, device="cpu", dtype=torch.float32, load_tokenizer=False)
+    gpu, _ = load_model(quant_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    n = as_uniform4_weights(gpu, max_growth=10.0)
+    assert (n > 0) == ("exl2" in str(quant_dir))
+    ids = torch.randint(0, cpu.config.vocab_size, (2, T))
+    assert _rel(gpu.forward_batch(ids.cuda()), cpu.forward_batch(ids)) < 2e-2

@@ -83,3 +83,25 @@ def test_validate_checks_the_extra_rows():
     with pytest.raises(FormatError, match=r"perm values must lie in \[0, 128\)"):
         dataclasses.replace(u, perm=bad).validate("w")
     assert u.to("cpu").rows == u.rows
+
+
+def test_model_rewritten_computes_the_same(tiny_model_factory, tmp_path):
+    """A tiny EXL2 model of mixed widths (2..8 bits, act-order): its projections rewritten as uniform 4-bit rows
+    give the same logits (on the CPU they run the torch reference: the CPU kernels refuse extra rows)."""
+    from exl_core.loader import as_uniform4_weights, load_model
+    from exl_core.quantize.rtn import quantize_model_rtn
+    src = tiny_model_factory("llama", seed=3, hidden_size=128, intermediate_size=192)
+    dst = tmp_path / "q_exl2"
+    quantize_model_rtn(src, dst, fmt="exl2", bits=[(8, .1), (6, .1), (5, .2), (4, .2), (3, .4)], group_size=32,
+                       act_order=True)
+    model, _ = load_model(dst, load_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11))
+    before = model.forward_batch(ids)
+    widths = {int(b) for _, m in model.linear_layers() if m.is_quantized for b in m.packed.groups[:, 0]}
+    assert widths - {4}, "the tiny model should have other widths than 4"
+    n = as_uniform4_weights(model, max_growth=10.0)
+    assert n > 0
+    rows = [m.packed for _, m in model.linear_layers() if m.is_quantized and m.packed.rows is not None]
+    assert len(rows) == n and all(set(p.groups[:, 0].tolist()) == {4} for p in rows)
+    after = model.forward_batch(ids)
+    assert (after - before).abs().max().item() < 1e-3

@@ -85,7 +85,7 @@ class QuantLinear(nn.Module):
             pw = self.packed
             new = QuantLinear.from_packed(PackedWeight(pick(pw.qweight), pw.groups, pick(pw.scale), pick(pw.zero),
                                                        pw.perm, pw.in_features, int(cols.numel()), pick(pw.bias),
-                                                       pw.portable_meta()))
+                                                       pw.portable_meta(), pw.rows))
         else:
             new = QuantLinear.from_dense(pick(self.w_t).t(), pick(self.bias))
         cols = cols.cpu()
@@ -106,7 +106,7 @@ class QuantLinear(nn.Module):
         b = self._buffers   # direct dict reads: this runs on every forward (nn.Module.__getattr__ is slow)
         if pw.qweight is not b["_pk_qweight"] or pw.scale is not b["_pk_scale"] or pw.bias is not b["_pk_bias"]:
             pw = PackedWeight(b["_pk_qweight"], b["_pk_groups"], b["_pk_scale"], b["_pk_zero"], b["_pk_perm"],
-                              pw.in_features, pw.out_features, b["_pk_bias"], pw.meta)
+                              pw.in_features, pw.out_features, b["_pk_bias"], pw.meta, pw.rows)
             self._packed = pw
         return pw
 

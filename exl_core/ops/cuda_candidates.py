@@ -142,7 +142,7 @@ _MAX_K: dict = {}
 def _skinny_ok(rows: int, pw, device) -> bool:
     """qgemm_skinny (the caller checks x is fp16) for 1..SKINNY_MAX_ROWS rows, K > 0, when K's slice of
     x fits the kernel's shared memory."""
-    if not (1 <= rows <= SKINNY_MAX_ROWS and pw.in_features > 0 and _mma_ok(pw) and
+    if not (1 <= rows <= SKINNY_MAX_ROWS and pw.in_features > 0 and pw.rows is None and _mma_ok(pw) and
             _has_cuda_kernel("qgemm_skinny")):
         return False
     key = (rows, device.index)
@@ -176,7 +176,7 @@ def _group_shift(pw) -> int:
         cpg = gs // 32
         if gs % 32 == 0 and cpg >= 1 and cpg & (cpg - 1) == 0 and cpg < 1 << 15:   # the kernels take s < 16
             starts = torch.arange(g.shape[0]) * gs
-            if torch.equal(g[:, 1], starts) and torch.equal(g[:, 2], (pw.in_features - starts).clamp(max=gs)):
+            if torch.equal(g[:, 1], starts) and torch.equal(g[:, 2], (pw.k_rows - starts).clamp(max=gs)):
                 cached = cpg.bit_length() - 1
         pw.meta["_cuda_group_shift"] = cached
     return cached
@@ -188,19 +188,29 @@ def _pws_group_shift(pws) -> int:
     return shifts.pop() if len(shifts) == 1 else -1
 
 
+def _k_rows(pws) -> int:
+    """The weights' common row count (PackedWeight.k_rows), 0 where they differ (one launch cannot serve them)."""
+    ks = {pw.k_rows for pw in pws}
+    return ks.pop() if len(ks) == 1 else 0
+
+
 def _kslice_ok(rows: int, pws, device, one_wave: bool = True) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
-    (x's rows, the chunk table, scale/zero slots) fits; pws share K."""
+    (x's rows, the chunk table, scale/zero slots) fits; pws share K.  Weights with more rows than x has columns
+    (formats.uniform4) have no other decode kernel: the 2..8-row refusal of wide launches (qgemm_kslice_fits with
+    kw 0) does not apply to them, so they ask with the kw the kernel then chooses (8 for more tiles than SMs)."""
     u4 = all(_uniform4(pw) for pw in pws)
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
     rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1] or
                                                 (one_wave and KSLICE_MIXED_ONE_WAVE and rows <= KSLICE_STAGED_ROWS and
                                                  tiles <= _sm_count(device)) or
                                                 (KSLICE_MIXED_WAVES and rows <= KSLICE_STAGED_ROWS))
-    if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and all(_mma_ok(pw) for pw in pws) and
+    K = _k_rows(pws)
+    if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and K > 0 and all(_mma_ok(pw) for pw in pws) and
             _has_cuda_kernel("qgemm_kslice")):
         return False
-    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), u4, device.index or 0)
+    extra = any(pw.rows is not None for pw in pws) and rows <= KSLICE_STAGED_ROWS and tiles > _sm_count(device)
+    key = (rows, K, tiles, min(_min_group(pw) for pw in pws), u4, device.index or 0, 8 if extra else 0)
     if key not in _KSLICE_FITS:
         _KSLICE_FITS[key] = bool(torch.ops.exl_core.qgemm_kslice_fits(*key))
     return _KSLICE_FITS[key]
@@ -225,13 +235,14 @@ def _wide_ok(rows: int, pws, device) -> bool:
     (x stages, the chunk table slice, the block's scale/zero rows) fits on this device; pws share K."""
     u4 = all(_uniform4(pw) for pw in pws)
     lo = WIDE_MIN_ROWS if u4 else WIDE_MIXED_MIN_ROWS
-    if not (WIDE_ON and lo <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and
+    K = _k_rows(pws)
+    if not (WIDE_ON and lo <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and K > 0 and
             all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_wide")):
         return False
     tiles = sum((pw.out_features + 127) // 128 for pw in pws)
     if tiles < WIDE_U4_MIN_TILES and u4:
         return False
-    key = (rows, pws[0].in_features, tiles, min(_min_group(pw) for pw in pws), device.index or 0)
+    key = (rows, K, tiles, min(_min_group(pw) for pw in pws), device.index or 0)
     if key not in _WIDE_FITS:
         _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
     return _WIDE_FITS[key]
@@ -305,11 +316,13 @@ def _route(rows: int, pw, x2) -> str:
             return "wide"
         if _kslice_ok(rows, [pw], dev):
             return "kslice"
+        if pw.rows is not None:               # formats.uniform4: no other decode kernel takes its extra rows
+            return "dequant"
         if _skinny_ok(rows, pw, dev):
             return "skinny"
         if _mma_rows_ok(rows, pw) and _mma_ok(pw):
             return "mma"
-    return "gemv" if rows <= GEMV_MAX_ROWS else "dequant"
+    return "gemv" if rows <= GEMV_MAX_ROWS and pw.rows is None else "dequant"
 
 
 def _add_check(residual, x, pw) -> Optional[str]:
@@ -349,16 +362,15 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     (275.5 vs 267.3), where the narrower GEMMs cost more than the scratch saves.
     add_to (no bias): add_to += x2 @ W in place, the GEMM's beta = 1 (the residual stream: no separate add)."""
     N = pw.out_features
-    deq = torch.ops.exl_core.qdequant_chunks
     if N <= 2 * DEQUANT_SLICE:
-        w = deq(pw.qweight, chunks, pw.scale, pw.zero, perm, x2.dtype)          # [K, N]
+        w = _dequant_w(pw, chunks, perm, x2.dtype)                              # [K, N]
         if add_to is not None:
             return add_to.addmm_(x2, w)
         return torch.addmm(bias, x2, w) if bias is not None else x2 @ w
     y = add_to if add_to is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, N, DEQUANT_SLICE):
         n1 = min(N, n0 + DEQUANT_SLICE)
-        w = deq(pw.qweight, chunks, pw.scale, pw.zero, perm, x2.dtype, n0, n1 - n0)
+        w = _dequant_w(pw, chunks, perm, x2.dtype, n0, n1 - n0)
         if add_to is not None:
             y[:, n0:n1].addmm_(x2, w)
         elif bias is not None:
@@ -367,6 +379,17 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
             torch.mm(x2, w, out=y[:, n0:n1])
         del w                                                                   # its block serves the next slice
     return y
+
+
+def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
+    """W [in_features, cols] in x's row order (qdequant_chunks); a weight with extra rows (formats.uniform4: its
+    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows."""
+    deq = torch.ops.exl_core.qdequant_chunks
+    if pw.rows is None:
+        return deq(pw.qweight, chunks, pw.scale, pw.zero, perm, dtype, n0, cols)
+    k = pw.in_features
+    w = deq(pw.qweight, chunks[:k // 32], pw.scale, pw.zero, perm[:k], dtype, n0, cols)
+    return w.index_add_(0, perm[k:], deq(pw.qweight, chunks[k // 32:], pw.scale, pw.zero, None, dtype, n0, cols))
 
 
 def _silu_down_check(gate, up, pw) -> Optional[str]:
@@ -414,6 +437,8 @@ def _many_check(x, pws) -> Optional[str]:
             why = "N not a multiple of 4 or buffers not 16-byte aligned"
         if why is not None:
             return f"weight {i}: {why}"
+    if not _k_rows(pws):
+        return "weights with different row counts (PackedWeight.rows): one launch takes one K"
     return None
 
 
@@ -424,7 +449,7 @@ def _many_run(x, pws):
     wide = _wide_ok(rows, pws, x.device)
     kslice = wide or _kslice_ok(rows, pws, x.device)
     skinny = kslice or all(_skinny_ok(rows, pw, x.device) for pw in pws)
-    if not (skinny or all(_mma_rows_ok(rows, pw) for pw in pws)):
+    if not (skinny or all(_mma_rows_ok(rows, pw) and pw.rows is None for pw in pws)):
         return [_qmatmul_run(x, pw) for pw in pws]
     if not x2.is_contiguous():
         x2 = x2.contiguous()

@@ -202,6 +202,8 @@ def _weight_reason(w: Weight) -> Optional[str]:
             return f"packed weight on {w.qweight.device}"
         if w.scale.dtype != torch.float32 or w.zero.dtype != torch.float32:
             return f"scale/zero must be float32, got {w.scale.dtype}/{w.zero.dtype}"
+        if w.rows is not None:
+            return f"{w.rows} rows for {w.in_features} inputs (formats.uniform4; the CPU kernels take K rows)"
         return None
     if w.w_t.device.type != "cpu" or w.w_t.dtype not in _DTYPES or not w.w_t.is_contiguous():
         return f"dense weight {w.w_t.dtype} on {w.w_t.device} (needs contiguous float32/bfloat16 on CPU)"

@@ -20,6 +20,7 @@ struct Plan {
   size_t smem;
   int gshift;   // regular groups: chunk c in group c >> gshift (uniform 4-bit only), else -1 (the chunk table)
   int sgather;  // act-order x gathered from a shared-memory copy of x (smem includes the copy), else 0
+  int n_chunks; // the weights' rows / 32 (x's K / 32 unless PackedWeight.rows)
 };
 
 // Shared memory a block may take for the shared-memory gather of act-order x: two blocks of 8 warps still fit an
@@ -71,14 +72,15 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
   const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
   const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
-  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total, -1, 0};
+  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total, -1, 0, n_chunks};
 }
 
 // Takes the shared-memory gather where p stages x (one n-tile), some weight has a permutation and the copy of x
 // still fits the block (a plan without it stays usable: the gather is an option, never a reason to refuse).
-void plan_sgather(Plan& p, int M, int64_t K, bool any_perm, bool act) {
+// Kx: x's columns (the copy's width).
+void plan_sgather(Plan& p, int M, int64_t Kx, bool any_perm, bool act) {
   if (p.nt != 1 || !any_perm || !sgather_enabled()) return;
-  const size_t with = Smem(static_cast<int>(K / 32), p.kw, p.slots, M, p.xs_stride, gather_halves(M, K, act)).total;
+  const size_t with = Smem(p.n_chunks, p.kw, p.slots, M, p.xs_stride, gather_halves(M, Kx, act)).total;
   if (with <= (p.kw == 16 ? kSmemMax : kGatherSmem)) {
     p.sgather = 1;
     p.smem = with;
@@ -98,7 +100,7 @@ void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t til
   auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
-                      static_cast<int>(K / 32), p.slots, p.xs_stride, p.gshift, p.sgather, mats);
+                      p.n_chunks, p.slots, p.xs_stride, p.gshift, p.sgather, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
@@ -145,8 +147,9 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
                                    int64_t ring, int64_t min_group, int64_t group_shift) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
-  Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys);
-  const int64_t M = x.size(0), K = x.size(1);
+  int64_t K = 0;                                              // the weights' rows (x's Kx unless PackedWeight.rows)
+  Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys, &K);
+  const int64_t M = x.size(0), Kx = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
   if (M == 0) return ys;
   const int dev = x.device().index();
@@ -161,7 +164,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   bool any_perm = false;
   for (int i = 0; i < mats.n; ++i) any_perm = any_perm || mats.m[i].perm != nullptr;
-  plan_sgather(plan, static_cast<int>(M), K, any_perm, up.defined());
+  plan_sgather(plan, static_cast<int>(M), Kx, any_perm, up.defined());
   if (up.defined())
     TORCH_CHECK(plan.nt == 1 && plan.ring == (uniform4 ? 8 : 4) && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
                     up.sizes() == x.sizes() && up.is_contiguous(),
@@ -171,13 +174,17 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   // act-order weight gets its own permuted copy of x (a small gather, instead of one per element and block).
   at::Tensor xa = x;
   at::Tensor xperm;
-  if (n_tiles_for(static_cast<int>(M)) > 1) {
+  const bool xg = n_tiles_for(static_cast<int>(M)) > 1;
+  if (xg) {
     if (!aligned16(x)) xa = x.clone();
-    xperm = permute_x_per_weight(x, perm, mats, dev);
+    xperm = permute_x_per_weight(x, perm, mats, dev, K);
   }
+  // The kernel's K is the row stride of the x it reads: staged rows read x (Kx columns) and gather through perm;
+  // rows from global memory read x, or where K != Kx only the K-wide permuted copies (build_mats saw a perm on
+  // every weight).
   launch_plan(reinterpret_cast<const __half*>(xa.data_ptr()),
-              up.defined() ? reinterpret_cast<const __half*>(up.data_ptr()) : nullptr, static_cast<int>(M), K, tiles,
-              plan, mats, uniform4, dev, c10::cuda::getCurrentCUDAStream());
+              up.defined() ? reinterpret_cast<const __half*>(up.data_ptr()) : nullptr, static_cast<int>(M),
+              xg ? K : Kx, tiles, plan, mats, uniform4, dev, c10::cuda::getCurrentCUDAStream());
   return ys;
 }
 

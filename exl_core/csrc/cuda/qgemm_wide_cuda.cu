@@ -70,8 +70,9 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
                                          int64_t splits, int64_t min_group, int64_t group_shift) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
-  Mats mats = build_mats("exl_core::qgemm_wide", x, qweight, chunks, scale, zero, perm, bias, ys);
-  const int64_t M = x.size(0), K = x.size(1);
+  int64_t K = 0;                                                        // the weights' rows (x's K unless
+  Mats mats = build_mats("exl_core::qgemm_wide", x, qweight, chunks, scale, zero, perm, bias, ys, &K);   // rows)
+  const int64_t M = x.size(0);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_wide: at most ", kMaxRows, " rows of x, got ", M);
   if (M == 0) return ys;
   const int dev = x.device().index();
@@ -85,7 +86,8 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
   const int gs = static_cast<int>(group_shift);
   // checked before anything is launched: a refused call leaves no gather behind
   const at::Tensor xa = aligned16(x) ? x : x.clone();                   // cp.async reads 16 bytes
-  const at::Tensor xperm = permute_x_per_weight(xa, perm, mats, dev);
+  // every weight reads its permuted copy (K columns) when K is not x's: build_mats saw a permutation on each
+  const at::Tensor xperm = permute_x_per_weight(xa, perm, mats, dev, K);
   const __half* xp = reinterpret_cast<const __half*>(xa.data_ptr());
   if (plan.nt == 2) {
     if (uniform4) launch_one<2, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);

@@ -75,17 +75,25 @@ void launch_split(Kern* kern, int64_t tiles, int S, int threads, size_t smem, cu
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // Validates x fp16 [M, K] and up to kMaxMats weights sharing K; allocates ys[i] [M, N_i] and fills mats.
+// rows (kernels that take it: qgemm_kslice, qgemm_wide): when not null, the weights may have R = *rows != K rows
+// (PackedWeight.rows: a chunk table of R/32 chunks and a permutation of length R into x's K columns, on every
+// weight, all with the same R); set to R (K when they have K rows).  Null: R must be K.
 inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                        at::TensorList scale, at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& perm,
-                       const c10::List<c10::optional<at::Tensor>>& bias, std::vector<at::Tensor>& ys) {
+                       const c10::List<c10::optional<at::Tensor>>& bias, std::vector<at::Tensor>& ys,
+                       int64_t* rows = nullptr) {
   const size_t n = qweight.size();
   TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(kMaxMats), op, ": 1..", kMaxMats, " weights per call, got ", n);
   TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n && perm.size() == n && bias.size() == n,
               op, ": qweight, chunks, scale, zero, perm and bias lists must have the same length");
   TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous(), op,
               ": x must be contiguous float16 [M, K] on the GPU, got ", x.dtype(), " ", x.sizes());
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, op, ": K = ", K, " must be a multiple of 32");
+  const int64_t M = x.size(0), Kx = x.size(1);
+  TORCH_CHECK(Kx % 32 == 0, op, ": K = ", Kx, " must be a multiple of 32");
+  TORCH_CHECK(n == 0 || chunks[0].dim() == 2, op, ": chunk table 0 must be 2-D");
+  const int64_t K = rows != nullptr ? chunks[0].size(0) * 32 : Kx;   // the weights' rows
+  TORCH_CHECK(K >= Kx, op, ": the weights have ", K, " rows, fewer than x's ", Kx, " columns");
+  if (rows != nullptr) *rows = K;
   Mats mats{};
   mats.n = static_cast<int>(n);
   for (size_t i = 0; i < n; ++i) {
@@ -110,6 +118,8 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     const c10::optional<at::Tensor> p = perm.get(i), b = bias.get(i);
     if (p) TORCH_CHECK(p->is_cuda() && p->dtype() == at::kLong && p->numel() == K && p->is_contiguous(), op,
                        ": perm ", i, " must be contiguous int64 [", K, "] on the GPU");
+    TORCH_CHECK(K == Kx || p, op, ": weight ", i, " has ", K, " rows for x's ", Kx,
+                " columns and no permutation saying which column each row reads");
     if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
                        ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
     ys.push_back(at::empty({M, N}, x.options()));
@@ -133,20 +143,21 @@ struct Gather {
   __half* out[kMaxMats];
 };
 
-// static: one copy per translation unit that launches it
-static __global__ void gather_cols_kernel(const __half* __restrict__ x, int64_t K, const Gather gs) {
+// static: one copy per translation unit that launches it.  K: the weights' rows (the copies' width), Kx: x's.
+static __global__ void gather_cols_kernel(const __half* __restrict__ x, int64_t K, int64_t Kx, const Gather gs) {
   const int i = blockIdx.z, m = blockIdx.y;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
-  if (k < K) gs.out[i][m * K + k] = x[m * K + __ldg(gs.perm[i] + k)];
+  if (k < K) gs.out[i][m * K + k] = x[m * Kx + __ldg(gs.perm[i] + k)];
 }
 
 // Gives every act-order weight of `mats` its own permuted copy of x (mats.m[i].x, perm cleared) with one launch;
-// returns the tensor holding the copies (undefined when no weight has a permutation).
+// returns the tensor holding the copies (undefined when no weight has a permutation).  rows: the weights' rows
+// (build_mats; 0: x's K), the copies' width.
 inline at::Tensor permute_x_per_weight(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& perm,
-                                       Mats& mats, int dev) {
-  const int64_t M = x.size(0), K = x.size(1);
+                                       Mats& mats, int dev, int64_t rows = 0) {
+  const int64_t M = x.size(0), Kx = x.size(1), K = rows > 0 ? rows : Kx;
   int n = 0;
   for (int i = 0; i < mats.n; ++i) n += perm.get(i).has_value();
   if (n == 0) return at::Tensor();
@@ -164,7 +175,7 @@ inline at::Tensor permute_x_per_weight(const at::Tensor& x, const c10::List<c10:
   }
   const dim3 grid(static_cast<unsigned>((K + 255) / 256), static_cast<unsigned>(M), static_cast<unsigned>(n));
   exl_pdl::launch_pdl(gather_cols_kernel, grid, dim3(256), 0, c10::cuda::getCurrentCUDAStream(), dev,
-                      static_cast<const __half*>(reinterpret_cast<const __half*>(x.data_ptr())), K, gs);
+                      static_cast<const __half*>(reinterpret_cast<const __half*>(x.data_ptr())), K, Kx, gs);
   return xperm;
 }
 
