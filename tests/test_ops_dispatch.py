@@ -80,7 +80,8 @@ def test_group_shift_only_for_regular_power_of_two_groups():
         for bits, n in layout:
             rows.append((bits, k, n, q))
             k, q = k + n, q + n * bits // 32
-        return SimpleNamespace(groups=torch.tensor(rows, dtype=torch.int32), in_features=K or k, meta={})
+        return SimpleNamespace(groups=torch.tensor(rows, dtype=torch.int32), in_features=K or k, k_rows=K or k,
+                               meta={})
 
     assert _group_shift(pw([(4, 128)] * 3)) == 2
     assert _group_shift(pw([(4, 64)] * 3 + [(4, 32)])) == 1    # a short last group
