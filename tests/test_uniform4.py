@@ -68,6 +68,15 @@ def test_growth_and_what_is_left_alone():
     assert as_uniform4(u) is None                                         # not twice
 
 
+@pytest.mark.parametrize("perm", [True, False])
+def test_widths_up_to_4_keep_their_rows(perm):
+    """3- and 4-bit groups only: no extra rows, the same permutation (the GPU's other 4-bit kernels stay open)."""
+    pw = mixed(256, 24, (3, 4), seed=6, perm=perm)
+    u = as_uniform4(pw, max_growth=10.0)
+    assert u.rows is None and u.perm is pw.perm and set(u.groups[:, 0].tolist()) == {4}
+    assert torch.equal(dequantize_reference(u), dequantize_reference(pw))
+
+
 def test_fractional_zero_that_would_round_is_declined():
     pw = mixed(128, 8, (5,), seed=4, perm=False)
     assert as_uniform4(dataclasses.replace(pw, zero=pw.zero + 1e-6), max_growth=10.0) is not None  # 16 + 1e-6: exact
@@ -82,6 +91,10 @@ def test_validate_checks_the_extra_rows():
     bad[-1] = 128
     with pytest.raises(FormatError, match=r"perm values must lie in \[0, 128\)"):
         dataclasses.replace(u, perm=bad).validate("w")
+    twice = u.perm.clone()
+    twice[1] = twice[0]                                 # a main row reading another main row's input
+    with pytest.raises(FormatError, match="must read every input once"):
+        dataclasses.replace(u, perm=twice).validate("w")
     assert u.to("cpu").rows == u.rows
 
 
@@ -105,3 +118,11 @@ def test_model_rewritten_computes_the_same(tiny_model_factory, tmp_path):
     assert len(rows) == n and all(set(p.groups[:, 0].tolist()) == {4} for p in rows)
     after = model.forward_batch(ids)
     assert (after - before).abs().max().item() < 1e-3
+
+
+def test_lora_merge_refuses_a_rewritten_weight():
+    from exl_core.errors import LoraError
+    from exl_core.model.lora import requantize_like
+    u = as_uniform4(mixed(128, 8, (5, 4), seed=7), max_growth=10.0)
+    with pytest.raises(LoraError, match="uniform 4-bit rows"):
+        requantize_like(u, torch.zeros(128, 8), "q_proj")

@@ -76,13 +76,18 @@ class PackedWeight:
             expect_k += k_len
             expect_q += k_len * bits // 32
         if expect_k != K:
-            raise FormatError(f"{name}: groups cover {expect_k} rows, in_features is {K}")
+            raise FormatError(f"{name}: groups cover {expect_k} rows, "
+                              f"{'rows' if self.rows is not None else 'in_features'} is {K}")
         if self.rows is not None and (self.rows < self.in_features or self.perm is None):
             raise FormatError(f"{name}: rows = {self.rows} needs a permutation and at least in_features = "
                               f"{self.in_features} rows")
         if self.perm is not None and self.rows is not None and self.perm.numel() and (
                 int(self.perm.min()) < 0 or int(self.perm.max()) >= self.in_features):
             raise FormatError(f"{name}: perm values must lie in [0, {self.in_features})")
+        if self.rows is not None and not torch.equal(torch.sort(self.perm[:self.in_features].cpu()).values,
+                                                     torch.arange(self.in_features)):
+            raise FormatError(f"{name}: the first {self.in_features} rows must read every input once (a permutation);"
+                              " only the rows after them repeat inputs")
         if tuple(self.qweight.shape) != (expect_q, N) or self.qweight.dtype != torch.int32:
             raise FormatError(f"{name}: qweight must be int32 [{expect_q}, {N}], got "
                               f"{tuple(self.qweight.shape)} {self.qweight.dtype}")

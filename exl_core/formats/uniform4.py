@@ -41,8 +41,8 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
 
 
 def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWeight]:
-    """pw with every group 4-bit (see the module docstring), on pw's device; None when pw already is uniform
-    4-bit, has more rows than in_features already, would grow by more than max_growth, or has a 5..8-bit
+    """pw with every group 4-bit (see the module docstring), on pw's device -- without extra rows (rows None, the
+    same permutation) where no group has more than 4 bits; None when pw already is uniform 4-bit, has more rows than in_features already, would grow by more than max_growth, or has a 5..8-bit
     group's zero z for which (z - 8) / 16 is not exact in float32 (EXL2's and GPTQ's integer zeros are)."""
     groups = pw.groups.tolist()
     if pw.rows is not None or all(g[0] == 4 for g in groups) or growth(pw) > max_growth:
@@ -72,10 +72,9 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
         new_groups.append((4, k, k_len, k // 8))
         k += k_len
     parts = main_g + extra_g
-    out = PackedWeight(_pack4(torch.cat(main_q + extra_q)).contiguous(),
-                       torch.tensor(new_groups, dtype=torch.int32),
-                       torch.stack([p[0] for p in parts]).contiguous(),
-                       torch.stack([p[1] for p in parts]).contiguous(),
-                       torch.cat([perm] + extra_rows).contiguous(), K, N, pw.bias,
-                       dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed")), k)
-    return out.validate("uniform4")
+    extra = bool(extra_rows)                   # 2..4-bit only: the same rows (and permutation), stored in 4 bits
+    return PackedWeight(_pack4(torch.cat(main_q + extra_q)).contiguous(), torch.tensor(new_groups, dtype=torch.int32),
+                        torch.stack([p[0] for p in parts]).contiguous(), torch.stack([p[1] for p in parts]).contiguous(),
+                        torch.cat([perm] + extra_rows).contiguous() if extra else pw.perm, K, N, pw.bias,
+                        dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed")),
+                        k if extra else None).validate("uniform4")

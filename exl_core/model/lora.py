@@ -409,6 +409,9 @@ def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> P
     """W (in, out) float -> a PackedWeight with `pw`'s format, bit widths, groups and input
     order, quantized round-to-nearest (EXL2 and GPTQ through their own writers/readers)."""
     from ..formats import exl2, gptq
+    if pw.rows is not None:
+        raise LoraError(f"{name}: its weight was rewritten as uniform 4-bit rows (EXL_CORE_EXL2_AS_U4=1); merge "
+                        "adapters into a model loaded without the rewrite")
     K, N = pw.in_features, pw.out_features
     groups = [tuple(g) for g in pw.groups.tolist()]           # (bits, k_start, k_len, qrow)
     fmt = pw.meta.get("format")

@@ -229,18 +229,20 @@ def _sm_count(device) -> int:
 _WIDE_FITS: dict = {}
 
 
-def _wide_ok(rows: int, pws, device) -> bool:
+def _wide_ok(rows: int, pws, device, any_rows: bool = False) -> bool:
     """qgemm_wide (the caller checks x is fp16): mixed widths from WIDE_MIXED_MIN_ROWS, uniform 4-bit from
     WIDE_MIN_ROWS over at least WIDE_U4_MIN_TILES column tiles, up to WIDE_MAX_ROWS rows, when its shared memory
-    (x stages, the chunk table slice, the block's scale/zero rows) fits on this device; pws share K."""
+    (x stages, the chunk table slice, the block's scale/zero rows) fits on this device; pws share K.  any_rows:
+    from one row and any width of launch (weights with extra rows where qgemm_kslice refuses them: the kernel
+    zero-fills the x rows past M)."""
     u4 = all(_uniform4(pw) for pw in pws)
-    lo = WIDE_MIN_ROWS if u4 else WIDE_MIXED_MIN_ROWS
+    lo = 1 if any_rows else WIDE_MIN_ROWS if u4 else WIDE_MIXED_MIN_ROWS
     K = _k_rows(pws)
     if not (WIDE_ON and lo <= rows <= WIDE_MAX_ROWS and pws[0].in_features > 0 and K > 0 and
             all(_mma_ok(pw) for pw in pws) and _has_cuda_kernel("qgemm_wide")):
         return False
     tiles = sum((pw.out_features + 127) // 128 for pw in pws)
-    if tiles < WIDE_U4_MIN_TILES and u4:
+    if tiles < WIDE_U4_MIN_TILES and u4 and not any_rows:
         return False
     key = (rows, K, tiles, min(_min_group(pw) for pw in pws), device.index or 0)
     if key not in _WIDE_FITS:
@@ -317,7 +319,7 @@ def _route(rows: int, pw, x2) -> str:
         if _kslice_ok(rows, [pw], dev):
             return "kslice"
         if pw.rows is not None:               # formats.uniform4: no other decode kernel takes its extra rows
-            return "dequant"
+            return "wide" if _wide_ok(rows, [pw], dev, any_rows=True) else "dequant"
         if _skinny_ok(rows, pw, dev):
             return "skinny"
         if _mma_rows_ok(rows, pw) and _mma_ok(pw):
@@ -448,6 +450,8 @@ def _many_run(x, pws):
     rows = x2.shape[0]
     wide = _wide_ok(rows, pws, x.device)
     kslice = wide or _kslice_ok(rows, pws, x.device)
+    if not kslice and any(pw.rows is not None for pw in pws):     # formats.uniform4: wide is the other kernel
+        wide = kslice = _wide_ok(rows, pws, x.device, any_rows=True)
     skinny = kslice or all(_skinny_ok(rows, pw, x.device) for pw in pws)
     if not (skinny or all(_mma_rows_ok(rows, pw) and pw.rows is None for pw in pws)):
         return [_qmatmul_run(x, pw) for pw in pws]
