@@ -19,7 +19,7 @@ from .config import ModelConfig, load_config
 from .errors import ConfigError, FormatError
 from .formats.base import detect_format
 from .formats.safetensors_io import WeightReader
-from .formats.uniform4 import as_uniform4
+from .formats.uniform4 import as_uniform4, pad_rows
 from .model.linear import QuantLinear
 from .model.llama import Model, invalidate_native_stacks
 
@@ -193,6 +193,15 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
             if u is not None:
                 layer.set_packed(u)
                 n += 1
+    for block in model.layers:                 # q/k/v and gate/up: one row count, so one launch serves each group
+        a, m = block.self_attn, block.mlp
+        for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+            pws = [layer.packed if type(layer) is QuantLinear and layer.is_quantized else None for layer in group]
+            if None in pws or any(pw.rows is None for pw in pws):
+                continue
+            top = max(pw.rows for pw in pws)
+            for layer, pw in zip(group, pws):
+                layer.set_packed(pad_rows(pw, top))
     if n:
         invalidate_native_stacks()
     return n

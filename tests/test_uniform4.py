@@ -116,6 +116,10 @@ def test_model_rewritten_computes_the_same(tiny_model_factory, tmp_path):
     assert n > 0
     rows = [m.packed for _, m in model.linear_layers() if m.is_quantized and m.packed.rows is not None]
     assert len(rows) == n and all(set(p.groups[:, 0].tolist()) == {4} for p in rows)
+    for block in model.layers:                                          # padded: one launch per group on the GPU
+        for group in ((block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj),
+                      (block.mlp.gate_proj, block.mlp.up_proj)):
+            assert len({layer.packed.k_rows for layer in group}) == 1
     after = model.forward_batch(ids)
     assert (after - before).abs().max().item() < 1e-3
 
@@ -126,3 +130,13 @@ def test_lora_merge_refuses_a_rewritten_weight():
     u = as_uniform4(mixed(128, 8, (5, 4), seed=7), max_growth=10.0)
     with pytest.raises(LoraError, match="uniform 4-bit rows"):
         requantize_like(u, torch.zeros(128, 8), "q_proj")
+
+
+def test_pad_rows_adds_nothing():
+    from exl_core.formats.uniform4 import pad_rows
+    u = as_uniform4(mixed(128, 8, (5, 4), seed=8), max_growth=10.0)
+    p = pad_rows(u, u.rows + 64)
+    assert p.rows == u.rows + 64 and p.perm.numel() == p.rows
+    assert torch.equal(dequantize_reference(p), dequantize_reference(u))
+    with pytest.raises(ValueError):
+        pad_rows(u, u.rows + 16)

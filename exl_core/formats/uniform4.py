@@ -78,3 +78,20 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
                         torch.cat([perm] + extra_rows).contiguous() if extra else pw.perm, K, N, pw.bias,
                         dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed")),
                         k if extra else None).validate("uniform4")
+
+
+def pad_rows(pw: PackedWeight, rows: int) -> PackedWeight:
+    """pw (a weight with extra rows) with zero rows appended up to `rows` (scale 0: they add nothing), so that
+    weights reading one x (q/k/v, gate/up) share a row count and one launch serves them."""
+    if pw.rows is None or rows == pw.rows:
+        return pw
+    extra = rows - pw.rows
+    if extra < 0 or extra % 32:
+        raise ValueError(f"pad_rows: {pw.rows} rows cannot grow to {rows} (a multiple of 32 more)")
+    N, dev = pw.out_features, pw.qweight.device
+    groups = torch.cat([pw.groups, torch.tensor([[4, pw.rows, extra, pw.rows // 8]], dtype=torch.int32)])
+    zeros = torch.zeros(1, N, dtype=pw.scale.dtype, device=dev)
+    return PackedWeight(torch.cat([pw.qweight, torch.zeros(extra // 8, N, dtype=torch.int32, device=dev)]), groups,
+                        torch.cat([pw.scale, zeros]), torch.cat([pw.zero, zeros]),
+                        torch.cat([pw.perm, torch.zeros(extra, dtype=pw.perm.dtype, device=dev)]),
+                        pw.in_features, N, pw.bias, pw.portable_meta(), rows).validate("uniform4 padded")
