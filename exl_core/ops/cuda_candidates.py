@@ -86,7 +86,7 @@ WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # 
                             # vs 30.5; q/k/v 27.6 vs 38.9, gate/up 47.2 vs 66.1. Mixed widths: wide everywhere (EXL2
                             # 18.7 vs 18.7, 52.3 vs 53.7, 56.4 vs 87.3, 42.0 vs 44.7). Re-checked end to end after
                             # the wide kernel's faster reduction (stop 26, GPTQ bs32, same call, gpu.sh widetiles):
-                            # o/down on wide 7,004.2 vs 7,620.4 tok/s (call 2), 7,182.7 vs 7,731.9 (call 4), and
+                            # o/down on wide 7,004.2 vs 7,620.3 tok/s (call 2), 7,182.7 vs 7,731.8 (call 4), and
                             # with 4 splits instead of 8 6,430.1 -- though bench/wide_probe.cu times wide's 4096x4096
                             # and 11008x4096 at 12.3 / 25.3 us, below kslice's 13.0 / 30.5 of the older sweep
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
