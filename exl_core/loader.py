@@ -163,20 +163,26 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     return model
 
 
+def input_groups(model: Model):
+    """Each layer's projections that read one input: (q, k, v) and (gate, up)."""
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        yield (a.q_proj, a.k_proj, a.v_proj)
+        yield (m.gate_proj, m.up_proj)
+
+
 def share_input_perms(model: Model) -> None:
     """q/k/v and gate/up read one input; converters order their rows by that input's Hessian, so
     their act-order permutations are usually equal but stored per layer. One shared tensor lets
     qmatmul_many run the group in one call (it requires the same `perm` object)."""
-    for block in model.layers:
-        a, m = block.self_attn, block.mlp
-        for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
-            if not all(isinstance(layer, QuantLinear) and layer.is_quantized for layer in group):
-                continue
-            first = group[0].packed.perm
-            for layer in group[1:]:
-                pw = layer.packed
-                if first is not None and pw.perm is not None and pw.perm is not first and torch.equal(pw.perm, first):
-                    layer.set_packed(dataclasses.replace(pw, perm=first))
+    for group in input_groups(model):
+        if not all(isinstance(layer, QuantLinear) and layer.is_quantized for layer in group):
+            continue
+        first = group[0].packed.perm
+        for layer in group[1:]:
+            pw = layer.packed
+            if first is not None and pw.perm is not None and pw.perm is not first and torch.equal(pw.perm, first):
+                layer.set_packed(dataclasses.replace(pw, perm=first))
 
 
 def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
@@ -193,15 +199,13 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
             if u is not None:
                 layer.set_packed(u)
                 n += 1
-    for block in model.layers:                 # q/k/v and gate/up: one row count, so one launch serves each group
-        a, m = block.self_attn, block.mlp
-        for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
-            pws = [layer.packed if type(layer) is QuantLinear and layer.is_quantized else None for layer in group]
-            if None in pws or any(pw.rows is None for pw in pws):
-                continue
-            top = max(pw.rows for pw in pws)
-            for layer, pw in zip(group, pws):
-                layer.set_packed(pad_rows(pw, top))
+    for group in input_groups(model):          # one row count, so one launch serves each group
+        pws = [layer.packed if type(layer) is QuantLinear and layer.is_quantized else None for layer in group]
+        if None in pws or any(pw.rows is None for pw in pws):
+            continue
+        top = max(pw.rows for pw in pws)
+        for layer, pw in zip(group, pws):
+            layer.set_packed(pad_rows(pw, top))
     if n:
         invalidate_native_stacks()
     return n

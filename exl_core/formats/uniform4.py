@@ -42,8 +42,9 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
 
 def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWeight]:
     """pw with every group 4-bit (see the module docstring), on pw's device -- without extra rows (rows None, the
-    same permutation) where no group has more than 4 bits; None when pw already is uniform 4-bit, has more rows than in_features already, would grow by more than max_growth, or has a 5..8-bit
-    group's zero z for which (z - 8) / 16 is not exact in float32 (EXL2's and GPTQ's integer zeros are)."""
+    same permutation) where no group has more than 4 bits.  None when pw already is uniform 4-bit, already has
+    extra rows, would grow by more than max_growth, or has a 5..8-bit group's zero z for which (z - 8) / 16 is
+    not exact in float32 (EXL2's and GPTQ's integer zeros are)."""
     groups = pw.groups.tolist()
     if pw.rows is not None or all(g[0] == 4 for g in groups) or growth(pw) > max_growth:
         return None

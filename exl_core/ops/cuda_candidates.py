@@ -209,7 +209,7 @@ def _kslice_ok(rows: int, pws, device, one_wave: bool = True) -> bool:
     if not (KSLICE_ON and rows_ok and pws[0].in_features > 0 and K > 0 and all(_mma_ok(pw) for pw in pws) and
             _has_cuda_kernel("qgemm_kslice")):
         return False
-    extra = any(pw.rows is not None for pw in pws) and rows <= KSLICE_STAGED_ROWS and tiles > _sm_count(device)
+    extra = rows <= KSLICE_STAGED_ROWS and any(pw.rows is not None for pw in pws) and tiles > _sm_count(device)
     key = (rows, K, tiles, min(_min_group(pw) for pw in pws), u4, device.index or 0, 8 if extra else 0)
     if key not in _KSLICE_FITS:
         _KSLICE_FITS[key] = bool(torch.ops.exl_core.qgemm_kslice_fits(*key))

@@ -30,7 +30,7 @@ from . import dispatch
 from .attention import SUPPORTED_HEAD_DIMS
 from ..errors import KernelError
 from .dispatch import Candidate, Dispatcher, extension
-from .qmatmul import BF16_MIN_M, INT8_MAX_M, int8_zero, wants_bf16, wants_int8
+from .qmatmul import BF16_MIN_M, INT8_MAX_M, int8_zero, rows_reason, wants_bf16, wants_int8
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_REP = 16   # query heads per kv head the CPU attention kernel takes
@@ -202,9 +202,7 @@ def _weight_reason(w: Weight) -> Optional[str]:
             return f"packed weight on {w.qweight.device}"
         if w.scale.dtype != torch.float32 or w.zero.dtype != torch.float32:
             return f"scale/zero must be float32, got {w.scale.dtype}/{w.zero.dtype}"
-        if w.rows is not None:
-            return f"{w.rows} rows for {w.in_features} inputs (formats.uniform4; the CPU kernels take K rows)"
-        return None
+        return rows_reason(w)
     if w.w_t.device.type != "cpu" or w.w_t.dtype not in _DTYPES or not w.w_t.is_contiguous():
         return f"dense weight {w.w_t.dtype} on {w.w_t.device} (needs contiguous float32/bfloat16 on CPU)"
     return None

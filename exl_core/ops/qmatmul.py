@@ -90,7 +90,7 @@ def _as_x(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def _rows_reason(pw: PackedWeight) -> Optional[str]:
+def rows_reason(pw: PackedWeight) -> Optional[str]:
     """The CPU kernels take W_perm with K rows: a weight with more (formats.uniform4) runs the torch reference."""
     return None if pw.rows is None else f"{pw.rows} rows for {pw.in_features} inputs (formats.uniform4)"
 
@@ -98,8 +98,8 @@ def _rows_reason(pw: PackedWeight) -> Optional[str]:
 def _check_cpu_fused(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
     if not has_op("qmatmul"):
         return "extension exl_core._C not built or has no qmatmul kernel"
-    if pw.rows is not None:
-        return _rows_reason(pw)
+    if (why := rows_reason(pw)) is not None:
+        return why
     if x.device.type != "cpu" or pw.qweight.device.type != "cpu":
         return f"tensors not on CPU (x on {x.device}, qweight on {pw.qweight.device})"
     if x.dtype not in _OP_DTYPES and x.dtype not in _VIA_FP32:
@@ -133,8 +133,8 @@ def _check_cpu_int8(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
         return "int8 activations not requested for this weight (load_model(..., activations='int8'))"
     if not has_op("qmatmul_int8"):
         return "extension exl_core._C not built with exl_core::qmatmul_int8"
-    if pw.rows is not None:
-        return _rows_reason(pw)
+    if (why := rows_reason(pw)) is not None:
+        return why
     m = _rows(x, pw.in_features)
     if m > INT8_MAX_M:
         return f"{m} rows > {INT8_MAX_M}: large batches (prefill) keep the exact fp32 kernel"
@@ -184,8 +184,8 @@ def _check_cpu_bf16(x: torch.Tensor, pw: PackedWeight) -> Optional[str]:
         return "bf16 prefill not requested for this weight (load_model(..., prefill='bf16'))"
     if not has_op("qmatmul_bf16"):
         return "extension exl_core._C not built with exl_core::qmatmul_bf16"
-    if pw.rows is not None:
-        return _rows_reason(pw)
+    if (why := rows_reason(pw)) is not None:
+        return why
     if not torch.ops.exl_core.qmatmul_bf16_supported():
         return "CPU lacks AVX512_BF16 (vdpbf16ps) or the ISA cap hides AVX-512"
     m = _rows(x, pw.in_features)

@@ -1,0 +1,91 @@
+"""CUDA kernels on weights with more rows than x has columns: EXL2's mixed widths rewritten as uniform 4-bit rows
+(exl_core/formats/uniform4.py, some rows repeated through the permutation, K' > K), against float64 references of the
+original weights.  Written after stop 26's device time was spent: these run on the next device call.  Helpers from
+test_cuda_kernels."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from exl_core.formats.packed import dequantize_reference
+from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+
+pytestmark = pytest.mark.cuda
+
+U4_LAYOUTS = [
+    [(5, 128), (4, 128), (4, 128), (3, 128)],                    # the H200 bench's mix (5/4/3 bits)
+    [(8, 64), (6, 64), (5, 64), (4, 128), (2, 64)],              # every width that splits, and 2-bit
+]
+
+
+@pytest.mark.parametrize("layout", range(len(U4_LAYOUTS)))
+@pytest.mark.parametrize("M", [1, 3, 8, 12, 17, 32, 48])         # kslice staged / from global, wide, dequant
+@pytest.mark.parametrize("N", [4 * 33, 1024, 4608])              # few tiles; more tiles than SMs (kslice's kw 8)
+def test_uniform4_rows_through_the_dispatcher(layout, M, N, monkeypatch):
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import qmatmul as qm
+    pw = random_packed(U4_LAYOUTS[layout], N, perm=random.random() < 0.7, bias=random.random() < 0.5)
+    u = as_uniform4(pw, max_growth=10.0)
+    assert u is not None and u.rows > u.in_features
+    x = torch.randn(M, pw.in_features, dtype=torch.float16)
+    ref = x.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
+    uc = u.to("cuda")
+    if uc.bias is not None:
+        uc.bias = uc.bias.half()
+    xc = x.cuda()
+    assert cc._route(M, uc, xc) == ("dequant" if M > 32 else "wide" if cc._wide_ok(M, [uc], xc.device) else "kslice")
+    poison_allocator()
+    y = qm.qmatmul(xc, uc)
+    assert y.shape == (M, N) and rel_err(y, ref) < 2e-3
+    if 17 <= M <= 32:                                            # the batch-decode GEMM on these narrow launches too
+        monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)
+        assert cc._route(M, uc, xc) == "wide"
+        assert rel_err(qm.qmatmul(xc, uc), ref) < 2e-3
+    # q/k/v-style: three rewritten weights of the same layout in one call
+    us = [as_uniform4(random_packed(U4_LAYOUTS[layout], n, perm=True), max_growth=10.0) for n in (N, 64, N)]
+    ys = qm.qmatmul_many(xc, [w.to("cuda") for w in us])
+    for w, yw in zip(us, ys):
+        assert rel_err(yw, x.double() @ dequantize_reference(w)) < 2e-3
+
+
+def test_uniform4_rows_other_kernels():
+    """qgemm_wide below its 17-row floor (where qgemm_kslice refuses a weight with extra rows, the policy falls
+    back to it), and weights of different row counts in one qmatmul_many (one launch per weight then)."""
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import qmatmul as qm
+    a = as_uniform4(random_packed(U4_LAYOUTS[0], 256, perm=True), max_growth=10.0)
+    b = as_uniform4(random_packed([(5, 64), (4, 448)], 256, perm=True), max_growth=10.0)
+    assert a.in_features == b.in_features and a.rows != b.rows
+    for M in (1, 3, 8):
+        x = torch.randn(M, a.in_features, dtype=torch.float16)
+        ac = a.to("cuda")
+        y = torch.ops.exl_core.qgemm_wide(x.cuda(), ac.qweight, cc._chunks_of(ac), ac.scale, ac.zero,
+                                          cc._perm_of(ac, x.cuda().device), None, True)
+        assert rel_err(y, x.double() @ dequantize_reference(a)) < 2e-3
+        ys = qm.qmatmul_many(x.cuda(), [a.to("cuda"), b.to("cuda")])
+        for w, yw in zip((a, b), ys):
+            assert rel_err(yw, x.double() @ dequantize_reference(w)) < 2e-3
+
+
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_uniform4_rows_silu_down(M):
+    """The down projection with silu(gate) * up computed while x is staged (qgemm_kslice_silu), rewritten weight."""
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops.cuda_candidates import _kslice_ok
+    from exl_core.ops.qmatmul import qmatmul_silu
+    pw = random_packed(U4_LAYOUTS[0], 256, perm=True)
+    u = as_uniform4(pw, max_growth=10.0)
+    gate, up = torch.randn(M, pw.in_features, dtype=torch.float16), torch.randn(M, pw.in_features, dtype=torch.float16)
+    act = (torch.nn.functional.silu(gate.double()) * up.double()).half().double()
+    ref = act @ dequantize_reference(pw)
+    uc = u.to("cuda")
+    assert _kslice_ok(M, [uc], gate.cuda().device, one_wave=False)      # the fused launch, not silu_mul + matmul
+    y = qmatmul_silu(gate.cuda(), up.cuda(), uc)
+    assert rel_err(y, ref) < 3e-3
