@@ -23,7 +23,8 @@
 # (both formats with EXL_CORE_SILU_FUSE=0), u4rows (GPTQ with EXL_CORE_KSLICE_U4_ONE_ROW=0: gate/up at 2..8 rows on
 # qgemm_kslice too), mixks (EXL2 with EXL_CORE_KSLICE_MIXED_SKINNY=0: mixed widths at 1..8 rows on qgemm_kslice), nofold (EXL2 with
 # EXL_CORE_FOLD_DOWN_PERM=0: down_proj keeps its act-order permutation), knockout (bench/decode_knockout.py: the graphed decode with norms,
-# attention, rope or the head knocked out, for their share of the step), attnab (both formats with
+# attention, rope or the head knocked out, for their share of the step), timeline (bench/decode_timeline.py: every
+# kernel of a graphed decode step, its duration and what it adds to the step's end), attnab (both formats with
 # EXL_CORE_ATTN_HEAD_MAJOR=0, then EXL_CORE_ATTN_EARLY=0: the paged attention's launch order and early loads), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
@@ -118,7 +119,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -196,6 +197,10 @@ if has attnab; then    # A/B: the paged attention's launch order row-major, then
 fi
 if has knockout; then  # where a graphed decode step's time goes: parts knocked out one at a time (same process)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_knockout.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -24
+fi
+if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler), GPTQ bs32 also with
+  # o and down on qgemm_wide (stop 26's unexplained loss)
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 2>&1 | tee -a "$LOG" | tail -200
 fi
 if has u4rows; then   # A/B: GPTQ gate/up at 2..8 rows on qgemm_kslice too (the one-row limit of stop 23 is unsettled)
   EXL_CORE_KSLICE_U4_ONE_ROW=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

@@ -208,7 +208,10 @@ class DecodeContext:
 # ------------------------------------------------------------------------ measurements
 
 @torch.inference_mode()
-def decode_tok_s(model, B: int, graphs: bool) -> float:
+def decode_graph(model, B: int, graphs: bool = True):
+    """The bench's decode after a PROMPT-token prompt: (step, replay, reset). step() runs one greedy step eagerly;
+    with graphs, replay() replays it captured in a CUDA graph (else it is step); reset() puts the position back
+    to the prompt's end."""
     kv = StaticKV(model, B, PROMPT + DECODE + 8)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (B * PROMPT,)).cuda()     # CPU RNG: a failed capture cannot poison it
@@ -222,13 +225,11 @@ def decode_tok_s(model, B: int, graphs: bool) -> float:
         tok.copy_(nxt)
         kv.pos.add_(1)
 
+    def reset():
+        kv.pos.fill_(PROMPT)
+
     if not graphs:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(DECODE):
-            step()
-        torch.cuda.synchronize()
-        return B * DECODE / (time.perf_counter() - t0)
+        return step, step, reset
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -238,12 +239,25 @@ def decode_tok_s(model, B: int, graphs: bool) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    kv.pos.fill_(PROMPT)
+    reset()
+    return step, g.replay, reset
+
+
+@torch.inference_mode()
+def decode_tok_s(model, B: int, graphs: bool) -> float:
+    step, replay, reset = decode_graph(model, B, graphs)
+    if not graphs:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(DECODE):
+            step()
+        torch.cuda.synchronize()
+        return B * DECODE / (time.perf_counter() - t0)
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(DECODE):
-        g.replay()
+        replay()
     b.record()
     b.synchronize()
     return B * DECODE / (a.elapsed_time(b) / 1e3)

@@ -1,0 +1,175 @@
+"""The kernels of one graphed decode step on a timeline (run by bench/gpu.sh phase `timeline`).
+
+Question: where does a graphed step's time go, kernel by kernel -- how long each launch runs, and how much each
+adds to the step's end (the critical path), under programmatic dependent launch (a kernel may start before the one
+ahead of it ends)? The knock-out run (decode_knockout.py) gives a part's total; this gives every launch, the gaps
+between them and, for the batch-32 question of stop 26, the same step with o and down on qgemm_wide
+(`cuda_candidates.WIDE_U4_MIN_TILES = 1`, read per call) in the same process.
+
+torch.profiler (CUPTI) records the kernels of REPLAYS replays of the bench's step graph (bench/gpu_bench.py); the
+middle replay is reported. A kernel's `adds` is its end minus the latest end before it (0 when it ends inside an
+earlier kernel's time): the adds of a step sum to its span. The untraced replay time is printed next to the traced
+span (tracing may stretch the step).
+
+    python bench/decode_timeline.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import gpu_bench
+from exl_core.ops import cuda_candidates
+
+REPLAYS = 3
+# kernel name -> part of the step (first match wins; the rest are "other")
+PARTS = (("wide", r"qgemm_wide"), ("kslice", r"qgemm_kslice"), ("skinny", r"qgemm_skinny"), ("mma", r"qgemm_mma"),
+         ("attention", r"paged_attention|attn"), ("rope_kv", r"rope|write_kv|kv_write"), ("norm", r"rms_norm|norm"),
+         ("silu", r"silu"), ("gemv", r"gemv_kernel"), ("x_gather", r"gather_cols"), ("gemm_fp16", r"gemm|cutlass|sm90_xmma|nvjet"),
+         ("argmax", r"argmax|reduce"), ("embed", r"index_select|embedding"))
+
+
+def part_of(name: str) -> str:
+    for part, pat in PARTS:
+        if re.search(pat, name, re.I):
+            return part
+    return "other"
+
+
+@contextmanager
+def wide_tiles(n: int):
+    saved = cuda_candidates.WIDE_U4_MIN_TILES
+    cuda_candidates.WIDE_U4_MIN_TILES = n
+    try:
+        yield
+    finally:
+        cuda_candidates.WIDE_U4_MIN_TILES = saved
+
+
+def traced_kernels(replay) -> list[list[dict]]:
+    """Kernels (name, ts, dur in us) of REPLAYS replays, split into replays by the number of kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    ks = sorted(({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"])} for e in events
+                 if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda k: k["ts"])
+    if not ks or len(ks) % REPLAYS:
+        raise RuntimeError(f"{len(ks)} kernels traced over {REPLAYS} replays: not a whole number per replay")
+    n = len(ks) // REPLAYS
+    return [ks[i * n:(i + 1) * n] for i in range(REPLAYS)]
+
+
+def step_rows(ks: list[dict]) -> list[dict]:
+    """Per kernel: start offset, duration, gap to the latest end before it (negative: it overlaps), adds."""
+    t0, frontier, rows = ks[0]["ts"], ks[0]["ts"], []
+    for k in ks:
+        end = k["ts"] + k["dur"]
+        rows.append({"name": k["name"][:120], "part": part_of(k["name"]), "start_us": k["ts"] - t0,
+                     "dur_us": k["dur"], "gap_us": k["ts"] - frontier, "adds_us": max(0.0, end - frontier)})
+        frontier = max(frontier, end)
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    parts: dict = {}
+    for r in rows:
+        p = parts.setdefault(r["part"], {"launches": 0, "dur_us": 0.0, "adds_us": 0.0, "gap_us": 0.0})
+        p["launches"] += 1
+        p["dur_us"] += r["dur_us"]
+        p["adds_us"] += r["adds_us"]
+        p["gap_us"] += r["gap_us"]
+    span = rows[-1]["start_us"] + rows[-1]["dur_us"]
+    return {"span_us": span, "launches": len(rows), "adds_total_us": sum(r["adds_us"] for r in rows), "parts": parts}
+
+
+def run_case(model, fmt: str, B: int, variant: str) -> dict:
+    with wide_tiles(1 if variant == "wide_o_down" else cuda_candidates.WIDE_U4_MIN_TILES):
+        _, replay, reset = gpu_bench.decode_graph(model, B)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(gpu_bench.DECODE):
+            replay()
+        b.record()
+        b.synchronize()
+        untraced = a.elapsed_time(b) * 1e3 / gpu_bench.DECODE
+        reset()
+        steps = traced_kernels(replay)
+    rows = step_rows(steps[REPLAYS // 2])
+    case = {"format": fmt, "batch": B, "variant": variant, "untraced_step_us": untraced,
+            "traced_spans_us": [summarise(step_rows(s))["span_us"] for s in steps], **summarise(rows), "kernels": rows}
+    print(f"\n== {fmt} bs{B} {variant or 'default'}: untraced step {untraced:.2f} us, traced span {case['span_us']:.2f} "
+          f"us (replays {', '.join(f'{s:.2f}' for s in case['traced_spans_us'])}), {case['launches']} launches")
+    print(f"{'part':10s} {'launches':>8s} {'dur us':>10s} {'adds us':>10s} {'gaps us':>10s}")
+    for p, v in sorted(case["parts"].items(), key=lambda kv: -kv[1]["adds_us"]):
+        print(f"{p:10s} {v['launches']:8d} {v['dur_us']:10.2f} {v['adds_us']:10.2f} {v['gap_us']:10.2f}")
+    per_layer = max(1, (len(rows) - 4) // model.config.num_hidden_layers)
+    mid = len(rows) // 2 - (len(rows) // 2) % per_layer
+    print(f"-- a middle layer's launches (start, dur, gap, adds in us):")
+    for r in rows[mid:mid + per_layer + 2]:
+        print(f"{r['start_us']:9.2f} {r['dur_us']:8.2f} {r['gap_us']:7.2f} {r['adds_us']:7.2f}  {r['part']:9s} "
+              f"{r['name'][:70]}")
+    return case
+
+
+def run_format(path: Path, fmt: str) -> list[dict]:
+    """fmt "exl2_u4": the EXL2 folder loaded with EXL_CORE_EXL2_AS_U4=1 (formats.uniform4: mixed widths as
+    uniform 4-bit rows)."""
+    from exl_core.loader import load_model
+    if fmt == "exl2_u4":
+        os.environ["EXL_CORE_EXL2_AS_U4"] = "1"
+    try:
+        model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    finally:
+        os.environ.pop("EXL_CORE_EXL2_AS_U4", None)
+    cases = [(1, ""), (8, ""), (32, "")] + ([(32, "wide_o_down")] if fmt == "gptq" else [])
+    out = []
+    for B, variant in cases:
+        try:
+            out.append(run_case(model, fmt, B, variant))
+        except Exception as e:  # noqa: BLE001 - a probe keeps going and reports the failure
+            print(f"{fmt} bs{B} {variant}: {e!r}")
+            out.append({"format": fmt, "batch": B, "variant": variant, "error": repr(e)[:300]})
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gptq", type=Path)
+    ap.add_argument("--exl2", type=Path)
+    ap.add_argument("--exl2-u4", action="store_true", help="the EXL2 folder again, as uniform 4-bit rows")
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "decode_timeline_h200.json")
+    a = ap.parse_args()
+    gpu_bench.TOKEN_MAJOR, gpu_bench.PAGED_DECODE = True, True
+    out = {"benchmark": "decode_timeline", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "decode": f"step after a {gpu_bench.PROMPT}-token prompt, CUDA graph, as gpu_bench.py; torch.profiler",
+           "cases": []}
+    for fmt in ("gptq", "exl2"):
+        p = getattr(a, fmt)
+        if p is not None:
+            out["cases"] += run_format(p, fmt)
+    if a.exl2_u4 and a.exl2 is not None:
+        out["cases"] += run_format(a.exl2, "exl2_u4")
+    gpu_bench._write(out, a.json)
+
+
+if __name__ == "__main__":
+    main()
