@@ -62,7 +62,7 @@ int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 // at one row (bench/gemv_probe.cu, H200, same call, us: q/k/v k8 12.59 vs 15.32, o k16 5.98 vs 6.35, gate/up k8
 // 23.37 vs 25.16; down k16 13.61 vs 13.10 -- the fused down projection keeps ring 8).
 Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_group, bool u4, int dev,
-              bool act = false) {
+              bool act = false, bool fold = false) {
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
   if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : 8;
@@ -72,7 +72,9 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int per_group = static_cast<int>(std::max<int64_t>(1, (min_group > 0 ? min_group : 32) / 32));
   const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
   const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
-  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride).total, -1, 0, n_chunks};
+  // fold (staged rows): the norm weight takes the xr region (xr_halves)
+  const int64_t xr = xr_halves(0, fold && nt == 1, M, K, act);
+  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride, xr).total, -1, 0, n_chunks};
 }
 
 // Takes the shared-memory gather where p stages x (one n-tile), some weight has a permutation and the copy of x
@@ -140,11 +142,20 @@ bool plan_usable(const Plan& p, bool u4) { return p.smem <= kSmemMax && plan_has
 // the weights' smallest group in rows (0 = unknown, assume 32).  Raises where the shape does not fit (see
 // qgemm_kslice_fits).
 // up (or undefined): x is the MLP's gate and the kernel multiplies silu(x) * up, staged rows only.
+// The norm folds (norm_fold_device.cuh): add_to (one weight): y is add_to, the kernel adds into it and returns its sums
+// of squares per 32-column tile and row as the one output; norm_weight / norm_ss (staged rows, no permutation): x is
+// the residual stream, the kernel multiplies rmsnorm(x) * norm_weight.
+struct Folds {
+  const at::Tensor* add_to = nullptr;
+  c10::optional<at::Tensor> norm_weight, norm_ss;
+  double eps = 0.0;
+};
+
 std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at::TensorList qweight,
                                    at::TensorList chunks, at::TensorList scale, at::TensorList zero,
                                    const c10::List<c10::optional<at::Tensor>>& perm,
                                    const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t kw,
-                                   int64_t ring, int64_t min_group, int64_t group_shift) {
+                                   int64_t ring, int64_t min_group, int64_t group_shift, const Folds& folds = {}) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                              // the weights' rows (x's Kx unless PackedWeight.rows)
@@ -155,8 +166,25 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   const int dev = x.device().index();
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
+  const bool fold = set_norm_fold("exl_core::qgemm_kslice", x, folds.norm_weight, folds.norm_ss, folds.eps, mats);
+  TORCH_CHECK(!fold || (!up.defined() && n_tiles_for(static_cast<int>(M)) == 1 && K == Kx),
+              "exl_core::qgemm_kslice: the folded norm takes at most ", kStagedRows, " rows of x, weights of x's K ",
+              "rows and no SwiGLU");
+  at::Tensor ss;
+  if (folds.add_to != nullptr) {
+    const at::Tensor& r = *folds.add_to;
+    TORCH_CHECK(mats.n == 1 && r.is_cuda() && r.device() == x.device() && r.dtype() == at::kHalf && r.dim() == 2 &&
+                    r.size(0) == M && r.size(1) == mats.m[0].N && r.is_contiguous(),
+                "exl_core::qgemm_kslice_add_: one weight, and the residual contiguous float16 [", M, ", ",
+                mats.m[0].N, "] on x's GPU; got ", mats.n, " weights, residual ", r.dtype(), " ", r.sizes());
+    ss = at::empty({tiles, M}, x.options().dtype(at::kFloat));
+    mats.m[0].y = reinterpret_cast<__half*>(r.data_ptr());
+    mats.nf.add = 1;
+    mats.nf.ss_out = ss.data_ptr<float>();
+    ys = {ss};
+  }
   Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
-                       uniform4, dev, up.defined());
+                       uniform4, dev, up.defined(), fold);
   TORCH_CHECK(group_shift >= -1 && group_shift < 16, "exl_core::qgemm_kslice: group_shift ", group_shift,
               " (-1: the chunk table; s: chunk c in group c >> s)");
   plan.gshift = uniform4 ? static_cast<int>(group_shift) : -1;
@@ -192,9 +220,32 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            at::TensorList scale, at::TensorList zero,
                                            const c10::List<c10::optional<at::Tensor>>& perm,
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
+                                           int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
+                                           const c10::optional<at::Tensor>& norm_weight,
+                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
+  Folds f;
+  f.norm_weight = norm_weight;
+  f.norm_ss = norm_ss;
+  f.eps = norm_eps;
   return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
-                    group_shift);
+                    group_shift, f);
+}
+
+// residual [M, N] += x[:, perm] @ W (+ bias) in place (or (silu(x) * up)[:, perm] @ W with up, at most 8 rows), the o
+// or down projection adding into the residual stream; returns the sums of squares of the new residual per 32-column
+// tile and row, float32 [ceil(N / 32), M] (the norm_ss of the next projection: norm_fold_device.cuh).
+at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& qweight,
+                             const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
+                             const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
+                             bool uniform4, int64_t min_group, int64_t group_shift,
+                             const c10::optional<at::Tensor>& up) {
+  c10::List<c10::optional<at::Tensor>> p, b;
+  p.push_back(perm);
+  b.push_back(bias);
+  Folds f;
+  f.add_to = &residual;
+  return kslice_run(x, up ? *up : at::Tensor(), {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, 0, 0, min_group,
+                    group_shift, f)[0];
 }
 
 // y [M, N] = (silu(gate) * up)[:, perm] @ W (+ bias) for M <= 8 rows: the MLP's down projection with the SwiGLU
@@ -218,14 +269,14 @@ at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                            group_shift)[0];
+                            group_shift, c10::nullopt, c10::nullopt, 0.0)[0];
 }
 
 // Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
 // policy wants the launch at all); a call it refuses raises, which on some images kills the process (see
 // NOTES.md), so callers ask first.
 bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, bool uniform4, int64_t device,
-                       int64_t kw, int64_t ring) {
+                       int64_t kw, int64_t ring, bool fold) {
   if (rows < 1 || rows > kMaxRows || K % 32 != 0 || kw < 0 || ring < 0) return false;
   // The policy (kw 0) declines staged-x launches of more than ~3 blocks per SM: one block per tile then runs in
   // waves and qgemm_skinny is faster (H200, bench/cuda_probe.py kslice, gate/up 2x11008, cuda_kslice_h200.json:
@@ -236,8 +287,9 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
   if (kw == 0 && (uniform4 ? rows > 1 && u4_one_row_only() : mixed_waves_to_skinny()) && rows <= kStagedRows &&
       tiles > 3 * device_sm(static_cast<int>(device), false))
     return false;
+  if (fold && rows > kStagedRows) return false;                       // the folded norm: staged rows only
   return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),
-                               min_group, uniform4, static_cast<int>(device)),
+                               min_group, uniform4, static_cast<int>(device), false, fold),
                       uniform4);
 }
 
@@ -248,12 +300,15 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1) -> Tensor[]");
+        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
+  m.def("qgemm_kslice_add_(Tensor(a!) residual, Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
+        "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None) "
+        "-> Tensor");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
         "int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
-        "int ring=0) -> bool",
+        "int ring=0, bool fold=False) -> bool",
         &qgemm_kslice_fits);
 }
 
@@ -261,4 +316,5 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("qgemm_kslice", &qgemm_kslice);
   m.impl("qgemm_kslice_multi", &qgemm_kslice_multi);
   m.impl("qgemm_kslice_silu", &qgemm_kslice_silu);
+  m.impl("qgemm_kslice_add_", &qgemm_kslice_add_);
 }

@@ -40,6 +40,7 @@
 #include <cuda_fp16.h>
 
 #include "act_device.cuh"
+#include "norm_fold_device.cuh"
 #include "pdl_device.cuh"
 #include "qmma_device.cuh"
 
@@ -68,6 +69,10 @@ struct Smem {
 
 // Halves of x a block copies whole for the shared-memory gather of act-order weights (gate and up rows with ACT).
 __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
+// The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation).
+__host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act) {
+  return sgather ? gather_halves(M, K, act) : fold ? K : 0;
+}
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
 // A fragment serves every n-tile.
@@ -135,7 +140,9 @@ __global__ void __launch_bounds__(32 * KW)
   const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (warp + 1) / KW);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem lay(n_chunks, KW, slots, M, xs_stride, sgather ? gather_halves(M, K, ACT) : 0);
+  // The norm folded in (norm_fold_device.cuh): staged rows of a weight without permutation only (the host checks).
+  const bool fold = !XG && !ACT && mats.nf.nw != nullptr;
+  const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT));
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
   float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
@@ -171,9 +178,13 @@ __global__ void __launch_bounds__(32 * KW)
     cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
   }
 
+  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
+  __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
+  if (fold)
+    for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
+
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
   exl_pdl::pdl_trigger();
-  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   const int64_t* perm = mat.perm;
   // ACT (staged rows only): x is the MLP's gate, `up` its up, and the staged rows are silu(gate) * up, the down
   // projection's input without a silu_mul launch between gate/up and down.  Its own instances, so the plain
@@ -189,11 +200,26 @@ __global__ void __launch_bounds__(32 * KW)
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);
     }
-    cp_async_wait_all();                                      // a lane reorders only the pieces it copied
-    for (int j = lane; j < M * (kwl >> 3); j += 32) {
-      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-      uint4* p = reinterpret_cast<uint4*>(xs + m * xs_stride + k);
-      *p = stage_pairs<S16>(*p);
+    if (fold) {                                               // rows' r while the copies fly, then x normalised
+      float rr[kStagedRows];
+#pragma unroll
+      for (int m = 0; m < kStagedRows; ++m) rr[m] = m < M ? fold_rms(mats.nf, M, m, K, lane) : 0.f;
+      cp_async_wait_all();
+      __syncwarp();                                           // pieces other lanes copied
+#pragma unroll
+      for (int m = 0; m < kStagedRows; ++m)
+        if (m < M)
+          for (int p = lane; p < (kwl >> 3); p += 32) {
+            uint4* q = reinterpret_cast<uint4*>(xs + m * xs_stride + kw0 + 8 * p);
+            *q = stage_pairs<S16>(fold_norm8(*q, *reinterpret_cast<const uint4*>(gsm + kw0 + 8 * p), rr[m]));
+          }
+    } else {
+      cp_async_wait_all();                                    // a lane reorders only the pieces it copied
+      for (int j = lane; j < M * (kwl >> 3); j += 32) {
+        const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+        uint4* p = reinterpret_cast<uint4*>(xs + m * xs_stride + k);
+        *p = stage_pairs<S16>(*p);
+      }
     }
   } else if (ACT && perm == nullptr && aligned) {
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
@@ -412,16 +438,19 @@ __global__ void __launch_bounds__(32 * KW)
 
   store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
   __syncthreads();
-  for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {
+  static_assert(kTile == 32, "a warp stores one row of a tile (fold_row_ss)");
+  for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {   // warp-uniform rows and trip count
     const int m = idx / kTile, cl = idx - m * kTile;
     float a = 0.f;
 #pragma unroll
     for (int w = 0; w < KW; ++w) a += red[(w * M + m) * kTile + cl];
     const int64_t n = tile * kTile + cl;
+    float sq = 0.f;
     if (n < N) {
       if (mat.bias) a += __half2float(mat.bias[n]);
-      mat.y[m * N + n] = __float2half_rn(a);
+      sq = fold_store(mats.nf, mat.y + m * N + n, a);          // a plain store unless the residual add is folded in
     }
+    if (mats.nf.ss_out != nullptr) fold_row_ss(mats.nf, sq, tile, M, m, lane);
   }
 }
 

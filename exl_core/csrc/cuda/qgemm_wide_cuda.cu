@@ -25,7 +25,7 @@ int n_tiles_for(int M) { return M <= 16 ? 2 : 4; }
 // the best portable count: 4096x4096 32 tiles -> 8 splits (12.9), q/k/v 96 -> 4 (28.1; 8 splits 27.0), gate/up
 // 172 -> 2 (40.9), 11008x4096 -> 8 (27.4; 12, a non-portable cluster, 25.3).  Clusters need sm_90: below it one
 // split, so a K range that does not fit is refused and the policy takes qgemm_kslice.
-Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, int dev) {
+Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, int dev, bool fold = false) {
   const int nt = n_tiles_for(M), n_chunks = static_cast<int>(K / 32);
   const int max_splits = device_sm(dev, true) >= 9 ? kMaxSplits : 1;
   int S = splits;
@@ -40,7 +40,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, in
     const int cps = (n_chunks + S - 1) / S;
     S = (n_chunks + cps - 1) / cps;                                     // no split without chunks
     const int groups = std::min(cps, (cps + per_group - 1) / per_group + 1);
-    const size_t smem = Smem<>(8 * nt, M, cps, groups).total;
+    const size_t smem = Smem<>(8 * nt, M, cps, groups, fold).total;
     if (smem <= kSmemMax || splits > 0 || S >= max_splits || S >= n_chunks) return {nt, S, cps, groups, smem};
   }
 }
@@ -50,10 +50,10 @@ bool plan_usable(const Plan& p, int64_t K) {
   return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0 && K < (int64_t(1) << 26);
 }
 
-template <int NT, bool U4>
+template <int NT, bool U4, bool FOLD = false>
 void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift, const Mats& mats,
                 int dev) {
-  auto* kern = qgemm_wide_kernel<NT, U4>;
+  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD>;
   ensure_smem(kern, p.smem, dev);
   launch_split(kern, tiles, p.splits, kThreads, p.smem, c10::cuda::getCurrentCUDAStream(), dev, x, M, K,
                static_cast<int>(K / 32), p.cps, p.groups, U4 ? gshift : -1, mats);
@@ -63,11 +63,15 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
 // launch.  splits 0 = chosen here; min_group: the weights' smallest group in rows (0 = unknown, assume 32);
 // group_shift s >= 0: every weight's chunk c is in group c >> s (uniform 4-bit only; -1: the chunk table).
 // Raises where the shape does not fit (see qgemm_wide_fits).
+// norm_weight / norm_ss (uniform 4-bit without permutation): x is the residual stream and the kernel multiplies
+// rmsnorm(x) * norm_weight instead (norm_fold_device.cuh; norm_ss from qgemm_kslice_add_).
 std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                          at::TensorList scale, at::TensorList zero,
                                          const c10::List<c10::optional<at::Tensor>>& perm,
                                          const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                         int64_t splits, int64_t min_group, int64_t group_shift) {
+                                         int64_t splits, int64_t min_group, int64_t group_shift,
+                                         const c10::optional<at::Tensor>& norm_weight,
+                                         const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                                        // the weights' rows (x's K unless
@@ -77,7 +81,10 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
   if (M == 0) return ys;
   const int dev = x.device().index();
   const int64_t tiles = assign_tiles(mats, kTile);
-  const Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(splits), min_group, dev);
+  const bool fold = set_norm_fold("exl_core::qgemm_wide", x, norm_weight, norm_ss, norm_eps, mats);
+  TORCH_CHECK(!fold || (uniform4 && K == x.size(1)), "exl_core::qgemm_wide: the folded norm takes uniform 4-bit ",
+              "weights of x's K rows");
+  const Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(splits), min_group, dev, fold);
   TORCH_CHECK(plan_usable(plan, K) && (splits <= 1 || device_sm(dev, true) >= 9),   // as qgemm_wide_fits
               "exl_core::qgemm_wide: no plan for M = ", M, ", K = ", K, ", splits = ", splits,
               " (shared memory, or splits without thread-block clusters below sm_90)");
@@ -89,7 +96,10 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
   // every weight reads its permuted copy (K columns) when K is not x's: build_mats saw a permutation on each
   const at::Tensor xperm = permute_x_per_weight(xa, perm, mats, dev, K);
   const __half* xp = reinterpret_cast<const __half*>(xa.data_ptr());
-  if (plan.nt == 2) {
+  if (fold) {
+    if (plan.nt == 2) launch_one<2, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    else launch_one<4, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+  } else if (plan.nt == 2) {
     if (uniform4) launch_one<2, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
     else launch_one<2, false>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   } else {
@@ -107,17 +117,18 @@ at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_wide_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits, min_group,
-                          group_shift)[0];
+                          group_shift, c10::nullopt, c10::nullopt, 0.0)[0];
 }
 
 // Whether qgemm_wide takes M rows of K over `tiles` 128-column tiles on `device` (splits 0: its own choice); a
 // call it refuses raises, which on some images kills the process (see NOTES.md), so callers ask first.
-bool qgemm_wide_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, int64_t device, int64_t splits) {
+bool qgemm_wide_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, int64_t device, int64_t splits,
+                     bool fold) {
   if (rows < 1 || rows > kMaxRows || K < 32 || K % 32 != 0 || tiles < 1 || splits < 0 || splits > kMaxSplits)
     return false;
   const int dev = static_cast<int>(device);
   if (splits > 1 && device_sm(dev, true) < 9) return false;             // no clusters to reduce the splits
-  return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(splits), min_group, dev), K);
+  return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(splits), min_group, dev, fold), K);
 }
 
 }  // namespace
@@ -127,8 +138,8 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int splits=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_wide_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
-        "int group_shift=-1) -> Tensor[]");
-  m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0) -> bool",
+        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
+  m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0, bool fold=False) -> bool",
         &qgemm_wide_fits);
 }
 

@@ -29,6 +29,7 @@
 #pragma once
 #include <cuda_fp16.h>
 
+#include "norm_fold_device.cuh"
 #include "pdl_device.cuh"
 #include "qmma_device.cuh"
 
@@ -45,15 +46,17 @@ constexpr size_t kSmemMax = 100 * 1024;   // two blocks per SM
 
 // Shared memory of one block: [x stages kStages x rows x kStageW fp16 | after the K loop: partial tile M x kTile
 // fp32][chunk table slice cps x 3 int32][scale/zero of the block's groups: groups x (scale kTile | zero kTile) fp32]
+// [with the norm folded in: r of each row, kMaxRows fp32 | the norm weight over the block's K range, whole stages]
 template <int RING = kRing, int STAGES = kStages>
 struct Smem {
   static constexpr int kStageW = RING * 32 + kXPad;                    // staged row width in halves
-  size_t tab, sz, total;
-  __host__ __device__ Smem(int rows, int M, int cps, int groups) {
+  size_t tab, sz, fold, total;
+  __host__ __device__ Smem(int rows, int M, int cps, int groups, bool folded = false) {
     const size_t xs = static_cast<size_t>(STAGES) * rows * kStageW * 2, red = static_cast<size_t>(M) * kTile * 4;
     tab = xs > red ? xs : red;
     sz = tab + ((static_cast<size_t>(cps) * 12 + 15) & ~size_t(15));
-    total = sz + static_cast<size_t>(groups) * 2 * kTile * 4;
+    fold = sz + static_cast<size_t>(groups) * 2 * kTile * 4;
+    total = fold + (folded ? kMaxRows * 4 + static_cast<size_t>((cps + RING - 1) / RING) * RING * 64 : 0);
   }
 };
 
@@ -62,7 +65,8 @@ struct Smem {
 // words).  x (or the weight's permuted copy mat.x) 16-byte aligned, K % 32 == 0.
 // RING / STAGES: the ring depth (= chunks per x stage) and x stages; the extension runs the defaults, the probe
 // (bench/wide_probe.cu) times others.
-template <int NT, bool U4, int RING = kRing, int STAGES = kStages>
+// FOLD: the RMSNorm folded in (Mats::nf; its own instances, so the plain kernels keep their code and registers).
+template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = false>
 __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
     qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
                       int gshift, const Mats mats) {
@@ -81,11 +85,15 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   const int64_t ldq = mat.qw.ldq;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem<RING, STAGES> lay(kRows, M, cps, max_groups);
+  // The norm folded in (norm_fold_device.cuh): weights without permutation (the host checks), x the residual.
+  constexpr bool fold = FOLD;
+  const Smem<RING, STAGES> lay(kRows, M, cps, max_groups, fold);
   __half* xs = reinterpret_cast<__half*>(smem_raw);                     // [kStages][kRows][kStageW]
   float* red = reinterpret_cast<float*>(smem_raw);                      // [M][kTile], after the K loop
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);        // chunks [c_begin, c_end)
   float* szs = reinterpret_cast<float*>(smem_raw + lay.sz);             // [group - g_first][2][kTile]
+  float* rrow = reinterpret_cast<float*>(smem_raw + lay.fold);          // fold: [kMaxRows] r of each row
+  __half* gsm = reinterpret_cast<__half*>(rrow + kMaxRows);             // fold: norm weight, K range of the block
 
   Raw ring[kRing];
   const int32_t* wnext = base + static_cast<int64_t>(4 * c_begin + t) * ldq;   // U4: chunk c's word, row 4c + t
@@ -121,6 +129,8 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     cp_async16(szs + (gr * 2 + half) * kTile + 4 * q,
                (half ? mat.zero : mat.scale) + static_cast<int64_t>(g_first + gr) * N + cq);
   }
+  if (fold)                                                             // a weight: before the wait, with group 0
+    for (int i = threadIdx.x; i < nc * 4; i += kThreads) cp_async16(gsm + 8 * i, mats.nf.nw + c_begin * 32 + 8 * i);
 
   exl_pdl::pdl_wait();                                                  // x is the previous kernel's output
   exl_pdl::pdl_trigger();
@@ -157,6 +167,14 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < nst) issue(s);
     cp_async_commit();                                                        // group 0 also holds scale/zero
+  }
+  if (fold) {                                                           // rows' r while the first stages fly
+    for (int m = warp; m < M; m += kWarps) {
+      const float r = fold_rms(mats.nf, M, m, K, lane);
+      if (lane == 0) rrow[m] = r;
+    }
+    cp_async_wait_all();                    // the norm weight is read from pieces other threads copied
+    __syncthreads();
   }
 
   float acc[2][NT][4];
@@ -209,13 +227,15 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   // reading them load B words with no PRMT (16 a chunk each at 4 n-tiles: ~1 instruction per HMMA of the loop in
   // the gate/up instance's SASS, done 4 times over for the same x).  Rows past M are zero (unchanged by it); pieces
   // past the weight's last chunk hold stale bytes that no chunk reads.
+  // With the norm folded in, each piece is normalised first (rows' r, the norm weight: staged before the loop).
   auto permute_stage = [&](int s) {
     __half* dst = xs + (s % kStages) * kRows * kStageW + pm * kStageW + pk;
+    const uint4 wv = fold ? *reinterpret_cast<const uint4*>(gsm + s * (kRing * 32) + pk) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < kPasses; ++j)
       if (pm + j * kRP < M) {
         uint4* p = reinterpret_cast<uint4*>(dst + j * kRP * kStageW);
-        *p = stage_pairs<false>(*p);
+        *p = stage_pairs<false>(fold ? fold_norm8(*p, wv, rrow[pm + j * kRP]) : *p);
       }
   };
   for (int s = 0; s < nst; ++s) {

@@ -1,0 +1,54 @@
+// The RMSNorm between two decode projections folded into them (Mats::nf, exl_core::qgemm_kslice_add_ and the
+// norm_* arguments of qgemm_kslice_multi / qgemm_wide_multi; exl_core/ops/norm_fold.py).
+//
+// Why: in a graphed decode step the norm was its own launch twice a layer, a one-block-per-row kernel between the
+// o (down) projection and the q/k/v (gate/up) one; on the H200 each added 3.8-4.6 us to the step's critical path
+// (bench/decode_timeline.py: 250.4 us of a 2,010.4 us GPTQ batch-1 step, 302.2 of 3,906.0 at batch 32).
+//
+// Producer (o and down, qgemm_kslice): y is the residual stream and the epilogue adds into it, then writes the sum of
+// squares of the values it stored per (output tile, row) to ss_out.  Consumer (q/k/v and gate/up, qgemm_kslice's
+// staged rows and qgemm_wide): x is the residual; r = rsqrt(sum(ss_in[:, m]) / K + eps) from those partial sums in a
+// fixed order (every block gets the same r), and x is staged as w * fp16(x * r) rounded to fp16 -- the roundings of
+// rms_norm_vec_kernel -- instead of x.  A block then needs neither the whole row of x nor a norm launch before it.
+#pragma once
+#include <cuda_fp16.h>
+
+#include "qmma_device.cuh"
+
+namespace exl_mma {
+
+// r of row m (one warp; every lane returns the same value: a butterfly's pairs add in either order alike).
+__device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int64_t K, int lane) {
+  float s = 0.f;
+  for (int t = lane; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M + m);
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return rsqrtf(s / static_cast<float>(K) + nf.eps);
+}
+
+// 8 values of a row of x normalised: fp16(w * fp16(x * r)).
+__device__ __forceinline__ uint4 fold_norm8(const uint4& xv, const uint4& wv, float r) {
+  uint4 o;
+  const __half *xp = reinterpret_cast<const __half*>(&xv), *wp = reinterpret_cast<const __half*>(&wv);
+  __half* op = reinterpret_cast<__half*>(&o);
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    op[e] = __float2half_rn(__half2float(wp[e]) * __half2float(__float2half_rn(__half2float(xp[e]) * r)));
+  return o;
+}
+
+// Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N).
+__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a) {
+  if (nf.add) a += __half2float(*y);
+  const __half v = __float2half_rn(a);
+  *y = v;
+  const float f = __half2float(v);
+  return f * f;
+}
+
+// Sum of a warp's squares into ss_out[tile, m] (the warp holds one row's 32 columns of the tile).
+__device__ __forceinline__ void fold_row_ss(const NormFold& nf, float sq, int64_t tile, int M, int m, int lane) {
+  for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  if (lane == 0) nf.ss_out[tile * M + m] = sq;
+}
+
+}  // namespace exl_mma
