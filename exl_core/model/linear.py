@@ -14,6 +14,8 @@ from torch import nn
 from ..formats.packed import PackedWeight
 from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
+from ..ops.norm import rms_norm
+from ..ops.norm_fold import adds_ss, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
@@ -179,3 +181,26 @@ def linear_silu(gate: torch.Tensor, up: torch.Tensor, layer) -> torch.Tensor:
     if _plain_packed(layer):
         return qmatmul_silu(gate, up, layer.packed)
     return layer(silu_mul(gate, up))
+
+
+# ---------------------------------------------------------------------------- the RMSNorm folded in (ops/norm_fold.py)
+
+def linear_add_ss_(residual: torch.Tensor, x: torch.Tensor, layer,
+                   up: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """residual += layer(x) (layer(silu_mul(x, up)) with up) in place, in one kernel call, for a plain packed layer
+    where one takes it; returns the new residual's sums of squares (for linear_many_normed), or None, doing nothing."""
+    return qmatmul_add_ss_(residual, x, layer.packed, up) if _plain_packed(layer) else None
+
+
+def linear_adds_ss(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
+    """Whether linear_add_ss_(residual, x, layer) would do the add (x: any tensor of its device, dtype and shape)."""
+    return _plain_packed(layer) and adds_ss(residual, x, layer.packed)
+
+
+def linear_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float, ss: torch.Tensor,
+                       layers) -> list[torch.Tensor]:
+    """linear_many(rms_norm(residual, weight, eps), layers); ss: linear_add_ss_'s sums for residual, with which
+    plain packed layers normalise x inside their kernel (no norm launch)."""
+    if all(_plain_packed(m) for m in layers):
+        return qmatmul_many_normed(residual, weight, eps, ss, [m.packed for m in layers])
+    return linear_many(rms_norm(residual, weight, eps), layers)

@@ -20,7 +20,8 @@ from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import LORA_VERSION, QuantLinear, linear_add_, linear_adds_in_place, linear_many, linear_silu
+from .linear import (LORA_VERSION, QuantLinear, linear_add_, linear_add_ss_, linear_adds_in_place, linear_adds_ss,
+                     linear_many, linear_many_normed, linear_silu)
 from .rope import RopeTable
 
 
@@ -47,8 +48,15 @@ class Attention(nn.Module):
                 residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """cos_sin: the rope table covering every position in ctx (looked up once per forward). With `residual`,
         o_proj's output may go into it in place (linear_add_): None is returned then."""
-        t = x.shape[0]
         q, k, v = linear_many(x, (self.q_proj, self.k_proj, self.v_proj))
+        out = self.attend(q, k, v, ctx, layer_idx, cos_sin)
+        if residual is not None and linear_add_(residual, out, self.o_proj):
+            return None
+        return self.o_proj(out)
+
+    def attend(self, q, k, v, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rope, the K/V write and attention from the projections' outputs: (T, Hq * D), o_proj's input."""
+        t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)                   # (T, Hq, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)                # (T, Hkv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -58,10 +66,7 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, k, ctx.positions, cos_sin)
             out = ctx.attend(layer_idx, q, k, v, self.scale, self.window)  # (T, Hq, D)
-        out = out.reshape(t, self.num_heads * self.head_dim)
-        if residual is not None and linear_add_(residual, out, self.o_proj):
-            return None
-        return self.o_proj(out)
+        return out.reshape(t, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -72,6 +77,10 @@ class MLP(nn.Module):
     def forward(self, x, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """With `residual`, down_proj's output may go into it in place (linear_add_): None is returned then."""
         gate, up = linear_many(x, (self.gate_proj, self.up_proj))
+        return self.down(gate, up, residual)
+
+    def down(self, gate, up, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """down_proj(silu_mul(gate, up)), into `residual` where a kernel adds (None returned then)."""
         if residual is not None and linear_adds_in_place(residual, gate, self.down_proj):   # gate: h's shape
             h = silu_mul(gate, up)
             return None if linear_add_(residual, h, self.down_proj) else self.down_proj(h)
@@ -86,9 +95,17 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, h: Optional[torch.Tensor], residual: Optional[torch.Tensor], ctx: ForwardContext,
-                cos_sin: torch.Tensor):
+                cos_sin: torch.Tensor, ss: Optional[torch.Tensor] = None):
         """h: output of the previous block not yet added to the residual stream, or None when the previous block
-        added it already (o and down add into the residual in their GEMM on the prompt path: linear_add_)."""
+        added it already (o and down add into the residual in their GEMM on the prompt path: linear_add_).
+        ss: with h None, the residual's sums of squares from the previous down projection (linear_add_ss_), so the
+        q/k/v kernel can take the norm in (ops/norm_fold.py).  Returns (h, residual, ss) for the next block."""
+        own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
+        if own and h is None and ss is not None:
+            a = self.self_attn
+            n = self.input_layernorm
+            q, k, v = linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj))
+            return self._tail(a.attend(q, k, v, ctx, self.layer_idx, cos_sin), residual)
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
@@ -96,12 +113,32 @@ class Block(nn.Module):
             x = self.input_layernorm(residual)
         else:
             x, residual = self.input_layernorm(h, residual)
-        own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
-        attn = self.self_attn(x, ctx, self.layer_idx, cos_sin, residual) if own else \
-            self.self_attn(x, ctx, self.layer_idx, cos_sin)
-        x, residual = ((self.post_attention_layernorm(residual), residual) if attn is None else
-                       self.post_attention_layernorm(attn, residual))
-        return (self.mlp(x, residual) if own else self.mlp(x)), residual
+        if own:
+            a = self.self_attn
+            q, k, v = linear_many(x, (a.q_proj, a.k_proj, a.v_proj))
+            return self._tail(a.attend(q, k, v, ctx, self.layer_idx, cos_sin), residual)
+        attn = self.self_attn(x, ctx, self.layer_idx, cos_sin)
+        x, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(x), residual, None
+
+    def _tail(self, out: torch.Tensor, residual: torch.Tensor):
+        """o_proj of the attention output into the residual, the post-attention norm, the MLP: (h, residual, ss) as
+        forward returns.  Where the o (down) kernel adds into the residual and leaves its sums of squares, the
+        gate/up (next q/k/v) kernel takes the norm in (linear_many_normed)."""
+        a, mlp, n = self.self_attn, self.mlp, self.post_attention_layernorm
+        ss = linear_add_ss_(residual, out, a.o_proj)
+        if ss is not None:
+            gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
+        else:
+            attn = None if linear_add_(residual, out, a.o_proj) else a.o_proj(out)
+            x, residual = (n(residual), residual) if attn is None else n(attn, residual)
+            gate, up = linear_many(x, (mlp.gate_proj, mlp.up_proj))
+        ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
+        if ss is None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the SwiGLU-fused kernel's
+            ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)
+        if ss is not None:
+            return None, residual, ss
+        return mlp.down(gate, up, residual), residual, None
 
 
 LinearFactory = Callable[[str, int, int, bool], QuantLinear]   # (prefix, in, out, bias) -> layer
@@ -201,9 +238,9 @@ class Model(nn.Module):
 
     def _layers_python(self, h, ctx, cos_sin):
         """The per-op decoder loop: the reference the fused `decoder_layers` op must match bit for bit."""
-        residual = None
+        residual = ss = None
         for layer in self.layers:
-            h, residual = layer(h, residual, ctx, cos_sin)
+            h, residual, ss = layer(h, residual, ctx, cos_sin, ss)
         return h, residual
 
     def _native_stack(self) -> Optional[NativeStack]:
