@@ -82,7 +82,9 @@ def test_many_normed_vs_float64_and_unfused(M, monkeypatch):
     from exl_core.ops import norm_fold
     from exl_core.ops.norm import rms_norm
     from exl_core.ops.qmatmul import qmatmul_many
+    from exl_core.ops import cuda_norm_fold as nf
     monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)                 # qgemm_wide on these narrow launches too
+    monkeypatch.setattr(nf, "NORM_FOLD_WIDE", True)                 # (off by default: slower end to end)
     pws = [random_packed(U4, n, perm=False, bias=random.random() < 0.3) for n in (512, 128, 384)]
     K, eps = pws[0].in_features, 1e-5
     res = (torch.randn(M, K) * 3).half()
@@ -110,9 +112,13 @@ def test_many_normed_refuses_what_it_cannot_fold():
     res = torch.randn(1, pw.in_features, dtype=torch.float16, device="cuda")
     w = torch.ones(pw.in_features, dtype=torch.float16, device="cuda")
     ss = _tile_ss(res).float().cuda()
-    for s in (ss, None):
-        c = norm_fold.DISPATCH_MANY_NORMED.choose(residual=res, weight=w, eps=1e-6, ss=s, pws=[pw])
+    mixed = random_packed(MIXED, 256, perm=False).to("cuda")
+    for s, p in ((ss, pw), (None, pw), (ss, mixed)):
+        c = norm_fold.DISPATCH_MANY_NORMED.choose(residual=res, weight=w, eps=1e-6, ss=s, pws=[p])
         assert c.name == "torch"
+        y = norm_fold.qmatmul_many_normed(res, w, 1e-6, s, [p])[0]
+        ref = _normed_ref(res.cpu(), w.cpu(), 1e-6).double() @ dequantize_reference(p.to("cpu"))
+        assert rel_err(y, ref) < 2e-3
 
 
 @pytest.mark.parametrize("B", [1, 2, 20])
@@ -138,6 +144,7 @@ def test_model_decode_folded_matches_unfused(tiny_model_factory, tmp_path, B, mo
         finally:
             cc.WIDE_U4_MIN_TILES = saved
     monkeypatch.setattr(cc, "_wide_ok", multi_wide)
+    monkeypatch.setattr(nf, "NORM_FOLD_WIDE", True)
     T = 9
     ids = torch.randint(0, model.config.vocab_size, (B, T))
     nxt = torch.randint(0, model.config.vocab_size, (B, 1))

@@ -4,10 +4,11 @@
   qmatmul_add_ss_   qgemm_kslice_add_ where the plain call would run qgemm_kslice (o and down at 1..32 rows; down
                     with `up` at the SwiGLU-fused kernel's 1..8 rows), any weight qgemm_kslice takes.
   qmatmul_many_normed
-                    where the plain qmatmul_many would run qgemm_wide (uniform 4-bit, 17..32 rows) or the staged rows
-                    of qgemm_kslice (1..8), on weights without a permutation: the same launch with norm_weight /
-                    norm_ss. Elsewhere (qgemm_skinny's batch-8 launches, act-order weights) the reference runs: the
-                    norm kernel, then qmatmul_many -- the residual add has already happened in the producer.
+                    where the plain qmatmul_many would run the staged rows of qgemm_kslice (1..8; or qgemm_wide at
+                    17..32 rows under EXL_CORE_NORM_FOLD_WIDE=1), on uniform 4-bit weights without a permutation:
+                    the same launch with norm_weight / norm_ss. Elsewhere (qgemm_skinny's batch-8 launches, act-order
+                    or mixed-width weights) the reference runs: the norm kernel, then qmatmul_many -- the residual
+                    add has already happened in the producer.
 Why: bench/decode_timeline.py put the norm launches at 250.4 us of a 2,010.4 us GPTQ batch-1 step on the H200 and
 302.2 of 3,906.0 at batch 32 (3.8-4.6 us each on the step's critical path). EXL_CORE_NORM_FOLD=0: off (A/B).
 """
@@ -21,6 +22,11 @@ import torch
 from . import cuda_candidates as cc
 
 NORM_FOLD_ON = os.environ.get("EXL_CORE_NORM_FOLD", "1") != "0"
+# qgemm_wide's fold (batch 17..32) is built and tested but off: every column-tile block normalises the same x again,
+# on the path between a stage landing and its mma, and batch-32 decode fell from 7,769.7 to 5,951.4 tok/s with it
+# (GPTQ, H200, stop 27 call 4 -- another run of the same call; that build also carried the batch-1 regression of
+# qgemm_kslice's then runtime fold). EXL_CORE_NORM_FOLD_WIDE=1 turns it on (A/B).
+NORM_FOLD_WIDE = os.environ.get("EXL_CORE_NORM_FOLD_WIDE", "0") == "1"
 _FITS: dict = {}
 
 
@@ -106,8 +112,10 @@ def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Option
     if any(pw.perm is not None or pw.rows is not None or pw.in_features != K for pw in pws):
         return None, "a weight with a permutation (the kernels gather x; the fold stages it in order)"
     kind = _route(rows, pws, dev)
-    if kind == "wide" and not all(cc._uniform4(pw) for pw in pws):
-        return None, "qgemm_wide folds the norm for uniform 4-bit weights only"
+    if not all(cc._uniform4(pw) for pw in pws):
+        return None, "the folded norm's kernels take uniform 4-bit weights only"
+    if kind == "wide" and not NORM_FOLD_WIDE:
+        return None, "qgemm_wide's fold is off (EXL_CORE_NORM_FOLD_WIDE=1 turns it on)"
     if kind == "kslice" and rows > cc.KSLICE_STAGED_ROWS:
         return None, "qgemm_kslice folds the norm for staged rows only"
     if kind is None or not _fits(kind, rows, pws, dev):

@@ -96,10 +96,10 @@ bool plan_has_kernel(const Plan& p, bool u4) {
   return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
 }
 
-template <int KW, bool U4, int R, int NT, bool ACT>
+template <int KW, bool U4, int R, int NT, bool ACT, bool FOLD = false>
 void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats,
                 int dev, cudaStream_t stream) {
-  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT>;
+  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT, FOLD>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
                       p.n_chunks, p.slots, p.xs_stride, p.gshift, p.sgather, mats);
@@ -117,7 +117,11 @@ void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tile
 // The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
 void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
                  int dev, cudaStream_t stream) {
-  if (up != nullptr) {                                        // kslice_run checked: one n-tile, the default ring
+  if (mats.nf.nw != nullptr) {                                // kslice_run checked: staged uniform 4-bit rows, ring 4
+    if (p.kw == 4) launch_one<4, true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else if (p.kw == 8) launch_one<8, true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_one<16, true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+  } else if (up != nullptr) {                                        // kslice_run checked: one n-tile, the default ring
     if (u4) launch_kw<true, 8, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (p.nt == 1) {
@@ -167,9 +171,9 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
   const bool fold = set_norm_fold("exl_core::qgemm_kslice", x, folds.norm_weight, folds.norm_ss, folds.eps, mats);
-  TORCH_CHECK(!fold || (!up.defined() && n_tiles_for(static_cast<int>(M)) == 1 && K == Kx),
-              "exl_core::qgemm_kslice: the folded norm takes at most ", kStagedRows, " rows of x, weights of x's K ",
-              "rows and no SwiGLU");
+  TORCH_CHECK(!fold || (!up.defined() && uniform4 && n_tiles_for(static_cast<int>(M)) == 1 && K == Kx),
+              "exl_core::qgemm_kslice: the folded norm takes at most ", kStagedRows, " rows of x, uniform 4-bit ",
+              "weights of x's K rows and no SwiGLU");
   at::Tensor ss;
   if (folds.add_to != nullptr) {
     const at::Tensor& r = *folds.add_to;
@@ -188,6 +192,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   TORCH_CHECK(group_shift >= -1 && group_shift < 16, "exl_core::qgemm_kslice: group_shift ", group_shift,
               " (-1: the chunk table; s: chunk c in group c >> s)");
   plan.gshift = uniform4 ? static_cast<int>(group_shift) : -1;
+  TORCH_CHECK(!fold || plan.ring == 4, "exl_core::qgemm_kslice: the folded norm runs ring 4 (got ", plan.ring, ")");
   TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   bool any_perm = false;
@@ -287,7 +292,8 @@ bool qgemm_kslice_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group
   if (kw == 0 && (uniform4 ? rows > 1 && u4_one_row_only() : mixed_waves_to_skinny()) && rows <= kStagedRows &&
       tiles > 3 * device_sm(static_cast<int>(device), false))
     return false;
-  if (fold && rows > kStagedRows) return false;                       // the folded norm: staged rows only
+  if (fold && (rows > kStagedRows || !uniform4 || (ring != 0 && ring != 4)))   // the folded norm's instances
+    return false;
   return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(kw), static_cast<int>(ring),
                                min_group, uniform4, static_cast<int>(device), false, fold),
                       uniform4);

@@ -114,7 +114,10 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
 // does its weight words; x is small and every block reads it, so those loads are L1/L2 hits.  The host then
 // passes act-order weights' x already permuted (mat.x), and staging (a barrier and M x K x 2 bytes of
 // shared memory) disappears.
-template <int KW, bool U4, int R, int NT, bool ACT = false>
+// FOLD: the RMSNorm folded into the staging (Mats::nf; staged uniform 4-bit rows without permutation, its own
+// instances: in the plain ones its code had doubled the kernel's size and batch-1 decode fell from ~497 to 424.2
+// tok/s, stop 27 call 4).
+template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
@@ -141,7 +144,8 @@ __global__ void __launch_bounds__(32 * KW)
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The norm folded in (norm_fold_device.cuh): staged rows of a weight without permutation only (the host checks).
-  const bool fold = !XG && !ACT && mats.nf.nw != nullptr;
+  static_assert(!FOLD || (U4 && NT == 1 && !ACT), "the folded norm: staged uniform 4-bit rows, no SwiGLU");
+  constexpr bool fold = FOLD;
   const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT));
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
   float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
@@ -180,7 +184,7 @@ __global__ void __launch_bounds__(32 * KW)
 
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
-  if (fold)
+  if constexpr (fold)
     for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
 
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
@@ -200,19 +204,21 @@ __global__ void __launch_bounds__(32 * KW)
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       cp_async16(xs + m * xs_stride + k, x + m * K + k);
     }
-    if (fold) {                                               // rows' r while the copies fly, then x normalised
-      float rr[kStagedRows];
-#pragma unroll
-      for (int m = 0; m < kStagedRows; ++m) rr[m] = m < M ? fold_rms(mats.nf, M, m, K, lane) : 0.f;
+    if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
+      float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
+      for (int m = 0; m < M; ++m) {
+        const float r = fold_rms(mats.nf, M, m, K, lane);
+        if (lane == 0) rw[m] = r;
+      }
       cp_async_wait_all();
-      __syncwarp();                                           // pieces other lanes copied
-#pragma unroll
-      for (int m = 0; m < kStagedRows; ++m)
-        if (m < M)
-          for (int p = lane; p < (kwl >> 3); p += 32) {
-            uint4* q = reinterpret_cast<uint4*>(xs + m * xs_stride + kw0 + 8 * p);
-            *q = stage_pairs<S16>(fold_norm8(*q, *reinterpret_cast<const uint4*>(gsm + kw0 + 8 * p), rr[m]));
-          }
+      __syncwarp();                                           // pieces other lanes copied, r
+      for (int m = 0; m < M; ++m) {
+        const float r = rw[m];
+        for (int p = lane; p < (kwl >> 3); p += 32) {
+          uint4* q = reinterpret_cast<uint4*>(xs + m * xs_stride + kw0 + 8 * p);
+          *q = stage_pairs<S16>(fold_norm8(*q, *reinterpret_cast<const uint4*>(gsm + kw0 + 8 * p), r));
+        }
+      }
     } else {
       cp_async_wait_all();                                    // a lane reorders only the pieces it copied
       for (int j = lane; j < M * (kwl >> 3); j += 32) {
