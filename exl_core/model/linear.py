@@ -15,7 +15,7 @@ from ..formats.packed import PackedWeight
 from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
-from ..ops.norm_fold import adds_ss, qmatmul_add_ss_, qmatmul_many_normed
+from ..ops.norm_fold import adds_ss, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
@@ -195,6 +195,11 @@ def linear_add_ss_(residual: torch.Tensor, x: torch.Tensor, layer,
 def linear_adds_ss(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
     """Whether linear_add_ss_(residual, x, layer) would do the add (x: any tensor of its device, dtype and shape)."""
     return _plain_packed(layer) and adds_ss(residual, x, layer.packed)
+
+
+def linear_folds_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float, layers) -> bool:
+    """Whether linear_many_normed(residual, weight, eps, ss, layers) would take the norm into its kernels."""
+    return all(_plain_packed(m) for m in layers) and folds_norm(residual, weight, eps, [m.packed for m in layers])
 
 
 def linear_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float, ss: torch.Tensor,

@@ -21,7 +21,7 @@ from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
 from .linear import (LORA_VERSION, QuantLinear, linear_add_, linear_add_ss_, linear_adds_in_place, linear_adds_ss,
-                     linear_many, linear_many_normed, linear_silu)
+                     linear_folds_norm, linear_many, linear_many_normed, linear_silu)
 from .rope import RopeTable
 
 
@@ -125,17 +125,22 @@ class Block(nn.Module):
         """o_proj of the attention output into the residual, the post-attention norm, the MLP: (h, residual, ss) as
         forward returns.  Where the o (down) kernel adds into the residual and leaves its sums of squares, the
         gate/up (next q/k/v) kernel takes the norm in (linear_many_normed)."""
-        a, mlp, n = self.self_attn, self.mlp, self.post_attention_layernorm
-        ss = linear_add_ss_(residual, out, a.o_proj)
+        a, mlp, n, n1 = self.self_attn, self.mlp, self.post_attention_layernorm, self.input_layernorm
+        # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
+        # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
+        ss = linear_add_ss_(residual, out, a.o_proj) if linear_folds_norm(
+            residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
         if ss is not None:
             gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
         else:
             attn = None if linear_add_(residual, out, a.o_proj) else a.o_proj(out)
             x, residual = (n(residual), residual) if attn is None else n(attn, residual)
             gate, up = linear_many(x, (mlp.gate_proj, mlp.up_proj))
-        ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
-        if ss is None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the SwiGLU-fused kernel's
-            ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)
+        ss = None
+        if linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
+            ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
+            if ss is None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the SwiGLU-fused kernel's
+                ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)
         if ss is not None:
             return None, residual, ss
         return mlp.down(gate, up, residual), residual, None

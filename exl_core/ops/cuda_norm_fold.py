@@ -94,6 +94,7 @@ def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Option
     """(kernel, None) or (None, why not)."""
     if not NORM_FOLD_ON:
         return None, "EXL_CORE_NORM_FOLD=0"
+    from .norm_fold import FOLD_QUERY
     if ss is None:
         return None, "no sums of squares from the producer"
     why = cc._many_check(residual, pws)
@@ -107,7 +108,7 @@ def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Option
     if (weight.device != dev or weight.dtype != torch.float16 or weight.shape != (K,) or not weight.is_contiguous()
             or weight.data_ptr() % 16):
         return None, f"norm weight {weight.dtype} {tuple(weight.shape)}: contiguous, aligned float16 [K] on x's GPU"
-    if ss.device != dev or ss.dtype != torch.float32 or ss.shape != ((K + 31) // 32, rows):
+    if ss is not FOLD_QUERY and (ss.device != dev or ss.dtype != torch.float32 or ss.shape != ((K + 31) // 32, rows)):
         return None, f"sums of squares {ss.dtype} {tuple(ss.shape)}, expected float32 [{(K + 31) // 32}, {rows}]"
     if any(pw.perm is not None or pw.rows is not None or pw.in_features != K for pw in pws):
         return None, "a weight with a permutation (the kernels gather x; the fold stages it in order)"

@@ -25,6 +25,10 @@ from .dispatch import Candidate, Dispatcher
 from .norm import rms_norm
 
 
+# `ss` of a query (folds_norm): "the sums a producer would leave", so the checks can answer before it runs.
+FOLD_QUERY = object()
+
+
 def _reference_normed(residual, weight, eps, ss, pws):
     from .qmatmul import qmatmul_many
     return qmatmul_many(rms_norm(residual, weight, eps), list(pws))
@@ -48,6 +52,13 @@ def qmatmul_add_ss_(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight,
 def adds_ss(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight, up: Optional[torch.Tensor] = None) -> bool:
     """Whether qmatmul_add_ss_(residual, x, pw, up) would do it (x: any tensor of its device, dtype and shape)."""
     return DISPATCH_ADD_SS.choose(residual=residual, x=x, pw=pw, up=up).name != "none"
+
+
+def folds_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float, pws: Sequence[PackedWeight]) -> bool:
+    """Whether qmatmul_many_normed would take the norm into its kernels given a producer's sums (so a producer
+    knows whether its add pays: where the consumer cannot fold, the plain path keeps the add in the norm kernel)."""
+    return DISPATCH_MANY_NORMED.choose(residual=residual, weight=weight, eps=eps, ss=FOLD_QUERY,
+                                       pws=list(pws)).name != "torch"
 
 
 def qmatmul_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float, ss: Optional[torch.Tensor],

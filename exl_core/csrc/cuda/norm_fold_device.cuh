@@ -8,8 +8,10 @@
 // Producer (o and down, qgemm_kslice): y is the residual stream and the epilogue adds into it, then writes the sum of
 // squares of the values it stored per (output tile, row) to ss_out.  Consumer (q/k/v and gate/up, qgemm_kslice's
 // staged rows and qgemm_wide): x is the residual; r = rsqrt(sum(ss_in[:, m]) / K + eps) from those partial sums in a
-// fixed order (every block gets the same r), and x is staged as w * fp16(x * r) rounded to fp16 -- the roundings of
-// rms_norm_vec_kernel -- instead of x.  A block then needs neither the whole row of x nor a norm launch before it.
+// fixed order (every block gets the same r).  qgemm_kslice stages x as w * fp16(x * r) rounded to fp16 -- the
+// roundings of rms_norm_vec_kernel -- instead of x; qgemm_wide stages fp16(x * w) and scales its outputs by r (the
+// same product up to fp16 rounding; every column tile stages the same x, so the per-value work is kept to one
+// HMUL2 a pair).  A block then needs neither the whole row of x nor a norm launch before it.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -34,6 +36,12 @@ __device__ __forceinline__ uint4 fold_norm8(const uint4& xv, const uint4& wv, fl
   for (int e = 0; e < 8; ++e)
     op[e] = __float2half_rn(__half2float(wp[e]) * __half2float(__float2half_rn(__half2float(xp[e]) * r)));
   return o;
+}
+
+// 8 values of a row of x times the norm weight's (qgemm_wide: r then scales the outputs, cluster_store's row_scale).
+__device__ __forceinline__ uint4 fold_weight8(const uint4& xv, const uint4& wv) {
+  return make_uint4(h2u(__hmul2(u2h(xv.x), u2h(wv.x))), h2u(__hmul2(u2h(xv.y), u2h(wv.y))),
+                    h2u(__hmul2(u2h(xv.z), u2h(wv.z))), h2u(__hmul2(u2h(xv.w), u2h(wv.w))));
 }
 
 // Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N).

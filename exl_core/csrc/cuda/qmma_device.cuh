@@ -365,13 +365,21 @@ inline int64_t assign_tiles(Mats& mats, int tile_n) {
 // deterministic, no atomics.  Every thread of the block must call this.  Four columns a thread at a time (tile_n %
 // 4 == 0 and N % 4 == 0, so a piece is all in range or all out): a 16-byte read per rank and an 8-byte store, a
 // quarter of the remote round trips of one float at a time.
+// row_scale (qgemm_wide with the norm folded in, norm_fold_device.cuh): row m's sums times row_scale[m], before the bias.
 __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int nthreads, int64_t tile,
-                                              const Mat& mat) {
+                                              const Mat& mat, const float* row_scale = nullptr) {
   const int64_t N = mat.N;
   auto store4 = [&](int idx, float4 a) {                      // idx: the piece's first element
     const int m = idx / tile_n;
     const int64_t n = tile * tile_n + idx % tile_n;
     if (n < N) {
+      if (row_scale != nullptr) {
+        const float r = row_scale[m];
+        a.x *= r;
+        a.y *= r;
+        a.z *= r;
+        a.w *= r;
+      }
       if (mat.bias) {
         a.x += __half2float(mat.bias[n]);
         a.y += __half2float(mat.bias[n + 1]);
