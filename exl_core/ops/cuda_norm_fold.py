@@ -10,7 +10,9 @@
                     or mixed-width weights) the reference runs: the norm kernel, then qmatmul_many -- the residual
                     add has already happened in the producer.
 Why: bench/decode_timeline.py put the norm launches at 250.4 us of a 2,010.4 us GPTQ batch-1 step on the H200 and
-302.2 of 3,906.0 at batch 32 (3.8-4.6 us each on the step's critical path). EXL_CORE_NORM_FOLD=0: off (A/B).
+302.2 of 3,906.0 at batch 32 (3.8-4.6 us each on the step's critical path). Measured (bench/gpu_bench.py --quick, same
+call, stop 27 call 5): GPTQ batch 1 507.9 tok/s against 492.1 with EXL_CORE_NORM_FOLD=0 (1.0321x). EXL_CORE_NORM_FOLD=0:
+off (A/B).
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ import torch
 from . import cuda_candidates as cc
 
 NORM_FOLD_ON = os.environ.get("EXL_CORE_NORM_FOLD", "1") != "0"
-# qgemm_wide's fold (batch 17..32) is built and tested but off: every column-tile block normalises the same x again,
-# on the path between a stage landing and its mma, and batch-32 decode fell from 7,769.7 to 5,951.4 tok/s with it
-# (GPTQ, H200, stop 27 call 4 -- another run of the same call; that build also carried the batch-1 regression of
-# qgemm_kslice's then runtime fold). EXL_CORE_NORM_FOLD_WIDE=1 turns it on (A/B).
+# qgemm_wide's fold (batch 17..32) is built and tested but off: every column-tile block repeats the work on the same x,
+# on the path between a stage landing and its mma. GPTQ batch-32 decode on the H200, same call and machine: with the
+# norm kernel's roundings per piece 5,959.0 tok/s against 7,748.8 unfolded (stop 27 call 5); with x times the norm
+# weight and r on the outputs (the kernel now) 7,264.3 against the default's 7,757.0 (call 6: 0.9364x).
+# EXL_CORE_NORM_FOLD_WIDE=1 turns it on (A/B).
 NORM_FOLD_WIDE = os.environ.get("EXL_CORE_NORM_FOLD_WIDE", "0") == "1"
 _FITS: dict = {}
 
