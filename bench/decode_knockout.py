@@ -16,9 +16,7 @@ one-wave instance off, EXL_CORE_ATTN_ONE_WAVE=0, which the extension reads per c
 """
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,17 +116,11 @@ def run_format(path: Path, fmt: str, reps: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gptq", type=Path)
-    ap.add_argument("--exl2", type=Path)
+    ap = gpu_bench.probe_parser(__doc__, "decode_knockout_h200.json")
     ap.add_argument("--reps", type=int, default=2, help="graph decode runs per case (the best is the step time)")
-    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "decode_knockout_h200.json")
     a = ap.parse_args()
-    gpu_bench.TOKEN_MAJOR, gpu_bench.PAGED_DECODE = True, True
-    out = {"benchmark": "decode_knockout", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "decode": f"{gpu_bench.DECODE} tokens after a {gpu_bench.PROMPT}-token prompt, CUDA graph, as gpu_bench.py",
-           "rows": []}
+    out = gpu_bench.probe_record("decode_knockout", f"{gpu_bench.DECODE} tokens after a {gpu_bench.PROMPT}-token "
+                                 "prompt, CUDA graph, as gpu_bench.py", "rows")
     for fmt in ("gptq", "exl2"):
         p = getattr(a, fmt)
         if p is not None:

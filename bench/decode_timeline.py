@@ -15,12 +15,10 @@ span (tracing may stretch the step).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -124,7 +122,7 @@ def run_case(model, fmt: str, B: int, variant: str) -> dict:
         print(f"{p:10s} {v['launches']:8d} {v['dur_us']:10.2f} {v['adds_us']:10.2f} {v['gap_us']:10.2f}")
     per_layer = max(1, (len(rows) - 4) // model.config.num_hidden_layers)
     mid = len(rows) // 2 - (len(rows) // 2) % per_layer
-    print(f"-- a middle layer's launches (start, dur, gap, adds in us):")
+    print("-- a middle layer's launches (start, dur, gap, adds in us):")
     for r in rows[mid:mid + per_layer + 2]:
         print(f"{r['start_us']:9.2f} {r['dur_us']:8.2f} {r['gap_us']:7.2f} {r['adds_us']:7.2f}  {r['part']:9s} "
               f"{r['name'][:70]}")
@@ -155,17 +153,11 @@ def run_format(path: Path, fmt: str) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gptq", type=Path)
-    ap.add_argument("--exl2", type=Path)
+    ap = gpu_bench.probe_parser(__doc__, "decode_timeline_h200.json")
     ap.add_argument("--exl2-u4", action="store_true", help="the EXL2 folder again, as uniform 4-bit rows")
-    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "decode_timeline_h200.json")
     a = ap.parse_args()
-    gpu_bench.TOKEN_MAJOR, gpu_bench.PAGED_DECODE = True, True
-    out = {"benchmark": "decode_timeline", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "decode": f"step after a {gpu_bench.PROMPT}-token prompt, CUDA graph, as gpu_bench.py; torch.profiler",
-           "cases": []}
+    out = gpu_bench.probe_record("decode_timeline", f"step after a {gpu_bench.PROMPT}-token prompt, CUDA graph, as "
+                                 "gpu_bench.py; torch.profiler", "cases")
     for fmt in ("gptq", "exl2"):
         p = getattr(a, fmt)
         if p is not None:

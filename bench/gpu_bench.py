@@ -426,6 +426,23 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
     torch.cuda.empty_cache()
 
 
+def probe_parser(doc: str, json_name: str) -> argparse.ArgumentParser:
+    """The command line of a decode probe on the bench's checkpoints (decode_knockout.py, decode_timeline.py)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--gptq", type=Path)
+    ap.add_argument("--exl2", type=Path)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / json_name)
+    return ap
+
+
+def probe_record(benchmark: str, decode: str, key: str) -> dict:
+    """A decode probe's JSON record (the bench's decode settings on: token-major paged K/V), `key` its empty list."""
+    global TOKEN_MAJOR, PAGED_DECODE
+    TOKEN_MAJOR, PAGED_DECODE = True, True
+    return {"benchmark": benchmark, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "decode": decode, key: []}
+
+
 def _write(out: dict, path: Path) -> None:
     text = json.dumps(out, indent=1)
     path.parent.mkdir(parents=True, exist_ok=True)
