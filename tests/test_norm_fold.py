@@ -1,6 +1,6 @@
 """ops/norm_fold.py off the GPU: the reference of qmatmul_many_normed is the norm then qmatmul_many (float64 check),
-and qmatmul_add_ss_ declines (nothing done) where no kernel folds the add; the model's per-op decoder loop keeps
-its values with the folds in its code path (tests/test_model_vs_hf.py covers the logits).  The CUDA kernels:
+and qmatmul_add_ss_ declines (nothing done) where no kernel folds the add.  On the CPU the folds never run; the model's
+split Block path that asks for them is covered by tests/test_model_vs_hf.py.  The CUDA kernels:
 tests/test_cuda_norm_fold.py."""
 from __future__ import annotations
 

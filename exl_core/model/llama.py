@@ -99,9 +99,11 @@ class Block(nn.Module):
         """h: output of the previous block not yet added to the residual stream, or None when the previous block
         added it already (o and down add into the residual in their GEMM on the prompt path: linear_add_).
         ss: with h None, the residual's sums of squares from the previous down projection (linear_add_ss_), so the
-        q/k/v kernel can take the norm in (ops/norm_fold.py).  Returns (h, residual, ss) for the next block."""
+        q/k/v kernel can take the norm in (ops/norm_fold.py).  Returns (h, residual, ss) for the next block.
+        The plain Attention and MLP are called through their parts (attend, the projections), not their forward:
+        hooks on those two modules do not fire; subclasses keep their forward."""
         own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
-        if own and h is None and ss is not None:
+        if own and h is None and ss is not None and self._folds():
             a = self.self_attn
             n = self.input_layernorm
             q, k, v = linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj))
@@ -121,6 +123,11 @@ class Block(nn.Module):
         x, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(x), residual, None
 
+    def _folds(self) -> bool:
+        """Whether the norms may be folded into the projections: plain RMSNorm modules (their weight and eps are
+        all the fold reads; another norm type keeps its own forward)."""
+        return type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+
     def _tail(self, out: torch.Tensor, residual: torch.Tensor):
         """o_proj of the attention output into the residual, the post-attention norm, the MLP: (h, residual, ss) as
         forward returns.  Where the o (down) kernel adds into the residual and leaves its sums of squares, the
@@ -128,7 +135,8 @@ class Block(nn.Module):
         a, mlp, n, n1 = self.self_attn, self.mlp, self.post_attention_layernorm, self.input_layernorm
         # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
         # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
-        ss = linear_add_ss_(residual, out, a.o_proj) if linear_folds_norm(
+        folds = self._folds()
+        ss = linear_add_ss_(residual, out, a.o_proj) if folds and linear_folds_norm(
             residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
         if ss is not None:
             gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
@@ -137,7 +145,7 @@ class Block(nn.Module):
             x, residual = (n(residual), residual) if attn is None else n(attn, residual)
             gate, up = linear_many(x, (mlp.gate_proj, mlp.up_proj))
         ss = None
-        if linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
+        if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
             ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
             if ss is None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the SwiGLU-fused kernel's
                 ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)

@@ -7,10 +7,10 @@
                     where the plain qmatmul_many would run the staged rows of qgemm_kslice (1..8; or qgemm_wide at
                     17..32 rows under EXL_CORE_NORM_FOLD_WIDE=1), on uniform 4-bit weights without a permutation:
                     the same launch with norm_weight / norm_ss. Elsewhere (qgemm_skinny's batch-8 launches, act-order
-                    or mixed-width weights) the reference runs: the norm kernel, then qmatmul_many -- the residual
-                    add has already happened in the producer.
-Why: bench/decode_timeline.py put the norm launches at 250.4 us of a 2,010.4 us GPTQ batch-1 step on the H200 and
-302.2 of 3,906.0 at batch 32 (3.8-4.6 us each on the step's critical path). Measured (bench/gpu_bench.py --quick, same
+                    or mixed-width weights) the reference runs: the norm kernel, then qmatmul_many. (The model asks
+                    first, folds_norm, and lets the producer add only where the consumer folds.)
+Why: bench/decode_timeline.py put the norm launches at 250.4 us of a 2,010.3 us GPTQ batch-1 step on the H200 and
+302.2 of 3,905.9 at batch 32 (3.85 / 4.64 us each on average on the step's critical path). Measured (bench/gpu_bench.py --quick, same
 call, stop 27 call 5): GPTQ batch 1 507.9 tok/s against 492.1 with EXL_CORE_NORM_FOLD=0 (1.0321x). EXL_CORE_NORM_FOLD=0:
 off (A/B).
 """
@@ -106,12 +106,15 @@ def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Option
     K = pws[0].in_features
     rows = residual.numel() // K
     dev = residual.device
-    if residual.dim() != 2 or not residual.is_contiguous() or residual.data_ptr() % 16:
+    if residual.dim() != 2 or residual.shape[1] != K or not residual.is_contiguous() or residual.data_ptr() % 16:
         return None, "residual must be a contiguous, 16-byte aligned [rows, K] tensor"
+    if not eps >= 0:
+        return None, f"eps {eps} must be >= 0"
     if (weight.device != dev or weight.dtype != torch.float16 or weight.shape != (K,) or not weight.is_contiguous()
             or weight.data_ptr() % 16):
         return None, f"norm weight {weight.dtype} {tuple(weight.shape)}: contiguous, aligned float16 [K] on x's GPU"
-    if ss is not FOLD_QUERY and (ss.device != dev or ss.dtype != torch.float32 or ss.shape != ((K + 31) // 32, rows)):
+    if ss is not FOLD_QUERY and (ss.device != dev or ss.dtype != torch.float32 or not ss.is_contiguous()
+                                 or ss.shape != ((K + 31) // 32, rows)):
         return None, f"sums of squares {ss.dtype} {tuple(ss.shape)}, expected float32 [{(K + 31) // 32}, {rows}]"
     if any(pw.perm is not None or pw.rows is not None or pw.in_features != K for pw in pws):
         return None, "a weight with a permutation (the kernels gather x; the fold stages it in order)"

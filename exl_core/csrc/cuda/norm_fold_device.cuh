@@ -2,8 +2,8 @@
 // norm_* arguments of qgemm_kslice_multi / qgemm_wide_multi; exl_core/ops/norm_fold.py).
 //
 // Why: in a graphed decode step the norm was its own launch twice a layer, a one-block-per-row kernel between the
-// o (down) projection and the q/k/v (gate/up) one; on the H200 each added 3.8-4.6 us to the step's critical path
-// (bench/decode_timeline.py: 250.4 us of a 2,010.4 us GPTQ batch-1 step, 302.2 of 3,906.0 at batch 32).
+// o (down) projection and the q/k/v (gate/up) one; on the H200 each added 3.85 / 4.64 us on average to the step's
+// critical path (bench/decode_timeline.py: 250.4 us of a 2,010.3 us GPTQ batch-1 step, 302.2 of 3,905.9 at batch 32).
 //
 // Producer (o and down, qgemm_kslice): y is the residual stream and the epilogue adds into it, then writes the sum of
 // squares of the values it stored per (output tile, row) to ss_out.  Consumer (q/k/v and gate/up, qgemm_kslice's
