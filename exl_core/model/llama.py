@@ -104,10 +104,9 @@ class Block(nn.Module):
         hooks on those two modules do not fire; subclasses keep their forward."""
         own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
         if own and h is None and ss is not None and self._folds():
-            a = self.self_attn
-            n = self.input_layernorm
-            q, k, v = linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj))
-            return self._tail(a.attend(q, k, v, ctx, self.layer_idx, cos_sin), residual)
+            a, n = self.self_attn, self.input_layernorm
+            return self._tail(linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj)),
+                              ctx, cos_sin, residual)
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
@@ -117,8 +116,9 @@ class Block(nn.Module):
             x, residual = self.input_layernorm(h, residual)
         if own:
             a = self.self_attn
-            q, k, v = linear_many(x, (a.q_proj, a.k_proj, a.v_proj))
-            return self._tail(a.attend(q, k, v, ctx, self.layer_idx, cos_sin), residual)
+            qkv = linear_many(x, (a.q_proj, a.k_proj, a.v_proj))
+            del x                                   # not alive through the MLP
+            return self._tail(qkv, ctx, cos_sin, residual)
         attn = self.self_attn(x, ctx, self.layer_idx, cos_sin)
         x, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(x), residual, None
@@ -128,22 +128,32 @@ class Block(nn.Module):
         all the fold reads; another norm type keeps its own forward)."""
         return type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
 
-    def _tail(self, out: torch.Tensor, residual: torch.Tensor):
-        """o_proj of the attention output into the residual, the post-attention norm, the MLP: (h, residual, ss) as
-        forward returns.  Where the o (down) kernel adds into the residual and leaves its sums of squares, the
-        gate/up (next q/k/v) kernel takes the norm in (linear_many_normed)."""
+    def _tail(self, qkv: list, ctx: ForwardContext, cos_sin: torch.Tensor, residual: torch.Tensor):
+        """Attention from the [q, k, v] list (emptied here, so that no caller keeps them alive through the MLP), o_proj
+        into the residual, the post-attention norm, the MLP: (h, residual, ss) as forward returns.  Where the o (down)
+        kernel adds into the residual and leaves its sums of squares, the gate/up (next q/k/v) kernel takes the norm
+        in (linear_many_normed)."""
         a, mlp, n, n1 = self.self_attn, self.mlp, self.post_attention_layernorm, self.input_layernorm
+        q, k, v = qkv
+        if isinstance(qkv, list):
+            qkv.clear()
+        out = a.attend(q, k, v, ctx, self.layer_idx, cos_sin)
+        del q, k, v
         # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
         # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
         folds = self._folds()
         ss = linear_add_ss_(residual, out, a.o_proj) if folds and linear_folds_norm(
             residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
         if ss is not None:
+            del out
             gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
         else:
             attn = None if linear_add_(residual, out, a.o_proj) else a.o_proj(out)
+            del out
             x, residual = (n(residual), residual) if attn is None else n(attn, residual)
+            del attn
             gate, up = linear_many(x, (mlp.gate_proj, mlp.up_proj))
+            del x
         ss = None
         if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
             ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
