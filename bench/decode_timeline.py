@@ -3,8 +3,8 @@
 Question: where does a graphed step's time go, kernel by kernel -- how long each launch runs, and how much each
 adds to the step's end (the critical path), under programmatic dependent launch (a kernel may start before the one
 ahead of it ends)? The knock-out run (decode_knockout.py) gives a part's total; this gives every launch, the gaps
-between them and, for the batch-32 question of stop 26, the same step with o and down on qgemm_wide
-(`cuda_candidates.WIDE_U4_MIN_TILES = 1`, read per call) in the same process.
+between them; and same-process variants of the step (VARIANTS: stop 26's question, o and down on qgemm_wide at batch
+32 (call 3 of stop 27 ran it); stop 27's, the RMSNorm fold off at batch 1 and the fold in qgemm_wide on at batch 32).
 
 torch.profiler (CUPTI) records the kernels of REPLAYS replays of the bench's step graph (bench/gpu_bench.py); the
 middle replay is reported. A kernel's `adds` is its end minus the latest end before it (0 when it ends inside an
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import gpu_bench
-from exl_core.ops import cuda_candidates
+from exl_core.ops import cuda_candidates, cuda_norm_fold
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -43,14 +43,25 @@ def part_of(name: str) -> str:
     return "other"
 
 
+# Same-process variants (module settings read per call): o and down on qgemm_wide at 17..32 rows; the RMSNorm fold
+# off (ops/cuda_norm_fold.py); the fold in qgemm_wide on (off by default).
+VARIANTS = {"wide_o_down": (cuda_candidates, "WIDE_U4_MIN_TILES", 1),
+            "norm_fold_off": (cuda_norm_fold, "NORM_FOLD_ON", False),
+            "norm_fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True)}
+
+
 @contextmanager
-def wide_tiles(n: int):
-    saved = cuda_candidates.WIDE_U4_MIN_TILES
-    cuda_candidates.WIDE_U4_MIN_TILES = n
+def variant_set(variant: str):
+    if not variant:
+        yield
+        return
+    mod, name, value = VARIANTS[variant]
+    saved = getattr(mod, name)
+    setattr(mod, name, value)
     try:
         yield
     finally:
-        cuda_candidates.WIDE_U4_MIN_TILES = saved
+        setattr(mod, name, saved)
 
 
 def traced_kernels(replay) -> list[list[dict]]:
@@ -100,7 +111,7 @@ def summarise(rows: list[dict]) -> dict:
 
 @torch.inference_mode()              # the step's tensors are inference tensors (reset() updates one in place)
 def run_case(model, fmt: str, B: int, variant: str) -> dict:
-    with wide_tiles(1 if variant == "wide_o_down" else cuda_candidates.WIDE_U4_MIN_TILES):
+    with variant_set(variant):
         _, replay, reset = gpu_bench.decode_graph(model, B)
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -139,7 +150,7 @@ def run_format(path: Path, fmt: str) -> list[dict]:
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     finally:
         os.environ.pop("EXL_CORE_EXL2_AS_U4", None)
-    cases = [(1, ""), (8, ""), (32, "")] + ([(32, "wide_o_down")] if fmt == "gptq" else [])
+    cases = [(1, ""), (8, ""), (32, "")] + ([(1, "norm_fold_off"), (32, "norm_fold_wide")] if fmt == "gptq" else [])
     out = []
     for B, variant in cases:
         try:

@@ -207,8 +207,8 @@ fi
 if has knockout; then  # where a graphed decode step's time goes: parts knocked out one at a time (same process)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_knockout.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -24
 fi
-if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler), GPTQ bs32 also with
-  # o and down on qgemm_wide (stop 26's unexplained loss)
+if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler); GPTQ also with the
+  # norm fold off at batch 1 and qgemm_wide's fold on at batch 32 (decode_timeline.VARIANTS)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 2>&1 | tee -a "$LOG" | tail -200
 fi
 if has u4rows; then   # A/B: GPTQ gate/up at 2..8 rows on qgemm_kslice too (the one-row limit of stop 23 is unsettled)
