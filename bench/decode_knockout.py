@@ -121,10 +121,7 @@ def main() -> None:
     a = ap.parse_args()
     out = gpu_bench.probe_record("decode_knockout", f"{gpu_bench.DECODE} tokens after a {gpu_bench.PROMPT}-token "
                                  "prompt, CUDA graph, as gpu_bench.py", "rows")
-    for fmt in ("gptq", "exl2"):
-        p = getattr(a, fmt)
-        if p is not None:
-            out["rows"] += run_format(p, fmt, a.reps)
+    out["rows"] += gpu_bench.probe_formats(a, lambda p, fmt: run_format(p, fmt, a.reps))
     print(f"\n{'format':6s} {'batch':>5s} {'knockout':10s} {'variant':18s} {'step ms':>9s} {'saved ms':>9s}")
     for r in out["rows"]:
         saved = f"{r['saved_ms']:9.4f}" if "saved_ms" in r else f"{'-':>9s}"

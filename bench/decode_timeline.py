@@ -169,10 +169,7 @@ def main() -> None:
     a = ap.parse_args()
     out = gpu_bench.probe_record("decode_timeline", f"step after a {gpu_bench.PROMPT}-token prompt, CUDA graph, as "
                                  "gpu_bench.py; torch.profiler", "cases")
-    for fmt in ("gptq", "exl2"):
-        p = getattr(a, fmt)
-        if p is not None:
-            out["cases"] += run_format(p, fmt)
+    out["cases"] += gpu_bench.probe_formats(a, run_format)
     if a.exl2_u4 and a.exl2 is not None:
         out["cases"] += run_format(a.exl2, "exl2_u4")
     gpu_bench._write(out, a.json)

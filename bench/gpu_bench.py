@@ -443,6 +443,11 @@ def probe_record(benchmark: str, decode: str, key: str) -> dict:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "decode": decode, key: []}
 
 
+def probe_formats(a, run_format) -> list:
+    """run_format(path, fmt)'s rows for each checkpoint folder given (--gptq, --exl2), in that order."""
+    return [row for fmt in ("gptq", "exl2") if getattr(a, fmt) is not None for row in run_format(getattr(a, fmt), fmt)]
+
+
 def _write(out: dict, path: Path) -> None:
     text = json.dumps(out, indent=1)
     path.parent.mkdir(parents=True, exist_ok=True)

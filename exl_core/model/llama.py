@@ -103,7 +103,7 @@ class Block(nn.Module):
         The plain Attention and MLP are called through their parts (attend, the projections), not their forward:
         hooks on those two modules do not fire; subclasses keep their forward."""
         own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
-        if own and h is None and ss is not None and self._folds():
+        if own and h is None and ss is not None and self._folds():            # ss: only a CUDA producer leaves it
             a, n = self.self_attn, self.input_layernorm
             return self._tail(linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj)),
                               ctx, cos_sin, residual)
@@ -135,13 +135,12 @@ class Block(nn.Module):
         in (linear_many_normed)."""
         a, mlp, n, n1 = self.self_attn, self.mlp, self.post_attention_layernorm, self.input_layernorm
         q, k, v = qkv
-        if isinstance(qkv, list):
-            qkv.clear()
+        qkv.clear()
         out = a.attend(q, k, v, ctx, self.layer_idx, cos_sin)
         del q, k, v
         # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
         # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
-        folds = self._folds()
+        folds = residual.is_cuda and self._folds()          # the folds' kernels are CUDA's: no checks per layer elsewhere
         ss = linear_add_ss_(residual, out, a.o_proj) if folds and linear_folds_norm(
             residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
         if ss is not None:

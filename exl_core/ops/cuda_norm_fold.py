@@ -135,7 +135,8 @@ def _normed_check(residual, weight, eps, ss, pws) -> Optional[str]:
 
 
 def _normed_run(residual, weight, eps, ss, pws):
-    kind, _ = _normed_route(residual, weight, eps, ss, pws)
+    # the check has passed: only the kernel's name is needed (the plain path's cached choice, not the whole check again)
+    kind = "wide" if cc._wide_ok(residual.shape[0], pws, residual.device) else "kslice"
     args = (residual, [pw.qweight for pw in pws], [cc._chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
             [pw.zero for pw in pws], [None] * len(pws),
             [None if pw.bias is None else pw.bias.to(residual.dtype).contiguous() for pw in pws])
