@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from exl_core.ops.attention import paged_attention, rope_write_kv, write_kv
+from exl_core.ops.attention import paged_attention, rope_paged_attention, rope_write_kv, write_kv
 from exl_core.ops.rope import apply_rope
 
 PROMPT, DECODE = 128, 128
@@ -184,8 +184,8 @@ class DecodeContext:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self._paged(layer)
-        q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)   # as PagedContext.attend_rope
-        return paged_attention(q, kc, vc, self.table, self.cu, self.lens, scale, window, max_q_len=1)
+        return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.table, self.cu,
+                                    self.lens, scale, window, max_q_len=1)      # as PagedContext.attend_rope
 
     def attend(self, layer, q, k, v, scale, window):
         kv = self.kv

@@ -192,6 +192,39 @@ def test_rope_write_kv_rotates_against_float64_and_stores():
     with pytest.raises(InputError, match="slots"):
         A.rope_write_kv(q, k, v, pos, cs, kc, vc, slots[:2])
 
+
+def test_rope_paged_attention_is_rope_write_then_attention():
+    """rope_paged_attention (the contexts' decode attention; on the CPU its two ops): q and k rotated at their
+    positions as the float64 formula rotates them, k and v stored in their slots, then attention as the torch
+    reference computes it over each sequence's keys -- the argument order through to both ops; bad input raises
+    InputError naming the tensor."""
+    from exl_core.ops.rope import cos_sin_table
+    ps, hq, hkv, d = 4, 4, 2, 64
+    g = torch.Generator().manual_seed(11)
+    lens = torch.tensor([6, 3])                                     # one decode row each, at position len - 1
+    table = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
+    kc = torch.randn(3, ps, hkv, d, generator=g)
+    vc = torch.randn(3, ps, hkv, d, generator=g)
+    q, k, v = (torch.randn(2, h, d, generator=g) for h in (hq, hkv, hkv))
+    pos = lens - 1
+    slots = torch.tensor([0 * ps + 1, 1 * ps + 2])                 # table[0][5 // 4] = 0, table[1][2 // 4] = 1
+    cs = cos_sin_table(1.0 / (10000 ** (torch.arange(0, d, 2).double() / d)), 16)
+    cu = torch.tensor([0, 1, 2])
+    k_ref, v_ref = kc.clone(), vc.clone()
+    out = A.rope_paged_attention(q, k, v, pos, cs, kc, vc, slots, table, cu, lens, 0.125, None, 1)
+
+    def rot(x):
+        c, s = cs[pos].double()[:, None, :d // 2], cs[pos].double()[:, None, d // 2:]
+        x1, x2 = x.double()[..., :d // 2], x.double()[..., d // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    k_ref.view(-1, hkv, d)[slots], v_ref.view(-1, hkv, d)[slots] = rot(k).float(), v
+    assert torch.allclose(kc.view(-1, hkv, d)[slots].double(), rot(k), atol=1e-5)
+    assert torch.equal(vc.view(-1, hkv, d)[slots], v)
+    ref = A.paged_attention_ref(rot(q).float(), k_ref, v_ref, table, cu, lens, 0.125).double()  # torch's math
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    with pytest.raises(InputError, match="cu_seqlens_q"):
+        A.rope_paged_attention(q, k, v, pos, cs, kc, vc, slots, table, cu[:2], lens, 0.125, None, 1)
+
 @pytest.mark.skipif(not has_op("paged_attention"), reason="C++ extension not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_opcheck(dtype):

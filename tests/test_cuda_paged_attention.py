@@ -355,3 +355,64 @@ def test_rope_kv_write_equals_rope_then_write(dtype, hq, hkv, d):
         att.write_kv(ref_k, ref_v, rk, v, slots)
         for got, want in ((qo, rq), (kc, ref_k), (vc, ref_v)):
             assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), name
+
+
+def _decode_rope_case(n_rows, k_lens, hq, hkv, d, page, dtype, seed):
+    """Decode rows (one per sequence) before rope: q, k, v; the cache with every earlier key; the positions and
+    slots the contexts' step_indices give (the row's position seq_lens_k - 1, its slot through the table)."""
+    from exl_core.ops.rope import cos_sin_table
+    q, kc, vc, table, cu, lens = _case([1] * n_rows, k_lens, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    k, v = (torch.randn(n_rows, hkv, d, generator=g).to(dtype) for _ in range(2))
+    pos = lens - 1
+    slots = torch.tensor([int(table[s, int(p) // page]) * page + int(p) % page for s, p in enumerate(pos)])
+    kc.view(-1, hkv, d)[slots] = float("nan")                 # the own slots: only the op's write may fill them
+    vc.view(-1, hkv, d)[slots] = float("nan")
+    cos_sin = cos_sin_table(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), max(k_lens) + 8)
+    return [t.cuda() for t in (q, k, v, pos, cos_sin, kc, vc, slots, table, cu, lens)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k_lens,hq,hkv,d,page,window", [
+    ([5, 17, 64, 130], 4, 4, 64, 16, None),        # one query head per kv head
+    ([9, 33, 200], 9, 3, 64, 8, None),              # 3 heads padded to the 4-head instance
+    ([3, 77], 8, 2, 128, 16, None),
+    ([40, 300], 8, 1, 128, 16, 24),                 # 8 heads per kv head, a sliding window
+    ([300], 4, 2, 256, 16, None),                   # one row: several key splits (cluster merge)
+    ([150] * 24, 4, 4, 128, 16, None),              # splits merged by the combine kernel
+    ([129] * 32, 32, 32, 128, 16, None),            # the bench's batch 32: the one-wave instance
+])
+def test_paged_attention_rope_equals_rope_then_attention(dtype, k_lens, hq, hkv, d, page, window):
+    """rope_paged_attention's one launch (exl_core::paged_attention_rope) against rope_write_kv then paged_attention
+    on the same inputs: the output and both caches bit for bit (the rows' own slots start as NaN, so a missing or
+    misplaced write shows)."""
+    from exl_core.ops import attention as att
+    from exl_core.ops.cuda_candidates import _has_cuda_kernel
+    if not _has_cuda_kernel("paged_attention_rope"):
+        pytest.fail("torch sees a GPU but exl_core._C was built without the CUDA paged_attention_rope kernel")
+    q, k, v, pos, cos_sin, kc0, vc0, slots, table, cu, lens = _decode_rope_case(
+        len(k_lens), k_lens, hq, hkv, d, page, dtype, seed=hq * d + len(k_lens))
+    scale = d ** -0.5
+    assert att._rope_attn_fusable(q, k, v, pos, cos_sin, kc0, vc0, slots, table, cu, lens, scale, window, 1)
+    kc, vc = kc0.clone(), vc0.clone()
+    out = att.rope_paged_attention(q, k, v, pos, cos_sin, kc, vc, slots, table, cu, lens, scale, window, 1)
+    rk, rv = kc0.clone(), vc0.clone()
+    rq = att.rope_write_kv(q, k, v, pos, cos_sin, rk, rv, slots)
+    ref = att.paged_attention(rq, rk, rv, table, cu, lens, scale, window, max_q_len=1)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, ref)
+    assert torch.equal(kc.nan_to_num(7.0), rk.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), rv.nan_to_num(7.0))
+    assert torch.isfinite(kc.view(-1, hkv, d)[slots]).all()
+
+
+def test_paged_attention_rope_only_for_decode_rows(monkeypatch):
+    """Rows of a sequence after its first (speculative verification) keep the two launches: the kernel takes the
+    own key of one row per sequence; so does EXL_CORE_ROPE_ATTN_FUSE=0."""
+    from exl_core.ops import attention as att
+    q, k, v, pos, cos_sin, kc, vc, slots, table, cu, lens = _decode_rope_case(2, [20, 9], 4, 2, 64, 8,
+                                                                               torch.float16, seed=5)
+    args = (q, k, v, pos, cos_sin, kc, vc, slots, table, cu, lens, 0.125, None)
+    assert att._rope_attn_fusable(*args, 1)
+    assert not att._rope_attn_fusable(*args, 2) and not att._rope_attn_fusable(*args, None)
+    monkeypatch.setattr(att, "ROPE_ATTN_FUSE", False)
+    assert not att._rope_attn_fusable(*args, 1)

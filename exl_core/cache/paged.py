@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError
-from ..ops.attention import paged_attention, rope_write_kv, write_kv
+from ..ops.attention import paged_attention, rope_paged_attention, write_kv
 from ..ops.decoder_layer import PagedKV
 from ..ops.rope import apply_rope
 from .pages import PagePool, PageTable
@@ -208,15 +208,15 @@ class PagedContext:
 
     def attend_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                     scale: float, window: Optional[int]) -> torch.Tensor:
-        """`attend` of q and k before rope (rotated at self.positions): rope and the K/V write in one op
-        (rope_write_kv: one launch on CUDA). A subclass that changed `attend` gets rope, then its `attend`."""
+        """`attend` of q and k before rope (rotated at self.positions): rope, the K/V write and attention in one op
+        (rope_paged_attention: on CUDA one launch at decode, else rope_write_kv's, then attention's). A subclass that
+        changed `attend` gets rope, then its `attend`."""
         if type(self).attend is not PagedContext.attend:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
-        return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
-                               scale, window, self.max_q_len)  # (T, Hq, D)
+        return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
+                                    self.cu_seqlens, self.seq_lens_k, scale, window, self.max_q_len)  # (T, Hq, D)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: Optional[int]) -> torch.Tensor:

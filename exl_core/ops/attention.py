@@ -120,6 +120,44 @@ def _rope_kv_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots) -> bo
             and cos_sin.is_contiguous() and cos_sin.data_ptr() % 16 == 0 and cos_sin.device == q.device)
 
 
+# EXL_CORE_ROPE_ATTN_FUSE=0: rope_paged_attention runs rope_write_kv, then paged_attention (A/B runs).
+ROPE_ATTN_FUSE = os.environ.get("EXL_CORE_ROPE_ATTN_FUSE", "1") != "0"
+
+
+def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                         scale: float, window: Optional[int] = None, max_q_len: Optional[int] = None) -> torch.Tensor:
+    """rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots), then paged_attention of the rotated q
+    (PagedContext.attend_rope's decode attention); q, k, v as the projections leave them.
+
+    On CUDA, where every sequence has one query row (max_q_len == 1) and the tensors allow it, one launch
+    (exl_core::paged_attention_rope: the attention kernel rotates q as it loads it and takes each row's own key and
+    value from k and v, storing them to their slot), with the two ops' bits, instead of two launches. That kernel
+    reads each row's position and slot from seq_lens_k and block_table, so it relies on what the contexts' host
+    lists (cache.paged.step_indices) guarantee: positions[t] = seq_lens_k[s] - 1 for row t of sequence s, and
+    slots[t] that position's slot in row s of block_table."""
+    _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
+    if _rope_attn_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_table, cu_seqlens_q,
+                          seq_lens_k, scale, window, max_q_len):
+        return torch.ops.exl_core.paged_attention_rope(q, k, v, cos_sin, k_cache, v_cache, block_table, cu_seqlens_q,
+                                                       seq_lens_k, float(scale), int(window or 0))
+    q = rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    return paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len)
+
+
+def _rope_attn_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_table, cu_seqlens_q, seq_lens_k,
+                       scale, window, max_q_len) -> bool:
+    """paged_attention_rope's conditions: decode rows, the fused rope/K-V write's and the CUDA attention's."""
+    if not (ROPE_ATTN_FUSE and max_q_len == 1 and has_cuda_kernel("paged_attention_rope")):
+        return False
+    if not _rope_kv_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
+        return False
+    return PAGED_ATTENTION.choose(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                                  cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, scale=scale,
+                                  window=window or None, max_q_len=max_q_len).name == "cuda"
+
+
 def _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """Shape/dtype checks shared by every candidate; raises InputError naming the tensor."""
     if q.dim() != 3:
@@ -309,6 +347,10 @@ def _register_fakes() -> None:
     if has_op("paged_attention"):
         @torch.library.register_fake("exl_core::paged_attention")
         def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
+            return torch.empty_like(q)
+    if has_op("paged_attention_rope"):
+        @torch.library.register_fake("exl_core::paged_attention_rope")
+        def _(q, k, v, cos_sin, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
             return torch.empty_like(q)
 
 

@@ -1,5 +1,5 @@
 // Device-side value conversions (float <-> float / half / bfloat16, round to nearest) and the pointwise ops'
-// rounding rule for SwiGLU's product, without torch headers: pointwise_cuda.cu, qmatmul_cuda.cu and the decode
+// rounding rules for SwiGLU's product and rope's rotation, without torch headers: pointwise_cuda.cu, qmatmul_cuda.cu and the decode
 // kernel that fuses the product into its staging of x (qgemm_kslice_kernel.cuh) share them.
 #pragma once
 #include <cuda_bf16.h>
@@ -21,6 +21,17 @@ template <typename T>
 __device__ __forceinline__ T silu_mul(T g, T u) {
   const float a = f32<T>(g);
   return cvt<T>(f32<T>(cvt<T>(a / (1.f + __expf(-a)))) * f32<T>(u));
+}
+
+// One rope pair rotated (HF rotate_half: x1 = element i of a head, x2 = element i + D/2; c, s the table's cos and
+// sin of i) with the fp32 roundings pinned -- a multiply, then one fused multiply-add, instead of whatever
+// contraction the compiler picks per kernel -- so that every kernel that rotates (exl_core::rope, rope_kv_write,
+// paged_attention_rope) gives the same bits.
+__device__ __forceinline__ float rope_lo(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x1, c, -__fmul_rn(x2, s));
+}
+__device__ __forceinline__ float rope_hi(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x2, c, __fmul_rn(x1, s));
 }
 
 }  // namespace exl_act

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "act_device.cuh"
 #include "pdl.cuh"
 
 namespace {
@@ -86,6 +87,13 @@ struct Args {
   bool cluster;                  // splits > 1 launched as clusters (1, 1, splits): merged in-kernel
   bool head_major;               // grid (Hkv, rows, splits): blocks next in launch order share a row (below)
   bool early;                    // the first keys' K/V loaded before the PDL wait (below)
+  // paged_attention_rope (ROPE instances): q above and k_new / v_new are the projections' rows before rope; the
+  // kernel rotates them at the row's position (rope_kv_write's math) and writes the row's own key and value to its
+  // slot (below)
+  const void* k_new;             // (T, Hkv, D)
+  const void* v_new;
+  const float* cos_sin;          // (max_pos, D) fp32: cos of pair i at [i], sin at [D/2 + i]
+  int64_t max_pos;
 };
 constexpr int kMaxClusterSplits = 8;   // portable cluster size
 
@@ -114,7 +122,42 @@ __device__ __forceinline__ int sequence_of(const int64_t* cu, int S, int64_t row
 // grid runs as one wave with the same bytes in flight per SM.
 template <int G, bool WAVE> constexpr int kMinBlocks = WAVE ? 8 : G == 1 ? 5 : G <= 4 ? 4 : 2;
 
-template <typename T, int D, int G, bool WAVE = false>
+// 8 values [8 * sub, 8 * sub + 8) of head row x rotated at position p (rope_kv_write's math: exl_act::rope_lo/hi, then
+// rounded to T); the partner half comes from memory, not another lane.  A position outside the table gives NaN.
+template <typename T, int D>
+__device__ __forceinline__ uint4 rope8(const T* x, int sub, const float* cos_sin, int64_t p, int64_t max_pos) {
+  constexpr int kHalf = D / 2;
+  const int e0 = sub * 8;
+  const bool lo = e0 < kHalf;
+  const int i0 = lo ? e0 : e0 - kHalf;                           // pair index of the first value
+  float own[8], other[8], c[8], sn[8];
+  Vec<T>::to_f32(__ldg(reinterpret_cast<const uint4*>(x + e0)), own);
+  Vec<T>::to_f32(__ldg(reinterpret_cast<const uint4*>(x + (lo ? e0 + kHalf : i0))), other);
+  const bool ok = p >= 0 && p < max_pos;
+  const float* cr = cos_sin + (ok ? p : 0) * D + i0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float4 cv = __ldg(reinterpret_cast<const float4*>(cr) + h), sv = __ldg(reinterpret_cast<const float4*>(cr + kHalf) + h);
+    c[4 * h] = cv.x, c[4 * h + 1] = cv.y, c[4 * h + 2] = cv.z, c[4 * h + 3] = cv.w;
+    sn[4 * h] = sv.x, sn[4 * h + 1] = sv.y, sn[4 * h + 2] = sv.z, sn[4 * h + 3] = sv.w;
+  }
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float cc = ok ? c[e] : __int_as_float(0x7fc00000);
+    o[e] = Vec<T>::from_f32(lo ? exl_act::rope_lo(own[e], other[e], cc, sn[e])
+                               : exl_act::rope_hi(other[e], own[e], cc, sn[e]));
+  }
+  return out;
+}
+
+// ROPE (exl_core::paged_attention_rope, decode: one query row per sequence): a.q, a.k_new, a.v_new are unrotated;
+// every block rotates its q heads as it loads them, and the one block whose split holds the row's position (its
+// own key, the last) takes that key and value from k_new / v_new -- rotated in registers, not read back from the
+// cache -- and stores them to the key's slot for later steps (a page outside the cache: not stored, as kv_write
+// skips such a slot).  The rope_kv_write launch before attention goes away (H200 batch 1: ~2 us a layer).
+template <typename T, int D, int G, bool WAVE = false, bool ROPE = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention_kernel(const Args a) {
   constexpr int LPK = D / 8;                  // lanes per key
   constexpr int KPW = 32 / LPK;               // keys per warp step
@@ -124,6 +167,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
   __shared__ float sm_m[NG][G], sm_l[NG][G];
   __shared__ int sm_pages[kStagedPages];
   __shared__ float cl_m[G], cl_l[G];          // this split's max and sum per head (cluster merge)
+  __shared__ __align__(16) T sm_rope[ROPE ? (G + 2) * D : D];   // ROPE: rotated q heads, own key, own value
+  auto rope_row = [&](int h) { return sm_rope + (ROPE ? h : 0) * D; };   // (row 0 only in other instances: unused)
 
   if (!a.early) {
     exl_pdl::pdl_wait();                      // q, K and V come from the kernels just before
@@ -190,16 +235,54 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
           pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
         }
         const int64_t off = (static_cast<int64_t>(pg) * a.page + slot) * slot_stride + kvh * D + sub * 8;
-        kr[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
-        vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+        if (ROPE && t == pos) {                                   // the row's own key, staged (after the PDL wait)
+          kr[u] = *reinterpret_cast<const uint4*>(rope_row(G) + sub * 8);
+          vr[u] = *reinterpret_cast<const uint4*>(rope_row(G + 1) + sub * 8);
+        } else {
+          kr[u] = __ldg(reinterpret_cast<const uint4*>(kbase + off));
+          vr[u] = __ldg(reinterpret_cast<const uint4*>(vbase + off));
+        }
       }
     }
   };
+  // ROPE: the block's q heads rotated into sm_rope[0, gq), and where this split holds the row's own key, that key
+  // rotated (sm_rope[G]) and its value (sm_rope[G + 1]), also stored to their slot.  In shared memory, not in each
+  // lane's registers inside fetch: inlined there, the rotation spilled the 64- and 96-register instances.
+  auto stage_rope = [&]() {
+    constexpr int kPieces = D / 8;
+    const bool own = pos >= k0 && pos < k0 + a.chunk;
+    const T* qh = static_cast<const T*>(a.q) + (row * a.Hq + static_cast<int64_t>(kvh) * gq) * D;
+    const int64_t kv_src = (row * a.Hkv + kvh) * D;
+    for (int i = threadIdx.x; i < (gq + (own ? 1 : 0)) * kPieces; i += kThreads) {
+      const int h = i / kPieces, sb = i % kPieces;
+      const bool key = h == gq;
+      const uint4 r = rope8<T, D>(key ? static_cast<const T*>(a.k_new) + kv_src : qh + h * D, sb, a.cos_sin, pos,
+                                  a.max_pos);
+      *reinterpret_cast<uint4*>(rope_row(key ? G : h) + sb * 8) = r;
+      if (key) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.v_new) + kv_src + sb * 8));
+        *reinterpret_cast<uint4*>(rope_row(G + 1) + sb * 8) = v;
+        const int pi = static_cast<int>(pos / a.page);
+        const int pg = pi < a.W ? trow[pi] : -1;
+        if (pg >= 0 && pg < a.P) {                                // a slot outside the cache is skipped (kv_write)
+          const int64_t off = (static_cast<int64_t>(pg) * a.page + (pos - static_cast<int64_t>(pi) * a.page)) *
+                                  slot_stride + kvh * D + sb * 8;
+          *reinterpret_cast<uint4*>(const_cast<T*>(kbase) + off) = r;
+          *reinterpret_cast<uint4*>(const_cast<T*>(vbase) + off) = v;
+        }
+      }
+    }
+    __syncthreads();
+  };
   uint4 kn[U], vn[U];
+  if constexpr (ROPE) {
+    if (!a.early) stage_rope();
+  }
   if (first < end) fetch(first, kn, vn, first, a.early ? fresh : end);
   if (a.early) {
     exl_pdl::pdl_wait();                      // q and the rows' own K/V come from the kernel just before
     exl_pdl::pdl_trigger();
+    if constexpr (ROPE) stage_rope();
     if (fresh < end) fetch(first, kn, vn, fresh, end);
   }
 
@@ -208,7 +291,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     if (g < gq) {
-      Vec<T>::to_f32(*reinterpret_cast<const uint4*>(qbase + g * D), qf[g]);
+      Vec<T>::to_f32(ROPE ? *reinterpret_cast<const uint4*>(rope_row(g) + sub * 8)
+                          : *reinterpret_cast<const uint4*>(qbase + g * D), qf[g]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) qf[g][i] *= a.scale_log2;
     } else {
@@ -375,7 +459,7 @@ __global__ void paged_attention_combine_kernel(const float* __restrict__ part_o,
   }
 }
 
-template <typename T, int D, int G, bool WAVE = false>
+template <typename T, int D, int G, bool WAVE = false, bool ROPE = false>
 void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = a.head_major ? dim3(static_cast<unsigned>(a.Hkv), static_cast<unsigned>(rows), static_cast<unsigned>(a.splits))
@@ -391,7 +475,7 @@ void launch(const Args& a, int64_t rows, cudaStream_t stream, int dev) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  exl_pdl::launch_ex(cfg, dev, paged_attention_kernel<T, D, G, WAVE>, a);
+  exl_pdl::launch_ex(cfg, dev, paged_attention_kernel<T, D, G, WAVE, ROPE>, a);
 }
 
 // The one-wave instance (WAVE) where an unsplit grid is more than one wave of the default G 1 instance and at most
@@ -404,20 +488,20 @@ bool one_wave(const Args& a, int64_t rows, int dev) {
   return a.splits == 1 && blocks > kMinBlocks<1, false> * sms && blocks <= kMinBlocks<1, true> * sms;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool ROPE>
 void launch_g(const Args& a, int64_t rows, int g, cudaStream_t stream, int dev) {
-  if (g == 1 && one_wave(a, rows, dev)) launch<T, D, 1, true>(a, rows, stream, dev);
-  else if (g == 1) launch<T, D, 1>(a, rows, stream, dev);
-  else if (g == 2) launch<T, D, 2>(a, rows, stream, dev);
-  else if (g <= 4) launch<T, D, 4>(a, rows, stream, dev);
-  else launch<T, D, 8>(a, rows, stream, dev);
+  if (g == 1 && one_wave(a, rows, dev)) launch<T, D, 1, true, ROPE>(a, rows, stream, dev);
+  else if (g == 1) launch<T, D, 1, false, ROPE>(a, rows, stream, dev);
+  else if (g == 2) launch<T, D, 2, false, ROPE>(a, rows, stream, dev);
+  else if (g <= 4) launch<T, D, 4, false, ROPE>(a, rows, stream, dev);
+  else launch<T, D, 8, false, ROPE>(a, rows, stream, dev);
 }
 
-template <typename T>
+template <typename T, bool ROPE>
 void launch_d(const Args& a, int64_t rows, int D, int g, cudaStream_t stream, int dev) {
-  if (D == 64) launch_g<T, 64>(a, rows, g, stream, dev);
-  else if (D == 128) launch_g<T, 128>(a, rows, g, stream, dev);
-  else launch_g<T, 256>(a, rows, g, stream, dev);
+  if (D == 64) launch_g<T, 64, ROPE>(a, rows, g, stream, dev);
+  else if (D == 128) launch_g<T, 128, ROPE>(a, rows, g, stream, dev);
+  else launch_g<T, 256, ROPE>(a, rows, g, stream, dev);
 }
 
 // Splits merged in-kernel through a cluster (sm_90); EXL_CORE_ATTN_CLUSTER=0: the combine kernel (A/B runs).
@@ -440,10 +524,11 @@ int pick_splits(int64_t rows, int64_t hkv, int64_t max_keys, int sms, int* chunk
   return static_cast<int>(splits < 1 ? 1 : splits);
 }
 
-at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& block_table_, const at::Tensor& cu_seqlens_q_,
-                                const at::Tensor& seq_lens_k_, double scale, int64_t window) {
-  const char* op = "exl_core::paged_attention (CUDA)";
+// rope: {k_new, v_new, cos_sin} for paged_attention_rope (checked by it), else empty.
+at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_table_,
+                                const at::Tensor& cu_seqlens_q_, const at::Tensor& seq_lens_k_, double scale,
+                                int64_t window, std::initializer_list<const at::Tensor*> rope = {}) {
   TORCH_CHECK(q_.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
               ": q must be (T, Hq, D) and k/v caches (pages, page_size, Hkv, D), got ", q_.sizes(), ", ",
               k_cache.sizes(), ", ", v_cache.sizes());
@@ -520,8 +605,20 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
     a.part_ml = part_ml.data_ptr<float>();
   }
   const int g = static_cast<int>(Hq / Hkv);
-  if (q.scalar_type() == at::kHalf) launch_d<__half>(a, rows, static_cast<int>(D), g, stream, dev);
-  else launch_d<__nv_bfloat16>(a, rows, static_cast<int>(D), g, stream, dev);
+  if (rope.size() == 3) {
+    const at::Tensor* r[3];
+    std::copy(rope.begin(), rope.end(), r);
+    a.k_new = r[0]->data_ptr();
+    a.v_new = r[1]->data_ptr();
+    a.cos_sin = r[2]->data_ptr<float>();
+    a.max_pos = r[2]->size(0);
+    if (q.scalar_type() == at::kHalf) launch_d<__half, true>(a, rows, static_cast<int>(D), g, stream, dev);
+    else launch_d<__nv_bfloat16, true>(a, rows, static_cast<int>(D), g, stream, dev);
+  } else if (q.scalar_type() == at::kHalf) {
+    launch_d<__half, false>(a, rows, static_cast<int>(D), g, stream, dev);
+  } else {
+    launch_d<__nv_bfloat16, false>(a, rows, static_cast<int>(D), g, stream, dev);
+  }
   if (a.splits > 1 && !a.cluster) {
     const int threads = static_cast<int>(D);
     if (q.scalar_type() == at::kHalf)
@@ -537,6 +634,38 @@ at::Tensor paged_attention_cuda(const at::Tensor& q_, const at::Tensor& k_cache,
   return out;
 }
 
+at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                                const at::Tensor& seq_lens_k, double scale, int64_t window) {
+  return paged_attention_impl("exl_core::paged_attention (CUDA)", q, k_cache, v_cache, block_table, cu_seqlens_q,
+                              seq_lens_k, scale, window);
+}
+
+// Decode's rope, K/V write and attention in one launch (ROPE instances above): q (T, Hq, D), k and v (T, Hkv, D) as the
+// projections leave them; every sequence has at most one query row (the caller's max_q_len == 1: the kernel cannot
+// check it), at position seq_lens_k - 1, and its key goes to that position's slot in block_table -- the positions and
+// slots rope_kv_write would be given.  Equals rope_kv_write, then paged_attention, bit for bit (tested).
+at::Tensor paged_attention_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                                     const at::Tensor& seq_lens_k, double scale, int64_t window) {
+  const char* op = "exl_core::paged_attention_rope (CUDA)";
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k_cache.dim() == 4 && k.size(1) == k_cache.size(2),
+              op, ": q (T, Hq, D), k and v (T, Hkv, D) matching the cache, got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type() && t->device() == q.device() &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                op, ": q, k and v must be contiguous, 16-byte aligned and of one dtype on one GPU");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == q.size(2) &&
+                  cos_sin.is_contiguous() && cos_sin.device() == q.device() &&
+                  reinterpret_cast<uintptr_t>(cos_sin.data_ptr()) % 16 == 0,
+              op, ": cos_sin must be contiguous, 16-byte aligned float32 [P, D] on q's GPU");
+  return paged_attention_impl(op, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window,
+                              {&k, &v, &cos_sin});
+}
+
 int64_t paged_attention_cuda_splits(int64_t rows, int64_t hkv, int64_t max_keys, int64_t device) {
   int chunk = 0;
   return pick_splits(rows, hkv, std::max<int64_t>(1, max_keys), exl_pdl::device_sm(static_cast<int>(device), false),
@@ -548,6 +677,11 @@ int64_t paged_attention_cuda_splits(int64_t rows, int64_t hkv, int64_t max_keys,
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("paged_attention_cuda_splits(int rows, int hkv, int max_keys, int device) -> int",
         &paged_attention_cuda_splits);
+  m.def("paged_attention_rope(Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor block_table, Tensor cu_seqlens_q, Tensor seq_lens_k, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("paged_attention", &paged_attention_cuda); }
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("paged_attention", &paged_attention_cuda);
+  m.impl("paged_attention_rope", &paged_attention_rope_cuda);
+}

@@ -151,8 +151,8 @@ __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, in
   const float cv = ok ? c[i] : __int_as_float(0x7fc00000), sv = c[half + i];
   const T* xr = x + th * D;
   const float x1 = f32<T>(xr[i]), x2 = f32<T>(xr[half + i]);
-  out[th * D + i] = cvt<T>(x1 * cv - x2 * sv);
-  out[th * D + half + i] = cvt<T>(x2 * cv + x1 * sv);
+  out[th * D + i] = cvt<T>(exl_act::rope_lo(x1, x2, cv, sv));
+  out[th * D + half + i] = cvt<T>(exl_act::rope_hi(x1, x2, cv, sv));
 }
 
 // q and k in one launch, 4 pairs per thread (8- or 16-byte loads): (T, Hq, D) and (T, Hk, D) contiguous,
@@ -211,8 +211,8 @@ __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, 
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float x1 = f32<T>(a.v[e]), x2 = f32<T>(b.v[e]);
-    oa.v[e] = cvt<T>(x1 * cc[e] - x2 * ss[e]);
-    ob.v[e] = cvt<T>(x2 * cc[e] + x1 * ss[e]);
+    oa.v[e] = cvt<T>(exl_act::rope_lo(x1, x2, cc[e], ss[e]));
+    ob.v[e] = cvt<T>(exl_act::rope_hi(x1, x2, cc[e], ss[e]));
   }
   *reinterpret_cast<Vec4<T>*>(orow + j) = oa;
   *reinterpret_cast<Vec4<T>*>(orow + half + j) = ob;
