@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import gpu_bench
-from exl_core.ops import attention, cuda_candidates, cuda_norm_fold
+from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -46,11 +46,12 @@ def part_of(name: str) -> str:
 
 # Same-process variants (module settings read per call): o and down on qgemm_wide at 17..32 rows; the RMSNorm fold
 # off (ops/cuda_norm_fold.py); the fold in qgemm_wide on (off by default); rope and the K/V write as their own launch
-# before attention (ops/attention.ROPE_ATTN_FUSE off).
+# before attention (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
 VARIANTS = {"wide_o_down": (cuda_candidates, "WIDE_U4_MIN_TILES", 1),
             "norm_fold_off": (cuda_norm_fold, "NORM_FOLD_ON", False),
             "norm_fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
-            "rope_attn_off": (attention, "ROPE_ATTN_FUSE", False)}
+            "rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
+            "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False)}
 
 
 @contextmanager
@@ -153,7 +154,8 @@ def run_format(path: Path, fmt: str) -> list[dict]:
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     finally:
         os.environ.pop("EXL_CORE_EXL2_AS_U4", None)
-    cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off")] if fmt == "gptq" else [])
+    cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
+                                            if fmt == "gptq" else [])
     out = []
     for B, variant in cases:
         try:

@@ -15,7 +15,8 @@
 # EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), u4exl2 (EXL2 graph decode and prompt
 # with EXL_CORE_EXL2_AS_U4=1: mixed widths as uniform 4-bit rows), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
-# with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
+# with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
+# EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), ncu32 (qgemm_wide and
 # the 9..32-row qgemm_kslice at the bench's batch-32 launches under Nsight Compute: stall reasons, a SASS CSV), readbw (bench/read_bw.cu: read bandwidth by
@@ -121,7 +122,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -132,7 +133,7 @@ if has tests; then
   t0=$(date +%s)
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_prompt_path.py \
     tests/test_cuda_pointwise.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
-    tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py} >"$OUT/cuda_tests.txt" 2>&1
+    tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py} >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
   # the newest kernel's tests in a process of their own: a crash there cannot hide the results above
@@ -177,6 +178,10 @@ fi
 if has noropeattn; then  # A/B: rope and the K/V write as their own launch before attention (EXL_CORE_ROPE_ATTN_FUSE=0)
   EXL_CORE_ROPE_ATTN_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_noropeattn.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has noswiglu; then  # A/B: gate/up, then silu_mul as its own launch at batch 17..32 (EXL_CORE_WIDE_SWIGLU=0)
+  EXL_CORE_WIDE_SWIGLU=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
+    --json "$OUT/gpu_h200_noswiglu.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has u4exl2; then   # A/B: EXL2 with EXL_CORE_EXL2_AS_U4=1 (mixed widths rewritten as uniform 4-bit rows at load, formats.uniform4)
   EXL_CORE_EXL2_AS_U4=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \

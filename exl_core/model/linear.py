@@ -17,6 +17,7 @@ from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
 from ..ops.norm_fold import adds_ss, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
+from ..ops.swiglu import qmatmul_swiglu
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
@@ -181,6 +182,14 @@ def linear_silu(gate: torch.Tensor, up: torch.Tensor, layer) -> torch.Tensor:
     if _plain_packed(layer):
         return qmatmul_silu(gate, up, layer.packed)
     return layer(silu_mul(gate, up))
+
+
+def linear_swiglu(x: torch.Tensor, gate, up) -> Optional[torch.Tensor]:
+    """silu_mul(gate(x), up(x)) in one kernel call for plain packed layers where one takes it (batch decode on
+    CUDA), else None: nothing done."""
+    if _plain_packed(gate) and _plain_packed(up):
+        return qmatmul_swiglu(x, gate.packed, up.packed)
+    return None
 
 
 # ---------------------------------------------------------------------------- the RMSNorm folded in (ops/norm_fold.py)

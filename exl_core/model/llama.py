@@ -21,7 +21,7 @@ from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
 from .linear import (LORA_VERSION, QuantLinear, linear_add_, linear_add_ss_, linear_adds_in_place, linear_adds_ss,
-                     linear_folds_norm, linear_many, linear_many_normed, linear_silu)
+                     linear_folds_norm, linear_many, linear_many_normed, linear_silu, linear_swiglu)
 from .rope import RopeTable
 
 
@@ -76,11 +76,23 @@ class MLP(nn.Module):
 
     def forward(self, x, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """With `residual`, down_proj's output may go into it in place (linear_add_): None is returned then."""
-        gate, up = linear_many(x, (self.gate_proj, self.up_proj))
+        gate, up = self.gate_up(x)
         return self.down(gate, up, residual)
 
+    def gate_up(self, x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(gate_proj(x), up_proj(x)), or (silu_mul of them, None) where one kernel computes the product too
+        (linear_swiglu: the batch-decode GEMM on CUDA)."""
+        h = linear_swiglu(x, self.gate_proj, self.up_proj)
+        if h is not None:
+            return h, None
+        gate, up = linear_many(x, (self.gate_proj, self.up_proj))
+        return gate, up
+
     def down(self, gate, up, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """down_proj(silu_mul(gate, up)), into `residual` where a kernel adds (None returned then)."""
+        """down_proj(silu_mul(gate, up)) -- down_proj(gate) when up is None (gate_up gave the product) --, into
+        `residual` where a kernel adds (None returned then)."""
+        if up is None:
+            return None if residual is not None and linear_add_(residual, gate, self.down_proj) else self.down_proj(gate)
         if residual is not None and linear_adds_in_place(residual, gate, self.down_proj):   # gate: h's shape
             h = silu_mul(gate, up)
             return None if linear_add_(residual, h, self.down_proj) else self.down_proj(h)
@@ -151,13 +163,13 @@ class Block(nn.Module):
             del out
             x, residual = (n(residual), residual) if attn is None else n(attn, residual)
             del attn
-            gate, up = linear_many(x, (mlp.gate_proj, mlp.up_proj))
+            gate, up = mlp.gate_up(x)
             del x
         ss = None
         if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
             ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
-            if ss is None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the SwiGLU-fused kernel's
-                ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)
+            if ss is None and up is not None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the
+                ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)              # SwiGLU-fused kernel's
         if ss is not None:
             return None, residual, ss
         return mlp.down(gate, up, residual), residual, None

@@ -50,10 +50,10 @@ bool plan_usable(const Plan& p, int64_t K) {
   return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0 && K < (int64_t(1) << 26);
 }
 
-template <int NT, bool U4, bool FOLD = false>
+template <int NT, bool U4, bool FOLD = false, bool PAIR = false>
 void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift, const Mats& mats,
                 int dev) {
-  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD>;
+  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD, PAIR>;
   ensure_smem(kern, p.smem, dev);
   launch_split(kern, tiles, p.splits, kThreads, p.smem, c10::cuda::getCurrentCUDAStream(), dev, x, M, K,
                static_cast<int>(K / 32), p.cps, p.groups, U4 ? gshift : -1, mats);
@@ -65,22 +65,33 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
 // Raises where the shape does not fit (see qgemm_wide_fits).
 // norm_weight / norm_ss (uniform 4-bit without permutation): x is the residual stream and the kernel multiplies
 // rmsnorm(x) * norm_weight instead (norm_fold_device.cuh; norm_ss from qgemm_kslice_add_).
-std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
-                                         at::TensorList scale, at::TensorList zero,
-                                         const c10::List<c10::optional<at::Tensor>>& perm,
-                                         const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
-                                         int64_t splits, int64_t min_group, int64_t group_shift,
-                                         const c10::optional<at::Tensor>& norm_weight,
-                                         const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
+// pair (qgemm_wide_swiglu): two weights, gate and up; returns [silu(x @ gate) * (x @ up)] (the kernel's PAIR).
+std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                 at::TensorList scale, at::TensorList zero,
+                                 const c10::List<c10::optional<at::Tensor>>& perm,
+                                 const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t splits,
+                                 int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& norm_weight,
+                                 const c10::optional<at::Tensor>& norm_ss, double norm_eps, bool pair = false) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                                        // the weights' rows (x's K unless
   Mats mats = build_mats("exl_core::qgemm_wide", x, qweight, chunks, scale, zero, perm, bias, ys, &K);   // rows)
   const int64_t M = x.size(0);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_wide: at most ", kMaxRows, " rows of x, got ", M);
+  if (pair) {
+    TORCH_CHECK(mats.n == 2 && mats.m[0].N == mats.m[1].N && uniform4 && group_shift >= 0 && K == x.size(1) &&
+                    mats.m[0].perm == nullptr && mats.m[1].perm == nullptr,
+                "exl_core::qgemm_wide_swiglu: gate and up of one N, uniform 4-bit with regular groups ",
+                "(group_shift >= 0), no permutation");
+    ys.resize(1);                                                       // silu(gate) * up goes to gate's output
+  }
   if (M == 0) return ys;
   const int dev = x.device().index();
-  const int64_t tiles = assign_tiles(mats, kTile);
+  int64_t tiles = assign_tiles(mats, kTile);
+  if (pair) {                                                           // one tile = 64 columns of each
+    tiles = (mats.m[0].N + kTile / 2 - 1) / (kTile / 2);
+    mats.m[1].tile0 = 0;
+  }
   const bool fold = set_norm_fold("exl_core::qgemm_wide", x, norm_weight, norm_ss, norm_eps, mats);
   TORCH_CHECK(!fold || (uniform4 && K == x.size(1)), "exl_core::qgemm_wide: the folded norm takes uniform 4-bit ",
               "weights of x's K rows");
@@ -96,7 +107,11 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
   // every weight reads its permuted copy (K columns) when K is not x's: build_mats saw a permutation on each
   const at::Tensor xperm = permute_x_per_weight(xa, perm, mats, dev, K);
   const __half* xp = reinterpret_cast<const __half*>(xa.data_ptr());
-  if (fold) {
+  if (pair) {
+    TORCH_CHECK(!fold, "exl_core::qgemm_wide_swiglu: no folded norm");
+    if (plan.nt == 2) launch_one<2, true, false, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    else launch_one<4, true, false, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+  } else if (fold) {
     if (plan.nt == 2) launch_one<2, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
     else launch_one<4, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   } else if (plan.nt == 2) {
@@ -107,6 +122,29 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
     else launch_one<4, false>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   }
   return ys;
+}
+
+std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                         at::TensorList scale, at::TensorList zero,
+                                         const c10::List<c10::optional<at::Tensor>>& perm,
+                                         const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
+                                         int64_t splits, int64_t min_group, int64_t group_shift,
+                                         const c10::optional<at::Tensor>& norm_weight,
+                                         const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
+  return wide_run(x, qweight, chunks, scale, zero, perm, bias, uniform4, splits, min_group, group_shift, norm_weight,
+                  norm_ss, norm_eps);
+}
+
+// silu(x @ gate) * (x @ up) [M, N] fp16 in one launch, rounded as qgemm_wide_multi then silu_mul round it (the MLP
+// at batch-decode rows: no silu_mul launch).  Uniform 4-bit gate and up of one N with regular groups, no
+// permutation; ops/cuda_candidates.py checks first.
+at::Tensor qgemm_wide_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
+                             at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& bias, int64_t splits,
+                             int64_t min_group, int64_t group_shift) {
+  c10::List<c10::optional<at::Tensor>> perm;
+  for (size_t i = 0; i < qweight.size(); ++i) perm.push_back(c10::nullopt);
+  return wide_run(x, qweight, chunks, scale, zero, perm, bias, true, splits, min_group, group_shift, c10::nullopt,
+                  c10::nullopt, 0.0, true)[0];
 }
 
 at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
@@ -139,6 +177,8 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_wide_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
         "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
+  m.def("qgemm_wide_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
+        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=0) -> Tensor");
   m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0, bool fold=False) -> bool",
         &qgemm_wide_fits);
 }
@@ -146,4 +186,5 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("qgemm_wide", &qgemm_wide);
   m.impl("qgemm_wide_multi", &qgemm_wide_multi);
+  m.impl("qgemm_wide_swiglu", &qgemm_wide_swiglu);
 }

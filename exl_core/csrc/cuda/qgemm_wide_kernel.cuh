@@ -67,19 +67,25 @@ struct Smem {
 // RING / STAGES: the ring depth (= chunks per x stage) and x stages; the extension runs the defaults, the probe
 // (bench/wide_probe.cu) times others.
 // FOLD: the RMSNorm folded in (Mats::nf; its own instances, so the plain kernels keep their code and registers).
-template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = false>
+// PAIR (exl_core::qgemm_wide_swiglu): mats.m[0] is gate, m[1] up (same N, uniform 4-bit with regular groups, no
+// permutation: the host checks); a block takes 64 columns of each -- warps 0-1 the gate's, 2-3 the up's, grid x
+// ceil(N / 64) -- so its epilogue has both halves of silu(gate) * up and writes only that (cluster_store_swiglu):
+// no silu_mul launch after the GEMM, half the output bytes.
+template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = false, bool PAIR = false>
 __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
     qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
                       int gshift, const Mats mats) {
   constexpr int kRing = RING, kStages = STAGES, kStageW = Smem<RING, STAGES>::kStageW;
   constexpr int kRows = 8 * NT, kPieces = kRows * kRing * 4;   // 16-byte pieces of x per stage
-  const Mat& mat = block_mat(mats);
-  const int64_t N = mat.N;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) - mat.tile0;
+  static_assert(!PAIR || (U4 && !FOLD), "the SwiGLU pair runs uniform 4-bit weights without the folded norm");
+  constexpr int kMatW = PAIR ? kTile / 2 : kTile;               // columns of one matrix in a block's tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const Mat& mat = PAIR ? mats.m[warp >> 1] : block_mat(mats);   // PAIR: per warp (warp-uniform)
+  const int64_t N = mat.N;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) - (PAIR ? 0 : mat.tile0);
   const int c_begin = static_cast<int>(blockIdx.y) * cps;
   const int c_end = min(n_chunks, c_begin + cps), nc = max(0, c_end - c_begin);
-  const int64_t col = tile * kTile + warp * 32 + 4 * g;      // this lane's 4 columns
+  const int64_t col = tile * kMatW + (PAIR ? warp & 1 : warp) * 32 + 4 * g;   // this lane's 4 columns
   // N % 4 == 0: a lane has all 4 columns or none; lanes past N read the last 4 columns, never stored.
   const int64_t lcol = col < N ? col : N - 4;
   const int32_t* base = opaque_ptr(mat.qw.at(0, lcol));   // kept in registers, not re-derived per load
@@ -126,10 +132,12 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   const int ngr = nc <= 0 ? 0 : min(max_groups, (reg ? (c_end - 1) >> gshift : tab[3 * (nc - 1) + 1]) - g_first + 1);
   for (int i = threadIdx.x; i < ngr * (kTile / 2); i += kThreads) {
     const int gr = i / (kTile / 2), r = i % (kTile / 2), half = r / (kTile / 4), q = r % (kTile / 4);
-    int64_t cq = tile * kTile + 4 * q;
+    // piece q: the block's columns 4q..4q+3 (PAIR: the first kMatW of gate, then the same of up)
+    const Mat& mq = PAIR ? mats.m[4 * q >= kMatW] : mat;
+    int64_t cq = PAIR ? tile * kMatW + (4 * q) % kMatW : tile * kTile + 4 * q;
     cq = cq < N ? cq : N - 4;
     cp_async16(szs + (gr * 2 + half) * kTile + 4 * q,
-               (half ? mat.zero : mat.scale) + static_cast<int64_t>(g_first + gr) * N + cq);
+               (half ? mq.zero : mq.scale) + static_cast<int64_t>(g_first + gr) * N + cq);
   }
   if (fold)                                                             // a weight: before the wait, with group 0
     for (int i = threadIdx.x; i < nc * 4; i += kThreads) cp_async16(gsm + 8 * i, mats.nf.nw + c_begin * 32 + 8 * i);
@@ -275,7 +283,8 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
 
   __syncthreads();                                                      // x stages dead: red aliases them
   store_partials<NT>(acc, red + warp * 32, kTile, M, g, t);
-  cluster_store(red, M * kTile, kTile, kThreads, tile, mat, fold ? rrow : nullptr);
+  if constexpr (PAIR) cluster_store_swiglu(red, M, kTile, kThreads, tile, mats.m[0], mats.m[1]);
+  else cluster_store(red, M * kTile, kTile, kThreads, tile, mat, fold ? rrow : nullptr);
 }
 
 }  // namespace exl_wide

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "act_device.cuh"
+
 namespace exl_mma {
 
 constexpr int kMaxSplits = 8;   // portable cluster size
@@ -360,6 +362,34 @@ inline int64_t assign_tiles(Mats& mats, int tile_n) {
   return tiles;
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// out[w] = the sum over the cluster's S ranks, in rank order, of float4 piece idx[w] of each rank's `red` (zeros,
+// nothing read, where !ok[w]); every remote read is in flight before the adds.
+template <int W>
+__device__ __forceinline__ void rank_sums(cooperative_groups::cluster_group& cluster, float* red, int S,
+                                          const int (&idx)[W], const bool (&ok)[W], float4 (&out)[W]) {
+  float4 v[W][kMaxSplits];
+#pragma unroll
+  for (int q = 0; q < kMaxSplits; ++q) {
+    const float4* r = reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q < S ? q : 0));
+#pragma unroll
+    for (int w = 0; w < W; ++w) v[w][q] = q < S && ok[w] ? r[idx[w]] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    float4 a = v[w][0];
+#pragma unroll
+    for (int q = 1; q < kMaxSplits; ++q) {
+      a.x += v[w][q].x;
+      a.y += v[w][q].y;
+      a.z += v[w][q].z;
+      a.w += v[w][q].w;
+    }
+    out[w] = a;
+  }
+}
+#endif
+
 // red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns, 16-byte aligned); the
 // gridDim.y blocks of a column tile (one cluster on sm_90) add theirs in rank order and write y (+ bias) once:
 // deterministic, no atomics.  Every thread of the block must call this.  Four columns a thread at a time (tile_n %
@@ -405,27 +435,59 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
   // thread has at most 4 pieces: the loop's latency is 1-2 round trips)
   for (int i = rank * nthreads + threadIdx.x; i < E4; i += 2 * step) {
     const bool two = i + step < E4;
-    float4 v[2][kMaxSplits];
-#pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q) {
-      const float4* r = reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q < S ? q : 0));
-      v[0][q] = q < S ? r[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-      v[1][q] = q < S && two ? r[i + step] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float4 a = v[h][0];
-#pragma unroll
-      for (int q = 1; q < kMaxSplits; ++q) {
-        a.x += v[h][q].x;
-        a.y += v[h][q].y;
-        a.z += v[h][q].z;
-        a.w += v[h][q].w;
-      }
-      if (h == 0 || two) store4(4 * (i + h * step), a);
-    }
+    const int idx[2] = {i, i + step};
+    const bool ok[2] = {true, two};
+    float4 a[2];
+    rank_sums<2>(cluster, red, S, idx, ok, a);
+    store4(4 * i, a[0]);
+    if (two) store4(4 * (i + step), a[1]);
   }
   // keep `red` alive until every rank's reads are done: their values are already used, so no ordering is needed
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
+// cluster_store for qgemm_wide_swiglu: red [M][tile_n] holds the gate's tile_n / 2 columns of this tile, then the up's
+// same columns; mg.y [M, N] gets silu(gate) * up rounded as the unfused launches round it -- each sum (+ bias) to
+// fp16 as cluster_store stores it, then exl_act::silu_mul -- from the same rank-order sums: the same bits.
+__device__ __forceinline__ void cluster_store_swiglu(float* red, int M, int tile_n, int nthreads, int64_t tile,
+                                                     const Mat& mg, const Mat& mu) {
+  const int64_t N = mg.N;
+  const int hw4 = tile_n / 8, P = M * hw4;                    // 4-column pieces of a row's half, of all rows
+  auto store = [&](int p, float4 gs, float4 us) {
+    const int m = p / hw4, c = 4 * (p % hw4);
+    const int64_t n = tile * (tile_n / 2) + c;
+    if (n >= N) return;
+    float ga[4] = {gs.x, gs.y, gs.z, gs.w}, ua[4] = {us.x, us.y, us.z, us.w};
+    __half o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (mg.bias) ga[e] += __half2float(mg.bias[n + e]);
+      if (mu.bias) ua[e] += __half2float(mu.bias[n + e]);
+      o[e] = exl_act::silu_mul<__half>(__float2half_rn(ga[e]), __float2half_rn(ua[e]));
+    }
+    *reinterpret_cast<uint2*>(mg.y + m * N + n) = *reinterpret_cast<const uint2*>(o);
+  };
+  auto gate4 = [&](int p) { return (p / hw4) * (tile_n / 4) + p % hw4; };   // float4 index of piece p's gate part
+  const int S = gridDim.y;
+  if (S == 1) {
+    __syncthreads();
+    const float4* r4 = reinterpret_cast<const float4*>(red);
+    for (int p = threadIdx.x; p < P; p += nthreads) store(p, r4[gate4(p)], r4[gate4(p) + hw4]);
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();                                             // every block's `red` is final
+  const int rank = static_cast<int>(cluster.block_rank()), step = S * nthreads;
+  for (int p = rank * nthreads + threadIdx.x; p < P; p += step) {
+    const int idx[2] = {gate4(p), gate4(p) + hw4};
+    const bool ok[2] = {true, true};
+    float4 a[2];
+    rank_sums<2>(cluster, red, S, idx, ok, a);
+    store(p, a[0], a[1]);
+  }
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }

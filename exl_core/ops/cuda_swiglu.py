@@ -1,0 +1,71 @@
+"""CUDA candidate of ops/swiglu.py: gate/up and SwiGLU's product in one qgemm_wide launch (exl_core::qgemm_wide_swiglu)
+where the plain call would run qgemm_wide (batch decode, 17..32 rows) on uniform 4-bit weights with regular groups
+and no permutation (GPTQ 4-bit): each block takes 64 columns of gate and the same 64 of up, and its epilogue writes
+silu(gate) * up rounded as the two launches round it.
+Why: bench/decode_timeline.py put the silu_mul launch at 65.9 us of a 3,898.0 us GPTQ batch-32 step on the H200
+(stop 28 call 1: 2.0 us a layer on the critical path), and the gate/up launch wrote both products (1.4 MB a layer).
+EXL_CORE_WIDE_SWIGLU=0: off (A/B).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import cuda_candidates as cc
+
+WIDE_SWIGLU_ON = os.environ.get("EXL_CORE_WIDE_SWIGLU", "1") != "0"
+_FITS: dict = {}
+
+
+def _check(x, gate, up) -> Optional[str]:
+    if not WIDE_SWIGLU_ON:
+        return "EXL_CORE_WIDE_SWIGLU=0"
+    if x.device.type != "cuda":
+        return f"x is on {x.device}, not CUDA"
+    if not cc._has_cuda_kernel("qgemm_wide_swiglu"):
+        return "extension built without qgemm_wide_swiglu"
+    why = cc._many_check(x, [gate, up])
+    if why is not None:
+        return why
+    pws = [gate, up]
+    if any(pw.perm is not None or pw.rows is not None or not cc._uniform4(pw) for pw in pws):
+        return "the pair kernel takes uniform 4-bit weights without a permutation"
+    gs = cc._pws_group_shift(pws)
+    if gs < 0:
+        return "the pair kernel takes regular groups (one group shift for both weights)"
+    rows = x.numel() // gate.in_features
+    if not cc._wide_ok(rows, pws, x.device):
+        return "these rows do not run qgemm_wide"
+    if not _pair_fits(rows, gate, up, x.device):
+        return "the pair's launch (64 columns of each weight a block) does not fit"
+    return None
+
+
+def _pair_fits(rows, gate, up, device) -> bool:
+    key = (rows, gate.in_features, (gate.out_features + 63) // 64, min(cc._min_group(gate), cc._min_group(up)),
+           device.index or 0)
+    if key not in _FITS:
+        _FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
+    return _FITS[key]
+
+
+def _run(x, gate, up):
+    x2 = x.reshape(-1, gate.in_features).contiguous()
+    pws = [gate, up]
+    y = torch.ops.exl_core.qgemm_wide_swiglu(
+        x2, [pw.qweight for pw in pws], [cc._chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
+        [pw.zero for pw in pws], [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws],
+        min_group=min(cc._min_group(pw) for pw in pws), group_shift=cc._pws_group_shift(pws))
+    return y.reshape(*x.shape[:-1], gate.out_features)
+
+
+def install() -> None:
+    """Put the `cuda` candidate at the front of swiglu's dispatcher (idempotent)."""
+    from . import swiglu
+    swiglu.DISPATCH_SWIGLU.candidates[:] = [c for c in swiglu.DISPATCH_SWIGLU.candidates if c.name != "cuda"]
+    swiglu.DISPATCH_SWIGLU.candidates.insert(0, cc.Candidate("cuda", _check, _run))
+
+
+install()
