@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, residual=None):
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, weight_static=True)
 
 
 class Attention(nn.Module):

@@ -91,6 +91,7 @@ WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # 
                             # and 11008x4096 at 12.3 / 25.3 us, below kslice's 13.0 / 30.5 of the older sweep
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
+NORM_EARLY_W_ON = os.environ.get("EXL_CORE_NORM_EARLY_W", "1") != "0"   # 0: a model's norm weight read after the wait
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -486,11 +487,14 @@ def _same_cuda(op: str, *ts) -> Optional[str]:
     return None
 
 
-def _norm_check(x, weight, eps, residual) -> Optional[str]:
+def _norm_check(x, weight, eps, residual, weight_static=False) -> Optional[str]:
     return _same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))
 
 
-def _norm_run(x, weight, eps, residual):
+def _norm_run(x, weight, eps, residual, weight_static=False):
+    if weight_static and NORM_EARLY_W_ON and _has_cuda_kernel("rms_norm_static"):   # read before the PDL wait
+        out = torch.ops.exl_core.rms_norm_static(x, residual, weight, float(eps))
+        return out[0] if residual is None else (out[0], out[1])
     if residual is None:
         return torch.ops.exl_core.rms_norm(x, weight, float(eps))
     return tuple(torch.ops.exl_core.rms_norm_residual(x, residual, weight, float(eps)))

@@ -25,7 +25,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * y.to(x.dtype)
 
 
-def _cpu_check(x, weight, eps, residual) -> Optional[str]:
+def _cpu_check(x, weight, eps, residual, weight_static=False) -> Optional[str]:
     if not has_op("rms_norm"):
         return "C++ extension not built with exl_core::rms_norm"
     if x.device.type != "cpu":
@@ -37,18 +37,18 @@ def _cpu_check(x, weight, eps, residual) -> Optional[str]:
     return None
 
 
-def _cpu_run(x, weight, eps, residual):
+def _cpu_run(x, weight, eps, residual, weight_static=False):
     x = x.contiguous()
     if residual is None:
         return torch.ops.exl_core.rms_norm(x, weight.contiguous(), float(eps))
     return tuple(torch.ops.exl_core.rms_norm_residual(x, residual.contiguous(), weight.contiguous(), float(eps)))
 
 
-def _ref_run(x, weight, eps, residual):
+def _ref_run(x, weight, eps, residual, weight_static=False):
     return rms_norm_ref(x, weight, eps, residual)
 
 
-def _key(x, weight, eps, residual):
+def _key(x, weight, eps, residual, weight_static=False):
     # everything the checks read (this file's and cuda_candidates')
     return (x.device, x.dtype, weight.device, weight.dtype,
             None if residual is None else (residual.device, residual.dtype))
@@ -61,11 +61,13 @@ RMS_NORM = Dispatcher("rms_norm", [
 ], key=_key)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
+             weight_static: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """x (..., H), weight (H) -> (..., H).
 
     With `residual` (x's shape): h = x + residual in x's dtype; returns (rms_norm(h), h).
+    weight_static: the weight is a model's parameter, written by no kernel just before this call (the same result;
+    the CUDA kernel then reads it before its programmatic-dependent-launch wait, csrc/cuda/pdl.cuh).
     """
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise InputError(f"rms_norm: weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] "
@@ -74,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise InputError(f"rms_norm: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
         raise InputError(f"rms_norm: x must be a float tensor, got {x.dtype}")
-    return RMS_NORM(x=x, weight=weight, eps=eps, residual=residual)
+    return RMS_NORM(x=x, weight=weight, eps=eps, residual=residual, weight_static=weight_static)
 
 
 def _register_fakes() -> None:

@@ -37,7 +37,8 @@ __device__ __forceinline__ float rms_scale(float ss, int64_t H, float eps) {
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                  const T* __restrict__ w, int64_t H, float eps,
-                                                                 T* __restrict__ y, T* __restrict__ h_out) {
+                                                                 T* __restrict__ y, T* __restrict__ h_out,
+                                                                 bool /*early_w: weight read after the wait here*/) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
   exl_pdl::pdl_trigger();
   const int64_t row = blockIdx.x;
@@ -65,11 +66,23 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 template <typename T, int NV>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
-                                                                     T* __restrict__ y, T* __restrict__ h_out) {
-  exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger();
+                                                                     T* __restrict__ y, T* __restrict__ h_out,
+                                                                     bool early_w) {
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V;
+  uint4 wv[NV];
+  auto load_w = [&]() {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+      wv[i] = vi < nvec ? reinterpret_cast<const uint4*>(w)[vi] : make_uint4(0, 0, 0, 0);
+    }
+  };
+  // early_w (exl_core::rms_norm_static: a model's norm weight, which no kernel of the step writes): the weight is
+  // read before the PDL wait, its round trip overlapping the previous kernel instead of following the reduction.
+  if (early_w) load_w();
+  exl_pdl::pdl_wait();      // x and the residual come from the previous kernel (PDL, pdl.cuh)
+  exl_pdl::pdl_trigger();
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
   uint4 hv[NV];
   float ss = 0.f;
@@ -90,12 +103,12 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
     for (int e = 0; e < V; ++e) ss += f32<T>(hp[e]) * f32<T>(hp[e]);
   }
   const float r = rms_scale(ss, H, eps);
+  if (!early_w) load_w();
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
     if (vi >= nvec) break;
-    const uint4 wv = reinterpret_cast<const uint4*>(w)[vi];
-    const T* wp = reinterpret_cast<const T*>(&wv);
+    const T* wp = reinterpret_cast<const T*>(&wv[i]);
     T* hp = reinterpret_cast<T*>(&hv[i]);
 #pragma unroll
     for (int e = 0; e < V; ++e) hp[e] = cvt<T>(f32<T>(wp[e]) * f32<T>(cvt<T>(f32<T>(hp[e]) * r)));
@@ -241,8 +254,9 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
   TORCH_CHECK(a.dtype() == b.dtype(), op, ": ", na, " is ", a.dtype(), " but ", nb, " is ", b.dtype());
 }
 
+// early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
-                                              const at::Tensor& w_, double eps) {
+                                              const at::Tensor& w_, double eps, bool early_w = false) {
   const char* op = "exl_core::rms_norm (CUDA)";
   check_same(x_, w_, op, "x", "weight");
   const int64_t H = x_.size(-1);
@@ -269,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
     exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev,
         static_cast<const scalar_t*>(ptr<scalar_t>(x)), static_cast<const scalar_t*>(res_ ? ptr<scalar_t>(res) : nullptr),
         static_cast<const scalar_t*>(ptr<scalar_t>(w)), H, static_cast<float>(eps), ptr<scalar_t>(y),
-        res_ ? ptr<scalar_t>(h) : static_cast<scalar_t*>(nullptr));
+        res_ ? ptr<scalar_t>(h) : static_cast<scalar_t*>(nullptr), early_w && w_.is_contiguous());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
@@ -282,6 +296,15 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
 std::tuple<at::Tensor, at::Tensor> rms_norm_residual_cuda(const at::Tensor& x, const at::Tensor& res,
                                                           const at::Tensor& w, double eps) {
   return norm_impl(x, res, w, eps);
+}
+
+// rms_norm / rms_norm_residual for a weight no kernel of the step writes (a model's RMSNorm weight; the caller says
+// so): [y] or [y, h], the same bits; the weight is read before the PDL wait (pdl.cuh's contract).
+std::vector<at::Tensor> rms_norm_static_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& res,
+                                             const at::Tensor& w, double eps) {
+  auto [y, h] = norm_impl(x, res, w, eps, true);
+  if (res) return {y, h};
+  return {y};
 }
 
 at::Tensor silu_mul_cuda(const at::Tensor& g_, const at::Tensor& u_) {
@@ -417,9 +440,11 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("rope", &rope_cuda);
   m.impl("rope_kv_write", &rope_kv_write_cuda);
+  m.impl("rms_norm_static", &rms_norm_static_cuda);
 }
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("rms_norm_static(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
   m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }
