@@ -16,7 +16,6 @@ import torch
 from . import cuda_candidates as cc
 
 WIDE_SWIGLU_ON = os.environ.get("EXL_CORE_WIDE_SWIGLU", "1") != "0"
-_FITS: dict = {}
 
 
 def _check(x, gate, up) -> Optional[str]:
@@ -36,19 +35,9 @@ def _check(x, gate, up) -> Optional[str]:
     if gs < 0:
         return "the pair kernel takes regular groups (one group shift for both weights)"
     rows = x.numel() // gate.in_features
-    if not cc._wide_ok(rows, pws, x.device):
+    if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
         return "these rows do not run qgemm_wide"
-    if not _pair_fits(rows, gate, up, x.device):
-        return "the pair's launch (64 columns of each weight a block) does not fit"
     return None
-
-
-def _pair_fits(rows, gate, up, device) -> bool:
-    key = (rows, gate.in_features, (gate.out_features + 63) // 64, min(cc._min_group(gate), cc._min_group(up)),
-           device.index or 0)
-    if key not in _FITS:
-        _FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
-    return _FITS[key]
 
 
 def _run(x, gate, up):

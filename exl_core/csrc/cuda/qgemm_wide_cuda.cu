@@ -87,11 +87,11 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
   }
   if (M == 0) return ys;
   const int dev = x.device().index();
-  int64_t tiles = assign_tiles(mats, kTile);
-  if (pair) {                                                           // one tile = 64 columns of each
-    tiles = (mats.m[0].N + kTile / 2 - 1) / (kTile / 2);
-    mats.m[1].tile0 = 0;
-  }
+  // the plan from the two launches' tile count (the same K splits, so the same sums as qgemm_wide_multi);
+  // the pair's grid: one tile = 64 columns of each weight
+  const int64_t tiles = assign_tiles(mats, kTile);
+  const int64_t grid_tiles = pair ? (mats.m[0].N + kTile / 2 - 1) / (kTile / 2) : tiles;
+  if (pair) mats.m[1].tile0 = 0;
   const bool fold = set_norm_fold("exl_core::qgemm_wide", x, norm_weight, norm_ss, norm_eps, mats);
   TORCH_CHECK(!fold || (uniform4 && K == x.size(1)), "exl_core::qgemm_wide: the folded norm takes uniform 4-bit ",
               "weights of x's K rows");
@@ -109,8 +109,8 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
   const __half* xp = reinterpret_cast<const __half*>(xa.data_ptr());
   if (pair) {
     TORCH_CHECK(!fold, "exl_core::qgemm_wide_swiglu: no folded norm");
-    if (plan.nt == 2) launch_one<2, true, false, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
-    else launch_one<4, true, false, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    if (plan.nt == 2) launch_one<2, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
+    else launch_one<4, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
   } else if (fold) {
     if (plan.nt == 2) launch_one<2, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
     else launch_one<4, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
