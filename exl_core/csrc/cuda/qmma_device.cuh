@@ -388,6 +388,17 @@ __device__ __forceinline__ void rank_sums(cooperative_groups::cluster_group& clu
     out[w] = a;
   }
 }
+
+// A split-K epilogue's cluster part: once every block's `red` is final (cluster.sync), body(cluster, rank, S *
+// nthreads) reads the ranks' partials; then `red` is kept alive until every rank's reads are done (their values are
+// used already, so no ordering is needed).
+template <typename Body>
+__device__ __forceinline__ void over_cluster(int S, int nthreads, Body&& body) {
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();
+  body(cluster, static_cast<int>(cluster.block_rank()), S * nthreads);
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
 #endif
 
 // red [E] holds this block's partial tile (E = rows * tile_n, row-major over tile_n columns, 16-byte aligned); the
@@ -427,23 +438,19 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();                                             // every block's `red` is final
-  const int rank = static_cast<int>(cluster.block_rank()), step = S * nthreads;
-  // two pieces an iteration, every remote read of both in flight before the sums (at 32 rows of 128 columns a
-  // thread has at most 4 pieces: the loop's latency is 1-2 round trips)
-  for (int i = rank * nthreads + threadIdx.x; i < E4; i += 2 * step) {
-    const bool two = i + step < E4;
-    const int idx[2] = {i, i + step};
-    const bool ok[2] = {true, two};
-    float4 a[2];
-    rank_sums<2>(cluster, red, S, idx, ok, a);
-    store4(4 * i, a[0]);
-    if (two) store4(4 * (i + step), a[1]);
-  }
-  // keep `red` alive until every rank's reads are done: their values are already used, so no ordering is needed
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+  over_cluster(S, nthreads, [&](cooperative_groups::cluster_group& cluster, int rank, int step) {
+    // two pieces an iteration, every remote read of both in flight before the sums (at 32 rows of 128 columns a
+    // thread has at most 4 pieces: the loop's latency is 1-2 round trips)
+    for (int i = rank * nthreads + threadIdx.x; i < E4; i += 2 * step) {
+      const bool two = i + step < E4;
+      const int idx[2] = {i, i + step};
+      const bool ok[2] = {true, two};
+      float4 a[2];
+      rank_sums<2>(cluster, red, S, idx, ok, a);
+      store4(4 * i, a[0]);
+      if (two) store4(4 * (i + step), a[1]);
+    }
+  });
 #endif
 }
 
@@ -477,18 +484,15 @@ __device__ __forceinline__ void cluster_store_swiglu(float* red, int M, int tile
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();                                             // every block's `red` is final
-  const int rank = static_cast<int>(cluster.block_rank()), step = S * nthreads;
-  for (int p = rank * nthreads + threadIdx.x; p < P; p += step) {
-    const int idx[2] = {gate4(p), gate4(p) + hw4};
-    const bool ok[2] = {true, true};
-    float4 a[2];
-    rank_sums<2>(cluster, red, S, idx, ok, a);
-    store(p, a[0], a[1]);
-  }
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+  over_cluster(S, nthreads, [&](cooperative_groups::cluster_group& cluster, int rank, int step) {
+    for (int p = rank * nthreads + threadIdx.x; p < P; p += step) {
+      const int idx[2] = {gate4(p), gate4(p) + hw4};
+      const bool ok[2] = {true, true};
+      float4 a[2];
+      rank_sums<2>(cluster, red, S, idx, ok, a);
+      store(p, a[0], a[1]);
+    }
+  });
 #endif
 }
 
