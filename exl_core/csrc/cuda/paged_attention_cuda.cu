@@ -153,10 +153,12 @@ __device__ __forceinline__ uint4 rope8(const T* x, int sub, const float* cos_sin
 }
 
 // ROPE (exl_core::paged_attention_rope, decode: one query row per sequence): a.q, a.k_new, a.v_new are unrotated;
-// every block rotates its q heads as it loads them, and the one block whose split holds the row's position (its
-// own key, the last) takes that key and value from k_new / v_new -- rotated in registers, not read back from the
-// cache -- and stores them to the key's slot for later steps (a page outside the cache: not stored, as kv_write
-// skips such a slot).  The rope_kv_write launch before attention goes away (H200 batch 1: ~2 us a layer).
+// after the PDL wait every block rotates its q heads into shared memory, and the one block whose split holds the
+// row's position (its own key, the last) rotates that key from k_new (and copies its value from v_new) into shared
+// memory too -- `fetch` takes them from there, not back from the cache, whose loads are ld.global.nc -- and stores
+// both to the key's slot for later steps (a page outside the cache: not stored, as kv_write skips such a slot).
+// The rope_kv_write launch before attention goes away (H200, same call: GPTQ decode 1.0225x at batch 1, 1.0228x at
+// batch 32; NOTES.md session "ninth").
 template <typename T, int D, int G, bool WAVE = false, bool ROPE = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention_kernel(const Args a) {
   constexpr int LPK = D / 8;                  // lanes per key
