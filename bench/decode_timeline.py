@@ -5,7 +5,8 @@ adds to the step's end (the critical path), under programmatic dependent launch 
 ahead of it ends)? The knock-out run (decode_knockout.py) gives a part's total; this gives every launch, the gaps
 between them; and same-process variants of the step (VARIANTS: stop 26's question, o and down on qgemm_wide at batch
 32 (call 3 of stop 27 ran it); stop 27's, the RMSNorm fold off at batch 1 and the fold in qgemm_wide on at batch 32
-(stop 28 call 1 ran them); now rope and the K/V write as their own launch at batch 1 and 32).
+(stop 28 call 1 ran them); now rope and the K/V write as their own launch at batch 1 and 32, and silu_mul as its own
+launch at batch 32).
 
 torch.profiler (CUPTI) records the kernels of REPLAYS replays of the bench's step graph (bench/gpu_bench.py); the
 middle replay is reported. A kernel's `adds` is its end minus the latest end before it (0 when it ends inside an

@@ -126,7 +126,7 @@ class PrefillContext:
         self.logit_rows = torch.arange(kv.B, device="cuda") * T + T - 1
 
     def attend_rope(self, layer, q, k, v, cos_sin, scale, window):
-        """Rope and the K/V write in one launch (the library's rope_write_kv, as PagedContext.attend_rope; the
+        """Rope and the K/V write in one launch (the library's rope_write_kv, as PagedContext.attend_rope at a prefill; the
         cache (B, max_len, Hkv, D) is B pages of max_len slots), then SDPA over the cache's first T slots."""
         if not TOKEN_MAJOR:
             q, k = apply_rope(q, k, self.positions, cos_sin)

@@ -416,3 +416,41 @@ def test_paged_attention_rope_only_for_decode_rows(monkeypatch):
     assert not att._rope_attn_fusable(*args, 2) and not att._rope_attn_fusable(*args, None)
     monkeypatch.setattr(att, "ROPE_ATTN_FUSE", False)
     assert not att._rope_attn_fusable(*args, 1)
+
+
+def test_generator_with_rope_in_attention_matches_without(tiny_model_factory, monkeypatch):
+    """The Generator's decode steps (CUDA graphs, PagedContext.attend_rope) through paged_attention_rope give the
+    same tokens and log-probabilities, bit for bit, as with rope and the K/V write as their own launch."""
+    _need_kernel()
+    import random
+
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    from exl_core.loader import load_model
+    from exl_core.ops import attention as att
+    folder = tiny_model_factory("llama", seed=7, vocab_size=500, hidden_size=256, intermediate_size=384,
+                                num_attention_heads=4, num_key_value_heads=2)
+    model, _ = load_model(folder, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    rnd = random.Random(4)
+    prompts = [[rnd.randrange(3, 500) for _ in range(n)] for n in (6, 33, 17)]
+    fused = []
+    check = att._rope_attn_fusable
+    monkeypatch.setattr(att, "_rope_attn_fusable", lambda *a: fused.append(check(*a)) or fused[-1])
+
+    def run():
+        gen = Generator(model, Cache(model, max_tokens=2048, page_size=16), None, max_batch_tokens=256,
+                        max_chunk_size=64)
+        jobs = gen.enqueue([Job(p, max_new_tokens=m, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False,
+                                return_logprobs=True) for p, m in zip(prompts, (9, 14, 5))])
+        while gen.has_work():
+            gen.iterate()
+        return [(j.generated, list(j.logprobs)) for j in jobs]
+
+    mine = run()
+    assert any(fused)
+    monkeypatch.setattr(att, "ROPE_ATTN_FUSE", False)
+    fused.clear()
+    theirs = run()
+    assert not any(fused)
+    assert mine == theirs

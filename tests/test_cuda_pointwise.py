@@ -28,6 +28,8 @@ def test_rms_norm_residual_vs_float64(dtype, H):
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert rel_err(h, h64) < tol and rel_err(y, ref) < tol and rel_err(y0, ref0) < tol
     # a model's weight (weight_static: read before the PDL wait) gives the same bits, x made by the kernel just before
+    from exl_core.ops.cuda_candidates import _has_cuda_kernel
+    assert _has_cuda_kernel("rms_norm_static")
     ys, hs = rms_norm(xc * 1, wc, 1e-5, rc * 1, weight_static=True)
     assert torch.equal(ys, y) and torch.equal(hs, h)
     assert torch.equal(rms_norm(xc * 1, wc, 1e-5, weight_static=True), y0)

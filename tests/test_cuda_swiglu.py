@@ -14,7 +14,8 @@ from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, re
 
 pytestmark = pytest.mark.cuda
 
-LAYOUTS = {"k512": [(4, 128)] * 4, "k4096": [(4, 128)] * 32, "k1024_g32": [(4, 32)] * 32}
+# k32: one chunk, so one K split (cluster_store_swiglu's S == 1 branch)
+LAYOUTS = {"k512": [(4, 128)] * 4, "k4096": [(4, 128)] * 32, "k1024_g32": [(4, 32)] * 32, "k32": [(4, 32)]}
 
 
 def _pair(layout, N, bias):
@@ -48,6 +49,20 @@ def test_pair_equals_two_launches_and_float64(layout, N, M, bias, monkeypatch):
     bg, bu = ((pw.bias.double().cpu() if pw.bias is not None else 0) for pw in (gate, up))
     xd = x.double().cpu()
     assert rel_err(h, F.silu(xd @ wg + bg) * (xd @ wu + bu)) < 3e-3
+
+
+def test_pair_plans_as_the_two_launches(monkeypatch):
+    """N = 10176: the two launches' 160 column tiles plan 2 K splits where the pair's own grid (159 tiles of 64 of
+    each) would plan 4; the pair takes the two launches' plan, so its sums -- and its bits -- are theirs."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops.activation import silu_mul
+    from exl_core.ops.qmatmul import qmatmul_many
+    from exl_core.ops.swiglu import qmatmul_swiglu
+    monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)
+    gate, up = _pair(LAYOUTS["k512"], 10176, False)
+    x = (torch.randn(32, 512) * 0.5).half().cuda()
+    assert torch.equal(qmatmul_swiglu(x, gate, up), silu_mul(*qmatmul_many(x, [gate, up])))
 
 
 def test_pair_refuses_what_it_does_not_run(monkeypatch):

@@ -209,8 +209,10 @@ class PagedContext:
     def attend_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                     scale: float, window: Optional[int]) -> torch.Tensor:
         """`attend` of q and k before rope (rotated at self.positions): rope, the K/V write and attention in one op
-        (rope_paged_attention: on CUDA one launch at decode, else rope_write_kv's, then attention's). A subclass that
-        changed `attend` gets rope, then its `attend`."""
+        (rope_paged_attention: on CUDA one launch at decode, else rope_write_kv's, then attention's; at decode the
+        launch takes each row's position and slot from seq_lens_k and the block table, so a subclass that changes
+        self.positions or self.slots must override this too). A subclass that changed `attend` gets rope, then its
+        `attend`."""
         if type(self).attend is not PagedContext.attend:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)

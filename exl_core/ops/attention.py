@@ -136,7 +136,10 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     value from k and v, storing them to their slot), with the two ops' bits, instead of two launches. That kernel
     reads each row's position and slot from seq_lens_k and block_table, so it relies on what the contexts' host
     lists (cache.paged.step_indices) guarantee: positions[t] = seq_lens_k[s] - 1 for row t of sequence s, and
-    slots[t] that position's slot in row s of block_table."""
+    slots[t] that position's slot in row s of block_table. (A context whose positions differ must not call it at
+    max_q_len 1.) The fused launch runs only where the attention dispatcher picks its CUDA kernel, but it does not go
+    through the rope dispatcher: EXL_CORE_FORCE_KERNEL / EXL_CORE_DISABLE_KERNEL settings for rope apply with
+    EXL_CORE_ROPE_ATTN_FUSE=0."""
     _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
     if _rope_attn_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_table, cu_seqlens_q,
                           seq_lens_k, scale, window, max_q_len):

@@ -2,9 +2,11 @@
 where the plain call would run qgemm_wide (batch decode, 17..32 rows) on uniform 4-bit weights with regular groups
 and no permutation (GPTQ 4-bit): each block takes 64 columns of gate and the same 64 of up, and its epilogue writes
 silu(gate) * up rounded as the two launches round it.
-Why: bench/decode_timeline.py put the silu_mul launch at 65.9 us of a 3,898.0 us GPTQ batch-32 step on the H200
-(stop 28 call 1: 2.0 us a layer on the critical path), and the gate/up launch wrote both products (1.4 MB a layer).
-EXL_CORE_WIDE_SWIGLU=0: off (A/B).
+Why: bench/decode_timeline.py put the silu_mul launch at 65.8 us of a traced 3,897.9 us GPTQ batch-32 step on the H200
+(stop 28 call 1: ~2 us a layer on the critical path), and the gate/up launch wrote both products (1.4 MB a layer).
+Same call (stop 28 call 3): batch 32 8,253.1 against 8,105.9 tok/s with it off (1.0181x).
+EXL_CORE_WIDE_SWIGLU=0: off (A/B). The dispatcher's op is "qmatmul_swiglu": EXL_CORE_FORCE_KERNEL /
+EXL_CORE_DISABLE_KERNEL settings for qmatmul_many do not reach it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def _check(x, gate, up) -> Optional[str]:
         return "EXL_CORE_WIDE_SWIGLU=0"
     if x.device.type != "cuda":
         return f"x is on {x.device}, not CUDA"
+    rows = x.numel() // max(1, gate.in_features)
+    if not cc.WIDE_MIN_ROWS <= rows <= cc.WIDE_MAX_ROWS:          # the cheap test first: every MLP call asks
+        return f"{rows} rows: the batch-decode kernel takes {cc.WIDE_MIN_ROWS}..{cc.WIDE_MAX_ROWS}"
     if not cc._has_cuda_kernel("qgemm_wide_swiglu"):
         return "extension built without qgemm_wide_swiglu"
     why = cc._many_check(x, [gate, up])
@@ -34,7 +39,6 @@ def _check(x, gate, up) -> Optional[str]:
     gs = cc._pws_group_shift(pws)
     if gs < 0:
         return "the pair kernel takes regular groups (one group shift for both weights)"
-    rows = x.numel() // gate.in_features
     if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
         return "these rows do not run qgemm_wide"
     return None

@@ -1,6 +1,7 @@
 // CUDA implementation of exl_core::paged_attention (schema in csrc/cpu/attention.cpp): attention of
 // a few query rows per sequence straight over the paged K/V cache, for decode and speculative
-// verification. The gathering fallback (ops/attention_gathered.py) copies every sequence's pages
+// verification; and exl_core::paged_attention_rope (CUDA only, defined here): decode's rope and K/V write in the same
+// launch -- it writes the rows' own key and value to the cache (the ROPE instances, below). The gathering fallback (ops/attention_gathered.py) copies every sequence's pages
 // into a padded (S, Hkv, L, D) tensor, zeroes the unwritten slots and runs a masked SDPA: ~5 passes
 // over the K/V bytes per layer. Here each K/V byte a row can see is read once per row.
 //
@@ -113,8 +114,9 @@ __device__ __forceinline__ int sequence_of(const int64_t* cu, int S, int64_t row
 // Hkv*D*2-byte slot -- instead of the same head of different sequences.
 // Before the PDL wait (early): the row's sequence, length and page numbers (written by no kernel of this step) and
 // the K/V of the block's first keys that are older than the step's rows.  The kernel just before -- the step's K/V
-// write, rope_kv_write or kv_write -- writes only the rows' own positions (the last q_len keys of each sequence),
-// so those keys, and q, are read after the wait (pdl.cuh's contract: nothing the predecessor writes is read early).
+// write, rope_kv_write or kv_write; with ROPE the q/k/v projection, and the kernel writes the own keys itself --
+// writes only the rows' own positions (the last q_len keys of each sequence), so those keys, and q, are read after
+// the wait (pdl.cuh's contract: nothing the predecessor writes is read early).
 // Blocks per SM as the register report had them before the early loads (G 1: 94-96 registers, 5 blocks; G 2/4: 124-126,
 // 4; G 8: 225-232, 2); without the bound the early loads' extra live state took G 1 to 122 (4 blocks).
 // WAVE (G 1 only): 2 block steps per iteration instead of 4 and 8 blocks per SM (64 registers), for grids of 5..8

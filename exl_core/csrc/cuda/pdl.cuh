@@ -10,7 +10,9 @@
 // that the kernel immediately before in the stream does not write: the decode kernels read their
 // weights (qweight, chunk table) there, which the library writes by copies at load time, never by the
 // kernel right before a matmul; paged_attention reads the sequences' lengths, tables and the K/V of keys older than
-// its rows there, so the kernel before it may write only the rows' own K/V slots (the library's K/V writes do).  (Each
+// its rows there, so the kernel before it may write only the rows' own K/V slots (the library's K/V writes do;
+// paged_attention_rope writes those slots itself, after its wait); the norm kernel reads a model's RMSNorm weight there
+// only when the caller says no kernel writes it (exl_core::rms_norm_static).  (Each
 // of our kernels triggers only after its own wait, so a kernel's
 // early reads can overlap only its direct predecessor.)  A caller that builds weights with a GPU kernel
 // and calls torch.ops.exl_core.qgemm_* straight after must put a sync or a non-PDL op in between.  pdl_trigger() lets the next kernel launch

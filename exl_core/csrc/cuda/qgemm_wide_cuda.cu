@@ -137,7 +137,7 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
 
 // silu(x @ gate) * (x @ up) [M, N] fp16 in one launch, rounded as qgemm_wide_multi then silu_mul round it (the MLP
 // at batch-decode rows: no silu_mul launch).  Uniform 4-bit gate and up of one N with regular groups, no
-// permutation; ops/cuda_candidates.py checks first.
+// permutation (group_shift >= 0: its default -1 is refused, never guessed); ops/cuda_swiglu.py checks first.
 at::Tensor qgemm_wide_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
                              at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& bias, int64_t splits,
                              int64_t min_group, int64_t group_shift) {
@@ -178,7 +178,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
         "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
   m.def("qgemm_wide_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=0) -> Tensor");
+        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0, bool fold=False) -> bool",
         &qgemm_wide_fits);
 }
