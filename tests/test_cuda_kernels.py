@@ -535,4 +535,3 @@ def test_bad_input_names_the_problem():
     x = torch.randn(2, pw.in_features + 32, device="cuda", dtype=torch.float16)
     with pytest.raises(InputError, match="in_features"):
         qmatmul(x, pw)
-

@@ -82,7 +82,10 @@ NORMED_LAYOUTS = {"k512": U4, "k4096": [(4, 128)] * 32, "k1440": [(4, 32)] * 45}
 
 @pytest.mark.parametrize("M", [1, 5, 8, 17, 32])                  # qgemm_kslice staged rows; qgemm_wide
 @pytest.mark.parametrize("layout", list(NORMED_LAYOUTS))
-def test_many_normed_vs_float64_and_unfused(M, layout, monkeypatch):
+@pytest.mark.parametrize("widths", [(512, 128, 384), (4096, 1024, 1024)], ids=["24tiles", "192tiles"])
+def test_many_normed_vs_float64_and_unfused(M, layout, widths, monkeypatch):
+    """192 column tiles of 32 (more than an H200's 132 SMs) run qgemm_kslice's kw 8 fold instance, as a 7B's q/k/v
+    (384 tiles) and gate/up (688) do at batch 1; 24 tiles run the kw 16 one."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import norm_fold
@@ -91,7 +94,9 @@ def test_many_normed_vs_float64_and_unfused(M, layout, monkeypatch):
     from exl_core.ops import cuda_norm_fold as nf
     monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)                 # qgemm_wide on these narrow launches too
     monkeypatch.setattr(nf, "NORM_FOLD_WIDE", True)                 # (off by default: slower end to end)
-    pws = [random_packed(NORMED_LAYOUTS[layout], n, perm=False, bias=random.random() < 0.3) for n in (512, 128, 384)]
+    if widths[0] > 512 and layout != "k512":
+        pytest.skip("the wide launch once, at K 512, is enough")
+    pws = [random_packed(NORMED_LAYOUTS[layout], n, perm=False, bias=random.random() < 0.3) for n in widths]
     K, eps = pws[0].in_features, 1e-5
     res = (torch.randn(M, K) * 3).half()
     w = (torch.rand(K) + 0.5).half()

@@ -31,8 +31,15 @@ def _positions(bits: int):
     return word, off, (off + bits) > 32
 
 
+def _device_positions(bits: int, device):
+    """_positions on `device`, the spilling values as an index (None when none spill), decided on the host."""
+    word, off, spill = _positions(bits)
+    idx = spill.nonzero().squeeze(1).to(device) if bool(spill.any()) else None
+    return word.to(device), off.to(device), idx
+
+
 def pack_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """q: integers [k, N] in [0, 2^bits) -> int32 [k*bits/32, N], packed along dim 0.
+    """q: integers [k, N] in [0, 2^bits) -> int32 [k*bits/32, N], packed along dim 0, on q's device.
 
     k*bits must be a multiple of 32 (every stored word complete)."""
     k, n = q.shape
@@ -46,18 +53,17 @@ def pack_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
         q = torch.cat([q, q.new_zeros(pad, n)])
     chunks = q.shape[0] // 32
     q = q.view(chunks, 32, n)                                  # (chunk, value, column)
-    word, off, spill = _positions(bits)
+    word, off, idx = _device_positions(bits, q.device)
     # Fields never overlap, so summing the shifted values equals OR-ing them.
-    words = torch.zeros(chunks, bits, n, dtype=torch.int64)    # a 32-value chunk fills `bits` words
+    words = torch.zeros(chunks, bits, n, dtype=torch.int64, device=q.device)   # a 32-value chunk fills `bits` words
     words.index_add_(1, word, (q << off.view(1, 32, 1)) & _MASK32)
-    if bool(spill.any()):
-        idx = spill.nonzero().squeeze(1)
+    if idx is not None:
         words.index_add_(1, word[idx] + 1, q[:, idx] >> (32 - off[idx]).view(1, -1, 1))
     return to_int32(words.view(chunks * bits, n)[: k * bits // 32])
 
 
 def unpack_stream(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Inverse of pack_stream: int32 [>= ceil(k*bits/32), N] -> int64 [k, N] (first k values)."""
+    """Inverse of pack_stream: int32 [>= ceil(k*bits/32), N] -> int64 [k, N] (first k values), on packed's device."""
     n = packed.shape[1]
     need = -(-k * bits // 32)
     p = packed[:need].to(torch.int64).contiguous() & _MASK32
@@ -66,10 +72,9 @@ def unpack_stream(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     if p.shape[0] < full:
         p = torch.cat([p, p.new_zeros(full - p.shape[0], n)])
     p = p.view(chunks, bits, n)
-    word, off, spill = _positions(bits)
+    word, off, idx = _device_positions(bits, p.device)
     v = p[:, word] >> off.view(1, 32, 1)                       # (chunk, value, column)
-    if bool(spill.any()):
-        idx = spill.nonzero().squeeze(1)
+    if idx is not None:
         v[:, idx] |= p[:, word[idx] + 1] << (32 - off[idx]).view(1, -1, 1)
     return (v & ((1 << bits) - 1)).reshape(chunks * 32, n)[:k]
 

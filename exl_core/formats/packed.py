@@ -117,18 +117,6 @@ class PackedWeight:
         return self.qweight.numel() * 32 / (self.in_features * self.out_features)
 
 
-def unpack_group(words: torch.Tensor, bits: int, k_len: int) -> torch.Tensor:
-    """int32 [k_len*bits/32, N] little-endian bit streams -> int64 [k_len, N] values (any device; vectorised
-    unpack_bitstream)."""
-    w = words.to(torch.int64) & 0xFFFFFFFF                        # [Q, N] unsigned
-    pos = torch.arange(k_len, device=w.device) * bits              # first stream bit of value i
-    wi, off = pos // 32, (pos % 32).unsqueeze(1)                   # [k_len], [k_len, 1]
-    lo = w[wi] >> off                                              # [k_len, N]
-    nxt = torch.clamp(wi + 1, max=w.shape[0] - 1)                  # straddling values read word+1
-    hi = torch.where(off + bits > 32, w[nxt] << (32 - off), torch.zeros_like(lo))
-    return (lo | hi) & ((1 << bits) - 1)
-
-
 def scatter_rows(pw: PackedWeight, w_perm: torch.Tensor) -> torch.Tensor:
     """W [in_features, N] from W_perm [k_rows, N]: W[perm[k]] = W_perm[k], rows sharing a perm value added."""
     if pw.perm is None:

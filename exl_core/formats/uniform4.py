@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from .packed import PackedWeight, unpack_group
+from .bitpack import pack_stream, unpack_stream
+from .packed import PackedWeight
 
 
 def growth(pw: PackedWeight) -> float:
@@ -30,14 +31,6 @@ def growth(pw: PackedWeight) -> float:
     for bits, _k, k_len, _q in pw.groups.tolist():
         words += k_len * 4 // 32 * (2 if bits > 4 else 1)
     return words / max(1, pw.qweight.shape[0])
-
-
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """int64 [k, N] values in [0, 16), k % 8 == 0 -> int32 [k / 8, N] (value 8r + t in bits 4t..4t+3)."""
-    k, n = q.shape
-    shifts = (torch.arange(8, device=q.device, dtype=torch.int64) * 4).view(1, 8, 1)
-    words = (q.view(k // 8, 8, n) << shifts).sum(dim=1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
 def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWeight]:
@@ -53,7 +46,7 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
     perm = pw.perm.to(dev) if pw.perm is not None else torch.arange(K, device=dev)
     main_q, extra_q, main_g, extra_g, extra_rows = [], [], [], [], []
     for gi, (bits, k_start, k_len, q_start) in enumerate(groups):
-        q = unpack_group(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
+        q = unpack_stream(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
         s, z = pw.scale[gi], pw.zero[gi]
         if bits <= 4:
             main_q.append(q)
@@ -74,7 +67,7 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
         k += k_len
     parts = main_g + extra_g
     extra = bool(extra_rows)                   # 2..4-bit only: the same rows (and permutation), stored in 4 bits
-    return PackedWeight(_pack4(torch.cat(main_q + extra_q)).contiguous(), torch.tensor(new_groups, dtype=torch.int32),
+    return PackedWeight(pack_stream(torch.cat(main_q + extra_q), 4).contiguous(), torch.tensor(new_groups, dtype=torch.int32),
                         torch.stack([p[0] for p in parts]).contiguous(), torch.stack([p[1] for p in parts]).contiguous(),
                         torch.cat([perm] + extra_rows).contiguous() if extra else pw.perm, K, N, pw.bias,
                         dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed")),

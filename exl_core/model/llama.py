@@ -44,15 +44,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = cfg.sliding_window
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor,
-                residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """cos_sin: the rope table covering every position in ctx (looked up once per forward). With `residual`,
-        o_proj's output may go into it in place (linear_add_): None is returned then."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
+        """cos_sin: the rope table covering every position in ctx (looked up once per forward). (Block runs the plain
+        module through its parts -- attend and the projections -- so o_proj can add into the residual there.)"""
         q, k, v = linear_many(x, (self.q_proj, self.k_proj, self.v_proj))
-        out = self.attend(q, k, v, ctx, layer_idx, cos_sin)
-        if residual is not None and linear_add_(residual, out, self.o_proj):
-            return None
-        return self.o_proj(out)
+        return self.o_proj(self.attend(q, k, v, ctx, layer_idx, cos_sin))
 
     def attend(self, q, k, v, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rope, the K/V write and attention from the projections' outputs: (T, Hq * D), o_proj's input."""
@@ -74,10 +70,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def forward(self, x, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """With `residual`, down_proj's output may go into it in place (linear_add_): None is returned then."""
+    def forward(self, x):
+        """down_proj(silu(gate_proj(x)) * up_proj(x)). (Block runs the plain module through gate_up and down, which
+        may add into the residual.)"""
         gate, up = self.gate_up(x)
-        return self.down(gate, up, residual)
+        return self.down(gate, up)
 
     def gate_up(self, x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(gate_proj(x), up_proj(x)), or (silu_mul of them, None) where one kernel computes the product too

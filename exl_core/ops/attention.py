@@ -146,7 +146,9 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
         return torch.ops.exl_core.paged_attention_rope(q, k, v, cos_sin, k_cache, v_cache, block_table, cu_seqlens_q,
                                                        seq_lens_k, float(scale), int(window or 0))
     q = rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
-    return paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len)
+    return PAGED_ATTENTION(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,   # arguments checked above
+                           cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, scale=scale, window=window or None,
+                           max_q_len=max_q_len)
 
 
 def _rope_attn_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_table, cu_seqlens_q, seq_lens_k,

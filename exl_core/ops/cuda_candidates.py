@@ -445,6 +445,13 @@ def _many_check(x, pws) -> Optional[str]:
     return None
 
 
+def _weights_args(pws, device, dtype) -> tuple:
+    """The per-weight lists the *_multi ops take after x: qweight, chunks, scale, zero, perm, bias (in x's dtype)."""
+    return ([pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
+            [pw.zero for pw in pws], [_perm_of(pw, device) for pw in pws],
+            [None if pw.bias is None else pw.bias.to(dtype).contiguous() for pw in pws])
+
+
 def _many_run(x, pws):
     """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
     x2 = x.reshape(-1, pws[0].in_features)
@@ -458,9 +465,7 @@ def _many_run(x, pws):
         return [_qmatmul_run(x, pw) for pw in pws]
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    args = (x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
-            [pw.zero for pw in pws], [_perm_of(pw, x.device) for pw in pws],
-            [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws])
+    args = (x2, *_weights_args(pws, x.device, x.dtype))
     u4 = all(_uniform4(pw) for pw in pws)
     if wide:
         ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),

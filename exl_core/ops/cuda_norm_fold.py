@@ -100,11 +100,14 @@ def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Option
     from .norm_fold import FOLD_QUERY
     if ss is None:
         return None, "no sums of squares from the producer"
+    K = pws[0].in_features if pws else 0
+    rows = residual.numel() // max(1, K)
+    if rows > cc.KSLICE_STAGED_ROWS and not (NORM_FOLD_WIDE and cc.WIDE_MIN_ROWS <= rows <= cc.WIDE_MAX_ROWS):
+        # the cheap refusal first (a prompt's layers ask twice each): the rows below say the same after the checks
+        return None, f"{rows} rows: the folded norm runs at the staged rows of qgemm_kslice (or qgemm_wide's, when on)"
     why = cc._many_check(residual, pws)
     if why is not None:
         return None, why
-    K = pws[0].in_features
-    rows = residual.numel() // K
     dev = residual.device
     if residual.dim() != 2 or residual.shape[1] != K or not residual.is_contiguous() or residual.data_ptr() % 16:
         return None, "residual must be a contiguous, 16-byte aligned [rows, K] tensor"
@@ -137,9 +140,7 @@ def _normed_check(residual, weight, eps, ss, pws) -> Optional[str]:
 def _normed_run(residual, weight, eps, ss, pws):
     # the check has passed: only the kernel's name is needed (the plain path's cached choice, not the whole check again)
     kind = "wide" if cc._wide_ok(residual.shape[0], pws, residual.device) else "kslice"
-    args = (residual, [pw.qweight for pw in pws], [cc._chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
-            [pw.zero for pw in pws], [None] * len(pws),
-            [None if pw.bias is None else pw.bias.to(residual.dtype).contiguous() for pw in pws])
+    args = (residual, *cc._weights_args(pws, residual.device, residual.dtype))   # no permutations (the check)
     u4 = all(cc._uniform4(pw) for pw in pws)
     mg = min(cc._min_group(pw) for pw in pws)
     op = torch.ops.exl_core.qgemm_wide_multi if kind == "wide" else torch.ops.exl_core.qgemm_kslice_multi

@@ -47,10 +47,10 @@ def _check(x, gate, up) -> Optional[str]:
 def _run(x, gate, up):
     x2 = x.reshape(-1, gate.in_features).contiguous()
     pws = [gate, up]
-    y = torch.ops.exl_core.qgemm_wide_swiglu(
-        x2, [pw.qweight for pw in pws], [cc._chunks_of(pw) for pw in pws], [pw.scale for pw in pws],
-        [pw.zero for pw in pws], [None if pw.bias is None else pw.bias.to(x.dtype).contiguous() for pw in pws],
-        min_group=min(cc._min_group(pw) for pw in pws), group_shift=cc._pws_group_shift(pws))
+    qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)
+    y = torch.ops.exl_core.qgemm_wide_swiglu(x2, qweight, chunks, scale, zero, bias,
+                                             min_group=min(cc._min_group(pw) for pw in pws),
+                                             group_shift=cc._pws_group_shift(pws))
     return y.reshape(*x.shape[:-1], gate.out_features)
 
 

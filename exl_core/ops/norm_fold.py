@@ -49,9 +49,9 @@ def qmatmul_add_ss_(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight,
     return DISPATCH_ADD_SS(residual=residual, x=x, pw=pw, up=up)
 
 
-def adds_ss(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight, up: Optional[torch.Tensor] = None) -> bool:
-    """Whether qmatmul_add_ss_(residual, x, pw, up) would do it (x: any tensor of its device, dtype and shape)."""
-    return DISPATCH_ADD_SS.choose(residual=residual, x=x, pw=pw, up=up).name != "none"
+def adds_ss(residual: torch.Tensor, x: torch.Tensor, pw: PackedWeight) -> bool:
+    """Whether qmatmul_add_ss_(residual, x, pw) would do it (x: any tensor of its device, dtype and shape)."""
+    return DISPATCH_ADD_SS.choose(residual=residual, x=x, pw=pw, up=None).name != "none"
 
 
 def folds_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float, pws: Sequence[PackedWeight]) -> bool:

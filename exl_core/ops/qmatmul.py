@@ -36,7 +36,8 @@ from typing import Optional
 import torch
 
 from ..errors import InputError
-from ..formats.packed import PackedWeight, scatter_rows, unpack_group
+from ..formats.bitpack import unpack_stream
+from ..formats.packed import PackedWeight, scatter_rows
 from .dispatch import Candidate, Dispatcher, has_op
 
 # ---------------------------------------------------------------------------- torch reference
@@ -50,7 +51,7 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
     dev = pw.qweight.device
     w_perm = torch.empty(pw.k_rows, pw.out_features, dtype=dtype, device=dev)
     for gi, (bits, k_start, k_len, q_start) in enumerate(pw.groups.tolist()):
-        q = unpack_group(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
+        q = unpack_stream(pw.qweight[q_start:q_start + k_len * bits // 32], bits, k_len)
         w_perm[k_start:k_start + k_len] = ((q.to(dtype) - pw.zero[gi].to(dtype)) * pw.scale[gi].to(dtype))
     return scatter_rows(pw, w_perm)      # x[:, perm] @ W_perm == x @ W
 
