@@ -17,7 +17,8 @@
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
 # EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), noearlyw (both formats with
-# EXL_CORE_NORM_EARLY_W=0: the norm kernels read the weight after their PDL wait), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
+# EXL_CORE_NORM_EARLY_W=0: the norm kernels read the weight after their PDL wait), nonormperm (EXL2 with
+# EXL_CORE_NORM_PERM=0: q/k/v and gate/up gather x themselves instead of the norm writing their act-order), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), ncu32 (qgemm_wide and
 # the 9..32-row qgemm_kslice at the bench's batch-32 launches under Nsight Compute: stall reasons, a SASS CSV), readbw (bench/read_bw.cu: read bandwidth by
@@ -123,7 +124,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -188,6 +189,10 @@ if has noearlyw; then  # A/B: the norm kernels read a model's weight after their
   EXL_CORE_NORM_EARLY_W=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_noearlyw.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
+if has nonormperm; then  # A/B: EXL2's q/k/v and gate/up gather x themselves (EXL_CORE_NORM_PERM=0), not the norm
+  EXL_CORE_NORM_PERM=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
+    --quick --json "$OUT/gpu_h200_nonormperm.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
 if has u4exl2; then   # A/B: EXL2 with EXL_CORE_EXL2_AS_U4=1 (mixed widths rewritten as uniform 4-bit rows at load, formats.uniform4)
   EXL_CORE_EXL2_AS_U4=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_exl2u4.json 2>&1 | tee -a "$LOG" | tail -14
@@ -224,7 +229,8 @@ if has knockout; then  # where a graphed decode step's time goes: parts knocked 
 fi
 if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler); GPTQ also with the
   # norm fold off at batch 1 and qgemm_wide's fold on at batch 32 (decode_timeline.VARIANTS)
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 2>&1 | tee -a "$LOG" | tail -200
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 \
+    --json "$OUT/decode_timeline_h200.json" 2>&1 | tee -a "$LOG" | tail -200
 fi
 if has u4rows; then   # A/B: GPTQ gate/up at 2..8 rows on qgemm_kslice too (the one-row limit of stop 23 is unsettled)
   EXL_CORE_KSLICE_U4_ONE_ROW=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

@@ -5,7 +5,8 @@ likely, which is what a kernel's speed depends on), scales are plausible for a 7
 (dequantised weights of std ~0.01), norms are ones, embeddings/head fp16 N(0, 0.02).
 
     python bench/make_7b_checkpoint.py --fmt gptq --out /tmp/llama7b_gptq
-    python bench/make_7b_checkpoint.py --fmt exl2 --out /tmp/llama7b_exl2   # ~4.0 bpw, 5/4/3-bit mix
+    python bench/make_7b_checkpoint.py --fmt exl2 --out /tmp/llama7b_exl2   # ~4.0 bpw, 5/4/3-bit mix, act-order
+                                                                           # shared by q/k/v and by gate/up
 
 Smaller shapes for a dry run on the CPU: --layers 2 --hidden 256 --inter 768 --vocab 1000.
 """
@@ -43,7 +44,8 @@ def exl2_segments(K: int) -> list[tuple[int, int]]:
     return [(5, edge), (4, K - 2 * edge), (3, edge)]
 
 
-def exl2_layer(K: int, N: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def exl2_layer(K: int, N: int, gen: torch.Generator, invperm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """invperm: the act-order permutation's inverse to store (one shared by a group), else a fresh random one."""
     words, q_groups, qrow = [], [], 0
     for bits, rows in exl2_segments(K):
         for _ in range(rows // G):
@@ -54,7 +56,7 @@ def exl2_layer(K: int, N: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     ng = len(q_groups) // 2
     return {
         "q_weight": torch.cat(words),
-        "q_invperm": torch.randperm(K, generator=gen).to(torch.int32),
+        "q_invperm": invperm if invperm is not None else torch.randperm(K, generator=gen).to(torch.int32),
         "q_scale": _rand_words(ng, N // 8, gen) & 0x77777777,            # codes 0..7 -> scale (c+1)^2/256*max
         "q_scale_max": torch.full((ng,), 0.01, dtype=torch.float16),
         "q_groups": torch.tensor(q_groups, dtype=torch.int16),
@@ -80,11 +82,18 @@ def make(out: Path, fmt: str, layers: int = 32, hidden: int = 4096, inter: int =
         w.add("model.embed_tokens.weight", (torch.randn(vocab, hidden, generator=gen) * 0.02).half())
         for i in range(layers):
             p = f"model.layers.{i}"
+            # EXL2: as ExLlamaV2's converter writes them, k and v share q's act-order permutation (they are quantized
+            # with q's Hessian) and gate shares up's; o and down have their own.
+            shared = {"qkv": torch.randperm(hidden, generator=gen).to(torch.int32),
+                      "gu": torch.randperm(hidden, generator=gen).to(torch.int32)} if fmt == "exl2" else {}
+            group = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
+                     "mlp.gate_proj": "gu", "mlp.up_proj": "gu"}
             for name, (k, n) in {"self_attn.q_proj": (hidden, heads * d), "self_attn.k_proj": (hidden, kv_heads * d),
                                  "self_attn.v_proj": (hidden, kv_heads * d), "self_attn.o_proj": (heads * d, hidden),
                                  "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
                                  "mlp.down_proj": (inter, hidden)}.items():
-                for suffix, t in layer_fn(k, n, gen).items():
+                kw = {"invperm": shared[group[name]]} if fmt == "exl2" and name in group else {}
+                for suffix, t in layer_fn(k, n, gen, **kw).items():
                     w.add(f"{p}.{name}.{suffix}", t)
             w.add(f"{p}.input_layernorm.weight", torch.ones(hidden, dtype=torch.float16))
             w.add(f"{p}.post_attention_layernorm.weight", torch.ones(hidden, dtype=torch.float16))

@@ -165,6 +165,39 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
     return [m(x) for m in layers]
 
 
+# ---------------------------------------------------------------------------- x written in the layers' act-order
+
+def shared_perm(layers) -> Optional[torch.Tensor]:
+    """The act-order permutation all `layers` read x in, as int32 on their device (cached), where they are plain
+    packed layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm
+    before them can then write x in that order (ops/norm_perm.py) for linear_many_prepermuted."""
+    if not all(_plain_packed(m) for m in layers):
+        return None
+    pw = layers[0].packed
+    if pw.perm is None or pw.rows is not None or any(m.packed.perm is not pw.perm for m in layers[1:]):
+        return None
+    cached = pw.meta.get("_perm32")
+    if cached is None or cached[0] is not pw.perm:
+        cached = pw.meta["_perm32"] = (pw.perm, pw.perm.to(torch.int32).contiguous())
+    return cached[1]
+
+
+def _without_perm(pw: PackedWeight) -> PackedWeight:
+    """pw for an x already permuted (the same tensors, perm None), cached in pw.meta; the twin shares pw.meta, whose
+    caches (chunk table, kernel checks) do not depend on the permutation."""
+    twin = pw.meta.get("_unpermuted")
+    if twin is None or twin.qweight is not pw.qweight or twin.scale is not pw.scale or twin.bias is not pw.bias:
+        twin = pw.meta["_unpermuted"] = PackedWeight(pw.qweight, pw.groups, pw.scale, pw.zero, None, pw.in_features,
+                                                     pw.out_features, pw.bias, pw.meta, pw.rows)
+    return twin
+
+
+def linear_many_prepermuted(xp: torch.Tensor, layers) -> list[torch.Tensor]:
+    """linear_many(x, layers) from xp = x[..., perm] (perm: shared_perm(layers)): the same values -- bit for bit where
+    the kernel would gather x itself; the prompt's dequantise + GEMM sums K in the permuted order instead."""
+    return qmatmul_many(xp, [_without_perm(m.packed) for m in layers])
+
+
 def linear_add_(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
     """residual += layer(x) in place, in one kernel call, for a plain packed layer without bias where one takes the
     add (the prompt's o and down projections on CUDA: the GEMM's beta = 1); returns False, doing nothing, elsewhere."""

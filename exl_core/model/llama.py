@@ -8,6 +8,7 @@ which `ModelConfig` carries.
 from __future__ import annotations
 
 import operator
+import os
 
 from typing import Callable, Optional
 
@@ -18,10 +19,12 @@ from ..config import ModelConfig
 from ..ops.activation import silu_mul
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
+from ..ops.norm_perm import rms_norm_permuted
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
 from .linear import (LORA_VERSION, QuantLinear, linear_add_, linear_add_ss_, linear_adds_in_place, linear_adds_ss,
-                     linear_folds_norm, linear_many, linear_many_normed, linear_silu, linear_swiglu)
+                     linear_folds_norm, linear_many, linear_many_normed, linear_many_prepermuted, linear_silu,
+                     linear_swiglu, shared_perm)
 from .rope import RopeTable
 
 
@@ -117,17 +120,19 @@ class Block(nn.Module):
             return self._tail(linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj)),
                               ctx, cos_sin, residual)
         if residual is None:
-            residual = h
-            x = self.input_layernorm(h)
+            residual, src, res = h, h, None
         elif h is None:
-            x = self.input_layernorm(residual)
+            src, res = residual, None
         else:
-            x, residual = self.input_layernorm(h, residual)
+            src, res = h, residual                  # the norm adds them: its second output is the new residual
         if own:
             a = self.self_attn
-            qkv = linear_many(x, (a.q_proj, a.k_proj, a.v_proj))
-            del x                                   # not alive through the MLP
-            return self._tail(qkv, ctx, cos_sin, residual)
+            qkv, added = _norm_many(self.input_layernorm, src, res, (a.q_proj, a.k_proj, a.v_proj))
+            return self._tail(qkv, ctx, cos_sin, residual if added is None else added)
+        if res is None:
+            x = self.input_layernorm(src)
+        else:
+            x, residual = self.input_layernorm(src, res)
         attn = self.self_attn(x, ctx, self.layer_idx, cos_sin)
         x, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(x), residual, None
@@ -158,10 +163,10 @@ class Block(nn.Module):
         else:
             attn = None if linear_add_(residual, out, a.o_proj) else a.o_proj(out)
             del out
-            x, residual = (n(residual), residual) if attn is None else n(attn, residual)
+            (gate, up), added = _norm_many(n, residual if attn is None else attn, None if attn is None else residual,
+                                           (mlp.gate_proj, mlp.up_proj), mlp.gate_up)
             del attn
-            gate, up = mlp.gate_up(x)
-            del x
+            residual = residual if added is None else added
         ss = None
         if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
             ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
@@ -170,6 +175,28 @@ class Block(nn.Module):
         if ss is not None:
             return None, residual, ss
         return mlp.down(gate, up, residual), residual, None
+
+
+# Devices where the norm writes x in the act-order of the projections after it (_norm_many): CUDA, where their kernels
+# would gather x per launch or per block.  The CPU per-op path keeps the gathers (it is the reference the CPU decoder
+# stack matches).  EXL_CORE_NORM_PERM=0: none (A/B runs).
+NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0" else ()
+
+
+def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, project: Optional[Callable] = None):
+    """(project(norm(x, residual)'s output) -- linear_many(..., layers) by default --, the new residual: the norm's
+    second output, None without a residual).  Where the layers are plain packed ones sharing one act-order
+    permutation (q/k/v, gate/up of EXL2 files) and x is on CUDA, the norm writes its output in that order and the
+    layers read it without a gather (ops/norm_perm.py; NORM_PERM_DEVICES); `project` (the MLP's gate_up) then does
+    not run."""
+    perm = shared_perm(layers) if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm else None
+    if perm is None:
+        out = norm(x) if residual is None else norm(x, residual)
+        xn, added = (out, None) if residual is None else out
+        return (project(xn) if project is not None else linear_many(xn, layers)), added
+    out = rms_norm_permuted(x, norm.weight, norm.eps, perm, residual)
+    xp, added = (out, None) if residual is None else out
+    return linear_many_prepermuted(xp, layers), added
 
 
 LinearFactory = Callable[[str, int, int, bool], QuantLinear]   # (prefix, in, out, bias) -> layer

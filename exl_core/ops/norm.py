@@ -69,14 +69,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     weight_static: the weight is a model's parameter, written by no kernel just before this call (the same result;
     the CUDA kernel then reads it before its programmatic-dependent-launch wait, csrc/cuda/pdl.cuh).
     """
+    check_norm_args("rms_norm", x, weight, residual)
+    return RMS_NORM(x=x, weight=weight, eps=eps, residual=residual, weight_static=weight_static)
+
+
+def check_norm_args(op: str, x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    """Raises InputError unless x (..., H) is float, weight [H] and residual (if any) x's shape."""
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise InputError(f"rms_norm: weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] "
+        raise InputError(f"{op}: weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] "
                          f"(x {tuple(x.shape)})")
     if residual is not None and residual.shape != x.shape:
-        raise InputError(f"rms_norm: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
+        raise InputError(f"{op}: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
-        raise InputError(f"rms_norm: x must be a float tensor, got {x.dtype}")
-    return RMS_NORM(x=x, weight=weight, eps=eps, residual=residual, weight_static=weight_static)
+        raise InputError(f"{op}: x must be a float tensor, got {x.dtype}")
 
 
 def _register_fakes() -> None:

@@ -38,7 +38,8 @@ template <typename T>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                  const T* __restrict__ w, int64_t H, float eps,
                                                                  T* __restrict__ y, T* __restrict__ h_out,
-                                                                 bool /*early_w: weight read after the wait here*/) {
+                                                                 bool /*early_w: weight read after the wait here*/,
+                                                                 const int32_t* /*perm: rms_norm_vec_kernel's only*/) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
   exl_pdl::pdl_trigger();
   const int64_t row = blockIdx.x;
@@ -63,13 +64,27 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // The same with 16-byte vectors kept in registers between the two passes (H * sizeof(T) % 16 == 0,
 // aligned rows, H <= kNormThreads * NV * 16 / sizeof(T)): one read of x and residual instead of
 // scalar loads and a re-read; per element the same roundings as rms_norm_kernel.
-template <typename T, int NV>
+// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [H]) gives, y[j] = norm(h)[perm[j]] --
+// the input order of act-order weights sharing perm, which then read x as it is instead of gathering it per
+// launch or per block.  The values pass through shared memory (H values of T); perm's vectors are read before the
+// PDL wait, as load-time data (pdl.cuh).
+template <typename T, int NV, bool PERM = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
-                                                                     bool early_w) {
+                                                                     bool early_w, const int32_t* __restrict__ perm) {
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V;
+  int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
+  if constexpr (PERM) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q)
+        pv[i][q] = vi < nvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
+    }
+  }
   uint4 wv[NV];
   auto load_w = [&]() {
 #pragma unroll
@@ -104,6 +119,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   }
   const float r = rms_scale(ss, H, eps);
   if (!early_w) load_w();
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
@@ -112,7 +129,23 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
     T* hp = reinterpret_cast<T*>(&hv[i]);
 #pragma unroll
     for (int e = 0; e < V; ++e) hp[e] = cvt<T>(f32<T>(wp[e]) * f32<T>(cvt<T>(f32<T>(hp[e]) * r)));
-    reinterpret_cast<uint4*>(y + row * H)[vi] = hv[i];
+    if constexpr (PERM) reinterpret_cast<uint4*>(ys)[vi] = hv[i];
+    else reinterpret_cast<uint4*>(y + row * H)[vi] = hv[i];
+  }
+  if constexpr (PERM) {
+    __syncthreads();                                          // the row's values, all threads'
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+      if (vi >= nvec) break;
+      uint4 o;
+      T* op = reinterpret_cast<T*>(&o);
+      const int* pi = reinterpret_cast<const int*>(&pv[i][0]);
+#pragma unroll
+      for (int e = 0; e < V; ++e)                            // clamped: a bad perm gives wrong values, not a fault
+        op[e] = ys[min(static_cast<unsigned>(pi[e]), static_cast<unsigned>(H - 1))];
+      reinterpret_cast<uint4*>(y + row * H)[vi] = o;
+    }
   }
 }
 constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
@@ -255,9 +288,11 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 }
 
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
+// perm (rms_norm_perm): int32 [H], y written in that order (the vector kernel only: the caller checks its conditions).
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
-                                              const at::Tensor& w_, double eps, bool early_w = false) {
-  const char* op = "exl_core::rms_norm (CUDA)";
+                                              const at::Tensor& w_, double eps, bool early_w = false,
+                                              const at::Tensor* perm = nullptr) {
+  const char* op = perm ? "exl_core::rms_norm_perm (CUDA)" : "exl_core::rms_norm (CUDA)";
   check_same(x_, w_, op, "x", "weight");
   const int64_t H = x_.size(-1);
   TORCH_CHECK(w_.numel() == H, op, ": weight has ", w_.numel(), " elements, x's last dim is ", H);
@@ -279,11 +314,26 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
     constexpr int V = 16 / sizeof(scalar_t);
     bool vec = H % V == 0 && H <= static_cast<int64_t>(kNormThreads) * kNormVecs * V;
     vec = vec && aligned16({&x, &w, &y, &res, &h});
+    const auto* xp = static_cast<const scalar_t*>(ptr<scalar_t>(x));
+    const auto* rp = static_cast<const scalar_t*>(res_ ? ptr<scalar_t>(res) : nullptr);
+    const auto* wp = static_cast<const scalar_t*>(ptr<scalar_t>(w));
+    scalar_t* hp = res_ ? ptr<scalar_t>(h) : nullptr;
+    const bool ew = early_w && w_.is_contiguous();
+    if (perm) {
+      TORCH_CHECK(vec && perm->is_cuda() && perm->device() == x.device() && perm->scalar_type() == at::kInt &&
+                      perm->dim() == 1 && perm->numel() == H && perm->is_contiguous() && aligned16({perm}),
+                  op, ": needs contiguous, 16-byte aligned int32 perm [", H, "] on x's GPU, aligned rows and H (",
+                  H, ") a multiple of ", V, " up to ", static_cast<int64_t>(kNormThreads) * kNormVecs * V);
+      auto* kern = rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
+      const size_t smem = static_cast<size_t>(H) * sizeof(scalar_t);
+      exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
+                          static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
+                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()));
+      return;
+    }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
-    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev,
-        static_cast<const scalar_t*>(ptr<scalar_t>(x)), static_cast<const scalar_t*>(res_ ? ptr<scalar_t>(res) : nullptr),
-        static_cast<const scalar_t*>(ptr<scalar_t>(w)), H, static_cast<float>(eps), ptr<scalar_t>(y),
-        res_ ? ptr<scalar_t>(h) : static_cast<scalar_t*>(nullptr), early_w && w_.is_contiguous());
+    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev, xp, rp, wp, H,
+                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
@@ -303,6 +353,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_residual_cuda(const at::Tensor& x, c
 std::vector<at::Tensor> rms_norm_static_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& res,
                                              const at::Tensor& w, double eps) {
   auto [y, h] = norm_impl(x, res, w, eps, true);
+  if (res) return {y, h};
+  return {y};
+}
+
+// rms_norm_static with y's columns in perm's order: [y] or [y, h], y[..., j] = rms_norm(...)[..., perm[j]] bit for bit.
+std::vector<at::Tensor> rms_norm_perm_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& res,
+                                           const at::Tensor& w, double eps, const at::Tensor& perm) {
+  auto [y, h] = norm_impl(x, res, w, eps, true, &perm);
   if (res) return {y, h};
   return {y};
 }
@@ -441,10 +499,12 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("rope", &rope_cuda);
   m.impl("rope_kv_write", &rope_kv_write_cuda);
   m.impl("rms_norm_static", &rms_norm_static_cuda);
+  m.impl("rms_norm_perm", &rms_norm_perm_cuda);
 }
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("rms_norm_static(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
+  m.def("rms_norm_perm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor perm) -> Tensor[]");
   m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }

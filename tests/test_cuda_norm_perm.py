@@ -1,0 +1,97 @@
+"""The RMSNorm written in an act-order on CUDA (exl_core::rms_norm_perm, ops/cuda_norm_perm.py): the same bits as the
+norm kernel with its columns gathered, and an EXL2 model whose q/k/v and gate/up share their permutations (as
+ExLlamaV2's converter writes them) giving the same decode logits bit for bit with the norm writing their order as
+with the projections gathering x (batch 1, 8 and 20 rows: the staged, skinny and wide kernels), and the prompt's
+within rounding (its dequantise + GEMM sums K in the permuted order)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_kernels import _need_kernels, poison_allocator
+from test_norm_perm import share_group_perms
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H", [4096, 576, 8192, 100], ids=["4096", "576", "8192", "ref100"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual):
+    _need_kernels()
+    from exl_core.ops.norm import rms_norm
+    from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted
+    g = torch.Generator().manual_seed(H)
+    x = torch.randn(13, H, generator=g).to(dtype).cuda()
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
+    res = torch.randn(13, H, generator=g).to(dtype).cuda() if with_residual else None
+    perm = torch.randperm(H, generator=g).to(torch.int32).cuda()
+    kernel = H != 100 or dtype == torch.float32          # H 100: not whole 16-byte vectors of fp16/bf16
+    assert (RMS_NORM_PERM.select(x=x, weight=w, eps=1e-5, perm=perm, residual=res).name == "cuda") == kernel
+    poison_allocator()
+    ref = rms_norm(x, w, 1e-5, res, weight_static=True)
+    got = rms_norm_permuted(x * 1, w, 1e-5, perm, None if res is None else res * 1)   # inputs made just before
+    if with_residual:
+        assert torch.equal(got[0], ref[0][:, perm.long()]) and torch.equal(got[1], ref[1])
+    else:
+        assert torch.equal(got, ref[:, perm.long()])
+
+
+def test_rms_norm_perm_refusals_fall_back_to_the_reference():
+    _need_kernels()
+    from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted
+    x, w = torch.randn(3, 256).half().cuda(), torch.ones(256).half().cuda()
+    p64 = torch.randperm(256).cuda()
+    assert RMS_NORM_PERM.select(x=x, weight=w, eps=1e-5, perm=p64, residual=None).name != "cuda"   # int64
+    assert torch.equal(rms_norm_permuted(x, w, 1e-5, p64), rms_norm_permuted(x, w, 1e-5, p64.int()))
+    xs = x[:, 8:].contiguous()[:, :240]                   # a row stride the kernel does not take: copied first
+    assert rms_norm_permuted(xs, w[:240], 1e-5, torch.randperm(240).int().cuda()).shape == (3, 240)
+
+
+@pytest.fixture(scope="module")
+def shared_perm_model(tiny_model_factory, tmp_path_factory):
+    from exl_core.loader import load_model
+    from exl_core.quantize.rtn import quantize_model_rtn
+    src = tiny_model_factory("llama", seed=5, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                             num_key_value_heads=2)
+    q = quantize_model_rtn(src, tmp_path_factory.mktemp("exl2_shared"), fmt="exl2",
+                           bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32, act_order=True)
+    model = load_model(q, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    assert share_group_perms(model) == 2 * len(model.layers)
+    return model
+
+
+def _step_logits(model, ids, kvs):
+    with torch.inference_mode():
+        return model.forward_batch(ids, kvs)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 20])
+def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_model, rows, monkeypatch):
+    from exl_core.model import llama
+    model = shared_perm_model
+    g = torch.Generator().manual_seed(rows)
+    prompt = torch.randint(0, 1000, (rows, 6), generator=g).cuda()
+    nxt = torch.randint(0, 1000, (rows, 1), generator=g).cuda()
+    calls = []
+    real = llama.rms_norm_permuted
+    monkeypatch.setattr(llama, "rms_norm_permuted", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for devices in ((), ("cuda",)):
+        monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ())        # the prompt's K/V alike (its GEMMs sum K in
+        kvs = [model.new_sequence_kv(16) for _ in range(rows)]      # another order with the norm permuted)
+        _step_logits(model, prompt, kvs)
+        monkeypatch.setattr(llama, "NORM_PERM_DEVICES", devices)
+        out[devices] = _step_logits(model, nxt, kvs)
+    assert len(calls) == 2 * len(model.layers)          # the step's q/k/v and gate/up inputs, every layer
+    assert float(out[()].abs().max()) > 1e-2
+    assert torch.equal(out[("cuda",)], out[()])
+
+
+def test_model_prompt_within_rounding(shared_perm_model, monkeypatch):
+    from exl_core.model import llama
+    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(9)).cuda()
+    monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ())
+    ref = _step_logits(shared_perm_model, ids, None).double()
+    monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda",))
+    got = _step_logits(shared_perm_model, ids, None).double()
+    assert float((got - ref).norm() / ref.norm()) < 2e-3

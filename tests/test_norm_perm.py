@@ -1,0 +1,99 @@
+"""ops/norm_perm.py (the RMSNorm written in an act-order) and its use in the model (model/llama.py _norm_many): the
+op against the torch reference norm with its columns gathered, and a model whose q/k/v and gate/up share their
+permutations giving the same logits with the norm writing their order as with every projection gathering x."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from exl_core.errors import InputError
+from exl_core.ops.norm import rms_norm_ref
+from exl_core.ops.norm_perm import rms_norm_permuted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("perm_dtype", [torch.int32, torch.int64])
+def test_op_is_the_norm_with_its_columns_permuted(dtype, with_residual, perm_dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    res = torch.randn(5, 96, generator=g).to(dtype) if with_residual else None
+    perm = torch.randperm(96, generator=g).to(perm_dtype)
+    got = rms_norm_permuted(x, w, 1e-5, perm, res)
+    ref = rms_norm_ref(x, w, 1e-5, res)
+    if with_residual:
+        torch.testing.assert_close(got[0], ref[0][:, perm.long()], rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)        # h stays in natural order
+    else:
+        torch.testing.assert_close(got, ref[:, perm.long()], rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_op_refuses_bad_arguments():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(InputError, match="perm"):
+        rms_norm_permuted(x, w, 1e-5, torch.arange(7))
+    with pytest.raises(InputError, match="perm"):
+        rms_norm_permuted(x, w, 1e-5, torch.arange(8).float())
+    with pytest.raises(InputError, match="residual"):
+        rms_norm_permuted(x, w, 1e-5, torch.arange(8), torch.randn(3, 8))
+    with pytest.raises(InputError, match="weight"):
+        rms_norm_permuted(x, torch.ones(7), 1e-5, torch.arange(8))
+
+
+def share_group_perms(model) -> int:
+    """Gives every layer of an input group (q/k/v, gate/up) the group's first act-order permutation, as ExLlamaV2's
+    converter writes them (RTN orders each weight by its own energy).  k, v and up then compute other functions,
+    the same for every path compared.  Returns how many groups share one."""
+    from exl_core.loader import input_groups
+    from exl_core.model.llama import invalidate_native_stacks
+    n = 0
+    for group in input_groups(model):
+        first = group[0].packed.perm
+        if first is None:
+            continue
+        for layer in group[1:]:
+            pw = layer.packed
+            layer.set_packed(dataclasses.replace(pw, perm=first, meta=pw.portable_meta()))
+        n += 1
+    invalidate_native_stacks()
+    return n
+
+
+@pytest.fixture(scope="module")
+def exl2_act_order_dir(tiny_llama_dir, tmp_path_factory):
+    from exl_core.quantize.rtn import quantize_model_rtn
+    return quantize_model_rtn(tiny_llama_dir, tmp_path_factory.mktemp("exl2_ao") / "q", fmt="exl2",
+                              bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32, act_order=True)
+
+
+def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, monkeypatch):
+    """On the CPU per-op path (the model's default keeps the gathers there: NORM_PERM_DEVICES), both ways: fp32, the
+    same products and sums, so the logits agree to rounding of the gathered and permuted copies (none)."""
+    from exl_core.loader import load_model
+    from exl_core.model import llama
+    from exl_core.model.linear import shared_perm
+    model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    assert share_group_perms(model) == 2 * len(model.layers)
+    blk = model.layers[0]
+    assert shared_perm((blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)) is not None
+    assert shared_perm((blk.mlp.gate_proj, blk.mlp.up_proj)) is not None
+    assert shared_perm((blk.self_attn.q_proj, blk.self_attn.o_proj)) is None     # another permutation
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(4))
+    calls = []
+    real = llama.rms_norm_permuted
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    with torch.inference_mode():
+        ref = model.forward_batch(ids)
+        assert not calls                                   # the CPU default keeps the gathers
+        monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(llama, "rms_norm_permuted", counted)
+        got = model.forward_batch(ids)
+    assert len(calls) == 2 * len(model.layers)           # every q/k/v and gate/up input written permuted
+    assert float(ref.abs().max()) > 1e-2                  # logits that can show a wrong order
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
