@@ -135,7 +135,8 @@ if has tests; then
   t0=$(date +%s)
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_prompt_path.py \
     tests/test_cuda_pointwise.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
-    tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py} >"$OUT/cuda_tests.txt" 2>&1
+    tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py tests/test_cuda_norm_perm.py} \
+    >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
   # the newest kernel's tests in a process of their own: a crash there cannot hide the results above
