@@ -1,6 +1,7 @@
 // exl_core::qgemm_kslice, host side: plan, checks, launch and op registration.  The kernel and its design notes:
 // qgemm_kslice_kernel.cuh.
 #include <c10/cuda/CUDAGuard.h>
+#include <cstdlib>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -47,6 +48,17 @@ bool mixed_waves_to_skinny() {
   return on;
 }
 
+// EXL_CORE_KSLICE_WAVE_KW=4 or 16: warps per block of staged launches with more column tiles than SMs (q/k/v, gate/up
+// at 1..8 rows), instead of 8 -- A/B runs (bench/gpu.sh phases wavekw4, wavekw16).
+int wave_kw() {
+  static const int kw = [] {
+    const char* v = std::getenv("EXL_CORE_KSLICE_WAVE_KW");
+    const int k = v ? std::atoi(v) : 8;
+    return k == 4 || k == 16 ? k : 8;
+  }();
+  return kw;
+}
+
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
@@ -65,7 +77,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
               bool act = false, bool fold = false) {
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
-  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : 8;
+  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : wave_kw();
   if (ring <= 0) ring = u4 && (nt > 1 || act) ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
