@@ -19,7 +19,8 @@
 # EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), noearlyw (both formats with
 # EXL_CORE_NORM_EARLY_W=0: the norm kernels read the weight after their PDL wait), nonormperm (EXL2 with
 # EXL_CORE_NORM_PERM=0: q/k/v and gate/up gather x themselves instead of the norm writing their act-order), wavekw4 /
-# wavekw16 (both formats with EXL_CORE_KSLICE_WAVE_KW=4 / 16: q/k/v and gate/up at 1..8 rows with 4 / 16 warps a block), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
+# wavekw8 / wavekw16 (both formats with EXL_CORE_KSLICE_WAVE_KW=4 / 8 / 16: q/k/v and gate/up at 1..8 rows with 4 / 8 /
+# 16 warps a block; default 8 for uniform 4-bit, 4 for mixed widths), kslice (decode kernel variants, cuda_probe.py kslice), noks (bench's graph decode
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), ncu32 (qgemm_wide and
 # the 9..32-row qgemm_kslice at the bench's batch-32 launches under Nsight Compute: stall reasons, a SASS CSV), readbw (bench/read_bw.cu: read bandwidth by
@@ -125,7 +126,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
@@ -195,7 +196,8 @@ if has nonormperm; then  # A/B: EXL2's q/k/v and gate/up gather x themselves (EX
   EXL_CORE_NORM_PERM=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_nonormperm.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
-for kw in 4 16; do   # A/B: staged 1..8-row kslice launches with more tiles than SMs at kw warps a block (default 8)
+for kw in 4 8 16; do   # A/B: staged 1..8-row kslice launches with more tiles than SMs at kw warps a block (default 8
+                       # for uniform 4-bit, 4 for mixed widths)
   has wavekw$kw && EXL_CORE_KSLICE_WAVE_KW=$kw timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
     --exl2 "$CK/exl2" --quick --json "$OUT/gpu_h200_wavekw$kw.json" 2>&1 | tee -a "$LOG" | tail -14
 done

@@ -48,15 +48,19 @@ bool mixed_waves_to_skinny() {
   return on;
 }
 
-// EXL_CORE_KSLICE_WAVE_KW=4 or 16: warps per block of staged launches with more column tiles than SMs (q/k/v, gate/up
-// at 1..8 rows), instead of 8 -- A/B runs (bench/gpu.sh phases wavekw4, wavekw16).
-int wave_kw() {
-  static const int kw = [] {
+// Warps per block of staged launches with more column tiles than SMs (q/k/v, gate/up at 1..8 rows): 8 for uniform
+// 4-bit weights (3 blocks of 76-97 registers a lane share an SM), 4 for mixed widths (128 registers: 4 blocks of 4
+// warps an SM instead of 2 of 8, so q/k/v's 384 tiles run in one wave instead of 1.45).  Same call, separate processes
+// (stop 29 call 3, bench --quick): EXL2 batch 1 362.1 tok/s with 4 against 354.2 with 8 and 343.3 with 16; GPTQ 457.3
+// with 4 and 416.5 with 16 against 519.7 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
+// bench/gpu.sh phases wavekw4, wavekw8, wavekw16).
+int wave_kw(bool u4) {
+  static const int env = [] {
     const char* v = std::getenv("EXL_CORE_KSLICE_WAVE_KW");
-    const int k = v ? std::atoi(v) : 8;
-    return k == 4 || k == 16 ? k : 8;
+    const int k = v ? std::atoi(v) : 0;
+    return k == 4 || k == 8 || k == 16 ? k : 0;
   }();
-  return kw;
+  return env ? env : u4 ? 8 : 4;
 }
 
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
@@ -77,7 +81,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
               bool act = false, bool fold = false) {
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
-  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : wave_kw();
+  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : wave_kw(u4);
   if (ring <= 0) ring = u4 && (nt > 1 || act) ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
