@@ -206,6 +206,7 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
         top = max(pw.rows for pw in pws)
         for layer, pw in zip(group, pws):
             layer.set_packed(pad_rows(pw, top))
+    share_input_perms(model)                   # equal row layouts give equal permutations: the norm can write them
     if n:
         invalidate_native_stacks()
     return n

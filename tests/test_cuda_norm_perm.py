@@ -16,7 +16,8 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("H", [4096, 576, 8192, 100], ids=["4096", "576", "8192", "ref100"])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual):
+@pytest.mark.parametrize("extra", [0, 256], ids=["perm", "perm+256"])
+def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra):
     _need_kernels()
     from exl_core.ops.norm import rms_norm
     from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted
@@ -24,9 +25,10 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual):
     x = torch.randn(13, H, generator=g).to(dtype).cuda()
     w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
     res = torch.randn(13, H, generator=g).to(dtype).cuda() if with_residual else None
-    perm = torch.randperm(H, generator=g).to(torch.int32).cuda()
-    per_vec = 16 // x.element_size()                      # the kernel: whole 16-byte vectors, at most 4 a thread
-    kernel = H % per_vec == 0 and H <= 256 * 4 * per_vec  # (fp16/bf16 up to 8192, fp32 up to 4096)
+    # extra: columns read again (weights with extra rows, formats/uniform4.py): y has H + extra columns
+    perm = torch.cat([torch.randperm(H, generator=g), torch.randint(0, H, (extra,), generator=g)]).to(torch.int32).cuda()
+    per_vec, P = 16 // x.element_size(), H + extra        # the kernel: whole 16-byte vectors, at most 4 a thread
+    kernel = H % per_vec == 0 and P <= 256 * 4 * per_vec  # (fp16/bf16 up to 8192, fp32 up to 4096)
     assert (RMS_NORM_PERM.select(x=x, weight=w, eps=1e-5, perm=perm, residual=res).name == "cuda") == kernel
     poison_allocator()
     ref = rms_norm(x, w, 1e-5, res, weight_static=True)
@@ -96,3 +98,38 @@ def test_model_prompt_within_rounding(shared_perm_model, monkeypatch):
     monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda",))
     got = _step_logits(shared_perm_model, ids, None).double()
     assert float((got - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_uniform4_rows_decode_with_the_norm_writing_the_extended_order(tiny_model_factory, tmp_path, monkeypatch):
+    """EXL2 rewritten as uniform 4-bit rows (EXL_CORE_EXL2_AS_U4's loader.as_uniform4_weights): q/k/v and gate/up with
+    one row layout share the extended permutation, the norm writes all its columns, and their kernels run as plain
+    uniform 4-bit weights of that many rows; decode logits agree with the gathering path within rounding (the two
+    may take different kernels at 8 and 20 rows)."""
+    from exl_core.loader import as_uniform4_weights, load_model
+    from exl_core.model import llama
+    from exl_core.model.linear import shared_perm
+    from exl_core.quantize.rtn import quantize_model_rtn
+    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                             num_key_value_heads=2)
+    q = quantize_model_rtn(src, tmp_path / "q", fmt="exl2", bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32,
+                           act_order=True)
+    model = load_model(q, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    share_group_perms(model)
+    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    blk = model.layers[0]
+    qkv = (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)
+    assert blk.self_attn.q_proj.packed.rows is not None and shared_perm(qkv) is not None
+    for rows in (1, 8, 20):
+        g = torch.Generator().manual_seed(rows)
+        prompt = torch.randint(0, 1000, (rows, 6), generator=g).cuda()
+        nxt = torch.randint(0, 1000, (rows, 1), generator=g).cuda()
+        out = {}
+        for devices in ((), ("cuda",)):
+            monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ())
+            kvs = [model.new_sequence_kv(16) for _ in range(rows)]
+            _step_logits(model, prompt, kvs)
+            monkeypatch.setattr(llama, "NORM_PERM_DEVICES", devices)
+            out[devices] = _step_logits(model, nxt, kvs).double()
+        ref = out[()]
+        assert float(ref.abs().max()) > 1e-2
+        assert float((out[("cuda",)] - ref).norm() / ref.norm()) < 2e-3, rows

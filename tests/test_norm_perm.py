@@ -97,3 +97,44 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     assert len(calls) == 2 * len(model.layers)           # every q/k/v and gate/up input written permuted
     assert float(ref.abs().max()) > 1e-2                  # logits that can show a wrong order
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_op_with_a_longer_permutation_repeats_columns():
+    """perm longer than H (weights with extra rows, formats/uniform4.py): y's last dim is perm's length."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 32, generator=g), torch.rand(32, generator=g) + 0.5
+    perm = torch.cat([torch.randperm(32, generator=g), torch.tensor([5, 0, 31, 5])])
+    torch.testing.assert_close(rms_norm_permuted(x, w, 1e-5, perm), rms_norm_ref(x, w, 1e-5)[:, perm], rtol=0, atol=1e-6)
+
+
+def test_uniform4_rows_norm_writing_the_extended_order_keeps_the_logits(exl2_act_order_dir, monkeypatch):
+    """EXL2 rewritten as uniform 4-bit rows (loader.as_uniform4_weights: 5..8-bit values take an extra row that reads
+    its x column again): q/k/v (and gate/up) with the same row layout share the extended permutation, and the norm
+    writing all of its columns gives the logits of the gathering path (CPU per-op path, fp32)."""
+    from exl_core.loader import as_uniform4_weights, load_model
+    from exl_core.model import llama
+    from exl_core.model.linear import shared_perm
+    model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    share_group_perms(model)
+    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    blk = model.layers[0]
+    qkv = (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)
+    assert all(m.packed.rows is not None for m in qkv)           # extra rows: the test's point
+    p = shared_perm(qkv)
+    assert p is not None and p.numel() == blk.self_attn.q_proj.packed.rows > blk.self_attn.q_proj.in_features
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(6))
+    widths = []
+    real = llama.rms_norm_permuted
+
+    def recorded(x, weight, eps, perm, residual=None):
+        out = real(x, weight, eps, perm, residual)
+        widths.append((out if residual is None else out[0]).shape[-1])
+        return out
+    with torch.inference_mode():
+        ref = model.forward_batch(ids)
+        monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(llama, "rms_norm_permuted", recorded)
+        got = model.forward_batch(ids)
+    assert len(widths) == 2 * len(model.layers) and max(widths) > model.config.hidden_size   # extended x written
+    assert float(ref.abs().max()) > 1e-2
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)

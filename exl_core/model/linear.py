@@ -170,11 +170,12 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
 def shared_perm(layers) -> Optional[torch.Tensor]:
     """The act-order permutation all `layers` read x in, as int32 on their device (cached), where they are plain
     packed layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm
-    before them can then write x in that order (ops/norm_perm.py) for linear_many_prepermuted."""
+    before them can then write x in that order (ops/norm_perm.py) for linear_many_prepermuted.  Weights with extra
+    rows (formats/uniform4.py) share one too where their row layouts agree: its length is then their rows."""
     if not all(_plain_packed(m) for m in layers):
         return None
     pw = layers[0].packed
-    if pw.perm is None or pw.rows is not None or any(m.packed.perm is not pw.perm for m in layers[1:]):
+    if pw.perm is None or any(m.packed.perm is not pw.perm for m in layers[1:]):
         return None
     cached = pw.meta.get("_perm32")
     if cached is None or cached[0] is not pw.perm:
@@ -183,12 +184,13 @@ def shared_perm(layers) -> Optional[torch.Tensor]:
 
 
 def _without_perm(pw: PackedWeight) -> PackedWeight:
-    """pw for an x already permuted (the same tensors, perm None), cached in pw.meta; the twin shares pw.meta, whose
-    caches (chunk table, kernel checks) do not depend on the permutation."""
+    """pw for an x already permuted (the same tensors, perm None, in_features its rows: x[..., perm] has that many
+    columns), cached in pw.meta; the twin shares pw.meta, whose caches (chunk table, kernel checks) do not depend on
+    the permutation."""
     twin = pw.meta.get("_unpermuted")
     if twin is None or twin.qweight is not pw.qweight or twin.scale is not pw.scale or twin.bias is not pw.bias:
-        twin = pw.meta["_unpermuted"] = PackedWeight(pw.qweight, pw.groups, pw.scale, pw.zero, None, pw.in_features,
-                                                     pw.out_features, pw.bias, pw.meta, pw.rows)
+        twin = pw.meta["_unpermuted"] = PackedWeight(pw.qweight, pw.groups, pw.scale, pw.zero, None, pw.k_rows,
+                                                     pw.out_features, pw.bias, pw.meta, None)
     return twin
 
 

@@ -1,8 +1,10 @@
 """The RMSNorm written in the input order of act-order weights that share one permutation.
 
   rms_norm_permuted(x, weight, eps, perm, residual=None)
-      rms_norm(x, weight, eps, residual) with the output's last dim reordered: y[..., j] = norm[..., perm[j]].
-      With a residual: (y, h) as rms_norm returns them (h in natural order: the residual stream).
+      rms_norm(x, weight, eps, residual) with the output's last dim reordered: y[..., j] = norm[..., perm[j]], y's
+      last dim perm's length P -- H for a permutation, more for weights with extra rows (formats/uniform4.py, whose
+      perm reads some columns twice).  With a residual: (y, h) as rms_norm returns them (h in natural order: the
+      residual stream).
 
 Why: an act-order weight reads x[..., perm] (formats/packed.py). q/k/v share one permutation and gate/up another in
 real EXL2 files (ExLlamaV2's converter quantizes k and v with q's Hessian and gate with up's), so the norm before
@@ -38,11 +40,12 @@ RMS_NORM_PERM = Dispatcher("rms_norm_perm", [
 
 def rms_norm_permuted(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor,
                       residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """rms_norm(x, weight, eps, residual) with y's last dim in perm's order (perm: int32/int64 [H], a permutation of
-    0..H-1).  The weight is a model's (rms_norm's weight_static)."""
+    """rms_norm(x, weight, eps, residual) with y's last dim in perm's order (perm: int32/int64 [P], P >= H, values
+    in [0, H): a permutation, or one with repeats as PackedWeight.rows weights have; not checked on the GPU, where a
+    check would sync -- the kernel clamps them).  The weight is a model's (rms_norm's weight_static)."""
     check_norm_args("rms_norm_permuted", x, weight, residual)
     H = x.shape[-1]
-    if perm.dim() != 1 or perm.shape[0] != H or perm.dtype not in (torch.int32, torch.int64):
-        raise InputError(f"rms_norm_permuted: perm {perm.dtype} {tuple(perm.shape)} must be int32/int64 [{H}] "
-                         f"(x {tuple(x.shape)})")
+    if perm.dim() != 1 or perm.shape[0] < H or perm.dtype not in (torch.int32, torch.int64):
+        raise InputError(f"rms_norm_permuted: perm {perm.dtype} {tuple(perm.shape)} must be int32/int64 [P], P >= H = "
+                         f"{H} (x {tuple(x.shape)})")
     return RMS_NORM_PERM(x=x, weight=weight, eps=eps, perm=perm, residual=residual)

@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
                                                                  const T* __restrict__ w, int64_t H, float eps,
                                                                  T* __restrict__ y, T* __restrict__ h_out,
                                                                  bool /*early_w: weight read after the wait here*/,
-                                                                 const int32_t* /*perm: rms_norm_vec_kernel's only*/) {
+                                                                 const int32_t* /*perm, P: rms_norm_vec_kernel's only*/,
+                                                                 int64_t) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
   exl_pdl::pdl_trigger();
   const int64_t row = blockIdx.x;
@@ -64,17 +65,18 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // The same with 16-byte vectors kept in registers between the two passes (H * sizeof(T) % 16 == 0,
 // aligned rows, H <= kNormThreads * NV * 16 / sizeof(T)): one read of x and residual instead of
 // scalar loads and a re-read; per element the same roundings as rms_norm_kernel.
-// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [H]) gives, y[j] = norm(h)[perm[j]] --
+// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [P]) gives, y[j] = norm(h)[perm[j]] --
 // the input order of act-order weights sharing perm, which then read x as it is instead of gathering it per
-// launch or per block.  The values pass through shared memory (H values of T); perm's vectors are read before the
+// launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats columns).  The values pass through shared memory (H values of T); perm's vectors are read before the
 // PDL wait, as load-time data (pdl.cuh).
 template <typename T, int NV, bool PERM = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
-                                                                     bool early_w, const int32_t* __restrict__ perm) {
+                                                                     bool early_w, const int32_t* __restrict__ perm,
+                                                                     int64_t P) {
   constexpr int V = 16 / sizeof(T);
-  const int64_t row = blockIdx.x, nvec = H / V;
+  const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
   if constexpr (PERM) {
 #pragma unroll
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
 #pragma unroll
       for (int q = 0; q < V / 4; ++q)
-        pv[i][q] = vi < nvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
+        pv[i][q] = vi < pvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
     }
   }
   uint4 wv[NV];
@@ -137,14 +139,14 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
-      if (vi >= nvec) break;
+      if (vi >= pvec) break;
       uint4 o;
       T* op = reinterpret_cast<T*>(&o);
       const int* pi = reinterpret_cast<const int*>(&pv[i][0]);
 #pragma unroll
       for (int e = 0; e < V; ++e)                            // clamped: a bad perm gives wrong values, not a fault
         op[e] = ys[min(static_cast<unsigned>(pi[e]), static_cast<unsigned>(H - 1))];
-      reinterpret_cast<uint4*>(y + row * H)[vi] = o;
+      reinterpret_cast<uint4*>(y + row * P)[vi] = o;
     }
   }
 }
@@ -304,7 +306,11 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
     res = res_->contiguous();
     h = at::empty_like(x);
   }
-  auto y = at::empty_like(x);
+  // perm: y's last dim is perm's length P (>= 1; weights with extra rows read some columns twice)
+  std::vector<int64_t> yshape = x.sizes().vec();
+  const int64_t P = perm ? perm->numel() : H;
+  yshape.back() = P;
+  auto y = perm ? at::empty(yshape, x.options()) : at::empty_like(x);
   const int64_t rows = H ? x.numel() / H : 0;
   if (rows == 0) return {y, h};
   const c10::cuda::CUDAGuard guard(x.device());
@@ -320,20 +326,21 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
     scalar_t* hp = res_ ? ptr<scalar_t>(h) : nullptr;
     const bool ew = early_w && w_.is_contiguous();
     if (perm) {
+      const int64_t lim = static_cast<int64_t>(kNormThreads) * kNormVecs * V;
       TORCH_CHECK(vec && perm->is_cuda() && perm->device() == x.device() && perm->scalar_type() == at::kInt &&
-                      perm->dim() == 1 && perm->numel() == H && perm->is_contiguous() && aligned16({perm}),
-                  op, ": needs contiguous, 16-byte aligned int32 perm [", H, "] on x's GPU, aligned rows and H (",
-                  H, ") a multiple of ", V, " up to ", static_cast<int64_t>(kNormThreads) * kNormVecs * V);
+                      perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
+                  op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
+                  ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
       auto* kern = rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       const size_t smem = static_cast<size_t>(H) * sizeof(scalar_t);
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
-                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()));
+                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P);
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
     exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev, xp, rp, wp, H,
-                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr));
+                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr), H);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
@@ -357,7 +364,8 @@ std::vector<at::Tensor> rms_norm_static_cuda(const at::Tensor& x, const c10::opt
   return {y};
 }
 
-// rms_norm_static with y's columns in perm's order: [y] or [y, h], y[..., j] = rms_norm(...)[..., perm[j]] bit for bit.
+// rms_norm_static with y's columns in perm's order: [y] or [y, h], y[..., j] = rms_norm(...)[..., perm[j]] bit for bit
+// (y's last dim is perm's length).
 std::vector<at::Tensor> rms_norm_perm_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& res,
                                            const at::Tensor& w, double eps, const at::Tensor& perm) {
   auto [y, h] = norm_impl(x, res, w, eps, true, &perm);
