@@ -203,7 +203,7 @@ for kw in 4 8 16; do   # A/B: staged 1..8-row kslice launches with more tiles th
 done
 if has u4exl2; then   # A/B: EXL2 with EXL_CORE_EXL2_AS_U4=1 (mixed widths rewritten as uniform 4-bit rows at load, formats.uniform4)
   EXL_CORE_EXL2_AS_U4=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
-    --json /tmp/gpu_h200_exl2u4.json 2>&1 | tee -a "$LOG" | tail -14
+    --json "$OUT/gpu_h200_exl2u4.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \

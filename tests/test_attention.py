@@ -263,9 +263,10 @@ def _dense_f64(q, k, v, scale, q_start, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_contiguous_uses_cpu_kernel_and_matches_float64(tq, q_start, window, dtype):
     hq, hkv, d = 9, 3, 64
-    q = torch.randn(tq, hq, d).to(dtype)
-    k = torch.randn(q_start + tq, hkv, d).to(dtype)
-    v = torch.randn(q_start + tq, hkv, d).to(dtype)
+    g = torch.Generator().manual_seed(tq * 1000 + q_start)
+    q = torch.randn(tq, hq, d, generator=g).to(dtype)
+    k = torch.randn(q_start + tq, hkv, d, generator=g).to(dtype)
+    v = torch.randn(q_start + tq, hkv, d, generator=g).to(dtype)
     args = dict(q=q, k=k, v=v, scale=d ** -0.5, q_start=q_start, window=window)
     assert A.CONTIGUOUS_ATTENTION.select(**args).name == "cpu"
     poison = torch.full((tq, hq, d), float("nan"), dtype=dtype)
@@ -273,10 +274,13 @@ def test_contiguous_uses_cpu_kernel_and_matches_float64(tq, q_start, window, dty
     out = A.attention_contiguous(q, k, v, scale=d ** -0.5, q_start=q_start, window=window)
     ref = _dense_f64(q, k, v, d ** -0.5, q_start, window)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2          # bf16: the output's own rounding
-    assert float((out.double() - ref).abs().max()) < tol
+    # bf16: the output's own rounding, relative (one unit in the last place is 2^-7 of a value; values reach ~3, where
+    # a fixed 1e-2 failed once at 0.0136 with unseeded inputs)
+    rel = 0.0 if dtype == torch.float32 else 2.0 ** -7
+    tol = (1e-5 if dtype == torch.float32 else 1e-3) + rel * ref.abs()
+    assert bool(((out.double() - ref).abs() <= tol).all())
     dense = A.attention_dense(q, k, v, scale=d ** -0.5, q_start=q_start, window=window)
-    assert float((dense.double() - ref).abs().max()) < tol
+    assert bool(((dense.double() - ref).abs() <= tol).all())
 
 
 def test_contiguous_falls_back_with_reasons():

@@ -1,6 +1,6 @@
 """The RMSNorm written in an act-order on CUDA (exl_core::rms_norm_perm, ops/cuda_norm_perm.py): the same bits as the
-norm kernel with its columns gathered, and an EXL2 model whose q/k/v and gate/up share their permutations (as
-ExLlamaV2's converter writes them) giving the same decode logits bit for bit with the norm writing their order as
+norm kernel with its columns gathered, and EXL2 and GPTQ act-order models whose q/k/v and gate/up share their
+permutations (as ExLlamaV2's converter writes them) giving the same decode logits bit for bit with the norm writing their order as
 with the projections gathering x (batch 1, 8 and 20 rows: the staged, skinny and wide kernels), and the prompt's
 within rounding (its dequantise + GEMM sums K in the permuted order)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cuda_kernels import _need_kernels, poison_allocator
-from test_norm_perm import share_group_perms
+from test_norm_perm import record_norm_widths, share_group_perms
 
 pytestmark = pytest.mark.cuda
 
@@ -50,14 +50,16 @@ def test_rms_norm_perm_refusals_fall_back_to_the_reference():
     assert rms_norm_permuted(xs, w[:240], 1e-5, torch.randperm(240).int().cuda()).shape == (3, 240)
 
 
-@pytest.fixture(scope="module")
-def shared_perm_model(tiny_model_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=["exl2", "gptq"])
+def shared_perm_model(request, tiny_model_factory, tmp_path_factory):
+    """An act-order model whose q/k/v and gate/up share permutations: EXL2 (mixed widths) and GPTQ 4-bit."""
     from exl_core.loader import load_model
     from exl_core.quantize.rtn import quantize_model_rtn
     src = tiny_model_factory("llama", seed=5, hidden_size=128, intermediate_size=352, num_attention_heads=4,
                              num_key_value_heads=2)
-    q = quantize_model_rtn(src, tmp_path_factory.mktemp("exl2_shared"), fmt="exl2",
-                           bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32, act_order=True)
+    bits = [(6, 0.25), (4, 0.5), (3, 0.25)] if request.param == "exl2" else 4
+    q = quantize_model_rtn(src, tmp_path_factory.mktemp(f"{request.param}_shared"), fmt=request.param, bits=bits,
+                           group_size=32, act_order=True)
     model = load_model(q, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
     assert share_group_perms(model) == 2 * len(model.layers)
     return model
@@ -77,7 +79,7 @@ def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_mode
     nxt = torch.randint(0, 1000, (rows, 1), generator=g).cuda()
     calls = []
     real = llama.rms_norm_permuted
-    monkeypatch.setattr(llama, "rms_norm_permuted", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(llama, "rms_norm_permuted", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
     out = {}
     for devices in ((), ("cuda",)):
         monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ())        # the prompt's K/V alike (its GEMMs sum K in
@@ -86,6 +88,9 @@ def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_mode
         monkeypatch.setattr(llama, "NORM_PERM_DEVICES", devices)
         out[devices] = _step_logits(model, nxt, kvs)
     assert len(calls) == 2 * len(model.layers)          # the step's q/k/v and gate/up inputs, every layer
+    from exl_core.ops.norm_perm import RMS_NORM_PERM
+    x, weight, eps, perm, residual = calls[1][0]          # a middle norm's arguments: the kernel served it
+    assert RMS_NORM_PERM.select(x=x, weight=weight, eps=eps, perm=perm, residual=residual).name == "cuda"
     assert float(out[()].abs().max()) > 1e-2
     assert torch.equal(out[("cuda",)], out[()])
 
@@ -119,6 +124,7 @@ def test_uniform4_rows_decode_with_the_norm_writing_the_extended_order(tiny_mode
     blk = model.layers[0]
     qkv = (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)
     assert blk.self_attn.q_proj.packed.rows is not None and shared_perm(qkv) is not None
+    widths = record_norm_widths(monkeypatch)
     for rows in (1, 8, 20):
         g = torch.Generator().manual_seed(rows)
         prompt = torch.randint(0, 1000, (rows, 6), generator=g).cuda()
@@ -133,3 +139,4 @@ def test_uniform4_rows_decode_with_the_norm_writing_the_extended_order(tiny_mode
         ref = out[()]
         assert float(ref.abs().max()) > 1e-2
         assert float((out[("cuda",)] - ref).norm() / ref.norm()) < 2e-3, rows
+    assert len(widths) == 3 * 2 * len(model.layers) and max(widths) > model.config.hidden_size   # the extended x

@@ -62,6 +62,19 @@ def share_group_perms(model) -> int:
     return n
 
 
+def record_norm_widths(monkeypatch) -> list:
+    """Wraps the model's rms_norm_permuted: the returned list gets the width of every output it writes."""
+    from exl_core.model import llama
+    widths, real = [], llama.rms_norm_permuted
+
+    def recorded(x, weight, eps, perm, residual=None):
+        out = real(x, weight, eps, perm, residual)
+        widths.append((out if residual is None else out[0]).shape[-1])
+        return out
+    monkeypatch.setattr(llama, "rms_norm_permuted", recorded)
+    return widths
+
+
 @pytest.fixture(scope="module")
 def exl2_act_order_dir(tiny_llama_dir, tmp_path_factory):
     from exl_core.quantize.rtn import quantize_model_rtn
@@ -123,18 +136,27 @@ def test_uniform4_rows_norm_writing_the_extended_order_keeps_the_logits(exl2_act
     p = shared_perm(qkv)
     assert p is not None and p.numel() == blk.self_attn.q_proj.packed.rows > blk.self_attn.q_proj.in_features
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(6))
-    widths = []
-    real = llama.rms_norm_permuted
-
-    def recorded(x, weight, eps, perm, residual=None):
-        out = real(x, weight, eps, perm, residual)
-        widths.append((out if residual is None else out[0]).shape[-1])
-        return out
+    widths = record_norm_widths(monkeypatch)
     with torch.inference_mode():
         ref = model.forward_batch(ids)
         monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda", "cpu"))
-        monkeypatch.setattr(llama, "rms_norm_permuted", recorded)
         got = model.forward_batch(ids)
     assert len(widths) == 2 * len(model.layers) and max(widths) > model.config.hidden_size   # extended x written
     assert float(ref.abs().max()) > 1e-2
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
+
+
+def test_prepermuted_caches_go_with_a_move(exl2_act_order_dir, monkeypatch):
+    """The twin weights and int32 permutations linear.py caches on a layer are dropped when the layer's tensors move
+    (QuantLinear._apply), so they never keep old copies alive."""
+    from exl_core.loader import load_model
+    from exl_core.model import llama
+    model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    share_group_perms(model)
+    monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cpu",))
+    with torch.inference_mode():
+        model.forward_batch(torch.tensor([[1, 2, 3]]))
+    q = model.layers[0].self_attn.q_proj
+    assert "_unpermuted" in q.__dict__ and "_perm32" in q.__dict__
+    model.to(torch.float32)
+    assert "_unpermuted" not in q.__dict__ and "_perm32" not in q.__dict__

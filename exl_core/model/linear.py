@@ -122,6 +122,8 @@ class QuantLinear(nn.Module):
                 return moved.to(t.dtype)
             return moved
         super()._apply(guarded, recurse)
+        self.__dict__.pop("_unpermuted", None)     # linear.py's caches of moved tensors (linear_many_prepermuted)
+        self.__dict__.pop("_perm32", None)
         if self._packed is not None:
             self._pk_scale = self._pk_scale.float()
             self._pk_zero = self._pk_zero.float()
@@ -166,38 +168,56 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- x written in the layers' act-order
+# The caches below live in the QuantLinear's __dict__ (cleared by _apply), not in PackedWeight.meta: a twin kept there
+# would hold its weight's tensors after a move and, holding meta itself, form a reference cycle.
 
 def shared_perm(layers) -> Optional[torch.Tensor]:
-    """The act-order permutation all `layers` read x in, as int32 on their device (cached), where they are plain
-    packed layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm
-    before them can then write x in that order (ops/norm_perm.py) for linear_many_prepermuted.  Weights with extra
-    rows (formats/uniform4.py) share one too where their row layouts agree: its length is then their rows."""
+    """The act-order permutation all `layers` read x in, as int32 on their device, where they are plain packed
+    layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm before
+    them can then write x in that order (ops/norm_perm.py) for linear_many_prepermuted.  Weights with extra rows
+    (formats/uniform4.py) share one too where their row layouts agree: its length is then their rows.
+    The int32 copy is made once per permutation tensor and waited for on the host: the norm kernel reads it before
+    its programmatic-dependent-launch wait, as data no kernel of the step writes (csrc/cuda/pdl.cuh).  While a CUDA
+    graph is being captured a missing copy cannot be made that way: None then (the layers gather x themselves)."""
     if not all(_plain_packed(m) for m in layers):
         return None
     pw = layers[0].packed
     if pw.perm is None or any(m.packed.perm is not pw.perm for m in layers[1:]):
         return None
-    cached = pw.meta.get("_perm32")
-    if cached is None or cached[0] is not pw.perm:
-        cached = pw.meta["_perm32"] = (pw.perm, pw.perm.to(torch.int32).contiguous())
-    return cached[1]
+    held = layers[0].__dict__.get("_perm32")
+    if held is None or held[0] is not pw.perm:
+        if pw.perm.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        perm32 = pw.perm.to(torch.int32).contiguous()
+        if perm32.is_cuda:
+            torch.cuda.current_stream(perm32.device).synchronize()
+        held = layers[0].__dict__["_perm32"] = (pw.perm, perm32)
+    return held[1]
 
 
-def _without_perm(pw: PackedWeight) -> PackedWeight:
-    """pw for an x already permuted (the same tensors, perm None, in_features its rows: x[..., perm] has that many
-    columns), cached in pw.meta; the twin shares pw.meta, whose caches (chunk table, kernel checks) do not depend on
+def _without_perm(m: "QuantLinear") -> PackedWeight:
+    """m's packed weight for an x already permuted: the same tensors, perm None, in_features its rows (x[..., perm]
+    has that many columns); it shares the weight's meta, whose caches (chunk table, kernel checks) do not depend on
     the permutation."""
-    twin = pw.meta.get("_unpermuted")
-    if twin is None or twin.qweight is not pw.qweight or twin.scale is not pw.scale or twin.bias is not pw.bias:
-        twin = pw.meta["_unpermuted"] = PackedWeight(pw.qweight, pw.groups, pw.scale, pw.zero, None, pw.k_rows,
-                                                     pw.out_features, pw.bias, pw.meta, None)
-    return twin
+    pw = m.packed
+    held = m.__dict__.get("_unpermuted")
+    if held is None or held[0] is not pw:
+        held = m.__dict__["_unpermuted"] = (pw, PackedWeight(pw.qweight, pw.groups, pw.scale, pw.zero, None, pw.k_rows,
+                                                             pw.out_features, pw.bias, pw.meta, None))
+    return held[1]
 
 
-def linear_many_prepermuted(xp: torch.Tensor, layers) -> list[torch.Tensor]:
+def linear_many_prepermuted(xp: torch.Tensor, layers, swiglu: bool = False) -> list:
     """linear_many(x, layers) from xp = x[..., perm] (perm: shared_perm(layers)): the same values -- bit for bit where
-    the kernel would gather x itself; the prompt's dequantise + GEMM sums K in the permuted order instead."""
-    return qmatmul_many(xp, [_without_perm(m.packed) for m in layers])
+    the kernel would gather x itself; the prompt's dequantise + GEMM sums K in the permuted order instead.
+    swiglu (layers = gate, up): [silu_mul(gate, up), None] where one kernel computes the product (MLP.gate_up's
+    contract), else [gate, up]."""
+    pws = [_without_perm(m) for m in layers]
+    if swiglu:
+        h = qmatmul_swiglu(xp, pws[0], pws[1])
+        if h is not None:
+            return [h, None]
+    return qmatmul_many(xp, pws)
 
 
 def linear_add_(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:

@@ -113,7 +113,8 @@ class Block(nn.Module):
         ss: with h None, the residual's sums of squares from the previous down projection (linear_add_ss_), so the
         q/k/v kernel can take the norm in (ops/norm_fold.py).  Returns (h, residual, ss) for the next block.
         The plain Attention and MLP are called through their parts (attend, the projections), not their forward:
-        hooks on those two modules do not fire; subclasses keep their forward."""
+        hooks on those two modules do not fire; subclasses keep their forward.  Nor do the norms' where a kernel takes
+        them in (the fold, ops/norm_fold.py; the permuted norm, _norm_many)."""
         own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
         if own and h is None and ss is not None and self._folds():            # ss: only a CUDA producer leaves it
             a, n = self.self_attn, self.input_layernorm
@@ -164,7 +165,7 @@ class Block(nn.Module):
             attn = None if linear_add_(residual, out, a.o_proj) else a.o_proj(out)
             del out
             (gate, up), added = _norm_many(n, residual if attn is None else attn, None if attn is None else residual,
-                                           (mlp.gate_proj, mlp.up_proj), mlp.gate_up)
+                                           (mlp.gate_proj, mlp.up_proj), mlp)
             del attn
             residual = residual if added is None else added
         ss = None
@@ -183,20 +184,21 @@ class Block(nn.Module):
 NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0" else ()
 
 
-def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, project: Optional[Callable] = None):
-    """(project(norm(x, residual)'s output) -- linear_many(..., layers) by default --, the new residual: the norm's
-    second output, None without a residual).  Where the layers are plain packed ones sharing one act-order
-    permutation (q/k/v, gate/up of EXL2 files) and x is on CUDA, the norm writes its output in that order and the
-    layers read it without a gather (ops/norm_perm.py; NORM_PERM_DEVICES); `project` (the MLP's gate_up) then does
-    not run."""
+def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, mlp: Optional["MLP"] = None):
+    """(the projections of norm(x, residual)'s output -- linear_many(..., layers), or with `mlp` its gate_up (gate
+    and up, or SwiGLU's product and None) --, the new residual: the norm's second output, None without a residual).
+    Where the layers are plain packed ones sharing one act-order permutation (q/k/v, gate/up of EXL2 files; GPTQ
+    act-order files whose permutations agree) and x is on CUDA, the norm writes its output in that order and the
+    layers read it without a gather (ops/norm_perm.py; NORM_PERM_DEVICES).  The norm module's forward (and its hooks)
+    does not run then: its weight and eps are all that is read."""
     perm = shared_perm(layers) if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm else None
     if perm is None:
         out = norm(x) if residual is None else norm(x, residual)
         xn, added = (out, None) if residual is None else out
-        return (project(xn) if project is not None else linear_many(xn, layers)), added
+        return (mlp.gate_up(xn) if mlp is not None else linear_many(xn, layers)), added
     out = rms_norm_permuted(x, norm.weight, norm.eps, perm, residual)
     xp, added = (out, None) if residual is None else out
-    return linear_many_prepermuted(xp, layers), added
+    return linear_many_prepermuted(xp, layers, swiglu=mlp is not None), added
 
 
 LinearFactory = Callable[[str, int, int, bool], QuantLinear]   # (prefix, in, out, bias) -> layer

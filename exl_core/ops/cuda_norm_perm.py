@@ -30,6 +30,8 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
     if perm.dtype != torch.int32 or perm.device != x.device or not perm.is_contiguous():
         return f"perm {perm.dtype} on {perm.device}: the kernel takes contiguous int32 on x's GPU"
     ts = (x, weight, perm) + (() if residual is None else (residual,))
+    if any(t.device != x.device for t in ts):
+        return "x, weight, residual and perm on different GPUs"
     if any(t.data_ptr() % 16 for t in ts) or not weight.is_contiguous():
         return "buffers not 16-byte aligned or weight not contiguous"
     return None

@@ -290,7 +290,8 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 }
 
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
-// perm (rms_norm_perm): int32 [H], y written in that order (the vector kernel only: the caller checks its conditions).
+// perm (rms_norm_perm): int32 [P], P >= H, y's P columns written in that order (the vector kernel only: the caller
+// checks its conditions).
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
                                               const at::Tensor& w_, double eps, bool early_w = false,
                                               const at::Tensor* perm = nullptr) {

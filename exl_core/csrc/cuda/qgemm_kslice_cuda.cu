@@ -51,8 +51,8 @@ bool mixed_waves_to_skinny() {
 // Warps per block of staged launches with more column tiles than SMs (q/k/v, gate/up at 1..8 rows): 8 for uniform
 // 4-bit weights (3 blocks of 76-97 registers a lane share an SM), 4 for mixed widths (128 registers: 4 blocks of 4
 // warps an SM instead of 2 of 8, so q/k/v's 384 tiles run in one wave instead of 1.45).  Same call, separate processes
-// (stop 29 call 3, bench --quick): EXL2 batch 1 362.1 tok/s with 4 against 354.2 with 8 and 343.3 with 16; GPTQ 457.3
-// with 4 and 416.5 with 16 against 519.7 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
+// (stop 29 call 3, bench --quick): EXL2 batch 1 362.0 tok/s with 4 against 354.2 with 8 and 343.2 with 16; GPTQ 457.2
+// with 4 and 416.5 with 16 against 519.6 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
 // bench/gpu.sh phases wavekw4, wavekw8, wavekw16).
 int wave_kw(bool u4) {
   static const int env = [] {
