@@ -5,8 +5,11 @@ Question: how much of the step do the small kernels between the projections cost
 could fusing them into the projections gain), against the projections themselves?
 
 A knocked-out part returns its input instead of its result, so the numbers the step computes are garbage; only its
-time is measured. Knock-outs: `norm` (every RMSNorm, and the residual add it carries), `attn` (the paged attention;
-rope and the K/V write still run), `rope_attn` (both), `head` (the fp16 lm_head: a memset of the logits instead),
+time is measured. Knock-outs: `norm` (every RMSNorm launch, and the residual add it carries: the RMSNorm modules and
+the permuted norm of act-order weights; a norm folded into the q/k/v and gate/up kernels, GPTQ at 1..8 rows, has no
+launch of its own and stays), `attn` (the paged attention; since rope and the K/V write moved into the attention
+kernel, a rope_write_kv launch runs in its place, so this measures attention less that launch), `rope_attn` (both),
+`head` (the fp16 lm_head: a memset of the logits instead),
 and `all` (the three, leaving the projections, the embedding and the argmax). Also same-process A/B variants:
 `kslice_mixed_off` (EXL2, batch 8: the dispatcher's rule that sends a mixed-width launch of at most one column tile
 per SM to qgemm_kslice, `KSLICE_MIXED_ONE_WAVE`, off) and `attn_one_wave_off` (batches 8 and 32: the paged attention's
@@ -33,15 +36,24 @@ def _norm_passthrough(self, x, residual=None):
     return x if residual is None else (x, residual)
 
 
+def _perm_norm_passthrough(x, weight, eps, perm, residual=None):
+    """llama.rms_norm_permuted knocked out: x as it is (the extended width of weights with extra rows cannot be)."""
+    if perm.numel() != x.shape[-1]:
+        raise ValueError("the norm knock-out cannot stand in for a norm that writes extra columns")
+    return x if residual is None else (x, residual)
+
+
 @contextmanager
 def knocked_out(model, what: str):
     """Patches the parts `what` names for the duration (class attributes of the bench's context and RMSNorm, the
-    model's head instance)."""
+    model module's permuted norm, the model's head instance)."""
     parts = {"all": ("norm", "rope_attn", "head")}.get(what, (what,))
     saved = []
     if "norm" in parts:
         saved.append((llama.RMSNorm, "forward", llama.RMSNorm.forward))
         llama.RMSNorm.forward = _norm_passthrough
+        saved.append((llama, "rms_norm_permuted", llama.rms_norm_permuted))
+        llama.rms_norm_permuted = _perm_norm_passthrough
     if "attn" in parts or "rope_attn" in parts:
         ctx = gpu_bench.DecodeContext
         saved.append((ctx, "attend_rope", ctx.attend_rope))

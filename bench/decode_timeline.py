@@ -3,10 +3,9 @@
 Question: where does a graphed step's time go, kernel by kernel -- how long each launch runs, and how much each
 adds to the step's end (the critical path), under programmatic dependent launch (a kernel may start before the one
 ahead of it ends)? The knock-out run (decode_knockout.py) gives a part's total; this gives every launch, the gaps
-between them; and same-process variants of the step (VARIANTS: stop 26's question, o and down on qgemm_wide at batch
-32 (call 3 of stop 27 ran it); stop 27's, the RMSNorm fold off at batch 1 and the fold in qgemm_wide on at batch 32
-(stop 28 call 1 ran them); now rope and the K/V write as their own launch at batch 1 and 32, and silu_mul as its own
-launch at batch 32).
+between them; and same-process variants of the step (VARIANTS: rope and the K/V write as their own launch at batch 1
+and 32, and silu_mul as its own launch at batch 32; earlier stops' variants -- o and down on qgemm_wide, the RMSNorm
+fold off, the fold in qgemm_wide -- are in git history, commit ec87252).
 
 torch.profiler (CUPTI) records the kernels of REPLAYS replays of the bench's step graph (bench/gpu_bench.py); the
 middle replay is reported. A kernel's `adds` is its end minus the latest end before it (0 when it ends inside an
@@ -22,12 +21,13 @@ import os
 import re
 import tempfile
 from contextlib import contextmanager
+from unittest import mock
 from pathlib import Path
 
 import torch
 
 import gpu_bench
-from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu
+from exl_core.ops import attention, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -45,13 +45,9 @@ def part_of(name: str) -> str:
     return "other"
 
 
-# Same-process variants (module settings read per call): o and down on qgemm_wide at 17..32 rows; the RMSNorm fold
-# off (ops/cuda_norm_fold.py); the fold in qgemm_wide on (off by default); rope and the K/V write as their own launch
-# before attention (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
-VARIANTS = {"wide_o_down": (cuda_candidates, "WIDE_U4_MIN_TILES", 1),
-            "norm_fold_off": (cuda_norm_fold, "NORM_FOLD_ON", False),
-            "norm_fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
-            "rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
+# Same-process variants (module settings read per call): rope and the K/V write as their own launch before attention
+# (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
+VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False)}
 
 
@@ -149,12 +145,8 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     """fmt "exl2_u4": the EXL2 folder loaded with EXL_CORE_EXL2_AS_U4=1 (formats.uniform4: mixed widths as
     uniform 4-bit rows)."""
     from exl_core.loader import load_model
-    if fmt == "exl2_u4":
-        os.environ["EXL_CORE_EXL2_AS_U4"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    finally:
-        os.environ.pop("EXL_CORE_EXL2_AS_U4", None)
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
                                             if fmt == "gptq" else [])
     out = []

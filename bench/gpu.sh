@@ -39,7 +39,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: every phase's log goes to one file (the JSONs,
-# cuda_tests.txt and gpu_log.txt stay within that); the build and checkpoint logs only when they fail.
+# cuda_tests.txt and gpu_log.txt stay within that); the build and checkpoint logs only when they fail. The A/B
+# phases since stop 28 write their JSON to $OUT (at most ~5 of them in one call), older ones to /tmp (their table
+# is in gpu_log.txt).
 LOG="$OUT/gpu_log.txt"
 BUILD_LOG=/tmp/exl_build_log.txt CKPT_LOG=/tmp/exl_ckpt_log.txt
 export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
@@ -128,8 +130,11 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 # Checkpoints are CPU work: write them while the GPU runs the tests.
 ( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
+  # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
+  stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
   for f in gptq exl2; do
-    [ -f "$CK/$f/config.json" ] || $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f"
+    [ -f "$CK/$f/config.json" ] && [ "$(cat "$CK/$f/.stamp" 2>/dev/null)" = "$stamp" ] && continue
+    rm -rf "${CK:?}/$f" && $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f" && echo "$stamp" >"$CK/$f/.stamp"
   done ) >"$CKPT_LOG" 2>&1 &
 ck_pid=$!
 
@@ -172,7 +177,7 @@ if has widetiles; then  # A/B: uniform 4-bit o and down (fewer than 64 tiles of 
   EXL_CORE_WIDE_U4_MIN_TILES=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
     --json /tmp/gpu_h200_widetiles.json 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has nonorm; then   # A/B: the RMSNorm and residual add as their own launches (EXL_CORE_NORM_FOLD=0, ops/norm_fold.py)
+if has nonorm; then   # A/B: the RMSNorm and residual add as their own launches (EXL_CORE_NORM_FOLD=0, ops/cuda_norm_fold.py)
   EXL_CORE_NORM_FOLD=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nonorm.json 2>&1 | tee -a "$LOG" | tail -14
 fi
@@ -235,8 +240,8 @@ fi
 if has knockout; then  # where a graphed decode step's time goes: parts knocked out one at a time (same process)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_knockout.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -24
 fi
-if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler); GPTQ also with the
-  # norm fold off at batch 1 and qgemm_wide's fold on at batch 32 (decode_timeline.VARIANTS)
+if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler); GPTQ also with rope
+  # and the K/V write as their own launch at batch 1 and 32, silu_mul as its own at 32 (decode_timeline.VARIANTS)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 \
     --json "$OUT/decode_timeline_h200.json" 2>&1 | tee -a "$LOG" | tail -200
 fi

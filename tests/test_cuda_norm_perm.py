@@ -101,7 +101,9 @@ def test_model_prompt_within_rounding(shared_perm_model, monkeypatch):
     monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ())
     ref = _step_logits(shared_perm_model, ids, None).double()
     monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda",))
+    widths = record_norm_widths(monkeypatch)
     got = _step_logits(shared_perm_model, ids, None).double()
+    assert len(widths) == 2 * len(shared_perm_model.layers)      # the permuted norm ran for every q/k/v and gate/up
     assert float((got - ref).norm() / ref.norm()) < 2e-3
 
 

@@ -30,9 +30,11 @@ def test_rms_norm_residual_vs_float64(dtype, H):
     # a model's weight (weight_static: read before the PDL wait) gives the same bits, x made by the kernel just before
     from exl_core.ops.cuda_candidates import _has_cuda_kernel
     assert _has_cuda_kernel("rms_norm_static")
-    ys, hs = rms_norm(xc * 1, wc, 1e-5, rc * 1, weight_static=True)
+    ys, hs = torch.ops.exl_core.rms_norm_static(xc * 1, rc * 1, wc, 1e-5)      # the op itself, not a fallback
     assert torch.equal(ys, y) and torch.equal(hs, h)
-    assert torch.equal(rms_norm(xc * 1, wc, 1e-5, weight_static=True), y0)
+    assert torch.equal(torch.ops.exl_core.rms_norm_static(xc * 1, None, wc, 1e-5)[0], y0)
+    ys, hs = rms_norm(xc * 1, wc, 1e-5, rc * 1, weight_static=True)             # and the dispatcher's route to it
+    assert torch.equal(ys, y) and torch.equal(hs, h)
 
 
 @pytest.mark.parametrize("shape", [(7, 333), (5, 256)], ids=["scalar", "16-byte"])

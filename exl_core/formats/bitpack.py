@@ -12,6 +12,8 @@ position inside a 32-value chunk, never per row), so a 1536x1536 matrix packs in
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -31,8 +33,10 @@ def _positions(bits: int):
     return word, off, (off + bits) > 32
 
 
-def _device_positions(bits: int, device):
-    """_positions on `device`, the spilling values as an index (None when none spill), decided on the host."""
+@functools.lru_cache(maxsize=64)
+def _device_positions(bits: int, device: torch.device):
+    """_positions on `device`, the spilling values as an index (None when none spill), decided on the host; made once
+    per (bits, device): the readers call this per group (callers must not modify the tensors)."""
     word, off, spill = _positions(bits)
     idx = spill.nonzero().squeeze(1).to(device) if bool(spill.any()) else None
     return word.to(device), off.to(device), idx

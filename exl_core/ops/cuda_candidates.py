@@ -485,6 +485,8 @@ def _many_run(x, pws):
 def _same_cuda(op: str, *ts) -> Optional[str]:
     if any(t.device.type != "cuda" for t in ts):
         return "tensors not on CUDA"
+    if any(t.device != ts[0].device for t in ts):
+        return "tensors on different GPUs"
     if not _has_cuda_kernel(op):
         return f"extension built without a CUDA {op} kernel"
     if ts[0].dtype not in _FLOATS or any(t.dtype != ts[0].dtype for t in ts):
@@ -572,29 +574,25 @@ def _paged_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale
 
 # ---------------------------------------------------------------------------- registration
 
+def install_candidate(disp, check, run) -> None:
+    """Put Candidate("cuda", check, run) at the front of `disp` (idempotent), replacing any other called "cuda": an op
+    module's placeholder must not serve behind it (it would reach the C++ checks that crash instead of refusing)."""
+    disp.candidates[:] = [c for c in disp.candidates if c.name != "cuda"]
+    disp.candidates.insert(0, Candidate("cuda", check, run))
+
+
 def install() -> None:
     """Put a `cuda` candidate at the front of each dispatcher (idempotent)."""
     from . import activation, attention, linear, norm, qmatmul, rope
-    pairs = [
-        (attention.PAGED_ATTENTION, Candidate("cuda", _paged_check, _paged_run)),
-        (linear.DISPATCH, Candidate("cuda", _dense_check, _dense_run)),
-        (qmatmul.DISPATCH, Candidate("cuda", _qmatmul_check, _qmatmul_run)),
-        (norm.RMS_NORM, Candidate("cuda", _norm_check, _norm_run)),
-        (activation.SILU_MUL, Candidate("cuda", _silu_check,
-                                        lambda gate, up: torch.ops.exl_core.silu_mul(gate, up))),
-        (rope.ROPE, Candidate("cuda", _rope_check, _rope_run)),
-    ]
-    if getattr(qmatmul, "DISPATCH_MANY", None) is not None:      # qmatmul_many (q/k/v, gate/up)
-        pairs.append((qmatmul.DISPATCH_MANY, Candidate("cuda", _many_check, _many_run)))
-    if getattr(qmatmul, "DISPATCH_SILU", None) is not None:      # qmatmul_silu (the MLP's down projection)
-        pairs.append((qmatmul.DISPATCH_SILU, Candidate("cuda", _silu_down_check, _silu_down_run)))
-    if getattr(qmatmul, "DISPATCH_ADD", None) is not None:       # qmatmul_add_ (o and down into the residual)
-        pairs.append((qmatmul.DISPATCH_ADD, Candidate("cuda", _add_check, _add_run)))
-    for disp, cand in pairs:
-        # replace any other candidate called "cuda" (an op module's placeholder must not serve
-        # behind ours: it would reach the C++ checks that crash instead of refusing)
-        disp.candidates[:] = [c for c in disp.candidates if c.name != "cuda"]
-        disp.candidates.insert(0, cand)
+    install_candidate(attention.PAGED_ATTENTION, _paged_check, _paged_run)
+    install_candidate(linear.DISPATCH, _dense_check, _dense_run)
+    install_candidate(qmatmul.DISPATCH, _qmatmul_check, _qmatmul_run)
+    install_candidate(norm.RMS_NORM, _norm_check, _norm_run)
+    install_candidate(activation.SILU_MUL, _silu_check, lambda gate, up: torch.ops.exl_core.silu_mul(gate, up))
+    install_candidate(rope.ROPE, _rope_check, _rope_run)
+    install_candidate(qmatmul.DISPATCH_MANY, _many_check, _many_run)             # q/k/v, gate/up
+    install_candidate(qmatmul.DISPATCH_SILU, _silu_down_check, _silu_down_run)   # the MLP's down projection
+    install_candidate(qmatmul.DISPATCH_ADD, _add_check, _add_run)                # o and down into the residual
 
 
 install()

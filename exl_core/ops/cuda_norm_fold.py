@@ -151,10 +151,8 @@ def _normed_run(residual, weight, eps, ss, pws):
 def install() -> None:
     """Put the `cuda` candidates at the front of norm_fold's dispatchers (idempotent)."""
     from . import norm_fold
-    for disp, cand in ((norm_fold.DISPATCH_ADD_SS, cc.Candidate("cuda", _add_ss_check, _add_ss_run)),
-                       (norm_fold.DISPATCH_MANY_NORMED, cc.Candidate("cuda", _normed_check, _normed_run))):
-        disp.candidates[:] = [c for c in disp.candidates if c.name != "cuda"]
-        disp.candidates.insert(0, cand)
+    cc.install_candidate(norm_fold.DISPATCH_ADD_SS, _add_ss_check, _add_ss_run)
+    cc.install_candidate(norm_fold.DISPATCH_MANY_NORMED, _normed_check, _normed_run)
 
 
 install()

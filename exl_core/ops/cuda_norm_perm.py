@@ -18,7 +18,7 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
-    why = cc._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))
+    why = cc._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))   # one GPU, one dtype
     if why is not None:
         return why
     if not cc._has_cuda_kernel("rms_norm_perm"):
@@ -30,8 +30,6 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
     if perm.dtype != torch.int32 or perm.device != x.device or not perm.is_contiguous():
         return f"perm {perm.dtype} on {perm.device}: the kernel takes contiguous int32 on x's GPU"
     ts = (x, weight, perm) + (() if residual is None else (residual,))
-    if any(t.device != x.device for t in ts):
-        return "x, weight, residual and perm on different GPUs"
     if any(t.data_ptr() % 16 for t in ts) or not weight.is_contiguous():
         return "buffers not 16-byte aligned or weight not contiguous"
     return None
@@ -46,9 +44,7 @@ def _run(x, weight, eps, perm, residual):
 def install() -> None:
     """Put the `cuda` candidate at the front of rms_norm_perm's dispatcher (idempotent)."""
     from . import norm_perm
-    d = norm_perm.RMS_NORM_PERM
-    d.candidates[:] = [c for c in d.candidates if c.name != "cuda"]
-    d.candidates.insert(0, cc.Candidate("cuda", _check, _run))
+    cc.install_candidate(norm_perm.RMS_NORM_PERM, _check, _run)
 
 
 install()

@@ -57,8 +57,7 @@ def _run(x, gate, up):
 def install() -> None:
     """Put the `cuda` candidate at the front of swiglu's dispatcher (idempotent)."""
     from . import swiglu
-    swiglu.DISPATCH_SWIGLU.candidates[:] = [c for c in swiglu.DISPATCH_SWIGLU.candidates if c.name != "cuda"]
-    swiglu.DISPATCH_SWIGLU.candidates.insert(0, cc.Candidate("cuda", _check, _run))
+    cc.install_candidate(swiglu.DISPATCH_SWIGLU, _check, _run)
 
 
 install()

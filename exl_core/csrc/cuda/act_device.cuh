@@ -1,6 +1,6 @@
 // Device-side value conversions (float <-> float / half / bfloat16, round to nearest) and the pointwise ops'
 // rounding rules for SwiGLU's product and rope's rotation, without torch headers: pointwise_cuda.cu, qmatmul_cuda.cu,
-// paged_attention_cuda.cu (rope), the decode kernel that fuses the product into its staging of x
+// paged_attention_kernel.cuh (rope), the decode kernel that fuses the product into its staging of x
 // (qgemm_kslice_kernel.cuh) and the one that computes it in its epilogue (qmma_device.cuh, cluster_store_swiglu)
 // share them.
 #pragma once

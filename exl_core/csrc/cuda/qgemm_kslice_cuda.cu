@@ -66,8 +66,9 @@ int wave_kw(bool u4) {
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
-// every SM streams with many loads in flight; more tiles take 8 (measured on the H200, bench/cuda_probe.py
-// kslice: 4096x4096 M=1 6.8 us with 16 warps, 7.5 with 8; q/k/v 3x4096 17.6 us with 8, 20.3 with 16).
+// every SM streams with many loads in flight; more tiles take wave_kw's (above: 8 for uniform 4-bit, 4 for mixed
+// widths; measured on the H200, bench/cuda_probe.py kslice: 4096x4096 M=1 6.8 us with 16 warps, 7.5 with 8; q/k/v
+// 3x4096 17.6 us with 8, 20.3 with 16).
 // More than 8 rows: 8 warps, or 4 where the grid has several tiles per SM (2 n-tiles: more than one per SM;
 // 4 n-tiles: more than three) -- 4-warp blocks then share an SM (GPTQ M=16 q/k/v 18.9 us with 4, 27.5 with 8,
 // 4096x4096 9.3 with 8, 12.2 with 4; M=32 gate/up 66.0 with 4, 74.6 with 8, q/k/v 38.4 with 8, 44.2 with 4).
@@ -122,21 +123,19 @@ void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t til
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
-template <bool U4, int R, int NT, bool ACT = false>
+template <bool U4, int R, int NT, bool ACT = false, bool FOLD = false>
 void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
-  if (p.kw == 4) launch_one<4, U4, R, NT, ACT>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT>(x, up, M, K, tiles, p, mats, dev, stream);
+  if (p.kw == 4) launch_one<4, U4, R, NT, ACT, FOLD>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT, FOLD>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT, FOLD>(x, up, M, K, tiles, p, mats, dev, stream);
 }
 
 // The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
 void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
                  int dev, cudaStream_t stream) {
   if (mats.nf.nw != nullptr) {                                // kslice_run checked: staged uniform 4-bit rows, ring 4
-    if (p.kw == 4) launch_one<4, true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
-    else if (p.kw == 8) launch_one<8, true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
-    else launch_one<16, true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    launch_kw<true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (up != nullptr) {                                        // kslice_run checked: one n-tile, the default ring
     if (u4) launch_kw<true, 8, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
@@ -182,7 +181,6 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys, &K);
   const int64_t M = x.size(0), Kx = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
-  if (M == 0) return ys;
   const int dev = x.device().index();
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
@@ -203,6 +201,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
     mats.nf.ss_out = ss.data_ptr<float>();
     ys = {ss};
   }
+  if (M == 0) return ys;                                      // after the add's checks: _add_ returns its [tiles, 0] sums
   Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
                        uniform4, dev, up.defined(), fold);
   TORCH_CHECK(group_shift >= -1 && group_shift < 16, "exl_core::qgemm_kslice: group_shift ", group_shift,
