@@ -57,6 +57,8 @@ def knocked_out(model, what: str):
     if "attn" in parts or "rope_attn" in parts:
         ctx = gpu_bench.DecodeContext
         saved.append((ctx, "attend_rope", ctx.attend_rope))
+        saved.append((ctx, "attend_rope_ordered", ctx.attend_rope_ordered))
+        ctx.attend_rope_ordered = lambda self, *args: None          # the knocked-out attend_rope serves o too
         if "attn" in parts:
             def attend_rope(self, layer, q, k, v, cos_sin, scale, window):
                 kc, vc = self._paged(layer)

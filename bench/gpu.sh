@@ -13,7 +13,8 @@
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), widetiles (GPTQ graph decode with
 # EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), u4exl2 (EXL2 graph decode and prompt
-# with EXL_CORE_EXL2_AS_U4=1: mixed widths as uniform 4-bit rows), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
+# with EXL_CORE_EXL2_AS_U4=1: mixed widths as uniform 4-bit rows), attnorder (EXL2 with EXL_CORE_ATTN_OUT_ORDER=1: the
+# decode attention stores o_proj's input in its act-order), u4attnorder (EXL2 with both), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
 # EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), noearlyw (both formats with
@@ -128,7 +129,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has attnorder || has u4attnorder || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -148,7 +149,7 @@ if has tests; then
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
   # the newest kernel's tests in a process of their own: a crash there cannot hide the results above
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_paged_attention.py \
-    >>"$OUT/cuda_tests.txt" 2>&1
+    tests/test_cuda_attn_out_order.py >>"$OUT/cuda_tests.txt" 2>&1
   echo "paged attention tests (rc $?):"; tail -1 "$OUT/cuda_tests.txt"
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | tail -10
 fi
@@ -209,6 +210,14 @@ done
 if has u4exl2; then   # A/B: EXL2 with EXL_CORE_EXL2_AS_U4=1 (mixed widths rewritten as uniform 4-bit rows at load, formats.uniform4)
   EXL_CORE_EXL2_AS_U4=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_exl2u4.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has attnorder; then  # A/B: the attention kernel stores o_proj's input in its act-order (EXL_CORE_ATTN_OUT_ORDER=1)
+  EXL_CORE_ATTN_OUT_ORDER=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+    --json "$OUT/gpu_h200_attnorder.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has u4attnorder; then  # A/B: both of the above (o rewritten as uniform 4-bit rows reads the extended order)
+  EXL_CORE_EXL2_AS_U4=1 EXL_CORE_ATTN_OUT_ORDER=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
+    --quick --json "$OUT/gpu_h200_exl2u4_attnorder.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \

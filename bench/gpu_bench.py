@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from exl_core.ops.attention import paged_attention, rope_paged_attention, rope_write_kv, write_kv
+from exl_core.ops.attention import (paged_attention, rope_paged_attention, rope_paged_attention_ordered, rope_write_kv,
+                                    write_kv)
 from exl_core.ops.rope import apply_rope
 
 PROMPT, DECODE = 128, 128
@@ -186,6 +187,15 @@ class DecodeContext:
         kc, vc = self._paged(layer)
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.table, self.cu,
                                     self.lens, scale, window, max_q_len=1)      # as PagedContext.attend_rope
+
+    def attend_rope_ordered(self, layer, q, k, v, cos_sin, scale, window, order):
+        """attend_rope's output stored in o_proj's act-order, as PagedContext.attend_rope_ordered (the model takes
+        it under EXL_CORE_ATTN_OUT_ORDER=1); None where attend_rope is not the paged kernel's."""
+        if not (PAGED_DECODE and TOKEN_MAJOR):
+            return None
+        kc, vc = self._paged(layer)
+        return rope_paged_attention_ordered(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.table, self.cu,
+                                            self.lens, scale, window, 1, order)
 
     def attend(self, layer, q, k, v, scale, window):
         kv = self.kv

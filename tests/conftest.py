@@ -57,6 +57,15 @@ def tiny_model_factory(tmp_path_factory, tokenizer_source):
     return make
 
 
+@pytest.fixture(scope="session")
+def exl2_act_order_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama as EXL2 with mixed widths (6 / 4 / 3 bits), act-order: every projection has its own permutation
+    (RTN orders each weight by its own energy) and 6-bit groups (extra rows when rewritten as uniform 4-bit)."""
+    from exl_core.quantize.rtn import quantize_model_rtn
+    return quantize_model_rtn(tiny_llama_dir, tmp_path_factory.mktemp("exl2_ao") / "q", fmt="exl2",
+                              bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32, act_order=True)
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     """Keep tests on the machine's 2 cores deterministic in thread count."""

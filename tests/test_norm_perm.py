@@ -75,13 +75,6 @@ def record_norm_widths(monkeypatch) -> list:
     return widths
 
 
-@pytest.fixture(scope="module")
-def exl2_act_order_dir(tiny_llama_dir, tmp_path_factory):
-    from exl_core.quantize.rtn import quantize_model_rtn
-    return quantize_model_rtn(tiny_llama_dir, tmp_path_factory.mktemp("exl2_ao") / "q", fmt="exl2",
-                              bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32, act_order=True)
-
-
 def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, monkeypatch):
     """On the CPU per-op path (the model's default keeps the gathers there: NORM_PERM_DEVICES), both ways: fp32, the
     same products and sums, so the logits agree to rounding of the gathered and permuted copies (none)."""

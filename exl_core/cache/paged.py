@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError
-from ..ops.attention import paged_attention, rope_paged_attention, write_kv
+from ..ops.attention import OutOrder, paged_attention, rope_paged_attention, rope_paged_attention_ordered, write_kv
 from ..ops.decoder_layer import PagedKV
 from ..ops.rope import apply_rope
 from .pages import PagePool, PageTable
@@ -219,6 +219,18 @@ class PagedContext:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
                                     self.cu_seqlens, self.seq_lens_k, scale, window, self.max_q_len)  # (T, Hq, D)
+
+    def attend_rope_ordered(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cos_sin: torch.Tensor, scale: float, window: Optional[int],
+                            order: OutOrder) -> Optional[torch.Tensor]:
+        """attend_rope's output (T, Hq * D) with its columns stored where `order` puts them (the o projection's
+        act-order: ops.attention.rope_paged_attention_ordered), or None, doing nothing, where its one launch does not
+        serve or a subclass changed `attend` or `attend_rope` (the caller then runs attend_rope)."""
+        if type(self).attend is not PagedContext.attend or type(self).attend_rope is not PagedContext.attend_rope:
+            return None
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        return rope_paged_attention_ordered(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
+                                            self.cu_seqlens, self.seq_lens_k, scale, window, self.max_q_len, order)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: Optional[int]) -> torch.Tensor:

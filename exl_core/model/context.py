@@ -31,6 +31,9 @@ class ForwardContext(Protocol):
 
     # Optional: `attend_rope(layer, q, k, v, cos_sin, scale, window)`, `attend` of q and k before rope
     # (rotated at `positions` with cos_sin), for contexts that fuse rope into their K/V write.
+    # Optional: `attend_rope_ordered(layer, q, k, v, cos_sin, scale, window, order) -> Optional[Tensor]`,
+    # attend_rope's output (T, Hq * D) with its columns stored where `order` (ops.attention.OutOrder) puts them,
+    # or None, doing nothing, where the context cannot (the model then calls attend_rope).
     # Optional: `native_kv() -> Optional[ops.decoder_layer.PagedKV]`, the paged tensors that let
     # the fused CPU decoder op (ops/decoder_layer.py) do `attend`'s work itself; contexts without
     # it (or returning None) always run the per-layer Python path.

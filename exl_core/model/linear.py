@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..formats.packed import PackedWeight
+from ..ops.attention import OutOrder, out_order_for
 from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
@@ -124,6 +125,7 @@ class QuantLinear(nn.Module):
         super()._apply(guarded, recurse)
         self.__dict__.pop("_unpermuted", None)     # linear.py's caches of moved tensors (linear_many_prepermuted)
         self.__dict__.pop("_perm32", None)
+        self.__dict__.pop("_out_order", None)
         if self._packed is not None:
             self._pk_scale = self._pk_scale.float()
             self._pk_zero = self._pk_zero.float()
@@ -153,9 +155,9 @@ class QuantLinear(nn.Module):
 
 
 def _plain_packed(m) -> bool:
-    """A packed QuantLinear without LoRA (not dense, not a tensor-parallel shard or other subclass): its output is
-    qmatmul(x, m.packed), so fused ops may compute it."""
-    return type(m) is QuantLinear and m._packed is not None and m.lora is None
+    """A packed QuantLinear without LoRA (not dense, not a tensor-parallel shard or other subclass), or a Prepermuted
+    view of one: its output is qmatmul(x, m.packed), so fused ops may compute it."""
+    return (type(m) is QuantLinear and m._packed is not None and m.lora is None) or type(m) is Prepermuted
 
 
 def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
@@ -204,6 +206,38 @@ def _without_perm(m: "QuantLinear") -> PackedWeight:
     if held is None or held[0] is not pw:
         held = m.__dict__["_unpermuted"] = (pw, PackedWeight(pw.qweight, pw.groups, pw.scale, pw.zero, None, pw.k_rows,
                                                              pw.out_features, pw.bias, pw.meta, None))
+    return held[1]
+
+
+class Prepermuted:
+    """A plain packed layer that reads an x already in its act-order (x[..., perm], from a kernel that stored it so:
+    the attention kernel for o_proj, ops.attention.OutOrder): _without_perm's weight.  linear_add_ and linear_add_ss_
+    take it as their layer; calling it is the layer's forward on that x."""
+    __slots__ = ("packed",)
+
+    def __init__(self, layer: "QuantLinear"):
+        self.packed = _without_perm(layer)
+
+    def __call__(self, xp: torch.Tensor) -> torch.Tensor:
+        return qmatmul(xp, self.packed)
+
+
+def input_out_order(layer, width: int) -> Optional[OutOrder]:
+    """For a plain packed layer with an act-order permutation over `width` inputs: the OutOrder under which the
+    attention kernel stores its output as the layer reads it (ops.attention.out_order_for; then run Prepermuted(layer)
+    on it), on the layer's device, made once (a host sync) and cached on the layer (QuantLinear._apply drops it).
+    None elsewhere, where no store map gives the layer's order, and while a CUDA graph is being captured with none
+    made yet."""
+    if not _plain_packed(layer) or type(layer) is Prepermuted:
+        return None
+    pw = layer.packed
+    if pw.perm is None or pw.in_features != width:
+        return None
+    held = layer.__dict__.get("_out_order")
+    if held is None or held[0] is not pw.perm:
+        if pw.perm.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        held = layer.__dict__["_out_order"] = (pw.perm, out_order_for(pw.perm, width, pw.qweight.device))
     return held[1]
 
 

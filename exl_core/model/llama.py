@@ -22,9 +22,9 @@ from ..ops.norm import rms_norm
 from ..ops.norm_perm import rms_norm_permuted
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import (LORA_VERSION, QuantLinear, linear_add_, linear_add_ss_, linear_adds_in_place, linear_adds_ss,
-                     linear_folds_norm, linear_many, linear_many_normed, linear_many_prepermuted, linear_silu,
-                     linear_swiglu, shared_perm)
+from .linear import (LORA_VERSION, Prepermuted, QuantLinear, input_out_order, linear_add_, linear_add_ss_,
+                     linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many, linear_many_normed,
+                     linear_many_prepermuted, linear_silu, linear_swiglu, shared_perm)
 from .rope import RopeTable
 
 
@@ -151,18 +151,18 @@ class Block(nn.Module):
         a, mlp, n, n1 = self.self_attn, self.mlp, self.post_attention_layernorm, self.input_layernorm
         q, k, v = qkv
         qkv.clear()
-        out = a.attend(q, k, v, ctx, self.layer_idx, cos_sin)
+        out, o_proj = _attend_for_o(a, q, k, v, ctx, self.layer_idx, cos_sin)
         del q, k, v
         # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
         # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
         folds = residual.is_cuda and self._folds()          # the folds' kernels are CUDA's: no checks per layer elsewhere
-        ss = linear_add_ss_(residual, out, a.o_proj) if folds and linear_folds_norm(
+        ss = linear_add_ss_(residual, out, o_proj) if folds and linear_folds_norm(
             residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
         if ss is not None:
             del out
             gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
         else:
-            attn = None if linear_add_(residual, out, a.o_proj) else a.o_proj(out)
+            attn = None if linear_add_(residual, out, o_proj) else o_proj(out)
             del out
             (gate, up), added = _norm_many(n, residual if attn is None else attn, None if attn is None else residual,
                                            (mlp.gate_proj, mlp.up_proj), mlp)
@@ -176,6 +176,28 @@ class Block(nn.Module):
         if ss is not None:
             return None, residual, ss
         return mlp.down(gate, up, residual), residual, None
+
+
+# Devices where the attention kernel stores its output in o_proj's act-order (_attend_for_o): CUDA, under
+# EXL_CORE_ATTN_OUT_ORDER=1 -- off by default until measured on a GPU (written without device time; NOTES.md, session
+# "eleventh").
+ATTN_OUT_ORDER_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_ATTN_OUT_ORDER", "0") == "1" else ()
+
+
+def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor):
+    """(attention's output, the layer that reads it).  Where o_proj has an act-order permutation and the context's
+    kernel can store its output in that order (ctx.attend_rope_ordered, ATTN_OUT_ORDER_DEVICES), the output is
+    already x[..., perm] and the layer o_proj's weight without its permutation (Prepermuted): o reads it without a
+    gather (its staged gather at batch 1, a gather launch at batch decode).  Else attend's output and o_proj."""
+    ordered = getattr(ctx, "attend_rope_ordered", None) if q.device.type in ATTN_OUT_ORDER_DEVICES else None
+    order = input_out_order(a.o_proj, a.num_heads * a.head_dim) if ordered is not None else None
+    if order is not None:
+        t = q.shape[0]
+        out = ordered(layer_idx, q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
+                      v.view(t, a.num_kv_heads, a.head_dim), cos_sin, a.scale, a.window, order)
+        if out is not None:
+            return out, Prepermuted(a.o_proj)
+    return a.attend(q, k, v, ctx, layer_idx, cos_sin), a.o_proj
 
 
 # Devices where the norm writes x in the act-order of the projections after it (_norm_many): CUDA, where their kernels

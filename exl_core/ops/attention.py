@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -149,6 +150,63 @@ def rope_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     return PAGED_ATTENTION(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,   # arguments checked above
                            cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, scale=scale, window=window or None,
                            max_q_len=max_q_len)
+
+
+@dataclass(frozen=True)
+class OutOrder:
+    """Where exl_core::paged_attention_rope stores its output's columns (its out_pos / out_pos2 / out_cols): column c
+    of a row (c = head * D + d) at pos[c], and at pos2[c] too where pos2[c] >= 0; `cols` columns a row.  Made by
+    out_order_for, which checks what the kernel relies on (every entry inside [0, cols), every column written)."""
+    pos: torch.Tensor                  # int32 [Hq * D]
+    pos2: Optional[torch.Tensor]       # int32 [Hq * D], -1 where a column is stored once; None: never twice
+    cols: int
+
+
+def out_order_for(perm: torch.Tensor, width: int, device=None) -> Optional[OutOrder]:
+    """The OutOrder whose stores give y[..., j] = x[..., perm[j]] for every j of perm (a weight's act-order over
+    `width` input columns; perm's length P is its rows, more than width where extra rows read a column again, as
+    formats/uniform4.py writes them), on `device` (perm's by default); None where no store map gives that: a column
+    read more than twice or not at all, or an entry outside [0, width).  Checked on the host: once per weight."""
+    p = perm.detach().to("cpu", torch.int64)
+    cols = p.numel()
+    if p.dim() != 1 or cols < width or cols >= 2 ** 31 or width == 0:
+        return None
+    if int(p.min()) < 0 or int(p.max()) >= width:
+        return None
+    counts = torch.bincount(p, minlength=width)
+    if int(counts.min()) < 1 or int(counts.max()) > 2:
+        return None
+    by_col = torch.argsort(p, stable=True)             # positions j grouped by column, in increasing j
+    first = torch.cumsum(counts, 0) - counts           # where each column's group starts in by_col
+    pos = by_col[first]
+    twice = counts == 2
+    pos2 = torch.where(twice, by_col[(first + 1).clamp(max=cols - 1)], torch.full_like(pos, -1))
+    device = perm.device if device is None else device
+    to = lambda t: t.to(device=device, dtype=torch.int32).contiguous()   # noqa: E731
+    return OutOrder(to(pos), to(pos2) if bool(twice.any()) else None, cols)
+
+
+def rope_paged_attention_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slots: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 seq_lens_k: torch.Tensor, scale: float, window: Optional[int],
+                                 max_q_len: Optional[int], order: OutOrder) -> Optional[torch.Tensor]:
+    """rope_paged_attention's output (T, Hq * D) with its columns where `order` stores them: (T, order.cols), the o
+    projection's input in its act-order (x[..., perm] for the perm out_order_for was given), from the same single
+    launch -- so o reads it without a gather.  None, doing nothing, where that launch would not serve (the caller
+    then runs rope_paged_attention and o gathers)."""
+    _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
+    width = q.shape[1] * q.shape[2]
+    maps = (order.pos,) if order.pos2 is None else (order.pos, order.pos2)
+    if any(m.dtype != torch.int32 or m.shape != (width,) or m.device != q.device or not m.is_contiguous()
+           for m in maps) or not width <= order.cols < 2 ** 31:
+        return None
+    if not _rope_attn_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_table, cu_seqlens_q,
+                              seq_lens_k, scale, window, max_q_len):
+        return None
+    return torch.ops.exl_core.paged_attention_rope(q, k, v, cos_sin, k_cache, v_cache, block_table, cu_seqlens_q,
+                                                   seq_lens_k, float(scale), int(window or 0), order.pos, order.pos2,
+                                                   int(order.cols))
 
 
 def _rope_attn_fusable(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_table, cu_seqlens_q, seq_lens_k,

@@ -83,11 +83,38 @@ int pick_splits(int64_t rows, int64_t hkv, int64_t max_keys, int sms, int* chunk
   return static_cast<int>(splits < 1 ? 1 : splits);
 }
 
-// rope: {k_new, v_new, cos_sin} for paged_attention_rope (checked by it), else empty.
+// The output's column map (OutMap, paged_attention_kernel.cuh): plain where out_pos is undefined, else out_pos /
+// out_pos2 int32 [Hq * D] on q's GPU and out_cols columns.  Their values are the caller's contract (the kernel cannot
+// check them without a host sync): ops/attention.py builds them once from o_proj's permutation and checks them there.
+struct OutOrder {
+  const at::Tensor* pos = nullptr;
+  const at::Tensor* pos2 = nullptr;
+  int64_t cols = 0;
+};
+
+OutMap out_map_of(const char* op, const OutOrder& order, const at::Tensor& q) {
+  const int64_t width = q.size(1) * q.size(2);
+  if (order.pos == nullptr || !order.pos->defined()) return OutMap{nullptr, nullptr, width};
+  for (const at::Tensor* t : {order.pos, order.pos2}) {
+    if (t == nullptr || !t->defined()) continue;
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->numel() == width && t->is_contiguous() &&
+                    t->device() == q.device(),
+                op, ": out_pos and out_pos2 must be contiguous int32 [Hq * D = ", width, "] on q's GPU, got ",
+                t->sizes(), " ", t->scalar_type());
+  }
+  TORCH_CHECK(order.cols >= width && order.cols < (int64_t{1} << 31), op, ": out_cols ", order.cols,
+              " must be at least Hq * D = ", width, " and below 2^31");
+  const bool two = order.pos2 != nullptr && order.pos2->defined();
+  return OutMap{order.pos->data_ptr<int>(), two ? order.pos2->data_ptr<int>() : nullptr, order.cols};
+}
+
+// rope: {k_new, v_new, cos_sin} for paged_attention_rope (checked by it), else empty.  order: the output's columns
+// (plain: (T, Hq, D); with out_pos: (T, out_cols)).
 at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_table_,
                                 const at::Tensor& cu_seqlens_q_, const at::Tensor& seq_lens_k_, double scale,
-                                int64_t window, std::initializer_list<const at::Tensor*> rope = {}) {
+                                int64_t window, std::initializer_list<const at::Tensor*> rope = {},
+                                const OutOrder& order = OutOrder{}) {
   TORCH_CHECK(q_.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
               ": q must be (T, Hq, D) and k/v caches (pages, page_size, Hkv, D), got ", q_.sizes(), ", ",
               k_cache.sizes(), ", ", v_cache.sizes());
@@ -119,8 +146,9 @@ at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::
   const c10::cuda::CUDAGuard guard(q_.device());
   auto q = q_.contiguous();
   if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();   // 16-byte loads of q rows
-  auto out = at::empty_like(q);
+  const OutMap out_map = out_map_of(op, order, q);
   const int64_t rows = q.size(0);
+  auto out = out_map.pos == nullptr ? at::empty_like(q) : at::empty({rows, out_map.cols}, q.options());
   TORCH_CHECK(rows == 0 || S > 0, op, ": ", rows, " query rows but no sequence");
   if (rows == 0) return out;
   auto table = block_table_.contiguous(), cu = cu_seqlens_q_.contiguous(), lens = seq_lens_k_.contiguous();
@@ -135,6 +163,7 @@ at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::
   a.cu_q = cu.data_ptr<int64_t>();
   a.lens = lens.data_ptr<int64_t>();
   a.out = out.data_ptr();
+  a.out_map = out_map;
   a.S = static_cast<int>(S);
   a.W = static_cast<int>(table.size(1));
   a.page = static_cast<int>(k_cache.size(1));
@@ -183,11 +212,11 @@ at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::
     if (q.scalar_type() == at::kHalf)
       exl_pdl::launch_pdl(paged_attention_combine_kernel<__half>, dim3(static_cast<unsigned>(rows * Hq)), dim3(threads),
                           0, stream, dev, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
-                          a.splits, rows * Hq, threads, static_cast<__half*>(a.out));
+                          a.splits, rows * Hq, threads, a.Hq, out_map, static_cast<__half*>(a.out));
     else
       exl_pdl::launch_pdl(paged_attention_combine_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(rows * Hq)),
                           dim3(threads), 0, stream, dev, static_cast<const float*>(a.part_o),
-                          static_cast<const float*>(a.part_ml), a.splits, rows * Hq, threads,
+                          static_cast<const float*>(a.part_ml), a.splits, rows * Hq, threads, a.Hq, out_map,
                           static_cast<__nv_bfloat16*>(a.out));
   }
   return out;
@@ -204,10 +233,13 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, 
 // projections leave them; every sequence has at most one query row (the caller's max_q_len == 1: the kernel cannot
 // check it), at position seq_lens_k - 1, and its key goes to that position's slot in block_table -- the positions and
 // slots rope_kv_write would be given.  Equals rope_kv_write, then paged_attention, bit for bit (tested).
+// out_pos (and out_pos2, out_cols): the output's columns in o_proj's act-order, (T, out_cols) (OutOrder above).
 at::Tensor paged_attention_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
-                                     const at::Tensor& seq_lens_k, double scale, int64_t window) {
+                                     const at::Tensor& seq_lens_k, double scale, int64_t window,
+                                     const c10::optional<at::Tensor>& out_pos,
+                                     const c10::optional<at::Tensor>& out_pos2, int64_t out_cols) {
   const char* op = "exl_core::paged_attention_rope (CUDA)";
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && k_cache.dim() == 4 && k.size(1) == k_cache.size(2),
@@ -221,8 +253,10 @@ at::Tensor paged_attention_rope_cuda(const at::Tensor& q, const at::Tensor& k, c
                   cos_sin.is_contiguous() && cos_sin.device() == q.device() &&
                   reinterpret_cast<uintptr_t>(cos_sin.data_ptr()) % 16 == 0,
               op, ": cos_sin must be contiguous, 16-byte aligned float32 [P, D] on q's GPU");
+  OutOrder order;
+  if (out_pos.has_value()) order = OutOrder{&*out_pos, out_pos2.has_value() ? &*out_pos2 : nullptr, out_cols};
   return paged_attention_impl(op, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window,
-                              {&k, &v, &cos_sin});
+                              {&k, &v, &cos_sin}, order);
 }
 
 int64_t paged_attention_cuda_splits(int64_t rows, int64_t hkv, int64_t max_keys, int64_t device) {
@@ -237,7 +271,8 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("paged_attention_cuda_splits(int rows, int hkv, int max_keys, int device) -> int",
         &paged_attention_cuda_splits);
   m.def("paged_attention_rope(Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor block_table, Tensor cu_seqlens_q, Tensor seq_lens_k, float scale, int window) -> Tensor");
+        "Tensor block_table, Tensor cu_seqlens_q, Tensor seq_lens_k, float scale, int window, Tensor? out_pos=None, "
+        "Tensor? out_pos2=None, int out_cols=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {

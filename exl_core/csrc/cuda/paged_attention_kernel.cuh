@@ -69,6 +69,32 @@ template <typename T> struct Vec {            // 8 elements (16 bytes) <-> fp32
   }
 };
 
+// Where the output's columns go.  Plain (pos nullptr): row r's column c (= head * D + d) at r * cols + c, cols = Hq * D.
+// Permuted (o_proj's act-order, ops/attention.py rope_paged_attention_ordered): at r * cols + pos[c], and also at
+// r * cols + pos2[c] where pos2 has one (>= 0: an extra row of a weight rewritten as uniform 4-bit reads column c
+// again), so the o projection reads its input without a gather.  pos / pos2 are load-time data (no kernel of the
+// step writes them); the host guarantees every entry is inside [0, cols) and that together they cover every column of
+// [0, cols) once.
+struct OutMap {
+  const int* pos;
+  const int* pos2;
+  int64_t cols;
+};
+
+template <typename T>
+__device__ __forceinline__ void store_out(const OutMap& m, T* out, int64_t row, int col, T val) {
+  T* r = out + row * m.cols;
+  if (m.pos == nullptr) {
+    r[col] = val;
+    return;
+  }
+  r[__ldg(m.pos + col)] = val;
+  if (m.pos2 != nullptr) {
+    const int j = __ldg(m.pos2 + col);
+    if (j >= 0) r[j] = val;
+  }
+}
+
 struct Args {
   const void* q;                 // (T, Hq, D)
   const void* k;                 // (P, page, Hkv, D)
@@ -76,7 +102,8 @@ struct Args {
   const int* table;              // (S, W)
   const int64_t* cu_q;           // (S + 1)
   const int64_t* lens;           // (S)
-  void* out;                     // (T, Hq, D), written when splits == 1
+  void* out;                     // (T, Hq, D) through out_map, written when splits == 1 or by the cluster merge
+  OutMap out_map;
   float* part_o;                 // (splits, T, Hq, D) unnormalised sums, splits > 1
   float* part_ml;                // (splits, T, Hq, 2) running max (log2 domain) and sum
   int S, W, page, P, Hq, Hkv, window, chunk, splits;
@@ -391,7 +418,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
     }
     const int64_t head = static_cast<int64_t>(kvh) * gq + g;
     if (a.splits == 1) {
-      static_cast<T*>(a.out)[(row * a.Hq + head) * D + d] = Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f);
+      store_out(a.out_map, static_cast<T*>(a.out), row, static_cast<int>(head * D + d),
+                Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f));
     } else if (a.cluster) {                   // this thread alone reads element (g, d) of every group: reuse group 0's
       sm_acc[0][g][d] = o;
       if (d == 0) {
@@ -426,7 +454,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
           }
         }
         const int64_t head = static_cast<int64_t>(kvh) * gq + g;
-        static_cast<T*>(a.out)[(row * a.Hq + head) * D + d] = Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f);
+        store_out(a.out_map, static_cast<T*>(a.out), row, static_cast<int>(head * D + d),
+                  Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f));
       }
     }
     cl.sync();                                // the other splits keep their shared memory until rank 0 is done
@@ -439,7 +468,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
 // One block of D threads per (row, head): merge the splits' partials.
 template <typename T>
 __global__ void paged_attention_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                               int splits, int64_t rows_heads, int D, T* __restrict__ out) {
+                                               int splits, int64_t rows_heads, int D, int Hq, OutMap out_map,
+                                               T* __restrict__ out) {
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
   const int64_t rh = blockIdx.x;
@@ -455,7 +485,7 @@ __global__ void paged_attention_combine_kernel(const float* __restrict__ part_o,
         o = fmaf(part_o[p * D + d], w, o);
       }
     }
-    out[rh * D + d] = Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f);
+    store_out(out_map, out, rh / Hq, static_cast<int>((rh % Hq) * D + d), Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f));
   }
 }
 
