@@ -135,7 +135,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
   for f in gptq exl2; do
     [ -f "$CK/$f/config.json" ] && [ "$(cat "$CK/$f/.stamp" 2>/dev/null)" = "$stamp" ] && continue
-    rm -rf "${CK:?}/$f" && $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f" && echo "$stamp" >"$CK/$f/.stamp"
+    rm -rf "${CK:?}/$f" && $PY bench/make_7b_checkpoint.py --fmt $f --out "$CK/$f" && echo "$stamp" >"$CK/$f/.stamp" || exit 1
   done ) >"$CKPT_LOG" 2>&1 &
 ck_pid=$!
 
