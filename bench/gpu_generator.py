@@ -1,4 +1,4 @@
-"""What does the library's Generator decode at on a GPU, with and without CUDA graphs?
+"""What does the library's Generator decode at on a GPU, with and without CUDA graphs (and with the lookahead launch)?
 
 bench/gpu_bench.py times the model with its own static contexts; this times the product path
 (`Generator.iterate`, paged cache, sampling, streaming) on the same kind of checkpoint.
@@ -27,8 +27,9 @@ from exl_core.generation.sampling import SamplerSettings  # noqa: E402
 from exl_core.loader import load_model  # noqa: E402
 
 
-def decode_tok_s(model, batch: int, new_tokens: int, graphs: bool) -> float:
-    gen = Generator(model, Cache(model, max_tokens=batch * 512, page_size=256), None, cuda_graphs=graphs)
+def decode_tok_s(model, batch: int, new_tokens: int, graphs: bool, lookahead: bool = False) -> float:
+    gen = Generator(model, Cache(model, max_tokens=batch * 512, page_size=256), None, cuda_graphs=graphs,
+                    lookahead=lookahead)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, model.config.vocab_size, (128,), generator=g).tolist() for _ in range(batch)]
 
@@ -58,10 +59,12 @@ def main() -> None:
     for b in (int(x) for x in a.batches.split(",")):
         eager = decode_tok_s(model, b, a.new_tokens, graphs=False)
         graphed = decode_tok_s(model, b, a.new_tokens, graphs=True)
-        rows.append({"batch": b, "eager_tok_s": eager, "graphs_tok_s": graphed, "speedup": graphed / eager})
+        ahead = decode_tok_s(model, b, a.new_tokens, graphs=True, lookahead=True)
+        rows.append({"batch": b, "eager_tok_s": eager, "graphs_tok_s": graphed, "speedup": graphed / eager,
+                     "graphs_lookahead_tok_s": ahead, "lookahead_ratio": ahead / graphed})
         print_table(rows[-1:], list(rows[-1]))
     print()
-    print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup"])
+    print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup", "graphs_lookahead_tok_s", "lookahead_ratio"])
     path = write_results("gpu_generator", {"model": str(a.model), "config_layers": model.config.num_hidden_layers,
                                            "new_tokens": a.new_tokens, "prompt_tokens": 128, "rows": rows})
     if os.environ.get("OUT"):

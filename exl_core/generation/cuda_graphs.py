@@ -101,9 +101,12 @@ class GraphedDecoder:
         adapters change weights and per-row plans the recorded kernels would not see)."""
         return 0 < len(lens) <= self.max_batch and all(n == 1 for n in lens) and all(wants_logits)
 
-    def run(self, ids: list[int], tables: Sequence[PageTable]) -> torch.Tensor:
+    def run(self, ids: list[int], tables: Sequence[PageTable], device_ids: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
         """Logits (S, vocab) of this decode step (one new token per table, its page already taken
-        by Cache.prepare); valid until the next call."""
+        by Cache.prepare); valid until the next call.  device_ids: the step's ids as an int64 [S] tensor on the
+        cache's device (the sampler's output: lookahead.py), copied into the graph's input on the device after
+        `ids` -- then placeholders -- went in with the rest."""
         s, w = len(ids), table_width(tables)
         width = -(-w // self.bucket) * self.bucket
         key = (s, width)
@@ -112,6 +115,8 @@ class GraphedDecoder:
         if fresh:
             e = self._entries[key] = _Entry(StaticDecodeContext(self.cache, s, width, self.num_positions))
         e.ctx.fill(ids, tables)
+        if device_ids is not None:
+            e.ctx.ids.copy_(device_ids)          # the fill's copy is queued before it, on the same stream
         if not self.capture:
             return self.model.forward(e.ctx.ids, e.ctx)
         if fresh:

@@ -11,6 +11,7 @@ The generator never touches the cache's tensors; it hands page tables to `Cache.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from ..errors import InputError
 from ..model.lora import lora_manager, lora_rows
 from .job import Job, JobResult
+from .lookahead import Lookahead
 from .sampling import SamplerSettings, sample_batch
 from .scheduler import Scheduler
 from .streaming import TextStream
@@ -33,14 +35,19 @@ class GeneratorStats:
     reused_tokens: int = 0         # prompt positions served from the prefix index instead
     generated_tokens: int = 0
     jobs_finished: int = 0
+    lookahead_used: int = 0        # decode steps launched before the previous step's tokens reached the host
+    lookahead_dropped: int = 0     # such steps no plan matched (a job ended or joined): run again
 
 
 class Generator:
     def __init__(self, model, cache, tokenizer=None, max_batch_tokens: int = 2048, max_chunk_size: int = 512,
                  max_batch_size: int = 256, prefix_reuse: bool = True, draft_model=None, draft_cache=None,
-                 num_draft_tokens: int = 4, ngram_draft: bool = False, cuda_graphs: Optional[bool] = None):
+                 num_draft_tokens: int = 4, ngram_draft: bool = False, cuda_graphs: Optional[bool] = None,
+                 lookahead: Optional[bool] = None):
         """`cuda_graphs`: replay decode steps from CUDA graphs (cuda_graphs.py); default: on when
-        the model is on a CUDA device."""
+        the model is on a CUDA device.  `lookahead`: with graphs (and no speculative decoding), launch the next
+        decode step before this step's tokens reach the host, so the host's per-step work overlaps the GPU's
+        (lookahead.py; the same tokens); default: EXL_CORE_GEN_LOOKAHEAD=1 -- off until measured on a GPU."""
         if cache.model is not model:
             raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
         # speculative decoding (speculative.py): a draft model or n-gram lookup proposes tokens
@@ -68,6 +75,9 @@ class Generator:
         if cuda_graphs or (cuda_graphs is None and torch.device(model.device).type == "cuda"):
             from .cuda_graphs import GraphedDecoder
             self.graphs = GraphedDecoder(model, cache)
+        if lookahead is None:
+            lookahead = os.environ.get("EXL_CORE_GEN_LOOKAHEAD", "0") == "1"
+        self.lookahead = Lookahead(self) if lookahead and self.graphs is not None and self.spec is None else None
 
     # -- queue ------------------------------------------------------------------------------
     def enqueue(self, job: Union[Job, Sequence[Job]]) -> Union[Job, list[Job]]:
@@ -153,7 +163,10 @@ class Generator:
                     rows.append(r)
             dev = self.model.device
             tables = [i.job.table for i in plan.items]
-            if self.graphs is not None and lora_manager(self.model) is None and \
+            logits = self.lookahead.take(plan) if self.lookahead is not None else None
+            if logits is not None:
+                pass                                     # launched last step (lookahead.py): this very plan
+            elif self.graphs is not None and lora_manager(self.model) is None and \
                     self.graphs.accepts(lens, [i.wants_logits for i in plan.items]):
                 self.cache.prepare(tables, lens)
                 logits = self.graphs.run(ids, tables)                                         # (S, V)
@@ -207,9 +220,12 @@ class Generator:
                            [j.prompt_len for j in js])
         try:
             tok, lp = sample_batch(logits, *args(jobs))
-            return list(zip(tok.tolist(), lp.tolist()))
         except Exception:   # noqa: BLE001 - find the failing rows below
             pass
+        else:
+            if self.lookahead is not None:       # may launch the next step before reading these
+                return list(zip(*self.lookahead.draw(jobs, tok, lp)))
+            return list(zip(tok.tolist(), lp.tolist()))
         out = []
         for r, job in enumerate(jobs):
             try:
