@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from exl_core.cache import Cache
 from exl_core.generation import Generator, Job
@@ -147,3 +148,47 @@ def test_off_without_graphs_or_with_speculative_decoding(model):
     g = Generator(model, Cache(model, max_tokens=256), cuda_graphs=True, lookahead=True, ngram_draft=True)
     assert g.lookahead is None
     assert Generator(model, Cache(model, max_tokens=256), cuda_graphs=True).lookahead is None    # default: off
+
+
+def test_a_row_that_cannot_be_sampled_after_the_launch_ends_only_its_job(model):
+    """The greedy sampler's row check is read with the ids, after the next step was launched
+    (sampling.sample_batch_unchecked): a NaN row found then drops that step, cancels its job and raises, as
+    without the lookahead; the other jobs go on with the same tokens."""
+    from exl_core.errors import InputError
+    prompts = _prompts(7)
+
+    def nan_at_5(ids, row):
+        if len(ids) - 19 == 5:                      # the third job's sixth new token
+            row.fill_(float("nan"))
+
+    def run(lookahead):
+        gen = Generator(model, Cache(model, max_tokens=4096, page_size=16), None, max_batch_tokens=256,
+                        max_chunk_size=64, cuda_graphs=True, lookahead=lookahead)
+        jobs = gen.enqueue([Job(p, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False,
+                                token_filter=nan_at_5 if i == 2 else None) for i, p in enumerate(prompts)])
+        raised = 0
+        while gen.has_work():
+            try:
+                gen.iterate()
+            except InputError as e:
+                assert "NaN" in str(e)
+                raised += 1
+        return [(j.generated, j.finish_reason) for j in jobs], raised, gen.stats
+    plain, raised_plain, _ = run(False)
+    ahead, raised_ahead, stats = run(True)
+    assert raised_plain == raised_ahead == 1
+    assert ahead == plain and plain[2] == (plain[2][0], "cancelled") and len(plain[2][0]) == 5
+    assert stats.lookahead_dropped >= 1
+
+
+def test_unchecked_sampler_returns_what_sample_batch_does():
+    from exl_core.generation.sampling import sample_batch, sample_batch_unchecked
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    ids, lp, m = sample_batch_unchecked(logits.clone(), GREEDY)
+    ref_ids, ref_lp = sample_batch(logits.clone(), GREEDY)
+    assert torch.equal(ids, ref_ids) and torch.equal(lp, ref_lp) and torch.equal(m, logits.amax(1))
+    hot = SamplerSettings(temperature=0.7)
+    ids, lp, m = sample_batch_unchecked(logits.clone(), hot, rngs=[torch.Generator().manual_seed(i) for i in range(4)])
+    ref_ids, ref_lp = sample_batch(logits.clone(), hot, rngs=[torch.Generator().manual_seed(i) for i in range(4)])
+    assert m is None and torch.equal(ids, ref_ids) and torch.equal(lp, ref_lp)     # checked by sample_batch

@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..model.lora import lora_manager, lora_rows
 from .job import Job, JobResult
 from .lookahead import Lookahead
-from .sampling import SamplerSettings, sample_batch
+from .sampling import SamplerSettings, sample_batch, sample_batch_unchecked
 from .scheduler import Scheduler
 from .streaming import TextStream
 
@@ -219,13 +219,12 @@ class Generator:
         args = lambda js: ([j.sampler for j in js], [j.tokens for j in js], [j.rng for j in js],  # noqa: E731
                            [j.prompt_len for j in js])
         try:
+            if self.lookahead is not None:       # may launch the next step before reading (and checking) these
+                return list(zip(*self.lookahead.draw(jobs, *sample_batch_unchecked(logits, *args(jobs)))))
             tok, lp = sample_batch(logits, *args(jobs))
+            return list(zip(tok.tolist(), lp.tolist()))
         except Exception:   # noqa: BLE001 - find the failing rows below
             pass
-        else:
-            if self.lookahead is not None:       # may launch the next step before reading these
-                return list(zip(*self.lookahead.draw(jobs, tok, lp)))
-            return list(zip(tok.tolist(), lp.tolist()))
         out = []
         for r, job in enumerate(jobs):
             try:

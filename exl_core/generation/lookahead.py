@@ -25,12 +25,14 @@ from typing import Optional
 
 import torch
 
+from .logprobs import check_row_max
+
 
 class Lookahead:
     def __init__(self, generator):
         self.gen = generator
         self._pending: Optional[tuple] = None      # (jobs, their positions, their tokens, logits) of a launched step
-        self._pinned: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._pinned: Optional[tuple[torch.Tensor, ...]] = None     # host ids, logprobs, row maxima
 
     def take(self, plan) -> Optional[torch.Tensor]:
         """The logits of the step launched last time, where `plan` is exactly that step; else None (and the step is
@@ -48,12 +50,18 @@ class Lookahead:
         self.gen.stats.lookahead_used += 1
         return logits
 
-    def draw(self, jobs: list, tok: torch.Tensor, lp: torch.Tensor) -> tuple[list[int], list[float]]:
+    def draw(self, jobs: list, tok: torch.Tensor, lp: torch.Tensor, row_max: Optional[torch.Tensor] = None
+             ) -> tuple[list[int], list[float]]:
         """This step's sampled ids and logprobs as host lists; where the batch decodes again as it is, the next step
-        is launched first (module docstring)."""
+        is launched first (module docstring).  row_max: the sampler's row maxima still to be checked
+        (sampling.sample_batch_unchecked), read with the ids -- so the launch need not wait for this step's logits
+        -- and checked before anything is returned; its error (NaN logits, a row with nothing to sample) drops the
+        launched step and is raised as sample_batch would have."""
         if not self._continues(jobs):
+            if row_max is not None:
+                check_row_max(row_max)
             return tok.tolist(), lp.tolist()
-        read = self._to_host(tok, lp)              # queued before the launch: reading it does not wait for the step
+        read = self._to_host(tok, lp, row_max)     # queued before the launch: reading it does not wait for the step
         gen = self.gen
         tables = [j.table for j in jobs]
         gen.cache.prepare(tables, [1] * len(jobs))
@@ -62,9 +70,17 @@ class Lookahead:
         except Exception as e:   # noqa: BLE001 - this step's tokens must still be read and accepted
             warnings.warn(f"Generator: the lookahead launch failed ({e!r}); decoding without it from now on")
             gen.lookahead = None
-            return read()
-        toks, lps = read()
-        self._pending = (list(jobs), [j.fed for j in jobs], toks, logits)
+            logits = None
+        toks, lps, maxes = read()
+        if maxes is not None:
+            try:
+                check_row_max(maxes)
+            except Exception:
+                if logits is not None:
+                    gen.stats.lookahead_dropped += 1
+                raise
+        if logits is not None:
+            self._pending = (list(jobs), [j.fed for j in jobs], toks, logits)
         return toks, lps
 
     def _continues(self, jobs: list) -> bool:
@@ -77,23 +93,27 @@ class Lookahead:
                 and all(j.status == "active" and len(j.generated) + 1 < j.limit for j in jobs)
                 and gen.graphs.accepts([1] * n, [True] * n) and lora_manager(gen.model) is None)
 
-    def _to_host(self, tok: torch.Tensor, lp: torch.Tensor):
-        """A function returning (tok, lp) as lists, their device-to-host copy queued now."""
+    def _to_host(self, tok: torch.Tensor, lp: torch.Tensor, row_max: Optional[torch.Tensor]):
+        """A function returning (tok list, lp list, row_max on the host or None), their device-to-host copy queued
+        now."""
         if not tok.is_cuda:
-            return lambda: (tok.tolist(), lp.tolist())
+            return lambda: (tok.tolist(), lp.tolist(), row_max)
         n = tok.numel()
         if self._pinned is None or self._pinned[0].numel() < n:
             size = max(n, 64)
             self._pinned = (torch.empty(size, dtype=torch.int64, pin_memory=True),
+                            torch.empty(size, dtype=torch.float32, pin_memory=True),
                             torch.empty(size, dtype=torch.float32, pin_memory=True))
-        ht, hl = self._pinned[0][:n], self._pinned[1][:n]
+        ht, hl, hm = (b[:n] for b in self._pinned)
         with torch.cuda.device(tok.device):
             ht.copy_(tok, non_blocking=True)
             hl.copy_(lp, non_blocking=True)
+            if row_max is not None:
+                hm.copy_(row_max, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
 
         def read():
             done.synchronize()
-            return ht.tolist(), hl.tolist()
+            return ht.tolist(), hl.tolist(), None if row_max is None else hm
         return read

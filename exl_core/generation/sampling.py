@@ -488,12 +488,13 @@ def _uniform(rng: Optional[torch.Generator]) -> float:
     return float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device))
 
 
-def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def _plain_greedy(logits, settings, histories, rngs, prompt_lens, checked: bool = True) -> Optional[tuple]:
     """sample_batch's result for the common decode case, every row greedy with no bias, ban or
     penalty (steps 1-3 change nothing), or None. Same checks and same answer as the general
     path without its float64 copy of the logits: argmax of the exactly widened values is the
     argmax of the originals (first max on ties either way), and one max serves the NaN/+inf
-    check, the all -inf check and the logprob."""
+    check, the all -inf check and the logprob.  checked=False: (ids, logprobs, row maxima), the
+    check left to the caller (sample_batch_unchecked)."""
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.dtype == torch.float32):
         return None
     B, V = logits.shape
@@ -512,14 +513,30 @@ def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tu
         s.validate(V)
     if native_lse(logits):
         ids, _, m, logprobs = torch.ops.exl_core.greedy_pick(logits)  # argmax and lse: two C++ passes
+        if not checked:
+            return ids, logprobs, m
         check_row_max(m)
         return ids, logprobs                                          # = chosen_logprobs(logits, ids, lse)
     m = logits.amax(dim=1)                                            # [B]
-    check_row_max(m)
+    if checked:
+        check_row_max(m)
     ids = logits.argmax(dim=1)
-    m = m[:, None]
-    lse = m + (logits - m).exp_().sum(dim=1, keepdim=True).log_()     # lse_rows with the max known
-    return ids, (logits.gather(1, ids[:, None]) - lse).squeeze(1)
+    mc = m[:, None]
+    lse = mc + (logits - mc).exp_().sum(dim=1, keepdim=True).log_()   # lse_rows with the max known
+    lp = (logits.gather(1, ids[:, None]) - lse).squeeze(1)
+    return (ids, lp) if checked else (ids, lp, m)
+
+
+def sample_batch_unchecked(logits: torch.Tensor, settings, histories=None, rngs=None, prompt_lens=None
+                           ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """sample_batch's (ids, logprobs) and, where its common greedy path would read the row maxima back to check them
+    (a wait for the device), those maxima unchecked: the caller passes them to logprobs.check_row_max once it reads
+    the ids (generation/lookahead.py reads them together and launches the next step before that).  Elsewhere the
+    maxima are None: sample_batch checked."""
+    fast = _plain_greedy(logits, settings, histories, rngs, prompt_lens, checked=False)
+    if fast is not None:
+        return fast
+    return (*sample_batch(logits, settings, histories, rngs, prompt_lens), None)
 
 
 def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence[SamplerSettings]],
