@@ -19,6 +19,21 @@ from exl_core.loader import load_model
 GREEDY = SamplerSettings(temperature=0.0)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_output_buffers(monkeypatch):
+    """A recorded graph writes its logits into one buffer per shape, which the next replay overwrites; the CPU's
+    eager static context returns a new tensor each step.  Every test here runs with the graph's behaviour, so a
+    read of the logits after the next step's launch shows."""
+    from exl_core.generation.cuda_graphs import GraphedDecoder
+    real, buffers = GraphedDecoder.run, {}
+
+    def run(self, ids, tables, device_ids=None):
+        out = real(self, ids, tables, device_ids)
+        buf = buffers.setdefault((id(self), tuple(out.shape)), torch.empty_like(out))
+        return buf.copy_(out)
+    monkeypatch.setattr(GraphedDecoder, "run", run)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
     folder = tiny_model_factory("llama", seed=12, vocab_size=500, num_attention_heads=4, num_key_value_heads=2)

@@ -219,17 +219,26 @@ class Generator:
         args = lambda js: ([j.sampler for j in js], [j.tokens for j in js], [j.rng for j in js],  # noqa: E731
                            [j.prompt_len for j in js])
         try:
-            if self.lookahead is not None:       # may launch the next step before reading (and checking) these
-                return list(zip(*self.lookahead.draw(jobs, *sample_batch_unchecked(logits, *args(jobs)))))
-            tok, lp = sample_batch(logits, *args(jobs))
-            return list(zip(tok.tolist(), lp.tolist()))
+            if self.lookahead is None:
+                tok, lp = sample_batch(logits, *args(jobs))
+                return list(zip(tok.tolist(), lp.tolist()))
+            # may launch the next step before reading (and checking) these
+            toks, lps, bad = self.lookahead.draw(jobs, *sample_batch_unchecked(logits, *args(jobs)))
+            if bad is None:
+                return list(zip(toks, lps))
+
+            def row(r, job):                     # the next step ran: `logits` may hold its values; keep what was read
+                if bad[r] is not None:
+                    raise bad[r]
+                return toks[r], lps[r]
         except Exception:   # noqa: BLE001 - find the failing rows below
-            pass
+            def row(r, job):
+                tok, lp = sample_batch(logits[r:r + 1], *args([job]))
+                return int(tok[0]), float(lp[0])
         out = []
         for r, job in enumerate(jobs):
             try:
-                tok, lp = sample_batch(logits[r:r + 1], *args([job]))
-                out.append((int(tok[0]), float(lp[0])))
+                out.append(row(r, job))
             except Exception as e:
                 errors.append(e)
                 if job.status != "done":

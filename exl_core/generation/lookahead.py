@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ..model.lora import lora_manager
 from .logprobs import check_row_max
 
 
@@ -42,7 +43,7 @@ class Lookahead:
             return None
         jobs, starts, tokens, logits = pending
         items = plan.items
-        if len(items) != len(jobs) or any(
+        if len(items) != len(jobs) or lora_manager(self.gen.model) is not None or any(
                 i.job is not j or i.start != s or i.tokens != [t] or not i.wants_logits
                 for i, j, s, t in zip(items, jobs, starts, tokens)):
             self.gen.stats.lookahead_dropped += 1
@@ -51,16 +52,17 @@ class Lookahead:
         return logits
 
     def draw(self, jobs: list, tok: torch.Tensor, lp: torch.Tensor, row_max: Optional[torch.Tensor] = None
-             ) -> tuple[list[int], list[float]]:
-        """This step's sampled ids and logprobs as host lists; where the batch decodes again as it is, the next step
-        is launched first (module docstring).  row_max: the sampler's row maxima still to be checked
-        (sampling.sample_batch_unchecked), read with the ids -- so the launch need not wait for this step's logits
-        -- and checked before anything is returned; its error (NaN logits, a row with nothing to sample) drops the
-        launched step and is raised as sample_batch would have."""
+             ) -> tuple[list[int], list[float], Optional[list]]:
+        """(this step's sampled ids, their logprobs, None) as host lists; where the batch decodes again as it is, the
+        next step is launched first (module docstring).  row_max: the sampler's row maxima still to be checked
+        (sampling.sample_batch_unchecked), read with the ids -- so the launch need not wait for this step's logits.
+        Without a launch a failed check raises here, as sample_batch would.  After one the logits buffer may hold the
+        next step's values already, so nothing may be sampled again: the launched step is dropped and the third item
+        is, per row, the error sample_batch would raise for that row alone, or None (the row's values stand)."""
         if not self._continues(jobs):
             if row_max is not None:
                 check_row_max(row_max)
-            return tok.tolist(), lp.tolist()
+            return tok.tolist(), lp.tolist(), None
         read = self._to_host(tok, lp, row_max)     # queued before the launch: reading it does not wait for the step
         gen = self.gen
         tables = [j.table for j in jobs]
@@ -72,21 +74,16 @@ class Lookahead:
             gen.lookahead = None
             logits = None
         toks, lps, maxes = read()
-        if maxes is not None:
-            try:
-                check_row_max(maxes)
-            except Exception:
-                if logits is not None:
-                    gen.stats.lookahead_dropped += 1
-                raise
-        if logits is not None:
+        bad = None if maxes is None else _row_errors(maxes)
+        if bad is not None and logits is not None:  # the launched step was fed a row that cannot be sampled
+            gen.stats.lookahead_dropped += 1
+        elif logits is not None:
             self._pending = (list(jobs), [j.fed for j in jobs], toks, logits)
-        return toks, lps
+        return toks, lps, bad
 
     def _continues(self, jobs: list) -> bool:
         """Whether the next plan will be these jobs, one decode token each, through a graph: every active job
         sampled now (so none is prefilling), none at its last token, nobody waiting, a shape the graphs take."""
-        from ..model.lora import lora_manager
         gen = self.gen
         n = len(jobs)
         return (n == len(gen.active) and not gen.waiting and all(a is b for a, b in zip(jobs, gen.active))
@@ -117,3 +114,16 @@ class Lookahead:
             done.synchronize()
             return ht.tolist(), hl.tolist(), None if row_max is None else hm
         return read
+
+
+def _row_errors(maxes: torch.Tensor) -> Optional[list]:
+    """Per row, the error check_row_max raises for that row alone (sample_batch's message for a one-row batch), or
+    None; None for all rows fine."""
+    errors = []
+    for r in range(maxes.numel()):
+        try:
+            check_row_max(maxes[r:r + 1])
+            errors.append(None)
+        except Exception as e:   # noqa: BLE001 - kept for the row's job
+            errors.append(e)
+    return errors if any(e is not None for e in errors) else None

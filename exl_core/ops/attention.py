@@ -413,8 +413,9 @@ def _register_fakes() -> None:
             return torch.empty_like(q)
     if has_op("paged_attention_rope"):
         @torch.library.register_fake("exl_core::paged_attention_rope")
-        def _(q, k, v, cos_sin, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window):
-            return torch.empty_like(q)
+        def _(q, k, v, cos_sin, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window,
+              out_pos=None, out_pos2=None, out_cols=0):
+            return torch.empty_like(q) if out_pos is None else q.new_empty(q.shape[0], out_cols)
 
 
 _register_fakes()
