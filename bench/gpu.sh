@@ -37,6 +37,7 @@
 # split); bench, spec, gen and probe write the checkpoints first when missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+OUT_GIVEN=${OUT:+1}         # a fresh folder of this call's files (the device tool's $OUT), not bench/results
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: every phase's log goes to one file (the JSONs,
@@ -319,4 +320,8 @@ if has exlv2; then    # the peer on the same checkpoints: ExLlamaV2 0.3.2 (its w
     ${EXLV2_ARGS:---gptq $CK/gptq --exl2 $CK/exl2 --gptq-no-gidx $CK/gptq} --ours "$OUT/gpu_h200.json" \
     --ours-generator "$OUT/gpu_generator.json" 2>&1 \
     | tee -a "$LOG" | tail -16
+fi
+# Same-call ratios of every A/B run this call wrote to $OUT against its default run (bench/ab_table.py)
+if [ -n "$OUT_GIVEN" ] && [ -f "$OUT/gpu_h200.json" ] && ls "$OUT"/gpu_h200_*.json >/dev/null 2>&1; then
+  $PY bench/ab_table.py "$OUT/gpu_h200.json" "$OUT"/gpu_h200_*.json 2>&1 | tee -a "$LOG"
 fi
