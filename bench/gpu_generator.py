@@ -1,7 +1,8 @@
 """What does the library's Generator decode at on a GPU, with and without CUDA graphs (and with the lookahead launch)?
 
 bench/gpu_bench.py times the model with its own static contexts; this times the product path
-(`Generator.iterate`, paged cache, sampling, streaming) on the same kind of checkpoint.
+(`Generator.iterate`, paged cache, sampling, streaming) on the same kind of checkpoint: decode at each batch size, and
+a 2,048-token prompt's prefill until its first token (512-token chunks, the default, and one chunk).
 
     python bench/gpu_generator.py --model /tmp/exl_bench/gptq [--new-tokens 64] [--batches 1,8]
 
@@ -48,6 +49,29 @@ def decode_tok_s(model, batch: int, new_tokens: int, graphs: bool, lookahead: bo
     return run(new_tokens)
 
 
+def prompt_tok_s(model, tokens: int, chunk: int) -> float:
+    """A fresh `tokens`-token prompt through the Generator until its first sampled token (the paged cache's
+    prefill: `chunk`-token chunks), tok/s of prompt; best of 3 after a warm-up (bench/gpu_bench.py's prompt2048 times
+    the model's forward over its own contiguous cache)."""
+    gen = Generator(model, Cache(model, max_tokens=tokens + 64, page_size=256), None,
+                    max_batch_tokens=max(2048, chunk), max_chunk_size=chunk)
+    g = torch.Generator().manual_seed(tokens + chunk)
+    best = 0.0
+    for i in range(4):
+        ids = torch.randint(100, model.config.vocab_size, (tokens,), generator=g).tolist()   # no prefix reuse
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        job = gen.enqueue(Job(ids, max_new_tokens=1, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False))
+        while not job.generated:
+            gen.iterate()
+        torch.cuda.synchronize()
+        if i:                                        # the first pass warms kernels and the allocator
+            best = max(best, tokens / (time.perf_counter() - t0))
+        while gen.has_work():
+            gen.iterate()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -65,8 +89,11 @@ def main() -> None:
         print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup", "graphs_lookahead_tok_s", "lookahead_ratio"])
+    prompts = [{"prompt_tokens": 2048, "chunk": c, "prompt_tok_s": prompt_tok_s(model, 2048, c)} for c in (512, 2048)]
+    print_table(prompts, ["prompt_tokens", "chunk", "prompt_tok_s"])
     path = write_results("gpu_generator", {"model": str(a.model), "config_layers": model.config.num_hidden_layers,
-                                           "new_tokens": a.new_tokens, "prompt_tokens": 128, "rows": rows})
+                                           "new_tokens": a.new_tokens, "prompt_tokens": 128, "rows": rows,
+                                           "prompts": prompts})
     if os.environ.get("OUT"):
         shutil.copy(path, os.environ["OUT"])
 
