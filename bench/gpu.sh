@@ -148,9 +148,9 @@ if has tests; then
     >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
-  # the newest kernel's tests in a process of their own: a crash there cannot hide the results above
+  # the newest kernels' and paths' tests in a process of their own: a crash there cannot hide the results above
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_paged_attention.py \
-    tests/test_cuda_attn_out_order.py >>"$OUT/cuda_tests.txt" 2>&1
+    tests/test_cuda_attn_out_order.py tests/test_cuda_lookahead.py >>"$OUT/cuda_tests.txt" 2>&1
   echo "paged attention tests (rc $?):"; tail -1 "$OUT/cuda_tests.txt"
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | tail -10
 fi
