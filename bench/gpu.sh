@@ -12,9 +12,9 @@
 # Compute: the second layer's o and gate/up, and EXL2-like q/k/v and o; a per-instruction SASS CSV of the q/k/v), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), widetiles (GPTQ graph decode with
-# EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), u4exl2 (EXL2 graph decode and prompt
-# with EXL_CORE_EXL2_AS_U4=1: mixed widths as uniform 4-bit rows), attnorder (EXL2 with EXL_CORE_ATTN_OUT_ORDER=1: the
-# decode attention stores o_proj's input in its act-order), u4attnorder (EXL2 with both), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
+# EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), nou4 (EXL2 on the
+# mixed-width kernels), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
+# genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
 # EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), noearlyw (both formats with
@@ -130,7 +130,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has u4exl2 || has attnorder || has u4attnorder || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -208,17 +208,20 @@ for kw in 4 8 16; do   # A/B: staged 1..8-row kslice launches with more tiles th
   has wavekw$kw && EXL_CORE_KSLICE_WAVE_KW=$kw timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" \
     --exl2 "$CK/exl2" --quick --json "$OUT/gpu_h200_wavekw$kw.json" 2>&1 | tee -a "$LOG" | tail -14
 done
-if has u4exl2; then   # A/B: EXL2 with EXL_CORE_EXL2_AS_U4=1 (mixed widths rewritten as uniform 4-bit rows at load, formats.uniform4)
-  EXL_CORE_EXL2_AS_U4=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
-    --json "$OUT/gpu_h200_exl2u4.json" 2>&1 | tee -a "$LOG" | tail -14
+if has nou4; then      # A/B: EXL2 on the mixed-width kernels (EXL_CORE_EXL2_AS_U4=0: not rewritten as uniform 4-bit rows)
+  EXL_CORE_EXL2_AS_U4=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+    --json "$OUT/gpu_h200_nou4.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has attnorder; then  # A/B: the attention kernel stores o_proj's input in its act-order (EXL_CORE_ATTN_OUT_ORDER=1)
-  EXL_CORE_ATTN_OUT_ORDER=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
-    --json "$OUT/gpu_h200_attnorder.json" 2>&1 | tee -a "$LOG" | tail -14
+if has genprefill; then  # where the Generator's chunked prefill goes (host syncs, time per chunk, profiler tables)
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/gen_prefill_probe.py --model "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -70
 fi
-if has u4attnorder; then  # A/B: both of the above (o rewritten as uniform 4-bit rows reads the extended order)
-  EXL_CORE_EXL2_AS_U4=1 EXL_CORE_ATTN_OUT_ORDER=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
-    --quick --json "$OUT/gpu_h200_exl2u4_attnorder.json" 2>&1 | tee -a "$LOG" | tail -14
+if has noattnorder; then  # A/B: o gathers its input itself (EXL_CORE_ATTN_OUT_ORDER=0), not the attention storing it
+  EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+    --json "$OUT/gpu_h200_noattnorder.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has oldexl2; then  # A/B: EXL2 as stop 29 ran it: mixed-width kernels, o gathering (both switches of stop 30 off)
+  EXL_CORE_EXL2_AS_U4=0 EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
+    --quick --json "$OUT/gpu_h200_oldexl2.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has kvhtd; then    # A/B: the bench's K/V cache as (B, Hkv, T, D) instead of (B, T, Hkv, D)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick --kv-layout htd \

@@ -156,7 +156,7 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     share_input_perms(model)
     fold_down_perms(model)
     model = model.to(device).eval()
-    if torch.device(device).type == "cuda" and os.environ.get("EXL_CORE_EXL2_AS_U4", "0") == "1":
+    if torch.device(device).type == "cuda" and os.environ.get("EXL_CORE_EXL2_AS_U4", "1") != "0":
         as_uniform4_weights(model)
     set_activations(model, activations)
     set_prefill(model, prefill)
@@ -189,9 +189,10 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
     """Rewrites every packed projection that is not uniform 4-bit (EXL2's mixed widths) as uniform 4-bit rows
     (formats.uniform4: exact; 5..8-bit values take a second row) where that grows it by at most max_growth, so the
     GPU runs it on the 4-bit decode kernels instead of the mixed-width ones.  Returns how many it rewrote.
-    load_model calls it for CUDA models under EXL_CORE_EXL2_AS_U4=1 -- off by default until it is measured on a
-    GPU: written after stop 26's device time was spent, its kernels' host code only compile-checked
-    (exl_core/csrc/cuda/NOTES.md, session "seventh")."""
+    load_model calls it for CUDA models (EXL_CORE_EXL2_AS_U4=0: not).  H200, 7B-shaped EXL2 4.0 bpw, same call (stop
+    30 call 1), with the attention storing o's input in its order: decode 1.1584x / 1.0821x / 1.0752x at batch 1 / 8 /
+    32, the 2,048-token prompt 0.9516x (its GEMMs run over the extra rows); a merged LoRA adapter is re-quantized in
+    the file's layout and rewritten again (model/lora.py requantize_like)."""
     n = 0
     for _, layer in model.linear_layers():
         if type(layer) is QuantLinear and layer.is_quantized:

@@ -11,6 +11,11 @@ import torch
 
 from exl_core.testing import make_tiny_model, tiny_config_kwargs  # noqa: F401  (re-exported for tests)
 
+# The CUDA tests exercise the mixed-width kernels on the EXL2 models they load: the loader's default rewrite of EXL2 as
+# uniform 4-bit rows on CUDA (loader.as_uniform4_weights) is off here unless a test turns it on
+# (tests/test_cuda_uniform4.py checks the default; the rewrite's tests call as_uniform4_weights themselves).
+os.environ.setdefault("EXL_CORE_EXL2_AS_U4", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()

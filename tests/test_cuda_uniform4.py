@@ -89,3 +89,20 @@ def test_uniform4_rows_silu_down(M):
     assert _kslice_ok(M, [uc], gate.cuda().device, one_wave=False)      # the fused launch, not silu_mul + matmul
     y = qmatmul_silu(gate.cuda(), up.cuda(), uc)
     assert rel_err(y, ref) < 3e-3
+
+
+def test_loader_rewrites_mixed_widths_on_cuda_by_default(exl2_act_order_dir, monkeypatch):
+    """load_model on CUDA rewrites EXL2's mixed widths as uniform 4-bit rows unless EXL_CORE_EXL2_AS_U4=0 (the tests'
+    conftest sets 0 so that the other CUDA tests run the mixed-width kernels); the logits agree within fp16 rounding."""
+    _need_kernels()
+    from exl_core.loader import load_model
+    monkeypatch.delenv("EXL_CORE_EXL2_AS_U4", raising=False)
+    rewritten = load_model(exl2_act_order_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    monkeypatch.setenv("EXL_CORE_EXL2_AS_U4", "0")
+    plain = load_model(exl2_act_order_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    assert any(m.packed.rows is not None for _, m in rewritten.linear_layers() if m.is_quantized)
+    assert all(m.packed.rows is None for _, m in plain.linear_layers() if m.is_quantized)
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.inference_mode():
+        a, b = rewritten.forward_batch(ids).double(), plain.forward_batch(ids).double()
+    assert float((a - b).norm() / b.norm()) < 2e-3

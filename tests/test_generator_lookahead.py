@@ -162,7 +162,7 @@ def test_off_without_graphs_or_with_speculative_decoding(model):
     assert Generator(model, Cache(model, max_tokens=256), lookahead=True).lookahead is None      # CPU: no graphs
     g = Generator(model, Cache(model, max_tokens=256), cuda_graphs=True, lookahead=True, ngram_draft=True)
     assert g.lookahead is None
-    assert Generator(model, Cache(model, max_tokens=256), cuda_graphs=True).lookahead is None    # default: off
+    assert Generator(model, Cache(model, max_tokens=256), cuda_graphs=True).lookahead is not None   # default: on
 
 
 def test_a_row_that_cannot_be_sampled_after_the_launch_ends_only_its_job(model):

@@ -240,3 +240,24 @@ def test_generator_jobs_with_different_adapters_match_running_alone(tiny_llama_d
     with pytest.raises(LoraError, match="no adapter named"):
         Generator(model, Cache(model, max_tokens=256, page_size=16), None).enqueue(
             Job(prompts[0], loras={"zzz": 1.0}))
+
+
+def test_merge_into_weights_rewritten_as_uniform4_rows(exl2_act_order_dir, tiny_llama_dir, tmp_path):
+    """EXL2 rewritten as uniform 4-bit rows (loader.as_uniform4_weights, the CUDA default): a merge re-quantizes in
+    the file's own layout (its widths, groups and order), then rewrites again -- the same weights as merging into the
+    model loaded without the rewrite; the model's logits agree."""
+    from exl_core.loader import as_uniform4_weights, load_model
+    plain = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    rewritten = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    assert as_uniform4_weights(rewritten, max_growth=10.0) > 0
+    folder = make_adapter(tmp_path / "a", tiny_llama_dir, seed=3)
+    for model in (plain, rewritten):
+        load_lora(model, folder, name="a").merge()
+    a, b = dict(plain.linear_layers()), dict(rewritten.linear_layers())
+    assert any(m.packed.rows is not None for m in b.values())             # extra rows again after the merge
+    for name, layer in a.items():
+        torch.testing.assert_close(b[name].dense_weight(torch.float64), layer.dense_weight(torch.float64),
+                                   rtol=0, atol=1e-6)
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(rewritten.forward_batch(ids), plain.forward_batch(ids), rtol=0, atol=1e-4)

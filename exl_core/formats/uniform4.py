@@ -70,7 +70,7 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
     return PackedWeight(pack_stream(torch.cat(main_q + extra_q), 4).contiguous(), torch.tensor(new_groups, dtype=torch.int32),
                         torch.stack([p[0] for p in parts]).contiguous(), torch.stack([p[1] for p in parts]).contiguous(),
                         torch.cat([perm] + extra_rows).contiguous() if extra else pw.perm, K, N, pw.bias,
-                        dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed")),
+                        dict(pw.portable_meta(), uniform4_from=pw.meta.get("format", "packed"), uniform4_groups=groups),
                         k if extra else None).validate("uniform4")
 
 

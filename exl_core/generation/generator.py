@@ -47,7 +47,7 @@ class Generator:
         """`cuda_graphs`: replay decode steps from CUDA graphs (cuda_graphs.py); default: on when
         the model is on a CUDA device.  `lookahead`: with graphs (and no speculative decoding), launch the next
         decode step before this step's tokens reach the host, so the host's per-step work overlaps the GPU's
-        (lookahead.py; the same tokens); default: EXL_CORE_GEN_LOOKAHEAD=1 -- off until measured on a GPU."""
+        (lookahead.py; the same tokens); default on (EXL_CORE_GEN_LOOKAHEAD=0: off)."""
         if cache.model is not model:
             raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
         # speculative decoding (speculative.py): a draft model or n-gram lookup proposes tokens
@@ -76,7 +76,7 @@ class Generator:
             from .cuda_graphs import GraphedDecoder
             self.graphs = GraphedDecoder(model, cache)
         if lookahead is None:
-            lookahead = os.environ.get("EXL_CORE_GEN_LOOKAHEAD", "0") == "1"
+            lookahead = os.environ.get("EXL_CORE_GEN_LOOKAHEAD", "1") != "0"
         self.lookahead = Lookahead(self) if lookahead and self.graphs is not None and self.spec is None else None
 
     # -- queue ------------------------------------------------------------------------------

@@ -178,10 +178,9 @@ class Block(nn.Module):
         return mlp.down(gate, up, residual), residual, None
 
 
-# Devices where the attention kernel stores its output in o_proj's act-order (_attend_for_o): CUDA, under
-# EXL_CORE_ATTN_OUT_ORDER=1 -- off by default until measured on a GPU (written without device time; NOTES.md, session
-# "eleventh").
-ATTN_OUT_ORDER_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_ATTN_OUT_ORDER", "0") == "1" else ()
+# Devices where the attention kernel stores its output in o_proj's act-order (_attend_for_o): CUDA (H200, EXL2 7B-shaped,
+# same call, stop 30 call 1: 0.9999x / 1.0282x / 1.0250x at batch 1 / 8 / 32).  EXL_CORE_ATTN_OUT_ORDER=0: none (A/B).
+ATTN_OUT_ORDER_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_ATTN_OUT_ORDER", "1") != "0" else ()
 
 
 def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor):
@@ -204,11 +203,6 @@ def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, co
 # would gather x per launch or per block.  The CPU per-op path keeps the gathers (it is the reference the CPU decoder
 # stack matches).  EXL_CORE_NORM_PERM=0: none (A/B runs).
 NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0" else ()
-# Weights with extra rows (formats/uniform4.py) read x in their extended order only up to this many rows (decode: the
-# GEMV / batch-GEMM kernels read it as it is).  Past it the prompt's dequantise adds the extra rows into W's K rows and
-# the GEMM runs over K, not P > K (H200, stop 30 call 1: with the extended order the uniform-4 rewrite's prompt
-# measured 0.9516x the mixed-width model's).
-EXTENDED_PERM_MAX_ROWS = 32
 
 
 def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, mlp: Optional["MLP"] = None):
@@ -219,8 +213,6 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     layers read it without a gather (ops/norm_perm.py; NORM_PERM_DEVICES).  The norm module's forward (and its hooks)
     does not run then: its weight and eps are all that is read."""
     perm = shared_perm(layers) if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm else None
-    if perm is not None and perm.numel() > x.shape[-1] and x.numel() > EXTENDED_PERM_MAX_ROWS * x.shape[-1]:
-        perm = None      # a prompt: the extra rows fold into the dequantised W (K rows) rather than widen the GEMM
     if perm is None:
         out = norm(x) if residual is None else norm(x, residual)
         xn, added = (out, None) if residual is None else out

@@ -16,6 +16,7 @@ scale_a = lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora), as PEFT comp
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -409,9 +410,18 @@ def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> P
     """W (in, out) float -> a PackedWeight with `pw`'s format, bit widths, groups and input
     order, quantized round-to-nearest (EXL2 and GPTQ through their own writers/readers)."""
     from ..formats import exl2, gptq
+    if "uniform4_groups" in pw.meta:
+        # rewritten as uniform 4-bit rows at load (loader.as_uniform4_weights): quantized in the file's own layout
+        # (its groups, widths and order), then rewritten again
+        from ..formats.uniform4 import as_uniform4
+        K = pw.in_features
+        meta = {k: v for k, v in pw.meta.items() if not k.startswith("uniform4_")}
+        src = dataclasses.replace(pw, groups=torch.tensor(pw.meta["uniform4_groups"], dtype=torch.int32),
+                                  perm=None if pw.perm is None else pw.perm[:K], meta=meta, rows=None)
+        new = requantize_like(src, w, name)
+        return as_uniform4(new, max_growth=float("inf")) or new
     if pw.rows is not None:
-        raise LoraError(f"{name}: its weight was rewritten as uniform 4-bit rows (EXL_CORE_EXL2_AS_U4=1); merge "
-                        "adapters into a model loaded without the rewrite")
+        raise LoraError(f"{name}: a weight with extra rows from an unknown source cannot be re-quantized for a merge")
     K, N = pw.in_features, pw.out_features
     groups = [tuple(g) for g in pw.groups.tolist()]           # (bits, k_start, k_len, qrow)
     fmt = pw.meta.get("format")
