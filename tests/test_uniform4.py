@@ -124,12 +124,21 @@ def test_model_rewritten_computes_the_same(tiny_model_factory, tmp_path):
     assert (after - before).abs().max().item() < 1e-3
 
 
-def test_lora_merge_refuses_a_rewritten_weight():
-    from exl_core.errors import LoraError
+def test_lora_merge_requantizes_a_rewritten_weight_in_its_file_layout():
+    """A merge (model/lora.py requantize_like) into a weight rewritten as uniform 4-bit rows quantizes in the file's
+    own groups, widths and order (kept in the rewrite's meta), then rewrites again: the same values as re-quantizing
+    the original weight."""
+    import dataclasses
+
     from exl_core.model.lora import requantize_like
-    u = as_uniform4(mixed(128, 8, (5, 4), seed=7), max_growth=10.0)
-    with pytest.raises(LoraError, match="uniform 4-bit rows"):
-        requantize_like(u, torch.zeros(128, 8), "q_proj")
+    pw = mixed(128, 8, (5, 4), seed=7)
+    pw = dataclasses.replace(pw, meta=dict(pw.meta, format="exl2"))
+    u = as_uniform4(pw, max_growth=10.0)
+    w = dequantize_reference(pw).float() + 0.01 * torch.randn(128, 8, generator=torch.Generator().manual_seed(1))
+    again = requantize_like(u, w, "q_proj")
+    ref = requantize_like(pw, w, "q_proj")
+    assert again.rows is not None and torch.equal(again.perm[:128], pw.perm)
+    assert torch.equal(dequantize_reference(again), dequantize_reference(ref))
 
 
 def test_pad_rows_adds_nothing():
