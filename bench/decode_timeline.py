@@ -143,7 +143,8 @@ def run_case(model, fmt: str, B: int, variant: str) -> dict:
 
 def run_format(path: Path, fmt: str) -> list[dict]:
     """fmt "exl2_u4": the EXL2 folder loaded with EXL_CORE_EXL2_AS_U4=1 (formats.uniform4: mixed widths as
-    uniform 4-bit rows)."""
+    uniform 4-bit rows, the CUDA default since stop 30); "exl2": with EXL_CORE_EXL2_AS_U4=0 (the mixed-width
+    kernels)."""
     from exl_core.loader import load_model
     with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)

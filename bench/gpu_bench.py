@@ -190,7 +190,7 @@ class DecodeContext:
 
     def attend_rope_ordered(self, layer, q, k, v, cos_sin, scale, window, order):
         """attend_rope's output stored in o_proj's act-order, as PagedContext.attend_rope_ordered (the model takes
-        it under EXL_CORE_ATTN_OUT_ORDER=1); None where attend_rope is not the paged kernel's."""
+        it unless EXL_CORE_ATTN_OUT_ORDER=0); None where attend_rope is not the paged kernel's."""
         if not (PAGED_DECODE and TOKEN_MAJOR):
             return None
         kc, vc = self._paged(layer)

@@ -85,7 +85,7 @@ def main() -> None:
         eager = decode_tok_s(model, b, a.new_tokens, graphs=False)
         graphed = decode_tok_s(model, b, a.new_tokens, graphs=True, lookahead=False)
         row = {"batch": b, "eager_tok_s": eager, "graphs_tok_s": graphed, "speedup": graphed / eager}
-        try:                                     # new (stop 30): a failure must not cost the figures above
+        try:                                     # a failure here must not cost the figures above
             ahead = decode_tok_s(model, b, a.new_tokens, graphs=True, lookahead=True)
             row.update(graphs_lookahead_tok_s=ahead, lookahead_ratio=ahead / graphed)
         except Exception as e:  # noqa: BLE001

@@ -77,8 +77,8 @@ def test_generator_batched_equals_alone_on_gpu(quant_dir):
 
 @pytest.mark.parametrize("T", [1, 7, 40])
 def test_cuda_uniform4_rewrite_matches_cpu(quant_dir, T):
-    """EXL2's mixed widths rewritten as uniform 4-bit rows on the GPU (loader.as_uniform4_weights, what
-    EXL_CORE_EXL2_AS_U4=1 does): the logits still match the CPU model's."""
+    """EXL2's mixed widths rewritten as uniform 4-bit rows on the GPU (loader.as_uniform4_weights, the CUDA
+    default): the logits still match the CPU model's."""
     from exl_core.loader import as_uniform4_weights, load_model
     cpu, _ = load_model(quant_dir, device="cpu", dtype=torch.float32, load_tokenizer=False)
     gpu, _ = load_model(quant_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)
