@@ -3,7 +3,7 @@ wall time per iterate() (one chunk each), and the torch profiler's busiest host 
 
     python bench/gen_prefill_probe.py --model /tmp/exl_bench/gptq [--tokens 2048] [--chunk 512]
 
-Why: bench/gpu_generator.py measured a 2,048-token prompt through the Generator at 8,969.0 tok/s with 512-token
+Why: bench/gpu_generator.py measured a 2,048-token prompt through the Generator at 8,968.9 tok/s with 512-token
 chunks and 32,704.7 with one chunk on the H200 (stop 30 call 2), where the bench's own forward runs ~45,000.
 Prints only (a diagnostic, no result file).
 """

@@ -185,7 +185,7 @@ def share_input_perms(model: Model) -> None:
                 layer.set_packed(dataclasses.replace(pw, perm=first))
 
 
-def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
+def as_uniform4_weights(model: Model, max_growth: float = 1.15, formats=("exl2",)) -> int:
     """Rewrites every packed projection that is not uniform 4-bit (EXL2's mixed widths) as uniform 4-bit rows
     (formats.uniform4: exact; 5..8-bit values take a second row) where that grows it by at most max_growth, so the
     GPU runs it on the 4-bit decode kernels instead of the mixed-width ones.  Returns how many it rewrote.
@@ -195,7 +195,9 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15) -> int:
     the file's layout and rewritten again (model/lora.py requantize_like)."""
     n = 0
     for _, layer in model.linear_layers():
-        if type(layer) is QuantLinear and layer.is_quantized:
+        # `formats`: the files' formats to rewrite (EXL2's mixed widths; GPTQ 8-bit would also take the rewrite,
+        # never measured)
+        if type(layer) is QuantLinear and layer.is_quantized and layer.packed.meta.get("format") in formats:
             u = as_uniform4(layer.packed, max_growth)
             if u is not None:
                 layer.set_packed(u)

@@ -405,3 +405,31 @@ def test_smollm2_prefix_reuse(smollm2):
     assert b.generated[0] == int(ref[-2].argmax()) and b.generated[1] == int(ref[-1].argmax())
     assert a.finish_reason in ("length", "eos")
     assert_pool_idle(cache)
+
+
+@pytest.mark.parametrize("gpu,window,given,expect", [
+    (False, None, (None, None), (2048, 512)),          # CPU defaults, as before
+    (True, None, (None, None), (2304, 2048)),          # GPU: a whole 2048-token chunk next to 256 decoding jobs
+    (True, 4096, (None, None), (2048, 512)),           # a sliding window keeps the small chunk (reservations)
+    (True, None, (2048, None), (2048, 1792)),          # a given budget: the chunk leaves room for the batch
+    (False, None, (128, None), (128, 128)),            # a budget below a chunk: the chunk shrinks, no error
+    (True, None, (None, 64), (2048, 64)),              # a given chunk is kept
+])
+def test_default_budget_keeps_room_for_a_chunk(gpu, window, given, expect):
+    from exl_core.generation.generator import default_budget
+    assert default_budget(gpu, window, *given, 256) == expect
+
+
+def test_a_chunk_as_large_as_the_budget_allows_runs_while_jobs_decode():
+    """A chunk is never cut (scheduler.py): with the budget the GPU defaults give (chunk + max_batch_size), a long
+    prompt's first chunk runs in the next step while another job decodes -- with a budget equal to the chunk it
+    waited until that job had finished."""
+    model = TinyLM(seed=3)
+    gen = Generator(model, Cache(model, max_tokens=4096, page_size=16), max_batch_tokens=256 + 8,
+                    max_chunk_size=256, max_batch_size=8)
+    busy = gen.enqueue(Job(rand_prompt(20), max_new_tokens=40, sampler=GREEDY, stop_on_eos=False))
+    while not busy.generated:
+        gen.iterate()
+    long = gen.enqueue(Job(rand_prompt(600), max_new_tokens=2, sampler=GREEDY, stop_on_eos=False))
+    gen.iterate()
+    assert long.fed == 256 and not busy.done

@@ -39,16 +39,32 @@ class GeneratorStats:
     lookahead_dropped: int = 0     # such steps no plan matched (a job ended or joined): run again
 
 
+def default_budget(gpu: bool, window: Optional[int], max_batch_tokens: Optional[int], max_chunk_size: Optional[int],
+                   max_batch_size: int) -> tuple[int, int]:
+    """(max_batch_tokens, max_chunk_size) where the caller left them None (Generator's docstring): a chunk is never cut
+    to fit the budget (scheduler.py), so the budget keeps room for it next to max_batch_size decoding jobs, or a
+    prompt would wait for every decoding job to finish."""
+    chunk = max_chunk_size or (2048 if gpu and not window else 512)
+    if max_batch_tokens is None:
+        max_batch_tokens = max(2048, chunk + max_batch_size) if gpu else 2048
+    if max_chunk_size is None:
+        room = max_batch_tokens - max_batch_size
+        chunk = min(chunk, room) if room >= 512 else min(512, max_batch_tokens)
+    return max_batch_tokens, chunk
+
+
 class Generator:
-    def __init__(self, model, cache, tokenizer=None, max_batch_tokens: int = 2048,
+    def __init__(self, model, cache, tokenizer=None, max_batch_tokens: Optional[int] = None,
                  max_chunk_size: Optional[int] = None, max_batch_size: int = 256, prefix_reuse: bool = True,
                  draft_model=None, draft_cache=None, num_draft_tokens: int = 4, ngram_draft: bool = False,
                  cuda_graphs: Optional[bool] = None, lookahead: Optional[bool] = None):
         """`cuda_graphs`: replay decode steps from CUDA graphs (cuda_graphs.py); default: on when the model is on a
         CUDA device.  `max_chunk_size` (prompt tokens a job feeds in one forward): default 512 on the CPU, 2048 on a
-        GPU (at most max_batch_tokens), where a 512-token chunk's forward is bound by the host's launches: a
-        2,048-token prompt reached its first token at 8,969.0 / 11,923.2 tok/s in 512-token chunks and 32,704.7 /
-        37,621.3 in one (H200, 7B-shaped GPTQ, stop 30 calls 2 / 3, bench/gpu_generator.py).  `lookahead`: with graphs
+        GPU, where a 512-token chunk's forward is bound by the host's launches: a 2,048-token prompt reached its first
+        token at 8,968.9 / 11,923.2 tok/s in 512-token chunks and 32,704.7 / 37,621.3 in one (H200, 7B-shaped GPTQ,
+        stop 30 calls 2 / 3, bench/gpu_generator.py); 512 with a sliding window (its reservations grow with the chunk).
+        `max_batch_tokens` (tokens a forward may carry): default the chunk plus max_batch_size on a GPU, 2048 on the
+        CPU, so that a chunk, never cut, fits next to a full batch of decoding jobs.  `lookahead`: with graphs
         (and no speculative decoding), launch the next decode step before this step's tokens reach the host, so the
         host's per-step work overlaps the GPU's (lookahead.py; the same tokens); default on (EXL_CORE_GEN_LOOKAHEAD=0:
         off)."""
@@ -63,8 +79,8 @@ class Generator:
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
-        if max_chunk_size is None:
-            max_chunk_size = min(2048, max_batch_tokens) if torch.device(model.device).type == "cuda" else 512
+        max_batch_tokens, max_chunk_size = default_budget(torch.device(model.device).type == "cuda", cache.window,
+                                                          max_batch_tokens, max_chunk_size, max_batch_size)
         self.scheduler = Scheduler(max_batch_tokens, max_chunk_size, max_batch_size)
         self.prefix_reuse = prefix_reuse
         self.waiting: deque[Job] = deque()

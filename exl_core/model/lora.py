@@ -298,6 +298,8 @@ class LoraAdapter:
                 layer.w_t = target.t().to(layer.w_t.dtype).contiguous()
             got = layer.dense_weight(torch.float64)
             report[module] = float((got - target).norm() / target.norm().clamp_min(1e-30))
+        from ..loader import share_input_perms   # q/k/v (gate/up) re-quantized alike share one permutation again
+        share_input_perms(self.manager.model)
         self.merged = True
         self.merge_report = report
         return report
@@ -418,8 +420,10 @@ def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> P
         meta = {k: v for k, v in pw.meta.items() if not k.startswith("uniform4_")}
         src = dataclasses.replace(pw, groups=torch.tensor(pw.meta["uniform4_groups"], dtype=torch.int32),
                                   perm=None if pw.perm is None else pw.perm[:K], meta=meta, rows=None)
+        from ..formats.uniform4 import pad_rows
         new = requantize_like(src, w, name)
-        return as_uniform4(new, max_growth=float("inf")) or new
+        u = as_uniform4(new, max_growth=float("inf")) or new
+        return pad_rows(u, pw.rows) if pw.rows is not None and u.rows is not None and u.rows < pw.rows else u
     if pw.rows is not None:
         raise LoraError(f"{name}: a weight with extra rows from an unknown source cannot be re-quantized for a merge")
     K, N = pw.in_features, pw.out_features
