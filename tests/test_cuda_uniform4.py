@@ -1,6 +1,6 @@
 """CUDA kernels on weights with more rows than x has columns: EXL2's mixed widths rewritten as uniform 4-bit rows
 (exl_core/formats/uniform4.py, some rows repeated through the permutation, K' > K), against float64 references of the
-original weights.  Written after stop 26's device time was spent: these run on the next device call.  Helpers from
+original weights; and the loader's default on CUDA, which rewrites EXL2 files so (stop 30).  Helpers from
 test_cuda_kernels."""
 from __future__ import annotations
 
