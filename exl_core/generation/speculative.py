@@ -27,15 +27,10 @@ import torch
 
 from ..errors import InputError
 from .ngram import ngram_draft
-from .sampling import processed_probs_batch
+from .sampling import _uniform, processed_probs_batch   # one uniform from a job's generator
 
 
 # -- the acceptance rule ---------------------------------------------------------------------
-def _uniform(rng: Optional[torch.Generator]) -> float:
-    if rng is None:
-        return float(torch.rand((), dtype=torch.float64))
-    return float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device))
-
 
 def draw_from(probs: torch.Tensor, rng: Optional[torch.Generator]) -> int:
     """One token from a distribution [V] (any non-negative weights) by inverse CDF. A one-hot
