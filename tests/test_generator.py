@@ -424,12 +424,15 @@ def test_a_chunk_as_large_as_the_budget_allows_runs_while_jobs_decode():
     """A chunk is never cut (scheduler.py): with the budget the GPU defaults give (chunk + max_batch_size), a long
     prompt's first chunk runs in the next step while another job decodes -- with a budget equal to the chunk it
     waited until that job had finished."""
+    from exl_core.generation.generator import default_budget
     model = TinyLM(seed=3)
-    gen = Generator(model, Cache(model, max_tokens=4096, page_size=16), max_batch_tokens=256 + 8,
-                    max_chunk_size=256, max_batch_size=8)
+    budget, chunk = default_budget(True, None, None, None, 8)         # the GPU defaults for 8 jobs
+    assert (budget, chunk) == (2048 + 8, 2048)
+    gen = Generator(model, Cache(model, max_tokens=4096, page_size=16), max_batch_tokens=budget,
+                    max_chunk_size=chunk, max_batch_size=8)
     busy = gen.enqueue(Job(rand_prompt(20), max_new_tokens=40, sampler=GREEDY, stop_on_eos=False))
     while not busy.generated:
         gen.iterate()
-    long = gen.enqueue(Job(rand_prompt(600), max_new_tokens=2, sampler=GREEDY, stop_on_eos=False))
+    long = gen.enqueue(Job(rand_prompt(2100), max_new_tokens=2, sampler=GREEDY, stop_on_eos=False))
     gen.iterate()
-    assert long.fed == 256 and not busy.done
+    assert long.fed == 2048 and not busy.done

@@ -245,16 +245,25 @@ def test_generator_jobs_with_different_adapters_match_running_alone(tiny_llama_d
 def test_merge_into_weights_rewritten_as_uniform4_rows(exl2_act_order_dir, tiny_llama_dir, tmp_path):
     """EXL2 rewritten as uniform 4-bit rows (loader.as_uniform4_weights, the CUDA default): a merge re-quantizes in
     the file's own layout (its widths, groups and order), then rewrites again -- the same weights as merging into the
-    model loaded without the rewrite; the model's logits agree."""
-    from exl_core.loader import as_uniform4_weights, load_model
+    model loaded without the rewrite; the model's logits agree; q/k/v and gate/up share one permutation again (the
+    permuted norm's condition)."""
+    from test_norm_perm import share_group_perms
+
+    from exl_core.loader import as_uniform4_weights, input_groups, load_model
+    from exl_core.model.linear import shared_perm
     plain = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
     rewritten = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    for model in (plain, rewritten):
+        share_group_perms(model)                  # one order per group, as converters write them
     assert as_uniform4_weights(rewritten, max_growth=10.0) > 0
+    assert all(shared_perm(g) is not None for g in input_groups(rewritten))
     folder = make_adapter(tmp_path / "a", tiny_llama_dir, seed=3)
     for model in (plain, rewritten):
         load_lora(model, folder, name="a").merge()
     a, b = dict(plain.linear_layers()), dict(rewritten.linear_layers())
     assert any(m.packed.rows is not None for m in b.values())             # extra rows again after the merge
+    # one permutation tensor per group again (shared_perm itself declines layers with a LoRA hook attached)
+    assert all(m.packed.perm is g[0].packed.perm for g in input_groups(rewritten) for m in g)
     for name, layer in a.items():
         torch.testing.assert_close(b[name].dense_weight(torch.float64), layer.dense_weight(torch.float64),
                                    rtol=0, atol=1e-6)

@@ -153,3 +153,16 @@ def test_prepermuted_caches_go_with_a_move(exl2_act_order_dir, monkeypatch):
     assert "_unpermuted" in q.__dict__ and "_perm32" in q.__dict__
     model.to(torch.float32)
     assert "_unpermuted" not in q.__dict__ and "_perm32" not in q.__dict__
+
+
+def test_moving_the_model_keeps_shared_permutations_shared(exl2_act_order_dir):
+    """Each layer's buffers move separately (nn.Module._apply), which made one copy of a shared permutation per layer
+    and turned shared_perm (the permuted norm's condition) off after model.to(...); Model._apply shares them again."""
+    from exl_core.loader import input_groups, load_model
+    from exl_core.model.linear import shared_perm
+    model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    assert share_group_perms(model) == 2 * len(model.layers)
+    model.to("meta")
+    groups = list(input_groups(model))
+    assert all(g[0].packed.perm.is_meta for g in groups)
+    assert all(shared_perm(g) is not None for g in groups)

@@ -139,6 +139,9 @@ def test_lora_merge_requantizes_a_rewritten_weight_in_its_file_layout():
     ref = requantize_like(pw, w, "q_proj")
     assert again.rows is not None and torch.equal(again.perm[:128], pw.perm)
     assert torch.equal(dequantize_reference(again), dequantize_reference(ref))
+    from exl_core.formats.uniform4 import pad_rows
+    padded = requantize_like(pad_rows(u, u.rows + 32), w, "q_proj")      # padded to its group's rows: kept so
+    assert padded.rows == u.rows + 32 and torch.equal(dequantize_reference(padded), dequantize_reference(ref))
 
 
 def test_pad_rows_adds_nothing():

@@ -226,7 +226,8 @@ class PagedContext:
         """attend_rope's output (T, Hq * D) with its columns stored where `order` puts them (the o projection's
         act-order: ops.attention.rope_paged_attention_ordered), or None, doing nothing, where its one launch does not
         serve or a subclass changed `attend` or `attend_rope` (the caller then runs attend_rope)."""
-        if type(self).attend is not PagedContext.attend or type(self).attend_rope is not PagedContext.attend_rope:
+        if (self.max_q_len != 1 or type(self).attend is not PagedContext.attend
+                or type(self).attend_rope is not PagedContext.attend_rope):     # only decode rows take it
             return None
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         return rope_paged_attention_ordered(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,

@@ -188,10 +188,8 @@ class Generator:
             logits = self.lookahead.take(plan) if self.lookahead is not None else None
             if logits is not None:
                 pass                                     # launched last step (lookahead.py): this very plan
-            elif self.graphs is not None and lora_manager(self.model) is None and \
-                    self.graphs.accepts(lens, [i.wants_logits for i in plan.items]):
-                self.cache.prepare(tables, lens)
-                logits = self.graphs.run(ids, tables)                                         # (S, V)
+            elif self._graphable(lens, [i.wants_logits for i in plan.items]):
+                logits = self._graph_step(ids, tables)                                         # (S, V)
             else:
                 ctx = self.cache.context(tables, lens, torch.tensor(rows, dtype=torch.int64, device=dev))
                 with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):
@@ -204,6 +202,16 @@ class Generator:
             if sampled:
                 results.extend(self._sample_and_emit(sampled, logits))
             return results
+
+    def _graphable(self, lens: list[int], wants_logits: list[bool]) -> bool:
+        """Whether a step of these rows runs from the CUDA graphs (LoRA models stay eager: adapters change weights
+        and per-row plans the recorded kernels would not see)."""
+        return self.graphs is not None and lora_manager(self.model) is None and self.graphs.accepts(lens, wants_logits)
+
+    def _graph_step(self, ids: list[int], tables: list, device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A decode step's logits from the graphs (GraphedDecoder.run), its pages taken first."""
+        self.cache.prepare(tables, [1] * len(tables))
+        return self.graphs.run(ids, tables, device_ids=device_ids)
 
     def _sample_and_emit(self, jobs: list[Job], logits: torch.Tensor) -> list[JobResult]:
         errors: list[BaseException] = []

@@ -36,6 +36,7 @@ class Lookahead:
         self.gen = generator
         self._pending: Optional[tuple] = None      # (jobs, their positions, their tokens, logits) of a launched step
         self._pinned: Optional[tuple[torch.Tensor, ...]] = None     # host ids, logprobs, row maxima
+        self._copied: Optional[torch.cuda.Event] = None               # recorded after their copy, each step
 
     def take(self, plan) -> Optional[torch.Tensor]:
         """The logits of the step launched last time, where `plan` is exactly that step; else None (and the step is
@@ -67,10 +68,8 @@ class Lookahead:
             return tok.tolist(), lp.tolist(), None
         read = self._to_host(tok, lp, row_max)     # queued before the launch: reading it does not wait for the step
         gen = self.gen
-        tables = [j.table for j in jobs]
-        gen.cache.prepare(tables, [1] * len(jobs))
         try:
-            logits = gen.graphs.run([0] * len(jobs), tables, device_ids=tok)
+            logits = gen._graph_step([0] * len(jobs), [j.table for j in jobs], device_ids=tok)
         except Exception as e:   # noqa: BLE001 - this step's tokens must still be read and accepted
             warnings.warn(f"Generator: the lookahead launch failed ({e!r}); decoding without it from now on")
             gen.lookahead = None
@@ -90,7 +89,7 @@ class Lookahead:
         n = len(jobs)
         return (n == len(gen.active) and not gen.waiting and all(a is b for a, b in zip(jobs, gen.active))
                 and all(j.status == "active" and len(j.generated) + 1 < j.limit for j in jobs)
-                and gen.graphs.accepts([1] * n, [True] * n) and lora_manager(gen.model) is None)
+                and gen._graphable([1] * n, [True] * n))
 
     def _to_host(self, tok: torch.Tensor, lp: torch.Tensor, row_max: Optional[torch.Tensor]):
         """A function returning (tok list, lp list, row_max on the host or None), their device-to-host copy queued
@@ -109,7 +108,9 @@ class Lookahead:
             hl.copy_(lp, non_blocking=True)
             if row_max is not None:
                 hm.copy_(row_max, non_blocking=True)
-            done = torch.cuda.Event()
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            done = self._copied
             done.record()
 
         def read():
@@ -120,7 +121,12 @@ class Lookahead:
 
 def _row_errors(maxes: torch.Tensor) -> Optional[list]:
     """Per row, the error check_row_max raises for that row alone (sample_batch's message for a one-row batch), or
-    None; None for all rows fine."""
+    None; None for all rows fine (one check: the rows one by one only after it failed)."""
+    try:
+        check_row_max(maxes)
+        return None
+    except Exception:   # noqa: BLE001 - which rows, below
+        pass
     errors = []
     for r in range(maxes.numel()):
         try:

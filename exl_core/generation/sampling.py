@@ -369,13 +369,13 @@ def _uniform(rng: Optional[torch.Generator]) -> float:
     return float(torch.rand((), generator=rng, dtype=torch.float64, device=rng.device))
 
 
-def _plain_greedy(logits, settings, histories, rngs, prompt_lens, checked: bool = True) -> Optional[tuple]:
+def _plain_greedy(logits, settings, histories, rngs, prompt_lens) -> Optional[tuple]:
     """sample_batch's result for the common decode case, every row greedy with no bias, ban or
     penalty (steps 1-3 change nothing), or None. Same checks and same answer as the general
     path without its float64 copy of the logits: argmax of the exactly widened values is the
     argmax of the originals (first max on ties either way), and one max serves the NaN/+inf
-    check, the all -inf check and the logprob.  checked=False: (ids, logprobs, row maxima), the
-    check left to the caller (sample_batch_unchecked)."""
+    check, the all -inf check and the logprob: (ids, logprobs, row maxima), the maxima still to be
+    checked (logprobs.check_row_max) by the caller."""
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.dtype == torch.float32):
         return None
     B, V = logits.shape
@@ -394,18 +394,12 @@ def _plain_greedy(logits, settings, histories, rngs, prompt_lens, checked: bool 
         s.validate(V)
     if native_lse(logits):
         ids, _, m, logprobs = torch.ops.exl_core.greedy_pick(logits)  # argmax and lse: two C++ passes
-        if not checked:
-            return ids, logprobs, m
-        check_row_max(m)
-        return ids, logprobs                                          # = chosen_logprobs(logits, ids, lse)
+        return ids, logprobs, m                                       # = chosen_logprobs(logits, ids, lse)
     m = logits.amax(dim=1)                                            # [B]
-    if checked:
-        check_row_max(m)
     ids = logits.argmax(dim=1)
     mc = m[:, None]
     lse = mc + (logits - mc).exp_().sum(dim=1, keepdim=True).log_()   # lse_rows with the max known
-    lp = (logits.gather(1, ids[:, None]) - lse).squeeze(1)
-    return (ids, lp) if checked else (ids, lp, m)
+    return ids, (logits.gather(1, ids[:, None]) - lse).squeeze(1), m
 
 
 def sample_batch_unchecked(logits: torch.Tensor, settings, histories=None, rngs=None, prompt_lens=None
@@ -414,7 +408,7 @@ def sample_batch_unchecked(logits: torch.Tensor, settings, histories=None, rngs=
     (a wait for the device), those maxima unchecked: the caller passes them to logprobs.check_row_max once it reads
     the ids (generation/lookahead.py reads them together and launches the next step before that).  Elsewhere the
     maxima are None: sample_batch checked."""
-    fast = _plain_greedy(logits, settings, histories, rngs, prompt_lens, checked=False)
+    fast = _plain_greedy(logits, settings, histories, rngs, prompt_lens)
     if fast is not None:
         return fast
     return (*sample_batch(logits, settings, histories, rngs, prompt_lens), None)
@@ -432,7 +426,8 @@ def sample_batch(logits: torch.Tensor, settings: Union[SamplerSettings, Sequence
     transform), the same scale as `top_logprobs`."""
     fast = _plain_greedy(logits, settings, histories, rngs, prompt_lens)
     if fast is not None:
-        return fast
+        check_row_max(fast[2])
+        return fast[0], fast[1]
     x, greedy = _prepare(logits, settings, histories, prompt_lens)
     B = x.shape[0]
     rngs = [None] * B if rngs is None else list(rngs)

@@ -23,6 +23,10 @@ from ..ops.swiglu import qmatmul_swiglu
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 
+# Per-layer caches of the functions below (in the layer's __dict__: (source tensor, cached value)), dropped by
+# QuantLinear._drop_caches when the packed weight is replaced or moved.
+_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order")
+
 # Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
 # skip re-checking every projection for LoRA hooks on every forward pass).
 LORA_VERSION = [0]
@@ -80,6 +84,13 @@ class QuantLinear(nn.Module):
         for f in _PACKED_FIELDS:
             self.register_buffer(f"_pk_{f}", getattr(pw, f), persistent=False)
         self._packed = pw
+        self._drop_caches()
+
+    def _drop_caches(self) -> None:
+        """Forget what this module's functions cached on the layer from its packed weight (they would keep old or
+        moved tensors alive): shared_perm's int32 copy, _without_perm's twin, input_out_order's store map."""
+        for name in _LAYER_CACHES:
+            self.__dict__.pop(name, None)
 
     def with_columns(self, cols: torch.Tensor) -> "QuantLinear":
         """A new layer computing output columns `cols` (int64 indices, in that order) of this one; a packed
@@ -123,9 +134,7 @@ class QuantLinear(nn.Module):
                 return moved.to(t.dtype)
             return moved
         super()._apply(guarded, recurse)
-        self.__dict__.pop("_unpermuted", None)     # linear.py's caches of moved tensors (linear_many_prepermuted)
-        self.__dict__.pop("_perm32", None)
-        self.__dict__.pop("_out_order", None)
+        self._drop_caches()
         if self._packed is not None:
             self._pk_scale = self._pk_scale.float()
             self._pk_zero = self._pk_zero.float()
@@ -176,7 +185,7 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
 def shared_perm(layers) -> Optional[torch.Tensor]:
     """The act-order permutation all `layers` read x in, as int32 on their device, where they are plain packed
     layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm before
-    them can then write x in that order (ops/norm_perm.py) for linear_many_prepermuted.  Weights with extra rows
+    them can then write x in that order (ops/norm_perm.py) for Prepermuted views of them.  Weights with extra rows
     (formats/uniform4.py) share one too where their row layouts agree: its length is then their rows.
     The int32 copy is made once per permutation tensor and waited for on the host: the norm kernel reads it before
     its programmatic-dependent-launch wait, as data no kernel of the step writes (csrc/cuda/pdl.cuh).  While a CUDA
@@ -211,8 +220,9 @@ def _without_perm(m: "QuantLinear") -> PackedWeight:
 
 class Prepermuted:
     """A plain packed layer that reads an x already in its act-order (x[..., perm], from a kernel that stored it so:
-    the attention kernel for o_proj, ops.attention.OutOrder): _without_perm's weight.  linear_add_ and linear_add_ss_
-    take it as their layer; calling it is the layer's forward on that x."""
+    the permuted norm for q/k/v and gate/up, ops/norm_perm.py; the attention kernel for o_proj,
+    ops.attention.OutOrder): _without_perm's weight.  The fused-op helpers here (linear_many, linear_swiglu,
+    linear_add_, linear_add_ss_) take it as a layer; calling it is the layer's forward on that x."""
     __slots__ = ("packed",)
 
     def __init__(self, layer: "QuantLinear"):
@@ -239,19 +249,6 @@ def input_out_order(layer, width: int) -> Optional[OutOrder]:
             return None
         held = layer.__dict__["_out_order"] = (pw.perm, out_order_for(pw.perm, width, pw.qweight.device))
     return held[1]
-
-
-def linear_many_prepermuted(xp: torch.Tensor, layers, swiglu: bool = False) -> list:
-    """linear_many(x, layers) from xp = x[..., perm] (perm: shared_perm(layers)): the same values -- bit for bit where
-    the kernel would gather x itself; the prompt's dequantise + GEMM sums K in the permuted order instead.
-    swiglu (layers = gate, up): [silu_mul(gate, up), None] where one kernel computes the product (MLP.gate_up's
-    contract), else [gate, up]."""
-    pws = [_without_perm(m) for m in layers]
-    if swiglu:
-        h = qmatmul_swiglu(xp, pws[0], pws[1])
-        if h is not None:
-            return [h, None]
-    return qmatmul_many(xp, pws)
 
 
 def linear_add_(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:

@@ -7,6 +7,7 @@ which `ModelConfig` carries.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 
@@ -24,7 +25,7 @@ from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
 from .linear import (LORA_VERSION, Prepermuted, QuantLinear, input_out_order, linear_add_, linear_add_ss_,
                      linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many, linear_many_normed,
-                     linear_many_prepermuted, linear_silu, linear_swiglu, shared_perm)
+                     linear_silu, linear_swiglu, shared_perm)
 from .rope import RopeTable
 
 
@@ -53,12 +54,16 @@ class Attention(nn.Module):
         q, k, v = linear_many(x, (self.q_proj, self.k_proj, self.v_proj))
         return self.o_proj(self.attend(q, k, v, ctx, layer_idx, cos_sin))
 
+    def heads(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections' outputs as heads: q (T, Hq, D), k and v (T, Hkv, D)."""
+        t = q.shape[0]
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
+
     def attend(self, q, k, v, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rope, the K/V write and attention from the projections' outputs: (T, Hq * D), o_proj's input."""
         t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)                   # (T, Hq, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)                # (T, Hkv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.heads(q, k, v)
         attend_rope = getattr(ctx, "attend_rope", None)     # rope inside the context's K/V write (one launch)
         if attend_rope is not None:
             out = attend_rope(layer_idx, q, k, v, cos_sin, self.scale, self.window)
@@ -79,13 +84,15 @@ class MLP(nn.Module):
         gate, up = self.gate_up(x)
         return self.down(gate, up)
 
-    def gate_up(self, x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def gate_up(self, x, layers=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(gate_proj(x), up_proj(x)), or (silu_mul of them, None) where one kernel computes the product too
-        (linear_swiglu: the batch-decode GEMM on CUDA)."""
-        h = linear_swiglu(x, self.gate_proj, self.up_proj)
+        (linear_swiglu: the batch-decode GEMM on CUDA).  layers: stand-ins for (gate_proj, up_proj) (_norm_many's
+        Prepermuted views)."""
+        gate_proj, up_proj = layers or (self.gate_proj, self.up_proj)
+        h = linear_swiglu(x, gate_proj, up_proj)
         if h is not None:
             return h, None
-        gate, up = linear_many(x, (self.gate_proj, self.up_proj))
+        gate, up = linear_many(x, (gate_proj, up_proj))
         return gate, up
 
     def down(self, gate, up, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -191,9 +198,7 @@ def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, co
     ordered = getattr(ctx, "attend_rope_ordered", None) if q.device.type in ATTN_OUT_ORDER_DEVICES else None
     order = input_out_order(a.o_proj, a.num_heads * a.head_dim) if ordered is not None else None
     if order is not None:
-        t = q.shape[0]
-        out = ordered(layer_idx, q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
-                      v.view(t, a.num_kv_heads, a.head_dim), cos_sin, a.scale, a.window, order)
+        out = ordered(layer_idx, *a.heads(q, k, v), cos_sin, a.scale, a.window, order)
         if out is not None:
             return out, Prepermuted(a.o_proj)
     return a.attend(q, k, v, ctx, layer_idx, cos_sin), a.o_proj
@@ -215,11 +220,11 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     perm = shared_perm(layers) if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm else None
     if perm is None:
         out = norm(x) if residual is None else norm(x, residual)
-        xn, added = (out, None) if residual is None else out
-        return (mlp.gate_up(xn) if mlp is not None else linear_many(xn, layers)), added
-    out = rms_norm_permuted(x, norm.weight, norm.eps, perm, residual)
-    xp, added = (out, None) if residual is None else out
-    return linear_many_prepermuted(xp, layers, swiglu=mlp is not None), added
+    else:
+        out = rms_norm_permuted(x, norm.weight, norm.eps, perm, residual)
+        layers = [Prepermuted(m) for m in layers]          # their weights without the permutation
+    xn, added = (out, None) if residual is None else out
+    return (mlp.gate_up(xn, layers) if mlp is not None else linear_many(xn, layers)), added
 
 
 LinearFactory = Callable[[str, int, int, bool], QuantLinear]   # (prefix, in, out, bias) -> layer
@@ -358,7 +363,17 @@ class Model(nn.Module):
 
     def _apply(self, fn, recurse=True):
         _WEIGHTS_VERSION[0] += 1     # .to()/.half()/.float() replace every weight tensor
-        return super()._apply(fn, recurse)
+        # each layer's buffers move separately: layers that shared one permutation tensor (loader.share_input_perms,
+        # what shared_perm and the permuted norm need) would come back with a copy each
+        from ..loader import input_groups
+        shared = [g for g in input_groups(self) if _share_one_perm(g)]
+        out = super()._apply(fn, recurse)
+        for group in shared:
+            perm = group[0].packed.perm
+            for layer in group[1:]:
+                if layer.packed.perm is not perm:
+                    layer.set_packed(dataclasses.replace(layer.packed, perm=perm))
+        return out
 
     def _build_native_stack(self) -> NativeStack:
         layers, reason, consts = [], None, None
@@ -409,6 +424,12 @@ _PROJ = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj
 # Bumped whenever any nn.Module registers a submodule or a buffer (assignment included), so a
 # model can tell its fused stack may hold replaced weights without walking its layers per step.
 _WEIGHTS_VERSION = [0]
+
+
+def _share_one_perm(layers) -> bool:
+    """Whether these packed layers read x through one permutation tensor."""
+    pws = [m.packed if isinstance(m, QuantLinear) and m.is_quantized else None for m in layers]
+    return None not in pws and pws[0].perm is not None and all(pw.perm is pws[0].perm for pw in pws[1:])
 
 
 def _bump_weights_version(*_):

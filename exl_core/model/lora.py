@@ -415,12 +415,11 @@ def requantize_like(pw: PackedWeight, w: torch.Tensor, name: str = "layer") -> P
     if "uniform4_groups" in pw.meta:
         # rewritten as uniform 4-bit rows at load (loader.as_uniform4_weights): quantized in the file's own layout
         # (its groups, widths and order), then rewritten again
-        from ..formats.uniform4 import as_uniform4
+        from ..formats.uniform4 import as_uniform4, pad_rows
         K = pw.in_features
         meta = {k: v for k, v in pw.meta.items() if not k.startswith("uniform4_")}
         src = dataclasses.replace(pw, groups=torch.tensor(pw.meta["uniform4_groups"], dtype=torch.int32),
                                   perm=None if pw.perm is None else pw.perm[:K], meta=meta, rows=None)
-        from ..formats.uniform4 import pad_rows
         new = requantize_like(src, w, name)
         u = as_uniform4(new, max_growth=float("inf")) or new
         return pad_rows(u, pw.rows) if pw.rows is not None and u.rows is not None and u.rows < pw.rows else u
