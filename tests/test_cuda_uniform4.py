@@ -106,3 +106,50 @@ def test_loader_rewrites_mixed_widths_on_cuda_by_default(exl2_act_order_dir, mon
     with torch.inference_mode():
         a, b = rewritten.forward_batch(ids).double(), plain.forward_batch(ids).double()
     assert float((a - b).norm() / b.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("layout", range(len(U4_LAYOUTS)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequant_twins_against_float64(layout, dtype):
+    """qdequant_chunks with the twin table (ops/cuda_candidates.py _twins_of): W's K rows in x's order, each twinned
+    chunk's values plus its twin's, against the float64 weight -- whole and in column slices, into poisoned memory."""
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4, pad_rows
+    from exl_core.ops import cuda_candidates as cc
+    u = as_uniform4(random_packed(U4_LAYOUTS[layout], 264, perm=True), max_growth=10.0)
+    for w in (u, pad_rows(u, u.rows + 32)):
+        wc = w.to("cuda")
+        K, twin = cc._twins_of(wc)
+        assert K == w.in_features and twin.device.type == "cuda"
+        ref = dequantize_reference(w)                                              # [K, N] float64
+        tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+        for n0, cols in ((0, -1), (8, 128), (136, 128)):
+            poison_allocator()
+            got = torch.ops.exl_core.qdequant_chunks(wc.qweight, cc._chunks_of(wc), wc.scale, wc.zero,
+                                                     cc._perm_of(wc, wc.qweight.device)[:K], dtype, n0, cols, twin)
+            n1 = 264 if cols < 0 else n0 + cols
+            assert got.shape == (K, n1 - n0) and rel_err(got, ref[:, n0:n1]) < tol
+
+
+@pytest.mark.parametrize("twins", [True, False])
+def test_prompt_of_the_unpermuted_view(twins, monkeypatch):
+    """A prompt through _without_perm's view (x in the extended order, as the permuted norm writes it): with twins
+    the GEMM takes x's first K columns, without them all rows; both the plain call and the residual add."""
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.model.linear import QuantLinear, _without_perm
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import qmatmul as qm
+    monkeypatch.setattr(cc, "DEQUANT_TWINS_ON", twins)
+    pw = random_packed(U4_LAYOUTS[0], 4608, perm=True)
+    layer = QuantLinear.from_packed(as_uniform4(pw, max_growth=10.0).to("cuda"))
+    u, view = layer.packed, _without_perm(layer)               # the view Prepermuted(layer) runs
+    x = torch.randn(64, pw.in_features, dtype=torch.float16)
+    ref = x.double() @ dequantize_reference(pw)
+    xp = x.cuda()[:, u.perm]                                                      # [64, K'] extended order
+    assert cc._route(64, view, xp) == "dequant" and (cc._twins_of(view) is not None) == twins
+    assert rel_err(qm.qmatmul(xp, view), ref) < 2e-3
+    res = torch.randn(64, 4608, dtype=torch.float16, device="cuda")
+    want = res.double().cpu() + ref
+    assert qm.qmatmul_add_(res, xp, view)
+    assert rel_err(res, want) < 2e-3
