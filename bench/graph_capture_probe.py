@@ -38,6 +38,8 @@ def _diagnosing_record(orig):
             FAILED.append((e.ctx.batch, e.ctx.width, [str(w.message)[:200] for w in caught]))
             print(f"capture failed at batch {e.ctx.batch}, width {e.ctx.width}: {caught[0].message if caught else ''}"[:400])
             torch.cuda.synchronize()
+            from exl_core.ops.attention_gathered import forget_plan
+            forget_plan()                        # the failed capture's plan lives in the graph's pool
             try:
                 torch.cuda.set_sync_debug_mode("error")
                 self.model.forward(e.ctx.ids, e.ctx)

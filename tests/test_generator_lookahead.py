@@ -207,3 +207,22 @@ def test_unchecked_sampler_returns_what_sample_batch_does():
     ids, lp, m = sample_batch_unchecked(logits.clone(), hot, rngs=[torch.Generator().manual_seed(i) for i in range(4)])
     ref_ids, ref_lp = sample_batch(logits.clone(), hot, rngs=[torch.Generator().manual_seed(i) for i in range(4)])
     assert m is None and torch.equal(ids, ref_ids) and torch.equal(lp, ref_lp)     # checked by sample_batch
+
+
+def test_an_abandoned_generator_is_freed_without_the_cycle_collector(model):
+    """No reference cycle through the lookahead (or elsewhere) keeps a finished Generator alive: on a GPU the cycle
+    collector could otherwise free its CUDA graphs inside another generator's graph capture, which invalidates that
+    capture (bench/graph_capture_probe.py, stop 31)."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        _, gen = _run(model, True, lambda g: [Job(p, max_new_tokens=4, sampler=GREEDY, stop_on_eos=False)
+                                             for p in _prompts(5)])
+        assert gen.lookahead is not None
+        ref = weakref.ref(gen)
+        del gen
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -19,6 +19,7 @@ how the CPU tests check the padding and buffer logic the graphs depend on.
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from array import array
 from typing import Optional, Sequence
@@ -138,6 +139,11 @@ class GraphedDecoder:
         # would replay that step's masks and pages forever; the graph must compute its own
         from ..ops.attention_gathered import forget_plan
         forget_plan()
+        # torch.cuda.graph collects garbage before it starts; a collection during the capture could free objects
+        # holding CUDA graphs, events or pinned memory, whose release is not permitted while a stream captures and
+        # invalidates the capture silently (bench/graph_capture_probe.py: an abandoned Generator's graphs)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 e.logits = self.model.forward(e.ctx.ids, e.ctx)
@@ -145,4 +151,7 @@ class GraphedDecoder:
         except RuntimeError as exc:      # some kernel of this model cannot be recorded: stay eager, say so
             warnings.warn(f"CUDA graph capture failed ({exc}); decoding this batch shape eagerly")
             e.eager_only = True
+        finally:
+            if collecting:
+                gc.enable()
         return eager

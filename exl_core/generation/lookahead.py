@@ -23,6 +23,7 @@ stream order) and past its stored tokens, so no prefix-index page changes.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -33,10 +34,18 @@ from .logprobs import check_row_max
 
 class Lookahead:
     def __init__(self, generator):
-        self.gen = generator
+        # a weak reference: a cycle with its generator would leave an abandoned Generator (its CUDA graphs, events,
+        # pinned buffers) to Python's cycle collector, which can run inside a later graph capture -- destroying a
+        # graph there invalidates that capture (bench/graph_capture_probe.py found it; cuda_graphs.py also keeps the
+        # collector off while it captures)
+        self._gen = weakref.ref(generator)
         self._pending: Optional[tuple] = None      # (jobs, their positions, their tokens, logits) of a launched step
         self._pinned: Optional[tuple[torch.Tensor, ...]] = None     # host ids, logprobs, row maxima
         self._copied: Optional[torch.cuda.Event] = None               # recorded after their copy, each step
+
+    @property
+    def gen(self):
+        return self._gen()
 
     def take(self, plan) -> Optional[torch.Tensor]:
         """The logits of the step launched last time, where `plan` is exactly that step; else None (and the step is
