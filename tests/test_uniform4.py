@@ -8,7 +8,7 @@ import torch
 
 from exl_core.errors import FormatError
 from exl_core.formats.packed import PackedWeight, dequantize_reference, pack_bitstream
-from exl_core.formats.uniform4 import as_uniform4, growth, pad_rows, twin_chunks
+from exl_core.formats.uniform4 import as_uniform4, growth
 from exl_core.ops.qmatmul import dequantize
 
 
@@ -152,33 +152,3 @@ def test_pad_rows_adds_nothing():
     assert torch.equal(dequantize_reference(p), dequantize_reference(u))
     with pytest.raises(ValueError):
         pad_rows(u, u.rows + 16)
-
-
-@pytest.mark.parametrize("widths", [(5, 4, 4, 4, 3), (2, 3, 4, 5, 6, 8), (8,), (6, 4)])
-@pytest.mark.parametrize("pad", [0, 64])
-def test_twin_chunks_fold_the_extra_rows_into_k_rows(widths, pad):
-    """twin_chunks: W from W_perm's first K rows, each twinned chunk's rows plus its twin's, scattered by perm[:K],
-    is the original weight (float64), for the weight, a padded one and the unpermuted view (shared meta)."""
-    pw = mixed(384, 40, widths, seed=len(widths) + pad, perm=True)
-    u = as_uniform4(pw, max_growth=10.0)
-    if pad:
-        u = pad_rows(u, u.rows + pad)
-    K, twins = twin_chunks(u)
-    assert K == 384 and len(twins) == K // 32
-    assert sum(t >= 0 for t in twins) == (u.rows - pad - K) // 32
-    w_perm = dequantize_reference(dataclasses.replace(u, perm=None, rows=None, in_features=u.rows))
-    folded = w_perm[:K].clone()
-    for c, t in enumerate(twins):
-        if t >= 0:
-            assert torch.equal(u.perm[32 * t:32 * t + 32], u.perm[32 * c:32 * c + 32])   # the same x columns
-            folded[32 * c:32 * c + 32] += w_perm[32 * t:32 * t + 32]
-    w = torch.empty_like(folded)
-    w[u.perm[:K]] = folded
-    torch.testing.assert_close(w, dequantize_reference(pw), rtol=1e-12, atol=1e-12)
-    view = dataclasses.replace(u, perm=None, rows=None, in_features=u.rows)      # model/linear.py _without_perm
-    assert twin_chunks(view) == (K, twins)
-
-
-def test_twin_chunks_none_without_extra_rows():
-    assert twin_chunks(mixed(128, 8, (4, 3), seed=1)) is None                       # not rewritten
-    assert twin_chunks(as_uniform4(mixed(128, 8, (4, 3), seed=1), max_growth=10.0)) is None   # 4-bit rows only

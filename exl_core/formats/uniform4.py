@@ -89,28 +89,3 @@ def pad_rows(pw: PackedWeight, rows: int) -> PackedWeight:
                         torch.cat([pw.scale, zeros]), torch.cat([pw.zero, zeros]),
                         torch.cat([pw.perm, torch.zeros(extra, dtype=pw.perm.dtype, device=dev)]),
                         pw.in_features, N, pw.bias, pw.portable_meta(), rows).validate("uniform4 padded")
-
-
-def twin_chunks(pw: PackedWeight) -> Optional[tuple[int, list[int]]]:
-    """For a weight as_uniform4 gave extra rows (also a _without_perm view of it, which shares its meta): (K, twins),
-    K the rows of W (the input's columns) and twins[c] for each of W_perm's first K / 32 chunks the chunk holding
-    its rows' high halves (the extra rows read the same x columns in the same order), -1 where none.  A GEMM over K
-    then needs W's K rows only, each twinned chunk's values plus its twin's (ops/cuda_candidates.py).  None where
-    pw's groups are not that layout (not rewritten, no extra rows, or changed since)."""
-    src = pw.meta.get("uniform4_groups")
-    if not src:
-        return None
-    K = sum(g[2] for g in src)
-    if K % 32 or pw.in_features not in (K, pw.k_rows):
-        return None
-    lens = [g[2] for g in src] + [g[2] for g in src if g[0] > 4]
-    have = pw.groups.tolist()
-    if len(have) < len(lens) or any(h[0] != 4 or h[2] != n for h, n in zip(have, lens)) or len(lens) == len(src):
-        return None
-    twins, extra = [-1] * (K // 32), K // 32
-    for bits, k_start, k_len, _q in src:
-        if bits > 4:
-            for i in range(k_len // 32):
-                twins[k_start // 32 + i] = extra + i
-            extra += k_len // 32
-    return K, twins

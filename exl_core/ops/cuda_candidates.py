@@ -356,32 +356,6 @@ def _add_run(residual, x, pw) -> bool:
     return True
 
 
-# Prompts of weights with extra rows (formats.uniform4) dequantise W's K rows, each twinned chunk with its twin's
-# values added (qdequant_chunks' twin table), and multiply x's first K columns: the GEMM then runs over K, not over all
-# rows (H200, stop 30: over all rows the rewritten EXL2 model's 2,048-token prompt ran at 0.9332x the mixed-width
-# kernels'; an index_add of the extra rows after the dequantise lost more, 0.7311x).  EXL_CORE_DEQUANT_TWINS=0: off.
-DEQUANT_TWINS_ON = os.environ.get("EXL_CORE_DEQUANT_TWINS", "1") != "0"
-
-
-def _twins_of(pw) -> Optional[tuple[int, torch.Tensor]]:
-    """(K, int32 twin table on pw's device) for qdequant_chunks where formats.uniform4.twin_chunks gives one and
-    the chunk table agrees (both chunks of a pair 4-bit, the twins inside it), cached in meta; else None."""
-    if not DEQUANT_TWINS_ON or pw.meta.get("uniform4_groups") is None:
-        return None
-    dev = pw.qweight.device
-    cached = pw.meta.get("_cuda_twins")
-    if cached is None or (cached[1] is not None and cached[1].device != dev):
-        from ..formats.uniform4 import twin_chunks
-        tw = twin_chunks(pw)
-        if tw is not None:
-            k, twins = tw
-            bits = pw.groups[:, 0].tolist()
-            ok = all(b == 4 for b in bits) and all(-1 <= t < pw.k_rows // 32 for t in twins)
-            tw = (k, torch.tensor(twins, dtype=torch.int32).to(dev)) if ok else None
-        cached = pw.meta["_cuda_twins"] = (tw[0], tw[1]) if tw is not None else (0, None)
-    return None if cached[1] is None else cached
-
-
 def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     """x2 @ W (+ bias), W dequantised to x2's dtype for cuBLAS. Weights wider than 2 x DEQUANT_SLICE go in
     slices of DEQUANT_SLICE columns, each dequantised into the block the slice before freed (the allocator
@@ -391,9 +365,6 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     (275.5 vs 267.3), where the narrower GEMMs cost more than the scratch saves.
     add_to (no bias): add_to += x2 @ W in place, the GEMM's beta = 1 (the residual stream: no separate add)."""
     N = pw.out_features
-    tw = _twins_of(pw)
-    if tw is not None:
-        x2 = x2[:, :tw[0]]           # the rows past K repeat x's columns: their values fold into W's K rows
     if N <= 2 * DEQUANT_SLICE:
         w = _dequant_w(pw, chunks, perm, x2.dtype)                              # [K, N]
         if add_to is not None:
@@ -415,12 +386,12 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
 
 def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
     """W [in_features, cols] in x's row order (qdequant_chunks); a weight with extra rows (formats.uniform4: its
-    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows."""
+    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows.
+    (The model's prompts run such weights as _without_perm views over all rows instead.  Tried and reverted, stop 31:
+    the views' GEMM over x's first K columns with each extra chunk's values added to its twin's in the dequantise
+    kernel -- the rewritten EXL2 model's 2,048-token prompt at 0.9827x / 0.9812x that path's in two H200 calls;
+    `git show a12c907`.)"""
     deq = torch.ops.exl_core.qdequant_chunks
-    tw = _twins_of(pw)
-    if tw is not None:
-        k, twin = tw
-        return deq(pw.qweight, chunks, pw.scale, pw.zero, None if perm is None else perm[:k], dtype, n0, cols, twin)
     if pw.rows is None:
         return deq(pw.qweight, chunks, pw.scale, pw.zero, perm, dtype, n0, cols)
     k = pw.in_features

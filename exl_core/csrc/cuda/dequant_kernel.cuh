@@ -58,9 +58,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 // 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
 // Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
 // read: the allocator hands the same block to each slice) is written after it.
-// A chunk's BITS word rows of V adjacent columns (rows ldq apart).
-template <int BITS, int V>
-__device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint32_t (&w)[BITS][V]) {
+template <typename T, int BITS, int V>
+__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t ldw, const float (&s)[V],
+                                              const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
+  uint32_t w[BITS][V];
 #pragma unroll
   for (int j = 0; j < BITS; ++j) {
     if constexpr (V == 1) {
@@ -73,24 +74,6 @@ __device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint3
       }
     }
   }
-}
-
-// The twin of a 4-bit chunk (formats/uniform4.py: a 5..8-bit value stored as two 4-bit rows reading one x column):
-// its words and scaled group, added into the chunk's values before the one rounding to T.
-template <int V>
-struct Twin {
-  const int32_t* qw;              // null: no twin
-  float s[V], zs[V];
-};
-
-template <typename T, int BITS, int V>
-__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t ldw, const float (&s)[V],
-                                              const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc,
-                                              const Twin<V>* twin = nullptr) {
-  uint32_t w[BITS][V], w2[4][V];
-  load_chunk<BITS, V>(qw, ldq, w);
-  if constexpr (BITS == 4)
-    if (twin) load_chunk<4, V>(twin->qw, ldq, w2);
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
@@ -98,11 +81,6 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
     float f[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) f[v] = chunk_value<BITS, V>(w, i, v, s[v], zs[v]);
-    if constexpr (BITS == 4)
-      if (twin) {
-#pragma unroll
-        for (int v = 0; v < V; ++v) f[v] += chunk_value<4, V>(w2, i, v, twin->s[v], twin->zs[v]);
-      }
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {
@@ -126,7 +104,6 @@ struct DequantMat {
   const int64_t* perm;            // or null
   void* W;                        // its first column in the shared W
   int64_t ldq, N;
-  const int32_t* twin;            // or null: per output chunk, the chunk whose rows add into it, or -1 (4-bit only)
 };
 struct DequantMats {
   DequantMat m[kMaxDequantMats];
@@ -134,12 +111,9 @@ struct DequantMats {
   int n;
 };
 
-// grid (ceil(max N / (blockDim V)), K / 32, n), K the output's rows (with twins fewer than the chunk table's).
-// V = 8: every N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte
+// grid (ceil(max N / (blockDim V)), K / 32, n).  V = 8: every N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte
 // aligned qweight and W.
-// TWIN: the mats' twin tables are read (their own instances: the twin's registers, 107 -> 122 at V = 8, stay out of
-// the plain kernel).
-template <typename T, int V, bool TWIN = false>
+template <typename T, int V>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
@@ -156,14 +130,6 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   T* Wc = static_cast<T*>(m.W) + col;
   const int64_t ldq = m.ldq, ldw = mats.ldw;
   const int64_t* perm = m.perm;
-  const int tc = TWIN && m.twin ? __ldg(m.twin + c) : -1;
-  if (TWIN && tc >= 0) {                                                // the host checked: both chunks 4-bit
-    Twin<V> tw;
-    tw.qw = m.qweight + static_cast<int64_t>(m.chunks[tc * 3 + 2]) * m.ldq + col;
-    group_scale_zero<V>(m.scale, m.zero, m.chunks[tc * 3 + 1], m.ldq, col, tw.s, tw.zs);
-    dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc, &tw);
-    return;
-  }
   switch (bits) {
     case 4: dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
     case 2: dequant_chunk<T, 2, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
