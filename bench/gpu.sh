@@ -219,11 +219,12 @@ if has promptprof; then  # the 2,048-token prompt's kernels by name: GPTQ, EXL2 
     f=${v%%:*} e=${v#*:}
     echo "== prompt profile $f ${e:-default}" | tee -a "$LOG"
     env $e EXL_BENCH_PROFILE_PROMPT=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --$f "$CK/$f" --prompt-only \
-      --json /tmp/promptprof.json 2>&1 | tee -a "$LOG" | grep -A26 "^-- profile\|prompt2048_tok_s"
+      --json "$OUT/gpu_h200_promptprof_${f}${e:+_$(echo ${e%%=*} | tr 'A-Z' 'a-z')}.json" 2>&1 | tee -a "$LOG" \
+      | grep -A26 "^-- profile\|prompt2048_tok_s"
   done
 fi
 if has graphprobe; then  # which op breaks a decode step's graph capture (tiny models, several seeds)
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/graph_capture_probe.py 2>&1 | tee -a "$LOG" | grep -v "0 failed captures" | tail -80
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/graph_capture_probe.py 2>&1 | tee -a "$LOG" | grep -v ": 0 failed captures" | tail -80
 fi
 if has genprefill; then  # where the Generator's chunked prefill goes (host syncs, time per chunk, profiler tables)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/gen_prefill_probe.py --model "$CK/gptq" 2>&1 | tee -a "$LOG" | tail -70

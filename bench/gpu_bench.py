@@ -421,11 +421,15 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
         traceback.print_exc()
         r["prompt2048_error"] = repr(e)[:300]
     if prompt_only and PROFILE_PROMPT:     # the prompt's kernels by name (A/B runs of the prompt path)
-        kv = StaticKV(model, 1, 2048)
-        ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
-        r["profile_prompt2048"] = profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)),
-                                                f"{fmt} prompt 2048", top=24)
-        del kv
+        try:
+            kv = StaticKV(model, 1, 2048)
+            ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
+            r["profile_prompt2048"] = profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)),
+                                                    f"{fmt} prompt 2048", top=24)
+            del kv
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r["profile_error"] = repr(e)[:300]
     if PROFILE and not quick and not prompt_only:
         try:
             r["profile_decode_bs1"] = profile_decode(model, 1)

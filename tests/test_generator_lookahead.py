@@ -226,3 +226,29 @@ def test_an_abandoned_generator_is_freed_without_the_cycle_collector(model):
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_generator_whose_step_raised_is_freed_without_the_cycle_collector(model, lookahead):
+    """The error a step raises (here a job's token filter) and the ones it kept for the caller hold no cycle back to
+    the Generator: once the caller drops the error, the Generator is freed without the collector."""
+    import gc
+    import weakref
+
+    def bad_filter(tokens, logits):
+        raise ValueError("filter failed")
+    gc.collect()
+    gc.disable()
+    try:
+        gen = Generator(model, Cache(model, max_tokens=4096, page_size=16), None, max_batch_tokens=256,
+                        max_chunk_size=64, cuda_graphs=True, lookahead=lookahead)
+        gen.enqueue([Job(p, max_new_tokens=4, sampler=GREEDY, stop_on_eos=False) for p in _prompts(6)])
+        gen.enqueue(Job(_prompts(7)[0], max_new_tokens=4, sampler=GREEDY, token_filter=bad_filter))
+        with pytest.raises(ValueError, match="filter failed"):
+            while gen.has_work():
+                gen.iterate()
+        ref = weakref.ref(gen)
+        del gen
+        assert ref() is None
+    finally:
+        gc.enable()

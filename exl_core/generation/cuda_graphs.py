@@ -141,7 +141,8 @@ class GraphedDecoder:
         forget_plan()
         # torch.cuda.graph collects garbage before it starts; a collection during the capture could free objects
         # holding CUDA graphs, events or pinned memory, whose release is not permitted while a stream captures and
-        # invalidates the capture silently (bench/graph_capture_probe.py: an abandoned Generator's graphs)
+        # invalidates the capture silently (bench/graph_capture_probe.py: an abandoned Generator's graphs).  The switch
+        # is process-wide: captures are meant to run on one thread at a time (torch's default capture mode)
         collecting = gc.isenabled()
         gc.disable()
         try:

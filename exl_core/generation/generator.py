@@ -239,7 +239,12 @@ class Generator:
             # Accounting is consistent (failed jobs finished, pages freed); deliver the other
             # results with the next iterate() and let the caller see the first error.
             self._events.extend(results)
-            raise errors[0]
+            err = errors[0]
+            errors.clear()        # an error held here would reach this frame (and self) through its own traceback:
+            try:                  # a cycle, leaving the Generator to the cycle collector (cuda_graphs._record)
+                raise err
+            finally:
+                del err
         return results
 
     def _draw(self, jobs: list[Job], logits: torch.Tensor, errors: list) -> list[tuple[int, float]]:
@@ -248,6 +253,7 @@ class Generator:
         on failure rows are retried one by one and only the failing jobs are cancelled."""
         args = lambda js: ([j.sampler for j in js], [j.tokens for j in js], [j.rng for j in js],  # noqa: E731
                            [j.prompt_len for j in js])
+        bad = None
         try:
             if self.lookahead is None:
                 tok, lp = sample_batch(logits, *args(jobs))
@@ -275,6 +281,7 @@ class Generator:
                     self._finish(job, "cancelled")
                     self._events.append(JobResult(job, "", [], "cancelled"))
                 out.append((-1, 0.0))
+        bad = None                # its errors' tracebacks hold this frame: no cycle through the closure's cell
         return out
 
     def _accept(self, job: Job, token: int, logprob: float) -> JobResult:
