@@ -86,6 +86,9 @@ def _add_ss_into_check(residual, x, pw, up, xp, order) -> Optional[str]:
     if why is not None:
         return why
     rows, N = residual.shape
+    if rows > cc.KSLICE_STAGED_ROWS or not cc._uniform4(pw):
+        return f"{rows} rows of a {'uniform 4-bit' if cc._uniform4(pw) else 'mixed-width'} weight: the store into " \
+               f"xp is in qgemm_kslice's staged uniform 4-bit instances only"
     if (xp.dtype != torch.float16 or xp.device != residual.device or xp.dim() != 2 or xp.shape[0] != rows
             or xp.shape[1] != order.cols or order.cols < N or not xp.is_contiguous()):
         return f"xp {xp.dtype} {tuple(xp.shape)}: contiguous float16 [{rows}, {order.cols}] on the residual's GPU"

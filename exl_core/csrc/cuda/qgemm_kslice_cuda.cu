@@ -221,7 +221,9 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
       mats.nf.xp_pos2 = folds.xp_pos2 ? folds.xp_pos2->data_ptr<int32_t>() : nullptr;
     }
   }
-  TORCH_CHECK(!folds.xp || folds.add_to != nullptr, "exl_core::qgemm_kslice: xp goes with the residual add");
+  TORCH_CHECK(!folds.xp || (folds.add_to != nullptr && uniform4 && n_tiles_for(static_cast<int>(M)) == 1),
+              "exl_core::qgemm_kslice: xp goes with the residual add of uniform 4-bit weights, at most ", kStagedRows,
+              " rows");
   if (M == 0) return ys;                                      // after the add's checks: _add_ returns its [tiles, 0] sums
   Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
                        uniform4, dev, up.defined(), fold);
