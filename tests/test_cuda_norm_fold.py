@@ -70,6 +70,42 @@ def test_add_ss_silu_vs_float64(layout, M):
     torch.testing.assert_close(ss.double().cpu(), _tile_ss(rc), rtol=1e-5, atol=1e-6)
 
 
+def _count_runs(monkeypatch, calls: dict, runs: dict) -> None:
+    """Wraps ops/cuda_norm_fold.py's run functions (runs: {name in calls: attribute}) to count their calls, and
+    installs the candidates again bound to the wrappers (on copies of the dispatchers' lists)."""
+    from exl_core.ops import cuda_norm_fold as nf
+    from exl_core.ops import norm_fold
+    for disp in (norm_fold.DISPATCH_ADD_SS, norm_fold.DISPATCH_MANY_NORMED, norm_fold.DISPATCH_ADD_SS_INTO,
+                 norm_fold.DISPATCH_MANY_NORMED_PERM):
+        monkeypatch.setattr(disp, "candidates", list(disp.candidates))
+
+    def counted(name, fn):
+        def run(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return run
+    for name, attr in runs.items():
+        monkeypatch.setattr(nf, attr, counted(name, getattr(nf, attr)))
+    nf.install()
+
+
+def _decode_step_both_ways(model, B: int, T: int, switch, calls: dict) -> tuple[dict, dict]:
+    """The logits of one decode step of B sequences after a T-token prompt with switch(True) and with switch(False),
+    and what `calls` counted during the step with it on."""
+    ids = torch.randint(0, model.config.vocab_size, (B, T))
+    nxt = torch.randint(0, model.config.vocab_size, (B, 1))
+    out, during = {}, {}
+    for on in (True, False):
+        switch(on)
+        kv = [model.new_sequence_kv(T + 4) for _ in range(B)]
+        model.forward_batch(ids.cuda(), kv)
+        before = dict(calls)
+        out[on] = model.forward_batch(nxt.cuda(), kv)
+        if on:
+            during = {k: calls[k] - before[k] for k in calls}
+    return out, during
+
+
 def _normed_ref(res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm's roundings in fp16: w * fp16(x * r), rounded (r from float64 sums)."""
     r = torch.rsqrt(res.double().pow(2).mean(-1, keepdim=True) + eps)
@@ -156,34 +192,11 @@ def test_model_decode_folded_matches_unfused(tiny_model_factory, tmp_path, B, mo
             cc.WIDE_U4_MIN_TILES = saved
     monkeypatch.setattr(cc, "_wide_ok", multi_wide)
     monkeypatch.setattr(nf, "NORM_FOLD_WIDE", True)
-    T = 9
-    ids = torch.randint(0, model.config.vocab_size, (B, T))
-    nxt = torch.randint(0, model.config.vocab_size, (B, 1))
     calls = {"add": 0, "normed": 0}
-    from exl_core.ops import norm_fold
-    for disp in (norm_fold.DISPATCH_ADD_SS, norm_fold.DISPATCH_MANY_NORMED):
-        monkeypatch.setattr(disp, "candidates", list(disp.candidates))   # install() below edits the copies
-    add_run, normed_run = nf._add_ss_run, nf._normed_run
-
-    def counted(name, fn):
-        def run(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return run
-    out = {}
-    for on in (True, False):
-        monkeypatch.setattr(nf, "NORM_FOLD_ON", on)
-        monkeypatch.setattr(nf, "_add_ss_run", counted("add", add_run))
-        monkeypatch.setattr(nf, "_normed_run", counted("normed", normed_run))
-        nf.install()                                              # candidates bound to the counted runs
-        kv = [model.new_sequence_kv(T + 4) for _ in range(B)]
-        model.forward_batch(ids.cuda(), kv)
-        before = dict(calls)
-        out[on] = model.forward_batch(nxt.cuda(), kv)
-        if on:
-            L = model.config.num_hidden_layers
-            assert calls["add"] - before["add"] == 2 * L          # o and down of every layer
-            assert calls["normed"] - before["normed"] == 2 * L - 1   # every norm but the first layer's input norm
+    _count_runs(monkeypatch, calls, {"add": "_add_ss_run", "normed": "_normed_run"})
+    out, during = _decode_step_both_ways(model, B, 9, lambda on: monkeypatch.setattr(nf, "NORM_FOLD_ON", on), calls)
+    L = model.config.num_hidden_layers
+    assert during == {"add": 2 * L, "normed": 2 * L - 1}    # o and down of every layer; every norm but layer 0's input
     assert rel_err(out[True], out[False].double().cpu()) < 5e-3
 
 
@@ -257,37 +270,16 @@ def test_model_decode_folded_through_the_shared_order(exl2_act_order_dir, B, uni
     and without, up to fp16 rounding.  Without the rewrite the mixed widths refuse the fold (nothing counted)."""
     _need_kernels()
     from exl_core.loader import as_uniform4_weights, load_model
-    from exl_core.ops import cuda_norm_fold as nf
     from exl_core.ops import norm_fold
     from test_norm_perm import share_group_perms
     model, _ = load_model(exl2_act_order_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)
     share_group_perms(model)
     if uniform4:
         assert as_uniform4_weights(model, max_growth=10.0) > 0
-    T, L = 7, model.config.num_hidden_layers
-    ids = torch.randint(0, model.config.vocab_size, (B, T))
-    nxt = torch.randint(0, model.config.vocab_size, (B, 1))
     calls = {"into": 0, "normed": 0}
-    for disp in (norm_fold.DISPATCH_ADD_SS_INTO, norm_fold.DISPATCH_MANY_NORMED_PERM):
-        monkeypatch.setattr(disp, "candidates", list(disp.candidates))
-    into_run, normed_run = nf._add_ss_into_run, nf._normed_perm_run
-
-    def counted(name, fn):
-        def run(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return run
-    monkeypatch.setattr(nf, "_add_ss_into_run", counted("into", into_run))
-    monkeypatch.setattr(nf, "_normed_perm_run", counted("normed", normed_run))
-    nf.install()
-    out = {}
-    for on in (True, False):
-        monkeypatch.setattr(norm_fold, "FOLD_PERM_ON", on)
-        kv = [model.new_sequence_kv(T + 4) for _ in range(B)]
-        model.forward_batch(ids.cuda(), kv)
-        before = dict(calls)
-        out[on] = model.forward_batch(nxt.cuda(), kv)
-        if on:
-            n = 2 * L - 1 if uniform4 else 0                        # o every layer, down all but the last
-            assert calls["into"] - before["into"] == n and calls["normed"] - before["normed"] == n
+    _count_runs(monkeypatch, calls, {"into": "_add_ss_into_run", "normed": "_normed_perm_run"})
+    out, during = _decode_step_both_ways(model, B, 7, lambda on: monkeypatch.setattr(norm_fold, "FOLD_PERM_ON", on),
+                                         calls)
+    n = 2 * model.config.num_hidden_layers - 1 if uniform4 else 0       # o every layer, down all but the last
+    assert during == {"into": n, "normed": n}
     assert rel_err(out[True], out[False].double().cpu()) < 5e-3
