@@ -15,13 +15,18 @@ from test_norm_perm import share_group_perms
 
 
 def _stand_ins(monkeypatch) -> dict:
+    """The CUDA candidates' run functions (ops/cuda_norm_fold.py _add_ss_into_run, _normed_perm_run) installed as they
+    are, over torch stand-ins for the two launches below them (_add_ss_run, _normed_run: the kernels' contract), so
+    what those run functions pass on -- the maps, xp, the norm weight in order, norm_k -- is what is tested.  Their
+    checks cannot run here (they ask for CUDA tensors): they accept."""
     from exl_core.model import llama
+    from exl_core.ops import cuda_norm_fold as nf
     from exl_core.ops import norm_fold
     from exl_core.ops.activation import silu_mul
     from exl_core.ops.qmatmul import qmatmul, qmatmul_many
     calls = {"into": 0, "normed": 0}
 
-    def into_run(residual, x, pw, up, xp, order):
+    def add_ss_run(residual, x, pw, up, xp=None, order=None):            # qgemm_kslice_add_ with xp
         residual += qmatmul(x if up is None else silu_mul(x, up), pw)
         xp.zero_()
         xp[:, order.pos.long()] = residual
@@ -32,32 +37,42 @@ def _stand_ins(monkeypatch) -> dict:
         rows, n = residual.shape
         return residual.pow(2).reshape(rows, n // 32, 32).sum(-1).t().contiguous()      # [tiles, rows]
 
-    def normed_run(residual, weight, eps, ss, xp, perm, weight_perm, pws):
-        assert torch.equal(weight_perm, weight[perm.long()])
-        r = torch.rsqrt(ss.sum(0) / residual.shape[-1] + eps)                           # the residual's width
+    def normed_run(x, weight, eps, ss, pws, norm_k=0):                 # qgemm_kslice_multi's fold with norm_k
+        assert norm_k > 0 and ss.shape[0] == norm_k // 32
+        r = torch.rsqrt(ss.sum(0) / norm_k + eps)
         calls["normed"] += 1
-        return qmatmul_many(xp * r[:, None] * weight_perm, list(pws))
+        return qmatmul_many(x * r[:, None] * weight, list(pws))
 
-    for disp, run in ((norm_fold.DISPATCH_ADD_SS_INTO, into_run), (norm_fold.DISPATCH_MANY_NORMED_PERM, normed_run)):
+    monkeypatch.setattr(nf, "_add_ss_run", add_ss_run)
+    monkeypatch.setattr(nf, "_normed_run", normed_run)
+    for disp, run in ((norm_fold.DISPATCH_ADD_SS_INTO, nf._add_ss_into_run),
+                      (norm_fold.DISPATCH_MANY_NORMED_PERM, nf._normed_perm_run)):
         monkeypatch.setattr(disp, "candidates", [Candidate("stand-in", lambda **_: None, run)] + disp.candidates)
     monkeypatch.setattr(norm_fold, "FOLD_PERM_ON", True)
     monkeypatch.setattr(llama, "FOLD_DEVICES", ("cpu", "cuda"))
     return calls
 
 
-@pytest.mark.parametrize("uniform4", [False, True])
-def test_fold_through_the_shared_order_keeps_the_logits(exl2_act_order_dir, monkeypatch, uniform4):
+def _model(exl2_act_order_dir, uniform4: bool):
     from exl_core.loader import as_uniform4_weights, load_model
     model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
     assert share_group_perms(model) == 2 * len(model.layers)
     if uniform4:                           # extended orders: some columns stored twice (OutOrder.pos2)
         assert as_uniform4_weights(model, max_growth=10.0) > 0
         assert model.layers[0].mlp.gate_proj.packed.rows is not None
-    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(8))
+    return model
+
+
+IDS = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(8))
+
+
+@pytest.mark.parametrize("uniform4", [False, True])
+def test_fold_through_the_shared_order_keeps_the_logits(exl2_act_order_dir, monkeypatch, uniform4):
+    model = _model(exl2_act_order_dir, uniform4)
     with torch.inference_mode():
-        ref = model.forward_batch(ids)
+        ref = model.forward_batch(IDS)
         calls = _stand_ins(monkeypatch)
-        got = model.forward_batch(ids)
+        got = model.forward_batch(IDS)
     L = len(model.layers)
     assert calls == {"into": 2 * L - 1, "normed": 2 * L - 1}   # o every layer, down all but the last; q/k/v: not layer 0
     assert float(ref.abs().max()) > 1e-2
@@ -79,3 +94,42 @@ def test_fold_off_by_default(exl2_act_order_dir, monkeypatch):
     with torch.inference_mode():
         model.forward_batch(torch.randint(0, 1000, (1, 5)))
     assert calls == {"into": 0, "normed": 0}
+
+
+def test_a_next_block_that_takes_no_fold_gets_none(exl2_act_order_dir, monkeypatch):
+    """A Block subclass (its own forward) after a plain one: the down projection before it leaves no fold in another
+    block's order -- the logits stay the unfolded model's, and that boundary is not folded."""
+    from exl_core.model.llama import Block
+    model = _model(exl2_act_order_dir, True)
+    with torch.inference_mode():
+        ref = model.forward_batch(IDS)
+
+    class Own(Block):
+        def forward(self, h, residual, ctx, cos_sin, ss=None):
+            return Block.forward(self, h, residual, ctx, cos_sin, None)      # takes no fold
+    model.layers[1].__class__ = Own
+    with torch.inference_mode():
+        calls = _stand_ins(monkeypatch)
+        got = model.forward_batch(IDS)
+    L = len(model.layers)
+    assert calls == {"into": 2 * L - 2, "normed": 2 * L - 2}              # layer 0's down has nothing to serve
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
+
+
+def test_norm_weight_edited_in_place_reaches_the_fold(exl2_act_order_dir, monkeypatch):
+    """The norm weight in the layers' order is cached: an in-place edit of the weight (load_state_dict, copy_) makes
+    a new one."""
+    model = _model(exl2_act_order_dir, True)
+    norms = [b.post_attention_layernorm.weight for b in model.layers]
+    with torch.inference_mode():
+        calls = _stand_ins(monkeypatch)
+        model.forward_batch(IDS)                                           # the cache is made
+    with torch.no_grad():
+        for w in norms:
+            w.mul_(1.7)
+    with torch.inference_mode():
+        got = model.forward_batch(IDS)
+        monkeypatch.setattr(__import__("exl_core.ops.norm_fold", fromlist=["x"]), "FOLD_PERM_ON", False)
+        ref = model.forward_batch(IDS)
+    assert calls["normed"] > 0
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)

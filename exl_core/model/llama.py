@@ -128,7 +128,7 @@ class Block(nn.Module):
         hooks on those two modules do not fire; subclasses keep their forward.  Nor do the norms' where a kernel takes
         them in (the fold, ops/norm_fold.py; the permuted norm, _norm_many)."""
         own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
-        if own and h is None and ss is not None and self._folds():            # ss: only a CUDA producer leaves it
+        if h is None and ss is not None and self._takes_fold():               # ss: only a CUDA producer leaves it
             a = self.self_attn
             return self._tail(_consume_fold(residual, ss, self.input_layernorm, (a.q_proj, a.k_proj, a.v_proj)),
                               ctx, cos_sin, residual, nxt)
@@ -149,6 +149,10 @@ class Block(nn.Module):
         attn = self.self_attn(x, ctx, self.layer_idx, cos_sin)
         x, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(x), residual, None
+
+    def _takes_fold(self) -> bool:
+        """Whether forward takes a previous block's fold (the test its first branch makes)."""
+        return type(self.self_attn) is Attention and type(self.mlp) is MLP and self._folds()
 
     def _folds(self) -> bool:
         """Whether the norms may be folded into the projections: plain RMSNorm modules (their weight and eps are
@@ -183,13 +187,14 @@ class Block(nn.Module):
         fold = None
         if folds:
             qkv_layers = (a.q_proj, a.k_proj, a.v_proj)
-            if nxt is not None and type(nxt) is Block and type(nxt.self_attn) is Attention:   # the fold it serves
+            served = nxt is not None and type(nxt).forward is Block.forward and nxt._takes_fold()   # it consumes it
+            if served:
                 n1, qkv_layers = nxt.input_layernorm, (nxt.self_attn.q_proj, nxt.self_attn.k_proj, nxt.self_attn.v_proj)
-            fold = _produce_fold(residual, gate, mlp.down_proj, up, n1, qkv_layers, permuted=nxt is not None)
+            fold = _produce_fold(residual, gate, mlp.down_proj, up, n1, qkv_layers, permuted=served)
             if fold is None and up is not None and linear_folds_norm(residual, n1.weight, n1.eps, qkv_layers) and \
                     linear_adds_ss(residual, gate, mlp.down_proj):       # rows past the SwiGLU-fused kernel's
                 ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)
-                fold = None if ss is None else (ss, None)
+                fold = None if ss is None else (ss, None, None)
         if fold is not None:
             return None, residual, fold
         return mlp.down(gate, up, residual), residual, None
@@ -219,12 +224,22 @@ def _perm_fold(norm, layers, residual: torch.Tensor) -> Optional[_PermFold]:
     order = input_out_order(layers[0], residual.shape[-1]) if perm is not None else None
     if order is None or order.cols != perm.numel():
         return None
+    w = norm.weight
+    key = (w, w.data_ptr(), w.dtype, _version(w), perm)        # in-place edits (load_state_dict, copy_) too
     held = norm.__dict__.get("_weight_perm")
-    if held is None or held[0] is not norm.weight or held[1] is not perm:
-        if norm.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+    if held is None or not all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(held[0], key)):
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        held = norm.__dict__["_weight_perm"] = (norm.weight, perm, norm.weight[perm.long()].contiguous())
-    return _PermFold(perm, order, held[2], [Prepermuted(m) for m in layers])
+        held = norm.__dict__["_weight_perm"] = (key, w[perm.long()].contiguous())
+    return _PermFold(perm, order, held[1], [Prepermuted(m) for m in layers])
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """t's in-place version counter (None for inference tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _produce_fold(residual: torch.Tensor, x: torch.Tensor, producer, up: Optional[torch.Tensor], norm, layers,
@@ -233,26 +248,31 @@ def _produce_fold(residual: torch.Tensor, x: torch.Tensor, producer, up: Optiona
     needs to fold into `layers`: (sums of squares, xp -- the residual in the layers' act-order, or None), for
     _consume_fold; None, nothing done, where no kernels take both sides.  permuted False: not through the layers'
     act-order (the last block's down projection asks with its own q/k/v, standing in for a next block's)."""
-    pf = _perm_fold(norm, layers, residual) if permuted else None
+    # decode rows only (the kernels stage at most 8): no xp for a prompt's rows
+    pf = _perm_fold(norm, layers, residual) if permuted and residual.shape[0] <= norm_fold.FOLD_PERM_MAX_ROWS else None
     if pf is not None:
         xp = residual.new_empty(residual.shape[0], pf.order.cols)
         if linear_folds_norm_perm(residual, norm.weight, norm.eps, xp, pf.perm, pf.weight_perm, pf.views):
             ss = linear_add_ss_into_(residual, x, producer, up, xp, pf.order)
             if ss is not None:
-                return ss, xp
+                return ss, xp, pf.perm
     if linear_folds_norm(residual, norm.weight, norm.eps, layers):
         ss = linear_add_ss_(residual, x, producer, up)
         if ss is not None:
-            return ss, None
+            return ss, None, None
     return None
 
 
 def _consume_fold(residual: torch.Tensor, fold, norm, layers) -> list:
-    """The layers' outputs on rms_norm(residual), the norm folded into their kernels (fold: _produce_fold's)."""
-    ss, xp = fold
+    """The layers' outputs on rms_norm(residual), the norm folded into their kernels (fold: _produce_fold's: sums of
+    squares, xp and the permutation it was stored in, or None).  Where the layers no longer read that order (their
+    permutation changed in between), the norm runs unfused on the residual, which the producer has updated."""
+    ss, xp, perm = fold
     if xp is None:
         return linear_many_normed(residual, norm.weight, norm.eps, ss, layers)
     pf = _perm_fold(norm, layers, residual)
+    if pf is None or pf.perm is not perm:
+        return linear_many(rms_norm(residual, norm.weight, norm.eps), layers)
     return linear_many_normed_perm(residual, norm.weight, norm.eps, ss, xp, pf.perm, pf.weight_perm, pf.views)
 
 
@@ -398,7 +418,10 @@ class Model(nn.Module):
         residual = ss = None
         blocks = list(self.layers)        # (slicing the ModuleList would build one: a registration, which rebuilds stacks)
         for layer, nxt in zip(blocks, [*blocks[1:], None]):
-            h, residual, ss = layer(h, residual, ctx, cos_sin, ss, nxt)
+            if type(layer) is Block:
+                h, residual, ss = layer(h, residual, ctx, cos_sin, ss, nxt)
+            else:                                            # a custom layer keeps the older signature
+                h, residual, ss = layer(h, residual, ctx, cos_sin, ss)
         return h, residual
 
     def _native_stack(self) -> Optional[NativeStack]:

@@ -76,6 +76,7 @@ def qmatmul_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float
 # residual's own columns.  Written after stop 31's last device call and compile-checked only: off until a GPU has run
 # its tests and measured it (EXL_CORE_NORM_FOLD_PERM=1 turns it on, here and in model/llama.py).
 FOLD_PERM_ON = os.environ.get("EXL_CORE_NORM_FOLD_PERM", "0") == "1"
+FOLD_PERM_MAX_ROWS = 32       # the model asks for decode rows only (the CUDA kernels take at most 8)
 
 def _reference_add_ss_into(residual, x, pw, up, xp, order):
     return None
