@@ -170,8 +170,8 @@ class Block(nn.Module):
         qkv.clear()
         out, o_proj = _attend_for_o(a, q, k, v, ctx, self.layer_idx, cos_sin)
         del q, k, v
-        # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
-        # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
+        # the adds go into the o / down kernels only where the norm after them folds too (down's: into the next
+        # block's q/k/v; the last block's own stand in): elsewhere the norm kernel keeps the add (one pass)
         folds = residual.device.type in FOLD_DEVICES and self._folds()    # no checks per layer elsewhere
         fold = _produce_fold(residual, out, o_proj, None, n, (mlp.gate_proj, mlp.up_proj)) if folds else None
         if fold is not None:
