@@ -387,6 +387,13 @@ def profile_table(fn, label: str, top: int = 14) -> list[dict]:
     return rows[:top]
 
 
+def profile_prompt(model, fmt: str, top: int = 14) -> list[dict]:
+    """profile_table of one 2,048-token prompt through the bench's prefill context."""
+    kv = StaticKV(model, 1, 2048)
+    ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
+    return profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)), f"{fmt} prompt 2048", top=top)
+
+
 def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False, prompt_only: bool = False) -> None:
     """quick: CUDA-graph decode and the prompt only (no sweep, eager runs or profiles), for A/B runs;
     prompt_only: the prompt alone (A/B runs of the prompt path)."""
@@ -422,11 +429,7 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
         r["prompt2048_error"] = repr(e)[:300]
     if prompt_only and PROFILE_PROMPT:     # the prompt's kernels by name (A/B runs of the prompt path)
         try:
-            kv = StaticKV(model, 1, 2048)
-            ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
-            r["profile_prompt2048"] = profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)),
-                                                    f"{fmt} prompt 2048", top=24)
-            del kv
+            r["profile_prompt2048"] = profile_prompt(model, fmt, top=24)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r["profile_error"] = repr(e)[:300]
@@ -434,11 +437,7 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
         try:
             r["profile_decode_bs1"] = profile_decode(model, 1)
             r["profile_decode_bs32"] = profile_decode(model, 32)
-            kv = StaticKV(model, 1, 2048)
-            ids = torch.randint(0, model.config.vocab_size, (2048,)).cuda()
-            r["profile_prompt2048"] = profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)),
-                                                    f"{fmt} prompt 2048")
-            del kv
+            r["profile_prompt2048"] = profile_prompt(model, fmt)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r["profile_error"] = repr(e)[:300]

@@ -133,3 +133,30 @@ def test_norm_weight_edited_in_place_reaches_the_fold(exl2_act_order_dir, monkey
         ref = model.forward_batch(IDS)
     assert calls["normed"] > 0
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
+
+
+def test_a_fold_made_for_other_layers_runs_the_norm_unfused(exl2_act_order_dir, monkeypatch):
+    """_consume_fold with a fold _produce_fold made for another norm and other layers: the residual (already added
+    to) goes through the plain norm and those layers -- never through xp in another order."""
+    from exl_core.model import llama
+    from exl_core.model.linear import linear_many
+    from exl_core.ops.norm import rms_norm
+    model = _model(exl2_act_order_dir, True)
+    b0, b1 = model.layers[0], model.layers[1]
+    calls = _stand_ins(monkeypatch)
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    residual = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        qkv1 = (b1.self_attn.q_proj, b1.self_attn.k_proj, b1.self_attn.v_proj)
+        fold = llama._produce_fold(residual, x, b0.self_attn.o_proj, None, b1.input_layernorm, qkv1)
+        assert fold is not None and fold[1] is not None and calls["into"] == 1
+        qkv0 = (b0.self_attn.q_proj, b0.self_attn.k_proj, b0.self_attn.v_proj)
+        got = llama._consume_fold(residual, fold, b0.input_layernorm, qkv0)
+        want = linear_many(rms_norm(residual, b0.input_layernorm.weight, b0.input_layernorm.eps), qkv0)
+        right = llama._consume_fold(residual, fold, b1.input_layernorm, qkv1)      # the layers it was made for
+        ref = linear_many(rms_norm(residual, b1.input_layernorm.weight, b1.input_layernorm.eps), qkv1)
+    assert calls["normed"] == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for g, w in zip(right, ref):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-4)

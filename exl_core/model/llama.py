@@ -207,7 +207,9 @@ FOLD_DEVICES = ("cuda",)
 
 class _PermFold(NamedTuple):
     """What the norm's fold needs where its consumers share one act-order permutation (_perm_fold)."""
-    perm: torch.Tensor            # int32: the consumers' shared (extended) act-order
+    norm: nn.Module               # the RMSNorm folded in
+    layers: tuple                 # the consumers
+    perm: torch.Tensor            # int32: their shared (extended) act-order
     order: OutOrder               # where the producer stores the residual's columns in it
     weight_perm: torch.Tensor     # the norm weight in that order
     views: list                   # the consumers as Prepermuted
@@ -225,28 +227,22 @@ def _perm_fold(norm, layers, residual: torch.Tensor) -> Optional[_PermFold]:
     if order is None or order.cols != perm.numel():
         return None
     w = norm.weight
-    key = (w, w.data_ptr(), w.dtype, _version(w), perm)        # in-place edits (load_state_dict, copy_) too
+    version = None if w.is_inference() else w._version          # in-place edits (load_state_dict, copy_) too
+    key = (w, w.data_ptr(), w.dtype, version, perm)
     held = norm.__dict__.get("_weight_perm")
     if held is None or not all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(held[0], key)):
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         held = norm.__dict__["_weight_perm"] = (key, w[perm.long()].contiguous())
-    return _PermFold(perm, order, held[1], [Prepermuted(m) for m in layers])
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    """t's in-place version counter (None for inference tensors, which keep none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
+    layers = tuple(layers)
+    return _PermFold(norm, layers, perm, order, held[1], [Prepermuted(m) for m in layers])
 
 
 def _produce_fold(residual: torch.Tensor, x: torch.Tensor, producer, up: Optional[torch.Tensor], norm, layers,
                   permuted: bool = True):
     """residual += producer(x) (of silu_mul(x, up) with up) in one kernel that also leaves what the norm after it
-    needs to fold into `layers`: (sums of squares, xp -- the residual in the layers' act-order, or None), for
-    _consume_fold; None, nothing done, where no kernels take both sides.  permuted False: not through the layers'
+    needs to fold into `layers`: (sums of squares, xp -- the residual in the layers' act-order -- and its _PermFold,
+    or None, None), for _consume_fold; None, nothing done, where no kernels take both sides.  permuted False: not through the layers'
     act-order (the last block's down projection asks with its own q/k/v, standing in for a next block's)."""
     # decode rows only (the kernels stage at most 8): no xp for a prompt's rows
     pf = _perm_fold(norm, layers, residual) if permuted and residual.shape[0] <= norm_fold.FOLD_PERM_MAX_ROWS else None
@@ -255,7 +251,7 @@ def _produce_fold(residual: torch.Tensor, x: torch.Tensor, producer, up: Optiona
         if linear_folds_norm_perm(residual, norm.weight, norm.eps, xp, pf.perm, pf.weight_perm, pf.views):
             ss = linear_add_ss_into_(residual, x, producer, up, xp, pf.order)
             if ss is not None:
-                return ss, xp, pf.perm
+                return ss, xp, pf
     if linear_folds_norm(residual, norm.weight, norm.eps, layers):
         ss = linear_add_ss_(residual, x, producer, up)
         if ss is not None:
@@ -265,13 +261,12 @@ def _produce_fold(residual: torch.Tensor, x: torch.Tensor, producer, up: Optiona
 
 def _consume_fold(residual: torch.Tensor, fold, norm, layers) -> list:
     """The layers' outputs on rms_norm(residual), the norm folded into their kernels (fold: _produce_fold's: sums of
-    squares, xp and the permutation it was stored in, or None).  Where the layers no longer read that order (their
-    permutation changed in between), the norm runs unfused on the residual, which the producer has updated."""
-    ss, xp, perm = fold
+    squares, then xp and the _PermFold it was stored for, or None).  Where that was made for another norm or other
+    layers, the norm runs unfused on the residual, which the producer has updated."""
+    ss, xp, pf = fold
     if xp is None:
         return linear_many_normed(residual, norm.weight, norm.eps, ss, layers)
-    pf = _perm_fold(norm, layers, residual)
-    if pf is None or pf.perm is not perm:
+    if pf.norm is not norm or pf.layers != tuple(layers):
         return linear_many(rms_norm(residual, norm.weight, norm.eps), layers)
     return linear_many_normed_perm(residual, norm.weight, norm.eps, ss, xp, pf.perm, pf.weight_perm, pf.views)
 

@@ -387,11 +387,8 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
 def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
     """W [in_features, cols] in x's row order (qdequant_chunks); a weight with extra rows (formats.uniform4: its
     first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows.
-    (At prompts q/k/v and gate/up, behind the permuted norm, run as _without_perm views over all rows; o and down,
-    whose x comes in natural order, come through here: an index_add launch each.  Tried and reverted, stop 31:
-    the views' GEMM over x's first K columns with each extra chunk's values added to its twin's in the dequantise
-    kernel -- the rewritten EXL2 model's 2,048-token prompt at 0.9827x / 0.9812x that path's in two H200 calls;
-    `git show a12c907`.)"""
+    (Prompts: o and down come through here; q/k/v and gate/up run as _without_perm views over all rows.  A GEMM
+    over K with the extra rows folded in the dequantise lost: csrc/cuda/NOTES.md, session "twelfth".)"""
     deq = torch.ops.exl_core.qdequant_chunks
     if pw.rows is None:
         return deq(pw.qweight, chunks, pw.scale, pw.zero, perm, dtype, n0, cols)

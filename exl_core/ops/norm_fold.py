@@ -78,17 +78,13 @@ def qmatmul_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float
 FOLD_PERM_ON = os.environ.get("EXL_CORE_NORM_FOLD_PERM", "0") == "1"
 FOLD_PERM_MAX_ROWS = 32       # the model asks for decode rows only (the CUDA kernels take at most 8)
 
-def _reference_add_ss_into(residual, x, pw, up, xp, order):
-    return None
-
-
 def _reference_normed_perm(residual, weight, eps, ss, xp, perm, weight_perm, pws):
     from .qmatmul import qmatmul_many
     return qmatmul_many(rms_norm(residual, weight, eps)[..., perm.long()], list(pws))
 
 
 DISPATCH_ADD_SS_INTO = Dispatcher("qmatmul_add_ss_into_", [
-    Candidate("none", lambda residual, x, pw, up, xp, order: None, _reference_add_ss_into),
+    Candidate("none", lambda residual, x, pw, up, xp, order: None, lambda residual, x, pw, up, xp, order: None),
 ])
 DISPATCH_MANY_NORMED_PERM = Dispatcher("qmatmul_many_normed_perm", [
     Candidate("torch", lambda residual, weight, eps, ss, xp, perm, weight_perm, pws: None, _reference_normed_perm),

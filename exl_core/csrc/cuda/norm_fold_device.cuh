@@ -44,11 +44,13 @@ __device__ __forceinline__ uint4 fold_weight8(const uint4& xv, const uint4& wv) 
                     h2u(__hmul2(u2h(xv.z), u2h(wv.z))), h2u(__hmul2(u2h(xv.w), u2h(wv.w))));
 }
 
-// Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N).
-__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a) {
+// Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N), and the
+// value itself in *stored where given.
+__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a, __half* stored = nullptr) {
   if (nf.add) a += __half2float(*y);
   const __half v = __float2half_rn(a);
   *y = v;
+  if (stored != nullptr) *stored = v;
   const float f = __half2float(v);
   return f * f;
 }
