@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import gpu_bench
-from exl_core.ops import attention, cuda_swiglu
+from exl_core.ops import attention, cuda_swiglu, norm_fold
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -48,7 +48,8 @@ def part_of(name: str) -> str:
 # Same-process variants (module settings read per call): rope and the K/V write as their own launch before attention
 # (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
 VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
-            "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False)}
+            "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
+            "fold_perm": (norm_fold, "FOLD_PERM_ON", True)}
 
 
 @contextmanager
@@ -148,10 +149,11 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     from exl_core.loader import load_model
     with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    # exl2_u4 at 32 rows without the SwiGLU pair kernel: whether its gate/up launch's 42.49 us against GPTQ's 31.26
-    # (stop 31 call 1, 6.25 % more rows) is the pair kernel's or the plain one's too
+    # exl2_u4 with the RMSNorm folded through the shared act-order (EXL_CORE_NORM_FOLD_PERM=1): whether the fold
+    # fires in the graph and what its producer and consumer launches cost (stop 32 call 1's A/B: 0.9880x at batch 1)
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
-                                            if fmt == "gptq" else [(32, "swiglu_off")] if fmt == "exl2_u4" else [])
+                                            if fmt == "gptq" else [(1, "fold_perm"), (8, "fold_perm")]
+                                            if fmt == "exl2_u4" else [])
     out = []
     for B, variant in cases:
         try:

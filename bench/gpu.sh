@@ -34,7 +34,8 @@
 # (both formats with EXL_CORE_SILU_FUSE=0), u4rows (GPTQ with EXL_CORE_KSLICE_U4_ONE_ROW=0: gate/up at 2..8 rows on
 # qgemm_kslice too), mixks (EXL2 with EXL_CORE_KSLICE_MIXED_SKINNY=0: mixed widths at 1..8 rows on qgemm_kslice), nofold (EXL2 with
 # EXL_CORE_FOLD_DOWN_PERM=0: down_proj keeps its act-order permutation), knockout (bench/decode_knockout.py: the graphed decode with norms,
-# attention, rope or the head knocked out, for their share of the step), timeline (bench/decode_timeline.py: every
+# attention, rope or the head knocked out, for their share of the step), projprobe (bench/proj_probe.py: the decode projections' launches alone, GPTQ vs
+# EXL2's uniform 4-bit rewrite), timeline (bench/decode_timeline.py: every
 # kernel of a graphed decode step, its duration and what it adds to the step's end), attnab (both formats with
 # EXL_CORE_ATTN_HEAD_MAJOR=0, then EXL_CORE_ATTN_EARLY=0: the paged attention's launch order and early loads), probe (host syncs of a prefill/decode step, skinny kernel timings by layout and
 # split); bench, spec, gen and probe write the checkpoints first when missing.
@@ -133,7 +134,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;;
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has foldperm || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has foldperm || has projprobe || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -271,6 +272,10 @@ if has attnab; then    # A/B: the paged attention's launch order row-major, then
 fi
 if has knockout; then  # where a graphed decode step's time goes: parts knocked out one at a time (same process)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_knockout.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -24
+fi
+if has projprobe; then  # the decode projections' launches alone: GPTQ vs EXL2's uniform 4-bit rewrite and variants of it
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/proj_probe.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
+    --json "$OUT/proj_probe_h200.json" 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler); GPTQ also with rope
   # and the K/V write as their own launch at batch 1 and 32, silu_mul as its own at 32 (decode_timeline.VARIANTS)
