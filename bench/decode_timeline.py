@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 import gpu_bench
-from exl_core.ops import attention, cuda_swiglu, norm_fold
+from exl_core.model import llama
+from exl_core.ops import attention, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -49,7 +50,7 @@ def part_of(name: str) -> str:
 # (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
 VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
-            "fold_perm": (norm_fold, "FOLD_PERM_ON", True)}
+            "norm_perm_off": (llama, "NORM_PERM_DEVICES", ())}
 
 
 @contextmanager
@@ -149,11 +150,11 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     from exl_core.loader import load_model
     with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    # exl2_u4 with the RMSNorm folded through the shared act-order (EXL_CORE_NORM_FOLD_PERM=1): whether the fold
-    # fires in the graph and what its producer and consumer launches cost (stop 32 call 1's A/B: 0.9880x at batch 1)
+    # exl2_u4 at 32 rows with q/k/v and gate/up gathering x (a launch) after a plain norm, not after the permuted
+    # norm: does the norm before it slow the rewrite's gate/up (stop 32 call 1: adds 42.05 us without the SwiGLU
+    # pair kernel, 41.92 with it; GPTQ's 30.53)?
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
-                                            if fmt == "gptq" else [(1, "fold_perm"), (8, "fold_perm")]
-                                            if fmt == "exl2_u4" else [])
+                                            if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
     out = []
     for B, variant in cases:
         try:
@@ -162,6 +163,27 @@ def run_format(path: Path, fmt: str) -> list[dict]:
             print(f"{fmt} bs{B} {variant}: {e!r}")
             out.append({"format": fmt, "batch": B, "variant": variant, "error": repr(e)[:300]})
     del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def gptq_with_u4_gate_up(gptq: Path, exl2: Path) -> list[dict]:
+    """GPTQ's model with every layer's gate/up replaced by EXL2's uniform 4-bit rewrite cut to its first 4,096 rows
+    (no extra rows: GPTQ's K, the rewrite's values, scales and zeros; the outputs are not a model's, the launches
+    are): whether the rewrite's batch-32 gate/up launch (42.05 us against GPTQ's 30.53, stop 32 call 1; 40.32
+    against 38.21 alone, proj_probe.py call 2) is slow for its data or for its place in the step."""
+    from exl_core.loader import load_model
+    from exl_core.model.linear import QuantLinear, _without_perm
+    from proj_probe import truncated
+    with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1"}):
+        src, _ = load_model(exl2, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    cut = [[truncated(_without_perm(m), 32) for m in (b.mlp.gate_proj, b.mlp.up_proj)] for b in src.layers]
+    del src
+    model, _ = load_model(gptq, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    for b, (g, u) in zip(model.layers, cut):
+        b.mlp.gate_proj, b.mlp.up_proj = QuantLinear.from_packed(g), QuantLinear.from_packed(u)
+    out = [run_case(model, "gptq_u4gu", B, "") for B in (1, 32)]
+    del model, cut
     torch.cuda.empty_cache()
     return out
 
@@ -175,6 +197,11 @@ def main() -> None:
     out["cases"] += gpu_bench.probe_formats(a, run_format)
     if a.exl2_u4 and a.exl2 is not None:
         out["cases"] += run_format(a.exl2, "exl2_u4")
+        if a.gptq is not None:
+            try:
+                out["cases"] += gptq_with_u4_gate_up(a.gptq, a.exl2)
+            except Exception as e:  # noqa: BLE001 - the cases above are still written
+                print(f"gptq_u4gu: {e!r}")
     gpu_bench._write(out, a.json)
 
 

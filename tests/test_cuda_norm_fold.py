@@ -70,42 +70,6 @@ def test_add_ss_silu_vs_float64(layout, M):
     torch.testing.assert_close(ss.double().cpu(), _tile_ss(rc), rtol=1e-5, atol=1e-6)
 
 
-def _count_runs(monkeypatch, calls: dict, runs: dict) -> None:
-    """Wraps ops/cuda_norm_fold.py's run functions (runs: {name in calls: attribute}) to count their calls, and
-    installs the candidates again bound to the wrappers (on copies of the dispatchers' lists)."""
-    from exl_core.ops import cuda_norm_fold as nf
-    from exl_core.ops import norm_fold
-    for disp in (norm_fold.DISPATCH_ADD_SS, norm_fold.DISPATCH_MANY_NORMED, norm_fold.DISPATCH_ADD_SS_INTO,
-                 norm_fold.DISPATCH_MANY_NORMED_PERM):
-        monkeypatch.setattr(disp, "candidates", list(disp.candidates))
-
-    def counted(name, fn):
-        def run(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return run
-    for name, attr in runs.items():
-        monkeypatch.setattr(nf, attr, counted(name, getattr(nf, attr)))
-    nf.install()
-
-
-def _decode_step_both_ways(model, B: int, T: int, switch, calls: dict) -> tuple[dict, dict]:
-    """The logits of one decode step of B sequences after a T-token prompt with switch(True) and with switch(False),
-    and what `calls` counted during the step with it on."""
-    ids = torch.randint(0, model.config.vocab_size, (B, T))
-    nxt = torch.randint(0, model.config.vocab_size, (B, 1))
-    out, during = {}, {}
-    for on in (True, False):
-        switch(on)
-        kv = [model.new_sequence_kv(T + 4) for _ in range(B)]
-        model.forward_batch(ids.cuda(), kv)
-        before = dict(calls)
-        out[on] = model.forward_batch(nxt.cuda(), kv)
-        if on:
-            during = {k: calls[k] - before[k] for k in calls}
-    return out, during
-
-
 def _normed_ref(res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm's roundings in fp16: w * fp16(x * r), rounded (r from float64 sums)."""
     r = torch.rsqrt(res.double().pow(2).mean(-1, keepdim=True) + eps)
@@ -192,94 +156,32 @@ def test_model_decode_folded_matches_unfused(tiny_model_factory, tmp_path, B, mo
             cc.WIDE_U4_MIN_TILES = saved
     monkeypatch.setattr(cc, "_wide_ok", multi_wide)
     monkeypatch.setattr(nf, "NORM_FOLD_WIDE", True)
+    T = 9
+    ids = torch.randint(0, model.config.vocab_size, (B, T))
+    nxt = torch.randint(0, model.config.vocab_size, (B, 1))
     calls = {"add": 0, "normed": 0}
-    _count_runs(monkeypatch, calls, {"add": "_add_ss_run", "normed": "_normed_run"})
-    out, during = _decode_step_both_ways(model, B, 9, lambda on: monkeypatch.setattr(nf, "NORM_FOLD_ON", on), calls)
-    L = model.config.num_hidden_layers
-    assert during == {"add": 2 * L, "normed": 2 * L - 1}    # o and down of every layer; every norm but layer 0's input
-    assert rel_err(out[True], out[False].double().cpu()) < 5e-3
-
-
-# ---------------------------------------------------------------------------- through a shared act-order (not measured)
-def _extended_perm(H: int, extra: int, g: torch.Generator) -> torch.Tensor:
-    """An act-order over H columns followed by `extra` repeats, as formats/uniform4.py writes them."""
-    return torch.cat([torch.randperm(H, generator=g), torch.randperm(H, generator=g)[:extra]])
-
-
-@pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("extra", [0, 64])
-def test_add_ss_into_stores_the_residual_in_the_consumers_order(M, extra):
-    """qgemm_kslice_add_ with xp / xp_pos / xp_pos2 (ops/norm_fold.py qmatmul_add_ss_into_): the residual and its sums
-    as without them, and xp == the new residual[:, perm] in every column, twice-read ones included."""
-    _need_kernels()
-    from exl_core.ops.attention import out_order_for
-    g = torch.Generator().manual_seed(M + extra)
-    pw = random_packed(U4, 1024, perm=True)
-    perm = _extended_perm(1024, extra, g)
-    order = out_order_for(perm, 1024, torch.device("cuda"))
-    assert (order.pos2 is not None) == (extra > 0)
-    x = torch.randn(M, pw.in_features, dtype=torch.float16)
-    res = torch.randn(M, 1024, dtype=torch.float16)
-    c, xc, rc = pw.to("cuda"), x.cuda(), res.cuda()
-    plain = rc.clone()
-    q, ch, s, z, p, b, u4 = _args(c, xc)
-    ss_plain = torch.ops.exl_core.qgemm_kslice_add_(plain, xc, q, ch, s, z, p, b, u4)
-    poison_allocator()
-    xp = torch.full((M, order.cols), float("nan"), dtype=torch.float16, device="cuda")
-    ss = torch.ops.exl_core.qgemm_kslice_add_(rc, xc, q, ch, s, z, p, b, u4, xp=xp, xp_pos=order.pos,
-                                              xp_pos2=order.pos2)
-    assert torch.equal(rc, plain) and torch.equal(ss, ss_plain)
-    assert torch.equal(xp, rc[:, perm.cuda()])
-
-
-@pytest.mark.parametrize("M", [1, 4, 8])
-@pytest.mark.parametrize("extra", [0, 64])
-def test_many_normed_reads_the_residual_in_its_order(M, extra):
-    """qgemm_kslice_multi with norm_k (the consumer of qmatmul_many_normed_perm): x = residual[:, perm] (P columns),
-    the norm weight in that order, r's mean over the residual's H columns -- the values of the unpermuted fold on
-    the residual with the weights' permutation taken out, within fp16 rounding of the float64 reference."""
-    _need_kernels()
-    from exl_core.ops import cuda_candidates as cc
-    g = torch.Generator().manual_seed(10 * M + extra)
-    H, eps = 512, 1e-5
-    perm = _extended_perm(H, extra, g)
-    P = perm.numel()
-    pws = [random_packed([(4, 32)] * (P // 32), n, perm=False) for n in (256, 128)]   # the weights seen through perm
-    res = torch.randn(M, H, dtype=torch.float16, generator=g)
-    w = (torch.rand(H, generator=g) + 0.5).half()
-    x_ref = _normed_ref(res, w, eps)[:, perm]                                          # fp16 [M, P]
-    rc = res.cuda()
-    ss = _tile_ss(rc).float().cuda()                                                  # a producer's sums
-    xp, wp = rc[:, perm.cuda()].contiguous(), w.cuda()[perm.cuda()].contiguous()
-    cs = [pw.to("cuda") for pw in pws]
-    assert cc._kslice_ok(M, cs, xp.device)
-    poison_allocator()
-    ys = torch.ops.exl_core.qgemm_kslice_multi(xp, [c.qweight for c in cs], [cc._chunks_of(c) for c in cs],
-                                               [c.scale for c in cs], [c.zero for c in cs], [None, None],
-                                               [None, None], True, min_group=32, group_shift=0, norm_weight=wp,
-                                               norm_ss=ss, norm_eps=eps, norm_k=H)
-    for pw, y in zip(pws, ys):
-        assert rel_err(y, x_ref.double() @ dequantize_reference(pw)) < 3e-3
-
-
-@pytest.mark.parametrize("B", [1, 4])
-@pytest.mark.parametrize("uniform4", [False, True])
-def test_model_decode_folded_through_the_shared_order(exl2_act_order_dir, B, uniform4, monkeypatch):
-    """EXL_CORE_NORM_FOLD_PERM=1 on an EXL2 act-order model whose q/k/v and gate/up share their permutations (and
-    rewritten as uniform 4-bit rows: extended orders): the decode step's logits with the permuted folds (counted)
-    and without, up to fp16 rounding.  Without the rewrite the mixed widths refuse the fold (nothing counted)."""
-    _need_kernels()
-    from exl_core.loader import as_uniform4_weights, load_model
     from exl_core.ops import norm_fold
-    from test_norm_perm import share_group_perms
-    model, _ = load_model(exl2_act_order_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    share_group_perms(model)
-    if uniform4:
-        assert as_uniform4_weights(model, max_growth=10.0) > 0
-    calls = {"into": 0, "normed": 0}
-    _count_runs(monkeypatch, calls, {"into": "_add_ss_into_run", "normed": "_normed_perm_run"})
-    out, during = _decode_step_both_ways(model, B, 7, lambda on: monkeypatch.setattr(norm_fold, "FOLD_PERM_ON", on),
-                                         calls)
-    n = 2 * model.config.num_hidden_layers - 1 if uniform4 else 0       # o every layer, down all but the last
-    assert during == {"into": n, "normed": n}
+    for disp in (norm_fold.DISPATCH_ADD_SS, norm_fold.DISPATCH_MANY_NORMED):
+        monkeypatch.setattr(disp, "candidates", list(disp.candidates))   # install() below edits the copies
+    add_run, normed_run = nf._add_ss_run, nf._normed_run
+
+    def counted(name, fn):
+        def run(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return run
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(nf, "NORM_FOLD_ON", on)
+        monkeypatch.setattr(nf, "_add_ss_run", counted("add", add_run))
+        monkeypatch.setattr(nf, "_normed_run", counted("normed", normed_run))
+        nf.install()                                              # candidates bound to the counted runs
+        kv = [model.new_sequence_kv(T + 4) for _ in range(B)]
+        model.forward_batch(ids.cuda(), kv)
+        before = dict(calls)
+        out[on] = model.forward_batch(nxt.cuda(), kv)
+        if on:
+            L = model.config.num_hidden_layers
+            assert calls["add"] - before["add"] == 2 * L          # o and down of every layer
+            assert calls["normed"] - before["normed"] == 2 * L - 1   # every norm but the first layer's input norm
     assert rel_err(out[True], out[False].double().cpu()) < 5e-3

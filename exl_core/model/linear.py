@@ -16,8 +16,7 @@ from ..ops.attention import OutOrder, out_order_for
 from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
-from ..ops.norm_fold import (adds_ss, folds_norm, folds_norm_perm, qmatmul_add_ss_, qmatmul_add_ss_into_,
-                              qmatmul_many_normed, qmatmul_many_normed_perm)
+from ..ops.norm_fold import adds_ss, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
 from ..ops.swiglu import qmatmul_swiglu
 
@@ -296,26 +295,6 @@ def linear_adds_ss(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
 def linear_folds_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float, layers) -> bool:
     """Whether linear_many_normed(residual, weight, eps, ss, layers) would take the norm into its kernels."""
     return all(_plain_packed(m) for m in layers) and folds_norm(residual, weight, eps, [m.packed for m in layers])
-
-
-def linear_add_ss_into_(residual: torch.Tensor, x: torch.Tensor, layer, up: Optional[torch.Tensor], xp: torch.Tensor,
-                        order: OutOrder) -> Optional[torch.Tensor]:
-    """linear_add_ss_, the new residual also stored into xp where `order` puts its columns (the next layers'
-    act-order: ops/norm_fold.py qmatmul_add_ss_into_); None: nothing done."""
-    return qmatmul_add_ss_into_(residual, x, layer.packed, up, xp, order) if _plain_packed(layer) else None
-
-
-def linear_folds_norm_perm(residual: torch.Tensor, weight: torch.Tensor, eps: float, xp: torch.Tensor,
-                           perm: torch.Tensor, weight_perm: torch.Tensor, views) -> bool:
-    """Whether linear_many_normed_perm would take the norm into its kernels (views: Prepermuted layers)."""
-    return folds_norm_perm(residual, weight, eps, xp, perm, weight_perm, [v.packed for v in views])
-
-
-def linear_many_normed_perm(residual: torch.Tensor, weight: torch.Tensor, eps: float, ss: torch.Tensor,
-                            xp: torch.Tensor, perm: torch.Tensor, weight_perm: torch.Tensor, views) -> list:
-    """linear_many of rms_norm(residual)[..., perm] through Prepermuted views, the norm folded into their kernels
-    (xp, ss: the producer's, linear_add_ss_into_)."""
-    return qmatmul_many_normed_perm(residual, weight, eps, ss, xp, perm, weight_perm, [v.packed for v in views])
 
 
 def linear_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float, ss: torch.Tensor,

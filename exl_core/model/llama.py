@@ -11,7 +11,7 @@ import dataclasses
 import operator
 import os
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -19,16 +19,13 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.activation import silu_mul
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
-from ..ops import norm_fold
-from ..ops.attention import OutOrder
 from ..ops.norm import rms_norm
 from ..ops.norm_perm import rms_norm_permuted
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
 from .linear import (LORA_VERSION, Prepermuted, QuantLinear, input_out_order, linear_add_, linear_add_ss_,
-                     linear_add_ss_into_, linear_adds_in_place, linear_adds_ss, linear_folds_norm,
-                     linear_folds_norm_perm, linear_many, linear_many_normed, linear_many_normed_perm, linear_silu,
-                     linear_swiglu, shared_perm)
+                     linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many, linear_many_normed,
+                     linear_silu, linear_swiglu, shared_perm)
 from .rope import RopeTable
 
 
@@ -117,21 +114,19 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, h: Optional[torch.Tensor], residual: Optional[torch.Tensor], ctx: ForwardContext,
-                cos_sin: torch.Tensor, ss: Optional[tuple] = None, nxt: Optional["Block"] = None):
+                cos_sin: torch.Tensor, ss: Optional[torch.Tensor] = None):
         """h: output of the previous block not yet added to the residual stream, or None when the previous block
         added it already (o and down add into the residual in their GEMM on the prompt path: linear_add_).
-        ss: with h None, what the previous down projection left for the q/k/v kernel to take the norm in
-        (_produce_fold: the residual's sums of squares, ops/norm_fold.py); nxt: the block after this one (whose
-        norm and q/k/v the down projection's fold serves), None for the last.  Returns (h, residual, ss) for the next
-        block.
+        ss: with h None, the residual's sums of squares from the previous down projection (linear_add_ss_), so the
+        q/k/v kernel can take the norm in (ops/norm_fold.py).  Returns (h, residual, ss) for the next block.
         The plain Attention and MLP are called through their parts (attend, the projections), not their forward:
         hooks on those two modules do not fire; subclasses keep their forward.  Nor do the norms' where a kernel takes
         them in (the fold, ops/norm_fold.py; the permuted norm, _norm_many)."""
         own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
-        if h is None and ss is not None and self._takes_fold():               # ss: only a CUDA producer leaves it
-            a = self.self_attn
-            return self._tail(_consume_fold(residual, ss, self.input_layernorm, (a.q_proj, a.k_proj, a.v_proj)),
-                              ctx, cos_sin, residual, nxt)
+        if own and h is None and ss is not None and self._folds():            # ss: only a CUDA producer leaves it
+            a, n = self.self_attn, self.input_layernorm
+            return self._tail(linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj)),
+                              ctx, cos_sin, residual)
         if residual is None:
             residual, src, res = h, h, None
         elif h is None:
@@ -141,7 +136,7 @@ class Block(nn.Module):
         if own:
             a = self.self_attn
             qkv, added = _norm_many(self.input_layernorm, src, res, (a.q_proj, a.k_proj, a.v_proj))
-            return self._tail(qkv, ctx, cos_sin, residual if added is None else added, nxt)
+            return self._tail(qkv, ctx, cos_sin, residual if added is None else added)
         if res is None:
             x = self.input_layernorm(src)
         else:
@@ -150,17 +145,12 @@ class Block(nn.Module):
         x, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(x), residual, None
 
-    def _takes_fold(self) -> bool:
-        """Whether forward takes a previous block's fold (the test its first branch makes)."""
-        return type(self.self_attn) is Attention and type(self.mlp) is MLP and self._folds()
-
     def _folds(self) -> bool:
         """Whether the norms may be folded into the projections: plain RMSNorm modules (their weight and eps are
         all the fold reads; another norm type keeps its own forward)."""
         return type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
 
-    def _tail(self, qkv: list, ctx: ForwardContext, cos_sin: torch.Tensor, residual: torch.Tensor,
-              nxt: Optional["Block"] = None):
+    def _tail(self, qkv: list, ctx: ForwardContext, cos_sin: torch.Tensor, residual: torch.Tensor):
         """Attention from the [q, k, v] list (emptied here, so that no caller keeps them alive through the MLP), o_proj
         into the residual, the post-attention norm, the MLP: (h, residual, ss) as forward returns.  Where the o (down)
         kernel adds into the residual and leaves its sums of squares, the gate/up (next q/k/v) kernel takes the norm
@@ -170,13 +160,14 @@ class Block(nn.Module):
         qkv.clear()
         out, o_proj = _attend_for_o(a, q, k, v, ctx, self.layer_idx, cos_sin)
         del q, k, v
-        # the adds go into the o / down kernels only where the norm after them folds too (down's: into the next
-        # block's q/k/v; the last block's own stand in): elsewhere the norm kernel keeps the add (one pass)
-        folds = residual.device.type in FOLD_DEVICES and self._folds()    # no checks per layer elsewhere
-        fold = _produce_fold(residual, out, o_proj, None, n, (mlp.gate_proj, mlp.up_proj)) if folds else None
-        if fold is not None:
+        # the adds go into the o / down kernels only where the norm after them folds too (this layer's q/k/v stand
+        # for the next layer's): elsewhere the norm kernel keeps the add, as before (one pass over the residual)
+        folds = residual.is_cuda and self._folds()          # the folds' kernels are CUDA's: no checks per layer elsewhere
+        ss = linear_add_ss_(residual, out, o_proj) if folds and linear_folds_norm(
+            residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
+        if ss is not None:
             del out
-            gate, up = _consume_fold(residual, fold, n, (mlp.gate_proj, mlp.up_proj))
+            gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
         else:
             attn = None if linear_add_(residual, out, o_proj) else o_proj(out)
             del out
@@ -184,91 +175,14 @@ class Block(nn.Module):
                                            (mlp.gate_proj, mlp.up_proj), mlp)
             del attn
             residual = residual if added is None else added
-        fold = None
-        if folds:
-            qkv_layers = (a.q_proj, a.k_proj, a.v_proj)
-            served = nxt is not None and type(nxt).forward is Block.forward and nxt._takes_fold()   # it consumes it
-            if served:
-                n1, qkv_layers = nxt.input_layernorm, (nxt.self_attn.q_proj, nxt.self_attn.k_proj, nxt.self_attn.v_proj)
-            fold = _produce_fold(residual, gate, mlp.down_proj, up, n1, qkv_layers, permuted=served)
-            if fold is None and up is not None and linear_folds_norm(residual, n1.weight, n1.eps, qkv_layers) and \
-                    linear_adds_ss(residual, gate, mlp.down_proj):       # rows past the SwiGLU-fused kernel's
-                ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)
-                fold = None if ss is None else (ss, None, None)
-        if fold is not None:
-            return None, residual, fold
-        return mlp.down(gate, up, residual), residual, None
-
-
-# Devices whose kernels may take the residual add and the RMSNorm into the projections (ops/norm_fold.py): CUDA's.
-# (tests/test_norm_fold_perm.py adds the CPU, with torch stand-ins for the kernels, to test this file's side.)
-FOLD_DEVICES = ("cuda",)
-
-
-class _PermFold(NamedTuple):
-    """What the norm's fold needs where its consumers share one act-order permutation (_perm_fold)."""
-    norm: nn.Module               # the RMSNorm folded in
-    layers: tuple                 # the consumers
-    perm: torch.Tensor            # int32: their shared (extended) act-order
-    order: OutOrder               # where the producer stores the residual's columns in it
-    weight_perm: torch.Tensor     # the norm weight in that order
-    views: list                   # the consumers as Prepermuted
-
-
-def _perm_fold(norm, layers, residual: torch.Tensor) -> Optional[_PermFold]:
-    """For layers sharing one act-order permutation (EXL2 rewritten as uniform 4-bit rows: q/k/v, gate/up) behind a
-    plain RMSNorm, with EXL_CORE_NORM_FOLD_PERM=1 (ops/norm_fold.py's second part: not measured yet); else None.  The
-    order and the permuted norm weight are made once (host work) and cached; None while a graph is being captured
-    with either not made yet."""
-    if not norm_fold.FOLD_PERM_ON or type(norm) is not RMSNorm:
-        return None
-    perm = shared_perm(layers)
-    order = input_out_order(layers[0], residual.shape[-1]) if perm is not None else None
-    if order is None or order.cols != perm.numel():
-        return None
-    w = norm.weight
-    version = None if w.is_inference() else w._version          # in-place edits (load_state_dict, copy_) too
-    key = (w, w.data_ptr(), w.dtype, version, perm)
-    held = norm.__dict__.get("_weight_perm")
-    if held is None or not all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(held[0], key)):
-        if w.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        held = norm.__dict__["_weight_perm"] = (key, w[perm.long()].contiguous())
-    layers = tuple(layers)
-    return _PermFold(norm, layers, perm, order, held[1], [Prepermuted(m) for m in layers])
-
-
-def _produce_fold(residual: torch.Tensor, x: torch.Tensor, producer, up: Optional[torch.Tensor], norm, layers,
-                  permuted: bool = True):
-    """residual += producer(x) (of silu_mul(x, up) with up) in one kernel that also leaves what the norm after it
-    needs to fold into `layers`: (sums of squares, xp -- the residual in the layers' act-order -- and its _PermFold,
-    or None, None), for _consume_fold; None, nothing done, where no kernels take both sides.  permuted False: not through the layers'
-    act-order (the last block's down projection asks with its own q/k/v, standing in for a next block's)."""
-    # decode rows only (the kernels stage at most 8): no xp for a prompt's rows
-    pf = _perm_fold(norm, layers, residual) if permuted and residual.shape[0] <= norm_fold.FOLD_PERM_MAX_ROWS else None
-    if pf is not None:
-        xp = residual.new_empty(residual.shape[0], pf.order.cols)
-        if linear_folds_norm_perm(residual, norm.weight, norm.eps, xp, pf.perm, pf.weight_perm, pf.views):
-            ss = linear_add_ss_into_(residual, x, producer, up, xp, pf.order)
-            if ss is not None:
-                return ss, xp, pf
-    if linear_folds_norm(residual, norm.weight, norm.eps, layers):
-        ss = linear_add_ss_(residual, x, producer, up)
+        ss = None
+        if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
+            ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
+            if ss is None and up is not None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the
+                ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)              # SwiGLU-fused kernel's
         if ss is not None:
-            return ss, None, None
-    return None
-
-
-def _consume_fold(residual: torch.Tensor, fold, norm, layers) -> list:
-    """The layers' outputs on rms_norm(residual), the norm folded into their kernels (fold: _produce_fold's: sums of
-    squares, then xp and the _PermFold it was stored for, or None).  Where that was made for another norm or other
-    layers, the norm runs unfused on the residual, which the producer has updated."""
-    ss, xp, pf = fold
-    if xp is None:
-        return linear_many_normed(residual, norm.weight, norm.eps, ss, layers)
-    if pf.norm is not norm or pf.layers != tuple(layers):
-        return linear_many(rms_norm(residual, norm.weight, norm.eps), layers)
-    return linear_many_normed_perm(residual, norm.weight, norm.eps, ss, xp, pf.perm, pf.weight_perm, pf.views)
+            return None, residual, ss
+        return mlp.down(gate, up, residual), residual, None
 
 
 # Devices where the attention kernel stores its output in o_proj's act-order (_attend_for_o): CUDA (H200, EXL2 7B-shaped,
@@ -411,12 +325,8 @@ class Model(nn.Module):
     def _layers_python(self, h, ctx, cos_sin):
         """The per-op decoder loop: the reference the fused `decoder_layers` op must match bit for bit."""
         residual = ss = None
-        blocks = list(self.layers)        # (slicing the ModuleList would build one: a registration, which rebuilds stacks)
-        for layer, nxt in zip(blocks, [*blocks[1:], None]):
-            if type(layer) is Block:
-                h, residual, ss = layer(h, residual, ctx, cos_sin, ss, nxt)
-            else:                                            # a custom layer keeps the older signature
-                h, residual, ss = layer(h, residual, ctx, cos_sin, ss)
+        for layer in self.layers:
+            h, residual, ss = layer(h, residual, ctx, cos_sin, ss)
         return h, residual
 
     def _native_stack(self) -> Optional[NativeStack]:

@@ -42,13 +42,13 @@ def _route(rows: int, pws, device) -> Optional[str]:
     return None
 
 
-def _add_ss_check(residual, x, pw, up, rows_ok: bool = False) -> Optional[str]:
+def _add_ss_check(residual, x, pw, up) -> Optional[str]:
     if not NORM_FOLD_ON:
         return "EXL_CORE_NORM_FOLD=0"
     why = cc._qmatmul_check(x, pw)
     if why is not None:
         return why
-    if x.dtype != torch.float16 or not cc._mma_ok(pw) or (pw.rows is not None and not rows_ok):
+    if x.dtype != torch.float16 or not cc._mma_ok(pw) or pw.rows is not None:
         return "fp16 x and a weight the decode kernels take (no PackedWeight.rows)"
     rows = x.numel() // pw.in_features
     if residual.dtype != x.dtype or residual.device != x.device or not residual.is_contiguous() or \
@@ -68,39 +68,13 @@ def _add_ss_check(residual, x, pw, up, rows_ok: bool = False) -> Optional[str]:
     return None
 
 
-def _add_ss_run(residual, x, pw, up, xp=None, order=None):
+def _add_ss_run(residual, x, pw, up):
     x2 = x.reshape(-1, pw.in_features).contiguous()
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
-    into = {} if xp is None else {"xp": xp, "xp_pos": order.pos, "xp_pos2": order.pos2}
     return torch.ops.exl_core.qgemm_kslice_add_(
         residual, x2, pw.qweight, cc._chunks_of(pw), pw.scale, pw.zero, cc._perm_of(pw, x.device),
         None if bias is None else bias.contiguous(), cc._uniform4(pw), min_group=cc._min_group(pw),
-        group_shift=cc._group_shift(pw), up=None if up is None else up.reshape(x2.shape).contiguous(), **into)
-
-
-def _add_ss_into_check(residual, x, pw, up, xp, order) -> Optional[str]:
-    from . import norm_fold
-    if not norm_fold.FOLD_PERM_ON:
-        return "EXL_CORE_NORM_FOLD_PERM is not 1"
-    why = _add_ss_check(residual, x, pw, up, rows_ok=True)
-    if why is not None:
-        return why
-    rows, N = residual.shape
-    if rows > cc.KSLICE_STAGED_ROWS or not cc._uniform4(pw):
-        return f"{rows} rows of a {'uniform 4-bit' if cc._uniform4(pw) else 'mixed-width'} weight: the store into " \
-               f"xp is in qgemm_kslice's staged uniform 4-bit instances only"
-    if (xp.dtype != torch.float16 or xp.device != residual.device or xp.dim() != 2 or xp.shape[0] != rows
-            or xp.shape[1] != order.cols or order.cols < N or not xp.is_contiguous()):
-        return f"xp {xp.dtype} {tuple(xp.shape)}: contiguous float16 [{rows}, {order.cols}] on the residual's GPU"
-    maps = (order.pos,) if order.pos2 is None else (order.pos, order.pos2)
-    if any(m.dtype != torch.int32 or m.shape != (N,) or m.device != residual.device or not m.is_contiguous()
-           for m in maps):
-        return f"the order's maps must be contiguous int32 [{N}] on the residual's GPU"
-    return None
-
-
-def _add_ss_into_run(residual, x, pw, up, xp, order):
-    return _add_ss_run(residual, x, pw, up, xp, order)
+        group_shift=cc._group_shift(pw), up=None if up is None else up.reshape(x2.shape).contiguous())
 
 
 def _fits(kind: str, rows: int, pws, device) -> bool:
@@ -119,9 +93,8 @@ def _fits(kind: str, rows: int, pws, device) -> bool:
     return _FITS[key]
 
 
-def _normed_route(residual, weight, eps, ss, pws, norm_k: int = 0) -> tuple[Optional[str], Optional[str]]:
-    """(kernel, None) or (None, why not).  norm_k: the residual's width where `residual` is a producer's xp (its
-    columns in the weights' extended act-order), whose mean and sums run over norm_k columns."""
+def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Optional[str]]:
+    """(kernel, None) or (None, why not)."""
     if not NORM_FOLD_ON:
         return None, "EXL_CORE_NORM_FOLD=0"
     from .norm_fold import FOLD_QUERY
@@ -143,10 +116,9 @@ def _normed_route(residual, weight, eps, ss, pws, norm_k: int = 0) -> tuple[Opti
     if (weight.device != dev or weight.dtype != torch.float16 or weight.shape != (K,) or not weight.is_contiguous()
             or weight.data_ptr() % 16):
         return None, f"norm weight {weight.dtype} {tuple(weight.shape)}: contiguous, aligned float16 [K] on x's GPU"
-    kn = norm_k or K
     if ss is not FOLD_QUERY and (ss.device != dev or ss.dtype != torch.float32 or not ss.is_contiguous()
-                                 or ss.shape != ((kn + 31) // 32, rows)):
-        return None, f"sums of squares {ss.dtype} {tuple(ss.shape)}, expected float32 [{(kn + 31) // 32}, {rows}]"
+                                 or ss.shape != ((K + 31) // 32, rows)):
+        return None, f"sums of squares {ss.dtype} {tuple(ss.shape)}, expected float32 [{(K + 31) // 32}, {rows}]"
     if any(pw.perm is not None or pw.rows is not None or pw.in_features != K for pw in pws):
         return None, "a weight with a permutation (the kernels gather x; the fold stages it in order)"
     kind = _route(rows, pws, dev)
@@ -165,35 +137,15 @@ def _normed_check(residual, weight, eps, ss, pws) -> Optional[str]:
     return _normed_route(residual, weight, eps, ss, pws)[1]
 
 
-def _normed_perm_check(residual, weight, eps, ss, xp, perm, weight_perm, pws) -> Optional[str]:
-    from . import norm_fold
-    if not norm_fold.FOLD_PERM_ON:
-        return "EXL_CORE_NORM_FOLD_PERM is not 1"
-    H = residual.shape[-1]
-    if xp.dim() != 2 or xp.shape[0] != residual.numel() // max(1, H) or perm.shape != (xp.shape[1],):
-        return "xp must be [rows, len(perm)]"
-    if not 0 < H <= xp.shape[1]:
-        return f"the residual's {H} columns against xp's {xp.shape[1]}"
-    kind, why = _normed_route(xp, weight_perm, eps, ss, pws, norm_k=H)
-    if why is None and kind != "kslice":
-        return "the folded norm reads xp in qgemm_kslice's staged rows only"
-    return why
-
-
-def _normed_perm_run(residual, weight, eps, ss, xp, perm, weight_perm, pws):
-    return _normed_run(xp, weight_perm, eps, ss, pws, norm_k=residual.shape[-1])
-
-
-def _normed_run(residual, weight, eps, ss, pws, norm_k: int = 0):
+def _normed_run(residual, weight, eps, ss, pws):
     # the check has passed: only the kernel's name is needed (the plain path's cached choice, not the whole check again)
     kind = "wide" if cc._wide_ok(residual.shape[0], pws, residual.device) else "kslice"
     args = (residual, *cc._weights_args(pws, residual.device, residual.dtype))   # no permutations (the check)
     u4 = all(cc._uniform4(pw) for pw in pws)
     mg = min(cc._min_group(pw) for pw in pws)
     op = torch.ops.exl_core.qgemm_wide_multi if kind == "wide" else torch.ops.exl_core.qgemm_kslice_multi
-    extra = {"norm_k": norm_k} if norm_k else {}                       # qgemm_kslice_multi's only
     return list(op(*args, u4, min_group=mg, group_shift=cc._pws_group_shift(pws), norm_weight=weight, norm_ss=ss,
-                   norm_eps=float(eps), **extra))
+                   norm_eps=float(eps)))
 
 
 def install() -> None:
@@ -201,8 +153,6 @@ def install() -> None:
     from . import norm_fold
     cc.install_candidate(norm_fold.DISPATCH_ADD_SS, _add_ss_check, _add_ss_run)
     cc.install_candidate(norm_fold.DISPATCH_MANY_NORMED, _normed_check, _normed_run)
-    cc.install_candidate(norm_fold.DISPATCH_ADD_SS_INTO, _add_ss_into_check, _add_ss_into_run)
-    cc.install_candidate(norm_fold.DISPATCH_MANY_NORMED_PERM, _normed_perm_check, _normed_perm_run)
 
 
 install()

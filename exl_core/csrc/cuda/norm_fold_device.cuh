@@ -24,7 +24,7 @@ __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int6
   float s = 0.f;
   for (int t = lane; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M + m);
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return rsqrtf(s / static_cast<float>(nf.k_norm > 0 ? nf.k_norm : K) + nf.eps);
+  return rsqrtf(s / static_cast<float>(K) + nf.eps);
 }
 
 // 8 values of a row of x normalised: fp16(w * fp16(x * r)).
@@ -44,26 +44,13 @@ __device__ __forceinline__ uint4 fold_weight8(const uint4& xv, const uint4& wv) 
                     h2u(__hmul2(u2h(xv.z), u2h(wv.z))), h2u(__hmul2(u2h(xv.w), u2h(wv.w))));
 }
 
-// Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N), and the
-// value itself in *stored where given.
-__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a, __half* stored = nullptr) {
+// Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N).
+__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a) {
   if (nf.add) a += __half2float(*y);
   const __half v = __float2half_rn(a);
   *y = v;
-  if (stored != nullptr) *stored = v;
   const float f = __half2float(v);
   return f * f;
-}
-
-// Producer epilogue, where the consumers read x in their act-order (nf.xp): the value just stored at column n of row
-// m, again at the columns of xp that read it.
-__device__ __forceinline__ void fold_scatter(const NormFold& nf, int m, int64_t n, __half v) {
-  __half* row = nf.xp + m * nf.xp_ld;
-  row[__ldg(nf.xp_pos + n)] = v;
-  if (nf.xp_pos2 != nullptr) {
-    const int p2 = __ldg(nf.xp_pos2 + n);
-    if (p2 >= 0) row[p2] = v;
-  }
 }
 
 // Sum of a warp's squares into ss_out[tile, m] (the warp holds one row's 32 columns of the tile).

@@ -168,8 +168,6 @@ struct Folds {
   const at::Tensor* add_to = nullptr;
   c10::optional<at::Tensor> norm_weight, norm_ss;
   double eps = 0.0;
-  int64_t norm_k = 0;                                         // set_norm_fold's
-  c10::optional<at::Tensor> xp, xp_pos, xp_pos2;              // the producer's store in its consumers' order
 };
 
 std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at::TensorList qweight,
@@ -186,8 +184,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   const int dev = x.device().index();
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
-  const bool fold = set_norm_fold("exl_core::qgemm_kslice", x, folds.norm_weight, folds.norm_ss, folds.eps, mats,
-                                  folds.norm_k);
+  const bool fold = set_norm_fold("exl_core::qgemm_kslice", x, folds.norm_weight, folds.norm_ss, folds.eps, mats);
   TORCH_CHECK(!fold || (!up.defined() && uniform4 && n_tiles_for(static_cast<int>(M)) == 1 && K == Kx),
               "exl_core::qgemm_kslice: the folded norm takes at most ", kStagedRows, " rows of x, uniform 4-bit ",
               "weights of x's K rows and no SwiGLU");
@@ -203,27 +200,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
     mats.nf.add = 1;
     mats.nf.ss_out = ss.data_ptr<float>();
     ys = {ss};
-    if (folds.xp) {                    // the caller (ops/cuda_norm_fold.py) built the maps: entries inside xp's row
-      const at::Tensor& xp = *folds.xp;
-      const int64_t N = mats.m[0].N;
-      TORCH_CHECK(xp.is_cuda() && xp.device() == x.device() && xp.dtype() == at::kHalf && xp.dim() == 2 &&
-                      xp.size(0) == M && xp.size(1) >= N && xp.is_contiguous() && folds.xp_pos,
-                  "exl_core::qgemm_kslice_add_: xp must be contiguous float16 [", M, ", >= ", N, "] on x's GPU, with ",
-                  "xp_pos");
-      for (const auto* t : {&folds.xp_pos, &folds.xp_pos2})
-        if (*t)
-          TORCH_CHECK((*t)->is_cuda() && (*t)->device() == x.device() && (*t)->dtype() == at::kInt &&
-                          (*t)->dim() == 1 && (*t)->size(0) == N && (*t)->is_contiguous(),
-                      "exl_core::qgemm_kslice_add_: xp_pos / xp_pos2 must be contiguous int32 [", N, "] on x's GPU");
-      mats.nf.xp = reinterpret_cast<__half*>(xp.data_ptr());
-      mats.nf.xp_ld = xp.size(1);
-      mats.nf.xp_pos = folds.xp_pos->data_ptr<int32_t>();
-      mats.nf.xp_pos2 = folds.xp_pos2 ? folds.xp_pos2->data_ptr<int32_t>() : nullptr;
-    }
   }
-  TORCH_CHECK(!folds.xp || (folds.add_to != nullptr && uniform4 && n_tiles_for(static_cast<int>(M)) == 1),
-              "exl_core::qgemm_kslice: xp goes with the residual add of uniform 4-bit weights, at most ", kStagedRows,
-              " rows");
   if (M == 0) return ys;                                      // after the add's checks: _add_ returns its [tiles, 0] sums
   Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(kw), static_cast<int>(ring), min_group,
                        uniform4, dev, up.defined(), fold);
@@ -265,13 +242,11 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
                                            int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
                                            const c10::optional<at::Tensor>& norm_weight,
-                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps,
-                                           int64_t norm_k) {
+                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
   Folds f;
   f.norm_weight = norm_weight;
   f.norm_ss = norm_ss;
   f.eps = norm_eps;
-  f.norm_k = norm_k;
   return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
                     group_shift, f);
 }
@@ -283,16 +258,12 @@ at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, co
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
                              bool uniform4, int64_t min_group, int64_t group_shift,
-                             const c10::optional<at::Tensor>& up, const c10::optional<at::Tensor>& xp,
-                             const c10::optional<at::Tensor>& xp_pos, const c10::optional<at::Tensor>& xp_pos2) {
+                             const c10::optional<at::Tensor>& up) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   Folds f;
   f.add_to = &residual;
-  f.xp = xp;
-  f.xp_pos = xp_pos;
-  f.xp_pos2 = xp_pos2;
   return kslice_run(x, up ? *up : at::Tensor(), {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, 0, 0, min_group,
                     group_shift, f)[0];
 }
@@ -318,7 +289,7 @@ at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                            group_shift, c10::nullopt, c10::nullopt, 0.0, 0)[0];
+                            group_shift, c10::nullopt, c10::nullopt, 0.0)[0];
 }
 
 // Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
@@ -350,11 +321,10 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0, int norm_k=0) "
-        "-> Tensor[]");
+        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
   m.def("qgemm_kslice_add_(Tensor(a!) residual, Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
-        "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None, "
-        "Tensor(b!)? xp=None, Tensor? xp_pos=None, Tensor? xp_pos2=None) -> Tensor");
+        "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None) "
+        "-> Tensor");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
         "int group_shift=-1) -> Tensor");

@@ -454,13 +454,7 @@ __global__ void __launch_bounds__(32 * KW)
     float sq = 0.f;
     if (n < N) {
       if (mat.bias) a += __half2float(mat.bias[n]);
-      if constexpr (U4 && NT == 1 && !FOLD) {                 // the host passes xp to these instances only
-        __half v;
-        sq = fold_store(mats.nf, mat.y + m * N + n, a, &v);
-        if (mats.nf.xp != nullptr) fold_scatter(mats.nf, m, n, v);
-      } else {
-        sq = fold_store(mats.nf, mat.y + m * N + n, a);        // a plain store unless the residual add is folded in
-      }
+      sq = fold_store(mats.nf, mat.y + m * N + n, a);          // a plain store unless the residual add is folded in
     }
     if (mats.nf.ss_out != nullptr) fold_row_ss(mats.nf, sq, tile, M, m, lane);
   }

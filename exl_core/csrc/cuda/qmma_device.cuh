@@ -337,12 +337,6 @@ struct NormFold {
   float eps;
   int add;                    // producer: y += the product (y is the residual stream; one thread reads and writes
                               // each value)
-  __half* xp;                 // producer: each stored value also at xp[m * xp_ld + xp_pos[n]] and, where
-  const int32_t* xp_pos;      // xp_pos2[n] >= 0, there too -- the consumers' act-order (an extended one repeats
-  const int32_t* xp_pos2;     // columns: formats/uniform4.py), so they stage it contiguously; xp null: not stored,
-  int64_t xp_ld;              // xp_pos2 null: no column twice
-  int k_norm;                 // consumer: r's mean runs over this many values (the residual's width, where x is
-                              // that residual in an extended order); 0: the kernel's K
 };
 struct Mats {
   Mat m[kMaxMats];
