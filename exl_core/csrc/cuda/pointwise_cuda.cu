@@ -3,6 +3,9 @@
 // matters at batch 1 where every decode step is dominated by launch count.
 // Rounding follows the torch references (HF semantics): values are rounded to x's dtype at the
 // same points, math in fp32.
+#include <cstdlib>
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -40,7 +43,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
                                                                  T* __restrict__ y, T* __restrict__ h_out,
                                                                  bool /*early_w: weight read after the wait here*/,
                                                                  const int32_t* /*perm, P: rms_norm_vec_kernel's only*/,
-                                                                 int64_t) {
+                                                                 int64_t, bool /*late: rms_norm_vec_kernel's only*/) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
   exl_pdl::pdl_trigger();
   const int64_t row = blockIdx.x;
@@ -69,12 +72,13 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // the input order of act-order weights sharing perm, which then read x as it is instead of gathering it per
 // launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats columns).  The values pass through shared memory (H values of T); perm's vectors are read before the
 // PDL wait, as load-time data (pdl.cuh).
-template <typename T, int NV, bool PERM = false>
-__global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
+// LEAN (A/B, EXL_CORE_NORM_PERM_LEAN=1): the PERM instance held to 64 registers (4 blocks an SM).
+template <typename T, int NV, bool PERM = false, bool LEAN = false>
+__global__ void __launch_bounds__(kNormThreads, LEAN ? 4 : 1) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
                                                                      bool early_w, const int32_t* __restrict__ perm,
-                                                                     int64_t P) {
+                                                                     int64_t P, bool late) {
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   // read before the PDL wait, its round trip overlapping the previous kernel instead of following the reduction.
   if (early_w) load_w();
   exl_pdl::pdl_wait();      // x and the residual come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger();
+  if (!PERM || !late) exl_pdl::pdl_trigger();   // late: the next kernel launches as this one's blocks exit (A/B, PERM only)
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
   uint4 hv[NV];
   float ss = 0.f;
@@ -289,6 +293,15 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
   TORCH_CHECK(a.dtype() == b.dtype(), op, ": ", na, " is ", a.dtype(), " but ", nb, " is ", b.dtype());
 }
 
+// A/B switches of the permuted norm, off unless "1" (stop 32: the rewritten EXL2's batch-32 gate/up launch, which follows
+// it, adds ~9 us more than after a plain norm or a gather; the PERM instance holds 88 registers against 48).
+// EXL_CORE_NORM_PERM_LATE: no early trigger; EXL_CORE_NORM_PERM_CARVEOUT: the kernel prefers the largest shared
+// memory carveout, as the GEMMs after it need; EXL_CORE_NORM_PERM_LEAN: the instance held to 64 registers.
+bool env_is_1(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "1") == 0;
+}
+
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
 // perm (rms_norm_perm): int32 [P], P >= H, y's P columns written in that order (the vector kernel only: the caller
 // checks its conditions).
@@ -332,16 +345,23 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
                       perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
                   op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
                   ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
-      auto* kern = rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
+      static const bool lean = env_is_1("EXL_CORE_NORM_PERM_LEAN");
+      auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true> : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       const size_t smem = static_cast<size_t>(H) * sizeof(scalar_t);
+      static const bool late = env_is_1("EXL_CORE_NORM_PERM_LATE");
+      static const bool carve = env_is_1("EXL_CORE_NORM_PERM_CARVEOUT") &&
+          cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) ==
+              cudaSuccess;
+      (void)carve;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
-                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P);
+                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P, late);
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
     exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev, xp, rp, wp, H,
-                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr), H);
+                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr), H,
+                        false);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
