@@ -72,9 +72,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // the input order of act-order weights sharing perm, which then read x as it is instead of gathering it per
 // launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats columns).  The values pass through shared memory (H values of T); perm's vectors are read before the
 // PDL wait, as load-time data (pdl.cuh).
-// LEAN (A/B, EXL_CORE_NORM_PERM_LEAN=1): the PERM instance held to 64 registers (4 blocks an SM).
-template <typename T, int NV, bool PERM = false, bool LEAN = false>
-__global__ void __launch_bounds__(kNormThreads, LEAN ? 4 : 1) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
+// late (PERM only): no early trigger, so the launch after it (PDL) starts as this one's blocks exit -- see
+// perm_norm_late.
+template <typename T, int NV, bool PERM = false>
+__global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
                                                                      bool early_w, const int32_t* __restrict__ perm,
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kNormThreads, LEAN ? 4 : 1) rms_norm_vec_kerne
   // read before the PDL wait, its round trip overlapping the previous kernel instead of following the reduction.
   if (early_w) load_w();
   exl_pdl::pdl_wait();      // x and the residual come from the previous kernel (PDL, pdl.cuh)
-  if (!PERM || !late) exl_pdl::pdl_trigger();   // late: the next kernel launches as this one's blocks exit (A/B, PERM only)
+  if (!PERM || !late) exl_pdl::pdl_trigger();
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
   uint4 hv[NV];
   float ss = 0.f;
@@ -293,13 +294,20 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
   TORCH_CHECK(a.dtype() == b.dtype(), op, ": ", na, " is ", a.dtype(), " but ", nb, " is ", b.dtype());
 }
 
-// A/B switches of the permuted norm, off unless "1" (stop 32: the rewritten EXL2's batch-32 gate/up launch, which follows
-// it, adds ~9 us more than after a plain norm or a gather; the PERM instance holds 88 registers against 48).
-// EXL_CORE_NORM_PERM_LATE: no early trigger; EXL_CORE_NORM_PERM_CARVEOUT: the kernel prefers the largest shared
-// memory carveout, as the GEMMs after it need; EXL_CORE_NORM_PERM_LEAN: the instance held to 64 registers.
-bool env_is_1(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::strcmp(v, "1") == 0;
+// Whether the permuted norm over `rows` rows triggers late (no early PDL trigger).  Why: at 17..32 rows the q/k/v and
+// gate/up launches after it run qgemm_wide, up to 4 blocks an SM; launched while the norm's blocks (one a row, 88
+// registers a thread) still sit on their SMs, the rewritten EXL2's batch-32 gate/up added 41.92 us against 34.91
+// after a plain norm and a gather (stop 32 call 3, bench/decode_timeline.py).  Same call (stop 32 call 4, separate
+// processes), late at every row count against early: batch 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x /
+// 1.0015x -- so late from 17 rows (cuda_candidates.WIDE_MIN_ROWS) only.  EXL_CORE_NORM_PERM_LATE=0: never,
+// =1: at every row count (A/B).  Tried in that call and dropped: the largest shared memory carveout (0.9741x at
+// batch 32), the instance held to 64 registers (1.0138x at batch 32, 0.8365x on the prompt: it spills).
+bool perm_norm_late(int64_t rows) {
+  static const int mode = [] {
+    const char* v = std::getenv("EXL_CORE_NORM_PERM_LATE");
+    return v && std::strcmp(v, "0") == 0 ? 0 : v && std::strcmp(v, "1") == 0 ? 1 : 2;
+  }();
+  return mode == 1 || (mode == 2 && rows >= 17);
 }
 
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
@@ -345,17 +353,11 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
                       perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
                   op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
                   ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
-      static const bool lean = env_is_1("EXL_CORE_NORM_PERM_LEAN");
-      auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true> : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
+      auto* kern = rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       const size_t smem = static_cast<size_t>(H) * sizeof(scalar_t);
-      static const bool late = env_is_1("EXL_CORE_NORM_PERM_LATE");
-      static const bool carve = env_is_1("EXL_CORE_NORM_PERM_CARVEOUT") &&
-          cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) ==
-              cudaSuccess;
-      (void)carve;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
-                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P, late);
+                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P, perm_norm_late(rows));
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
