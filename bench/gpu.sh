@@ -6,7 +6,8 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), dequant (bench/dequant_probe.cu: the
+# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), persist (bench/persist_probe.cu:
+# what a persistent decode kernel's grid barriers cost against launches, read-only, standalone), dequant (bench/dequant_probe.cu: the
 # prompt's dequantise kernels, alone and followed by their cuBLAS GEMMs, standalone), gemv (bench/gemv_probe.cu: the
 # batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice under Nsight
 # Compute: the second layer's o and gate/up, and EXL2-like q/k/v and o; a per-instruction SASS CSV of the q/k/v), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
@@ -97,6 +98,9 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
     ls -la "$OUT"
   fi
 fi
+if has persist; then  # the read floor of a layer's projection streams: 4 PDL launches against one resident kernel
+  probe_run persist_probe   # with grid barriers between the stages (bench/persist_probe.cu; standalone, seconds)
+fi
 if has dequant; then  # design probe for the prompt's dequantise (and, where cuBLAS links, dequantise + GEMM chains)
   rm -f /tmp/dequant_probe.txt /tmp/dequant_probe
   CUBLAS_H=$(find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/local/lib/python3*/dist-packages/nvidia \
@@ -129,8 +133,8 @@ if has build; then
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-only_probes=1     # the standalone probes (wide, gemv, readbw, dequant) need no extension build
-for p in $PHASES; do case $p in wide|gemv|readbw|dequant) ;; *) only_probes=0 ;; esac; done
+only_probes=1     # the standalone probes (wide, gemv, readbw, dequant, persist) need no extension build
+for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist) ;; *) only_probes=0 ;; esac; done
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.

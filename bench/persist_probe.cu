@@ -1,0 +1,193 @@
+// What a persistent decode kernel could gain at batch 1: the read floor of a layer's four projection streams
+// (q/k/v -> o -> gate/up -> down, GPTQ 4-bit g128 7B bytes: words, fp32 scale and zero) as four launches with
+// programmatic dependent launch -- the shape of today's step, whose read floor the GEMV probe measured at 35.59 us a
+// layer (gemv_probe_h200.json) -- against one kernel whose blocks stay resident and pass grid barriers between the
+// stages (where a real kernel's activations are ready), without and with the next stage's first loads issued
+// before the barrier (weights do not depend on activations).
+//   nvcc -O3 -arch=sm_90 -o /tmp/persist_probe bench/persist_probe.cu && /tmp/persist_probe
+// (bench/gpu.sh phase `persist`.)  Every figure: 8 layers of distinct buffers (~840 MB, beyond the 50 MB L2) in one
+// CUDA graph, median of 10 replays, us per layer and GB/s = bytes read / time.  Read-only kernels: they xor what
+// they load into a value no one reads (kept by a never-true store).  The barrier: one counter per replay (zeroed by
+// a memset node), each block's thread 0 adds 1 after a __threadfence and spins on an acquire load until all blocks
+// of the stage have arrived; the grid is sized from the occupancy calculator so that every block is resident.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "probe_common.cuh"   // CK, time_seq, pdl_config
+
+constexpr int kLayers = 8, kStages = 4, kThreads = 512;
+
+// Bytes of the four streams of one layer (hidden 4096, intermediate 11008, groups of 128 rows).
+int64_t stage_bytes(int s) {
+  const int64_t H = 4096, I = 11008;
+  auto w = [](int64_t K, int64_t N) { return K * N / 2 + 2 * (K / 128) * N * 4; };
+  switch (s) {
+    case 0: return 3 * w(H, H);      // q, k, v
+    case 1: return w(H, H);          // o
+    case 2: return 2 * w(H, I);      // gate, up
+    default: return w(I, H);         // down
+  }
+}
+
+struct Streams {
+  const int4* p[kLayers * kStages];
+  int64_t n[kLayers * kStages];      // int4 elements
+};
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// All blocks of the grid past barrier number `k` (counter counts arrivals since the replay's memset).
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned k) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    const unsigned target = (k + 1) * gridDim.x;
+    while (ld_acquire(counter) < target) {
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// One stream, grid-stride with U 16-byte loads in flight a thread; `first` (U loads of this stream, already issued
+// by the caller when `have_first`) lets a caller put the first pass before a wait.
+template <int U>
+__device__ __forceinline__ int read_stream(const int4* __restrict__ p, int64_t n, int4 (&first)[U], bool have_first) {
+  const int64_t T = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int acc = 0;
+  if (!have_first) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) first[u] = i + u * T < n ? __ldg(p + i + u * T) : make_int4(0, 0, 0, 0);
+  }
+  int4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) v[u] = first[u];
+  i += U * T;
+  for (; i + (U - 1) * T < n; i += U * T) {
+    int4 nx[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) nx[u] = __ldg(p + i + u * T);
+#pragma unroll
+    for (int u = 0; u < U; ++u) { acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w; v[u] = nx[u]; }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  for (; i < n; i += T) { const int4 x = __ldg(p + i); acc ^= x.x ^ x.y ^ x.z ^ x.w; }
+  return acc;
+}
+
+template <int U>
+__device__ __forceinline__ void first_pass(const int4* __restrict__ p, int64_t n, int4 (&first)[U]) {
+  const int64_t T = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < U; ++u) first[u] = i + u * T < n ? __ldg(p + i + u * T) : make_int4(0, 0, 0, 0);
+}
+
+// A: one launch per stream (PDL): the first pass before the wait, as the extension's kernels load weights.
+template <int U>
+__global__ void __launch_bounds__(kThreads) stage_kernel(const int4* __restrict__ p, int64_t n, int* out) {
+  int4 first[U];
+  first_pass<U>(p, n, first);
+  pdl_wait();
+  pdl_trigger();
+  const int acc = read_stream<U>(p, n, first, true);
+  if (acc == 0x12345678) out[0] = acc;
+}
+
+// B/C/D: streams [s0, s1) in one kernel, a grid barrier before each stream but the first (barrier numbers from
+// bar0); PREFETCH: the stream's first pass is issued before its barrier.  E (BARRIERS false): no barriers at all.
+template <int U, bool PREFETCH, bool BARRIERS = true>
+__global__ void __launch_bounds__(kThreads) persist_kernel(const Streams st, int s0, int s1, unsigned* counter,
+                                                           unsigned bar0, int* out) {
+  int acc = 0;
+  int4 first[U];
+  first_pass<U>(st.p[s0], st.n[s0], first);
+  pdl_wait();
+  pdl_trigger();
+  for (int s = s0; s < s1; ++s) {
+    if (s > s0) {
+      if (PREFETCH) first_pass<U>(st.p[s], st.n[s], first);
+      if (BARRIERS) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0 - 1));
+    }
+    acc ^= read_stream<U>(st.p[s], st.n[s], first, s == s0 || PREFETCH);
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
+int main() {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  Streams st{};
+  int64_t layer_bytes = 0;
+  for (int s = 0; s < kStages; ++s) layer_bytes += stage_bytes(s);
+  for (int l = 0; l < kLayers; ++l)
+    for (int s = 0; s < kStages; ++s) {
+      const int64_t b = stage_bytes(s);
+      void* d;
+      CK(cudaMalloc(&d, b));
+      CK(cudaMemset(d, (l * 4 + s) & 0x7f, b));
+      st.p[l * kStages + s] = static_cast<const int4*>(d);
+      st.n[l * kStages + s] = b / 16;
+    }
+  int* out;
+  unsigned* counter;
+  CK(cudaMalloc(&out, 4));
+  CK(cudaMalloc(&counter, 4));
+  printf("GPU %s, %d SMs; a layer reads %.2f MB (q/k/v %.2f, o %.2f, gate/up %.2f, down %.2f)\n", prop.name, sms,
+         layer_bytes / 1e6, stage_bytes(0) / 1e6, stage_bytes(1) / 1e6, stage_bytes(2) / 1e6, stage_bytes(3) / 1e6);
+
+  constexpr int U = 8;
+  auto report = [&](const char* name, int blocks, float us) {
+    const float per_layer = us / kLayers;
+    printf("%-44s blocks %4d  %8.2f us/layer  %6.0f GB/s\n", name, blocks, per_layer, layer_bytes / per_layer / 1e3);
+    printf("JSON {\"variant\": \"%s\", \"blocks\": %d, \"us_per_layer\": %.2f, \"gb_s\": %.0f}\n", name, blocks,
+           per_layer, layer_bytes / per_layer / 1e3);
+  };
+  cudaLaunchAttribute attr[1];
+  int occ = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, stage_kernel<U>, kThreads, 0));
+  const int grid_a = sms * occ;
+  report("A: 4 launches a layer (PDL)", grid_a, time_seq([&](cudaStream_t s) {
+    for (int i = 0; i < kLayers * kStages; ++i) {
+      cudaLaunchConfig_t cfg = pdl_config(dim3(grid_a), dim3(kThreads), 0, s, attr);
+      CK(cudaLaunchKernelEx(&cfg, stage_kernel<U>, st.p[i], st.n[i], out));
+    }
+  }));
+
+  auto persist = [&](const char* name, auto kern, int per_launch) {
+    int o = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kern, kThreads, 0));
+    const int grid = sms * o;                       // every block resident: the spin barrier needs it
+    report(name, grid, time_seq([&](cudaStream_t s) {
+      CK(cudaMemsetAsync(counter, 0, 4, s));
+      // barriers are numbered across the replay's launches (the counter is zeroed once): launch j's are
+      // j * (per_launch - 1) onwards
+      for (int s0 = 0; s0 < kLayers * kStages; s0 += per_launch) {
+        cudaLaunchConfig_t cfg = pdl_config(dim3(grid), dim3(kThreads), 0, s, attr);
+        const unsigned bar0 = static_cast<unsigned>(s0 / per_launch) * static_cast<unsigned>(per_launch - 1);
+        CK(cudaLaunchKernelEx(&cfg, kern, st, s0, s0 + per_launch, counter, bar0, out));
+      }
+    }));
+  };
+  persist("B: a kernel a layer, barriers", persist_kernel<U, false>, kStages);
+  persist("B': a kernel a layer, barriers, prefetch", persist_kernel<U, true>, kStages);
+  persist("C: one kernel, 8 layers, barriers", persist_kernel<U, false>, kLayers * kStages);
+  persist("D: one kernel, 8 layers, barriers, prefetch", persist_kernel<U, true>, kLayers * kStages);
+  persist("E: one kernel, 8 layers, no barriers", persist_kernel<U, true, false>, kLayers * kStages);
+  return 0;
+}
