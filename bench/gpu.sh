@@ -15,7 +15,8 @@
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), widetiles (GPTQ graph decode with
 # EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), nou4 (EXL2 on the
 # mixed-width kernels), normpermearly / normpermlate (EXL2 with EXL_CORE_NORM_PERM_LATE=0 / 1: the permuted norm's
-# PDL trigger early / late at every row count; the default is late from 17 rows), graphprobe
+# PDL trigger early / late at every row count; the default is late from 17 rows), xchunks (EXL2 with
+# EXL_CORE_KSLICE_XCHUNKS=1: the SwiGLU-fused down stages x by chunk offsets, not through its permutation), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
@@ -138,7 +139,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist) ;; *) only_pro
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has xchunks || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -158,7 +159,7 @@ if has tests; then
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
   # the newest kernels' and paths' tests in a process of their own: a crash there cannot hide the results above
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_paged_attention.py \
-    tests/test_cuda_attn_out_order.py tests/test_cuda_lookahead.py >>"$OUT/cuda_tests.txt" 2>&1
+    tests/test_cuda_attn_out_order.py tests/test_cuda_lookahead.py tests/test_cuda_xchunks.py >>"$OUT/cuda_tests.txt" 2>&1
   echo "paged attention tests (rc $?):"; tail -1 "$OUT/cuda_tests.txt"
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | tail -10
 fi
@@ -219,6 +220,10 @@ done
 if has nou4; then      # A/B: EXL2 on the mixed-width kernels (EXL_CORE_EXL2_AS_U4=0: not rewritten as uniform 4-bit rows)
   EXL_CORE_EXL2_AS_U4=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_nou4.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has xchunks; then  # A/B: EXL2's SwiGLU-fused down at 1..8 rows staging x by chunk offsets (EXL_CORE_KSLICE_XCHUNKS=1)
+  EXL_CORE_KSLICE_XCHUNKS=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+    --json "$OUT/gpu_h200_xchunks.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 for v in early:0 late:1; do  # A/B: the permuted norm's PDL trigger early at every row count (0) or late at every one
   has normperm${v%%:*} && env EXL_CORE_NORM_PERM_LATE=${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py \

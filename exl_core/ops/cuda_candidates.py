@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from .dispatch import Candidate, has_cuda_kernel
+from .xchunks import staged_xchunks
 
 KSLICE_MAX_ROWS = 32        # four mma n-tiles of x rows; above 8 rows x is read from global memory, not staged
 KSLICE_STAGED_ROWS = 8      # rows whose x qgemm_kslice stages (there qgemm_kslice_silu computes silu(gate) * up)
@@ -414,10 +415,12 @@ def _silu_down_run(gate, up, pw):
         from .qmatmul import _run_silu_each
         return _run_silu_each(gate, up, pw)
     bias = pw.bias if pw.bias is None or pw.bias.dtype == gate.dtype else pw.bias.to(gate.dtype)
-    y = torch.ops.exl_core.qgemm_kslice_silu(g2.contiguous(), up.reshape(-1, pw.in_features).contiguous(),
-                                             pw.qweight, _chunks_of(pw), pw.scale, pw.zero, _perm_of(pw, gate.device),
+    g2, u2 = g2.contiguous(), up.reshape(-1, pw.in_features).contiguous()
+    xc = staged_xchunks(pw, g2, u2)                 # x by chunk offsets instead of perm (ops/xchunks.py)
+    perm = None if xc is not None else _perm_of(pw, gate.device)
+    y = torch.ops.exl_core.qgemm_kslice_silu(g2, u2, pw.qweight, _chunks_of(pw), pw.scale, pw.zero, perm,
                                              None if bias is None else bias.contiguous(), _uniform4(pw),
-                                             min_group=_min_group(pw), group_shift=_group_shift(pw))
+                                             min_group=_min_group(pw), group_shift=_group_shift(pw), xchunks=xc)
     return y.reshape(*gate.shape[:-1], pw.out_features)
 
 

@@ -168,7 +168,20 @@ struct Folds {
   const at::Tensor* add_to = nullptr;
   c10::optional<at::Tensor> norm_weight, norm_ss;
   double eps = 0.0;
+  c10::optional<at::Tensor> xchunks;   // the SwiGLU-fused calls: x read through chunk offsets (check_xchunks)
 };
+
+// xchunks (int64 [K/32], one weight, no perm, staged rows with up): chunk c of the weight's K rows reads x's columns
+// xchunks[c] .. + 31, each a multiple of 8 and within x (the caller's promise: the kernel cannot check without a
+// sync) -- an act-order whose chunks read runs of consecutive columns, staged by 16-byte loads (sgather 2).
+void check_xchunks(const at::Tensor& xc, const at::Tensor& x, const at::Tensor& up, int64_t K, const Mats& mats) {
+  TORCH_CHECK(mats.n == 1 && mats.m[0].perm == nullptr && up.defined() && xc.is_cuda() && xc.device() == x.device() &&
+                  xc.dtype() == at::kLong && xc.dim() == 1 && xc.numel() * 32 == K && xc.is_contiguous() &&
+                  aligned16(x) && aligned16(up) && x.size(0) <= kStagedRows,
+              "exl_core::qgemm_kslice: xchunks needs one weight without perm, up, at most ", kStagedRows,
+              " rows of 16-byte aligned x and up, and contiguous int64 [K/32 = ", K / 32, "] on x's GPU; got ",
+              xc.dtype(), " ", xc.sizes());
+}
 
 std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at::TensorList qweight,
                                    at::TensorList chunks, at::TensorList scale, at::TensorList zero,
@@ -178,7 +191,12 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                              // the weights' rows (x's Kx unless PackedWeight.rows)
-  Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys, &K);
+  Mats mats = build_mats("exl_core::qgemm_kslice", x, qweight, chunks, scale, zero, perm, bias, ys, &K,
+                         folds.xchunks.has_value());
+  if (folds.xchunks) {
+    check_xchunks(*folds.xchunks, x, up, K, mats);
+    mats.m[0].perm = folds.xchunks->data_ptr<int64_t>();   // read as chunk offsets under sgather 2
+  }
   const int64_t M = x.size(0), Kx = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
   const int dev = x.device().index();
@@ -212,7 +230,10 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   bool any_perm = false;
   for (int i = 0; i < mats.n; ++i) any_perm = any_perm || mats.m[i].perm != nullptr;
-  plan_sgather(plan, static_cast<int>(M), Kx, any_perm, up.defined());
+  if (folds.xchunks)
+    plan.sgather = 2;                                         // no copy of x: the plan's shared memory as it is
+  else
+    plan_sgather(plan, static_cast<int>(M), Kx, any_perm, up.defined());
   if (up.defined())
     TORCH_CHECK(plan.nt == 1 && plan.ring == (uniform4 ? 8 : 4) && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
                     up.sizes() == x.sizes() && up.is_contiguous(),
@@ -258,12 +279,13 @@ at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, co
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
                              bool uniform4, int64_t min_group, int64_t group_shift,
-                             const c10::optional<at::Tensor>& up) {
+                             const c10::optional<at::Tensor>& up, const c10::optional<at::Tensor>& xchunks) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   Folds f;
   f.add_to = &residual;
+  f.xchunks = xchunks;
   return kslice_run(x, up ? *up : at::Tensor(), {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, 0, 0, min_group,
                     group_shift, f)[0];
 }
@@ -273,12 +295,15 @@ at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, co
 at::Tensor qgemm_kslice_silu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& qweight,
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
-                             bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift) {
+                             bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
+                             const c10::optional<at::Tensor>& xchunks) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
+  Folds f;
+  f.xchunks = xchunks;
   return kslice_run(gate, up, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                    group_shift)[0];
+                    group_shift, f)[0];
 }
 
 at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
@@ -323,11 +348,11 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
         "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
   m.def("qgemm_kslice_add_(Tensor(a!) residual, Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
-        "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None) "
-        "-> Tensor");
+        "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None, "
+        "Tensor? xchunks=None) -> Tensor");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1) -> Tensor");
+        "int group_shift=-1, Tensor? xchunks=None) -> Tensor");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
         "int ring=0, bool fold=False) -> bool",
         &qgemm_kslice_fits);

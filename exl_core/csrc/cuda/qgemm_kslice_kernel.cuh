@@ -71,7 +71,7 @@ struct Smem {
 __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
 // The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation).
 __host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act) {
-  return sgather ? gather_halves(M, K, act) : fold ? K : 0;
+  return sgather == 1 ? gather_halves(M, K, act) : fold ? K : 0;
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
@@ -227,11 +227,15 @@ __global__ void __launch_bounds__(32 * KW)
         *p = stage_pairs<S16>(*p);
       }
     }
-  } else if (ACT && perm == nullptr && aligned) {
+  } else if (ACT && (perm == nullptr || sgather == 2) && aligned) {
+    // sgather 2 (the host's xchunks): perm holds each chunk's first column in x, a multiple of 8 -- an act-order
+    // whose chunks read runs of 32 consecutive columns (the identity plus whole chunks read again: formats/
+    // uniform4.py's extra rows after loader.fold_down_perms), staged by 16-byte loads instead of a gather.
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
-      const uint4 uv = __ldg(reinterpret_cast<const uint4*>(up + m * K + k));
+      const int64_t src = perm == nullptr ? k : __ldg(perm + (k >> 5)) + (k & 31);
+      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(x + m * K + src));
+      const uint4 uv = __ldg(reinterpret_cast<const uint4*>(up + m * K + src));
       uint4 o;
       const __half *gp = reinterpret_cast<const __half*>(&gv), *upp = reinterpret_cast<const __half*>(&uv);
       __half* op = reinterpret_cast<__half*>(&o);

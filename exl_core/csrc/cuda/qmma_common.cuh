@@ -81,7 +81,7 @@ inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(
 inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                        at::TensorList scale, at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& perm,
                        const c10::List<c10::optional<at::Tensor>>& bias, std::vector<at::Tensor>& ys,
-                       int64_t* rows = nullptr) {
+                       int64_t* rows = nullptr, bool xchunks = false) {
   const size_t n = qweight.size();
   TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(kMaxMats), op, ": 1..", kMaxMats, " weights per call, got ", n);
   TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n && perm.size() == n && bias.size() == n,
@@ -118,7 +118,7 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
     const c10::optional<at::Tensor> p = perm.get(i), b = bias.get(i);
     if (p) TORCH_CHECK(p->is_cuda() && p->dtype() == at::kLong && p->numel() == K && p->is_contiguous(), op,
                        ": perm ", i, " must be contiguous int64 [", K, "] on the GPU");
-    TORCH_CHECK(K == Kx || p, op, ": weight ", i, " has ", K, " rows for x's ", Kx,
+    TORCH_CHECK(K == Kx || p || xchunks, op, ": weight ", i, " has ", K, " rows for x's ", Kx,
                 " columns and no permutation saying which column each row reads");
     if (b) TORCH_CHECK(b->is_cuda() && b->dtype() == at::kHalf && b->numel() == N && b->is_contiguous(), op,
                        ": bias ", i, " must be contiguous float16 [", N, "] on the GPU");
@@ -131,6 +131,9 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
   }
   return mats;
 }
+
+// xchunks (qgemm_kslice's SwiGLU-fused calls): the caller reads x through chunk offsets instead of a permutation
+// (kslice_run), so a weight with more rows than x has columns needs no perm here.
 
 // xp[i][m][k] = x[m][perm_i[k]] for the act-order weights of one launch (blockIdx.z = weight, y = row): the
 // permuted copies that kernels reading x straight from global memory (qgemm_kslice above 8 rows, qgemm_wide)

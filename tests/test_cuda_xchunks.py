@@ -1,0 +1,85 @@
+"""The SwiGLU-fused decode kernel staging x by chunk offsets (qgemm_kslice_silu's `xchunks`, ops/xchunks.py) instead
+of gathering it through an act-order permutation whose chunks read runs of consecutive columns: the same staged
+values, so the same bits as the permuted call, and float64 references; and a rewritten EXL2 model's decode step with
+it on and off.  Helpers from test_cuda_kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl_core.formats.packed import dequantize_reference
+from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+
+pytestmark = pytest.mark.cuda
+
+
+def _chunk_perms(K: int, rows: int, g: torch.Generator):
+    """Chunk-contiguous orders of `rows` rows over K columns: the identity and whole chunks again (what a rewritten
+    down projection keeps), and whole chunks shuffled with the tail's chunks drawn at random."""
+    tail = torch.randint(0, K // 32, ((rows - K) // 32,), generator=g)
+    runs = lambda cs: torch.cat([torch.arange(32 * c, 32 * c + 32) for c in cs.tolist()])   # noqa: E731
+    return [torch.cat([torch.arange(K), runs(tail)]), runs(torch.cat([torch.randperm(K // 32, generator=g), tail]))]
+
+
+@pytest.mark.parametrize("M", [1, 4, 8])                          # the staged rows
+def test_silu_down_by_chunk_offsets_same_bits(M):
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops.xchunks import chunk_starts
+    g = torch.Generator().manual_seed(M)
+    pw = random_packed([(5, 128), (4, 256), (3, 128)], 384, perm=False)
+    u = as_uniform4(pw, max_growth=10.0)                           # rows: K + the 5-bit group's 128 again
+    assert u is not None and u.rows == pw.in_features + 128
+    K, N = pw.in_features, pw.out_features
+    gate = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
+    up = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
+    act = (torch.nn.functional.silu(gate.double().cpu()).half().double() * up.double().cpu()).half().double()
+    for perm in _chunk_perms(K, u.rows, g):
+        w = u.to("cuda")
+        w.perm = perm.cuda()
+        xc = chunk_starts(w.perm)
+        assert xc is not None
+        args = (w.qweight, cc._chunks_of(w), w.scale, w.zero)
+        kw = dict(min_group=cc._min_group(w), group_shift=cc._group_shift(w))
+        assert torch.ops.exl_core.qgemm_kslice_fits(M, w.rows, (N + 31) // 32, kw["min_group"], True, 0)
+        poison_allocator()
+        y_perm = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, w.perm, None, True, **kw)
+        poison_allocator()
+        y = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, None, None, True, **kw, xchunks=xc)
+        assert torch.equal(y, y_perm)
+        assert rel_err(y, act[:, perm] @ _rows_reference(u)) < 2e-3
+
+
+def _rows_reference(u):
+    """float64 W of a weight with extra rows, one row per stored row (what x[:, perm] multiplies)."""
+    from exl_core.formats.packed import PackedWeight
+    plain = PackedWeight(u.qweight, u.groups, u.scale, u.zero, None, u.rows, u.out_features)
+    return dequantize_reference(plain)
+
+
+def test_rewritten_exl2_decode_same_bits_with_chunk_offsets(exl2_act_order_dir, monkeypatch):
+    """A rewritten EXL2 model (the loader's CUDA default) decodes one step at batch 1 with the same logits whether its
+    down projections stage x through their permutations or by chunk offsets -- and the offsets were taken."""
+    _need_kernels()
+    from exl_core.loader import load_model
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import xchunks
+    monkeypatch.delenv("EXL_CORE_EXL2_AS_U4", raising=False)
+    model = load_model(exl2_act_order_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    assert any(b.mlp.down_proj.packed.rows is not None for b in model.layers)
+    taken = []
+    real = cc.staged_xchunks
+    monkeypatch.setattr(cc, "staged_xchunks", lambda *a: taken.append(real(*a)) or taken[-1])
+    g = torch.Generator().manual_seed(3)
+    prompt, nxt = torch.randint(0, 1000, (1, 6), generator=g).cuda(), torch.randint(0, 1000, (1, 1), generator=g).cuda()
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(xchunks, "XCHUNKS_ON", on)
+        kvs = [model.new_sequence_kv(16)]
+        with torch.inference_mode():
+            model.forward_batch(prompt, kvs)
+            out[on] = model.forward_batch(nxt, kvs)
+    assert any(t is not None for t in taken)
+    assert float(out[False].abs().max()) > 1e-2
+    assert torch.equal(out[True], out[False])
