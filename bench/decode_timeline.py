@@ -151,8 +151,8 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     # exl2_u4 at 32 rows with q/k/v and gate/up gathering x (a launch) after a plain norm, not after the permuted
-    # norm: does the norm before it slow the rewrite's gate/up (stop 32 call 1: adds 42.05 us without the SwiGLU
-    # pair kernel, 41.92 with it; GPTQ's 30.53)?
+    # norm: does the norm before it slow the rewrite's gate/up (stop 32 call 1, truncated: adds 42.04 us without the
+    # SwiGLU pair kernel, 41.92 with it; GPTQ's 31.58)?  Call 3: 34.91 us so, against 41.75 by default.
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
                                             if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
     out = []
@@ -170,8 +170,9 @@ def run_format(path: Path, fmt: str) -> list[dict]:
 def gptq_with_u4_gate_up(gptq: Path, exl2: Path) -> list[dict]:
     """GPTQ's model with every layer's gate/up replaced by EXL2's uniform 4-bit rewrite cut to its first 4,096 rows
     (no extra rows: GPTQ's K, the rewrite's values, scales and zeros; the outputs are not a model's, the launches
-    are): whether the rewrite's batch-32 gate/up launch (42.05 us against GPTQ's 30.53, stop 32 call 1; 40.32
-    against 38.21 alone, proj_probe.py call 2) is slow for its data or for its place in the step."""
+    are): whether the rewrite's batch-32 gate/up launch (41.92 us against GPTQ's 31.58, stop 32 call 1; 40.31
+    against 38.20 alone, proj_probe.py call 2; truncated) is slow for its data or for its place in the step.  Call 3:
+    31.13 us, as GPTQ's own 30.87 -- not the data."""
     from exl_core.loader import load_model
     from exl_core.model.linear import QuantLinear, _without_perm
     from proj_probe import truncated

@@ -5,7 +5,7 @@
 // stages (where a real kernel's activations are ready), without and with the next stage's first loads issued
 // before the barrier (weights do not depend on activations).
 //   nvcc -O3 -arch=sm_90 -o /tmp/persist_probe bench/persist_probe.cu && /tmp/persist_probe
-// (bench/gpu.sh phase `persist`.)  Every figure: 8 layers of distinct buffers (~840 MB, beyond the 50 MB L2) in one
+// (bench/gpu.sh phase `persist`.)  Every figure: 8 layers of distinct buffers (~911 MB, beyond the 50 MB L2) in one
 // CUDA graph, median of 10 replays, us per layer and GB/s = bytes read / time.  Read-only kernels: they xor what
 // they load into a value no one reads (kept by a never-true store).  The barrier: one counter per replay (zeroed by
 // a memset node), each block's thread 0 adds 1 after a __threadfence and spins on an acquire load until all blocks

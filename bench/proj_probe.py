@@ -1,8 +1,9 @@
 """Per-launch time of the decode projections of the bench's checkpoints, GPTQ against EXL2 rewritten as uniform 4-bit
 rows (formats.uniform4), with variants that separate the rewrite's extra rows from its layout and data.
 
-Why: bench/decode_timeline.py (stop 32 call 1) put EXL2's batch-32 gate/up launch at 42.05 us against GPTQ's 30.53
-(the same kernel instance, 6.25 % more rows of K) and its down launch at 25.86 against 21.09 (8.1 % more rows).
+Why: bench/decode_timeline.py (stop 32 call 1, truncated) put EXL2's batch-32 gate/up launch (the SwiGLU pair kernel)
+at 41.92 us against GPTQ's 31.58 (the same kernel instance, 6.25 % more rows of K) and its down launch at 25.85
+against 22.30 (8.1 % more rows).
 Each case is one CUDA graph of the launch over 16 layers' weights (no L2 reuse between launches), replayed; the
 figure is the graph's time over 16.
     python bench/proj_probe.py --gptq /tmp/ck/gptq --exl2 /tmp/ck/exl2

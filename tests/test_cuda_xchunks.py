@@ -4,6 +4,8 @@ values, so the same bits as the permuted call, and float64 references; and a rew
 it on and off.  Helpers from test_cuda_kernels."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,44 +19,67 @@ def _chunk_perms(K: int, rows: int, g: torch.Generator):
     """Chunk-contiguous orders of `rows` rows over K columns: the identity and whole chunks again (what a rewritten
     down projection keeps), and whole chunks shuffled with the tail's chunks drawn at random."""
     tail = torch.randint(0, K // 32, ((rows - K) // 32,), generator=g)
-    runs = lambda cs: torch.cat([torch.arange(32 * c, 32 * c + 32) for c in cs.tolist()])   # noqa: E731
+    runs = lambda cs: torch.cat([torch.arange(0)] + [torch.arange(32 * c, 32 * c + 32) for c in cs.tolist()])  # noqa: E731
     return [torch.cat([torch.arange(K), runs(tail)]), runs(torch.cat([torch.randperm(K // 32, generator=g), tail]))]
+
+
+def _cases(g: torch.Generator):
+    """(weight on CUDA with a chunk-contiguous perm, the float64 W its stored rows make, uniform 4-bit?): the rewrite of
+    a 5/4/3-bit weight (extra rows) under both orders of _chunk_perms, and the mixed-width weight itself under
+    shuffled whole chunks (the mixed-width instances)."""
+    from exl_core.formats.uniform4 import as_uniform4
+    pw = random_packed([(5, 128), (4, 256), (3, 128)], 384, perm=False)
+    u = as_uniform4(pw, max_growth=10.0)                           # rows: K + the 5-bit group's 128 again
+    assert u is not None and u.rows == pw.in_features + 128
+    for perm in _chunk_perms(pw.in_features, u.rows, g):
+        yield dataclasses.replace(u.to("cuda"), perm=perm.cuda()), _rows_reference(u), True
+    shuffled = _chunk_perms(pw.in_features, pw.in_features, g)[1]
+    yield dataclasses.replace(pw.to("cuda"), perm=shuffled.cuda()), _rows_reference(pw), False
 
 
 @pytest.mark.parametrize("M", [1, 4, 8])                          # the staged rows
 def test_silu_down_by_chunk_offsets_same_bits(M):
+    """qgemm_kslice_silu and qgemm_kslice_add_ (with up) at every kw: the same bits with xchunks as with the
+    permutation, and float64 references."""
     _need_kernels()
-    from exl_core.formats.uniform4 import as_uniform4
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops.xchunks import chunk_starts
     g = torch.Generator().manual_seed(M)
-    pw = random_packed([(5, 128), (4, 256), (3, 128)], 384, perm=False)
-    u = as_uniform4(pw, max_growth=10.0)                           # rows: K + the 5-bit group's 128 again
-    assert u is not None and u.rows == pw.in_features + 128
-    K, N = pw.in_features, pw.out_features
-    gate = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
-    up = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
-    act = (torch.nn.functional.silu(gate.double().cpu()).half().double() * up.double().cpu()).half().double()
-    for perm in _chunk_perms(K, u.rows, g):
-        w = u.to("cuda")
-        w.perm = perm.cuda()
+    ran = []
+    for w, W, u4 in _cases(g):
+        ran.append(0)
+        K, N, rows = w.in_features, w.out_features, w.perm.numel()
+        gate = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
+        up = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
+        act = (torch.nn.functional.silu(gate.double().cpu()).half().double() * up.double().cpu()).half().double()
+        ref = act[:, w.perm.cpu()] @ W
         xc = chunk_starts(w.perm)
         assert xc is not None
         args = (w.qweight, cc._chunks_of(w), w.scale, w.zero)
-        kw = dict(min_group=cc._min_group(w), group_shift=cc._group_shift(w))
-        assert torch.ops.exl_core.qgemm_kslice_fits(M, w.rows, (N + 31) // 32, kw["min_group"], True, 0)
-        poison_allocator()
-        y_perm = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, w.perm, None, True, **kw)
-        poison_allocator()
-        y = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, None, None, True, **kw, xchunks=xc)
-        assert torch.equal(y, y_perm)
-        assert rel_err(y, act[:, perm] @ _rows_reference(u)) < 2e-3
+        mg, gs = cc._min_group(w), cc._group_shift(w) if u4 else -1
+        for kw in (4, 8, 16):
+            if not torch.ops.exl_core.qgemm_kslice_fits(M, rows, (N + 31) // 32, mg, u4, 0, kw, 0):
+                continue
+            poison_allocator()
+            y_perm = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, w.perm, None, u4, kw, 0, mg, gs)
+            poison_allocator()
+            y = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, None, None, u4, kw, 0, mg, gs, xchunks=xc)
+            assert torch.equal(y, y_perm), (u4, kw)
+            assert rel_err(y, ref) < 2e-3, (u4, kw)
+            ran[-1] += 1
+        res = torch.randn(M, N, dtype=torch.float16, generator=g).cuda()
+        r_perm, r_xc = res.clone(), res.clone()
+        ss_perm = torch.ops.exl_core.qgemm_kslice_add_(r_perm, gate, *args, w.perm, None, u4, mg, gs, up=up)
+        ss = torch.ops.exl_core.qgemm_kslice_add_(r_xc, gate, *args, None, None, u4, mg, gs, up=up, xchunks=xc)
+        assert torch.equal(r_xc, r_perm) and torch.equal(ss, ss_perm)
+        assert rel_err(r_xc, res.double().cpu() + ref) < 2e-3
+    assert len(ran) == 3 and min(ran) >= 1, ran
 
 
 def _rows_reference(u):
     """float64 W of a weight with extra rows, one row per stored row (what x[:, perm] multiplies)."""
     from exl_core.formats.packed import PackedWeight
-    plain = PackedWeight(u.qweight, u.groups, u.scale, u.zero, None, u.rows, u.out_features)
+    plain = PackedWeight(u.qweight, u.groups, u.scale, u.zero, None, u.k_rows, u.out_features)
     return dequantize_reference(plain)
 
 

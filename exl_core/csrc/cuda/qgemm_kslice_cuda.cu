@@ -22,6 +22,7 @@ struct Plan {
   int gshift;   // regular groups: chunk c in group c >> gshift (uniform 4-bit only), else -1 (the chunk table)
   int sgather;  // act-order x gathered from a shared-memory copy of x (smem includes the copy), else 0
   int n_chunks; // the weights' rows / 32 (x's K / 32 unless PackedWeight.rows)
+  bool xchunks = false;   // x staged by chunk offsets (check_xchunks): the XC instances
 };
 
 // Shared memory a block may take for the shared-memory gather of act-order x: two blocks of 8 warps still fit an
@@ -113,22 +114,22 @@ bool plan_has_kernel(const Plan& p, bool u4) {
   return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
 }
 
-template <int KW, bool U4, int R, int NT, bool ACT, bool FOLD = false>
+template <int KW, bool U4, int R, int NT, bool ACT, bool FOLD = false, bool XC = false>
 void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats,
                 int dev, cudaStream_t stream) {
-  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT, FOLD>;
+  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT, FOLD, XC>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
                       p.n_chunks, p.slots, p.xs_stride, p.gshift, p.sgather, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
-template <bool U4, int R, int NT, bool ACT = false, bool FOLD = false>
+template <bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false>
 void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
-  if (p.kw == 4) launch_one<4, U4, R, NT, ACT, FOLD>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT, FOLD>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT, FOLD>(x, up, M, K, tiles, p, mats, dev, stream);
+  if (p.kw == 4) launch_one<4, U4, R, NT, ACT, FOLD, XC>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT, FOLD, XC>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT, FOLD, XC>(x, up, M, K, tiles, p, mats, dev, stream);
 }
 
 // The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
@@ -136,6 +137,9 @@ void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t ti
                  int dev, cudaStream_t stream) {
   if (mats.nf.nw != nullptr) {                                // kslice_run checked: staged uniform 4-bit rows, ring 4
     launch_kw<true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+  } else if (up != nullptr && p.xchunks) {                           // check_xchunks: one weight, staged rows
+    if (u4) launch_kw<true, 8, 1, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<false, 4, 1, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (up != nullptr) {                                        // kslice_run checked: one n-tile, the default ring
     if (u4) launch_kw<true, 8, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 1, true>(x, up, M, K, tiles, p, mats, dev, stream);
@@ -173,7 +177,7 @@ struct Folds {
 
 // xchunks (int64 [K/32], one weight, no perm, staged rows with up): chunk c of the weight's K rows reads x's columns
 // xchunks[c] .. + 31, each a multiple of 8 and within x (the caller's promise: the kernel cannot check without a
-// sync) -- an act-order whose chunks read runs of consecutive columns, staged by 16-byte loads (sgather 2).
+// sync) -- an act-order whose chunks read runs of consecutive columns, staged by 16-byte loads (the XC instances).
 void check_xchunks(const at::Tensor& xc, const at::Tensor& x, const at::Tensor& up, int64_t K, const Mats& mats) {
   TORCH_CHECK(mats.n == 1 && mats.m[0].perm == nullptr && up.defined() && xc.is_cuda() && xc.device() == x.device() &&
                   xc.dtype() == at::kLong && xc.dim() == 1 && xc.numel() * 32 == K && xc.is_contiguous() &&
@@ -195,7 +199,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
                          folds.xchunks.has_value());
   if (folds.xchunks) {
     check_xchunks(*folds.xchunks, x, up, K, mats);
-    mats.m[0].perm = folds.xchunks->data_ptr<int64_t>();   // read as chunk offsets under sgather 2
+    mats.m[0].perm = folds.xchunks->data_ptr<int64_t>();   // read as chunk offsets by the XC instances
   }
   const int64_t M = x.size(0), Kx = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
@@ -230,10 +234,8 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
   bool any_perm = false;
   for (int i = 0; i < mats.n; ++i) any_perm = any_perm || mats.m[i].perm != nullptr;
-  if (folds.xchunks)
-    plan.sgather = 2;                                         // no copy of x: the plan's shared memory as it is
-  else
-    plan_sgather(plan, static_cast<int>(M), Kx, any_perm, up.defined());
+  plan.xchunks = folds.xchunks.has_value();                   // no copy of x: the plan's shared memory as it is
+  if (!plan.xchunks) plan_sgather(plan, static_cast<int>(M), Kx, any_perm, up.defined());
   if (up.defined())
     TORCH_CHECK(plan.nt == 1 && plan.ring == (uniform4 ? 8 : 4) && up.is_cuda() && up.device() == x.device() && up.dtype() == at::kHalf &&
                     up.sizes() == x.sizes() && up.is_contiguous(),

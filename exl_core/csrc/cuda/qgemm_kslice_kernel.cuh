@@ -71,7 +71,7 @@ struct Smem {
 __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
 // The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation).
 __host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act) {
-  return sgather == 1 ? gather_halves(M, K, act) : fold ? K : 0;
+  return sgather ? gather_halves(M, K, act) : fold ? K : 0;
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
@@ -117,7 +117,10 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
 // FOLD: the RMSNorm folded into the staging (Mats::nf; staged uniform 4-bit rows without permutation, its own
 // instances: in the plain ones its code had doubled the kernel's size and batch-1 decode fell from ~497 to 424.2
 // tok/s, stop 27 call 4).
-template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false>
+// XC (ACT only): mat.perm holds each chunk's first column in x, a multiple of 8 -- an act-order whose chunks read runs
+// of 32 consecutive columns (the identity plus whole chunks read again: formats/uniform4.py's extra rows after
+// loader.fold_down_perms) -- staged by 16-byte loads instead of a gather (the host's xchunks; its own instances).
+template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
@@ -145,6 +148,7 @@ __global__ void __launch_bounds__(32 * KW)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The norm folded in (norm_fold_device.cuh): staged rows of a weight without permutation only (the host checks).
   static_assert(!FOLD || (U4 && NT == 1 && !ACT), "the folded norm: staged uniform 4-bit rows, no SwiGLU");
+  static_assert(!XC || (ACT && NT == 1), "chunk offsets: the SwiGLU-fused staged rows");
   constexpr bool fold = FOLD;
   const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT));
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
@@ -227,13 +231,10 @@ __global__ void __launch_bounds__(32 * KW)
         *p = stage_pairs<S16>(*p);
       }
     }
-  } else if (ACT && (perm == nullptr || sgather == 2) && aligned) {
-    // sgather 2 (the host's xchunks): perm holds each chunk's first column in x, a multiple of 8 -- an act-order
-    // whose chunks read runs of 32 consecutive columns (the identity plus whole chunks read again: formats/
-    // uniform4.py's extra rows after loader.fold_down_perms), staged by 16-byte loads instead of a gather.
+  } else if (ACT && (perm == nullptr || XC) && (aligned || XC)) {  // XC: the host checked the alignment
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-      const int64_t src = perm == nullptr ? k : __ldg(perm + (k >> 5)) + (k & 31);
+      const int64_t src = XC ? __ldg(perm + (k >> 5)) + (k & 31) : k;
       const uint4 gv = __ldg(reinterpret_cast<const uint4*>(x + m * K + src));
       const uint4 uv = __ldg(reinterpret_cast<const uint4*>(up + m * K + src));
       uint4 o;

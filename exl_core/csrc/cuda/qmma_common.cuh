@@ -77,7 +77,8 @@ inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(
 // Validates x fp16 [M, K] and up to kMaxMats weights sharing K; allocates ys[i] [M, N_i] and fills mats.
 // rows (kernels that take it: qgemm_kslice, qgemm_wide): when not null, the weights may have R = *rows != K rows
 // (PackedWeight.rows: a chunk table of R/32 chunks and a permutation of length R into x's K columns, on every
-// weight, all with the same R); set to R (K when they have K rows).  Null: R must be K.
+// weight, all with the same R -- or, with xchunks, no permutation: qgemm_kslice's caller then reads x by chunk
+// offsets); set to R (K when they have K rows).  Null: R must be K.
 inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                        at::TensorList scale, at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& perm,
                        const c10::List<c10::optional<at::Tensor>>& bias, std::vector<at::Tensor>& ys,
@@ -131,9 +132,6 @@ inline Mats build_mats(const char* op, const at::Tensor& x, at::TensorList qweig
   }
   return mats;
 }
-
-// xchunks (qgemm_kslice's SwiGLU-fused calls): the caller reads x through chunk offsets instead of a permutation
-// (kslice_run), so a weight with more rows than x has columns needs no perm here.
 
 // xp[i][m][k] = x[m][perm_i[k]] for the act-order weights of one launch (blockIdx.z = weight, y = row): the
 // permuted copies that kernels reading x straight from global memory (qgemm_kslice above 8 rows, qgemm_wide)
