@@ -19,8 +19,12 @@ def _chunk_perms(K: int, rows: int, g: torch.Generator):
     """Chunk-contiguous orders of `rows` rows over K columns: the identity and whole chunks again (what a rewritten
     down projection keeps), and whole chunks shuffled with the tail's chunks drawn at random."""
     tail = torch.randint(0, K // 32, ((rows - K) // 32,), generator=g)
-    runs = lambda cs: torch.cat([torch.arange(0)] + [torch.arange(32 * c, 32 * c + 32) for c in cs.tolist()])  # noqa: E731
-    return [torch.cat([torch.arange(K), runs(tail)]), runs(torch.cat([torch.randperm(K // 32, generator=g), tail]))]
+    return [torch.cat([torch.arange(K), _runs(tail)]), _runs(torch.cat([torch.randperm(K // 32, generator=g), tail]))]
+
+
+def _runs(chunks: torch.Tensor) -> torch.Tensor:
+    """The columns of these 32-column chunks, in order."""
+    return torch.cat([torch.arange(0)] + [torch.arange(32 * c, 32 * c + 32) for c in chunks.tolist()])
 
 
 def _cases(g: torch.Generator):
