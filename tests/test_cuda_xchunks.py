@@ -1,7 +1,8 @@
 """The SwiGLU-fused decode kernel staging x by chunk offsets (qgemm_kslice_silu's `xchunks`, ops/xchunks.py) instead
 of gathering it through an act-order permutation whose chunks read runs of consecutive columns: the same staged
-values, so the same bits as the permuted call, and float64 references; and a rewritten EXL2 model's decode step with
-it on and off.  Helpers from test_cuda_kernels."""
+values, so the same bits as the permuted call, and float64 references; the batch-decode SwiGLU pair storing the
+chunks a down projection reads again (qgemm_wide_swiglu's tails); and a rewritten EXL2 model's decode step with
+each on and off.  Helpers from test_cuda_kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,3 +113,75 @@ def test_rewritten_exl2_decode_same_bits_with_chunk_offsets(exl2_act_order_dir, 
     assert any(t is not None for t in taken)
     assert float(out[False].abs().max()) > 1e-2
     assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.parametrize("M", [17, 20, 32])                        # the pair kernel's rows
+def test_swiglu_pair_stores_the_tails(M):
+    """qgemm_wide_swiglu with tails: the product in the first N columns, bit for bit as without, and each listed
+    32-column chunk again at its tail columns (every column written: the output is poisoned first)."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_swiglu
+    g = torch.Generator().manual_seed(M)
+    gate, up = (random_packed([(4, 128), (4, 128)], 640, perm=False).to("cuda") for _ in range(2))
+    x = torch.randn(M, 256, dtype=torch.float16, generator=g).cuda()
+    assert cuda_swiglu._check(x, gate, up) is None
+    src = [7, 0, 19]                                               # chunks read again, in their tail order
+    tails = torch.full((640 // 32,), -1, dtype=torch.int32)
+    for j, c in enumerate(src):
+        tails[c] = 640 + 32 * j
+    tails = tails.cuda()
+    poison_allocator()
+    plain = cuda_swiglu._run(x, gate, up)
+    poison_allocator()
+    wide = cuda_swiglu._run(x, gate, up, (tails, 640 + 32 * len(src)))
+    assert wide.shape == (M, 640 + 32 * len(src)) and not torch.isnan(wide).any()
+    assert torch.equal(wide[:, :640], plain)
+    for j, c in enumerate(src):
+        assert torch.equal(wide[:, 640 + 32 * j:672 + 32 * j], plain[:, 32 * c:32 * c + 32])
+    assert cc._has_cuda_kernel("qgemm_wide_swiglu")
+
+
+@pytest.mark.parametrize("rows", [20, 32])
+def test_rewritten_exl2_decode_with_the_pair_storing_tails(tiny_model_factory, tmp_path, rows, monkeypatch):
+    """A rewritten EXL2 model whose gate/up share their permutation (as ExLlamaV2 writes them): at the pair kernel's
+    rows its down projections read the widened product (EXL_CORE_WIDE_TAILS=1) instead of an x_gather copy, and the
+    decode step's logits agree with the gathering path within rounding (the two may take different kernels)."""
+    _need_kernels()
+    from exl_core.loader import as_uniform4_weights, load_model
+    from exl_core.ops import cuda_swiglu, swiglu, xchunks
+    from exl_core.quantize.rtn import quantize_model_rtn
+    from test_norm_perm import share_group_perms
+    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                             num_key_value_heads=2)
+    q = quantize_model_rtn(src, tmp_path / "q", fmt="exl2", bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32,
+                           act_order=True)
+    model = load_model(q, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    share_group_perms(model)
+    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    widened = []
+    run = cuda_swiglu._run
+
+    def counted(x, gate, up, tails=None):
+        widened.append(tails is not None)
+        return run(x, gate, up, tails)
+    monkeypatch.setattr(cuda_swiglu, "_run", counted)
+    monkeypatch.setattr(swiglu.DISPATCH_SWIGLU, "candidates", list(swiglu.DISPATCH_SWIGLU.candidates))
+    cuda_swiglu.install()                                      # the candidate bound to the counted run
+    g = torch.Generator().manual_seed(rows)
+    prompt = torch.randint(0, 1000, (rows, 6), generator=g).cuda()
+    nxt = torch.randint(0, 1000, (rows, 1), generator=g).cuda()
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(xchunks, "TAILS_ON", on)
+        for b in model.layers:
+            b.mlp.down_proj.__dict__.pop("_tails", None)
+        kvs = [model.new_sequence_kv(16) for _ in range(rows)]
+        with torch.inference_mode():
+            model.forward_batch(prompt, kvs)
+            widened.clear()
+            out[on] = model.forward_batch(nxt, kvs).double()
+        assert any(widened) == on
+    ref = out[False]
+    assert float(ref.abs().max()) > 1e-2
+    assert float((out[True] - ref).norm() / ref.norm()) < 2e-3

@@ -69,3 +69,63 @@ def test_rewritten_exl2_down_reads_x_in_runs(exl2_act_order_dir):
         starts = xchunks.chunk_starts(pw.perm)
         assert starts is not None
         assert torch.equal(starts[:pw.in_features // 32], torch.arange(0, pw.in_features, 32))
+
+
+def test_tails_of_the_identity_and_chunks_again():
+    K = 256
+    tails = xchunks.tails_of(_identity_and_tail(K, [5, 0]), K)
+    expect = torch.full((8,), -1, dtype=torch.int32)
+    expect[5], expect[0] = K, K + 32                               # chunk 5's copy first, then chunk 0's
+    assert torch.equal(tails, expect)
+    assert xchunks.tails_of(_identity_and_tail(K, [1, 1]), K) is None          # a chunk read three times
+    assert xchunks.tails_of(torch.cat([torch.arange(K), torch.arange(8, 40)]), K) is None   # not chunk-aligned
+    shuffled = torch.cat([torch.arange(32, 64), torch.arange(32), torch.arange(64, K), torch.arange(32)])
+    assert xchunks.tails_of(shuffled, K) is None                   # the first K rows are not the identity
+    assert xchunks.tails_of(torch.arange(K), K) is None            # no extra rows
+
+
+def _swiglu_reference(x, gate, up, tails=None):
+    """What qmatmul_swiglu returns (ops/swiglu.py): the product, widened by tails -- a CPU stand-in for the CUDA
+    pair kernel, so that the model's side of the tails runs here."""
+    from exl_core.ops.activation import silu_mul
+    from exl_core.ops.qmatmul import qmatmul
+    h = silu_mul(qmatmul(x, gate), qmatmul(x, up))
+    if tails is None:
+        return h
+    t, cols = tails
+    out = h.new_full((*h.shape[:-1], cols), float("nan"))
+    out[..., :h.shape[-1]] = h
+    for c in (t >= 0).nonzero().flatten().tolist():
+        d = int(t[c])
+        out[..., d:d + 32] = h[..., 32 * c:32 * c + 32]
+    return out
+
+
+def test_model_with_widened_products_matches(exl2_act_order_dir, monkeypatch):
+    """A rewritten EXL2 model whose MLP products come widened (down_tails; here from a CPU stand-in of the pair
+    kernel) and whose down projections read them as Prepermuted views gives the logits of the plain path."""
+    from exl_core.loader import as_uniform4_weights, load_model
+    from exl_core.model import linear
+    from exl_core.ops import swiglu
+    from exl_core.ops.dispatch import Candidate
+    model, _ = load_model(exl2_act_order_dir, load_tokenizer=False)
+    assert as_uniform4_weights(model) > 0
+    widened = []
+
+    def run(x, gate, up, tails=None):
+        widened.append(tails is not None)
+        return _swiglu_reference(x, gate, up, tails)
+    monkeypatch.setattr(swiglu.DISPATCH_SWIGLU, "candidates",
+                        [Candidate("ref", lambda x, gate, up, tails=None: None, run)])
+    ids = torch.randint(0, 1000, (3, 5), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(xchunks, "TAILS_ON", on)
+        for b in model.layers:
+            b.mlp.down_proj.__dict__.pop("_tails", None)
+        with torch.inference_mode():
+            out[on] = model.forward_batch(ids)
+        assert any(widened) == on
+        widened.clear()
+    assert any(linear.down_tails(b.mlp.down_proj) is not None for b in model.layers)
+    assert float((out[True] - out[False]).abs().max()) < 1e-4 * float(out[False].abs().max())

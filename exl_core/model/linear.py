@@ -18,6 +18,7 @@ from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
 from ..ops.norm_fold import adds_ss, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
+from ..ops import xchunks
 from ..ops.swiglu import qmatmul_swiglu
 
 _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
@@ -25,7 +26,7 @@ _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 # Per-layer caches of the functions below (in the layer's __dict__: (source tensor, cached value)), dropped by
 # QuantLinear._drop_caches when the packed weight is replaced or moved.
-_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order")
+_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails")
 
 # Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
 # skip re-checking every projection for LoRA hooks on every forward pass).
@@ -88,7 +89,8 @@ class QuantLinear(nn.Module):
 
     def _drop_caches(self) -> None:
         """Forget what this module's functions cached on the layer from its packed weight (they would keep old or
-        moved tensors alive): shared_perm's int32 copy, _without_perm's twin, input_out_order's store map."""
+        moved tensors alive): shared_perm's int32 copy, _without_perm's twin, input_out_order's store map,
+        down_tails' map."""
         for name in _LAYER_CACHES:
             self.__dict__.pop(name, None)
 
@@ -251,6 +253,26 @@ def input_out_order(layer, width: int) -> Optional[OutOrder]:
     return held[1]
 
 
+def down_tails(down) -> Optional[tuple]:
+    """(tails, columns) for a plain packed down projection whose weight reads x as ops/xchunks.py tails_of describes
+    (a rewritten EXL2 down after loader.fold_down_perms): the SwiGLU pair kernel then writes its product [rows,
+    columns] and down runs as Prepermuted on it (MLP.down_layer).  Made once per permutation tensor and cached on the
+    layer; None where EXL_CORE_WIDE_TAILS is off, the weight is not of that form, or a CUDA graph is being captured
+    with none made yet."""
+    if not xchunks.TAILS_ON or type(down) is not QuantLinear or not _plain_packed(down):
+        return None
+    pw = down.packed
+    if pw.perm is None or pw.rows is None:
+        return None
+    held = down.__dict__.get("_tails")
+    if held is None or held[0] is not pw.perm:
+        if pw.perm.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        tails = xchunks.tails_of(pw.perm, pw.in_features)
+        held = down.__dict__["_tails"] = (pw.perm, None if tails is None else (tails, pw.rows))
+    return held[1]
+
+
 def linear_add_(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
     """residual += layer(x) in place, in one kernel call, for a plain packed layer without bias where one takes the
     add (the prompt's o and down projections on CUDA: the GEMM's beta = 1); returns False, doing nothing, elsewhere."""
@@ -270,11 +292,12 @@ def linear_silu(gate: torch.Tensor, up: torch.Tensor, layer) -> torch.Tensor:
     return layer(silu_mul(gate, up))
 
 
-def linear_swiglu(x: torch.Tensor, gate, up) -> Optional[torch.Tensor]:
+def linear_swiglu(x: torch.Tensor, gate, up, tails: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """silu_mul(gate(x), up(x)) in one kernel call for plain packed layers where one takes it (batch decode on
-    CUDA), else None: nothing done."""
+    CUDA), else None: nothing done.  tails (down_tails): the product widened as the down projection reads it
+    (qmatmul_swiglu)."""
     if _plain_packed(gate) and _plain_packed(up):
-        return qmatmul_swiglu(x, gate.packed, up.packed)
+        return qmatmul_swiglu(x, gate.packed, up.packed, tails)
     return None
 
 

@@ -23,9 +23,9 @@ from ..ops.norm import rms_norm
 from ..ops.norm_perm import rms_norm_permuted
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import (LORA_VERSION, Prepermuted, QuantLinear, input_out_order, linear_add_, linear_add_ss_,
-                     linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many, linear_many_normed,
-                     linear_silu, linear_swiglu, shared_perm)
+from .linear import (LORA_VERSION, Prepermuted, QuantLinear, down_tails, input_out_order, linear_add_,
+                     linear_add_ss_, linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many,
+                     linear_many_normed, linear_silu, linear_swiglu, shared_perm)
 from .rope import RopeTable
 
 
@@ -86,20 +86,28 @@ class MLP(nn.Module):
 
     def gate_up(self, x, layers=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(gate_proj(x), up_proj(x)), or (silu_mul of them, None) where one kernel computes the product too
-        (linear_swiglu: the batch-decode GEMM on CUDA).  layers: stand-ins for (gate_proj, up_proj) (_norm_many's
-        Prepermuted views)."""
+        (linear_swiglu: the batch-decode GEMM on CUDA) -- widened as down_proj reads it where it takes tails
+        (model.linear down_tails; down_layer then reads it).  layers: stand-ins for (gate_proj, up_proj)
+        (_norm_many's Prepermuted views)."""
         gate_proj, up_proj = layers or (self.gate_proj, self.up_proj)
-        h = linear_swiglu(x, gate_proj, up_proj)
+        h = linear_swiglu(x, gate_proj, up_proj, down_tails(self.down_proj))
         if h is not None:
             return h, None
         gate, up = linear_many(x, (gate_proj, up_proj))
         return gate, up
 
+    def down_layer(self, h: torch.Tensor):
+        """The layer that reads gate_up's product h: down_proj, or its Prepermuted view where h was widened to the
+        rows of down_proj's weight (h's last dim is then not in_features)."""
+        d = self.down_proj
+        return Prepermuted(d) if h.shape[-1] != d.in_features and type(d) is QuantLinear else d
+
     def down(self, gate, up, residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """down_proj(silu_mul(gate, up)) -- down_proj(gate) when up is None (gate_up gave the product) --, into
-        `residual` where a kernel adds (None returned then)."""
+        """down_proj(silu_mul(gate, up)) -- down_proj(gate) when up is None (gate_up gave the product, perhaps
+        widened: down_layer) --, into `residual` where a kernel adds (None returned then)."""
         if up is None:
-            return None if residual is not None and linear_add_(residual, gate, self.down_proj) else self.down_proj(gate)
+            d = self.down_layer(gate)
+            return None if residual is not None and linear_add_(residual, gate, d) else d(gate)
         if residual is not None and linear_adds_in_place(residual, gate, self.down_proj):   # gate: h's shape
             h = silu_mul(gate, up)
             return None if linear_add_(residual, h, self.down_proj) else self.down_proj(h)
@@ -177,7 +185,7 @@ class Block(nn.Module):
             residual = residual if added is None else added
         ss = None
         if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
-            ss = linear_add_ss_(residual, gate, mlp.down_proj, up)
+            ss = linear_add_ss_(residual, gate, mlp.down_proj if up is not None else mlp.down_layer(gate), up)
             if ss is None and up is not None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the
                 ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)              # SwiGLU-fused kernel's
         if ss is not None:

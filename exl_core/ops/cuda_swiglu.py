@@ -20,7 +20,7 @@ from . import cuda_candidates as cc
 WIDE_SWIGLU_ON = os.environ.get("EXL_CORE_WIDE_SWIGLU", "1") != "0"
 
 
-def _check(x, gate, up) -> Optional[str]:
+def _check(x, gate, up, tails=None) -> Optional[str]:
     if not WIDE_SWIGLU_ON:
         return "EXL_CORE_WIDE_SWIGLU=0"
     if x.device.type != "cuda":
@@ -41,17 +41,20 @@ def _check(x, gate, up) -> Optional[str]:
         return "the pair kernel takes regular groups (one group shift for both weights)"
     if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
         return "these rows do not run qgemm_wide"
+    if tails is not None and (tails[0].device != x.device or gate.out_features % 32):
+        return "tails on another device, or N not a multiple of 32"
     return None
 
 
-def _run(x, gate, up):
+def _run(x, gate, up, tails=None):
     x2 = x.reshape(-1, gate.in_features).contiguous()
     pws = [gate, up]
     qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)
+    t, cols = tails if tails is not None else (None, 0)
     y = torch.ops.exl_core.qgemm_wide_swiglu(x2, qweight, chunks, scale, zero, bias,
                                              min_group=min(cc._min_group(pw) for pw in pws),
-                                             group_shift=cc._pws_group_shift(pws))
-    return y.reshape(*x.shape[:-1], gate.out_features)
+                                             group_shift=cc._pws_group_shift(pws), tails=t, out_cols=cols)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def install() -> None:

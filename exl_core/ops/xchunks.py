@@ -1,4 +1,5 @@
-"""Chunk offsets for act-order weights whose 32-row chunks each read a run of 32 consecutive x columns.
+"""Chunk offsets for act-order weights whose 32-row chunks each read a run of 32 consecutive x columns, and the tails
+that let the MLP's batch-decode SwiGLU kernel store such a down projection's input whole.
 
 Why: loader.fold_down_perms moves each down_proj's permutation into gate/up's output columns, so a down_proj
 rewritten as uniform 4-bit rows (formats/uniform4.py) keeps a permutation only for its extra rows: the identity over
@@ -7,6 +8,11 @@ x's columns, then whole chunks read again.  The SwiGLU-fused decode kernel (qgem
 gathering it through the permutation: on the H200 the rewritten EXL2 down projection at batch 1 added 16.51 us a
 layer against GPTQ's 11.45 for 8.1 % more rows (stop 32 call 3, bench/decode_timeline.py).
 EXL_CORE_KSLICE_XCHUNKS=1 turns it on (written after stop 32's last device call: not yet measured, off by default).
+At 17..32 rows the product comes from qgemm_wide_swiglu and the down projection read it through an x_gather launch
+(4.38 us a layer of the rewritten EXL2's batch-32 step, stop 32 call 3): with tails (`tails_of`; model.linear
+down_tails caches them on the layer) the pair kernel also stores
+the chunks the extra rows read again, at the columns they take, and down runs on that without a permutation
+(EXL_CORE_WIDE_TAILS=1; written with the chunk offsets, not yet measured, off by default).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Optional
 import torch
 
 XCHUNKS_ON = os.environ.get("EXL_CORE_KSLICE_XCHUNKS", "0") == "1"
+TAILS_ON = os.environ.get("EXL_CORE_WIDE_TAILS", "0") == "1"
 
 
 def chunk_starts(perm: torch.Tensor) -> Optional[torch.Tensor]:
@@ -50,3 +57,21 @@ def staged_xchunks(pw, *xs: torch.Tensor) -> Optional[torch.Tensor]:
     if any(t.data_ptr() % 16 for t in xs):
         return None
     return xchunks_of(pw, xs[0].device)
+
+
+def tails_of(perm: torch.Tensor, K: int) -> Optional[torch.Tensor]:
+    """int32 [K / 32] where perm (int64 [R], R > K) is the identity over K columns followed by whole 32-column chunks
+    read once more: entry c is the column (>= K) where chunk c's second copy starts, -1 for chunks read once; else
+    None (another order, or a chunk read three times)."""
+    starts = chunk_starts(perm)
+    if starts is None or K % 32 or perm.numel() <= K:
+        return None
+    main, extra = starts[:K // 32], starts[K // 32:]
+    if not torch.equal(main, torch.arange(0, K, 32, device=main.device)) or bool((extra % 32 != 0).any()):
+        return None
+    src = (extra // 32).long()
+    if src.unique().numel() != src.numel():
+        return None
+    tails = torch.full((K // 32,), -1, dtype=torch.int32, device=perm.device)
+    tails[src] = (K + 32 * torch.arange(src.numel(), device=perm.device)).to(torch.int32)
+    return tails

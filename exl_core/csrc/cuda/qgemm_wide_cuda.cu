@@ -50,10 +50,10 @@ bool plan_usable(const Plan& p, int64_t K) {
   return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0 && K < (int64_t(1) << 26);
 }
 
-template <int NT, bool U4, bool FOLD = false, bool PAIR = false>
+template <int NT, bool U4, bool FOLD = false, bool PAIR = false, bool TAILS = false>
 void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift, const Mats& mats,
                 int dev) {
-  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD, PAIR>;
+  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD, PAIR, TAILS>;
   ensure_smem(kern, p.smem, dev);
   launch_split(kern, tiles, p.splits, kThreads, p.smem, c10::cuda::getCurrentCUDAStream(), dev, x, M, K,
                static_cast<int>(K / 32), p.cps, p.groups, U4 ? gshift : -1, mats);
@@ -65,13 +65,15 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
 // Raises where the shape does not fit (see qgemm_wide_fits).
 // norm_weight / norm_ss (uniform 4-bit without permutation): x is the residual stream and the kernel multiplies
 // rmsnorm(x) * norm_weight instead (norm_fold_device.cuh; norm_ss from qgemm_kslice_add_).
-// pair (qgemm_wide_swiglu): two weights, gate and up; returns [silu(x @ gate) * (x @ up)] (the kernel's PAIR).
+// pair (qgemm_wide_swiglu): two weights, gate and up; returns [silu(x @ gate) * (x @ up)] (the kernel's PAIR) --
+// with tails (int32 [ceil(N / 32)]) [M, out_cols], chunk c also at columns tails[c] .. + 31 where tails[c] >= 0.
 std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                  at::TensorList scale, at::TensorList zero,
                                  const c10::List<c10::optional<at::Tensor>>& perm,
                                  const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t splits,
                                  int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& norm_weight,
-                                 const c10::optional<at::Tensor>& norm_ss, double norm_eps, bool pair = false) {
+                                 const c10::optional<at::Tensor>& norm_ss, double norm_eps, bool pair = false,
+                                 const c10::optional<at::Tensor>& tails = c10::nullopt, int64_t out_cols = 0) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                                        // the weights' rows (x's K unless
@@ -84,7 +86,22 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
                 "exl_core::qgemm_wide_swiglu: gate and up of one N, uniform 4-bit with regular groups ",
                 "(group_shift >= 0), no permutation");
     ys.resize(1);                                                       // silu(gate) * up goes to gate's output
+    if (tails) {
+      // the values are the caller's promise (ops/xchunks.py down_tails): each >= N, a multiple of 4, inside the row
+      const int64_t N = mats.m[0].N;
+      TORCH_CHECK(tails->is_cuda() && tails->device() == x.device() && tails->dtype() == at::kInt &&
+                      tails->dim() == 1 && tails->numel() == (N + 31) / 32 && tails->is_contiguous() &&
+                      out_cols >= N + 32 && out_cols % 4 == 0 && N % 32 == 0,
+                  "exl_core::qgemm_wide_swiglu: tails must be contiguous int32 [ceil(N / 32) = ", (N + 31) / 32,
+                  "] on x's GPU with out_cols >= N + 32 a multiple of 4 and N a multiple of 32; got ", tails->dtype(),
+                  " ", tails->sizes(), ", out_cols ", out_cols, ", N ", N);
+      ys[0] = at::empty({M, out_cols}, x.options());
+      mats.m[0].y = reinterpret_cast<__half*>(ys[0].data_ptr());
+      mats.tails = tails->data_ptr<int32_t>();
+      mats.ldy = out_cols;
+    }
   }
+  TORCH_CHECK(!tails || pair, "exl_core::qgemm_wide: tails only with the SwiGLU pair");
   if (M == 0) return ys;
   const int dev = x.device().index();
   // the plan from the two launches' tile count (the same K splits, so the same sums as qgemm_wide_multi);
@@ -109,8 +126,15 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
   const __half* xp = reinterpret_cast<const __half*>(xa.data_ptr());
   if (pair) {
     TORCH_CHECK(!fold, "exl_core::qgemm_wide_swiglu: no folded norm");
-    if (plan.nt == 2) launch_one<2, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
-    else launch_one<4, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
+    const int m = static_cast<int>(M);
+    if (tails) {
+      if (plan.nt == 2) launch_one<2, true, false, true, true>(xp, m, K, grid_tiles, plan, gs, mats, dev);
+      else launch_one<4, true, false, true, true>(xp, m, K, grid_tiles, plan, gs, mats, dev);
+    } else if (plan.nt == 2) {
+      launch_one<2, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
+    } else {
+      launch_one<4, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
+    }
   } else if (fold) {
     if (plan.nt == 2) launch_one<2, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
     else launch_one<4, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
@@ -140,11 +164,12 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
 // permutation (group_shift >= 0: its default -1 is refused, never guessed); ops/cuda_swiglu.py checks first.
 at::Tensor qgemm_wide_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
                              at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& bias, int64_t splits,
-                             int64_t min_group, int64_t group_shift) {
+                             int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& tails,
+                             int64_t out_cols) {
   c10::List<c10::optional<at::Tensor>> perm;
   for (size_t i = 0; i < qweight.size(); ++i) perm.push_back(c10::nullopt);
   return wide_run(x, qweight, chunks, scale, zero, perm, bias, true, splits, min_group, group_shift, c10::nullopt,
-                  c10::nullopt, 0.0, true)[0];
+                  c10::nullopt, 0.0, true, tails, out_cols)[0];
 }
 
 at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
@@ -178,7 +203,8 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
         "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
   m.def("qgemm_wide_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=-1) -> Tensor");
+        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=-1, Tensor? tails=None, int out_cols=0) "
+        "-> Tensor");
   m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0, bool fold=False) -> bool",
         &qgemm_wide_fits);
 }

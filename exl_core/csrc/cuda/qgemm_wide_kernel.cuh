@@ -71,13 +71,16 @@ struct Smem {
 // permutation: the host checks); a block takes 64 columns of each -- warps 0-1 the gate's, 2-3 the up's, grid x
 // ceil(N / 64) -- so its epilogue has both halves of silu(gate) * up and writes only that (cluster_store_swiglu):
 // no silu_mul launch after the GEMM, half the output bytes.
-template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = false, bool PAIR = false>
+// TAILS (PAIR only): the product also stored at mats.tails' columns, rows mats.ldy apart (qmma_device.cuh Mats).
+template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = false, bool PAIR = false,
+          bool TAILS = false>
 __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
     qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
                       int gshift, const Mats mats) {
   constexpr int kRing = RING, kStages = STAGES, kStageW = Smem<RING, STAGES>::kStageW;
   constexpr int kRows = 8 * NT, kPieces = kRows * kRing * 4;   // 16-byte pieces of x per stage
   static_assert(!PAIR || (U4 && !FOLD), "the SwiGLU pair runs uniform 4-bit weights without the folded norm");
+  static_assert(!TAILS || PAIR, "tails: the SwiGLU pair's store");
   constexpr int kMatW = PAIR ? kTile / 2 : kTile;               // columns of one matrix in a block's tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const Mat& mat = PAIR ? mats.m[warp >> 1] : block_mat(mats);   // PAIR: per warp (warp-uniform)
@@ -283,7 +286,8 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
 
   __syncthreads();                                                      // x stages dead: red aliases them
   store_partials<NT>(acc, red + warp * 32, kTile, M, g, t);
-  if constexpr (PAIR) cluster_store_swiglu(red, M, kTile, kThreads, tile, mats.m[0], mats.m[1]);
+  if constexpr (PAIR)
+    cluster_store_swiglu<TAILS>(red, M, kTile, kThreads, tile, mats.m[0], mats.m[1], mats.tails, mats.ldy);
   else cluster_store(red, M * kTile, kTile, kThreads, tile, mat, fold ? rrow : nullptr);
 }
 

@@ -342,6 +342,11 @@ struct Mats {
   Mat m[kMaxMats];
   int n;
   NormFold nf;
+  // qgemm_wide_swiglu with tails (its TAILS instances): y's row stride ldy, and tails[c] >= 0 where the product's
+  // 32-column chunk c is also stored at columns tails[c] .. + 31 (the down projection's extra rows read it again:
+  // formats/uniform4.py); null / 0 elsewhere
+  const int32_t* tails;
+  int64_t ldy;
 };
 
 __device__ __forceinline__ const Mat& block_mat(const Mats& mats) {
@@ -457,9 +462,11 @@ __device__ __forceinline__ void cluster_store(float* red, int E, int tile_n, int
 // cluster_store for qgemm_wide_swiglu: red [M][tile_n] holds the gate's tile_n / 2 columns of this tile, then the up's
 // same columns; mg.y [M, N] gets silu(gate) * up rounded as the unfused launches round it -- each sum (+ bias) to
 // fp16 as cluster_store stores it, then exl_act::silu_mul -- from the same rank-order sums: the same bits.
+template <bool TAILS = false>
 __device__ __forceinline__ void cluster_store_swiglu(float* red, int M, int tile_n, int nthreads, int64_t tile,
-                                                     const Mat& mg, const Mat& mu) {
-  const int64_t N = mg.N;
+                                                     const Mat& mg, const Mat& mu, const int32_t* tails = nullptr,
+                                                     int64_t ldy = 0) {
+  const int64_t N = mg.N, ld = TAILS ? ldy : N;
   const int hw4 = tile_n / 8, P = M * hw4;                    // 4-column pieces of a row's half, of all rows
   auto store = [&](int p, float4 gs, float4 us) {
     const int m = p / hw4, c = 4 * (p % hw4);
@@ -473,7 +480,11 @@ __device__ __forceinline__ void cluster_store_swiglu(float* red, int M, int tile
       if (mu.bias) ua[e] += __half2float(mu.bias[n + e]);
       o[e] = exl_act::silu_mul<__half>(__float2half_rn(ga[e]), __float2half_rn(ua[e]));
     }
-    *reinterpret_cast<uint2*>(mg.y + m * N + n) = *reinterpret_cast<const uint2*>(o);
+    *reinterpret_cast<uint2*>(mg.y + m * ld + n) = *reinterpret_cast<const uint2*>(o);
+    if constexpr (TAILS) {                                     // a piece of 4 columns lies within one chunk
+      const int d = __ldg(tails + (n >> 5));
+      if (d >= 0) *reinterpret_cast<uint2*>(mg.y + m * ld + d + (n & 31)) = *reinterpret_cast<const uint2*>(o);
+    }
   };
   auto gate4 = [&](int p) { return (p / hw4) * (tile_n / 4) + p % hw4; };   // float4 index of piece p's gate part
   const int S = gridDim.y;
