@@ -90,7 +90,8 @@ class MLP(nn.Module):
         (model.linear down_tails; down_layer then reads it).  layers: stand-ins for (gate_proj, up_proj)
         (_norm_many's Prepermuted views)."""
         gate_proj, up_proj = layers or (self.gate_proj, self.up_proj)
-        h = linear_swiglu(x, gate_proj, up_proj, down_tails(self.down_proj))
+        tails = down_tails(self.down_proj) if type(self) is MLP else None   # a subclass keeps its own down
+        h = linear_swiglu(x, gate_proj, up_proj, tails)
         if h is not None:
             return h, None
         gate, up = linear_many(x, (gate_proj, up_proj))

@@ -41,8 +41,12 @@ def _check(x, gate, up, tails=None) -> Optional[str]:
         return "the pair kernel takes regular groups (one group shift for both weights)"
     if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
         return "these rows do not run qgemm_wide"
-    if tails is not None and (tails[0].device != x.device or gate.out_features % 32):
-        return "tails on another device, or N not a multiple of 32"
+    if tails is not None:
+        t, cols = tails
+        N = gate.out_features
+        if (t.device != x.device or N % 32 or t.dtype != torch.int32 or t.numel() != N // 32 or cols < N + 32 or
+                cols % 4):
+            return f"tails {t.dtype} {tuple(t.shape)} on {t.device} with {cols} columns do not fit N = {N}"
     return None
 
 
