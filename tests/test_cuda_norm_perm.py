@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cuda_kernels import _need_kernels, poison_allocator
-from test_norm_perm import record_norm_widths, share_group_perms
+from test_norm_perm import record_norm_widths, rewritten_shared_exl2, share_group_perms
 
 pytestmark = pytest.mark.cuda
 
@@ -115,17 +115,9 @@ def test_uniform4_rows_decode_with_the_norm_writing_the_extended_order(tiny_mode
     one row layout share the extended permutation, the norm writes all its columns, and their kernels run as plain
     uniform 4-bit weights of that many rows; decode logits agree with the gathering path within rounding (the two
     may take different kernels at 8 and 20 rows)."""
-    from exl_core.loader import as_uniform4_weights, load_model
     from exl_core.model import llama
     from exl_core.model.linear import shared_perm
-    from exl_core.quantize.rtn import quantize_model_rtn
-    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=4,
-                             num_key_value_heads=2)
-    q = quantize_model_rtn(src, tmp_path / "q", fmt="exl2", bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32,
-                           act_order=True)
-    model = load_model(q, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
-    share_group_perms(model)
-    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    model = rewritten_shared_exl2(tiny_model_factory, tmp_path, device="cuda", dtype=torch.float16)
     blk = model.layers[0]
     qkv = (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)
     assert blk.self_attn.q_proj.packed.rows is not None and shared_perm(qkv) is not None

@@ -148,19 +148,11 @@ def test_rewritten_exl2_decode_with_the_pair_storing_tails(tiny_model_factory, t
     rows its down projections read the widened product (EXL_CORE_WIDE_TAILS=1) instead of an x_gather copy, and the
     decode step's logits agree with the gathering path within rounding (the two may take different kernels)."""
     _need_kernels()
-    from exl_core.loader import as_uniform4_weights, load_model
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_swiglu, swiglu, xchunks
-    from exl_core.quantize.rtn import quantize_model_rtn
-    from test_norm_perm import share_group_perms
+    from test_norm_perm import rewritten_shared_exl2
     monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)               # the tiny model's gate/up on the pair kernel
-    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=4,
-                             num_key_value_heads=2)
-    q = quantize_model_rtn(src, tmp_path / "q", fmt="exl2", bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32,
-                           act_order=True)
-    model = load_model(q, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
-    share_group_perms(model)
-    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    model = rewritten_shared_exl2(tiny_model_factory, tmp_path, device="cuda", dtype=torch.float16)
     widened = []
     run = cuda_swiglu._run
 

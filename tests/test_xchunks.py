@@ -105,17 +105,11 @@ def test_model_with_widened_products_matches(tiny_model_factory, tmp_path, monke
     """A rewritten EXL2 model whose MLP products come widened (down_tails; here from a CPU stand-in of the pair
     kernel) and whose down projections read them as Prepermuted views gives the logits of the plain path (down
     projections of 11 chunks, several read again)."""
-    from exl_core.loader import as_uniform4_weights, load_model
     from exl_core.model import linear
     from exl_core.ops import swiglu
     from exl_core.ops.dispatch import Candidate
-    from exl_core.quantize.rtn import quantize_model_rtn
-    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=4,
-                             num_key_value_heads=2)
-    q = quantize_model_rtn(src, tmp_path / "q", fmt="exl2", bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32,
-                           act_order=True)
-    model, _ = load_model(q, load_tokenizer=False)
-    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    from test_norm_perm import rewritten_shared_exl2
+    model = rewritten_shared_exl2(tiny_model_factory, tmp_path)
     widened = []
 
     def run(x, gate, up, tails=None):
