@@ -10,9 +10,9 @@ layer against GPTQ's 11.45 for 8.1 % more rows (stop 32 call 3, bench/decode_tim
 EXL_CORE_KSLICE_XCHUNKS=1 turns it on (written after stop 32's last device call: not yet measured, off by default).
 At 17..32 rows the product comes from qgemm_wide_swiglu and the down projection read it through an x_gather launch
 (4.38 us a layer of the rewritten EXL2's batch-32 step, stop 32 call 3): with tails (`tails_of`; model.linear
-down_tails caches them on the layer) the pair kernel also stores
-the chunks the extra rows read again, at the columns they take, and down runs on that without a permutation
-(EXL_CORE_WIDE_TAILS=1; written with the chunk offsets, not yet measured, off by default).
+down_tails caches them on the layer) the pair kernel also stores the chunks the extra rows read again, at the
+columns they take, and down runs on that without a permutation (EXL_CORE_WIDE_TAILS=1; written with the chunk
+offsets, not yet measured, off by default).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def tails_of(perm: torch.Tensor, K: int) -> Optional[torch.Tensor]:
     if not torch.equal(main, torch.arange(0, K, 32, device=main.device)) or bool((extra % 32 != 0).any()):
         return None
     src = (extra // 32).long()
-    if src.unique().numel() != src.numel():
+    if src.unique().numel() != src.numel() or bool((src >= K // 32).any()):
         return None
     tails = torch.full((K // 32,), -1, dtype=torch.int32, device=perm.device)
     tails[src] = (K + 32 * torch.arange(src.numel(), device=perm.device)).to(torch.int32)
