@@ -318,13 +318,13 @@ def _paged_ref_run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, s
     return paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window)
 
 
-# Query rows per sequence up to which the CUDA kernel serves (cuda_candidates._paged_check); longer runs
+# Query rows per sequence up to which the CUDA kernel serves (cuda_small_ops._paged_check); longer runs
 # (prefill chunks) go to gathered_sdpa, whose flash SDPA reads each key once for all rows.
 PAGED_MAX_Q_ROWS = 16
 
 
 def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None):
-    # everything the candidates' checks read (cuda_candidates._paged_check: the row bound, GQA ratio,
+    # everything the candidates' checks read (cuda_small_ops._paged_check: the row bound, GQA ratio,
     # devices, cache alignment and key range too)
     return (q.device, q.dtype, q.shape[-1], q.shape[1] // max(k_cache.shape[2], 1), k_cache.dtype,
             block_table.dtype, cu_seqlens_q.dtype, seq_lens_k.dtype, k_cache.is_contiguous(),
@@ -335,7 +335,7 @@ def _paged_key(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale
 
 
 PAGED_ATTENTION = Dispatcher("attention", [
-    # cuda_candidates.install() puts Candidate("cuda", ...) first (csrc/cuda/paged_attention_cuda.cu)
+    # cuda_small_ops.install() puts Candidate("cuda", ...) first (csrc/cuda/paged_attention_cuda.cu)
     Candidate("cpu", _paged_cpu_check, _paged_cpu_run),
     Candidate("torch_ref", lambda **_: None, _paged_ref_run),
 ], key=_paged_key)

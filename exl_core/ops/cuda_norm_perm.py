@@ -13,12 +13,13 @@ from typing import Optional
 import torch
 
 from . import cuda_candidates as cc
+from . import cuda_small_ops
 
 _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVecs
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
-    why = cc._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))   # one GPU, one dtype
+    why = cuda_small_ops._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))   # one GPU, one dtype
     if why is not None:
         return why
     if not cc._has_cuda_kernel("rms_norm_perm"):

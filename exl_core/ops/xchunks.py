@@ -54,7 +54,7 @@ def xchunks_of(pw, device: torch.device) -> Optional[torch.Tensor]:
 def staged_xchunks(pw, *xs: torch.Tensor) -> Optional[torch.Tensor]:
     """xchunks_of for a SwiGLU-fused launch (staged rows: the caller checks) whose gate and up (`xs`, contiguous)
     start 16-byte aligned, as the kernel's 16-byte loads need; else None."""
-    if any(t.data_ptr() % 16 for t in xs):
+    if not XCHUNKS_ON or any(t.data_ptr() % 16 for t in xs):      # off: no work on the decode path
         return None
     return xchunks_of(pw, xs[0].device)
 

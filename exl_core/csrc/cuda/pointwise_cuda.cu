@@ -300,9 +300,9 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 // after a plain norm and a gather (stop 32 call 3, bench/decode_timeline.py).  Same call (stop 32 call 4, separate
 // processes), late at every row count against early: batch 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x /
 // 1.0015x -- so late from 17 rows only (cuda_candidates.WIDE_MIN_ROWS: the rows qgemm_wide takes; keep the two
-// equal).  EXL_CORE_NORM_PERM_LATE=0: never,
-// =1: at every row count (A/B).  Tried in that call and dropped: the largest shared memory carveout (0.9741x at
-// batch 32), the instance held to 64 registers (1.0138x at batch 32, 0.8365x on the prompt: it spills).
+// equal).  EXL_CORE_NORM_PERM_LATE=0: never, =1: at every row count (A/B).  Tried in that call and dropped: the
+// largest shared memory carveout (0.9741x at batch 32), the instance held to 64 registers (1.0138x at batch 32,
+// 0.8365x on the prompt: it spills).
 bool perm_norm_late(int64_t rows) {
   static const int mode = [] {
     const char* v = std::getenv("EXL_CORE_NORM_PERM_LATE");

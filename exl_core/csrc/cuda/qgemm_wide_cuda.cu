@@ -95,7 +95,7 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
                   "exl_core::qgemm_wide_swiglu: tails must be contiguous int32 [ceil(N / 32) = ", (N + 31) / 32,
                   "] on x's GPU with out_cols >= N + 32 a multiple of 4 and N a multiple of 32; got ", tails->dtype(),
                   " ", tails->sizes(), ", out_cols ", out_cols, ", N ", N);
-      ys[0] = at::empty({M, out_cols}, x.options());
+      ys[0] = at::empty({M, out_cols}, x.options());     // build_mats' [M, N] output goes unused (a small allocation)
       mats.m[0].y = reinterpret_cast<__half*>(ys[0].data_ptr());
       mats.tails = tails->data_ptr<int32_t>();
       mats.ldy = out_cols;
