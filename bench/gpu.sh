@@ -15,9 +15,9 @@
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), widetiles (GPTQ graph decode with
 # EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), nou4 (EXL2 on the
 # mixed-width kernels), normpermearly / normpermlate (EXL2 with EXL_CORE_NORM_PERM_LATE=0 / 1: the permuted norm's
-# PDL trigger early / late at every row count; the default is late from 17 rows), xchunks (EXL2 with
-# EXL_CORE_KSLICE_XCHUNKS=1: the SwiGLU-fused down stages x by chunk offsets, not through its permutation), tails
-# (EXL2 with EXL_CORE_WIDE_TAILS=1: at 17..32 rows down reads the SwiGLU pair's widened product, no x_gather), graphprobe
+# PDL trigger early / late at every row count; the default is late from 17 rows), noxchunks (EXL2 with
+# EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
+# (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
@@ -140,7 +140,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist) ;; *) only_pro
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has xchunks || has tails || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -222,9 +222,9 @@ if has nou4; then      # A/B: EXL2 on the mixed-width kernels (EXL_CORE_EXL2_AS_
   EXL_CORE_EXL2_AS_U4=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_nou4.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
-for v in xchunks:EXL_CORE_KSLICE_XCHUNKS tails:EXL_CORE_WIDE_TAILS; do  # A/B: EXL2's down without its gathers:
-  # at 1..8 rows staging x by chunk offsets (xchunks), at 17..32 reading the SwiGLU pair's widened product (tails)
-  has ${v%%:*} && env ${v#*:}=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+for v in noxchunks:EXL_CORE_KSLICE_XCHUNKS notails:EXL_CORE_WIDE_TAILS; do  # A/B: EXL2's down with its gathers
+  # back (on by default since stop 33): at 1..8 rows x through the permutation, at 17..32 an x_gather launch
+  has ${v%%:*} && env ${v#*:}=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_${v%%:*}.json" 2>&1 | tee -a "$LOG" | tail -14
 done
 for v in early:0 late:1; do  # A/B: the permuted norm's PDL trigger early at every row count (0) or late at every one

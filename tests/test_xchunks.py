@@ -43,7 +43,8 @@ def _pw(perm, K=256, N=8):
 
 def test_xchunks_of_switch_and_cache(monkeypatch):
     pw = _pw(_identity_and_tail(256, [2]))
-    assert xchunks.xchunks_of(pw, torch.device("cpu")) is None     # off by default
+    monkeypatch.setattr(xchunks, "XCHUNKS_ON", False)
+    assert xchunks.xchunks_of(pw, torch.device("cpu")) is None     # the switch off (EXL_CORE_KSLICE_XCHUNKS=0)
     monkeypatch.setattr(xchunks, "XCHUNKS_ON", True)
     got = xchunks.xchunks_of(pw, torch.device("cpu"))
     assert torch.equal(got, torch.tensor([32 * c for c in range(8)] + [64]))

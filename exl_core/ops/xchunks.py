@@ -7,12 +7,12 @@ x's columns, then whole chunks read again.  The SwiGLU-fused decode kernel (qgem
 `up`, 1..8 rows) stages such x with 16-byte loads from each chunk's first column (its `xchunks` argument) instead of
 gathering it through the permutation: on the H200 the rewritten EXL2 down projection at batch 1 added 16.51 us a
 layer against GPTQ's 11.45 for 8.1 % more rows (stop 32 call 3, bench/decode_timeline.py).
-EXL_CORE_KSLICE_XCHUNKS=1 turns it on (written after stop 32's last device call: not yet measured, off by default).
+On by default since stop 33 (H200, EXL2 7B-shaped, same call: batch 1 1.0680x; EXL_CORE_KSLICE_XCHUNKS=0 turns it off).
 At 17..32 rows the product comes from qgemm_wide_swiglu and the down projection read it through an x_gather launch
 (4.38 us a layer of the rewritten EXL2's batch-32 step, stop 32 call 3): with tails (`tails_of`; model.linear
 down_tails caches them on the layer) the pair kernel also stores the chunks the extra rows read again, at the
-columns they take, and down runs on that without a permutation (EXL_CORE_WIDE_TAILS=1; written with the chunk
-offsets, not yet measured, off by default).
+columns they take, and down runs on that without a permutation (on by default since stop 33: batch 32 1.0583x in
+the same call; EXL_CORE_WIDE_TAILS=0 turns it off).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-XCHUNKS_ON = os.environ.get("EXL_CORE_KSLICE_XCHUNKS", "0") == "1"
-TAILS_ON = os.environ.get("EXL_CORE_WIDE_TAILS", "0") == "1"
+XCHUNKS_ON = os.environ.get("EXL_CORE_KSLICE_XCHUNKS", "1") == "1"
+TAILS_ON = os.environ.get("EXL_CORE_WIDE_TAILS", "1") == "1"
 
 
 def chunk_starts(perm: torch.Tensor) -> Optional[torch.Tensor]:
