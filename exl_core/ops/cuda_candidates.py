@@ -100,6 +100,11 @@ MMA_MIXED_MAX_ROWS = 16     # weights that are not uniform 4-bit: measured on EX
                             # dequantise + cuBLAS won at 32 rows end to end (bs32 2,599.1 vs 2,447.0 tok/s)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 DEQUANT_SLICE = 4096        # dequantise + cuBLAS: columns per slice of weights wider than two slices (_dequant_mm)
+# Prompts of weights with extra rows (formats/uniform4.py): the dequantise adds them into W's K rows
+# (qdequant_chunks_add_, _dequant_w) and the norm before q/k/v and gate/up writes x in its natural order
+# (prompt_adds_extra_rows), so every prompt GEMM runs over K, not over all rows.  EXL_CORE_PROMPT_NATURAL_X=0: the
+# norm writes the extended order at every row count and o/down add their extra rows by an index_add (A/B).
+PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -385,16 +390,50 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     return y
 
 
+def prompt_adds_extra_rows(rows: int) -> bool:
+    """Whether `rows` rows of x reach the prompt's dequantise + cuBLAS path (past every decode kernel) with the extra
+    rows of a weight rewritten as uniform 4-bit rows added into its K rows in the dequantise (PROMPT_NATURAL_X):
+    the norm before such weights then writes x in its natural order (model.llama._norm_many)."""
+    return (PROMPT_NATURAL_X and rows > max(WIDE_MAX_ROWS, KSLICE_MAX_ROWS, MMA_MAX_ROWS) and
+            _has_cuda_kernel("qdequant_chunks_add_"))
+
+
+def _extra_adds(pw, chunks, perm):
+    """(chunk table rows, target rows) of pw's extra rows that qdequant_chunks_add_ adds into W: every extra chunk but
+    the zero-scale ones (formats.uniform4.pad_rows' padding, whose rows all point at row 0 and add nothing), or None
+    where the targets repeat (one row's two adds would race) or a CUDA graph is being captured with none made yet.
+    Made once per permutation tensor (a host sync) and kept in pw's meta."""
+    held = pw.meta.get("_cuda_extra_adds")
+    if held is not None and held[0] is perm and held[1] is chunks:
+        return held[2]
+    if perm.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    k = pw.in_features
+    extra = chunks[k // 32:]
+    live = pw.scale[extra[:, 1].long()].ne(0).any(dim=1)              # per extra chunk: a nonzero scale
+    sel = live.nonzero().flatten()
+    ch = extra[sel].contiguous()
+    rows = perm[k:].view(-1, 32)[sel].flatten().contiguous()
+    adds = (ch, rows) if rows.unique().numel() == rows.numel() else None
+    pw.meta["_cuda_extra_adds"] = (perm, chunks, adds)
+    return adds
+
+
 def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
     """W [in_features, cols] in x's row order (qdequant_chunks); a weight with extra rows (formats.uniform4: its
-    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows.
-    (Prompts: o and down come through here; q/k/v and gate/up run as _without_perm views over all rows.  A GEMM
-    over K with the extra rows folded in the dequantise lost: csrc/cuda/NOTES.md, session "twelfth".)"""
+    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows, in
+    a second dequantise launch that adds (qdequant_chunks_add_; an index_add without it or with PROMPT_NATURAL_X
+    off).  Prompts: o and down come through here, and q/k/v and gate/up where prompt_adds_extra_rows (else they
+    run as _without_perm views over all rows)."""
     deq = torch.ops.exl_core.qdequant_chunks
     if pw.rows is None:
         return deq(pw.qweight, chunks, pw.scale, pw.zero, perm, dtype, n0, cols)
     k = pw.in_features
     w = deq(pw.qweight, chunks[:k // 32], pw.scale, pw.zero, perm[:k], dtype, n0, cols)
+    adds = _extra_adds(pw, chunks, perm) if PROMPT_NATURAL_X and _has_cuda_kernel("qdequant_chunks_add_") else None
+    if adds is not None:
+        torch.ops.exl_core.qdequant_chunks_add_(w, pw.qweight, adds[0], pw.scale, pw.zero, adds[1], n0)
+        return w
     return w.index_add_(0, perm[k:], deq(pw.qweight, chunks[k // 32:], pw.scale, pw.zero, None, dtype, n0, cols))
 
 

@@ -58,7 +58,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 // 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
 // Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
 // read: the allocator hands the same block to each slice) is written after it.
-template <typename T, int BITS, int V>
+// ACCUM: the values are rounded to T and added into W's rows (W = T(W + T(value)), as a separate dequantise followed
+// by an index_add would give) instead of stored: the extra rows of a weight rewritten as uniform 4-bit rows
+// (formats/uniform4.py) into the rows of x they read (no two extra rows share one).
+template <typename T, int BITS, int V, bool ACCUM = false>
 __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t ldw, const float (&s)[V],
                                               const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
   uint32_t w[BITS][V];
@@ -83,6 +86,17 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
     for (int v = 0; v < V; ++v) f[v] = chunk_value<BITS, V>(w, i, v, s[v], zs[v]);
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
+    if constexpr (ACCUM) {
+      T* dst = Wc + row * ldw;
+      if constexpr (V == 1) {
+        f[0] = exl_act::f32<T>(dst[0]) + exl_act::f32<T>(exl_act::cvt<T>(f[0]));
+      } else {
+        const uint4 old = *reinterpret_cast<const uint4*>(dst);
+        const T* op = reinterpret_cast<const T*>(&old);
+#pragma unroll
+        for (int v = 0; v < V; ++v) f[v] = exl_act::f32<T>(op[v]) + exl_act::f32<T>(exl_act::cvt<T>(f[v]));
+      }
+    }
     if constexpr (V == 1) {
       Wc[row * ldw] = exl_act::cvt<T>(f[0]);
     } else {
@@ -112,8 +126,8 @@ struct DequantMats {
 };
 
 // grid (ceil(max N / (blockDim V)), K / 32, n).  V = 8: every N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte
-// aligned qweight and W.
-template <typename T, int V>
+// aligned qweight and W.  ACCUM: added into W (dequant_chunk), 4-bit chunks only (the host checks).
+template <typename T, int V, bool ACCUM = false>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
@@ -130,6 +144,10 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   T* Wc = static_cast<T*>(m.W) + col;
   const int64_t ldq = m.ldq, ldw = mats.ldw;
   const int64_t* perm = m.perm;
+  if constexpr (ACCUM) {
+    dequant_chunk<T, 4, V, true>(qw, ldq, ldw, s, zs, perm, c * 32, Wc);
+    return;
+  }
   switch (bits) {
     case 4: dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
     case 2: dequant_chunk<T, 2, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;

@@ -248,7 +248,8 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
-template <typename T>
+// ACCUM: added into out's rows (dequant_kernel), 4-bit chunks only.
+template <typename T, bool ACCUM = false>
 void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch, const int32_t* qp,
                     int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out) {
   exl_dequant::DequantMats mats{};
@@ -258,12 +259,12 @@ void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, c
   if constexpr (!std::is_same<T, float>::value) {
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, mats);
+      exl_pdl::launch_pdl(dequant_kernel<T, 8, ACCUM>, grid8, dim3(64), 0, stream, dev, mats);
       return;
     }
   }
   const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(n_chunks));
-  exl_pdl::launch_pdl(dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, mats);
+  exl_pdl::launch_pdl(dequant_kernel<T, 1, ACCUM>, grid, dim3(128), 0, stream, dev, mats);
 }
 
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
@@ -293,6 +294,36 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
                              reinterpret_cast<scalar_t*>(W.data_ptr()));
   });
   return W;
+}
+
+// W [R, cols] += the dequantised chunks' rows (columns [col0, col0 + cols) of the weight, cols = W's), row k of them
+// added into W's row rows[k] after rounding to W's dtype: a weight rewritten as uniform 4-bit rows
+// (formats/uniform4.py) adds its extra rows into the K rows of its dequantised W this way, instead of dequantising
+// them apart and index_add-ing them (64 torch index_add launches, 1,231 us of an H200 7B prompt, NOTES.md).  The
+// chunks must be 4-bit (the caller checks: the rewrite's are) and rows must not repeat (no two chunks add into one
+// row).  In place.
+void qdequant_chunks_add_(const at::Tensor& W, const at::Tensor& qweight, const at::Tensor& chunks,
+                          const at::Tensor& scale, const at::Tensor& zero, const at::Tensor& rows, int64_t col0) {
+  const int64_t K = chunks.size(0) * 32, ldq = qweight.size(1);
+  check_common(qweight, chunks, scale, zero, rows, K);
+  EXL_CHECK_CUDA_T(W, "W");
+  TORCH_CHECK(W.dim() == 2 && W.is_contiguous() && W.device() == qweight.device(),
+              "exl_core::qdequant_chunks_add_: W must be contiguous [R, cols] on the weight's GPU");
+  const int64_t N = W.size(1);
+  TORCH_CHECK(col0 >= 0 && col0 + N <= ldq, "exl_core::qdequant_chunks_add_: columns [", col0, ", ", col0 + N,
+              ") outside the weight's ", ldq);
+  const at::ScalarType dtype = W.scalar_type();
+  if (K == 0 || N == 0) return;
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
+  const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
+  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp) && is_aligned16(W.data_ptr());
+  EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks_add_", [&] {
+    launch_dequant<scalar_t, true>(vec8, chunks.size(0), stream, qweight.device().index(), chunks.data_ptr<int32_t>(),
+                                   qp, ldq, N, sp, zp, rows.data_ptr<int64_t>(),
+                                   reinterpret_cast<scalar_t*>(W.data_ptr()));
+  });
 }
 
 // groups int32 [G, 4] (bits, k_start, k_len, qrow_start), on any device -> chunk table on `dev`.
@@ -344,10 +375,13 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias) -> Tensor");
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "ScalarType dtype, int col0=0, int cols=-1) -> Tensor");
+  m.def("qdequant_chunks_add_(Tensor(a!) W, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor rows, "
+        "int col0=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("qmatmul", &qmatmul_cuda);
   m.impl("qgemv_chunks", &qgemv_chunks);
   m.impl("qdequant_chunks", &qdequant_chunks);
+  m.impl("qdequant_chunks_add_", &qdequant_chunks_add_);
 }
