@@ -112,10 +112,10 @@ if has dequant; then  # design probe for the prompt's dequantise (and, where cuB
     /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name "libcublas.so*" 2>/dev/null | head -1)
   echo "cublas: ${CUBLAS_H:-none} ${CUBLAS_SO:-none}"
   if [ -n "$CUBLAS_H" ] && [ -n "$CUBLAS_SO" ]; then   # -l:<file> links the versioned name a wheel ships
-    nvcc -O3 -arch=sm_90 -DWITH_CUBLAS -I"$(dirname "$CUBLAS_H")" -o /tmp/dequant_probe bench/dequant_probe.cu \
+    nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} -DWITH_CUBLAS -I"$(dirname "$CUBLAS_H")" -o /tmp/dequant_probe bench/dequant_probe.cu \
       -L"$(dirname "$CUBLAS_SO")" -l:"$(basename "$CUBLAS_SO")" -Xlinker -rpath="$(dirname "$CUBLAS_SO")" || true
   fi
-  [ -x /tmp/dequant_probe ] || nvcc -O3 -arch=sm_90 -o /tmp/dequant_probe bench/dequant_probe.cu
+  [ -x /tmp/dequant_probe ] || nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} -o /tmp/dequant_probe bench/dequant_probe.cu
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 >/tmp/dequant_smi.txt 2>&1 &
   smi=$!
   timeout ${PROBE_TIMEOUT:-150} /tmp/dequant_probe ${DEQUANT_ARGS:-} >/tmp/dequant_probe.txt 2>&1   # DEQUANT_ARGS=check: checks only
