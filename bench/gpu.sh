@@ -6,7 +6,8 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), persist (bench/persist_probe.cu:
+# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), twin (bench/twin_probe.cu: the
+# rewritten EXL2 prompt's twin dequantise variants, standalone, cuBLAS where found), persist (bench/persist_probe.cu:
 # what a persistent decode kernel's grid barriers cost against launches, read-only, standalone), dequant (bench/dequant_probe.cu: the
 # prompt's dequantise kernels, alone and followed by their cuBLAS GEMMs, standalone), gemv (bench/gemv_probe.cu: the
 # batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice under Nsight
@@ -61,12 +62,24 @@ PHASES=${PHASES:-build tests bench spec gen}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
-# A standalone probe: build bench/NAME.cu with plain nvcc (seconds), run it, log it, its JSON rows to
-# $OUT/NAME_rows.jsonl.  PROBE_FLAGS: extra nvcc flags (a macro a probe reads, for an A/B build of the same probe).
+# nvcc flags that link cuBLAS into a probe chaining GEMMs (-DWITH_CUBLAS), where the image has its header and library
+# (-l:<file> links the versioned name a wheel ships); nothing where it has not.
+cublas_flags() {
+  local h so
+  h=$(find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/local/lib/python3*/dist-packages/nvidia \
+    /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name cublas_v2.h 2>/dev/null | head -1)
+  so=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/local/lib/python3*/dist-packages/nvidia \
+    /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name "libcublas.so*" 2>/dev/null | head -1)
+  echo "cublas: ${h:-none} ${so:-none}" >&2
+  [ -n "$h" ] && [ -n "$so" ] && echo "-DWITH_CUBLAS -I$(dirname "$h") -L$(dirname "$so") -l:$(basename "$so") -Xlinker -rpath=$(dirname "$so")"
+}
+
+# A standalone probe: build bench/NAME.cu with plain nvcc (seconds; $2: extra flags, e.g. cublas_flags), run it, log
+# it, its JSON rows to $OUT/NAME_rows.jsonl.  PROBE_FLAGS: extra nvcc flags (a macro a probe reads, for an A/B build).
 probe_run() {
   local name=$1
   rm -f /tmp/$name.txt /tmp/$name                              # a warm machine's old output must not pass as this run's
-  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name \
+  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} ${2:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name \
     >/tmp/$name.txt 2>&1
   echo "== $name ${PROBE_FLAGS:-}" | tee -a "$LOG"
   cat /tmp/$name.txt >>"$LOG"
@@ -105,15 +118,7 @@ if has persist; then  # the read floor of a layer's projection streams: 4 PDL la
 fi
 if has dequant; then  # design probe for the prompt's dequantise (and, where cuBLAS links, dequantise + GEMM chains)
   rm -f /tmp/dequant_probe.txt /tmp/dequant_probe
-  CUBLAS_H=$(find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/local/lib/python3*/dist-packages/nvidia \
-    /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name cublas_v2.h 2>/dev/null | head -1)
-  CUBLAS_SO=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/local/lib/python3*/dist-packages/nvidia \
-    /usr/local/lib/python3*/site-packages/nvidia /usr/lib/python3*/dist-packages/nvidia -name "libcublas.so*" 2>/dev/null | head -1)
-  echo "cublas: ${CUBLAS_H:-none} ${CUBLAS_SO:-none}"
-  if [ -n "$CUBLAS_H" ] && [ -n "$CUBLAS_SO" ]; then   # -l:<file> links the versioned name a wheel ships
-    nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} -DWITH_CUBLAS -I"$(dirname "$CUBLAS_H")" -o /tmp/dequant_probe bench/dequant_probe.cu \
-      -L"$(dirname "$CUBLAS_SO")" -l:"$(basename "$CUBLAS_SO")" -Xlinker -rpath="$(dirname "$CUBLAS_SO")" || true
-  fi
+  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} $(cublas_flags) -o /tmp/dequant_probe bench/dequant_probe.cu || true
   [ -x /tmp/dequant_probe ] || nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} -o /tmp/dequant_probe bench/dequant_probe.cu
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 >/tmp/dequant_smi.txt 2>&1 &
   smi=$!
@@ -126,6 +131,9 @@ if has dequant; then  # design probe for the prompt's dequantise (and, where cuB
   grep ' MHz, ' /tmp/dequant_probe.txt | awk -F', ' '{print "sm", $2}' | sort | uniq -c | sort -rn | head -8   # clock histogram
   grep '^JSON ' /tmp/dequant_probe.txt | sed 's/^JSON //' >"$OUT/dequant_probe_rows.jsonl"
 fi
+if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants against the plain kernel (bench/twin_probe.cu)
+  probe_run twin_probe "$(cublas_flags)"
+fi
 if has build; then
   t0=$(date +%s)
   if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
@@ -135,8 +143,8 @@ if has build; then
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-only_probes=1     # the standalone probes (wide, gemv, readbw, dequant, persist) need no extension build
-for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist) ;; *) only_probes=0 ;; esac; done
+only_probes=1     # the standalone probes (wide, gemv, readbw, dequant, persist, twin) need no extension build
+for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) only_probes=0 ;; esac; done
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
