@@ -1,5 +1,6 @@
-// What the standalone CUDA probes (wide_probe.cu, gemv_probe.cu, dequant_probe.cu, persist_probe.cu, twin_probe.cu) share: the error check, the
-// timing of a sequence of launches replayed from one CUDA graph, PDL launch configs and the bench's weight layouts.
+// What the standalone CUDA probes (wide_probe.cu, gemv_probe.cu, dequant_probe.cu, persist_probe.cu, twin_probe.cu)
+// share: the error check, the timing of a sequence of launches replayed from one CUDA graph, PDL launch configs and
+// the bench's weight layouts.
 #pragma once
 #include <cuda_runtime.h>
 
