@@ -104,19 +104,24 @@ Args args_of(const Slice& s) {
               s.W, w.ldq, s.N};
 }
 
+// A 4-bit chunk's 4 word rows of 8 columns (two 16-byte loads each); q null: zeros.
+__device__ __forceinline__ void load_words(const int32_t* q, int64_t ldq, uint32_t (&w)[4][8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int4 v = q ? __ldg(reinterpret_cast<const int4*>(q + j * ldq + 4 * h)) : make_int4(0, 0, 0, 0);
+      w[j][4 * h] = v.x, w[j][4 * h + 1] = v.y, w[j][4 * h + 2] = v.z, w[j][4 * h + 3] = v.w;
+    }
+}
+
 // rmw's pass: the thread's 32 stored rows of chunk c (8 columns from col) read back, twin chunk tc's values added.
 __device__ __forceinline__ void add_twin(const Args& a, int64_t c, int tc, int64_t col, bool waited) {
   float s[8], zs[8];
   group_scale_zero<8>(a.scale, a.zero, a.chunks[tc * 3 + 1], a.ldq, col, s, zs);
   const int32_t* tq = a.qweight + static_cast<int64_t>(a.chunks[tc * 3 + 2]) * a.ldq + col;
   uint32_t tw[4][8];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int4 v = __ldg(reinterpret_cast<const int4*>(tq + j * a.ldq + 4 * h));
-      tw[j][4 * h] = v.x, tw[j][4 * h + 1] = v.y, tw[j][4 * h + 2] = v.z, tw[j][4 * h + 3] = v.w;
-    }
+  load_words(tq, a.ldq, tw);
   if (!waited) {
     exl_pdl::pdl_wait();
     exl_pdl::pdl_trigger();
@@ -146,15 +151,20 @@ __device__ __forceinline__ void add_twin(const Args& a, int64_t c, int tc, int64
   }
 }
 
+// The thread's first of 8 columns; false past N, after the PDL wait (every block waits: completion stays transitive).
+__device__ __forceinline__ bool column_of(int64_t N, int64_t& col) {
+  col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (col < N) return true;
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
+  return false;
+}
+
 // grid (N / 512, K / 32), 64 threads of 8 columns.  FIRST: blockIdx.y walks a.order (twinned chunks first).
 template <bool FIRST>
 __global__ void rmw_kernel(const __grid_constant__ Args a) {
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  if (col >= a.N) {
-    exl_pdl::pdl_wait();
-    exl_pdl::pdl_trigger();
-    return;
-  }
+  int64_t col;
+  if (!column_of(a.N, col)) return;
   const int64_t c = FIRST ? a.order[blockIdx.y] : blockIdx.y;
   float s[8], zs[8];
   group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, s, zs);
@@ -166,24 +176,16 @@ __global__ void rmw_kernel(const __grid_constant__ Args a) {
 
 // sep's second launch: grid (N / 512, twinned chunks).
 __global__ void twin_add_kernel(const __grid_constant__ Args a) {
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  if (col >= a.N) {
-    exl_pdl::pdl_wait();
-    exl_pdl::pdl_trigger();
-    return;
-  }
+  int64_t col;
+  if (!column_of(a.N, col)) return;
   const int c = a.twinned[blockIdx.y];
   add_twin(a, c, a.twin[c], col, false);
 }
 
 // loop: every chunk's loop adds a twin, zero words and scale where it has none.
 __global__ void loop_kernel(const __grid_constant__ Args a) {
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  if (col >= a.N) {
-    exl_pdl::pdl_wait();
-    exl_pdl::pdl_trigger();
-    return;
-  }
+  int64_t col;
+  if (!column_of(a.N, col)) return;
   const int64_t c = blockIdx.y;
   const int tc = a.twin[c];
   float s[8], zs[8], ts[8], tzs[8];
@@ -197,15 +199,8 @@ __global__ void loop_kernel(const __grid_constant__ Args a) {
   const int32_t* qw = a.qweight + static_cast<int64_t>(a.chunks[c * 3 + 2]) * a.ldq + col;
   const int32_t* tq = tc >= 0 ? a.qweight + static_cast<int64_t>(a.chunks[tc * 3 + 2]) * a.ldq + col : nullptr;
   uint32_t w[4][8], w2[4][8];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int4 v = __ldg(reinterpret_cast<const int4*>(qw + j * a.ldq + 4 * h));
-      w[j][4 * h] = v.x, w[j][4 * h + 1] = v.y, w[j][4 * h + 2] = v.z, w[j][4 * h + 3] = v.w;
-      const int4 u = tq ? __ldg(reinterpret_cast<const int4*>(tq + j * a.ldq + 4 * h)) : make_int4(0, 0, 0, 0);
-      w2[j][4 * h] = u.x, w2[j][4 * h + 1] = u.y, w2[j][4 * h + 2] = u.z, w2[j][4 * h + 3] = u.w;
-    }
+  load_words(qw, a.ldq, w);
+  load_words(tq, a.ldq, w2);
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
