@@ -7,11 +7,15 @@
 // each the 11 per-weight launches of a 7B layer (gate/up in 4096-column slices), alone and with -DWITH_CUBLAS each
 // launch followed by its GEMM on 2048 rows of x (the prompt's order), four layers of distinct weights in one graph:
 //   plain      the extension's dequant_kernel<half, 8> over the K rows, twins ignored (the floor to reach)
+//   plain4     the same loop in a 4-bit-only kernel (68 registers against the width switch's 107), twins ignored:
+//              whether uniform 4-bit weights (GPTQ's too) would dequantise faster in an instance of their own
 //   loop       every chunk adds its twin in the same loop, zero words where none (a90eda5's kernel, rewritten here)
 //   rmw        the plain loop for every chunk, then a twinned chunk's thread reads back the 32 rows it stored, adds
 //              the twin's values (one word row = 8 rows at a time, 8 loads in flight) and stores them again
 //   rmw_first  rmw with the twinned chunks first in launch order (their longer blocks start in the first wave)
 //   sep        plain, then a second launch over the twinned chunks only doing rmw's pass
+//   split      a launch of loop's kernel over the twinned chunks only, then the plain loop over the others (each
+//              launch one hot loop, no read-back, one rounding)
 // Each variant of the first layer is checked against the host formula within 2^-11 of |main| + |sum| (rmw and sep
 // round the main value first, loop once).
 //   nvcc -O3 -arch=sm_90 [-DWITH_CUBLAS -lcublas] -o /tmp/twin_probe bench/twin_probe.cu && /tmp/twin_probe
@@ -97,12 +101,13 @@ struct Args {
   const int *twin, *twinned, *order;
   __half* W;
   int64_t ldq, N;
+  int n_twinned;
 };
 
 Args args_of(const Slice& s) {
   const PackedDev& w = s.t->w;
   return Args{w.chunks, w.qw + s.col0, w.s + s.col0, w.z + s.col0, w.perm, s.t->twin, s.t->twinned, s.t->order,
-              s.W, w.ldq, s.N};
+              s.W, w.ldq, s.N, s.t->n_twinned};
 }
 
 // A 4-bit chunk's 4 word rows of 8 columns (two 16-byte loads each); q null: zeros.
@@ -161,18 +166,27 @@ __device__ __forceinline__ bool column_of(int64_t N, int64_t& col) {
   return false;
 }
 
-// grid (N / 512, K / 32), 64 threads of 8 columns.  FIRST: blockIdx.y walks a.order (twinned chunks first).
-template <bool FIRST>
+// Which chunk block row y takes: y (kAll), a.order[y] (kFirst: twinned chunks first), the y-th chunk without a twin
+// (kRest, grid K / 32 - n_twinned), the y-th twinned chunk (kTwinned, grid n_twinned).
+enum Sel { kAll = 0, kFirst, kRest, kTwinned };
+template <int SEL>
+__device__ __forceinline__ int64_t chunk_of(const Args& a) {
+  const int y = blockIdx.y;
+  return SEL == kFirst ? a.order[y] : SEL == kRest ? a.order[a.n_twinned + y] : SEL == kTwinned ? a.twinned[y] : y;
+}
+
+// grid (N / 512, chunks of SEL), 64 threads of 8 columns: the plain 4-bit loop, then (RMW) a twinned chunk's pass.
+template <int SEL, bool RMW>
 __global__ void rmw_kernel(const __grid_constant__ Args a) {
   int64_t col;
   if (!column_of(a.N, col)) return;
-  const int64_t c = FIRST ? a.order[blockIdx.y] : blockIdx.y;
+  const int64_t c = chunk_of<SEL>(a);
   float s[8], zs[8];
   group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, s, zs);
   dequant_chunk<__half, 4, 8>(a.qweight + static_cast<int64_t>(a.chunks[c * 3 + 2]) * a.ldq + col, a.ldq, a.N, s, zs,
                               a.perm, c * 32, a.W + col);
   const int tc = a.twin[c];
-  if (tc >= 0) add_twin(a, c, tc, col, true);
+  if (RMW && tc >= 0) add_twin(a, c, tc, col, true);
 }
 
 // sep's second launch: grid (N / 512, twinned chunks).
@@ -183,11 +197,12 @@ __global__ void twin_add_kernel(const __grid_constant__ Args a) {
   add_twin(a, c, a.twin[c], col, false);
 }
 
-// loop: every chunk's loop adds a twin, zero words and scale where it has none.
+// loop: every chunk's loop adds a twin, zero words and scale where it has none (SEL: the chunks, as rmw_kernel).
+template <int SEL>
 __global__ void loop_kernel(const __grid_constant__ Args a) {
   int64_t col;
   if (!column_of(a.N, col)) return;
-  const int64_t c = blockIdx.y;
+  const int64_t c = chunk_of<SEL>(a);
   const int tc = a.twin[c];
   float s[8], zs[8], ts[8], tzs[8];
   group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, s, zs);
@@ -208,15 +223,16 @@ __global__ void loop_kernel(const __grid_constant__ Args a) {
   for (int i = 0; i < 32; ++i) {
     float f[8];
 #pragma unroll
-    for (int v = 0; v < 8; ++v) f[v] = chunk_value<4, 8>(w, i, v, s[v], zs[v]) + chunk_value<4, 8>(w2, i, v, ts[v], tzs[v]);
+    for (int v = 0; v < 8; ++v)
+      f[v] = chunk_value<4, 8>(w, i, v, s[v], zs[v]) + chunk_value<4, 8>(w2, i, v, ts[v], tzs[v]);
     *reinterpret_cast<uint4*>(a.W + col + a.perm[c * 32 + i] * a.N) =
         make_uint4(pack2<__half>(f[0], f[1]), pack2<__half>(f[2], f[3]), pack2<__half>(f[4], f[5]),
                    pack2<__half>(f[6], f[7]));
   }
 }
 
-enum Kind { kPlain = 0, kLoop, kRmw, kRmwFirst, kSep, kKinds };
-const char* kind_key[] = {"plain", "loop", "rmw", "rmw_first", "sep"};
+enum Kind { kPlain = 0, kPlain4, kLoop, kRmw, kRmwFirst, kSep, kSplit, kKinds };
+const char* kind_key[] = {"plain", "plain4", "loop", "rmw", "rmw_first", "sep", "split"};
 
 void launch(const Slice& s, cudaStream_t st, int kind) {
   const Args a = args_of(s);
@@ -233,10 +249,17 @@ void launch(const Slice& s, cudaStream_t st, int kind) {
       cudaLaunchConfig_t c2 = pdl_config(dim3(grid.x, s.t->n_twinned), dim3(64), 0, st, attr);
       CK(cudaLaunchKernelEx(&c2, twin_add_kernel, a));
     }
+  } else if (kind == kPlain4) {
+    CK(cudaLaunchKernelEx(&cfg, rmw_kernel<kAll, false>, a));
   } else if (kind == kLoop) {
-    CK(cudaLaunchKernelEx(&cfg, loop_kernel, a));
+    CK(cudaLaunchKernelEx(&cfg, loop_kernel<kAll>, a));
+  } else if (kind == kSplit) {
+    cudaLaunchConfig_t c1 = pdl_config(dim3(grid.x, s.t->n_twinned), dim3(64), 0, st, attr);
+    CK(cudaLaunchKernelEx(&c1, loop_kernel<kTwinned>, a));
+    cudaLaunchConfig_t c2 = pdl_config(dim3(grid.x, K / 32 - s.t->n_twinned), dim3(64), 0, st, attr);
+    CK(cudaLaunchKernelEx(&c2, rmw_kernel<kRest, false>, a));
   } else {
-    CK(cudaLaunchKernelEx(&cfg, kind == kRmwFirst ? rmw_kernel<true> : rmw_kernel<false>, a));
+    CK(cudaLaunchKernelEx(&cfg, kind == kRmwFirst ? rmw_kernel<kFirst, true> : rmw_kernel<kAll, true>, a));
   }
 }
 
@@ -258,13 +281,15 @@ bool check(const Slice& s, int kind) {
     for (int n = 0; n < s.N; ++n)
       for (int j = 0; j < 32; ++j) {
         const int col = s.col0 + n;
-        const double main = value(c, j, col), sum = main + (kind != kPlain && t.htwin[c] >= 0 ? value(t.htwin[c], j, col) : 0.0);
+        const bool twins = kind != kPlain && kind != kPlain4;
+        const double main = value(c, j, col), sum = main + (twins && t.htwin[c] >= 0 ? value(t.htwin[c], j, col) : 0.0);
         const __half raw = got[static_cast<size_t>(w.hperm[32 * c + j]) * s.N + n];
         const double have = __half2float(raw);
         const __half want = __float2half_rn(static_cast<float>(main));   // main is a float fma's result
-        const bool ok = kind == kPlain ? memcmp(&raw, &want, 2) == 0
-                                       : std::fabs(have - sum) <= std::ldexp(std::fabs(main) + std::fabs(sum), -11) + 1e-6;
-        if (!ok && bad++ < 4) printf("MISMATCH %s chunk %d col %d j %d: %f vs %f\n", kind_key[kind], c, col, j, have, sum);
+        const double tol = std::ldexp(std::fabs(main) + std::fabs(sum), -11) + 1e-6;
+        const bool ok = twins ? std::fabs(have - sum) <= tol : memcmp(&raw, &want, 2) == 0;
+        if (!ok && bad++ < 4)
+          printf("MISMATCH %s chunk %d col %d j %d: %f vs %f\n", kind_key[kind], c, col, j, have, sum);
       }
   return bad == 0;
 }
