@@ -418,6 +418,12 @@ int main(int argc, char** argv) {
   // the extension's kernels at M = 1 (its down adds the SwiGLU, not modelled here): GPTQ ring 4 but the down
   // projection (the fused instance keeps ring 8), gate/up on kslice; EXL2 gate/up on qgemm_skinny
   layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+  // where the chain loses against its read floor (stop 33: the step's projections at ~2.2 TB/s against 3.2 for plain
+  // reads): that chain with one stage at a time replaced by the read of its bytes
+  layer_row<ReadLauncher, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ ext, q/k/v read only");
+  layer_row<KsLauncher<8, 4>, ReadLauncher, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ ext, o read only");
+  layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, ReadLauncher, KsLauncher<16, 8>>("GPTQ ext, gate/up read only");
+  layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, ReadLauncher>("GPTQ ext, down read only");
   {
     using A = KsLauncher<8, 4, false, 2, true>;
     using B = KsLauncher<16, 4, false, 2, true>;
