@@ -222,9 +222,6 @@ bool check(const Part& pt, const __half* Wcol, int ldw) {
   return true;
 }
 
-#ifdef WITH_CUBLAS
-#define CB(x) do { cublasStatus_t e = (x); if (e != CUBLAS_STATUS_SUCCESS) { printf("%s:%d cublas %d\n", __FILE__, __LINE__, (int)e); exit(1); } } while (0)
-#endif
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);   // a crash keeps what was printed

@@ -10,6 +10,11 @@
 #include <cstdlib>
 #include <vector>
 
+#ifdef WITH_CUBLAS                   // the probes that chain cuBLAS GEMMs
+#include <cublas_v2.h>
+#define CB(x) do { cublasStatus_t e = (x); if (e != CUBLAS_STATUS_SUCCESS) { printf("%s:%d cublas %d\n", __FILE__, __LINE__, (int)e); exit(1); } } while (0)
+#endif
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 float time_graph(cudaStream_t st, cudaGraphExec_t exec) {

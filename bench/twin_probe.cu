@@ -294,9 +294,6 @@ bool check(const Slice& s, int kind) {
   return bad == 0;
 }
 
-#ifdef WITH_CUBLAS
-#define CB(x) do { cublasStatus_t e = (x); if (e != CUBLAS_STATUS_SUCCESS) { printf("%s:%d cublas %d\n", __FILE__, __LINE__, (int)e); exit(1); } } while (0)
-#endif
 
 int main() {
   setvbuf(stdout, nullptr, _IONBF, 0);

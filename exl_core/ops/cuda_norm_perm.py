@@ -19,7 +19,8 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
-    why = cuda_small_ops._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))   # one GPU, one dtype
+    # one GPU, one dtype
+    why = cuda_small_ops._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))
     if why is not None:
         return why
     if not cc._has_cuda_kernel("rms_norm_perm"):

@@ -5,7 +5,8 @@ its PAIR instances).
       silu_mul(qmatmul(x, gate), qmatmul(x, up)) where one kernel call computes it with the same bits, else None
       (nothing done: the caller runs qmatmul_many and the product its own way, e.g. fused into the down projection's
       decode kernel at 1..8 rows).  tails (int32 [N / 32] on x's device, columns): the product [rows, columns]
-      with 32-column chunk c also at columns tails[c] .. + 31 where tails[c] >= 0 (ops/xchunks.py down_tails).
+      with 32-column chunk c also at columns tails[c] .. + 31 where tails[c] >= 0 (model/linear.py down_tails, from
+      ops/xchunks.py tails_of).
 
 The CUDA candidate is in ops/cuda_swiglu.py; EXL_CORE_WIDE_SWIGLU=0 turns it off (A/B runs).
 """

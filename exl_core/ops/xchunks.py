@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-XCHUNKS_ON = os.environ.get("EXL_CORE_KSLICE_XCHUNKS", "1") == "1"
-TAILS_ON = os.environ.get("EXL_CORE_WIDE_TAILS", "1") == "1"
+XCHUNKS_ON = os.environ.get("EXL_CORE_KSLICE_XCHUNKS", "1") != "0"    # as every EXL_CORE_ switch: "0" turns it off
+TAILS_ON = os.environ.get("EXL_CORE_WIDE_TAILS", "1") != "0"
 
 
 def chunk_starts(perm: torch.Tensor) -> Optional[torch.Tensor]:
