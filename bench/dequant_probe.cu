@@ -92,6 +92,7 @@ void launch(const Launch& l, cudaStream_t st, int kind) {
     m.scale = p.w->s + p.col0;
     m.zero = p.w->z + p.col0;
     m.perm = p.w->perm;
+    m.twin = p.w->twin;
     m.W = l.W + col;
     m.ldq = p.w->ldq;
     m.N = p.N;
@@ -106,7 +107,8 @@ void launch(const Launch& l, cudaStream_t st, int kind) {
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>((max_n + 511) / 512), l.parts[0].w->K / 32,
                                                  mats.n), dim3(64), 0, st, attr);
-  void (*kern)(DequantMats) = kind == kV8 ? dequant_kernel<__half, 8> : store_only_kernel;
+  void (*kern)(DequantMats) = kind != kV8 ? store_only_kernel
+                              : l.parts[0].w->twin ? dequant_kernel<__half, 8, true> : dequant_kernel<__half, 8>;
   CK(cudaLaunchKernelEx(&cfg, kern, mats));
 }
 
@@ -125,10 +127,10 @@ struct Layer {
 };
 
 // In place: launches point at L.m, so a Layer is never copied or moved after this.
-void fill_layer(Layer& L, bool mixed, bool act_order, bool keep_host) {
-  for (int i = 0; i < 4; ++i) L.m[i] = make_packed(4096, 4096, mixed, act_order, keep_host);
-  for (int i = 4; i < 6; ++i) L.m[i] = make_packed(4096, 11008, mixed, act_order, keep_host);
-  L.m[6] = make_packed(11008, 4096, mixed, act_order, keep_host);
+void fill_layer(Layer& L, bool mixed, bool act_order, bool keep_host, int twin_every) {
+  for (int i = 0; i < 4; ++i) L.m[i] = make_packed(4096, 4096, mixed, act_order, keep_host, twin_every);
+  for (int i = 4; i < 6; ++i) L.m[i] = make_packed(4096, 11008, mixed, act_order, keep_host, twin_every);
+  L.m[6] = make_packed(11008, 4096, mixed, act_order, keep_host, twin_every);
 }
 
 // The three schedules of a layer's dequantise launches and GEMMs:
@@ -247,10 +249,11 @@ int main(int argc, char** argv) {
     printf("JSON {\"row\": \"copy\", \"us\": %.3f, \"gb_s_rw\": %.1f}\n", cus, 2.0 * n * 2 / cus / 1e3);
   }
   const int n_layers = 4;
-  // u4_ao: GPTQ-like 4-bit with a random act-order (the rows scattered through perm).  (A twin format -- 1 chunk in 16
-  // with an extra chunk added in the same thread, the rewritten EXL2 prompt of stop 33 -- lived here in a90eda5.)
-  struct Fmt { const char* name; bool mixed, act_order; };
-  const Fmt fmts[] = {{"gptq", false, false}, {"u4_ao", false, true}, {"exl2", true, true}};
+  // u4_ao: GPTQ-like 4-bit with a random act-order (the rows scattered); u4_twin: that plus a twin for 1 chunk in 16
+  // (EXL2 rewritten as uniform 4-bit rows: the bench's 5-bit rows, 256 of 4,096, have their high halves in twins)
+  struct Fmt { const char* name; bool mixed, act_order; int twin_every; };
+  const Fmt fmts[] = {{"gptq", false, false, 0}, {"u4_ao", false, true, 0}, {"u4_twin", false, true, 16},
+                      {"exl2", true, true, 0}};
 
 #ifdef WITH_CUBLAS
   cublasHandle_t h;
@@ -274,7 +277,7 @@ int main(int argc, char** argv) {
 
   for (const Fmt& f : fmts) {
     std::vector<Layer> layers(n_layers);
-    for (int r = 0; r < n_layers; ++r) fill_layer(layers[r], f.mixed, f.act_order, r == 0);
+    for (int r = 0; r < n_layers; ++r) fill_layer(layers[r], f.mixed, f.act_order, r == 0, f.twin_every);
     for (int s = 0; s < DEQUANT_SCHEDULES; ++s) {       // per weight, grouped (all-first lost: bench/results)
       std::vector<Plan> plans;
       for (auto& L : layers) plans.push_back(plan(L, static_cast<Sched>(s), W, W2));
@@ -282,6 +285,7 @@ int main(int argc, char** argv) {
       bool ok = true;
       for (int kind : {kV8})
         for (const auto& l : plans[0].dq) {
+          if (f.twin_every) break;                      // the twins' sums: tests/test_cuda_uniform4.py checks them
           CK(cudaMemset(l.W, 0xFF, (l.W == W ? w_max : static_cast<size_t>(11008) * 4096) * 2));
           launch(l, 0, kind);
           CK(cudaDeviceSynchronize());
@@ -291,7 +295,7 @@ int main(int argc, char** argv) {
             col += p.N;
           }
         }
-      printf("%s %s: check %s\n", f.name, sched_name[s], ok ? "ok" : "FAILED");
+      printf("%s %s: check %s\n", f.name, sched_name[s], f.twin_every ? "skipped (twins)" : ok ? "ok" : "FAILED");
       if (!ok) exit(1);
       if (check_only) continue;
       std::string row = std::string("{\"row\": \"schedule\", \"format\": \"") + f.name + "\", \"schedule\": \"" +

@@ -18,7 +18,9 @@
 # mixed-width kernels), normpermearly / normpermlate (EXL2 with EXL_CORE_NORM_PERM_LATE=0 / 1: the permuted norm's
 # PDL trigger early / late at every row count; the default is late from 17 rows), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
-# (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), graphprobe
+# (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
+# (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
+# index_add, against x in natural order), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
@@ -150,7 +152,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) onl
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has promptext || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -240,6 +242,15 @@ for v in noxchunks:EXL_CORE_KSLICE_XCHUNKS notails:EXL_CORE_WIDE_TAILS; do  # A/
   has ${v%%:*} && env ${v#*:}=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_${v%%:*}.json" 2>&1 | tee -a "$LOG" | tail -14
 done
+if has promptext; then  # A/B: EXL2 prompts in the extended order, GEMMs over all rows (EXL_CORE_PROMPT_NATURAL_X=0),
+  # against the default natural order: prompt-only runs alternated twice, one JSON ({ext1, nat1, ext2, nat2})
+  for r in ext1:0 nat1:1 ext2:0 nat2:1; do
+    EXL_CORE_PROMPT_NATURAL_X=${r#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
+      --prompt-only --json "/tmp/exl_promptext_${r%%:*}.json" 2>&1 | tee -a "$LOG" | grep prompt2048
+  done
+  $PY -c "import json, sys; json.dump({r: json.load(open(f'/tmp/exl_promptext_{r}.json')) for r in sys.argv[2:]},
+    open(sys.argv[1], 'w'), indent=1)" "$OUT/gpu_h200_promptext.json" ext1 nat1 ext2 nat2
+fi
 for v in early:0 late:1; do  # A/B: the permuted norm's PDL trigger early at every row count (0) or late at every one
   has normperm${v%%:*} && env EXL_CORE_NORM_PERM_LATE=${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py \
     --exl2 "$CK/exl2" --quick --json "$OUT/gpu_h200_normperm${v%%:*}.json" 2>&1 | tee -a "$LOG" | tail -14

@@ -100,22 +100,35 @@ struct PackedDev {
   float *s = nullptr, *z = nullptr;
   int* chunks = nullptr;
   int64_t* perm = nullptr;
+  int* twin = nullptr;            // twin_every > 0: per main chunk, the chunk-table row of its twin or -1
   int64_t bytes = 0;              // words + scale + zero
   std::vector<int> hq, hch;
   std::vector<float> hs, hz;
   std::vector<int64_t> hperm;
 };
 
-inline PackedDev make_packed(int K, int ldq, bool mixed, bool act_order, bool keep_host = false) {
+// twin_every > 0 (4-bit, the prompt dequantise of EXL2 rewritten as uniform 4-bit rows, formats/uniform4.py): every
+// twin_every-th of the K / 32 chunks gets an extra 4-bit chunk appended after them (its group's scale and zero), whose
+// values the kernel adds in the same thread (DequantMat::twin).
+inline PackedDev make_packed(int K, int ldq, bool mixed, bool act_order, bool keep_host = false, int twin_every = 0) {
   PackedDev w;
   w.K = K, w.ldq = ldq;
   const int G = K / 128, C = K / 32;
-  std::vector<int> ch(static_cast<size_t>(C) * 3);
+  std::vector<int> ch(static_cast<size_t>(C) * 3), tw(twin_every > 0 ? C : 0, -1);
   int qrow = 0;
   for (int c = 0; c < C; ++c) {
     const int bits = chunk_bits(c, K, mixed);
     ch[3 * c] = bits, ch[3 * c + 1] = c / 4, ch[3 * c + 2] = qrow;
     qrow += bits;
+  }
+  for (int c = 0; twin_every > 0 && c < C; c += twin_every) {
+    tw[c] = static_cast<int>(ch.size() / 3);
+    ch.insert(ch.end(), {4, c / 4, qrow});
+    qrow += 4;
+  }
+  if (twin_every > 0) {
+    CK(cudaMalloc(&w.twin, tw.size() * 4));
+    CK(cudaMemcpy(w.twin, tw.data(), tw.size() * 4, cudaMemcpyHostToDevice));
   }
   std::vector<int> hq(static_cast<size_t>(qrow) * ldq);
   std::vector<float> hs(static_cast<size_t>(G) * ldq), hz(static_cast<size_t>(G) * ldq);
@@ -147,5 +160,6 @@ inline void free_packed(PackedDev& w) {
   CK(cudaFree(w.s));
   CK(cudaFree(w.z));
   CK(cudaFree(w.chunks));
+  if (w.twin) CK(cudaFree(w.twin));
   if (w.perm) CK(cudaFree(w.perm));
 }

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.activation import silu_mul
+from ..ops.cuda_candidates import prompt_adds_extra_rows
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
 from ..ops.norm_perm import rms_norm_permuted
@@ -227,6 +228,8 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     layers read it without a gather (ops/norm_perm.py; NORM_PERM_DEVICES).  The norm module's forward (and its hooks)
     does not run then: its weight and eps are all that is read."""
     perm = shared_perm(layers) if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm else None
+    if perm is not None and perm.numel() != x.shape[-1] and prompt_adds_extra_rows(x.numel() // x.shape[-1]):
+        perm = None              # a prompt of weights with extra rows: their dequantise adds those, GEMMs over K
     if perm is None:
         out = norm(x) if residual is None else norm(x, residual)
     else:

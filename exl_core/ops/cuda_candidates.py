@@ -100,6 +100,11 @@ MMA_MIXED_MAX_ROWS = 16     # weights that are not uniform 4-bit: measured on EX
                             # dequantise + cuBLAS won at 32 rows end to end (bs32 2,599.1 vs 2,447.0 tok/s)
 GEMV_MAX_ROWS = 8           # the fp32 GEMV loses to dequantise + cuBLAS from 16 rows on
 DEQUANT_SLICE = 4096        # dequantise + cuBLAS: columns per slice of weights wider than two slices (_dequant_mm)
+# Prompts of weights with extra rows (formats/uniform4.py): the dequantise adds them into W's K rows in the same
+# thread (qdequant_chunks' twin table, _dequant_w) and the norm before q/k/v and gate/up writes x in its natural order
+# (prompt_adds_extra_rows), so every prompt GEMM runs over K, not over all rows.  EXL_CORE_PROMPT_NATURAL_X=0: the
+# norm writes the extended order at every row count and o/down add their extra rows by an index_add (A/B).
+PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -385,15 +390,55 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     return y
 
 
+def prompt_adds_extra_rows(rows: int) -> bool:
+    """Whether `rows` rows of x reach the prompt's dequantise + cuBLAS path (past every decode kernel) with the extra
+    rows of a weight rewritten as uniform 4-bit rows added into its K rows in the dequantise (PROMPT_NATURAL_X):
+    the norm before such weights then writes x in its natural order (model.llama._norm_many)."""
+    return PROMPT_NATURAL_X and rows > max(WIDE_MAX_ROWS, KSLICE_MAX_ROWS, MMA_MAX_ROWS)
+
+
+def _twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
+    """int32 [K / 32] on pw's device for qdequant_chunks' twin argument: for each of W's K rows' chunks (the first K
+    rows of a weight rewritten as uniform 4-bit rows, formats/uniform4.py) the chunk-table row of the extra chunk
+    that reads the same 32 x columns in the same order, or -1.  Extra chunks of zero scale (pad_rows' padding) add
+    nothing and are left out.  None where pw is not of that form (a chunk not 4-bit, an extra chunk matching no main
+    chunk, a main chunk with two) or a CUDA graph is being captured with none made yet.  Made once per permutation
+    tensor (a host sync) and kept in pw's meta."""
+    held = pw.meta.get("_cuda_twins")
+    if held is not None and held[0] is perm and held[1] is chunks:
+        return held[2]
+    if perm.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    k, twins = pw.in_features, None
+    main, extra = perm[:k].long(), perm[k:].long().view(-1, 32)
+    if _uniform4(pw) and torch.equal(main.sort().values, torch.arange(k, device=perm.device)):
+        pos = torch.empty_like(main)
+        pos[main] = torch.arange(k, device=perm.device)              # x column -> its main row
+        first = pos[extra[:, 0]]                                     # each extra chunk's first row's main row
+        live = pw.scale[chunks[k // 32:, 1].long()].ne(0).any(dim=1)
+        same = torch.equal(main.view(-1, 32)[first // 32][live], extra[live]) and bool((first[live] % 32 == 0).all())
+        if same:
+            owner = (first // 32)[live]
+            if owner.unique().numel() == owner.numel():
+                twins = torch.full((k // 32,), -1, dtype=torch.int32, device=perm.device)
+                twins[owner] = (live.nonzero().flatten() + k // 32).to(torch.int32)
+    pw.meta["_cuda_twins"] = (perm, chunks, twins)
+    return twins
+
+
 def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
     """W [in_features, cols] in x's row order (qdequant_chunks); a weight with extra rows (formats.uniform4: its
-    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows.
-    (Prompts: o and down come through here; q/k/v and gate/up run as _without_perm views over all rows.  A GEMM
-    over K with the extra rows folded in the dequantise lost: csrc/cuda/NOTES.md, session "twelfth".)"""
+    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows: in
+    the same thread, each chunk with its twin's values (_twins_of; PROMPT_NATURAL_X), else dequantised apart and
+    index_add-ed.  Prompts: o and down come through here, and q/k/v and gate/up where prompt_adds_extra_rows (else
+    they run as _without_perm views over all rows)."""
     deq = torch.ops.exl_core.qdequant_chunks
     if pw.rows is None:
         return deq(pw.qweight, chunks, pw.scale, pw.zero, perm, dtype, n0, cols)
     k = pw.in_features
+    twins = _twins_of(pw, chunks, perm) if PROMPT_NATURAL_X else None
+    if twins is not None:
+        return deq(pw.qweight, chunks, pw.scale, pw.zero, perm[:k], dtype, n0, cols, twins)
     w = deq(pw.qweight, chunks[:k // 32], pw.scale, pw.zero, perm[:k], dtype, n0, cols)
     return w.index_add_(0, perm[k:], deq(pw.qweight, chunks[k // 32:], pw.scale, pw.zero, None, dtype, n0, cols))
 

@@ -53,15 +53,9 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 }
 
 // -------------------------------------------------------------------------------- any dtype, any alignment
-// One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of
-// W (rows ldw apart) at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two
-// 16-byte loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).
-// Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the GEMM before may still
-// read: the allocator hands the same block to each slice) is written after it.
-template <typename T, int BITS, int V>
-__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t ldw, const float (&s)[V],
-                                              const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc) {
-  uint32_t w[BITS][V];
+// A chunk's BITS word rows of V adjacent columns (rows ldq apart).
+template <int BITS, int V>
+__device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint32_t (&w)[BITS][V]) {
 #pragma unroll
   for (int j = 0; j < BITS; ++j) {
     if constexpr (V == 1) {
@@ -74,6 +68,43 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
       }
     }
   }
+}
+
+// The twin of a 4-bit chunk (formats/uniform4.py: a 5..8-bit value stored as two 4-bit rows that read one x column,
+// the high halves in an extra chunk after all K rows): its words and scaled group, added into the chunk's values
+// before the one rounding to T, so W has K rows and the prompt's GEMM runs over K.  A chunk without a twin takes the
+// same code with zero words, scale and zero (it adds +0): one copy of the unrolled loop, in a 4-bit-only instance
+// (dequant_kernel TWIN).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B layer alone: 152.28 against
+// 144.10 for the plain kernel over the same chunks; a second unrolled copy for twinned chunks, or this loop inside
+// the width switch's instance, ran 202.24 / 167.73 (dequant_probe, stop 33: the i-cache).
+template <int V>
+struct Twin {
+  const int32_t* qw;              // null: no twin (zero words)
+  float s[V], zs[V];
+};
+
+// One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of W (rows
+// ldw apart) at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two 16-byte
+// loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).  TW (4-bit): plus
+// the twin's values (Twin).  Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the
+// GEMM before may still read: the allocator hands the same block to each slice) is written after it.
+template <typename T, int BITS, int V, bool TW = false>
+__device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t ldw, const float (&s)[V],
+                                              const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc,
+                                              const Twin<V>& twin = Twin<V>{}) {
+  static_assert(!TW || BITS == 4, "twins are 4-bit chunks of 4-bit weights");
+  uint32_t w[BITS][V], w2[TW ? 4 : 1][V];
+  load_chunk<BITS, V>(qw, ldq, w);
+  if constexpr (TW) {
+    if (twin.qw) {
+      load_chunk<4, V>(twin.qw, ldq, w2);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int v = 0; v < V; ++v) w2[j][v] = 0u;
+    }
+  }
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
@@ -81,6 +112,10 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
     float f[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) f[v] = chunk_value<BITS, V>(w, i, v, s[v], zs[v]);
+    if constexpr (TW) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) f[v] += chunk_value<4, V>(w2, i, v, twin.s[v], twin.zs[v]);
+    }
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {
@@ -104,6 +139,7 @@ struct DequantMat {
   const int64_t* perm;            // or null
   void* W;                        // its first column in the shared W
   int64_t ldq, N;
+  const int32_t* twin;            // or null: per chunk of W's K rows, the chunk table row of its twin or -1 (4-bit)
 };
 struct DequantMats {
   DequantMat m[kMaxDequantMats];
@@ -111,9 +147,11 @@ struct DequantMats {
   int n;
 };
 
-// grid (ceil(max N / (blockDim V)), K / 32, n).  V = 8: every N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte
-// aligned qweight and W.
-template <typename T, int V>
+// grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every
+// N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  TWIN: every chunk 4-bit (the host
+// checks), the mats' twin tables read; an instance of its own without the width switch, so neither the twin's
+// registers nor its loop reach the plain kernel.
+template <typename T, int V, bool TWIN = false>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
@@ -123,20 +161,33 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
     return;
   }
   const int64_t c = blockIdx.y;
-  const int bits = m.chunks[c * 3], g = m.chunks[c * 3 + 1], qrow = m.chunks[c * 3 + 2];
+  const int g = m.chunks[c * 3 + 1], qrow = m.chunks[c * 3 + 2];
   float s[V], zs[V];
   group_scale_zero<V>(m.scale, m.zero, g, m.ldq, col, s, zs);
   const int32_t* qw = m.qweight + static_cast<int64_t>(qrow) * m.ldq + col;
   T* Wc = static_cast<T*>(m.W) + col;
   const int64_t ldq = m.ldq, ldw = mats.ldw;
   const int64_t* perm = m.perm;
-  switch (bits) {
-    case 4: dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
-    case 2: dequant_chunk<T, 2, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
-    case 3: dequant_chunk<T, 3, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
-    case 5: dequant_chunk<T, 5, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
-    case 6: dequant_chunk<T, 6, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
-    default: dequant_chunk<T, 8, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+  if constexpr (TWIN) {
+    Twin<V> tw;
+    const int tc = m.twin ? __ldg(m.twin + c) : -1;
+    tw.qw = tc >= 0 ? m.qweight + static_cast<int64_t>(m.chunks[tc * 3 + 2]) * m.ldq + col : nullptr;
+    if (tc >= 0) {
+      group_scale_zero<V>(m.scale, m.zero, m.chunks[tc * 3 + 1], m.ldq, col, tw.s, tw.zs);
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) tw.s[v] = tw.zs[v] = 0.f;
+    }
+    dequant_chunk<T, 4, V, true>(qw, ldq, ldw, s, zs, perm, c * 32, Wc, tw);
+  } else {
+    switch (m.chunks[c * 3]) {
+      case 4: dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+      case 2: dequant_chunk<T, 2, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+      case 3: dequant_chunk<T, 3, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+      case 5: dequant_chunk<T, 5, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+      case 6: dequant_chunk<T, 6, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+      default: dequant_chunk<T, 8, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;
+    }
   }
 }
 

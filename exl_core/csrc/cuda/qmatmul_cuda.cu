@@ -250,29 +250,46 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
 
 template <typename T>
 void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch, const int32_t* qp,
-                    int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out) {
+                    int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out,
+                    const int32_t* twin) {
   exl_dequant::DequantMats mats{};
   mats.n = 1;
   mats.ldw = N;
-  mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N};
+  mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N, twin};
   if constexpr (!std::is_same<T, float>::value) {
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev, mats);
+      exl_pdl::launch_pdl(twin ? dequant_kernel<T, 8, true> : dequant_kernel<T, 8>, grid8, dim3(64), 0, stream, dev,
+                          mats);
       return;
     }
   }
   const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(n_chunks));
-  exl_pdl::launch_pdl(dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, mats);
+  exl_pdl::launch_pdl(twin ? dequant_kernel<T, 1, true> : dequant_kernel<T, 1>, grid, dim3(128), 0, stream, dev, mats);
 }
 
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
 // weight (cols -1: to the end) for cuBLAS.  Large-M callers take wide weights in L2-sized column slices.
+// twin (int32 [K / 32], a weight rewritten as uniform 4-bit rows, formats/uniform4.py): W has K = 32 x its length
+// rows, chunk c's values plus, where twin[c] >= 0, those of chunk-table row twin[c] (the extra rows reading the same
+// x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_candidates.py
+// _twins_of) checked that every chunk is 4-bit and every twin inside the table.
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
-                           int64_t col0, int64_t cols) {
-  const int64_t K = chunks.size(0) * 32, ldq = qweight.size(1);
-  check_common(qweight, chunks, scale, zero, perm, K);
+                           int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin) {
+  check_common(qweight, chunks, scale, zero, c10::nullopt, chunks.size(0) * 32);
+  if (twin) {
+    EXL_CHECK_CUDA_T(*twin, "twin");
+    TORCH_CHECK(twin->dtype() == at::kInt && twin->dim() == 1 && twin->is_contiguous() &&
+                twin->size(0) <= chunks.size(0), "exl_core::qdequant_chunks: twin must be contiguous int32 [K/32] "
+                "with at most the chunk table's ", chunks.size(0), " entries");
+  }
+  const int64_t K = (twin ? twin->size(0) : chunks.size(0)) * 32, ldq = qweight.size(1);
+  if (perm) {
+    EXL_CHECK_CUDA_T(*perm, "perm");
+    TORCH_CHECK(perm->dtype() == at::kLong && perm->numel() == K && perm->is_contiguous(),
+                "exl_core::qdequant_chunks: perm must be contiguous int64 [", K, "]");
+  }
   if (cols < 0) cols = ldq - col0;
   TORCH_CHECK(col0 >= 0 && cols >= 0 && col0 + cols <= ldq, "exl_core::qdequant_chunks: columns [", col0, ", ",
               col0 + cols, ") outside the weight's ", ldq);
@@ -288,9 +305,10 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   // 16-byte word loads (qp aligned, rows ldq % 4 words apart) and W row stores (N % 8); scale/zero go per value
   const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
   const int32_t* ch = chunks.data_ptr<int32_t>();
+  const int32_t* tw = twin ? twin->data_ptr<int32_t>() : nullptr;
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
-    launch_dequant<scalar_t>(vec8, chunks.size(0), stream, dev, ch, qp, ldq, N, sp, zp, pp,
-                             reinterpret_cast<scalar_t*>(W.data_ptr()));
+    launch_dequant<scalar_t>(vec8, K / 32, stream, dev, ch, qp, ldq, N, sp, zp, pp,
+                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw);
   });
   return W;
 }
@@ -331,7 +349,7 @@ at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const auto chunks = chunk_table_cuda(groups, x.size(1), qweight.size(0), x.device());
   const auto xc = x.contiguous();
   if (x.size(0) <= 16) return qgemv_chunks(xc, qweight, chunks, scale, zero, perm, bias);
-  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1);
+  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt);
   auto y = at::matmul(xc, W);
   if (bias) y.add_(*bias);
   return y;
@@ -343,7 +361,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemv_chunks(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias) -> Tensor");
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "ScalarType dtype, int col0=0, int cols=-1) -> Tensor");
+        "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
