@@ -108,7 +108,7 @@ void launch(const Launch& l, cudaStream_t st, int kind) {
   const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>((max_n + 511) / 512), l.parts[0].w->K / 32,
                                                  mats.n), dim3(64), 0, st, attr);
   void (*kern)(DequantMats) = kind != kV8 ? store_only_kernel
-                              : l.parts[0].w->twin ? dequant_kernel<__half, 8, true> : dequant_kernel<__half, 8>;
+                              : l.parts[0].w->twin ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8>;
   CK(cudaLaunchKernelEx(&cfg, kern, mats));
 }
 

@@ -7,10 +7,11 @@
 // each the 11 per-weight launches of a 7B layer (gate/up in 4096-column slices), alone and with -DWITH_CUBLAS each
 // launch followed by its GEMM on 2048 rows of x (the prompt's order), four layers of distinct weights in one graph:
 //   plain      the extension's dequant_kernel<half, 8> over the K rows, twins ignored (the floor to reach)
-//   plain4     the same loop in a 4-bit-only kernel (68 registers against the width switch's 107), twins ignored:
-//              whether uniform 4-bit weights (GPTQ's too) would dequantise faster in an instance of their own
+//   plain4     the same loop in the extension's 4-bit-only instance, dequant_kernel<half, 8, kUniform4>, twins
+//              ignored (stop 34 calls 1-2 ran a copy of it in this probe: 174.29 / 173.78 us alone, but ahead of
+//              plain after the GEMMs in 5 of 6 rounds)
 //   loop       every chunk adds its twin in the same loop, zero words where none: the extension's
-//              dequant_kernel<half, 8, true> (stop 34 call 1 ran this probe's own copy of it: 152.28 us alone)
+//              dequant_kernel<half, 8, kTwin4> (stop 34 call 1 ran this probe's own copy of it: 152.28 us alone)
 //   rmw        the plain loop for every chunk, then a twinned chunk's thread reads back the 32 rows it stored, adds
 //              the twin's values (one word row = 8 rows at a time, 8 loads in flight) and stores them again
 //   rmw_first  rmw with the twinned chunks first in launch order (their longer blocks start in the first wave)
@@ -241,17 +242,20 @@ void launch(const Slice& s, cudaStream_t st, int kind) {
   cudaLaunchAttribute attr[1];
   const dim3 grid(static_cast<unsigned>((s.N + 511) / 512), K / 32);
   cudaLaunchConfig_t cfg = pdl_config(grid, dim3(64), 0, st, attr);
-  if (kind == kPlain || kind == kSep || kind == kLoop) {
+  if (kind == kPlain4) {            // the extension's uniform 4-bit instance (twins ignored)
+    DequantMats m{};
+    m.n = 1, m.ldw = s.N;
+    m.m[0] = DequantMat{a.chunks, a.qweight, a.scale, a.zero, a.perm, s.W, a.ldq, s.N, nullptr};
+    CK(cudaLaunchKernelEx(&cfg, dequant_kernel<__half, 8, kUniform4>, m));
+  } else if (kind == kPlain || kind == kSep || kind == kLoop) {
     DequantMats m{};
     m.n = 1, m.ldw = s.N;
     m.m[0] = DequantMat{a.chunks, a.qweight, a.scale, a.zero, a.perm, s.W, a.ldq, s.N, kind == kLoop ? a.twin : nullptr};
-    CK(cudaLaunchKernelEx(&cfg, kind == kLoop ? dequant_kernel<__half, 8, true> : dequant_kernel<__half, 8>, m));
+    CK(cudaLaunchKernelEx(&cfg, kind == kLoop ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8>, m));
     if (kind == kSep) {
       cudaLaunchConfig_t c2 = pdl_config(dim3(grid.x, s.t->n_twinned), dim3(64), 0, st, attr);
       CK(cudaLaunchKernelEx(&c2, twin_add_kernel, a));
     }
-  } else if (kind == kPlain4) {
-    CK(cudaLaunchKernelEx(&cfg, rmw_kernel<kAll, false>, a));
   } else if (kind == kSplit) {
     cudaLaunchConfig_t c1 = pdl_config(dim3(grid.x, s.t->n_twinned), dim3(64), 0, st, attr);
     CK(cudaLaunchKernelEx(&c1, loop_kernel<kTwinned>, a));

@@ -61,6 +61,42 @@ def test_dequant_vectorised_equals_per_column_and_float64(perm, dtype):
     assert torch.equal(part, full[:, 1:])
 
 
+@pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch):
+    """qdequant_chunks(uniform4=True), the instance without the width switch that _dequant_w takes for uniform 4-bit
+    weights (GPTQ 4-bit), writes exactly what the width switch's instance writes, 16-byte and per-column (a
+    misaligned slice), whole and sliced, and matches float64; _dequant_w passes the flag only where every chunk is
+    4-bit (EXL_CORE_DEQUANT_U4=0: never)."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    pw = random_packed(LAYOUTS[0] * 3, 8 * 67, perm=perm)
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    ch = cc.chunk_table(pw.groups, "cuda")
+    ops = torch.ops.exl_core
+    for col0, cols in ((0, -1), (1, -1), (64, 200)):
+        poison_allocator()
+        switch = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, col0, cols, None, False)
+        poison_allocator()
+        u4 = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, col0, cols, None, True)
+        assert torch.equal(u4, switch), (col0, cols)
+    assert rel_err(u4, W[:, 64:264]) < (1e-3 if dtype == torch.float16 else 4e-3)
+    seen, real = [], ops.qdequant_chunks
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(ops, "qdequant_chunks", spy)
+    mixed = random_packed(LAYOUTS[1], 64, perm=perm).to("cuda")
+    for w, flag in ((c, True), (mixed, False)):
+        cc._dequant_w(w, cc.chunk_table(w.groups, "cuda"), cc._perm_of(w, torch.device("cuda")), dtype)
+        assert seen[-1] is flag
+    monkeypatch.setattr(cc, "DEQUANT_U4", False)
+    cc._dequant_w(c, ch, cc._perm_of(c, torch.device("cuda")), dtype)
+    assert seen[-1] is False
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qmatmul_add_into_residual(monkeypatch, dtype):
     """qmatmul_add_ on the prompt path adds x @ W into the residual in place (the GEMM's beta = 1), in one piece

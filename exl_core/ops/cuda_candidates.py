@@ -105,6 +105,9 @@ DEQUANT_SLICE = 4096        # dequantise + cuBLAS: columns per slice of weights 
 # (prompt_adds_extra_rows), so every prompt GEMM runs over K, not over all rows.  EXL_CORE_PROMPT_NATURAL_X=0: the
 # norm writes the extended order at every row count and o/down add their extra rows by an index_add (A/B).
 PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
+# Uniform 4-bit weights (GPTQ 4-bit, rewritten EXL2) dequantise in an instance without the width switch (qdequant_chunks
+# uniform4); EXL_CORE_DEQUANT_U4=0: the width switch's instance for every weight (A/B).
+DEQUANT_U4 = os.environ.get("EXL_CORE_DEQUANT_U4", "1") != "0"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -432,15 +435,18 @@ def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Te
     the same thread, each chunk with its twin's values (_twins_of; PROMPT_NATURAL_X), else dequantised apart and
     index_add-ed.  Prompts: o and down come through here, and q/k/v and gate/up where prompt_adds_extra_rows (else
     they run as _without_perm views over all rows)."""
-    deq = torch.ops.exl_core.qdequant_chunks
+    u4 = DEQUANT_U4 and _uniform4(pw)
+
+    def deq(chunks_, perm_, twins=None):
+        return torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks_, pw.scale, pw.zero, perm_, dtype, n0, cols,
+                                                  twins, u4)
     if pw.rows is None:
-        return deq(pw.qweight, chunks, pw.scale, pw.zero, perm, dtype, n0, cols)
+        return deq(chunks, perm)
     k = pw.in_features
     twins = _twins_of(pw, chunks, perm) if PROMPT_NATURAL_X else None
     if twins is not None:
-        return deq(pw.qweight, chunks, pw.scale, pw.zero, perm[:k], dtype, n0, cols, twins)
-    w = deq(pw.qweight, chunks[:k // 32], pw.scale, pw.zero, perm[:k], dtype, n0, cols)
-    return w.index_add_(0, perm[k:], deq(pw.qweight, chunks[k // 32:], pw.scale, pw.zero, None, dtype, n0, cols))
+        return deq(chunks, perm[:k], twins)
+    return deq(chunks[:k // 32], perm[:k]).index_add_(0, perm[k:], deq(chunks[k // 32:], None))
 
 
 def _silu_down_check(gate, up, pw) -> Optional[str]:

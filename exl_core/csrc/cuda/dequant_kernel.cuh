@@ -20,6 +20,22 @@ namespace exl_dequant {
 // Exact int -> float for q < 2^23 without the slow I2F path: 2^23 + q as float bits, minus 2^23.
 __device__ __forceinline__ float q_to_f(uint32_t q) { return __uint_as_float(q | 0x4B000000u) - 8388608.0f; }
 
+// Loads of load-time data (words, scales, zeros) meant to run before the PDL wait: coherent loads, which ptxas keeps
+// above griddepcontrol.wait; with __ldg (ld.global.nc) it moved the wait above them in the 4-bit and width-switch
+// instances (SASS, stop 34), so the words were read only after the kernel before had finished.  EXL_DEQUANT_LDG=1:
+// __ldg (A/B builds of the probes).
+#ifndef EXL_DEQUANT_LDG
+#define EXL_DEQUANT_LDG 0
+#endif
+template <typename P>
+__device__ __forceinline__ P ld_early(const P* p) {
+#if EXL_DEQUANT_LDG
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
 // Value i (0..31) of a chunk's column v as float, scaled: its BITS bits start at bit i*BITS of the chunk's
 // BITS words w[.][v] (a value may straddle two words).  i and BITS are constants after unrolling.
 template <int BITS, int V>
@@ -36,8 +52,8 @@ __device__ __forceinline__ void group_scale_zero(const float* scale, const float
                                                  int64_t col, float (&s)[V], float (&zs)[V]) {
 #pragma unroll
   for (int v = 0; v < V; ++v) {
-    s[v] = __ldg(scale + g * ldq + col + v);
-    zs[v] = __ldg(zero + g * ldq + col + v) * s[v];
+    s[v] = ld_early(scale + g * ldq + col + v);
+    zs[v] = ld_early(zero + g * ldq + col + v) * s[v];
   }
 }
 
@@ -53,17 +69,17 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 }
 
 // -------------------------------------------------------------------------------- any dtype, any alignment
-// A chunk's BITS word rows of V adjacent columns (rows ldq apart).
+// A chunk's BITS word rows of V adjacent columns (rows ldq apart); zeros where !live (qw is not read then).
 template <int BITS, int V>
-__device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint32_t (&w)[BITS][V]) {
+__device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint32_t (&w)[BITS][V], bool live = true) {
 #pragma unroll
   for (int j = 0; j < BITS; ++j) {
     if constexpr (V == 1) {
-      w[j][0] = __ldg(qw + j * ldq);
+      w[j][0] = live ? ld_early(qw + j * ldq) : 0;
     } else {
 #pragma unroll
       for (int h = 0; h < V / 4; ++h) {
-        const int4 a = __ldg(reinterpret_cast<const int4*>(qw + j * ldq + 4 * h));
+        const int4 a = live ? ld_early(reinterpret_cast<const int4*>(qw + j * ldq + 4 * h)) : make_int4(0, 0, 0, 0);
         w[j][4 * h] = a.x, w[j][4 * h + 1] = a.y, w[j][4 * h + 2] = a.z, w[j][4 * h + 3] = a.w;
       }
     }
@@ -74,7 +90,7 @@ __device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint3
 // the high halves in an extra chunk after all K rows): its words and scaled group, added into the chunk's values
 // before the one rounding to T, so W has K rows and the prompt's GEMM runs over K.  A chunk without a twin takes the
 // same code with zero words, scale and zero (it adds +0): one copy of the unrolled loop, in a 4-bit-only instance
-// (dequant_kernel TWIN).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B layer alone: 152.28 against
+// (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B layer alone: 152.28 against
 // 144.10 for the plain kernel over the same chunks; a second unrolled copy for twinned chunks, or this loop inside
 // the width switch's instance, ran 202.24 / 167.73 (dequant_probe, stop 33: the i-cache).
 template <int V>
@@ -95,16 +111,7 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
   static_assert(!TW || BITS == 4, "twins are 4-bit chunks of 4-bit weights");
   uint32_t w[BITS][V], w2[TW ? 4 : 1][V];
   load_chunk<BITS, V>(qw, ldq, w);
-  if constexpr (TW) {
-    if (twin.qw) {
-      load_chunk<4, V>(twin.qw, ldq, w2);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int v = 0; v < V; ++v) w2[j][v] = 0u;
-    }
-  }
+  if constexpr (TW) load_chunk<4, V>(twin.qw, ldq, w2, twin.qw != nullptr);   // a select per load, not a branch
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
@@ -147,11 +154,14 @@ struct DequantMats {
   int n;
 };
 
+// Which chunks an instance takes: any width (a switch over bits), uniform 4-bit (no switch: 68 registers against
+// the switch's 107; the host knows, ops/cuda_candidates.py _uniform4), or uniform 4-bit with twin tables.
+enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
+
 // grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every
-// N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  TWIN: every chunk 4-bit (the host
-// checks), the mats' twin tables read; an instance of its own without the width switch, so neither the twin's
-// registers nor its loop reach the plain kernel.
-template <typename T, int V, bool TWIN = false>
+// N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  kTwin4 reads the mats' twin tables.
+// Instances of their own, so neither the twin's registers nor the switch reach the uniform 4-bit kernel.
+template <typename T, int V, int KIND = kAnyWidth>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
@@ -168,9 +178,9 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   T* Wc = static_cast<T*>(m.W) + col;
   const int64_t ldq = m.ldq, ldw = mats.ldw;
   const int64_t* perm = m.perm;
-  if constexpr (TWIN) {
+  if constexpr (KIND == kTwin4) {
     Twin<V> tw;
-    const int tc = m.twin ? __ldg(m.twin + c) : -1;
+    const int tc = m.twin ? ld_early(m.twin + c) : -1;
     tw.qw = tc >= 0 ? m.qweight + static_cast<int64_t>(m.chunks[tc * 3 + 2]) * m.ldq + col : nullptr;
     if (tc >= 0) {
       group_scale_zero<V>(m.scale, m.zero, m.chunks[tc * 3 + 1], m.ldq, col, tw.s, tw.zs);
@@ -179,6 +189,8 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
       for (int v = 0; v < V; ++v) tw.s[v] = tw.zs[v] = 0.f;
     }
     dequant_chunk<T, 4, V, true>(qw, ldq, ldw, s, zs, perm, c * 32, Wc, tw);
+  } else if constexpr (KIND == kUniform4) {
+    dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc);
   } else {
     switch (m.chunks[c * 3]) {
       case 4: dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc); break;

@@ -1,0 +1,72 @@
+"""The 2048-token prompt's CUDA paths side by side in one process (bench/gpu.sh phase `promptab`): both bench
+checkpoints loaded once, a warm-up that brings the clocks up, then every variant timed once a round, rounds
+alternated, so the variants share clocks and heat (separate processes drifted 36,228 -> 45,177 tok/s over four
+runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read at call time:
+
+  gptq u4 / gptq any      uniform 4-bit weights dequantised by the 4-bit instance / by the width switch's
+  exl2 nat                rewritten EXL2, x in natural order, extra rows added in the dequantise (twins)
+  exl2 ext u4 / ext any   the extended order (GEMMs over all rows, index_add), 4-bit instance / width switch
+
+    PYTHONPATH=. python bench/gpu_prompt_ab.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 [--rounds 6]
+
+Prints per-variant medians of the rounds and each variant against the first of its format; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_bench import _write, prompt_tok_s
+
+VARIANTS = {   # name: (format, PROMPT_NATURAL_X, DEQUANT_U4)
+    "gptq u4": ("gptq", True, True), "gptq any": ("gptq", True, False),
+    "exl2 nat": ("exl2", True, True), "exl2 ext u4": ("exl2", False, True), "exl2 ext any": ("exl2", False, False),
+}
+
+
+def main() -> None:
+    from exl_core.loader import load_model
+    from exl_core.ops import cuda_candidates as cc
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gptq", type=Path, required=True)
+    ap.add_argument("--exl2", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_prompt_ab_h200.json")
+    a = ap.parse_args()
+    models = {f: load_model(getattr(a, f), device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+              for f in ("gptq", "exl2")}
+
+    def run(name: str) -> float:
+        fmt, natural, u4 = VARIANTS[name]
+        cc.PROMPT_NATURAL_X, cc.DEQUANT_U4 = natural, u4
+        return prompt_tok_s(models[fmt])
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 8.0:            # warm-up: every variant (first calls build tables), clocks up
+        for name in VARIANTS:
+            run(name)
+    rows = {name: [] for name in VARIANTS}
+    for r in range(a.rounds):
+        order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+        for name in order:
+            rows[name].append(run(name))
+    out = {"gpu": torch.cuda.get_device_name(), "rounds": a.rounds, "tok_s": rows,
+           "median_tok_s": {n: statistics.median(v) for n, v in rows.items()},
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    base = {}
+    print(f"{'variant':14s} {'median tok/s':>13s} {'vs first of format':>19s}   rounds")
+    for name, (fmt, _, _) in VARIANTS.items():
+        med = out["median_tok_s"][name]
+        base.setdefault(fmt, med)
+        out.setdefault("ratio", {})[name] = med / base[fmt]
+        print(f"{name:14s} {med:13.1f} {med / base[fmt]:18.4f}x   " + " ".join(f"{v:.0f}" for v in rows[name]))
+    _write(out, a.json)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
