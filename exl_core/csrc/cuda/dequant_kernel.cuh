@@ -161,8 +161,15 @@ enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
 // grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every
 // N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  kTwin4 reads the mats' twin tables.
 // Instances of their own, so neither the twin's registers nor the switch reach the uniform 4-bit kernel.
+// EXL_DEQUANT_MINB (probe A/B builds only, 64-thread blocks): __launch_bounds__ with that many resident blocks an SM
+// (registers capped).
+#ifdef EXL_DEQUANT_MINB
+#define EXL_DEQUANT_BOUNDS __launch_bounds__(64, EXL_DEQUANT_MINB)   // V = 8 launches only
+#else
+#define EXL_DEQUANT_BOUNDS
+#endif
 template <typename T, int V, int KIND = kAnyWidth>
-__global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
+__global__ void EXL_DEQUANT_BOUNDS dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= m.N) {
