@@ -1,17 +1,18 @@
 // Probe for the prompt dequantise of EXL2 weights rewritten as uniform 4-bit rows (exl_core/formats/uniform4.py): a
 // 5..8-bit row is a 4-bit row plus a "twin" row of high halves in an extra chunk after all K rows, reading the same x
 // column.  A prompt whose GEMMs run over K (GPTQ's cost) needs W's K rows with each twin's values added in.  Stop 33
-// tried that in the extension (git show a90eda5) and lost it all in the dequantise (csrc/cuda/NOTES.md, session
-// "fourteenth"): a twin path as a second unrolled copy of the loop, 202.24 us a 7B layer; one loop adding zero twins
-// for every chunk, 167.73; against 143.24 for the same chunks without twins (dequant_probe.cu u4_ao).  Variants here,
-// each the 11 per-weight launches of a 7B layer (gate/up in 4096-column slices), alone and with -DWITH_CUBLAS each
-// launch followed by its GEMM on 2048 rows of x (the prompt's order), four layers of distinct weights in one graph:
+// lost that in the dequantise (csrc/cuda/NOTES.md, session "fourteenth": 202.24 / 167.73 us a 7B layer against
+// 143.24 without twins); stop 34 kept it (session "fifteenth") with `loop` below as the extension's kTwin4 instance
+// (153.36-154.01 us alone once its words were read before the PDL wait, against 131.06-132.26 for `plain`).  Variants
+// here, each the 11 per-weight launches of a 7B layer (gate/up in 4096-column slices), alone and with -DWITH_CUBLAS
+// each launch followed by its GEMM on 2048 rows of x (the prompt's order), four layers of distinct weights in one
+// graph:
 //   plain      the extension's dequant_kernel<half, 8> over the K rows, twins ignored (the floor to reach)
 //   plain4     the same loop in the extension's 4-bit-only instance, dequant_kernel<half, 8, kUniform4>, twins
-//              ignored (stop 34 calls 1-2 ran a copy of it in this probe: 174.29 / 173.78 us alone, but ahead of
-//              plain after the GEMMs in 5 of 6 rounds)
+//              ignored (slower alone than plain, 173.66-178.18 us, yet ahead of it after the GEMMs in every round
+//              of stop 34 calls 5 and 7)
 //   loop       every chunk adds its twin in the same loop, zero words where none: the extension's
-//              dequant_kernel<half, 8, kTwin4> (stop 34 call 1 ran this probe's own copy of it: 152.28 us alone)
+//              dequant_kernel<half, 8, kTwin4>
 //   rmw        the plain loop for every chunk, then a twinned chunk's thread reads back the 32 rows it stored, adds
 //              the twin's values (one word row = 8 rows at a time, 8 loads in flight) and stores them again
 //   rmw_first  rmw with the twinned chunks first in launch order (their longer blocks start in the first wave)

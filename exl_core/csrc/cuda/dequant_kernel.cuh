@@ -90,9 +90,9 @@ __device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint3
 // the high halves in an extra chunk after all K rows): its words and scaled group, added into the chunk's values
 // before the one rounding to T, so W has K rows and the prompt's GEMM runs over K.  A chunk without a twin takes the
 // same code with zero words, scale and zero (it adds +0): one copy of the unrolled loop, in a 4-bit-only instance
-// (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B layer alone: 152.28 against
-// 144.10 for the plain kernel over the same chunks; a second unrolled copy for twinned chunks, or this loop inside
-// the width switch's instance, ran 202.24 / 167.73 (dequant_probe, stop 33: the i-cache).
+// (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B layer alone: 154.01 /
+// 153.36 against 132.26 / 131.06 for the width switch's instance over the same chunks (stop 34 calls 5 / 7); a
+// second unrolled copy for twinned chunks, or this loop inside the switch's instance, ran 202.24 / 167.73 (stop 33).
 template <int V>
 struct Twin {
   const int32_t* qw;              // null: no twin (zero words)
@@ -154,22 +154,15 @@ struct DequantMats {
   int n;
 };
 
-// Which chunks an instance takes: any width (a switch over bits), uniform 4-bit (no switch: 68 registers against
-// the switch's 107; the host knows, ops/cuda_candidates.py _uniform4), or uniform 4-bit with twin tables.
+// Which chunks an instance takes: any width (a switch over bits), uniform 4-bit (no switch: 70 registers against
+// the switch's 110, sm_90; the host knows, ops/cuda_candidates.py _uniform4), or uniform 4-bit with twin tables.
 enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
 
 // grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every
 // N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  kTwin4 reads the mats' twin tables.
 // Instances of their own, so neither the twin's registers nor the switch reach the uniform 4-bit kernel.
-// EXL_DEQUANT_MINB (probe A/B builds only, 64-thread blocks): __launch_bounds__ with that many resident blocks an SM
-// (registers capped).
-#ifdef EXL_DEQUANT_MINB
-#define EXL_DEQUANT_BOUNDS __launch_bounds__(64, EXL_DEQUANT_MINB)   // V = 8 launches only
-#else
-#define EXL_DEQUANT_BOUNDS
-#endif
 template <typename T, int V, int KIND = kAnyWidth>
-__global__ void EXL_DEQUANT_BOUNDS dequant_kernel(const __grid_constant__ DequantMats mats) {
+__global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= m.N) {
