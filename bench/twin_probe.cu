@@ -19,8 +19,12 @@
 //   sep        plain, then a second launch over the twinned chunks only doing rmw's pass
 //   split      a launch of loop's kernel over the twinned chunks only, then the plain loop over the others (each
 //              launch one hot loop, no read-back, one rounding)
+//   plain4_o9  plain4 held to the width switch's 9 blocks an SM by dynamic shared memory: whether plain4's lead
+//              after the GEMMs is its occupancy (70 registers against 110) or its code
+//   loop_lazy  loop with the twin's words loaded one word row at a time inside the loop and one merged offset:
+//              fewer registers than loop's 121 (ptxas), the twin's loads after the wait
 // Each variant of the first layer is checked against the host formula within 2^-11 of |main| + |sum| (rmw and sep
-// round the main value first, loop once).
+// round the main value first, loop once).  Five rounds after the GEMMs (three before stop 34's last call).
 //   nvcc -O3 -arch=sm_90 [-DWITH_CUBLAS -lcublas] -o /tmp/twin_probe bench/twin_probe.cu && /tmp/twin_probe
 // (bench/gpu.sh phase `twin`.)
 #include <cuda_fp16.h>
@@ -234,8 +238,55 @@ __global__ void loop_kernel(const __grid_constant__ Args a) {
   }
 }
 
-enum Kind { kPlain = 0, kPlain4, kLoop, kRmw, kRmwFirst, kSep, kSplit, kKinds };
-const char* kind_key[] = {"plain", "plain4", "loop", "rmw", "rmw_first", "sep", "split"};
+// loop_lazy: loop with the twin's words loaded a word row (8 rows' worth) at a time inside the loop, after the wait,
+// and the two offsets merged: fewer live registers (ptxas), the twin's loads exposed in twinned blocks only.
+__global__ void lazy_kernel(const __grid_constant__ Args a) {
+  int64_t col;
+  if (!column_of(a.N, col)) return;
+  const int64_t c = blockIdx.y;
+  const int tc = a.twin[c];
+  float s[8], zs[8], ts[8], tzs[8];
+  group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, s, zs);
+  if (tc >= 0) {
+    group_scale_zero<8>(a.scale, a.zero, a.chunks[tc * 3 + 1], a.ldq, col, ts, tzs);
+  } else {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) ts[v] = tzs[v] = 0.f;
+  }
+#pragma unroll
+  for (int v = 0; v < 8; ++v) zs[v] += tzs[v];           // one offset: q s + t ts - (z s + tz ts)
+  const int32_t* qw = a.qweight + static_cast<int64_t>(a.chunks[c * 3 + 2]) * a.ldq + col;
+  const int32_t* tq = tc >= 0 ? a.qweight + static_cast<int64_t>(a.chunks[tc * 3 + 2]) * a.ldq + col : nullptr;
+  uint32_t w[4][8];
+  load_words(qw, a.ldq, w);
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t t8[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int4 v = tq ? __ldg(reinterpret_cast<const int4*>(tq + j * a.ldq + 4 * h)) : make_int4(0, 0, 0, 0);
+      t8[4 * h] = v.x, t8[4 * h + 1] = v.y, t8[4 * h + 2] = v.z, t8[4 * h + 3] = v.w;
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int i = 8 * j + r;
+      float f[8];
+#pragma unroll
+      for (int v = 0; v < 8; ++v)
+        f[v] = fmaf(q_to_f((w[j][v] >> (4 * r)) & 15u), s[v], fmaf(q_to_f((t8[v] >> (4 * r)) & 15u), ts[v], -zs[v]));
+      *reinterpret_cast<uint4*>(a.W + col + a.perm[c * 32 + i] * a.N) =
+          make_uint4(pack2<__half>(f[0], f[1]), pack2<__half>(f[2], f[3]), pack2<__half>(f[4], f[5]),
+                     pack2<__half>(f[6], f[7]));
+    }
+  }
+}
+
+enum Kind { kPlain = 0, kPlain4, kLoop, kRmw, kRmwFirst, kSep, kSplit, kPlain4O9, kLazy, kKinds };
+const char* kind_key[] = {"plain", "plain4", "loop", "rmw", "rmw_first", "sep", "split", "plain4_o9", "loop_lazy"};
+constexpr int kO9Smem = 24 * 1024;   // plain4_o9: dynamic shared memory that leaves 9 blocks an SM (228 KB, 1 KB each
+                                     // reserved), the width switch's instance's register-bound occupancy
 
 void launch(const Slice& s, cudaStream_t st, int kind) {
   const Args a = args_of(s);
@@ -243,11 +294,14 @@ void launch(const Slice& s, cudaStream_t st, int kind) {
   cudaLaunchAttribute attr[1];
   const dim3 grid(static_cast<unsigned>((s.N + 511) / 512), K / 32);
   cudaLaunchConfig_t cfg = pdl_config(grid, dim3(64), 0, st, attr);
-  if (kind == kPlain4) {            // the extension's uniform 4-bit instance (twins ignored)
+  if (kind == kPlain4 || kind == kPlain4O9) {   // the extension's uniform 4-bit instance (twins ignored)
     DequantMats m{};
     m.n = 1, m.ldw = s.N;
     m.m[0] = DequantMat{a.chunks, a.qweight, a.scale, a.zero, a.perm, s.W, a.ldq, s.N, nullptr};
+    if (kind == kPlain4O9) cfg.dynamicSmemBytes = kO9Smem;
     CK(cudaLaunchKernelEx(&cfg, dequant_kernel<__half, 8, kUniform4>, m));
+  } else if (kind == kLazy) {
+    CK(cudaLaunchKernelEx(&cfg, lazy_kernel, a));
   } else if (kind == kPlain || kind == kSep || kind == kLoop) {
     DequantMats m{};
     m.n = 1, m.ldw = s.N;
@@ -285,7 +339,7 @@ bool check(const Slice& s, int kind) {
     for (int n = 0; n < s.N; ++n)
       for (int j = 0; j < 32; ++j) {
         const int col = s.col0 + n;
-        const bool twins = kind != kPlain && kind != kPlain4;
+        const bool twins = kind != kPlain && kind != kPlain4 && kind != kPlain4O9;
         const double main = value(c, j, col), sum = main + (twins && t.htwin[c] >= 0 ? value(t.htwin[c], j, col) : 0.0);
         const __half raw = got[static_cast<size_t>(w.hperm[32 * c + j]) * s.N + n];
         const double have = __half2float(raw);
@@ -359,7 +413,7 @@ int main() {
     row += std::string(", \"") + kind_key[kind] + "_alone_us\": " + std::to_string(us);
   }
 #ifdef WITH_CUBLAS
-  for (int round = 0; round < 3; ++round) {            // interleaved: GEMMs alone, then each kind before its GEMMs
+  for (int round = 0; round < 5; ++round) {            // interleaved: GEMMs alone, then each kind before its GEMMs
     const float g_us = time_seq([&](cudaStream_t st) {
                          for (auto& L : layers)
                            for (const Slice& s : L) gemm(s, st);
