@@ -248,6 +248,7 @@ for v in noxchunks:EXL_CORE_KSLICE_XCHUNKS notails:EXL_CORE_WIDE_TAILS; do  # A/
 done
 if has promptext; then  # A/B: EXL2 prompts in the extended order, GEMMs over all rows (EXL_CORE_PROMPT_NATURAL_X=0),
   # against the default natural order: prompt-only runs alternated twice, one JSON ({ext1, nat1, ext2, nat2})
+  rm -f /tmp/exl_promptext_*.json                 # a warm machine's old runs must not pass as this call's
   for r in ext1:0 nat1:1 ext2:0 nat2:1; do
     EXL_CORE_PROMPT_NATURAL_X=${r#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
       --prompt-only --json "/tmp/exl_promptext_${r%%:*}.json" 2>&1 | tee -a "$LOG" | grep prompt2048

@@ -24,7 +24,7 @@
 //   loop_lazy  loop with the twin's words loaded one word row at a time inside the loop and one merged offset:
 //              fewer registers than loop's 121 (ptxas), the twin's loads after the wait
 // Each variant of the first layer is checked against the host formula within 2^-11 of |main| + |sum| (rmw and sep
-// round the main value first, loop once).  Five rounds after the GEMMs (three before stop 34's last call).
+// round the main value first, loop once).  Five rounds after the GEMMs (three in every stop 34 call).
 //   nvcc -O3 -arch=sm_90 [-DWITH_CUBLAS -lcublas] -o /tmp/twin_probe bench/twin_probe.cu && /tmp/twin_probe
 // (bench/gpu.sh phase `twin`.)
 #include <cuda_fp16.h>
@@ -372,6 +372,13 @@ int main() {
       const TwinW* t = &ws[7 * l + i];
       for (int c0 = 0; c0 < t->w.ldq; c0 += 4096) layers[l].push_back({t, c0, std::min(4096, t->w.ldq - c0), W});
     }
+  }
+  {                                                     // plain4_o9's premise: 9 blocks an SM against plain4's
+    int b_sw = 0, b_u4 = 0, b_o9 = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b_sw, dequant_kernel<__half, 8>, 64, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b_u4, dequant_kernel<__half, 8, kUniform4>, 64, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b_o9, dequant_kernel<__half, 8, kUniform4>, 64, kO9Smem));
+    printf("blocks an SM: width switch %d, plain4 %d, plain4_o9 %d\n", b_sw, b_u4, b_o9);
   }
   for (int kind = 0; kind < kKinds; ++kind) {          // the first layer, each slice
     bool ok = true;

@@ -106,7 +106,8 @@ DEQUANT_SLICE = 4096        # dequantise + cuBLAS: columns per slice of weights 
 # norm writes the extended order at every row count and o/down add their extra rows by an index_add (A/B).
 PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
 # Uniform 4-bit weights (GPTQ 4-bit, rewritten EXL2) dequantise in an instance without the width switch (qdequant_chunks
-# uniform4); EXL_CORE_DEQUANT_U4=0: the width switch's instance for every weight (A/B).
+# uniform4); EXL_CORE_DEQUANT_U4=0: the width switch's instance for every weight without a twin table (A/B; twinned
+# weights, PROMPT_NATURAL_X, keep their own 4-bit instance).
 DEQUANT_U4 = os.environ.get("EXL_CORE_DEQUANT_U4", "1") != "0"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

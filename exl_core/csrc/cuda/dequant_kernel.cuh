@@ -4,8 +4,9 @@
 //
 // A chunk is 32 rows of K stored in `bits` consecutive qweight rows (value j of a column at bits j*bits.. of them);
 // the chunk table int32 [K/32, 3] gives each chunk's (bits, group, first qweight row).  The kernel (V = 1 and V = 8
-// columns per thread) is launched with PDL: the words, scales and permutation (load-time data) are read before pdl_wait, W (which the GEMM before may
-// still read: the allocator hands the same block to each slice) is written after it.
+// columns per thread) is launched with PDL: the words, scales and zeros (load-time data) are read before pdl_wait
+// (ld_early), W (which the GEMM before may still read: the allocator hands the same block to each slice) is written
+// after it, each row's permutation entry read as it is stored.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
