@@ -204,26 +204,37 @@ __global__ void twin_add_kernel(const __grid_constant__ Args a) {
   add_twin(a, c, a.twin[c], col, false);
 }
 
+// A chunk's scale and offset and its twin's (zeros where it has none); its words' and its twin's first word (null:
+// no twin), for the thread's 8 columns from col.
+struct ChunkTwin {
+  float s[8], zs[8], ts[8], tzs[8];
+  const int32_t *qw, *tq;
+};
+__device__ __forceinline__ ChunkTwin chunk_twin(const Args& a, int64_t c, int64_t col) {
+  ChunkTwin r;
+  const int tc = a.twin[c];
+  group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, r.s, r.zs);
+  if (tc >= 0) {
+    group_scale_zero<8>(a.scale, a.zero, a.chunks[tc * 3 + 1], a.ldq, col, r.ts, r.tzs);
+  } else {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) r.ts[v] = r.tzs[v] = 0.f;
+  }
+  r.qw = a.qweight + static_cast<int64_t>(a.chunks[c * 3 + 2]) * a.ldq + col;
+  r.tq = tc >= 0 ? a.qweight + static_cast<int64_t>(a.chunks[tc * 3 + 2]) * a.ldq + col : nullptr;
+  return r;
+}
+
 // split's twinned launch: every chunk's loop adds a twin (the extension's TWIN instance over the chunks of SEL).
 template <int SEL>
 __global__ void loop_kernel(const __grid_constant__ Args a) {
   int64_t col;
   if (!column_of(a.N, col)) return;
   const int64_t c = chunk_of<SEL>(a);
-  const int tc = a.twin[c];
-  float s[8], zs[8], ts[8], tzs[8];
-  group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, s, zs);
-  if (tc >= 0) {
-    group_scale_zero<8>(a.scale, a.zero, a.chunks[tc * 3 + 1], a.ldq, col, ts, tzs);
-  } else {
-#pragma unroll
-    for (int v = 0; v < 8; ++v) ts[v] = tzs[v] = 0.f;
-  }
-  const int32_t* qw = a.qweight + static_cast<int64_t>(a.chunks[c * 3 + 2]) * a.ldq + col;
-  const int32_t* tq = tc >= 0 ? a.qweight + static_cast<int64_t>(a.chunks[tc * 3 + 2]) * a.ldq + col : nullptr;
+  const ChunkTwin t = chunk_twin(a, c, col);
   uint32_t w[4][8], w2[4][8];
-  load_words(qw, a.ldq, w);
-  load_words(tq, a.ldq, w2);
+  load_words(t.qw, a.ldq, w);
+  load_words(t.tq, a.ldq, w2);
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
@@ -231,7 +242,7 @@ __global__ void loop_kernel(const __grid_constant__ Args a) {
     float f[8];
 #pragma unroll
     for (int v = 0; v < 8; ++v)
-      f[v] = chunk_value<4, 8>(w, i, v, s[v], zs[v]) + chunk_value<4, 8>(w2, i, v, ts[v], tzs[v]);
+      f[v] = chunk_value<4, 8>(w, i, v, t.s[v], t.zs[v]) + chunk_value<4, 8>(w2, i, v, t.ts[v], t.tzs[v]);
     *reinterpret_cast<uint4*>(a.W + col + a.perm[c * 32 + i] * a.N) =
         make_uint4(pack2<__half>(f[0], f[1]), pack2<__half>(f[2], f[3]), pack2<__half>(f[4], f[5]),
                    pack2<__half>(f[6], f[7]));
@@ -244,21 +255,11 @@ __global__ void lazy_kernel(const __grid_constant__ Args a) {
   int64_t col;
   if (!column_of(a.N, col)) return;
   const int64_t c = blockIdx.y;
-  const int tc = a.twin[c];
-  float s[8], zs[8], ts[8], tzs[8];
-  group_scale_zero<8>(a.scale, a.zero, a.chunks[c * 3 + 1], a.ldq, col, s, zs);
-  if (tc >= 0) {
-    group_scale_zero<8>(a.scale, a.zero, a.chunks[tc * 3 + 1], a.ldq, col, ts, tzs);
-  } else {
+  ChunkTwin t = chunk_twin(a, c, col);
 #pragma unroll
-    for (int v = 0; v < 8; ++v) ts[v] = tzs[v] = 0.f;
-  }
-#pragma unroll
-  for (int v = 0; v < 8; ++v) zs[v] += tzs[v];           // one offset: q s + t ts - (z s + tz ts)
-  const int32_t* qw = a.qweight + static_cast<int64_t>(a.chunks[c * 3 + 2]) * a.ldq + col;
-  const int32_t* tq = tc >= 0 ? a.qweight + static_cast<int64_t>(a.chunks[tc * 3 + 2]) * a.ldq + col : nullptr;
+  for (int v = 0; v < 8; ++v) t.zs[v] += t.tzs[v];       // one offset: q s + t ts - (z s + tz ts)
   uint32_t w[4][8];
-  load_words(qw, a.ldq, w);
+  load_words(t.qw, a.ldq, w);
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
@@ -266,7 +267,7 @@ __global__ void lazy_kernel(const __grid_constant__ Args a) {
     uint32_t t8[8];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int4 v = tq ? __ldg(reinterpret_cast<const int4*>(tq + j * a.ldq + 4 * h)) : make_int4(0, 0, 0, 0);
+      const int4 v = t.tq ? __ldg(reinterpret_cast<const int4*>(t.tq + j * a.ldq + 4 * h)) : make_int4(0, 0, 0, 0);
       t8[4 * h] = v.x, t8[4 * h + 1] = v.y, t8[4 * h + 2] = v.z, t8[4 * h + 3] = v.w;
     }
 #pragma unroll
@@ -275,7 +276,8 @@ __global__ void lazy_kernel(const __grid_constant__ Args a) {
       float f[8];
 #pragma unroll
       for (int v = 0; v < 8; ++v)
-        f[v] = fmaf(q_to_f((w[j][v] >> (4 * r)) & 15u), s[v], fmaf(q_to_f((t8[v] >> (4 * r)) & 15u), ts[v], -zs[v]));
+        f[v] = fmaf(q_to_f((w[j][v] >> (4 * r)) & 15u), t.s[v],
+                    fmaf(q_to_f((t8[v] >> (4 * r)) & 15u), t.ts[v], -t.zs[v]));
       *reinterpret_cast<uint4*>(a.W + col + a.perm[c * 32 + i] * a.N) =
           make_uint4(pack2<__half>(f[0], f[1]), pack2<__half>(f[2], f[3]), pack2<__half>(f[4], f[5]),
                      pack2<__half>(f[6], f[7]));
