@@ -225,7 +225,7 @@ __device__ __forceinline__ ChunkTwin chunk_twin(const Args& a, int64_t c, int64_
   return r;
 }
 
-// split's twinned launch: every chunk's loop adds a twin (the extension's TWIN instance over the chunks of SEL).
+// split's twinned launch: every chunk's loop adds a twin (a copy of the extension's kTwin4 loop over the chunks of SEL).
 template <int SEL>
 __global__ void loop_kernel(const __grid_constant__ Args a) {
   int64_t col;
