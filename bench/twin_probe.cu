@@ -225,7 +225,8 @@ __device__ __forceinline__ ChunkTwin chunk_twin(const Args& a, int64_t c, int64_
   return r;
 }
 
-// split's twinned launch: every chunk's loop adds a twin (a copy of the extension's kTwin4 loop over the chunks of SEL).
+// split's twinned launch: every chunk's loop adds a twin (a copy of the extension's kTwin4 loop, the chunks of
+// SEL).
 template <int SEL>
 __global__ void loop_kernel(const __grid_constant__ Args a) {
   int64_t col;
@@ -307,7 +308,8 @@ void launch(const Slice& s, cudaStream_t st, int kind) {
   } else if (kind == kPlain || kind == kSep || kind == kLoop) {
     DequantMats m{};
     m.n = 1, m.ldw = s.N;
-    m.m[0] = DequantMat{a.chunks, a.qweight, a.scale, a.zero, a.perm, s.W, a.ldq, s.N, kind == kLoop ? a.twin : nullptr};
+    m.m[0] =
+        DequantMat{a.chunks, a.qweight, a.scale, a.zero, a.perm, s.W, a.ldq, s.N, kind == kLoop ? a.twin : nullptr};
     CK(cudaLaunchKernelEx(&cfg, kind == kLoop ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8>, m));
     if (kind == kSep) {
       cudaLaunchConfig_t c2 = pdl_config(dim3(grid.x, s.t->n_twinned), dim3(64), 0, st, attr);
