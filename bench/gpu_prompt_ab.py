@@ -5,9 +5,7 @@ runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read a
 
   gptq u4 / gptq any      uniform 4-bit weights dequantised by the 4-bit instance / by the width switch's
   exl2 nat                rewritten EXL2, x in natural order, extra rows added in the dequantise (twins)
-  exl2 ext u4             the extended order (GEMMs over all rows, index_add), 4-bit instance
-  ... sw0 / sw2048        gate/up by slices with SwiGLU's product per slice (ops/cuda_swiglu.py) off / in slices
-                          of 2048 columns (the others: 4096, the default)
+  exl2 ext u4 / ext any   the extended order (GEMMs over all rows, index_add), 4-bit instance / width switch
 
     PYTHONPATH=. python bench/gpu_prompt_ab.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 [--rounds 6]
 
@@ -24,18 +22,15 @@ import torch
 
 from gpu_bench import _write, prompt_tok_s
 
-VARIANTS = {   # name: (format, PROMPT_NATURAL_X, DEQUANT_U4, prompt SwiGLU slice columns or 0: off)
-    "gptq u4": ("gptq", True, True, 4096), "gptq any": ("gptq", True, False, 4096),
-    "gptq sw0": ("gptq", True, True, 0), "gptq sw2048": ("gptq", True, True, 2048),
-    "exl2 nat": ("exl2", True, True, 4096), "exl2 ext u4": ("exl2", False, True, 4096),
-    "exl2 sw0": ("exl2", True, True, 0), "exl2 sw2048": ("exl2", True, True, 2048),
+VARIANTS = {   # name: (format, PROMPT_NATURAL_X, DEQUANT_U4)
+    "gptq u4": ("gptq", True, True), "gptq any": ("gptq", True, False),
+    "exl2 nat": ("exl2", True, True), "exl2 ext u4": ("exl2", False, True), "exl2 ext any": ("exl2", False, False),
 }
 
 
 def main() -> None:
     from exl_core.loader import load_model
     from exl_core.ops import cuda_candidates as cc
-    from exl_core.ops import cuda_swiglu as sw
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gptq", type=Path, required=True)
     ap.add_argument("--exl2", type=Path, required=True)
@@ -46,9 +41,8 @@ def main() -> None:
               for f in ("gptq", "exl2")}
 
     def run(name: str) -> float:
-        fmt, natural, u4, sw_cols = VARIANTS[name]
+        fmt, natural, u4 = VARIANTS[name]
         cc.PROMPT_NATURAL_X, cc.DEQUANT_U4 = natural, u4
-        sw.PROMPT_SWIGLU_ON, sw.PROMPT_SWIGLU_SLICE = sw_cols > 0, sw_cols or 4096
         return prompt_tok_s(models[fmt])
 
     t0 = time.perf_counter()
@@ -65,7 +59,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     base = {}
     print(f"{'variant':14s} {'median tok/s':>13s} {'vs first of format':>19s}   rounds")
-    for name, (fmt, *_) in VARIANTS.items():
+    for name, (fmt, _, _) in VARIANTS.items():
         med = out["median_tok_s"][name]
         base.setdefault(fmt, med)
         out.setdefault("ratio", {})[name] = med / base[fmt]

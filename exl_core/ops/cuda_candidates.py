@@ -394,37 +394,11 @@ def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
     return y
 
 
-def _dequant_swiglu(x2, gate, up, slice_cols: int) -> torch.Tensor:
-    """silu_mul(x2 @ Wg + bg, x2 @ Wu + bu) [rows, N] by column slices of slice_cols: gate's slice, up's slice, then
-    their product into h's columns (exl_core::silu_mul_into), so the product reads the two slices while they are
-    still in L2 instead of two [rows, N] outputs from memory, and only h is [rows, N].  Each weight's slice is
-    dequantised into the block the one before freed, as in _dequant_mm (ops/cuda_swiglu.py: when it is taken)."""
-    N, dev = gate.out_features, x2.device
-    h = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=dev)
-    args = [(pw, _chunks_of(pw), _perm_of(pw, dev), None if pw.bias is None else pw.bias.to(x2.dtype))
-            for pw in (gate, up)]
-    for n0 in range(0, N, slice_cols):
-        n1 = min(N, n0 + slice_cols)
-        gu = []
-        for pw, chunks, perm, bias in args:
-            w = _dequant_w(pw, chunks, perm, x2.dtype, n0, n1 - n0)
-            gu.append(x2 @ w if bias is None else torch.addmm(bias[n0:n1], x2, w))
-            del w                                                               # its block serves the next slice
-        torch.ops.exl_core.silu_mul_into(gu[0], gu[1], h[:, n0:n1])
-        del gu
-    return h
-
-
-def prompt_rows(rows: int) -> bool:
-    """Whether `rows` rows of x are past every decode kernel's (the prompt's dequantise + cuBLAS path)."""
-    return rows > max(WIDE_MAX_ROWS, KSLICE_MAX_ROWS, MMA_MAX_ROWS)
-
-
 def prompt_adds_extra_rows(rows: int) -> bool:
     """Whether `rows` rows of x reach the prompt's dequantise + cuBLAS path (past every decode kernel) with the extra
     rows of a weight rewritten as uniform 4-bit rows added into its K rows in the dequantise (PROMPT_NATURAL_X):
     the norm before such weights then writes x in its natural order (model.llama._norm_many)."""
-    return PROMPT_NATURAL_X and prompt_rows(rows)
+    return PROMPT_NATURAL_X and rows > max(WIDE_MAX_ROWS, KSLICE_MAX_ROWS, MMA_MAX_ROWS)
 
 
 def _twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:

@@ -7,12 +7,6 @@ Why: bench/decode_timeline.py put the silu_mul launch at 65.8 us of a traced 3,8
 Same call (stop 28 call 3): batch 32 8,253.1 against 8,105.9 tok/s with it off (1.0181x).
 EXL_CORE_WIDE_SWIGLU=0: off (A/B). The dispatcher's op is "qmatmul_swiglu": EXL_CORE_FORCE_KERNEL /
 EXL_CORE_DISABLE_KERNEL settings for qmatmul_many do not reach it.
-
-Prompts (rows past every decode kernel's, where gate and up both run dequantise + cuBLAS): gate/up by column slices of
-PROMPT_SWIGLU_SLICE, each slice's product written while its two GEMM outputs are still in L2
-(cuda_candidates._dequant_swiglu), instead of two [rows, N] outputs and a silu_mul that reads them back from memory.
-tails do not apply there: the product keeps N columns, and MLP.down_layer reads down_proj's own layer from its shape.
-EXL_CORE_PROMPT_SWIGLU=0: off (A/B); EXL_CORE_PROMPT_SWIGLU_SLICE: the slice's columns (default 4096).
 """
 from __future__ import annotations
 
@@ -24,22 +18,14 @@ import torch
 from . import cuda_candidates as cc
 
 WIDE_SWIGLU_ON = os.environ.get("EXL_CORE_WIDE_SWIGLU", "1") != "0"
-PROMPT_SWIGLU_ON = os.environ.get("EXL_CORE_PROMPT_SWIGLU", "1") != "0"
-PROMPT_SWIGLU_SLICE = int(os.environ.get("EXL_CORE_PROMPT_SWIGLU_SLICE", "4096"))
-
-
-def _rows(x, gate) -> int:
-    return x.numel() // max(1, gate.in_features)
 
 
 def _check(x, gate, up, tails=None) -> Optional[str]:
-    if x.device.type != "cuda":
-        return f"x is on {x.device}, not CUDA"
-    rows = _rows(x, gate)
-    if cc.prompt_rows(rows):
-        return _prompt_check(x, gate, up, rows)
     if not WIDE_SWIGLU_ON:
         return "EXL_CORE_WIDE_SWIGLU=0"
+    if x.device.type != "cuda":
+        return f"x is on {x.device}, not CUDA"
+    rows = x.numel() // max(1, gate.in_features)
     if not cc.WIDE_MIN_ROWS <= rows <= cc.WIDE_MAX_ROWS:          # the cheap test first: every MLP call asks
         return f"{rows} rows: the batch-decode kernel takes {cc.WIDE_MIN_ROWS}..{cc.WIDE_MAX_ROWS}"
     if not cc._has_cuda_kernel("qgemm_wide_swiglu"):
@@ -64,29 +50,7 @@ def _check(x, gate, up, tails=None) -> Optional[str]:
     return None
 
 
-def _prompt_check(x, gate, up, rows: int) -> Optional[str]:
-    if not PROMPT_SWIGLU_ON:
-        return "EXL_CORE_PROMPT_SWIGLU=0"
-    if not cc._has_cuda_kernel("silu_mul_into"):
-        return "extension built without silu_mul_into"
-    for name, pw in (("gate", gate), ("up", up)):
-        why = cc._qmatmul_check(x, pw)
-        if why is None and cc._route(rows, pw, x.reshape(-1, pw.in_features)) != "dequant":
-            why = "these rows take another kernel than dequantise + cuBLAS"
-        if why is not None:
-            return f"{name}: {why}"
-    if gate.out_features != up.out_features or gate.out_features % 8:
-        return f"gate / up outputs {gate.out_features} / {up.out_features}: one N, a multiple of 8"
-    if PROMPT_SWIGLU_SLICE <= 0 or PROMPT_SWIGLU_SLICE % 8:
-        return f"slice of {PROMPT_SWIGLU_SLICE} columns: a positive multiple of 8"
-    return None
-
-
 def _run(x, gate, up, tails=None):
-    if cc.prompt_rows(_rows(x, gate)):
-        x2 = x.reshape(-1, gate.in_features)
-        h = cc._dequant_swiglu(x2 if x2.is_contiguous() else x2.contiguous(), gate, up, PROMPT_SWIGLU_SLICE)
-        return h.reshape(*x.shape[:-1], gate.out_features)
     x2 = x.reshape(-1, gate.in_features).contiguous()
     pws = [gate, up]
     qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)

@@ -166,11 +166,10 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
   y[i] = exl_act::silu_mul<T>(g[i], u[i]);                // F.silu rounds to T, then the product
 }
 
-// The same, 16 bytes of gate and up per thread (n % (16 / sizeof(T)) == 0, 16-byte aligned buffers).  ROWS: y is a
-// matrix of rows of row_vecs vectors, ldy_vecs apart (silu_mul_into: a column slice of the prompt's product).
-template <typename T, bool ROWS = false>
+// The same, 16 bytes of gate and up per thread (n % (16 / sizeof(T)) == 0, 16-byte aligned buffers).
+template <typename T>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n_vec,
-                                    T* __restrict__ y, int64_t row_vecs, int64_t ldy_vecs) {
+                                    T* __restrict__ y) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
   exl_pdl::pdl_trigger();
   constexpr int V = 16 / sizeof(T);
@@ -183,7 +182,7 @@ __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict
   T* op = reinterpret_cast<T*>(&out);
 #pragma unroll
   for (int k = 0; k < V; ++k) op[k] = exl_act::silu_mul<T>(gp[k], up[k]);
-  reinterpret_cast<uint4*>(y)[ROWS ? (i / row_vecs) * ldy_vecs + i % row_vecs : i] = out;
+  reinterpret_cast<uint4*>(y)[i] = out;
 }
 
 // x (T, H, D) -> out: pairs (i, i + D/2) rotated by cos_sin[positions[t]] (fp32 table [P, D]).
@@ -417,8 +416,7 @@ at::Tensor silu_mul_cuda(const at::Tensor& g_, const at::Tensor& u_) {
     if (vec)
       exl_pdl::launch_pdl(silu_mul_vec_kernel<scalar_t>, dim3(static_cast<unsigned>((n / V + 255) / 256)), dim3(256), 0,
                           stream, dev, static_cast<const scalar_t*>(ptr<scalar_t>(g)),
-                          static_cast<const scalar_t*>(ptr<scalar_t>(u)), n / V, ptr<scalar_t>(y), int64_t{0},
-                          int64_t{0});
+                          static_cast<const scalar_t*>(ptr<scalar_t>(u)), n / V, ptr<scalar_t>(y));
     else
       exl_pdl::launch_pdl(silu_mul_kernel<scalar_t>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), 0, stream,
                           dev, static_cast<const scalar_t*>(ptr<scalar_t>(g)),
@@ -426,33 +424,6 @@ at::Tensor silu_mul_cuda(const at::Tensor& g_, const at::Tensor& u_) {
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
-}
-
-// out (a [R, C] view with unit column stride, e.g. a column slice of the prompt's SwiGLU product) = silu_mul(g, u)
-// for contiguous g and u [R, C]: the prompt's gate/up GEMMs run by column slices, and each slice's product is written
-// while its gate and up are still in L2 (ops/cuda_swiglu.py).
-void silu_mul_into_cuda(const at::Tensor& g, const at::Tensor& u, const at::Tensor& out) {
-  const char* op = "exl_core::silu_mul_into (CUDA)";
-  check_same(g, u, op, "gate", "up");
-  check_same(g, out, op, "gate", "out");
-  TORCH_CHECK(g.dim() == 2 && g.sizes() == u.sizes() && g.sizes() == out.sizes() && g.is_contiguous() &&
-                  u.is_contiguous() && out.stride(1) == 1,
-              op, ": gate and up contiguous [R, C], out [R, C] with unit column stride; got ", g.sizes(), ", ",
-              u.sizes(), ", ", out.sizes(), " strides ", out.strides());
-  const int64_t R = g.size(0), C = g.size(1);
-  if (!R || !C) return;
-  const c10::cuda::CUDAGuard guard(g.device());
-  EXL_PW_DISPATCH(g.scalar_type(), op, [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    TORCH_CHECK(C % V == 0 && out.stride(0) % V == 0 && aligned16({&g, &u, &out}), op, ": C and out's row stride "
-                "must be multiples of ", V, " and the buffers 16-byte aligned");
-    const int64_t n_vec = R * C / V;
-    exl_pdl::launch_pdl(silu_mul_vec_kernel<scalar_t, true>, dim3(static_cast<unsigned>((n_vec + 255) / 256)),
-                        dim3(256), 0, c10::cuda::getCurrentCUDAStream(), g.device().index(),
-                        static_cast<const scalar_t*>(ptr<scalar_t>(g)), static_cast<const scalar_t*>(ptr<scalar_t>(u)),
-                        n_vec, ptr<scalar_t>(out), C / V, out.stride(0) / V);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor rope_one(const at::Tensor& x_, const at::Tensor& pos, const at::Tensor& cs, cudaStream_t stream) {
@@ -557,7 +528,6 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("rms_norm", &rms_norm_cuda);
   m.impl("rms_norm_residual", &rms_norm_residual_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
-  m.impl("silu_mul_into", &silu_mul_into_cuda);
   m.impl("rope", &rope_cuda);
   m.impl("rope_kv_write", &rope_kv_write_cuda);
   m.impl("rms_norm_static", &rms_norm_static_cuda);
@@ -565,7 +535,6 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
 }
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
-  m.def("silu_mul_into(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rms_norm_static(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
   m.def("rms_norm_perm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor perm) -> Tensor[]");
   m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
