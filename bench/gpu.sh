@@ -21,7 +21,8 @@
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
 # (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
 # index_add, against x in natural order), promptab (bench/gpu_prompt_ab.py: the prompt's variants in one process, rounds
-# alternated: GPTQ / rewritten EXL2 in natural and extended order, the uniform 4-bit dequantise or the width switch), graphprobe
+# alternated: GPTQ / rewritten EXL2 in natural and extended order, the uniform 4-bit dequantise or the width switch), prompttl
+# (bench/prompt_timeline.py: a prompt's kernels on a timeline, gaps by kernel pair, eager against graphed), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
@@ -140,20 +141,35 @@ if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants ag
   [ -z "$flags" ] || [ -x /tmp/twin_probe ] || probe_run twin_probe   # the cuBLAS link failed: without the GEMM rows
 fi
 if has build; then
+  # A build of these sources for this python and torch, carried from an earlier call (`run` with carry
+  # [".devcache"]: a SAVE_BUILD=1 call wrote it to $OUT; copy it into .devcache/), skips the ~3-minute build.
   t0=$(date +%s)
-  if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
-    cp "$BUILD_LOG" "$OUT/"
-    grep -i -B2 -A6 "error" "$BUILD_LOG" | head -60
-    exit 1
+  stamp=$( ( $PY -c "import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)"; \
+    echo "$EXL_CORE_CUDA_ARCHS"; cat setup.py; find exl_core/csrc -type f | LC_ALL=C sort | xargs cat ) \
+    | sha1sum | cut -c1-16)
+  so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+  if [ -f ".devcache/ext_$stamp.so.gz" ] && gunzip -c ".devcache/ext_$stamp.so.gz" >"$so"; then
+    echo "build: carried .devcache/ext_$stamp.so.gz"
+  else
+    if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
+      cp "$BUILD_LOG" "$OUT/"
+      grep -i -B2 -A6 "error" "$BUILD_LOG" | head -60
+      exit 1
+    fi
+    echo "build: $(( $(date +%s) - t0 )) s"
+    if [ -n "${SAVE_BUILD:-}" ]; then      # for the next call's carry (16 MiB a returned file)
+      strip --strip-debug -o /tmp/ext_stripped.so "$so" 2>/dev/null || cp "$so" /tmp/ext_stripped.so
+      gzip -c /tmp/ext_stripped.so >"$OUT/ext_$stamp.so.gz"
+      ls -la "$so" /tmp/ext_stripped.so "$OUT/ext_$stamp.so.gz"
+    fi
   fi
-  echo "build: $(( $(date +%s) - t0 )) s"
 fi
 only_probes=1     # the standalone probes (wide, gemv, readbw, dequant, persist, twin) need no extension build
 for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) only_probes=0 ;; esac; done
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has promptext || has promptab || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has promptext || has promptab || has prompttl || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -188,6 +204,10 @@ if has bench; then     # BENCH_ARGS=--quick: graph decode and prompt only
 fi
 if has promptab; then  # the prompt's paths in one process, rounds alternated (bench/gpu_prompt_ab.py)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_prompt_ab.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -8
+fi
+if has prompttl; then  # the prompt's kernels on a timeline: gaps by kernel pair, eager against graphed (bench/prompt_timeline.py)
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \
+    | tail -50
 fi
 if has readbw; then   # read-only bandwidth by access method (plain loads, the decode pattern, TMA bulk copies)
   nvcc -O3 -arch=sm_90 -o /tmp/read_bw bench/read_bw.cu && timeout 120 /tmp/read_bw 2>&1 | $PY bench/read_bw_json.py \

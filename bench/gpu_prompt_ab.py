@@ -3,9 +3,11 @@ checkpoints loaded once, a warm-up that brings the clocks up, then every variant
 alternated, so the variants share clocks and heat (separate processes drifted 36,228 -> 45,177 tok/s over four
 runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read at call time:
 
-  gptq u4 / gptq any      uniform 4-bit weights dequantised by the 4-bit instance / by the width switch's
-  exl2 nat                rewritten EXL2, x in natural order, extra rows added in the dequantise (twins)
-  exl2 ext u4 / ext any   the extended order (GEMMs over all rows, index_add), 4-bit instance / width switch
+  gptq u4 / exl2 nat      the defaults: GPTQ's uniform 4-bit weights by the 4-bit dequantise instance; rewritten
+                          EXL2, x in natural order, extra rows added in the dequantise (twins)
+  ... lt                  cuBLASLt for the GEMMs (torch.backends.cuda.preferred_blas_library), not cuBLAS
+  ... s3712 / s0          gate/up (N 11,008) dequantised and multiplied in slices of 3,712 columns (29 + 29 + 28
+                          tiles of 128) / whole (cuda_candidates.DEQUANT_SLICE; default 4,096: 4,096 + 4,096 + 2,816)
 
     PYTHONPATH=. python bench/gpu_prompt_ab.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 [--rounds 6]
 
@@ -22,9 +24,12 @@ import torch
 
 from gpu_bench import _write, prompt_tok_s
 
-VARIANTS = {   # name: (format, PROMPT_NATURAL_X, DEQUANT_U4)
-    "gptq u4": ("gptq", True, True), "gptq any": ("gptq", True, False),
-    "exl2 nat": ("exl2", True, True), "exl2 ext u4": ("exl2", False, True), "exl2 ext any": ("exl2", False, False),
+DEFAULTS = {"PROMPT_NATURAL_X": True, "DEQUANT_U4": True, "DEQUANT_SLICE": 4096, "blas": "cublas"}
+VARIANTS = {   # name: (format, settings that differ from DEFAULTS: cuda_candidates' switches, "blas")
+    "gptq u4": ("gptq", {}), "gptq lt": ("gptq", {"blas": "cublaslt"}),
+    "gptq s3712": ("gptq", {"DEQUANT_SLICE": 3712}), "gptq s0": ("gptq", {"DEQUANT_SLICE": 1 << 20}),
+    "exl2 nat": ("exl2", {}), "exl2 lt": ("exl2", {"blas": "cublaslt"}),
+    "exl2 s3712": ("exl2", {"DEQUANT_SLICE": 3712}), "exl2 s0": ("exl2", {"DEQUANT_SLICE": 1 << 20}),
 }
 
 
@@ -41,8 +46,11 @@ def main() -> None:
               for f in ("gptq", "exl2")}
 
     def run(name: str) -> float:
-        fmt, natural, u4 = VARIANTS[name]
-        cc.PROMPT_NATURAL_X, cc.DEQUANT_U4 = natural, u4
+        fmt, diff = VARIANTS[name]
+        settings = {**DEFAULTS, **diff}
+        torch.backends.cuda.preferred_blas_library(settings.pop("blas"))
+        for k, v in settings.items():
+            setattr(cc, k, v)
         return prompt_tok_s(models[fmt])
 
     t0 = time.perf_counter()
@@ -59,7 +67,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     base = {}
     print(f"{'variant':14s} {'median tok/s':>13s} {'vs first of format':>19s}   rounds")
-    for name, (fmt, _, _) in VARIANTS.items():
+    for name, (fmt, _) in VARIANTS.items():
         med = out["median_tok_s"][name]
         base.setdefault(fmt, med)
         out.setdefault("ratio", {})[name] = med / base[fmt]
