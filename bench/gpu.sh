@@ -203,7 +203,8 @@ if has bench; then     # BENCH_ARGS=--quick: graph decode and prompt only
     | tee -a "$LOG" | tail -60
 fi
 if has promptab; then  # the prompt's paths in one process, rounds alternated (bench/gpu_prompt_ab.py)
-  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_prompt_ab.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" | tail -8
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_prompt_ab.py --gptq "$CK/gptq" --exl2 "$CK/exl2" ${PROMPTAB_ARGS:-} 2>&1 \
+    | tee -a "$LOG" | tail -10
 fi
 if has prompttl; then  # the prompt's kernels on a timeline: gaps by kernel pair, eager against graphed (bench/prompt_timeline.py)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \
