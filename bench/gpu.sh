@@ -22,7 +22,8 @@
 # (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
 # index_add, against x in natural order), promptab (bench/gpu_prompt_ab.py: the prompt's variants in one process, rounds
 # alternated: GPTQ / rewritten EXL2 in natural and extended order, the uniform 4-bit dequantise or the width switch), prompttl
-# (bench/prompt_timeline.py: a prompt's kernels on a timeline, gaps by kernel pair, eager against graphed), graphprobe
+# (bench/prompt_timeline.py: a prompt's kernels on a timeline, gaps by kernel pair, eager against graphed), prompthost
+# (bench/prompt_host.py: the prompt's host side: enqueue time, syncs, cProfile), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
@@ -169,7 +170,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) onl
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has promptext || has promptab || has prompttl || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -209,6 +210,10 @@ fi
 if has prompttl; then  # the prompt's kernels on a timeline: gaps by kernel pair, eager against graphed (bench/prompt_timeline.py)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \
     | tail -50
+fi
+if has prompthost; then  # the prompt's host side: enqueue time against GPU time, syncs, cProfile (bench/prompt_host.py)
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_host.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \
+    | tail -150
 fi
 if has readbw; then   # read-only bandwidth by access method (plain loads, the decode pattern, TMA bulk copies)
   nvcc -O3 -arch=sm_90 -o /tmp/read_bw bench/read_bw.cu && timeout 120 /tmp/read_bw 2>&1 | $PY bench/read_bw_json.py \
