@@ -5,9 +5,10 @@ runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read a
 
   gptq u4 / exl2 nat      the defaults: GPTQ's uniform 4-bit weights by the 4-bit dequantise instance; rewritten
                           EXL2, x in natural order, extra rows added in the dequantise (twins)
-  ... lt                  cuBLASLt for the GEMMs (torch.backends.cuda.preferred_blas_library), not cuBLAS
-  ... s3712 / s0          gate/up (N 11,008) dequantised and multiplied in slices of 3,712 columns (29 + 29 + 28
-                          tiles of 128) / whole (cuda_candidates.DEQUANT_SLICE; default 4,096: 4,096 + 4,096 + 2,816)
+  ... v4                  every dequantise 4 columns a thread (cuda_candidates.DEQUANT_VEC and DEQUANT_TWIN_VEC;
+                          default 8): the twin instance 69 registers against 121, the 4-bit one 40 against 70
+  exl2 tv4                the twin instance only at 4 columns a thread
+  (stop 35 call 2 also ran cuBLASLt and gate/up slices of 3,712 columns or whole: none kept)
 
     PYTHONPATH=. python bench/gpu_prompt_ab.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 [--rounds 6]
 
@@ -24,12 +25,12 @@ import torch
 
 from gpu_bench import _write, prompt_tok_s
 
-DEFAULTS = {"PROMPT_NATURAL_X": True, "DEQUANT_U4": True, "DEQUANT_SLICE": 4096, "blas": "cublas"}
+DEFAULTS = {"PROMPT_NATURAL_X": True, "DEQUANT_U4": True, "DEQUANT_SLICE": 4096, "DEQUANT_VEC": 8, "DEQUANT_TWIN_VEC": 8,
+            "blas": "cublas"}
 VARIANTS = {   # name: (format, settings that differ from DEFAULTS: cuda_candidates' switches, "blas")
-    "gptq u4": ("gptq", {}), "gptq lt": ("gptq", {"blas": "cublaslt"}),
-    "gptq s3712": ("gptq", {"DEQUANT_SLICE": 3712}), "gptq s0": ("gptq", {"DEQUANT_SLICE": 1 << 20}),
-    "exl2 nat": ("exl2", {}), "exl2 lt": ("exl2", {"blas": "cublaslt"}),
-    "exl2 s3712": ("exl2", {"DEQUANT_SLICE": 3712}), "exl2 s0": ("exl2", {"DEQUANT_SLICE": 1 << 20}),
+    "gptq u4": ("gptq", {}), "gptq v4": ("gptq", {"DEQUANT_VEC": 4}),
+    "exl2 nat": ("exl2", {}), "exl2 tv4": ("exl2", {"DEQUANT_TWIN_VEC": 4}),
+    "exl2 v4": ("exl2", {"DEQUANT_VEC": 4, "DEQUANT_TWIN_VEC": 4}),
 }
 
 
