@@ -5,10 +5,11 @@ runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read a
 
   gptq u4 / exl2 nat      the defaults: GPTQ's uniform 4-bit weights by the 4-bit dequantise instance; rewritten
                           EXL2, x in natural order, extra rows added in the dequantise (twins)
-  ... v4                  every dequantise 4 columns a thread (cuda_candidates.DEQUANT_VEC and DEQUANT_TWIN_VEC;
-                          default 8): the twin instance 69 registers against 121, the 4-bit one 40 against 70
-  exl2 tv4                the twin instance only at 4 columns a thread
-  (stop 35 call 2 also ran cuBLASLt and gate/up slices of 3,712 columns or whole: none kept)
+  gptq any                GPTQ by the width switch's instance (cuda_candidates.DEQUANT_U4 off)
+  exl2 ext u4             the extended order (GEMMs over all rows, index_add; PROMPT_NATURAL_X off)
+Stop 35 ran other variants here, none kept (bench/results/gpu_prompt_ab_h200_stop35_*.json, their notes): gate/up
+by slices with SwiGLU's product per slice (call 1), cuBLASLt and gate/up slice widths (call 2), the dequantise at 4
+columns a thread (call 4).
 
     PYTHONPATH=. python bench/gpu_prompt_ab.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 [--rounds 6]
 
@@ -25,12 +26,10 @@ import torch
 
 from gpu_bench import _write, prompt_tok_s
 
-DEFAULTS = {"PROMPT_NATURAL_X": True, "DEQUANT_U4": True, "DEQUANT_SLICE": 4096, "DEQUANT_VEC": 8, "DEQUANT_TWIN_VEC": 8,
-            "blas": "cublas"}
+DEFAULTS = {"PROMPT_NATURAL_X": True, "DEQUANT_U4": True, "DEQUANT_SLICE": 4096, "blas": "cublas"}
 VARIANTS = {   # name: (format, settings that differ from DEFAULTS: cuda_candidates' switches, "blas")
-    "gptq u4": ("gptq", {}), "gptq v4": ("gptq", {"DEQUANT_VEC": 4}),
-    "exl2 nat": ("exl2", {}), "exl2 tv4": ("exl2", {"DEQUANT_TWIN_VEC": 4}),
-    "exl2 v4": ("exl2", {"DEQUANT_VEC": 4, "DEQUANT_TWIN_VEC": 4}),
+    "gptq u4": ("gptq", {}), "gptq any": ("gptq", {"DEQUANT_U4": False}),
+    "exl2 nat": ("exl2", {}), "exl2 ext u4": ("exl2", {"PROMPT_NATURAL_X": False}),
 }
 
 
@@ -51,6 +50,7 @@ def main() -> None:
         settings = {**DEFAULTS, **diff}
         torch.backends.cuda.preferred_blas_library(settings.pop("blas"))
         for k, v in settings.items():
+            assert hasattr(cc, k), f"cuda_candidates has no switch {k}"   # a typo must not time the default
             setattr(cc, k, v)
         return prompt_tok_s(models[fmt])
 

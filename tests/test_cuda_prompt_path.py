@@ -85,7 +85,7 @@ def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch)
     seen, real = [], ops.qdequant_chunks
 
     def spy(*args):
-        seen.append(args[9])                                     # uniform4
+        seen.append(args[-1])
         return real(*args)
     monkeypatch.setattr(ops, "qdequant_chunks", spy)
     mixed = random_packed(LAYOUTS[1], 64, perm=perm).to("cuda")
@@ -95,48 +95,6 @@ def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch)
     monkeypatch.setattr(cc, "DEQUANT_U4", False)
     cc._dequant_w(c, ch, cc._perm_of(c, torch.device("cuda")), dtype)
     assert seen[-1] is False
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequant_four_columns_a_thread_equals_eight(dtype, monkeypatch):
-    """qdequant_chunks(vec=4) -- 4 columns a thread, 8-byte stores -- writes exactly what vec=8 writes in each
-    instance (width switch, uniform 4-bit, twin table), whole and in column slices; _dequant_w passes
-    DEQUANT_TWIN_VEC for a weight with a twin table and DEQUANT_VEC for the rest."""
-    _need_kernels()
-    from exl_core.formats.uniform4 import as_uniform4
-    from exl_core.ops import cuda_candidates as cc
-    ops = torch.ops.exl_core
-    dev = torch.device("cuda")
-    u4 = random_packed(LAYOUTS[0] * 3, 8 * 67, perm=True).to("cuda")
-    mixed = random_packed(LAYOUTS[1], 8 * 67, perm=True).to("cuda")
-    tw = as_uniform4(random_packed([(8, 64), (6, 64), (5, 64), (4, 128), (2, 64)], 520, perm=True),
-                     max_growth=10.0).to("cuda")
-    twins = cc._twins_of(tw, cc._chunks_of(tw), cc._perm_of(tw, dev))
-    assert twins is not None and bool((twins >= 0).any())
-    cases = [(u4, None, True, u4.perm), (mixed, None, False, mixed.perm),
-             (tw, twins, True, cc._perm_of(tw, dev)[:tw.in_features])]
-    for w, twin, flag, perm in cases:
-        ch = cc._chunks_of(w)
-        for col0, cols in ((0, -1), (8, 256), (1, -1)):
-            out = []
-            for vec in (8, 4):
-                poison_allocator()
-                out.append(ops.qdequant_chunks(w.qweight, ch, w.scale, w.zero, perm, dtype, col0, cols, twin, flag,
-                                               vec))
-            assert not torch.isnan(out[1]).any() and torch.equal(out[0], out[1]), (flag, twin is None, col0, cols)
-    seen, real = [], ops.qdequant_chunks
-
-    def spy(*args):
-        seen.append((args[8] is not None, args[10]))            # (twin table, vec)
-        return real(*args)
-    monkeypatch.setattr(ops, "qdequant_chunks", spy)
-    monkeypatch.setattr(cc, "DEQUANT_TWIN_VEC", 4)
-    for w in (u4, tw):
-        cc._dequant_w(w, cc._chunks_of(w), cc._perm_of(w, dev), dtype)
-    assert seen == [(False, 8), (True, 4)]
-    monkeypatch.setattr(cc, "DEQUANT_VEC", 4)
-    cc._dequant_w(u4, cc._chunks_of(u4), cc._perm_of(u4, dev), dtype)
-    assert seen[-1] == (False, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -109,11 +109,6 @@ PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
 # uniform4); EXL_CORE_DEQUANT_U4=0: the width switch's instance for every weight without a twin table (A/B; twinned
 # weights, PROMPT_NATURAL_X, keep their own 4-bit instance).
 DEQUANT_U4 = os.environ.get("EXL_CORE_DEQUANT_U4", "1") != "0"
-# Columns a thread of the prompt's dequantise takes (qdequant_chunks vec, 8 or 4) for twinned weights and for the rest:
-# 4 halves the registers that hold words and scales (the twin instance holds two chunks' words).  EXL_CORE_DEQUANT_
-# TWIN_VEC / EXL_CORE_DEQUANT_VEC (A/B).
-DEQUANT_TWIN_VEC = 4 if os.environ.get("EXL_CORE_DEQUANT_TWIN_VEC", "8") == "4" else 8
-DEQUANT_VEC = 4 if os.environ.get("EXL_CORE_DEQUANT_VEC", "8") == "4" else 8
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -445,7 +440,7 @@ def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Te
 
     def deq(chunks_, perm_, twins=None):
         return torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks_, pw.scale, pw.zero, perm_, dtype, n0, cols,
-                                                  twins, u4, DEQUANT_TWIN_VEC if twins is not None else DEQUANT_VEC)
+                                                  twins, u4)
     if pw.rows is None:
         return deq(chunks, perm)
     k = pw.in_features

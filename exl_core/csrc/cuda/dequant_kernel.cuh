@@ -128,10 +128,8 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
     const int64_t row = perm ? perm[k] : k;
     if constexpr (V == 1) {
       Wc[row * ldw] = exl_act::cvt<T>(f[0]);
-    } else if constexpr (V == 4) {
-      *reinterpret_cast<uint2*>(Wc + row * ldw) = make_uint2(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]));
     } else {
-      static_assert(V == 8, "8- or 16-byte stores of 4 or 8 16-bit values");
+      static_assert(V == 8, "16-byte stores of 8 16-bit values");
       *reinterpret_cast<uint4*>(Wc + row * ldw) =
           make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
     }
@@ -161,9 +159,8 @@ struct DequantMats {
 // the switch's 110, sm_90; the host knows, ops/cuda_candidates.py _uniform4), or uniform 4-bit with twin tables.
 enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
 
-// grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8 (4): every
-// N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W (8-byte W stores, half the registers for
-// words and scales).  kTwin4 reads the mats' twin tables.
+// grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every
+// N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  kTwin4 reads the mats' twin tables.
 // Instances of their own, so neither the twin's registers nor the switch reach the uniform 4-bit kernel.
 template <typename T, int V, int KIND = kAnyWidth>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {

@@ -251,21 +251,13 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
 template <typename T>
 void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch, const int32_t* qp,
                     int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out,
-                    const int32_t* twin, bool uniform4, int vec) {
+                    const int32_t* twin, bool uniform4) {
   exl_dequant::DequantMats mats{};
   mats.n = 1;
   mats.ldw = N;
   mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N, twin};
   using namespace exl_dequant;
   if constexpr (!std::is_same<T, float>::value) {
-    if (vec8 && vec == 4) {   // 4 columns a thread: 256 a block of 64 threads
-      const dim3 grid4(static_cast<unsigned>((N + 255) / 256), static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(twin       ? dequant_kernel<T, 4, kTwin4>
-                          : uniform4 ? dequant_kernel<T, 4, kUniform4>
-                                     : dequant_kernel<T, 4, kAnyWidth>,
-                          grid4, dim3(64), 0, stream, dev, mats);
-      return;
-    }
     if (vec8) {
       const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
       exl_pdl::launch_pdl(twin       ? dequant_kernel<T, 8, kTwin4>
@@ -288,13 +280,10 @@ void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, c
 // rows, chunk c's values plus, where twin[c] >= 0, those of chunk-table row twin[c] (the extra rows reading the same
 // x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_candidates.py
 // _twins_of) checked that every chunk is 4-bit and every twin inside the table.  uniform4: every chunk is 4-bit
-// (the caller knows: _uniform4), the instance without the width switch.  vec: 8 or 4 columns a thread where W's rows
-// take vector stores (16- or 8-byte; else one column a thread).
+// (the caller knows: _uniform4), the instance without the width switch.
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
-                           int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4,
-                           int64_t vec) {
-  TORCH_CHECK(vec == 8 || vec == 4, "exl_core::qdequant_chunks: vec must be 8 or 4, got ", vec);
+                           int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4) {
   check_common(qweight, chunks, scale, zero, c10::nullopt, chunks.size(0) * 32);
   if (twin) {
     EXL_CHECK_CUDA_T(*twin, "twin");
@@ -326,7 +315,7 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   const int32_t* tw = twin ? twin->data_ptr<int32_t>() : nullptr;
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
     launch_dequant<scalar_t>(vec8, K / 32, stream, dev, ch, qp, ldq, N, sp, zp, pp,
-                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4, static_cast<int>(vec));
+                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4);
   });
   return W;
 }
@@ -367,7 +356,7 @@ at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const auto chunks = chunk_table_cuda(groups, x.size(1), qweight.size(0), x.device());
   const auto xc = x.contiguous();
   if (x.size(0) <= 16) return qgemv_chunks(xc, qweight, chunks, scale, zero, perm, bias);
-  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt, false, 8);
+  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt, false);
   auto y = at::matmul(xc, W);
   if (bias) y.add_(*bias);
   return y;
@@ -379,7 +368,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemv_chunks(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias) -> Tensor");
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None, bool uniform4=False, int vec=8) -> Tensor");
+        "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None, bool uniform4=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
