@@ -285,12 +285,17 @@ def profile_decode(model, B: int) -> list[dict]:
     return profile_table(lambda: model.forward(tok, ctx), f"decode bs{B} step")
 
 
-@torch.inference_mode()
-def prompt_tok_s(model, T: int = 2048) -> float:
+def prefill_call(model, T: int = 2048):
+    """fn() -> logits: one T-token prompt of random ids through the bench's prefill context (what prompt_tok_s
+    times; bench/prompt_timeline.py and prompt_host.py trace it)."""
     kv = StaticKV(model, 1, T)
     ids = torch.randint(0, model.config.vocab_size, (T,)).cuda()
-    t = gpu_time(lambda: model.forward(ids, PrefillContext(kv, T)), 5, warmup=2)
-    return T / t
+    return lambda: model.forward(ids, PrefillContext(kv, T))
+
+
+@torch.inference_mode()
+def prompt_tok_s(model, T: int = 2048) -> float:
+    return T / gpu_time(prefill_call(model, T), 5, warmup=2)
 
 
 def graph_time(fn, reps: int = 10) -> float:

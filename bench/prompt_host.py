@@ -31,12 +31,7 @@ T = 2048
 def run_format(path: Path, fmt: str) -> list[dict]:
     from exl_core.loader import load_model
     model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    kv = gpu_bench.StaticKV(model, 1, T)
-    ids = torch.randint(0, model.config.vocab_size, (T,)).cuda()
-    ctx = gpu_bench.PrefillContext(kv, T)
-
-    def prompt():
-        model.forward(ids, ctx)
+    prompt = gpu_bench.prefill_call(model, T)
     for _ in range(3):
         prompt()
     host, done = [], []

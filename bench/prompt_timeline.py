@@ -26,12 +26,7 @@ dt.PARTS = (("dequant", r"dequant"), ("sdpa", r"sdpa|flash|fmha")) + dt.PARTS
 def run_format(path: Path, fmt: str) -> list[dict]:
     from exl_core.loader import load_model
     model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    kv = gpu_bench.StaticKV(model, 1, T)
-    ids = torch.randint(0, model.config.vocab_size, (T,)).cuda()
-    ctx = gpu_bench.PrefillContext(kv, T)
-
-    def prompt():
-        model.forward(ids, ctx)
+    prompt = gpu_bench.prefill_call(model, T)
     eager = gpu_bench.gpu_time(prompt, 5, warmup=2)
     try:
         graphed = gpu_bench.graph_time(prompt, 5)
