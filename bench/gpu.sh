@@ -142,23 +142,28 @@ if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants ag
   [ -z "$flags" ] || [ -x /tmp/twin_probe ] || probe_run twin_probe   # the cuBLAS link failed: without the GEMM rows
 fi
 if has build; then
-  # A build of these sources for this python and torch, carried from an earlier call (`run` with carry
-  # [".devcache"]: a SAVE_BUILD=1 call wrote it to $OUT; copy it into .devcache/), skips the ~3-minute build.
+  # A build of these sources for this python, torch and nvcc with these build settings, carried from an earlier call
+  # (`run` with carry [".devcache"]: a SAVE_BUILD=1 call wrote it to $OUT; copy it into .devcache/), skips the
+  # ~3-minute build.  The stamp hashes each source file's name and contents (not NOTES.md); no stamp, no carry.
   t0=$(date +%s)
-  stamp=$( ( $PY -c "import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)"; \
-    echo "$EXL_CORE_CUDA_ARCHS"; cat setup.py; find exl_core/csrc -type f | LC_ALL=C sort | xargs cat ) \
-    | sha1sum | cut -c1-16)
+  stamp=
+  if versions=$($PY -c "import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)") &&
+     nv=$(nvcc --version 2>/dev/null | tail -2); then
+    settings='^(EXL_CORE_CUDA_ARCHS|EXL_CORE_NO_CUDA|NVCC_APPEND_FLAGS|NVCC_PREPEND_FLAGS|CUDA_HOME)='
+    stamp=$( ( echo "$versions $nv"; env | grep -E "$settings" | LC_ALL=C sort; sha1sum setup.py; \
+      find exl_core/csrc -type f ! -name '*.md' | LC_ALL=C sort | xargs sha1sum ) | sha1sum | cut -c1-16)
+  fi
   so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-  if [ -f ".devcache/ext_$stamp.so.gz" ] && gunzip -c ".devcache/ext_$stamp.so.gz" >"$so"; then
-    echo "build: carried .devcache/ext_$stamp.so.gz"
+  if [ -n "$stamp" ] && [ -f ".devcache/ext_$stamp.so.gz" ] && gunzip -c ".devcache/ext_$stamp.so.gz" >"$so"; then
+    echo "build: carried .devcache/ext_$stamp.so.gz" | tee -a "$LOG"
   else
     if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
       cp "$BUILD_LOG" "$OUT/"
       grep -i -B2 -A6 "error" "$BUILD_LOG" | head -60
       exit 1
     fi
-    echo "build: $(( $(date +%s) - t0 )) s"
-    if [ -n "${SAVE_BUILD:-}" ]; then      # for the next call's carry (16 MiB a returned file)
+    echo "build: $(( $(date +%s) - t0 )) s (stamp $stamp)" | tee -a "$LOG"
+    if [ -n "${SAVE_BUILD:-}" ] && [ -n "$stamp" ]; then      # for the next call's carry (16 MiB a returned file)
       strip --strip-debug -o /tmp/ext_stripped.so "$so" 2>/dev/null || cp "$so" /tmp/ext_stripped.so
       gzip -c /tmp/ext_stripped.so >"$OUT/ext_$stamp.so.gz"
       ls -la "$so" /tmp/ext_stripped.so "$OUT/ext_$stamp.so.gz"

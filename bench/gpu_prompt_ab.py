@@ -26,8 +26,7 @@ import torch
 
 from gpu_bench import _write, prompt_tok_s
 
-DEFAULTS = {"PROMPT_NATURAL_X": True, "DEQUANT_U4": True, "DEQUANT_SLICE": 4096, "blas": "cublas"}
-VARIANTS = {   # name: (format, settings that differ from DEFAULTS: cuda_candidates' switches, "blas")
+VARIANTS = {   # name: (format, settings that differ from the process's: cuda_candidates' switches, "blas")
     "gptq u4": ("gptq", {}), "gptq any": ("gptq", {"DEQUANT_U4": False}),
     "exl2 nat": ("exl2", {}), "exl2 ext u4": ("exl2", {"PROMPT_NATURAL_X": False}),
 }
@@ -42,15 +41,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_prompt_ab_h200.json")
     a = ap.parse_args()
+    # every variant starts from the settings this process began with (the library's defaults, or EXL_CORE_* set
+    # for the whole run), so the first variant of a format times them
+    switches = {k for _, diff in VARIANTS.values() for k in diff if k != "blas"}
+    for k in switches:
+        assert hasattr(cc, k), f"cuda_candidates has no switch {k}"   # a typo must not time the default
+    defaults = {k: getattr(cc, k) for k in switches}
+    defaults["blas"] = torch.backends.cuda.preferred_blas_library()
     models = {f: load_model(getattr(a, f), device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
               for f in ("gptq", "exl2")}
 
     def run(name: str) -> float:
         fmt, diff = VARIANTS[name]
-        settings = {**DEFAULTS, **diff}
+        settings = {**defaults, **diff}
         torch.backends.cuda.preferred_blas_library(settings.pop("blas"))
         for k, v in settings.items():
-            assert hasattr(cc, k), f"cuda_candidates has no switch {k}"   # a typo must not time the default
             setattr(cc, k, v)
         return prompt_tok_s(models[fmt])
 

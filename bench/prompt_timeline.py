@@ -2,9 +2,13 @@
 
 Question: stop 34's kernel totals (torch.profiler, GPTQ) summed to ~41.3 ms of a ~44.8 ms prompt: where do the other
 ~3.5 ms go -- the gaps between kernels (which kernel pairs), host launches, or the GPU idle before the first?  Per
-format: the untraced eager prompt (gpu_bench.prompt_tok_s's forward), the same forward replayed from a CUDA graph (no
-host work between launches), and a traced eager prompt (decode_timeline.traced_kernels: every kernel's start and
-duration), summed by part, with the gaps before each part's launches and the largest gaps by (previous part, part).
+format: the untraced eager prompt (gpu_bench.prompt_tok_s's forward) and traced eager prompts
+(decode_timeline.traced_kernels: every kernel's start and duration; the replay of median span reported), summed by
+part, with the gaps before each part's launches and the largest gaps by (previous part, part).  Gaps: the idle time
+before a launch (its start minus the latest end before it, when positive); the net idle time also subtracts where
+kernels overlap (programmatic dependent launch).  The tracer's cost per launch can make a host-heavy path look
+host-bound: bench/prompt_host.py times the host untraced.  (A CUDA graph of the prompt is not tried: Model.forward
+reads positions.max() on the host unless the context states num_positions, which PrefillContext does not.)
 
     PYTHONPATH=. python bench/prompt_timeline.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
 """
@@ -28,13 +32,9 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     prompt = gpu_bench.prefill_call(model, T)
     eager = gpu_bench.gpu_time(prompt, 5, warmup=2)
-    try:
-        graphed = gpu_bench.graph_time(prompt, 5)
-    except Exception as e:  # noqa: BLE001 - a probe keeps going and reports the failure
-        print(f"{fmt}: graph capture failed: {e!r}")
-        graphed = None
     runs = dt.traced_kernels(prompt)
-    rows = dt.step_rows(runs[dt.REPLAYS // 2])
+    spans = [dt.summarise(dt.step_rows(s))["span_us"] for s in runs]
+    rows = dt.step_rows(runs[sorted(range(len(runs)), key=spans.__getitem__)[len(runs) // 2]])
     summary = dt.summarise(rows)
     pairs: dict = {}
     prev = "start"
@@ -43,15 +43,14 @@ def run_format(path: Path, fmt: str) -> list[dict]:
         p["n"] += 1
         p["gap_us"] += max(0.0, r["gap_us"])
         prev = r["part"]
-    case = {"format": fmt, "eager_us": eager * 1e6, "graphed_us": None if graphed is None else graphed * 1e6,
-            "traced_spans_us": [dt.summarise(dt.step_rows(s))["span_us"] for s in runs], **summary,
-            "gap_pairs": pairs, "kernels": rows}
     dur = sum(r["dur_us"] for r in rows)
     gaps = sum(max(0.0, r["gap_us"]) for r in rows)
-    print(f"\n== {fmt}: eager {eager * 1e6:.1f} us ({T / eager:.1f} tok/s), graphed "
-          f"{'-' if graphed is None else f'{graphed * 1e6:.1f} us ({T / graphed:.1f} tok/s)'}, traced span "
-          f"{summary['span_us']:.1f} us, {summary['launches']} launches, kernel time {dur:.1f} us, gaps {gaps:.1f} us")
-    print(f"{'part':10s} {'launches':>8s} {'dur us':>10s} {'adds us':>10s} {'gaps us':>10s}")
+    case = {"format": fmt, "eager_us": eager * 1e6, "traced_spans_us": spans, **summary, "kernel_us": dur,
+            "idle_us": gaps, "net_idle_us": summary["span_us"] - dur, "gap_pairs": pairs, "kernels": rows}
+    print(f"\n== {fmt}: eager {eager * 1e6:.1f} us ({T / eager:.1f} tok/s), traced spans "
+          f"{', '.join(f'{x:.1f}' for x in spans)} us (median reported), {summary['launches']} launches, kernel time "
+          f"{dur:.1f} us, idle before launches {gaps:.1f} us, span minus kernel time {summary['span_us'] - dur:.1f} us")
+    print(f"{'part':10s} {'launches':>8s} {'dur us':>10s} {'adds us':>10s} {'net gaps':>10s}")
     for p, v in sorted(summary["parts"].items(), key=lambda kv: -kv[1]["adds_us"]):
         print(f"{p:10s} {v['launches']:8d} {v['dur_us']:10.1f} {v['adds_us']:10.1f} {v['gap_us']:10.1f}")
     print("-- gaps by (previous part -> part), largest first:")
