@@ -22,7 +22,7 @@
 # (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
 # index_add, against x in natural order), promptab (bench/gpu_prompt_ab.py: the prompt's variants in one process, rounds
 # alternated: GPTQ / rewritten EXL2 in natural and extended order, the uniform 4-bit dequantise or the width switch), prompttl
-# (bench/prompt_timeline.py: a prompt's kernels on a timeline, gaps by kernel pair, eager against graphed), prompthost
+# (bench/prompt_timeline.py: a prompt's kernels on a timeline, idle time by kernel pair), prompthost
 # (bench/prompt_host.py: the prompt's host side: enqueue time, syncs, cProfile), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), oldexl2 (both),
@@ -212,7 +212,7 @@ if has promptab; then  # the prompt's paths in one process, rounds alternated (b
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_prompt_ab.py --gptq "$CK/gptq" --exl2 "$CK/exl2" ${PROMPTAB_ARGS:-} 2>&1 \
     | tee -a "$LOG" | tail -10
 fi
-if has prompttl; then  # the prompt's kernels on a timeline: gaps by kernel pair, eager against graphed (bench/prompt_timeline.py)
+if has prompttl; then  # the prompt's kernels on a timeline: idle time by kernel pair (bench/prompt_timeline.py)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \
     | tail -50
 fi

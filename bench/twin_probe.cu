@@ -24,7 +24,10 @@
 //   loop_lazy  loop with the twin's words loaded one word row at a time inside the loop and one merged offset:
 //              fewer registers than loop's 121 (ptxas), the twin's loads after the wait
 // Each variant of the first layer is checked against the host formula within 2^-11 of |main| + |sum| (rmw and sep
-// round the main value first, loop once).  Five rounds after the GEMMs (three in every stop 34 call).
+// round the main value first, loop once).  Five rounds after the GEMMs (three in every stop 34 call).  Stop 35 call 1
+// (bench/results/twin_probe_rows_h200_stop35_call1_2960967.jsonl): loop_lazy alone 176.95 us against loop's 153.01
+// and no better with the GEMMs (not ported); plain4_o9 stayed ahead of loop in 4 of 5 rounds with the GEMMs, so
+// plain4's lead is not only its occupancy (csrc/cuda/NOTES.md, session "sixteenth").
 //   nvcc -O3 -arch=sm_90 [-DWITH_CUBLAS -lcublas] -o /tmp/twin_probe bench/twin_probe.cu && /tmp/twin_probe
 // (bench/gpu.sh phase `twin`.)
 #include <cuda_fp16.h>
