@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // PDL wait, as load-time data (pdl.cuh).
 // late (PERM only): no early trigger, so the launch after it (PDL) starts as this one's blocks exit -- see
 // perm_norm_late.
-template <typename T, int NV, bool PERM = false>
+// LEAN (PERM only): perm's entries are read after the row's values went to shared memory instead of before the PDL
+// wait, so they are not live beside x's and the weight's vectors: fewer registers a thread (see perm_norm_lean).
+template <typename T, int NV, bool PERM = false, bool LEAN = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
@@ -82,8 +84,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
                                                                      int64_t P, bool late) {
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
+  static_assert(!LEAN || PERM, "lean: the permuted norm");
   int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
-  if constexpr (PERM) {
+  auto load_perm = [&]() {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
@@ -91,7 +94,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       for (int q = 0; q < V / 4; ++q)
         pv[i][q] = vi < pvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
     }
-  }
+  };
+  if constexpr (PERM && !LEAN) load_perm();
   uint4 wv[NV];
   auto load_w = [&]() {
 #pragma unroll
@@ -140,6 +144,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
     else reinterpret_cast<uint4*>(y + row * H)[vi] = hv[i];
   }
   if constexpr (PERM) {
+    if constexpr (LEAN) load_perm();                          // x's and the weight's vectors are dead here
     __syncthreads();                                          // the row's values, all threads'
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
@@ -303,12 +308,24 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 // equal).  EXL_CORE_NORM_PERM_LATE=0: never, =1: at every row count (A/B).  Tried in that call and dropped: the
 // largest shared memory carveout (0.9741x at batch 32), the instance held to 64 registers (1.0138x at batch 32,
 // 0.8365x on the prompt: it spills).
+// An environment switch "0" / "1" (A/B runs), else -1 (the default).
+int env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "0") == 0 ? 0 : v && std::strcmp(v, "1") == 0 ? 1 : -1;
+}
+
 bool perm_norm_late(int64_t rows) {
-  static const int mode = [] {
-    const char* v = std::getenv("EXL_CORE_NORM_PERM_LATE");
-    return v && std::strcmp(v, "0") == 0 ? 0 : v && std::strcmp(v, "1") == 0 ? 1 : 2;
-  }();
-  return mode == 1 || (mode == 2 && rows >= 17);
+  static const int mode = env_switch("EXL_CORE_NORM_PERM_LATE");
+  return mode == 1 || (mode < 0 && rows >= 17);
+}
+
+// Whether the permuted norm takes its LEAN instance (perm's entries read after the row's values are stored).  Why:
+// the regular instance holds 88 registers a thread (perm's 32 beside x's and the weight's), so while it runs, an SM
+// hosting one of its blocks fits fewer blocks of the GEMM launched early after it.  EXL_CORE_NORM_PERM_LEAN=0 / 1:
+// never / always (A/B; default: never, until measured).
+bool perm_norm_lean() {
+  static const int mode = env_switch("EXL_CORE_NORM_PERM_LEAN");
+  return mode == 1;
 }
 
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
@@ -354,7 +371,8 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
                       perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
                   op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
                   ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
-      auto* kern = rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
+      auto* kern = perm_norm_lean() ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
+                                    : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       const size_t smem = static_cast<size_t>(H) * sizeof(scalar_t);
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
