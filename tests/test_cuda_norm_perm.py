@@ -13,18 +13,19 @@ from test_norm_perm import record_norm_widths, rewritten_shared_exl2, share_grou
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("H", [4096, 576, 8192, 100], ids=["4096", "576", "8192", "100"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("extra", [0, 256], ids=["perm", "perm+256"])
-def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra):
+@pytest.mark.parametrize("rows", [13, 32])      # 32: the late PDL trigger (ops/cuda_norm_perm.py _late)
+def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows):
     _need_kernels()
     from exl_core.ops.norm import rms_norm
     from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted
     g = torch.Generator().manual_seed(H)
-    x = torch.randn(13, H, generator=g).to(dtype).cuda()
+    x = torch.randn(rows, H, generator=g).to(dtype).cuda()
     w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
-    res = torch.randn(13, H, generator=g).to(dtype).cuda() if with_residual else None
+    res = torch.randn(rows, H, generator=g).to(dtype).cuda() if with_residual else None
     # extra: columns read again (weights with extra rows, formats/uniform4.py): y has H + extra columns
     perm = torch.cat([torch.randperm(H, generator=g), torch.randint(0, H, (extra,), generator=g)]).to(torch.int32).cuda()
     per_vec, P = 16 // x.element_size(), H + extra        # the kernel: whole 16-byte vectors, at most 4 a thread
@@ -37,6 +38,28 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra):
         assert torch.equal(got[0], ref[0][:, perm.long()]) and torch.equal(got[1], ref[1])
     else:
         assert torch.equal(got, ref[:, perm.long()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("lean", [False, True])
+def test_rms_norm_perm_every_instance(dtype, late, lean):
+    """The kernel's launch options (the policy in ops/cuda_norm_perm.py picks them): the same bits either way."""
+    _need_kernels()
+    from exl_core.ops.norm import rms_norm
+    g = torch.Generator().manual_seed(7)
+    H, extra = (4096, 256) if dtype != torch.float32 else (2048, 64)
+    x, res = (torch.randn(20, H, generator=g).to(dtype).cuda() for _ in range(2))
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
+    perm = torch.cat([torch.randperm(H, generator=g), torch.randint(0, H, (extra,), generator=g)]).int().cuda()
+    ref = rms_norm(x, w, 1e-5, res, weight_static=True)
+    for r in (None, res):
+        poison_allocator()
+        got = torch.ops.exl_core.rms_norm_perm(x, r, w, 1e-5, perm, late, lean)
+        want = ref if r is not None else (rms_norm(x, w, 1e-5, weight_static=True),)
+        assert torch.equal(got[0], want[0][:, perm.long()])
+        if r is not None:
+            assert torch.equal(got[1], want[1])
 
 
 def test_rms_norm_perm_refusals_fall_back_to_the_reference():

@@ -80,7 +80,7 @@ KSLICE_MIXED_WAVES = os.environ.get("EXL_CORE_KSLICE_MIXED_SKINNY", "1") == "0" 
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
-WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide (uniform 4-bit; 9..16: kslice as fast); perm_norm_late's 17
+WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide (uniform 4-bit; 9..16: kslice as fast); cuda_norm_perm._late
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
 WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # (env: A/B runs)
                             # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,

@@ -1,6 +1,6 @@
 """CUDA candidate of ops/norm_perm.py: exl_core::rms_norm_perm, the norm's vector kernel (csrc/cuda/pointwise_cuda.cu,
 rms_norm_vec_kernel's PERM instances) storing the row through shared memory in perm's order, with perm's entries read
-before the PDL wait.  Takes what that kernel takes: float16/bfloat16/float32 of one dtype, contiguous int32 perm on
+before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance).  Takes what that kernel takes: float16/bfloat16/float32 of one dtype, contiguous int32 perm on
 x's GPU, 16-byte aligned buffers, H and perm's length multiples of 16 bytes' values up to 4 vectors a thread; else the torch
 reference serves (rms_norm then index_select: the same values, a second launch).
 EXL_CORE_NORM_PERM=0 turns the permuted norm off in the model (model/llama.py: q/k/v and gate/up then gather x
@@ -8,6 +8,7 @@ themselves, as before) -- the A/B switch; this candidate itself stays.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -16,6 +17,24 @@ from . import cuda_candidates as cc
 from . import cuda_small_ops
 
 _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVecs
+
+# Launch policy (the kernel's `late` and `lean` arguments; A/B switches "0" never / "1" always, read at import).
+# late, from cc.WIDE_MIN_ROWS rows (the rows qgemm_wide takes): no early PDL trigger.  At 17..32 rows the q/k/v and
+# gate/up launches after the norm run qgemm_wide, up to 4 blocks an SM; launched early while the norm's blocks (one a
+# row, 88 registers a thread) still sat on their SMs, the rewritten EXL2's batch-32 gate/up added 41.75 us against
+# 34.91 after a plain norm and a gather (stop 32 call 3, bench/decode_timeline.py).  Same call, late at every row count
+# against early: batch 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x / 1.0015x.  Dropped in that call: the largest
+# shared memory carveout (0.9741x at batch 32), the instance held to 64 registers (1.0138x at 32, 0.8365x on the
+# prompt: it spills).  Stop 36 call 2 (EXL2 batch 32, tok/s): late 7,594.2 / 7,593.2, early 7,343.3.
+# lean: perm staged in shared memory by cp.async, 48 registers a thread against 88.  A first lean instance that read
+# perm from global memory after the row's values (a round trip on the norm's path) lost at batch 32 in that call:
+# early 7,537.4, late 7,331.8.
+_LATE = os.environ.get("EXL_CORE_NORM_PERM_LATE")
+_LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN", "0") == "1"
+
+
+def _late(rows: int) -> bool:
+    return _LATE == "1" or (_LATE != "0" and rows >= cc.WIDE_MIN_ROWS)
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
@@ -38,8 +57,9 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
 
 
 def _run(x, weight, eps, perm, residual):
+    rows = x.numel() // max(1, x.shape[-1])
     out = torch.ops.exl_core.rms_norm_perm(x.contiguous(), None if residual is None else residual.contiguous(),
-                                           weight, float(eps), perm)
+                                           weight, float(eps), perm, _late(rows), _LEAN)
     return out[0] if residual is None else (out[0], out[1])
 
 

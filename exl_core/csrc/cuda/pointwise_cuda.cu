@@ -3,8 +3,6 @@
 // matters at batch 1 where every decode step is dominated by launch count.
 // Rounding follows the torch references (HF semantics): values are rounded to x's dtype at the
 // same points, math in fp32.
-#include <cstdlib>
-#include <cstring>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +13,7 @@
 #include <torch/library.h>
 
 #include "act_device.cuh"
+#include "cp_async_device.cuh"
 #include "pdl.cuh"
 
 namespace {
@@ -73,9 +72,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats columns).  The values pass through shared memory (H values of T); perm's vectors are read before the
 // PDL wait, as load-time data (pdl.cuh).
 // late (PERM only): no early trigger, so the launch after it (PDL) starts as this one's blocks exit -- see
-// perm_norm_late.
-// LEAN (PERM only): perm's entries are read after the row's values went to shared memory instead of before the PDL
-// wait, so they are not live beside x's and the weight's vectors: fewer registers a thread (see perm_norm_lean).
+// ops/cuda_norm_perm.py.
+// LEAN (PERM only): perm's entries go to shared memory by cp.async before the PDL wait (after the row's values, P
+// int32) and into registers only once x's and the weight's vectors are dead: 48 registers a thread against 88 (see
+// ops/cuda_norm_perm.py).
 template <typename T, int NV, bool PERM = false, bool LEAN = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
@@ -86,16 +86,27 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   static_assert(!LEAN || PERM, "lean: the permuted norm");
   int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
-  auto load_perm = [&]() {
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
+  int4* ps = reinterpret_cast<int4*>(norm_smem + ((H * sizeof(T) + 15) & ~size_t(15)));   // LEAN: perm's entries
+  // A thread's own vectors of perm: straight into registers, or (LEAN) into shared memory, read back by the same
+  // thread (no barrier) after cp_async_wait_all.
+  auto load_perm = [&](bool to_smem) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
 #pragma unroll
-      for (int q = 0; q < V / 4; ++q)
-        pv[i][q] = vi < pvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
+      for (int q = 0; q < V / 4; ++q) {
+        if (to_smem) {
+          if (vi < pvec) cp_async16(ps + vi * (V / 4) + q, reinterpret_cast<const int4*>(perm + vi * V) + q);
+        } else {
+          pv[i][q] = vi < pvec ? (LEAN ? ps[vi * (V / 4) + q] : reinterpret_cast<const int4*>(perm + vi * V)[q])
+                               : make_int4(0, 0, 0, 0);
+        }
+      }
     }
   };
-  if constexpr (PERM && !LEAN) load_perm();
+  if constexpr (PERM) load_perm(LEAN);
   uint4 wv[NV];
   auto load_w = [&]() {
 #pragma unroll
@@ -130,8 +141,6 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   }
   const float r = rms_scale(ss, H, eps);
   if (!early_w) load_w();
-  extern __shared__ __align__(16) unsigned char norm_smem[];
-  T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
@@ -144,7 +153,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
     else reinterpret_cast<uint4*>(y + row * H)[vi] = hv[i];
   }
   if constexpr (PERM) {
-    if constexpr (LEAN) load_perm();                          // x's and the weight's vectors are dead here
+    if constexpr (LEAN) {                                     // x's and the weight's vectors are dead here
+      cp_async_wait_all();
+      load_perm(false);
+    }
     __syncthreads();                                          // the row's values, all threads'
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
@@ -299,41 +311,13 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
   TORCH_CHECK(a.dtype() == b.dtype(), op, ": ", na, " is ", a.dtype(), " but ", nb, " is ", b.dtype());
 }
 
-// Whether the permuted norm over `rows` rows triggers late (no early PDL trigger).  Why: at 17..32 rows the q/k/v and
-// gate/up launches after it run qgemm_wide, up to 4 blocks an SM; launched while the norm's blocks (one a row, 88
-// registers a thread) still sit on their SMs, the rewritten EXL2's batch-32 gate/up added 41.75 us against 34.91
-// after a plain norm and a gather (stop 32 call 3, bench/decode_timeline.py).  Same call (stop 32 call 4, separate
-// processes), late at every row count against early: batch 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x /
-// 1.0015x -- so late from 17 rows only (cuda_candidates.WIDE_MIN_ROWS: the rows qgemm_wide takes; keep the two
-// equal).  EXL_CORE_NORM_PERM_LATE=0: never, =1: at every row count (A/B).  Tried in that call and dropped: the
-// largest shared memory carveout (0.9741x at batch 32), the instance held to 64 registers (1.0138x at batch 32,
-// 0.8365x on the prompt: it spills).
-// An environment switch "0" / "1" (A/B runs), else -1 (the default).
-int env_switch(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::strcmp(v, "0") == 0 ? 0 : v && std::strcmp(v, "1") == 0 ? 1 : -1;
-}
-
-bool perm_norm_late(int64_t rows) {
-  static const int mode = env_switch("EXL_CORE_NORM_PERM_LATE");
-  return mode == 1 || (mode < 0 && rows >= 17);
-}
-
-// Whether the permuted norm takes its LEAN instance (perm's entries read after the row's values are stored).  Why:
-// the regular instance holds 88 registers a thread (perm's 32 beside x's and the weight's), so while it runs, an SM
-// hosting one of its blocks fits fewer blocks of the GEMM launched early after it.  EXL_CORE_NORM_PERM_LEAN=0 / 1:
-// never / always (A/B; default: never, until measured).
-bool perm_norm_lean() {
-  static const int mode = env_switch("EXL_CORE_NORM_PERM_LEAN");
-  return mode == 1;
-}
-
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
 // perm (rms_norm_perm): int32 [P], P >= H, y's P columns written in that order (the vector kernel only: the caller
 // checks its conditions).
+// late / lean (perm only): no early PDL trigger / the LEAN instance -- the caller's policy (ops/cuda_norm_perm.py).
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
                                               const at::Tensor& w_, double eps, bool early_w = false,
-                                              const at::Tensor* perm = nullptr) {
+                                              const at::Tensor* perm = nullptr, bool late = false, bool lean = false) {
   const char* op = perm ? "exl_core::rms_norm_perm (CUDA)" : "exl_core::rms_norm (CUDA)";
   check_same(x_, w_, op, "x", "weight");
   const int64_t H = x_.size(-1);
@@ -371,12 +355,13 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
                       perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
                   op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
                   ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
-      auto* kern = perm_norm_lean() ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
-                                    : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
-      const size_t smem = static_cast<size_t>(H) * sizeof(scalar_t);
+      const size_t smem = ((static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15)) +
+                          (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
+      auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
+                          : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
-                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P, perm_norm_late(rows));
+                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P, late);
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
@@ -409,8 +394,9 @@ std::vector<at::Tensor> rms_norm_static_cuda(const at::Tensor& x, const c10::opt
 // rms_norm_static with y's columns in perm's order: [y] or [y, h], y[..., j] = rms_norm(...)[..., perm[j]] bit for bit
 // (y's last dim is perm's length).
 std::vector<at::Tensor> rms_norm_perm_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& res,
-                                           const at::Tensor& w, double eps, const at::Tensor& perm) {
-  auto [y, h] = norm_impl(x, res, w, eps, true, &perm);
+                                           const at::Tensor& w, double eps, const at::Tensor& perm, bool late,
+                                           bool lean) {
+  auto [y, h] = norm_impl(x, res, w, eps, true, &perm, late, lean);
   if (res) return {y, h};
   return {y};
 }
@@ -554,7 +540,8 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("rms_norm_static(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
-  m.def("rms_norm_perm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor perm) -> Tensor[]");
+  m.def("rms_norm_perm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor perm, bool late=False, "
+        "bool lean=False) -> Tensor[]");
   m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }

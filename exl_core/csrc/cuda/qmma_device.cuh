@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "act_device.cuh"
+#include "cp_async_device.cuh"
 
 namespace exl_mma {
 
@@ -549,15 +550,6 @@ template <bool BY16>
 __device__ __forceinline__ unsigned short pairs_value(int j, unsigned short h) {
   return BY16 && (j & 1) ? __half_as_ushort(__hmul(__ushort_as_half(h), __float2half_rn(0.0625f))) : h;
 }
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Launch configuration for grid (tiles, S), clusters (1, S, 1) when S > 1; `attr` must outlive it.
 inline cudaLaunchConfig_t split_config(int64_t tiles, int S, int threads, size_t smem, cudaStream_t stream,
