@@ -15,8 +15,10 @@
 # (bench/prompt_probe.py: where a 2048-token prompt's time goes),
 # gen (Generator tok/s), nowide (bench's graph decode with EXL_CORE_WIDE=0), widetiles (GPTQ graph decode with
 # EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), nou4 (EXL2 on the
-# mixed-width kernels), normpermearly / normpermlate (EXL2 with EXL_CORE_NORM_PERM_LATE=0 / 1: the permuted norm's
-# PDL trigger early / late at every row count; the default is late from 17 rows), noxchunks (EXL2 with
+# mixed-width kernels), normpermold (EXL2 with EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17: the permuted
+# norm as stops 32-35 ran it, its regular instance triggering late from 17 rows; the default is the lean instance from
+# 17 rows, early everywhere), notwin (EXL2 with EXL_CORE_WIDE_TWIN=0: at 17..32 rows qgemm_wide runs the extra rows as
+# K rows of their own instead of folding them into their main chunks), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
 # (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
@@ -175,7 +177,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) onl
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has normpermearly || has normpermlate || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has notwin || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -189,7 +191,8 @@ if has tests; then
   t0=$(date +%s)
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_prompt_path.py \
     tests/test_cuda_pointwise.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
-    tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py tests/test_cuda_norm_perm.py} \
+    tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py tests/test_cuda_norm_perm.py \
+    tests/test_cuda_wide_twin.py} \
     >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
@@ -287,9 +290,9 @@ if has promptext; then  # A/B: EXL2 prompts in the extended order, GEMMs over al
   $PY -c "import json, sys; json.dump({r: json.load(open(f'/tmp/exl_promptext_{r}.json')) for r in sys.argv[2:]},
     open(sys.argv[1], 'w'), indent=1)" "$OUT/gpu_h200_promptext.json" ext1 nat1 ext2 nat2
 fi
-for v in early:0 late:1; do  # A/B: the permuted norm's PDL trigger early at every row count (0) or late at every one
-  has normperm${v%%:*} && env EXL_CORE_NORM_PERM_LATE=${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py \
-    --exl2 "$CK/exl2" --quick --json "$OUT/gpu_h200_normperm${v%%:*}.json" 2>&1 | tee -a "$LOG" | tail -14
+for v in "normpermold:EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17" "notwin:EXL_CORE_WIDE_TWIN=0"; do  # A/B
+  has ${v%%:*} && env ${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
+    --json "$OUT/gpu_h200_${v%%:*}.json" 2>&1 | tee -a "$LOG" | tail -14
 done
 if has promptprof; then  # the 2,048-token prompt's kernels by name: GPTQ, EXL2 (default), EXL2 unrewritten
   for v in "gptq:" "exl2:" "exl2:EXL_CORE_EXL2_AS_U4=0"; do

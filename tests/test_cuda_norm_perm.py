@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("H", [4096, 576, 8192, 100], ids=["4096", "576", "8192", "100"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("extra", [0, 256], ids=["perm", "perm+256"])
-@pytest.mark.parametrize("rows", [13, 32])      # 32: the late PDL trigger (ops/cuda_norm_perm.py _late)
+@pytest.mark.parametrize("rows", [13, 32])      # 32: the lean instance (ops/cuda_norm_perm.py _lean)
 def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows):
     _need_kernels()
     from exl_core.ops.norm import rms_norm

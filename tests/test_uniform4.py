@@ -152,3 +152,30 @@ def test_pad_rows_adds_nothing():
     assert torch.equal(dequantize_reference(p), dequantize_reference(u))
     with pytest.raises(ValueError):
         pad_rows(u, u.rows + 16)
+
+
+def test_twin_groups_name_each_main_groups_high_halves():
+    """formats.uniform4.twin_groups: main group g's twin holds q >> 4 of its rows and reads the same x columns (so a
+    kernel may add 16 x the twin's values into g's own: r + 16 h = q); None where groups differ in size or no group
+    has more than 4 bits."""
+    from exl_core.formats.bitpack import unpack_stream
+    from exl_core.formats.uniform4 import as_uniform4, twin_groups
+    from test_cuda_kernels import random_packed
+    layout = [(5, 128), (4, 128), (8, 128), (3, 128), (6, 128)]
+    pw = random_packed(layout, 64, perm=True, seed=3)
+    u = as_uniform4(pw, max_growth=10.0)
+    twins, k_main = twin_groups(u)
+    assert k_main == pw.in_features and [t >= 0 for t in twins] == [b > 4 for b, _ in layout]
+    assert sorted(t for t in twins if t >= 0) == list(range(len(layout), len(layout) + 3))
+    q4 = unpack_stream(u.qweight, 4, u.rows)
+    for g, (bits, _k) in enumerate(layout):
+        q = unpack_stream(pw.qweight[sum(128 * b // 32 for b, _ in layout[:g]):][:128 * bits // 32], bits, 128)
+        r = q4[128 * g:128 * (g + 1)]
+        if twins[g] < 0:
+            assert torch.equal(r, q)
+            continue
+        t = twins[g]
+        assert torch.equal(r + 16 * q4[128 * t:128 * (t + 1)], q)
+        assert torch.equal(u.perm[128 * t:128 * (t + 1)], u.perm[128 * g:128 * (g + 1)])
+    assert twin_groups(as_uniform4(random_packed([(5, 64), (4, 128)], 64, seed=4), max_growth=10.0)) is None
+    assert twin_groups(as_uniform4(random_packed([(3, 128), (4, 128)], 64, seed=5), max_growth=10.0)) is None

@@ -74,6 +74,31 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
                         k if extra else None).validate("uniform4")
 
 
+def twin_groups(pw: PackedWeight) -> Optional[tuple[list[int], int]]:
+    """(twins, k_main) for a weight as_uniform4 wrote with extra rows (or pad_rows grew), all of whose groups have one
+    size G: group g of the k_main main rows has its high halves in group twins[g] (an extra group, at k_main or past
+    it, reading the same x columns in the same order), or -1 (a group of 2..4 bits).  Kernels can then add a main
+    chunk's twin into it instead of running the extra rows as K rows of their own (qgemm_wide's TWIN).  None for any
+    other weight.  Read from the layout as_uniform4 writes: the original groups (meta uniform4_groups), main groups
+    first in their order, then one extra group per 5..8-bit group in that order."""
+    orig = pw.meta.get("uniform4_groups")
+    if not orig:
+        return None
+    G = orig[0][2]
+    if any(k_len != G for _b, _k, k_len, _q in orig):
+        return None
+    wide = [i for i, (bits, *_rest) in enumerate(orig) if bits > 4]
+    n_main, g = len(orig), pw.groups.tolist()
+    if not wide or len(g) < n_main + len(wide) or any(row[0] != 4 or row[2] != G for row in g[:n_main + len(wide)]):
+        return None
+    if any(g[i][1] != i * G for i in range(n_main + len(wide))):
+        return None
+    twins = [-1] * n_main
+    for rank, i in enumerate(wide):
+        twins[i] = n_main + rank
+    return twins, n_main * G
+
+
 def pad_rows(pw: PackedWeight, rows: int) -> PackedWeight:
     """pw (a weight with extra rows) with zero rows appended up to `rows` (scale 0: they add nothing), so that
     weights reading one x (q/k/v, gate/up) share a row count and one launch serves them."""

@@ -80,7 +80,7 @@ KSLICE_MIXED_WAVES = os.environ.get("EXL_CORE_KSLICE_MIXED_SKINNY", "1") == "0" 
 KSLICE_ON = os.environ.get("EXL_CORE_KSLICE", "1") != "0"
 GROUP_SHIFT_ON = os.environ.get("EXL_CORE_GROUP_SHIFT", "1") != "0"   # 0: kslice/wide read groups from the table (A/B)
 SILU_FUSE_ON = os.environ.get("EXL_CORE_SILU_FUSE", "1") != "0"       # 0: silu_mul then the down projection (A/B)
-WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide (uniform 4-bit; 9..16: kslice as fast); cuda_norm_perm._late
+WIDE_MIN_ROWS, WIDE_MAX_ROWS = 17, 32   # qgemm_wide (uniform 4-bit; 9..16: kslice as fast); cuda_norm_perm._lean
 WIDE_MIXED_MIN_ROWS = 9     # mixed widths: from 9 rows (two n-tiles), where the alternative is qgemm_skinny
 WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # (env: A/B runs)
                             # uniform 4-bit launches narrower than 64 x 128 columns stay on kslice: at 32 rows (H200,
@@ -92,6 +92,7 @@ WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # 
                             # with 4 splits instead of 8 6,430.1 -- though bench/wide_probe.cu times wide's 4096x4096
                             # and 11008x4096 at 12.3 / 25.3 us, below kslice's 13.0 / 30.5 of the older sweep
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
+WIDE_TWIN_ON = os.environ.get("EXL_CORE_WIDE_TWIN", "1") != "0"   # 0: extra rows as K rows of their own (A/B)
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
@@ -259,6 +260,37 @@ def _wide_ok(rows: int, pws, device, any_rows: bool = False) -> bool:
     if key not in _WIDE_FITS:
         _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
     return _WIDE_FITS[key]
+
+
+def _twins_of(rows: int, pws, device) -> tuple[Optional[torch.Tensor], int]:
+    """(twins, k_main) for qgemm_wide's TWIN instances (formats.uniform4.twin_groups: extra rows folded into their
+    main chunks) where every weight has the same twin layout, reads x as it is (no permutation, x's K its rows) and
+    the launch fits with the twin words' shared memory; else (None, 0).  The int32 table is made once a weight."""
+    if not WIDE_TWIN_ON or any(pw.perm is not None or pw.rows is not None for pw in pws):
+        return None, 0
+    from ..formats.uniform4 import twin_groups
+    gs = _pws_group_shift(pws)
+    tabs = []
+    for pw in pws:
+        if "_cuda_twins" not in pw.meta:
+            pw.meta["_cuda_twins"] = twin_groups(pw)
+        tabs.append(pw.meta["_cuda_twins"])
+    first = tabs[0]
+    if gs < 0 or first is None or any(t != first for t in tabs) or first[1] % (32 << gs) or \
+            len(first[0]) != first[1] // (32 << gs) or not all(_uniform4(pw) for pw in pws):
+        return None, 0
+    tiles = sum((pw.out_features + 127) // 128 for pw in pws)
+    key = (rows, first[1], tiles, min(_min_group(pw) for pw in pws), device.index or 0, 0, False, True)
+    if key not in _WIDE_FITS:
+        _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
+    held = pws[0].meta.get("_cuda_twins_t")
+    if not _WIDE_FITS[key]:
+        return None, 0
+    if held is None or held.device != device:
+        if torch.cuda.is_current_stream_capturing():             # no copy inside a graph: the plain launch then
+            return None, 0
+        held = pws[0].meta["_cuda_twins_t"] = torch.tensor(first[0], dtype=torch.int32, device=device)
+    return held, first[1]
 
 
 def _mma_rows_ok(rows: int, pw) -> bool:
@@ -525,8 +557,9 @@ def _many_run(x, pws):
     args = (x2, *_weights_args(pws, x.device, x.dtype))
     u4 = all(_uniform4(pw) for pw in pws)
     if wide:
+        twins, k_main = _twins_of(rows, pws, x.device)
         ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
-                                                 group_shift=_pws_group_shift(pws))
+                                                 group_shift=_pws_group_shift(pws), twins=twins, k_main=k_main)
     elif kslice:
         ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
                                                    group_shift=_pws_group_shift(pws))

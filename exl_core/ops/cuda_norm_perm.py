@@ -18,23 +18,27 @@ from . import cuda_small_ops
 
 _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVecs
 
-# Launch policy (the kernel's `late` and `lean` arguments; A/B switches "0" never / "1" always, read at import).
-# late, from cc.WIDE_MIN_ROWS rows (the rows qgemm_wide takes): no early PDL trigger.  At 17..32 rows the q/k/v and
-# gate/up launches after the norm run qgemm_wide, up to 4 blocks an SM; launched early while the norm's blocks (one a
-# row, 88 registers a thread) still sat on their SMs, the rewritten EXL2's batch-32 gate/up added 41.75 us against
-# 34.91 after a plain norm and a gather (stop 32 call 3, bench/decode_timeline.py).  Same call, late at every row count
-# against early: batch 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x / 1.0015x.  Dropped in that call: the largest
-# shared memory carveout (0.9741x at batch 32), the instance held to 64 registers (1.0138x at 32, 0.8365x on the
-# prompt: it spills).  Stop 36 call 2 (EXL2 batch 32, tok/s): late 7,594.2 / 7,593.2, early 7,343.3.
-# lean: perm staged in shared memory by cp.async, 48 registers a thread against 88.  A first lean instance that read
-# perm from global memory after the row's values (a round trip on the norm's path) lost at batch 32 in that call:
-# early 7,537.4, late 7,331.8.
-_LATE = os.environ.get("EXL_CORE_NORM_PERM_LATE")
-_LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN", "0") == "1"
+# Launch policy: the kernel's `late` and `lean` arguments (A/B switches, read at import: EXL_CORE_NORM_PERM_LEAN "0"
+# never / "1" always; EXL_CORE_NORM_PERM_LATE=n late from n rows -- 17 with LEAN=0 is stops 32-35's policy).
+# From cc.WIDE_MIN_ROWS rows (the rows qgemm_wide takes after the norm, up to 4 blocks an SM): the lean instance (perm
+# staged in shared memory by cp.async, 48 registers a thread against 88) with the early trigger; below, the regular
+# instance with the early trigger.  History: launched early while the regular instance's blocks still sat on their
+# SMs, the rewritten EXL2's batch-32 gate/up added 41.75 us against 34.91 after a plain norm and a gather (stop 32
+# call 3, bench/decode_timeline.py), so stops 32-35 triggered late from 17 rows (late everywhere against early: batch
+# 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x / 1.0015x, stop 32 call 4).  Stop 36 (EXL2 batch 32, tok/s, separate
+# processes): call 3, lean early 7,610.5 / 7,616.8 against regular late 7,593.2 / 7,595.1 (lean late 7,345.3; at
+# batch 1 lean early 442.4 / 442.9 against regular early 446.8 / 446.3); call 2, regular early 7,343.3, and a first
+# lean instance that read perm from global memory after the row's values 7,537.4 early / 7,331.8 late.
+_LATE_FROM = int(os.environ.get("EXL_CORE_NORM_PERM_LATE", "0")) or None
+_LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
 
 
 def _late(rows: int) -> bool:
-    return _LATE == "1" or (_LATE != "0" and rows >= cc.WIDE_MIN_ROWS)
+    return _LATE_FROM is not None and rows >= _LATE_FROM
+
+
+def _lean(rows: int) -> bool:
+    return _LEAN == "1" or (_LEAN != "0" and rows >= cc.WIDE_MIN_ROWS)
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
@@ -59,7 +63,7 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
 def _run(x, weight, eps, perm, residual):
     rows = x.numel() // max(1, x.shape[-1])
     out = torch.ops.exl_core.rms_norm_perm(x.contiguous(), None if residual is None else residual.contiguous(),
-                                           weight, float(eps), perm, _late(rows), _LEAN)
+                                           weight, float(eps), perm, _late(rows), _lean(rows))
     return out[0] if residual is None else (out[0], out[1])
 
 

@@ -25,7 +25,8 @@ int n_tiles_for(int M) { return M <= 16 ? 2 : 4; }
 // the best portable count: 4096x4096 32 tiles -> 8 splits (12.9), q/k/v 96 -> 4 (28.1; 8 splits 27.0), gate/up
 // 172 -> 2 (40.9), 11008x4096 -> 8 (27.4; 12, a non-portable cluster, 25.3).  Clusters need sm_90: below it one
 // split, so a K range that does not fit is refused and the policy takes qgemm_kslice.
-Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, int dev, bool fold = false) {
+Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, int dev, bool fold = false,
+              bool twins = false) {
   const int nt = n_tiles_for(M), n_chunks = static_cast<int>(K / 32);
   const int max_splits = device_sm(dev, true) >= 9 ? kMaxSplits : 1;
   int S = splits;
@@ -40,7 +41,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int splits, int64_t min_group, in
     const int cps = (n_chunks + S - 1) / S;
     S = (n_chunks + cps - 1) / cps;                                     // no split without chunks
     const int groups = std::min(cps, (cps + per_group - 1) / per_group + 1);
-    const size_t smem = Smem<>(8 * nt, M, cps, groups, fold).total;
+    const size_t smem = Smem<>(8 * nt, M, cps, groups, fold, twins).total;
     if (smem <= kSmemMax || splits > 0 || S >= max_splits || S >= n_chunks) return {nt, S, cps, groups, smem};
   }
 }
@@ -50,13 +51,22 @@ bool plan_usable(const Plan& p, int64_t K) {
   return p.smem <= kSmemMax && p.cps >= 1 && K % 32 == 0 && K < (int64_t(1) << 26);
 }
 
-template <int NT, bool U4, bool FOLD = false, bool PAIR = false, bool TAILS = false>
+// K: x's row length; k_loop: the rows the K loop covers (TWIN: the main rows; else K).
+template <int NT, bool U4, bool FOLD = false, bool PAIR = false, bool TAILS = false, bool TWIN = false>
 void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift, const Mats& mats,
-                int dev) {
-  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD, PAIR, TAILS>;
+                int dev, int64_t k_loop = 0) {
+  auto* kern = qgemm_wide_kernel<NT, U4, kRing, kStages, FOLD, PAIR, TAILS, TWIN>;
   ensure_smem(kern, p.smem, dev);
   launch_split(kern, tiles, p.splits, kThreads, p.smem, c10::cuda::getCurrentCUDAStream(), dev, x, M, K,
-               static_cast<int>(K / 32), p.cps, p.groups, U4 ? gshift : -1, mats);
+               static_cast<int>((k_loop > 0 ? k_loop : K) / 32), p.cps, p.groups, U4 ? gshift : -1, mats);
+}
+
+// The pair and plain uniform 4-bit launches with the twins folded in (TWIN) or not.
+template <int NT, bool PAIR, bool TAILS>
+void launch_u4(bool twin, const __half* x, int M, int64_t K, int64_t tiles, const Plan& p, int gshift,
+               const Mats& mats, int dev, int64_t k_loop) {
+  if (twin) launch_one<NT, true, false, PAIR, TAILS, true>(x, M, K, tiles, p, gshift, mats, dev, k_loop);
+  else launch_one<NT, true, false, PAIR, TAILS>(x, M, K, tiles, p, gshift, mats, dev);
 }
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i), x fp16 [M <= 32, K], up to kMaxMats weights on one x in one
@@ -67,13 +77,18 @@ void launch_one(const __half* x, int M, int64_t K, int64_t tiles, const Plan& p,
 // rmsnorm(x) * norm_weight instead (norm_fold_device.cuh; norm_ss from qgemm_kslice_add_).
 // pair (qgemm_wide_swiglu): two weights, gate and up; returns [silu(x @ gate) * (x @ up)] (the kernel's PAIR) --
 // with tails (int32 [ceil(N / 32)]) [M, out_cols], chunk c also at columns tails[c] .. + 31 where tails[c] >= 0.
+// twins (int32 [k_main / group rows], uniform 4-bit weights with regular groups, no permutation, K = x's columns):
+// the weights' rows past k_main are twin groups of main groups (formats/uniform4.py), twins[g] the twin of main group g
+// or -1, folded into the main chunks (the kernel's TWIN; the same for every weight of the launch: the caller's promise,
+// as the values of tails are).
 std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                  at::TensorList scale, at::TensorList zero,
                                  const c10::List<c10::optional<at::Tensor>>& perm,
                                  const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4, int64_t splits,
                                  int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& norm_weight,
                                  const c10::optional<at::Tensor>& norm_ss, double norm_eps, bool pair = false,
-                                 const c10::optional<at::Tensor>& tails = c10::nullopt, int64_t out_cols = 0) {
+                                 const c10::optional<at::Tensor>& tails = c10::nullopt, int64_t out_cols = 0,
+                                 const c10::optional<at::Tensor>& twins = c10::nullopt, int64_t k_main = 0) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                                        // the weights' rows (x's K unless
@@ -102,6 +117,21 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
     }
   }
   TORCH_CHECK(!tails || pair, "exl_core::qgemm_wide: tails only with the SwiGLU pair");
+  if (twins) {
+    bool plain = uniform4 && group_shift >= 0 && group_shift < 16 && K == x.size(1);
+    for (int i = 0; i < mats.n; ++i) plain = plain && mats.m[i].perm == nullptr;
+    const int64_t grows = int64_t(32) << (plain ? group_shift : 0);
+    TORCH_CHECK(plain && k_main >= 32 && k_main < K && k_main % grows == 0 && twins->is_cuda() &&
+                    twins->device() == x.device() && twins->dtype() == at::kInt && twins->dim() == 1 &&
+                    twins->numel() == k_main / grows && twins->is_contiguous(),
+                "exl_core::qgemm_wide: twins take uniform 4-bit weights with regular groups (group_shift >= 0), no ",
+                "permutation, k_main (", k_main, ") a multiple of the group's rows below their rows (", K, ") and ",
+                "contiguous int32 twins of k_main / group rows entries on x's GPU; got ", twins->dtype(), " ",
+                twins->sizes());
+    mats.twins = twins->data_ptr<int32_t>();
+  }
+  const bool twin = twins.has_value();
+  const int64_t k_plan = twin ? k_main : K;                              // the K loop's rows
   if (M == 0) return ys;
   const int dev = x.device().index();
   // the plan from the two launches' tile count (the same K splits, so the same sums as qgemm_wide_multi);
@@ -112,7 +142,8 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
   const bool fold = set_norm_fold("exl_core::qgemm_wide", x, norm_weight, norm_ss, norm_eps, mats);
   TORCH_CHECK(!fold || (uniform4 && K == x.size(1)), "exl_core::qgemm_wide: the folded norm takes uniform 4-bit ",
               "weights of x's K rows");
-  const Plan plan = plan_for(static_cast<int>(M), K, tiles, static_cast<int>(splits), min_group, dev, fold);
+  TORCH_CHECK(!fold || !twin, "exl_core::qgemm_wide: no folded norm with twins");
+  const Plan plan = plan_for(static_cast<int>(M), k_plan, tiles, static_cast<int>(splits), min_group, dev, fold, twin);
   TORCH_CHECK(plan_usable(plan, K) && (splits <= 1 || device_sm(dev, true) >= 9),   // as qgemm_wide_fits
               "exl_core::qgemm_wide: no plan for M = ", M, ", K = ", K, ", splits = ", splits,
               " (shared memory, or splits without thread-block clusters below sm_90)");
@@ -128,21 +159,21 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
     TORCH_CHECK(!fold, "exl_core::qgemm_wide_swiglu: no folded norm");
     const int m = static_cast<int>(M);
     if (tails) {
-      if (plan.nt == 2) launch_one<2, true, false, true, true>(xp, m, K, grid_tiles, plan, gs, mats, dev);
-      else launch_one<4, true, false, true, true>(xp, m, K, grid_tiles, plan, gs, mats, dev);
+      if (plan.nt == 2) launch_u4<2, true, true>(twin, xp, m, K, grid_tiles, plan, gs, mats, dev, k_plan);
+      else launch_u4<4, true, true>(twin, xp, m, K, grid_tiles, plan, gs, mats, dev, k_plan);
     } else if (plan.nt == 2) {
-      launch_one<2, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
+      launch_u4<2, true, false>(twin, xp, m, K, grid_tiles, plan, gs, mats, dev, k_plan);
     } else {
-      launch_one<4, true, false, true>(xp, static_cast<int>(M), K, grid_tiles, plan, gs, mats, dev);
+      launch_u4<4, true, false>(twin, xp, m, K, grid_tiles, plan, gs, mats, dev, k_plan);
     }
   } else if (fold) {
     if (plan.nt == 2) launch_one<2, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
     else launch_one<4, true, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   } else if (plan.nt == 2) {
-    if (uniform4) launch_one<2, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    if (uniform4) launch_u4<2, false, false>(twin, xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev, k_plan);
     else launch_one<2, false>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   } else {
-    if (uniform4) launch_one<4, true>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
+    if (uniform4) launch_u4<4, false, false>(twin, xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev, k_plan);
     else launch_one<4, false>(xp, static_cast<int>(M), K, tiles, plan, gs, mats, dev);
   }
   return ys;
@@ -154,9 +185,10 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
                                          const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
                                          int64_t splits, int64_t min_group, int64_t group_shift,
                                          const c10::optional<at::Tensor>& norm_weight,
-                                         const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
+                                         const c10::optional<at::Tensor>& norm_ss, double norm_eps,
+                                         const c10::optional<at::Tensor>& twins, int64_t k_main) {
   return wide_run(x, qweight, chunks, scale, zero, perm, bias, uniform4, splits, min_group, group_shift, norm_weight,
-                  norm_ss, norm_eps);
+                  norm_ss, norm_eps, false, c10::nullopt, 0, twins, k_main);
 }
 
 // silu(x @ gate) * (x @ up) [M, N] fp16 in one launch, rounded as qgemm_wide_multi then silu_mul round it (the MLP
@@ -165,11 +197,11 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
 at::Tensor qgemm_wide_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
                              at::TensorList zero, const c10::List<c10::optional<at::Tensor>>& bias, int64_t splits,
                              int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& tails,
-                             int64_t out_cols) {
+                             int64_t out_cols, const c10::optional<at::Tensor>& twins, int64_t k_main) {
   c10::List<c10::optional<at::Tensor>> perm;
   for (size_t i = 0; i < qweight.size(); ++i) perm.push_back(c10::nullopt);
   return wide_run(x, qweight, chunks, scale, zero, perm, bias, true, splits, min_group, group_shift, c10::nullopt,
-                  c10::nullopt, 0.0, true, tails, out_cols)[0];
+                  c10::nullopt, 0.0, true, tails, out_cols, twins, k_main)[0];
 }
 
 at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
@@ -180,18 +212,20 @@ at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_wide_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits, min_group,
-                          group_shift, c10::nullopt, c10::nullopt, 0.0)[0];
+                          group_shift, c10::nullopt, c10::nullopt, 0.0, c10::nullopt, 0)[0];
 }
 
 // Whether qgemm_wide takes M rows of K over `tiles` 128-column tiles on `device` (splits 0: its own choice); a
 // call it refuses raises, which on some images kills the process (see NOTES.md), so callers ask first.
+// twins: K the main rows (the K loop's), with the twin words' shared memory.
 bool qgemm_wide_fits(int64_t rows, int64_t K, int64_t tiles, int64_t min_group, int64_t device, int64_t splits,
-                     bool fold) {
+                     bool fold, bool twins) {
   if (rows < 1 || rows > kMaxRows || K < 32 || K % 32 != 0 || tiles < 1 || splits < 0 || splits > kMaxSplits)
     return false;
   const int dev = static_cast<int>(device);
   if (splits > 1 && device_sm(dev, true) < 9) return false;             // no clusters to reduce the splits
-  return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(splits), min_group, dev, fold), K);
+  return plan_usable(plan_for(static_cast<int>(rows), K, tiles, static_cast<int>(splits), min_group, dev, fold, twins),
+                     K);
 }
 
 }  // namespace
@@ -201,12 +235,13 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int splits=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_wide_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
-        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
+        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0, Tensor? twins=None, "
+        "int k_main=0) -> Tensor[]");
   m.def("qgemm_wide_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=-1, Tensor? tails=None, int out_cols=0) "
-        "-> Tensor");
-  m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0, bool fold=False) -> bool",
-        &qgemm_wide_fits);
+        "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=-1, Tensor? tails=None, int out_cols=0, "
+        "Tensor? twins=None, int k_main=0) -> Tensor");
+  m.def("qgemm_wide_fits(int rows, int K, int tiles, int min_group, int device, int splits=0, bool fold=False, "
+        "bool twins=False) -> bool", &qgemm_wide_fits);
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {

@@ -43,21 +43,27 @@ constexpr int kStages = 2;        // x stages in shared memory (default; 3 ran 0
 constexpr int kXPad = 32;         // halves of padding per staged row: the two rows of one LDS.128 phase on other banks
 constexpr int kMaxRows = 32;
 constexpr size_t kSmemMax = 100 * 1024;   // two blocks per SM
+constexpr int kTwRow = kTile + 8;         // int32 a staged row of twin words (TWIN): rows t, t+1 of one LDS.128 phase
+                                          // 32 bytes apart in banks
 
 // Shared memory of one block: [x stages kStages x rows x kStageW fp16 | after the K loop: partial tile M x kTile
 // fp32][chunk table slice cps x 3 int32][scale/zero of the block's groups: groups x (scale kTile | zero kTile) fp32]
 // [with the norm folded in: r of each row, kMaxRows fp32 | partial sums, kThreads fp32 | the norm weight over the
-//  block's K range, whole stages]
+//  block's K range, whole stages][TWIN: twin words, kStages x RING chunks x 4 rows x kTwRow int32 | the twin groups'
+//  zeros, groups x kTile fp32 | the twin group of each of the block's groups, groups int32]
 template <int RING = kRing, int STAGES = kStages>
 struct Smem {
   static constexpr int kStageW = RING * 32 + kXPad;                    // staged row width in halves
-  size_t tab, sz, fold, total;
-  __host__ __device__ Smem(int rows, int M, int cps, int groups, bool folded = false) {
+  size_t tab, sz, fold, twin, tz, tid, total;
+  __host__ __device__ Smem(int rows, int M, int cps, int groups, bool folded = false, bool twins = false) {
     const size_t xs = static_cast<size_t>(STAGES) * rows * kStageW * 2, red = static_cast<size_t>(M) * kTile * 4;
     tab = xs > red ? xs : red;
     sz = tab + ((static_cast<size_t>(cps) * 12 + 15) & ~size_t(15));
     fold = sz + static_cast<size_t>(groups) * 2 * kTile * 4;
-    total = fold + (folded ? (kMaxRows + kThreads) * 4 + static_cast<size_t>((cps + RING - 1) / RING) * RING * 64 : 0);
+    twin = fold + (folded ? (kMaxRows + kThreads) * 4 + static_cast<size_t>((cps + RING - 1) / RING) * RING * 64 : 0);
+    tz = twin + (twins ? static_cast<size_t>(STAGES) * RING * 4 * kTwRow * 4 : 0);
+    tid = tz + (twins ? static_cast<size_t>(groups) * kTile * 4 : 0);
+    total = tid + (twins ? static_cast<size_t>(groups) * 4 : 0);
   }
 };
 
@@ -72,8 +78,15 @@ struct Smem {
 // ceil(N / 64) -- so its epilogue has both halves of silu(gate) * up and writes only that (cluster_store_swiglu):
 // no silu_mul launch after the GEMM, half the output bytes.
 // TAILS (PAIR only): the product also stored at mats.tails' columns, rows mats.ldy apart (qmma_device.cuh Mats).
+// TWIN (uniform 4-bit, regular groups): the weights' extra rows (formats/uniform4.py: a 5..8-bit group's high
+// halves, a twin group after the K main rows, reading the same x columns) folded into their main chunks -- the K
+// loop runs over the n_chunks main chunks only (x's rows are K long: the main columns first), and a chunk of a
+// group with a twin (mats.twins[group] >= 0) adds 16 x its twin chunk's values to its own before the scaling, with
+// the group's zero z + 16 z_twin: (r + 16 h - z - 16 z_h) s = (q - z_orig) s, the weight's own 5..8-bit value.  The
+// twin words go to shared memory by cp.async with the x stage of their chunk.  Saves the extra rows' K steps (an x
+// stage and 16 mma a chunk at 32 rows) for ~3 instructions a pair on a twinned chunk.
 template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = false, bool PAIR = false,
-          bool TAILS = false>
+          bool TAILS = false, bool TWIN = false>
 __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
     qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
                       int gshift, const Mats mats) {
@@ -81,6 +94,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   constexpr int kRows = 8 * NT, kPieces = kRows * kRing * 4;   // 16-byte pieces of x per stage
   static_assert(!PAIR || (U4 && !FOLD), "the SwiGLU pair runs uniform 4-bit weights without the folded norm");
   static_assert(!TAILS || PAIR, "tails: the SwiGLU pair's store");
+  static_assert(!TWIN || (U4 && !FOLD), "twins: uniform 4-bit words, regular groups (the host checks gshift)");
   constexpr int kMatW = PAIR ? kTile / 2 : kTile;               // columns of one matrix in a block's tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const Mat& mat = PAIR ? mats.m[warp >> 1] : block_mat(mats);   // PAIR: per warp (warp-uniform)
@@ -97,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The norm folded in (norm_fold_device.cuh): weights without permutation (the host checks), x the residual.
   constexpr bool fold = FOLD;
-  const Smem<RING, STAGES> lay(kRows, M, cps, max_groups, fold);
+  const Smem<RING, STAGES> lay(kRows, M, cps, max_groups, fold, TWIN);
   __half* xs = reinterpret_cast<__half*>(smem_raw);                     // [kStages][kRows][kStageW]
   float* red = reinterpret_cast<float*>(smem_raw);                      // [M][kTile], after the K loop
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);        // chunks [c_begin, c_end)
@@ -105,6 +119,9 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   float* rrow = reinterpret_cast<float*>(smem_raw + lay.fold);          // fold: [kMaxRows] r of each row
   float* rpart = rrow + kMaxRows;                                       // fold: [kThreads] partial sums of squares
   __half* gsm = reinterpret_cast<__half*>(rpart + kThreads);            // fold: norm weight, K range of the block
+  int32_t* tws = reinterpret_cast<int32_t*>(smem_raw + lay.twin);       // TWIN: [stage][slot][row t][kTwRow]
+  float* tzs = reinterpret_cast<float*>(smem_raw + lay.tz);             // TWIN: [group - g_first][kTile] zero
+  int32_t* tids = reinterpret_cast<int32_t*>(smem_raw + lay.tid);       // TWIN: [group - g_first] twin group or -1
 
   Raw ring[kRing];
   const int32_t* wnext = base + static_cast<int64_t>(4 * c_begin + t) * ldq;   // U4: chunk c's word, row 4c + t
@@ -144,6 +161,18 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   }
   if (fold)                                                             // a weight: before the wait, with group 0
     for (int i = threadIdx.x; i < nc * 4; i += kThreads) cp_async16(gsm + 8 * i, mats.nf.nw + c_begin * 32 + 8 * i);
+  if constexpr (TWIN) {                                                 // load-time data: before the wait
+    for (int i = threadIdx.x; i < ngr; i += kThreads) tids[i] = __ldg(mats.twins + g_first + i);
+    for (int i = threadIdx.x; i < ngr * (kTile / 4); i += kThreads) {
+      const int gr = i / (kTile / 4), q = i % (kTile / 4);
+      const int tg = __ldg(mats.twins + g_first + gr);
+      if (tg < 0) continue;
+      const Mat& mq = PAIR ? mats.m[4 * q >= kMatW] : mat;
+      int64_t cq = PAIR ? tile * kMatW + (4 * q) % kMatW : tile * kTile + 4 * q;
+      cq = cq < mq.N ? cq : mq.N - 4;
+      cp_async16(tzs + gr * kTile + 4 * q, mq.zero + static_cast<int64_t>(tg) * mq.N + cq);
+    }
+  }
 
   exl_pdl::pdl_wait();                                                  // x is the previous kernel's output
   exl_pdl::pdl_trigger();
@@ -174,6 +203,21 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
 #pragma unroll
       for (int j = 0; j < kPasses; ++j)
         if (pm + j * kRP < M) cp_async16(dst + j * kRP * kStageW, src + j * pass_stride);
+    }
+    if constexpr (TWIN) {       // the stage's twinned chunks' words: thread (row r, piece q) one 16-byte piece each
+      const int r = threadIdx.x / (kTile / 4), q = threadIdx.x % (kTile / 4);
+      const Mat& mq = PAIR ? mats.m[4 * q >= kMatW] : mat;
+      int64_t cq = PAIR ? tile * kMatW + (4 * q) % kMatW : tile * kTile + 4 * q;
+      cq = cq < mq.N ? cq : mq.N - 4;
+#pragma unroll
+      for (int i = 0; i < kRing; ++i) {
+        const int c = c_begin + s * kRing + i;
+        if (c >= c_end) break;
+        const int tg = __ldg(mats.twins + (c >> gshift));             // tids may not be visible yet
+        if (tg < 0) continue;
+        const int64_t tc = (static_cast<int64_t>(tg) << gshift) + (c & ((1 << gshift) - 1));
+        cp_async16(tws + (((s % kStages) * kRing + i) * 4 + r) * kTwRow + 4 * q, mq.qw.at(4 * tc + r, cq));
+      }
     }
   };
 #pragma unroll
@@ -210,10 +254,11 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       for (int i = 0; i < 4; ++i) acc[u][nt][i] = 0.f;
   __half2 sh[4], zs[4];
   int grp = -1;
+  bool twinned = false;                                                 // TWIN: the current group has a twin
 
   // Chunk c (slot i of the ring, its x at xb): new group -> its s and -z*s in fp16; B from the stage; A scaled;
   // the slot refilled with chunk c + kRing when `reload`.
-  auto chunk = [&](int i, int c, const __half* xb, bool reload) {
+  auto chunk = [&](int i, int c, const __half* xb, bool reload, int st) {
     const int32_t* e = tab + 3 * (c - c_begin);
     const int ge = reg ? c >> gshift : e[1];
     if (ge != grp) {                                                    // warp-uniform
@@ -227,6 +272,13 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
         s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
         z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
       }
+      if constexpr (TWIN) {                                             // z + 16 z_twin (exact: z_twin = (z - 8) / 16)
+        twinned = tids[ge - g_first] >= 0;                              // (the host stages every group: max_groups)
+        if (twinned) {
+          const float4 t4 = *reinterpret_cast<const float4*>(tzs + (ge - g_first) * kTile + warp * 32 + 4 * g);
+          z4 = make_float4(fmaf(16.f, t4.x, z4.x), fmaf(16.f, t4.y, z4.y), fmaf(16.f, t4.z, z4.z), fmaf(16.f, t4.w, z4.w));
+        }
+      }
       half_scales(s4, z4, sh, zs);
     }
     uint32_t b[NT][4];
@@ -236,7 +288,16 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       b[nt][0] = v.x, b[nt][1] = v.y, b[nt][2] = v.z, b[nt][3] = v.w;   // staged in the pair order (permute_stage)
     }
     uint32_t a[4][4];
-    if constexpr (U4) {
+    if constexpr (TWIN) {
+      if (twinned) {
+        const int4 tw = *reinterpret_cast<const int4*>(tws + ((st * kRing + i) * 4 + t) * kTwRow + warp * 32 + 4 * g);
+        scaled_a_twin(ring[i], tw, sh, zs, a);
+      } else {
+        scaled_a<4>(ring[i], t, sh, zs, a);
+      }
+      if (reload) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
+      wnext += 4 * ldq;
+    } else if constexpr (U4) {
       scaled_a<4>(ring[i], t, sh, zs, a);
       if (reload) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
       wnext += 4 * ldq;
@@ -276,11 +337,11 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     const int cs = c_begin + s * kRing;
     if (cs + 2 * kRing <= c_end) {                                      // a full stage whose refills all exist
 #pragma unroll
-      for (int i = 0; i < kRing; ++i) chunk(i, cs + i, xb, true);
+      for (int i = 0; i < kRing; ++i) chunk(i, cs + i, xb, true, s % kStages);
     } else {
 #pragma unroll
       for (int i = 0; i < kRing; ++i)
-        if (cs + i < c_end) chunk(i, cs + i, xb, cs + i + kRing < c_end);
+        if (cs + i < c_end) chunk(i, cs + i, xb, cs + i + kRing < c_end, s % kStages);
     }
   }
 

@@ -268,6 +268,27 @@ __device__ __forceinline__ void scaled_a(const Raw& r, int t, const __half2 (&sh
     for (int p = 0; p < 4; ++p) a[v][p] = h2u(__hfma2(__hsub2(u2h(a[v][p]), k1024), sh[v], zs[v]));
 }
 
+// scaled_a<4> for a main chunk r and its twin chunk's words tw (qgemm_wide's TWIN: formats/uniform4.py extra rows):
+// a[v][p] = (r + 16 h - z) * s with h the twin's value, zs = -z * s for the combined zero.  r, h and r + 16 h are exact
+// in fp16 (at most 255); three instructions a pair more than scaled_a<4>.
+__device__ __forceinline__ void scaled_a_twin(const Raw& r, const int4& tw, const __half2 (&sh)[4],
+                                              const __half2 (&zs)[4], uint32_t (&a)[4][4]) {
+  const __half2 k1024 = __float2half2_rn(1024.f), k16 = __float2half2_rn(16.f);
+  const __half2 k16th = __float2half2_rn(0.0625f), km64 = __float2half2_rn(-64.f);
+  uint32_t h[4][4];
+  a_frags16(r, a);
+  a_frags16(Raw{tw, make_int4(0, 0, 0, 0)}, h);
+#pragma unroll
+  for (int v = 0; v < 4; ++v)
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      // pairs 0, 2: fp16 1024 + value; pairs 1, 3: 1024 + 16 value (a_frags16)
+      const __half2 q = (p & 1) ? __hfma2(u2h(a[v][p]), k16th, km64) : __hsub2(u2h(a[v][p]), k1024);
+      const __half2 hq = (p & 1) ? __hfma2(u2h(h[v][p]), k16th, km64) : __hsub2(u2h(h[v][p]), k1024);
+      a[v][p] = h2u(__hfma2(__hfma2(hq, k16, q), sh[v], zs[v]));
+    }
+}
+
 // s and -z*s of a lane's 4 columns as fp16 pairs (both halves alike), the operands scaled_a takes.
 __device__ __forceinline__ void half_scales(const float4& s4, const float4& z4, __half2 (&sh)[4], __half2 (&zs)[4]) {
   const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, zv[4] = {z4.x, z4.y, z4.z, z4.w};
@@ -348,6 +369,8 @@ struct Mats {
   // formats/uniform4.py); null / 0 elsewhere
   const int32_t* tails;
   int64_t ldy;
+  // qgemm_wide's TWIN instances: per group of the main rows, its twin group (extra rows, formats/uniform4.py) or -1
+  const int32_t* twins;
 };
 
 __device__ __forceinline__ const Mat& block_mat(const Mats& mats) {
