@@ -44,7 +44,8 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("lean", [False, True])
 def test_rms_norm_perm_every_instance(dtype, late, lean):
-    """The kernel's launch options (the policy in ops/cuda_norm_perm.py picks them): the same bits either way."""
+    """The kernel's launch options (the policy in ops/cuda_norm_perm.py picks them, lean where its shared memory
+    fits): the same bits either way."""
     _need_kernels()
     from exl_core.ops.norm import rms_norm
     g = torch.Generator().manual_seed(7)

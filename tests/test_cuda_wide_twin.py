@@ -52,7 +52,7 @@ def test_twins_fold_into_the_main_chunks(layout, M, N):
     xp = x.cuda()[:, pairs[0][1].perm.cuda()].contiguous()    # the permuted norm's output: the rows' columns
     refs = [x.double() @ dequantize_reference(pw) for pw in pws]
     for ws, rs in (([views[0]], refs[:1]), (views, refs)):     # one weight; q/k/v-style, one launch
-        twins, k_main = cc._twins_of(M, ws, xp.device)
+        twins, k_main = cc._wide_twins(M, ws, xp.device)
         assert twins is not None and k_main == pws[0].in_features
         args = (xp, *cc._weights_args(ws, xp.device, xp.dtype), True)
         kw = dict(min_group=min(cc._min_group(v) for v in ws), group_shift=cc._pws_group_shift(ws))
@@ -78,7 +78,7 @@ def test_twins_in_the_swiglu_pair(M, tails):
     views = [unpermuted(u).to("cuda") for u in (ug, uu)]
     x = torch.randn(M, gate.in_features, dtype=torch.float16)
     xp = x.cuda()[:, ug.perm.cuda()].contiguous()
-    twins, k_main = cc._twins_of(M, views, xp.device)
+    twins, k_main = cc._wide_twins(M, views, xp.device)
     assert twins is not None
     qweight, chunks, scale, zero, _p, bias = cc._weights_args(views, xp.device, xp.dtype)
     kw = dict(min_group=min(cc._min_group(v) for v in views), group_shift=cc._pws_group_shift(views))
@@ -110,5 +110,5 @@ def test_twins_refused_where_the_layout_differs():
     (_a, ua), = rewritten(TWIN_LAYOUTS[0], (256,), seed=1)
     (_b, ub), = rewritten([(4, 128), (5, 128), (4, 128), (3, 128)] * 2, (256,), seed=2)
     va, vb = unpermuted(ua).to("cuda"), unpermuted(ub).to("cuda")
-    assert cc._twins_of(20, [va, vb], torch.device("cuda"))[0] is None
-    assert cc._twins_of(20, [va], torch.device("cuda"))[0] is not None
+    assert cc._wide_twins(20, [va, vb], torch.device("cuda"))[0] is None
+    assert cc._wide_twins(20, [va], torch.device("cuda"))[0] is not None

@@ -262,19 +262,21 @@ def _wide_ok(rows: int, pws, device, any_rows: bool = False) -> bool:
     return _WIDE_FITS[key]
 
 
-def _twins_of(rows: int, pws, device) -> tuple[Optional[torch.Tensor], int]:
+def _wide_twins(rows: int, pws, device) -> tuple[Optional[torch.Tensor], int]:
     """(twins, k_main) for qgemm_wide's TWIN instances (formats.uniform4.twin_groups: extra rows folded into their
     main chunks) where every weight has the same twin layout, reads x as it is (no permutation, x's K its rows) and
-    the launch fits with the twin words' shared memory; else (None, 0).  The int32 table is made once a weight."""
+    the launch fits with the twin words' shared memory; else (None, 0).  The int32 table is made once a weight.
+    (The prompt's dequantise pairs chunks by _twins_of, from the permutation; this pairs groups, from the layout
+    as_uniform4 wrote, for views without the permutation.)"""
     if not WIDE_TWIN_ON or any(pw.perm is not None or pw.rows is not None for pw in pws):
         return None, 0
     from ..formats.uniform4 import twin_groups
     gs = _pws_group_shift(pws)
     tabs = []
     for pw in pws:
-        if "_cuda_twins" not in pw.meta:
-            pw.meta["_cuda_twins"] = twin_groups(pw)
-        tabs.append(pw.meta["_cuda_twins"])
+        if "_cuda_wide_twins" not in pw.meta:
+            pw.meta["_cuda_wide_twins"] = twin_groups(pw)
+        tabs.append(pw.meta["_cuda_wide_twins"])
     first = tabs[0]
     if gs < 0 or first is None or any(t != first for t in tabs) or first[1] % (32 << gs) or \
             len(first[0]) != first[1] // (32 << gs) or not all(_uniform4(pw) for pw in pws):
@@ -283,13 +285,13 @@ def _twins_of(rows: int, pws, device) -> tuple[Optional[torch.Tensor], int]:
     key = (rows, first[1], tiles, min(_min_group(pw) for pw in pws), device.index or 0, 0, False, True)
     if key not in _WIDE_FITS:
         _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
-    held = pws[0].meta.get("_cuda_twins_t")
+    held = pws[0].meta.get("_cuda_wide_twins_t")
     if not _WIDE_FITS[key]:
         return None, 0
     if held is None or held.device != device:
         if torch.cuda.is_current_stream_capturing():             # no copy inside a graph: the plain launch then
             return None, 0
-        held = pws[0].meta["_cuda_twins_t"] = torch.tensor(first[0], dtype=torch.int32, device=device)
+        held = pws[0].meta["_cuda_wide_twins_t"] = torch.tensor(first[0], dtype=torch.int32, device=device)
     return held, first[1]
 
 
@@ -557,7 +559,7 @@ def _many_run(x, pws):
     args = (x2, *_weights_args(pws, x.device, x.dtype))
     u4 = all(_uniform4(pw) for pw in pws)
     if wide:
-        twins, k_main = _twins_of(rows, pws, x.device)
+        twins, k_main = _wide_twins(rows, pws, x.device)
         ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
                                                  group_shift=_pws_group_shift(pws), twins=twins, k_main=k_main)
     elif kslice:
