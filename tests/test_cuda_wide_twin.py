@@ -41,10 +41,11 @@ def rewritten(layout, Ns, seed):
 @pytest.mark.parametrize("layout", range(len(TWIN_LAYOUTS)))
 @pytest.mark.parametrize("M", [17, 24, 32])
 @pytest.mark.parametrize("N", [256, 4608])
-def test_twins_fold_into_the_main_chunks(layout, M, N):
+def test_twins_fold_into_the_main_chunks(layout, M, N, monkeypatch):
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import qmatmul as qm
+    monkeypatch.setattr(cc, "WIDE_TWIN_ON", True)          # off by default until measured (cuda_candidates)
     pairs = rewritten(TWIN_LAYOUTS[layout], (N, 128, N), seed=M * 100 + N)
     pws = [p for p, _u in pairs]
     views = [unpermuted(u).to("cuda") for _p, u in pairs]
@@ -69,10 +70,11 @@ def test_twins_fold_into_the_main_chunks(layout, M, N):
 
 @pytest.mark.parametrize("M", [17, 32])
 @pytest.mark.parametrize("tails", [False, True])
-def test_twins_in_the_swiglu_pair(M, tails):
+def test_twins_in_the_swiglu_pair(M, tails, monkeypatch):
     """gate and up sharing one act-order (their extra rows alike), as the rewritten MLP runs them at batch 17..32."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
+    monkeypatch.setattr(cc, "WIDE_TWIN_ON", True)
     layout, N = TWIN_LAYOUTS[0], 1024
     (gate, ug), (up, uu) = rewritten(layout, (N, N), seed=M)
     views = [unpermuted(u).to("cuda") for u in (ug, uu)]
@@ -103,10 +105,11 @@ def test_twins_in_the_swiglu_pair(M, tails):
             assert torch.equal(got[:, d:d + 32], got[:, 32 * c:32 * c + 32])
 
 
-def test_twins_refused_where_the_layout_differs():
+def test_twins_refused_where_the_layout_differs(monkeypatch):
     """Weights whose extra rows lie differently cannot share one table: the launch runs them as K rows."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
+    monkeypatch.setattr(cc, "WIDE_TWIN_ON", True)
     (_a, ua), = rewritten(TWIN_LAYOUTS[0], (256,), seed=1)
     (_b, ub), = rewritten([(4, 128), (5, 128), (4, 128), (3, 128)] * 2, (256,), seed=2)
     va, vb = unpermuted(ua).to("cuda"), unpermuted(ub).to("cuda")

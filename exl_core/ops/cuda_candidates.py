@@ -92,7 +92,9 @@ WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # 
                             # with 4 splits instead of 8 6,430.1 -- though bench/wide_probe.cu times wide's 4096x4096
                             # and 11008x4096 at 12.3 / 25.3 us, below kslice's 13.0 / 30.5 of the older sweep
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
-WIDE_TWIN_ON = os.environ.get("EXL_CORE_WIDE_TWIN", "1") != "0"   # 0: extra rows as K rows of their own (A/B)
+# qgemm_wide's TWIN instances (extra rows folded into their main chunks): off by default until they have run on a GPU
+# (stop 36 wrote them; its last device call stopped at a Python name clash before the kernel); 1: on
+WIDE_TWIN_ON = os.environ.get("EXL_CORE_WIDE_TWIN", "0") == "1"
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster

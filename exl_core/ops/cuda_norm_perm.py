@@ -26,9 +26,10 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 # SMs, the rewritten EXL2's batch-32 gate/up added 41.75 us against 34.91 after a plain norm and a gather (stop 32
 # call 3, bench/decode_timeline.py), so stops 32-35 triggered late from 17 rows (late everywhere against early: batch
 # 1 / 8 / 32 / prompt 0.9675x / 0.9678x / 1.0373x / 1.0015x, stop 32 call 4).  Stop 36 (EXL2 batch 32, tok/s, separate
-# processes): call 3, lean early 7,610.5 / 7,616.8 against regular late 7,593.2 / 7,595.1 (lean late 7,345.3; at
-# batch 1 lean early 442.4 / 442.9 against regular early 446.8 / 446.3); call 2, regular early 7,343.3, and a first
-# lean instance that read perm from global memory after the row's values 7,537.4 early / 7,331.8 late.
+# processes, truncated; bench/results/gpu_h200_permlean_stop36_call{2,3}_*.json): call 3, lean early 7,610.5 / 7,616.7
+# against regular late 7,593.1 / 7,595.1 (lean late 7,345.2; at batch 1 lean early 442.3 / 442.8 against regular early
+# 446.8 / 446.2); call 2, regular early 7,343.2, and a first lean instance that read perm from global memory after the
+# row's values 7,537.4 early / 7,331.8 late.
 _LATE_FROM = int(os.environ.get("EXL_CORE_NORM_PERM_LATE", "0")) or None
 _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
 
