@@ -1,6 +1,6 @@
 """A decode layer's launches from a decode_timeline JSON (bench/decode_timeline.py): per launch position of a layer,
 the median over the layers of what it adds to the step's end and of its duration, for each default case of the
-given batch sizes.  Layers are delimited by the paged attention launch (one a layer); the first and last layer are
+given batch sizes (figures truncated to 2 decimals).  Layers are delimited by the paged attention launch (one a layer); the first and last layer are
 left out.
 
     python bench/timeline_layers.py bench/results/decode_timeline_h200_stop36_call1_ab65bdf.json --batch 32
@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+
+
+def trunc(v: float) -> str:
+    """v truncated (not rounded) to 2 decimals, as the notes quote figures."""
+    return f"{math.floor(v * 100) / 100:.2f}"
 
 
 def layer_rows(case: dict) -> list[dict]:
@@ -36,11 +42,12 @@ def main() -> None:
         if "kernels" not in case or case["variant"] or case["batch"] not in a.batch:
             continue
         rows = layer_rows(case)
-        print(f"== {case['format']} bs{case['batch']}: untraced step {case['untraced_step_us']:.2f} us, "
-              f"traced span {case['span_us']:.2f} us")
+        print(f"== {case['format']} bs{case['batch']}: untraced step {trunc(case['untraced_step_us'])} us, "
+              f"traced span {trunc(case['span_us'])} us")
         for r in rows:
-            print(f"  {r['pos']:3d} adds {r['adds_us']:7.2f} dur {r['dur_us']:7.2f}  {r['part']:9s} {r['name'][:80]}")
-        print(f"  layer adds {sum(r['adds_us'] for r in rows):.2f} us")
+            print(f"  {r['pos']:3d} adds {trunc(r['adds_us']):>7s} dur {trunc(r['dur_us']):>7s}  {r['part']:9s} "
+                  f"{r['name'][:80]}")
+        print(f"  a layer: sum of the positions' median adds {trunc(sum(r['adds_us'] for r in rows))} us")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, re
 pytestmark = pytest.mark.cuda
 
 TWIN_LAYOUTS = [
-    [(5, 128), (4, 128), (4, 128), (3, 128)] * 2,                # the H200 bench's mix (5/4/3 bits)
+    [(5, 128), (4, 128), (4, 128), (3, 128)] * 2,                # the H200 bench's widths (5/4/3 bits)
     [(8, 128), (4, 128), (6, 128), (5, 128), (2, 128), (4, 128)],  # every width that splits, and 2-bit
 ]
 
@@ -41,7 +41,8 @@ def rewritten(layout, Ns, seed):
 @pytest.mark.parametrize("layout", range(len(TWIN_LAYOUTS)))
 @pytest.mark.parametrize("M", [17, 24, 32])
 @pytest.mark.parametrize("N", [256, 4608])
-def test_twins_fold_into_the_main_chunks(layout, M, N, monkeypatch):
+@pytest.mark.parametrize("splits", [0, 1, 3])   # 1: a block walks every stage (slot reuse, refills); 3: partial stages
+def test_twins_fold_into_the_main_chunks(layout, M, N, splits, monkeypatch):
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import qmatmul as qm
@@ -55,15 +56,20 @@ def test_twins_fold_into_the_main_chunks(layout, M, N, monkeypatch):
     for ws, rs in (([views[0]], refs[:1]), (views, refs)):     # one weight; q/k/v-style, one launch
         twins, k_main = cc._wide_twins(M, ws, xp.device)
         assert twins is not None and k_main == pws[0].in_features
-        args = (xp, *cc._weights_args(ws, xp.device, xp.dtype), True)
+        args = (xp, *cc._weights_args(ws, xp.device, xp.dtype), True, splits)
         kw = dict(min_group=min(cc._min_group(v) for v in ws), group_shift=cc._pws_group_shift(ws))
         poison_allocator()
         got = torch.ops.exl_core.qgemm_wide_multi(*args, **kw, twins=twins, k_main=k_main)
         plain = torch.ops.exl_core.qgemm_wide_multi(*args, **kw)
         for g, p, r in zip(got, plain, rs):
             assert rel_err(g, r) < 2e-3 and rel_err(p, r) < 2e-3 and rel_err(g, p.double().cpu()) < 2e-3
-    # the dispatcher's route for Prepermuted layers takes the twins where qgemm_wide runs
-    if cc._wide_ok(M, views, xp.device):
+        # the twins are read: without them (a table of -1) the 5..8-bit groups lose their high halves
+        none = torch.full_like(twins, -1)
+        lost = torch.ops.exl_core.qgemm_wide_multi(*args, **kw, twins=none, k_main=k_main)
+        assert all(rel_err(y, r) > 1e-2 for y, r in zip(lost, rs))
+    # the dispatcher's route for Prepermuted layers takes the twins where qgemm_wide runs (73 column tiles at N 4608)
+    assert cc._wide_ok(M, views, xp.device) == (N == 4608)
+    if N == 4608:
         for y, r in zip(qm.qmatmul_many(xp, views), refs):
             assert rel_err(y, r) < 2e-3
 

@@ -291,7 +291,8 @@ def _wide_twins(rows: int, pws, device) -> tuple[Optional[torch.Tensor], int]:
     if not _WIDE_FITS[key]:
         return None, 0
     if held is None or held.device != device:
-        if torch.cuda.is_current_stream_capturing():             # no copy inside a graph: the plain launch then
+        if torch.cuda.is_current_stream_capturing():   # no copy inside a graph: the plain launch is captured then
+                                                        # (callers run a step eagerly first, as the bench and Generator)
             return None, 0
         held = pws[0].meta["_cuda_wide_twins_t"] = torch.tensor(first[0], dtype=torch.int32, device=device)
     return held, first[1]

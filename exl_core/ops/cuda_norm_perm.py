@@ -30,7 +30,8 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 # against regular late 7,593.1 / 7,595.1 (lean late 7,345.2; at batch 1 lean early 442.3 / 442.8 against regular early
 # 446.8 / 446.2); call 2, regular early 7,343.2, and a first lean instance that read perm from global memory after the
 # row's values 7,537.4 early / 7,331.8 late.
-_LATE_FROM = int(os.environ.get("EXL_CORE_NORM_PERM_LATE", "0")) or None
+_LATE_ENV = os.environ.get("EXL_CORE_NORM_PERM_LATE", "")
+_LATE_FROM = int(_LATE_ENV) if _LATE_ENV.isdigit() and int(_LATE_ENV) > 0 else None   # anything else: never late
 _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
 
 

@@ -355,8 +355,11 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
                       perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
                   op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
                   ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
-      const size_t smem = ((static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15)) +
-                          (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
+      // lean only where the row and perm fit the dynamic shared memory a launch gets without opting in (the
+      // kernel's own 32 bytes aside); the output is the same bits either way (ops/cuda_norm_perm.py asks the same)
+      const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
+      lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
+      const size_t smem = row_smem + (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
       auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
                           : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,

@@ -121,7 +121,8 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
     bool plain = uniform4 && group_shift >= 0 && group_shift < 16 && K == x.size(1);
     for (int i = 0; i < mats.n; ++i) plain = plain && mats.m[i].perm == nullptr;
     const int64_t grows = int64_t(32) << (plain ? group_shift : 0);
-    TORCH_CHECK(plain && k_main >= 32 && k_main < K && k_main % grows == 0 && twins->is_cuda() &&
+    TORCH_CHECK(plain && k_main >= 32 && k_main < K && k_main % grows == 0 && (K - k_main) % grows == 0 &&
+                    twins->is_cuda() &&
                     twins->device() == x.device() && twins->dtype() == at::kInt && twins->dim() == 1 &&
                     twins->numel() == k_main / grows && twins->is_contiguous(),
                 "exl_core::qgemm_wide: twins take uniform 4-bit weights with regular groups (group_shift >= 0), no ",

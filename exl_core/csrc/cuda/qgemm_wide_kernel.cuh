@@ -273,9 +273,13 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
         z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
       }
       if constexpr (TWIN) {                                             // z + 16 z_twin (exact: z_twin = (z - 8) / 16)
-        twinned = tids[ge - g_first] >= 0;                              // (the host stages every group: max_groups)
+        const bool staged = ge - g_first < max_groups;                  // (the plan stages every group of a block)
+        const int tg = staged ? tids[ge - g_first] : __ldg(mats.twins + ge);
+        twinned = tg >= 0;
         if (twinned) {
-          const float4 t4 = *reinterpret_cast<const float4*>(tzs + (ge - g_first) * kTile + warp * 32 + 4 * g);
+          const float4 t4 = staged
+              ? *reinterpret_cast<const float4*>(tzs + (ge - g_first) * kTile + warp * 32 + 4 * g)
+              : __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(tg) * N + lcol));
           z4 = make_float4(fmaf(16.f, t4.x, z4.x), fmaf(16.f, t4.y, z4.y), fmaf(16.f, t4.z, z4.z), fmaf(16.f, t4.w, z4.w));
         }
       }
