@@ -1,7 +1,7 @@
 """A decode layer's launches from a decode_timeline JSON (bench/decode_timeline.py): per launch position of a layer,
 the median over the layers of what it adds to the step's end and of its duration, for each default case of the
-given batch sizes (figures truncated to 2 decimals).  Layers are delimited by the paged attention launch (one a layer); the first and last layer are
-left out.
+given batch sizes (figures truncated to 2 decimals).  Layers are delimited by the paged attention launch (one a
+layer); the first and last layer are left out.
 
     python bench/timeline_layers.py bench/results/decode_timeline_h200_stop36_call1_ab65bdf.json --batch 32
 """

@@ -76,8 +76,9 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
 
 def twin_groups(pw: PackedWeight) -> Optional[tuple[list[int], int]]:
     """(twins, k_main) for a weight as_uniform4 wrote with extra rows, all of whose groups have one size G (pad_rows'
-    padding group after them too, where it is G rows): group g of the k_main main rows has its high halves in group twins[g] (an extra group, at k_main or past
-    it, reading the same x columns in the same order), or -1 (a group of 2..4 bits).  Kernels can then add a main
+    padding group after them too, where it is G rows): group g of the k_main main rows has its high halves in group
+    twins[g] (an extra group, at k_main or past it, reading the same x columns in the same order), or -1 (a group of
+    2..4 bits).  Kernels can then add a main
     chunk's twin into it instead of running the extra rows as K rows of their own (qgemm_wide's TWIN).  None for any
     other weight.  Read from the layout as_uniform4 writes: the original groups (meta uniform4_groups), main groups
     first in their order, then one extra group per 5..8-bit group in that order (the permutation is not checked:

@@ -1,8 +1,9 @@
 """CUDA candidate of ops/norm_perm.py: exl_core::rms_norm_perm, the norm's vector kernel (csrc/cuda/pointwise_cuda.cu,
 rms_norm_vec_kernel's PERM instances) storing the row through shared memory in perm's order, with perm's entries read
-before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance).  Takes what that kernel takes: float16/bfloat16/float32 of one dtype, contiguous int32 perm on
-x's GPU, 16-byte aligned buffers, H and perm's length multiples of 16 bytes' values up to 4 vectors a thread; else the torch
-reference serves (rms_norm then index_select: the same values, a second launch).
+before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance).  Takes what that kernel
+takes: float16/bfloat16/float32 of one dtype, contiguous int32 perm on x's GPU, 16-byte aligned buffers, H and perm's
+length multiples of 16 bytes' values up to 4 vectors a thread; else the torch reference serves (rms_norm then
+index_select: the same values, a second launch).
 EXL_CORE_NORM_PERM=0 turns the permuted norm off in the model (model/llama.py: q/k/v and gate/up then gather x
 themselves, as before) -- the A/B switch; this candidate itself stays.
 """

@@ -280,7 +280,8 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
           const float4 t4 = staged
               ? *reinterpret_cast<const float4*>(tzs + (ge - g_first) * kTile + warp * 32 + 4 * g)
               : __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(tg) * N + lcol));
-          z4 = make_float4(fmaf(16.f, t4.x, z4.x), fmaf(16.f, t4.y, z4.y), fmaf(16.f, t4.z, z4.z), fmaf(16.f, t4.w, z4.w));
+          z4 = make_float4(fmaf(16.f, t4.x, z4.x), fmaf(16.f, t4.y, z4.y), fmaf(16.f, t4.z, z4.z),
+                           fmaf(16.f, t4.w, z4.w));
         }
       }
       half_scales(s4, z4, sh, zs);
