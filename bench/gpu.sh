@@ -207,9 +207,10 @@ if has tests; then
 fi
 
 wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
-if has bench; then     # BENCH_ARGS=--quick: graph decode and prompt only
-  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" ${BENCH_ARGS:-} 2>&1 \
-    | tee -a "$LOG" | tail -60
+if has bench; then     # BENCH_ARGS=--quick: graph decode and prompt only.  The table's JSON goes to $OUT (a --json in
+  # BENCH_ARGS, later on the line, wins); gpu_bench.py's own default, bench/results/, does not come back from a device
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --json "$OUT/gpu_h200.json" \
+    ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has promptab; then  # the prompt's paths in one process, rounds alternated (bench/gpu_prompt_ab.py)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_prompt_ab.py --gptq "$CK/gptq" --exl2 "$CK/exl2" ${PROMPTAB_ARGS:-} 2>&1 \
