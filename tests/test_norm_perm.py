@@ -184,12 +184,12 @@ def test_moving_the_model_keeps_shared_permutations_shared(exl2_act_order_dir):
     assert all(shared_perm(g) is not None for g in groups)
 
 
-def test_cuda_policy_takes_the_lean_instance_where_it_fits(monkeypatch):
-    """ops/cuda_norm_perm.py: the lean instance (perm staged in shared memory) from the batch-decode rows, never
-    where the row and perm exceed the default shared memory of a launch (an 8192-wide fp16 row with 8192 entries)."""
+def test_cuda_policy_asks_for_the_lean_instance_from_the_batch_decode_rows(monkeypatch):
+    """ops/cuda_norm_perm.py: the lean instance (perm staged in shared memory) from the rows qgemm_wide takes after
+    the norm, the regular one below (where the lean one read slower at batch 1, stop 36 call 3)."""
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_norm_perm as cnp
     monkeypatch.setattr(cnp, "_LEAN", None)            # the default, whatever the environment says
-    rows = cc.WIDE_MIN_ROWS
-    assert cnp._lean(rows, 4096, 4352, 2) and not cnp._lean(rows - 1, 4096, 4352, 2)
-    assert not cnp._lean(rows, 8192, 8192, 2) and cnp._lean(rows, 8192, 4096, 2) and cnp._lean(rows, 4096, 4096, 4)
+    assert cnp._lean(cc.WIDE_MIN_ROWS) and cnp._lean(cc.WIDE_MAX_ROWS) and not cnp._lean(cc.WIDE_MIN_ROWS - 1)
+    monkeypatch.setattr(cnp, "_LEAN", "0")
+    assert not cnp._lean(cc.WIDE_MAX_ROWS)

@@ -258,7 +258,11 @@ def _wide_ok(rows: int, pws, device, any_rows: bool = False) -> bool:
     tiles = sum((pw.out_features + 127) // 128 for pw in pws)
     if tiles < WIDE_U4_MIN_TILES and u4 and not any_rows:
         return False
-    key = (rows, K, tiles, min(_min_group(pw) for pw in pws), device.index or 0)
+    return _wide_fits(rows, K, tiles, min(_min_group(pw) for pw in pws), device.index or 0)
+
+
+def _wide_fits(*key) -> bool:
+    """torch.ops.exl_core.qgemm_wide_fits(*key), asked once per key (a host-side plan, on every launch's path)."""
     if key not in _WIDE_FITS:
         _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
     return _WIDE_FITS[key]
@@ -284,12 +288,9 @@ def _wide_twins(rows: int, pws, device) -> tuple[Optional[torch.Tensor], int]:
             len(first[0]) != first[1] // (32 << gs) or not all(_uniform4(pw) for pw in pws):
         return None, 0
     tiles = sum((pw.out_features + 127) // 128 for pw in pws)
-    key = (rows, first[1], tiles, min(_min_group(pw) for pw in pws), device.index or 0, 0, False, True)
-    if key not in _WIDE_FITS:
-        _WIDE_FITS[key] = bool(torch.ops.exl_core.qgemm_wide_fits(*key))
-    held = pws[0].meta.get("_cuda_wide_twins_t")
-    if not _WIDE_FITS[key]:
+    if not _wide_fits(rows, first[1], tiles, min(_min_group(pw) for pw in pws), device.index or 0, 0, False, True):
         return None, 0
+    held = pws[0].meta.get("_cuda_wide_twins_t")
     if held is None or held.device != device:
         if torch.cuda.is_current_stream_capturing():   # no copy inside a graph: the plain launch is captured then
                                                         # (callers run a step eagerly first, as the bench and Generator)

@@ -40,14 +40,10 @@ def _late(rows: int) -> bool:
     return _LATE_FROM is not None and rows >= _LATE_FROM
 
 
-_SMEM_DEFAULT_MAX = 48 * 1024 - 64   # dynamic shared memory a launch gets without opting in, less the kernel's own
-
-
-def _lean(rows: int, H: int, P: int, elem: int) -> bool:
-    """The lean instance where the policy wants it and its shared memory (the row, then perm's P int32) fits the
-    default limit (H 8192 fp16 with P 8192 does not: a launch would fail)."""
-    fits = ((H * elem + 15) & ~15) + 4 * P <= _SMEM_DEFAULT_MAX
-    return fits and (_LEAN == "1" or (_LEAN != "0" and rows >= cc.WIDE_MIN_ROWS))
+def _lean(rows: int) -> bool:
+    """Whether to ask for the lean instance (the kernel's host side takes the regular one where the lean one's shared
+    memory, the row and perm's P int32, would not fit a launch: H 8192 in 16-bit dtypes with P 8192)."""
+    return _LEAN == "1" or (_LEAN != "0" and rows >= cc.WIDE_MIN_ROWS)
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
@@ -70,11 +66,9 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
 
 
 def _run(x, weight, eps, perm, residual):
-    H = x.shape[-1]
-    rows = x.numel() // max(1, H)
+    rows = x.numel() // max(1, x.shape[-1])
     out = torch.ops.exl_core.rms_norm_perm(x.contiguous(), None if residual is None else residual.contiguous(),
-                                           weight, float(eps), perm, _late(rows),
-                                           _lean(rows, H, perm.shape[0], x.element_size()))
+                                           weight, float(eps), perm, _late(rows), _lean(rows))
     return out[0] if residual is None else (out[0], out[1])
 
 

@@ -356,7 +356,7 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
                   op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
                   ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
       // lean only where the row and perm fit the dynamic shared memory a launch gets without opting in (the
-      // kernel's own 32 bytes aside); the output is the same bits either way (ops/cuda_norm_perm.py asks the same)
+      // kernel's own 32 bytes aside): a request that does not fit takes the regular instance, the same bits
       const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
       lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
       const size_t smem = row_smem + (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
