@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -65,22 +64,7 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
   __half* y;
   int* chunks;                  // [K/32, 3]: bits, group c/4, first word row
   int64_t* perm;                // or null
-  int* qt = nullptr;            // the words again in 32-column tiles [N/32, Q, 32] (made by tile32)
 };
-
-__global__ void tile32_kernel(const int* qw, int Q, int N, int* qt) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<int64_t>(Q) * N) return;
-  const int64_t r = i / N, n = i % N;
-  qt[(n >> 5) * static_cast<int64_t>(Q) * 32 + r * 32 + (n & 31)] = qw[i];
-}
-// 4-bit weights only (Q = K / 8 word rows)
-void tile32(W& w) {
-  const int64_t words = static_cast<int64_t>(w.K) / 8 * w.N;
-  CK(cudaMalloc(&w.qt, words * 4));
-  tile32_kernel<<<static_cast<unsigned>((words + 255) / 256), 256>>>(w.qw, w.K / 8, w.N, w.qt);
-  CK(cudaGetLastError());
-}
 
 // mixed: the bench's EXL2 layout (bench/make_7b_checkpoint.py exl2_segments): the first ~K/11 rows 5-bit, the last
 // ~K/11 3-bit, the rest 4-bit, groups of 128 rows, and a random act-order permutation.
@@ -95,13 +79,12 @@ W make_weight(int K, int N, bool mixed = false, int act = -1) {
 using Op = std::vector<W*>;
 
 // The kernels' multi-weight table for one launch (tile0 set by the launcher's assign_tiles).
-// tiled: the 32-column-tiled copy of the words (only the BULK instances read it: a quad's words one run)
-Mats mats_of(const Op& op, bool tiled = false) {
+Mats mats_of(const Op& op) {
   Mats mats{};
   mats.n = static_cast<int>(op.size());
   for (int i = 0; i < mats.n; ++i) {
     Mat& m = mats.m[i];
-    m.qw = tiled ? QPtr{op[i]->qt, 32, static_cast<int64_t>(op[i]->K) / 8 * 32} : QPtr{op[i]->qw, op[i]->N, 128};
+    m.qw = QPtr{op[i]->qw, op[i]->N, 128};
     m.chunks = op[i]->chunks;
     m.scale = op[i]->s;
     m.zero = op[i]->z;
@@ -179,24 +162,20 @@ int* ReadLauncher::sink = nullptr;
 // KW warps along K, ring R.
 // GS: the group shift passed (2: GPTQ g128's regular groups, as the extension passes them; -1: the chunk table).
 // SG: act-order x gathered from a shared-memory copy of x (the kernel's sgather).
-// BQ > 0: the BULK instance, words by bulk copies into BQ quads of 4 chunks a warp in shared memory (ring 4).
-// TL: BULK on the 32-column-tiled words (a copy per quad instead of per 128-byte row).
-template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false, int BQ = 0, bool TL = false>
+template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false>
 struct KsLauncher {
-  static_assert(!TL || BQ > 0, "only the BULK instances read tiled words");
-  static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1, false, false, false, (BQ > 0)>; }
+  static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
-    return Smem(n_chunks, KW, slots, 1, K, SG ? gather_halves(1, K, false) : 0, BQ).total;
+    return Smem(n_chunks, KW, slots, 1, K, SG ? gather_halves(1, K, false) : 0).total;
   }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
     const int K = op[0]->K, n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
     const size_t sm = smem(K);
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
-    Mats mats = mats_of(op, TL);
-    mats.bq = BQ;
+    Mats mats = mats_of(op);
     const int64_t tiles = assign_tiles(mats, kTile);
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
@@ -217,7 +196,6 @@ struct KsLauncher {
   static std::string name() {
     char b[64];
     snprintf(b, sizeof b, "k%d r%d%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "");
-    if (BQ > 0) snprintf(b + strlen(b), sizeof b - strlen(b), " bulk%d%s", BQ, TL ? " tiled" : "");
     return b;
   }
 };
@@ -416,35 +394,9 @@ int main(int argc, char** argv) {
   check_row<KsLauncher<16, 4, false, 2, true>>(g_layers_mixed);
   check_row<KsLauncher<16, 8, true, 2, true>>(g_layers_u4perm);
   check_row<KsLauncher<16, 4, false>>(g_layers);
-  for (auto& l : g_layers)
-    for (W* w : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) tile32(*w);
-  CK(cudaDeviceSynchronize());
-  check_row<KsLauncher<8, 4, true, 2, false, 4, true>>();
-  check_row<KsLauncher<16, 4, true, 2, false, 2, true>>();
-  check_row<KsLauncher<8, 4, true, 2, false, 4>>();
-  check_row<KsLauncher<16, 4, true, 2, false, 2>>();
-  check_row<KsLauncher<4, 4, true, 2, false, 4>>();
-  check_row<KsLauncher<16, 4, true, -1, false, 1>>();
   check_row<SkLauncher<true>>();
   check_row<SkLauncher<false>>(g_layers_mixed);
   layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension (first)");
-  // BULK: words by bulk copies into shared memory; tiled: one copy a quad (32-column tiles), else one a 128-byte row
-  // (stop 37 call 2: a copy a row ran the chain at 68.36-79.58 us a layer against 46.99 for the register ring)
-  layer_row<KsLauncher<8, 4, true, 2, false, 4, true>, KsLauncher<16, 4, true, 2, false, 2, true>,
-            KsLauncher<8, 4, true, 2, false, 4, true>, KsLauncher<16, 4, true, 2, false, 4, true>>(
-      "bulk tiled k8 k16 k8 k16, bq 4 2 4 4");
-  layer_row<KsLauncher<8, 4, true, 2, false, 2, true>, KsLauncher<16, 4, true, 2, false, 2, true>,
-            KsLauncher<8, 4, true, 2, false, 2, true>, KsLauncher<16, 4, true, 2, false, 2, true>>(
-      "bulk tiled k8 k16 k8 k16, bq 2");
-  layer_row<KsLauncher<4, 4, true, 2, false, 4, true>, KsLauncher<8, 4, true, 2, false, 4, true>,
-            KsLauncher<4, 4, true, 2, false, 4, true>, KsLauncher<8, 4, true, 2, false, 4, true>>(
-      "bulk tiled k4 k8 k4 k8, bq 4");
-  layer_row<KsLauncher<16, 4, true, 2, false, 2, true>, KsLauncher<16, 4, true, 2, false, 2, true>,
-            KsLauncher<16, 4, true, 2, false, 2, true>, KsLauncher<16, 4, true, 2, false, 3, true>>(
-      "bulk tiled k16, bq 2 2 2 3");
-  layer_row<KsLauncher<8, 4, true, 2, false, 2>, KsLauncher<16, 4, true, 2, false, 2>,
-            KsLauncher<8, 4, true, 2, false, 2>, KsLauncher<16, 4, true, 2, false, 2>>("bulk rows k8 k16 k8 k16, bq 2");
   layer_row<KsLauncher<8, 8>, KsLauncher<16, 8>, KsLauncher<8, 8>, KsLauncher<16, 8>>("kslice r8 (k8 k16 k8 k16)");
   layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("kslice r4 (k8 k16 k8 k16)");
   auto mixed = [](const char* name, std::vector<Layer>& layers, auto ring, auto sg) {

@@ -40,7 +40,6 @@
 #include <cuda_fp16.h>
 
 #include "act_device.cuh"
-#include "bulk_device.cuh"
 #include "norm_fold_device.cuh"
 #include "pdl_device.cuh"
 #include "qmma_device.cuh"
@@ -54,22 +53,17 @@ constexpr int kStagedRows = 8;   // up to one n-tile, x is staged in shared memo
                                  // fit: 32 x 4096 fp16 is 256 KB) read x from global memory (L1/L2-resident)
 constexpr int kXPad = 32;        // halves of padding per staged x row: rows g, g+1 on other banks
 
-constexpr int kQuadBytes = 4 * 4 * kTile * 4;   // BULK: 4 chunks x 4 word rows x 32 columns x 4 bytes
-
 // Shared memory of one block: [chunk table n_chunks x 3 int32][scale/zero KW x slots x 64 fp32]
-// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32][xr: x_halves fp16, act-order x copied whole]
-// [BULK: words KW x bq x kQuadBytes][their barriers KW x bq x 8].
+// [x rows x xs_stride fp16][partial sums KW x M x kTile fp32][xr: x_halves fp16, act-order x copied whole].
 struct Smem {
-  size_t tab, sz, xs, red, xr, wb, bar, total;
-  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride, int64_t x_halves = 0, int bq = 0) {
+  size_t tab, sz, xs, red, xr, total;
+  __host__ __device__ Smem(int n_chunks, int kw, int slots, int M, int xs_stride, int64_t x_halves = 0) {
     tab = 0;
     sz = (static_cast<size_t>(n_chunks) * 12 + 15) & ~size_t(15);
     xs = sz + static_cast<size_t>(kw) * slots * 64 * 4;
     red = xs + ((static_cast<size_t>(M) * xs_stride * 2 + 15) & ~size_t(15));
     xr = red + static_cast<size_t>(kw) * M * kTile * 4;
-    wb = (xr + static_cast<size_t>(x_halves) * 2 + 127) & ~size_t(127);
-    bar = wb + static_cast<size_t>(kw) * bq * kQuadBytes;
-    total = bq > 0 ? bar + static_cast<size_t>(kw) * bq * 8 : xr + static_cast<size_t>(x_halves) * 2;
+    total = xr + static_cast<size_t>(x_halves) * 2;
   }
 };
 
@@ -126,12 +120,7 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
 // XC (ACT only): mat.perm holds each chunk's first column in x, a multiple of 8 -- an act-order whose chunks read runs
 // of 32 consecutive columns (the identity plus whole chunks read again: formats/uniform4.py's extra rows after
 // loader.fold_down_perms) -- staged by 16-byte loads instead of a gather (the host's xchunks; its own instances).
-// BULK (uniform 4-bit staged rows, ring 4): each warp's words come by bulk copies (the copy engine, bulk_device.cuh)
-// into a ring of mats.bq quads of 4 chunks in shared memory, a quad's 16 word rows of 128 bytes at once, the first bq
-// quads before the PDL wait; a ring turn loads its 4 chunks' words from shared memory instead of refilling registers
-// from global memory.  Why: the register ring keeps ~45 KB in flight an SM (q/k/v: 22 warps x 4 chunks x 512 bytes),
-// and a plain read of the same bytes needs ~3x that to stream at full rate (bench/gemv_probe.cu).
-template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false, bool BULK = false>
+template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
@@ -160,10 +149,8 @@ __global__ void __launch_bounds__(32 * KW)
   // The norm folded in (norm_fold_device.cuh): staged rows of a weight without permutation only (the host checks).
   static_assert(!FOLD || (U4 && NT == 1 && !ACT), "the folded norm: staged uniform 4-bit rows, no SwiGLU");
   static_assert(!XC || (ACT && NT == 1), "chunk offsets: the SwiGLU-fused staged rows");
-  static_assert(!BULK || (U4 && NT == 1 && R == 4), "bulk words: uniform 4-bit staged rows, a ring turn a quad");
   constexpr bool fold = FOLD;
-  const int bq = BULK ? mats.bq : 0;
-  const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT), bq);
+  const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT));
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
   float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
@@ -172,32 +159,7 @@ __global__ void __launch_bounds__(32 * KW)
   Raw ring[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
-  // BULK: warp's quad q (chunks c0 + 4q ..) goes to ring slot q % bq, whose barrier's phase q / bq it completes.
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + lay.bar) + warp * bq;
-  unsigned char* wq = smem_raw + lay.wb + static_cast<size_t>(warp) * bq * kQuadBytes;
-  const int nq = (c1 - c0 + 3) >> 2;
-  const int64_t col0 = tile * kTile;
-  const unsigned row_bytes = static_cast<unsigned>(N - col0 < kTile ? N - col0 : kTile) * 4;   // N % 4 == 0: 16-byte pieces
-  // Words in 32-column tiles (ldq == 32: [N/32, Q, 32], or row-major with N == 32): a quad's rows are one run of
-  // bytes, one copy; row-major words: a copy per 128-byte row.
-  const bool runs = mat.qw.ldq == kTile;
-  auto bulk_issue = [&](int q, int slot) {
-    const int ca = c0 + 4 * q, rows = 4 * min(4, c1 - ca);
-    if (lane == 0) exl_bulk::bar_expect(bars + slot, rows * row_bytes);
-    if (runs) {
-      if (lane == 0)
-        exl_bulk::copy(wq + slot * kQuadBytes, mat.qw.q + tile * mat.qw.tstride + 4 * ca * kTile, rows * row_bytes,
-                       bars + slot);
-    } else if (lane < rows) {
-      exl_bulk::copy(wq + slot * kQuadBytes + lane * (kTile * 4), mat.qw.at(4 * ca + lane, col0), row_bytes, bars + slot);
-    }
-  };
-  if constexpr (BULK) {
-    if (lane < bq) exl_bulk::bar_init(bars + lane);
-    exl_bulk::bar_init_fence();
-    __syncwarp();
-    for (int q = 0; q < min(bq, nq); ++q) bulk_issue(q, q);
-  } else if constexpr (U4) {                                  // first weight loads need no table
+  if constexpr (U4) {                                         // first weight loads need no table
 #pragma unroll
     for (int i = 0; i < R; ++i)
       if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
@@ -452,28 +414,8 @@ __global__ void __launch_bounds__(32 * KW)
   // ahead of every refill load (SASS of the k8 ring-4 instance).
   const int32_t* wnext = base + static_cast<int64_t>(4 * (c0 + R) + t) * ldq;
   const int64_t wstep = 4 * ldq;
-  // BULK: a turn waits for its quad and takes its words from shared memory; after the turn's steps (its words used,
-  // so every lane's shared loads are done) the slot takes quad q + bq.
-  int slot = 0, q = 0;
-  unsigned parity = 0;
-  const int gcol = min(g, static_cast<int>(row_bytes >> 4) - 1);   // lanes past N: the tile's last 4 columns
-  auto bulk_turn = [&](int n) {
-    exl_bulk::bar_wait(bars + slot, parity);
-    const unsigned char* src = wq + slot * kQuadBytes + t * (kTile * 4) + 16 * gcol;
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-      if (i < n) ring[i].lo = *reinterpret_cast<const int4*>(src + i * 4 * (kTile * 4));
-  };
-  auto bulk_next = [&]() {
-    __syncwarp();
-    if (q + bq < nq) bulk_issue(q + bq, slot);
-    ++q;
-    if (++slot == bq) slot = 0, parity ^= 1u;
-  };
   auto refill = [&](int i, int c) {                           // c = cturn + i
-    if constexpr (BULK) {
-      return;
-    } else if constexpr (U4) {
+    if constexpr (U4) {
       if (c + R < c1) ring[i].lo = __ldg(reinterpret_cast<const int4*>(wnext));
       wnext += wstep;
     } else if (c + R < c1) {
@@ -490,17 +432,13 @@ __global__ void __launch_bounds__(32 * KW)
 
   int c = c0;
   for (; c + R <= c1; c += R) {                               // full ring turns: refill each slot after use
-    if constexpr (BULK) bulk_turn(R);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       step(ring[i], xr[i % XR], c + i);
       refill(i, c + i);
     }
-    if constexpr (BULK) bulk_next();
     next_turn();
   }
-  if constexpr (BULK)
-    if (c < c1) bulk_turn(c1 - c);
 #pragma unroll
   for (int i = 0; i < R; ++i)                                 // the last partial turn
     if (c + i < c1) {

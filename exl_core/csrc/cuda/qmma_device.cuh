@@ -371,8 +371,6 @@ struct Mats {
   int64_t ldy;
   // qgemm_wide's TWIN instances: per group of the main rows, its twin group (extra rows, formats/uniform4.py) or -1
   const int32_t* twins;
-  // qgemm_kslice's BULK instances: quads (4 chunks) of each warp's weight words in flight in shared memory, >= 1
-  int bq;
 };
 
 __device__ __forceinline__ const Mat& block_mat(const Mats& mats) {
