@@ -28,7 +28,7 @@ import torch
 
 import gpu_bench
 from exl_core.model import llama
-from exl_core.ops import attention, cuda_swiglu
+from exl_core.ops import attention, cuda_candidates, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -50,7 +50,8 @@ def part_of(name: str) -> str:
 # (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
 VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
-            "norm_perm_off": (llama, "NORM_PERM_DEVICES", ())}
+            "norm_perm_off": (llama, "NORM_PERM_DEVICES", ()),
+            "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True)}
 
 
 @contextmanager
@@ -147,14 +148,21 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     """fmt "exl2_u4": the EXL2 folder loaded with EXL_CORE_EXL2_AS_U4=1 (formats.uniform4: mixed widths as
     uniform 4-bit rows, the CUDA default since stop 30); "exl2": with EXL_CORE_EXL2_AS_U4=0 (the mixed-width
     kernels)."""
-    from exl_core.loader import load_model
-    with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
-        model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     # exl2_u4 at 32 rows with q/k/v and gate/up gathering x (a launch) after a plain norm, not after the permuted
     # norm: does the norm before it slow the rewrite's gate/up (stop 32 call 1, truncated: adds 42.04 us without the
     # SwiGLU pair kernel, 41.92 with it; GPTQ's 31.58)?  Call 3: 34.91 us so, against 41.75 by default.
+    # stop 37: the rewrite at 32 rows with qgemm_wide folding the extra rows into their main chunks (wide_twin;
+    # EXL2 bench --quick 0.9160x at batch 32, stop 37 call 1): which launches it slows
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
-                                            if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
+                                            if fmt == "gptq" else [(32, "wide_twin")] if fmt == "exl2_u4" else [])
+    if os.environ.get("TIMELINE_CASES"):     # short runs: "fmt:batch[:variant]" entries, e.g. "gptq:32,exl2_u4:32:wide_twin"
+        keep = {c.strip() for c in os.environ["TIMELINE_CASES"].split(",")}
+        cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
+        if not cases:
+            return []
+    from exl_core.loader import load_model
+    with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
+        model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     out = []
     for B, variant in cases:
         try:
@@ -198,7 +206,7 @@ def main() -> None:
     out["cases"] += gpu_bench.probe_formats(a, run_format)
     if a.exl2_u4 and a.exl2 is not None:
         out["cases"] += run_format(a.exl2, "exl2_u4")
-        if a.gptq is not None:
+        if a.gptq is not None and not os.environ.get("TIMELINE_CASES"):
             try:
                 out["cases"] += gptq_with_u4_gate_up(a.gptq, a.exl2)
             except Exception as e:  # noqa: BLE001 - the cases above are still written
