@@ -1,6 +1,6 @@
 """A decode layer's launches from a decode_timeline JSON (bench/decode_timeline.py): per launch position of a layer,
 the median over the layers of what it adds to the step's end and of its duration, for each default case of the
-given batch sizes (figures truncated to 2 decimals).  Layers are delimited by the paged attention launch (one a
+given batch sizes, with --variants the same-process variants too (figures truncated to 2 decimals).  Layers are delimited by the paged attention launch (one a
 layer); the first and last layer are left out.
 
     python bench/timeline_layers.py bench/results/decode_timeline_h200_stop36_call1_ab65bdf.json --batch 32
@@ -37,12 +37,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--variants", action="store_true", help="the same-process variants too (decode_timeline.VARIANTS)")
     a = ap.parse_args()
     for case in json.load(open(a.json))["cases"]:
-        if "kernels" not in case or case["variant"] or case["batch"] not in a.batch:
+        if "kernels" not in case or (case["variant"] and not a.variants) or case["batch"] not in a.batch:
             continue
         rows = layer_rows(case)
-        print(f"== {case['format']} bs{case['batch']}: untraced step {trunc(case['untraced_step_us'])} us, "
+        print(f"== {case['format']} bs{case['batch']}{' ' + case['variant'] if case['variant'] else ''}: untraced step {trunc(case['untraced_step_us'])} us, "
               f"traced span {trunc(case['span_us'])} us")
         for r in rows:
             print(f"  {r['pos']:3d} adds {trunc(r['adds_us']):>7s} dur {trunc(r['dur_us']):>7s}  {r['part']:9s} "
