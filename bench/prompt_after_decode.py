@@ -1,0 +1,71 @@
+"""Why the bench's prompt reads lower after its decode runs than alone (stop 37: EXL2 38,325.7 tok/s in a `--quick`
+run against 45,250.2-45,458.9 in three `--prompt-only` processes on the same machine): the 2,048-token prompt timed
+as gpu_bench.prompt_tok_s in one process before the decode runs, after them (CUDA graphs at batch 1, 8, 32, as
+`--quick`), and after gc.collect() + torch.cuda.empty_cache(); with each forward's host time (enqueue, no sync)
+next to its GPU time, to tell a host-bound prompt from a slower GPU one.  Run by bench/gpu.sh phase `promptorder`.
+
+    python bench/prompt_after_decode.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import gpu_bench
+
+ROUNDS = 2
+
+
+@torch.inference_mode()
+def timed(model) -> dict:
+    """Median tok/s of gpu_bench.prompt_tok_s over ROUNDS, and the median host (enqueue) and GPU ms of 5 forwards."""
+    tok_s = [gpu_bench.prompt_tok_s(model) for _ in range(ROUNDS)]
+    fn = gpu_bench.prefill_call(model)
+    fn()
+    torch.cuda.synchronize()
+    host, dev = [], []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        b.record()
+        b.synchronize()
+        dev.append(a.elapsed_time(b))
+    return {"tok_s": tok_s, "host_ms": statistics.median(host), "gpu_ms": statistics.median(dev)}
+
+
+def run_format(path: Path, fmt: str) -> list[dict]:
+    from exl_core.loader import load_model
+    model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    rows = [{"format": fmt, "when": "alone", **timed(model)}]
+    for B in (1, 8, 32):
+        gpu_bench.decode_tok_s(model, B, True)
+    rows.append({"format": fmt, "when": "after decode", **timed(model)})
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows.append({"format": fmt, "when": "after empty_cache", **timed(model)})
+    for r in rows:
+        print(f"{fmt:5s} {r['when']:18s} tok/s {', '.join(f'{v:.1f}' for v in r['tok_s']):>20s}  host {r['host_ms']:.2f} ms"
+              f"  gpu {r['gpu_ms']:.2f} ms")
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = gpu_bench.probe_parser(__doc__, "prompt_after_decode_h200.json")
+    a = ap.parse_args()
+    out = gpu_bench.probe_record("prompt_after_decode", "2048-token prompt as gpu_bench.prompt_tok_s, before and "
+                                 "after the --quick decode runs", "rows")
+    out["rows"] += gpu_bench.probe_formats(a, run_format)
+    gpu_bench._write(out, a.json)
+
+
+if __name__ == "__main__":
+    main()
