@@ -48,7 +48,23 @@ def part_of(name: str) -> str:
 
 # Same-process variants (module settings read per call): rope and the K/V write as their own launch before attention
 # (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
+_PERM_NORM = llama.rms_norm_permuted
+_sorted_perms: dict = {}
+
+
+def _perm_norm_sorted(x, weight, eps, perm, residual=None):
+    """llama.rms_norm_permuted with perm's entries in ascending order: the same launch, whose gather from the row in
+    shared memory then reads consecutive values (no bank conflicts).  Timing only: the step computes garbage."""
+    key = (perm.data_ptr(), perm.numel())
+    if key not in _sorted_perms:                        # made in the eager warm-up steps, before the capture
+        _sorted_perms[key] = torch.sort(perm).values
+    return _PERM_NORM(x, weight, eps, _sorted_perms[key], residual)
+
+
+# perm_sorted (stop 37): the rewrite's permuted norms add ~1.9 us a launch more than GPTQ's plain ones at batch 32
+# (decode_timeline_h200_stop37_call7_cce1488.json) -- is it the random gather's bank conflicts?
 VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
+            "perm_sorted": (llama, "rms_norm_permuted", _perm_norm_sorted),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
             "norm_perm_off": (llama, "NORM_PERM_DEVICES", ()),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True)}
@@ -154,7 +170,7 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # stop 37: the rewrite at 32 rows with qgemm_wide folding the extra rows into their main chunks (wide_twin;
     # EXL2 bench --quick 0.9160x at batch 32, stop 37 call 1): which launches it slows
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
-                                            if fmt == "gptq" else [(32, "wide_twin")] if fmt == "exl2_u4" else [])
+                                            if fmt == "gptq" else [(32, "wide_twin"), (32, "perm_sorted")] if fmt == "exl2_u4" else [])
     if os.environ.get("TIMELINE_CASES"):     # short runs: "fmt:batch[:variant]" entries, e.g. "gptq:32,exl2_u4:32:wide_twin"
         keep = {c.strip() for c in os.environ["TIMELINE_CASES"].split(",")}
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
