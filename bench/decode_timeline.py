@@ -49,22 +49,32 @@ def part_of(name: str) -> str:
 # Same-process variants (module settings read per call): rope and the K/V write as their own launch before attention
 # (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
 _PERM_NORM = llama.rms_norm_permuted
-_sorted_perms: dict = {}
+_bank_orders: dict = {}
 
 
-def _perm_norm_sorted(x, weight, eps, perm, residual=None):
-    """llama.rms_norm_permuted with perm's entries in ascending order: the same launch, whose gather from the row in
-    shared memory then reads consecutive values (no bank conflicts).  Timing only: the step computes garbage."""
-    key = (perm.data_ptr(), perm.numel())
-    if key not in _sorted_perms:                        # made in the eager warm-up steps, before the capture
-        _sorted_perms[key] = torch.sort(perm).values
-    return _PERM_NORM(x, weight, eps, _sorted_perms[key], residual)
+def _bank_order(P: int, H: int, device) -> torch.Tensor:
+    """An index of P entries in [0, H) under which rms_norm_vec_kernel's gather has no bank conflict: its thread t of
+    a warp reads entry 8 (b + t) + e at step e (b a multiple of 32), here 2 t + 64 e + 512 ((b + t) // 32) mod H, so
+    the 32 reads of a step fall in 32 banks.  (Ascending order would not do: entries 16 bytes apart per thread, 4-way
+    conflicts.)  H a multiple of 64."""
+    key = (P, H, str(device))
+    if key not in _bank_orders:
+        j = torch.arange(P)
+        v, e = j // 8, j % 8
+        _bank_orders[key] = ((2 * (v % 32) + 64 * e + 512 * (v // 32)) % H).to(torch.int32).to(device)
+    return _bank_orders[key]
 
 
-# perm_sorted (stop 37): the rewrite's permuted norms add ~1.9 us a launch more than GPTQ's plain ones at batch 32
+def _perm_norm_banks(x, weight, eps, perm, residual=None):
+    """llama.rms_norm_permuted with perm replaced by _bank_order: the same launch without the gather's bank
+    conflicts.  Timing only: the step computes garbage."""
+    return _PERM_NORM(x, weight, eps, _bank_order(perm.numel(), x.shape[-1], perm.device), residual)
+
+
+# perm_banks (stop 37): the rewrite's permuted norms add ~1.9 us a launch more than GPTQ's plain ones at batch 32
 # (decode_timeline_h200_stop37_call7_cce1488.json) -- is it the random gather's bank conflicts?
 VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
-            "perm_sorted": (llama, "rms_norm_permuted", _perm_norm_sorted),
+            "perm_banks": (llama, "rms_norm_permuted", _perm_norm_banks),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
             "norm_perm_off": (llama, "NORM_PERM_DEVICES", ()),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True)}
@@ -167,12 +177,16 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # exl2_u4 at 32 rows with q/k/v and gate/up gathering x (a launch) after a plain norm, not after the permuted
     # norm: does the norm before it slow the rewrite's gate/up (stop 32 call 1, truncated: adds 42.04 us without the
     # SwiGLU pair kernel, 41.92 with it; GPTQ's 31.58)?  Call 3: 34.91 us so, against 41.75 by default.
-    # stop 37: the rewrite at 32 rows with qgemm_wide folding the extra rows into their main chunks (wide_twin;
-    # EXL2 bench --quick 0.9160x at batch 32, stop 37 call 1): which launches it slows
+    # Short runs: TIMELINE_CASES="fmt:batch[:variant],..." (e.g. "gptq:32,exl2_u4:32:wide_twin") keeps those cases
+    # only (and skips gptq_with_u4_gate_up).  Stop 37's variants of the rewrite at 32 rows run only when named there:
+    # wide_twin (qgemm_wide folds the extra rows into their main chunks; EXL2 bench --quick 0.9160x at batch 32, stop
+    # 37 call 1) and perm_banks.
+    keep = {c.strip() for c in os.environ.get("TIMELINE_CASES", "").split(",") if c.strip()}
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
-                                            if fmt == "gptq" else [(32, "wide_twin"), (32, "perm_sorted")] if fmt == "exl2_u4" else [])
-    if os.environ.get("TIMELINE_CASES"):     # short runs: "fmt:batch[:variant]" entries, e.g. "gptq:32,exl2_u4:32:wide_twin"
-        keep = {c.strip() for c in os.environ["TIMELINE_CASES"].split(",")}
+                                            if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
+    if fmt == "exl2_u4":
+        cases += [(32, v) for v in ("wide_twin", "perm_banks") if f"{fmt}:32:{v}" in keep]
+    if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:
             return []

@@ -1,8 +1,9 @@
-"""Why the bench's prompt reads lower after its decode runs than alone (stop 37: EXL2 38,325.7 tok/s in a `--quick`
-run against 45,250.2-45,458.9 in three `--prompt-only` processes on the same machine): the 2,048-token prompt timed
-as gpu_bench.prompt_tok_s in one process before the decode runs, after them (CUDA graphs at batch 1, 8, 32, as
+"""Why the bench's prompt reads lower after its decode runs than alone (stop 37: EXL2 38,325.6 tok/s in a `--quick`
+run against 45,250.1-45,458.9 in three `--prompt-only` processes on the same machine): per format, the 2,048-token
+prompt timed as gpu_bench.prompt_tok_s right after loading, after the decode runs (CUDA graphs at batch 1, 8, 32, as
 `--quick`), and after gc.collect() + torch.cuda.empty_cache(); with each forward's host time (enqueue, no sync)
-next to its GPU time, to tell a host-bound prompt from a slower GPU one.  Run by bench/gpu.sh phase `promptorder`.
+next to its GPU time, to tell a host-bound prompt from a slower GPU one.  One process: GPTQ first, then EXL2 (after
+GPTQ's model is freed and the cache emptied).  Run by bench/gpu.sh phase `promptorder`.
 
     python bench/prompt_after_decode.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
 """
@@ -22,7 +23,8 @@ ROUNDS = 2
 
 @torch.inference_mode()
 def timed(model) -> dict:
-    """Median tok/s of gpu_bench.prompt_tok_s over ROUNDS, and the median host (enqueue) and GPU ms of 5 forwards."""
+    """gpu_bench.prompt_tok_s ROUNDS times (each the median of 5), and the median host (enqueue) and GPU ms of 5
+    forwards."""
     tok_s = [gpu_bench.prompt_tok_s(model) for _ in range(ROUNDS)]
     fn = gpu_bench.prefill_call(model)
     fn()
@@ -51,7 +53,8 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     torch.cuda.empty_cache()
     rows.append({"format": fmt, "when": "after empty_cache", **timed(model)})
     for r in rows:
-        print(f"{fmt:5s} {r['when']:18s} tok/s {', '.join(f'{v:.1f}' for v in r['tok_s']):>20s}  host {r['host_ms']:.2f} ms"
+        tok = ", ".join(f"{v:.1f}" for v in r["tok_s"])
+        print(f"{fmt:5s} {r['when']:18s} tok/s {tok:>20s}  host {r['host_ms']:.2f} ms"
               f"  gpu {r['gpu_ms']:.2f} ms")
     del model
     torch.cuda.empty_cache()

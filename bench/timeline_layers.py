@@ -1,7 +1,7 @@
 """A decode layer's launches from a decode_timeline JSON (bench/decode_timeline.py): per launch position of a layer,
 the median over the layers of what it adds to the step's end and of its duration, for each default case of the
-given batch sizes, with --variants the same-process variants too (figures truncated to 2 decimals).  Layers are delimited by the paged attention launch (one a
-layer); the first and last layer are left out.
+given batch sizes, with --variants the same-process variants too (figures truncated to 2 decimals).  Layers are
+delimited by the paged attention launch (one a layer); the first and last layer are left out.
 
     python bench/timeline_layers.py bench/results/decode_timeline_h200_stop36_call1_ab65bdf.json --batch 32
 """
@@ -43,7 +43,8 @@ def main() -> None:
         if "kernels" not in case or (case["variant"] and not a.variants) or case["batch"] not in a.batch:
             continue
         rows = layer_rows(case)
-        print(f"== {case['format']} bs{case['batch']}{' ' + case['variant'] if case['variant'] else ''}: untraced step {trunc(case['untraced_step_us'])} us, "
+        name = f"{case['format']} bs{case['batch']}" + (f" {case['variant']}" if case["variant"] else "")
+        print(f"== {name}: untraced step {trunc(case['untraced_step_us'])} us, "
               f"traced span {trunc(case['span_us'])} us")
         for r in rows:
             print(f"  {r['pos']:3d} adds {trunc(r['adds_us']):>7s} dur {trunc(r['dur_us']):>7s}  {r['part']:9s} "
