@@ -359,6 +359,13 @@ struct NormFold {
   float eps;
   int add;                    // producer: y += the product (y is the residual stream; one thread reads and writes
                               // each value)
+  // The extended copy (ops/norm_fold.py): the producer also stores each value of y at its places in the consumer's
+  // extended act-order (ext_pos [N, 2], -1: none) in ext [M, ext_ld], so a consumer with a permutation and extra rows
+  // reads x in its own order and folds the norm in; its mean divides by count, the residual's width (0: x's K).
+  __half* ext;
+  const int32_t* ext_pos;
+  int64_t ext_ld;
+  int64_t count;
 };
 struct Mats {
   Mat m[kMaxMats];
