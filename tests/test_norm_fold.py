@@ -87,9 +87,3 @@ def test_many_normed_reference_on_an_extended_copy():
         assert "sums of squares" in str(e)
     else:
         raise AssertionError("an extended copy without sums was normalised")
-
-
-def test_ext_fold_stays_off_the_cpu(monkeypatch):
-    from exl_core.model.linear import ext_fold
-    monkeypatch.setattr(norm_fold, "NORM_FOLD_EXT", True)
-    assert ext_fold(torch.randn(2, 64), torch.ones(64), 1e-6, []) is None

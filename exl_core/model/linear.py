@@ -17,6 +17,7 @@ from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
 from ..ops import norm_fold
+from ..ops.cuda_candidates import KSLICE_STAGED_ROWS
 from ..ops.norm_fold import adds_ss, ext_places, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
 from ..ops import xchunks
@@ -27,7 +28,7 @@ _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 # Per-layer caches of the functions below (in the layer's __dict__: (source tensor, cached value)), dropped by
 # QuantLinear._drop_caches when the packed weight is replaced or moved.
-_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails")
+_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails", "_ext_fold")
 
 # Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
 # skip re-checking every projection for LoRA hooks on every forward pass).
@@ -333,6 +334,15 @@ def linear_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float,
     return linear_many(rms_norm(residual, weight, eps), layers)
 
 
+def _version_of(t: torch.Tensor) -> int:
+    """t's version counter, -1 for an inference tensor (which has none: it cannot be updated in place outside
+    inference mode either)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 class ExtFold:
     """The extended copy (ops/norm_fold.py) for one call: `copy` [rows, P] that the producer's add fills with the new
     residual in `layers`' shared act-order (`places`, ext_places), the norm weight gathered to that order (`weight`),
@@ -352,20 +362,25 @@ def ext_fold(residual: torch.Tensor, weight: torch.Tensor, eps: float, layers) -
     their kernels fold the norm on the copy (EXL_CORE_NORM_FOLD_EXT=1, CUDA), else None.  Its places and gathered
     weight are made once per (permutation, norm weight), with a host read: None while a CUDA graph is being captured
     with none made (the caller's plain path then runs; callers run a step eagerly first)."""
-    if not norm_fold.NORM_FOLD_EXT or not residual.is_cuda or residual.dim() != 2:
+    # cheap refusals first: the fold runs at qgemm_kslice's staged rows in fp16 only (cuda_norm_fold), and a refused
+    # copy would have been allocated for nothing
+    if not norm_fold.NORM_FOLD_EXT or not residual.is_cuda or residual.dim() != 2 or \
+            residual.dtype != torch.float16 or residual.shape[0] > KSLICE_STAGED_ROWS:
         return None
     perm = shared_perm(layers)
     if perm is None:
         return None
     H = residual.shape[1]
+    key = (perm, weight, _version_of(weight), weight.data_ptr())    # an in-place update of the weight makes a new one
     held = layers[0].__dict__.get("_ext_fold")
-    if held is None or held[0] is not perm or held[1] is not weight:
+    if held is None or held[0] is not perm or held[1] is not weight or held[2:4] != key[2:]:
         if torch.cuda.is_current_stream_capturing():
             return None
         places = ext_places(perm, H)
         gathered = None if places is None else weight[perm.long()].contiguous()
-        held = layers[0].__dict__["_ext_fold"] = (perm, weight, places, gathered)
-    _, _, places, gathered = held
+        torch.cuda.current_stream(residual.device).synchronize()    # the kernel reads it before its PDL wait
+        held = layers[0].__dict__["_ext_fold"] = (*key, places, gathered)
+    places, gathered = held[4:]
     if places is None:
         return None
     views = [Prepermuted(m) for m in layers]

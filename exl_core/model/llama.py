@@ -21,6 +21,7 @@ from ..ops.activation import silu_mul
 from ..ops.cuda_candidates import prompt_adds_extra_rows
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
+from ..ops import norm_fold
 from ..ops.norm_perm import rms_norm_permuted
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
@@ -362,8 +363,10 @@ class Model(nn.Module):
         """The per-op decoder loop: the reference the fused `decoder_layers` op must match bit for bit."""
         residual = ss = None
         blocks = list(self.layers)
+        ext = norm_fold.NORM_FOLD_EXT            # next_block only then: a Block subclass may take the older arguments
         for i, layer in enumerate(blocks):
-            h, residual, ss = layer(h, residual, ctx, cos_sin, ss, blocks[i + 1] if i + 1 < len(blocks) else None)
+            nxt = {"next_block": blocks[i + 1] if i + 1 < len(blocks) else None} if ext else {}
+            h, residual, ss = layer(h, residual, ctx, cos_sin, ss, **nxt)
         return h, residual
 
     def _native_stack(self) -> Optional[NativeStack]:

@@ -60,16 +60,17 @@ def _add_ss_check(residual, x, pw, up, ext=None) -> Optional[str]:
     why = cc._qmatmul_check(x, pw)
     if why is not None:
         return why
-    if x.dtype != torch.float16 or not cc._mma_ok(pw) or (pw.rows is not None and up is None):
-        return "fp16 x and a weight the decode kernels take (PackedWeight.rows only with up: the SwiGLU-fused down)"
+    if x.dtype != torch.float16 or not cc._mma_ok(pw) or (pw.rows is not None and (up is None or ext is None)):
+        return "fp16 x and a weight the decode kernels take (PackedWeight.rows: only the SwiGLU-fused down with ext)"
     rows = x.numel() // pw.in_features
     if residual.dtype != x.dtype or residual.device != x.device or not residual.is_contiguous() or \
             residual.shape != (rows, pw.out_features):
         return f"residual {residual.dtype} {tuple(residual.shape)} is not a contiguous [rows, N] tensor in x's dtype"
     if not cc._has_cuda_kernel("qgemm_kslice_add_"):
         return "extension built without qgemm_kslice_add_"
-    if ext is not None and _ext_reason(ext, rows, pw.out_features, x.device) is not None:
-        return _ext_reason(ext, rows, pw.out_features, x.device)
+    why = None if ext is None else _ext_reason(ext, rows, pw.out_features, x.device)
+    if why is not None:
+        return why
     if up is not None:
         if up.shape != x.shape or up.dtype != x.dtype or up.device != x.device:
             return "up must be like gate"
