@@ -17,6 +17,18 @@ from test_cuda_norm_fold import U4, _args, _normed_ref, _tile_ss
 pytestmark = pytest.mark.cuda
 
 
+def _count_copy_reads(monkeypatch) -> list:
+    """Wraps ExtFold.run: the returned list gets the residual width of every copy a consumer reads."""
+    from exl_core.model import linear
+    runs, real_run = [], linear.ExtFold.run
+
+    def counted(self, eps, ss):
+        runs.append(self.width)
+        return real_run(self, eps, ss)
+    monkeypatch.setattr(linear.ExtFold, "run", counted)
+    return runs
+
+
 def _extended_perm(H: int, extra: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.cat([torch.randperm(H, generator=g), torch.randperm(H, generator=g)[:extra]])
@@ -118,7 +130,6 @@ def test_rewritten_exl2_decode_with_the_copy_matches_without(tiny_model_factory,
     which gathers its own input under this contiguous context (a weight with extra rows), keeps the post-attention
     permuted norm.  The logits agree with the permuted-norm path's within fp16 rounding."""
     _need_kernels()
-    from exl_core.model import linear
     from exl_core.ops import norm_fold
     from test_norm_perm import record_norm_widths, rewritten_shared_exl2
     model = rewritten_shared_exl2(tiny_model_factory, tmp_path, device="cuda", dtype=torch.float16)
@@ -126,13 +137,7 @@ def test_rewritten_exl2_decode_with_the_copy_matches_without(tiny_model_factory,
     T = 9
     ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
     nxt = torch.randint(0, model.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(4))
-    runs = []
-    real_run = linear.ExtFold.run
-
-    def counted(self, eps, ss):
-        runs.append(self.width)
-        return real_run(self, eps, ss)
-    monkeypatch.setattr(linear.ExtFold, "run", counted)
+    runs = _count_copy_reads(monkeypatch)
     widths = record_norm_widths(monkeypatch)
     out = {}
     with torch.inference_mode():
@@ -160,18 +165,11 @@ def test_generator_decode_with_the_copy(tiny_model_factory, tmp_path, monkeypatc
     from exl_core.cache import Cache
     from exl_core.generation import Generator, Job
     from exl_core.generation.sampling import SamplerSettings
-    from exl_core.model import linear
     from exl_core.ops import norm_fold
     from test_norm_perm import rewritten_shared_exl2
     model = rewritten_shared_exl2(tiny_model_factory, tmp_path, device="cuda", dtype=torch.float16)
     L = len(model.layers)
-    runs = []
-    real_run = linear.ExtFold.run
-
-    def counted(self, eps, ss):
-        runs.append(self.width)
-        return real_run(self, eps, ss)
-    monkeypatch.setattr(linear.ExtFold, "run", counted)
+    runs = _count_copy_reads(monkeypatch)
     prompt = [random.Random(2).randrange(3, 500) for _ in range(12)]
 
     def run():
