@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from exl_core.formats.packed import dequantize_reference
+from test_cuda_attn_out_order import _perm
 from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
 from test_cuda_norm_fold import U4, _args, _normed_ref, _tile_ss
 
@@ -29,11 +30,6 @@ def _count_copy_reads(monkeypatch) -> list:
     return runs
 
 
-def _extended_perm(H: int, extra: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.randperm(H, generator=g), torch.randperm(H, generator=g)[:extra]])
-
-
 @pytest.mark.parametrize("N", [4 * 131, 1024])                    # a partial last tile; whole tiles
 @pytest.mark.parametrize("M", [1, 8, 17, 32])                     # staged x; x from global memory (one epilogue)
 @pytest.mark.parametrize("silu", [False, True])
@@ -45,7 +41,7 @@ def test_add_writes_the_extended_copy(N, M, silu):
     if silu and M > 8:
         pytest.skip("the SwiGLU-fused add takes staged rows only")
     pw = random_packed(U4, N, perm=random.random() < 0.5)
-    perm = _extended_perm(N, N // 5, seed=N + M)
+    perm = _perm(N, N // 5, seed=N + M)
     x = torch.randn(M, pw.in_features, dtype=torch.float16)
     up = torch.randn(M, pw.in_features, dtype=torch.float16)
     res = torch.randn(M, N, dtype=torch.float16)
@@ -85,7 +81,7 @@ def test_swiglu_down_with_extra_rows_writes_the_copy(M):
     args = (w.qweight, cc._chunks_of(w), w.scale, w.zero)
     ss_perm = torch.ops.exl_core.qgemm_kslice_add_(r_perm, gate, *args, w.perm, None, u4, cc._min_group(w),
                                                    cc._group_shift(w), up=up)
-    perm = _extended_perm(N, N // 4, seed=M)
+    perm = _perm(N, N // 4, seed=M)
     copy = torch.full((M, perm.numel()), float("nan"), dtype=torch.float16, device="cuda")
     ext = (copy, ext_places(perm, N).cuda())
     assert norm_fold.DISPATCH_ADD_SS.choose(residual=res, x=gate, pw=w, up=up, ext=ext).name == "cuda"
@@ -104,7 +100,7 @@ def test_many_normed_on_the_extended_copy_vs_float64(M, K):
     _need_kernels()
     from exl_core.ops import norm_fold
     extra = K // 8
-    perm = _extended_perm(K, extra, seed=K + M)
+    perm = _perm(K, extra, seed=K + M)
     P = K + extra
     pws = [random_packed([(4, 32)] * (P // 32), n, perm=False, bias=random.random() < 0.3) for n in (384, 128)]
     eps = 1e-5

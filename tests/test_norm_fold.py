@@ -10,6 +10,7 @@ import torch
 
 from exl_core.formats.packed import dequantize_reference
 from exl_core.ops import norm_fold
+from test_cuda_attn_out_order import _perm
 from test_qmatmul import rand_packed
 
 
@@ -37,15 +38,9 @@ def test_add_ss_declines_off_the_gpu():
     assert torch.equal(res, before)                    # nothing done: the caller adds its own way
 
 
-def _extended_perm(H: int, extra: int, g: torch.Generator) -> torch.Tensor:
-    """A permutation of H columns followed by `extra` distinct columns read again (the extra rows' order)."""
-    return torch.cat([torch.randperm(H, generator=g), torch.randperm(H, generator=g)[:extra]])
-
-
 def test_ext_places_maps_every_column_to_its_places():
-    g = torch.Generator().manual_seed(11)
     H, extra = 96, 20
-    perm = _extended_perm(H, extra, g)
+    perm = _perm(H, extra, seed=11)
     places = norm_fold.ext_places(perm, H)
     assert places.dtype == torch.int32 and places.shape == (H, 2)
     for n in range(H):
@@ -67,9 +62,9 @@ def test_ext_places_maps_every_column_to_its_places():
 def test_many_normed_reference_on_an_extended_copy():
     """count: the copy repeats columns, so r comes from the producer's sums over the residual's own columns; the
     result is the plain norm's, gathered (float64 check)."""
-    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    rng = random.Random(5)
     H, extra = 64, 32
-    perm = _extended_perm(H, extra, g)
+    perm = _perm(H, extra, seed=5)
     pw = rand_packed(H + extra, 24, rng)
     res = (torch.randn(4, H) * 2).half()
     w = (torch.rand(H) + 0.5).half()

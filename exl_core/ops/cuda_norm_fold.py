@@ -87,7 +87,8 @@ def _add_ss_run(residual, x, pw, up, ext=None):
     x2 = x.reshape(-1, pw.in_features).contiguous()
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
     u2 = None if up is None else up.reshape(x2.shape).contiguous()
-    xc = None if u2 is None else staged_xchunks(pw, x2, u2)      # as the plain SwiGLU-fused down (ops/xchunks.py)
+    # a down with extra rows (only with ext: the check) by chunk offsets, as its plain SwiGLU-fused launch
+    xc = None if u2 is None or pw.rows is None else staged_xchunks(pw, x2, u2)
     return torch.ops.exl_core.qgemm_kslice_add_(
         residual, x2, pw.qweight, cc._chunks_of(pw), pw.scale, pw.zero, None if xc is not None else
         cc._perm_of(pw, x.device), None if bias is None else bias.contiguous(), cc._uniform4(pw),

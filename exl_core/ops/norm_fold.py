@@ -96,18 +96,11 @@ def qmatmul_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float
 def ext_places(perm: torch.Tensor, width: int) -> Optional[torch.Tensor]:
     """int32 [width, 2] on perm's device: the places j where perm[j] == n, for each column n (the second -1 where
     n has one), or None where a column appears no time or more than twice (the copy holds at most two places).
-    One host read of perm."""
-    p = perm.detach().to("cpu", torch.int64)
-    if p.dim() != 1 or p.numel() < width or (p.numel() and (p.min() < 0 or p.max() >= width)):
+    The attention kernel's store map for the same order (ops.attention.out_order_for), in the layout the add's
+    epilogue reads.  One host read of perm."""
+    from .attention import out_order_for
+    order = out_order_for(perm, width)
+    if order is None:
         return None
-    counts = torch.bincount(p, minlength=width)
-    if bool((counts < 1).any()) or bool((counts > 2).any()):
-        return None
-    order = torch.argsort(p, stable=True)                        # places grouped by column, ascending
-    first = torch.zeros(width, dtype=torch.int64)
-    first[1:] = torch.cumsum(counts, 0)[:-1]
-    places = torch.full((width, 2), -1, dtype=torch.int64)
-    places[:, 0] = order[first]
-    two = counts == 2
-    places[two, 1] = order[first[two] + 1]
-    return places.to(torch.int32).to(perm.device)
+    second = order.pos2 if order.pos2 is not None else torch.full_like(order.pos, -1)
+    return torch.stack([order.pos, second], 1).contiguous()

@@ -12,6 +12,7 @@
 
 #include "act_device.cuh"
 #include "cp_async_device.cuh"
+#include "norm_fold_args.cuh"
 
 namespace exl_mma {
 
@@ -348,24 +349,6 @@ struct Mat {
   int64_t N;
   int tile0;                  // first blockIdx.x of this matrix
   const __half* x;            // this matrix's own x (qgemm_kslice: x permuted for act-order), or null
-};
-// The residual add and the RMSNorm folded into the decode GEMMs (norm_fold_device.cuh; all zero: a plain GEMM).
-struct NormFold {
-  float* ss_out;              // producer (qgemm_kslice, one matrix): [tiles, M] per output tile and row, the sum of
-                              // squares of the values stored, or null
-  const float* ss_in;         // consumer: [ss_tiles, M], a producer's ss_out over x's columns
-  const __half* nw;           // consumer: the RMSNorm weight [K] (null: x is staged as it is)
-  int ss_tiles;
-  float eps;
-  int add;                    // producer: y += the product (y is the residual stream; one thread reads and writes
-                              // each value)
-  // The extended copy (ops/norm_fold.py): the producer also stores each value of y at its places in the consumer's
-  // extended act-order (ext_pos [N, 2], -1: none) in ext [M, ext_ld], so a consumer with a permutation and extra rows
-  // reads x in its own order and folds the norm in; its mean divides by count, the residual's width (0: x's K).
-  __half* ext;
-  const int32_t* ext_pos;
-  int64_t ext_ld;
-  int64_t count;
 };
 struct Mats {
   Mat m[kMaxMats];
