@@ -44,35 +44,18 @@ __device__ __forceinline__ uint4 fold_weight8(const uint4& xv, const uint4& wv) 
                     h2u(__hmul2(u2h(xv.z), u2h(wv.z))), h2u(__hmul2(u2h(xv.w), u2h(wv.w))));
 }
 
-// What an epilogue reads from global memory for one output value (column n): the bias, the residual value the add
-// reads, the extended copy's places.  Read before the block's reduction barrier (fold_load), their round trips
-// overlap it instead of following it on the kernel's tail.
-struct FoldIn {
-  float b, y;
-  int p0, p1;
-};
-
-__device__ __forceinline__ FoldIn fold_load(const NormFold& nf, const __half* bias, const __half* y, int64_t n) {
-  FoldIn in{0.f, 0.f, -1, -1};
-  if (bias) in.b = __half2float(__ldg(bias + n));
-  if (nf.add) in.y = __half2float(*y);                       // written by an earlier kernel (after the PDL wait)
-  if (nf.ext != nullptr) {
-    in.p0 = __ldg(nf.ext_pos + 2 * n);
-    in.p1 = __ldg(nf.ext_pos + 2 * n + 1);
-  }
-  return in;
-}
-
-// Producer epilogue of one output value (row m; `in` its column's fold_load): y (+)= a + bias, rounded, and the
-// extended copy's places of it; returns the stored value's square.
-__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a, int m, const FoldIn& in) {
-  a += in.b;
-  if (nf.add) a += in.y;
+// Producer epilogue of one output value (row m, column n): y (+)= a, rounded, and the extended copy's places of it;
+// returns the stored value's square.
+__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a, int m, int64_t n) {
+  if (nf.add) a += __half2float(*y);
   const __half v = __float2half_rn(a);
   *y = v;
-  if (nf.ext != nullptr) {                                    // a bad place is skipped, not a fault
-    if (in.p0 >= 0 && in.p0 < nf.ext_ld) nf.ext[m * nf.ext_ld + in.p0] = v;
-    if (in.p1 >= 0 && in.p1 < nf.ext_ld) nf.ext[m * nf.ext_ld + in.p1] = v;
+  if (nf.ext != nullptr) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int j = __ldg(nf.ext_pos + 2 * n + p);
+      if (j >= 0 && j < nf.ext_ld) nf.ext[m * nf.ext_ld + j] = v;   // a bad place is skipped, not a fault
+    }
   }
   const float f = __half2float(v);
   return f * f;

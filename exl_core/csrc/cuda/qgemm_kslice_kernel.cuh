@@ -447,13 +447,6 @@ __global__ void __launch_bounds__(32 * KW)
     }
   if (grp >= 0) flush();
 
-  // a thread's first output value: its global reads before the barrier (fold_load)
-  FoldIn in0{};
-  {
-    const int m = threadIdx.x / kTile;
-    const int64_t n = tile * kTile + threadIdx.x - m * kTile;
-    if (m < M && n < N) in0 = fold_load(mats.nf, mat.bias, mat.y + m * N + n, n);
-  }
   store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
   __syncthreads();
   static_assert(kTile == 32, "a warp stores one row of a tile (fold_row_ss)");
@@ -464,9 +457,10 @@ __global__ void __launch_bounds__(32 * KW)
     for (int w = 0; w < KW; ++w) a += red[(w * M + m) * kTile + cl];
     const int64_t n = tile * kTile + cl;
     float sq = 0.f;
-    if (n < N)                                                // a plain store unless the residual add is folded in
-      sq = fold_store(mats.nf, mat.y + m * N + n, a, m,
-                      idx == threadIdx.x ? in0 : fold_load(mats.nf, mat.bias, mat.y + m * N + n, n));
+    if (n < N) {
+      if (mat.bias) a += __half2float(mat.bias[n]);
+      sq = fold_store(mats.nf, mat.y + m * N + n, a, m, n);    // a plain store unless the residual add is folded in
+    }
     if (mats.nf.ss_out != nullptr) fold_row_ss(mats.nf, sq, tile, M, m, lane);
   }
 }
