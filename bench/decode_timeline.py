@@ -28,7 +28,7 @@ import torch
 
 import gpu_bench
 from exl_core.model import llama
-from exl_core.ops import attention, cuda_candidates, cuda_swiglu, norm_fold
+from exl_core.ops import attention, cuda_candidates, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -78,7 +78,6 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
             "norm_perm_off": (llama, "NORM_PERM_DEVICES", ()),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True),
-            "norm_ext": (norm_fold, "NORM_FOLD_EXT", True),
             "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ())}
 
 
@@ -182,13 +181,13 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # Short runs: TIMELINE_CASES="fmt:batch[:variant],..." (e.g. "gptq:32,exl2_u4:32:wide_twin") keeps those cases
     # only (and skips gptq_with_u4_gate_up).  Stop 37's variants of the rewrite at 32 rows run only when named there:
     # wide_twin (qgemm_wide folds the extra rows into their main chunks; EXL2 bench --quick 0.9160x at batch 32, stop
-    # 37 call 1) and perm_banks; norm_ext (EXL_CORE_NORM_FOLD_EXT=1, the extended copy) and attn_order_off (the
-    # attention's output in natural order, o gathering it: EXL_CORE_ATTN_OUT_ORDER=0) at batch 1, 8 or 32.
+    # 37 call 1) and perm_banks; attn_order_off (the attention's output in natural order, o gathering it:
+    # EXL_CORE_ATTN_OUT_ORDER=0) at batch 1, 8 or 32.
     keep = {c.strip() for c in os.environ.get("TIMELINE_CASES", "").split(",") if c.strip()}
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
                                             if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
     if fmt == "exl2_u4":
-        cases += [(B, v) for B in (1, 8, 32) for v in ("wide_twin", "perm_banks", "norm_ext", "attn_order_off")
+        cases += [(B, v) for B in (1, 8, 32) for v in ("wide_twin", "perm_banks", "attn_order_off")
                   if f"{fmt}:{B}:{v}" in keep]
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]

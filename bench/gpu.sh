@@ -19,11 +19,7 @@
 # mixed-width kernels), normpermold (EXL2 with EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17: the permuted
 # norm as stops 32-35 ran it, its regular instance triggering late from 17 rows; the default is the lean instance from
 # 17 rows, early everywhere), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
-# their main chunks instead of running them as K rows of their own; off by default until measured), normext (EXL2 with
-# EXL_CORE_NORM_FOLD_EXT=1: o and down also write the residual in the next weights' act-order and the norm folds into
-# q/k/v and gate/up at 1..8 rows, ops/norm_fold.py; off by default until measured), extprobe (bench/norm_ext_probe.py:
-# which of those producers and consumers act in an EXL2 decode step at batch 1 and 8, and why the others refuse),
-# noxchunks (EXL2 with
+# their main chunks instead of running them as K rows of their own; off by default until measured), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
 # (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
@@ -182,7 +178,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) onl
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has extprobe || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has normext || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -197,7 +193,7 @@ if has tests; then
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_prompt_path.py \
     tests/test_cuda_pointwise.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
     tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py tests/test_cuda_norm_perm.py \
-    tests/test_cuda_wide_twin.py tests/test_cuda_norm_fold_ext.py} \
+    tests/test_cuda_wide_twin.py} \
     >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15
@@ -296,8 +292,7 @@ if has promptext; then  # A/B: EXL2 prompts in the extended order, GEMMs over al
   $PY -c "import json, sys; json.dump({r: json.load(open(f'/tmp/exl_promptext_{r}.json')) for r in sys.argv[2:]},
     open(sys.argv[1], 'w'), indent=1)" "$OUT/gpu_h200_promptext.json" ext1 nat1 ext2 nat2
 fi
-for v in "normpermold:EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17" "widetwin:EXL_CORE_WIDE_TWIN=1" \
-         "normext:EXL_CORE_NORM_FOLD_EXT=1"; do  # A/B
+for v in "normpermold:EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17" "widetwin:EXL_CORE_WIDE_TWIN=1"; do  # A/B
   has ${v%%:*} && env ${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_${v%%:*}.json" 2>&1 | tee -a "$LOG" | tail -14
 done
@@ -362,10 +357,6 @@ if has timeline; then  # every kernel of one graphed decode step on a timeline (
   # and the K/V write as their own launch at batch 1 and 32, silu_mul as its own at 32 (decode_timeline.VARIANTS)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 \
     --json "$OUT/decode_timeline_h200.json" 2>&1 | tee -a "$LOG" | tail -200
-fi
-if has extprobe; then  # which producers / consumers of the extended copy act in an EXL2 decode step, and why not
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/norm_ext_probe.py --exl2 "$CK/exl2" --batch 1 8 \
-    --json "$OUT/norm_ext_probe_h200.json" 2>&1 | tee -a "$LOG" | tail -40
 fi
 if has promptorder; then  # the prompt alone, after the --quick decode runs, after empty_cache (host and GPU ms)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/prompt_after_decode.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \

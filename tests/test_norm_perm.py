@@ -62,16 +62,14 @@ def share_group_perms(model) -> int:
     return n
 
 
-def rewritten_shared_exl2(tiny_model_factory, tmp_path, heads=(4, 2), **load):
-    """A tiny EXL2 act-order model (hidden 128, intermediate 352: 6 / 4 / 3-bit groups of 32 rows; `heads` query and
-    kv heads) loaded with `load` (device, dtype), its q/k/v and gate/up sharing one permutation (share_group_perms),
-    rewritten as uniform 4-bit rows (extra rows for the 6-bit groups; after loader.fold_down_perms, down's read whole
-    chunks again).  The default heads are 32 wide, which the paged attention kernel does not take (64 and 128 it
-    does: heads=(2, 1))."""
+def rewritten_shared_exl2(tiny_model_factory, tmp_path, **load):
+    """A tiny EXL2 act-order model (hidden 128, intermediate 352: 6 / 4 / 3-bit groups of 32 rows) loaded with `load`
+    (device, dtype), its q/k/v and gate/up sharing one permutation (share_group_perms), rewritten as uniform 4-bit
+    rows (extra rows for the 6-bit groups; after loader.fold_down_perms, down's read whole chunks again)."""
     from exl_core.loader import as_uniform4_weights, load_model
     from exl_core.quantize.rtn import quantize_model_rtn
-    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=heads[0],
-                             num_key_value_heads=heads[1])
+    src = tiny_model_factory("llama", seed=7, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                             num_key_value_heads=2)
     q = quantize_model_rtn(src, tmp_path / "q", fmt="exl2", bits=[(6, 0.25), (4, 0.5), (3, 0.25)], group_size=32,
                            act_order=True)
     model = load_model(q, load_tokenizer=False, **load)[0]

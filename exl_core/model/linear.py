@@ -16,9 +16,7 @@ from ..ops.attention import OutOrder, out_order_for
 from ..ops.linear import dense_linear
 from ..ops.activation import silu_mul
 from ..ops.norm import rms_norm
-from ..ops import norm_fold
-from ..ops.cuda_candidates import KSLICE_STAGED_ROWS
-from ..ops.norm_fold import adds_ss, ext_places, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
+from ..ops.norm_fold import adds_ss, folds_norm, qmatmul_add_ss_, qmatmul_many_normed
 from ..ops.qmatmul import adds_in_place, qmatmul, qmatmul_add_, qmatmul_many, qmatmul_silu
 from ..ops import xchunks
 from ..ops.swiglu import qmatmul_swiglu
@@ -28,7 +26,7 @@ _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 # Per-layer caches of the functions below (in the layer's __dict__: (source tensor, cached value)), dropped by
 # QuantLinear._drop_caches when the packed weight is replaced or moved.
-_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails", "_ext_fold")
+_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails")
 
 # Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
 # skip re-checking every projection for LoRA hooks on every forward pass).
@@ -305,14 +303,11 @@ def linear_swiglu(x: torch.Tensor, gate, up, tails: Optional[tuple] = None) -> O
 
 # ---------------------------------------------------------------------------- the RMSNorm folded in (ops/norm_fold.py)
 
-def linear_add_ss_(residual: torch.Tensor, x: torch.Tensor, layer, up: Optional[torch.Tensor] = None,
-                   ext: Optional["ExtFold"] = None) -> Optional[torch.Tensor]:
+def linear_add_ss_(residual: torch.Tensor, x: torch.Tensor, layer,
+                   up: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """residual += layer(x) (layer(silu_mul(x, up)) with up) in place, in one kernel call, for a plain packed layer
-    where one takes it; returns the new residual's sums of squares (for linear_many_normed), or None, doing nothing.
-    ext: the new residual also written in ext's order (ext.copy)."""
-    if not _plain_packed(layer):
-        return None
-    return qmatmul_add_ss_(residual, x, layer.packed, up, None if ext is None else (ext.copy, ext.places))
+    where one takes it; returns the new residual's sums of squares (for linear_many_normed), or None, doing nothing."""
+    return qmatmul_add_ss_(residual, x, layer.packed, up) if _plain_packed(layer) else None
 
 
 def linear_adds_ss(residual: torch.Tensor, x: torch.Tensor, layer) -> bool:
@@ -332,58 +327,3 @@ def linear_many_normed(residual: torch.Tensor, weight: torch.Tensor, eps: float,
     if all(_plain_packed(m) for m in layers):
         return qmatmul_many_normed(residual, weight, eps, ss, [m.packed for m in layers])
     return linear_many(rms_norm(residual, weight, eps), layers)
-
-
-def _version_of(t: torch.Tensor) -> int:
-    """t's version counter, -1 for an inference tensor (which has none: it cannot be updated in place outside
-    inference mode either)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
-
-
-class ExtFold:
-    """The extended copy (ops/norm_fold.py) for one call: `copy` [rows, P] that the producer's add fills with the new
-    residual in `layers`' shared act-order (`places`, ext_places), the norm weight gathered to that order (`weight`),
-    and the layers' Prepermuted views, which read `copy` with the norm folded in (run)."""
-    __slots__ = ("copy", "places", "weight", "views", "width")
-
-    def __init__(self, copy, places, weight, views, width):
-        self.copy, self.places, self.weight, self.views, self.width = copy, places, weight, views, width
-
-    def run(self, eps: float, ss: torch.Tensor) -> list[torch.Tensor]:
-        """The layers' outputs on the filled copy: linear_many(rms_norm(residual), layers) of the residual it holds."""
-        return qmatmul_many_normed(self.copy, self.weight, eps, ss, [v.packed for v in self.views], count=self.width)
-
-
-def ext_fold(residual: torch.Tensor, weight: torch.Tensor, eps: float, layers) -> Optional[ExtFold]:
-    """An ExtFold for norm(residual) -> layers where the layers share an act-order permutation (shared_perm) and
-    their kernels fold the norm on the copy (EXL_CORE_NORM_FOLD_EXT=1, CUDA), else None.  Its places and gathered
-    weight are made once per (permutation, norm weight), with a host read: None while a CUDA graph is being captured
-    with none made (the caller's plain path then runs; callers run a step eagerly first)."""
-    # cheap refusals first: the fold runs at qgemm_kslice's staged rows in fp16 only (cuda_norm_fold), and a refused
-    # copy would have been allocated for nothing
-    if not norm_fold.NORM_FOLD_EXT or not residual.is_cuda or residual.dim() != 2 or \
-            residual.dtype != torch.float16 or residual.shape[0] > KSLICE_STAGED_ROWS:
-        return None
-    perm = shared_perm(layers)
-    if perm is None:
-        return None
-    H = residual.shape[1]
-    key = (perm, weight, _version_of(weight), weight.data_ptr())    # an in-place update of the weight makes a new one
-    held = layers[0].__dict__.get("_ext_fold")
-    if held is None or held[0] is not perm or held[1] is not weight or held[2:4] != key[2:]:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        places = ext_places(perm, H)
-        gathered = None if places is None else weight[perm.long()].contiguous()
-        torch.cuda.current_stream(residual.device).synchronize()    # the kernel reads it before its PDL wait
-        held = layers[0].__dict__["_ext_fold"] = (*key, places, gathered)
-    places, gathered = held[4:]
-    if places is None:
-        return None
-    views = [Prepermuted(m) for m in layers]
-    copy = residual.new_empty((residual.shape[0], perm.numel()))
-    ext = ExtFold(copy, places, gathered, views, H)
-    return ext if folds_norm(copy, gathered, eps, [v.packed for v in views], count=H) else None

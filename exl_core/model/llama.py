@@ -21,12 +21,11 @@ from ..ops.activation import silu_mul
 from ..ops.cuda_candidates import prompt_adds_extra_rows
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
 from ..ops.norm import rms_norm
-from ..ops import norm_fold
 from ..ops.norm_perm import rms_norm_permuted
 from ..ops.rope import apply_rope
 from .context import ContiguousContext, ForwardContext, SequenceKV
-from .linear import (LORA_VERSION, ExtFold, Prepermuted, QuantLinear, down_tails, ext_fold, input_out_order,
-                     linear_add_, linear_add_ss_, linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many,
+from .linear import (LORA_VERSION, Prepermuted, QuantLinear, down_tails, input_out_order, linear_add_,
+                     linear_add_ss_, linear_adds_in_place, linear_adds_ss, linear_folds_norm, linear_many,
                      linear_many_normed, linear_silu, linear_swiglu, shared_perm)
 from .rope import RopeTable
 
@@ -125,22 +124,19 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, h: Optional[torch.Tensor], residual: Optional[torch.Tensor], ctx: ForwardContext,
-                cos_sin: torch.Tensor, ss=None, next_block: Optional["Block"] = None):
+                cos_sin: torch.Tensor, ss: Optional[torch.Tensor] = None):
         """h: output of the previous block not yet added to the residual stream, or None when the previous block
         added it already (o and down add into the residual in their GEMM on the prompt path: linear_add_).
         ss: with h None, the residual's sums of squares from the previous down projection (linear_add_ss_), so the
-        q/k/v kernel can take the norm in (ops/norm_fold.py) -- or (sums, ExtFold) where that projection also wrote
-        the residual in this block's q/k/v act-order (ext_fold).  next_block: the block after this one (its q/k/v's
-        order for the extended copy), or None.  Returns (h, residual, ss) for the next block.
+        q/k/v kernel can take the norm in (ops/norm_fold.py).  Returns (h, residual, ss) for the next block.
         The plain Attention and MLP are called through their parts (attend, the projections), not their forward:
         hooks on those two modules do not fire; subclasses keep their forward.  Nor do the norms' where a kernel takes
         them in (the fold, ops/norm_fold.py; the permuted norm, _norm_many)."""
-        own = self._plain()
+        own = type(self.self_attn) is Attention and type(self.mlp) is MLP    # a subclass keeps its own forward
         if own and h is None and ss is not None and self._folds():            # ss: only a CUDA producer leaves it
             a, n = self.self_attn, self.input_layernorm
-            qkv = ss[1].run(n.eps, ss[0]) if isinstance(ss, tuple) else \
-                linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj))
-            return self._tail(qkv, ctx, cos_sin, residual, next_block)
+            return self._tail(linear_many_normed(residual, n.weight, n.eps, ss, (a.q_proj, a.k_proj, a.v_proj)),
+                              ctx, cos_sin, residual)
         if residual is None:
             residual, src, res = h, h, None
         elif h is None:
@@ -150,7 +146,7 @@ class Block(nn.Module):
         if own:
             a = self.self_attn
             qkv, added = _norm_many(self.input_layernorm, src, res, (a.q_proj, a.k_proj, a.v_proj))
-            return self._tail(qkv, ctx, cos_sin, residual if added is None else added, next_block)
+            return self._tail(qkv, ctx, cos_sin, residual if added is None else added)
         if res is None:
             x = self.input_layernorm(src)
         else:
@@ -164,8 +160,7 @@ class Block(nn.Module):
         all the fold reads; another norm type keeps its own forward)."""
         return type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
 
-    def _tail(self, qkv: list, ctx: ForwardContext, cos_sin: torch.Tensor, residual: torch.Tensor,
-              next_block: Optional["Block"] = None):
+    def _tail(self, qkv: list, ctx: ForwardContext, cos_sin: torch.Tensor, residual: torch.Tensor):
         """Attention from the [q, k, v] list (emptied here, so that no caller keeps them alive through the MLP), o_proj
         into the residual, the post-attention norm, the MLP: (h, residual, ss) as forward returns.  Where the o (down)
         kernel adds into the residual and leaves its sums of squares, the gate/up (next q/k/v) kernel takes the norm
@@ -180,14 +175,9 @@ class Block(nn.Module):
         folds = residual.is_cuda and self._folds()          # the folds' kernels are CUDA's: no checks per layer elsewhere
         ss = linear_add_ss_(residual, out, o_proj) if folds and linear_folds_norm(
             residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) else None
-        # gate/up with a shared act-order: o also writes the residual in their order, and they fold the norm on it
-        ext = ext_fold(residual, n.weight, n.eps, (mlp.gate_proj, mlp.up_proj)) if folds and ss is None else None
-        if ext is not None:
-            ss = linear_add_ss_(residual, out, o_proj, ext=ext)
         if ss is not None:
             del out
-            gate, up = ext.run(n.eps, ss) if ext is not None else \
-                linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
+            gate, up = linear_many_normed(residual, n.weight, n.eps, ss, (mlp.gate_proj, mlp.up_proj))
         else:
             attn = None if linear_add_(residual, out, o_proj) else o_proj(out)
             del out
@@ -195,29 +185,14 @@ class Block(nn.Module):
                                            (mlp.gate_proj, mlp.up_proj), mlp)
             del attn
             residual = residual if added is None else added
-        ss = ext = None
+        ss = None
         if folds and linear_folds_norm(residual, n1.weight, n1.eps, (a.q_proj, a.k_proj, a.v_proj)):
-            ss = self._down_add_ss(residual, gate, up)
-        elif folds and next_block is not None and next_block._plain() and next_block._folds():
-            na, nn1 = next_block.self_attn, next_block.input_layernorm   # its q/k/v with a shared act-order
-            ext = ext_fold(residual, nn1.weight, nn1.eps, (na.q_proj, na.k_proj, na.v_proj))
-            ss = None if ext is None else self._down_add_ss(residual, gate, up, ext)
+            ss = linear_add_ss_(residual, gate, mlp.down_proj if up is not None else mlp.down_layer(gate), up)
+            if ss is None and up is not None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the
+                ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj)              # SwiGLU-fused kernel's
         if ss is not None:
-            return None, residual, ss if ext is None else (ss, ext)
+            return None, residual, ss
         return mlp.down(gate, up, residual), residual, None
-
-    def _plain(self) -> bool:
-        """The plain Attention and MLP (forward calls their parts; a subclass keeps its own forward)."""
-        return type(self.self_attn) is Attention and type(self.mlp) is MLP
-
-    def _down_add_ss(self, residual, gate, up, ext: Optional[ExtFold] = None) -> Optional[torch.Tensor]:
-        """residual += down's output in its kernel, returning the sums of squares (and with ext the copy filled), or
-        None where no kernel adds."""
-        mlp = self.mlp
-        ss = linear_add_ss_(residual, gate, mlp.down_proj if up is not None else mlp.down_layer(gate), up, ext)
-        if ss is None and up is not None and linear_adds_ss(residual, gate, mlp.down_proj):   # rows past the
-            ss = linear_add_ss_(residual, silu_mul(gate, up), mlp.down_proj, ext=ext)      # SwiGLU-fused kernel's
-        return ss
 
 
 # Devices where the attention kernel stores its output in o_proj's act-order (_attend_for_o): CUDA (H200, EXL2 7B-shaped,
@@ -362,11 +337,8 @@ class Model(nn.Module):
     def _layers_python(self, h, ctx, cos_sin):
         """The per-op decoder loop: the reference the fused `decoder_layers` op must match bit for bit."""
         residual = ss = None
-        blocks = list(self.layers)
-        ext = norm_fold.NORM_FOLD_EXT            # next_block only then: a Block subclass may take the older arguments
-        for i, layer in enumerate(blocks):
-            nxt = {"next_block": blocks[i + 1] if i + 1 < len(blocks) else None} if ext else {}
-            h, residual, ss = layer(h, residual, ctx, cos_sin, ss, **nxt)
+        for layer in self.layers:
+            h, residual, ss = layer(h, residual, ctx, cos_sin, ss)
         return h, residual
 
     def _native_stack(self) -> Optional[NativeStack]:

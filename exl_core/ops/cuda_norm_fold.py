@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 
 from . import cuda_candidates as cc
-from .xchunks import staged_xchunks
 
 NORM_FOLD_ON = os.environ.get("EXL_CORE_NORM_FOLD", "1") != "0"
 # qgemm_wide's fold (batch 17..32) is built and tested but off: every column-tile block repeats the work on the same x,
@@ -43,34 +42,20 @@ def _route(rows: int, pws, device) -> Optional[str]:
     return None
 
 
-def _ext_reason(ext, rows: int, N: int, device) -> Optional[str]:
-    """Why qgemm_kslice_add_ would refuse the extended copy (copy, places), or None."""
-    copy, places = ext
-    if copy.dtype != torch.float16 or copy.device != device or copy.dim() != 2 or copy.shape[0] != rows or \
-            copy.shape[1] < N or not copy.is_contiguous():
-        return f"ext copy {copy.dtype} {tuple(copy.shape)}: contiguous float16 [{rows}, P >= {N}] on x's device"
-    if places.dtype != torch.int32 or places.device != device or places.shape != (N, 2) or not places.is_contiguous():
-        return f"ext places {places.dtype} {tuple(places.shape)}: contiguous int32 [{N}, 2] on x's device"
-    return None
-
-
-def _add_ss_check(residual, x, pw, up, ext=None) -> Optional[str]:
+def _add_ss_check(residual, x, pw, up) -> Optional[str]:
     if not NORM_FOLD_ON:
         return "EXL_CORE_NORM_FOLD=0"
     why = cc._qmatmul_check(x, pw)
     if why is not None:
         return why
-    if x.dtype != torch.float16 or not cc._mma_ok(pw) or (pw.rows is not None and (up is None or ext is None)):
-        return "fp16 x and a weight the decode kernels take (PackedWeight.rows: only the SwiGLU-fused down with ext)"
+    if x.dtype != torch.float16 or not cc._mma_ok(pw) or pw.rows is not None:
+        return "fp16 x and a weight the decode kernels take (no PackedWeight.rows)"
     rows = x.numel() // pw.in_features
     if residual.dtype != x.dtype or residual.device != x.device or not residual.is_contiguous() or \
             residual.shape != (rows, pw.out_features):
         return f"residual {residual.dtype} {tuple(residual.shape)} is not a contiguous [rows, N] tensor in x's dtype"
     if not cc._has_cuda_kernel("qgemm_kslice_add_"):
         return "extension built without qgemm_kslice_add_"
-    why = None if ext is None else _ext_reason(ext, rows, pw.out_features, x.device)
-    if why is not None:
-        return why
     if up is not None:
         if up.shape != x.shape or up.dtype != x.dtype or up.device != x.device:
             return "up must be like gate"
@@ -83,17 +68,13 @@ def _add_ss_check(residual, x, pw, up, ext=None) -> Optional[str]:
     return None
 
 
-def _add_ss_run(residual, x, pw, up, ext=None):
+def _add_ss_run(residual, x, pw, up):
     x2 = x.reshape(-1, pw.in_features).contiguous()
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
-    u2 = None if up is None else up.reshape(x2.shape).contiguous()
-    # a down with extra rows (only with ext: the check) by chunk offsets, as its plain SwiGLU-fused launch
-    xc = None if u2 is None or pw.rows is None else staged_xchunks(pw, x2, u2)
     return torch.ops.exl_core.qgemm_kslice_add_(
-        residual, x2, pw.qweight, cc._chunks_of(pw), pw.scale, pw.zero, None if xc is not None else
-        cc._perm_of(pw, x.device), None if bias is None else bias.contiguous(), cc._uniform4(pw),
-        min_group=cc._min_group(pw), group_shift=cc._group_shift(pw), up=u2, xchunks=xc,
-        ext=None if ext is None else ext[0], ext_pos=None if ext is None else ext[1])
+        residual, x2, pw.qweight, cc._chunks_of(pw), pw.scale, pw.zero, cc._perm_of(pw, x.device),
+        None if bias is None else bias.contiguous(), cc._uniform4(pw), min_group=cc._min_group(pw),
+        group_shift=cc._group_shift(pw), up=None if up is None else up.reshape(x2.shape).contiguous())
 
 
 def _fits(kind: str, rows: int, pws, device) -> bool:
@@ -112,8 +93,8 @@ def _fits(kind: str, rows: int, pws, device) -> bool:
     return _FITS[key]
 
 
-def _normed_route(residual, weight, eps, ss, pws, count=None) -> tuple[Optional[str], Optional[str]]:
-    """(kernel, None) or (None, why not).  count: residual is an extended copy (ops/norm_fold.py)."""
+def _normed_route(residual, weight, eps, ss, pws) -> tuple[Optional[str], Optional[str]]:
+    """(kernel, None) or (None, why not)."""
     if not NORM_FOLD_ON:
         return None, "EXL_CORE_NORM_FOLD=0"
     from .norm_fold import FOLD_QUERY
@@ -132,15 +113,12 @@ def _normed_route(residual, weight, eps, ss, pws, count=None) -> tuple[Optional[
         return None, "residual must be a contiguous, 16-byte aligned [rows, K] tensor"
     if not eps >= 0:
         return None, f"eps {eps} must be >= 0"
-    if count is not None and not 0 < count <= K:
-        return None, f"count {count}: the residual's width, at most the copy's {K} columns"
-    C = K if count is None else count
     if (weight.device != dev or weight.dtype != torch.float16 or weight.shape != (K,) or not weight.is_contiguous()
             or weight.data_ptr() % 16):
         return None, f"norm weight {weight.dtype} {tuple(weight.shape)}: contiguous, aligned float16 [K] on x's GPU"
     if ss is not FOLD_QUERY and (ss.device != dev or ss.dtype != torch.float32 or not ss.is_contiguous()
-                                 or ss.shape != ((C + 31) // 32, rows)):
-        return None, f"sums of squares {ss.dtype} {tuple(ss.shape)}, expected float32 [{(C + 31) // 32}, {rows}]"
+                                 or ss.shape != ((K + 31) // 32, rows)):
+        return None, f"sums of squares {ss.dtype} {tuple(ss.shape)}, expected float32 [{(K + 31) // 32}, {rows}]"
     if any(pw.perm is not None or pw.rows is not None or pw.in_features != K for pw in pws):
         return None, "a weight with a permutation (the kernels gather x; the fold stages it in order)"
     kind = _route(rows, pws, dev)
@@ -150,27 +128,24 @@ def _normed_route(residual, weight, eps, ss, pws, count=None) -> tuple[Optional[
         return None, "qgemm_wide's fold is off (EXL_CORE_NORM_FOLD_WIDE=1 turns it on)"
     if kind == "kslice" and rows > cc.KSLICE_STAGED_ROWS:
         return None, "qgemm_kslice folds the norm for staged rows only"
-    if kind == "wide" and count is not None:
-        return None, "qgemm_wide's fold takes no extended copy"
     if kind is None or not _fits(kind, rows, pws, dev):
         return None, "these rows do not run qgemm_wide or qgemm_kslice's staged rows (or the norm weight does not fit)"
     return kind, None
 
 
-def _normed_check(residual, weight, eps, ss, pws, count=None) -> Optional[str]:
-    return _normed_route(residual, weight, eps, ss, pws, count)[1]
+def _normed_check(residual, weight, eps, ss, pws) -> Optional[str]:
+    return _normed_route(residual, weight, eps, ss, pws)[1]
 
 
-def _normed_run(residual, weight, eps, ss, pws, count=None):
+def _normed_run(residual, weight, eps, ss, pws):
     # the check has passed: only the kernel's name is needed (the plain path's cached choice, not the whole check again)
     kind = "wide" if cc._wide_ok(residual.shape[0], pws, residual.device) else "kslice"
     args = (residual, *cc._weights_args(pws, residual.device, residual.dtype))   # no permutations (the check)
     u4 = all(cc._uniform4(pw) for pw in pws)
     mg = min(cc._min_group(pw) for pw in pws)
     op = torch.ops.exl_core.qgemm_wide_multi if kind == "wide" else torch.ops.exl_core.qgemm_kslice_multi
-    extra = {} if count is None else {"norm_count": int(count)}             # kslice only (the check)
     return list(op(*args, u4, min_group=mg, group_shift=cc._pws_group_shift(pws), norm_weight=weight, norm_ss=ss,
-                   norm_eps=float(eps), **extra))
+                   norm_eps=float(eps)))
 
 
 def install() -> None:

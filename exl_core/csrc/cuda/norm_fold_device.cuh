@@ -24,7 +24,7 @@ __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int6
   float s = 0.f;
   for (int t = lane; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M + m);
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return rsqrtf(s / static_cast<float>(nf.count > 0 ? nf.count : K) + nf.eps);
+  return rsqrtf(s / static_cast<float>(K) + nf.eps);
 }
 
 // 8 values of a row of x normalised: fp16(w * fp16(x * r)).
@@ -44,19 +44,11 @@ __device__ __forceinline__ uint4 fold_weight8(const uint4& xv, const uint4& wv) 
                     h2u(__hmul2(u2h(xv.z), u2h(wv.z))), h2u(__hmul2(u2h(xv.w), u2h(wv.w))));
 }
 
-// Producer epilogue of one output value (row m, column n): y (+)= a, rounded, and the extended copy's places of it;
-// returns the stored value's square.
-__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a, int m, int64_t n) {
+// Producer epilogue of one output value: y (+)= a, rounded; returns the stored value's square (0 past N).
+__device__ __forceinline__ float fold_store(const NormFold& nf, __half* y, float a) {
   if (nf.add) a += __half2float(*y);
   const __half v = __float2half_rn(a);
   *y = v;
-  if (nf.ext != nullptr) {
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int j = __ldg(nf.ext_pos + 2 * n + p);
-      if (j >= 0 && j < nf.ext_ld) nf.ext[m * nf.ext_ld + j] = v;   // a bad place is skipped, not a fault
-    }
-  }
   const float f = __half2float(v);
   return f * f;
 }

@@ -172,26 +172,8 @@ struct Folds {
   const at::Tensor* add_to = nullptr;
   c10::optional<at::Tensor> norm_weight, norm_ss;
   double eps = 0.0;
-  int64_t count = 0;                   // the norm's width where x is an extended copy (NormFold::count)
   c10::optional<at::Tensor> xchunks;   // the SwiGLU-fused calls: x read through chunk offsets (check_xchunks)
-  c10::optional<at::Tensor> ext, ext_pos;   // the add's extended copy (NormFold::ext)
 };
-
-// ext (float16 [M, P], contiguous) and ext_pos (int32 [N, 2], contiguous, entries in [-1, P)) on x's GPU: the add's
-// extended copy; the kernel skips an entry outside [0, P).
-void set_ext(const at::Tensor& ext, const at::Tensor& pos, const at::Tensor& x, int64_t N, Mats& mats) {
-  TORCH_CHECK(ext.is_cuda() && ext.device() == x.device() && ext.dtype() == at::kHalf && ext.dim() == 2 &&
-                  ext.size(0) == x.size(0) && ext.size(1) >= N && ext.is_contiguous(),
-              "exl_core::qgemm_kslice_add_: ext must be contiguous float16 [", x.size(0), ", P >= ", N,
-              "] on x's GPU; got ", ext.dtype(), " ", ext.sizes());
-  TORCH_CHECK(pos.is_cuda() && pos.device() == x.device() && pos.dtype() == at::kInt && pos.dim() == 2 &&
-                  pos.size(0) == N && pos.size(1) == 2 && pos.is_contiguous(),
-              "exl_core::qgemm_kslice_add_: ext_pos must be contiguous int32 [", N, ", 2] on x's GPU; got ",
-              pos.dtype(), " ", pos.sizes());
-  mats.nf.ext = reinterpret_cast<__half*>(ext.data_ptr());
-  mats.nf.ext_pos = pos.data_ptr<int32_t>();
-  mats.nf.ext_ld = ext.size(1);
-}
 
 // xchunks (int64 [K/32], one weight, no perm, staged rows with up): chunk c of the weight's K rows reads x's columns
 // xchunks[c] .. + 31, each a multiple of 8 and within x (the caller's promise: the kernel cannot check without a
@@ -224,8 +206,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   const int dev = x.device().index();
   // Checked before anything is launched (the act-order gather below): a refused call leaves no work behind.
   const int64_t tiles = assign_tiles(mats, kTile);
-  const bool fold = set_norm_fold("exl_core::qgemm_kslice", x, folds.norm_weight, folds.norm_ss, folds.eps, mats,
-                                  folds.count);
+  const bool fold = set_norm_fold("exl_core::qgemm_kslice", x, folds.norm_weight, folds.norm_ss, folds.eps, mats);
   TORCH_CHECK(!fold || (!up.defined() && uniform4 && n_tiles_for(static_cast<int>(M)) == 1 && K == Kx),
               "exl_core::qgemm_kslice: the folded norm takes at most ", kStagedRows, " rows of x, uniform 4-bit ",
               "weights of x's K rows and no SwiGLU");
@@ -237,9 +218,6 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
                 "exl_core::qgemm_kslice_add_: one weight, and the residual contiguous float16 [", M, ", ",
                 mats.m[0].N, "] on x's GPU; got ", mats.n, " weights, residual ", r.dtype(), " ", r.sizes());
     ss = at::empty({tiles, M}, x.options().dtype(at::kFloat));
-    TORCH_CHECK(folds.ext.has_value() == folds.ext_pos.has_value(), "exl_core::qgemm_kslice_add_: ext and ext_pos go ",
-                "together");
-    if (folds.ext) set_ext(*folds.ext, *folds.ext_pos, x, mats.m[0].N, mats);
     mats.m[0].y = reinterpret_cast<__half*>(r.data_ptr());
     mats.nf.add = 1;
     mats.nf.ss_out = ss.data_ptr<float>();
@@ -287,35 +265,29 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
                                            int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
                                            const c10::optional<at::Tensor>& norm_weight,
-                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps,
-                                           int64_t norm_count) {
+                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
   Folds f;
   f.norm_weight = norm_weight;
   f.norm_ss = norm_ss;
   f.eps = norm_eps;
-  f.count = norm_count;
   return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
                     group_shift, f);
 }
 
 // residual [M, N] += x[:, perm] @ W (+ bias) in place (or (silu(x) * up)[:, perm] @ W with up, at most 8 rows), the o
 // or down projection adding into the residual stream; returns the sums of squares of the new residual per 32-column
-// tile and row, float32 [ceil(N / 32), M] (the norm_ss of the next projection: norm_fold_device.cuh).  ext / ext_pos:
-// the new residual also stored in the next projection's extended act-order (set_ext; ops/norm_fold.py).
+// tile and row, float32 [ceil(N / 32), M] (the norm_ss of the next projection: norm_fold_device.cuh).
 at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& qweight,
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
                              bool uniform4, int64_t min_group, int64_t group_shift,
-                             const c10::optional<at::Tensor>& up, const c10::optional<at::Tensor>& xchunks,
-                             const c10::optional<at::Tensor>& ext, const c10::optional<at::Tensor>& ext_pos) {
+                             const c10::optional<at::Tensor>& up, const c10::optional<at::Tensor>& xchunks) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   Folds f;
   f.add_to = &residual;
   f.xchunks = xchunks;
-  f.ext = ext;
-  f.ext_pos = ext_pos;
   return kslice_run(x, up ? *up : at::Tensor(), {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, 0, 0, min_group,
                     group_shift, f)[0];
 }
@@ -344,7 +316,7 @@ at::Tensor qgemm_kslice(const at::Tensor& x, const at::Tensor& qweight, const at
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_kslice_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
-                            group_shift, c10::nullopt, c10::nullopt, 0.0, 0)[0];
+                            group_shift, c10::nullopt, c10::nullopt, 0.0)[0];
 }
 
 // Whether qgemm_kslice takes M rows of K over `tiles` column tiles with this kw and ring (kw 0: whether its
@@ -376,11 +348,10 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0, "
-        "int norm_count=0) -> Tensor[]");
+        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
   m.def("qgemm_kslice_add_(Tensor(a!) residual, Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None, "
-        "Tensor? xchunks=None, Tensor(b!)? ext=None, Tensor? ext_pos=None) -> Tensor");
+        "Tensor? xchunks=None) -> Tensor");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
         "int group_shift=-1, Tensor? xchunks=None) -> Tensor");

@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(32 * KW)
     float sq = 0.f;
     if (n < N) {
       if (mat.bias) a += __half2float(mat.bias[n]);
-      sq = fold_store(mats.nf, mat.y + m * N + n, a, m, n);    // a plain store unless the residual add is folded in
+      sq = fold_store(mats.nf, mat.y + m * N + n, a);          // a plain store unless the residual add is folded in
     }
     if (mats.nf.ss_out != nullptr) fold_row_ss(mats.nf, sq, tile, M, m, lane);
   }

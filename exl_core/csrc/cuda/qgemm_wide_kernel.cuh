@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       float tot = 0.f;
 #pragma unroll
       for (int j = 0; j < kQ; ++j) tot += rpart[j * kMaxRows + threadIdx.x];
-      rrow[threadIdx.x] = rsqrtf(tot / static_cast<float>(mats.nf.count > 0 ? mats.nf.count : K) + mats.nf.eps);
+      rrow[threadIdx.x] = rsqrtf(tot / static_cast<float>(K) + mats.nf.eps);
     }
     cp_async_wait_all();                    // the norm weight is read from pieces other threads copied
     __syncthreads();

@@ -183,13 +183,11 @@ inline at::Tensor permute_x_per_weight(const at::Tensor& x, const c10::List<c10:
 // The norm folded into a consumer launch (norm_fold_device.cuh; qgemm_kslice's staged rows, qgemm_wide): x is the
 // residual stream [M, K], nw the RMSNorm weight [K], ss the producer's sums of squares [ceil(K / 32), M]
 // (qgemm_kslice_add_).  Checks them and fills mats.nf; undefined nw: no fold.  Returns whether it folds.
-// count: the residual's width, over which the producer summed the squares (0: x's K; x an extended copy, wider).
 inline bool set_norm_fold(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& nw,
-                          const c10::optional<at::Tensor>& ss, double eps, Mats& mats, int64_t count = 0) {
+                          const c10::optional<at::Tensor>& ss, double eps, Mats& mats) {
   TORCH_CHECK(nw.has_value() == ss.has_value(), op, ": norm_weight and norm_ss go together");
   if (!nw) return false;
-  const int64_t M = x.size(0), K = x.size(1), C = count > 0 ? count : K;
-  TORCH_CHECK(count >= 0 && C <= K, op, ": norm_count ", count, " must be 0 or at most x's ", K, " columns");
+  const int64_t M = x.size(0), K = x.size(1);
   for (int i = 0; i < mats.n; ++i)
     TORCH_CHECK(mats.m[i].perm == nullptr && mats.m[i].x == nullptr, op,
                 ": the folded norm takes weights without a permutation (weight ", i, " has one)");
@@ -199,15 +197,14 @@ inline bool set_norm_fold(const char* op, const at::Tensor& x, const c10::option
               op, ": norm_weight must be contiguous, 16-byte aligned float16 [", K, "] on x's GPU, got ", nw->dtype(),
               " ", nw->sizes());
   TORCH_CHECK(ss->is_cuda() && ss->device() == x.device() && ss->dtype() == at::kFloat && ss->dim() == 2 &&
-                  ss->size(0) == (C + 31) / 32 && ss->size(1) == M && ss->is_contiguous(),
-              op, ": norm_ss must be contiguous float32 [", (C + 31) / 32, ", ", M, "] on x's GPU (a producer's sums ",
+                  ss->size(0) == (K + 31) / 32 && ss->size(1) == M && ss->is_contiguous(),
+              op, ": norm_ss must be contiguous float32 [", (K + 31) / 32, ", ", M, "] on x's GPU (a producer's sums ",
               "of squares over 32-column tiles), got ", ss->dtype(), " ", ss->sizes());
   TORCH_CHECK(eps >= 0.0, op, ": norm_eps ", eps, " must be >= 0");
   mats.nf.nw = reinterpret_cast<const __half*>(nw->data_ptr());
   mats.nf.ss_in = ss->data_ptr<float>();
   mats.nf.ss_tiles = static_cast<int>(ss->size(0));
   mats.nf.eps = static_cast<float>(eps);
-  mats.nf.count = C;
   return true;
 }
 

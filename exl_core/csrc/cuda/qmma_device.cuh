@@ -12,7 +12,6 @@
 
 #include "act_device.cuh"
 #include "cp_async_device.cuh"
-#include "norm_fold_args.cuh"
 
 namespace exl_mma {
 
@@ -349,6 +348,17 @@ struct Mat {
   int64_t N;
   int tile0;                  // first blockIdx.x of this matrix
   const __half* x;            // this matrix's own x (qgemm_kslice: x permuted for act-order), or null
+};
+// The residual add and the RMSNorm folded into the decode GEMMs (norm_fold_device.cuh; all zero: a plain GEMM).
+struct NormFold {
+  float* ss_out;              // producer (qgemm_kslice, one matrix): [tiles, M] per output tile and row, the sum of
+                              // squares of the values stored, or null
+  const float* ss_in;         // consumer: [ss_tiles, M], a producer's ss_out over x's columns
+  const __half* nw;           // consumer: the RMSNorm weight [K] (null: x is staged as it is)
+  int ss_tiles;
+  float eps;
+  int add;                    // producer: y += the product (y is the residual stream; one thread reads and writes
+                              // each value)
 };
 struct Mats {
   Mat m[kMaxMats];
