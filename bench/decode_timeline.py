@@ -181,14 +181,14 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # Short runs: TIMELINE_CASES="fmt:batch[:variant],..." (e.g. "gptq:32,exl2_u4:32:wide_twin") keeps those cases
     # only (and skips gptq_with_u4_gate_up).  Stop 37's variants of the rewrite at 32 rows run only when named there:
     # wide_twin (qgemm_wide folds the extra rows into their main chunks; EXL2 bench --quick 0.9160x at batch 32, stop
-    # 37 call 1) and perm_banks; attn_order_off (the attention's output in natural order, o gathering it:
-    # EXL_CORE_ATTN_OUT_ORDER=0) at batch 1, 8 or 32.
+    # 37 call 1) and perm_banks; at batch 1, 8 or 32, attn_order_off (the attention's output in natural order, o
+    # gathering it: EXL_CORE_ATTN_OUT_ORDER=0).
     keep = {c.strip() for c in os.environ.get("TIMELINE_CASES", "").split(",") if c.strip()}
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
                                             if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
     if fmt == "exl2_u4":
-        cases += [(B, v) for B in (1, 8, 32) for v in ("wide_twin", "perm_banks", "attn_order_off")
-                  if f"{fmt}:{B}:{v}" in keep]
+        cases += [(32, v) for v in ("wide_twin", "perm_banks") if f"{fmt}:32:{v}" in keep]   # they act at 32 rows
+        cases += [(B, "attn_order_off") for B in (1, 8, 32) if f"{fmt}:{B}:attn_order_off" in keep]
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

@@ -30,6 +30,10 @@ def _perm(width: int, extra: int, seed: int) -> torch.Tensor:
     ([2000], 8, 2, 128, "combine kernel"),                      # more than 8 splits
     ([400 - i for i in range(40)], 8, 2, 128, "combine kernel"),  # 2..8 splits over a larger grid
     ([5, 33, 200], 9, 3, 64, None),                             # 3 heads padded to the 4-head instance
+    # one stored value a thread (G * D <= 128: the bench's G 1, D 128 at batch 1), whichever merge the grid takes
+    ([400], 8, 8, 128, None),
+    ([300], 4, 2, 64, None),
+    ([60] * 6, 4, 2, 64, None),
 ])
 @pytest.mark.parametrize("extra", [0, 100], ids=["perm", "perm+100"])
 def test_ordered_output_is_the_plain_output_in_the_weight_order(dtype, k_lens, hq, hkv, d, merge, extra):
