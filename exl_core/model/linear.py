@@ -249,7 +249,10 @@ def input_out_order(layer, width: int) -> Optional[OutOrder]:
     if held is None or held[0] is not pw.perm:
         if pw.perm.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        held = layer.__dict__["_out_order"] = (pw.perm, out_order_for(pw.perm, width, pw.qweight.device))
+        order = out_order_for(pw.perm, width, pw.qweight.device)
+        if order is not None and order.pos.is_cuda:     # the attention kernel reads the maps before its PDL wait
+            torch.cuda.current_stream(order.pos.device).synchronize()
+        held = layer.__dict__["_out_order"] = (pw.perm, order)
     return held[1]
 
 

@@ -81,18 +81,34 @@ struct OutMap {
   int64_t cols;
 };
 
+// One output column's places under a permuted OutMap (as constructed, {}: not read yet; store_out then reads
+// them).  The kernel reads those of the one value a thread stores before its PDL wait, not after the merge on its
+// tail, where they were a dependent round trip (EXL2 batch-1 attention 7.53 us a layer with the ordered store, 6.54
+// with a plain one: NOTES.md session "nineteenth").
+struct OutPlaces {
+  int p = -2, p2 = -1;                        // p < -1: not read
+};
+
+__device__ __forceinline__ OutPlaces out_places(const OutMap& m, int col) {
+  OutPlaces o{};
+  if (m.pos != nullptr && col >= 0) {
+    o.p = __ldg(m.pos + col);
+    o.p2 = m.pos2 != nullptr ? __ldg(m.pos2 + col) : -1;
+  }
+  return o;
+}
+
 template <typename T>
-__device__ __forceinline__ void store_out(const OutMap& m, T* out, int64_t row, int col, T val) {
+__device__ __forceinline__ void store_out(const OutMap& m, T* out, int64_t row, int col, T val,
+                                          OutPlaces pl = OutPlaces{}) {
   T* r = out + row * m.cols;
   if (m.pos == nullptr) {
     r[col] = val;
     return;
   }
-  r[__ldg(m.pos + col)] = val;
-  if (m.pos2 != nullptr) {
-    const int j = __ldg(m.pos2 + col);
-    if (j >= 0) r[j] = val;
-  }
+  if (pl.p < -1) pl = out_places(m, col);
+  r[pl.p] = val;
+  if (pl.p2 >= 0) r[pl.p2] = val;
 }
 
 struct Args {
@@ -197,16 +213,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
   __shared__ __align__(16) T sm_rope[ROPE ? (G + 2) * D : D];   // ROPE: rotated q heads, own key, own value
   auto rope_row = [&](int h) { return sm_rope + (ROPE ? h : 0) * D; };   // (row 0 only in other instances: unused)
 
+  const int kvh = a.head_major ? blockIdx.x : blockIdx.y, split = blockIdx.z;
+  const int gq = a.Hq / a.Hkv;                                    // real heads per kv head (<= G)
+  // The places of the one output value this thread stores (out_places), where this block stores the output (the only
+  // split, or rank 0 of a cluster: its rank is blockIdx.z, the host's cluster spanning the splits) and its group holds
+  // at most kThreads values (G * D <= 128: G 1 at D 64 / 128, G 2 at D 64); larger groups store several values a
+  // thread and their instances are near the register limit.
+  const int tid = static_cast<int>(threadIdx.x);
+  const bool stores_one = G * D <= kThreads && tid < gq * D && (a.splits == 1 || (a.cluster && split == 0));
+  const OutPlaces pl0 = out_places(a.out_map, stores_one ? (kvh * gq + tid / D) * D + tid % D : -1);
   if (!a.early) {
     exl_pdl::pdl_wait();                      // q, K and V come from the kernels just before
     exl_pdl::pdl_trigger();
   }
   const int64_t row = a.head_major ? blockIdx.y : blockIdx.x;
   const int64_t rows = a.head_major ? gridDim.y : gridDim.x;
-  const int kvh = a.head_major ? blockIdx.x : blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int grp = warp * KPW + lane / LPK, sub = lane % LPK;      // lane group, 8-element slice in the key
-  const int gq = a.Hq / a.Hkv;                                    // real heads per kv head (<= G)
 
   // The row's sequence: decode batches have cu_q = 0, 1, 2, ... so s = row is tried first (two loads
   // in flight together) before the binary search (log2 S dependent loads).
@@ -419,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
     const int64_t head = static_cast<int64_t>(kvh) * gq + g;
     if (a.splits == 1) {
       store_out(a.out_map, static_cast<T*>(a.out), row, static_cast<int>(head * D + d),
-                Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f));
+                Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f), idx == tid ? pl0 : OutPlaces{});
     } else if (a.cluster) {                   // this thread alone reads element (g, d) of every group: reuse group 0's
       sm_acc[0][g][d] = o;
       if (d == 0) {
@@ -455,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
         }
         const int64_t head = static_cast<int64_t>(kvh) * gq + g;
         store_out(a.out_map, static_cast<T*>(a.out), row, static_cast<int>(head * D + d),
-                  Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f));
+                  Vec<T>::from_f32(sum > 0.f ? o / sum : 0.f), idx == tid ? pl0 : OutPlaces{});
       }
     }
     cl.sync();                                // the other splits keep their shared memory until rank 0 is done
