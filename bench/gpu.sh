@@ -87,7 +87,7 @@ cublas_flags() {
 probe_run() {
   local name=$1
   rm -f /tmp/$name.txt /tmp/$name                              # a warm machine's old output must not pass as this run's
-  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} ${2:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name \
+  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} ${2:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name ${PROBE_ARGS:-} \
     >/tmp/$name.txt 2>&1
   echo "== $name ${PROBE_FLAGS:-}" | tee -a "$LOG"
   cat /tmp/$name.txt >>"$LOG"
