@@ -344,6 +344,10 @@ __global__ void __launch_bounds__(128) l2_prefetch_kernel(const PfList l, int64_
   for (int k = 0; k < l.nb; ++k)
     for (int64_t j = t; j * piece < l.n[k]; j += nt) {
       const char* a = l.p[k] + j * piece;
+      if (piece == 128) {                                       // one line: the LSU's prefetch, not the copy engine
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a) : "memory");
+        continue;
+      }
       const uint32_t sz = static_cast<uint32_t>(min(piece, l.n[k] - j * piece));
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(sz) : "memory");
     }
@@ -463,15 +467,14 @@ int main(int argc, char** argv) {
       layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
       chain_pf_row("pf none (no launch)", {-1, -1, -1, -1});
+      chain_pf_row("line pf next whole", {1, 1, 1, 1}, 128);
+      chain_pf_row("line pf next whole but gate/up", {1, -1, 1, 1}, 128);
+      chain_pf_row("line pf next 1/2", {0.5, 0.5, 0.5, 0.5}, 128);
+      chain_pf_row("line pf next 1/4", {0.25, 0.25, 0.25, 0.25}, 128);
+      chain_pf_row("line pf o only", {1, -1, -1, -1}, 128);
+      chain_pf_row("line pf down only", {-1, -1, 1, -1}, 128);
       chain_pf_row("pf empty launches", {0, 0, 0, 0});
-      chain_pf_row("pf next whole", {1, 1, 1, 1});
-      chain_pf_row("pf next whole but gate/up", {1, -1, 1, 1});
-      chain_pf_row("pf next, gate/up 1/2", {1, 0.5, 1, 1});
-      chain_pf_row("pf next 1/2", {0.5, 0.5, 0.5, 0.5});
-      chain_pf_row("pf o only", {1, -1, -1, -1});
-      chain_pf_row("pf down only", {-1, -1, 1, -1});
-      chain_pf_row("pf next whole, 256 KB pieces", {1, 1, 1, 1}, 262144);
-      chain_pf_row("pf next whole, 4 KB pieces", {1, 1, 1, 1}, 4096);
+      chain_pf_row("bulk pf o only", {1, -1, -1, -1});
     }
     return 0;
   }
