@@ -3,7 +3,8 @@ run against 45,250.1-45,458.9 in three `--prompt-only` processes on the same mac
 prompt timed as gpu_bench.prompt_tok_s right after loading, after the decode runs (CUDA graphs at batch 1, 8, 32, as
 `--quick`), and after gc.collect() + torch.cuda.empty_cache(); with each forward's host time (enqueue, no sync)
 next to its GPU time, to tell a host-bound prompt from a slower GPU one.  One process: GPTQ first, then EXL2 (after
-GPTQ's model is freed and the cache emptied).  Run by bench/gpu.sh phase `promptorder`.
+GPTQ's model is freed and the cache emptied), and once more after 15 s idle; each with nvidia-smi's SM clock, power,
+temperature and throttle reasons while it ran.  Run by bench/gpu.sh phase `promptorder`.
 
     python bench/prompt_after_decode.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,10 +21,47 @@ import torch
 import gpu_bench
 
 ROUNDS = 2
+IDLE_S = 15
+
+
+class SmiLog:
+    """nvidia-smi sampled every 100 ms while a block runs: the SM clock (median, MHz), power (max, W), temperature
+    (max, C) and the throttle reasons seen -- a prompt slower after the decode runs could be a hotter, slower-clocked
+    GPU rather than the process's state (stop 38's open question)."""
+
+    FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __enter__(self):
+        try:
+            self.p = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                       "-lms", "100"], stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self.p = None
+        self.stats = {}
+        return self
+
+    def __exit__(self, *exc):
+        if self.p is None:
+            return
+        self.p.terminate()
+        out, _ = self.p.communicate()
+        rows = [r.split(", ") for r in out.strip().splitlines() if r.count(",") == 3]
+        num = [(float(c), float(w), float(t), why) for c, w, t, why in rows
+               if c.replace(".", "").isdigit() and w.replace(".", "").isdigit()]
+        if num:
+            self.stats = {"smi_samples": len(num), "sm_mhz_median": statistics.median(r[0] for r in num),
+                          "power_w_max": max(r[1] for r in num), "temp_c_max": max(r[2] for r in num),
+                          "throttle_reasons": sorted({r[3] for r in num})}
 
 
 @torch.inference_mode()
 def timed(model) -> dict:
+    with SmiLog() as smi:
+        r = _timed(model)
+    return {**r, **smi.stats}
+
+
+def _timed(model) -> dict:
     """gpu_bench.prompt_tok_s ROUNDS times (each the median of 5), and the median host (enqueue) and GPU ms of 5
     forwards."""
     tok_s = [gpu_bench.prompt_tok_s(model) for _ in range(ROUNDS)]
@@ -52,10 +91,13 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     gc.collect()
     torch.cuda.empty_cache()
     rows.append({"format": fmt, "when": "after empty_cache", **timed(model)})
+    time.sleep(IDLE_S)                     # a cooler GPU, the process's state unchanged
+    rows.append({"format": fmt, "when": f"after {IDLE_S} s idle", **timed(model)})
     for r in rows:
         tok = ", ".join(f"{v:.1f}" for v in r["tok_s"])
         print(f"{fmt:5s} {r['when']:18s} tok/s {tok:>20s}  host {r['host_ms']:.2f} ms"
-              f"  gpu {r['gpu_ms']:.2f} ms")
+              f"  gpu {r['gpu_ms']:.2f} ms  sm {r.get('sm_mhz_median', '-')} MHz  {r.get('power_w_max', '-')} W"
+              f"  {r.get('temp_c_max', '-')} C  {' '.join(r.get('throttle_reasons', []))}")
     del model
     torch.cuda.empty_cache()
     return rows
