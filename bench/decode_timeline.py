@@ -78,7 +78,8 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "swiglu_off": (cuda_swiglu, "WIDE_SWIGLU_ON", False),
             "norm_perm_off": (llama, "NORM_PERM_DEVICES", ()),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True),
-            "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ())}
+            "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ()),
+            "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0")}   # the host reads it per attention call
 
 
 @contextmanager
@@ -87,6 +88,10 @@ def variant_set(variant: str):
         yield
         return
     mod, name, value = VARIANTS[variant]
+    if mod is os.environ:
+        with mock.patch.dict(os.environ, {name: value}):
+            yield
+        return
     saved = getattr(mod, name)
     setattr(mod, name, value)
     try:
@@ -182,13 +187,15 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # only (and skips gptq_with_u4_gate_up).  Stop 37's variants of the rewrite at 32 rows run only when named there:
     # wide_twin (qgemm_wide folds the extra rows into their main chunks; EXL2 bench --quick 0.9160x at batch 32, stop
     # 37 call 1) and perm_banks; at batch 1, 8 or 32, attn_order_off (the attention's output in natural order, o
-    # gathering it: EXL_CORE_ATTN_OUT_ORDER=0).
+    # gathering it: EXL_CORE_ATTN_OUT_ORDER=0); stage2_off (the attention's second iteration of old keys loaded after
+    # the PDL wait, as before stop 39: EXL_CORE_ATTN_STAGE2=0).
     keep = {c.strip() for c in os.environ.get("TIMELINE_CASES", "").split(",") if c.strip()}
     cases = [(1, ""), (8, ""), (32, "")] + ([(1, "rope_attn_off"), (32, "rope_attn_off"), (32, "swiglu_off")]
                                             if fmt == "gptq" else [(32, "norm_perm_off")] if fmt == "exl2_u4" else [])
     if fmt == "exl2_u4":
         cases += [(32, v) for v in ("wide_twin", "perm_banks") if f"{fmt}:32:{v}" in keep]   # they act at 32 rows
         cases += [(B, "attn_order_off") for B in (1, 8, 32) if f"{fmt}:{B}:attn_order_off" in keep]
+    cases += [(B, "stage2_off") for B in (1, 8, 32) if f"{fmt}:{B}:stage2_off" in keep]   # stop 39: any format
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

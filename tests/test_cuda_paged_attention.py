@@ -122,6 +122,27 @@ def test_split_merge_paths(rows, keys, merge, dtype):
     _check(_run_cuda(q, kc, vc, table, cu, lens, 0.1, None, 1), ref, dtype)
 
 
+@pytest.mark.parametrize("q_lens,k_lens,d,window,page", [
+    ([1], [264], 128, None, 16),                   # the bench's batch 1: 5 splits of 64 keys, two iterations each
+    ([1, 1, 1], [400, 150, 40], 64, None, 16),     # iterations of 64 keys at D 64
+    ([1, 1], [300, 90], 256, None, 8),             # of 16 keys at D 256, small pages
+    ([1, 3], [500, 333], 128, 100, 16),            # a window: the first key inside a split; verify rows (fresh keys)
+    ([4, 1], [37, 70], 128, None, 16),             # the row's own keys inside the staged iteration
+])
+def test_second_iteration_staged_before_the_wait(q_lens, k_lens, d, window, page, monkeypatch):
+    """One query head per kv head (the STAGE2 instances): a split's second iteration of old keys comes from shared
+    memory (cp.async before the PDL wait, stop 39). Against the float64 reference, and bit for bit against the same
+    launch with that staging off (EXL_CORE_ATTN_STAGE2=0, read per call)."""
+    _need_kernel()
+    q, kc, vc, table, cu, lens = _case(q_lens, k_lens, hq=4, hkv=4, d=d, page=page, dtype=torch.float16,
+                                       seed=sum(k_lens) + d)
+    ref = _ref64(q, kc, vc, table, cu, lens, 0.09, window)
+    out = _run_cuda(q, kc, vc, table, cu, lens, 0.09, window, max(q_lens))
+    _check(out, ref, torch.float16)
+    monkeypatch.setenv("EXL_CORE_ATTN_STAGE2", "0")
+    assert torch.equal(out, _run_cuda(q, kc, vc, table, cu, lens, 0.09, window, max(q_lens)))
+
+
 def test_many_rows_one_split():
     """Enough (row, kv head) blocks to fill the GPU: one split, the block writes the output itself."""
     _need_kernel()
@@ -381,6 +402,7 @@ def _decode_rope_case(n_rows, k_lens, hq, hkv, d, page, dtype, seed):
     ([300], 4, 2, 256, 16, None),                   # one row: several key splits (cluster merge)
     ([150] * 24, 4, 4, 128, 16, None),              # splits merged by the combine kernel
     ([129] * 32, 32, 32, 128, 16, None),            # the bench's batch 32: the one-wave instance
+    ([264], 4, 4, 128, 16, None),                   # batch 1, one head per kv head: the second iteration staged
 ])
 def test_paged_attention_rope_equals_rope_then_attention(dtype, k_lens, hq, hkv, d, page, window):
     """rope_paged_attention's one launch (exl_core::paged_attention_rope) against rope_write_kv then paged_attention

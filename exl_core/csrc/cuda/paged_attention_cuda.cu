@@ -185,6 +185,7 @@ at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::
                     early_on = exl_pdl::env_on("EXL_CORE_ATTN_EARLY");
   a.head_major = head_major_on && rows <= 65535;              // rows on grid y
   a.early = early_on;
+  a.stage2 = exl_pdl::env_on("EXL_CORE_ATTN_STAGE2");         // read per call: an A/B in one process (timeline)
   at::Tensor part_o, part_ml;
   if (a.splits > 1 && !a.cluster) {
     part_o = at::empty({a.splits, rows, Hq, D}, q.options().dtype(at::kFloat));

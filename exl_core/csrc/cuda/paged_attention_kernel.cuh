@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "act_device.cuh"
+#include "cp_async_device.cuh"
 #include "pdl_device.cuh"
 
 namespace exl_attn {
@@ -127,6 +128,7 @@ struct Args {
   bool cluster;                  // splits > 1 launched as clusters (1, 1, splits): merged in-kernel
   bool head_major;               // grid (Hkv, rows, splits): blocks next in launch order share a row (below)
   bool early;                    // the first keys' K/V loaded before the PDL wait (below)
+  bool stage2;                   // with early, STAGE2 instances also stage the second iteration's old keys (below)
   // paged_attention_rope (ROPE instances): q above and k_new / v_new are the projections' rows before rope; the
   // kernel rotates them at the row's position (rope_kv_write's math) and writes the row's own key and value to its
   // slot (below)
@@ -269,22 +271,39 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
   // U block steps per iteration, and the next iteration's loads issued before this one's math
   // (software pipeline): 2U keys' K and V per lane group in flight. Fewer for large groups (registers).
   constexpr int U = G <= 2 && !WAVE ? 4 : 2;
+  // STAGE2 (G 1, not WAVE): the keys of the loop's second iteration that are older than the step's rows also go to
+  // shared memory before the PDL wait (cp.async, each lane its own slices, read back by the same lane: no barrier),
+  // so a split of up to two iterations (batch 1 of the bench's 7B: 64 keys) loads no old key after the wait.
+  constexpr bool STAGE2 = G == 1 && !WAVE;
+  constexpr int KS = U * KPB;                                     // keys per iteration
+  __shared__ __align__(16) T sm_kv[STAGE2 ? 2 * KS * D : 8];      // K then V of keys [st_lo, st_lo + KS)
+  int st_lo = 0, st_hi = 0;                                       // the staged keys [st_lo, st_hi)
+  // element offset of this lane's 8 values of key t in the K (or V) cache
+  auto key_off = [&](int t) -> int64_t {
+    const int pi = pshift >= 0 ? t >> pshift : t / a.page;
+    const int slot = pshift >= 0 ? t & (a.page - 1) : t - pi * a.page;
+    int pg;
+    if (pi - p0 < staged) {
+      pg = sm_pages[pi - p0];
+    } else {                                                      // past the staged pages (tiny pages)
+      pg = pi < a.W ? trow[pi] : 0;
+      pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
+    }
+    return (static_cast<int64_t>(pg) * a.page + slot) * slot_stride + kvh * D + sub * 8;
+  };
   // the K and V rows of keys b0 + u * KPB + grp that lie in [lo_t, hi_t)
   auto fetch = [&](int b0, uint4 (&kr)[U], uint4 (&vr)[U], int lo_t, int hi_t) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = b0 + u * KPB + grp;
       if (t >= lo_t && t < hi_t) {
-        const int pi = pshift >= 0 ? t >> pshift : t / a.page;
-        const int slot = pshift >= 0 ? t & (a.page - 1) : t - pi * a.page;
-        int pg;
-        if (pi - p0 < staged) {
-          pg = sm_pages[pi - p0];
-        } else {                                                  // past the staged pages (tiny pages)
-          pg = pi < a.W ? trow[pi] : 0;
-          pg = pg < 0 ? 0 : (pg >= a.P ? a.P - 1 : pg);
+        if (STAGE2 && t >= st_lo && t < st_hi) {
+          const int i = (t - st_lo) * D + sub * 8;
+          kr[u] = *reinterpret_cast<const uint4*>(sm_kv + i);
+          vr[u] = *reinterpret_cast<const uint4*>(sm_kv + KS * D + i);
+          continue;
         }
-        const int64_t off = (static_cast<int64_t>(pg) * a.page + slot) * slot_stride + kvh * D + sub * 8;
+        const int64_t off = key_off(t);
         if (ROPE && t == pos) {                                   // the row's own key, staged (after the PDL wait)
           kr[u] = *reinterpret_cast<const uint4*>(rope_row(G) + sub * 8);
           vr[u] = *reinterpret_cast<const uint4*>(rope_row(G + 1) + sub * 8);
@@ -329,6 +348,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
     if (!a.early) stage_rope();
   }
   if (first < end) fetch(first, kn, vn, first, a.early ? fresh : end);
+  if constexpr (STAGE2) {
+    if (a.early && a.stage2) {
+      st_lo = first + KS;
+      st_hi = fresh < st_lo + KS ? fresh : st_lo + KS;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = st_lo + u * KPB + grp;
+        if (t < st_hi) {
+          const int64_t off = key_off(t);
+          const int i = (t - st_lo) * D + sub * 8;
+          cp_async16(sm_kv + i, kbase + off);
+          cp_async16(sm_kv + KS * D + i, vbase + off);
+        }
+      }
+    }
+  }
   if (a.early) {
     exl_pdl::pdl_wait();                      // q and the rows' own K/V come from the kernel just before
     exl_pdl::pdl_trigger();
@@ -359,6 +394,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
   }
 
+  if constexpr (STAGE2) {
+    if (st_hi > st_lo) cp_async_wait_all();                       // this lane's staged keys (its own copies)
+  }
   for (int b0 = first; b0 < end; b0 += U * KPB) {
     uint4 kr[U], vr[U];
 #pragma unroll
