@@ -14,7 +14,9 @@
 // Variants measured and dropped (results in bench/results/gemv_probe_h200.json): fp16 scale before the mma and
 // registers capped at 64 (`git show 166985b:bench/gemv_probe.cu`); a stream-K GEMV (`git show 4cfbdd6`); the chunk
 // table passed as runs in the launch's parameters instead of loaded (chain within 0.8 us); a loop per width run
-// with the width a template argument (the kernel grew to 240 KB of code: slower than the per-chunk switch).
+// with the width a template argument (the kernel grew to 240 KB of code: slower than the per-chunk switch); a launch
+// before each projection asking L2 for the next projection's weights, by cp.async.bulk.prefetch.L2 or per-line
+// prefetch.global.L2 (`git show 64b59b5:bench/gemv_probe.cu`, mode l2pf; bench/results/gemv_probe_l2pf_h200_stop39_*).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -327,80 +329,6 @@ void layer_row(const char* name, std::vector<Layer>& layers = g_layers) {
          name, t_qkv, t_o, t_gu, t_d, chain, bytes / chain / 1e3);
 }
 
-// ----------------------------------------------------------------------------- L2 prefetch of the next launch
-// The weights do not depend on the step, so a launch can ask for the next one's bytes while it runs: one
-// cp.async.bulk.prefetch.L2 per piece (the copy engine, no registers, nothing waited on). A kernel of its own, launched
-// before the launch it overlaps: it triggers its dependent at once and waits for the launch before it only at its end,
-// so the chain's PDL dependencies stay transitive.
-struct PfList {
-  const char* p[12];
-  int64_t n[12];                // bytes, multiples of 16
-  int nb;
-};
-
-__global__ void __launch_bounds__(128) l2_prefetch_kernel(const PfList l, int64_t piece) {
-  exl_pdl::pdl_trigger();
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x, nt = gridDim.x * blockDim.x;
-  for (int k = 0; k < l.nb; ++k)
-    for (int64_t j = t; j * piece < l.n[k]; j += nt) {
-      const char* a = l.p[k] + j * piece;
-      if (piece == 128) {                                       // one line: the LSU's prefetch, not the copy engine
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a) : "memory");
-        continue;
-      }
-      const uint32_t sz = static_cast<uint32_t>(min(piece, l.n[k] - j * piece));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(sz) : "memory");
-    }
-  exl_pdl::pdl_wait();
-}
-
-// frac: the share of each weight's bytes asked for (its first bytes: words, then scale and zero); 0 launches it empty
-void prefetch_launch(const Op& op, double frac, cudaStream_t st, int64_t piece = 32768) {
-  PfList l{};
-  for (W* w : op) {
-    const int64_t words = static_cast<int64_t>(w->K) / 8 * w->N * 4, sz = static_cast<int64_t>(w->K) / 128 * w->N * 4;
-    const int64_t want = static_cast<int64_t>(frac * (words + 2 * sz)) & ~int64_t(15);
-    const int64_t a = std::min(want, words), b = std::min(std::max<int64_t>(want - words, 0), sz);
-    if (a > 0) l.p[l.nb] = reinterpret_cast<const char*>(w->qw), l.n[l.nb++] = a;
-    if (b > 0) l.p[l.nb] = reinterpret_cast<const char*>(w->s), l.n[l.nb++] = b;
-    if (b > 0) l.p[l.nb] = reinterpret_cast<const char*>(w->z), l.n[l.nb++] = b;
-  }
-  int sms;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = pdl_config(dim3(sms), dim3(128), 0, st, attr);
-  CK(cudaLaunchKernelEx(&cfg, l2_prefetch_kernel, l, piece));
-}
-
-// The extension's GPTQ chain (as layer_row's "GPTQ as the extension") with a prefetch launch before each projection
-// asking for the next projection's weights (pf[i]: the share of op i+1's bytes, i = q/k/v, o, gate/up, down; -1 no
-// launch, 0 an empty launch: its cost alone).
-void chain_pf_row(const char* name, const double (&pf)[4], int64_t piece = 32768) {
-  using Lqkv = KsLauncher<8, 4>;
-  using Lo = KsLauncher<16, 4>;
-  using Lgu = KsLauncher<8, 4>;
-  using Ld = KsLauncher<16, 8>;
-  const int n = static_cast<int>(g_layers.size());
-  const float chain = time_seq([&](cudaStream_t st) {
-                        for (int i = 0; i < n; ++i) {
-                          Layer& l = g_layers[i];
-                          Layer& nx = g_layers[(i + 1) % n];
-                          if (pf[0] >= 0) prefetch_launch(Op{&l.o}, pf[0], st, piece);
-                          Lqkv::go(Op{&l.q, &l.k, &l.v}, g_x4096, st);
-                          if (pf[1] >= 0) prefetch_launch(Op{&l.gate, &l.up}, pf[1], st, piece);
-                          Lo::go(Op{&l.o}, g_x4096, st);
-                          if (pf[2] >= 0) prefetch_launch(Op{&l.down}, pf[2], st, piece);
-                          Lgu::go(Op{&l.gate, &l.up}, g_x4096, st);
-                          if (pf[3] >= 0) prefetch_launch(Op{&nx.q, &nx.k, &nx.v}, pf[3], st, piece);
-                          Ld::go(Op{&l.down}, g_x11008, st);
-                        }
-                      }) / n;
-  const double bytes = (4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096) * (0.5 + 8.0 / 128);
-  printf("%-44s chain %6.2f us/layer (%.0f GB/s)\n", name, chain, bytes / chain / 1e3);
-  printf("JSON {\"variant\": \"%s\", \"chain_us_per_layer\": %.2f, \"chain_gb_s\": %.0f}\n", name, chain,
-         bytes / chain / 1e3);
-}
-
 template <class L>
 void check_row(std::vector<Layer>& layers = g_layers) {
   Layer& l = layers[0];
@@ -458,24 +386,6 @@ int main(int argc, char** argv) {
       KsLauncher<8, 4, false>::go(Op{&lm.q, &lm.k, &lm.v}, g_x4096, 0);
     }
     CK(cudaDeviceSynchronize());
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "l2pf") {   // bench/gpu.sh PROBE_ARGS=l2pf: the prefetch rows only
-    check_row<KsLauncher<16, 8>>();
-    check_row<KsLauncher<8, 4>>();
-    for (int round = 0; round < 2; ++round) {       // twice: the spread between rounds of one process
-      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
-      chain_pf_row("pf none (no launch)", {-1, -1, -1, -1});
-      chain_pf_row("line pf next whole", {1, 1, 1, 1}, 128);
-      chain_pf_row("line pf next whole but gate/up", {1, -1, 1, 1}, 128);
-      chain_pf_row("line pf next 1/2", {0.5, 0.5, 0.5, 0.5}, 128);
-      chain_pf_row("line pf next 1/4", {0.25, 0.25, 0.25, 0.25}, 128);
-      chain_pf_row("line pf o only", {1, -1, -1, -1}, 128);
-      chain_pf_row("line pf down only", {-1, -1, 1, -1}, 128);
-      chain_pf_row("pf empty launches", {0, 0, 0, 0});
-      chain_pf_row("bulk pf o only", {1, -1, -1, -1});
-    }
     return 0;
   }
   check_row<KsLauncher<16, 8>>();
