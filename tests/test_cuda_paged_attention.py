@@ -124,7 +124,7 @@ def test_split_merge_paths(rows, keys, merge, dtype):
 
 @pytest.mark.parametrize("q_lens,k_lens,d,window,page", [
     ([1], [264], 128, None, 16),                   # the bench's batch 1: 5 splits of 64 keys, two iterations each
-    ([1, 1, 1], [400, 150, 40], 64, None, 16),     # iterations of 64 keys at D 64
+    ([1] * 16, [600 - 7 * i for i in range(16)], 64, None, 16),   # D 64: 8 splits of 80 keys, iterations of 64
     ([1, 1], [300, 90], 256, None, 8),             # of 16 keys at D 256, small pages
     ([1, 3], [500, 333], 128, 100, 16),            # a window: the first key inside a split; verify rows (fresh keys)
     ([4, 1], [37, 70], 128, None, 16),             # the row's own keys inside the staged iteration
@@ -136,10 +136,15 @@ def test_second_iteration_staged_before_the_wait(q_lens, k_lens, d, window, page
     _need_kernel()
     q, kc, vc, table, cu, lens = _case(q_lens, k_lens, hq=4, hkv=4, d=d, page=page, dtype=torch.float16,
                                        seed=sum(k_lens) + d)
+    # pick_splits' chunk (keys a split) must exceed the kernel's keys an iteration (4 * 4 warps * 32 / (D / 8) =
+    # 4096 / D), or nothing is staged
+    n = _splits(sum(q_lens), 4, table, page)
+    chunk = -(-(-(-table.shape[1] * page // n)) // 16) * 16
+    assert chunk > 4096 // d and max(k_lens) > 4096 // d, (n, chunk)
     ref = _ref64(q, kc, vc, table, cu, lens, 0.09, window)
     out = _run_cuda(q, kc, vc, table, cu, lens, 0.09, window, max(q_lens))
     _check(out, ref, torch.float16)
-    monkeypatch.setenv("EXL_CORE_ATTN_STAGE2", "0")
+    monkeypatch.setenv("EXL_CORE_ATTN_STAGE2", "0")       # the host reads it per call (paged_attention_cuda.cu)
     assert torch.equal(out, _run_cuda(q, kc, vc, table, cu, lens, 0.09, window, max(q_lens)))
 
 
@@ -403,6 +408,7 @@ def _decode_rope_case(n_rows, k_lens, hq, hkv, d, page, dtype, seed):
     ([150] * 24, 4, 4, 128, 16, None),              # splits merged by the combine kernel
     ([129] * 32, 32, 32, 128, 16, None),            # the bench's batch 32: the one-wave instance
     ([264], 4, 4, 128, 16, None),                   # batch 1, one head per kv head: the second iteration staged
+    ([290], 4, 4, 128, 16, None),                   # the last split's second iteration: key 288 staged, 289 its own
 ])
 def test_paged_attention_rope_equals_rope_then_attention(dtype, k_lens, hq, hkv, d, page, window):
     """rope_paged_attention's one launch (exl_core::paged_attention_rope) against rope_write_kv then paged_attention
