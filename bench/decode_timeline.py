@@ -46,8 +46,9 @@ def part_of(name: str) -> str:
     return "other"
 
 
-# Same-process variants (module settings read per call): rope and the K/V write as their own launch before attention
-# (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after gate/up (ops/cuda_swiglu off).
+# Same-process variants (module settings, or with os.environ an environment variable, read per call): rope and the
+# K/V write as their own launch before attention (ops/attention.ROPE_ATTN_FUSE off); silu_mul as its own launch after
+# gate/up (ops/cuda_swiglu off).
 _PERM_NORM = llama.rms_norm_permuted
 _bank_orders: dict = {}
 

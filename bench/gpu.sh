@@ -28,8 +28,8 @@
 # (bench/prompt_timeline.py: a prompt's kernels on a timeline, idle time by kernel pair), prompthost
 # (bench/prompt_host.py: the prompt's host side: enqueue time, syncs, cProfile), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
-# name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0), nostage2 (both
-# formats with EXL_CORE_ATTN_STAGE2=0), oldexl2 (both),
+# name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0),
+# nostage2 (both formats with EXL_CORE_ATTN_STAGE2=0), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
@@ -316,9 +316,9 @@ if has noattnorder; then  # A/B: o gathers its input itself (EXL_CORE_ATTN_OUT_O
   EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
     --json "$OUT/gpu_h200_noattnorder.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has nostage2; then  # A/B: the attention's second iteration of old keys loaded after the PDL wait (stop 39's change off)
-  EXL_CORE_ATTN_STAGE2=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
-    --json "$OUT/gpu_h200_nostage2.json" 2>&1 | tee -a "$LOG" | tail -14
+if has nostage2; then  # A/B: the attention's second iteration of old keys loaded after the PDL wait (stop 39, off)
+  EXL_CORE_ATTN_STAGE2=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
+    --quick --json "$OUT/gpu_h200_nostage2.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has oldexl2; then  # A/B: EXL2 as stop 29 ran it: mixed-width kernels, o gathering (both switches of stop 30 off)
   EXL_CORE_EXL2_AS_U4=0 EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \

@@ -185,7 +185,10 @@ at::Tensor paged_attention_impl(const char* op, const at::Tensor& q_, const at::
                     early_on = exl_pdl::env_on("EXL_CORE_ATTN_EARLY");
   a.head_major = head_major_on && rows <= 65535;              // rows on grid y
   a.early = early_on;
-  a.stage2 = exl_pdl::env_on("EXL_CORE_ATTN_STAGE2");         // read per call: an A/B in one process (timeline)
+  // Read per call (a getenv, no CUDA call: safe under capture), so one process can time both (decode_timeline.py
+  // stage2_off); a captured graph keeps the value it was captured with.  Needs early: EXL_CORE_ATTN_EARLY=0 turns it
+  // off too.  At batch 32 of the bench's 7B the one-wave instance runs, which has no STAGE2.
+  a.stage2 = exl_pdl::env_on("EXL_CORE_ATTN_STAGE2");
   at::Tensor part_o, part_ml;
   if (a.splits > 1 && !a.cluster) {
     part_o = at::empty({a.splits, rows, Hq, D}, q.options().dtype(at::kFloat));

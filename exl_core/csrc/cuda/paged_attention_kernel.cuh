@@ -154,7 +154,8 @@ __device__ __forceinline__ int sequence_of(const int64_t* cu, int S, int64_t row
 // neighbouring kv heads -- in the (pages, page, Hkv, D) cache those are adjacent 2*D-byte pieces of one
 // Hkv*D*2-byte slot -- instead of the same head of different sequences.
 // Before the PDL wait (early): the row's sequence, length and page numbers (written by no kernel of this step) and
-// the K/V of the block's first keys that are older than the step's rows.  The kernel just before -- the step's K/V
+// the K/V of the block's first keys that are older than the step's rows (a register iteration, and with STAGE2 a second
+// one in shared memory).  The kernel just before -- the step's K/V
 // write, rope_kv_write or kv_write; with ROPE the q/k/v projection, and the kernel writes the own keys itself --
 // writes only the rows' own positions (the last q_len keys of each sequence), so those keys, and q, are read after
 // the wait (pdl.cuh's contract: nothing the predecessor writes is read early).
