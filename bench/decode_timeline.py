@@ -89,16 +89,9 @@ def variant_set(variant: str):
         yield
         return
     mod, name, value = VARIANTS[variant]
-    if mod is os.environ:
-        with mock.patch.dict(os.environ, {name: value}):
-            yield
-        return
-    saved = getattr(mod, name)
-    setattr(mod, name, value)
-    try:
+    patch = mock.patch.dict(mod, {name: value}) if mod is os.environ else mock.patch.object(mod, name, value)
+    with patch:
         yield
-    finally:
-        setattr(mod, name, saved)
 
 
 def traced_kernels(replay) -> list[list[dict]]:

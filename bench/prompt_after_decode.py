@@ -46,8 +46,8 @@ class SmiLog:
         self.p.terminate()
         out, _ = self.p.communicate()
         rows = [r.split(", ") for r in out.strip().splitlines() if r.count(",") == 3]
-        num = [(float(c), float(w), float(t), why) for c, w, t, why in rows
-               if c.replace(".", "").isdigit() and w.replace(".", "").isdigit()]
+        number = lambda v: v.replace(".", "", 1).isdigit()   # "[N/A]" and the like are skipped
+        num = [(float(c), float(w), float(t), why) for c, w, t, why in rows if number(c) and number(w) and number(t)]
         if num:
             self.stats = {"smi_samples": len(num), "sm_mhz_median": statistics.median(r[0] for r in num),
                           "power_w_max": max(r[1] for r in num), "temp_c_max": max(r[2] for r in num),

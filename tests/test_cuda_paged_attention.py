@@ -139,7 +139,8 @@ def test_second_iteration_staged_before_the_wait(q_lens, k_lens, d, window, page
     # pick_splits' chunk (keys a split) must exceed the kernel's keys an iteration (4 * 4 warps * 32 / (D / 8) =
     # 4096 / D), or nothing is staged
     n = _splits(sum(q_lens), 4, table, page)
-    chunk = -(-(-(-table.shape[1] * page // n)) // 16) * 16
+    per_split = -(-table.shape[1] * page // n)                    # ceil, then up to a multiple of 16
+    chunk = -(-per_split // 16) * 16
     assert chunk > 4096 // d and max(k_lens) > 4096 // d, (n, chunk)
     ref = _ref64(q, kc, vc, table, cu, lens, 0.09, window)
     out = _run_cuda(q, kc, vc, table, cu, lens, 0.09, window, max(q_lens))
