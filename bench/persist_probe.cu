@@ -126,6 +126,51 @@ __global__ void __launch_bounds__(kThreads) persist_kernel(const Streams st, int
   if (acc == 0x12345678) out[0] = acc;
 }
 
+
+// F/G: one launch per stream, one block an SM owning a contiguous share, whose first PRE x 512 16-byte loads go
+// into shared memory by cp.async before the PDL wait (up to 96 KB an SM, against the 64 KB of A's registers).
+// Launch bounds give two blocks an SM, so the next stream's block is resident while this one streams: with
+// EARLY (F) each block triggers its dependents before its own wait, so the next launch's blocks take the SM's second
+// slot at once and have their prefetch in flight through this stream's tail; G triggers after the wait, as the
+// extension does today.
+template <int PRE, bool EARLY>
+__global__ void __launch_bounds__(kThreads, 2) staged_kernel(const int4* __restrict__ p, int64_t n, int* out) {
+  extern __shared__ int4 sm[];
+  if (EARLY) pdl_trigger();
+  const int64_t per = (n + gridDim.x - 1) / gridDim.x;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per, b1 = b0 + per < n ? b0 + per : n;
+#pragma unroll
+  for (int u = 0; u < PRE; ++u) {
+    const int64_t i = b0 + u * kThreads + threadIdx.x;
+    if (i < b1) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(sm + u * kThreads + threadIdx.x));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p + i) : "memory");
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  pdl_wait();
+  if (!EARLY) pdl_trigger();
+  constexpr int U = 8;
+  int acc = 0;
+  int64_t i = b0 + static_cast<int64_t>(PRE) * kThreads + threadIdx.x;
+  for (; i + (U - 1) * kThreads < b1; i += U * kThreads) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = __ldg(p + i + u * kThreads);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < b1; i += kThreads) { const int4 x = __ldg(p + i); acc ^= x.x ^ x.y ^ x.z ^ x.w; }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+  for (int u = 0; u < PRE; ++u)
+    if (b0 + u * kThreads + threadIdx.x < b1) {
+      const int4 x = sm[u * kThreads + threadIdx.x];
+      acc ^= x.x ^ x.y ^ x.z ^ x.w;
+    }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
 int main() {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
@@ -189,5 +234,24 @@ int main() {
   persist("C: one kernel, 8 layers, barriers", persist_kernel<U, false>, kLayers * kStages);
   persist("D: one kernel, 8 layers, barriers, prefetch", persist_kernel<U, true>, kLayers * kStages);
   persist("E: one kernel, 8 layers, no barriers", persist_kernel<U, true, false>, kLayers * kStages);
+  auto staged = [&](const char* name, auto kern, int pre) {
+    const size_t smem = static_cast<size_t>(pre) * kThreads * 16;
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int o = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kern, kThreads, smem));
+    printf("  (%s: %d blocks an SM fit, %zu B shared each)\n", name, o, smem);
+    report(name, sms, time_seq([&](cudaStream_t s) {
+      for (int i = 0; i < kLayers * kStages; ++i) {
+        cudaLaunchConfig_t cfg = pdl_config(dim3(sms), dim3(kThreads), smem, s, attr);
+        CK(cudaLaunchKernelEx(&cfg, kern, st.p[i], st.n[i], out));
+      }
+    }));
+  };
+  staged("F: 4 launches, 96 KB staged, early trigger", staged_kernel<12, true>, 12);
+  staged("F': 4 launches, 48 KB staged, early trigger", staged_kernel<6, true>, 6);
+  staged("F'': 4 launches, 112 KB staged, early trigger", staged_kernel<14, true>, 14);
+  staged("F2: 4 launches, 16 KB staged, early trigger", staged_kernel<2, true>, 2);
+  staged("F4: 4 launches, 32 KB staged, early trigger", staged_kernel<4, true>, 4);
+  staged("G: 4 launches, 96 KB staged, trigger after wait", staged_kernel<12, false>, 12);
   return 0;
 }
