@@ -114,7 +114,7 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
   load_chunk<BITS, V>(qw, ldq, w);
   if constexpr (TW) load_chunk<4, V>(twin.qw, ldq, w2, twin.qw != nullptr);   // a select per load, not a branch
   exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     float f[V];
@@ -164,12 +164,11 @@ enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
 // Instances of their own, so neither the twin's registers nor the switch reach the uniform 4-bit kernel.
 template <typename T, int V, int KIND = kAnyWidth>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= m.N) {
     exl_pdl::pdl_wait();                                        // every block waits: completion stays transitive
-    exl_pdl::pdl_trigger_late();
+    exl_pdl::pdl_trigger();
     return;
   }
   const int64_t c = blockIdx.y;

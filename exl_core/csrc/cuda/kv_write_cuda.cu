@@ -18,9 +18,8 @@ namespace {
 __global__ void kv_write_kernel(const uint4* __restrict__ k, int64_t k_row, const uint4* __restrict__ v, int64_t v_row,
                                 const int64_t* __restrict__ slots, int64_t rows, int64_t vecs, int64_t num_slots,
                                 uint4* __restrict__ kc, uint4* __restrict__ vc) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();           // k (rope) and v (the projection) come from the kernels just before
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * vecs) return;
   const int64_t r = i / vecs, c = i - r * vecs;

@@ -205,7 +205,6 @@ __device__ __forceinline__ uint4 rope8(const T* x, int sub, const float* cos_sin
 // batch 32; NOTES.md session "ninth").
 template <typename T, int D, int G, bool WAVE = false, bool ROPE = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention_kernel(const Args a) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   constexpr int LPK = D / 8;                  // lanes per key
   constexpr int KPW = 32 / LPK;               // keys per warp step
   constexpr int NG = kWarps * KPW;            // lane groups per block
@@ -228,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
   const OutPlaces pl0 = out_places(a.out_map, stores_one ? (kvh * gq + tid / D) * D + tid % D : -1);
   if (!a.early) {
     exl_pdl::pdl_wait();                      // q, K and V come from the kernels just before
-    exl_pdl::pdl_trigger_late();
+    exl_pdl::pdl_trigger();
   }
   const int64_t row = a.head_major ? blockIdx.y : blockIdx.x;
   const int64_t rows = a.head_major ? gridDim.y : gridDim.x;
@@ -368,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<G, WAVE>) paged_attention
   }
   if (a.early) {
     exl_pdl::pdl_wait();                      // q and the rows' own K/V come from the kernel just before
-    exl_pdl::pdl_trigger_late();
+    exl_pdl::pdl_trigger();
     if constexpr (ROPE) stage_rope();
     if (fresh < end) fetch(first, kn, vn, fresh, end);
   }
@@ -533,9 +532,8 @@ template <typename T>
 __global__ void paged_attention_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                int splits, int64_t rows_heads, int D, int Hq, OutMap out_map,
                                                T* __restrict__ out) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int64_t rh = blockIdx.x;
   float mx = -INFINITY;
   for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[(z * rows_heads + rh) * 2]);

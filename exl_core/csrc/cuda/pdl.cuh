@@ -6,18 +6,17 @@
 // Contract for every kernel launched through launch_pdl: call pdl_wait() before the first read of
 // anything an earlier kernel may write (activations, outputs, K/V) and before the first global
 // write; pdl_wait() returns once the previous grid has completed and its writes are visible, so
-// completion stays transitive along the stream.  Our kernels trigger their dependants first thing
-// (pdl_device.cuh, EXL_PDL_EARLY), so a kernel may start while several launches before it still run:
-// reads before pdl_wait() are allowed only for data that no kernel since the stream's last non-PDL
-// operation writes.  The decode kernels read their weights (qweight, chunk table, scales, the norm
-// weights folded into them) there, which the library writes by copies at load time; paged_attention
-// reads the sequences' lengths and tables (a step's host-to-device copy, or torch copies: non-PDL) and
-// the K/V of keys older than its rows (written by earlier forwards, which end in non-PDL work: the
-// head, sampling, the next step's copy); the rows' own K/V slots, written in this forward, are read
-// after the wait; the norm kernel reads a model's RMSNorm weight there only when the caller says no
-// kernel writes it (exl_core::rms_norm_static).  A caller that builds weights with a GPU kernel and
-// calls torch.ops.exl_core.qgemm_* straight after must put a sync or a non-PDL op in between.
-// pdl_trigger() lets the next kernel launch (it still waits for this one's completion in its own pdl_wait()).
+// completion stays transitive along the stream.  Reads before pdl_wait() are allowed only for data
+// that the kernel immediately before in the stream does not write: the decode kernels read their
+// weights (qweight, chunk table) there, which the library writes by copies at load time, never by the
+// kernel right before a matmul; paged_attention reads the sequences' lengths, tables and the K/V of keys older than
+// its rows there, so the kernel before it may write only the rows' own K/V slots (the library's K/V writes do;
+// paged_attention_rope writes those slots itself, after its wait); the norm kernel reads a model's RMSNorm weight there
+// only when the caller says no kernel writes it (exl_core::rms_norm_static).  (Each
+// of our kernels triggers only after its own wait, so a kernel's
+// early reads can overlap only its direct predecessor.)  A caller that builds weights with a GPU kernel
+// and calls torch.ops.exl_core.qgemm_* straight after must put a sync or a non-PDL op in between.  pdl_trigger() lets the next kernel launch
+// (it still waits for this one's completion in its own pdl_wait()).
 // EXL_CORE_PDL=0 turns the attribute off (A/B timing, debugging); kernels then run serialized.
 #pragma once
 #include <c10/cuda/CUDAException.h>

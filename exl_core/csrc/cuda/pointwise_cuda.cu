@@ -43,9 +43,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
                                                                  bool /*early_w: weight read after the wait here*/,
                                                                  const int32_t* /*perm, P: rms_norm_vec_kernel's only*/,
                                                                  int64_t, bool /*late: rms_norm_vec_kernel's only*/) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * H;
   float ss = 0.f;
@@ -83,7 +82,6 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
                                                                      T* __restrict__ y, T* __restrict__ h_out,
                                                                      bool early_w, const int32_t* __restrict__ perm,
                                                                      int64_t P, bool late) {
-  if (!PERM || !late) exl_pdl::pdl_trigger_early();   // pdl_device.cuh
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   static_assert(!LEAN || PERM, "lean: the permuted norm");
@@ -121,7 +119,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   // read before the PDL wait, its round trip overlapping the previous kernel instead of following the reduction.
   if (early_w) load_w();
   exl_pdl::pdl_wait();      // x and the residual come from the previous kernel (PDL, pdl.cuh)
-  if (!PERM || !late) exl_pdl::pdl_trigger_late();
+  if (!PERM || !late) exl_pdl::pdl_trigger();
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
   uint4 hv[NV];
   float ss = 0.f;
@@ -178,9 +176,8 @@ constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
 
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   y[i] = exl_act::silu_mul<T>(g[i], u[i]);                // F.silu rounds to T, then the product
@@ -190,9 +187,8 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
 template <typename T>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n_vec,
                                     T* __restrict__ y) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   constexpr int V = 16 / sizeof(T);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_vec) return;
@@ -211,9 +207,8 @@ template <typename T>
 __global__ void rope_kernel(const T* __restrict__ x, int64_t rows, int64_t H, int64_t D,
                             const int64_t* __restrict__ pos, const float* __restrict__ cs, int64_t max_pos,
                             T* __restrict__ out) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int64_t half = D / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;   // over rows*H*half
   if (idx >= rows * H * half) return;
@@ -244,9 +239,8 @@ __global__ void rope_qk_vec_kernel(const T* __restrict__ q, T* __restrict__ qo, 
                                    int64_t max_pos, const T* __restrict__ v, const int64_t* __restrict__ slots,
                                    int64_t num_slots,
                                    T* __restrict__ kc, T* __restrict__ vc) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int per_head = D / 8, half = D / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t head = idx / per_head;

@@ -124,7 +124,6 @@ template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, b
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   constexpr bool XG = NT > 1;
   // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
   // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
@@ -193,7 +192,7 @@ __global__ void __launch_bounds__(32 * KW)
     for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
 
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   const int64_t* perm = mat.perm;
   // ACT (staged rows only): x is the MLP's gate, `up` its up, and the staged rows are silu(gate) * up, the down
   // projection's input without a silu_mul launch between gate/up and down.  Its own instances, so the plain

@@ -129,7 +129,6 @@ __host__ __device__ inline size_t tab_bytes(int cpb) { return (static_cast<size_
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __restrict__ x, int M, int64_t K,
                                                                  int n_chunks, int cpb, const Mats mats) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   const Mat& mat = block_mat(mats);
   const int32_t* __restrict__ chunks = mat.chunks;
   const QPtr qw = mat.qw;
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 2) qgemm_mma_kernel(const __half* __
   load_chunk(cur1, c + kKWarps < c_end, chunks + 3 * (c + kKWarps), qw, col, valid, t);
   for (int i = threadIdx.x; i < (c_end - c_begin) * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
   exl_pdl::pdl_wait();                                        // x comes from the previous kernel (PDL)
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
 
   for (int s0 = c_begin; s0 < c_end; s0 += kStageChunks) {
     const int s1 = min(c_end, s0 + kStageChunks), L = (s1 - s0) * 32;

@@ -109,7 +109,6 @@ __device__ __forceinline__ void chunk_mma_any(int bits, const Raw& r, const __ha
 template <int NT, bool U4>
 __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
     qgemm_skinny_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cpb, const Mats mats) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   constexpr int R = Cfg<NT, U4>::R, kRows = 8 * NT;
   const Mat& mat = block_mat(mats);
   const int32_t* __restrict__ chunks = mat.chunks;
@@ -145,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<NT, U4>::kMinBlocks)
   for (int i = threadIdx.x; i < nc * 3; i += kThreads) tab[i] = __ldg(chunks + 3 * c_begin + i);
   // Everything above reads weight data fixed at load time; x comes from the previous kernel (PDL).
   exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   stage_x_frag(xs, xs_stride, x, M, kRows, K, static_cast<int64_t>(c_begin) * 32, L, perm);
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * nc; idx += kThreads) {  // per-chunk sums of the staged x

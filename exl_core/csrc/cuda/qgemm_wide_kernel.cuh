@@ -90,7 +90,6 @@ template <int NT, bool U4, int RING = kRing, int STAGES = kStages, bool FOLD = f
 __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers: mixed widths hold 2 words a chunk
     qgemm_wide_kernel(const __half* __restrict__ x, int M, int64_t K, int n_chunks, int cps, int max_groups,
                       int gshift, const Mats mats) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   constexpr int kRing = RING, kStages = STAGES, kStageW = Smem<RING, STAGES>::kStageW;
   constexpr int kRows = 8 * NT, kPieces = kRows * kRing * 4;   // 16-byte pieces of x per stage
   static_assert(!PAIR || (U4 && !FOLD), "the SwiGLU pair runs uniform 4-bit weights without the folded norm");
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   }
 
   exl_pdl::pdl_wait();                                                  // x is the previous kernel's output
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   // rows M..kRows-1 of every stage stay zero (cp.async never writes them)
   if (M < kRows) {
     for (int i = threadIdx.x; i < (kRows - M) * (kStageW / 8); i += kThreads) {

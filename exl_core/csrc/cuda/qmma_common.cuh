@@ -146,11 +146,10 @@ struct Gather {
 
 // static: one copy per translation unit that launches it.  K: the weights' rows (the copies' width), Kx: x's.
 static __global__ void gather_cols_kernel(const __half* __restrict__ x, int64_t K, int64_t Kx, const Gather gs) {
-  exl_pdl::pdl_trigger_early();   // before anything: pdl_device.cuh
   const int i = blockIdx.z, m = blockIdx.y;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   exl_pdl::pdl_wait();
-  exl_pdl::pdl_trigger_late();
+  exl_pdl::pdl_trigger();
   if (k < K) gs.out[i][m * K + k] = x[m * Kx + __ldg(gs.perm[i] + k)];
 }
 
