@@ -32,6 +32,7 @@
 #include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernels (no torch headers)
 #include "../exl_core/csrc/cuda/qgemm_skinny_kernel.cuh"
 #include "probe_common.cuh"
+#include "stream_gemv_kernel.cuh"           // the one-wave GEMV of the F rows (bench/persist_probe.cu)
 
 using namespace exl_mma;
 using namespace exl_kslice;
@@ -269,25 +270,71 @@ struct SkLauncher {
   }
 };
 
-template <class L>
-double max_rel_err(W& w, const __half* x) {
-  float* ref;
-  CK(cudaMalloc(&ref, sizeof(float) * w.N));
-  ref_kernel<<<(w.N + 127) / 128, 128>>>(x, w.K, w.N, w.qw, w.chunks, w.s, w.z, w.perm, ref);
-  CK(cudaMemset(w.y, 0xFF, sizeof(__half) * w.N));   // poisoned: NaN where nothing is written
-  L::go(Op{&w}, x, 0);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> r(w.N);
-  std::vector<__half> o(w.N);
-  CK(cudaMemcpy(r.data(), ref, sizeof(float) * w.N, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(o.data(), w.y, sizeof(__half) * w.N, cudaMemcpyDeviceToHost));
-  double num = 0, den = 0;
-  for (int i = 0; i < w.N; ++i) {
-    const double d = static_cast<double>(__half2float(o[i])) - r[i];
-    num = std::max(num, std::isnan(d) ? 1e30 : std::fabs(d));
-    den = std::max(den, static_cast<double>(std::fabs(r[i])));
+
+// ----------------------------------------------------------------------------- stream_gemv (bench/stream_gemv_kernel.cuh)
+// One block an SM (fewer where the launch has fewer tiles), PRE chunks a warp staged before the wait, ring R.
+template <int PRE, int R, bool EARLY>
+struct StLauncher {
+  static auto kern() { return exl_stream::stream_gemv_kernel<PRE, R, EARLY>; }
+  static void go(const Op& op, const __half* x, cudaStream_t st) {
+    const int K = op[0]->K;
+    Mats mats = mats_of(op);
+    const int64_t tiles = assign_tiles(mats, kTile);
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const size_t sm = exl_stream::stream_smem(K, PRE);
+    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    cudaLaunchAttribute attr[1];
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sms, tiles));
+    const cudaLaunchConfig_t cfg = pdl_config(dim3(grid), dim3(32 * exl_stream::KW), sm, st, attr);
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<int64_t>(K), static_cast<int>(tiles), mats));
   }
-  CK(cudaFree(ref));
+  static int regs() {
+    cudaFuncAttributes a;
+    CK(cudaFuncGetAttributes(&a, kern()));
+    return a.numRegs;
+  }
+  static int occ(int K) {
+    int per_sm = 0;
+    const size_t sm = exl_stream::stream_smem(K, PRE);
+    CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern(), 32 * exl_stream::KW, sm));
+    return per_sm;
+  }
+  static std::string name() {
+    char b[64];
+    snprintf(b, sizeof b, "stream pre%d r%d%s", PRE, R, EARLY ? " early" : "");
+    return b;
+  }
+};
+
+// max |y - fp32 reference| / max |reference| over every weight of one launch (several weights on one x: q/k/v).
+template <class L>
+double max_rel_err(const Op& op, const __half* x) {
+  double num = 0, den = 0;
+  std::vector<float*> refs;
+  for (W* w : op) {
+    float* ref;
+    CK(cudaMalloc(&ref, sizeof(float) * w->N));
+    ref_kernel<<<(w->N + 127) / 128, 128>>>(x, w->K, w->N, w->qw, w->chunks, w->s, w->z, w->perm, ref);
+    CK(cudaMemset(w->y, 0xFF, sizeof(__half) * w->N));   // poisoned: NaN where nothing is written
+    refs.push_back(ref);
+  }
+  L::go(op, x, 0);
+  CK(cudaDeviceSynchronize());
+  for (size_t i = 0; i < op.size(); ++i) {
+    W& w = *op[i];
+    std::vector<float> r(w.N);
+    std::vector<__half> o(w.N);
+    CK(cudaMemcpy(r.data(), refs[i], sizeof(float) * w.N, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(o.data(), w.y, sizeof(__half) * w.N, cudaMemcpyDeviceToHost));
+    for (int n = 0; n < w.N; ++n) {
+      const double d = static_cast<double>(__half2float(o[n])) - r[n];
+      num = std::max(num, std::isnan(d) ? 1e30 : std::fabs(d));
+      den = std::max(den, static_cast<double>(std::fabs(r[n])));
+    }
+    CK(cudaFree(refs[i]));
+  }
   return num / den;
 }
 
@@ -332,7 +379,7 @@ void layer_row(const char* name, std::vector<Layer>& layers = g_layers) {
 template <class L>
 void check_row(std::vector<Layer>& layers = g_layers) {
   Layer& l = layers[0];
-  const double e1 = max_rel_err<L>(l.o, g_x4096), e2 = max_rel_err<L>(l.down, g_x11008);
+  const double e1 = max_rel_err<L>(Op{&l.o}, g_x4096), e2 = max_rel_err<L>(Op{&l.down}, g_x11008);
   printf("%-22s regs %3d  blocks/SM (K 4096) %d  err 4096x4096 %.2e  11008x4096 %.2e\n", L::name().c_str(), L::regs(),
          L::occ(4096), e1, e2);
   printf("JSON {\"check\": \"%s\", \"regs\": %d, \"blocks_per_sm\": %d, \"err_o\": %.3e, \"err_down\": %.3e}\n",
@@ -386,6 +433,39 @@ int main(int argc, char** argv) {
       KsLauncher<8, 4, false>::go(Op{&lm.q, &lm.k, &lm.v}, g_x4096, 0);
     }
     CK(cudaDeviceSynchronize());
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "stream") {   // the one-wave GEMV against the extension's, same run
+    check_row<StLauncher<8, 8, true>>();
+    check_row<StLauncher<0, 8, true>>();
+    check_row<StLauncher<12, 4, true>>();
+    {                                             // several weights a launch: a block's tiles cross matrices
+      Layer& l = g_layers[1];
+      const double eq = max_rel_err<StLauncher<8, 8, true>>(Op{&l.q, &l.k, &l.v}, g_x4096);
+      const double eg = max_rel_err<StLauncher<8, 8, true>>(Op{&l.gate, &l.up}, g_x4096);
+      printf("stream pre8 r8 early: err q/k/v %.2e  gate/up %.2e\n", eq, eg);
+      printf("JSON {\"check\": \"stream multi\", \"err_qkv\": %.3e, \"err_gu\": %.3e}\n", eq, eg);
+      if (!(eq < 1e-2 && eg < 1e-2)) {
+        printf("FAILED: stream multi-weight disagrees with the fp32 reference\n");
+        return 2;
+      }
+    }
+    for (int round = 0; round < 2; ++round) {
+      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+      using S = StLauncher<8, 8, true>;
+      layer_row<S, S, S, S>("stream pre8 r8 early");
+      using S0 = StLauncher<0, 8, true>;
+      layer_row<S0, S0, S0, S0>("stream pre0 r8 early");
+      using SL = StLauncher<8, 8, false>;
+      layer_row<SL, SL, SL, SL>("stream pre8 r8 late");
+      using S12 = StLauncher<12, 4, true>;
+      layer_row<S12, S12, S12, S12>("stream pre12 r4 early");
+      using S4 = StLauncher<4, 8, true>;
+      layer_row<S4, S4, S4, S4>("stream pre4 r8 early");
+      // the extension's kernels where one wave would leave SMs idle or imbalanced (o, down: 128 tiles)
+      layer_row<S, KsLauncher<16, 4>, S, KsLauncher<16, 8>>("stream q/k/v, gate/up; kslice o, down");
+    }
     return 0;
   }
   check_row<KsLauncher<16, 8>>();
