@@ -273,7 +273,8 @@ struct SkLauncher {
 
 // ----------------------------------------------------------------------------- stream_gemv (bench/stream_gemv_kernel.cuh)
 // One block an SM (fewer where the launch has fewer tiles), PRE chunks a warp staged before the wait, ring R.
-template <int PRE, int R, bool EARLY>
+// GRID: blocks an SM (2: the kernel fills both of an SM's slots itself, as two waves' worth of warps).
+template <int PRE, int R, bool EARLY, int GRID = 1>
 struct StLauncher {
   static auto kern() { return exl_stream::stream_gemv_kernel<PRE, R, EARLY>; }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
@@ -282,12 +283,12 @@ struct StLauncher {
     const int64_t tiles = assign_tiles(mats, kTile);
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const size_t sm = exl_stream::stream_smem(K, PRE);
+    const int grid = static_cast<int>(std::min<int64_t>(GRID * sms, tiles)), tpb = static_cast<int>((tiles + grid - 1) / grid);
+    const size_t sm = exl_stream::stream_smem(K, PRE, tpb);
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
     cudaLaunchAttribute attr[1];
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sms, tiles));
     const cudaLaunchConfig_t cfg = pdl_config(dim3(grid), dim3(32 * exl_stream::KW), sm, st, attr);
-    CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<int64_t>(K), static_cast<int>(tiles), mats));
+    CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<int64_t>(K), static_cast<int>(tiles), tpb, mats));
   }
   static int regs() {
     cudaFuncAttributes a;
@@ -296,14 +297,14 @@ struct StLauncher {
   }
   static int occ(int K) {
     int per_sm = 0;
-    const size_t sm = exl_stream::stream_smem(K, PRE);
+    const size_t sm = exl_stream::stream_smem(K, PRE, 1);
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern(), 32 * exl_stream::KW, sm));
     return per_sm;
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "stream pre%d r%d%s", PRE, R, EARLY ? " early" : "");
+    snprintf(b, sizeof b, "stream pre%d r%d%s%s", PRE, R, EARLY ? " early" : "", GRID > 1 ? " 2/SM" : "");
     return b;
   }
 };
@@ -450,6 +451,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
+    check_row<StLauncher<8, 8, true, 2>>();
     for (int round = 0; round < 2; ++round) {
       layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
@@ -461,8 +463,10 @@ int main(int argc, char** argv) {
       layer_row<SL, SL, SL, SL>("stream pre8 r8 late");
       using S12 = StLauncher<12, 4, true>;
       layer_row<S12, S12, S12, S12>("stream pre12 r4 early");
-      using S4 = StLauncher<4, 8, true>;
-      layer_row<S4, S4, S4, S4>("stream pre4 r8 early");
+      using S2 = StLauncher<8, 8, true, 2>;
+      layer_row<S2, S2, S2, S2>("stream pre8 r8 early 2/SM");
+      using S2L = StLauncher<8, 8, false, 2>;
+      layer_row<S2L, S2L, S2L, S2L>("stream pre8 r8 late 2/SM");
       // the extension's kernels where one wave would leave SMs idle or imbalanced (o, down: 128 tiles)
       layer_row<S, KsLauncher<16, 4>, S, KsLauncher<16, 8>>("stream q/k/v, gate/up; kslice o, down");
     }

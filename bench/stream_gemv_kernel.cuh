@@ -26,14 +26,19 @@ __device__ __forceinline__ const Mat& mat_of_tile(const Mats& mats, int tile) {
   return mats.m[mi];
 }
 
-// Shared memory: [x, K halves (staged pairs)][partial sums KW x 32 fp32][PRE x KW x 32 16-byte weight slots].
-__host__ __device__ inline size_t stream_smem(int64_t K, int pre) {
-  return static_cast<size_t>(K) * 2 + KW * 32 * 4 + static_cast<size_t>(pre) * KW * 32 * 16;
+// Groups of 128 rows a warp's chunks touch in one tile, at most (its scale/zero slots a tile).
+__host__ __device__ inline int stream_slots(int64_t K) { return static_cast<int>(K / 32 / KW + 3) / 4 + 1; }
+
+// Shared memory: [x, K halves (staged pairs)][partial sums KW x 32 fp32][PRE x KW x 32 16-byte weight slots]
+// [scale/zero: KW x tpb (tiles a block, at most) x slots x (32 scales, 32 zeros) fp32].
+__host__ __device__ inline size_t stream_smem(int64_t K, int pre, int tpb) {
+  return static_cast<size_t>(K) * 2 + KW * 32 * 4 + static_cast<size_t>(pre) * KW * 32 * 16 +
+         static_cast<size_t>(KW) * tpb * stream_slots(K) * 64 * 4;
 }
 
 template <int PRE, int R, bool EARLY>
 __global__ void __launch_bounds__(32 * KW, 2) stream_gemv_kernel(const __half* __restrict__ x, int64_t K, int tiles,
-                                                                const Mats mats) {
+                                                                int tpb, const Mats mats) {
   if (EARLY) exl_pdl::pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int cpw = static_cast<int>(K / 32) / KW, c0 = warp * cpw, c1 = c0 + cpw;
@@ -44,6 +49,9 @@ __global__ void __launch_bounds__(32 * KW, 2) stream_gemv_kernel(const __half* _
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* red = reinterpret_cast<float*>(smem_raw + K * 2);
   int4* wsm = reinterpret_cast<int4*>(red + KW * 32) + warp * PRE * 32 + lane;   // slot u: wsm[32 u]
+  const int slots = stream_slots(K), g0 = c0 >> 2, ng = ((c1 - 1) >> 2) - g0 + 1;
+  float* szs = reinterpret_cast<float*>(reinterpret_cast<int4*>(red + KW * 32) + KW * PRE * 32) +
+               static_cast<size_t>(warp) * tpb * slots * 64;   // [tile of the block][slot][scale 32 | zero 32]
 
   // The loads walk the warp's chunks in order: tile lt, chunk lc, lp = that chunk's words for this lane.
   int lt = tb0, lc = c0;
@@ -74,17 +82,27 @@ __global__ void __launch_bounds__(32 * KW, 2) stream_gemv_kernel(const __half* _
   int4 ring[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) ring[i] = PRE + i < J ? __ldg(next_words()) : make_int4(0, 0, 0, 0);
+  for (int tl = 0; tl < tb1 - tb0; ++tl) {                   // the warp's scale/zero rows of every tile (weights)
+    const Mat& m = mat_of_tile(mats, tb0 + tl);
+    for (int j = lane; j < ng * 16; j += 32) {
+      const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
+      int64_t cq = static_cast<int64_t>(tb0 + tl - m.tile0) * kTile + 4 * q;
+      cq = cq < m.N ? cq : m.N - 4;
+      cp_async16(szs + (tl * slots + s) * 64 + half * 32 + 4 * q,
+                 (half ? m.zero : m.scale) + static_cast<int64_t>(g0 + s) * m.N + cq);
+    }
+  }
 
   exl_pdl::pdl_wait();                                       // x is the previous kernel's output
   if (!EARLY) exl_pdl::pdl_trigger();
   const int kw0 = c0 * 32, kwl = cpw * 32;
   for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(xs + kw0 + 8 * j, x + kw0 + 8 * j);
-  cp_async_wait_all();                                       // x and this lane's weight slots
+  cp_async_wait_all();                                       // x, this lane's weight slots, scale/zero
   for (int j = lane; j < (kwl >> 3); j += 32) {
     uint4* p = reinterpret_cast<uint4*>(xs + kw0 + 8 * j);
     *p = stage_pairs<true>(*p);
   }
-  __syncwarp();
+  __syncwarp();                                              // the slots other lanes copied
 
   float d[2][1][4], acc[2][1][4], dx[1][4];
 #pragma unroll
@@ -114,11 +132,9 @@ __global__ void __launch_bounds__(32 * KW, 2) stream_gemv_kernel(const __half* _
     if (grp < 0 || (cc & 3) == 0) {                          // groups of 128 rows: 4 chunks
       if (grp >= 0) exl_kslice::flush_group16(s4, z4, dx, d, acc);
       grp = cc >> 2;
-      const Mat& m = mat_of_tile(mats, ct);
-      int64_t col = static_cast<int64_t>(ct - m.tile0) * kTile + 4 * g;
-      col = col < m.N ? col : m.N - 4;
-      s4 = __ldg(reinterpret_cast<const float4*>(m.scale + static_cast<int64_t>(grp) * m.N + col));
-      z4 = __ldg(reinterpret_cast<const float4*>(m.zero + static_cast<int64_t>(grp) * m.N + col));
+      const float* sz = szs + ((ct - tb0) * slots + grp - g0) * 64 + 4 * g;
+      s4 = *reinterpret_cast<const float4*>(sz);
+      z4 = *reinterpret_cast<const float4*>(sz + 32);
     }
     const uint4 v = *reinterpret_cast<const uint4*>(xrow + cc * 32);
     const uint32_t b[1][4] = {{v.x, v.y, v.z, v.w}};
