@@ -4,7 +4,8 @@ prompt timed as gpu_bench.prompt_tok_s right after loading, after the decode run
 `--quick`), and after gc.collect() + torch.cuda.empty_cache(); with each forward's host time (enqueue, no sync)
 next to its GPU time, to tell a host-bound prompt from a slower GPU one.  One process: GPTQ first, then EXL2 (after
 GPTQ's model is freed and the cache emptied), and once more after 15 s idle; each with nvidia-smi's SM clock, power,
-temperature and throttle reasons while it ran.  Run by bench/gpu.sh phase `promptorder`.
+temperature and throttle reasons while it ran, and Python's garbage collections (count per generation, ms) in it; then
+after gc.collect() + gc.freeze(), at once and after 15 s idle.  Run by bench/gpu.sh phase `promptorder`.
 
     python bench/prompt_after_decode.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
 """
@@ -54,11 +55,33 @@ class SmiLog:
                           "throttle_reasons": sorted({r[3] for r in num})}
 
 
+class GcLog:
+    """Python's garbage collections while a block runs (gc.callbacks): how many per generation and their total ms --
+    a host slowed by full collections in the timed forwards (the host time of one prompt ran 31-51 ms against ~45 ms
+    of GPU time in stop 40 call 5, fast only after a gc.collect()) would show here."""
+
+    def __enter__(self):
+        self.counts, self.ms, self._t0 = [0, 0, 0], 0.0, 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+        self.stats = {"gc_collections": self.counts, "gc_ms": round(self.ms, 3)}
+
+
 @torch.inference_mode()
 def timed(model) -> dict:
-    with SmiLog() as smi:
+    with SmiLog() as smi, GcLog() as gcl:
         r = _timed(model)
-    return {**r, **smi.stats}
+    return {**r, **smi.stats, **gcl.stats}
 
 
 def _timed(model) -> dict:
@@ -78,7 +101,8 @@ def _timed(model) -> dict:
         b.record()
         b.synchronize()
         dev.append(a.elapsed_time(b))
-    return {"tok_s": tok_s, "host_ms": statistics.median(host), "gpu_ms": statistics.median(dev)}
+    return {"tok_s": tok_s, "host_ms": statistics.median(host), "gpu_ms": statistics.median(dev),
+            "host_all_ms": [round(h, 3) for h in host]}
 
 
 def run_format(path: Path, fmt: str) -> list[dict]:
@@ -93,11 +117,18 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     rows.append({"format": fmt, "when": "after empty_cache", **timed(model)})
     time.sleep(IDLE_S)                     # a cooler GPU, the process's state unchanged
     rows.append({"format": fmt, "when": f"after {IDLE_S} s idle", **timed(model)})
+    gc.collect()
+    gc.freeze()                            # every object so far out of the collector's scans
+    rows.append({"format": fmt, "when": "gc frozen", **timed(model)})
+    time.sleep(IDLE_S)
+    rows.append({"format": fmt, "when": f"frozen, {IDLE_S} s idle", **timed(model)})
+    gc.unfreeze()
     for r in rows:
         tok = ", ".join(f"{v:.1f}" for v in r["tok_s"])
         print(f"{fmt:5s} {r['when']:18s} tok/s {tok:>20s}  host {r['host_ms']:.2f} ms"
               f"  gpu {r['gpu_ms']:.2f} ms  sm {r.get('sm_mhz_median', '-')} MHz  {r.get('power_w_max', '-')} W"
-              f"  {r.get('temp_c_max', '-')} C  {' '.join(r.get('throttle_reasons', []))}")
+              f"  {r.get('temp_c_max', '-')} C  {' '.join(r.get('throttle_reasons', []))}"
+              f"  gc {r['gc_collections']} {r['gc_ms']} ms  host each {r['host_all_ms']}")
     del model
     torch.cuda.empty_cache()
     return rows
