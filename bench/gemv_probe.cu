@@ -185,11 +185,7 @@ struct KsLauncher {
     CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<const __half*>(nullptr), 1, static_cast<int64_t>(K), n_chunks,
                           slots, K, U4 ? GS : -1, SG ? 1 : 0, mats));
   }
-  static int regs() {
-    cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, kern()));
-    return a.numRegs;
-  }
+  static int regs() { return regs_of(kern()); }
   static int occ(int K) {
     int per_sm = 0;
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem(K))));
@@ -250,11 +246,7 @@ struct SkLauncher {
     }
     CK(cudaLaunchKernelEx(&cfg, kern(), x, 1, static_cast<int64_t>(K), C, cpb, mats));
   }
-  static int regs() {
-    cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, kern()));
-    return a.numRegs;
-  }
+  static int regs() { return regs_of(kern()); }
   static int occ(int K) {
     const int C = K / 32, cpb = plan(C, 32).second;
     int per_sm = 0;
@@ -290,11 +282,7 @@ struct StLauncher {
     const cudaLaunchConfig_t cfg = pdl_config(dim3(grid), dim3(32 * exl_stream::KW), sm, st, attr);
     CK(cudaLaunchKernelEx(&cfg, kern(), x, static_cast<int64_t>(K), static_cast<int>(tiles), tpb, mats));
   }
-  static int regs() {
-    cudaFuncAttributes a;
-    CK(cudaFuncGetAttributes(&a, kern()));
-    return a.numRegs;
-  }
+  static int regs() { return regs_of(kern()); }
   static int occ(int K) {
     int per_sm = 0;
     const size_t sm = exl_stream::stream_smem(K, PRE, 1);

@@ -150,17 +150,7 @@ __global__ void __launch_bounds__(kThreads, 2) staged_kernel(const int4* __restr
   asm volatile("cp.async.commit_group;" ::: "memory");
   pdl_wait();
   if (!EARLY) pdl_trigger();
-  constexpr int U = 8;
-  int acc = 0;
-  int64_t i = b0 + static_cast<int64_t>(PRE) * kThreads + threadIdx.x;
-  for (; i + (U - 1) * kThreads < b1; i += U * kThreads) {
-    int4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = __ldg(p + i + u * kThreads);
-#pragma unroll
-    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < b1; i += kThreads) { const int4 x = __ldg(p + i); acc ^= x.x ^ x.y ^ x.z ^ x.w; }
+  int acc = xor_stream<8>(p, b0 + static_cast<int64_t>(PRE) * kThreads + threadIdx.x, b1, kThreads);
   asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
   for (int u = 0; u < PRE; ++u)

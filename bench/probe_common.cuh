@@ -58,6 +58,31 @@ float time_seq(F&& launch_all) {
   return us;
 }
 
+// Registers a thread of kernel `kern` (ptxas's count, as loaded).
+template <typename Kern>
+int regs_of(Kern* kern) {
+  cudaFuncAttributes a;
+  CK(cudaFuncGetAttributes(&a, kern));
+  return a.numRegs;
+}
+
+#ifdef __CUDACC__
+// The read-only probes' loop: the xor of the 16-byte units p[i], p[i + stride], ... below n, U loads in flight.
+template <int U>
+__device__ __forceinline__ int xor_stream(const int4* __restrict__ p, int64_t i, int64_t n, int64_t stride) {
+  int acc = 0;
+  for (; i + (U - 1) * stride < n; i += U * stride) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = __ldg(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) { const int4 v = __ldg(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+  return acc;
+}
+#endif
+
 // A launch config with programmatic dependent launch, as the extension launches its kernels.
 inline cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                                      cudaLaunchAttribute (&attr)[1]) {
