@@ -16,7 +16,9 @@
 // table passed as runs in the launch's parameters instead of loaded (chain within 0.8 us); a loop per width run
 // with the width a template argument (the kernel grew to 240 KB of code: slower than the per-chunk switch); a launch
 // before each projection asking L2 for the next projection's weights, by cp.async.bulk.prefetch.L2 or per-line
-// prefetch.global.L2 (`git show 64b59b5:bench/gemv_probe.cu`, mode l2pf; bench/results/gemv_probe_l2pf_h200_stop39_*).
+// prefetch.global.L2 (`git show 64b59b5:bench/gemv_probe.cu`, mode l2pf; bench/results/gemv_probe_l2pf_h200_stop39_*);
+// a one-wave GEMV that triggers its dependants first and stages its first chunks before the wait (mode `stream`,
+// bench/stream_gemv_kernel.cuh; bench/results/gemv_probe_stream_h200_stop40_*).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

@@ -8,6 +8,9 @@
 // regular groups of 128 rows, M = 1, x unpermuted.  A block owns a contiguous run of the launch's column tiles (all
 // its matrices'), its KW warps split K as in qgemm_kslice; a warp's weight stream runs on across the block's tiles
 // (the register ring is refilled with the next tile's words), and each tile ends in one block reduction.
+// Measured (gemv_probe mode `stream`, H200, stop 40 calls 3-4, bench/results/gemv_probe_stream_h200_stop40_*): a
+// layer's chain at 69.30-72.08 us with one block an SM and 56.19-56.73 with two, against the extension's kernels'
+// 46.67-47.04 -- lost: 8 warps an SM leave each warp too long a chain of chunks (csrc/cuda/NOTES.md, "twenty-first").
 #pragma once
 #include "../exl_core/csrc/cuda/cp_async_device.cuh"
 #include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"
