@@ -265,7 +265,7 @@ struct SkLauncher {
 };
 
 
-// ----------------------------------------------------------------------------- stream_gemv (bench/stream_gemv_kernel.cuh)
+// ------------------------------------------------------------------ stream_gemv (bench/stream_gemv_kernel.cuh)
 // One block an SM (fewer where the launch has fewer tiles), PRE chunks a warp staged before the wait, ring R.
 // GRID: blocks an SM (2: the kernel fills both of an SM's slots itself, as two waves' worth of warps).
 template <int PRE, int R, bool EARLY, int GRID = 1>
@@ -277,7 +277,8 @@ struct StLauncher {
     const int64_t tiles = assign_tiles(mats, kTile);
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int grid = static_cast<int>(std::min<int64_t>(GRID * sms, tiles)), tpb = static_cast<int>((tiles + grid - 1) / grid);
+    const int grid = static_cast<int>(std::min<int64_t>(GRID * sms, tiles));
+    const int tpb = static_cast<int>((tiles + grid - 1) / grid);   // tiles a block, at most
     const size_t sm = exl_stream::stream_smem(K, PRE, tpb);
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
     cudaLaunchAttribute attr[1];
