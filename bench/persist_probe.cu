@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "../exl_core/csrc/cuda/cp_async_device.cuh"   // cp_async16, cp_async_wait_all
 #include "probe_common.cuh"   // CK, time_seq, pdl_config
 
 constexpr int kLayers = 8, kStages = 4, kThreads = 512;
@@ -126,7 +127,6 @@ __global__ void __launch_bounds__(kThreads) persist_kernel(const Streams st, int
   if (acc == 0x12345678) out[0] = acc;
 }
 
-
 // F/G: one launch per stream, one block an SM owning a contiguous share, whose first PRE x 512 16-byte loads go
 // into shared memory by cp.async before the PDL wait (up to 96 KB an SM, against the 64 KB of A's registers).
 // Launch bounds give two blocks an SM, so the next stream's block is resident while this one streams: with
@@ -143,16 +143,12 @@ __global__ void __launch_bounds__(kThreads, 2) staged_kernel(const int4* __restr
 #pragma unroll
   for (int u = 0; u < PRE; ++u) {
     const int64_t i = b0 + u * kThreads + threadIdx.x;
-    if (i < b1) {
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(sm + u * kThreads + threadIdx.x));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p + i) : "memory");
-    }
+    if (i < b1) cp_async16(sm + u * kThreads + threadIdx.x, p + i);
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
   pdl_wait();
   if (!EARLY) pdl_trigger();
   int acc = xor_stream<8>(p, b0 + static_cast<int64_t>(PRE) * kThreads + threadIdx.x, b1, kThreads);
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  cp_async_wait_all();
 #pragma unroll
   for (int u = 0; u < PRE; ++u)
     if (b0 + u * kThreads + threadIdx.x < b1) {

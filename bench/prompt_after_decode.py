@@ -57,8 +57,8 @@ class SmiLog:
 
 class GcLog:
     """Python's garbage collections while a block runs (gc.callbacks): how many per generation and their total ms --
-    a host slowed by full collections in the timed forwards (the host time of one prompt ran 31-51 ms against ~45 ms
-    of GPU time in stop 40 call 5, fast only after a gc.collect()) would show here."""
+    a host slowed by full collections in the timed forwards would show here.  Stop 40 call 6: at most 0.228 ms in any
+    state, and gc.freeze() did not help (csrc/cuda/NOTES.md, "twenty-first")."""
 
     def __enter__(self):
         self.counts, self.ms, self._t0 = [0, 0, 0], 0.0, 0.0
