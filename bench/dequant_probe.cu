@@ -146,7 +146,7 @@ struct Plan {
   std::vector<std::pair<int, int>> order;   // (0 = dequantise / 1 = GEMM, index)
 };
 
-Plan plan(Layer& L, Sched s, __half* W, __half* W2) {
+Plan plan(Layer& L, Sched s, __half* W, __half* W2, int slice = 4096) {
   Plan p;
   auto dq = [&](std::vector<Part> parts, __half* w, int ldw = 0, int w_col0 = 0) {
     Launch l;
@@ -161,14 +161,14 @@ Plan plan(Layer& L, Sched s, __half* W, __half* W2) {
     p.gemm.push_back({K, N, w, ldw, w_col, y_col, ldy});
     p.order.push_back({1, static_cast<int>(p.gemm.size()) - 1});
   };
-  if (s == kPerWeight) {
-    for (int i = 0; i < 4; ++i) dq({{&L.m[i], 0, 4096}}, W), gemm(4096, 4096, W, 4096, 0, 0, 4096);
-    for (int i = 4; i < 6; ++i)
-      for (int c0 = 0; c0 < 11008; c0 += 4096) {
-        const int n = std::min(4096, 11008 - c0);
-        dq({{&L.m[i], c0, n}}, W), gemm(4096, n, W, n, 0, c0, 11008);
+  if (s == kPerWeight) {        // slices of `slice` columns (the extension: 4096, gate/up 4096 + 4096 + 2816)
+    for (int i = 0; i < 7; ++i) {
+      const int K = L.m[i].K, N = L.m[i].ldq;
+      for (int c0 = 0; c0 < N; c0 += slice) {
+        const int n = std::min(slice, N - c0);
+        dq({{&L.m[i], c0, n}}, W), gemm(K, n, W, n, 0, c0, N);
       }
-    dq({{&L.m[6], 0, 4096}}, W), gemm(11008, 4096, W, 4096, 0, 0, 4096);
+    }
   } else if (s == kGrouped) {
     dq({{&L.m[0], 0, 4096}, {&L.m[1], 0, 4096}, {&L.m[2], 0, 4096}}, W), gemm(4096, 12288, W, 12288, 0, 0, 12288);
     dq({{&L.m[3], 0, 4096}}, W), gemm(4096, 4096, W, 4096, 0, 0, 4096);
@@ -225,9 +225,29 @@ bool check(const Part& pt, const __half* Wcol, int ldw) {
 }
 
 
+// The L2 experiment (mode `l2`): every kernel node of a captured graph gets an access-policy window over the
+// dequantise's scratch W, its lines persisting in L2 (hitRatio: the persisting set-aside over the window's bytes), so
+// that a GEMM reads the W its dequantise just wrote from L2 and the next dequantise overwrites it there.
+cudaAccessPolicyWindow g_win{};
+void window_on_kernels(cudaGraph_t graph) {
+  size_t n = 0;
+  CK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  CK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  for (auto node : nodes) {
+    cudaGraphNodeType t;
+    CK(cudaGraphNodeGetType(node, &t));
+    if (t != cudaGraphNodeTypeKernel) continue;
+    cudaKernelNodeAttrValue v{};
+    v.accessPolicyWindow = g_win;
+    CK(cudaGraphKernelNodeSetAttribute(node, cudaKernelNodeAttributeAccessPolicyWindow, &v));
+  }
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);   // a crash keeps what was printed
   const bool check_only = argc > 1 && strcmp(argv[1], "check") == 0;   // the bit-for-bit checks, no timings
+  const bool l2_mode = argc > 1 && strcmp(argv[1], "l2") == 0;         // the L2 window rows only (needs cuBLAS)
   srand(1234);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -254,6 +274,8 @@ int main(int argc, char** argv) {
   struct Fmt { const char* name; bool mixed, act_order; int twin_every; };
   const Fmt fmts[] = {{"gptq", false, false, 0}, {"u4_ao", false, true, 0}, {"u4_twin", false, true, 16},
                       {"exl2", true, true, 0}};
+  printf("L2 %d B, persisting max %d B, access-policy window max %d B\n", prop.l2CacheSize,
+         prop.persistingL2CacheMaxSize, prop.accessPolicyMaxWindowSize);
 
 #ifdef WITH_CUBLAS
   cublasHandle_t h;
@@ -275,6 +297,56 @@ int main(int argc, char** argv) {
   };
 #endif
 
+#ifdef WITH_CUBLAS
+  if (l2_mode) {
+    CK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, prop.persistingL2CacheMaxSize));
+    size_t persist = 0;
+    CK(cudaDeviceGetLimit(&persist, cudaLimitPersistingL2CacheSize));
+    printf("persisting set-aside %zu B\n", persist);
+    for (const Fmt& f : {fmts[0], fmts[2]}) {       // GPTQ, and the rewritten EXL2 (u4 with twins)
+      std::vector<Layer> layers(n_layers);
+      for (int r = 0; r < n_layers; ++r) fill_layer(layers[r], f.mixed, f.act_order, false, f.twin_every);
+      for (int slice : {4096, 2048, 1024}) {
+        std::vector<Plan> plans;
+        for (auto& L : layers) plans.push_back(plan(L, kPerWeight, W, W2, slice));
+        const size_t w_bytes = static_cast<size_t>(11008) * slice * 2;    // the largest slice (down's K)
+        g_win.base_ptr = W;
+        g_win.num_bytes = std::min<size_t>(w_bytes, prop.accessPolicyMaxWindowSize);
+        g_win.hitRatio = std::min(1.f, static_cast<float>(persist) / g_win.num_bytes);
+        g_win.hitProp = cudaAccessPropertyPersisting;
+        g_win.missProp = cudaAccessPropertyNormal;
+        auto gemms = [&](cudaStream_t st) { for (auto& p : plans) for (const auto& g : p.gemm) gemm(g, st); };
+        auto both = [&](cudaStream_t st) {
+          for (auto& p : plans)
+            for (auto [k, i] : p.order)
+              if (k == 1) gemm(p.gemm[i], st); else launch(p.dq[i], st, kV8);
+        };
+        std::string row = std::string("{\"row\": \"l2\", \"format\": \"") + f.name + "\", \"slice\": " +
+                          std::to_string(slice) + ", \"hit_ratio\": " + std::to_string(g_win.hitRatio);
+        printf("%-7s slice %4d (window %zu MB, hitRatio %.3f):", f.name, slice, g_win.num_bytes >> 20, g_win.hitRatio);
+        for (int round = 0; round < 3; ++round) {
+          const float g0 = time_seq(gemms) / n_layers, d0 = time_seq(both) / n_layers;
+          CK(cudaCtxResetPersistingL2Cache());
+          g_after_capture = window_on_kernels;
+          const float g1 = time_seq(gemms) / n_layers, d1 = time_seq(both) / n_layers;
+          g_after_capture = nullptr;
+          CK(cudaCtxResetPersistingL2Cache());
+          printf("  [GEMMs %.2f, +dq %.2f | window: GEMMs %.2f, +dq %.2f]", g0, d0 - g0, g1, d1 - g1);
+          const std::string r = std::to_string(round);
+          row += ", \"gemm_us_" + r + "\": " + std::to_string(g0) + ", \"both_us_" + r + "\": " + std::to_string(d0) +
+                 ", \"win_gemm_us_" + r + "\": " + std::to_string(g1) + ", \"win_both_us_" + r + "\": " +
+                 std::to_string(d1);
+        }
+        printf("\n");
+        printf("JSON %s}\n", row.c_str());
+      }
+      for (auto& L : layers)
+        for (auto& m : L.m) free_packed(m);
+    }
+    printf("done\n");
+    return 0;
+  }
+#endif
   for (const Fmt& f : fmts) {
     std::vector<Layer> layers(n_layers);
     for (int r = 0; r < n_layers; ++r) fill_layer(layers[r], f.mixed, f.act_order, r == 0, f.twin_every);

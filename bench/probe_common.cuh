@@ -37,6 +37,9 @@ float time_graph(cudaStream_t st, cudaGraphExec_t exec) {
   return ts[ts.size() / 2] * 1000.f;
 }
 
+// Called on each captured graph before it is instantiated, when set (dequant_probe's L2 window on every kernel node).
+inline void (*g_after_capture)(cudaGraph_t) = nullptr;
+
 // us of the whole sequence launch_all(stream) issues, replayed from one CUDA graph: median of 10 replays after 2.
 template <class F>
 float time_seq(F&& launch_all) {
@@ -50,6 +53,7 @@ float time_seq(F&& launch_all) {
   CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
   launch_all(st);
   CK(cudaStreamEndCapture(st, &graph));
+  if (g_after_capture) g_after_capture(graph);
   CK(cudaGraphInstantiate(&exec, graph, 0));
   const float us = time_graph(st, exec);
   CK(cudaGraphExecDestroy(exec));
