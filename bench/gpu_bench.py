@@ -399,9 +399,11 @@ def profile_prompt(model, fmt: str, top: int = 14) -> list[dict]:
     return profile_table(lambda: model.forward(ids, PrefillContext(kv, 2048)), f"{fmt} prompt 2048", top=top)
 
 
-def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False, prompt_only: bool = False) -> None:
+def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False, prompt_only: bool = False,
+                 decode_after_prompt: bool = False) -> None:
     """quick: CUDA-graph decode and the prompt only (no sweep, eager runs or profiles), for A/B runs;
-    prompt_only: the prompt alone (A/B runs of the prompt path)."""
+    prompt_only: the prompt alone (A/B runs of the prompt path); decode_after_prompt: batch 1 and 32 graph decode
+    again after the prompt (what the prompt leaves in L2: qdequant_chunks' persisting lines)."""
     from exl_core.loader import load_model
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -432,6 +434,8 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         r["prompt2048_error"] = repr(e)[:300]
+    for B in ((1, 32) if decode_after_prompt and not prompt_only else ()):
+        r[f"bs{B}_decode_after_prompt_tok_s"] = decode_tok_s(model, B, True)
     if prompt_only and PROFILE_PROMPT:     # the prompt's kernels by name (A/B runs of the prompt path)
         try:
             r["profile_prompt2048"] = profile_prompt(model, fmt, top=24)
@@ -488,6 +492,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_h200.json")
     ap.add_argument("--quick", action="store_true", help="graph decode and prompt only (A/B runs)")
     ap.add_argument("--prompt-only", action="store_true", help="the 2048-token prompt only (A/B runs)")
+    ap.add_argument("--decode-after-prompt", action="store_true", help="batch 1 and 32 decode again after the prompt")
     ap.add_argument("--kv-layout", choices=("thd", "htd"), default="thd",
                     help="the bench's K/V cache: (B, T, Hkv, D) (default) or (B, Hkv, T, D) (A/B)")
     ap.add_argument("--decode-attn", choices=("paged", "sdpa"), default="paged",
@@ -504,13 +509,14 @@ def main() -> None:
                  "attn_cluster": os.environ.get("EXL_CORE_ATTN_CLUSTER", "1") != "0",
                  "rope_kv_fuse": os.environ.get("EXL_CORE_ROPE_KV_FUSE", "1") != "0",
                  "residual_add": os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0",
+                 "dequant_l2": os.environ.get("EXL_CORE_DEQUANT_L2", "1") != "0",
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):
         p = getattr(a, fmt)
         if p is not None:
-            bench_format(p, fmt, bw, out, a.quick or a.prompt_only, a.prompt_only)
+            bench_format(p, fmt, bw, out, a.quick or a.prompt_only, a.prompt_only, a.decode_after_prompt)
             _write(out, a.json)          # after each format: a timeout keeps what was measured
     for row in out.get("gemv_sweep", []):
         cells = "  ".join(f"{n} {row[n + '_us']:7.1f} us ({row[n + '_gb_s']:5.0f} GB/s)" for n in ("kslice", "skinny", "mma", "gemv", "dequant_mm")

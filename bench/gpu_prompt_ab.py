@@ -4,12 +4,13 @@ alternated, so the variants share clocks and heat (separate processes drifted 36
 runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read at call time:
 
   gptq u4 / exl2 nat      the defaults: GPTQ's uniform 4-bit weights by the 4-bit dequantise instance; rewritten
-                          EXL2, x in natural order, extra rows added in the dequantise (twins)
-  gptq any                GPTQ by the width switch's instance (cuda_candidates.DEQUANT_U4 off)
-  exl2 ext u4             the extended order (GEMMs over all rows, index_add; PROMPT_NATURAL_X off)
-Stop 35 ran other variants here, none kept (bench/results/gpu_prompt_ab_h200_stop35_*.json, their notes): gate/up
-by slices with SwiGLU's product per slice (call 1), cuBLASLt and gate/up slice widths (call 2), the dequantise at 4
-columns a thread (call 4).
+                          EXL2, x in natural order, extra rows added in the dequantise (twins); W persisting in L2
+                          from its dequantise to its GEMM (DEQUANT_L2)
+  gptq l2 off / exl2 ...  the same without the L2 window (cuda_candidates.DEQUANT_L2 off)
+Before each variant the persisting lines are reset (exl_core::l2_reset), so one variant's lines do not hold L2's
+set-aside through the next.  Earlier variants, none kept: the width switch's instance for GPTQ and the extended
+order for EXL2 (stop 34, `gpu_prompt_ab_h200_stop34_call5_*.json`); gate/up by slices with SwiGLU's product per
+slice, cuBLASLt and gate/up slice widths, the dequantise at 4 columns a thread (stop 35, calls 1, 2, 4).
 
     PYTHONPATH=. python bench/gpu_prompt_ab.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 [--rounds 6]
 
@@ -27,8 +28,8 @@ import torch
 from gpu_bench import _write, prompt_tok_s
 
 VARIANTS = {   # name: (format, settings that differ from the process's: cuda_candidates' switches, "blas")
-    "gptq u4": ("gptq", {}), "gptq any": ("gptq", {"DEQUANT_U4": False}),
-    "exl2 nat": ("exl2", {}), "exl2 ext u4": ("exl2", {"PROMPT_NATURAL_X": False}),
+    "gptq u4": ("gptq", {}), "gptq l2 off": ("gptq", {"DEQUANT_L2": False}),
+    "exl2 nat": ("exl2", {}), "exl2 l2 off": ("exl2", {"DEQUANT_L2": False}),
 }
 
 
@@ -57,6 +58,8 @@ def main() -> None:
         torch.backends.cuda.preferred_blas_library(settings.pop("blas"))
         for k, v in settings.items():
             setattr(cc, k, v)
+        torch.cuda.synchronize()
+        torch.ops.exl_core.l2_reset()
         return prompt_tok_s(models[fmt])
 
     t0 = time.perf_counter()

@@ -85,7 +85,7 @@ def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch)
     seen, real = [], ops.qdequant_chunks
 
     def spy(*args):
-        seen.append(args[-1])
+        seen.append(args[9])            # uniform4
         return real(*args)
     monkeypatch.setattr(ops, "qdequant_chunks", spy)
     mixed = random_packed(LAYOUTS[1], 64, perm=perm).to("cuda")
@@ -95,6 +95,36 @@ def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch)
     monkeypatch.setattr(cc, "DEQUANT_U4", False)
     cc._dequant_w(c, ch, cc._perm_of(c, torch.device("cuda")), dtype)
     assert seen[-1] is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequant_l2_window_writes_the_same(dtype, monkeypatch):
+    """qdequant_chunks(l2=True), the launch with W's lines persisting in L2 (l2_persist.cuh), writes exactly what the
+    launch without the window writes (16-byte, per-column and fp32 instances, a twin-free act-order weight, whole and
+    sliced, past the window's hitRatio on a W larger than the set-aside); _dequant_w passes DEQUANT_L2."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    ops = torch.ops.exl_core
+    for pw in (random_packed(LAYOUTS[1], 8 * 67, perm=True), random_packed(LAYOUTS[0] * 8, 8192, perm=False)):
+        c = pw.to("cuda")
+        ch = cc.chunk_table(pw.groups, "cuda")
+        for col0, cols in ((0, -1), (1, 100), (64, -1)):
+            poison_allocator()
+            plain = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, col0, cols, None, False, False)
+            poison_allocator()
+            held = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, col0, cols, None, False, True)
+            assert torch.equal(held, plain), (pw.in_features, col0, cols)
+    seen, real = [], ops.qdequant_chunks
+
+    def spy(*args):
+        seen.append(args[10])           # l2
+        return real(*args)
+    monkeypatch.setattr(ops, "qdequant_chunks", spy)
+    p = cc._perm_of(c, torch.device("cuda"))
+    for flag in (True, False):
+        monkeypatch.setattr(cc, "DEQUANT_L2", flag)
+        cc._dequant_w(c, ch, p, dtype)
+        assert seen[-1] is flag
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

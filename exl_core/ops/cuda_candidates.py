@@ -112,6 +112,9 @@ PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
 # uniform4); EXL_CORE_DEQUANT_U4=0: the width switch's instance for every weight without a twin table (A/B; twinned
 # weights, PROMPT_NATURAL_X, keep their own 4-bit instance).
 DEQUANT_U4 = os.environ.get("EXL_CORE_DEQUANT_U4", "1") != "0"
+# The prompt's W persists in L2 from its dequantise to its GEMM (qdequant_chunks l2: an access-policy window, the
+# device's persisting set-aside raised to its maximum on first use); EXL_CORE_DEQUANT_L2=0 off (A/B).
+DEQUANT_L2 = os.environ.get("EXL_CORE_DEQUANT_L2", "1") != "0"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -478,7 +481,7 @@ def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Te
 
     def deq(chunks_, perm_, twins=None):
         return torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks_, pw.scale, pw.zero, perm_, dtype, n0, cols,
-                                                  twins, u4)
+                                                  twins, u4, DEQUANT_L2)
     if pw.rows is None:
         return deq(chunks, perm)
     k = pw.in_features

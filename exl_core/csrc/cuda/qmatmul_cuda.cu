@@ -25,6 +25,7 @@
 
 #include "act_device.cuh"
 #include "dequant_kernel.cuh"
+#include "l2_persist.cuh"
 #include "pdl.cuh"
 
 namespace {
@@ -251,27 +252,34 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
 template <typename T>
 void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch, const int32_t* qp,
                     int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out,
-                    const int32_t* twin, bool uniform4) {
+                    const int32_t* twin, bool uniform4, bool l2) {
   exl_dequant::DequantMats mats{};
   mats.n = 1;
   mats.ldw = N;
   mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N, twin};
   using namespace exl_dequant;
+  cudaLaunchConfig_t cfg = {};
+  cfg.stream = stream;
+  cudaLaunchAttribute window;     // l2: W persisting in L2 until the GEMM after has read it (l2_persist.cuh)
+  if (l2 && exl_l2::window(window, out, static_cast<size_t>(n_chunks) * 32 * N * sizeof(T), dev)) {
+    cfg.attrs = &window;
+    cfg.numAttrs = 1;
+  }
   if constexpr (!std::is_same<T, float>::value) {
     if (vec8) {
-      const dim3 grid8(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
-      exl_pdl::launch_pdl(twin       ? dequant_kernel<T, 8, kTwin4>
-                          : uniform4 ? dequant_kernel<T, 8, kUniform4>
-                                     : dequant_kernel<T, 8, kAnyWidth>,
-                          grid8, dim3(64), 0, stream, dev, mats);
+      cfg.gridDim = dim3(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
+      cfg.blockDim = dim3(64);
+      exl_pdl::launch_ex(cfg, dev, twin       ? dequant_kernel<T, 8, kTwin4>
+                                   : uniform4 ? dequant_kernel<T, 8, kUniform4>
+                                              : dequant_kernel<T, 8, kAnyWidth>, mats);
       return;
     }
   }
-  const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(n_chunks));
-  exl_pdl::launch_pdl(twin       ? dequant_kernel<T, 1, kTwin4>
-                      : uniform4 ? dequant_kernel<T, 1, kUniform4>
-                                 : dequant_kernel<T, 1, kAnyWidth>,
-                      grid, dim3(128), 0, stream, dev, mats);
+  cfg.gridDim = dim3(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(n_chunks));
+  cfg.blockDim = dim3(128);
+  exl_pdl::launch_ex(cfg, dev, twin       ? dequant_kernel<T, 1, kTwin4>
+                               : uniform4 ? dequant_kernel<T, 1, kUniform4>
+                                          : dequant_kernel<T, 1, kAnyWidth>, mats);
 }
 
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
@@ -280,10 +288,12 @@ void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, c
 // rows, chunk c's values plus, where twin[c] >= 0, those of chunk-table row twin[c] (the extra rows reading the same
 // x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_candidates.py
 // _twins_of) checked that every chunk is 4-bit and every twin inside the table.  uniform4: every chunk is 4-bit
-// (the caller knows: _uniform4), the instance without the width switch.
+// (the caller knows: _uniform4), the instance without the width switch.  l2: W's lines persist in L2 (a GEMM reads
+// W next: l2_persist.cuh).
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
-                           int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4) {
+                           int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4,
+                           bool l2) {
   check_common(qweight, chunks, scale, zero, c10::nullopt, chunks.size(0) * 32);
   if (twin) {
     EXL_CHECK_CUDA_T(*twin, "twin");
@@ -315,7 +325,7 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
   const int32_t* tw = twin ? twin->data_ptr<int32_t>() : nullptr;
   EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
     launch_dequant<scalar_t>(vec8, K / 32, stream, dev, ch, qp, ldq, N, sp, zp, pp,
-                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4);
+                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4, l2);
   });
   return W;
 }
@@ -356,19 +366,26 @@ at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const auto chunks = chunk_table_cuda(groups, x.size(1), qweight.size(0), x.device());
   const auto xc = x.contiguous();
   if (x.size(0) <= 16) return qgemv_chunks(xc, qweight, chunks, scale, zero, perm, bias);
-  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt, false);
+  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt, false, false);
   auto y = at::matmul(xc, W);
   if (bias) y.add_(*bias);
   return y;
 }
 
+// Every persisting L2 line of the current device back to normal (qdequant_chunks' l2 leaves the last W's lines
+// persisting until another window's lines replace them): for A/B timings that switch the window off in one process.
+// Not stream-ordered: takes effect when it returns.
+void l2_reset() { C10_CUDA_CHECK(cudaCtxResetPersistingL2Cache()); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("l2_reset() -> ()", &l2_reset);
   m.def("qgemv_chunks(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "Tensor? bias) -> Tensor");
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None, bool uniform4=False) -> Tensor");
+        "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None, bool uniform4=False, "
+        "bool l2=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
