@@ -1,6 +1,6 @@
 """The prompt's path on CUDA (rows past the decode kernels): dequantise to W in x's dtype (qdequant_chunks, the
-16-byte and the per-column kernel, column slices), x @ W through cuBLAS in slices, and the residual stream's add
-inside that GEMM (qmatmul_add_), against float64 references.  Helpers from test_cuda_kernels."""
+16-byte and the per-column kernel, column slices), x @ W through cuBLAS in slices (qdequant_mm, one call), and the
+residual stream's add inside that GEMM (qmatmul_add_), against float64 references.  Helpers from test_cuda_kernels."""
 from __future__ import annotations
 
 import pytest
@@ -38,6 +38,54 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
         ref = x.double() @ W + (0 if bias is None else pw.bias.half().double())
         assert y.shape == (40, 268) and rel_err(y, ref) < 2e-3
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequant_mm_slices_bias_add_to(dtype, monkeypatch):
+    """qdequant_mm, the prompt's dequantise + cuBLAS in one call: one W (N <= two slices) and slices of 64 or 100 with
+    a narrower last one, without and with bias, and add_to (added in place and returned), against float64; bad
+    arguments are refused naming the op; _dequant_mm passes DEQUANT_SLICE, DEQUANT_U4 (uniform 4-bit weights only)
+    and DEQUANT_L2."""
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    pw = random_packed(LAYOUTS[1], 4 * 67, perm=True, bias=True)      # every width, act-order, N = 268
+    W = dequantize_reference(pw)
+    c = pw.to("cuda")
+    ch = cc.chunk_table(pw.groups, "cuda")
+    ops = torch.ops.exl_core
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}[dtype]
+    x = torch.randn(40, pw.in_features).to(dtype)
+    xc, bias = x.cuda(), c.bias.to(dtype)
+    for slice_cols in (4096, 64, 100):                               # 268 / 64 x 4 + 12 / 100, 100, 68
+        for b in (None, bias):
+            poison_allocator()
+            y = ops.qdequant_mm(xc, c.qweight, ch, c.scale, c.zero, c.perm, None, b, None, slice_cols, False, True)
+            ref = x.double() @ W + (0 if b is None else b.double().cpu())
+            assert y.shape == (40, 268) and rel_err(y, ref) < tol, (slice_cols, b is None)
+        res = torch.randn(40, 268).to(dtype)
+        got = res.cuda()
+        out = ops.qdequant_mm(xc, c.qweight, ch, c.scale, c.zero, c.perm, None, None, got, slice_cols, False, False)
+        assert out.data_ptr() == got.data_ptr() and rel_err(got, res.double() + x.double() @ W) < tol
+    bad = [(xc[:, :-32].contiguous(), None, None, 64, "x must be contiguous"),
+           (xc, bias, torch.zeros(40, 268, dtype=dtype, device="cuda"), 64, "not with add_to"),
+           (xc, None, torch.zeros(39, 268, dtype=dtype, device="cuda"), 64, "add_to must be"),
+           (xc, None, None, 0, "slice must be positive")]
+    for xa, b, add, sl, msg in bad:
+        with pytest.raises(RuntimeError, match=f"qdequant_mm: {msg}"):
+            ops.qdequant_mm(xa, c.qweight, ch, c.scale, c.zero, c.perm, None, b, add, sl)
+    seen, real = [], ops.qdequant_mm
+
+    def spy(*args):
+        seen.append(args[9:])           # slice, uniform4, l2
+        return real(*args)
+    monkeypatch.setattr(ops, "qdequant_mm", spy)
+    u4 = random_packed(LAYOUTS[0] * 3, 64, perm=True).to("cuda")
+    for w, flag in ((c, False), (u4, True)):
+        for l2 in (True, False):
+            monkeypatch.setattr(cc, "DEQUANT_L2", l2)
+            cc._dequant_mm(torch.randn(40, w.in_features, dtype=dtype, device="cuda"), w,
+                           cc.chunk_table(w.groups, "cuda"), cc._perm_of(w, torch.device("cuda")), None)
+            assert seen[-1] == (cc.DEQUANT_SLICE, flag and cc.DEQUANT_U4, l2)
 
 
 @pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])

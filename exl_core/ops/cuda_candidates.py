@@ -27,7 +27,7 @@ same 7B-shaped weights in CUDA graphs; "gemv_sweep" of a full run, bench/results
                        q/k/v and gate/up together in one launch (`qgemm_mma_multi`)
   M <= GEMV_MAX_ROWS (bf16/fp32 x; fp16 only where the tensor-core kernels refuse):
                        fused fp32 dequantise-GEMV (`exl_core::qgemv_chunks`), deterministic
-  otherwise            dequantise to W [K, N] in x's dtype (`exl_core::qdequant_chunks`) + cuBLAS
+  otherwise            dequantise to W [K, N] in x's dtype + cuBLAS, in slices (`exl_core::qdequant_mm`)
 qgemm_kslice vs qgemm_skinny (us, M=1, bench/cuda_probe.py kslice, 16 distinct weights per CUDA graph, H200;
 bench/results/cuda_kslice_h200_run_b5b4aff.json): GPTQ 4096x4096 5.6 vs 8.1, q/k/v 3x4096 10.9 vs 17.8, 11008x4096
 12.1 vs 16.9, gate/up 2x11008 19.7 vs 24.2 (at 8 rows 31.4 vs 26.8: skinny there); EXL2 (the earlier sweep,
@@ -364,6 +364,8 @@ def _qmatmul_run(x, pw):
 
 def _route(rows: int, pw, x2) -> str:
     """The kernel _qmatmul_run gives these rows: a decode kernel, the fp32 GEMV, or dequantise + cuBLAS."""
+    if rows > _decode_max_rows():          # a prompt: no decode kernel's checks on its host time
+        return "dequant"
     if x2.dtype == torch.float16:
         dev = x2.device
         if _wide_ok(rows, [pw], dev):
@@ -408,38 +410,34 @@ def _add_run(residual, x, pw) -> bool:
 
 
 def _dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
-    """x2 @ W (+ bias), W dequantised to x2's dtype for cuBLAS. Weights wider than 2 x DEQUANT_SLICE go in
-    slices of DEQUANT_SLICE columns, each dequantised into the block the slice before freed (the allocator
-    hands it back on the same stream), so the fp16 scratch stays L2-sized and the GEMM writes y's columns in
-    place. bench/prompt_probe.py (H200, x [2048, 4096], 8 distinct weights per graph): 4096x11008 312.6 ->
-    284.6 us per weight in slices of 4096; slices of 2048 lost on 4096x4096 (108.4 vs 103.2) and 11008x4096
-    (275.5 vs 267.3), where the narrower GEMMs cost more than the scratch saves.
-    add_to (no bias): add_to += x2 @ W in place, the GEMM's beta = 1 (the residual stream: no separate add)."""
-    N = pw.out_features
-    if N <= 2 * DEQUANT_SLICE:
+    """x2 @ W (+ bias), W dequantised to x2's dtype for cuBLAS, in one call (qdequant_mm: no Python a slice; the
+    prompt's host time is its ~27 launches a layer). Weights wider than 2 x DEQUANT_SLICE go in slices of
+    DEQUANT_SLICE columns through one L2-sized scratch, the GEMMs writing y's columns in place.
+    bench/prompt_probe.py (H200, x [2048, 4096], 8 distinct weights per graph): 4096x11008 312.6 -> 284.6 us per
+    weight in slices of 4096; slices of 2048 lost on 4096x4096 (108.4 vs 103.2) and 11008x4096 (275.5 vs 267.3),
+    where the narrower GEMMs cost more than the scratch saves.
+    add_to (no bias): add_to += x2 @ W in place, the GEMM's beta = 1 (the residual stream: no separate add).
+    Extra rows without a twin table (_dequant_form) are index_add-ed into a whole W, one GEMM."""
+    form = _dequant_form(pw, chunks, perm)
+    if form is None:
         w = _dequant_w(pw, chunks, perm, x2.dtype)                              # [K, N]
         if add_to is not None:
             return add_to.addmm_(x2, w)
         return torch.addmm(bias, x2, w) if bias is not None else x2 @ w
-    y = add_to if add_to is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
-    for n0 in range(0, N, DEQUANT_SLICE):
-        n1 = min(N, n0 + DEQUANT_SLICE)
-        w = _dequant_w(pw, chunks, perm, x2.dtype, n0, n1 - n0)
-        if add_to is not None:
-            y[:, n0:n1].addmm_(x2, w)
-        elif bias is not None:
-            torch.addmm(bias[n0:n1], x2, w, out=y[:, n0:n1])
-        else:
-            torch.mm(x2, w, out=y[:, n0:n1])
-        del w                                                                   # its block serves the next slice
-    return y
+    return torch.ops.exl_core.qdequant_mm(x2, pw.qweight, chunks, pw.scale, pw.zero, form[0], form[1], bias, add_to,
+                                          DEQUANT_SLICE, DEQUANT_U4 and _uniform4(pw), DEQUANT_L2)
+
+
+def _decode_max_rows() -> int:
+    """The most rows any decode kernel takes (past them, dequantise + cuBLAS)."""
+    return max(WIDE_MAX_ROWS, KSLICE_MAX_ROWS, MMA_MAX_ROWS, SKINNY_MAX_ROWS, GEMV_MAX_ROWS)
 
 
 def prompt_adds_extra_rows(rows: int) -> bool:
     """Whether `rows` rows of x reach the prompt's dequantise + cuBLAS path (past every decode kernel) with the extra
     rows of a weight rewritten as uniform 4-bit rows added into its K rows in the dequantise (PROMPT_NATURAL_X):
     the norm before such weights then writes x in its natural order (model.llama._norm_many)."""
-    return PROMPT_NATURAL_X and rows > max(WIDE_MAX_ROWS, KSLICE_MAX_ROWS, MMA_MAX_ROWS)
+    return PROMPT_NATURAL_X and rows > _decode_max_rows()
 
 
 def _twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
@@ -471,23 +469,30 @@ def _twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
     return twins
 
 
+def _dequant_form(pw, chunks, perm) -> Optional[tuple]:
+    """(perm, twins) for qdequant_*: pw's own perm where it has no extra rows (formats.uniform4: its first
+    in_features rows are a permutation of x's columns, the rest repeat some); else the first in_features entries and
+    the twin table, each chunk adding its twin's values in the same thread (_twins_of; PROMPT_NATURAL_X); None where
+    the extra rows must be dequantised apart and index_add-ed."""
+    if pw.rows is None:
+        return perm, None
+    twins = _twins_of(pw, chunks, perm) if PROMPT_NATURAL_X else None
+    return None if twins is None else (perm[:pw.in_features], twins)
+
+
 def _dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
-    """W [in_features, cols] in x's row order (qdequant_chunks); a weight with extra rows (formats.uniform4: its
-    first in_features rows are a permutation of x's columns, the rest repeat some) adds those into their rows: in
-    the same thread, each chunk with its twin's values (_twins_of; PROMPT_NATURAL_X), else dequantised apart and
-    index_add-ed.  Prompts: o and down come through here, and q/k/v and gate/up where prompt_adds_extra_rows (else
-    they run as _without_perm views over all rows)."""
+    """W [in_features, cols] in x's row order (qdequant_chunks), extra rows added in (_dequant_form).  Prompts: o and
+    down come through _dequant_mm, and q/k/v and gate/up where prompt_adds_extra_rows (else they run as
+    _without_perm views over all rows)."""
     u4 = DEQUANT_U4 and _uniform4(pw)
 
     def deq(chunks_, perm_, twins=None):
         return torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks_, pw.scale, pw.zero, perm_, dtype, n0, cols,
                                                   twins, u4, DEQUANT_L2)
-    if pw.rows is None:
-        return deq(chunks, perm)
+    form = _dequant_form(pw, chunks, perm)
+    if form is not None:
+        return deq(chunks, *form)
     k = pw.in_features
-    twins = _twins_of(pw, chunks, perm) if PROMPT_NATURAL_X else None
-    if twins is not None:
-        return deq(chunks, perm[:k], twins)
     return deq(chunks[:k // 32], perm[:k]).index_add_(0, perm[k:], deq(chunks[k // 32:], None))
 
 
@@ -554,6 +559,8 @@ def _many_run(x, pws):
     """q/k/v or gate/up in one launch (each block serves one weight; x is read per block anyway)."""
     x2 = x.reshape(-1, pws[0].in_features)
     rows = x2.shape[0]
+    if rows > _decode_max_rows():
+        return [_qmatmul_run(x, pw) for pw in pws]
     wide = _wide_ok(rows, pws, x.device)
     kslice = wide or _kslice_ok(rows, pws, x.device)
     if not kslice and any(pw.rows is not None for pw in pws):     # formats.uniform4: wide is the other kernel

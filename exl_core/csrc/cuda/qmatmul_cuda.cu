@@ -282,6 +282,47 @@ void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, c
                                           : dequant_kernel<T, 1, kAnyWidth>, mats);
 }
 
+// Checks qdequant_chunks' / qdequant_mm's weight arguments; returns K (W's rows).
+int64_t dequant_rows(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                     const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                     const c10::optional<at::Tensor>& twin) {
+  check_common(qweight, chunks, scale, zero, c10::nullopt, chunks.size(0) * 32);
+  if (twin) {
+    EXL_CHECK_CUDA_T(*twin, "twin");
+    TORCH_CHECK(twin->dtype() == at::kInt && twin->dim() == 1 && twin->is_contiguous() &&
+                twin->size(0) <= chunks.size(0), "exl_core::qdequant_chunks: twin must be contiguous int32 [K/32] "
+                "with at most the chunk table's ", chunks.size(0), " entries");
+  }
+  const int64_t K = (twin ? twin->size(0) : chunks.size(0)) * 32;
+  if (perm) {
+    EXL_CHECK_CUDA_T(*perm, "perm");
+    TORCH_CHECK(perm->dtype() == at::kLong && perm->numel() == K && perm->is_contiguous(),
+                "exl_core::qdequant_chunks: perm must be contiguous int64 [", K, "]");
+  }
+  return K;
+}
+
+// Columns [col0, col0 + W.size(1)) of the dequantised weight into W (contiguous [K, cols], checked by the caller).
+void dequant_into(at::Tensor& W, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
+                  const at::Tensor& zero, const c10::optional<at::Tensor>& perm, int64_t col0,
+                  const c10::optional<at::Tensor>& twin, bool uniform4, bool l2) {
+  const int64_t K = W.size(0), N = W.size(1), ldq = qweight.size(1);
+  if (K == 0 || N == 0) return;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = qweight.device().index();
+  const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
+  const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
+  const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
+  // 16-byte word loads (qp aligned, rows ldq % 4 words apart) and W row stores (N % 8); scale/zero go per value
+  const bool vec8 = W.scalar_type() != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
+  const int32_t* ch = chunks.data_ptr<int32_t>();
+  const int32_t* tw = twin ? twin->data_ptr<int32_t>() : nullptr;
+  EXL_DISPATCH_FLOATS(W.scalar_type(), "exl_core::qdequant_chunks", [&] {
+    launch_dequant<scalar_t>(vec8, K / 32, stream, dev, ch, qp, ldq, N, sp, zp, pp,
+                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4, l2);
+  });
+}
+
 // W [K, cols] in the original row order, dtype `dtype`: columns [col0, col0 + cols) of the dequantised
 // weight (cols -1: to the end) for cuBLAS.  Large-M callers take wide weights in L2-sized column slices.
 // twin (int32 [K / 32], a weight rewritten as uniform 4-bit rows, formats/uniform4.py): W has K = 32 x its length
@@ -294,40 +335,50 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
                            int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4,
                            bool l2) {
-  check_common(qweight, chunks, scale, zero, c10::nullopt, chunks.size(0) * 32);
-  if (twin) {
-    EXL_CHECK_CUDA_T(*twin, "twin");
-    TORCH_CHECK(twin->dtype() == at::kInt && twin->dim() == 1 && twin->is_contiguous() &&
-                twin->size(0) <= chunks.size(0), "exl_core::qdequant_chunks: twin must be contiguous int32 [K/32] "
-                "with at most the chunk table's ", chunks.size(0), " entries");
-  }
-  const int64_t K = (twin ? twin->size(0) : chunks.size(0)) * 32, ldq = qweight.size(1);
-  if (perm) {
-    EXL_CHECK_CUDA_T(*perm, "perm");
-    TORCH_CHECK(perm->dtype() == at::kLong && perm->numel() == K && perm->is_contiguous(),
-                "exl_core::qdequant_chunks: perm must be contiguous int64 [", K, "]");
-  }
+  const int64_t K = dequant_rows(qweight, chunks, scale, zero, perm, twin), ldq = qweight.size(1);
   if (cols < 0) cols = ldq - col0;
   TORCH_CHECK(col0 >= 0 && cols >= 0 && col0 + cols <= ldq, "exl_core::qdequant_chunks: columns [", col0, ", ",
               col0 + cols, ") outside the weight's ", ldq);
-  const int64_t N = cols;
   const c10::cuda::CUDAGuard guard(qweight.device());
-  auto W = at::empty({K, N}, qweight.options().dtype(dtype));
-  if (K == 0 || N == 0) return W;
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int dev = qweight.device().index();
-  const int64_t* pp = perm ? perm->data_ptr<int64_t>() : nullptr;
-  const int32_t* qp = qweight.data_ptr<int32_t>() + col0;
-  const float *sp = scale.data_ptr<float>() + col0, *zp = zero.data_ptr<float>() + col0;
-  // 16-byte word loads (qp aligned, rows ldq % 4 words apart) and W row stores (N % 8); scale/zero go per value
-  const bool vec8 = dtype != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
-  const int32_t* ch = chunks.data_ptr<int32_t>();
-  const int32_t* tw = twin ? twin->data_ptr<int32_t>() : nullptr;
-  EXL_DISPATCH_FLOATS(dtype, "exl_core::qdequant_chunks", [&] {
-    launch_dequant<scalar_t>(vec8, K / 32, stream, dev, ch, qp, ldq, N, sp, zp, pp,
-                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4, l2);
-  });
+  auto W = at::empty({K, cols}, qweight.options().dtype(dtype));
+  dequant_into(W, qweight, chunks, scale, zero, perm, col0, twin, uniform4, l2);
   return W;
+}
+
+// x [M, K] @ W (+ bias) in one call: the prompt's dequantise + cuBLAS without a Python round trip a slice.  Weights
+// wider than 2 x `slice` columns go in slices of `slice` columns through one scratch [K, slice] (the L2-sized block
+// each slice's dequantise writes and its GEMM reads), the GEMMs writing y's columns in place; narrower ones as one W.
+// add_to [M, N] (no bias): add_to += x @ W in place (the GEMM's beta 1: the residual stream) and returned.
+at::Tensor qdequant_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
+                       const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
+                       const c10::optional<at::Tensor>& twin, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& add_to, int64_t slice, bool uniform4, bool l2) {
+  EXL_CHECK_CUDA_T(x, "x");
+  const int64_t K = dequant_rows(qweight, chunks, scale, zero, perm, twin), N = qweight.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.device() == qweight.device(),
+              "exl_core::qdequant_mm: x must be contiguous [M, ", K, "] on the weight's device");
+  TORCH_CHECK(slice > 0, "exl_core::qdequant_mm: slice must be positive, got ", slice);
+  const int64_t M = x.size(0);
+  if (bias) TORCH_CHECK(!add_to && bias->dim() == 1 && bias->numel() == N && bias->dtype() == x.dtype() &&
+                        bias->device() == x.device(), "exl_core::qdequant_mm: bias must be [", N,
+                        "] in x's dtype on x's device, and not with add_to");
+  if (add_to) TORCH_CHECK(add_to->dim() == 2 && add_to->size(0) == M && add_to->size(1) == N &&
+                          add_to->dtype() == x.dtype() && add_to->device() == x.device(),
+                          "exl_core::qdequant_mm: add_to must be [", M, ", ", N, "] in x's dtype on x's device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t step = N <= 2 * slice ? N : slice;
+  auto scratch = at::empty({K * std::min(step, N)}, x.options());
+  at::Tensor y = add_to ? *add_to : at::empty({M, N}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += step) {
+    const int64_t cols = std::min(step, N - n0);
+    auto W = scratch.narrow(0, 0, K * cols).view({K, cols});
+    dequant_into(W, qweight, chunks, scale, zero, perm, n0, twin, uniform4, l2);
+    auto ys = step == N ? y : y.narrow(1, n0, cols);
+    if (add_to) ys.addmm_(x, W);
+    else if (bias) at::addmm_out(ys, bias->narrow(0, n0, cols), x, W);
+    else at::mm_out(ys, x, W);
+  }
+  return y;
 }
 
 // groups int32 [G, 4] (bits, k_start, k_len, qrow_start), on any device -> chunk table on `dev`.
@@ -386,10 +437,13 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None, bool uniform4=False, "
         "bool l2=False) -> Tensor");
+  m.def("qdequant_mm(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
+        "Tensor? twin, Tensor? bias, Tensor(a!)? add_to, int slice, bool uniform4=False, bool l2=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
   m.impl("qmatmul", &qmatmul_cuda);
   m.impl("qgemv_chunks", &qgemv_chunks);
   m.impl("qdequant_chunks", &qdequant_chunks);
+  m.impl("qdequant_mm", &qdequant_mm);
 }
