@@ -36,7 +36,7 @@ def _want_cuda():
 
 def _extension():
     cpp = _sources("*.cpp") + _sources("cpu/*.cpp")
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-DEXL_CORE_CPU"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-DEXL_CORE_CPU"]
     # Kernels pick AVX2/AVX-512 paths at run time via __attribute__((target(...))), so the
     # baseline build stays portable to any x86-64 CPU.
     link = ["-fopenmp"]
@@ -46,7 +46,7 @@ def _extension():
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-DEXL_CORE_CUDA"] + gencode
+        nvcc = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "-DEXL_CORE_CUDA"] + gencode
         return CUDAExtension("exl_core._C", cpp + cu,
                              extra_compile_args={"cxx": cxx + ["-DEXL_CORE_CUDA"], "nvcc": nvcc},
                              extra_link_args=link)

@@ -24,8 +24,8 @@
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
 # (EXL2 prompt-only runs, EXL_CORE_PROMPT_NATURAL_X=0 / default alternated twice: the extended order, GEMMs over all rows,
 # index_add, against x in natural order), promptab (bench/gpu_prompt_ab.py: the prompt's variants in one process, rounds
-# alternated: both formats with and without the prompt's L2 window), nol2 (both formats with EXL_CORE_DEQUANT_L2=0,
-# --decode-after-prompt: the prompt's W without its L2 window, batch 1 and 32 again after the prompt), prompttl
+# alternated: both formats with and without the prompt's L2 window), l2on (both formats with EXL_CORE_DEQUANT_L2=1,
+# --decode-after-prompt: the prompt's W persisting in L2, batch 1 and 32 again after the prompt), prompttl
 # (bench/prompt_timeline.py: a prompt's kernels on a timeline, idle time by kernel pair), prompthost
 # (bench/prompt_host.py: the prompt's host side: enqueue time, syncs, cProfile), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
@@ -180,7 +180,7 @@ for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) onl
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has nol2 ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -294,9 +294,9 @@ if has promptext; then  # A/B: EXL2 prompts in the extended order, GEMMs over al
   $PY -c "import json, sys; json.dump({r: json.load(open(f'/tmp/exl_promptext_{r}.json')) for r in sys.argv[2:]},
     open(sys.argv[1], 'w'), indent=1)" "$OUT/gpu_h200_promptext.json" ext1 nat1 ext2 nat2
 fi
-if has nol2; then   # A/B: the prompt's W without the L2 window (EXL_CORE_DEQUANT_L2=0), batch 1 and 32 again after it
-  EXL_CORE_DEQUANT_L2=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
-    --decode-after-prompt --json "$OUT/gpu_h200_nol2.json" 2>&1 | tee -a "$LOG" | tail -14
+if has l2on; then   # A/B: the prompt's W persisting in L2 (EXL_CORE_DEQUANT_L2=1), batch 1 and 32 again after it
+  EXL_CORE_DEQUANT_L2=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+    --decode-after-prompt --json "$OUT/gpu_h200_l2on.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 for v in "normpermold:EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17" "widetwin:EXL_CORE_WIDE_TWIN=1"; do  # A/B
   has ${v%%:*} && env ${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \

@@ -509,7 +509,7 @@ def main() -> None:
                  "attn_cluster": os.environ.get("EXL_CORE_ATTN_CLUSTER", "1") != "0",
                  "rope_kv_fuse": os.environ.get("EXL_CORE_ROPE_KV_FUSE", "1") != "0",
                  "residual_add": os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0",
-                 "dequant_l2": os.environ.get("EXL_CORE_DEQUANT_L2", "1") != "0",
+                 "dequant_l2": os.environ.get("EXL_CORE_DEQUANT_L2", "0") == "1",
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()

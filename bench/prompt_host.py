@@ -5,6 +5,8 @@ against GPTQ's 1.3 ms of 43.7 ms, with the same 874 launches and ~42.8 ms of ker
 eager prompt bound by its host (Python between launches, or a host sync that drains the queue)?  Per format:
   - the time until forward() returns on the host (launches queued, no sync at the end) against the time until the
     GPU is done (medians of 7), with a sync before each;
+  - the same for the prompt's dequantise + cuBLAS as one C++ call a weight (qdequant_mm) against a Python slice loop
+    (python_slices, stop 41's path), rounds alternated (ab_dequant_mm: medians of 15 forwards each);
   - the synchronising calls of one forward (torch.cuda.set_sync_debug_mode: their Python callers);
   - cProfile of one forward: the functions with the most own time and the most cumulative time.
 
@@ -27,15 +29,30 @@ import gpu_bench
 T = 2048
 
 
-@torch.inference_mode()
-def run_format(path: Path, fmt: str) -> list[dict]:
-    from exl_core.loader import load_model
-    model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
-    prompt = gpu_bench.prefill_call(model, T)
-    for _ in range(3):
-        prompt()
+def python_slices(x2, pw, chunks, perm, bias, add_to=None):
+    """The prompt's dequantise + cuBLAS as stop 41 ran it, a Python round trip a slice (qdequant_chunks through
+    _dequant_w, then torch.mm into y's columns): the A/B reference for qdequant_mm's one call."""
+    from exl_core.ops import cuda_candidates as cc
+    N, step = pw.out_features, cc.DEQUANT_SLICE
+    step = N if N <= 2 * step else step
+    y = add_to if add_to is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        w = cc._dequant_w(pw, chunks, perm, x2.dtype, n0, n1 - n0)
+        if add_to is not None:
+            y[:, n0:n1].addmm_(x2, w)
+        elif bias is not None:
+            torch.addmm(bias[n0:n1], x2, w, out=y[:, n0:n1])
+        else:
+            torch.mm(x2, w, out=y[:, n0:n1])
+        del w
+    return y
+
+
+def time_forwards(prompt, n: int = 7) -> tuple[list, list]:
+    """n forwards, a sync before each: host (until forward returns) and done (until the GPU finishes) in us."""
     host, done = [], []
-    for _ in range(7):
+    for _ in range(n):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         prompt()
@@ -43,10 +60,38 @@ def run_format(path: Path, fmt: str) -> list[dict]:
         torch.cuda.synchronize()
         host.append((t1 - t0) * 1e6)
         done.append((time.perf_counter() - t0) * 1e6)
+    return host, done
+
+
+@torch.inference_mode()
+def run_format(path: Path, fmt: str) -> list[dict]:
+    from exl_core.loader import load_model
+    from exl_core.ops import cuda_candidates as cc
+    model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    prompt = gpu_bench.prefill_call(model, T)
+    for _ in range(3):
+        prompt()
+    host, done = time_forwards(prompt)
     case = {"format": fmt, "host_us": statistics.median(host), "done_us": statistics.median(done),
             "host_all_us": host, "done_all_us": done}
     print(f"\n== {fmt}: forward returns after {case['host_us']:.1f} us, GPU done after {case['done_us']:.1f} us "
           f"({T / case['done_us'] * 1e6:.1f} tok/s); host {', '.join(f'{h:.0f}' for h in host)}")
+    ab: dict = {"op": ([], []), "python_slices": ([], [])}      # rounds alternated: qdequant_mm vs a slice loop
+    one_call = cc._dequant_mm
+    for _ in range(3):
+        for name, fn in (("python_slices", python_slices), ("op", one_call)):
+            cc._dequant_mm = fn
+            try:
+                prompt()
+                h, d = time_forwards(prompt, 5)
+            finally:
+                cc._dequant_mm = one_call
+            ab[name][0].extend(h)
+            ab[name][1].extend(d)
+    case["ab_dequant_mm"] = {k: {"host_us": statistics.median(h), "done_us": statistics.median(d), "host_all_us": h,
+                                 "done_all_us": d} for k, (h, d) in ab.items()}
+    for k, v in case["ab_dequant_mm"].items():
+        print(f"   {k:14s} host {v['host_us']:9.1f} us  done {v['done_us']:9.1f} us  ({T / v['done_us'] * 1e6:.1f} tok/s)")
 
     syncs: dict = {}
     torch.cuda.synchronize()

@@ -43,8 +43,8 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dequant_mm_slices_bias_add_to(dtype, monkeypatch):
     """qdequant_mm, the prompt's dequantise + cuBLAS in one call: one W (N <= two slices) and slices of 64 or 100 with
-    a narrower last one, without and with bias, and add_to (added in place and returned), against float64; bad
-    arguments are refused naming the op; _dequant_mm passes DEQUANT_SLICE, DEQUANT_U4 (uniform 4-bit weights only)
+    a narrower last one, without and with bias, and add_to (added in place and returned), against float64;
+    _dequant_mm passes DEQUANT_SLICE, DEQUANT_U4 (uniform 4-bit weights only)
     and DEQUANT_L2."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
@@ -66,13 +66,6 @@ def test_dequant_mm_slices_bias_add_to(dtype, monkeypatch):
         got = res.cuda()
         out = ops.qdequant_mm(xc, c.qweight, ch, c.scale, c.zero, c.perm, None, None, got, slice_cols, False, False)
         assert out.data_ptr() == got.data_ptr() and rel_err(got, res.double() + x.double() @ W) < tol
-    bad = [(xc[:, :-32].contiguous(), None, None, 64, "x must be contiguous"),
-           (xc, bias, torch.zeros(40, 268, dtype=dtype, device="cuda"), 64, "not with add_to"),
-           (xc, None, torch.zeros(39, 268, dtype=dtype, device="cuda"), 64, "add_to must be"),
-           (xc, None, None, 0, "slice must be positive")]
-    for xa, b, add, sl, msg in bad:
-        with pytest.raises(RuntimeError, match=f"qdequant_mm: {msg}"):
-            ops.qdequant_mm(xa, c.qweight, ch, c.scale, c.zero, c.perm, None, b, add, sl)
     seen, real = [], ops.qdequant_mm
 
     def spy(*args):
@@ -86,6 +79,38 @@ def test_dequant_mm_slices_bias_add_to(dtype, monkeypatch):
             cc._dequant_mm(torch.randn(40, w.in_features, dtype=dtype, device="cuda"), w,
                            cc.chunk_table(w.groups, "cuda"), cc._perm_of(w, torch.device("cuda")), None)
             assert seen[-1] == (cc.DEQUANT_SLICE, flag and cc.DEQUANT_U4, l2)
+
+
+_BAD_DEQUANT_MM = """
+import torch, exl_core
+from exl_core.ops.cuda_candidates import chunk_table
+from test_cuda_kernels import LAYOUTS, random_packed
+c = random_packed(LAYOUTS[1], 268, perm=True).to("cuda")
+x = torch.randn(40, c.in_features, dtype=torch.float16, device="cuda")
+bad = {"x must be contiguous": (x[:, :-32].contiguous(), None, None, 64),
+       "not with add_to": (x, torch.zeros(268, dtype=x.dtype, device="cuda"), torch.zeros_like(x[:, :1]), 64),
+       "add_to must be": (x, None, torch.zeros(39, 268, dtype=x.dtype, device="cuda"), 64),
+       "slice must be positive": (x, None, None, 0)}
+for msg, (xa, b, add, sl) in bad.items():
+    try:
+        torch.ops.exl_core.qdequant_mm(xa, c.qweight, chunk_table(c.groups, "cuda"), c.scale, c.zero, c.perm, None,
+                                       b, add, sl)
+    except RuntimeError as e:
+        print("raised:", msg in str(e) and "qdequant_mm" in str(e))
+"""
+
+
+def test_dequant_mm_refuses_bad_input():
+    """qdequant_mm refuses x of the wrong K, bias with add_to, add_to of the wrong shape and a slice of 0 with an error
+    naming the op and the problem (in a child process, so that a crash fails this test only)."""
+    _need_kernels()
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, "-c", _BAD_DEQUANT_MM], capture_output=True, text=True,
+                       cwd=Path(__file__).parent)
+    assert r.returncode == 0 and r.stdout.split() == ["raised:", "True"] * 4, (r.returncode, r.stdout,
+                                                                               r.stderr[-800:])
 
 
 @pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])
@@ -149,7 +174,8 @@ def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch)
 def test_dequant_l2_window_writes_the_same(dtype, monkeypatch):
     """qdequant_chunks(l2=True), the launch with W's lines persisting in L2 (l2_persist.cuh), writes exactly what the
     launch without the window writes (16-byte, per-column and fp32 instances, a twin-free act-order weight, whole and
-    sliced, past the window's hitRatio on a W larger than the set-aside); _dequant_w passes DEQUANT_L2."""
+    sliced, past the window's hitRatio on a W larger than the set-aside; again after l2_reset put the set-aside back to
+    0); _dequant_w passes DEQUANT_L2."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
     ops = torch.ops.exl_core
@@ -162,6 +188,10 @@ def test_dequant_l2_window_writes_the_same(dtype, monkeypatch):
             poison_allocator()
             held = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, col0, cols, None, False, True)
             assert torch.equal(held, plain), (pw.in_features, col0, cols)
+            ops.l2_reset()                  # set-aside back to 0: the next window raises it again
+            assert torch.equal(ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dtype, col0, cols, None,
+                                                   False, True), plain)
+    ops.l2_reset()                          # the tests after this one run with all of L2
     seen, real = [], ops.qdequant_chunks
 
     def spy(*args):

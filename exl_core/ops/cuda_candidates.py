@@ -112,9 +112,10 @@ PROMPT_NATURAL_X = os.environ.get("EXL_CORE_PROMPT_NATURAL_X", "1") != "0"
 # uniform4); EXL_CORE_DEQUANT_U4=0: the width switch's instance for every weight without a twin table (A/B; twinned
 # weights, PROMPT_NATURAL_X, keep their own 4-bit instance).
 DEQUANT_U4 = os.environ.get("EXL_CORE_DEQUANT_U4", "1") != "0"
-# The prompt's W persists in L2 from its dequantise to its GEMM (qdequant_chunks l2: an access-policy window, the
-# device's persisting set-aside raised to its maximum on first use); EXL_CORE_DEQUANT_L2=0 off (A/B).
-DEQUANT_L2 = os.environ.get("EXL_CORE_DEQUANT_L2", "1") != "0"
+# EXL_CORE_DEQUANT_L2=1: the prompt's W persists in L2 from its dequantise to its GEMM (qdequant_chunks l2: an
+# access-policy window, the device's persisting set-aside raised to its maximum on first use).  Off: no faster in
+# the bench's prompt, and decode slower after it (csrc/cuda/l2_persist.cuh).
+DEQUANT_L2 = os.environ.get("EXL_CORE_DEQUANT_L2", "0") == "1"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 

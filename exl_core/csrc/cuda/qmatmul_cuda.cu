@@ -423,10 +423,14 @@ at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
-// Every persisting L2 line of the current device back to normal (qdequant_chunks' l2 leaves the last W's lines
-// persisting until another window's lines replace them): for A/B timings that switch the window off in one process.
-// Not stream-ordered: takes effect when it returns.
-void l2_reset() { C10_CUDA_CHECK(cudaCtxResetPersistingL2Cache()); }
+// Every persisting L2 line of the current device back to normal and its set-aside back to 0 (qdequant_chunks' l2
+// leaves the last W's lines persisting and the set-aside raised): for A/B timings that switch the window off in one
+// process.  Not stream-ordered: takes effect when it returns.
+void l2_reset() {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(exl_l2::release(dev));
+}
 
 }  // namespace
 
