@@ -5,7 +5,7 @@ runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read a
 
   gptq u4 / exl2 nat      the defaults: GPTQ's uniform 4-bit weights by the 4-bit dequantise instance; rewritten
                           EXL2, x in natural order, extra rows added in the dequantise (twins)
-  gptq l2 / exl2 l2       the same with W persisting in L2 from its dequantise to its GEMM (cuda_candidates.DEQUANT_L2)
+  gptq l2 / exl2 l2       the same with W persisting in L2 from its dequantise to its GEMM (cuda_dequant.DEQUANT_L2)
 Before each variant the persisting lines are reset and the set-aside put back to 0 (exl_core::l2_reset), so one
 variant's window does not shrink the L2 of the next (stop 41's promptab reset the lines only: its "l2 off" ran with
 the set-aside raised and read 0.8479x / 0.8506x, where separate processes read 0.9955x / 1.0375x).  Earlier variants, none kept: the width switch's instance for GPTQ and the extended
@@ -27,7 +27,7 @@ import torch
 
 from gpu_bench import _write, prompt_tok_s
 
-VARIANTS = {   # name: (format, settings that differ from the process's: cuda_candidates' switches, "blas")
+VARIANTS = {   # name: (format, settings that differ from the process's: cuda_dequant's switches, "blas")
     "gptq u4": ("gptq", {}), "gptq l2": ("gptq", {"DEQUANT_L2": True}),
     "exl2 nat": ("exl2", {}), "exl2 l2": ("exl2", {"DEQUANT_L2": True}),
 }
@@ -35,7 +35,7 @@ VARIANTS = {   # name: (format, settings that differ from the process's: cuda_ca
 
 def main() -> None:
     from exl_core.loader import load_model
-    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gptq", type=Path, required=True)
     ap.add_argument("--exl2", type=Path, required=True)
@@ -46,8 +46,8 @@ def main() -> None:
     # for the whole run), so the first variant of a format times them
     switches = {k for _, diff in VARIANTS.values() for k in diff if k != "blas"}
     for k in switches:
-        assert hasattr(cc, k), f"cuda_candidates has no switch {k}"   # a typo must not time the default
-    defaults = {k: getattr(cc, k) for k in switches}
+        assert hasattr(cd, k), f"cuda_dequant has no switch {k}"   # a typo must not time the default
+    defaults = {k: getattr(cd, k) for k in switches}
     defaults["blas"] = torch.backends.cuda.preferred_blas_library()
     models = {f: load_model(getattr(a, f), device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
               for f in ("gptq", "exl2")}
@@ -57,7 +57,7 @@ def main() -> None:
         settings = {**defaults, **diff}
         torch.backends.cuda.preferred_blas_library(settings.pop("blas"))
         for k, v in settings.items():
-            setattr(cc, k, v)
+            setattr(cd, k, v)
         torch.cuda.synchronize()
         torch.ops.exl_core.l2_reset()
         return prompt_tok_s(models[fmt])

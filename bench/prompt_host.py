@@ -31,14 +31,14 @@ T = 2048
 
 def python_slices(x2, pw, chunks, perm, bias, add_to=None):
     """The prompt's dequantise + cuBLAS as stop 41 ran it, a Python round trip a slice (qdequant_chunks through
-    _dequant_w, then torch.mm into y's columns): the A/B reference for qdequant_mm's one call."""
-    from exl_core.ops import cuda_candidates as cc
-    N, step = pw.out_features, cc.DEQUANT_SLICE
+    dequant_w, then torch.mm into y's columns): the A/B reference for qdequant_mm's one call."""
+    from exl_core.ops import cuda_dequant as cd
+    N, step = pw.out_features, cd.DEQUANT_SLICE
     step = N if N <= 2 * step else step
     y = add_to if add_to is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
-        w = cc._dequant_w(pw, chunks, perm, x2.dtype, n0, n1 - n0)
+        w = cd.dequant_w(pw, chunks, perm, x2.dtype, n0, n1 - n0)
         if add_to is not None:
             y[:, n0:n1].addmm_(x2, w)
         elif bias is not None:
@@ -66,7 +66,7 @@ def time_forwards(prompt, n: int = 7) -> tuple[list, list]:
 @torch.inference_mode()
 def run_format(path: Path, fmt: str) -> list[dict]:
     from exl_core.loader import load_model
-    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
     prompt = gpu_bench.prefill_call(model, T)
     for _ in range(3):
@@ -77,15 +77,15 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     print(f"\n== {fmt}: forward returns after {case['host_us']:.1f} us, GPU done after {case['done_us']:.1f} us "
           f"({T / case['done_us'] * 1e6:.1f} tok/s); host {', '.join(f'{h:.0f}' for h in host)}")
     ab: dict = {"op": ([], []), "python_slices": ([], [])}      # rounds alternated: qdequant_mm vs a slice loop
-    one_call = cc._dequant_mm
+    one_call = cd.dequant_mm
     for _ in range(3):
         for name, fn in (("python_slices", python_slices), ("op", one_call)):
-            cc._dequant_mm = fn
+            cd.dequant_mm = fn
             try:
                 prompt()
                 h, d = time_forwards(prompt, 5)
             finally:
-                cc._dequant_mm = one_call
+                cd.dequant_mm = one_call
             ab[name][0].extend(h)
             ab[name][1].extend(d)
     case["ab_dequant_mm"] = {k: {"host_us": statistics.median(h), "done_us": statistics.median(d), "host_all_us": h,

@@ -18,6 +18,7 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
     the float64 reference, with and without bias."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     pw = random_packed(LAYOUTS[1], 4 * 67, perm=True, bias=True)      # every width, N = 268
     W = dequantize_reference(pw)
     c = pw.to("cuda")
@@ -30,11 +31,11 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
             poison_allocator()
             part = ops.qdequant_chunks(c.qweight, ch, c.scale, c.zero, c.perm, dt, col0, cols)
             assert torch.equal(part, full[:, col0:col0 + cols] if cols >= 0 else full[:, col0:]), (dt, col0)
-    monkeypatch.setattr(cc, "DEQUANT_SLICE", 64)                     # slices of 64, 64, 64, 64, 12 columns
+    monkeypatch.setattr(cd, "DEQUANT_SLICE", 64)                     # slices of 64, 64, 64, 64, 12 columns
     x = torch.randn(40, pw.in_features, dtype=torch.float16)
     for bias in (None, c.bias.half()):
         poison_allocator()
-        y = cc._dequant_mm(x.cuda(), c, ch, c.perm, bias)
+        y = cd.dequant_mm(x.cuda(), c, ch, c.perm, bias)
         ref = x.double() @ W + (0 if bias is None else pw.bias.half().double())
         assert y.shape == (40, 268) and rel_err(y, ref) < 2e-3
 
@@ -44,10 +45,11 @@ def test_dequant_column_slices_and_sliced_matmul(monkeypatch):
 def test_dequant_mm_slices_bias_add_to(dtype, monkeypatch):
     """qdequant_mm, the prompt's dequantise + cuBLAS in one call: one W (N <= two slices) and slices of 64 or 100 with
     a narrower last one, without and with bias, and add_to (added in place and returned), against float64;
-    _dequant_mm passes DEQUANT_SLICE, DEQUANT_U4 (uniform 4-bit weights only)
+    dequant_mm passes DEQUANT_SLICE, DEQUANT_U4 (uniform 4-bit weights only)
     and DEQUANT_L2."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     pw = random_packed(LAYOUTS[1], 4 * 67, perm=True, bias=True)      # every width, act-order, N = 268
     W = dequantize_reference(pw)
     c = pw.to("cuda")
@@ -75,10 +77,10 @@ def test_dequant_mm_slices_bias_add_to(dtype, monkeypatch):
     u4 = random_packed(LAYOUTS[0] * 3, 64, perm=True).to("cuda")
     for w, flag in ((c, False), (u4, True)):
         for l2 in (True, False):
-            monkeypatch.setattr(cc, "DEQUANT_L2", l2)
-            cc._dequant_mm(torch.randn(40, w.in_features, dtype=dtype, device="cuda"), w,
+            monkeypatch.setattr(cd, "DEQUANT_L2", l2)
+            cd.dequant_mm(torch.randn(40, w.in_features, dtype=dtype, device="cuda"), w,
                            cc.chunk_table(w.groups, "cuda"), cc._perm_of(w, torch.device("cuda")), None)
-            assert seen[-1] == (cc.DEQUANT_SLICE, flag and cc.DEQUANT_U4, l2)
+            assert seen[-1] == (cd.DEQUANT_SLICE, flag and cd.DEQUANT_U4, l2)
 
 
 _BAD_DEQUANT_MM = """
@@ -140,12 +142,13 @@ def test_dequant_vectorised_equals_per_column_and_float64(perm, dtype):
 @pytest.mark.parametrize("perm", [True, False], ids=["act_order", "in_order"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch):
-    """qdequant_chunks(uniform4=True), the instance without the width switch that _dequant_w takes for uniform 4-bit
+    """qdequant_chunks(uniform4=True), the instance without the width switch that dequant_w takes for uniform 4-bit
     weights (GPTQ 4-bit), writes exactly what the width switch's instance writes, 16-byte and per-column (a
-    misaligned slice), whole and sliced, and matches float64; _dequant_w passes the flag only where every chunk is
+    misaligned slice), whole and sliced, and matches float64; dequant_w passes the flag only where every chunk is
     4-bit (EXL_CORE_DEQUANT_U4=0: never)."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     pw = random_packed(LAYOUTS[0] * 3, 8 * 67, perm=perm)
     W = dequantize_reference(pw)
     c = pw.to("cuda")
@@ -166,10 +169,10 @@ def test_dequant_uniform4_instance_equals_width_switch(perm, dtype, monkeypatch)
     monkeypatch.setattr(ops, "qdequant_chunks", spy)
     mixed = random_packed(LAYOUTS[1], 64, perm=perm).to("cuda")
     for w, flag in ((c, True), (mixed, False)):
-        cc._dequant_w(w, cc.chunk_table(w.groups, "cuda"), cc._perm_of(w, torch.device("cuda")), dtype)
+        cd.dequant_w(w, cc.chunk_table(w.groups, "cuda"), cc._perm_of(w, torch.device("cuda")), dtype)
         assert seen[-1] is flag
-    monkeypatch.setattr(cc, "DEQUANT_U4", False)
-    cc._dequant_w(c, ch, cc._perm_of(c, torch.device("cuda")), dtype)
+    monkeypatch.setattr(cd, "DEQUANT_U4", False)
+    cd.dequant_w(c, ch, cc._perm_of(c, torch.device("cuda")), dtype)
     assert seen[-1] is False
 
 
@@ -178,9 +181,10 @@ def test_dequant_l2_window_writes_the_same(dtype, monkeypatch):
     """qdequant_chunks(l2=True), the launch with W's lines persisting in L2 (l2_persist.cuh), writes exactly what the
     launch without the window writes (16-byte, per-column and fp32 instances, a twin-free act-order weight, whole and
     sliced, past the window's hitRatio on a W larger than the set-aside; again after l2_reset put the set-aside back to
-    0); _dequant_w passes DEQUANT_L2."""
+    0); dequant_w passes DEQUANT_L2."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     ops = torch.ops.exl_core
     for pw in (random_packed(LAYOUTS[1], 8 * 67, perm=True), random_packed(LAYOUTS[0] * 8, 8192, perm=False)):
         c = pw.to("cuda")
@@ -203,8 +207,8 @@ def test_dequant_l2_window_writes_the_same(dtype, monkeypatch):
     monkeypatch.setattr(ops, "qdequant_chunks", spy)
     p = cc._perm_of(c, torch.device("cuda"))
     for flag in (True, False):
-        monkeypatch.setattr(cc, "DEQUANT_L2", flag)
-        cc._dequant_w(c, ch, p, dtype)
+        monkeypatch.setattr(cd, "DEQUANT_L2", flag)
+        cd.dequant_w(c, ch, p, dtype)
         assert seen[-1] is flag
 
 
@@ -214,13 +218,13 @@ def test_qmatmul_add_into_residual(monkeypatch, dtype):
     and in column slices, within the output rounding of the float64 sum; decode-sized rows and a weight with a
     bias are refused, with the residual untouched."""
     _need_kernels()
-    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     from exl_core.ops.qmatmul import adds_in_place, qmatmul_add_
     pw = random_packed(LAYOUTS[1], 8 * 67, perm=True)                 # every width, act-order, N = 536
     W = dequantize_reference(pw)
     c = pw.to("cuda")
-    for slice_cols in (cc.DEQUANT_SLICE, 128):                        # one GEMM; slices 128 x 4 + 24
-        monkeypatch.setattr(cc, "DEQUANT_SLICE", slice_cols)
+    for slice_cols in (cd.DEQUANT_SLICE, 128):                        # one GEMM; slices 128 x 4 + 24
+        monkeypatch.setattr(cd, "DEQUANT_SLICE", slice_cols)
         x = torch.randn(48, pw.in_features).to(dtype)
         res = torch.randn(48, pw.out_features).to(dtype)
         want = res.double() + x.double() @ W

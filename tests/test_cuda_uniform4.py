@@ -112,29 +112,30 @@ def test_loader_rewrites_mixed_widths_on_cuda_by_default(exl2_act_order_dir, mon
 @pytest.mark.parametrize("padded", [False, True])
 def test_prompt_dequantise_adds_twins(dtype, padded, monkeypatch):
     """The prompt's W of a rewritten weight has K rows: each chunk's values plus its twin's (the extra chunk reading the
-    same x columns) in one thread, rounded once (qdequant_chunks' twin table, _twins_of), whole and in a column slice;
+    same x columns) in one thread, rounded once (qdequant_chunks' twin table, twins_of), whole and in a column slice;
     a padded weight's zero-scale chunks (formats.uniform4.pad_rows: all aimed at row 0) are left out.  Against the
     float64 dequantisation of the file's weight within one rounding (half an ulp of the largest value), where
     dequantising the extra rows apart and index_add-ing them (EXL_CORE_PROMPT_NATURAL_X=0) rounds three times."""
     _need_kernels()
     from exl_core.formats.uniform4 import as_uniform4, pad_rows
     from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     pw = random_packed(U4_LAYOUTS[1], 520, perm=True)
     u = as_uniform4(pw, max_growth=10.0)
     if padded:
         u = pad_rows(u, u.rows + 64)
     uc = u.to("cuda")
     chunks, perm = cc._chunks_of(uc), cc._perm_of(uc, torch.device("cuda"))
-    twins = cc._twins_of(uc, chunks, perm)
+    twins = cd.twins_of(uc, chunks, perm)
     assert twins is not None and twins.shape == (u.in_features // 32,)
     assert int((twins >= 0).sum()) * 32 == u.rows - u.in_features - (64 if padded else 0)
     full = dequantize_reference(pw)
     for n0, cols in ((0, -1), (8, 256)):
         poison_allocator()
-        w = cc._dequant_w(uc, chunks, perm, dtype, n0, cols)
-        monkeypatch.setattr(cc, "PROMPT_NATURAL_X", False)
-        two = cc._dequant_w(uc, chunks, perm, dtype, n0, cols)
-        monkeypatch.setattr(cc, "PROMPT_NATURAL_X", True)
+        w = cd.dequant_w(uc, chunks, perm, dtype, n0, cols)
+        monkeypatch.setattr(cd, "PROMPT_NATURAL_X", False)
+        two = cd.dequant_w(uc, chunks, perm, dtype, n0, cols)
+        monkeypatch.setattr(cd, "PROMPT_NATURAL_X", True)
         ref = full[:, n0:n0 + w.shape[1]]
         assert w.shape == two.shape == ref.shape
         top = float(ref.abs().max())
@@ -149,7 +150,7 @@ def test_rewritten_prompt_reads_x_in_natural_order(tiny_model_factory, tmp_path,
     its natural order (no permuted norm), every GEMM runs over K, and the logits agree with the extended-order path
     (EXL_CORE_PROMPT_NATURAL_X=0); a decode-sized forward still takes the permuted norm."""
     _need_kernels()
-    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
     from test_norm_perm import record_norm_widths, rewritten_shared_exl2
     model = rewritten_shared_exl2(tiny_model_factory, tmp_path, device="cuda", dtype=torch.float16)
     assert model.layers[0].self_attn.q_proj.packed.rows is not None
@@ -158,10 +159,10 @@ def test_rewritten_prompt_reads_x_in_natural_order(tiny_model_factory, tmp_path,
     with torch.inference_mode():
         natural = model.forward_batch(ids).double()
         assert widths == []
-        monkeypatch.setattr(cc, "PROMPT_NATURAL_X", False)
+        monkeypatch.setattr(cd, "PROMPT_NATURAL_X", False)
         extended = model.forward_batch(ids).double()
         assert len(widths) == 2 * len(model.layers) and max(widths) > model.config.hidden_size
-        monkeypatch.setattr(cc, "PROMPT_NATURAL_X", True)
+        monkeypatch.setattr(cd, "PROMPT_NATURAL_X", True)
         widths.clear()
         model.forward_batch(ids[:, :8])                     # decode-sized rows keep the extended order
         assert len(widths) == 2 * len(model.layers)
