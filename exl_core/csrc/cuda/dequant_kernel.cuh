@@ -156,7 +156,7 @@ struct DequantMats {
 };
 
 // Which chunks an instance takes: any width (a switch over bits), uniform 4-bit (no switch: 70 registers against
-// the switch's 110, sm_90; the host knows, ops/cuda_candidates.py _uniform4), or uniform 4-bit with twin tables.
+// the switch's 110, sm_90; the host knows, ops/cuda_dequant.py uniform4), or uniform 4-bit with twin tables.
 enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
 
 // grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every

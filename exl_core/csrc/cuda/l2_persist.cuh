@@ -4,7 +4,7 @@
 // lines persist in L2's set-aside until the GEMM has read them and the next slice overwrites them in place.
 // bench/dequant_probe.cu `l2` (H200, four 7B layers a graph, the extension's slicing, us a layer): dequantise +
 // GEMMs 1,582.50-1,625.39 -> 1,357.84-1,384.80 (GPTQ), 1,634.74-1,672.09 -> 1,404.97-1,411.98 (the rewritten EXL2).
-// The caller asks per launch (qdequant_chunks' l2; ops/cuda_candidates.py DEQUANT_L2, EXL_CORE_DEQUANT_L2=1 on).
+// The caller asks per launch (qdequant_chunks' l2; ops/cuda_dequant.py DEQUANT_L2, EXL_CORE_DEQUANT_L2=1 on).
 // Off by default: in the bench (stop 42 call 1, one process each) the prompt read GPTQ 43,900.9 against 43,707.2 off
 // (1.0044x), EXL2 42,965.2 against 44,578.7 (0.9638x), and decode slower (batch 32 7,938.1 / 7,424.0 against
 // 8,243.1 / 7,629.2; the 128-token prompt before it raises the set-aside): the set-aside and the last W's

@@ -73,7 +73,7 @@ void launch(const __half* x, int M, int64_t K, Mats mats, int dev, int splits, c
 
 // ys[i] [M, N_i] fp16 = x[:, perm_i] @ W_i (+ bias_i) for up to kMaxMats weights with the same K in
 // one launch; x fp16 [M <= 32, K]. `uniform4`: every chunk of every weight is 4-bit and chunk c's words
-// are rows 4c..4c+3 (GPTQ 4-bit; the caller checks, ops/cuda_candidates.py _uniform4) -- selects the
+// are rows 4c..4c+3 (GPTQ 4-bit; the caller checks, ops/cuda_dequant.py uniform4) -- selects the
 // kernel without the per-chunk width switch or table reads for the weight loads.
 std::vector<at::Tensor> qgemm_skinny_multi(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                            at::TensorList scale, at::TensorList zero,

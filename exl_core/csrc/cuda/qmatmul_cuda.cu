@@ -327,9 +327,9 @@ void dequant_into(at::Tensor& W, const at::Tensor& qweight, const at::Tensor& ch
 // weight (cols -1: to the end) for cuBLAS.  Large-M callers take wide weights in L2-sized column slices.
 // twin (int32 [K / 32], a weight rewritten as uniform 4-bit rows, formats/uniform4.py): W has K = 32 x its length
 // rows, chunk c's values plus, where twin[c] >= 0, those of chunk-table row twin[c] (the extra rows reading the same
-// x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_candidates.py
-// _twins_of) checked that every chunk is 4-bit and every twin inside the table.  uniform4: every chunk is 4-bit
-// (the caller knows: _uniform4), the instance without the width switch.  l2: W's lines persist in L2 (a GEMM reads
+// x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_dequant.py
+// twins_of) checked that every chunk is 4-bit and every twin inside the table.  uniform4: every chunk is 4-bit
+// (the caller knows: uniform4), the instance without the width switch.  l2: W's lines persist in L2 (a GEMM reads
 // W next: l2_persist.cuh).
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
@@ -367,7 +367,7 @@ at::Tensor qdequant_mm(const at::Tensor& x, const at::Tensor& qweight, const at:
                           "exl_core::qdequant_mm: add_to must be [", M, ", ", N, "] in x's dtype on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t step = N <= 2 * slice ? N : slice;
-  auto scratch = at::empty({K * std::min(step, N)}, x.options());
+  auto scratch = at::empty({K * step}, x.options());              // step <= N
   at::Tensor y = add_to ? *add_to : at::empty({M, N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += step) {
     const int64_t cols = std::min(step, N - n0);
