@@ -225,7 +225,7 @@ if has prompttl; then  # the prompt's kernels on a timeline: idle time by kernel
     | tail -50
 fi
 if has throwprobe; then  # which failing TORCH_CHECK kills the process (bench/throw_probe.py), gdb's stack where found
-  timeout 300 $PY bench/throw_probe.py 2>&1 | tee -a "$LOG" | tail -60
+  timeout ${THROW_TIMEOUT:-420} $PY bench/throw_probe.py 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has prompthost; then  # the prompt's host side: enqueue time against GPU time, syncs, cProfile (bench/prompt_host.py)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_host.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \

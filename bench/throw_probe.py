@@ -92,7 +92,9 @@ def toolchain() -> None:
 
 
 def mini_extensions(tracer: str | None) -> None:
+    """Builds the MINI_VARIANTS side by side (load_inline, a process each), then calls each one's failing op."""
     build_root = tempfile.mkdtemp(prefix="throwmini_")
+    builds = {}
     for name, (cflags, ldflags, cuda) in MINI_VARIANTS.items():
         code = (f"import torch, os\nfrom torch.utils.cpp_extension import load_inline\n"
                 f"d = os.path.join({build_root!r}, {name!r}); os.makedirs(d, exist_ok=True)\n"
@@ -101,9 +103,12 @@ def mini_extensions(tracer: str | None) -> None:
                 + (f"cuda_sources=[{MINI_CU!r}], " if cuda else "")
                 + f"extra_cflags={cflags!r}, extra_ldflags={ldflags!r}, build_directory=d, is_python_module=False, "
                 f"verbose=False)\n")
-        r = run([sys.executable, "-c", code], timeout=400)
-        if r.returncode != 0:
-            print(f"{name}: build failed rc {r.returncode}: {r.stderr.strip()[-400:]}")
+        builds[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+    for name, proc in builds.items():
+        _, err = proc.communicate(timeout=400)
+        if proc.returncode != 0:
+            print(f"{name}: build failed rc {proc.returncode}: {err.strip()[-400:]}")
             continue
         so = os.path.join(build_root, name, f"{name}.so")
         case = child(f"torch.ops.{name}.boom(torch.zeros(2))", f"import torch\ntorch.ops.load_library({so!r})")
