@@ -8,6 +8,8 @@ pull a multi-GB CUDA wheel): install with `pip install -e . --no-build-isolation
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 from setuptools import setup
 
@@ -26,6 +28,21 @@ def _sources(pattern):
     return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, CSRC, pattern)))
 
 
+def _shared_libstdcxx():
+    """The C++ runtime to link by its path (Linux). Where the compiler has no libstdc++.so of its own (the H200
+    image's g++ 13) it links libstdc++.a into the extension: a private copy whose locale is never set up, so the
+    first failing TORCH_CHECK (c10::str streaming a number) died with SIGSEGV instead of raising (bench/throw_probe.py,
+    stop 43). Naming the shared runtime first leaves nothing for the archive to supply."""
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        found = subprocess.run([os.environ.get("CXX", "c++"), "-print-file-name=libstdc++.so.6"],
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [found] if os.path.isabs(found) and os.path.exists(found) else []
+
+
 def _want_cuda():
     if os.environ.get("EXL_CORE_NO_CUDA") == "1":
         return False
@@ -39,7 +56,7 @@ def _extension():
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-DEXL_CORE_CPU"]
     # Kernels pick AVX2/AVX-512 paths at run time via __attribute__((target(...))), so the
     # baseline build stays portable to any x86-64 CPU.
-    link = ["-fopenmp"]
+    link = ["-fopenmp"] + _shared_libstdcxx()
     if _want_cuda():
         cu = _sources("cuda/*.cu")
         archs = os.environ.get("EXL_CORE_CUDA_ARCHS", "80;90").split(";")

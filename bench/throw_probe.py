@@ -18,7 +18,8 @@ import sys
 import tempfile
 
 CASES = {
-    "torch mm on cuda (libtorch's check)": "torch.mm(torch.zeros(2, 3, device='cuda'), torch.zeros(4, 5, device='cuda'))",
+    "torch mm on cuda (libtorch's check)":
+        "torch.mm(torch.zeros(2, 3, device='cuda'), torch.zeros(4, 5, device='cuda'))",
     "exl_core CPU op (qmatmul, bad groups)": "torch.ops.exl_core.qmatmul(torch.zeros(2, 64), torch.zeros(8, 4, "
     "dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32), torch.ones(1, 4), torch.zeros(1, 4), None, None)",
     "exl_core CUDA op (l2-free qdequant_mm, slice 0)": "torch.ops.exl_core.qdequant_mm(torch.zeros(2, 32, "
@@ -43,6 +44,7 @@ MINI_VARIANTS = {  # name: (extra C++ flags, extra link flags, with CUDA)
     "mini_plain": ([], [], False),
     "mini_exlflags": (["-O3", "-std=c++20", "-fopenmp"], ["-fopenmp"], False),
     "mini_cuda": (["-O3", "-std=c++20"], [], True),
+    "mini_shared_runtime": ([], ["LIBSTDCXX"], False),     # setup.py's fix: libstdc++.so.6 named by its path
 }
 
 
@@ -75,14 +77,22 @@ def symbolise(stderr: str) -> str:
 
 def toolchain() -> None:
     import torch
-    print("g++:", (run(["g++", "--version"]).stdout.splitlines() or ["none"])[0])
+    print("g++:", (run(["g++", "--version"]).stdout.splitlines() or ["none"])[0], "; libstdc++.so / .so.6 / .a:",
+          [run(["g++", f"-print-file-name={f}"]).stdout.strip() for f in ("libstdc++.so", "libstdc++.so.6",
+                                                                          "libstdc++.a")])
     print("torch built with:", [ln.strip() for ln in torch.__config__.show().splitlines() if "GCC" in ln or
                                 "CXX_COMPILER" in ln or "CXX11_ABI" in ln][:4])
     print("torch cxx11 abi:", torch._C._GLIBCXX_USE_CXX11_ABI, "; TORCH_* set:",
           {k: v for k, v in os.environ.items() if k.startswith("TORCH_")})
     import exl_core
-    so = next((os.path.join(os.path.dirname(exl_core.__file__), f) for f in os.listdir(os.path.dirname(exl_core.__file__))
-               if f.startswith("_C") and f.endswith(".so")), None)
+    pkg = os.path.dirname(exl_core.__file__)
+    so = next((os.path.join(pkg, f) for f in os.listdir(pkg) if f.startswith("_C") and f.endswith(".so")), None)
+    if so and shutil.which("readelf"):
+        print("NEEDED by _C:", re.findall(r"\[(.+?)\]", run(["readelf", "-d", so]).stdout))
+    if so and shutil.which("nm"):
+        own = [ln for ln in run(["nm", "-C", "--defined-only", so]).stdout.splitlines()
+               if "std::ostream::_M_insert" in ln]
+        print("std::ostream::_M_insert defined in _C (a static libstdc++ copy):", len(own))
     if so and shutil.which("ldd"):
         print("ldd _C:", [ln.strip() for ln in run(["ldd", so]).stdout.splitlines()
                           if re.search(r"stdc\+\+|gcc_s|gomp|c10|torch_cpu|cudart", ln)])
@@ -95,7 +105,9 @@ def mini_extensions(tracer: str | None) -> None:
     """Builds the MINI_VARIANTS side by side (load_inline, a process each), then calls each one's failing op."""
     build_root = tempfile.mkdtemp(prefix="throwmini_")
     builds = {}
+    runtime = run(["g++", "-print-file-name=libstdc++.so.6"]).stdout.strip()
     for name, (cflags, ldflags, cuda) in MINI_VARIANTS.items():
+        ldflags = [runtime if f == "LIBSTDCXX" else f for f in ldflags]
         code = (f"import torch, os\nfrom torch.utils.cpp_extension import load_inline\n"
                 f"d = os.path.join({build_root!r}, {name!r}); os.makedirs(d, exist_ok=True)\n"
                 f"load_inline({name!r}, cpp_sources=[{MINI_CPP.replace('NAME', name)!r}"
