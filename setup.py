@@ -29,10 +29,11 @@ def _sources(pattern):
 
 
 def _shared_libstdcxx():
-    """The C++ runtime to link by its path (Linux). Where the compiler has no libstdc++.so of its own (the H200
-    image's g++ 13) it links libstdc++.a into the extension: a private copy whose locale is never set up, so the
-    first failing TORCH_CHECK (c10::str streaming a number) died with SIGSEGV instead of raising (bench/throw_probe.py,
-    stop 43). Naming the shared runtime first leaves nothing for the archive to supply."""
+    """The shared C++ runtime (libstdc++.so.6), named by its path on the link line (Linux). On the H200 image the
+    extension came out with libstdc++ linked in statically (ldd listed no libstdc++.so.6 for it, and libstdc++'s
+    stream code ran from inside it; why that toolchain did so was not found): a private copy that died with SIGSEGV
+    formatting the first failing TORCH_CHECK's message instead of raising (bench/throw_probe.py, stop 43). Named
+    before the compiler's own -lstdc++, the shared runtime supplies every symbol and the archive adds nothing."""
     if not sys.platform.startswith("linux"):
         return []
     try:

@@ -503,10 +503,6 @@ except RuntimeError as e:
 """
 
 
-@pytest.mark.xfail(reason="on the H200 image a TORCH_CHECK failing inside any op of exl_core._C, CPU ops too "
-                          "(bench/throw_probe.py, stop 42 call 3; libtorch's own checks raise), kills the process "
-                          "with SIGSEGV instead of raising; the Python layer validates first (InputError), direct "
-                          "torch.ops calls crash", strict=False)
 @pytest.mark.parametrize("N,dtype,msg", [(36, "torch.float32", "float16"), (37, "torch.float16", "multiple of 4")])
 def test_qgemm_mma_refuses_bad_input(N, dtype, msg):
     """In a child process, so that a crash instead of a clean error fails this test only."""

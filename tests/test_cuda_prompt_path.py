@@ -102,9 +102,6 @@ for msg, (xa, b, add, sl) in bad.items():
 """
 
 
-@pytest.mark.xfail(reason="on the H200 image a TORCH_CHECK failing inside any op of exl_core._C kills the process with "
-                          "SIGSEGV instead of raising (as test_cuda_kernels' test_qgemm_mma_refuses_bad_input; "
-                          "bench/throw_probe.py); the Python layer validates first", strict=False)
 def test_dequant_mm_refuses_bad_input():
     """qdequant_mm refuses x of the wrong K, bias with add_to, add_to of the wrong shape and a slice of 0 with an error
     naming the op and the problem (in a child process, so that a crash fails this test only)."""
