@@ -28,7 +28,7 @@
 # --decode-after-prompt: the prompt's W persisting in L2, batch 1 and 32 again after the prompt), prompttl
 # (bench/prompt_timeline.py: a prompt's kernels on a timeline, idle time by kernel pair), prompthost
 # (bench/prompt_host.py: the prompt's host side: enqueue time, syncs, cProfile), throwprobe (bench/throw_probe.py:
-# which failing TORCH_CHECK kills the process), graphprobe
+# whether failing TORCH_CHECKs raise: native stacks, minimal extensions), graphprobe
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0),
 # nostage2 (both formats with EXL_CORE_ATTN_STAGE2=0), oldexl2 (both),
@@ -224,7 +224,7 @@ if has prompttl; then  # the prompt's kernels on a timeline: idle time by kernel
   timeout ${BENCH_TIMEOUT:-400} $PY bench/prompt_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" 2>&1 | tee -a "$LOG" \
     | tail -50
 fi
-if has throwprobe; then  # which failing TORCH_CHECK kills the process (bench/throw_probe.py), gdb's stack where found
+if has throwprobe; then  # whether failing TORCH_CHECKs raise (bench/throw_probe.py): the native stack of a crash
   timeout ${THROW_TIMEOUT:-420} $PY bench/throw_probe.py 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has prompthost; then  # the prompt's host side: enqueue time against GPU time, syncs, cProfile (bench/prompt_host.py)
