@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from . import cuda_dequant as cd
-from .cuda_dequant import uniform4 as _uniform4
+from .cuda_dequant import uniform4 as _uniform4   # there so that cuda_dequant imports nothing from here
 from .dispatch import Candidate, has_cuda_kernel
 from .xchunks import staged_xchunks
 
