@@ -6,7 +6,7 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), twin (bench/twin_probe.cu: the
+# Phases: wg (bench/wgmma_probe.cu: the prompt's fused dequantise-GEMM against dequantise + cuBLAS, standalone), wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), twin (bench/twin_probe.cu: the
 # rewritten EXL2 prompt's twin dequantise variants, standalone, cuBLAS where found), persist (bench/persist_probe.cu:
 # what a persistent decode kernel's grid barriers cost against launches, read-only, standalone), dequant (bench/dequant_probe.cu: the
 # prompt's dequantise kernels, alone and followed by their cuBLAS GEMMs, standalone), gemv (bench/gemv_probe.cu: the
@@ -90,7 +90,7 @@ cublas_flags() {
 probe_run() {
   local name=$1
   rm -f /tmp/$name.txt /tmp/$name                              # a warm machine's old output must not pass as this run's
-  nvcc -O3 -arch=sm_90 ${PROBE_FLAGS:-} ${2:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name ${PROBE_ARGS:-} \
+  nvcc -O3 ${PROBE_ARCH:--arch=sm_90} ${PROBE_FLAGS:-} ${2:-} -o /tmp/$name bench/$name.cu && timeout ${PROBE_TIMEOUT:-150} /tmp/$name ${PROBE_ARGS:-} \
     >/tmp/$name.txt 2>&1
   echo "== $name ${PROBE_FLAGS:-}" | tee -a "$LOG"
   cat /tmp/$name.txt >>"$LOG"
@@ -146,6 +146,9 @@ if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants ag
   flags=$(cublas_flags)
   probe_run twin_probe "$flags"
   [ -z "$flags" ] || [ -x /tmp/twin_probe ] || probe_run twin_probe   # the cuBLAS link failed: without the GEMM rows
+fi
+if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) against dequantise + cuBLAS (bench/wgmma_probe.cu)
+  PROBE_ARCH="-gencode arch=compute_90a,code=sm_90a" probe_run wgmma_probe "$(cublas_flags)"
 fi
 if has build; then
   # A build of these sources for this python, torch and nvcc with these build settings, carried from an earlier call

@@ -1,0 +1,224 @@
+// Probe for the prompt's fused dequantise-GEMM (exl_core/csrc/cuda/qgemm_wg_kernel.cuh, wgmma with the quantized
+// weight as A from registers) against what the extension does now: dequantise W to fp16 (dequant_kernel) then cuBLAS.
+// M = 2,048 rows of x, the three Llama-2-7B weight shapes, 4 distinct weights a shape in one CUDA graph; formats
+// GPTQ 4-bit g128 and EXL2 rewritten as uniform 4-bit rows (every 11th group 5-bit: its high halves in twin chunks).
+// Checks first: the fused y against the dequantise + cuBLAS y (relative max error) and 64 entries of each against a
+// float64 host sum over the packed data; every output written (NaN-poisoned before).
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
+// (bench/gpu.sh phase `wg`).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "../exl_core/csrc/cuda/dequant_kernel.cuh"
+#include "../exl_core/csrc/cuda/qgemm_wg_kernel.cuh"
+#include "probe_common.cuh"
+
+using namespace exl_dequant;
+
+// A uniform 4-bit weight [K, N] with groups of 128 rows; twin: every 11th group 5-bit, stored as the rewrite stores it
+// (main rows: the low nibble, zero 8, scale s; an extra group per 5-bit group: the high nibble, zero (z - 8) / 16,
+// scale 16 s, its chunks after all K rows, each main chunk's twin row in `twin`).
+struct QW {
+  int K, N, rows;
+  int *qw, *chunks, *twin = nullptr;
+  float *s, *z;
+  std::vector<int> hq, hch, htw;
+  std::vector<float> hs, hz;
+};
+
+QW make_qw(int K, int N, bool twin) {
+  QW w;
+  w.K = K, w.N = N;
+  const int G = K / 128, C = K / 32;
+  std::vector<int> five;                                   // the 5-bit groups
+  for (int g = 0; twin && g < G; g += 11) five.push_back(g);
+  const int GX = G + static_cast<int>(five.size());
+  w.rows = K + 128 * static_cast<int>(five.size());
+  w.hq.resize(static_cast<size_t>(w.rows / 8) * N);
+  for (auto& v : w.hq) v = static_cast<int>((static_cast<uint32_t>(rand()) << 16) ^ static_cast<uint32_t>(rand()));
+  w.hs.resize(static_cast<size_t>(GX) * N), w.hz.resize(static_cast<size_t>(GX) * N);
+  for (int g = 0; g < G; ++g)
+    for (int n = 0; n < N; ++n) {
+      w.hs[g * N + n] = 0.002f + 0.002f * (rand() / static_cast<float>(RAND_MAX));
+      w.hz[g * N + n] = static_cast<float>(rand() % 16);
+    }
+  for (size_t e = 0; e < five.size(); ++e) {
+    const int g = five[e], gx = G + static_cast<int>(e);
+    for (int n = 0; n < N; ++n) {
+      const float z5 = static_cast<float>(rand() % 32);
+      w.hz[g * N + n] = 8.f;
+      w.hs[gx * N + n] = 16.f * w.hs[g * N + n];
+      w.hz[gx * N + n] = (z5 - 8.f) / 16.f;
+    }
+  }
+  w.hch.resize(static_cast<size_t>(w.rows / 32) * 3);
+  for (int c = 0; c < w.rows / 32; ++c) {
+    const int g = c < C ? c / 4 : G + (c - C) / 4;
+    w.hch[3 * c] = 4, w.hch[3 * c + 1] = g, w.hch[3 * c + 2] = 4 * c;
+  }
+  if (twin) {
+    w.htw.assign(C, -1);
+    for (size_t e = 0; e < five.size(); ++e)
+      for (int j = 0; j < 4; ++j) w.htw[five[e] * 4 + j] = C + static_cast<int>(e) * 4 + j;
+    CK(cudaMalloc(&w.twin, w.htw.size() * 4));
+    CK(cudaMemcpy(w.twin, w.htw.data(), w.htw.size() * 4, cudaMemcpyHostToDevice));
+  }
+  CK(cudaMalloc(&w.qw, w.hq.size() * 4));
+  CK(cudaMalloc(&w.chunks, w.hch.size() * 4));
+  CK(cudaMalloc(&w.s, w.hs.size() * 4));
+  CK(cudaMalloc(&w.z, w.hz.size() * 4));
+  CK(cudaMemcpy(w.qw, w.hq.data(), w.hq.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.chunks, w.hch.data(), w.hch.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.s, w.hs.data(), w.hs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.z, w.hz.data(), w.hz.size() * 4, cudaMemcpyHostToDevice));
+  return w;
+}
+
+// W[k][n] in float64 from the host copies (main value plus the twin's).
+double w_ref(const QW& w, int k, int n) {
+  auto val = [&](int c, int i) {
+    const int g = w.hch[3 * c + 1], word = w.hq[static_cast<size_t>(w.hch[3 * c + 2] + i / 8) * w.N + n];
+    const int q = (static_cast<uint32_t>(word) >> (4 * (i % 8))) & 15;
+    return (q - static_cast<double>(w.hz[g * w.N + n])) * w.hs[g * w.N + n];
+  };
+  double v = val(k / 32, k % 32);
+  if (!w.htw.empty() && w.htw[k / 32] >= 0) v += val(w.htw[k / 32], k % 32);
+  return v;
+}
+
+template <int NT, int ST, bool TW>
+void launch_wg(const QW& w, const __half* x, __half* y, int M, cudaStream_t st, int add = 0) {
+  exl_wg::WgArgs a{};
+  a.x = x, a.qweight = w.qw, a.scale = w.s, a.zero = w.z, a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr;
+  a.y = y, a.ldx = w.K, a.ldq = w.N, a.ldy = w.N, a.M = M, a.N = w.N, a.K = w.K, a.add = add;
+  constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
+  static bool attr_set = false;
+  if (!attr_set) {
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    attr_set = true;
+  }
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = pdl_config(dim3((w.N + 127) / 128, (M + NT - 1) / NT), dim3(256), smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, a));
+}
+
+void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
+  DequantMats mats{};
+  mats.n = 1, mats.ldw = w.N;
+  DequantMat& m = mats.m[0];
+  m.chunks = w.chunks, m.qweight = w.qw, m.scale = w.s, m.zero = w.z, m.perm = nullptr, m.W = W, m.ldq = w.N;
+  m.N = w.N, m.twin = w.twin;
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = pdl_config(dim3((w.N + 511) / 512, w.K / 32, 1), dim3(64), 0, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, w.twin ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8, kUniform4>, mats));
+}
+
+int main() {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  cublasHandle_t h;
+  CB(cublasCreate(&h));
+  const int M = 2048, NW = 4;
+  __half *x, *y, *y2, *W;
+  CK(cudaMalloc(&x, static_cast<size_t>(M) * 11008 * 2));
+  CK(cudaMalloc(&y, static_cast<size_t>(M) * 11008 * 2));
+  CK(cudaMalloc(&y2, static_cast<size_t>(M) * 11008 * 2));
+  CK(cudaMalloc(&W, static_cast<size_t>(NW) * 11008 * 4096 * 2));
+  std::vector<__half> hx(static_cast<size_t>(M) * 11008);
+  for (auto& v : hx) v = __float2half(rand() / static_cast<float>(RAND_MAX) - 0.5f);
+  CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  auto gemm = [&](const __half* Wp, int K, int N, __half* out, cudaStream_t st) {   // row-major out = x Wp
+    const float one = 1.f, zero = 0.f;
+    CB(cublasSetStream(h, st));
+    CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &one, Wp, CUDA_R_16F, N, x, CUDA_R_16F, K, &zero, out,
+                    CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  struct Shape { int K, N; const char* name; };
+  const Shape shapes[] = {{4096, 4096, "4096x4096"}, {4096, 11008, "4096x11008"}, {11008, 4096, "11008x4096"}};
+  float layer[2][5] = {};                 // [fmt][dequant+cublas, cublas alone, wg256, wg128, wg256 add]
+  const int per_layer[] = {4, 2, 1};
+  for (int tw = 0; tw < 2; ++tw) {
+    for (int si = 0; si < 3; ++si) {
+      const Shape sh = shapes[si];
+      std::vector<QW> ws;
+      for (int i = 0; i < NW; ++i) ws.push_back(make_qw(sh.K, sh.N, tw == 1));
+      const size_t ny = static_cast<size_t>(M) * sh.N;
+      // checks on weight 0
+      launch_dequant(ws[0], W, 0);
+      gemm(W, sh.K, sh.N, y2, 0);
+      CK(cudaMemset(y, 0xFF, ny * 2));
+      if (tw) launch_wg<256, 4, true>(ws[0], x, y, M, 0); else launch_wg<256, 4, false>(ws[0], x, y, M, 0);
+      CK(cudaDeviceSynchronize());
+      CK(cudaGetLastError());
+      std::vector<__half> hy(ny), hy2(ny);
+      CK(cudaMemcpy(hy.data(), y, ny * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hy2.data(), y2, ny * 2, cudaMemcpyDeviceToHost));
+      double maxd = 0, maxr = 0;
+      size_t bad = 0;
+      for (size_t i = 0; i < ny; ++i) {
+        const double a = __half2float(hy[i]), b = __half2float(hy2[i]);
+        if (!std::isfinite(a)) { ++bad; continue; }
+        maxd = std::max(maxd, std::fabs(a - b));
+        maxr = std::max(maxr, std::fabs(b));
+      }
+      double e_wg = 0, e_cb = 0, rmax = 0;
+      for (int s = 0; s < 64; ++s) {
+        const int m = rand() % M, n = rand() % sh.N;
+        double r = 0;
+        for (int k = 0; k < sh.K; ++k) r += static_cast<double>(__half2float(hx[static_cast<size_t>(m) * sh.K + k])) * w_ref(ws[0], k, n);
+        rmax = std::max(rmax, std::fabs(r));
+        e_wg = std::max(e_wg, std::fabs(__half2float(hy[static_cast<size_t>(m) * sh.N + n]) - r));
+        e_cb = std::max(e_cb, std::fabs(__half2float(hy2[static_cast<size_t>(m) * sh.N + n]) - r));
+      }
+      printf("%s %s check: wg vs cublas max|d| %.3e (max|y| %.3e, rel %.2e), unwritten/nonfinite %zu; vs float64 "
+             "(64 entries, max|ref| %.3e): wg %.3e, cublas %.3e\n", tw ? "twin" : "gptq", sh.name, maxd, maxr,
+             maxd / maxr, bad, rmax, e_wg, e_cb);
+      printf("JSON {\"row\": \"check\", \"fmt\": \"%s\", \"shape\": \"%s\", \"max_abs_diff\": %.4e, \"rel\": %.4e, "
+             "\"bad\": %zu, \"err64_wg\": %.4e, \"err64_cublas\": %.4e}\n", tw ? "twin" : "gptq", sh.name, maxd,
+             maxd / maxr, bad, e_wg, e_cb);
+      // timings: NW distinct weights a graph
+      float t[5];
+      t[0] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) { launch_dequant(ws[i], W, st); gemm(W, sh.K, sh.N, y, st); } });
+      for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
+      t[1] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st); });
+      if (tw) {
+        t[2] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, true>(w, x, y, M, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<128, 6, true>(w, x, y, M, st); });
+        t[4] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, true>(w, x, y, M, st, 1); });
+      } else {
+        t[2] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, false>(w, x, y, M, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<128, 6, false>(w, x, y, M, st); });
+        t[4] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, false>(w, x, y, M, st, 1); });
+      }
+      const double flop = 2.0 * M * sh.K * sh.N;
+      const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg nt128 s6", "wg nt256 s4 add"};
+      for (int v = 0; v < 5; ++v) {
+        const float us = t[v] / NW;
+        printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
+               flop / us / 1e6);
+        printf("JSON {\"row\": \"time\", \"fmt\": \"%s\", \"shape\": \"%s\", \"variant\": \"%s\", \"us\": %.3f}\n",
+               tw ? "twin" : "gptq", sh.name, names[v], us);
+        layer[tw][v] += per_layer[si] * us;
+      }
+      for (auto& w : ws) {
+        CK(cudaFree(w.qw)); CK(cudaFree(w.chunks)); CK(cudaFree(w.s)); CK(cudaFree(w.z));
+        if (w.twin) CK(cudaFree(w.twin));
+      }
+    }
+  }
+  const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg nt128 s6", "wg nt256 s4 add"};
+  printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
+  for (int tw = 0; tw < 2; ++tw)
+    for (int v = 0; v < 5; ++v) {
+      printf("  %-5s %-16s %9.2f (x32 = %.2f ms)\n", tw ? "twin" : "gptq", names[v], layer[tw][v], layer[tw][v] * 32 / 1000);
+      printf("JSON {\"row\": \"layer\", \"fmt\": \"%s\", \"variant\": \"%s\", \"us\": %.3f}\n", tw ? "twin" : "gptq",
+             names[v], layer[tw][v]);
+    }
+  return 0;
+}
