@@ -149,6 +149,13 @@ if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants ag
 fi
 if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) against dequantise + cuBLAS (bench/wgmma_probe.cu)
   PROBE_ARCH="-gencode arch=compute_90a,code=sm_90a" probe_run wgmma_probe "$(cublas_flags)"
+  if [ -n "${WG_NCU:-}" ]; then   # the second GPTQ 4096x4096 launch under Nsight Compute
+    timeout 150 ncu --clock-control none -k regex:qgemm_wg --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section Occupancy --section LaunchStats /tmp/wgmma_probe ncu 2>&1 | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" \
+      | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/wg_ncu.txt"
+    cat "$OUT/wg_ncu.txt" | tail -120
+  fi
 fi
 if has build; then
   # A build of these sources for this python, torch and nvcc with these build settings, carried from an earlier call
