@@ -17,6 +17,7 @@
 
 #include "../exl_core/csrc/cuda/dequant_kernel.cuh"
 #include "../exl_core/csrc/cuda/qgemm_wg_kernel.cuh"
+#include "../exl_core/csrc/cuda/tma_host.h"
 #include "probe_common.cuh"
 
 using namespace exl_dequant;
@@ -92,11 +93,25 @@ double w_ref(const QW& w, int k, int n) {
   return v;
 }
 
-template <int NT, int ST, bool TW>
-void launch_wg(const QW& w, const __half* x, __half* y, int M, cudaStream_t st, int add = 0) {
+// The kernel's arguments for weight w and x [M, w.K] (maps made once a weight and x: the extension caches them too).
+template <int NT, bool TW>
+exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) {
   exl_wg::WgArgs a{};
-  a.x = x, a.qweight = w.qw, a.scale = w.s, a.zero = w.z, a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr;
-  a.y = y, a.ldx = w.K, a.ldq = w.N, a.ldy = w.N, a.M = M, a.N = w.N, a.K = w.K, a.add = add;
+  using exl_tma::make_map_2d;
+  const int G = static_cast<int>(w.hs.size() / w.N);
+  bool ok = make_map_2d(&a.xmap, x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w.K, M, static_cast<uint64_t>(w.K) * 2, 64, NT, true) &&
+            make_map_2d(&a.wmap, w.qw, CU_TENSOR_MAP_DATA_TYPE_INT32, 4, w.N, w.rows / 8, static_cast<uint64_t>(w.N) * 4, 128, 8, false) &&
+            make_map_2d(&a.twmap, w.qw, CU_TENSOR_MAP_DATA_TYPE_INT32, 4, w.N, w.rows / 8, static_cast<uint64_t>(w.N) * 4, 128, 4, false) &&
+            make_map_2d(&a.smap, w.s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false) &&
+            make_map_2d(&a.zmap, w.z, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false);
+  if (!ok) { printf("tensor map refused\n"); exit(1); }
+  a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr, a.y = y, a.ldy = w.N;
+  a.M = M, a.N = w.N, a.K = w.K, a.groups = G, a.add = add;
+  return a;
+}
+
+template <int NT, int ST, bool TW>
+void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
@@ -104,7 +119,7 @@ void launch_wg(const QW& w, const __half* x, __half* y, int M, cudaStream_t st, 
     attr_set = true;
   }
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3((w.N + 127) / 128, (M + NT - 1) / NT), dim3(256), smem, st, attr);
+  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT), dim3(256), smem, st, attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, a));
 }
 
@@ -136,7 +151,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
-    for (int r = 0; r < 3; ++r) launch_wg<256, 4, false>(w, x, y, M, 0);
+    const exl_wg::WgArgs wa = wg_args<256, false>(w, x, y, M, 0);
+    for (int r = 0; r < 3; ++r) launch_wg<256, 4, false>(wa, 0);
     CK(cudaDeviceSynchronize());
     return 0;
   }
@@ -160,7 +176,8 @@ int main(int argc, char** argv) {
       launch_dequant(ws[0], W, 0);
       gemm(W, sh.K, sh.N, y2, 0);
       CK(cudaMemset(y, 0xFF, ny * 2));
-      if (tw) launch_wg<256, 4, true>(ws[0], x, y, M, 0); else launch_wg<256, 4, false>(ws[0], x, y, M, 0);
+      if (tw) launch_wg<256, 4, true>(wg_args<256, true>(ws[0], x, y, M, 0), 0);
+      else launch_wg<256, 4, false>(wg_args<256, false>(ws[0], x, y, M, 0), 0);
       CK(cudaDeviceSynchronize());
       CK(cudaGetLastError());
       std::vector<__half> hy(ny), hy2(ny);
@@ -194,17 +211,22 @@ int main(int argc, char** argv) {
       t[0] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) { launch_dequant(ws[i], W, st); gemm(W, sh.K, sh.N, y, st); } });
       for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
       t[1] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st); });
+      std::vector<exl_wg::WgArgs> wa, wa_add;
+      for (auto& w : ws) {
+        wa.push_back(tw ? wg_args<256, true>(w, x, y, M, 0) : wg_args<256, false>(w, x, y, M, 0));
+        wa_add.push_back(tw ? wg_args<256, true>(w, x, y, M, 1) : wg_args<256, false>(w, x, y, M, 1));
+      }
       if (tw) {
-        t[2] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, true>(w, x, y, M, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<128, 6, true>(w, x, y, M, st); });
-        t[4] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, true>(w, x, y, M, st, 1); });
+        t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 3, true>(q, st); });
+        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
       } else {
-        t[2] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, false>(w, x, y, M, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<128, 6, false>(w, x, y, M, st); });
-        t[4] = time_seq([&](cudaStream_t st) { for (auto& w : ws) launch_wg<256, 4, false>(w, x, y, M, st, 1); });
+        t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 5, false>(q, st); });
+        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg nt128 s6", "wg nt256 s4 add"};
+      const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", tw ? "wg nt256 s3" : "wg nt256 s5", "wg nt256 s4 add"};
       for (int v = 0; v < 5; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
@@ -219,7 +241,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg nt128 s6", "wg nt256 s4 add"};
+  const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg nt256 s5 (twin: s3)", "wg nt256 s4 add"};
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
     for (int v = 0; v < 5; ++v) {

@@ -9,15 +9,18 @@
 //
 // Block: 256 threads, two warpgroups, each 64 W columns ("features") x NT tokens (wgmma m64nNTk16); a stage holds x's
 // tile [NT, 64], the 8 word rows [8, 128] of the 64 K rows, each 32-row chunk's scale and zero [2, 128] (and, TW, the
-// twin chunks' words and zeros), filled by cp.async STAGES - 2 tiles ahead; each tile's wgmmas run while the next
-// tile's fragments are dequantised (wgmma.wait_group 1).  No torch headers: bench/wgmma_probe.cu builds it with nvcc.
+// twin chunks' words and zeros), brought by the copy engine (one thread issues a stage's boxes, STAGES - 2 tiles
+// ahead, completing on the stage's barrier); each tile's wgmmas run while the next tile's fragments are dequantised
+// (wgmma.wait_group 1).  A thread's two A rows (g and g + 8 of its warp's 16) are adjacent columns, so it reads their
+// words, scales and zeros as pairs.  No torch headers: bench/wgmma_probe.cu builds it with nvcc.
 #pragma once
+#include <cuda.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
-#include "cp_async_device.cuh"
 #include "pdl_device.cuh"
+#include "tma_device.cuh"
 #include "wgmma_device.cuh"
 
 namespace exl_wg {
@@ -34,19 +37,20 @@ struct Layout {
   static constexpr int kSZ = 2 * 2 * kBF * 4;         // [chunk][scale, zero][128] fp32
   static constexpr int kTW = TW ? kW + 2 * kBF * 4 : 0;   // twins: 8 word rows, [chunk][128] zeros
   static constexpr int kStage = (kX + kW + kSZ + kTW + 1023) / 1024 * 1024;
+  static constexpr uint32_t kBytes = kX + kW + kSZ;   // what a stage's copies bring without twins
 };
 
+// Tensor maps (host: cuTensorMapEncodeTiled) over x [M, K] fp16 (box 64 x NT, 128-byte swizzle), qweight [rows / 8,
+// N] int32 (box 128 x 8, and 128 x 4 for twins), scale and zero [groups, N] fp32 (box 128 x 1).  Boxes past an edge
+// come back as zeros (the M, N and K tails).
 struct WgArgs {
-  const __half* x;                      // [M, K], rows ldx apart, in W's row order
-  const int32_t* qweight;               // [rows / 8, ldq]: 4-bit, chunk c in word rows 4c..4c+3
-  const float* scale;                   // [groups, ldq]
-  const float* zero;
-  const int32_t* chunks;                // [rows / 32, 3]: (bits, group, first word row)
+  CUtensorMap xmap, wmap, twmap, smap, zmap;
+  const int32_t* chunks;                // [rows / 32, 3]: (bits, group, first word row); chunk c in word rows 4c..
   const int32_t* twin;                  // TW: [K / 32] chunk-table row of each chunk's twin, or -1
   const __half* bias;                   // [N] or null
   __half* y;                            // [M, N], rows ldy apart
-  int64_t ldx, ldq, ldy;
-  int M, N, K;
+  int64_t ldy;
+  int M, N, K, groups;                  // groups: scale/zero rows (a box at row `groups` is zeros)
   int add;                              // y += x W (the residual stream), else y = x W (+ bias)
 };
 
@@ -75,102 +79,80 @@ __device__ __forceinline__ uint32_t twin_pair(uint32_t w, uint32_t tw, uint32_t 
   return lo | hi | 0x64006400u;
 }
 
-template <int NT, int STAGES, bool TW>
-__device__ __forceinline__ void load_stage(const WgArgs& a, uint8_t* st, const int* groups, int kt, int m0, int f0) {
+// Tile kt's boxes into stage st (one thread): x, the words, each chunk's scale and zero (a chunk past K: zeros), the
+// twins' words and zeros; the barrier expects their bytes.
+template <int NT, bool TW>
+__device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64_t* bar, const int* groups, int kt,
+                                            int m0, int f0) {
   using L = Layout<NT, TW>;
-  const int tid = threadIdx.x, k0 = kt * kBK;
-  uint8_t* xs = st;
+  const int k0 = kt * kBK, nchunks = a.K / 32;
+  uint32_t bytes = L::kBytes;
+  int tq[2] = {-1, -1}, tg[2] = {-1, -1};
+  if constexpr (TW) {
 #pragma unroll
-  for (int i = tid; i < NT * 8; i += kThreads) {           // x: NT rows of eight 16-byte units, swizzled
-    const int r = i >> 3, u = i & 7, tok = m0 + r, k = k0 + u * 8;
-    const bool ok = tok < a.M && k < a.K;
-    cp_async16_zfill(xs + r * 128 + ((u ^ (r & 7)) << 4), ok ? a.x + tok * a.ldx + k : a.x, ok);
+    for (int ch = 0; ch < 2; ++ch) {
+      const int c = k0 / 32 + ch;
+      if (c < nchunks && groups[2 * kMaxChunks + c] >= 0) {
+        tq[ch] = groups[2 * kMaxChunks + c], tg[ch] = groups[3 * kMaxChunks + c];
+        bytes += 4 * kBF * 4 + kBF * 4;
+      }
+    }
   }
-  {                                                          // words: 8 rows x 32 units of 4 columns, one a thread
-    const int r = tid >> 5, u = tid & 31, kw = k0 / 8 + r, f = f0 + 4 * u;
-    const bool ok = kw < a.K / 8 && f < a.N;
-    cp_async16_zfill(st + L::kX + r * 512 + u * 16, ok ? a.qweight + kw * a.ldq + f : a.qweight, ok);
-  }
-  if (tid < 128) {                                           // scale and zero of the tile's two chunks
-    const int ch = tid >> 6, arr = (tid >> 5) & 1, u = tid & 31, c = k0 / 32 + ch, f = f0 + 4 * u;
-    const bool ok = c < a.K / 32 && f < a.N;
-    const float* src = (arr ? a.zero : a.scale) + (ok ? groups[c] * a.ldq + f : 0);
-    cp_async16_zfill(st + L::kX + L::kW + (ch * 2 + arr) * 512 + u * 16, src, ok);
-  }
-  if constexpr (TW) {                                        // the twins' words and zeros (zero-filled: none)
-    const int r = tid >> 5, u = tid & 31, c = k0 / 32 + (r >> 2), f = f0 + 4 * u;
-    const int tq = c < a.K / 32 ? groups[2 * kMaxChunks + c] : -1;
-    const bool ok = tq >= 0 && f < a.N;
-    const int32_t* src = ok ? a.qweight + (tq + (r & 3)) * a.ldq + f : a.qweight;
-    cp_async16_zfill(st + L::kX + L::kW + L::kSZ + r * 512 + u * 16, src, ok);
-    if (tid < 64) {
-      const int ch2 = tid >> 5, c2 = k0 / 32 + ch2;
-      const int tg = c2 < a.K / 32 ? groups[3 * kMaxChunks + c2] : -1;
-      const bool ok2 = tg >= 0 && f < a.N;
-      const float* zsrc = ok2 ? a.zero + tg * a.ldq + f : a.zero;
-      cp_async16_zfill(st + L::kX + L::kW + L::kSZ + L::kW + ch2 * 512 + u * 16, zsrc, ok2);
+  exl_tma::mbar_arrive_expect(bar, bytes);
+  exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
+  exl_tma::tma_load_2d(st + L::kX, &a.wmap, f0, k0 / 8, bar);
+#pragma unroll
+  for (int ch = 0; ch < 2; ++ch) {
+    const int c = k0 / 32 + ch, g = c < nchunks ? groups[c] : a.groups;
+    exl_tma::tma_load_2d(st + L::kX + L::kW + (ch * 2) * kBF * 4, &a.smap, f0, g, bar);
+    exl_tma::tma_load_2d(st + L::kX + L::kW + (ch * 2 + 1) * kBF * 4, &a.zmap, f0, g, bar);
+    if constexpr (TW) {
+      if (tq[ch] >= 0) {
+        exl_tma::tma_load_2d(st + L::kX + L::kW + L::kSZ + ch * 4 * kBF * 4, &a.twmap, f0, tq[ch], bar);
+        exl_tma::tma_load_2d(st + L::kX + L::kW + L::kSZ + L::kW + ch * kBF * 4, &a.zmap, f0, tg[ch], bar);
+      }
     }
   }
 }
 
-// One tile's A fragments (4 k16 steps x 4 registers) of this thread's two W columns fl and fl + 8 (block-local);
-// twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
+// One tile's A fragments (4 k16 steps x 4 registers) of this thread's A rows g and g + 8, block-local columns fp and
+// fp + 1; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
 template <int NT, bool TW>
-__device__ __forceinline__ void tile_fragments(const uint8_t* st, int fl, uint32_t sel, const int (&twin_row)[2],
+__device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32_t sel, const int (&twin_row)[2],
                                                uint32_t (&A)[4][4]) {
   using L = Layout<NT, TW>;
-  const uint32_t* ws = reinterpret_cast<const uint32_t*>(st + L::kX);
-  const float* sz = reinterpret_cast<const float*>(st + L::kX + L::kW);
+  const uint2* ws = reinterpret_cast<const uint2*>(st + L::kX);               // [8][64] column pairs
+  const float2* sz = reinterpret_cast<const float2*>(st + L::kX + L::kW);     // [chunk][scale, zero][64] pairs
+  const int pr = fp >> 1;
+  const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-    __half2 mul[2], sub[2], s2[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int f = fl + 8 * j;
-      const float s = sz[(ch * 2) * kBF + f], z = sz[(ch * 2 + 1) * kBF + f];
-      s2[j] = __float2half2_rn(s);
-      mul[j] = __floats2half2_rn(1.f, 0.0625f);
-      sub[j] = __floats2half2_rn(-1024.f - z, -64.f - z);
-    }
+    const float2 s = sz[(ch * 2) * (kBF / 2) + pr], z = sz[(ch * 2 + 1) * (kBF / 2) + pr];
+    const __half2 s2[2] = {__float2half2_rn(s.x), __float2half2_rn(s.y)};
+    __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};
     if constexpr (TW) {
       if (twin_row[ch] >= 0) {       // block-uniform: main row r (zero 8), twin h (zero (z0 - 8) / 16), q = r + 16 h
-        const uint32_t* tws = reinterpret_cast<const uint32_t*>(st + L::kX + L::kW + L::kSZ);
-        const float* tz = reinterpret_cast<const float*>(st + L::kX + L::kW + L::kSZ + L::kW);
+        const uint2* tws = reinterpret_cast<const uint2*>(st + L::kX + L::kW + L::kSZ);
+        const float2 tz = reinterpret_cast<const float2*>(st + L::kX + L::kW + L::kSZ + L::kW)[ch * (kBF / 2) + pr];
+        const __half2 one = __float2half2_rn(1.f);
+        sub[0] = __float2half2_rn(-1024.f - (16.f * tz.x + 8.f));
+        sub[1] = __float2half2_rn(-1024.f - (16.f * tz.y + 8.f));
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float z0 = 16.f * tz[ch * kBF + fl + 8 * j] + 8.f;
-          mul[j] = __float2half2_rn(1.f);
-          sub[j] = __float2half2_rn(-1024.f - z0);
-        }
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const int step = ch * 2 + s;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {      // h: k 2t, 2t + 1 (word row 2 step) or 2t + 8, 2t + 9 (2 step + 1)
-            const int row = 2 * step + h;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int f = fl + 8 * j;
-              const uint32_t v = twin_pair(ws[row * kBF + f], tws[row * kBF + f], sel);
-              A[step][2 * h + j] = dequant_pair(v, mul[j], sub[j], s2[j]);
-            }
-          }
+        for (int s4 = 0; s4 < 4; ++s4) {     // word rows 4 ch + s4: step 2 ch + s4 / 2, k 2t.. (s4 even) or 2t + 8..
+          const int row = 4 * ch + s4;
+          const uint2 w = ws[row * (kBF / 2) + pr], h = tws[row * (kBF / 2) + pr];
+          A[row >> 1][2 * (row & 1)] = dequant_pair(twin_pair(w.x, h.x, sel), one, sub[0], s2[0]);
+          A[row >> 1][2 * (row & 1) + 1] = dequant_pair(twin_pair(w.y, h.y, sel), one, sub[1], s2[1]);
         }
         continue;
       }
     }
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int step = ch * 2 + s;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 2 * step + h;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const uint32_t v = nibble_pair(ws[row * kBF + fl + 8 * j], sel);
-          A[step][2 * h + j] = dequant_pair(v, mul[j], sub[j], s2[j]);
-        }
-      }
+    for (int s4 = 0; s4 < 4; ++s4) {
+      const int row = 4 * ch + s4;
+      const uint2 w = ws[row * (kBF / 2) + pr];
+      A[row >> 1][2 * (row & 1)] = dequant_pair(nibble_pair(w.x, sel), mul, sub[0], s2[0]);
+      A[row >> 1][2 * (row & 1) + 1] = dequant_pair(nibble_pair(w.y, sel), mul, sub[1], s2[1]);
     }
   }
 }
@@ -193,10 +175,12 @@ template <int NT, int STAGES, bool TW>
 __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  // per chunk: its group; TW: its twin's chunk-table row, first word row and group (-1: none)
-  int* groups = reinterpret_cast<int*>(smem + STAGES * L::kStage);
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  // stages 1024-aligned (the 128-byte swizzle's atoms), then a barrier a stage, then per chunk its group (TW: also
+  // its twin's chunk-table row, first word row and group, or -1)
+  uint8_t* smem = smem_raw + ((1024 - (exl_tma::smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * L::kStage);
+  int* groups = reinterpret_cast<int*>(full + STAGES);
   const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
   const int nchunks = a.K / 32;
   for (int c = tid; c < nchunks; c += kThreads) {          // load-time data: read before the PDL wait
@@ -208,37 +192,42 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
       groups[3 * kMaxChunks + c] = tc >= 0 ? a.chunks[tc * 3 + 1] : -1;
     }
   }
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) exl_tma::mbar_init(full + s, 1);
+    exl_tma::mbar_init_fence();
+  }
   __syncthreads();
   exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int KT = (a.K + kBK - 1) / kBK;
-  constexpr int P = STAGES - 2;                              // tiles loaded ahead
-#pragma unroll
-  for (int p = 0; p < P; ++p) {
-    if (p < KT) load_stage<NT, STAGES, TW>(a, smem + p * L::kStage, groups, p, m0, f0);
-    cp_async_commit();
+  constexpr int P = STAGES - 2;                              // tiles in flight ahead of the one dequantised
+  if (tid == 0) {
+    for (int p = 0; p < P && p < KT; ++p) issue_stage<NT, TW>(a, smem + p * L::kStage, full + p, groups, p, m0, f0);
   }
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int fl = wg * 64 + warp * 16 + g;
+  const int fp = wg * 64 + warp * 16 + 2 * g;                // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
   float acc[NT / 2];
 #pragma unroll
   for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
   uint32_t A0[4][4], A1[4][4];
-  // One tile: its stage ready for every thread, the load STAGES - 2 ahead issued, the fragments dequantised while the
-  // tile before's wgmmas run, this tile's issued; then the tile before's wait (its stage and registers free again).
+  // One tile: both warpgroups past the wgmmas of tile i - 2 (the barrier after their wait_group 1), so its stage
+  // takes tile i + P; this tile's fragments dequantised while tile i - 1's wgmmas run; this tile's issued.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
-    cp_async_wait<P - 1>();
-    exl_wgmma::fence_async_shared();
     __syncthreads();
-    if (i + P < KT) load_stage<NT, STAGES, TW>(a, smem + ((i + P) % STAGES) * L::kStage, groups, i + P, m0, f0);
-    cp_async_commit();
-    const uint8_t* st = smem + (i % STAGES) * L::kStage;
+    if (tid == 0 && i + P < KT) {
+      const int j = (i + P) % STAGES;
+      issue_stage<NT, TW>(a, smem + j * L::kStage, full + j, groups, i + P, m0, f0);
+    }
+    const int slot = i % STAGES;
+    exl_tma::mbar_wait(full + slot, (i / STAGES) & 1);
+    const uint8_t* st = smem + slot * L::kStage;
     int twin_row[2] = {-1, -1};
     if constexpr (TW) {
 #pragma unroll
       for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * i + ch < nchunks ? groups[kMaxChunks + 2 * i + ch] : -1;
     }
-    tile_fragments<NT, TW>(st, fl, sel, twin_row, A);
+    tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
     exl_wgmma::fence_operands(acc);
     mma_tile<NT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
@@ -251,23 +240,22 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   }
   if (i < KT) step(i, A0);
   exl_wgmma::wait<0>();
-  cp_async_wait_all();
+  exl_wgmma::fence_operands(acc);
   exl_pdl::pdl_trigger();
   __syncthreads();                                           // every warpgroup done with the stages: reuse them
-  // Epilogue through shared memory: out[token][feature] fp16 (rows padded by 8 halves), then 16-byte rows to y.
+  // Epilogue through shared memory: out[token][column] fp16 (rows padded by 8 halves), then 16-byte rows to y.
   constexpr int kLd = kBF + 8;
-  __half* out = reinterpret_cast<__half*>(smem);
+  __half2* out2 = reinterpret_cast<__half2*>(smem);
 #pragma unroll
   for (int j = 0; j < NT / 8; ++j) {
     const int tok = 8 * j + 2 * t;
-    out[tok * kLd + fl] = __float2half_rn(acc[4 * j]);
-    out[(tok + 1) * kLd + fl] = __float2half_rn(acc[4 * j + 1]);
-    out[tok * kLd + fl + 8] = __float2half_rn(acc[4 * j + 2]);
-    out[(tok + 1) * kLd + fl + 8] = __float2half_rn(acc[4 * j + 3]);
+    out2[(tok * kLd + fp) >> 1] = __floats2half2_rn(acc[4 * j], acc[4 * j + 2]);
+    out2[((tok + 1) * kLd + fp) >> 1] = __floats2half2_rn(acc[4 * j + 1], acc[4 * j + 3]);
   }
   __syncthreads();
-  for (int i = tid; i < NT * (kBF / 8); i += kThreads) {
-    const int r = i / (kBF / 8), u = i % (kBF / 8), tok = m0 + r, f = f0 + 8 * u;
+  const __half* out = reinterpret_cast<const __half*>(smem);
+  for (int e = tid; e < NT * (kBF / 8); e += kThreads) {
+    const int r = e / (kBF / 8), u = e % (kBF / 8), tok = m0 + r, f = f0 + 8 * u;
     if (tok >= a.M || f >= a.N) continue;
     uint4 v = *reinterpret_cast<const uint4*>(out + r * kLd + 8 * u);
     __half2* h = reinterpret_cast<__half2*>(&v);
@@ -276,12 +264,12 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
       const uint4 o = *reinterpret_cast<const uint4*>(dst);
       const __half2* oh = reinterpret_cast<const __half2*>(&o);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], oh[e]);
+      for (int q = 0; q < 4; ++q) h[q] = __hadd2(h[q], oh[q]);
     } else if (a.bias) {
       const uint4 b = *reinterpret_cast<const uint4*>(a.bias + f);
       const __half2* bh = reinterpret_cast<const __half2*>(&b);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], bh[e]);
+      for (int q = 0; q < 4; ++q) h[q] = __hadd2(h[q], bh[q]);
     }
     *reinterpret_cast<uint4*>(dst) = v;
   }
@@ -290,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 
 template <int NT, int STAGES, bool TW>
 constexpr int smem_bytes() {
-  return STAGES * Layout<NT, TW>::kStage + 1024 + (TW ? 4 : 1) * kMaxChunks * 4;
+  return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 8 + (TW ? 4 : 1) * kMaxChunks * 4;
 }
 
 }  // namespace exl_wg
