@@ -111,7 +111,7 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) 
 }
 
 template <int NT, int ST, bool TW>
-void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
+void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
@@ -119,8 +119,12 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
     attr_set = true;
   }
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT), dim3(256), smem, st, attr);
-  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, a));
+  exl_wg::WgBatch batch{};
+  batch.w[0] = a, batch.n = 1;
+  if (b) batch.w[1] = *b, batch.n = 2;                      // a second weight of the same shape in the same launch
+  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreads),
+                                      smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
 }
 
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
@@ -218,15 +222,15 @@ int main(int argc, char** argv) {
       }
       if (tw) {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 3, true>(q, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wg<256, 4, true>(wa[i], st, &wa[i + 1]); });
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 5, false>(q, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wg<256, 4, false>(wa[i], st, &wa[i + 1]); });
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", tw ? "wg nt256 s3" : "wg nt256 s5", "wg nt256 s4 add"};
+      const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg s4 two a launch", "wg nt256 s4 add"};
       for (int v = 0; v < 5; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
@@ -241,7 +245,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg nt256 s5 (twin: s3)", "wg nt256 s4 add"};
+  const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg s4 two a launch", "wg nt256 s4 add"};
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
     for (int v = 0; v < 5; ++v) {

@@ -7,11 +7,12 @@
 // from the packed words (a byte of a word is two values of one column), and only x goes through shared memory (B:
 // K-major, 128-byte swizzle, as x's rows are K-contiguous).
 //
-// Block: 256 threads, two warpgroups, each 64 W columns ("features") x NT tokens (wgmma m64nNTk16); a stage holds x's
-// tile [NT, 64], the 8 word rows [8, 128] of the 64 K rows, each 32-row chunk's scale and zero [2, 128] (and, TW, the
-// twin chunks' words and zeros), brought by the copy engine (one thread issues a stage's boxes, STAGES - 2 tiles
-// ahead, completing on the stage's barrier); each tile's wgmmas run while the next tile's fragments are dequantised
-// (wgmma.wait_group 1).  A thread's two A rows (g and g + 8 of its warp's 16) are adjacent columns, so it reads their
+// Block: two consumer warpgroups, each 64 W columns ("features") x NT tokens (wgmma m64nNTk16), and a producer
+// warpgroup that hands its registers to them (setmaxnreg: 40 / 232).
+// A stage holds x's tile [NT, 64], the 8 word rows [8, 128] of the 64 K rows, each 32-row chunk's scale and zero
+// [2, 128] (and, TW, the twin chunks' words and zeros), brought by the copy engine: the producer issues a stage's
+// boxes once both warpgroups released it (its `empty` barrier), they complete on its `full` barrier.  Each tile's
+// wgmmas run while the next tile's fragments are dequantised (wgmma.wait_group 1); no block-wide barrier in the loop.  A thread's two A rows (g and g + 8 of its warp's 16) are adjacent columns, so it reads their
 // words, scales and zeros as pairs.  No torch headers: bench/wgmma_probe.cu builds it with nvcc.
 #pragma once
 #include <cuda.h>
@@ -27,7 +28,8 @@ namespace exl_wg {
 
 constexpr int kBK = 64;                 // K rows a stage
 constexpr int kBF = 128;                // W columns a block
-constexpr int kThreads = 256;
+constexpr int kThreads = 384;          // two consumer warpgroups and a producer warpgroup (one thread of it issues)
+constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
 template <int NT, bool TW>
@@ -52,6 +54,11 @@ struct WgArgs {
   int64_t ldy;
   int M, N, K, groups;                  // groups: scale/zero rows (a box at row `groups` is zeros)
   int add;                              // y += x W (the residual stream), else y = x W (+ bias)
+};
+// Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
+struct WgBatch {
+  WgArgs w[kMaxWeights];
+  int n;
 };
 
 // Two values of a byte of w (byte `sel` picks, lane-constant: (t, 0, t, 0)) as half2 (1024 + lo, 1024 + 16 hi): the
@@ -169,19 +176,55 @@ __device__ __forceinline__ void mma_tile(float (&acc)[NT / 2], const uint32_t (&
   exl_wgmma::commit();
 }
 
-// grid (ceil(N / 128), ceil(M / NT)), dynamic shared memory smem_bytes().  Requires K % 32 == 0, K / 32 <= kMaxChunks,
+// grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires K % 32 == 0, K / 32 <= kMaxChunks,
 // N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit chunks with chunk c in word rows 4c..
+// This thread's y values: acc rows g / g + 8 are columns f / f + 1, tokens tok0 + 8 j + {0, 1} (+ bias, or added to
+// y: the residual stream), straight from registers (a warp's store covers 4 tokens x 32 contiguous bytes).
+template <int NT>
+__device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[NT / 2], int tok0, int f) {
+  if (f >= a.N) return;
+  __half2 b2 = __float2half2_rn(0.f);
+  if (a.bias && !a.add) b2 = *reinterpret_cast<const __half2*>(a.bias + f);
+#pragma unroll
+  for (int j0 = 0; j0 < NT / 8; j0 += 8) {                   // 16 loads of the residual in flight, then their stores
+    __half2 old[8][2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tok = tok0 + 8 * (j0 + j) + r;
+        old[j][r] = a.add && tok < a.M ? *reinterpret_cast<const __half2*>(a.y + tok * a.ldy + f) : b2;
+      }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tok = tok0 + 8 * (j0 + j) + r;
+        if (tok < a.M) {
+          const float* c = acc + 4 * (j0 + j) + r;
+          *reinterpret_cast<__half2*>(a.y + tok * a.ldy + f) = __hadd2(__floats2half2_rn(c[0], c[2]), old[j][r]);
+        }
+      }
+  }
+}
+
 template <int NT, int STAGES, bool TW>
-__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
+  const WgArgs& a = batch.w[blockIdx.z];
+  const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
+  if (f0 >= a.N) {                                           // a narrower weight of the batch
+    exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
+    return;
+  }
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  // stages 1024-aligned (the 128-byte swizzle's atoms), then a barrier a stage, then per chunk its group (TW: also
-  // its twin's chunk-table row, first word row and group, or -1)
+  // stages 1024-aligned (the 128-byte swizzle's atoms), then the stages' full and empty barriers, then per chunk its
+  // group (TW: also its twin's chunk-table row, first word row and group, or -1)
   uint8_t* smem = smem_raw + ((1024 - (exl_tma::smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * L::kStage);
-  int* groups = reinterpret_cast<int*>(full + STAGES);
-  const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
+  uint64_t* empty = full + STAGES;
+  int* groups = reinterpret_cast<int*>(empty + STAGES);
   const int nchunks = a.K / 32;
   for (int c = tid; c < nchunks; c += kThreads) {          // load-time data: read before the PDL wait
     groups[c] = a.chunks[c * 3 + 1];
@@ -194,31 +237,40 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   }
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) exl_tma::mbar_init(full + s, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      exl_tma::mbar_init(full + s, 1);
+      exl_tma::mbar_init(empty + s, 2);                      // one arrival a consumer warpgroup
+    }
     exl_tma::mbar_init_fence();
   }
   __syncthreads();
   exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int KT = (a.K + kBK - 1) / kBK;
-  constexpr int P = STAGES - 2;                              // tiles in flight ahead of the one dequantised
-  if (tid == 0) {
-    for (int p = 0; p < P && p < KT; ++p) issue_stage<NT, TW>(a, smem + p * L::kStage, full + p, groups, p, m0, f0);
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp >= 8) {                                           // producer: a stage's boxes once both released it
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");    // its registers to the consumers
+    if (warp == 8 && lane == 0) {
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % STAGES;
+        if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
+        issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0);
+      }
+    }
+    exl_pdl::pdl_trigger();
+    return;
   }
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int fp = wg * 64 + warp * 16 + 2 * g;                // A rows g, g + 8 -> block-local columns fp, fp + 1
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int wg = tid >> 7, g = lane >> 2, t = lane & 3;
+  const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
+  const bool releaser = (warp & 3) == 0 && lane == 0;        // arrives on a stage's empty barrier for its warpgroup
   float acc[NT / 2];
 #pragma unroll
   for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
   uint32_t A0[4][4], A1[4][4];
-  // One tile: both warpgroups past the wgmmas of tile i - 2 (the barrier after their wait_group 1), so its stage
-  // takes tile i + P; this tile's fragments dequantised while tile i - 1's wgmmas run; this tile's issued.
+  // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
+  // i - 1 complete (wait_group 1), so its stage goes back to the producer.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
-    __syncthreads();
-    if (tid == 0 && i + P < KT) {
-      const int j = (i + P) % STAGES;
-      issue_stage<NT, TW>(a, smem + j * L::kStage, full + j, groups, i + P, m0, f0);
-    }
     const int slot = i % STAGES;
     exl_tma::mbar_wait(full + slot, (i / STAGES) & 1);
     const uint8_t* st = smem + slot * L::kStage;
@@ -232,6 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
     mma_tile<NT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
     exl_wgmma::wait<1>();
+    if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
   };
   int i = 0;
   for (; i + 1 < KT; i += 2) {                               // two register sets, each in one place
@@ -242,43 +295,13 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   exl_wgmma::wait<0>();
   exl_wgmma::fence_operands(acc);
   exl_pdl::pdl_trigger();
-  __syncthreads();                                           // every warpgroup done with the stages: reuse them
-  // Epilogue through shared memory: out[token][column] fp16 (rows padded by 8 halves), then 16-byte rows to y.
-  constexpr int kLd = kBF + 8;
-  __half2* out2 = reinterpret_cast<__half2*>(smem);
-#pragma unroll
-  for (int j = 0; j < NT / 8; ++j) {
-    const int tok = 8 * j + 2 * t;
-    out2[(tok * kLd + fp) >> 1] = __floats2half2_rn(acc[4 * j], acc[4 * j + 2]);
-    out2[((tok + 1) * kLd + fp) >> 1] = __floats2half2_rn(acc[4 * j + 1], acc[4 * j + 3]);
-  }
-  __syncthreads();
-  const __half* out = reinterpret_cast<const __half*>(smem);
-  for (int e = tid; e < NT * (kBF / 8); e += kThreads) {
-    const int r = e / (kBF / 8), u = e % (kBF / 8), tok = m0 + r, f = f0 + 8 * u;
-    if (tok >= a.M || f >= a.N) continue;
-    uint4 v = *reinterpret_cast<const uint4*>(out + r * kLd + 8 * u);
-    __half2* h = reinterpret_cast<__half2*>(&v);
-    __half* dst = a.y + tok * a.ldy + f;
-    if (a.add) {
-      const uint4 o = *reinterpret_cast<const uint4*>(dst);
-      const __half2* oh = reinterpret_cast<const __half2*>(&o);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) h[q] = __hadd2(h[q], oh[q]);
-    } else if (a.bias) {
-      const uint4 b = *reinterpret_cast<const uint4*>(a.bias + f);
-      const __half2* bh = reinterpret_cast<const __half2*>(&b);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) h[q] = __hadd2(h[q], bh[q]);
-    }
-    *reinterpret_cast<uint4*>(dst) = v;
-  }
+  store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
 #endif
 }
 
 template <int NT, int STAGES, bool TW>
 constexpr int smem_bytes() {
-  return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 8 + (TW ? 4 : 1) * kMaxChunks * 4;
+  return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 16 + (TW ? 4 : 1) * kMaxChunks * 4;
 }
 
 }  // namespace exl_wg
