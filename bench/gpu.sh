@@ -156,7 +156,7 @@ if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) again
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wgmma_probe ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/wg_ncu.txt"
     grep -E "Duration|Compute \(SM\)|Ipc Active|Issue Slots|stalled" "$OUT/wg_ncu.txt" | sort -k3 -n | tail -30
-    cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : .*qgemm_wg_kernelILi256ELi4ELb0/,/\.L_x_[0-9]+:$/' >"$OUT/wg_sass.txt"
+    cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : /{p = /qgemm_wg_kernelILi256ELi4ELb0/} p' >"$OUT/wg_sass.txt"
     wc -l "$OUT/wg_sass.txt"
   fi
 fi
