@@ -127,6 +127,23 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
 }
 
+template <int NT, int ST, bool TW>
+void launch_wgt(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
+  constexpr int smem = exl_wg::smem_bytes_t<NT, ST, TW>();
+  static bool attr_set = false;
+  if (!attr_set) {
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wgt_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    attr_set = true;
+  }
+  cudaLaunchAttribute attr[1];
+  exl_wg::WgBatch batch{};
+  batch.w[0] = a, batch.n = 1;
+  if (b) batch.w[1] = *b, batch.n = 2;
+  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreadsT),
+                                      smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wgt_kernel<NT, ST, TW>, batch));
+}
+
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
   DequantMats mats{};
   mats.n = 1, mats.ldw = w.N;
@@ -153,10 +170,10 @@ int main(int argc, char** argv) {
   std::vector<__half> hx(static_cast<size_t>(M) * 11008);
   for (auto& v : hx) v = __float2half(rand() / static_cast<float>(RAND_MAX) - 0.5f);
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-  if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
+  if (argc > 1 && std::string(argv[1]) == "ncu") {   // three transform-kernel launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
     const exl_wg::WgArgs wa = wg_args<256, false>(w, x, y, M, 0);
-    for (int r = 0; r < 3; ++r) launch_wg<256, 4, false>(wa, 0);
+    for (int r = 0; r < 3; ++r) launch_wgt<256, 4, false>(wa, 0);
     CK(cudaDeviceSynchronize());
     return 0;
   }
@@ -182,6 +199,31 @@ int main(int argc, char** argv) {
       CK(cudaMemset(y, 0xFF, ny * 2));
       if (tw) launch_wg<256, 4, true>(wg_args<256, true>(ws[0], x, y, M, 0), 0);
       else launch_wg<256, 4, false>(wg_args<256, false>(ws[0], x, y, M, 0), 0);
+      CK(cudaDeviceSynchronize());
+      CK(cudaGetLastError());
+      {                                                     // the transform kernel against the register-A one
+        __half* yt;
+        CK(cudaMalloc(&yt, ny * 2));
+        CK(cudaMemset(yt, 0xFF, ny * 2));
+        if (tw) launch_wgt<256, 3, true>(wg_args<256, true>(ws[0], x, yt, M, 0), 0);
+        else launch_wgt<256, 4, false>(wg_args<256, false>(ws[0], x, yt, M, 0), 0);
+        CK(cudaDeviceSynchronize());
+        CK(cudaGetLastError());
+        std::vector<__half> a1(ny), a2(ny);
+        CK(cudaMemcpy(a1.data(), y, ny * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(a2.data(), yt, ny * 2, cudaMemcpyDeviceToHost));
+        size_t diff = 0, nonfin = 0;
+        for (size_t e = 0; e < ny; ++e) {
+          const float u = __half2float(a1[e]), v = __half2float(a2[e]);
+          if (!std::isfinite(v)) ++nonfin;
+          else if (std::fabs(u - v) > 1e-3f * (1.f + std::fabs(u))) ++diff;
+        }
+        printf("%s %s transform kernel vs register-A: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
+               sh.name, diff, nonfin, ny);
+        printf("JSON {\"row\": \"check_t\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, \"nonfinite\": %zu}\n",
+               tw ? "twin" : "gptq", sh.name, diff, nonfin);
+        CK(cudaFree(yt));
+      }
       CK(cudaDeviceSynchronize());
       CK(cudaGetLastError());
       std::vector<__half> hy(ny), hy2(ny);
@@ -222,15 +264,15 @@ int main(int argc, char** argv) {
       }
       if (tw) {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wg<256, 4, true>(wa[i], st, &wa[i + 1]); });
-        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wgt<256, 3, true>(q, st); });
+        t[4] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wgt<256, 3, true>(wa[i], st, &wa[i + 1]); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wg<256, 4, false>(wa[i], st, &wa[i + 1]); });
-        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wgt<256, 4, false>(q, st); });
+        t[4] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wgt<256, 4, false>(wa[i], st, &wa[i + 1]); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg s4 two a launch", "wg nt256 s4 add"};
+      const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wgt (dequant WGs)", "wgt two a launch"};
       for (int v = 0; v < 5; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
@@ -245,7 +287,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const char* names[] = {"dequant+cublas", "cublas alone", "wg nt256 s4", "wg s4 two a launch", "wg nt256 s4 add"};
+  const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wgt (dequant WGs)", "wgt two a launch"};
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
     for (int v = 0; v < 5; ++v) {

@@ -32,13 +32,17 @@ constexpr int kThreads = 384;          // two consumer warpgroups and a producer
 constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
-template <int NT, bool TW>
+// A stage: x's tile, (XA: the dequantised A tile [128, 64] fp16, B's layout), the words, scales and zeros, (TW: the
+// twins' words and zeros).
+template <int NT, bool TW, bool XA = false>
 struct Layout {
   static constexpr int kX = NT * kBK * 2;             // x tile, 128-byte rows (a multiple of 1024)
+  static constexpr int kA = XA ? kBF * kBK * 2 : 0;   // A tile, 128-byte rows
   static constexpr int kW = kBK / 8 * kBF * 4;        // 8 word rows of 128 columns
   static constexpr int kSZ = 2 * 2 * kBF * 4;         // [chunk][scale, zero][128] fp32
+  static constexpr int kOffW = kX + kA, kOffSZ = kOffW + kW, kOffTW = kOffSZ + kSZ, kOffTZ = kOffTW + kW;
   static constexpr int kTW = TW ? kW + 2 * kBF * 4 : 0;   // twins: 8 word rows, [chunk][128] zeros
-  static constexpr int kStage = (kX + kW + kSZ + kTW + 1023) / 1024 * 1024;
+  static constexpr int kStage = (kX + kA + kW + kSZ + kTW + 1023) / 1024 * 1024;
   static constexpr uint32_t kBytes = kX + kW + kSZ;   // what a stage's copies bring without twins
 };
 
@@ -88,10 +92,10 @@ __device__ __forceinline__ uint32_t twin_pair(uint32_t w, uint32_t tw, uint32_t 
 
 // Tile kt's boxes into stage st (one thread): x, the words, each chunk's scale and zero (a chunk past K: zeros), the
 // twins' words and zeros; the barrier expects their bytes.
-template <int NT, bool TW>
+template <int NT, bool TW, bool XA = false>
 __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64_t* bar, const int* groups, int kt,
                                             int m0, int f0) {
-  using L = Layout<NT, TW>;
+  using L = Layout<NT, TW, XA>;
   const int k0 = kt * kBK, nchunks = a.K / 32;
   uint32_t bytes = L::kBytes;
   int tq[2] = {-1, -1}, tg[2] = {-1, -1};
@@ -107,16 +111,16 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
   }
   exl_tma::mbar_arrive_expect(bar, bytes);
   exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
-  exl_tma::tma_load_2d(st + L::kX, &a.wmap, f0, k0 / 8, bar);
+  exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, bar);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
     const int c = k0 / 32 + ch, g = c < nchunks ? groups[c] : a.groups;
-    exl_tma::tma_load_2d(st + L::kX + L::kW + (ch * 2) * kBF * 4, &a.smap, f0, g, bar);
-    exl_tma::tma_load_2d(st + L::kX + L::kW + (ch * 2 + 1) * kBF * 4, &a.zmap, f0, g, bar);
+    exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2) * kBF * 4, &a.smap, f0, g, bar);
+    exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + 1) * kBF * 4, &a.zmap, f0, g, bar);
     if constexpr (TW) {
       if (tq[ch] >= 0) {
-        exl_tma::tma_load_2d(st + L::kX + L::kW + L::kSZ + ch * 4 * kBF * 4, &a.twmap, f0, tq[ch], bar);
-        exl_tma::tma_load_2d(st + L::kX + L::kW + L::kSZ + L::kW + ch * kBF * 4, &a.zmap, f0, tg[ch], bar);
+        exl_tma::tma_load_2d(st + L::kOffTW + ch * 4 * kBF * 4, &a.twmap, f0, tq[ch], bar);
+        exl_tma::tma_load_2d(st + L::kOffTZ + ch * kBF * 4, &a.zmap, f0, tg[ch], bar);
       }
     }
   }
@@ -124,12 +128,12 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
 
 // One tile's A fragments (4 k16 steps x 4 registers) of this thread's A rows g and g + 8, block-local columns fp and
 // fp + 1; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
-template <int NT, bool TW>
+template <int NT, bool TW, bool XA = false>
 __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32_t sel, const int (&twin_row)[2],
                                                uint32_t (&A)[4][4]) {
-  using L = Layout<NT, TW>;
-  const uint2* ws = reinterpret_cast<const uint2*>(st + L::kX);               // [8][64] column pairs
-  const float2* sz = reinterpret_cast<const float2*>(st + L::kX + L::kW);     // [chunk][scale, zero][64] pairs
+  using L = Layout<NT, TW, XA>;
+  const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);            // [8][64] column pairs
+  const float2* sz = reinterpret_cast<const float2*>(st + L::kOffSZ);         // [chunk][scale, zero][64] pairs
   const int pr = fp >> 1;
   const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
@@ -139,8 +143,8 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
     __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};
     if constexpr (TW) {
       if (twin_row[ch] >= 0) {       // block-uniform: main row r (zero 8), twin h (zero (z0 - 8) / 16), q = r + 16 h
-        const uint2* tws = reinterpret_cast<const uint2*>(st + L::kX + L::kW + L::kSZ);
-        const float2 tz = reinterpret_cast<const float2*>(st + L::kX + L::kW + L::kSZ + L::kW)[ch * (kBF / 2) + pr];
+        const uint2* tws = reinterpret_cast<const uint2*>(st + L::kOffTW);
+        const float2 tz = reinterpret_cast<const float2*>(st + L::kOffTZ)[ch * (kBF / 2) + pr];
         const __half2 one = __float2half2_rn(1.f);
         sub[0] = __float2half2_rn(-1024.f - (16.f * tz.x + 8.f));
         sub[1] = __float2half2_rn(-1024.f - (16.f * tz.y + 8.f));
@@ -170,8 +174,8 @@ __device__ __forceinline__ void mma_tile(float (&acc)[NT / 2], const uint32_t (&
   exl_wgmma::fence();
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    if constexpr (NT == 256) exl_wgmma::wgmma_n256(acc, A[s], desc + 2 * s, 1);
-    else exl_wgmma::wgmma_n128(acc, A[s], desc + 2 * s, 1);
+    if constexpr (NT == 256) exl_wgmma::wgmma_rs_n256(acc, A[s], desc + 2 * s, 1);
+    else exl_wgmma::wgmma_rs_n128(acc, A[s], desc + 2 * s, 1);
   }
   exl_wgmma::commit();
 }
@@ -297,6 +301,136 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   exl_pdl::pdl_trigger();
   store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
 #endif
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// The same GEMM with the dequantise in warpgroups of its own (qgemm_wgt_kernel): the register-A kernel above keeps its
+// wgmmas waiting on each tile's dequantise (ncu, H200: tensor pipe ~75 % busy, warps ~8 cycles an instruction), so
+// here a dequantise warpgroup writes each tile's A [128, 64] into shared memory (stmatrix, B's swizzled layout) a few
+// tiles ahead and the two MMA warpgroups only wait and issue (A and B from shared memory).  Barriers a stage: full
+// (the copies landed), aready (the 4 dequantise warps wrote A), empty (both MMA warpgroups done with it).  The
+// producer is one thread of the first dequantise warp.  384 threads: ptxas compiles every branch within the launch
+// bound's 168 registers (setmaxnreg moves registers at run time only), which the 128 accumulators of n256 need.
+constexpr int kThreadsT = 384;
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+template <int NT, int STAGES, bool TW>
+__global__ void __launch_bounds__(kThreadsT, 1) qgemm_wgt_kernel(const __grid_constant__ WgBatch batch) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = Layout<NT, TW, true>;
+  const WgArgs& a = batch.w[blockIdx.z];
+  const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
+  if (f0 >= a.N) {                                           // a narrower weight of the batch
+    exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
+    return;
+  }
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (exl_tma::smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * L::kStage);
+  uint64_t* aready = full + STAGES;
+  uint64_t* empty = aready + STAGES;
+  int* groups = reinterpret_cast<int*>(empty + STAGES);
+  const int nchunks = a.K / 32;
+  for (int c = tid; c < nchunks; c += kThreadsT) {         // load-time data: read before the PDL wait
+    groups[c] = a.chunks[c * 3 + 1];
+    if constexpr (TW) {
+      const int tc = a.twin ? a.twin[c] : -1;
+      groups[kMaxChunks + c] = tc;
+      groups[2 * kMaxChunks + c] = tc >= 0 ? a.chunks[tc * 3 + 2] : -1;
+      groups[3 * kMaxChunks + c] = tc >= 0 ? a.chunks[tc * 3 + 1] : -1;
+    }
+  }
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      exl_tma::mbar_init(full + s, 1);
+      exl_tma::mbar_init(aready + s, 4);                     // one arrival a dequantise warp
+      exl_tma::mbar_init(empty + s, 2);                      // one arrival an MMA warpgroup
+    }
+    exl_tma::mbar_init_fence();
+  }
+  __syncthreads();
+  exl_pdl::pdl_wait();                                       // x is the kernel before's output
+  const int KT = (a.K + kBK - 1) / kBK;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  if (warp >= 8) {                                           // the dequantise warpgroup (and the producer)
+    const bool producer = warp == 8 && lane == 0;
+    if (producer) {
+      for (int j = 0; j < STAGES - 1 && j < KT; ++j)
+        issue_stage<NT, TW, true>(a, smem + j * L::kStage, full + j, groups, j, m0, f0);
+    }
+    const int w = warp & 3;
+    const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
+    // stmatrix: lane l stores row (l & 7) + 8 ((l >> 3) & 1) of a 16-row block, the 8 columns 8 (l >> 4) of a k16 step
+    const int srow = w * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), shalf = lane >> 4;
+    for (int i = 0; i < KT; ++i) {
+      if (producer && i + STAGES - 1 < KT) {                 // the tile STAGES - 1 ahead, once tile i - 1 is done
+        const int j = i + STAGES - 1, slot = j % STAGES;
+        if (j >= STAGES) exl_tma::mbar_wait(empty + slot, ((j / STAGES) - 1) & 1);
+        issue_stage<NT, TW, true>(a, smem + slot * L::kStage, full + slot, groups, j, m0, f0);
+      }
+      const int slot = i % STAGES;
+      exl_tma::mbar_wait(full + slot, (i / STAGES) & 1);
+      uint8_t* st = smem + slot * L::kStage;
+      int twin_row[2] = {-1, -1};
+      if constexpr (TW) {
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * i + ch < nchunks ? groups[kMaxChunks + 2 * i + ch] : -1;
+      }
+      uint32_t A[2][4][4];                                   // the warp's 16-row block in each MMA warpgroup's half
+#pragma unroll
+      for (int h = 0; h < 2; ++h) tile_fragments<NT, TW, true>(st, h * 64 + w * 16 + 2 * g, sel, twin_row, A[h]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = h * 64 + srow;
+        const uint32_t abase = exl_tma::smem_addr(st + L::kX) + row * 128;
+#pragma unroll
+        for (int s = 0; s < 4; ++s)                          // unit (2 s + half) of the row, swizzled
+          stmatrix_x4(abase + (((2 * s + shalf) ^ (row & 7)) << 4), A[h][s]);
+      }
+      exl_wgmma::fence_async_shared();
+      __syncwarp();
+      if (lane == 0) exl_tma::mbar_arrive(aready + slot);
+    }
+    exl_pdl::pdl_trigger();
+    return;
+  }
+  const int wg = tid >> 7;
+  const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // D rows g, g + 8 -> block-local columns fp, fp + 1
+  float acc[NT / 2];
+#pragma unroll
+  for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
+  for (int i = 0; i < KT; ++i) {
+    const int slot = i % STAGES, par = (i / STAGES) & 1;
+    exl_tma::mbar_wait(full + slot, par);
+    exl_tma::mbar_wait(aready + slot, par);
+    const uint8_t* st = smem + slot * L::kStage;
+    const uint64_t da = exl_wgmma::sw128_desc(st + L::kX + wg * 64 * 128), db = exl_wgmma::sw128_desc(st);
+    exl_wgmma::fence_operands(acc);
+    exl_wgmma::fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      if constexpr (NT == 256) exl_wgmma::wgmma_ss_n256(acc, da + 2 * s, db + 2 * s, 1);
+      else exl_wgmma::wgmma_ss_n128(acc, da + 2 * s, db + 2 * s, 1);
+    }
+    exl_wgmma::commit();
+    exl_wgmma::wait<0>();
+    exl_wgmma::fence_operands(acc);
+    if ((warp & 3) == 0 && lane == 0) exl_tma::mbar_arrive(empty + slot);
+  }
+  exl_pdl::pdl_trigger();
+  store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
+#endif
+}
+
+template <int NT, int STAGES, bool TW>
+constexpr int smem_bytes_t() {
+  return STAGES * Layout<NT, TW, true>::kStage + 1024 + STAGES * 24 + (TW ? 4 : 1) * kMaxChunks * 4;
 }
 
 template <int NT, int STAGES, bool TW>
