@@ -264,15 +264,19 @@ int main(int argc, char** argv) {
       }
       if (tw) {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wgt<256, 3, true>(q, st); });
-        t[4] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wgt<256, 3, true>(wa[i], st, &wa[i + 1]); });
+        for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
+        for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
+        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wgt<256, 4, false>(q, st); });
-        t[4] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; i += 2) launch_wgt<256, 4, false>(wa[i], st, &wa[i + 1]); });
+        for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
+        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
+        for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
+        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wgt (dequant WGs)", "wgt two a launch"};
+      const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise"};
       for (int v = 0; v < 5; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
@@ -287,7 +291,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wgt (dequant WGs)", "wgt two a launch"};
+  const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise"};
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
     for (int v = 0; v < 5; ++v) {

@@ -58,6 +58,9 @@ struct WgArgs {
   int64_t ldy;
   int M, N, K, groups;                  // groups: scale/zero rows (a box at row `groups` is zeros)
   int add;                              // y += x W (the residual stream), else y = x W (+ bias)
+  // Timing knobs of bench/wgmma_probe.cu (0 in the extension; y is wrong with either): skip_x, x's box only for the
+  // first tiles (its L2 traffic gone); skip_deq, the words as A without the dequantise arithmetic.
+  int skip_x, skip_deq;
 };
 // Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
 struct WgBatch {
@@ -97,7 +100,8 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
                                             int m0, int f0) {
   using L = Layout<NT, TW, XA>;
   const int k0 = kt * kBK, nchunks = a.K / 32;
-  uint32_t bytes = L::kBytes;
+  const bool load_x = !a.skip_x || kt < 8;
+  uint32_t bytes = L::kBytes - (load_x ? 0 : L::kX);
   int tq[2] = {-1, -1}, tg[2] = {-1, -1};
   if constexpr (TW) {
 #pragma unroll
@@ -110,7 +114,7 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
     }
   }
   exl_tma::mbar_arrive_expect(bar, bytes);
-  exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
+  if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
   exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, bar);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
@@ -283,7 +287,16 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 #pragma unroll
       for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * i + ch < nchunks ? groups[kMaxChunks + 2 * i + ch] : -1;
     }
-    tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
+    if (a.skip_deq) {
+      const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const uint2 w = ws[r * (kBF / 2) + (fp >> 1)];
+        A[r >> 1][2 * (r & 1)] = w.x & 0x3FFF3FFFu, A[r >> 1][2 * (r & 1) + 1] = w.y & 0x3FFF3FFFu;
+      }
+    } else {
+      tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
+    }
     exl_wgmma::fence_operands(acc);
     mma_tile<NT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
