@@ -103,28 +103,36 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) 
             make_map_2d(&a.wmap, w.qw, CU_TENSOR_MAP_DATA_TYPE_INT32, 4, w.N, w.rows / 8, static_cast<uint64_t>(w.N) * 4, 128, 8, false) &&
             make_map_2d(&a.twmap, w.qw, CU_TENSOR_MAP_DATA_TYPE_INT32, 4, w.N, w.rows / 8, static_cast<uint64_t>(w.N) * 4, 128, 4, false) &&
             make_map_2d(&a.smap, w.s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false) &&
-            make_map_2d(&a.zmap, w.z, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false);
+            make_map_2d(&a.zmap, w.z, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false) &&
+            make_map_2d(&a.xhmap, x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w.K, M, static_cast<uint64_t>(w.K) * 2, 64, NT / 2, true);
   if (!ok) { printf("tensor map refused\n"); exit(1); }
   a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr, a.y = y, a.ldy = w.N;
   a.M = M, a.N = w.N, a.K = w.K, a.groups = G, a.add = add;
   return a;
 }
 
-template <int NT, int ST, bool TW>
+template <int NT, int ST, bool TW, bool MC = false>
 void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
-    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     attr_set = true;
   }
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
   if (b) batch.w[1] = *b, batch.n = 2;                      // a second weight of the same shape in the same launch
-  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreads),
-                                      smem, st, attr);
-  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
+  const int gx = (a.N + 127) / 128;
+  cudaLaunchConfig_t cfg = pdl_config(dim3(MC ? (gx + 1) / 2 * 2 : gx, (a.M + NT - 1) / NT, batch.n),
+                                      dim3(exl_wg::kThreads), smem, st, *reinterpret_cast<cudaLaunchAttribute(*)[1]>(attr));
+  if (MC) {                                                  // pairs of column tiles
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 2, attr[1].val.clusterDim.y = 1, attr[1].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+  }
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, batch));
 }
 
 template <int NT, int ST, bool TW>
@@ -185,7 +193,7 @@ int main(int argc, char** argv) {
   };
   struct Shape { int K, N; const char* name; };
   const Shape shapes[] = {{4096, 4096, "4096x4096"}, {4096, 11008, "4096x11008"}, {11008, 4096, "11008x4096"}};
-  float layer[2][5] = {};                 // [fmt][dequant+cublas, cublas alone, wg256, wg128, wg256 add]
+  float layer[2][6] = {};                 // [fmt][variant], us a 7B layer
   const int per_layer[] = {4, 2, 1};
   for (int tw = 0; tw < 2; ++tw) {
     for (int si = 0; si < 3; ++si) {
@@ -205,8 +213,8 @@ int main(int argc, char** argv) {
         __half* yt;
         CK(cudaMalloc(&yt, ny * 2));
         CK(cudaMemset(yt, 0xFF, ny * 2));
-        if (tw) launch_wgt<256, 3, true>(wg_args<256, true>(ws[0], x, yt, M, 0), 0);
-        else launch_wgt<256, 4, false>(wg_args<256, false>(ws[0], x, yt, M, 0), 0);
+        if (tw) launch_wg<256, 4, true, true>(wg_args<256, true>(ws[0], x, yt, M, 0), 0);
+        else launch_wg<256, 4, false, true>(wg_args<256, false>(ws[0], x, yt, M, 0), 0);
         CK(cudaDeviceSynchronize());
         CK(cudaGetLastError());
         std::vector<__half> a1(ny), a2(ny);
@@ -218,7 +226,7 @@ int main(int argc, char** argv) {
           if (!std::isfinite(v)) ++nonfin;
           else if (std::fabs(u - v) > 1e-3f * (1.f + std::fabs(u))) ++diff;
         }
-        printf("%s %s transform kernel vs register-A: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
+        printf("%s %s multicast pair vs register-A: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
                sh.name, diff, nonfin, ny);
         printf("JSON {\"row\": \"check_t\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, \"nonfinite\": %zu}\n",
                tw ? "twin" : "gptq", sh.name, diff, nonfin);
@@ -253,7 +261,7 @@ int main(int argc, char** argv) {
              "\"bad\": %zu, \"err64_wg\": %.4e, \"err64_cublas\": %.4e}\n", tw ? "twin" : "gptq", sh.name, maxd,
              maxd / maxr, bad, e_wg, e_cb);
       // timings: NW distinct weights a graph
-      float t[5];
+      float t[6];
       t[0] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) { launch_dequant(ws[i], W, st); gemm(W, sh.K, sh.N, y, st); } });
       for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
       t[1] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st); });
@@ -268,16 +276,18 @@ int main(int argc, char** argv) {
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
+        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true, true>(q, st); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
+        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false, true>(q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise"};
-      for (int v = 0; v < 5; ++v) {
+      const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise", "wg multicast pair"};
+      for (int v = 0; v < 6; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
                flop / us / 1e6);
@@ -291,10 +301,10 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise"};
+  const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise", "wg multicast pair"};
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
-    for (int v = 0; v < 5; ++v) {
+    for (int v = 0; v < 6; ++v) {
       printf("  %-5s %-16s %9.2f (x32 = %.2f ms)\n", tw ? "twin" : "gptq", names[v], layer[tw][v], layer[tw][v] * 32 / 1000);
       printf("JSON {\"row\": \"layer\", \"fmt\": \"%s\", \"variant\": \"%s\", \"us\": %.3f}\n", tw ? "twin" : "gptq",
              names[v], layer[tw][v]);

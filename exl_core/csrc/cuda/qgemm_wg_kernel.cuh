@@ -51,6 +51,7 @@ struct Layout {
 // come back as zeros (the M, N and K tails).
 struct WgArgs {
   CUtensorMap xmap, wmap, twmap, smap, zmap;
+  CUtensorMap xhmap;                    // MC: x with boxes of half the tile's rows (64 x NT / 2)
   const int32_t* chunks;                // [rows / 32, 3]: (bits, group, first word row); chunk c in word rows 4c..
   const int32_t* twin;                  // TW: [K / 32] chunk-table row of each chunk's twin, or -1
   const __half* bias;                   // [N] or null
@@ -95,9 +96,9 @@ __device__ __forceinline__ uint32_t twin_pair(uint32_t w, uint32_t tw, uint32_t 
 
 // Tile kt's boxes into stage st (one thread): x, the words, each chunk's scale and zero (a chunk past K: zeros), the
 // twins' words and zeros; the barrier expects their bytes.
-template <int NT, bool TW, bool XA = false>
+template <int NT, bool TW, bool XA = false, bool MC = false>
 __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64_t* bar, const int* groups, int kt,
-                                            int m0, int f0) {
+                                            int m0, int f0, int rank = 0) {
   using L = Layout<NT, TW, XA>;
   const int k0 = kt * kBK, nchunks = a.K / 32;
   const bool load_x = !a.skip_x || kt < 8;
@@ -114,7 +115,11 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
     }
   }
   exl_tma::mbar_arrive_expect(bar, bytes);
-  if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
+  if constexpr (MC) {          // this block's half of x's rows, to both blocks of the pair
+    exl_tma::tma_load_2d_multicast(st + rank * (NT / 2) * 128, &a.xhmap, k0, m0 + rank * (NT / 2), bar, 3);
+  } else {
+    if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
+  }
   exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, bar);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
@@ -216,13 +221,16 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
-template <int NT, int STAGES, bool TW>
+// MC: launched in clusters of 2 along x (adjacent column tiles, the same x tile): each block brings half of x's tile
+// to both (multicast), halving x's L2 traffic; a stage goes back to the producers once all 4 warpgroups released it.
+template <int NT, int STAGES, bool TW, bool MC = false>
 __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
   const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
-  if (f0 >= a.N) {                                           // a narrower weight of the batch
+  const int rank = MC ? static_cast<int>(exl_tma::cluster_rank()) : 0;
+  if (!MC && f0 >= a.N) {                                    // a narrower weight of the batch (MC: runs, stores nothing)
     exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
     return;
   }
@@ -247,11 +255,12 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       exl_tma::mbar_init(full + s, 1);
-      exl_tma::mbar_init(empty + s, 2);                      // one arrival a consumer warpgroup
+      exl_tma::mbar_init(empty + s, MC ? 4 : 2);             // one arrival a consumer warpgroup (of the pair)
     }
     exl_tma::mbar_init_fence();
   }
   __syncthreads();
+  if constexpr (MC) exl_tma::cluster_sync();                 // the pair's barriers exist before either uses them
   exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int KT = (a.K + kBK - 1) / kBK;
   const int warp = tid >> 5, lane = tid & 31;
@@ -261,10 +270,11 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
       for (int kt = 0; kt < KT; ++kt) {
         const int slot = kt % STAGES;
         if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
-        issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0);
+        issue_stage<NT, TW, false, MC>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0, rank);
       }
     }
     exl_pdl::pdl_trigger();
+    if constexpr (MC) exl_tma::cluster_sync();               // neither block leaves while the other may write to it
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -301,7 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
     mma_tile<NT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
     exl_wgmma::wait<1>();
-    if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
+    if (releaser && i > 0) {
+      exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
+      if constexpr (MC) exl_tma::mbar_arrive_cluster(empty + (i - 1) % STAGES, rank ^ 1);
+    }
   };
   int i = 0;
   for (; i + 1 < KT; i += 2) {                               // two register sets, each in one place
@@ -313,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   exl_wgmma::fence_operands(acc);
   exl_pdl::pdl_trigger();
   store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
+  if constexpr (MC) exl_tma::cluster_sync();
 #endif
 }
 
