@@ -149,14 +149,14 @@ if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants ag
 fi
 if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) against dequantise + cuBLAS (bench/wgmma_probe.cu)
   PROBE_ARCH="-gencode arch=compute_90a,code=sm_90a" probe_run wgmma_probe "$(cublas_flags)"
-  if [ -n "${WG_NCU:-}" ]; then   # the transform kernel's second GPTQ 4096x4096 launch under Nsight Compute
-    timeout 150 ncu --clock-control none -k regex:qgemm_wgt --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+  if [ -n "${WG_NCU:-}" ]; then   # the second GPTQ 4096x4096 launch under Nsight Compute
+    timeout 150 ncu --clock-control none -k regex:qgemm_wg --launch-skip 1 --launch-count 1 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       --section Occupancy --section LaunchStats \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wgmma_probe ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/wg_ncu.txt"
     grep -E "Duration|Compute \(SM\)|Ipc Active|Issue Slots|stalled" "$OUT/wg_ncu.txt" | sort -k3 -n | tail -30
-    cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : /{p = /qgemm_wgt_kernelILi256ELi4ELb0/} p' >"$OUT/wg_sass.txt"
+    cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : /{p = /qgemm_wg_kernelILi256ELi4ELb0/} p' >"$OUT/wg_sass.txt"
     wc -l "$OUT/wg_sass.txt"
   fi
 fi

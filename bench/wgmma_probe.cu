@@ -135,23 +135,6 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, batch));
 }
 
-template <int NT, int ST, bool TW>
-void launch_wgt(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
-  constexpr int smem = exl_wg::smem_bytes_t<NT, ST, TW>();
-  static bool attr_set = false;
-  if (!attr_set) {
-    CK(cudaFuncSetAttribute(exl_wg::qgemm_wgt_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    attr_set = true;
-  }
-  cudaLaunchAttribute attr[1];
-  exl_wg::WgBatch batch{};
-  batch.w[0] = a, batch.n = 1;
-  if (b) batch.w[1] = *b, batch.n = 2;
-  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreadsT),
-                                      smem, st, attr);
-  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wgt_kernel<NT, ST, TW>, batch));
-}
-
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
   DequantMats mats{};
   mats.n = 1, mats.ldw = w.N;
@@ -178,10 +161,10 @@ int main(int argc, char** argv) {
   std::vector<__half> hx(static_cast<size_t>(M) * 11008);
   for (auto& v : hx) v = __float2half(rand() / static_cast<float>(RAND_MAX) - 0.5f);
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-  if (argc > 1 && std::string(argv[1]) == "ncu") {   // three transform-kernel launches of GPTQ 4096x4096 for Nsight Compute
+  if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
     const exl_wg::WgArgs wa = wg_args<256, false>(w, x, y, M, 0);
-    for (int r = 0; r < 3; ++r) launch_wgt<256, 4, false>(wa, 0);
+    for (int r = 0; r < 3; ++r) launch_wg<256, 4, false>(wa, 0);
     CK(cudaDeviceSynchronize());
     return 0;
   }
