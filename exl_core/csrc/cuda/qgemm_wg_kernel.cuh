@@ -32,17 +32,15 @@ constexpr int kThreads = 384;          // two consumer warpgroups and a producer
 constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
-// A stage: x's tile, (XA: the dequantised A tile [128, 64] fp16, B's layout), the words, scales and zeros, (TW: the
-// twins' words and zeros).
-template <int NT, bool TW, bool XA = false>
+// A stage: x's tile, the words, scales and zeros, (TW: the twins' words and zeros).
+template <int NT, bool TW>
 struct Layout {
   static constexpr int kX = NT * kBK * 2;             // x tile, 128-byte rows (a multiple of 1024)
-  static constexpr int kA = XA ? kBF * kBK * 2 : 0;   // A tile, 128-byte rows
   static constexpr int kW = kBK / 8 * kBF * 4;        // 8 word rows of 128 columns
   static constexpr int kSZ = 2 * 2 * kBF * 4;         // [chunk][scale, zero][128] fp32
-  static constexpr int kOffW = kX + kA, kOffSZ = kOffW + kW, kOffTW = kOffSZ + kSZ, kOffTZ = kOffTW + kW;
+  static constexpr int kOffW = kX, kOffSZ = kOffW + kW, kOffTW = kOffSZ + kSZ, kOffTZ = kOffTW + kW;
   static constexpr int kTW = TW ? kW + 2 * kBF * 4 : 0;   // twins: 8 word rows, [chunk][128] zeros
-  static constexpr int kStage = (kX + kA + kW + kSZ + kTW + 1023) / 1024 * 1024;
+  static constexpr int kStage = (kX + kW + kSZ + kTW + 1023) / 1024 * 1024;
   static constexpr uint32_t kBytes = kX + kW + kSZ;   // what a stage's copies bring without twins
 };
 
@@ -96,10 +94,10 @@ __device__ __forceinline__ uint32_t twin_pair(uint32_t w, uint32_t tw, uint32_t 
 
 // Tile kt's boxes into stage st (one thread): x, the words, each chunk's scale and zero (a chunk past K: zeros), the
 // twins' words and zeros; the barrier expects their bytes.
-template <int NT, bool TW, bool XA = false, bool MC = false>
+template <int NT, bool TW, bool MC = false>
 __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64_t* bar, const int* groups, int kt,
                                             int m0, int f0, int rank = 0) {
-  using L = Layout<NT, TW, XA>;
+  using L = Layout<NT, TW>;
   const int k0 = kt * kBK, nchunks = a.K / 32;
   const bool load_x = !a.skip_x || kt < 8;
   uint32_t bytes = L::kBytes - (load_x ? 0 : L::kX);
@@ -137,10 +135,10 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
 
 // One tile's A fragments (4 k16 steps x 4 registers) of this thread's A rows g and g + 8, block-local columns fp and
 // fp + 1; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
-template <int NT, bool TW, bool XA = false>
+template <int NT, bool TW>
 __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32_t sel, const int (&twin_row)[2],
                                                uint32_t (&A)[4][4]) {
-  using L = Layout<NT, TW, XA>;
+  using L = Layout<NT, TW>;
   const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);            // [8][64] column pairs
   const float2* sz = reinterpret_cast<const float2*>(st + L::kOffSZ);         // [chunk][scale, zero][64] pairs
   const int pr = fp >> 1;
@@ -270,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
       for (int kt = 0; kt < KT; ++kt) {
         const int slot = kt % STAGES;
         if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
-        issue_stage<NT, TW, false, MC>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0, rank);
+        issue_stage<NT, TW, MC>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0, rank);
       }
     }
     exl_pdl::pdl_trigger();
