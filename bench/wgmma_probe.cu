@@ -3,7 +3,10 @@
 // M = 2,048 rows of x, the three Llama-2-7B weight shapes, 4 distinct weights a shape in one CUDA graph; formats
 // GPTQ 4-bit g128 and EXL2 rewritten as uniform 4-bit rows (every 11th group 5-bit: its high halves in twin chunks).
 // Checks first: the fused y against the dequantise + cuBLAS y (relative max error) and 64 entries of each against a
-// float64 host sum over the packed data; every output written (NaN-poisoned before).
+// float64 host sum over the packed data; every output written (NaN-poisoned before); the multicast-pair variant
+// against the plain one.  Timed: dequantise + cuBLAS, cuBLAS alone (W dequantised before), the fused kernel, and two
+// timing knobs of it that give wrong y (x's boxes only for the first tiles; the words as A without the dequantise
+// arithmetic), and the multicast pairs.  `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
 // (bench/gpu.sh phase `wg`).
 #include <cuda_fp16.h>
@@ -99,12 +102,15 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) 
   exl_wg::WgArgs a{};
   using exl_tma::make_map_2d;
   const int G = static_cast<int>(w.hs.size() / w.N);
-  bool ok = make_map_2d(&a.xmap, x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w.K, M, static_cast<uint64_t>(w.K) * 2, 64, NT, true) &&
-            make_map_2d(&a.wmap, w.qw, CU_TENSOR_MAP_DATA_TYPE_INT32, 4, w.N, w.rows / 8, static_cast<uint64_t>(w.N) * 4, 128, 8, false) &&
-            make_map_2d(&a.twmap, w.qw, CU_TENSOR_MAP_DATA_TYPE_INT32, 4, w.N, w.rows / 8, static_cast<uint64_t>(w.N) * 4, 128, 4, false) &&
-            make_map_2d(&a.smap, w.s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false) &&
-            make_map_2d(&a.zmap, w.z, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w.N, G, static_cast<uint64_t>(w.N) * 4, 128, 1, false) &&
-            make_map_2d(&a.xhmap, x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w.K, M, static_cast<uint64_t>(w.K) * 2, 64, NT / 2, true);
+  const uint64_t xrow = static_cast<uint64_t>(w.K) * 2, wrow = static_cast<uint64_t>(w.N) * 4;
+  const auto f16 = CU_TENSOR_MAP_DATA_TYPE_FLOAT16, i32 = CU_TENSOR_MAP_DATA_TYPE_INT32;
+  const auto f32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  bool ok = make_map_2d(&a.xmap, x, f16, 2, w.K, M, xrow, 64, NT, true) &&
+            make_map_2d(&a.wmap, w.qw, i32, 4, w.N, w.rows / 8, wrow, 128, 8, false) &&
+            make_map_2d(&a.twmap, w.qw, i32, 4, w.N, w.rows / 8, wrow, 128, 4, false) &&
+            make_map_2d(&a.smap, w.s, f32, 4, w.N, G, wrow, 128, 1, false) &&
+            make_map_2d(&a.zmap, w.z, f32, 4, w.N, G, wrow, 128, 1, false) &&
+            make_map_2d(&a.xhmap, x, f16, 2, w.K, M, xrow, 64, NT / 2, true);
   if (!ok) { printf("tensor map refused\n"); exit(1); }
   a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr, a.y = y, a.ldy = w.N;
   a.M = M, a.N = w.N, a.K = w.K, a.groups = G, a.add = add;
@@ -116,7 +122,8 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
-    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            smem));
     attr_set = true;
   }
   cudaLaunchAttribute attr[2];
@@ -124,8 +131,9 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b
   batch.w[0] = a, batch.n = 1;
   if (b) batch.w[1] = *b, batch.n = 2;                      // a second weight of the same shape in the same launch
   const int gx = (a.N + 127) / 128;
+  auto& pdl_attr = *reinterpret_cast<cudaLaunchAttribute(*)[1]>(attr);   // PDL in attr[0], the cluster's in attr[1]
   cudaLaunchConfig_t cfg = pdl_config(dim3(MC ? (gx + 1) / 2 * 2 : gx, (a.M + NT - 1) / NT, batch.n),
-                                      dim3(exl_wg::kThreads), smem, st, *reinterpret_cast<cudaLaunchAttribute(*)[1]>(attr));
+                                      dim3(exl_wg::kThreads), smem, st, pdl_attr);
   if (MC) {                                                  // pairs of column tiles
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = 2, attr[1].val.clusterDim.y = 1, attr[1].val.clusterDim.z = 1;
@@ -145,6 +153,10 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
   cudaLaunchConfig_t cfg = pdl_config(dim3((w.N + 511) / 512, w.K / 32, 1), dim3(64), 0, st, attr);
   CK(cudaLaunchKernelEx(&cfg, w.twin ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8, kUniform4>, mats));
 }
+
+// The timed variants, in t[]'s order.
+const char* const names[] = {"dequant+cublas",   "cublas alone",      "wg (register A)",
+                             "wg, x not loaded", "wg, no dequantise", "wg multicast pair"};
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -211,7 +223,8 @@ int main(int argc, char** argv) {
         }
         printf("%s %s multicast pair vs register-A: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
                sh.name, diff, nonfin, ny);
-        printf("JSON {\"row\": \"check_t\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, \"nonfinite\": %zu}\n",
+        printf("JSON {\"row\": \"check_mc\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, "
+               "\"nonfinite\": %zu}\n",
                tw ? "twin" : "gptq", sh.name, diff, nonfin);
         CK(cudaFree(yt));
       }
@@ -232,7 +245,8 @@ int main(int argc, char** argv) {
       for (int s = 0; s < 64; ++s) {
         const int m = rand() % M, n = rand() % sh.N;
         double r = 0;
-        for (int k = 0; k < sh.K; ++k) r += static_cast<double>(__half2float(hx[static_cast<size_t>(m) * sh.K + k])) * w_ref(ws[0], k, n);
+        for (int k = 0; k < sh.K; ++k)
+          r += static_cast<double>(__half2float(hx[static_cast<size_t>(m) * sh.K + k])) * w_ref(ws[0], k, n);
         rmax = std::max(rmax, std::fabs(r));
         e_wg = std::max(e_wg, std::fabs(__half2float(hy[static_cast<size_t>(m) * sh.N + n]) - r));
         e_cb = std::max(e_cb, std::fabs(__half2float(hy2[static_cast<size_t>(m) * sh.N + n]) - r));
@@ -245,9 +259,16 @@ int main(int argc, char** argv) {
              maxd / maxr, bad, e_wg, e_cb);
       // timings: NW distinct weights a graph
       float t[6];
-      t[0] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) { launch_dequant(ws[i], W, st); gemm(W, sh.K, sh.N, y, st); } });
+      t[0] = time_seq([&](cudaStream_t st) {
+        for (int i = 0; i < NW; ++i) {
+          launch_dequant(ws[i], W, st);
+          gemm(W, sh.K, sh.N, y, st);
+        }
+      });
       for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
-      t[1] = time_seq([&](cudaStream_t st) { for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st); });
+      t[1] = time_seq([&](cudaStream_t st) {
+        for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st);
+      });
       std::vector<exl_wg::WgArgs> wa, wa_add;
       for (auto& w : ws) {
         wa.push_back(tw ? wg_args<256, true>(w, x, y, M, 0) : wg_args<256, false>(w, x, y, M, 0));
@@ -269,7 +290,6 @@ int main(int argc, char** argv) {
         t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false, true>(q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise", "wg multicast pair"};
       for (int v = 0; v < 6; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
@@ -284,11 +304,11 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const char* names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded", "wg, no dequantise", "wg multicast pair"};
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
     for (int v = 0; v < 6; ++v) {
-      printf("  %-5s %-16s %9.2f (x32 = %.2f ms)\n", tw ? "twin" : "gptq", names[v], layer[tw][v], layer[tw][v] * 32 / 1000);
+      printf("  %-5s %-16s %9.2f (x32 = %.2f ms)\n", tw ? "twin" : "gptq", names[v], layer[tw][v],
+             layer[tw][v] * 32 / 1000);
       printf("JSON {\"row\": \"layer\", \"fmt\": \"%s\", \"variant\": \"%s\", \"us\": %.3f}\n", tw ? "twin" : "gptq",
              names[v], layer[tw][v]);
     }

@@ -45,7 +45,8 @@ def wrapper(n: int, ss: bool) -> str:
     nin = 1 if ss else 4
     desc, flag = nacc + nin, nacc + nin + 1
     ops = [f"%{i}" for i in range(nacc)]
-    lines = [f"__device__ __forceinline__ void {name}(float (&d)[{nacc}], {a_arg}, uint64_t desc_b, int accumulate) {{",
+    lines = [f"__device__ __forceinline__ void {name}(float (&d)[{nacc}], {a_arg}, uint64_t desc_b,",
+             "                                              int accumulate) {",
              "  asm volatile(",
              '      "{\\n.reg .pred p;\\n"',
              f'      "setp.ne.b32 p, %{flag}, 0;\\n"',

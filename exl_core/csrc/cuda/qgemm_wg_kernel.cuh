@@ -8,12 +8,17 @@
 // K-major, 128-byte swizzle, as x's rows are K-contiguous).
 //
 // Block: two consumer warpgroups, each 64 W columns ("features") x NT tokens (wgmma m64nNTk16), and a producer
-// warpgroup that hands its registers to them (setmaxnreg: 40 / 232).
-// A stage holds x's tile [NT, 64], the 8 word rows [8, 128] of the 64 K rows, each 32-row chunk's scale and zero
-// [2, 128] (and, TW, the twin chunks' words and zeros), brought by the copy engine: the producer issues a stage's
-// boxes once both warpgroups released it (its `empty` barrier), they complete on its `full` barrier.  Each tile's
-// wgmmas run while the next tile's fragments are dequantised (wgmma.wait_group 1); no block-wide barrier in the loop.  A thread's two A rows (g and g + 8 of its warp's 16) are adjacent columns, so it reads their
-// words, scales and zeros as pairs.  No torch headers: bench/wgmma_probe.cu builds it with nvcc.
+// warpgroup that hands its registers to them (setmaxnreg: 40 / 232).  A stage holds x's tile [NT, 64], the 8 word
+// rows [8, 128] of the 64 K rows, each 32-row chunk's scale and zero [2, 128] (and, TW, the twin chunks' words and
+// zeros), brought by the copy engine: the producer issues a stage's boxes once both warpgroups released it (its
+// `empty` barrier), they complete on its `full` barrier.  Each tile's wgmmas run while the next tile's fragments are
+// dequantised (wgmma.wait_group 1); no block-wide barrier in the loop.  A thread's two A rows (g and g + 8 of its
+// warp's 16) are adjacent columns, so it reads their words, scales and zeros as pairs.  No torch headers:
+// bench/wgmma_probe.cu builds it with nvcc.
+//
+// Status (stop 44, NOTES.md "twenty-fourth"): correct, and at parity with dequantise + cuBLAS over a 7B layer's
+// projections (ahead on whole-wave grids, behind on gate/up), slower for the EXL2 rewrite's twins; not in the
+// extension.  Its pipeline (one block an SM, fill and epilogue not overlapped) is what holds it, not the dequantise.
 #pragma once
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -187,8 +192,6 @@ __device__ __forceinline__ void mma_tile(float (&acc)[NT / 2], const uint32_t (&
   exl_wgmma::commit();
 }
 
-// grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires K % 32 == 0, K / 32 <= kMaxChunks,
-// N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit chunks with chunk c in word rows 4c..
 // This thread's y values: acc rows g / g + 8 are columns f / f + 1, tokens tok0 + 8 j + {0, 1} (+ bias, or added to
 // y: the residual stream), straight from registers (a warp's store covers 4 tokens x 32 contiguous bytes).
 template <int NT>
@@ -219,8 +222,12 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
+// grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
+// K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
+// chunks with chunk c in word rows 4c..4c+3.
 // MC: launched in clusters of 2 along x (adjacent column tiles, the same x tile): each block brings half of x's tile
 // to both (multicast), halving x's L2 traffic; a stage goes back to the producers once all 4 warpgroups released it.
+// Lost (stop 44 call 13: a 7B layer 1,686.12 us against 1,284.96 without): kept for the probe.
 template <int NT, int STAGES, bool TW, bool MC = false>
 __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -228,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   const WgArgs& a = batch.w[blockIdx.z];
   const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
   const int rank = MC ? static_cast<int>(exl_tma::cluster_rank()) : 0;
-  if (!MC && f0 >= a.N) {                                    // a narrower weight of the batch (MC: runs, stores nothing)
+  if (!MC && f0 >= a.N) {                                    // a narrower weight of the batch (MC: runs, no stores)
     exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
     return;
   }
@@ -329,9 +336,9 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 }
 
 // Lost (bench/wgmma_probe.cu, H200, stop 44 call 6; `git show 1ea603f:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`):
-// the dequantise in a warpgroup of its own writing A by stmatrix for A-from-shared-memory wgmmas ran 2.3x slower --
-// ptxas compiles every branch within the launch bound's registers, so 128 accumulators a thread leave room for one
-// such warpgroup only, and its four warps, each with twice the dequantise, became the bottleneck.
+// the dequantise in a warpgroup of its own writing A by stmatrix for A-from-shared-memory wgmmas ran 1.88x slower a
+// layer -- ptxas compiles every branch within the launch bound's registers, so 128 accumulators a thread leave room
+// for one such warpgroup only, and its four warps, each with twice the dequantise, became the bottleneck.
 
 template <int NT, int STAGES, bool TW>
 constexpr int smem_bytes() {
