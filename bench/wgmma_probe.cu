@@ -3,10 +3,10 @@
 // M = 2,048 rows of x, the three Llama-2-7B weight shapes, 4 distinct weights a shape in one CUDA graph; formats
 // GPTQ 4-bit g128 and EXL2 rewritten as uniform 4-bit rows (every 11th group 5-bit: its high halves in twin chunks).
 // Checks first: the fused y against the dequantise + cuBLAS y (relative max error) and 64 entries of each against a
-// float64 host sum over the packed data; every output written (NaN-poisoned before); the multicast-pair variant
-// against the plain one.  Timed: dequantise + cuBLAS, cuBLAS alone (W dequantised before), the fused kernel, and two
-// timing knobs of it that give wrong y (x's boxes only for the first tiles; the words as A without the dequantise
-// arithmetic), and the multicast pairs.  `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
+// float64 host sum over the packed data; every output written (NaN-poisoned before); the persistent launch against a
+// block a tile.  Timed: dequantise + cuBLAS, cuBLAS alone (W dequantised before), the fused kernel, two timing knobs
+// of it that give wrong y (x's boxes only for the first tiles; the words as A without the dequantise arithmetic), and
+// the persistent launch (a block an SM).  `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
 // (bench/gpu.sh phase `wg`).
 #include <cuda_fp16.h>
@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -109,38 +110,31 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) 
             make_map_2d(&a.wmap, w.qw, i32, 4, w.N, w.rows / 8, wrow, 128, 8, false) &&
             make_map_2d(&a.twmap, w.qw, i32, 4, w.N, w.rows / 8, wrow, 128, 4, false) &&
             make_map_2d(&a.smap, w.s, f32, 4, w.N, G, wrow, 128, 1, false) &&
-            make_map_2d(&a.zmap, w.z, f32, 4, w.N, G, wrow, 128, 1, false) &&
-            make_map_2d(&a.xhmap, x, f16, 2, w.K, M, xrow, 64, NT / 2, true);
+            make_map_2d(&a.zmap, w.z, f32, 4, w.N, G, wrow, 128, 1, false);
   if (!ok) { printf("tensor map refused\n"); exit(1); }
   a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr, a.y = y, a.ldy = w.N;
   a.M = M, a.N = w.N, a.K = w.K, a.groups = G, a.add = add;
   return a;
 }
 
-template <int NT, int ST, bool TW, bool MC = false>
-void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
+// persistent: one block an SM walking the tiles; else a block a tile.
+template <int NT, int ST, bool TW>
+void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, bool persistent = false) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
+  static int sms = 0;
   if (!attr_set) {
-    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            smem));
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     attr_set = true;
   }
-  cudaLaunchAttribute attr[2];
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
-  if (b) batch.w[1] = *b, batch.n = 2;                      // a second weight of the same shape in the same launch
-  const int gx = (a.N + 127) / 128;
-  auto& pdl_attr = *reinterpret_cast<cudaLaunchAttribute(*)[1]>(attr);   // PDL in attr[0], the cluster's in attr[1]
-  cudaLaunchConfig_t cfg = pdl_config(dim3(MC ? (gx + 1) / 2 * 2 : gx, (a.M + NT - 1) / NT, batch.n),
-                                      dim3(exl_wg::kThreads), smem, st, pdl_attr);
-  if (MC) {                                                  // pairs of column tiles
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 2, attr[1].val.clusterDim.y = 1, attr[1].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 2;
-  }
-  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW, MC>, batch));
+  const int tiles = (a.N + 127) / 128 * ((a.M + NT - 1) / NT);
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = pdl_config(dim3(persistent ? std::min(tiles, sms) : tiles, 1, 1), dim3(exl_wg::kThreads),
+                                      smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
 }
 
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
@@ -156,7 +150,7 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
 
 // The timed variants, in t[]'s order.
 const char* const names[] = {"dequant+cublas",   "cublas alone",      "wg (register A)",
-                             "wg, x not loaded", "wg, no dequantise", "wg multicast pair"};
+                             "wg, x not loaded", "wg, no dequantise", "wg persistent"};
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -208,8 +202,8 @@ int main(int argc, char** argv) {
         __half* yt;
         CK(cudaMalloc(&yt, ny * 2));
         CK(cudaMemset(yt, 0xFF, ny * 2));
-        if (tw) launch_wg<256, 4, true, true>(wg_args<256, true>(ws[0], x, yt, M, 0), 0);
-        else launch_wg<256, 4, false, true>(wg_args<256, false>(ws[0], x, yt, M, 0), 0);
+        if (tw) launch_wg<256, 4, true>(wg_args<256, true>(ws[0], x, yt, M, 0), 0, true);
+        else launch_wg<256, 4, false>(wg_args<256, false>(ws[0], x, yt, M, 0), 0, true);
         CK(cudaDeviceSynchronize());
         CK(cudaGetLastError());
         std::vector<__half> a1(ny), a2(ny);
@@ -221,9 +215,9 @@ int main(int argc, char** argv) {
           if (!std::isfinite(v)) ++nonfin;
           else if (std::fabs(u - v) > 1e-3f * (1.f + std::fabs(u))) ++diff;
         }
-        printf("%s %s multicast pair vs register-A: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
+        printf("%s %s persistent vs a block a tile: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
                sh.name, diff, nonfin, ny);
-        printf("JSON {\"row\": \"check_mc\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, "
+        printf("JSON {\"row\": \"check_persistent\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, "
                "\"nonfinite\": %zu}\n",
                tw ? "twin" : "gptq", sh.name, diff, nonfin);
         CK(cudaFree(yt));
@@ -280,14 +274,14 @@ int main(int argc, char** argv) {
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
-        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true, true>(q, st); });
+        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st, true); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
-        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false, true>(q, st); });
+        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st, true); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
       for (int v = 0; v < 6; ++v) {
