@@ -3,10 +3,10 @@
 // M = 2,048 rows of x, the three Llama-2-7B weight shapes, 4 distinct weights a shape in one CUDA graph; formats
 // GPTQ 4-bit g128 and EXL2 rewritten as uniform 4-bit rows (every 11th group 5-bit: its high halves in twin chunks).
 // Checks first: the fused y against the dequantise + cuBLAS y (relative max error) and 64 entries of each against a
-// float64 host sum over the packed data; every output written (NaN-poisoned before); the persistent launch against a
-// block a tile.  Timed: dequantise + cuBLAS, cuBLAS alone (W dequantised before), the fused kernel, two timing knobs
-// of it that give wrong y (x's boxes only for the first tiles; the words as A without the dequantise arithmetic), and
-// the persistent launch (a block an SM).  `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
+// float64 host sum over the packed data; every output written (NaN-poisoned before).  Timed: dequantise + cuBLAS,
+// cuBLAS alone (W dequantised before), the fused kernel, and two timing knobs of it that give wrong y (x's boxes only
+// for the first tiles; the words as A without the dequantise arithmetic).  `wgmma_probe ncu`: three fused launches
+// for Nsight Compute (gpu.sh WG_NCU=1).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
 // (bench/gpu.sh phase `wg`).
 #include <cuda_fp16.h>
@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -117,22 +116,20 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) 
   return a;
 }
 
-// persistent: one block an SM walking the tiles; else a block a tile.
+// b: a second weight of the same x in the same launch (blockIdx.z).
 template <int NT, int ST, bool TW>
-void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, bool persistent = false) {
+void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
-  static int sms = 0;
   if (!attr_set) {
     CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     attr_set = true;
   }
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
-  const int tiles = (a.N + 127) / 128 * ((a.M + NT - 1) / NT);
+  if (b) batch.w[1] = *b, batch.n = 2;
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3(persistent ? std::min(tiles, sms) : tiles, 1, 1), dim3(exl_wg::kThreads),
+  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreads),
                                       smem, st, attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
 }
@@ -149,8 +146,9 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
 }
 
 // The timed variants, in t[]'s order.
-const char* const names[] = {"dequant+cublas",   "cublas alone",      "wg (register A)",
-                             "wg, x not loaded", "wg, no dequantise", "wg persistent"};
+const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
+                             "wg, no dequantise"};
+constexpr int kVariants = 5;
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -182,7 +180,7 @@ int main(int argc, char** argv) {
   };
   struct Shape { int K, N; const char* name; };
   const Shape shapes[] = {{4096, 4096, "4096x4096"}, {4096, 11008, "4096x11008"}, {11008, 4096, "11008x4096"}};
-  float layer[2][6] = {};                 // [fmt][variant], us a 7B layer
+  float layer[2][kVariants] = {};                 // [fmt][variant], us a 7B layer
   const int per_layer[] = {4, 2, 1};
   for (int tw = 0; tw < 2; ++tw) {
     for (int si = 0; si < 3; ++si) {
@@ -196,32 +194,6 @@ int main(int argc, char** argv) {
       CK(cudaMemset(y, 0xFF, ny * 2));
       if (tw) launch_wg<256, 4, true>(wg_args<256, true>(ws[0], x, y, M, 0), 0);
       else launch_wg<256, 4, false>(wg_args<256, false>(ws[0], x, y, M, 0), 0);
-      CK(cudaDeviceSynchronize());
-      CK(cudaGetLastError());
-      {                                                     // the transform kernel against the register-A one
-        __half* yt;
-        CK(cudaMalloc(&yt, ny * 2));
-        CK(cudaMemset(yt, 0xFF, ny * 2));
-        if (tw) launch_wg<256, 4, true>(wg_args<256, true>(ws[0], x, yt, M, 0), 0, true);
-        else launch_wg<256, 4, false>(wg_args<256, false>(ws[0], x, yt, M, 0), 0, true);
-        CK(cudaDeviceSynchronize());
-        CK(cudaGetLastError());
-        std::vector<__half> a1(ny), a2(ny);
-        CK(cudaMemcpy(a1.data(), y, ny * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(a2.data(), yt, ny * 2, cudaMemcpyDeviceToHost));
-        size_t diff = 0, nonfin = 0;
-        for (size_t e = 0; e < ny; ++e) {
-          const float u = __half2float(a1[e]), v = __half2float(a2[e]);
-          if (!std::isfinite(v)) ++nonfin;
-          else if (std::fabs(u - v) > 1e-3f * (1.f + std::fabs(u))) ++diff;
-        }
-        printf("%s %s persistent vs a block a tile: %zu differ, %zu nonfinite of %zu\n", tw ? "twin" : "gptq",
-               sh.name, diff, nonfin, ny);
-        printf("JSON {\"row\": \"check_persistent\", \"fmt\": \"%s\", \"shape\": \"%s\", \"differ\": %zu, "
-               "\"nonfinite\": %zu}\n",
-               tw ? "twin" : "gptq", sh.name, diff, nonfin);
-        CK(cudaFree(yt));
-      }
       CK(cudaDeviceSynchronize());
       CK(cudaGetLastError());
       std::vector<__half> hy(ny), hy2(ny);
@@ -252,7 +224,7 @@ int main(int argc, char** argv) {
              "\"bad\": %zu, \"err64_wg\": %.4e, \"err64_cublas\": %.4e}\n", tw ? "twin" : "gptq", sh.name, maxd,
              maxd / maxr, bad, e_wg, e_cb);
       // timings: NW distinct weights a graph
-      float t[6];
+      float t[kVariants];
       t[0] = time_seq([&](cudaStream_t st) {
         for (int i = 0; i < NW; ++i) {
           launch_dequant(ws[i], W, st);
@@ -274,17 +246,15 @@ int main(int argc, char** argv) {
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
-        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st, true); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
-        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st, true); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
-      for (int v = 0; v < 6; ++v) {
+      for (int v = 0; v < kVariants; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
                flop / us / 1e6);
@@ -300,7 +270,7 @@ int main(int argc, char** argv) {
   }
   printf("\na 7B layer's seven projections (4 x 4096x4096 + 2 x 4096x11008 + 11008x4096), us:\n");
   for (int tw = 0; tw < 2; ++tw)
-    for (int v = 0; v < 6; ++v) {
+    for (int v = 0; v < kVariants; ++v) {
       printf("  %-5s %-16s %9.2f (x32 = %.2f ms)\n", tw ? "twin" : "gptq", names[v], layer[tw][v],
              layer[tw][v] * 32 / 1000);
       printf("JSON {\"row\": \"layer\", \"fmt\": \"%s\", \"variant\": \"%s\", \"us\": %.3f}\n", tw ? "twin" : "gptq",

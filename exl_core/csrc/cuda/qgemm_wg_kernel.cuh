@@ -217,18 +217,16 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
-// grid (tiles, 1, batch.n), kThreads, dynamic shared memory smem_bytes(), where a weight's tiles are its
-// ceil(N / 128) x ceil(M / NT) blocks of y (column tile fastest): grid.x = every tile (a block each) or fewer
-// (persistent: block b takes tiles b, b + grid.x, ..., its stages and barrier phases running on from tile to tile, so
-// the next tile's boxes land while this one's y is stored).  Requires K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0,
-// 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit chunks with chunk c in word rows 4c..4c+3.
+// grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
+// K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
+// chunks with chunk c in word rows 4c..4c+3.
 template <int NT, int STAGES, bool TW>
 __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
-  const int tid = threadIdx.x, ftiles = (a.N + kBF - 1) / kBF, ntiles = ftiles * ((a.M + NT - 1) / NT);
-  if (static_cast<int>(blockIdx.x) >= ntiles) {              // a smaller weight of the batch
+  const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
+  if (f0 >= a.N) {                                           // a narrower weight of the batch
     exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
     return;
   }
@@ -264,14 +262,10 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   if (warp >= 8) {                                           // producer: a stage's boxes once both released it
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");    // its registers to the consumers
     if (warp == 8 && lane == 0) {
-      int it = 0;                                            // stage uses so far (over this block's tiles)
-      for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        const int f0 = (tile % ftiles) * kBF, m0 = (tile / ftiles) * NT;
-        for (int kt = 0; kt < KT; ++kt, ++it) {
-          const int slot = it % STAGES;
-          if (it >= STAGES) exl_tma::mbar_wait(empty + slot, ((it / STAGES) - 1) & 1);
-          issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0);
-        }
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % STAGES;
+        if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
+        issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0);
       }
     }
     exl_pdl::pdl_trigger();
@@ -283,17 +277,19 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
   const bool releaser = (warp & 3) == 0 && lane == 0;        // arrives on a stage's empty barrier for its warpgroup
   float acc[NT / 2];
+#pragma unroll
+  for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
   uint32_t A0[4][4], A1[4][4];
-  // One k-tile (the it-th stage use): its stage full, its fragments dequantised while the k-tile before's wgmmas run,
-  // its wgmmas issued; then the k-tile before complete (wait_group 1), so its stage goes back to the producer.
-  auto step = [&](int it, int kt, bool release_prev, uint32_t(&A)[4][4]) {
-    const int slot = it % STAGES;
-    exl_tma::mbar_wait(full + slot, (it / STAGES) & 1);
+  // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
+  // i - 1 complete (wait_group 1), so its stage goes back to the producer.
+  auto step = [&](int i, uint32_t(&A)[4][4]) {
+    const int slot = i % STAGES;
+    exl_tma::mbar_wait(full + slot, (i / STAGES) & 1);
     const uint8_t* st = smem + slot * L::kStage;
     int twin_row[2] = {-1, -1};
     if constexpr (TW) {
 #pragma unroll
-      for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * kt + ch < nchunks ? groups[kMaxChunks + 2 * kt + ch] : -1;
+      for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * i + ch < nchunks ? groups[kMaxChunks + 2 * i + ch] : -1;
     }
     if (a.skip_deq) {
       const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);
@@ -309,28 +305,24 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
     mma_tile<NT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
     exl_wgmma::wait<1>();
-    if (releaser && release_prev) exl_tma::mbar_arrive(empty + (it - 1) % STAGES);
+    if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
   };
-  int it = 0;
-  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    const int f0 = (tile % ftiles) * kBF, m0 = (tile / ftiles) * NT;
-#pragma unroll
-    for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
-    int kt = 0;
-    for (; kt + 1 < KT; kt += 2, it += 2) {                  // two register sets, each in one place
-      step(it, kt, kt > 0, A0);
-      step(it + 1, kt + 1, true, A1);
-    }
-    if (kt < KT) step(it++, kt, kt > 0, A0);
-    exl_wgmma::wait<0>();
-    exl_wgmma::fence_operands(acc);
-    if (releaser) exl_tma::mbar_arrive(empty + (it - 1) % STAGES);   // the tile's last stage, before its stores
-    store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
+  int i = 0;
+  for (; i + 1 < KT; i += 2) {                               // two register sets, each in one place
+    step(i, A0);
+    step(i + 1, A1);
   }
+  if (i < KT) step(i, A0);
+  exl_wgmma::wait<0>();
+  exl_wgmma::fence_operands(acc);
   exl_pdl::pdl_trigger();
+  store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
 #endif
 }
 
+// Lost (stop 44 call 14, `git show f1b3fc3:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`): a persistent launch (a block an
+// SM walking the tiles, stages and barrier phases running on, a tile's last stage released before its stores): a 7B
+// layer 1,382.92 us against 1,322.95 for a block a tile in the same run (GPTQ).
 // Lost (stop 44 call 13, `git show 792033c:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`): column-tile pairs in a cluster
 // of 2, each block bringing half of x's tile to both by multicast (a stage released by all four MMA warpgroups):
 // a 7B layer 1,686.12 us against 1,284.96 without -- x's L2 traffic was not the limit.
