@@ -4,9 +4,9 @@
 // GPTQ 4-bit g128 and EXL2 rewritten as uniform 4-bit rows (every 11th group 5-bit: its high halves in twin chunks).
 // Checks first: the fused y against the dequantise + cuBLAS y (relative max error) and 64 entries of each against a
 // float64 host sum over the packed data; every output written (NaN-poisoned before).  Timed: dequantise + cuBLAS,
-// cuBLAS alone (W dequantised before), the fused kernel, and two timing knobs of it that give wrong y (x's boxes only
-// for the first tiles; the words as A without the dequantise arithmetic).  `wgmma_probe ncu`: three fused launches
-// for Nsight Compute (gpu.sh WG_NCU=1).
+// cuBLAS alone (W dequantised before), the fused kernel, and three timing knobs of it that give wrong y (x's boxes
+// only for the first tiles; the words as A without the dequantise arithmetic; A from shared memory, no fragments).
+// `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
 // (bench/gpu.sh phase `wg`).
 #include <cuda_fp16.h>
@@ -147,8 +147,8 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
 
 // The timed variants, in t[]'s order.
 const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
-                             "wg, no dequantise"};
-constexpr int kVariants = 5;
+                             "wg, no dequantise", "wg, A from smem"};
+constexpr int kVariants = 6;
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -246,12 +246,16 @@ int main(int argc, char** argv) {
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
+        for (auto& q : wa_add) q.skip_deq = 0, q.ss = 1;
+        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
       } else {
         t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
         t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
         for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
         t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
+        for (auto& q : wa_add) q.skip_deq = 0, q.ss = 1;
+        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
       for (int v = 0; v < kVariants; ++v) {

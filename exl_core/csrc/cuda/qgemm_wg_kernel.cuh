@@ -61,9 +61,10 @@ struct WgArgs {
   int64_t ldy;
   int M, N, K, groups;                  // groups: scale/zero rows (a box at row `groups` is zeros)
   int add;                              // y += x W (the residual stream), else y = x W (+ bias)
-  // Timing knobs of bench/wgmma_probe.cu (0 in the extension; y is wrong with either): skip_x, x's box only for the
-  // first tiles (its L2 traffic gone); skip_deq, the words as A without the dequantise arithmetic.
-  int skip_x, skip_deq;
+  // Timing knobs of bench/wgmma_probe.cu (0 in the extension; y is wrong with any): skip_x, x's box only for the
+  // first tiles (its L2 traffic gone); skip_deq, the words as A without the dequantise arithmetic; ss (NT 256), no A
+  // fragments at all: wgmmas with A from shared memory (rows of x's tile), as a dense fp16 GEMM would issue them.
+  int skip_x, skip_deq, ss;
 };
 // Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
 struct WgBatch {
@@ -290,6 +291,20 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
     if constexpr (TW) {
 #pragma unroll
       for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * i + ch < nchunks ? groups[kMaxChunks + 2 * i + ch] : -1;
+    }
+    if (a.ss) {
+      if constexpr (NT == 256) {
+        const uint64_t da = exl_wgmma::sw128_desc(st + wg * 64 * 128), db = exl_wgmma::sw128_desc(st);
+        exl_wgmma::fence_operands(acc);
+        exl_wgmma::fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s) exl_wgmma::wgmma_ss_n256(acc, da + 2 * s, db + 2 * s, 1);
+        exl_wgmma::commit();
+        exl_wgmma::fence_operands(acc);
+        exl_wgmma::wait<1>();
+        if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
+      }
+      return;
     }
     if (a.skip_deq) {
       const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);
