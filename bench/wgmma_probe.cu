@@ -97,28 +97,27 @@ double w_ref(const QW& w, int k, int n) {
 }
 
 // The kernel's arguments for weight w and x [M, w.K] (maps made once a weight and x: the extension caches them too).
-template <int NT, bool TW>
-exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M, int add) {
+template <int NT>
+exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M) {
   exl_wg::WgArgs a{};
   using exl_tma::make_map_2d;
   const int G = static_cast<int>(w.hs.size() / w.N);
   const uint64_t xrow = static_cast<uint64_t>(w.K) * 2, wrow = static_cast<uint64_t>(w.N) * 4;
   const auto f16 = CU_TENSOR_MAP_DATA_TYPE_FLOAT16, i32 = CU_TENSOR_MAP_DATA_TYPE_INT32;
   const auto f32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  bool ok = make_map_2d(&a.xmap, x, f16, 2, w.K, M, xrow, 64, NT, true) &&
-            make_map_2d(&a.wmap, w.qw, i32, 4, w.N, w.rows / 8, wrow, 128, 8, false) &&
-            make_map_2d(&a.twmap, w.qw, i32, 4, w.N, w.rows / 8, wrow, 128, 4, false) &&
-            make_map_2d(&a.smap, w.s, f32, 4, w.N, G, wrow, 128, 1, false) &&
-            make_map_2d(&a.zmap, w.z, f32, 4, w.N, G, wrow, 128, 1, false);
+  bool ok = make_map_2d(&a.xmap, x, f16, w.K, M, xrow, 64, NT, true) &&
+            make_map_2d(&a.wmap, w.qw, i32, w.N, w.rows / 8, wrow, 128, 8, false) &&
+            make_map_2d(&a.twmap, w.qw, i32, w.N, w.rows / 8, wrow, 128, 4, false) &&
+            make_map_2d(&a.smap, w.s, f32, w.N, G, wrow, 128, 1, false) &&
+            make_map_2d(&a.zmap, w.z, f32, w.N, G, wrow, 128, 1, false);
   if (!ok) { printf("tensor map refused\n"); exit(1); }
   a.chunks = w.chunks, a.twin = w.twin, a.bias = nullptr, a.y = y, a.ldy = w.N;
-  a.M = M, a.N = w.N, a.K = w.K, a.groups = G, a.add = add;
+  a.M = M, a.N = w.N, a.K = w.K, a.groups = G;
   return a;
 }
 
-// b: a second weight of the same x in the same launch (blockIdx.z).
 template <int NT, int ST, bool TW>
-void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b = nullptr) {
+void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
@@ -127,11 +126,16 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st, const exl_wg::WgArgs* b
   }
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
-  if (b) batch.w[1] = *b, batch.n = 2;
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreads),
                                       smem, st, attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
+}
+
+// The bench's instance for the format: 256 tokens a block, 4 stages, twins or not.
+void launch_fused(bool twin, const exl_wg::WgArgs& a, cudaStream_t st) {
+  if (twin) launch_wg<256, 4, true>(a, st);
+  else launch_wg<256, 4, false>(a, st);
 }
 
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
@@ -167,8 +171,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
-    const exl_wg::WgArgs wa = wg_args<256, false>(w, x, y, M, 0);
-    for (int r = 0; r < 3; ++r) launch_wg<256, 4, false>(wa, 0);
+    const exl_wg::WgArgs wa = wg_args<256>(w, x, y, M);
+    for (int r = 0; r < 3; ++r) launch_fused(false, wa, 0);
     CK(cudaDeviceSynchronize());
     return 0;
   }
@@ -192,8 +196,7 @@ int main(int argc, char** argv) {
       launch_dequant(ws[0], W, 0);
       gemm(W, sh.K, sh.N, y2, 0);
       CK(cudaMemset(y, 0xFF, ny * 2));
-      if (tw) launch_wg<256, 4, true>(wg_args<256, true>(ws[0], x, y, M, 0), 0);
-      else launch_wg<256, 4, false>(wg_args<256, false>(ws[0], x, y, M, 0), 0);
+      launch_fused(tw, wg_args<256>(ws[0], x, y, M), 0);
       CK(cudaDeviceSynchronize());
       CK(cudaGetLastError());
       std::vector<__half> hy(ny), hy2(ny);
@@ -235,27 +238,12 @@ int main(int argc, char** argv) {
       t[1] = time_seq([&](cudaStream_t st) {
         for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st);
       });
-      std::vector<exl_wg::WgArgs> wa, wa_add;
-      for (auto& w : ws) {
-        wa.push_back(tw ? wg_args<256, true>(w, x, y, M, 0) : wg_args<256, false>(w, x, y, M, 0));
-        wa_add.push_back(tw ? wg_args<256, true>(w, x, y, M, 1) : wg_args<256, false>(w, x, y, M, 1));
-      }
-      if (tw) {
-        t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, true>(q, st); });
-        for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
-        for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
-        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
-        for (auto& q : wa_add) q.skip_deq = 0, q.ss = 1;
-        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, true>(q, st); });
-      } else {
-        t[2] = time_seq([&](cudaStream_t st) { for (auto& q : wa) launch_wg<256, 4, false>(q, st); });
-        for (auto& q : wa_add) q.add = 0, q.skip_x = 1;
-        t[3] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
-        for (auto& q : wa_add) q.skip_x = 0, q.skip_deq = 1;
-        t[4] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
-        for (auto& q : wa_add) q.skip_deq = 0, q.ss = 1;
-        t[5] = time_seq([&](cudaStream_t st) { for (auto& q : wa_add) launch_wg<256, 4, false>(q, st); });
+      std::vector<exl_wg::WgArgs> wa;
+      for (auto& w : ws) wa.push_back(wg_args<256>(w, x, y, M));
+      for (int v = 2; v < kVariants; ++v) {                  // the fused kernel, then each timing knob alone
+        std::vector<exl_wg::WgArgs> wv = wa;
+        for (auto& q : wv) q.skip_x = v == 3, q.skip_deq = v == 4, q.ss = v == 5;
+        t[v] = time_seq([&](cudaStream_t st) { for (auto& q : wv) launch_fused(tw, q, st); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
       for (int v = 0; v < kVariants; ++v) {

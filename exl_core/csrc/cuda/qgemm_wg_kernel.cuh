@@ -1,8 +1,9 @@
 // The prompt's quantized GEMM with the dequantise fused in (sm_90a): y[M, N] (+)= x[M, K] W[K, N] for uniform 4-bit
 // weights (GPTQ 4-bit, EXL2 rewritten as uniform 4-bit rows with twins, formats/uniform4.py), W never written.
 //
-// Why: the dequantise + cuBLAS path writes each W (fp16) before its GEMM reads it; between GEMMs that costs ~250-300
-// us a 7B layer (~8-9 ms of a ~45 ms 2,048-token prompt, NOTES.md).  Here the product runs transposed, y^T = W^T x^T,
+// Why: the dequantise + cuBLAS path writes each W (fp16) before its GEMM reads it; between GEMMs that costs 11.2 % of
+// a 7B layer's projections (bench/wgmma_probe.cu, stop 44 call 5: 1,238.39 us against 1,113.52 for cuBLAS
+// alone).  Here the product runs transposed, y^T = W^T x^T,
 // so the quantized operand is wgmma's A, which may come from registers: each thread dequantises its fragment straight
 // from the packed words (a byte of a word is two values of one column), and only x goes through shared memory (B:
 // K-major, 128-byte swizzle, as x's rows are K-contiguous).
@@ -18,7 +19,8 @@
 //
 // Status (stop 44, NOTES.md "twenty-fourth"): correct; over a 7B layer's projections 3.8 % behind dequantise + cuBLAS
 // for GPTQ (ahead on 4096 x 4096 and 11008 x 4096, behind on gate/up), 7.8 % for the EXL2 rewrite's twins; not in
-// the extension.  Without its dequantise arithmetic it is still 12.2 % behind cuBLAS: the pipeline holds it.
+// the extension.  Without its dequantise arithmetic it is still 12.2 % behind cuBLAS, so something in its pipeline
+// (not isolated) holds it.
 #pragma once
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -292,32 +294,28 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 #pragma unroll
       for (int ch = 0; ch < 2; ++ch) twin_row[ch] = 2 * i + ch < nchunks ? groups[kMaxChunks + 2 * i + ch] : -1;
     }
-    if (a.ss) {
+    exl_wgmma::fence_operands(acc);
+    if (a.ss) {                                              // timing knob: A from x's tile, no fragments
       if constexpr (NT == 256) {
         const uint64_t da = exl_wgmma::sw128_desc(st + wg * 64 * 128), db = exl_wgmma::sw128_desc(st);
-        exl_wgmma::fence_operands(acc);
         exl_wgmma::fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) exl_wgmma::wgmma_ss_n256(acc, da + 2 * s, db + 2 * s, 1);
         exl_wgmma::commit();
-        exl_wgmma::fence_operands(acc);
-        exl_wgmma::wait<1>();
-        if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
-      }
-      return;
-    }
-    if (a.skip_deq) {
-      const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const uint2 w = ws[r * (kBF / 2) + (fp >> 1)];
-        A[r >> 1][2 * (r & 1)] = w.x & 0x3FFF3FFFu, A[r >> 1][2 * (r & 1) + 1] = w.y & 0x3FFF3FFFu;
       }
     } else {
-      tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
+      if (a.skip_deq) {                                      // timing knob: the words as A
+        const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          const uint2 w = ws[r * (kBF / 2) + (fp >> 1)];
+          A[r >> 1][2 * (r & 1)] = w.x & 0x3FFF3FFFu, A[r >> 1][2 * (r & 1) + 1] = w.y & 0x3FFF3FFFu;
+        }
+      } else {
+        tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
+      }
+      mma_tile<NT>(acc, A, st);
     }
-    exl_wgmma::fence_operands(acc);
-    mma_tile<NT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
     exl_wgmma::wait<1>();
     if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);

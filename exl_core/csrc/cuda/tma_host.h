@@ -12,8 +12,8 @@ namespace exl_tma {
 // A 2-D map over a row-major [outer, inner] array with rows `row_bytes` apart, boxes of [box_outer, box_inner]
 // elements; swizzle128: the 128-byte swizzle (box_inner * element size must then be 128).  Returns false where the
 // driver refuses (alignment: base and row_bytes multiples of 16) or has no such entry point.
-inline bool make_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType dtype, int elem_bytes, uint64_t inner,
-                        uint64_t outer, uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle128) {
+inline bool make_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType dtype, uint64_t inner, uint64_t outer,
+                        uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle128) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     void* fn = nullptr;
@@ -23,7 +23,6 @@ inline bool make_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType 
       return false;
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
-  (void)elem_bytes;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {row_bytes};
   const cuuint32_t box[2] = {box_inner, box_outer};
