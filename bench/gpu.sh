@@ -189,8 +189,8 @@ if has build; then
     fi
   fi
 fi
-only_probes=1     # the standalone probes (wide, gemv, readbw, dequant, persist, twin) need no extension build
-for p in $PHASES; do case $p in wide|gemv|readbw|dequant|persist|twin) ;; *) only_probes=0 ;; esac; done
+only_probes=1     # the standalone probes (wg, wide, gemv, readbw, dequant, persist, twin) need no extension build
+for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin) ;; *) only_probes=0 ;; esac; done
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
