@@ -116,26 +116,39 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M) {
   return a;
 }
 
-template <int NT, int ST, bool TW>
+template <int NT, int ST, bool TW, bool PWG>
 void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
-    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW, PWG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            smem));
     attr_set = true;
   }
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreads),
-                                      smem, st, attr);
-  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
+  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n),
+                                      dim3(exl_wg::threads<PWG>()), smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW, PWG>, batch));
 }
 
-// The bench's instance for the format: 256 tokens a block, 4 stages, twins or not.
-void launch_fused(bool twin, const exl_wg::WgArgs& a, cudaStream_t st) {
-  if (twin) launch_wg<256, 4, true>(a, st);
-  else launch_wg<256, 4, false>(a, st);
+// The kernel's versions: 0 the bench's (256 tokens a block, 4 stages, a producer warpgroup); 1 with 5 stages; 2 with
+// 128 tokens a block; 3 128 tokens, no producer warpgroup, two blocks an SM (4 stages, twins 3: shared memory).
+constexpr int kVersions = 4;
+constexpr int version_nt[kVersions] = {256, 256, 128, 128};
+template <bool TW>
+void launch_version(int ver, const exl_wg::WgArgs& a, cudaStream_t st) {
+  switch (ver) {
+    case 0: launch_wg<256, 4, TW, true>(a, st); break;
+    case 1: launch_wg<256, 5, TW, true>(a, st); break;
+    case 2: launch_wg<128, 4, TW, true>(a, st); break;
+    default: launch_wg<128, TW ? 3 : 4, TW, false>(a, st); break;
+  }
+}
+void launch_fused(bool twin, const exl_wg::WgArgs& a, cudaStream_t st, int ver = 0) {
+  if (twin) launch_version<true>(ver, a, st);
+  else launch_version<false>(ver, a, st);
 }
 
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
@@ -149,10 +162,14 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
   CK(cudaLaunchKernelEx(&cfg, w.twin ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8, kUniform4>, mats));
 }
 
-// The timed variants, in t[]'s order.
+// The timed variants, in t[]'s order; from 2 on, the kernel's version and knob (1 x not loaded, 2 no dequantise, 3 A
+// from shared memory, 4 no stores).
 const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
-                             "wg, no dequantise", "wg, A from smem"};
-constexpr int kVariants = 6;
+                             "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, 5 stages",
+                             "wg, 128 tokens", "wg, 2 blocks/SM", "wg, 2 blocks/SM, no stores"};
+constexpr int kVariants = 11;
+constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 1, 2, 3, 3};
+constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 4};
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -171,8 +188,9 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
-    const exl_wg::WgArgs wa = wg_args<256>(w, x, y, M);
-    for (int r = 0; r < 3; ++r) launch_fused(false, wa, 0);
+    const int ver = argc > 2 ? atoi(argv[2]) : 0;
+    const exl_wg::WgArgs wa = version_nt[ver] == 256 ? wg_args<256>(w, x, y, M) : wg_args<128>(w, x, y, M);
+    for (int r = 0; r < 3; ++r) launch_fused(false, wa, 0, ver);
     CK(cudaDeviceSynchronize());
     return 0;
   }
@@ -195,20 +213,30 @@ int main(int argc, char** argv) {
       // checks on weight 0
       launch_dequant(ws[0], W, 0);
       gemm(W, sh.K, sh.N, y2, 0);
-      CK(cudaMemset(y, 0xFF, ny * 2));
-      launch_fused(tw, wg_args<256>(ws[0], x, y, M), 0);
-      CK(cudaDeviceSynchronize());
-      CK(cudaGetLastError());
       std::vector<__half> hy(ny), hy2(ny);
-      CK(cudaMemcpy(hy.data(), y, ny * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(hy2.data(), y2, ny * 2, cudaMemcpyDeviceToHost));
       double maxd = 0, maxr = 0;
       size_t bad = 0;
-      for (size_t i = 0; i < ny; ++i) {
-        const double a = __half2float(hy[i]), b = __half2float(hy2[i]);
-        if (!std::isfinite(a)) { ++bad; continue; }
-        maxd = std::max(maxd, std::fabs(a - b));
-        maxr = std::max(maxr, std::fabs(b));
+      for (int ver = kVersions - 1; ver >= 0; --ver) {         // version 0 last: its y is checked against float64
+        CK(cudaMemset(y, 0xFF, ny * 2));
+        launch_fused(tw, version_nt[ver] == 256 ? wg_args<256>(ws[0], x, y, M) : wg_args<128>(ws[0], x, y, M), 0,
+                     ver);
+        CK(cudaDeviceSynchronize());
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(hy.data(), y, ny * 2, cudaMemcpyDeviceToHost));
+        maxd = 0, maxr = 0, bad = 0;
+        for (size_t i = 0; i < ny; ++i) {
+          const double a = __half2float(hy[i]), b = __half2float(hy2[i]);
+          if (!std::isfinite(a)) { ++bad; continue; }
+          maxd = std::max(maxd, std::fabs(a - b));
+          maxr = std::max(maxr, std::fabs(b));
+        }
+        if (ver > 0) {
+          printf("%s %s version %d check: wg vs cublas rel %.2e, unwritten/nonfinite %zu\n", tw ? "twin" : "gptq",
+                 sh.name, ver, maxd / maxr, bad);
+          printf("JSON {\"row\": \"check_version\", \"fmt\": \"%s\", \"shape\": \"%s\", \"version\": %d, "
+                 "\"rel\": %.4e, \"bad\": %zu}\n", tw ? "twin" : "gptq", sh.name, ver, maxd / maxr, bad);
+        }
       }
       double e_wg = 0, e_cb = 0, rmax = 0;
       for (int s = 0; s < 64; ++s) {
@@ -238,12 +266,12 @@ int main(int argc, char** argv) {
       t[1] = time_seq([&](cudaStream_t st) {
         for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st);
       });
-      std::vector<exl_wg::WgArgs> wa;
-      for (auto& w : ws) wa.push_back(wg_args<256>(w, x, y, M));
-      for (int v = 2; v < kVariants; ++v) {                  // the fused kernel, then each timing knob alone
-        std::vector<exl_wg::WgArgs> wv = wa;
-        for (auto& q : wv) q.skip_x = v == 3, q.skip_deq = v == 4, q.ss = v == 5;
-        t[v] = time_seq([&](cudaStream_t st) { for (auto& q : wv) launch_fused(tw, q, st); });
+      for (int v = 2; v < kVariants; ++v) {                  // the fused kernel's versions and timing knobs
+        const int ver = variant_version[v], knob = variant_knob[v];
+        std::vector<exl_wg::WgArgs> wv;
+        for (auto& w : ws) wv.push_back(version_nt[ver] == 256 ? wg_args<256>(w, x, y, M) : wg_args<128>(w, x, y, M));
+        for (auto& q : wv) q.skip_x = knob == 1, q.skip_deq = knob == 2, q.ss = knob == 3, q.skip_store = knob == 4;
+        t[v] = time_seq([&](cudaStream_t st) { for (auto& q : wv) launch_fused(tw, q, st, ver); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;
       for (int v = 0; v < kVariants; ++v) {

@@ -35,7 +35,11 @@ namespace exl_wg {
 
 constexpr int kBK = 64;                 // K rows a stage
 constexpr int kBF = 128;                // W columns a block
-constexpr int kThreads = 384;          // two consumer warpgroups and a producer warpgroup (one thread of it issues)
+// PWG: two consumer warpgroups and a producer warpgroup (one thread of it issues), one block an SM; else the two
+// consumer warpgroups alone, consumer thread 0 issuing between its tiles, two blocks an SM (128 registers a thread),
+// so one block's fill and stores overlap the other's main loop.
+template <bool PWG>
+__host__ __device__ constexpr int threads() { return PWG ? 384 : 256; }
 constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
@@ -66,7 +70,8 @@ struct WgArgs {
   // Timing knobs of bench/wgmma_probe.cu (0 in the extension; y is wrong with any): skip_x, x's box only for the
   // first tiles (its L2 traffic gone); skip_deq, the words as A without the dequantise arithmetic; ss (NT 256), no A
   // fragments at all: wgmmas with A from shared memory (rows of x's tile), as a dense fp16 GEMM would issue them.
-  int skip_x, skip_deq, ss;
+  // skip_store: no y stores (the epilogue's cost).
+  int skip_x, skip_deq, ss, skip_store;
 };
 // Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
 struct WgBatch {
@@ -220,11 +225,11 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
-// grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
+// grid (ceil(max N / 128), ceil(M / NT), batch.n), threads<PWG>(), dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
-template <int NT, int STAGES, bool TW>
-__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
+template <int NT, int STAGES, bool TW, bool PWG = true>
+__global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
@@ -241,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   uint64_t* empty = full + STAGES;
   int* groups = reinterpret_cast<int*>(empty + STAGES);
   const int nchunks = a.K / 32;
-  for (int c = tid; c < nchunks; c += kThreads) {          // load-time data: read before the PDL wait
+  for (int c = tid; c < nchunks; c += threads<PWG>()) {          // load-time data: read before the PDL wait
     groups[c] = a.chunks[c * 3 + 1];
     if constexpr (TW) {
       const int tc = a.twin ? a.twin[c] : -1;
@@ -262,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int KT = (a.K + kBK - 1) / kBK;
   const int warp = tid >> 5, lane = tid & 31;
-  if (warp >= 8) {                                           // producer: a stage's boxes once both released it
+  if (PWG && warp >= 8) {                                    // producer: a stage's boxes once both released it
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");    // its registers to the consumers
     if (warp == 8 && lane == 0) {
       for (int kt = 0; kt < KT; ++kt) {
@@ -274,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
     exl_pdl::pdl_trigger();
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  if constexpr (PWG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = tid >> 7, g = lane >> 2, t = lane & 3;
   const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
@@ -283,10 +288,24 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 #pragma unroll
   for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
   uint32_t A0[4][4], A1[4][4];
+  // !PWG: thread 0 issues tiles while their slots are free, waiting only for a slot tile `need` itself must have.
+  int next = 0;
+  auto feed = [&](int need) {
+    for (; next < KT; ++next) {
+      const int slot = next % STAGES;
+      if (next >= STAGES) {
+        const uint32_t par = ((next / STAGES) - 1) & 1;
+        if (next <= need) exl_tma::mbar_wait(empty + slot, par);
+        else if (!exl_tma::mbar_test(empty + slot, par)) break;
+      }
+      issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, next, m0, f0);
+    }
+  };
   // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
   // i - 1 complete (wait_group 1), so its stage goes back to the producer.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
     const int slot = i % STAGES;
+    if (!PWG && tid == 0) feed(i);
     exl_tma::mbar_wait(full + slot, (i / STAGES) & 1);
     const uint8_t* st = smem + slot * L::kStage;
     int twin_row[2] = {-1, -1};
@@ -329,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   exl_wgmma::wait<0>();
   exl_wgmma::fence_operands(acc);
   exl_pdl::pdl_trigger();
-  store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
+  if (!a.skip_store) store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
 #endif
 }
 
@@ -345,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 // for one such warpgroup only, and its four warps, each with twice the dequantise, became the bottleneck.
 
 template <int NT, int STAGES, bool TW>
-constexpr int smem_bytes() {
+constexpr int smem_bytes() {   // the same for either PWG
   return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 16 + (TW ? 4 : 1) * kMaxChunks * 4;
 }
 
