@@ -128,7 +128,8 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n),
+  const int ft = (a.N + 127) / 128, tt = (a.M + NT - 1) / NT;
+  cudaLaunchConfig_t cfg = pdl_config(a.tok_fast ? dim3(tt, ft, batch.n) : dim3(ft, tt, batch.n),
                                       dim3(exl_wg::threads<PWG>()), smem, st, attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW, PWG>, batch));
 }
@@ -163,13 +164,14 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
 }
 
 // The timed variants, in t[]'s order; from 2 on, the kernel's version and knob (1 x not loaded, 2 no dequantise, 3 A
-// from shared memory, 4 no stores).
+// from shared memory, 4 no stores, 5 token tiles fastest in the grid).
 const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
                              "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, 5 stages",
-                             "wg, 128 tokens", "wg, 2 blocks/SM", "wg, 2 blocks/SM, no stores"};
-constexpr int kVariants = 11;
-constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 1, 2, 3, 3};
-constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 4};
+                             "wg, 128 tokens", "wg, 2 blocks/SM", "wg, 2 blocks/SM, no stores", "wg, tokens fast",
+                             "wg, 2 blocks/SM, tokens fast", "wg, 128 tokens, tokens fast"};
+constexpr int kVariants = 14;
+constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 1, 2, 3, 3, 0, 3, 2};
+constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 4, 5, 5, 5};
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -271,6 +273,7 @@ int main(int argc, char** argv) {
         std::vector<exl_wg::WgArgs> wv;
         for (auto& w : ws) wv.push_back(version_nt[ver] == 256 ? wg_args<256>(w, x, y, M) : wg_args<128>(w, x, y, M));
         for (auto& q : wv) q.skip_x = knob == 1, q.skip_deq = knob == 2, q.ss = knob == 3, q.skip_store = knob == 4;
+        for (auto& q : wv) q.tok_fast = knob == 5;
         t[v] = time_seq([&](cudaStream_t st) { for (auto& q : wv) launch_fused(tw, q, st, ver); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;

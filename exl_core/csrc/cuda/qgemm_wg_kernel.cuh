@@ -72,6 +72,7 @@ struct WgArgs {
   // fragments at all: wgmmas with A from shared memory (rows of x's tile), as a dense fp16 GEMM would issue them.
   // skip_store: no y stores (the epilogue's cost).
   int skip_x, skip_deq, ss, skip_store;
+  int tok_fast;                         // grid (token tiles, column tiles, n): a wave shares fewer W tiles
 };
 // Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
 struct WgBatch {
@@ -225,7 +226,7 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
-// grid (ceil(max N / 128), ceil(M / NT), batch.n), threads<PWG>(), dynamic shared memory smem_bytes().  Requires
+// grid (ceil(max N / 128), ceil(M / NT), batch.n) (tok_fast: the first two swapped), threads<PWG>(), dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
 template <int NT, int STAGES, bool TW, bool PWG = true>
@@ -233,7 +234,8 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
-  const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
+  const int tid = threadIdx.x;
+  const int f0 = (a.tok_fast ? blockIdx.y : blockIdx.x) * kBF, m0 = (a.tok_fast ? blockIdx.x : blockIdx.y) * NT;
   if (f0 >= a.N) {                                           // a narrower weight of the batch
     exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
     return;
