@@ -116,40 +116,30 @@ exl_wg::WgArgs wg_args(const QW& w, const __half* x, __half* y, int M) {
   return a;
 }
 
-template <int NT, int ST, bool TW, bool PWG>
+template <int NT, int ST, bool TW>
 void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
   constexpr int smem = exl_wg::smem_bytes<NT, ST, TW>();
   static bool attr_set = false;
   if (!attr_set) {
-    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW, PWG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            smem));
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<NT, ST, TW>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     attr_set = true;
   }
   exl_wg::WgBatch batch{};
   batch.w[0] = a, batch.n = 1;
   cudaLaunchAttribute attr[1];
-  const int ft = (a.N + 127) / 128, tt = (a.M + NT - 1) / NT;
-  cudaLaunchConfig_t cfg = pdl_config(a.tok_fast ? dim3(tt, ft, batch.n) : dim3(ft, tt, batch.n),
-                                      dim3(exl_wg::threads<PWG>()), smem, st, attr);
-  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW, PWG>, batch));
+  cudaLaunchConfig_t cfg = pdl_config(dim3((a.N + 127) / 128, (a.M + NT - 1) / NT, batch.n), dim3(exl_wg::kThreads),
+                                      smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
 }
 
-// The kernel's versions: 0 the bench's (256 tokens a block, 4 stages, a producer warpgroup); 1 with 5 stages; 2 with
-// 128 tokens a block; 3 128 tokens, no producer warpgroup, two blocks an SM (4 stages, twins 3: shared memory).
-constexpr int kVersions = 4;
-constexpr int version_nt[kVersions] = {256, 256, 128, 128};
-template <bool TW>
-void launch_version(int ver, const exl_wg::WgArgs& a, cudaStream_t st) {
-  switch (ver) {
-    case 0: launch_wg<256, 4, TW, true>(a, st); break;
-    case 1: launch_wg<256, 5, TW, true>(a, st); break;
-    case 2: launch_wg<128, 4, TW, true>(a, st); break;
-    default: launch_wg<128, TW ? 3 : 4, TW, false>(a, st); break;
-  }
-}
+// The kernel's versions: 0 the bench's (256 tokens a block, 4 stages); 1 with 3 stages (how much the lookahead
+// matters).  Lost in stop 45 call 1 and removed (`git show 1cb7ea8:bench/wgmma_probe.cu`): 5 stages, 128 tokens a
+// block, two blocks an SM without a producer warpgroup (wgmma serialized by ptxas at 128 registers), token tiles
+// fastest in the grid.
+constexpr int kVersions = 2;
 void launch_fused(bool twin, const exl_wg::WgArgs& a, cudaStream_t st, int ver = 0) {
-  if (twin) launch_version<true>(ver, a, st);
-  else launch_version<false>(ver, a, st);
+  if (twin) ver ? launch_wg<256, 3, true>(a, st) : launch_wg<256, 4, true>(a, st);
+  else ver ? launch_wg<256, 3, false>(a, st) : launch_wg<256, 4, false>(a, st);
 }
 
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
@@ -164,14 +154,13 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
 }
 
 // The timed variants, in t[]'s order; from 2 on, the kernel's version and knob (1 x not loaded, 2 no dequantise, 3 A
-// from shared memory, 4 no stores, 5 token tiles fastest in the grid).
+// from shared memory, 4 no stores, 5 no hoist: scales and zeros converted every tile).
 const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
-                             "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, 5 stages",
-                             "wg, 128 tokens", "wg, 2 blocks/SM", "wg, 2 blocks/SM, no stores", "wg, tokens fast",
-                             "wg, 2 blocks/SM, tokens fast", "wg, 128 tokens, tokens fast"};
-constexpr int kVariants = 14;
-constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 1, 2, 3, 3, 0, 3, 2};
-constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 4, 5, 5, 5};
+                             "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, no hoist", "wg, 3 stages",
+                             "wg (register A) again"};
+constexpr int kVariants = 10;
+constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 0, 1, 0};
+constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 5, 0, 0};
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -191,7 +180,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
     const int ver = argc > 2 ? atoi(argv[2]) : 0;
-    const exl_wg::WgArgs wa = version_nt[ver] == 256 ? wg_args<256>(w, x, y, M) : wg_args<128>(w, x, y, M);
+    const exl_wg::WgArgs wa = wg_args<256>(w, x, y, M);
     for (int r = 0; r < 3; ++r) launch_fused(false, wa, 0, ver);
     CK(cudaDeviceSynchronize());
     return 0;
@@ -221,8 +210,7 @@ int main(int argc, char** argv) {
       size_t bad = 0;
       for (int ver = kVersions - 1; ver >= 0; --ver) {         // version 0 last: its y is checked against float64
         CK(cudaMemset(y, 0xFF, ny * 2));
-        launch_fused(tw, version_nt[ver] == 256 ? wg_args<256>(ws[0], x, y, M) : wg_args<128>(ws[0], x, y, M), 0,
-                     ver);
+        launch_fused(tw, wg_args<256>(ws[0], x, y, M), 0, ver);
         CK(cudaDeviceSynchronize());
         CK(cudaGetLastError());
         CK(cudaMemcpy(hy.data(), y, ny * 2, cudaMemcpyDeviceToHost));
@@ -271,9 +259,9 @@ int main(int argc, char** argv) {
       for (int v = 2; v < kVariants; ++v) {                  // the fused kernel's versions and timing knobs
         const int ver = variant_version[v], knob = variant_knob[v];
         std::vector<exl_wg::WgArgs> wv;
-        for (auto& w : ws) wv.push_back(version_nt[ver] == 256 ? wg_args<256>(w, x, y, M) : wg_args<128>(w, x, y, M));
+        for (auto& w : ws) wv.push_back(wg_args<256>(w, x, y, M));
         for (auto& q : wv) q.skip_x = knob == 1, q.skip_deq = knob == 2, q.ss = knob == 3, q.skip_store = knob == 4;
-        for (auto& q : wv) q.tok_fast = knob == 5;
+        for (auto& q : wv) q.no_hoist = knob == 5;
         t[v] = time_seq([&](cudaStream_t st) { for (auto& q : wv) launch_fused(tw, q, st, ver); });
       }
       const double flop = 2.0 * M * sh.K * sh.N;

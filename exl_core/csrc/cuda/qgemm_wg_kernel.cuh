@@ -35,11 +35,7 @@ namespace exl_wg {
 
 constexpr int kBK = 64;                 // K rows a stage
 constexpr int kBF = 128;                // W columns a block
-// PWG: two consumer warpgroups and a producer warpgroup (one thread of it issues), one block an SM; else the two
-// consumer warpgroups alone, consumer thread 0 issuing between its tiles, two blocks an SM (128 registers a thread),
-// so one block's fill and stores overlap the other's main loop.
-template <bool PWG>
-__host__ __device__ constexpr int threads() { return PWG ? 384 : 256; }
+constexpr int kThreads = 384;          // two consumer warpgroups and a producer warpgroup (one thread of it issues)
 constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
@@ -70,9 +66,8 @@ struct WgArgs {
   // Timing knobs of bench/wgmma_probe.cu (0 in the extension; y is wrong with any): skip_x, x's box only for the
   // first tiles (its L2 traffic gone); skip_deq, the words as A without the dequantise arithmetic; ss (NT 256), no A
   // fragments at all: wgmmas with A from shared memory (rows of x's tile), as a dense fp16 GEMM would issue them.
-  // skip_store: no y stores (the epilogue's cost).
-  int skip_x, skip_deq, ss, skip_store;
-  int tok_fast;                         // grid (token tiles, column tiles, n): a wave shares fewer W tiles
+  // no_hoist: each tile converts its chunks' scales and zeros even where the groups repeat (the hoist's A/B).
+  int skip_x, skip_deq, ss, skip_store, no_hoist;
 };
 // Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
 struct WgBatch {
@@ -142,34 +137,46 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
   }
 }
 
+// This thread's fp16 scales and (-1024 - z, -64 - z) subtrahends of a tile's two chunks for its column pair: s2[ch][col],
+// sub[ch][col] (the same for every tile of a group: step() keeps them while the groups repeat).
+template <int NT, bool TW>
+__device__ __forceinline__ void tile_scales(const uint8_t* st, int fp, __half2 (&s2)[2][2], __half2 (&sub)[2][2]) {
+  using L = Layout<NT, TW>;
+  const float2* sz = reinterpret_cast<const float2*>(st + L::kOffSZ);         // [chunk][scale, zero][64] pairs
+  const int pr = fp >> 1;
+#pragma unroll
+  for (int ch = 0; ch < 2; ++ch) {
+    const float2 s = sz[(ch * 2) * (kBF / 2) + pr], z = sz[(ch * 2 + 1) * (kBF / 2) + pr];
+    s2[ch][0] = __float2half2_rn(s.x), s2[ch][1] = __float2half2_rn(s.y);
+    sub[ch][0] = __floats2half2_rn(-1024.f - z.x, -64.f - z.x), sub[ch][1] = __floats2half2_rn(-1024.f - z.y, -64.f - z.y);
+  }
+}
+
 // One tile's A fragments (4 k16 steps x 4 registers) of this thread's A rows g and g + 8, block-local columns fp and
-// fp + 1; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
+// fp + 1, from tile_scales' s2 / sub; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
 template <int NT, bool TW>
 __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32_t sel, const int (&twin_row)[2],
+                                               const __half2 (&s2)[2][2], const __half2 (&sub)[2][2],
                                                uint32_t (&A)[4][4]) {
   using L = Layout<NT, TW>;
   const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);            // [8][64] column pairs
-  const float2* sz = reinterpret_cast<const float2*>(st + L::kOffSZ);         // [chunk][scale, zero][64] pairs
   const int pr = fp >> 1;
   const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-    const float2 s = sz[(ch * 2) * (kBF / 2) + pr], z = sz[(ch * 2 + 1) * (kBF / 2) + pr];
-    const __half2 s2[2] = {__float2half2_rn(s.x), __float2half2_rn(s.y)};
-    __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};
     if constexpr (TW) {
       if (twin_row[ch] >= 0) {       // block-uniform: main row r (zero 8), twin h (zero (z0 - 8) / 16), q = r + 16 h
         const uint2* tws = reinterpret_cast<const uint2*>(st + L::kOffTW);
         const float2 tz = reinterpret_cast<const float2*>(st + L::kOffTZ)[ch * (kBF / 2) + pr];
         const __half2 one = __float2half2_rn(1.f);
-        sub[0] = __float2half2_rn(-1024.f - (16.f * tz.x + 8.f));
-        sub[1] = __float2half2_rn(-1024.f - (16.f * tz.y + 8.f));
+        const __half2 tsub[2] = {__float2half2_rn(-1024.f - (16.f * tz.x + 8.f)),
+                                 __float2half2_rn(-1024.f - (16.f * tz.y + 8.f))};
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {     // word rows 4 ch + s4: step 2 ch + s4 / 2, k 2t.. (s4 even) or 2t + 8..
           const int row = 4 * ch + s4;
           const uint2 w = ws[row * (kBF / 2) + pr], h = tws[row * (kBF / 2) + pr];
-          A[row >> 1][2 * (row & 1)] = dequant_pair(twin_pair(w.x, h.x, sel), one, sub[0], s2[0]);
-          A[row >> 1][2 * (row & 1) + 1] = dequant_pair(twin_pair(w.y, h.y, sel), one, sub[1], s2[1]);
+          A[row >> 1][2 * (row & 1)] = dequant_pair(twin_pair(w.x, h.x, sel), one, tsub[0], s2[ch][0]);
+          A[row >> 1][2 * (row & 1) + 1] = dequant_pair(twin_pair(w.y, h.y, sel), one, tsub[1], s2[ch][1]);
         }
         continue;
       }
@@ -178,8 +185,8 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
     for (int s4 = 0; s4 < 4; ++s4) {
       const int row = 4 * ch + s4;
       const uint2 w = ws[row * (kBF / 2) + pr];
-      A[row >> 1][2 * (row & 1)] = dequant_pair(nibble_pair(w.x, sel), mul, sub[0], s2[0]);
-      A[row >> 1][2 * (row & 1) + 1] = dequant_pair(nibble_pair(w.y, sel), mul, sub[1], s2[1]);
+      A[row >> 1][2 * (row & 1)] = dequant_pair(nibble_pair(w.x, sel), mul, sub[ch][0], s2[ch][0]);
+      A[row >> 1][2 * (row & 1) + 1] = dequant_pair(nibble_pair(w.y, sel), mul, sub[ch][1], s2[ch][1]);
     }
   }
 }
@@ -226,16 +233,15 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
-// grid (ceil(max N / 128), ceil(M / NT), batch.n) (tok_fast: the first two swapped), threads<PWG>(), dynamic shared memory smem_bytes().  Requires
+// grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
-template <int NT, int STAGES, bool TW, bool PWG = true>
-__global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
+template <int NT, int STAGES, bool TW>
+__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
-  const int tid = threadIdx.x;
-  const int f0 = (a.tok_fast ? blockIdx.y : blockIdx.x) * kBF, m0 = (a.tok_fast ? blockIdx.x : blockIdx.y) * NT;
+  const int tid = threadIdx.x, f0 = blockIdx.x * kBF, m0 = blockIdx.y * NT;
   if (f0 >= a.N) {                                           // a narrower weight of the batch
     exl_pdl::pdl_wait();                                     // every block waits: completion stays transitive
     return;
@@ -248,7 +254,7 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
   uint64_t* empty = full + STAGES;
   int* groups = reinterpret_cast<int*>(empty + STAGES);
   const int nchunks = a.K / 32;
-  for (int c = tid; c < nchunks; c += threads<PWG>()) {          // load-time data: read before the PDL wait
+  for (int c = tid; c < nchunks; c += kThreads) {          // load-time data: read before the PDL wait
     groups[c] = a.chunks[c * 3 + 1];
     if constexpr (TW) {
       const int tc = a.twin ? a.twin[c] : -1;
@@ -269,7 +275,7 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
   exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int KT = (a.K + kBK - 1) / kBK;
   const int warp = tid >> 5, lane = tid & 31;
-  if (PWG && warp >= 8) {                                    // producer: a stage's boxes once both released it
+  if (warp >= 8) {                                           // producer: a stage's boxes once both released it
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");    // its registers to the consumers
     if (warp == 8 && lane == 0) {
       for (int kt = 0; kt < KT; ++kt) {
@@ -281,7 +287,7 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
     exl_pdl::pdl_trigger();
     return;
   }
-  if constexpr (PWG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = tid >> 7, g = lane >> 2, t = lane & 3;
   const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
@@ -290,24 +296,11 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
 #pragma unroll
   for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
   uint32_t A0[4][4], A1[4][4];
-  // !PWG: thread 0 issues tiles while their slots are free, waiting only for a slot tile `need` itself must have.
-  int next = 0;
-  auto feed = [&](int need) {
-    for (; next < KT; ++next) {
-      const int slot = next % STAGES;
-      if (next >= STAGES) {
-        const uint32_t par = ((next / STAGES) - 1) & 1;
-        if (next <= need) exl_tma::mbar_wait(empty + slot, par);
-        else if (!exl_tma::mbar_test(empty + slot, par)) break;
-      }
-      issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, next, m0, f0);
-    }
-  };
+  __half2 s2[2][2], sub[2][2];                               // the current groups' (tile_scales)
   // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
   // i - 1 complete (wait_group 1), so its stage goes back to the producer.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
     const int slot = i % STAGES;
-    if (!PWG && tid == 0) feed(i);
     exl_tma::mbar_wait(full + slot, (i / STAGES) & 1);
     const uint8_t* st = smem + slot * L::kStage;
     int twin_row[2] = {-1, -1};
@@ -333,7 +326,11 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
           A[r >> 1][2 * (r & 1)] = w.x & 0x3FFF3FFFu, A[r >> 1][2 * (r & 1) + 1] = w.y & 0x3FFF3FFFu;
         }
       } else {
-        tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
+        // a group spans several tiles (128 rows: two): convert its scales and zeros once (block-uniform test)
+        if (a.no_hoist || i == 0 || groups[2 * i] != groups[2 * i - 2] ||
+            (2 * i + 1 < nchunks && groups[2 * i + 1] != groups[2 * i - 1]))
+          tile_scales<NT, TW>(st, fp, s2, sub);
+        tile_fragments<NT, TW>(st, fp, sel, twin_row, s2, sub, A);
       }
       mma_tile<NT>(acc, A, st);
     }
@@ -366,7 +363,7 @@ __global__ void __launch_bounds__(threads<PWG>(), PWG ? 1 : 2) qgemm_wg_kernel(c
 // for one such warpgroup only, and its four warps, each with twice the dequantise, became the bottleneck.
 
 template <int NT, int STAGES, bool TW>
-constexpr int smem_bytes() {   // the same for either PWG
+constexpr int smem_bytes() {
   return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 16 + (TW ? 4 : 1) * kMaxChunks * 4;
 }
 
