@@ -156,11 +156,11 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
 // The timed variants, in t[]'s order; from 2 on, the kernel's version and knob (1 x not loaded, 2 no dequantise, 3 A
 // from shared memory, 4 no stores, 5 no hoist: scales and zeros converted every tile).
 const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
-                             "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, no hoist", "wg, 3 stages",
-                             "wg (register A) again"};
-constexpr int kVariants = 10;
-constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 0, 1, 0};
-constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 5, 0, 0};
+                             "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, no hoist", "wg, 3 stages"};
+constexpr int kVariants = 9;
+constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 0, 1};
+constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 5, 0};
+constexpr int kRounds = 7;
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -245,32 +245,49 @@ int main(int argc, char** argv) {
              "\"bad\": %zu, \"err64_wg\": %.4e, \"err64_cublas\": %.4e}\n", tw ? "twin" : "gptq", sh.name, maxd,
              maxd / maxr, bad, e_wg, e_cb);
       // timings: NW distinct weights a graph
-      float t[kVariants];
-      t[0] = time_seq([&](cudaStream_t st) {
-        for (int i = 0; i < NW; ++i) {
-          launch_dequant(ws[i], W, st);
-          gemm(W, sh.K, sh.N, y, st);
-        }
-      });
+      // timings: NW distinct weights a graph, the variants in turn for kRounds rounds (the clock drifts down over a
+      // run: stop 45 call 2 timed the same kernel 12 % slower at its end), each variant's median
       for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
-      t[1] = time_seq([&](cudaStream_t st) {
-        for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st);
-      });
+      std::vector<std::vector<exl_wg::WgArgs>> wv(kVariants);
       for (int v = 2; v < kVariants; ++v) {                  // the fused kernel's versions and timing knobs
-        const int ver = variant_version[v], knob = variant_knob[v];
-        std::vector<exl_wg::WgArgs> wv;
-        for (auto& w : ws) wv.push_back(wg_args<256>(w, x, y, M));
-        for (auto& q : wv) q.skip_x = knob == 1, q.skip_deq = knob == 2, q.ss = knob == 3, q.skip_store = knob == 4;
-        for (auto& q : wv) q.no_hoist = knob == 5;
-        t[v] = time_seq([&](cudaStream_t st) { for (auto& q : wv) launch_fused(tw, q, st, ver); });
+        const int knob = variant_knob[v];
+        for (auto& w : ws) wv[v].push_back(wg_args<256>(w, x, y, M));
+        for (auto& q : wv[v]) q.skip_x = knob == 1, q.skip_deq = knob == 2, q.ss = knob == 3, q.skip_store = knob == 4;
+        for (auto& q : wv[v]) q.no_hoist = knob == 5;
+      }
+      std::vector<float> rounds[kVariants];
+      for (int r = 0; r < kRounds; ++r)
+        for (int v = 0; v < kVariants; ++v) {
+          float us;
+          if (v == 0) {
+            us = time_seq([&](cudaStream_t st) {
+              for (int i = 0; i < NW; ++i) {
+                launch_dequant(ws[i], W, st);     // into weight 0's slot: the next variant's values do not matter
+                gemm(W, sh.K, sh.N, y, st);
+              }
+            });
+          } else if (v == 1) {
+            us = time_seq([&](cudaStream_t st) {
+              for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st);
+            });
+          } else {
+            us = time_seq([&](cudaStream_t st) { for (auto& q : wv[v]) launch_fused(tw, q, st, variant_version[v]); });
+          }
+          rounds[v].push_back(us);
+        }
+      float t[kVariants], tlo[kVariants], thi[kVariants];
+      for (int v = 0; v < kVariants; ++v) {
+        std::sort(rounds[v].begin(), rounds[v].end());
+        t[v] = rounds[v][kRounds / 2], tlo[v] = rounds[v].front(), thi[v] = rounds[v].back();
       }
       const double flop = 2.0 * M * sh.K * sh.N;
       for (int v = 0; v < kVariants; ++v) {
         const float us = t[v] / NW;
         printf("%-5s %-11s %-16s %9.2f us/weight %7.1f TFLOP/s\n", tw ? "twin" : "gptq", sh.name, names[v], us,
                flop / us / 1e6);
-        printf("JSON {\"row\": \"time\", \"fmt\": \"%s\", \"shape\": \"%s\", \"variant\": \"%s\", \"us\": %.3f}\n",
-               tw ? "twin" : "gptq", sh.name, names[v], us);
+        printf("JSON {\"row\": \"time\", \"fmt\": \"%s\", \"shape\": \"%s\", \"variant\": \"%s\", \"us\": %.3f, "
+               "\"us_min\": %.3f, \"us_max\": %.3f, \"rounds\": %d}\n", tw ? "twin" : "gptq", sh.name, names[v], us,
+               tlo[v] / NW, thi[v] / NW, kRounds);
         layer[tw][v] += per_layer[si] * us;
       }
       for (auto& w : ws) {
