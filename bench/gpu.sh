@@ -153,14 +153,14 @@ if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) again
     timeout 150 ncu --clock-control none -k regex:qgemm_wg --launch-skip 1 --launch-count 1 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       --section Occupancy --section LaunchStats \
-      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wgmma_probe ncu ${WG_VER:-0} 2>&1 \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wgmma_probe ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/wg_ncu.txt"
     grep -E "Duration|Compute \(SM\)|Ipc Active|Issue Slots|stalled" "$OUT/wg_ncu.txt" | sort -k3 -n | tail -30
     cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : /{p = /qgemm_wg_kernelILi256ELi4ELb0/} p' >"$OUT/wg_sass.txt"
     wc -l "$OUT/wg_sass.txt"
-    # the warps' stall samples a SASS instruction (the source page; WG_VER picks the probe's kernel version)
+    # the warps' stall samples a SASS instruction (the source page)
     timeout 150 ncu --clock-control none -k regex:qgemm_wg --launch-skip 1 --launch-count 1 --section SourceCounters \
-      --section WarpStateStats -f -o /tmp/wg_src /tmp/wgmma_probe ncu ${WG_VER:-0} >>"$LOG" 2>&1 &&
+      --section WarpStateStats -f -o /tmp/wg_src /tmp/wgmma_probe ncu >>"$LOG" 2>&1 &&
       ncu -i /tmp/wg_src.ncu-rep --page source --print-source sass --csv >"$OUT/wg_source.csv" 2>&1
     wc -l "$OUT/wg_source.csv"; head -c 600 "$OUT/wg_source.csv"; echo
   fi

@@ -4,8 +4,9 @@
 // GPTQ 4-bit g128 and EXL2 rewritten as uniform 4-bit rows (every 11th group 5-bit: its high halves in twin chunks).
 // Checks first: the fused y against the dequantise + cuBLAS y (relative max error) and 64 entries of each against a
 // float64 host sum over the packed data; every output written (NaN-poisoned before).  Timed: dequantise + cuBLAS,
-// cuBLAS alone (W dequantised before), the fused kernel, and three timing knobs of it that give wrong y (x's boxes
-// only for the first tiles; the words as A without the dequantise arithmetic; A from shared memory, no fragments).
+// cuBLAS alone (W dequantised before), the fused kernel, and four timing knobs of it that give wrong y (x's boxes
+// only for the first tiles; the words as A without the dequantise arithmetic; A from shared memory, no fragments; no
+// y stores), in turn over 7 rounds, medians (the clock drifts down over a run).
 // `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
 // (bench/gpu.sh phase `wg`).
@@ -132,14 +133,12 @@ void launch_wg(const exl_wg::WgArgs& a, cudaStream_t st) {
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<NT, ST, TW>, batch));
 }
 
-// The kernel's versions: 0 the bench's (256 tokens a block, 4 stages); 1 with 3 stages (how much the lookahead
-// matters).  Lost in stop 45 call 1 and removed (`git show 1cb7ea8:bench/wgmma_probe.cu`): 5 stages, 128 tokens a
-// block, two blocks an SM without a producer warpgroup (wgmma serialized by ptxas at 128 registers), token tiles
-// fastest in the grid.
-constexpr int kVersions = 2;
-void launch_fused(bool twin, const exl_wg::WgArgs& a, cudaStream_t st, int ver = 0) {
-  if (twin) ver ? launch_wg<256, 3, true>(a, st) : launch_wg<256, 4, true>(a, st);
-  else ver ? launch_wg<256, 3, false>(a, st) : launch_wg<256, 4, false>(a, st);
+// The bench's instance for the format: 256 tokens a block, 4 stages, twins or not.  Lost and removed (stop 45 calls
+// 1-3; `git show 346df0d:bench/wgmma_probe.cu` has the last of them): 3 or 5 stages, 128 tokens a block, two blocks an
+// SM without a producer warpgroup, token tiles fastest in the grid, a group's scales converted once for its tiles.
+void launch_fused(bool twin, const exl_wg::WgArgs& a, cudaStream_t st) {
+  if (twin) launch_wg<256, 4, true>(a, st);
+  else launch_wg<256, 4, false>(a, st);
 }
 
 void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
@@ -153,13 +152,11 @@ void launch_dequant(const QW& w, __half* W, cudaStream_t st) {
   CK(cudaLaunchKernelEx(&cfg, w.twin ? dequant_kernel<__half, 8, kTwin4> : dequant_kernel<__half, 8, kUniform4>, mats));
 }
 
-// The timed variants, in t[]'s order; from 2 on, the kernel's version and knob (1 x not loaded, 2 no dequantise, 3 A
-// from shared memory, 4 no stores, 5 no hoist: scales and zeros converted every tile).
+// The timed variants, in t[]'s order; from 2 on, the fused kernel with a timing knob (v - 2: 1 x not loaded, 2 no
+// dequantise, 3 A from shared memory, 4 no stores).
 const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)", "wg, x not loaded",
-                             "wg, no dequantise", "wg, A from smem", "wg, no stores", "wg, no hoist", "wg, 3 stages"};
-constexpr int kVariants = 9;
-constexpr int variant_version[kVariants] = {-1, -1, 0, 0, 0, 0, 0, 0, 1};
-constexpr int variant_knob[kVariants] = {0, 0, 0, 1, 2, 3, 4, 5, 0};
+                             "wg, no dequantise", "wg, A from smem", "wg, no stores"};
+constexpr int kVariants = 7;
 constexpr int kRounds = 7;
 
 int main(int argc, char** argv) {
@@ -179,9 +176,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
-    const int ver = argc > 2 ? atoi(argv[2]) : 0;
     const exl_wg::WgArgs wa = wg_args<256>(w, x, y, M);
-    for (int r = 0; r < 3; ++r) launch_fused(false, wa, 0, ver);
+    for (int r = 0; r < 3; ++r) launch_fused(false, wa, 0);
     CK(cudaDeviceSynchronize());
     return 0;
   }
@@ -204,29 +200,20 @@ int main(int argc, char** argv) {
       // checks on weight 0
       launch_dequant(ws[0], W, 0);
       gemm(W, sh.K, sh.N, y2, 0);
+      CK(cudaMemset(y, 0xFF, ny * 2));
+      launch_fused(tw, wg_args<256>(ws[0], x, y, M), 0);
+      CK(cudaDeviceSynchronize());
+      CK(cudaGetLastError());
       std::vector<__half> hy(ny), hy2(ny);
+      CK(cudaMemcpy(hy.data(), y, ny * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(hy2.data(), y2, ny * 2, cudaMemcpyDeviceToHost));
       double maxd = 0, maxr = 0;
       size_t bad = 0;
-      for (int ver = kVersions - 1; ver >= 0; --ver) {         // version 0 last: its y is checked against float64
-        CK(cudaMemset(y, 0xFF, ny * 2));
-        launch_fused(tw, wg_args<256>(ws[0], x, y, M), 0, ver);
-        CK(cudaDeviceSynchronize());
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(hy.data(), y, ny * 2, cudaMemcpyDeviceToHost));
-        maxd = 0, maxr = 0, bad = 0;
-        for (size_t i = 0; i < ny; ++i) {
-          const double a = __half2float(hy[i]), b = __half2float(hy2[i]);
-          if (!std::isfinite(a)) { ++bad; continue; }
-          maxd = std::max(maxd, std::fabs(a - b));
-          maxr = std::max(maxr, std::fabs(b));
-        }
-        if (ver > 0) {
-          printf("%s %s version %d check: wg vs cublas rel %.2e, unwritten/nonfinite %zu\n", tw ? "twin" : "gptq",
-                 sh.name, ver, maxd / maxr, bad);
-          printf("JSON {\"row\": \"check_version\", \"fmt\": \"%s\", \"shape\": \"%s\", \"version\": %d, "
-                 "\"rel\": %.4e, \"bad\": %zu}\n", tw ? "twin" : "gptq", sh.name, ver, maxd / maxr, bad);
-        }
+      for (size_t i = 0; i < ny; ++i) {
+        const double a = __half2float(hy[i]), b = __half2float(hy2[i]);
+        if (!std::isfinite(a)) { ++bad; continue; }
+        maxd = std::max(maxd, std::fabs(a - b));
+        maxr = std::max(maxr, std::fabs(b));
       }
       double e_wg = 0, e_cb = 0, rmax = 0;
       for (int s = 0; s < 64; ++s) {
@@ -249,11 +236,10 @@ int main(int argc, char** argv) {
       // run: stop 45 call 2 timed the same kernel 12 % slower at its end), each variant's median
       for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
       std::vector<std::vector<exl_wg::WgArgs>> wv(kVariants);
-      for (int v = 2; v < kVariants; ++v) {                  // the fused kernel's versions and timing knobs
-        const int knob = variant_knob[v];
+      for (int v = 2; v < kVariants; ++v) {                  // the fused kernel and its timing knobs
+        const int knob = v - 2;
         for (auto& w : ws) wv[v].push_back(wg_args<256>(w, x, y, M));
         for (auto& q : wv[v]) q.skip_x = knob == 1, q.skip_deq = knob == 2, q.ss = knob == 3, q.skip_store = knob == 4;
-        for (auto& q : wv[v]) q.no_hoist = knob == 5;
       }
       std::vector<float> rounds[kVariants];
       for (int r = 0; r < kRounds; ++r)
@@ -271,7 +257,7 @@ int main(int argc, char** argv) {
               for (int i = 0; i < NW; ++i) gemm(W + static_cast<size_t>(i) * sh.K * sh.N, sh.K, sh.N, y, st);
             });
           } else {
-            us = time_seq([&](cudaStream_t st) { for (auto& q : wv[v]) launch_fused(tw, q, st, variant_version[v]); });
+            us = time_seq([&](cudaStream_t st) { for (auto& q : wv[v]) launch_fused(tw, q, st); });
           }
           rounds[v].push_back(us);
         }

@@ -66,8 +66,8 @@ struct WgArgs {
   // Timing knobs of bench/wgmma_probe.cu (0 in the extension; y is wrong with any): skip_x, x's box only for the
   // first tiles (its L2 traffic gone); skip_deq, the words as A without the dequantise arithmetic; ss (NT 256), no A
   // fragments at all: wgmmas with A from shared memory (rows of x's tile), as a dense fp16 GEMM would issue them.
-  // no_hoist: each tile converts its chunks' scales and zeros even where the groups repeat (the hoist's A/B).
-  int skip_x, skip_deq, ss, skip_store, no_hoist;
+  // skip_store: no y stores (the epilogue's cost).
+  int skip_x, skip_deq, ss, skip_store;
 };
 // Up to kMaxWeights weights on the same x in one launch (blockIdx.z): one grid, fewer partial waves.
 struct WgBatch {
@@ -137,46 +137,34 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
   }
 }
 
-// This thread's fp16 scales and (-1024 - z, -64 - z) subtrahends of a tile's two chunks for its column pair: s2[ch][col],
-// sub[ch][col] (the same for every tile of a group: step() keeps them while the groups repeat).
-template <int NT, bool TW>
-__device__ __forceinline__ void tile_scales(const uint8_t* st, int fp, __half2 (&s2)[2][2], __half2 (&sub)[2][2]) {
-  using L = Layout<NT, TW>;
-  const float2* sz = reinterpret_cast<const float2*>(st + L::kOffSZ);         // [chunk][scale, zero][64] pairs
-  const int pr = fp >> 1;
-#pragma unroll
-  for (int ch = 0; ch < 2; ++ch) {
-    const float2 s = sz[(ch * 2) * (kBF / 2) + pr], z = sz[(ch * 2 + 1) * (kBF / 2) + pr];
-    s2[ch][0] = __float2half2_rn(s.x), s2[ch][1] = __float2half2_rn(s.y);
-    sub[ch][0] = __floats2half2_rn(-1024.f - z.x, -64.f - z.x), sub[ch][1] = __floats2half2_rn(-1024.f - z.y, -64.f - z.y);
-  }
-}
-
 // One tile's A fragments (4 k16 steps x 4 registers) of this thread's A rows g and g + 8, block-local columns fp and
-// fp + 1, from tile_scales' s2 / sub; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
+// fp + 1; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
 template <int NT, bool TW>
 __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32_t sel, const int (&twin_row)[2],
-                                               const __half2 (&s2)[2][2], const __half2 (&sub)[2][2],
                                                uint32_t (&A)[4][4]) {
   using L = Layout<NT, TW>;
   const uint2* ws = reinterpret_cast<const uint2*>(st + L::kOffW);            // [8][64] column pairs
+  const float2* sz = reinterpret_cast<const float2*>(st + L::kOffSZ);         // [chunk][scale, zero][64] pairs
   const int pr = fp >> 1;
   const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
+    const float2 s = sz[(ch * 2) * (kBF / 2) + pr], z = sz[(ch * 2 + 1) * (kBF / 2) + pr];
+    const __half2 s2[2] = {__float2half2_rn(s.x), __float2half2_rn(s.y)};
+    __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};
     if constexpr (TW) {
       if (twin_row[ch] >= 0) {       // block-uniform: main row r (zero 8), twin h (zero (z0 - 8) / 16), q = r + 16 h
         const uint2* tws = reinterpret_cast<const uint2*>(st + L::kOffTW);
         const float2 tz = reinterpret_cast<const float2*>(st + L::kOffTZ)[ch * (kBF / 2) + pr];
         const __half2 one = __float2half2_rn(1.f);
-        const __half2 tsub[2] = {__float2half2_rn(-1024.f - (16.f * tz.x + 8.f)),
-                                 __float2half2_rn(-1024.f - (16.f * tz.y + 8.f))};
+        sub[0] = __float2half2_rn(-1024.f - (16.f * tz.x + 8.f));
+        sub[1] = __float2half2_rn(-1024.f - (16.f * tz.y + 8.f));
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {     // word rows 4 ch + s4: step 2 ch + s4 / 2, k 2t.. (s4 even) or 2t + 8..
           const int row = 4 * ch + s4;
           const uint2 w = ws[row * (kBF / 2) + pr], h = tws[row * (kBF / 2) + pr];
-          A[row >> 1][2 * (row & 1)] = dequant_pair(twin_pair(w.x, h.x, sel), one, tsub[0], s2[ch][0]);
-          A[row >> 1][2 * (row & 1) + 1] = dequant_pair(twin_pair(w.y, h.y, sel), one, tsub[1], s2[ch][1]);
+          A[row >> 1][2 * (row & 1)] = dequant_pair(twin_pair(w.x, h.x, sel), one, sub[0], s2[0]);
+          A[row >> 1][2 * (row & 1) + 1] = dequant_pair(twin_pair(w.y, h.y, sel), one, sub[1], s2[1]);
         }
         continue;
       }
@@ -185,8 +173,8 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
     for (int s4 = 0; s4 < 4; ++s4) {
       const int row = 4 * ch + s4;
       const uint2 w = ws[row * (kBF / 2) + pr];
-      A[row >> 1][2 * (row & 1)] = dequant_pair(nibble_pair(w.x, sel), mul, sub[ch][0], s2[ch][0]);
-      A[row >> 1][2 * (row & 1) + 1] = dequant_pair(nibble_pair(w.y, sel), mul, sub[ch][1], s2[ch][1]);
+      A[row >> 1][2 * (row & 1)] = dequant_pair(nibble_pair(w.x, sel), mul, sub[0], s2[0]);
+      A[row >> 1][2 * (row & 1) + 1] = dequant_pair(nibble_pair(w.y, sel), mul, sub[1], s2[1]);
     }
   }
 }
@@ -296,7 +284,6 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 #pragma unroll
   for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
   uint32_t A0[4][4], A1[4][4];
-  __half2 s2[2][2], sub[2][2];                               // the current groups' (tile_scales)
   // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
   // i - 1 complete (wait_group 1), so its stage goes back to the producer.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
@@ -326,11 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
           A[r >> 1][2 * (r & 1)] = w.x & 0x3FFF3FFFu, A[r >> 1][2 * (r & 1) + 1] = w.y & 0x3FFF3FFFu;
         }
       } else {
-        // a group spans several tiles (128 rows: two): convert its scales and zeros once (block-uniform test)
-        if (a.no_hoist || i == 0 || groups[2 * i] != groups[2 * i - 2] ||
-            (2 * i + 1 < nchunks && groups[2 * i + 1] != groups[2 * i - 1]))
-          tile_scales<NT, TW>(st, fp, s2, sub);
-        tile_fragments<NT, TW>(st, fp, sel, twin_row, s2, sub, A);
+        tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
       }
       mma_tile<NT>(acc, A, st);
     }
