@@ -17,10 +17,11 @@
 // warp's 16) are adjacent columns, so it reads their words, scales and zeros as pairs.  No torch headers:
 // bench/wgmma_probe.cu builds it with nvcc.
 //
-// Status (stop 44, NOTES.md "twenty-fourth"): correct; over a 7B layer's projections 3.8 % behind dequantise + cuBLAS
-// for GPTQ (ahead on 4096 x 4096 and 11008 x 4096, behind on gate/up), 7.8 % for the EXL2 rewrite's twins; not in
-// the extension.  Without its dequantise arithmetic it is still 12.2 % behind cuBLAS, so something in its pipeline
-// (not isolated) holds it.
+// Status (NOTES.md "twenty-fourth" and "twenty-fifth"): correct, not in the extension.  Against dequantise + cuBLAS
+// over a 7B layer's projections, GPTQ: 1.05 % ahead on a fresh machine (stop 45 call 1, variants in sequence), 3.04 %
+// behind on a power-capped one (call 3, 7 interleaved rounds); the EXL2 rewrite's twins 5.80 % / 13.27 % behind.
+// Its y stores overlap nothing (one block an SM): skipping them (skip_store) cut 10.79 % of the layer in call 3, on
+// the variant with a group's scales converted once (removed since).
 #pragma once
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -334,6 +335,10 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 #endif
 }
 
+// Lost (stop 45 call 3, `git show 346df0d:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`): a group's scales and zeros
+// converted once for its two tiles: a 7B layer 1,426.82 us against 1,393.30 without (GPTQ, interleaved rounds).
+// Lost (stop 45 call 1, `git show 1cb7ea8:...`): two blocks an SM without a producer warpgroup (consumer thread 0
+// issuing the copies, 128 registers): ptxas serialized the wgmmas for lack of registers; 2,725.70 against 1,216.01.
 // Lost (stop 44 call 14, `git show f1b3fc3:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`): a persistent launch (a block an
 // SM walking the tiles, stages and barrier phases running on, a tile's last stage released before its stores): a 7B
 // layer 1,382.92 us against 1,322.95 for a block a tile in the same run (GPTQ).
