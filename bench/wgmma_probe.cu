@@ -6,7 +6,7 @@
 // float64 host sum over the packed data; every output written (NaN-poisoned before).  Timed: dequantise + cuBLAS,
 // cuBLAS alone (W dequantised before), the fused kernel, and four timing knobs of it that give wrong y (x's boxes
 // only for the first tiles; the words as A without the dequantise arithmetic; A from shared memory, no fragments; no
-// y stores), in turn over 7 rounds, medians (the clock drifts down over a run).
+// y stores), in turn over 7 rounds, medians (timings drift over a run: stop 45 call 2).
 // `wgmma_probe ncu`: three fused launches for Nsight Compute (gpu.sh WG_NCU=1).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -DWITH_CUBLAS -lcublas -o /tmp/wgmma_probe bench/wgmma_probe.cu
 // (bench/gpu.sh phase `wg`).
@@ -232,8 +232,8 @@ int main(int argc, char** argv) {
              "\"bad\": %zu, \"err64_wg\": %.4e, \"err64_cublas\": %.4e}\n", tw ? "twin" : "gptq", sh.name, maxd,
              maxd / maxr, bad, e_wg, e_cb);
       // timings: NW distinct weights a graph
-      // timings: NW distinct weights a graph, the variants in turn for kRounds rounds (the clock drifts down over a
-      // run: stop 45 call 2 timed the same kernel 12 % slower at its end), each variant's median
+      // timings: NW distinct weights a graph, the variants in turn for kRounds rounds (timings drift over a run: stop
+      // 45 call 2 timed the same kernel 1.1221x slower at its end; the cause not measured), each variant's median
       for (int i = 0; i < NW; ++i) launch_dequant(ws[i], W + static_cast<size_t>(i) * sh.K * sh.N, 0);
       std::vector<std::vector<exl_wg::WgArgs>> wv(kVariants);
       for (int v = 2; v < kVariants; ++v) {                  // the fused kernel and its timing knobs

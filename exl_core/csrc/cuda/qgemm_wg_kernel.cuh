@@ -18,10 +18,10 @@
 // bench/wgmma_probe.cu builds it with nvcc.
 //
 // Status (NOTES.md "twenty-fourth" and "twenty-fifth"): correct, not in the extension.  Against dequantise + cuBLAS
-// over a 7B layer's projections, GPTQ: 1.05 % ahead on a fresh machine (stop 45 call 1, variants in sequence), 3.04 %
-// behind on a power-capped one (call 3, 7 interleaved rounds); the EXL2 rewrite's twins 5.80 % / 13.27 % behind.
-// Its y stores overlap nothing (one block an SM): skipping them (skip_store) cut 10.79 % of the layer in call 3, on
-// the variant with a group's scales converted once (removed since).
+// over a 7B layer's projections, GPTQ: 1.05 % ahead in stop 45 call 1 (variants in sequence), 3.04 % behind in call 3
+// (7 interleaved rounds); the EXL2 rewrite's twins 5.80 % / 13.27 % behind.  Skipping its y stores (skip_store) cut
+// 10.79 % of the layer in call 3, on the variant with a group's scales converted once (removed since): with one block
+// an SM and a tile a block, nothing overlaps a block's stores.
 #pragma once
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -336,9 +336,9 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
 }
 
 // Lost (stop 45 call 3, `git show 346df0d:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`): a group's scales and zeros
-// converted once for its two tiles: a 7B layer 1,426.82 us against 1,393.30 without (GPTQ, interleaved rounds).
+// converted once for its two tiles: a 7B layer 1,426.81 us against 1,393.29 without (GPTQ, interleaved rounds).
 // Lost (stop 45 call 1, `git show 1cb7ea8:...`): two blocks an SM without a producer warpgroup (consumer thread 0
-// issuing the copies, 128 registers): ptxas serialized the wgmmas for lack of registers; 2,725.70 against 1,216.01.
+// issuing the copies, 128 registers): ptxas serialized the wgmmas for lack of registers; 2,725.70 against 1,216.00.
 // Lost (stop 44 call 14, `git show f1b3fc3:exl_core/csrc/cuda/qgemm_wg_kernel.cuh`): a persistent launch (a block an
 // SM walking the tiles, stages and barrier phases running on, a tile's last stage released before its stores): a 7B
 // layer 1,382.92 us against 1,322.95 for a block a tile in the same run (GPTQ).
