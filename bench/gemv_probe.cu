@@ -69,7 +69,20 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
   __half* y;
   int* chunks;                  // [K/32, 3]: bits, group c/4, first word row
   int64_t* perm;                // or null
+  float* h2 = nullptr;          // mode h2: [G, N] half2 (s, z), made by make_h2
 };
+
+// Each group and column's (scale, zero) as one half2 (qgemm_kslice's H2 instances).
+__global__ void h2_kernel(const float* s, const float* z, int64_t n, __half2* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __floats2half2_rn(s[i], z[i]);
+}
+void make_h2(W& w) {
+  const int64_t n = static_cast<int64_t>(w.K / 128) * w.N;
+  CK(cudaMalloc(&w.h2, n * 4));
+  h2_kernel<<<static_cast<unsigned>((n + 255) / 256), 256>>>(w.s, w.z, n, reinterpret_cast<__half2*>(w.h2));
+  CK(cudaGetLastError());
+}
 
 // mixed: the bench's EXL2 layout (bench/make_7b_checkpoint.py exl2_segments): the first ~K/11 rows 5-bit, the last
 // ~K/11 3-bit, the rest 4-bit, groups of 128 rows, and a random act-order permutation.
@@ -84,14 +97,14 @@ W make_weight(int K, int N, bool mixed = false, int act = -1) {
 using Op = std::vector<W*>;
 
 // The kernels' multi-weight table for one launch (tile0 set by the launcher's assign_tiles).
-Mats mats_of(const Op& op) {
+Mats mats_of(const Op& op, bool h2 = false) {
   Mats mats{};
   mats.n = static_cast<int>(op.size());
   for (int i = 0; i < mats.n; ++i) {
     Mat& m = mats.m[i];
     m.qw = QPtr{op[i]->qw, op[i]->N, 128};
     m.chunks = op[i]->chunks;
-    m.scale = op[i]->s;
+    m.scale = h2 ? op[i]->h2 : op[i]->s;
     m.zero = op[i]->z;
     m.perm = op[i]->perm;
     m.y = op[i]->y;
@@ -167,9 +180,10 @@ int* ReadLauncher::sink = nullptr;
 // KW warps along K, ring R.
 // GS: the group shift passed (2: GPTQ g128's regular groups, as the extension passes them; -1: the chunk table).
 // SG: act-order x gathered from a shared-memory copy of x (the kernel's sgather).
-template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false>
+// H2: scale and zero as one half2 a group and column (the weights' h2; mode h2).
+template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false, bool H2 = false>
 struct KsLauncher {
-  static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1>; }
+  static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1, false, false, false, H2>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
@@ -180,7 +194,7 @@ struct KsLauncher {
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
     const size_t sm = smem(K);
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
-    Mats mats = mats_of(op);
+    Mats mats = mats_of(op, H2);
     const int64_t tiles = assign_tiles(mats, kTile);
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
@@ -196,7 +210,8 @@ struct KsLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "k%d r%d%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "");
+    snprintf(b, sizeof b, "k%d r%d%s%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "",
+             H2 ? " h2" : "");
     return b;
   }
 };
@@ -339,7 +354,7 @@ __half *g_x4096, *g_x11008;
 
 // Launchers per op of a layer: q/k/v, o, gate/up, down.
 template <class Lqkv, class Lo, class Lgu, class Ld>
-void layer_row(const char* name, std::vector<Layer>& layers = g_layers) {
+void layer_row(const char* name, std::vector<Layer>& layers = g_layers, double sz_bytes = 8.0) {
   // per-launch times: each op over the 8 layers' weights back to back (the same op, distinct weights)
   auto op_us = [&](auto launcher, auto pick, const __half* x) {
     using L = decltype(launcher);
@@ -359,8 +374,8 @@ void layer_row(const char* name, std::vector<Layer>& layers = g_layers) {
                           Ld::go(Op{&l.down}, g_x11008, st);
                         }
                       }) / kLayers;
-  // bytes a layer reads: words K*N/2, scale + zero 8 bytes per 128 rows and column
-  const double bytes = (4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096) * (0.5 + 8.0 / 128);
+  // bytes a layer reads: words K*N/2, scale + zero sz_bytes (fp32: 8) per 128 rows and column
+  const double bytes = (4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096) * (0.5 + sz_bytes / 128);
   printf("%-34s qkv %6.2f  o %6.2f  gu %6.2f  down %6.2f  sum %6.2f | chain %6.2f us/layer (%.0f GB/s)\n", name,
          t_qkv, t_o, t_gu, t_d, t_qkv + t_o + t_gu + t_d, chain, bytes / chain / 1e3);
   printf("JSON {\"variant\": \"%s\", \"qkv_us\": %.2f, \"o_us\": %.2f, \"gu_us\": %.2f, \"down_us\": %.2f, "
@@ -425,6 +440,23 @@ int main(int argc, char** argv) {
       KsLauncher<8, 4, false>::go(Op{&lm.q, &lm.k, &lm.v}, g_x4096, 0);
     }
     CK(cudaDeviceSynchronize());
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "h2") {   // scale and zero as one half2 (4 bytes) against fp32's 8, in turn
+    for (auto& l : g_layers)
+      for (W* w : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) make_h2(*w);
+    CK(cudaDeviceSynchronize());
+    check_row<KsLauncher<8, 4, true, 2, false, true>>();
+    check_row<KsLauncher<16, 4, true, 2, false, true>>();
+    check_row<KsLauncher<16, 8, true, 2, false, true>>();
+    using A = KsLauncher<8, 4, true, 2, false, true>;
+    using B = KsLauncher<16, 4, true, 2, false, true>;
+    using D = KsLauncher<16, 8, true, 2, false, true>;
+    for (int round = 0; round < 5; ++round) {
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+      layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
+      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+    }
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "stream") {   // the one-wave GEMV against the extension's, same run

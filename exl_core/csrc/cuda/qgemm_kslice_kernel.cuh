@@ -120,7 +120,9 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
 // XC (ACT only): mat.perm holds each chunk's first column in x, a multiple of 8 -- an act-order whose chunks read runs
 // of 32 consecutive columns (the identity plus whole chunks read again: formats/uniform4.py's extra rows after
 // loader.fold_down_perms) -- staged by 16-byte loads instead of a gather (the host's xchunks; its own instances).
-template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false>
+// H2 (bench/gemv_probe.cu `h2` only, not in the extension): mat.scale holds each group and column's scale and zero as
+// one half2 (s, z), 4 bytes instead of fp32's 8, and mat.zero is unused.
+template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false, bool H2 = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
@@ -179,8 +181,8 @@ __global__ void __launch_bounds__(32 * KW)
   // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
   const int gA = c1 <= c0 ? 0 : reg ? c0 >> gshift : tab[3 * c0 + 1];
   const int gw = c1 <= c0 ? 0 : min(slots, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
-  for (int j = lane; j < gw * 16; j += 32) {
-    const int s = j >> 4, half = (j >> 3) & 1, q = j & 7;
+  for (int j = lane; j < gw * (H2 ? 8 : 16); j += 32) {     // H2: a slot's 32 (s, z) pairs in its first 32 floats
+    const int s = H2 ? j >> 3 : j >> 4, half = H2 ? 0 : (j >> 3) & 1, q = j & 7;
     int64_t cq = tile * kTile + 4 * q;
     cq = cq < N ? cq : N - 4;
     cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
@@ -380,7 +382,15 @@ __global__ void __launch_bounds__(32 * KW)
         if (grp >= 0) flush();
         grp = ge;
         const int s = ge - gA;
-        if (s < slots) {
+        if constexpr (H2) {
+          const float* src = s < slots ? szw + s * 64 + 4 * g : mat.scale + static_cast<int64_t>(ge) * N + lcol;
+          const uint4 v = s < slots ? *reinterpret_cast<const uint4*>(src) : __ldg(reinterpret_cast<const uint4*>(src));
+          const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+          const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+          const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));
+          const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));
+          s4 = make_float4(p0.x, p1.x, p2.x, p3.x), z4 = make_float4(p0.y, p1.y, p2.y, p3.y);
+        } else if (s < slots) {
           s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
           z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
         } else {
