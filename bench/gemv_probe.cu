@@ -455,6 +455,9 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 5; ++round) {
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
       layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
+      const double params = 4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096;
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, D>("GPTQ ext, half2 down only", g_layers,
+                                                                          8.0 - 4.0 * 11008.0 * 4096 / params);
       layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
     }
     return 0;
