@@ -18,10 +18,10 @@
 // bench/wgmma_probe.cu builds it with nvcc.
 //
 // Status (NOTES.md "twenty-fourth" and "twenty-fifth"): correct, not in the extension.  Against dequantise + cuBLAS
-// over a 7B layer's projections, GPTQ: 1.05 % ahead in stop 45 call 1 (variants in sequence), 3.04 % behind in call 3
-// (7 interleaved rounds); the EXL2 rewrite's twins 5.80 % / 13.27 % behind.  Skipping its y stores (skip_store) cut
-// 10.79 % of the layer in call 3, on the variant with a group's scales converted once (removed since): with one block
-// an SM and a tile a block, nothing overlaps a block's stores.
+// over a 7B layer's projections, GPTQ: 1.05 % ahead in stop 45 call 1 (variants in sequence), 3.04 % and 7.00 % behind
+// in calls 3 and 4 (7 interleaved rounds); the EXL2 rewrite's twins 5.80 / 13.27 / 14.35 % behind.  Skipping its y
+// stores (skip_store) cut 10.79 % of the layer in call 3 (on a variant with a group's scales converted once, removed
+// since) and 9.34 % in call 4: with one block an SM and a tile a block, nothing overlaps a block's stores.
 #pragma once
 #include <cuda.h>
 #include <cuda_fp16.h>
