@@ -77,7 +77,7 @@ __global__ void h2_kernel(const float* s, const float* z, int64_t n, __half2* ou
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = __floats2half2_rn(s[i], z[i]);
 }
-void make_h2(W& w) {
+void make_h2(W& w) {                                        // the probe's weights have groups of 128 rows
   const int64_t n = static_cast<int64_t>(w.K / 128) * w.N;
   CK(cudaMalloc(&w.h2, n * 4));
   h2_kernel<<<static_cast<unsigned>((n + 255) / 256), 256>>>(w.s, w.z, n, reinterpret_cast<__half2*>(w.h2));
@@ -346,6 +346,7 @@ double max_rel_err(const Op& op, const __half* x) {
 }
 
 constexpr int kLayers = 8;
+constexpr double kLayerParams = 4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096;   // a 7B layer's weights
 struct Layer {
   W q, k, v, o, gate, up, down;
 };
@@ -375,7 +376,7 @@ void layer_row(const char* name, std::vector<Layer>& layers = g_layers, double s
                         }
                       }) / kLayers;
   // bytes a layer reads: words K*N/2, scale + zero sz_bytes (fp32: 8) per 128 rows and column
-  const double bytes = (4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096) * (0.5 + sz_bytes / 128);
+  const double bytes = kLayerParams * (0.5 + sz_bytes / 128);
   printf("%-34s qkv %6.2f  o %6.2f  gu %6.2f  down %6.2f  sum %6.2f | chain %6.2f us/layer (%.0f GB/s)\n", name,
          t_qkv, t_o, t_gu, t_d, t_qkv + t_o + t_gu + t_d, chain, bytes / chain / 1e3);
   printf("JSON {\"variant\": \"%s\", \"qkv_us\": %.2f, \"o_us\": %.2f, \"gu_us\": %.2f, \"down_us\": %.2f, "
@@ -455,9 +456,8 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 5; ++round) {
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
       layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
-      const double params = 4.0 * 4096 * 4096 + 2.0 * 4096 * 11008 + 11008.0 * 4096;
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, D>("GPTQ ext, half2 down only", g_layers,
-                                                                          8.0 - 4.0 * 11008.0 * 4096 / params);
+                                                                          8.0 - 4.0 * 11008.0 * 4096 / kLayerParams);
       layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
     }
     return 0;

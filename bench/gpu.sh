@@ -6,7 +6,9 @@
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
-# Phases: wg (bench/wgmma_probe.cu: the prompt's fused dequantise-GEMM against dequantise + cuBLAS, standalone), wide (bench/wide_probe.cu: the 9..32-row decode GEMM design, standalone), twin (bench/twin_probe.cu: the
+# Phases: wg (bench/wgmma_probe.cu: the prompt's fused dequantise-GEMM against dequantise + cuBLAS, standalone;
+# WG_NCU=1 adds ncu, the SASS and the source page), wide (bench/wide_probe.cu: the 9..32-row decode GEMM design,
+# standalone), twin (bench/twin_probe.cu: the
 # rewritten EXL2 prompt's twin dequantise variants, standalone, cuBLAS where found), persist (bench/persist_probe.cu:
 # what a persistent decode kernel's grid barriers cost against launches, read-only, standalone), dequant (bench/dequant_probe.cu: the
 # prompt's dequantise kernels, alone and followed by their cuBLAS GEMMs, standalone), gemv (bench/gemv_probe.cu: the
@@ -147,16 +149,17 @@ if has twin; then     # the rewritten EXL2 prompt's twin dequantise: variants ag
   probe_run twin_probe "$flags"
   [ -z "$flags" ] || [ -x /tmp/twin_probe ] || probe_run twin_probe   # the cuBLAS link failed: without the GEMM rows
 fi
-if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) against dequantise + cuBLAS (bench/wgmma_probe.cu)
+if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) against dequantise + cuBLAS
   PROBE_ARCH="-gencode arch=compute_90a,code=sm_90a" probe_run wgmma_probe "$(cublas_flags)"
   if [ -n "${WG_NCU:-}" ]; then   # the second GPTQ 4096x4096 launch under Nsight Compute
     timeout 150 ncu --clock-control none -k regex:qgemm_wg --launch-skip 1 --launch-count 1 --section SpeedOfLight \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section Occupancy --section LaunchStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/wgmma_probe ncu 2>&1 \
       | tee -a "$LOG" | grep -vE "^==PROF==|^ *-+$" | grep -vE "^ +(OPT|INF|WRN) |^          " >"$OUT/wg_ncu.txt"
     grep -E "Duration|Compute \(SM\)|Ipc Active|Issue Slots|stalled" "$OUT/wg_ncu.txt" | sort -k3 -n | tail -30
-    cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : /{p = /qgemm_wg_kernelILi256ELi4ELb0/} p' >"$OUT/wg_sass.txt"
+    cuobjdump -sass /tmp/wgmma_probe 2>/dev/null | awk '/Function : /{p = /qgemm_wg_kernelILi256ELi4ELb0/} p' \
+      >"$OUT/wg_sass.txt"
     wc -l "$OUT/wg_sass.txt"
     # the warps' stall samples a SASS instruction (the source page)
     timeout 150 ncu --clock-control none -k regex:qgemm_wg --launch-skip 1 --launch-count 1 --section SourceCounters \
