@@ -70,6 +70,7 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
   int* chunks;                  // [K/32, 3]: bits, group c/4, first word row
   int64_t* perm;                // or null
   float* h2 = nullptr;          // mode h2: [G, N] half2 (s, z), made by make_h2
+  float* h2mul = nullptr;       // and its multipliers [G], all 1 (the probe's scales are rounded to fp16)
 };
 
 // Each group and column's (scale, zero) as one half2 (qgemm_kslice's H2 instances).
@@ -82,6 +83,9 @@ void make_h2(W& w) {                                        // the probe's weigh
   CK(cudaMalloc(&w.h2, n * 4));
   h2_kernel<<<static_cast<unsigned>((n + 255) / 256), 256>>>(w.s, w.z, n, reinterpret_cast<__half2*>(w.h2));
   CK(cudaGetLastError());
+  const std::vector<float> ones(w.K / 128, 1.f);
+  CK(cudaMalloc(&w.h2mul, ones.size() * 4));
+  CK(cudaMemcpy(w.h2mul, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
 }
 
 // mixed: the bench's EXL2 layout (bench/make_7b_checkpoint.py exl2_segments): the first ~K/11 rows 5-bit, the last
@@ -105,7 +109,7 @@ Mats mats_of(const Op& op, bool h2 = false) {
     m.qw = QPtr{op[i]->qw, op[i]->N, 128};
     m.chunks = op[i]->chunks;
     m.scale = h2 ? op[i]->h2 : op[i]->s;
-    m.zero = op[i]->z;
+    m.zero = h2 ? op[i]->h2mul : op[i]->z;
     m.perm = op[i]->perm;
     m.y = op[i]->y;
     m.N = op[i]->N;

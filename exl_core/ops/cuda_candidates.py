@@ -61,6 +61,7 @@ import torch
 
 from . import cuda_dequant as cd
 from .cuda_dequant import uniform4 as _uniform4   # there so that cuda_dequant imports nothing from here
+from .cuda_scale_half2 import half2_of
 from .dispatch import Candidate, has_cuda_kernel
 from .xchunks import staged_xchunks
 
@@ -420,10 +421,19 @@ def _silu_down_run(gate, up, pw):
     g2, u2 = g2.contiguous(), up.reshape(-1, pw.in_features).contiguous()
     xc = staged_xchunks(pw, g2, u2)                 # x by chunk offsets instead of perm (ops/xchunks.py)
     perm = None if xc is not None else _perm_of(pw, gate.device)
+    h2, mul = _half2_args(pw, gate.device)
     y = torch.ops.exl_core.qgemm_kslice_silu(g2, u2, pw.qweight, _chunks_of(pw), pw.scale, pw.zero, perm,
                                              None if bias is None else bias.contiguous(), _uniform4(pw),
-                                             min_group=_min_group(pw), group_shift=_group_shift(pw), xchunks=xc)
+                                             min_group=_min_group(pw), group_shift=_group_shift(pw), xchunks=xc,
+                                             sz_half2=h2, sz_mul=mul)
     return y.reshape(*gate.shape[:-1], pw.out_features)
+
+
+def _half2_args(pw, device) -> tuple:
+    """(sz_half2, sz_mul) of the SwiGLU-fused down projection's uniform 4-bit weight (ops/cuda_scale_half2.py), or
+    (None, None): the kernel then reads the float32 scale and zero."""
+    split = half2_of(pw, device) if _uniform4(pw) else None
+    return split if split is not None else (None, None)
 
 
 def _perm_of(pw, device):

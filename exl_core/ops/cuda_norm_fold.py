@@ -71,10 +71,12 @@ def _add_ss_check(residual, x, pw, up) -> Optional[str]:
 def _add_ss_run(residual, x, pw, up):
     x2 = x.reshape(-1, pw.in_features).contiguous()
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
+    h2, mul = cc._half2_args(pw, x.device) if up is not None else (None, None)
     return torch.ops.exl_core.qgemm_kslice_add_(
         residual, x2, pw.qweight, cc._chunks_of(pw), pw.scale, pw.zero, cc._perm_of(pw, x.device),
         None if bias is None else bias.contiguous(), cc._uniform4(pw), min_group=cc._min_group(pw),
-        group_shift=cc._group_shift(pw), up=None if up is None else up.reshape(x2.shape).contiguous())
+        group_shift=cc._group_shift(pw), up=None if up is None else up.reshape(x2.shape).contiguous(),
+        sz_half2=h2, sz_mul=mul)
 
 
 def _fits(kind: str, rows: int, pws, device) -> bool:

@@ -114,29 +114,33 @@ bool plan_has_kernel(const Plan& p, bool u4) {
   return (p.kw == 4 || p.kw == 8) && p.ring == (u4 ? 8 : 4);
 }
 
-template <int KW, bool U4, int R, int NT, bool ACT, bool FOLD = false, bool XC = false>
+template <int KW, bool U4, int R, int NT, bool ACT, bool FOLD = false, bool XC = false, bool H2 = false>
 void launch_one(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats,
                 int dev, cudaStream_t stream) {
-  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT, FOLD, XC>;
+  auto* kern = qgemm_kslice_kernel<KW, U4, R, NT, ACT, FOLD, XC, H2>;
   ensure_smem(kern, p.smem, dev);
   exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), p.smem, stream, dev, x, up, M, K,
                       p.n_chunks, p.slots, p.xs_stride, p.gshift, p.sgather, mats);
 }
 
 // The instance for p.kw (plan_has_kernel has checked that one exists).
-template <bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false>
+template <bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false, bool H2 = false>
 void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, int dev,
                cudaStream_t stream) {
-  if (p.kw == 4) launch_one<4, U4, R, NT, ACT, FOLD, XC>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT, FOLD, XC>(x, up, M, K, tiles, p, mats, dev, stream);
-  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT, FOLD, XC>(x, up, M, K, tiles, p, mats, dev, stream);
+  if (p.kw == 4) launch_one<4, U4, R, NT, ACT, FOLD, XC, H2>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if (p.kw == 8) launch_one<8, U4, R, NT, ACT, FOLD, XC, H2>(x, up, M, K, tiles, p, mats, dev, stream);
+  else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT, FOLD, XC, H2>(x, up, M, K, tiles, p, mats, dev, stream);
 }
 
-// The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.
+// The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.  h2: mats' one weight carries
+// half2 scale/zero (check_half2: uniform 4-bit, with up).
 void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
-                 int dev, cudaStream_t stream) {
+                 int dev, cudaStream_t stream, bool h2 = false) {
   if (mats.nf.nw != nullptr) {                                // kslice_run checked: staged uniform 4-bit rows, ring 4
     launch_kw<true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+  } else if (h2) {
+    if (p.xchunks) launch_kw<true, 8, 1, true, false, true, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<true, 8, 1, true, false, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (up != nullptr && p.xchunks) {                           // check_xchunks: one weight, staged rows
     if (u4) launch_kw<true, 8, 1, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 1, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
@@ -173,7 +177,26 @@ struct Folds {
   c10::optional<at::Tensor> norm_weight, norm_ss;
   double eps = 0.0;
   c10::optional<at::Tensor> xchunks;   // the SwiGLU-fused calls: x read through chunk offsets (check_xchunks)
+  c10::optional<at::Tensor> sz_half2, sz_mul;   // the SwiGLU-fused calls: half2 scale/zero (check_half2)
 };
+
+// sz_half2 (int32 [G, N], each a half2 (scale / mul, zero)) and sz_mul (float32 [G], mul per group): the weight's
+// scale and zero in 4 bytes a group and column instead of 8 (the kernel's H2 instances), one uniform 4-bit weight
+// with up.  The values are the caller's promise (ops/cuda_scale_half2.py splits scale exactly); the shapes are checked.
+void check_half2(const Folds& f, const at::Tensor& x, const at::Tensor& up, bool u4, const at::Tensor& scale,
+                 const Mats& mats) {
+  TORCH_CHECK(f.sz_half2.has_value() == f.sz_mul.has_value(), "exl_core::qgemm_kslice: sz_half2 and sz_mul go together");
+  const at::Tensor& h = *f.sz_half2;
+  const at::Tensor& m = *f.sz_mul;
+  const int64_t G = scale.size(0);
+  TORCH_CHECK(mats.n == 1 && up.defined() && u4 && x.size(0) <= kStagedRows && h.is_cuda() && m.is_cuda() &&
+                  h.device() == x.device() && m.device() == x.device() && h.dtype() == at::kInt &&
+                  m.dtype() == at::kFloat && h.dim() == 2 && h.size(0) == G && h.size(1) == mats.m[0].N &&
+                  m.dim() == 1 && m.size(0) == G && h.is_contiguous() && m.is_contiguous() && aligned16(h),
+              "exl_core::qgemm_kslice: half2 scale/zero need one uniform 4-bit weight, up, at most ", kStagedRows,
+              " rows, contiguous int32 sz_half2 [", G, ", ", mats.m[0].N, "] (16-byte aligned) and float32 sz_mul [",
+              G, "] on x's GPU; got ", h.dtype(), " ", h.sizes(), ", ", m.dtype(), " ", m.sizes());
+}
 
 // xchunks (int64 [K/32], one weight, no perm, staged rows with up): chunk c of the weight's K rows reads x's columns
 // xchunks[c] .. + 31, each a multiple of 8 and within x (the caller's promise: the kernel cannot check without a
@@ -200,6 +223,12 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   if (folds.xchunks) {
     check_xchunks(*folds.xchunks, x, up, K, mats);
     mats.m[0].perm = folds.xchunks->data_ptr<int64_t>();   // read as chunk offsets by the XC instances
+  }
+  const bool h2 = folds.sz_half2.has_value() || folds.sz_mul.has_value();
+  if (h2) {
+    check_half2(folds, x, up, uniform4, scale[0], mats);
+    mats.m[0].scale = reinterpret_cast<const float*>(folds.sz_half2->data_ptr());   // read as half2 pairs
+    mats.m[0].zero = folds.sz_mul->data_ptr<float>();                              // read per group
   }
   const int64_t M = x.size(0), Kx = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
@@ -255,7 +284,7 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   // every weight).
   launch_plan(reinterpret_cast<const __half*>(xa.data_ptr()),
               up.defined() ? reinterpret_cast<const __half*>(up.data_ptr()) : nullptr, static_cast<int>(M),
-              xg ? K : Kx, tiles, plan, mats, uniform4, dev, c10::cuda::getCurrentCUDAStream());
+              xg ? K : Kx, tiles, plan, mats, uniform4, dev, c10::cuda::getCurrentCUDAStream(), h2);
   return ys;
 }
 
@@ -281,13 +310,16 @@ at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, co
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
                              bool uniform4, int64_t min_group, int64_t group_shift,
-                             const c10::optional<at::Tensor>& up, const c10::optional<at::Tensor>& xchunks) {
+                             const c10::optional<at::Tensor>& up, const c10::optional<at::Tensor>& xchunks,
+                             const c10::optional<at::Tensor>& sz_half2, const c10::optional<at::Tensor>& sz_mul) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   Folds f;
   f.add_to = &residual;
   f.xchunks = xchunks;
+  f.sz_half2 = sz_half2;
+  f.sz_mul = sz_mul;
   return kslice_run(x, up ? *up : at::Tensor(), {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, 0, 0, min_group,
                     group_shift, f)[0];
 }
@@ -298,12 +330,15 @@ at::Tensor qgemm_kslice_silu(const at::Tensor& gate, const at::Tensor& up, const
                              const at::Tensor& chunks, const at::Tensor& scale, const at::Tensor& zero,
                              const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& bias,
                              bool uniform4, int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
-                             const c10::optional<at::Tensor>& xchunks) {
+                             const c10::optional<at::Tensor>& xchunks, const c10::optional<at::Tensor>& sz_half2,
+                             const c10::optional<at::Tensor>& sz_mul) {
   c10::List<c10::optional<at::Tensor>> p, b;
   p.push_back(perm);
   b.push_back(bias);
   Folds f;
   f.xchunks = xchunks;
+  f.sz_half2 = sz_half2;
+  f.sz_mul = sz_mul;
   return kslice_run(gate, up, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
                     group_shift, f)[0];
 }
@@ -351,10 +386,10 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
   m.def("qgemm_kslice_add_(Tensor(a!) residual, Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None, "
-        "Tensor? xchunks=None) -> Tensor");
+        "Tensor? xchunks=None, Tensor? sz_half2=None, Tensor? sz_mul=None) -> Tensor");
   m.def("qgemm_kslice_silu(Tensor gate, Tensor up, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, Tensor? xchunks=None) -> Tensor");
+        "int group_shift=-1, Tensor? xchunks=None, Tensor? sz_half2=None, Tensor? sz_mul=None) -> Tensor");
   m.def("qgemm_kslice_fits(int rows, int K, int tiles, int min_group, bool uniform4, int device, int kw=0, "
         "int ring=0, bool fold=False) -> bool",
         &qgemm_kslice_fits);

@@ -120,8 +120,11 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
 // XC (ACT only): mat.perm holds each chunk's first column in x, a multiple of 8 -- an act-order whose chunks read runs
 // of 32 consecutive columns (the identity plus whole chunks read again: formats/uniform4.py's extra rows after
 // loader.fold_down_perms) -- staged by 16-byte loads instead of a gather (the host's xchunks; its own instances).
-// H2 (bench/gemv_probe.cu `h2` only, not in the extension): mat.scale holds each group and column's scale and zero as
-// one half2 (s, z), 4 bytes instead of fp32's 8, and mat.zero is unused.
+// H2 (ACT only in the extension: the SwiGLU-fused down projection; every shape in bench/gemv_probe.cu `h2`): mat.scale
+// holds each group and column's (scale / mul, zero) as one half2, 4 bytes instead of fp32's 8, and mat.zero each
+// group's fp32 multiplier mul (the host's exact split: ops/cuda_scale_half2.py), staged in the slot's float 32.  In the
+// probe (stop 45 call 5, PDL chain of a 7B layer's decode launches) half2 on down alone ran the chain at 45.74 us
+// against 46.84; on all four launches 46.98 (q/k/v and gate/up lost 2.66 / 2.74 %), so only down takes it.
 template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false, bool H2 = false>
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
@@ -187,6 +190,8 @@ __global__ void __launch_bounds__(32 * KW)
     cq = cq < N ? cq : N - 4;
     cp_async16(szw + s * 64 + half * 32 + 4 * q, (half ? mat.zero : mat.scale) + static_cast<int64_t>(gA + s) * N + cq);
   }
+  if constexpr (H2)                                           // and its group's multiplier in float 32
+    for (int j = lane; j < gw; j += 32) cp_async4(szw + j * 64 + 32, mat.zero + gA + j);
 
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
@@ -385,11 +390,12 @@ __global__ void __launch_bounds__(32 * KW)
         if constexpr (H2) {
           const float* src = s < slots ? szw + s * 64 + 4 * g : mat.scale + static_cast<int64_t>(ge) * N + lcol;
           const uint4 v = s < slots ? *reinterpret_cast<const uint4*>(src) : __ldg(reinterpret_cast<const uint4*>(src));
+          const float mul = s < slots ? szw[s * 64 + 32] : __ldg(mat.zero + ge);
           const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
           const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
           const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));
           const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));
-          s4 = make_float4(p0.x, p1.x, p2.x, p3.x), z4 = make_float4(p0.y, p1.y, p2.y, p3.y);
+          s4 = make_float4(p0.x * mul, p1.x * mul, p2.x * mul, p3.x * mul), z4 = make_float4(p0.y, p1.y, p2.y, p3.y);
         } else if (s < slots) {
           s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
           z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);

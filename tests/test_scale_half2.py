@@ -1,0 +1,205 @@
+"""Half2 scale/zero for the SwiGLU-fused decode down projection (ops/cuda_scale_half2.py, qgemm_kslice's H2 instances):
+the split is exact in float64 or refused (CPU); on a GPU the kernels give the same bits with it as with the float32
+scale and zero, and float64 references; a quantized model decodes the same logits with it on and off."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from exl_core.formats.packed import dequantize_reference
+from exl_core.ops.cuda_scale_half2 import split_half2
+
+
+def _unsplit(packed: torch.Tensor, mul: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k * mul, zero) as float64 from split_half2's output (half2 (k, zero) little-endian, k the low half), the
+    product in float32 as the kernel takes it."""
+    G, N = packed.shape
+    pairs = packed.contiguous().view(torch.float16).view(G, N, 2).float()
+    return (pairs[..., 0] * mul[:, None]).double(), pairs[..., 1].double()
+
+
+def _exl2_scales(G: int, N: int, g: torch.Generator, top: int = 16) -> torch.Tensor:
+    """EXL2's float32 scales as the loader makes them (formats/exl2.py): (c + 1)^2 * fp16 max / 256, codes c < top."""
+    codes = torch.randint(0, top, (G, N), generator=g).double()
+    smax = (torch.rand(G, 1, generator=g) * 0.03 + 1e-4).half().double()
+    return ((codes + 1) ** 2 * smax / 256).float()
+
+
+def test_split_exact_for_gptq_scales():
+    g = torch.Generator().manual_seed(0)
+    s = (torch.rand(6, 40, generator=g) * 0.02 + 1e-3).half().float()
+    z = torch.randint(0, 16, (6, 40), generator=g).float()
+    packed, mul = split_half2(s, z)
+    assert packed.dtype == torch.int32 and packed.shape == (6, 40) and mul.shape == (6,)
+    back_s, back_z = _unsplit(packed, mul)
+    assert torch.equal(back_s, s.double()) and torch.equal(back_z, z.double())
+    assert torch.equal(mul, torch.ones(6))                       # fp16 scales need no multiplier
+
+
+@pytest.mark.parametrize("top", [16, 11, 8, 3, 1])               # the group's largest code: 15 or any other
+def test_split_exact_for_exl2_scales(top):
+    g = torch.Generator().manual_seed(top)
+    s = _exl2_scales(7, 64, g, top)
+    z = torch.full((7, 64), 4.0)
+    packed, mul = split_half2(s, z)
+    back_s, back_z = _unsplit(packed, mul)
+    assert torch.equal(back_s, s.double()) and torch.equal(back_z, z.double())
+
+
+def test_split_exact_for_the_uniform4_rewrite():
+    """An EXL2 layer with 6- and 5-bit groups rewritten as uniform 4-bit rows (extra rows: 16 x scale, fractional
+    zeros): every group splits, and the rewrite's float64 weights come back from the split."""
+    from exl_core.formats.uniform4 import as_uniform4
+    from test_cuda_kernels import random_packed
+    g = torch.Generator().manual_seed(5)
+    pw = random_packed([(6, 64), (4, 128), (5, 64)], 96, perm=True, seed=5)
+    pw = dataclasses.replace(pw, scale=_exl2_scales(3, 96, g), zero=pw.zero.round())
+    u = as_uniform4(pw, max_growth=10.0)
+    assert u is not None and u.rows is not None
+    split = split_half2(u.scale, u.zero)
+    assert split is not None
+    back_s, back_z = _unsplit(*split)
+    rebuilt = dataclasses.replace(u, scale=back_s.float(), zero=back_z.float())
+    assert torch.equal(dequantize_reference(rebuilt), dequantize_reference(u))
+
+
+def test_split_refused():
+    g = torch.Generator().manual_seed(1)
+    s, z = _exl2_scales(4, 32, g), torch.full((4, 32), 8.0)
+    assert split_half2(s, z) is not None
+    assert split_half2(torch.rand(4, 32, generator=g) * 0.02 + 1e-3, z) is None     # arbitrary float32 scales
+    bad = s.clone()
+    bad[2, 5] = 0.0123456789                                     # one value in one group
+    assert split_half2(bad, z) is None
+    zz = z.clone()
+    zz[1, 3] = 8.3                                               # a zero fp16 cannot hold
+    assert split_half2(s, zz) is None
+    tiny = s.clone()
+    tiny[0, 0] = 1e-39                                           # a float32 denormal (the kernels flush them)
+    assert split_half2(tiny, z) is None
+    assert split_half2(s[:, :0], z[:, :0]) is None
+    assert split_half2(s, z[:, :5]) is None
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+def _half2_cases(g: torch.Generator):
+    """(weight on CUDA with split-able scales, float64 W of its stored rows, xchunks or None): GPTQ-like 4-bit g128 /
+    g32, and an EXL2 layer rewritten as uniform 4-bit rows read by chunk offsets (test_cuda_xchunks' orders)."""
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops.xchunks import chunk_starts
+    from test_cuda_kernels import random_packed
+    from test_cuda_xchunks import _chunk_perms, _rows_reference
+    for layout, N in (([(4, 128)] * 4, 4 * 67), ([(4, 32)] * 24, 1024)):
+        pw = random_packed(layout, N, perm=False)
+        pw = dataclasses.replace(pw, scale=pw.scale.half().float())
+        yield pw.to("cuda"), dequantize_reference(pw), None
+    pw = random_packed([(5, 128), (4, 256), (3, 128)], 384, perm=False)
+    pw = dataclasses.replace(pw, scale=_exl2_scales(3, 384, g), zero=pw.zero.round())
+    u = as_uniform4(pw, max_growth=10.0)
+    perm = _chunk_perms(pw.in_features, u.rows, g)[0]
+    w = dataclasses.replace(u.to("cuda"), perm=perm.cuda())
+    yield w, _rows_reference(u), chunk_starts(w.perm)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 5, 8])                          # the staged rows
+def test_silu_down_half2_same_bits(M):
+    """qgemm_kslice_silu at every kw and qgemm_kslice_add_ with up: with sz_half2 / sz_mul the same bits as with the
+    float32 scale and zero (the split is exact), every output written, and float64 references."""
+    from test_cuda_kernels import _need_kernels, poison_allocator, rel_err
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    g = torch.Generator().manual_seed(M)
+    ran = []
+    for w, W, xc in _half2_cases(g):
+        ran.append(0)
+        K, N = w.in_features, w.out_features
+        h2, mul = split_half2(w.scale, w.zero)
+        assert h2.is_cuda
+        gate = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
+        up = torch.randn(M, K, dtype=torch.float16, generator=g).cuda()
+        act = (torch.nn.functional.silu(gate.double().cpu()).half().double() * up.double().cpu()).half().double()
+        ref = (act if w.perm is None else act[:, w.perm.cpu()]) @ W
+        perm = None if xc is not None else w.perm
+        args = (w.qweight, cc._chunks_of(w), w.scale, w.zero, perm, None, True)
+        mg, gs = cc._min_group(w), cc._group_shift(w)
+        rows = K if w.perm is None else w.perm.numel()
+        for kw in (4, 8, 16):
+            if not torch.ops.exl_core.qgemm_kslice_fits(M, rows, (N + 31) // 32, mg, True, 0, kw, 0):
+                continue
+            poison_allocator()
+            y32 = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, kw, 0, mg, gs, xchunks=xc)
+            poison_allocator()
+            y16 = torch.ops.exl_core.qgemm_kslice_silu(gate, up, *args, kw, 0, mg, gs, xchunks=xc, sz_half2=h2,
+                                                       sz_mul=mul)
+            assert torch.equal(y16, y32), kw
+            assert rel_err(y16, ref) < 2e-3, kw
+            ran[-1] += 1
+        res = torch.randn(M, N, dtype=torch.float16, generator=g).cuda()
+        r32, r16 = res.clone(), res.clone()
+        ss32 = torch.ops.exl_core.qgemm_kslice_add_(r32, gate, *args, mg, gs, up=up, xchunks=xc)
+        ss16 = torch.ops.exl_core.qgemm_kslice_add_(r16, gate, *args, mg, gs, up=up, xchunks=xc, sz_half2=h2,
+                                                    sz_mul=mul)
+        assert torch.equal(r16, r32) and torch.equal(ss16, ss32)
+        assert rel_err(r16, res.double().cpu() + ref) < 2e-3
+    assert len(ran) == 3 and min(ran) >= 1, ran
+
+
+@pytest.mark.cuda
+def test_half2_bad_arguments_raise():
+    from test_cuda_kernels import _need_kernels, random_packed
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    pw = random_packed([(4, 128)] * 2, 64, perm=False)
+    w = dataclasses.replace(pw, scale=pw.scale.half().float()).to("cuda")
+    h2, mul = split_half2(w.scale, w.zero)
+    gate = torch.randn(1, 256, dtype=torch.float16, device="cuda")
+    args = (w.qweight, cc._chunks_of(w), w.scale, w.zero, None, None, True)
+    with pytest.raises(RuntimeError, match="sz_half2 and sz_mul go together"):
+        torch.ops.exl_core.qgemm_kslice_silu(gate, gate, *args, sz_half2=h2)
+    with pytest.raises(RuntimeError, match="half2 scale/zero need"):
+        torch.ops.exl_core.qgemm_kslice_silu(gate, gate, *args, sz_half2=h2[:, :32].contiguous(), sz_mul=mul)
+    with pytest.raises(RuntimeError, match="half2 scale/zero need"):
+        torch.ops.exl_core.qgemm_kslice_silu(gate, gate, *args, sz_half2=h2, sz_mul=mul.double())
+    res = torch.zeros(1, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="half2 scale/zero need"):             # no up: not the fused down
+        torch.ops.exl_core.qgemm_kslice_add_(res, gate, *args, sz_half2=h2, sz_mul=mul)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["gptq", "exl2"])
+def test_model_decode_same_logits_with_half2(fmt, tiny_model_factory, tmp_path, monkeypatch):
+    """A quantized tiny Llama (GPTQ: the down projection through qgemm_kslice_add_ with up; EXL2 rewritten: through
+    qgemm_kslice_silu by chunk offsets) decodes at batch 1 with the same logits with half2 scale/zero on and off, and
+    the split was taken for its down projections."""
+    from test_cuda_kernels import _need_kernels
+    _need_kernels()
+    from exl_core.loader import load_model
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_scale_half2
+    from exl_core.quantize.rtn import quantize_model_rtn
+    monkeypatch.delenv("EXL_CORE_EXL2_AS_U4", raising=False)
+    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=128, intermediate_size=352,
+                             num_attention_heads=4, num_key_value_heads=2)
+    bits = 4 if fmt == "gptq" else [(6, 0.25), (4, 0.5), (3, 0.25)]
+    qdir = quantize_model_rtn(src, tmp_path / "q", fmt=fmt, bits=bits, group_size=32, act_order=fmt == "exl2")
+    model = load_model(qdir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    taken = []
+    real = cc.half2_of
+    monkeypatch.setattr(cc, "half2_of", lambda pw, dev: taken.append(real(pw, dev)) or taken[-1])
+    g = torch.Generator().manual_seed(11)
+    prompt, nxt = torch.randint(0, 1000, (1, 6), generator=g).cuda(), torch.randint(0, 1000, (1, 1), generator=g).cuda()
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ON", on)
+        kvs = [model.new_sequence_kv(16)]
+        with torch.inference_mode():
+            model.forward_batch(prompt, kvs)
+            out[on] = model.forward_batch(nxt, kvs)
+    assert any(t is not None for t in taken), fmt
+    assert float(out[False].abs().max()) > 1e-2
+    assert torch.equal(out[True], out[False])
