@@ -172,10 +172,10 @@ def test_half2_bad_arguments_raise():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["gptq", "exl2"])
-def test_model_decode_same_logits_with_half2(fmt, tiny_model_factory, tmp_path, monkeypatch):
-    """A quantized tiny Llama (GPTQ: the down projection through qgemm_kslice_add_ with up; EXL2 rewritten: through
-    qgemm_kslice_silu by chunk offsets) decodes at batch 1 with the same logits with half2 scale/zero on and off, and
-    the split was taken for its down projections."""
+def test_model_decode_same_logits_with_half2(fmt, request, tiny_model_factory, tmp_path, monkeypatch):
+    """A quantized tiny Llama (GPTQ: the down projection through qgemm_kslice_add_ with up; EXL2 rewritten as uniform
+    4-bit rows: through qgemm_kslice_silu by chunk offsets) decodes at batch 1 with the same logits with half2
+    scale/zero on and off, and the split was taken for its down projections."""
     from test_cuda_kernels import _need_kernels
     _need_kernels()
     from exl_core.loader import load_model
@@ -183,11 +183,15 @@ def test_model_decode_same_logits_with_half2(fmt, tiny_model_factory, tmp_path, 
     from exl_core.ops import cuda_scale_half2
     from exl_core.quantize.rtn import quantize_model_rtn
     monkeypatch.delenv("EXL_CORE_EXL2_AS_U4", raising=False)
-    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=128, intermediate_size=352,
-                             num_attention_heads=4, num_key_value_heads=2)
-    bits = 4 if fmt == "gptq" else [(6, 0.25), (4, 0.5), (3, 0.25)]
-    qdir = quantize_model_rtn(src, tmp_path / "q", fmt=fmt, bits=bits, group_size=32, act_order=fmt == "exl2")
+    if fmt == "exl2":
+        qdir = request.getfixturevalue("exl2_act_order_dir")
+    else:
+        src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=128, intermediate_size=352,
+                                 num_attention_heads=4, num_key_value_heads=2)
+        qdir = quantize_model_rtn(src, tmp_path / "q", fmt=fmt, bits=4, group_size=32)
     model = load_model(qdir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+    if fmt == "exl2":                                             # the rewrite (only uniform 4-bit takes half2)
+        assert any(b.mlp.down_proj.packed.rows is not None for b in model.layers)
     taken = []
     real = cc.half2_of
     monkeypatch.setattr(cc, "half2_of", lambda pw, dev: taken.append(real(pw, dev)) or taken[-1])
