@@ -98,19 +98,25 @@ def test_rewritten_exl2_decode_same_bits_with_chunk_offsets(exl2_act_order_dir, 
     monkeypatch.delenv("EXL_CORE_EXL2_AS_U4", raising=False)
     model = load_model(exl2_act_order_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
     assert any(b.mlp.down_proj.packed.rows is not None for b in model.layers)
+    assert_decode_same_with_switch(model, monkeypatch, xchunks, "XCHUNKS_ON", cc, "staged_xchunks", seed=3)
+
+
+def assert_decode_same_with_switch(model, monkeypatch, switch_mod, switch, spy_mod, spy, seed: int) -> None:
+    """One batch-1 decode step after a 6-token prompt gives the same logits with switch_mod.<switch> off and on, and
+    spy_mod.<spy> (the helper the switch enables) returned something other than None at least once."""
     taken = []
-    real = cc.staged_xchunks
-    monkeypatch.setattr(cc, "staged_xchunks", lambda *a: taken.append(real(*a)) or taken[-1])
-    g = torch.Generator().manual_seed(3)
+    real = getattr(spy_mod, spy)
+    monkeypatch.setattr(spy_mod, spy, lambda *a: taken.append(real(*a)) or taken[-1])
+    g = torch.Generator().manual_seed(seed)
     prompt, nxt = torch.randint(0, 1000, (1, 6), generator=g).cuda(), torch.randint(0, 1000, (1, 1), generator=g).cuda()
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(xchunks, "XCHUNKS_ON", on)
+        monkeypatch.setattr(switch_mod, switch, on)
         kvs = [model.new_sequence_kv(16)]
         with torch.inference_mode():
             model.forward_batch(prompt, kvs)
             out[on] = model.forward_batch(nxt, kvs)
-    assert any(t is not None for t in taken)
+    assert any(t is not None for t in taken), spy
     assert float(out[False].abs().max()) > 1e-2
     assert torch.equal(out[True], out[False])
 

@@ -177,6 +177,7 @@ def test_model_decode_same_logits_with_half2(fmt, request, tiny_model_factory, t
     4-bit rows: through qgemm_kslice_silu by chunk offsets) decodes at batch 1 with the same logits with half2
     scale/zero on and off, and the split was taken for its down projections."""
     from test_cuda_kernels import _need_kernels
+    from test_cuda_xchunks import assert_decode_same_with_switch
     _need_kernels()
     from exl_core.loader import load_model
     from exl_core.ops import cuda_candidates as cc
@@ -192,18 +193,4 @@ def test_model_decode_same_logits_with_half2(fmt, request, tiny_model_factory, t
     model = load_model(qdir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
     if fmt == "exl2":                                             # the rewrite (only uniform 4-bit takes half2)
         assert any(b.mlp.down_proj.packed.rows is not None for b in model.layers)
-    taken = []
-    real = cc.half2_of
-    monkeypatch.setattr(cc, "half2_of", lambda pw, dev: taken.append(real(pw, dev)) or taken[-1])
-    g = torch.Generator().manual_seed(11)
-    prompt, nxt = torch.randint(0, 1000, (1, 6), generator=g).cuda(), torch.randint(0, 1000, (1, 1), generator=g).cuda()
-    out = {}
-    for on in (False, True):
-        monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ON", on)
-        kvs = [model.new_sequence_kv(16)]
-        with torch.inference_mode():
-            model.forward_batch(prompt, kvs)
-            out[on] = model.forward_batch(nxt, kvs)
-    assert any(t is not None for t in taken), fmt
-    assert float(out[False].abs().max()) > 1e-2
-    assert torch.equal(out[True], out[False])
+    assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ON", cc, "half2_of", seed=11)
