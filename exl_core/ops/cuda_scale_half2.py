@@ -10,7 +10,9 @@ float64).  A weight with any group that splits no way keeps its float32 scale an
 
 Why (H200, bench/gemv_probe.cu mode h2, stop 45 call 5): a 7B layer's batch-1 decode launches ran as a PDL chain at
 45.74 us with half2 on down against 46.84 with fp32 (2.34 % less, lower in all 5 rounds); half2 on the other launches
-too lost (46.98).  EXL_CORE_KSLICE_H2=0 turns it off (A/B).
+too lost (46.98).  In the model (stop 46 call 2, bench/gpu_bench.py --quick, 4 rounds in turn, medians): batch-1
+decode GPTQ 516.31 tok/s against 513.15 off (1.0061x), EXL2 458.65 against 451.72 (1.0153x), higher in every round;
+batch 32 and the prompt unchanged (they do not run this kernel).  EXL_CORE_KSLICE_H2=0 turns it off (A/B).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-// cp.async (global -> shared: 16 bytes, L2 only; or 4 bytes) and its group waits, without torch headers (standalone probes
-// build the kernels that use them).
+// cp.async (global -> shared: 16 bytes, L2 only; or 4 bytes) and its group waits, without torch headers (standalone
+// probes build the kernels that use them).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -185,7 +185,8 @@ struct Folds {
 // with up.  The values are the caller's promise (ops/cuda_scale_half2.py splits scale exactly); the shapes are checked.
 void check_half2(const Folds& f, const at::Tensor& x, const at::Tensor& up, bool u4, const at::Tensor& scale,
                  const Mats& mats) {
-  TORCH_CHECK(f.sz_half2.has_value() == f.sz_mul.has_value(), "exl_core::qgemm_kslice: sz_half2 and sz_mul go together");
+  TORCH_CHECK(f.sz_half2.has_value() == f.sz_mul.has_value(),
+              "exl_core::qgemm_kslice: sz_half2 and sz_mul go together");
   const at::Tensor& h = *f.sz_half2;
   const at::Tensor& m = *f.sz_mul;
   const int64_t G = scale.size(0);
