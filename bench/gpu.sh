@@ -34,7 +34,8 @@
 # (bench/graph_capture_probe.py: which op breaks a decode step's graph capture), promptprof (the prompt's kernels by
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0),
 # nostage2 (both formats with EXL_CORE_ATTN_STAGE2=0), noh2 (both formats with EXL_CORE_KSLICE_H2=0: the SwiGLU-fused
-# down reads fp32 scale and zero, not half2), oldexl2 (both),
+# down reads fp32 scale and zero, not half2), h2all (both formats with EXL_CORE_KSLICE_H2_ALL=1: every staged-row
+# qgemm_kslice launch on half2 scale/zero), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
@@ -203,7 +204,7 @@ for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin) ;; *) 
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -354,6 +355,10 @@ fi
 if has noh2; then  # A/B: the SwiGLU-fused down projection on fp32 scale and zero (ops/cuda_scale_half2.py off)
   EXL_CORE_KSLICE_H2=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_noh2.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has h2all; then  # A/B: q/k/v, gate/up and o on half2 scale/zero too (ops/cuda_scale_half2.py KSLICE_H2_ALL)
+  EXL_CORE_KSLICE_H2_ALL=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
+    --quick --json "$OUT/gpu_h200_h2all.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has oldexl2; then  # A/B: EXL2 as stop 29 ran it: mixed-width kernels, o gathering (both switches of stop 30 off)
   EXL_CORE_EXL2_AS_U4=0 EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \

@@ -165,9 +165,55 @@ def test_half2_bad_arguments_raise():
         torch.ops.exl_core.qgemm_kslice_silu(gate, gate, *args, sz_half2=h2[:, :32].contiguous(), sz_mul=mul)
     with pytest.raises(RuntimeError, match="half2 scale/zero need"):
         torch.ops.exl_core.qgemm_kslice_silu(gate, gate, *args, sz_half2=h2, sz_mul=mul.double())
-    res = torch.zeros(1, 64, dtype=torch.float16, device="cuda")
-    with pytest.raises(RuntimeError, match="half2 scale/zero need"):             # no up: not the fused down
-        torch.ops.exl_core.qgemm_kslice_add_(res, gate, *args, sz_half2=h2, sz_mul=mul)
+    x9 = torch.randn(9, 256, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="at most 8 rows"):                     # rows from global memory
+        torch.ops.exl_core.qgemm_kslice_silu(x9, x9, *args, sz_half2=h2, sz_mul=mul)
+    with pytest.raises(RuntimeError, match="one pair a weight"):
+        torch.ops.exl_core.qgemm_kslice_multi(gate, [w.qweight] * 2, [cc._chunks_of(w)] * 2, [w.scale] * 2,
+                                              [w.zero] * 2, [None] * 2, [None] * 2, True, sz_half2=[h2], sz_mul=[mul])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("normed", [False, True])
+def test_multi_half2_same_bits(M, normed):
+    """qgemm_kslice_multi on three weights (q/k/v-like; with the folded RMSNorm or not) and qgemm_kslice_add_ without up
+    (o): with half2 scale/zero (EXL_CORE_KSLICE_H2_ALL's launches) the same bits as with float32, and float64
+    references."""
+    from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+    _need_kernels()
+    from exl_core.ops import cuda_candidates as cc
+    g = torch.Generator().manual_seed(M)
+    ws = []
+    for N in (256, 128, 128):
+        pw = random_packed([(4, 128)] * 4, N, perm=False)
+        ws.append(dataclasses.replace(pw, scale=pw.scale.half().float()).to("cuda"))
+    splits = [split_half2(w.scale, w.zero) for w in ws]
+    lists = ([w.qweight for w in ws], [cc._chunks_of(w) for w in ws], [w.scale for w in ws], [w.zero for w in ws],
+             [None] * 3, [None] * 3, True)
+    x = torch.randn(M, 512, dtype=torch.float16, generator=g).cuda()
+    kw = {"min_group": 128, "group_shift": cc._group_shift(ws[0])}
+    xin = x.double().cpu()
+    if normed:
+        nw = (torch.rand(512, generator=g) + 0.5).half().cuda()
+        ss = (x.float() ** 2).view(M, 16, 32).sum(-1).t().contiguous()       # the producer's sums per 32 columns
+        kw.update(norm_weight=nw, norm_ss=ss, norm_eps=1e-5)
+        r = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+        xin = (nw.double() * (x.double() * r).half().double()).cpu()
+    poison_allocator()
+    y32 = torch.ops.exl_core.qgemm_kslice_multi(x, *lists, **kw)
+    poison_allocator()
+    y16 = torch.ops.exl_core.qgemm_kslice_multi(x, *lists, **kw, sz_half2=[h for h, _ in splits],
+                                                sz_mul=[m for _, m in splits])
+    for a, b, w in zip(y16, y32, ws):
+        assert torch.equal(a, b)
+        assert rel_err(a, xin @ dequantize_reference(w.to("cpu"))) < 2e-3
+    res = torch.randn(M, 256, dtype=torch.float16, generator=g).cuda()
+    r32, r16 = res.clone(), res.clone()
+    o = (ws[0].qweight, cc._chunks_of(ws[0]), ws[0].scale, ws[0].zero, None, None, True)
+    ss32 = torch.ops.exl_core.qgemm_kslice_add_(r32, x, *o, min_group=128)
+    ss16 = torch.ops.exl_core.qgemm_kslice_add_(r16, x, *o, min_group=128, sz_half2=splits[0][0], sz_mul=splits[0][1])
+    assert torch.equal(r16, r32) and torch.equal(ss16, ss32)
 
 
 @pytest.mark.cuda
@@ -194,3 +240,5 @@ def test_model_decode_same_logits_with_half2(fmt, request, tiny_model_factory, t
     if fmt == "exl2":                                             # the rewrite (only uniform 4-bit takes half2)
         assert any(b.mlp.down_proj.packed.rows is not None for b in model.layers)
     assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ON", cc, "half2_of", seed=11)
+    monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ON", True)       # and every staged launch (EXL_CORE_KSLICE_H2_ALL)
+    assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ALL", cc, "_half2_lists", seed=12)

@@ -61,6 +61,7 @@ import torch
 
 from . import cuda_dequant as cd
 from .cuda_dequant import uniform4 as _uniform4   # there so that cuda_dequant imports nothing from here
+from . import cuda_scale_half2 as h2mod
 from .cuda_scale_half2 import half2_of
 from .dispatch import Candidate, has_cuda_kernel
 from .xchunks import staged_xchunks
@@ -436,6 +437,17 @@ def _half2_args(pw, device) -> tuple:
     return split if split is not None else (None, None)
 
 
+def _half2_lists(pws, device, rows: int) -> tuple:
+    """([sz_half2], [sz_mul]) for a staged-row qgemm_kslice launch of these weights under EXL_CORE_KSLICE_H2_ALL=1
+    (every weight split), else (None, None)."""
+    if not (h2mod.KSLICE_H2_ALL and rows <= KSLICE_STAGED_ROWS):
+        return None, None
+    splits = [_half2_args(pw, device) for pw in pws]
+    if any(h is None for h, _ in splits):
+        return None, None
+    return [h for h, _ in splits], [m for _, m in splits]
+
+
 def _perm_of(pw, device):
     perm = pw.perm
     if perm is not None and (perm.dtype != torch.int64 or perm.device != device):
@@ -491,8 +503,9 @@ def _many_run(x, pws):
         ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
                                                  group_shift=_pws_group_shift(pws), twins=twins, k_main=k_main)
     elif kslice:
+        h2, mul = _half2_lists(pws, x.device, rows)
         ys = torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
-                                                   group_shift=_pws_group_shift(pws))
+                                                   group_shift=_pws_group_shift(pws), sz_half2=h2, sz_mul=mul)
     elif skinny:
         ys = torch.ops.exl_core.qgemm_skinny_multi(*args, u4)
     else:

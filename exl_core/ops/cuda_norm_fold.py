@@ -71,7 +71,11 @@ def _add_ss_check(residual, x, pw, up) -> Optional[str]:
 def _add_ss_run(residual, x, pw, up):
     x2 = x.reshape(-1, pw.in_features).contiguous()
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
-    h2, mul = cc._half2_args(pw, x.device) if up is not None else (None, None)
+    if up is not None:
+        h2, mul = cc._half2_args(pw, x.device)
+    else:                                                        # o: only under EXL_CORE_KSLICE_H2_ALL=1
+        lists = cc._half2_lists([pw], x.device, x2.shape[0])
+        h2, mul = (lists[0][0], lists[1][0]) if lists[0] is not None else (None, None)
     return torch.ops.exl_core.qgemm_kslice_add_(
         residual, x2, pw.qweight, cc._chunks_of(pw), pw.scale, pw.zero, cc._perm_of(pw, x.device),
         None if bias is None else bias.contiguous(), cc._uniform4(pw), min_group=cc._min_group(pw),
@@ -145,9 +149,13 @@ def _normed_run(residual, weight, eps, ss, pws):
     args = (residual, *cc._weights_args(pws, residual.device, residual.dtype))   # no permutations (the check)
     u4 = all(cc._uniform4(pw) for pw in pws)
     mg = min(cc._min_group(pw) for pw in pws)
-    op = torch.ops.exl_core.qgemm_wide_multi if kind == "wide" else torch.ops.exl_core.qgemm_kslice_multi
-    return list(op(*args, u4, min_group=mg, group_shift=cc._pws_group_shift(pws), norm_weight=weight, norm_ss=ss,
-                   norm_eps=float(eps)))
+    if kind == "wide":
+        return list(torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=mg, group_shift=cc._pws_group_shift(pws),
+                                                        norm_weight=weight, norm_ss=ss, norm_eps=float(eps)))
+    h2, mul = cc._half2_lists(pws, residual.device, residual.shape[0])
+    return list(torch.ops.exl_core.qgemm_kslice_multi(*args, u4, min_group=mg, group_shift=cc._pws_group_shift(pws),
+                                                      norm_weight=weight, norm_ss=ss, norm_eps=float(eps),
+                                                      sz_half2=h2, sz_mul=mul))
 
 
 def install() -> None:

@@ -22,6 +22,10 @@ from typing import Optional
 import torch
 
 KSLICE_H2_ON = os.environ.get("EXL_CORE_KSLICE_H2", "1") != "0"
+# 1: the other staged-row qgemm_kslice launches take half2 too (q/k/v, gate/up, with or without the folded norm; o
+# adding into the residual).  Off: in the probe they lost (q/k/v 2.66 %, gate/up 2.74 %, GPTQ-like weights without a
+# permutation); the switch measures it in the model (gpu.sh phase h2all).
+KSLICE_H2_ALL = os.environ.get("EXL_CORE_KSLICE_H2_ALL", "0") == "1"
 _TINY = torch.finfo(torch.float32).tiny   # the kernels flush float32 denormals (--use_fast_math): none may occur
 
 

@@ -132,15 +132,17 @@ void launch_kw(const __half* x, const __half* up, int M, int64_t K, int64_t tile
   else if constexpr (NT == 1) launch_one<16, U4, R, NT, ACT, FOLD, XC, H2>(x, up, M, K, tiles, p, mats, dev, stream);
 }
 
-// The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.  h2: mats' one weight carries
-// half2 scale/zero (check_half2: uniform 4-bit, with up).
+// The launch of plan p (one that plan_usable accepts) over `tiles` column tiles.  h2: mats' weights carry half2
+// scale/zero (check_half2: uniform 4-bit, staged rows).
 void launch_plan(const __half* x, const __half* up, int M, int64_t K, int64_t tiles, const Plan& p, const Mats& mats, bool u4,
                  int dev, cudaStream_t stream, bool h2 = false) {
   if (mats.nf.nw != nullptr) {                                // kslice_run checked: staged uniform 4-bit rows, ring 4
-    launch_kw<true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
-  } else if (h2) {
-    if (p.xchunks) launch_kw<true, 8, 1, true, false, true, true>(x, up, M, K, tiles, p, mats, dev, stream);
-    else launch_kw<true, 8, 1, true, false, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    if (h2) launch_kw<true, 4, 1, false, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<true, 4, 1, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+  } else if (h2) {                                            // kslice_run checked: staged rows, the default ring
+    if (up != nullptr && p.xchunks) launch_kw<true, 8, 1, true, false, true, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else if (up != nullptr) launch_kw<true, 8, 1, true, false, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
+    else launch_kw<true, 4, 1, false, false, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
   } else if (up != nullptr && p.xchunks) {                           // check_xchunks: one weight, staged rows
     if (u4) launch_kw<true, 8, 1, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
     else launch_kw<false, 4, 1, true, false, true>(x, up, M, K, tiles, p, mats, dev, stream);
@@ -177,26 +179,37 @@ struct Folds {
   c10::optional<at::Tensor> norm_weight, norm_ss;
   double eps = 0.0;
   c10::optional<at::Tensor> xchunks;   // the SwiGLU-fused calls: x read through chunk offsets (check_xchunks)
-  c10::optional<at::Tensor> sz_half2, sz_mul;   // the SwiGLU-fused calls: half2 scale/zero (check_half2)
+  std::vector<at::Tensor> sz_half2, sz_mul;     // half2 scale/zero, one pair a weight, or none (check_half2)
 };
 
-// sz_half2 (int32 [G, N], each a half2 (scale / mul, zero)) and sz_mul (float32 [G], mul per group): the weight's
-// scale and zero in 4 bytes a group and column instead of 8 (the kernel's H2 instances), one uniform 4-bit weight
-// with up.  The values are the caller's promise (ops/cuda_scale_half2.py splits scale exactly); the shapes are checked.
-void check_half2(const Folds& f, const at::Tensor& x, const at::Tensor& up, bool u4, const at::Tensor& scale,
-                 const Mats& mats) {
-  TORCH_CHECK(f.sz_half2.has_value() == f.sz_mul.has_value(),
-              "exl_core::qgemm_kslice: sz_half2 and sz_mul go together");
-  const at::Tensor& h = *f.sz_half2;
-  const at::Tensor& m = *f.sz_mul;
-  const int64_t G = scale.size(0);
-  TORCH_CHECK(mats.n == 1 && up.defined() && u4 && x.size(0) <= kStagedRows && h.is_cuda() && m.is_cuda() &&
-                  h.device() == x.device() && m.device() == x.device() && h.dtype() == at::kInt &&
-                  m.dtype() == at::kFloat && h.dim() == 2 && h.size(0) == G && h.size(1) == mats.m[0].N &&
-                  m.dim() == 1 && m.size(0) == G && h.is_contiguous() && m.is_contiguous() && aligned16(h),
-              "exl_core::qgemm_kslice: half2 scale/zero need one uniform 4-bit weight, up, at most ", kStagedRows,
-              " rows, contiguous int32 sz_half2 [", G, ", ", mats.m[0].N, "] (16-byte aligned) and float32 sz_mul [",
-              G, "] on x's GPU; got ", h.dtype(), " ", h.sizes(), ", ", m.dtype(), " ", m.sizes());
+// sz_half2[i] (int32 [G, N], each a half2 (scale / mul, zero)) and sz_mul[i] (float32 [G], mul per group): weight i's
+// scale and zero in 4 bytes a group and column instead of 8 (the kernel's H2 instances), uniform 4-bit weights at
+// most kStagedRows rows.  The values are the caller's promise (ops/cuda_scale_half2.py splits scale exactly); the
+// shapes are checked.
+void check_half2(const Folds& f, const at::Tensor& x, bool u4, at::TensorList scale, const Mats& mats) {
+  TORCH_CHECK(f.sz_half2.size() == f.sz_mul.size(), "exl_core::qgemm_kslice: sz_half2 and sz_mul go together");
+  TORCH_CHECK(static_cast<int64_t>(f.sz_half2.size()) == mats.n && u4 && x.size(0) <= kStagedRows,
+              "exl_core::qgemm_kslice: half2 scale/zero need one pair a weight (", mats.n, ", got ",
+              f.sz_half2.size(), "), uniform 4-bit weights and at most ", kStagedRows, " rows (got ", x.size(0), ")");
+  for (int i = 0; i < mats.n; ++i) {
+    const at::Tensor& h = f.sz_half2[i];
+    const at::Tensor& m = f.sz_mul[i];
+    const int64_t G = scale[i].size(0);
+    TORCH_CHECK(h.is_cuda() && m.is_cuda() && h.device() == x.device() && m.device() == x.device() &&
+                    h.dtype() == at::kInt && m.dtype() == at::kFloat && h.dim() == 2 && h.size(0) == G &&
+                    h.size(1) == mats.m[i].N && m.dim() == 1 && m.size(0) == G && h.is_contiguous() &&
+                    m.is_contiguous() && aligned16(h),
+                "exl_core::qgemm_kslice: half2 scale/zero need contiguous int32 sz_half2 [", G, ", ", mats.m[i].N,
+                "] (16-byte aligned) and float32 sz_mul [", G, "] on x's GPU for weight ", i, "; got ", h.dtype(), " ",
+                h.sizes(), ", ", m.dtype(), " ", m.sizes());
+  }
+}
+
+std::vector<at::Tensor> listed(const c10::optional<at::Tensor>& t) {
+  return t ? std::vector<at::Tensor>{*t} : std::vector<at::Tensor>{};
+}
+std::vector<at::Tensor> listed(const c10::optional<at::TensorList>& t) {
+  return t ? t->vec() : std::vector<at::Tensor>{};
 }
 
 // xchunks (int64 [K/32], one weight, no perm, staged rows with up): chunk c of the weight's K rows reads x's columns
@@ -225,11 +238,13 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
     check_xchunks(*folds.xchunks, x, up, K, mats);
     mats.m[0].perm = folds.xchunks->data_ptr<int64_t>();   // read as chunk offsets by the XC instances
   }
-  const bool h2 = folds.sz_half2.has_value() || folds.sz_mul.has_value();
+  const bool h2 = !folds.sz_half2.empty() || !folds.sz_mul.empty();
   if (h2) {
-    check_half2(folds, x, up, uniform4, scale[0], mats);
-    mats.m[0].scale = reinterpret_cast<const float*>(folds.sz_half2->data_ptr());   // read as half2 pairs
-    mats.m[0].zero = folds.sz_mul->data_ptr<float>();                              // read per group
+    check_half2(folds, x, uniform4, scale, mats);
+    for (int i = 0; i < mats.n; ++i) {
+      mats.m[i].scale = reinterpret_cast<const float*>(folds.sz_half2[i].data_ptr());   // read as half2 pairs
+      mats.m[i].zero = folds.sz_mul[i].data_ptr<float>();                              // read per group
+    }
   }
   const int64_t M = x.size(0), Kx = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "exl_core::qgemm_kslice: at most ", kMaxRows, " rows of x, got ", M);
@@ -262,6 +277,8 @@ std::vector<at::Tensor> kslice_run(const at::Tensor& x, const at::Tensor& up, at
   TORCH_CHECK(!fold || plan.ring == 4, "exl_core::qgemm_kslice: the folded norm runs ring 4 (got ", plan.ring, ")");
   TORCH_CHECK(plan_usable(plan, uniform4), "exl_core::qgemm_kslice: no kernel for M = ", M, ", K = ", K, ", kw = ", kw,
               ", ring = ", ring, " (shared memory or an unknown kw/ring)");
+  TORCH_CHECK(!h2 || plan.ring == (up.defined() ? 8 : 4), "exl_core::qgemm_kslice: half2 scale/zero run the default ",
+              "ring (got ", plan.ring, ")");
   bool any_perm = false;
   for (int i = 0; i < mats.n; ++i) any_perm = any_perm || mats.m[i].perm != nullptr;
   plan.xchunks = folds.xchunks.has_value();                   // no copy of x: the plan's shared memory as it is
@@ -295,11 +312,15 @@ std::vector<at::Tensor> qgemm_kslice_multi(const at::Tensor& x, at::TensorList q
                                            const c10::List<c10::optional<at::Tensor>>& bias, bool uniform4,
                                            int64_t kw, int64_t ring, int64_t min_group, int64_t group_shift,
                                            const c10::optional<at::Tensor>& norm_weight,
-                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps) {
+                                           const c10::optional<at::Tensor>& norm_ss, double norm_eps,
+                                           const c10::optional<at::TensorList> sz_half2 = c10::nullopt,
+                                           const c10::optional<at::TensorList> sz_mul = c10::nullopt) {
   Folds f;
   f.norm_weight = norm_weight;
   f.norm_ss = norm_ss;
   f.eps = norm_eps;
+  f.sz_half2 = listed(sz_half2);
+  f.sz_mul = listed(sz_mul);
   return kslice_run(x, at::Tensor(), qweight, chunks, scale, zero, perm, bias, uniform4, kw, ring, min_group,
                     group_shift, f);
 }
@@ -319,8 +340,8 @@ at::Tensor qgemm_kslice_add_(const at::Tensor& residual, const at::Tensor& x, co
   Folds f;
   f.add_to = &residual;
   f.xchunks = xchunks;
-  f.sz_half2 = sz_half2;
-  f.sz_mul = sz_mul;
+  f.sz_half2 = listed(sz_half2);
+  f.sz_mul = listed(sz_mul);
   return kslice_run(x, up ? *up : at::Tensor(), {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, 0, 0, min_group,
                     group_shift, f)[0];
 }
@@ -338,8 +359,8 @@ at::Tensor qgemm_kslice_silu(const at::Tensor& gate, const at::Tensor& up, const
   b.push_back(bias);
   Folds f;
   f.xchunks = xchunks;
-  f.sz_half2 = sz_half2;
-  f.sz_mul = sz_mul;
+  f.sz_half2 = listed(sz_half2);
+  f.sz_mul = listed(sz_mul);
   return kslice_run(gate, up, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, kw, ring, min_group,
                     group_shift, f)[0];
 }
@@ -384,7 +405,8 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, int group_shift=-1) -> Tensor");
   m.def("qgemm_kslice_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int kw=0, int ring=0, int min_group=0, "
-        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0) -> Tensor[]");
+        "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0, Tensor[]? sz_half2=None, "
+        "Tensor[]? sz_mul=None) -> Tensor[]");
   m.def("qgemm_kslice_add_(Tensor(a!) residual, Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, "
         "Tensor? perm, Tensor? bias, bool uniform4=False, int min_group=0, int group_shift=-1, Tensor? up=None, "
         "Tensor? xchunks=None, Tensor? sz_half2=None, Tensor? sz_mul=None) -> Tensor");
