@@ -1,5 +1,6 @@
-"""A weight's scale and zero as one half2 per group and column, for the SwiGLU-fused decode down projection
-(qgemm_kslice's H2 instances: 4 bytes a group and column instead of fp32's 8).
+"""A weight's scale and zero as one half2 per group and column, by default for the SwiGLU-fused decode down projection
+only (qgemm_kslice's H2 instances: 4 bytes a group and column instead of fp32's 8; KSLICE_H2_ALL below: the other
+staged-row launches too).
 
 The split is exact or not made: scale[g, n] = float(k[g, n]) * mul[g] in float32 with k an fp16, and every zero an
 fp16.  mul is 1 where the scales are fp16 already (GPTQ's), or max|scale[g]| / j^2 for some j in 1..16: EXL2's
