@@ -150,6 +150,41 @@ def test_silu_down_half2_same_bits(M):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_multi_half2_permuted_rewrite_same_bits(M):
+    """EXL2's q/k/v under EXL_CORE_KSLICE_H2_ALL=1: rewritten weights (extra rows, a permutation over them, x gathered
+    in shared memory) through qgemm_kslice_multi with half2 give the same bits as with float32, and float64 references.
+    (Written in stop 46 after its last device call: not yet run on a GPU.)"""
+    from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+    from test_cuda_xchunks import _rows_reference
+    _need_kernels()
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import cuda_candidates as cc
+    g = torch.Generator().manual_seed(20 + M)
+    pw = random_packed([(6, 128), (4, 256), (5, 128)], 384, perm=True, seed=20 + M)
+    pw = dataclasses.replace(pw, scale=_exl2_scales(3, 384, g), zero=pw.zero.round())
+    u = as_uniform4(pw, max_growth=10.0)
+    assert u is not None and u.rows is not None and u.perm is not None
+    w = u.to("cuda")
+    ws = [w, w, w]                                                 # one launch of three weights on one permutation
+    splits = [split_half2(x.scale, x.zero) for x in ws]
+    assert all(sp is not None for sp in splits)
+    args = cc._weights_args(ws, torch.device("cuda"), torch.float16)
+    x = torch.randn(M, pw.in_features, dtype=torch.float16, generator=g).cuda()
+    kw = {"min_group": cc._min_group(w), "group_shift": cc._group_shift(w)}
+    assert torch.ops.exl_core.qgemm_kslice_fits(M, w.rows, 3 * 12, kw["min_group"], True, 0)
+    poison_allocator()
+    y32 = torch.ops.exl_core.qgemm_kslice_multi(x, *args, True, **kw)
+    poison_allocator()
+    y16 = torch.ops.exl_core.qgemm_kslice_multi(x, *args, True, **kw, sz_half2=[h for h, _ in splits],
+                                                sz_mul=[m for _, m in splits])
+    ref = x.double().cpu()[:, u.perm] @ _rows_reference(u)
+    for a, b in zip(y16, y32):
+        assert torch.equal(a, b)
+        assert rel_err(a, ref) < 2e-3
+
+
+@pytest.mark.cuda
 def test_half2_bad_arguments_raise():
     from test_cuda_kernels import _need_kernels, random_packed
     _need_kernels()
