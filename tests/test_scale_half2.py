@@ -84,6 +84,42 @@ def test_split_refused():
     assert split_half2(s, z[:, :5]) is None
 
 
+def test_launch_policy(monkeypatch):
+    """Which staged launches take half2 (cuda_candidates._half2_lists): by default those whose every weight has extra
+    rows (EXL2's uniform 4-bit rewrite), not GPTQ's (lost in stop 46 call 3); all of them under KSLICE_H2_ALL; none
+    under KSLICE_H2_ROWS off; never past the staged rows or where a weight does not split."""
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_scale_half2 as h2mod
+    from test_cuda_kernels import random_packed
+    g = torch.Generator().manual_seed(9)
+    pw = random_packed([(6, 64), (4, 128), (5, 64)], 96, perm=True, seed=9)
+    pw = dataclasses.replace(pw, scale=_exl2_scales(3, 96, g), zero=pw.zero.round())
+    rew = as_uniform4(pw, max_growth=10.0)
+    gq = random_packed([(4, 128)] * 2, 96, perm=False)
+    gq = dataclasses.replace(gq, scale=gq.scale.half().float())
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ON", True)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", False)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ROWS", True)
+    h2, mul = cc._half2_lists([rew, rew], cpu, 1)
+    want = split_half2(rew.scale, rew.zero)
+    assert len(h2) == 2 and all(torch.equal(h, want[0]) for h in h2) and all(torch.equal(m, want[1]) for m in mul)
+    assert cc._half2_lists([gq], cpu, 1) == (None, None)
+    assert cc._half2_lists([rew, gq], cpu, 1) == (None, None)               # one launch, one kind of scale/zero
+    assert cc._half2_lists([rew], cpu, cc.KSLICE_STAGED_ROWS + 1) == (None, None)
+    unsplit = dataclasses.replace(rew, scale=rew.scale + 1e-7)             # float32 scales with no exact split
+    assert cc._half2_lists([unsplit], cpu, 1) == (None, None)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", True)
+    assert cc._half2_lists([gq], cpu, 1)[0] is not None
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", False)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ROWS", False)
+    assert cc._half2_lists([rew], cpu, 1) == (None, None)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ON", False)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", True)
+    assert cc._half2_lists([rew], cpu, 1) == (None, None)
+
+
 # ---------------------------------------------------------------------------- CUDA
 
 def _half2_cases(g: torch.Generator):
@@ -152,7 +188,7 @@ def test_silu_down_half2_same_bits(M):
 @pytest.mark.cuda
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_multi_half2_permuted_rewrite_same_bits(M):
-    """EXL2's q/k/v under EXL_CORE_KSLICE_H2_ALL=1: rewritten weights (extra rows, a permutation over them, x gathered
+    """EXL2's q/k/v by default (KSLICE_H2_ROWS): rewritten weights (extra rows, a permutation over them, x gathered
     in shared memory) through qgemm_kslice_multi with half2 give the same bits as with float32, and float64 references.
     (Written in stop 46 after its last device call: not yet run on a GPU.)"""
     from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
@@ -253,10 +289,12 @@ def test_multi_half2_same_bits(M, normed):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["gptq", "exl2"])
-def test_model_decode_same_logits_with_half2(fmt, request, tiny_model_factory, tmp_path, monkeypatch):
-    """A quantized tiny Llama (GPTQ: the down projection through qgemm_kslice_add_ with up; EXL2 rewritten as uniform
-    4-bit rows: through qgemm_kslice_silu by chunk offsets) decodes at batch 1 with the same logits with half2
-    scale/zero on and off, and the split was taken for its down projections."""
+def test_model_decode_same_logits_with_half2(fmt, tiny_model_factory, tmp_path, monkeypatch):
+    """A quantized tiny Llama decodes at batch 1 with the same logits with half2 scale/zero on and off, and the split
+    was taken.  GPTQ: the down projection (qgemm_kslice_add_ with up), then every staged launch under
+    KSLICE_H2_ALL.  EXL2 with act-order, mixed 6 / 4 / 3-bit groups, every projection rewritten as uniform 4-bit rows
+    with extra rows (growth 1.125 / 1.1236, under the loader's 1.15): the down projection by chunk offsets, then its
+    q/k/v, gate/up and o by default (KSLICE_H2_ROWS)."""
     from test_cuda_kernels import _need_kernels
     from test_cuda_xchunks import assert_decode_same_with_switch
     _need_kernels()
@@ -265,18 +303,20 @@ def test_model_decode_same_logits_with_half2(fmt, request, tiny_model_factory, t
     from exl_core.ops import cuda_scale_half2
     from exl_core.quantize.rtn import quantize_model_rtn
     monkeypatch.delenv("EXL_CORE_EXL2_AS_U4", raising=False)
+    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=256, intermediate_size=704,
+                             num_attention_heads=4, num_key_value_heads=2)
     if fmt == "exl2":
-        qdir = request.getfixturevalue("exl2_act_order_dir")
+        qdir = quantize_model_rtn(src, tmp_path / "q", fmt=fmt, bits=[(6, 0.125), (4, 0.625), (3, 0.25)],
+                                  group_size=32, act_order=True)
     else:
-        src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=128, intermediate_size=352,
-                                 num_attention_heads=4, num_key_value_heads=2)
         qdir = quantize_model_rtn(src, tmp_path / "q", fmt=fmt, bits=4, group_size=32)
     model = load_model(qdir, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
     if fmt == "exl2":                                             # the rewrite (only uniform 4-bit takes half2)
-        assert any(b.mlp.down_proj.packed.rows is not None for b in model.layers)
+        assert all(mod.packed.rows is not None for b in model.layers for mod in b.modules()
+                   if getattr(mod, "packed", None) is not None)
+    monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ALL", False)
+    monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ROWS", False)
     assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ON", cc, "half2_of", seed=11)
-    if fmt == "gptq":        # and every staged launch (EXL_CORE_KSLICE_H2_ALL); the EXL2 fixture's q/k/v and gate/up
-        # took none (stop 46 call 3: _half2_lists returned no split in its decode step), so it would not test the switch
-        monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ON", True)
-        assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ALL", cc, "_half2_lists",
-                                       seed=12)
+    monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ON", True)
+    switch = "KSLICE_H2_ROWS" if fmt == "exl2" else "KSLICE_H2_ALL"
+    assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, switch, cc, "_half2_lists", seed=12)
