@@ -35,8 +35,7 @@
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0),
 # nostage2 (both formats with EXL_CORE_ATTN_STAGE2=0), noh2 (both formats with EXL_CORE_KSLICE_H2=0: the SwiGLU-fused
 # down reads fp32 scale and zero, not half2), h2all (both formats with EXL_CORE_KSLICE_H2_ALL=1: every staged-row
-# qgemm_kslice launch on half2 scale/zero), noh2rows (EXL2 with EXL_CORE_KSLICE_H2_ROWS=0: q/k/v, gate/up and o of
-# weights with extra rows on fp32 scale and zero), oldexl2 (both),
+# qgemm_kslice launch on half2 scale/zero), oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
@@ -360,10 +359,6 @@ fi
 if has h2all; then  # A/B: q/k/v, gate/up and o on half2 scale/zero too (ops/cuda_scale_half2.py KSLICE_H2_ALL)
   EXL_CORE_KSLICE_H2_ALL=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_h2all.json" 2>&1 | tee -a "$LOG" | tail -14
-fi
-if has noh2rows; then  # A/B: EXL2's q/k/v, gate/up and o on fp32 scale and zero (ops/cuda_scale_half2.py KSLICE_H2_ROWS)
-  EXL_CORE_KSLICE_H2_ROWS=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
-    --quick --json "$OUT/gpu_h200_noh2rows.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has oldexl2; then  # A/B: EXL2 as stop 29 ran it: mixed-width kernels, o gathering (both switches of stop 30 off)
   EXL_CORE_EXL2_AS_U4=0 EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \

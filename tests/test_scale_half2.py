@@ -85,9 +85,9 @@ def test_split_refused():
 
 
 def test_launch_policy(monkeypatch):
-    """Which staged launches take half2 (cuda_candidates._half2_lists): by default those whose every weight has extra
-    rows (EXL2's uniform 4-bit rewrite), not GPTQ's (lost in stop 46 call 3); all of them under KSLICE_H2_ALL; none
-    under KSLICE_H2_ROWS off; never past the staged rows or where a weight does not split."""
+    """Which staged launches take half2 (cuda_candidates._half2_lists): none by default (GPTQ lost in stop 46 call 3,
+    EXL2's rewrite did not gain in stop 47 call 1); under KSLICE_H2_ALL every one whose weights all split exactly,
+    within the staged rows, with the split of each weight; none with half2 off."""
     from exl_core.formats.uniform4 import as_uniform4
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_scale_half2 as h2mod
@@ -101,22 +101,16 @@ def test_launch_policy(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(h2mod, "KSLICE_H2_ON", True)
     monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", False)
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ROWS", True)
-    h2, mul = cc._half2_lists([rew, rew], cpu, 1)
-    want = split_half2(rew.scale, rew.zero)
-    assert len(h2) == 2 and all(torch.equal(h, want[0]) for h in h2) and all(torch.equal(m, want[1]) for m in mul)
-    assert cc._half2_lists([gq], cpu, 1) == (None, None)
-    assert cc._half2_lists([rew, gq], cpu, 1) == (None, None)               # one launch, one kind of scale/zero
+    assert cc._half2_lists([rew, gq], cpu, 1) == (None, None)
+    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", True)
+    h2, mul = cc._half2_lists([rew, gq], cpu, 1)
+    for w, h, m in zip((rew, gq), h2, mul):
+        want = split_half2(w.scale, w.zero)
+        assert torch.equal(h, want[0]) and torch.equal(m, want[1])
     assert cc._half2_lists([rew], cpu, cc.KSLICE_STAGED_ROWS + 1) == (None, None)
     unsplit = dataclasses.replace(rew, scale=rew.scale + 1e-7)             # float32 scales with no exact split
-    assert cc._half2_lists([unsplit], cpu, 1) == (None, None)
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", True)
-    assert cc._half2_lists([gq], cpu, 1)[0] is not None
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", False)
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ROWS", False)
-    assert cc._half2_lists([rew], cpu, 1) == (None, None)
+    assert cc._half2_lists([gq, unsplit], cpu, 1) == (None, None)          # one launch, one kind of scale/zero
     monkeypatch.setattr(h2mod, "KSLICE_H2_ON", False)
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", True)
     assert cc._half2_lists([rew], cpu, 1) == (None, None)
 
 
@@ -188,7 +182,7 @@ def test_silu_down_half2_same_bits(M):
 @pytest.mark.cuda
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_multi_half2_permuted_rewrite_same_bits(M):
-    """EXL2's q/k/v by default (KSLICE_H2_ROWS): rewritten weights (extra rows, a permutation over them, x gathered
+    """EXL2's q/k/v under EXL_CORE_KSLICE_H2_ALL=1: rewritten weights (extra rows, a permutation over them, x gathered
     in shared memory) through qgemm_kslice_multi with half2 give the same bits as with float32, and float64 references.
     (Written in stop 46 after its last device call: not yet run on a GPU.)"""
     from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
@@ -291,10 +285,10 @@ def test_multi_half2_same_bits(M, normed):
 @pytest.mark.parametrize("fmt", ["gptq", "exl2"])
 def test_model_decode_same_logits_with_half2(fmt, tiny_model_factory, tmp_path, monkeypatch):
     """A quantized tiny Llama decodes at batch 1 with the same logits with half2 scale/zero on and off, and the split
-    was taken.  GPTQ: the down projection (qgemm_kslice_add_ with up), then every staged launch under
-    KSLICE_H2_ALL.  EXL2 with act-order, mixed 6 / 4 / 3-bit groups, every projection rewritten as uniform 4-bit rows
-    with extra rows (growth 1.125 / 1.1236, under the loader's 1.15): the down projection by chunk offsets, then its
-    q/k/v, gate/up and o by default (KSLICE_H2_ROWS)."""
+    was taken: the down projection (GPTQ: qgemm_kslice_add_ with up; EXL2: by chunk offsets), then every staged
+    launch under KSLICE_H2_ALL.  The EXL2 model has act-order and mixed 6 / 4 / 3-bit groups, and every projection
+    is rewritten as uniform 4-bit rows with extra rows (growth 1.125 / 1.1236, under the loader's 1.15): its q/k/v,
+    gate/up and o take half2 through the permuted x."""
     from test_cuda_kernels import _need_kernels
     from test_cuda_xchunks import assert_decode_same_with_switch
     _need_kernels()
@@ -315,8 +309,7 @@ def test_model_decode_same_logits_with_half2(fmt, tiny_model_factory, tmp_path, 
         assert all(mod.packed.rows is not None for b in model.layers for mod in b.modules()
                    if getattr(mod, "packed", None) is not None)
     monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ALL", False)
-    monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ROWS", False)
     assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ON", cc, "half2_of", seed=11)
     monkeypatch.setattr(cuda_scale_half2, "KSLICE_H2_ON", True)
-    switch = "KSLICE_H2_ROWS" if fmt == "exl2" else "KSLICE_H2_ALL"
-    assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, switch, cc, "_half2_lists", seed=12)
+    assert_decode_same_with_switch(model, monkeypatch, cuda_scale_half2, "KSLICE_H2_ALL", cc, "_half2_lists",
+                                   seed=12)

@@ -438,11 +438,9 @@ def _half2_args(pw, device) -> tuple:
 
 
 def _half2_lists(pws, device, rows: int) -> tuple:
-    """([sz_half2], [sz_mul]) for a staged-row qgemm_kslice launch of these weights where every one splits and the
-    launch takes half2: all of them have extra rows (EXL2's rewrite, KSLICE_H2_ROWS) or EXL_CORE_KSLICE_H2_ALL=1;
-    else (None, None)."""
-    takes = h2mod.KSLICE_H2_ALL or (h2mod.KSLICE_H2_ROWS and all(pw.rows is not None for pw in pws))
-    if not (takes and rows <= KSLICE_STAGED_ROWS):
+    """([sz_half2], [sz_mul]) for a staged-row qgemm_kslice launch of these weights under EXL_CORE_KSLICE_H2_ALL=1
+    (every weight split), else (None, None)."""
+    if not (h2mod.KSLICE_H2_ALL and rows <= KSLICE_STAGED_ROWS):
         return None, None
     splits = [_half2_args(pw, device) for pw in pws]
     if any(h is None for h, _ in splits):

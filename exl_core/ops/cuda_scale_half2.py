@@ -1,6 +1,6 @@
 """A weight's scale and zero as one half2 per group and column, by default for the SwiGLU-fused decode down projection
-and for the other staged-row launches of weights with extra rows (qgemm_kslice's H2 instances: 4 bytes a group and
-column instead of fp32's 8; KSLICE_H2_ROWS and KSLICE_H2_ALL below).
+only (qgemm_kslice's H2 instances: 4 bytes a group and column instead of fp32's 8; KSLICE_H2_ALL below: the other
+staged-row launches too).
 
 The split is exact or not made: scale[g, n] = float(k[g, n]) * mul[g] in float32 with k an fp16, and every zero an
 fp16.  mul is 1 where the scales are fp16 already (GPTQ's), or max|scale[g]| / j^2 for some j in 1..16: EXL2's
@@ -24,13 +24,11 @@ import torch
 
 KSLICE_H2_ON = os.environ.get("EXL_CORE_KSLICE_H2", "1") != "0"
 # 1: the other staged-row qgemm_kslice launches take half2 too (q/k/v, gate/up, with or without the folded norm; o
-# adding into the residual).  Off: for GPTQ (weights without extra rows) they lost, in the probe (q/k/v 2.66 %, gate/up
-# 2.74 %) and in the model (stop 46 call 3: batch 1 0.9692x); gpu.sh phase h2all measures the switch.
+# adding into the residual).  Off: GPTQ lost, in the probe (q/k/v 2.66 %, gate/up 2.74 %) and in the model (stop 46
+# call 3: batch 1 0.9692x); EXL2 (the rewrite: every 7B weight has extra rows) gained in stop 46 call 3 (batch 1
+# 1.0071x, batch 8 1.0199x) but not in stop 47 call 1 (these launches on half2 for weights with extra rows only, on
+# against off: 0.9997x, 0.9988x; 3 rounds in turn each).  gpu.sh phase h2all measures the switch.
 KSLICE_H2_ALL = os.environ.get("EXL_CORE_KSLICE_H2_ALL", "0") == "1"
-# On by default: those launches take half2 where every weight of the launch has extra rows (EXL2 rewritten as uniform
-# 4-bit rows, formats/uniform4.py): stop 46 call 3 measured EXL2 batch 1 1.0071x, batch 8 1.0199x with them on.
-# EXL_CORE_KSLICE_H2_ROWS=0: not (gpu.sh phase noh2rows).
-KSLICE_H2_ROWS = os.environ.get("EXL_CORE_KSLICE_H2_ROWS", "1") != "0"
 _TINY = torch.finfo(torch.float32).tiny   # the kernels flush float32 denormals (--use_fast_math): none may occur
 
 
