@@ -35,7 +35,9 @@
 # name: GPTQ, EXL2, EXL2 unrewritten), noattnorder (EXL2 with o gathering its input, EXL_CORE_ATTN_OUT_ORDER=0),
 # nostage2 (both formats with EXL_CORE_ATTN_STAGE2=0), noh2 (both formats with EXL_CORE_KSLICE_H2=0: the SwiGLU-fused
 # down reads fp32 scale and zero, not half2), h2all (both formats with EXL_CORE_KSLICE_H2_ALL=1: every staged-row
-# qgemm_kslice launch on half2 scale/zero), oldexl2 (both),
+# qgemm_kslice launch on half2 scale/zero), argmax (both formats with the bench's greedy token by torch's argmax, not
+# exl_core::greedy_pick), gennopick (the Generator with EXL_CORE_GREEDY_CUDA=0: its greedy steps by torch's passes),
+# oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
@@ -204,7 +206,7 @@ for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin) ;; *) 
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -360,6 +362,10 @@ if has h2all; then  # A/B: q/k/v, gate/up and o on half2 scale/zero too (ops/cud
   EXL_CORE_KSLICE_H2_ALL=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_h2all.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
+if has argmax; then  # A/B: the bench's greedy token by torch's argmax, not exl_core::greedy_pick (gpu_bench.py --greedy)
+  timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick --greedy argmax \
+    --json "$OUT/gpu_h200_argmax.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
 if has oldexl2; then  # A/B: EXL2 as stop 29 ran it: mixed-width kernels, o gathering (both switches of stop 30 off)
   EXL_CORE_EXL2_AS_U4=0 EXL_CORE_ATTN_OUT_ORDER=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_oldexl2.json" 2>&1 | tee -a "$LOG" | tail -14
@@ -460,6 +466,10 @@ if has ncu32; then    # the batch-32 decode kernels under Nsight Compute, at the
 fi
 if has gen; then      # the product path: Generator (paged cache, sampling) with and without CUDA graphs
   timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 2>&1 | tee -a "$LOG" | tail -8
+fi
+if has gennopick; then  # A/B: the Generator's greedy steps through torch's passes, not greedy_pick's CUDA kernel
+  EXL_CORE_GREEDY_CUDA=0 timeout ${GEN_TIMEOUT:-200} $PY bench/gpu_generator.py --model "$CK/gptq" --batches 1,8,32 \
+    2>&1 | tee -a "$LOG" | tail -8
 fi
 if has spec; then     # speculative decoding on the same 7B-shaped GPTQ checkpoint (issue 8's H200 row)
   timeout ${SPEC_TIMEOUT:-120} $PY bench/speculative.py --gpu-7b "$CK/gptq" --new-tokens 128 --k 4 \

@@ -4,9 +4,10 @@ Question: how close does decode get to the bandwidth floor, and what do batch 8/
 2,048-token prompt reach? Prints one table; writes JSON (bench/results/gpu_h200.json and,
 when set, $OUT/gpu_h200.json).
 
-Decode runs the native model with a static per-batch K/V context (below), greedy argmax on
-the device, each step captured in a CUDA graph per batch size (eager numbers printed too).
-The Generator's scheduler and sampler are not in these numbers.
+Decode runs the native model with a static per-batch K/V context (below), greedy on the device
+(exl_core::greedy_pick, the sampler's greedy fast path; --greedy argmax: torch's argmax), each step
+captured in a CUDA graph per batch size (eager numbers printed too).
+The Generator's scheduler and the rest of its sampler are not in these numbers.
 
     python bench/gpu_bench.py --gptq /tmp/llama7b_gptq --exl2 /tmp/llama7b_exl2
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from exl_core.ops.attention import (paged_attention, rope_paged_attention, rope_paged_attention_ordered, rope_write_kv,
                                     write_kv)
+from exl_core.ops.dispatch import has_cuda_kernel
 from exl_core.ops.rope import apply_rope
 
 PROMPT, DECODE = 128, 128
@@ -94,6 +96,18 @@ class _CapPositions(torch.Tensor):
 TOKEN_MAJOR = True    # K/V cache (B, T, Hkv, D): the paged cache's layout (exl_core/cache/paged.py) and
                       # ExLlamaV2's; a prefill writes it with one contiguous copy (64 writes of 2048 x 32 x 128:
                       # 649 us against 1,575 us into (B, Hkv, T, D), bench/prompt_probe.py). --kv-layout htd: the latter (A/B)
+
+
+GREEDY_PICK = True   # each step's token by exl_core::greedy_pick (the sampler's greedy fast path: argmax, max, lse and
+                     # logprob in one launch, csrc/cuda/greedy_cuda.cu) where the extension has it; --greedy argmax:
+                     # torch's argmax alone (the bench through stop 46: 10.05 us of a 7B batch-1 step, stop 39 timeline)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The bench's greedy token per row (B,) on the device."""
+    if GREEDY_PICK and has_cuda_kernel("greedy_pick"):
+        return torch.ops.exl_core.greedy_pick(logits)[0]
+    return logits.argmax(-1)
 
 
 PAGED_DECODE = True  # decode K/V write and attention by the library's kernels over the static cache; --decode-attn
@@ -227,12 +241,12 @@ def decode_graph(model, B: int, graphs: bool = True):
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (B * PROMPT,)).cuda()     # CPU RNG: a failed capture cannot poison it
     logits = model.forward(ids, PrefillContext(kv, PROMPT))
-    tok = logits.argmax(-1)                                              # (B,)
+    tok = greedy_ids(logits)                                             # (B,)
     kv.pos.fill_(PROMPT)
     ctx = DecodeContext(kv)
 
     def step():
-        nxt = model.forward(tok, ctx).argmax(-1)
+        nxt = greedy_ids(model.forward(tok, ctx))
         tok.copy_(nxt)
         kv.pos.add_(1)
 
@@ -497,10 +511,13 @@ def main() -> None:
                     help="the bench's K/V cache: (B, T, Hkv, D) (default) or (B, Hkv, T, D) (A/B)")
     ap.add_argument("--decode-attn", choices=("paged", "sdpa"), default="paged",
                     help="decode attention: the paged kernel (default) or a masked SDPA over all slots (A/B)")
+    ap.add_argument("--greedy", choices=("pick", "argmax"), default="pick",
+                    help="each decode step's token: exl_core::greedy_pick (default) or torch's argmax (A/B)")
     a = ap.parse_args()
-    global TOKEN_MAJOR, PAGED_DECODE
+    global TOKEN_MAJOR, PAGED_DECODE, GREEDY_PICK
     TOKEN_MAJOR = a.kv_layout == "thd"
     PAGED_DECODE = a.decode_attn == "paged"
+    GREEDY_PICK = a.greedy == "pick"
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "decode": f"{DECODE} tokens after a {PROMPT}-token prompt, greedy on device, CUDA graph per batch",
                  "pdl": os.environ.get("EXL_CORE_PDL", "1") != "0",
@@ -511,6 +528,7 @@ def main() -> None:
                  "residual_add": os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0",
                  "dequant_l2": os.environ.get("EXL_CORE_DEQUANT_L2", "0") == "1",
                  "decode_attn": a.decode_attn if TOKEN_MAJOR else "sdpa",
+                 "greedy": "greedy_pick" if GREEDY_PICK and has_cuda_kernel("greedy_pick") else "argmax",
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bw = out["copy_bw_gb_s"] = copy_bandwidth()
     for fmt in ("gptq", "exl2"):

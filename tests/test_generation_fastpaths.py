@@ -42,6 +42,36 @@ def test_plain_greedy_fast_path_matches_general_path():
         sample_batch(dead.double(), s)
 
 
+def _greedy_rows(V: int, g: torch.Generator) -> torch.Tensor:
+    """Logit rows for greedy_pick's checks (_check_greedy_pick): a tie (ids 100 and V - 2), a single finite token,
+    a NaN, a dead row, the maximum in the last column."""
+    x = torch.randn(6, V, generator=g) * 4
+    x[1, 100] = x[1, V - 2] = x[1].max() + 2       # tie: lowest id
+    x[2, :] = -math.inf
+    x[2, 17] = -3.0                                # a single finite token
+    x[3, 5] = float("nan")
+    x[4, :] = -math.inf                            # dead row
+    x[5, V - 1] = 50.0                             # the maximum in the (ragged) tail
+    return x
+
+
+def _check_greedy_pick(x: torch.Tensor, ids, lse, m, lp) -> None:
+    """greedy_pick's outputs (on any device) against a float64 brute force of x's rows (_greedy_rows): first index of
+    the maximum, log-sum-exp, the chosen token's logprob from that lse, NaN flagged in row_max."""
+    x, ids, lse, m, lp = (t.cpu() for t in (x, ids, lse, m, lp))
+    V = x.shape[1]
+    assert lse.dtype == torch.float64 and ids.dtype == torch.int64
+    ref_lse = torch.logsumexp(x.double(), dim=1)
+    for b in [0, 1, 2, 5]:
+        row = x[b].double()
+        assert int(ids[b]) == int((row == row.max()).nonzero()[0])
+        assert float(m[b]) == float(row.max())
+        assert abs(float(lse[b]) - float(ref_lse[b])) < 1e-6 * max(1.0, abs(float(ref_lse[b])))
+        assert lp[b] == (x[b, ids[b]].double() - lse[b]).float()      # the chosen token's logprob
+    assert int(ids[1]) == 100 and int(ids[2]) == 17 and int(ids[5]) == V - 1
+    assert math.isnan(float(m[3])) and float(m[4]) == -math.inf
+
+
 @pytest.mark.parametrize("isa", [0, 2])
 def test_greedy_pick_op_against_float64(isa):
     """exl_core::greedy_pick (the CPU fast path's one op) vs a float64 brute force: first index of
@@ -50,26 +80,57 @@ def test_greedy_pick_op_against_float64(isa):
     if not has_op("greedy_pick"):
         pytest.skip("extension without exl_core::greedy_pick")
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))    # fresh data every run
-    x = torch.randn(6, 3001, generator=g) * 4
-    x[1, 100] = x[1, 2999] = x[1].max() + 2        # tie: lowest id
-    x[2, :] = -math.inf
-    x[2, 17] = -3.0                                # a single finite token
-    x[3, 5] = float("nan")
-    x[4, :] = -math.inf                            # dead row
-    x[5, 3000] = 50.0                              # the maximum in the ragged tail
+    x = _greedy_rows(3001, g)
     prev = torch.ops.exl_core.cpu_isa_limit(isa)
     try:
-        ids, lse, m, lp = torch.ops.exl_core.greedy_pick(x)
+        out = torch.ops.exl_core.greedy_pick(x)
     finally:
         torch.ops.exl_core.cpu_isa_limit(prev)
-    assert lse.dtype == torch.float64 and ids.dtype == torch.int64
-    ok = [0, 1, 2, 5]
-    ref_lse = torch.logsumexp(x.double(), dim=1)
-    for b in ok:
-        row = x[b].double()
-        assert int(ids[b]) == int((row == row.max()).nonzero()[0])
-        assert float(m[b]) == float(row.max())
-        assert abs(float(lse[b]) - float(ref_lse[b])) < 1e-6 * max(1.0, abs(float(ref_lse[b])))
-        assert lp[b] == (x[b, ids[b]].double() - lse[b]).float()      # the chosen token's logprob
-    assert int(ids[1]) == 100 and int(ids[2]) == 17 and int(ids[5]) == 3000
-    assert math.isnan(float(m[3])) and float(m[4]) == -math.inf
+    _check_greedy_pick(x, *out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("V", [3001, 32000, 49152, 151936])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_greedy_pick_cuda_against_float64(V, aligned):
+    """The CUDA kernel (csrc/cuda/greedy_cuda.cu) against the float64 brute force: float4 rows (V % 4 == 0, 16-byte
+    aligned) and scalar ones (ragged V, or the rows a float off alignment); ids and row maxima equal the CPU op's."""
+    from exl_core.ops.dispatch import has_cuda_kernel
+    if not has_cuda_kernel("greedy_pick"):
+        pytest.skip("extension without the CUDA greedy_pick")
+    g = torch.Generator().manual_seed(V + aligned)
+    x = _greedy_rows(V, g)
+    buf = torch.full((x.numel() + 1,), float("nan"), device="cuda")
+    xc = buf[:-1] if aligned else buf[1:]
+    xc = xc.view(x.shape)
+    xc.copy_(x)
+    out = torch.ops.exl_core.greedy_pick(xc)
+    assert all(t.is_cuda for t in out)
+    _check_greedy_pick(x, *out)
+    cpu = torch.ops.exl_core.greedy_pick(x)
+    assert torch.equal(out[0].cpu(), cpu[0])
+    assert torch.equal(out[2].cpu()[[0, 1, 2, 4, 5]], cpu[2][[0, 1, 2, 4, 5]])
+
+
+@pytest.mark.cuda
+def test_plain_greedy_fast_path_on_cuda_matches_general_path():
+    """On a GPU the sampler's fast greedy path (greedy_pick) and its general path (float64 copy, argmax, the chosen
+    logprob through greedy_pick's lse) give the same ids and the same logprob bits; errors as on CPU."""
+    from exl_core.generation.logprobs import native_lse
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 32000, generator=g) * 3).cuda()
+    x[1, 7] = x[1, 9] = x[1].max() + 1
+    assert native_lse(x)
+    s = SamplerSettings(temperature=0)
+    ids, lps = sample_batch(x, [s] * 5)
+    ids64, lps64 = sample_batch(x.double(), [s] * 5)
+    assert torch.equal(ids, ids64) and int(ids[1]) == 7
+    assert torch.equal(ids.cpu(), x.cpu().argmax(1))
+    ref = torch.log_softmax(x.double(), 1).gather(1, ids[:, None]).squeeze(1)
+    assert torch.allclose(lps.double(), ref, atol=1e-5)
+    bad = x.clone()
+    bad[3, 0] = float("nan")
+    with pytest.raises(InputError, match="NaN"):
+        sample_batch(bad, s)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.exl_core.greedy_pick(x.half())

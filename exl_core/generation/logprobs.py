@@ -1,10 +1,11 @@
 """The model's log-probabilities of sampled tokens, and the checks on a step's row maxima, shared
-by the sampler's fast greedy path and its general path (sampling.py). On CPU both go through
-`exl_core::greedy_pick` (csrc/cpu/greedy.cpp: first argmax, float64 log-sum-exp, the chosen
+by the sampler's fast greedy path and its general path (sampling.py). On CPU and CUDA both go through
+`exl_core::greedy_pick` (csrc/cpu/greedy.cpp, csrc/cuda/greedy_cuda.cu: first argmax, float64 log-sum-exp, the chosen
 token's logprob), so the two paths agree bit for bit; elsewhere through torch's float32 passes."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -20,21 +21,24 @@ def lse_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def native_lse(lg: torch.Tensor) -> bool:
-    """exl_core::greedy_pick serves these float32 [B, V] logits (CPU, contiguous, op built)."""
-    if lg.device.type != "cpu" or not lg.is_contiguous():
+    """exl_core::greedy_pick serves these float32 [B, V] logits (contiguous; on CPU, or on a GPU where the extension
+    has its CUDA kernel: csrc/cuda/greedy_cuda.cu)."""
+    kind = lg.device.type
+    if kind not in _GREEDY_OP or not lg.is_contiguous():
         return False
-    if _GREEDY_OP[0] is None:                 # looked up once: has_op costs ~20 us a step here
-        from ..ops.dispatch import has_op
-        _GREEDY_OP[0] = has_op("greedy_pick")
-    return _GREEDY_OP[0]
+    if _GREEDY_OP[kind] is None:              # looked up once: has_op costs ~20 us a step here
+        from ..ops.dispatch import has_cuda_kernel, has_op
+        _GREEDY_OP[kind] = has_op("greedy_pick") if kind == "cpu" else (
+            has_cuda_kernel("greedy_pick") and os.environ.get("EXL_CORE_GREEDY_CUDA", "1") != "0")   # 0: A/B
+    return _GREEDY_OP[kind]
 
 
-_GREEDY_OP: list = [None]
+_GREEDY_OP: dict = {"cpu": None, "cuda": None}
 
 
 def chosen_logprobs(lg: torch.Tensor, ids: torch.Tensor, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The model's log-softmax of the chosen tokens, float32 [B], from float32 logits [B, V]: on
-    CPU through greedy_pick's float64 log-sum-exp (both sampler paths, so they agree bit for bit),
+    CPU and CUDA through greedy_pick's float64 log-sum-exp (both sampler paths, so they agree bit for bit),
     elsewhere through torch's float32 passes."""
     if lse is None and native_lse(lg):
         lse = torch.ops.exl_core.greedy_pick(lg)[1]

@@ -120,12 +120,12 @@ __device__ __forceinline__ void flush_group16(const float4& s4, const float4& z4
 // XC (ACT only): mat.perm holds each chunk's first column in x, a multiple of 8 -- an act-order whose chunks read runs
 // of 32 consecutive columns (the identity plus whole chunks read again: formats/uniform4.py's extra rows after
 // loader.fold_down_perms) -- staged by 16-byte loads instead of a gather (the host's xchunks; its own instances).
-// H2 (by default the SwiGLU-fused down projection and the staged launches of weights with extra rows, EXL2's rewrite;
-// every staged launch under EXL_CORE_KSLICE_H2_ALL=1 and in bench/gemv_probe.cu `h2`): mat.scale
+// H2 (by default the SwiGLU-fused down projection, ACT; every staged launch under EXL_CORE_KSLICE_H2_ALL=1 and in
+// bench/gemv_probe.cu `h2`): mat.scale
 // holds each group and column's (scale / mul, zero) as one half2, 4 bytes instead of fp32's 8, and mat.zero each
 // group's fp32 multiplier mul (the host's exact split: ops/cuda_scale_half2.py), staged in the slot's float 32.  In the
 // probe (stop 45 call 5, PDL chain of a 7B layer's decode launches) half2 on down alone ran the chain at 45.74 us
-// against 46.84; on all four launches 46.98 (q/k/v and gate/up lost 2.66 / 2.74 %), so GPTQ's down only.  In the
+// against 46.84; on all four launches 46.98 (q/k/v and gate/up lost 2.66 / 2.74 %), so only down takes it.  In the
 // model (stop 46 call 2, bench --quick, 4 rounds in turn, medians): batch-1 decode GPTQ 516.31 against 513.15 tok/s
 // with EXL_CORE_KSLICE_H2=0 (1.0061x), EXL2 458.65 against 451.72 (1.0153x), higher in every round.
 template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, bool XC = false, bool H2 = false>
