@@ -12,8 +12,8 @@
 // unspecified, as on CPU).  Pass 2 (the slice's max finite): the slice's sum of exp(x - slice max), each term in
 // float32 and summed in float64 in a fixed order, re-reading the slice from L1/L2.  With S > 1 the row's blocks run as
 // one thread-block cluster (sm_90) and rank 0 merges the slices in rank order through distributed shared memory:
-// lse = max + log(sum_r s_r exp(m_r - max)).  Deterministic (S depends on V and the device only), so the fast greedy path
-// and chosen_logprobs get the same lse.
+// lse = max + log(sum_r s_r exp(m_r - max)).  Deterministic (S depends on V and the device only), so the fast greedy
+// path and chosen_logprobs get the same lse.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
