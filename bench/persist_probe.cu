@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../exl_core/csrc/cuda/cp_async_device.cuh"   // cp_async16, cp_async_wait_all
+#include "../exl_core/csrc/cuda/tma_device.cuh"        // mbarriers (H)
 #include "probe_common.cuh"   // CK, time_seq, pdl_config
 
 constexpr int kLayers = 8, kStages = 4, kThreads = 512;
@@ -158,6 +159,74 @@ __global__ void __launch_bounds__(kThreads, 2) staged_kernel(const int4* __restr
   if (acc == 0x12345678) out[0] = acc;
 }
 
+// H: one resident kernel for 8 layers, one block an SM owning a contiguous share of every stream.  At the end of each
+// stage (and before the PDL wait, for the first) thread 0 starts one bulk copy (cp.async.bulk, the copy engine) of the
+// first PRE16 16-byte units of the block's share of the next stage into shared memory, completing on an mbarrier;
+// then the grid barrier.  So the next stage's bytes stream through this stage's tail and the barrier, as F's early
+// launches do across launch boundaries, without a second block an SM.  After the barrier the block reads the rest of
+// its share from global memory (8 loads in flight a thread), then waits for the copy and reads the staged part.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   exl_tma::smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(exl_tma::smem_addr(bar))
+               : "memory");
+}
+
+__global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int s0, int s1, unsigned* counter,
+                                                           unsigned bar0, int64_t pre16, int* out) {
+  extern __shared__ __align__(128) int4 smb[];
+  __shared__ uint64_t bar;
+  auto share = [&](int s, int64_t& b0, int64_t& b1) {
+    const int64_t per = (st.n[s] + gridDim.x - 1) / gridDim.x;
+    b0 = static_cast<int64_t>(blockIdx.x) * per;
+    b1 = b0 + per < st.n[s] ? b0 + per : st.n[s];
+    if (b0 > b1) b0 = b1;
+  };
+  auto staged = [&](int s) {
+    int64_t b0, b1;
+    share(s, b0, b1);
+    return b1 - b0 < pre16 ? b1 - b0 : pre16;
+  };
+  auto issue = [&](int s) {                                   // thread 0: the next stage's first units
+    if (threadIdx.x != 0) return;
+    int64_t b0, b1;
+    share(s, b0, b1);
+    const int64_t k = staged(s);
+    if (k > 0) {
+      exl_tma::mbar_arrive_expect(&bar, static_cast<uint32_t>(k * 16));
+      bulk_g2s(smb, st.p[s] + b0, static_cast<uint32_t>(k * 16), &bar);
+    } else {
+      exl_tma::mbar_arrive(&bar);
+    }
+  };
+  if (threadIdx.x == 0) {
+    exl_tma::mbar_init(&bar, 1);
+    exl_tma::mbar_init_fence();
+  }
+  __syncthreads();
+  issue(s0);
+  pdl_wait();
+  pdl_trigger();
+  uint32_t phase = 0;
+  int acc = 0;
+  for (int s = s0; s < s1; ++s) {
+    if (s > s0) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0 - 1));
+    int64_t b0, b1;
+    share(s, b0, b1);
+    const int64_t k = staged(s);
+    acc ^= xor_stream<8>(st.p[s], b0 + k + threadIdx.x, b1, kThreads);
+    exl_tma::mbar_wait(&bar, phase);
+    phase ^= 1;
+    for (int64_t i = threadIdx.x; i < k; i += kThreads) {
+      const int4 x = smb[i];
+      acc ^= x.x ^ x.y ^ x.z ^ x.w;
+    }
+    __syncthreads();                                          // the buffer is read before the next copy fills it
+    if (s + 1 < s1) issue(s + 1);
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
 int main() {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
@@ -240,5 +309,23 @@ int main() {
   staged("F2: 4 launches, 16 KB staged, early trigger", staged_kernel<2, true>, 2);
   staged("F4: 4 launches, 32 KB staged, early trigger", staged_kernel<4, true>, 4);
   staged("G: 4 launches, 96 KB staged, trigger after wait", staged_kernel<12, false>, 12);
+  auto bulk = [&](const char* name, int pre_kb) {
+    const size_t smem = static_cast<size_t>(pre_kb > 0 ? pre_kb : 1) * 1024;
+    CK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int o = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, bulk_kernel, kThreads, smem));
+    if (o < 1) { printf("  (%s: does not fit)\n", name); return; }
+    const int64_t pre16 = static_cast<int64_t>(pre_kb) * 1024 / 16;
+    report(name, sms, time_seq([&](cudaStream_t s) {
+      CK(cudaMemsetAsync(counter, 0, 4, s));
+      cudaLaunchConfig_t cfg = pdl_config(dim3(sms), dim3(kThreads), smem, s, attr);
+      CK(cudaLaunchKernelEx(&cfg, bulk_kernel, st, 0, kLayers * kStages, counter, 0u, pre16, out));
+    }));
+  };
+  bulk("H0: one kernel, 8 layers, a block an SM, no copy", 0);
+  bulk("H32: ... 32 KB of the next stage by bulk copy", 32);
+  bulk("H96: ... 96 KB", 96);
+  bulk("H160: ... 160 KB", 160);
+  bulk("H200: ... 200 KB", 200);
   return 0;
 }
