@@ -11,6 +11,22 @@ from exl_core.errors import InputError, SamplerError
 from exl_core.generation.sampling import SamplerSettings, sample_batch
 
 
+def _assert_fast_path_is_general_path(x: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
+    """sample_batch on float32 logits x [B >= 4, V] (the fast greedy path) and on their float64 copy (the general
+    path): the same ids and logprob bits, logprobs as float64's log-softmax, a NaN raising; returns the ids."""
+    B = x.shape[0]
+    ids, lps = sample_batch(x, [s] * B)
+    ids64, lps64 = sample_batch(x.double(), [s] * B)
+    assert torch.equal(ids, ids64) and torch.equal(lps, lps64)
+    ref = torch.log_softmax(x.double(), 1).gather(1, ids[:, None]).squeeze(1)
+    assert torch.allclose(lps.double(), ref, atol=1e-5)
+    bad = x.clone()
+    bad[3, 0] = float("nan")
+    with pytest.raises(InputError, match="NaN"):
+        sample_batch(bad, s)
+    return ids
+
+
 def test_plain_greedy_fast_path_matches_general_path():
     """Greedy rows without bias/ban/penalty skip the float64 copy (float32 logits); float64 logits
     take the general path: same ids (ties -> lowest id) and logprobs, same errors."""
@@ -24,16 +40,8 @@ def test_plain_greedy_fast_path_matches_general_path():
     assert _plain_greedy(x, [s] * 4, None, None, None) is not None
     assert _plain_greedy(x.double(), [s] * 4, None, None, None) is None
     assert _plain_greedy(x, [s, s, SamplerSettings(temperature=0, banned_tokens=[1]), s], None, None, None) is None
-    ids, lps = sample_batch(x, [s] * 4)
-    ids64, lps64 = sample_batch(x.double(), [s] * 4)
-    assert torch.equal(ids, ids64) and ids[1] == 7 and ids[2] == 5
-    assert torch.equal(lps, lps64)
-    ref = torch.log_softmax(x.double(), 1).gather(1, ids[:, None]).squeeze(1)
-    assert torch.allclose(lps.double(), ref, atol=1e-5)
-    bad = x.clone()
-    bad[3, 0] = float("nan")
-    with pytest.raises(InputError, match="NaN"):
-        sample_batch(bad, s)
+    ids = _assert_fast_path_is_general_path(x, s)
+    assert ids[1] == 7 and ids[2] == 5
     dead = x.clone()
     dead[0] = -math.inf
     with pytest.raises(SamplerError, match="row 0"):
@@ -115,22 +123,14 @@ def test_greedy_pick_cuda_against_float64(V, aligned):
 @pytest.mark.cuda
 def test_plain_greedy_fast_path_on_cuda_matches_general_path():
     """On a GPU the sampler's fast greedy path (greedy_pick) and its general path (float64 copy, argmax, the chosen
-    logprob through greedy_pick's lse) give the same ids and the same logprob bits; errors as on CPU."""
+    logprob through greedy_pick's lse) give the same ids and the same logprob bits; errors as on CPU.  (The logprob
+    bits were asserted after stop 47's last device call: not yet run on a GPU.)"""
     from exl_core.generation.logprobs import native_lse
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(5, 32000, generator=g) * 3).cuda()
     x[1, 7] = x[1, 9] = x[1].max() + 1
     assert native_lse(x)
-    s = SamplerSettings(temperature=0)
-    ids, lps = sample_batch(x, [s] * 5)
-    ids64, lps64 = sample_batch(x.double(), [s] * 5)
-    assert torch.equal(ids, ids64) and int(ids[1]) == 7
-    assert torch.equal(ids.cpu(), x.cpu().argmax(1))
-    ref = torch.log_softmax(x.double(), 1).gather(1, ids[:, None]).squeeze(1)
-    assert torch.allclose(lps.double(), ref, atol=1e-5)
-    bad = x.clone()
-    bad[3, 0] = float("nan")
-    with pytest.raises(InputError, match="NaN"):
-        sample_batch(bad, s)
+    ids = _assert_fast_path_is_general_path(x, SamplerSettings(temperature=0))
+    assert int(ids[1]) == 7 and torch.equal(ids.cpu(), x.cpu().argmax(1))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.ops.exl_core.greedy_pick(x.half())

@@ -27,7 +27,7 @@ KSLICE_H2_ON = os.environ.get("EXL_CORE_KSLICE_H2", "1") != "0"
 # adding into the residual).  Off: GPTQ lost, in the probe (q/k/v 2.66 %, gate/up 2.74 %) and in the model (stop 46
 # call 3: batch 1 0.9692x); EXL2 (the rewrite: every 7B weight has extra rows) gained in stop 46 call 3 (batch 1
 # 1.0071x, batch 8 1.0199x) but not in stop 47 call 1 (these launches on half2 for weights with extra rows only, on
-# against off: 0.9997x, 0.9988x; 3 rounds in turn each).  gpu.sh phase h2all measures the switch.
+# against off: 0.9997x, 0.9987x; 3 rounds in turn each).  gpu.sh phase h2all measures the switch.
 KSLICE_H2_ALL = os.environ.get("EXL_CORE_KSLICE_H2_ALL", "0") == "1"
 _TINY = torch.finfo(torch.float32).tiny   # the kernels flush float32 denormals (--use_fast_math): none may occur
 

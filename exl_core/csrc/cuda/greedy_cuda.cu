@@ -48,9 +48,28 @@ __device__ __forceinline__ void consider(Best& b, bool& nan, float v, int64_t i)
   if (v > b.v) b = {v, i};
 }
 
-// r4[i], or -inf past the slice's end (no maximum, no exp term)
+// r4[i], or -inf past the slice's end
 __device__ __forceinline__ float4 load4(const float4* r4, int64_t i, int64_t end) {
   return i < end ? __ldg(r4 + i) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+}
+
+// f(v, i) over the thread's values of the slice [lo, hi) in index order, v holding x[i..i+3] (rows of float4s: vec,
+// kInFlight loads in flight a thread) or x[i] and three -inf (no maximum, exp terms of exactly 0); -inf past the end.
+template <class F>
+__device__ __forceinline__ void for_slice(const float* row, int64_t lo, int64_t hi, bool vec, F&& f) {
+  if (vec) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    for (int64_t i0 = lo / 4 + threadIdx.x; i0 < hi / 4; i0 += kInFlight * kThreads) {
+      float4 v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) v[u] = load4(r4, i0 + u * kThreads, hi / 4);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) f(v[u], 4 * (i0 + u * kThreads));
+    }
+  } else {
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads)
+      f(make_float4(__ldg(row + i), -INFINITY, -INFINITY, -INFINITY), i);
+  }
 }
 
 struct Part {          // a slice's result, in its block's shared memory
@@ -73,25 +92,12 @@ __global__ void __launch_bounds__(kThreads) greedy_pick_kernel(const float* __re
   const int64_t lo = r * per, hi = lo + per < V ? lo + per : V;
   Best b{-INFINITY, V};
   bool nan = false;
-  if (vec) {                                                    // kInFlight float4 loads in flight a thread
-    const float4* r4 = reinterpret_cast<const float4*>(row);
-    for (int64_t i0 = lo / 4 + threadIdx.x; i0 < hi / 4; i0 += kInFlight * kThreads) {
-      float4 v[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        v[u] = load4(r4, i0 + u * kThreads, hi / 4);
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {                   // in index order: the first maximum stays
-        const int64_t i = 4 * (i0 + u * kThreads);
-        consider(b, nan, v[u].x, i);
-        consider(b, nan, v[u].y, i + 1);
-        consider(b, nan, v[u].z, i + 2);
-        consider(b, nan, v[u].w, i + 3);
-      }
-    }
-  } else {
-    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) consider(b, nan, __ldg(row + i), i);
-  }
+  for_slice(row, lo, hi, vec, [&](const float4& v, int64_t i) {        // in index order: the first maximum stays
+    consider(b, nan, v.x, i);
+    consider(b, nan, v.y, i + 1);
+    consider(b, nan, v.z, i + 2);
+    consider(b, nan, v.w, i + 3);
+  });
 #pragma unroll
   for (int o = 16; o; o >>= 1) {
     const Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
@@ -105,21 +111,10 @@ __global__ void __launch_bounds__(kThreads) greedy_pick_kernel(const float* __re
   const float m = b.v;
   double s = 0.0;
   if (!nan && isfinite(m)) {                                    // block-uniform
-    if (vec) {
-      const float4* r4 = reinterpret_cast<const float4*>(row);
-      for (int64_t i0 = lo / 4 + threadIdx.x; i0 < hi / 4; i0 += kInFlight * kThreads) {
-        float4 v[kInFlight];
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          v[u] = load4(r4, i0 + u * kThreads, hi / 4);
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)                     // exp(-inf) = 0: the padding adds nothing
-          s += static_cast<double>(expf(v[u].x - m)) + static_cast<double>(expf(v[u].y - m)) +
-               static_cast<double>(expf(v[u].z - m)) + static_cast<double>(expf(v[u].w - m));
-      }
-    } else {
-      for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) s += static_cast<double>(expf(__ldg(row + i) - m));
-    }
+    for_slice(row, lo, hi, vec, [&](const float4& v, int64_t) {
+      s += static_cast<double>(expf(v.x - m)) + static_cast<double>(expf(v.y - m)) +
+           static_cast<double>(expf(v.z - m)) + static_cast<double>(expf(v.w - m));
+    });
 #pragma unroll
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) wsum[warp] = s;
