@@ -10,7 +10,9 @@
 # WG_NCU=1 adds ncu, the SASS and the source page), wide (bench/wide_probe.cu: the 9..32-row decode GEMM design,
 # standalone), twin (bench/twin_probe.cu: the
 # rewritten EXL2 prompt's twin dequantise variants, standalone, cuBLAS where found), persist (bench/persist_probe.cu:
-# what a persistent decode kernel's grid barriers cost against launches, read-only, standalone), dequant (bench/dequant_probe.cu: the
+# what a persistent decode kernel's grid barriers cost against launches, read-only, standalone), attntail
+# (bench/attn_tail_probe.cu: a layer's attention in the tail of its q/k/v launch against its own launch, standalone),
+# dequant (bench/dequant_probe.cu: the
 # prompt's dequantise kernels, alone and followed by their cuBLAS GEMMs, standalone), gemv (bench/gemv_probe.cu: the
 # batch-1 GEMV per launch and as a PDL chain of decode layers, standalone; GEMV_NCU=1 adds qgemm_kslice under Nsight
 # Compute: the second layer's o and gate/up, and EXL2-like q/k/v and o; a per-instruction SASS CSV of the q/k/v), build, tests, ckpt (only write the checkpoints), bench (table), spec (speculative decoding), promptprobe
@@ -130,6 +132,9 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
     ls -la "$OUT"
   fi
 fi
+if has attntail; then  # batch 1: a layer's attention in the tail of its q/k/v launch against its own launch
+  probe_run attn_tail_probe   # (bench/attn_tail_probe.cu; standalone, seconds; not yet run as of stop 47)
+fi
 if has persist; then  # the read floor of a layer's projection streams: 4 PDL launches against one resident kernel
   probe_run persist_probe   # with grid barriers between the stages (bench/persist_probe.cu; standalone, seconds)
 fi
@@ -202,7 +207,7 @@ if has build; then
   fi
 fi
 only_probes=1     # the standalone probes (wg, wide, gemv, readbw, dequant, persist, twin) need no extension build
-for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin) ;; *) only_probes=0 ;; esac; done
+for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin|attntail) ;; *) only_probes=0 ;; esac; done
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
