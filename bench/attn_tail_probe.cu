@@ -64,7 +64,8 @@ __device__ __forceinline__ float bits_value(int acc) { return static_cast<float>
 
 // The xor of a block's share [b0, b1) of w, `first` loads issued by the caller before its PDL wait.
 template <int NT>
-__device__ __forceinline__ int stream_share(const int4* __restrict__ w, int64_t b0, int64_t b1, const int4 (&first)[kPre]) {
+__device__ __forceinline__ int stream_share(const int4* __restrict__ w, int64_t b0, int64_t b1,
+                                            const int4 (&first)[kPre]) {
   int acc = 0;
 #pragma unroll
   for (int u = 0; u < kPre; ++u) acc ^= first[u].x ^ first[u].y ^ first[u].z ^ first[u].w;

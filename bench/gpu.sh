@@ -368,7 +368,7 @@ if has h2all; then  # A/B: q/k/v, gate/up and o on half2 scale/zero too (ops/cud
   EXL_CORE_KSLICE_H2_ALL=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_h2all.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has argmax; then  # A/B: the bench's greedy token by torch's argmax, not exl_core::greedy_pick (gpu_bench.py --greedy)
+if has argmax; then  # A/B: the bench's greedy token by torch's argmax, not greedy_pick (gpu_bench.py --greedy)
   timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick --greedy argmax \
     --json "$OUT/gpu_h200_argmax.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
