@@ -1,6 +1,6 @@
 // What batch-1 decode would gain from running a layer's attention in the tail of its q/k/v launch instead of in a
 // launch of its own (csrc/cuda/NOTES.md, stop 47's next step 2).  In stop 39's timeline the attention launch adds
-// 6.36 us to each layer of the GPTQ 7B step (203.43 of 1,925.46 us).  Here the last block to finish one of a kv
+// 6.35 us to each layer of the GPTQ 7B step (203.43 of 1,925.46 us).  Here the last block to finish one of a kv
 // head's q/k/v tiles (a counter per head, reset by that block) rotates the head's q and key, writes its key and value
 // to the cache and attends over the cache, while the other tiles' weights still stream; only the last head's attention
 // is left after the q/k/v stream.

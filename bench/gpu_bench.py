@@ -100,7 +100,7 @@ TOKEN_MAJOR = True    # K/V cache (B, T, Hkv, D): the paged cache's layout (exl_
 
 GREEDY_PICK = True   # each step's token by exl_core::greedy_pick (the sampler's greedy fast path: argmax, max, lse and
                      # logprob in one launch, csrc/cuda/greedy_cuda.cu) where the extension has it; --greedy argmax:
-                     # torch's argmax alone (the bench through stop 46: 10.05 us of a 7B batch-1 step, stop 39 timeline)
+                     # torch's argmax alone (the bench through stop 46: 10.04 us of a 7B batch-1 step, stop 39 timeline)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

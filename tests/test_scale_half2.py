@@ -183,8 +183,8 @@ def test_silu_down_half2_same_bits(M):
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_multi_half2_permuted_rewrite_same_bits(M):
     """EXL2's q/k/v under EXL_CORE_KSLICE_H2_ALL=1: rewritten weights (extra rows, a permutation over them, x gathered
-    in shared memory) through qgemm_kslice_multi with half2 give the same bits as with float32, and float64 references.
-    (Written in stop 46 after its last device call: not yet run on a GPU.)"""
+    in shared memory) through qgemm_kslice_multi with half2 give the same bits as with float32, and float64
+    references."""
     from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
     from test_cuda_xchunks import _rows_reference
     _need_kernels()

@@ -1,7 +1,8 @@
 """The model's log-probabilities of sampled tokens, and the checks on a step's row maxima, shared
 by the sampler's fast greedy path and its general path (sampling.py). On CPU and CUDA both go through
-`exl_core::greedy_pick` (csrc/cpu/greedy.cpp, csrc/cuda/greedy_cuda.cu: first argmax, float64 log-sum-exp, the chosen
-token's logprob), so the two paths agree bit for bit; elsewhere through torch's float32 passes."""
+`exl_core::greedy_pick` (csrc/cpu/greedy.cpp, csrc/cuda/greedy_cuda.cu: first argmax, float64 log-sum-exp, the
+chosen token's logprob), so the two paths agree bit for bit (one deterministic lse); elsewhere through torch's
+float32 passes."""
 from __future__ import annotations
 
 import math

@@ -1,9 +1,9 @@
 // CUDA implementation of exl_core::greedy_pick (schema and contract: csrc/cpu/greedy.cpp): a greedy decode step's
 // argmax, row maximum, float64 log-sum-exp and chosen logprob in one launch, where torch's fallback on a GPU
 // (sampling.py _plain_greedy: amax, argmax, sub, exp, sum, log, add, gather, sub) is nine, and torch's argmax alone
-// over a 32,000-token row took 10.05 us of a 7B batch-1 step (bench/results/decode_timeline_h200_stop39_call5_*.json).
+// over a 32,000-token row took 10.04 us of a 7B batch-1 step (bench/results/decode_timeline_h200_stop39_call5_*.json).
 // A first version with one block a row did not make the bench's batch-1 step faster than torch's argmax (stop 47
-// call 2: 517.3 / 517.6 / 517.0 against 517.4 / 516.4 / 517.8 tok/s).
+// call 2: 517.3 / 517.5 / 516.9 against 517.3 / 516.3 / 517.7 tok/s).
 //
 // A row is split into S slices, one block each (S = 1 to 8 by V; one block where clusters are not available): pass 1
 // keeps each thread's first index of its maximum (strictly greater replaces, index order), then the block keeps the
