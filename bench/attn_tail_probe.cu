@@ -280,11 +280,8 @@ __global__ void fill_half_kernel(__half* p, int64_t n, uint32_t seed) {
 }  // namespace
 
 int main() {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  const int sms = probe_device(prop);
   const int64_t nqkv = 3 * w_bytes(kHidden, kHidden) / 16, no = w_bytes(kHidden, kHidden) / 16;
   const int64_t per_qkv = (nqkv + kQkvTiles - 1) / kQkvTiles, per_o = (no + kOTiles - 1) / kOTiles;
   const int64_t cache_n = static_cast<int64_t>(kSlots) * kHeads * kD;

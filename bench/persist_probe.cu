@@ -228,11 +228,8 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
 }
 
 int main() {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  const int sms = probe_device(prop);
   Streams st{};
   int64_t layer_bytes = 0;
   for (int s = 0; s < kStages; ++s) layer_bytes += stage_bytes(s);

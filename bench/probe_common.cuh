@@ -87,6 +87,15 @@ __device__ __forceinline__ int xor_stream(const int4* __restrict__ p, int64_t i,
 }
 #endif
 
+// The current device's properties and SM count.
+inline int probe_device(cudaDeviceProp& prop) {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CK(cudaGetDeviceProperties(&prop, dev));
+  return sms;
+}
+
 // A launch config with programmatic dependent launch, as the extension launches its kernels.
 inline cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                                      cudaLaunchAttribute (&attr)[1]) {
