@@ -121,6 +121,20 @@ def test_greedy_pick_cuda_against_float64(V, aligned):
 
 
 @pytest.mark.cuda
+def test_greedy_pick_cuda_rows_past_one_launch():
+    """More rows than one launch's grid holds (65,535 on grid y): every row's id and maximum as torch's argmax and
+    amax.  (Written after stop 47's last device call: not yet run on a GPU.)"""
+    from exl_core.ops.dispatch import has_cuda_kernel
+    if not has_cuda_kernel("greedy_pick"):
+        pytest.skip("extension without the CUDA greedy_pick")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(65535 + 7, 12, generator=g).cuda()
+    ids, lse, m, lp = torch.ops.exl_core.greedy_pick(x)
+    assert torch.equal(ids, x.argmax(1)) and torch.equal(m, x.amax(1))
+    assert torch.allclose(lse, torch.logsumexp(x.double(), 1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
 def test_plain_greedy_fast_path_on_cuda_matches_general_path():
     """On a GPU the sampler's fast greedy path (greedy_pick) and its general path (float64 copy, argmax, the chosen
     logprob through greedy_pick's lse) give the same ids and the same logprob bits; errors as on CPU.  (The logprob

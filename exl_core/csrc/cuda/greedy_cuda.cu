@@ -33,6 +33,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSlices = 8;          // portable cluster size
 constexpr int64_t kSliceMin = 8192;    // values a slice at least (~2 float4 a thread)
 constexpr int kInFlight = 4;           // float4 loads a thread issues before it uses them
+constexpr int64_t kMaxGridY = 65535;   // rows a launch
 
 struct Best {
   float v;
@@ -186,7 +187,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_pick_cuda(cons
   const int64_t B = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0 && V <= std::numeric_limits<int32_t>::max(), "exl_core::greedy_pick: vocabulary size ", V,
               " out of range");
-  TORCH_CHECK(B <= std::numeric_limits<int32_t>::max(), "exl_core::greedy_pick: ", B, " rows (at most 2^31 - 1)");
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor ids = at::empty({B}, logits.options().dtype(at::kLong));
   at::Tensor lse = at::empty({B}, logits.options().dtype(at::kDouble));
@@ -195,7 +195,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_pick_cuda(cons
   if (B == 0) return {ids, lse, mx, lp};
   const int S = slices_for(B, V, logits.get_device());
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(S), static_cast<unsigned>(B));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = c10::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute attr[1];
@@ -207,8 +206,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_pick_cuda(cons
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, greedy_pick_kernel, logits.data_ptr<float>(), V, ids.data_ptr<int64_t>(),
-                                    lse.data_ptr<double>(), mx.data_ptr<float>(), lp.data_ptr<float>()));
+  for (int64_t r0 = 0; r0 < B; r0 += kMaxGridY) {            // rows on grid y: at most 65,535 a launch
+    const int64_t nb = B - r0 < kMaxGridY ? B - r0 : kMaxGridY;
+    cfg.gridDim = dim3(static_cast<unsigned>(S), static_cast<unsigned>(nb));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, greedy_pick_kernel, logits.data_ptr<float>() + r0 * V, V,
+                                      ids.data_ptr<int64_t>() + r0, lse.data_ptr<double>() + r0,
+                                      mx.data_ptr<float>() + r0, lp.data_ptr<float>() + r0));
+  }
   return {ids, lse, mx, lp};
 }
 
