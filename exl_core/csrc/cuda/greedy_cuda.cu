@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "pdl.cuh"
+
 namespace {
 
 constexpr int kThreads = 1024;
@@ -171,12 +173,9 @@ __global__ void __launch_bounds__(kThreads) greedy_pick_kernel(const float* __re
 }
 
 // Slices a row: enough blocks for a batch-1 row to stream on several SMs, one where clusters are not available.
-int slices_for(int64_t B, int64_t V, int dev) {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major < 9) return 1;
+int slices_for(int64_t V, int dev) {
+  if (exl_pdl::device_sm(dev, true) < 9) return 1;            // cached per device (pdl.cuh)
   const int64_t s = (V + kSliceMin - 1) / kSliceMin;
-  (void)B;
   return static_cast<int>(s < 1 ? 1 : s > kMaxSlices ? kMaxSlices : s);
 }
 
@@ -193,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_pick_cuda(cons
   at::Tensor mx = at::empty({B}, logits.options());
   at::Tensor lp = at::empty({B}, logits.options());
   if (B == 0) return {ids, lse, mx, lp};
-  const int S = slices_for(B, V, logits.get_device());
+  const int S = slices_for(V, logits.get_device());
   cudaLaunchConfig_t cfg = {};
   cfg.blockDim = dim3(kThreads);
   cfg.stream = c10::cuda::getCurrentCUDAStream();
