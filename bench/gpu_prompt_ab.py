@@ -4,14 +4,11 @@ alternated, so the variants share clocks and heat (separate processes drifted 36
 runs in stop 34 call 3).  Variants are switches of ops/cuda_candidates.py read at call time:
 
   gptq u4 / exl2 nat      the defaults: GPTQ's uniform 4-bit weights by the 4-bit dequantise instance; rewritten
-                          EXL2, x in natural order, extra rows added in the dequantise (twins), in two launches
-                          (the chunks without a twin, then the twinned ones: cuda_dequant.TWIN_SPLIT)
-  exl2 one                the twins in one launch (TWIN_SPLIT off: every thread carries the twin's registers)
+                          EXL2, x in natural order, extra rows added in the dequantise (twins)
+  gptq l2 / exl2 l2       the same with W persisting in L2 from its dequantise to its GEMM (cuda_dequant.DEQUANT_L2)
 Before each variant the persisting lines are reset and the set-aside put back to 0 (exl_core::l2_reset), so one
 variant's window does not shrink the L2 of the next (stop 41's promptab reset the lines only: its "l2 off" ran with
-the set-aside raised and read 0.8479x / 0.8506x, where separate processes read 0.9955x / 1.0375x).  Earlier variants,
-none kept: W persisting in L2 from its dequantise to its GEMM (DEQUANT_L2, stops 41-42), the width switch's instance
-for GPTQ and the extended
+the set-aside raised and read 0.8479x / 0.8506x, where separate processes read 0.9955x / 1.0375x).  Earlier variants, none kept: the width switch's instance for GPTQ and the extended
 order for EXL2 (stop 34, `gpu_prompt_ab_h200_stop34_call5_*.json`); gate/up by slices with SwiGLU's product per
 slice, cuBLASLt and gate/up slice widths, the dequantise at 4 columns a thread (stop 35, calls 1, 2, 4).
 
@@ -31,7 +28,8 @@ import torch
 from gpu_bench import _write, prompt_tok_s
 
 VARIANTS = {   # name: (format, settings that differ from the process's: cuda_dequant's switches, "blas")
-    "gptq u4": ("gptq", {}), "exl2 nat": ("exl2", {}), "exl2 one": ("exl2", {"TWIN_SPLIT": False}),
+    "gptq u4": ("gptq", {}), "gptq l2": ("gptq", {"DEQUANT_L2": True}),
+    "exl2 nat": ("exl2", {}), "exl2 l2": ("exl2", {"DEQUANT_L2": True}),
 }
 
 

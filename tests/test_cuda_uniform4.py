@@ -143,49 +143,6 @@ def test_prompt_dequantise_adds_twins(dtype, padded, monkeypatch):
         assert float((w.double().cpu() - ref).abs().max()) <= half_ulp * top * 1.001 + 1e-5 * top
         assert float((two.double().cpu() - ref).abs().max()) <= 3 * half_ulp * top
         assert not torch.equal(w, two) or not bool((twins >= 0).any())     # the twin path did run
-        monkeypatch.setattr(cd, "TWIN_SPLIT", False)                       # one launch (kTwin4) against the split
-        poison_allocator()
-        one = cd.dequant_w(uc, chunks, perm, dtype, n0, cols)
-        monkeypatch.setattr(cd, "TWIN_SPLIT", True)
-        assert torch.equal(w, one)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_split_twin_launches_same_bits(dtype):
-    """qdequant_chunks / qdequant_mm with the twinned list (two launches: the chunks without a twin, then the twinned
-    ones, whose stores come before their PDL wait) write the one-launch W bit for bit, at 16-byte (fp16) and per-column
-    (fp32) instances, in column slices, with an empty list and through qdequant_mm; a list without its table is
-    refused."""
-    _need_kernels()
-    from exl_core.formats.uniform4 import as_uniform4
-    from exl_core.ops import cuda_candidates as cc
-    from exl_core.ops import cuda_dequant as cd
-    ops = torch.ops.exl_core
-    pw = random_packed(U4_LAYOUTS[1], 520, perm=True)
-    uc = as_uniform4(pw, max_growth=10.0).to("cuda")
-    chunks, perm = cc._chunks_of(uc), cc._perm_of(uc, torch.device("cuda"))
-    twins = cd.twins_of(uc, chunks, perm)
-    listed = cd.twinned_of(uc)
-    assert listed is not None and listed.dtype == torch.int32 and 0 < listed.numel() < twins.numel()
-    assert torch.equal(listed.long(), (twins >= 0).nonzero().flatten())
-    p = perm[:uc.in_features]
-    for col0, cols in ((0, -1), (8, 256)):
-        poison_allocator()
-        one = ops.qdequant_chunks(uc.qweight, chunks, uc.scale, uc.zero, p, dtype, col0, cols, twins, True, False)
-        poison_allocator()
-        two = ops.qdequant_chunks(uc.qweight, chunks, uc.scale, uc.zero, p, dtype, col0, cols, twins, True, False,
-                                  listed)
-        assert torch.equal(one, two)
-    none = torch.full_like(twins, -1)             # no twins: the second launch is skipped
-    assert torch.equal(ops.qdequant_chunks(uc.qweight, chunks, uc.scale, uc.zero, p, dtype, 0, -1, none, True),
-                       ops.qdequant_chunks(uc.qweight, chunks, uc.scale, uc.zero, p, dtype, 0, -1, none, True, False,
-                                           listed[:0]))
-    x = torch.randn(40, uc.in_features, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(3))
-    y1 = ops.qdequant_mm(x, uc.qweight, chunks, uc.scale, uc.zero, p, twins, None, None, 64, True, False)
-    y2 = ops.qdequant_mm(x, uc.qweight, chunks, uc.scale, uc.zero, p, twins, None, None, 64, True, False, listed)
-    assert torch.equal(y1, y2)
-    with pytest.raises(RuntimeError, match="twinned needs the twin table"):
-        ops.qdequant_chunks(uc.qweight, chunks, uc.scale, uc.zero, p, dtype, 0, -1, None, True, False, listed)
 
 
 def test_rewritten_prompt_reads_x_in_natural_order(tiny_model_factory, tmp_path, monkeypatch):

@@ -24,11 +24,6 @@ DEQUANT_U4 = os.environ.get("EXL_CORE_DEQUANT_U4", "1") != "0"
 # access-policy window, the device's persisting set-aside raised to its maximum on first use).  Off: no faster in
 # the bench's prompt, and decode slower after it (csrc/cuda/l2_persist.cuh).
 DEQUANT_L2 = os.environ.get("EXL_CORE_DEQUANT_L2", "0") == "1"
-# Weights with a twin table dequantise in two launches: the chunks without a twin in the uniform 4-bit instance's
-# code (64 registers, sm_90), then the twinned chunks with their twins (125) -- instead of one launch whose every
-# thread carries the twin's registers (121; kTwin4, ~1.2 ms of a 7B EXL2 prompt more than kUniform4, stop 35).
-# EXL_CORE_DEQUANT_TWIN_SPLIT=0: the one launch (A/B).  The same bits either way.
-TWIN_SPLIT = os.environ.get("EXL_CORE_DEQUANT_TWIN_SPLIT", "1") != "0"
 
 
 def uniform4(pw) -> bool:
@@ -57,7 +52,7 @@ def dequant_mm(x2, pw, chunks, perm, bias, add_to=None):
             return add_to.addmm_(x2, w)
         return torch.addmm(bias, x2, w) if bias is not None else x2 @ w
     return torch.ops.exl_core.qdequant_mm(x2, pw.qweight, chunks, pw.scale, pw.zero, form[0], form[1], bias, add_to,
-                                          DEQUANT_SLICE, DEQUANT_U4 and uniform4(pw), DEQUANT_L2, form[2])
+                                          DEQUANT_SLICE, DEQUANT_U4 and uniform4(pw), DEQUANT_L2)
 
 
 def twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
@@ -66,7 +61,7 @@ def twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
     that reads the same 32 x columns in the same order, or -1.  Extra chunks of zero scale (pad_rows' padding) add
     nothing and are left out.  None where pw is not of that form (a chunk not 4-bit, an extra chunk matching no main
     chunk, a main chunk with two) or a CUDA graph is being captured with none made yet.  Made once per permutation
-    tensor (a host sync) and kept in pw's meta, with the list of chunks that have a twin (twinned_of)."""
+    tensor (a host sync) and kept in pw's meta."""
     held = pw.meta.get("_cuda_twins")
     if held is not None and held[0] is perm and held[1] is chunks:
         return held[2]
@@ -85,30 +80,19 @@ def twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
             if owner.unique().numel() == owner.numel():
                 twins = torch.full((k // 32,), -1, dtype=torch.int32, device=perm.device)
                 twins[owner] = (live.nonzero().flatten() + k // 32).to(torch.int32)
-    twinned = None if twins is None else (twins >= 0).nonzero().flatten().to(torch.int32)
-    pw.meta["_cuda_twins"] = (perm, chunks, twins, twinned)
+    pw.meta["_cuda_twins"] = (perm, chunks, twins)
     return twins
 
 
-def twinned_of(pw) -> Optional[torch.Tensor]:
-    """int32 [T]: the chunks c of W's K rows with a twin (twins_of's table >= 0), in order, for qdequant_*'s split
-    launches; None before twins_of made the table or where it made none."""
-    held = pw.meta.get("_cuda_twins")
-    return None if held is None else held[3]
-
-
 def dequant_form(pw, chunks, perm) -> Optional[tuple]:
-    """(perm, twins, twinned) for qdequant_*: pw's own perm where it has no extra rows (formats.uniform4: its first
+    """(perm, twins) for qdequant_*: pw's own perm where it has no extra rows (formats.uniform4: its first
     in_features rows are a permutation of x's columns, the rest repeat some); else the first in_features entries and
-    the twin table, each chunk adding its twin's values in the same thread (twins_of; PROMPT_NATURAL_X), and the
-    twinned chunks' list where the launch splits (TWIN_SPLIT); None where the extra rows must be dequantised apart
-    and index_add-ed."""
+    the twin table, each chunk adding its twin's values in the same thread (twins_of; PROMPT_NATURAL_X); None where
+    the extra rows must be dequantised apart and index_add-ed."""
     if pw.rows is None:
-        return perm, None, None
+        return perm, None
     twins = twins_of(pw, chunks, perm) if PROMPT_NATURAL_X else None
-    if twins is None:
-        return None
-    return perm[:pw.in_features], twins, twinned_of(pw) if TWIN_SPLIT else None
+    return None if twins is None else (perm[:pw.in_features], twins)
 
 
 def dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Tensor:
@@ -117,9 +101,9 @@ def dequant_w(pw, chunks, perm, dtype, n0: int = 0, cols: int = -1) -> torch.Ten
     _without_perm views over all rows)."""
     u4 = DEQUANT_U4 and uniform4(pw)
 
-    def deq(chunks_, perm_, twins=None, twinned=None):
+    def deq(chunks_, perm_, twins=None):
         return torch.ops.exl_core.qdequant_chunks(pw.qweight, chunks_, pw.scale, pw.zero, perm_, dtype, n0, cols,
-                                                  twins, u4, DEQUANT_L2, twinned)
+                                                  twins, u4, DEQUANT_L2)
     form = dequant_form(pw, chunks, perm)
     if form is not None:
         return deq(chunks, *form)

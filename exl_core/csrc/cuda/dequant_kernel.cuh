@@ -105,10 +105,7 @@ struct Twin {
 // loads per word row and one 16-byte store per W row (a warp stores 512 contiguous bytes, not 64).  TW (4-bit): plus
 // the twin's values (Twin).  Launched with PDL: the words (load-time data) are read before pdl_wait, W (which the
 // GEMM before may still read: the allocator hands the same block to each slice) is written after it.
-// STORE_FIRST (the twin launch of a split, kTwinList): W's rows are stored before the PDL wait, which comes last.
-// Safe because that launch starts only once every block of the launch before it (kSkipTwins, which writes the other
-// rows) has passed its own wait, so W's previous reader is done; its final wait keeps completion transitive.
-template <typename T, int BITS, int V, bool TW = false, bool STORE_FIRST = false>
+template <typename T, int BITS, int V, bool TW = false>
 __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, int64_t ldw, const float (&s)[V],
                                               const float (&zs)[V], const int64_t* perm, int64_t k0, T* Wc,
                                               const Twin<V>& twin = Twin<V>{}) {
@@ -116,10 +113,8 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
   uint32_t w[BITS][V], w2[TW ? 4 : 1][V];
   load_chunk<BITS, V>(qw, ldq, w);
   if constexpr (TW) load_chunk<4, V>(twin.qw, ldq, w2, twin.qw != nullptr);   // a select per load, not a branch
-  if constexpr (!STORE_FIRST) {
-    exl_pdl::pdl_wait();
-    exl_pdl::pdl_trigger();
-  }
+  exl_pdl::pdl_wait();
+  exl_pdl::pdl_trigger();
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     float f[V];
@@ -139,10 +134,6 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
           make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
     }
   }
-  if constexpr (STORE_FIRST) {
-    exl_pdl::pdl_wait();
-    exl_pdl::pdl_trigger();
-  }
 }
 
 // Up to kMaxDequantMats weights of the same K side by side in one W [K, ldw] (q|k|v or gate|up for one GEMM), each
@@ -157,7 +148,6 @@ struct DequantMat {
   void* W;                        // its first column in the shared W
   int64_t ldq, N;
   const int32_t* twin;            // or null: per chunk of W's K rows, the chunk table row of its twin or -1 (4-bit)
-  const int32_t* twinned;         // kTwinList: the chunks c with twin[c] >= 0, one a grid row
 };
 struct DequantMats {
   DequantMat m[kMaxDequantMats];
@@ -166,26 +156,22 @@ struct DequantMats {
 };
 
 // Which chunks an instance takes: any width (a switch over bits), uniform 4-bit (no switch: 70 registers against
-// the switch's 110, sm_90; the host knows, ops/cuda_dequant.py uniform4), or uniform 4-bit with twin tables: every
-// chunk in one launch (kTwin4, the twin's registers in every thread), or split in two launches, kSkipTwins (the
-// kUniform4 code over the chunks without a twin) then kTwinList (kTwin4's code over the twinned chunks only, stored
-// before its wait), so the 15 chunks in 16 without a twin (the bench's EXL2) run at kUniform4's registers.
-enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2, kSkipTwins = 3, kTwinList = 4 };
+// the switch's 110, sm_90; the host knows, ops/cuda_dequant.py uniform4), or uniform 4-bit with twin tables.
+enum DequantKind { kAnyWidth = 0, kUniform4 = 1, kTwin4 = 2 };
 
-// grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's); kTwinList's grid
-// y is the length of its twinned list.  V = 8: every N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned
-// qweight and W.  kTwin4, kSkipTwins and kTwinList read the mats' twin tables.
+// grid (ceil(max N / (blockDim V)), K / 32, n), K W's rows (with twins fewer than the chunk table's).  V = 8: every
+// N % 8 == 0 and ldq % 4 == 0, ldw % 8 == 0, 16-byte aligned qweight and W.  kTwin4 reads the mats' twin tables.
 // Instances of their own, so neither the twin's registers nor the switch reach the uniform 4-bit kernel.
 template <typename T, int V, int KIND = kAnyWidth>
 __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   const DequantMat& m = mats.m[blockIdx.z];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
-  const int64_t c = KIND == kTwinList ? ld_early(m.twinned + blockIdx.y) : blockIdx.y;
-  if (col >= m.N || (KIND == kSkipTwins && ld_early(m.twin + c) >= 0)) {
+  if (col >= m.N) {
     exl_pdl::pdl_wait();                                        // every block waits: completion stays transitive
     exl_pdl::pdl_trigger();
     return;
   }
+  const int64_t c = blockIdx.y;
   const int g = m.chunks[c * 3 + 1], qrow = m.chunks[c * 3 + 2];
   float s[V], zs[V];
   group_scale_zero<V>(m.scale, m.zero, g, m.ldq, col, s, zs);
@@ -193,7 +179,7 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
   T* Wc = static_cast<T*>(m.W) + col;
   const int64_t ldq = m.ldq, ldw = mats.ldw;
   const int64_t* perm = m.perm;
-  if constexpr (KIND == kTwin4 || KIND == kTwinList) {
+  if constexpr (KIND == kTwin4) {
     Twin<V> tw;
     const int tc = m.twin ? ld_early(m.twin + c) : -1;
     tw.qw = tc >= 0 ? m.qweight + static_cast<int64_t>(m.chunks[tc * 3 + 2]) * m.ldq + col : nullptr;
@@ -203,8 +189,8 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
 #pragma unroll
       for (int v = 0; v < V; ++v) tw.s[v] = tw.zs[v] = 0.f;
     }
-    dequant_chunk<T, 4, V, true, KIND == kTwinList>(qw, ldq, ldw, s, zs, perm, c * 32, Wc, tw);
-  } else if constexpr (KIND == kUniform4 || KIND == kSkipTwins) {
+    dequant_chunk<T, 4, V, true>(qw, ldq, ldw, s, zs, perm, c * 32, Wc, tw);
+  } else if constexpr (KIND == kUniform4) {
     dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc);
   } else {
     switch (m.chunks[c * 3]) {

@@ -249,42 +249,15 @@ at::Tensor qgemv_chunks(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
-// One dequantise launch of V columns a thread (V = 8: 64 threads a block, else 128) over `rows` grid rows.
-template <typename T, int V, int KIND>
-void launch_dequant_kind(cudaLaunchConfig_t cfg, int dev, int64_t N, int64_t rows,
-                         const exl_dequant::DequantMats& mats) {
-  const unsigned threads = V == 8 ? 64 : 128;
-  cfg.gridDim = dim3(static_cast<unsigned>((N + threads * V - 1) / (threads * V)), static_cast<unsigned>(rows));
-  cfg.blockDim = dim3(threads);
-  exl_pdl::launch_ex(cfg, dev, exl_dequant::dequant_kernel<T, V, KIND>, mats);
-}
-
-// twinned (with twin, n_twinned of them): the split twin launches (kSkipTwins, then kTwinList when n_twinned > 0).
-template <typename T, int V>
-void launch_dequant_v(const cudaLaunchConfig_t& cfg, int dev, int64_t N, int64_t n_chunks,
-                      const exl_dequant::DequantMats& mats, bool twin, const int32_t* twinned, int64_t n_twinned,
-                      bool uniform4) {
-  using namespace exl_dequant;
-  if (twin && twinned) {
-    launch_dequant_kind<T, V, kSkipTwins>(cfg, dev, N, n_chunks, mats);
-    if (n_twinned > 0) launch_dequant_kind<T, V, kTwinList>(cfg, dev, N, n_twinned, mats);
-  } else if (twin) {
-    launch_dequant_kind<T, V, kTwin4>(cfg, dev, N, n_chunks, mats);
-  } else if (uniform4) {
-    launch_dequant_kind<T, V, kUniform4>(cfg, dev, N, n_chunks, mats);
-  } else {
-    launch_dequant_kind<T, V, kAnyWidth>(cfg, dev, N, n_chunks, mats);
-  }
-}
-
 template <typename T>
 void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, const int32_t* ch, const int32_t* qp,
                     int64_t ldq, int64_t N, const float* sp, const float* zp, const int64_t* pp, T* out,
-                    const int32_t* twin, const int32_t* twinned, int64_t n_twinned, bool uniform4, bool l2) {
+                    const int32_t* twin, bool uniform4, bool l2) {
   exl_dequant::DequantMats mats{};
   mats.n = 1;
   mats.ldw = N;
-  mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N, twin, twinned};
+  mats.m[0] = exl_dequant::DequantMat{ch, qp, sp, zp, pp, out, ldq, N, twin};
+  using namespace exl_dequant;
   cudaLaunchConfig_t cfg = {};
   cfg.stream = stream;
   cudaLaunchAttribute window;     // l2: W persisting in L2 until the GEMM after has read it (l2_persist.cuh)
@@ -294,30 +267,31 @@ void launch_dequant(bool vec8, int64_t n_chunks, cudaStream_t stream, int dev, c
   }
   if constexpr (!std::is_same<T, float>::value) {
     if (vec8) {
-      launch_dequant_v<T, 8>(cfg, dev, N, n_chunks, mats, twin != nullptr, twinned, n_twinned, uniform4);
+      cfg.gridDim = dim3(static_cast<unsigned>((N + 511) / 512), static_cast<unsigned>(n_chunks));
+      cfg.blockDim = dim3(64);
+      exl_pdl::launch_ex(cfg, dev, twin       ? dequant_kernel<T, 8, kTwin4>
+                                   : uniform4 ? dequant_kernel<T, 8, kUniform4>
+                                              : dequant_kernel<T, 8, kAnyWidth>, mats);
       return;
     }
   }
-  launch_dequant_v<T, 1>(cfg, dev, N, n_chunks, mats, twin != nullptr, twinned, n_twinned, uniform4);
+  cfg.gridDim = dim3(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(n_chunks));
+  cfg.blockDim = dim3(128);
+  exl_pdl::launch_ex(cfg, dev, twin       ? dequant_kernel<T, 1, kTwin4>
+                               : uniform4 ? dequant_kernel<T, 1, kUniform4>
+                                          : dequant_kernel<T, 1, kAnyWidth>, mats);
 }
 
 // Checks qdequant_chunks' / qdequant_mm's weight arguments; returns K (W's rows).
 int64_t dequant_rows(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                      const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
-                     const c10::optional<at::Tensor>& twin, const c10::optional<at::Tensor>& twinned) {
+                     const c10::optional<at::Tensor>& twin) {
   check_common(qweight, chunks, scale, zero, c10::nullopt, chunks.size(0) * 32);
   if (twin) {
     EXL_CHECK_CUDA_T(*twin, "twin");
     TORCH_CHECK(twin->dtype() == at::kInt && twin->dim() == 1 && twin->is_contiguous() &&
                 twin->size(0) <= chunks.size(0), "exl_core::qdequant_chunks: twin must be contiguous int32 [K/32] "
                 "with at most the chunk table's ", chunks.size(0), " entries");
-  }
-  if (twinned) {
-    TORCH_CHECK(twin, "exl_core::qdequant_chunks: twinned needs the twin table");
-    EXL_CHECK_CUDA_T(*twinned, "twinned");
-    TORCH_CHECK(twinned->dtype() == at::kInt && twinned->dim() == 1 && twinned->is_contiguous() &&
-                twinned->size(0) <= twin->size(0), "exl_core::qdequant_chunks: twinned must be contiguous int32 "
-                "[T] with at most the twin table's ", twin->size(0), " entries");
   }
   const int64_t K = (twin ? twin->size(0) : chunks.size(0)) * 32;
   if (perm) {
@@ -331,8 +305,7 @@ int64_t dequant_rows(const at::Tensor& qweight, const at::Tensor& chunks, const 
 // Columns [col0, col0 + W.size(1)) of the dequantised weight into W (contiguous [K, cols], checked by the caller).
 void dequant_into(at::Tensor& W, const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                   const at::Tensor& zero, const c10::optional<at::Tensor>& perm, int64_t col0,
-                  const c10::optional<at::Tensor>& twin, const c10::optional<at::Tensor>& twinned, bool uniform4,
-                  bool l2) {
+                  const c10::optional<at::Tensor>& twin, bool uniform4, bool l2) {
   const int64_t K = W.size(0), N = W.size(1), ldq = qweight.size(1);
   if (K == 0 || N == 0) return;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -344,11 +317,9 @@ void dequant_into(at::Tensor& W, const at::Tensor& qweight, const at::Tensor& ch
   const bool vec8 = W.scalar_type() != at::kFloat && N % 8 == 0 && ldq % 4 == 0 && is_aligned16(qp);
   const int32_t* ch = chunks.data_ptr<int32_t>();
   const int32_t* tw = twin ? twin->data_ptr<int32_t>() : nullptr;
-  const int32_t* twl = twinned ? twinned->data_ptr<int32_t>() : nullptr;
-  const int64_t n_twl = twinned ? twinned->size(0) : 0;
   EXL_DISPATCH_FLOATS(W.scalar_type(), "exl_core::qdequant_chunks", [&] {
     launch_dequant<scalar_t>(vec8, K / 32, stream, dev, ch, qp, ldq, N, sp, zp, pp,
-                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, twl, n_twl, uniform4, l2);
+                             reinterpret_cast<scalar_t*>(W.data_ptr()), tw, uniform4, l2);
   });
 }
 
@@ -359,19 +330,18 @@ void dequant_into(at::Tensor& W, const at::Tensor& qweight, const at::Tensor& ch
 // x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_dequant.py
 // twins_of) checked that every chunk is 4-bit and every twin inside the table.  uniform4: every chunk is 4-bit
 // (the caller knows: uniform4), the instance without the width switch.  l2: W's lines persist in L2 (a GEMM reads
-// W next: l2_persist.cuh).  twinned (int32 [T], with twin: the chunks c with twin[c] >= 0, twins_of): the same W in
-// two launches (dequant_kernel kSkipTwins, kTwinList), the chunks without a twin at kUniform4's registers.
+// W next: l2_persist.cuh).
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
                            int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4,
-                           bool l2, const c10::optional<at::Tensor>& twinned) {
-  const int64_t K = dequant_rows(qweight, chunks, scale, zero, perm, twin, twinned), ldq = qweight.size(1);
+                           bool l2) {
+  const int64_t K = dequant_rows(qweight, chunks, scale, zero, perm, twin), ldq = qweight.size(1);
   if (cols < 0) cols = ldq - col0;
   TORCH_CHECK(col0 >= 0 && cols >= 0 && col0 + cols <= ldq, "exl_core::qdequant_chunks: columns [", col0, ", ",
               col0 + cols, ") outside the weight's ", ldq);
   const c10::cuda::CUDAGuard guard(qweight.device());
   auto W = at::empty({K, cols}, qweight.options().dtype(dtype));
-  dequant_into(W, qweight, chunks, scale, zero, perm, col0, twin, twinned, uniform4, l2);
+  dequant_into(W, qweight, chunks, scale, zero, perm, col0, twin, uniform4, l2);
   return W;
 }
 
@@ -382,10 +352,9 @@ at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, 
 at::Tensor qdequant_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& chunks,
                        const at::Tensor& scale, const at::Tensor& zero, const c10::optional<at::Tensor>& perm,
                        const c10::optional<at::Tensor>& twin, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& add_to, int64_t slice, bool uniform4, bool l2,
-                       const c10::optional<at::Tensor>& twinned) {
+                       const c10::optional<at::Tensor>& add_to, int64_t slice, bool uniform4, bool l2) {
   EXL_CHECK_CUDA_T(x, "x");
-  const int64_t K = dequant_rows(qweight, chunks, scale, zero, perm, twin, twinned), N = qweight.size(1);
+  const int64_t K = dequant_rows(qweight, chunks, scale, zero, perm, twin), N = qweight.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.device() == qweight.device(),
               "exl_core::qdequant_mm: x must be contiguous [M, ", K, "] on the weight's device");
   TORCH_CHECK(slice > 0, "exl_core::qdequant_mm: slice must be positive, got ", slice);
@@ -403,7 +372,7 @@ at::Tensor qdequant_mm(const at::Tensor& x, const at::Tensor& qweight, const at:
   for (int64_t n0 = 0; n0 < N; n0 += step) {
     const int64_t cols = std::min(step, N - n0);
     auto W = scratch.narrow(0, 0, K * cols).view({K, cols});
-    dequant_into(W, qweight, chunks, scale, zero, perm, n0, twin, twinned, uniform4, l2);
+    dequant_into(W, qweight, chunks, scale, zero, perm, n0, twin, uniform4, l2);
     auto ys = step == N ? y : y.narrow(1, n0, cols);
     if (add_to) ys.addmm_(x, W);
     else if (bias) at::addmm_out(ys, bias->narrow(0, n0, cols), x, W);
@@ -448,8 +417,7 @@ at::Tensor qmatmul_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const auto chunks = chunk_table_cuda(groups, x.size(1), qweight.size(0), x.device());
   const auto xc = x.contiguous();
   if (x.size(0) <= 16) return qgemv_chunks(xc, qweight, chunks, scale, zero, perm, bias);
-  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt, false, false,
-                           c10::nullopt);
+  auto W = qdequant_chunks(qweight, chunks, scale, zero, perm, x.scalar_type(), 0, -1, c10::nullopt, false, false);
   auto y = at::matmul(xc, W);
   if (bias) y.add_(*bias);
   return y;
@@ -472,10 +440,9 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
         "Tensor? bias) -> Tensor");
   m.def("qdequant_chunks(Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
         "ScalarType dtype, int col0=0, int cols=-1, Tensor? twin=None, bool uniform4=False, "
-        "bool l2=False, Tensor? twinned=None) -> Tensor");
+        "bool l2=False) -> Tensor");
   m.def("qdequant_mm(Tensor x, Tensor qweight, Tensor chunks, Tensor scale, Tensor zero, Tensor? perm, "
-        "Tensor? twin, Tensor? bias, Tensor(a!)? add_to, int slice, bool uniform4=False, bool l2=False, "
-        "Tensor? twinned=None) -> Tensor");
+        "Tensor? twin, Tensor? bias, Tensor(a!)? add_to, int slice, bool uniform4=False, bool l2=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
