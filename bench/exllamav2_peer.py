@@ -8,10 +8,13 @@ its static ExLlamaV2Cache (batch B), ids on the CPU as its embedding expects, ar
 logits copied back each step (its generators sample on the host the same way). No flash-attn on the
 machine: ExLlamaV2 then attends with torch SDPA. exl_core's numbers come from the same call's
 gpu_h200.json (bench/gpu_bench.py: CUDA graphs, argmax on the device) and, for the product path
-with per-step host sampling, gpu_generator.json.
+(paged cache, sampler, CUDA graphs), gpu_generator.json: its default, each step launched before the
+previous step's tokens reach the host (graphs_lookahead_tok_s; graphs_tok_s where a run has none).
 
     python bench/exllamav2_peer.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2 \
         --ours $OUT/gpu_h200.json --ours-generator $OUT/gpu_generator.json
+    python bench/exllamav2_peer.py --peer-json exllamav2_h200.json --ours ... --ours-generator ... --json NEW
+        (the ratios again from a saved run's ExLlamaV2 figures, without running it)
 """
 from __future__ import annotations
 
@@ -136,7 +139,20 @@ def main() -> None:
     ap.add_argument("--ours", type=Path, help="gpu_h200.json of the same call (bench/gpu_bench.py)")
     ap.add_argument("--ours-generator", type=Path, help="gpu_generator.json of the same call")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "exllamav2_h200.json")
+    ap.add_argument("--peer-json", type=Path, help="a saved run's JSON: its ExLlamaV2 figures, ExLlamaV2 not run")
     a = ap.parse_args()
+    formats = ("gptq", "gptq_no_gidx", "exl2")
+    out = json.loads(a.peer_json.read_text()) if a.peer_json else run_peer(a, formats)
+    ratios(out, a, formats)
+    text = json.dumps(out, indent=1) + "\n"
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], a.json.name).write_text(text)
+
+
+def run_peer(a: argparse.Namespace, formats: tuple) -> dict:
+    """ExLlamaV2 on each folder given: its figures by format (an "error" where it refuses one)."""
     t0 = time.perf_counter()
     import exllamav2                         # JIT-builds its extension on a fresh machine
     from exllamav2 import ext  # noqa: F401  (the import is the build)
@@ -146,7 +162,6 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if a.gptq_no_gidx is not None:
         a.gptq_no_gidx = without_g_idx(a.gptq_no_gidx, a.gptq_no_gidx.with_name(a.gptq_no_gidx.name + "_nogidx"))
-    formats = ("gptq", "gptq_no_gidx", "exl2")
     for fmt in formats:
         folder = getattr(a, fmt)
         if folder is None:
@@ -157,9 +172,16 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a folder ExLlamaV2 refuses is a finding
             traceback.print_exc()
             out[fmt]["error"] = repr(e)[:300]
+    return out
+
+
+def ratios(out: dict, a: argparse.Namespace, formats: tuple) -> None:
+    """exl_core / ExLlamaV2 per metric into out (and the Generator's, GPTQ), printed as a table."""
     ours = json.loads(a.ours.read_text()) if a.ours and a.ours.exists() else {}
     gen = json.loads(a.ours_generator.read_text()) if a.ours_generator and a.ours_generator.exists() else {}
-    gen_rows = {row["batch"]: row.get("graphs_tok_s") for row in gen.get("rows", [])}
+    gen_rows = {row["batch"]: row.get("graphs_lookahead_tok_s") or row.get("graphs_tok_s")
+                for row in gen.get("rows", [])}
+    out["generator_metric"] = "graphs_lookahead_tok_s (graphs_tok_s where absent)"
     keys = ["bs1_decode_tok_s", "bs8_decode_tok_s", "bs32_decode_tok_s", "prompt2048_tok_s"]
     print(f"\n{'metric':20s} {'fmt':12s} {'ExLlamaV2':>10s} {'exl_core':>10s} {'ratio':>7s} {'exl_core Generator':>19s}")
     for fmt in formats:
@@ -178,11 +200,6 @@ def main() -> None:
             cell = lambda v, w: f"{v:{w}.1f}" if isinstance(v, float) else f"{'-':>{w}s}"  # noqa: E731
             print(f"{k:20s} {fmt:12s} {cell(peer, 10)} {cell(mine, 10)} "
                   f"{(f'{ratio:7.3f}' if ratio else '      -')} {cell(g, 19)}")
-    text = json.dumps(out, indent=1) + "\n"
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], a.json.name).write_text(text)
 
 
 if __name__ == "__main__":
