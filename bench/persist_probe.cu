@@ -227,6 +227,70 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
   if (acc == 0x12345678) out[0] = acc;
 }
 
+// I: one kernel for 8 layers (grid sized from the occupancy calculator, as C/D), each stage's stream taken in chunks
+// of kThreads x U 16-byte units (64 KB at U 8) handed out by an atomic counter per stage (zeroed by a memset node per
+// replay), so a block that reads fast takes more chunks and a stage ends when its last chunk is read, not when the
+// slowest block's fixed share is (C/D/H own fixed shares).  Thread 0 asks for the chunk after next while the block
+// reads this chunk and loads the next one (a ring of 4 indices in shared memory, one __syncthreads a chunk).  The
+// question: is the ~2.3 us a barrier costs in C/D/H the barrier's own latency, or the wait for the slowest fixed
+// share?  BARRIERS false: the same chunks without barriers (against E).  NEXT: before each barrier the block takes a
+// chunk of the next stage and has its loads in flight through the barrier (weights do not depend on activations).
+template <int U, bool BARRIERS, bool NEXT>
+__global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0, int s1, unsigned* counter,
+                                                       unsigned bar0, unsigned* chunk_ctr, int* out) {
+  __shared__ unsigned slot[4];
+  constexpr int64_t C = static_cast<int64_t>(kThreads) * U;
+  int acc = 0;
+  int4 cur[U];
+  auto load = [&](int s, unsigned c, int4 (&v)[U]) {
+    const int64_t base = static_cast<int64_t>(c) * C + threadIdx.x, n = st.n[s];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+      v[u] = i < n ? __ldg(st.p[s] + i) : make_int4(0, 0, 0, 0);
+    }
+  };
+  auto chunks = [&](int s) { return static_cast<unsigned>((st.n[s] + C - 1) / C); };
+  // the stage's first two chunk indices (slot 0 and 1), and cur loaded from slot 0
+  auto start = [&](int s) {
+    if (threadIdx.x == 0) {
+      slot[0] = atomicAdd(chunk_ctr + s, 1u);
+      slot[1] = atomicAdd(chunk_ctr + s, 1u);
+    }
+    __syncthreads();
+    const unsigned c = slot[0];
+    if (c < chunks(s)) load(s, c, cur);
+    return c;
+  };
+  pdl_wait();
+  pdl_trigger();
+  unsigned c = start(s0);
+  for (int s = s0; s < s1; ++s) {
+    const unsigned nch = chunks(s);
+    for (int k = 0; c < nch; ++k) {
+      const unsigned cn = slot[(k + 1) & 3];
+      if (threadIdx.x == 0) slot[(k + 2) & 3] = atomicAdd(chunk_ctr + s, 1u);
+      int4 nx[U];
+      if (cn < nch) load(s, cn, nx);
+#pragma unroll
+      for (int u = 0; u < U; ++u) acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w;
+#pragma unroll
+      for (int u = 0; u < U; ++u) cur[u] = nx[u];
+      c = cn;
+      __syncthreads();
+    }
+    if (s + 1 == s1) break;
+    if (NEXT) {
+      c = start(s + 1);                       // the next stage's first chunk in flight through the barrier
+      if (BARRIERS) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0));
+    } else {
+      if (BARRIERS) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0));
+      c = start(s + 1);
+    }
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
 int main() {
   cudaDeviceProp prop;
   const int sms = probe_device(prop);
@@ -324,5 +388,23 @@ int main() {
   bulk("H96: ... 96 KB", 96);
   bulk("H160: ... 160 KB", 160);
   bulk("H200: ... 200 KB", 200);
+  unsigned* chunk_ctr;
+  CK(cudaMalloc(&chunk_ctr, kLayers * kStages * sizeof(unsigned)));
+  auto dyn = [&](const char* name, auto kern) {
+    int o = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kern, kThreads, 0));
+    const int grid = sms * o;                       // every block resident: the spin barrier needs it
+    report(name, grid, time_seq([&](cudaStream_t s) {
+      CK(cudaMemsetAsync(counter, 0, 4, s));
+      CK(cudaMemsetAsync(chunk_ctr, 0, kLayers * kStages * sizeof(unsigned), s));
+      cudaLaunchConfig_t cfg = pdl_config(dim3(grid), dim3(kThreads), 0, s, attr);
+      CK(cudaLaunchKernelEx(&cfg, kern, st, 0, kLayers * kStages, counter, 0u, chunk_ctr, out));
+    }));
+  };
+  dyn("I: one kernel, 8 layers, barriers, chunks by counter", dyn_kernel<U, true, false>);
+  dyn("I': ... the next stage's first chunk before the barrier", dyn_kernel<U, true, true>);
+  dyn("I4: I at 32 KB chunks (U 4)", dyn_kernel<4, true, false>);
+  dyn("I4': I' at 32 KB chunks", dyn_kernel<4, true, true>);
+  dyn("Inb: chunks by counter, no barriers", dyn_kernel<U, false, false>);
   return 0;
 }
