@@ -45,6 +45,24 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
+// The grid barrier in two halves (J): the arrival (a fence, which waits for this thread's earlier loads too, then the
+// count) and the wait for barrier number k's last arrival, so loads issued between them are not waited for by the fence.
+__device__ __forceinline__ void grid_arrive(unsigned* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned k) {
+  if (threadIdx.x == 0) {
+    const unsigned target = (k + 1) * gridDim.x;
+    while (ld_acquire(counter) < target) {
+    }
+  }
+  __syncthreads();
+}
+
 // All blocks of the grid past barrier number `k` (counter counts arrivals since the replay's memset).
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned k) {
   __syncthreads();
@@ -235,7 +253,9 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
 // question: is the ~2.3 us a barrier costs in C/D/H the barrier's own latency, or the wait for the slowest fixed
 // share?  BARRIERS false: the same chunks without barriers (against E).  NEXT: before each barrier the block takes a
 // chunk of the next stage and has its loads in flight through the barrier (weights do not depend on activations).
-template <int U, bool BARRIERS, bool NEXT>
+// SPLIT (J, with NEXT): those loads issued after the block's arrival and before its wait (grid_arrive / grid_wait), so
+// the arrival's fence does not wait for them.
+template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false>
 __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0, int s1, unsigned* counter,
                                                        unsigned bar0, unsigned* chunk_ctr, int* out) {
   __shared__ unsigned slot[4];
@@ -280,7 +300,11 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
       __syncthreads();
     }
     if (s + 1 == s1) break;
-    if (NEXT) {
+    if (NEXT && SPLIT && BARRIERS) {
+      grid_arrive(counter);
+      c = start(s + 1);
+      grid_wait(counter, bar0 + static_cast<unsigned>(s - s0));
+    } else if (NEXT) {
       c = start(s + 1);                       // the next stage's first chunk in flight through the barrier
       if (BARRIERS) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0));
     } else {
@@ -406,5 +430,7 @@ int main() {
   dyn("I4: I at 32 KB chunks (U 4)", dyn_kernel<4, true, false>);
   dyn("I4': I' at 32 KB chunks", dyn_kernel<4, true, true>);
   dyn("Inb: chunks by counter, no barriers", dyn_kernel<U, false, false>);
+  dyn("J: I', the chunk's loads between arrival and wait", dyn_kernel<U, true, true, true>);
+  dyn("J4: J at 32 KB chunks", dyn_kernel<4, true, true, true>);
   return 0;
 }
