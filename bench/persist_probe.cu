@@ -254,8 +254,9 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
 // share?  BARRIERS false: the same chunks without barriers (against E).  NEXT: before each barrier the block takes a
 // chunk of the next stage and has its loads in flight through the barrier (weights do not depend on activations).
 // SPLIT (J, with NEXT): those loads issued after the block's arrival and before its wait (grid_arrive / grid_wait), so
-// the arrival's fence does not wait for them.
-template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false>
+// the arrival's fence does not wait for them.  STORES (Js): before each arrival the block's first warp stores 128 bytes
+// (a stage's outputs, which the fence must make visible before the count, as a real kernel's would).
+template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false, bool STORES = false>
 __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0, int s1, unsigned* counter,
                                                        unsigned bar0, unsigned* chunk_ctr, int* out) {
   __shared__ unsigned slot[4];
@@ -300,6 +301,7 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
       __syncthreads();
     }
     if (s + 1 == s1) break;
+    if (STORES && threadIdx.x < 32) out[1 + (static_cast<int64_t>(s) * gridDim.x + blockIdx.x) * 32 + threadIdx.x] = acc;
     if (NEXT && SPLIT && BARRIERS) {
       grid_arrive(counter);
       c = start(s + 1);
@@ -332,7 +334,7 @@ int main() {
     }
   int* out;
   unsigned* counter;
-  CK(cudaMalloc(&out, 4));
+  CK(cudaMalloc(&out, (1 + static_cast<size_t>(kLayers) * kStages * 8 * sms * 32) * 4));   // Js's stores
   CK(cudaMalloc(&counter, 4));
   printf("GPU %s, %d SMs; a layer reads %.2f MB (q/k/v %.2f, o %.2f, gate/up %.2f, down %.2f)\n", prop.name, sms,
          layer_bytes / 1e6, stage_bytes(0) / 1e6, stage_bytes(1) / 1e6, stage_bytes(2) / 1e6, stage_bytes(3) / 1e6);
@@ -432,5 +434,7 @@ int main() {
   dyn("Inb: chunks by counter, no barriers", dyn_kernel<U, false, false>);
   dyn("J: I', the chunk's loads between arrival and wait", dyn_kernel<U, true, true, true>);
   dyn("J4: J at 32 KB chunks", dyn_kernel<4, true, true, true>);
+  dyn("Js: J with 128 B of stores a block before each arrival", dyn_kernel<U, true, true, true, true>);
+  dyn("Js4: Js at 32 KB chunks", dyn_kernel<4, true, true, true, true>);
   return 0;
 }
