@@ -133,7 +133,7 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   fi
 fi
 if has attntail; then  # batch 1: a layer's attention in the tail of its q/k/v launch against its own launch
-  probe_run attn_tail_probe   # (bench/attn_tail_probe.cu; standalone, seconds; not yet run as of stop 47)
+  probe_run attn_tail_probe   # (bench/attn_tail_probe.cu; standalone, seconds; run in stop 48 call 1)
 fi
 if has persist; then  # the read floor of a layer's projection streams: 4 PDL launches against one resident kernel
   probe_run persist_probe   # with grid barriers between the stages (bench/persist_probe.cu; standalone, seconds)

@@ -10,6 +10,11 @@
 // they load into a value no one reads (kept by a never-true store).  The barrier: one counter per replay (zeroed by
 // a memset node), each block's thread 0 adds 1 after a __threadfence and spins on an acquire load until all blocks
 // of the stage have arrived; the grid is sized from the occupancy calculator so that every block is resident.
+// Stop 48 (bench/results/persist_probe_h200_stop48_call{1,5,6,7}_*.jsonl), us a layer: A 35.19-35.24, E 27.47-27.68,
+// F' 30.90-31.00; H (bulk copies of up to 200 KB before each barrier) 36.51-37.03, no better than H0 without them; I
+// (chunks by counter) 36.95-37.14, so a barrier's ~2.3 us is not the wait for the slowest fixed share; J (the next
+// chunk's loads issued between the arrival and the wait) 32.37-32.44, Js (plus a block's stores before each arrival)
+// 32.74: the fence of a combined barrier waited for the prefetch loads issued before it.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,7 +51,8 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 }
 
 // The grid barrier in two halves (J): the arrival (a fence, which waits for this thread's earlier loads too, then the
-// count) and the wait for barrier number k's last arrival, so loads issued between them are not waited for by the fence.
+// count) and the wait for barrier number k's last arrival, so loads issued between them are not waited for by the
+// fence.
 __device__ __forceinline__ void grid_arrive(unsigned* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -301,7 +307,8 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
       __syncthreads();
     }
     if (s + 1 == s1) break;
-    if (STORES && threadIdx.x < 32) out[1 + (static_cast<int64_t>(s) * gridDim.x + blockIdx.x) * 32 + threadIdx.x] = acc;
+    if (STORES && threadIdx.x < 32)
+      out[1 + (static_cast<int64_t>(s) * gridDim.x + blockIdx.x) * 32 + threadIdx.x] = acc;
     if (NEXT && SPLIT && BARRIERS) {
       grid_arrive(counter);
       c = start(s + 1);
