@@ -20,8 +20,9 @@
 // Check: B's and B2's attention outputs and cache writes against A's (the library's, tested against float64), max
 // |difference| printed.  Stop 48 call 1 (bench/results/attn_tail_probe_h200_stop48_call1_e2db215.jsonl, where B2's
 // rows are named P), us a layer in rounds 1 / 2: E 12.98 / 13.01, A 22.04 / 22.22, B 23.72 / 23.70, B2 20.98 / 21.30;
-// checks: attention max |B - A| and |B2 - A| 3.052e-05 (max |A| 0.146), K/V rows equal.  The tail alone loses to A's
-// launch; B2's gain over A (0.92-1.06 us a layer at this position) is the L2 prefetch's, not measured on A itself.
+// checks: attention max |B - A| and |B2 - A| 3.051e-05 (max |A| printed 0.146), K/V rows equal.  The tail alone
+// loses to A's launch; B2's gain over A (0.92-1.06 us a layer at this position) is likely the L2 prefetch's (A with
+// it was not measured).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

@@ -138,9 +138,13 @@ def main() -> None:
                     help="also (or only) the GPTQ folder SRC with its g_idx tensors removed (written beside it)")
     ap.add_argument("--ours", type=Path, help="gpu_h200.json of the same call (bench/gpu_bench.py)")
     ap.add_argument("--ours-generator", type=Path, help="gpu_generator.json of the same call")
-    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "exllamav2_h200.json")
+    ap.add_argument("--json", type=Path, help="default bench/results/exllamav2_h200.json (required with --peer-json)")
     ap.add_argument("--peer-json", type=Path, help="a saved run's JSON: its ExLlamaV2 figures, ExLlamaV2 not run")
     a = ap.parse_args()
+    if a.json is None:
+        if a.peer_json:
+            ap.error("--peer-json needs --json: the recomputed run goes to a file of its own")
+        a.json = Path(__file__).parent / "results" / "exllamav2_h200.json"
     formats = ("gptq", "gptq_no_gidx", "exl2")
     out = json.loads(a.peer_json.read_text()) if a.peer_json else run_peer(a, formats)
     ratios(out, a, formats)
@@ -181,7 +185,12 @@ def ratios(out: dict, a: argparse.Namespace, formats: tuple) -> None:
     gen = json.loads(a.ours_generator.read_text()) if a.ours_generator and a.ours_generator.exists() else {}
     gen_rows = {row["batch"]: row.get("graphs_lookahead_tok_s") or row.get("graphs_tok_s")
                 for row in gen.get("rows", [])}
-    out["generator_metric"] = "graphs_lookahead_tok_s (graphs_tok_s where absent)"
+    out.pop("generator_metric", None)
+    if gen_rows:
+        out["generator_metric"] = "graphs_lookahead_tok_s (graphs_tok_s where absent)"
+    for fmt in formats:                          # a saved run's ratios (--peer-json) are all made again below
+        for k in [k for k in out.get(fmt, {}) if k.endswith("_ratio")]:
+            del out[fmt][k]
     keys = ["bs1_decode_tok_s", "bs8_decode_tok_s", "bs32_decode_tok_s", "prompt2048_tok_s"]
     print(f"\n{'metric':20s} {'fmt':12s} {'ExLlamaV2':>10s} {'exl_core':>10s} {'ratio':>7s} {'exl_core Generator':>19s}")
     for fmt in formats:

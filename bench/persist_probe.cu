@@ -11,10 +11,11 @@
 // a memset node), each block's thread 0 adds 1 after a __threadfence and spins on an acquire load until all blocks
 // of the stage have arrived; the grid is sized from the occupancy calculator so that every block is resident.
 // Stop 48 (bench/results/persist_probe_h200_stop48_call{1,5,6,7}_*.jsonl), us a layer: A 35.19-35.24, E 27.47-27.68,
-// F' 30.90-31.00; H (bulk copies of up to 200 KB before each barrier) 36.51-37.03, no better than H0 without them; I
-// (chunks by counter) 36.95-37.14, so a barrier's ~2.3 us is not the wait for the slowest fixed share; J (the next
-// chunk's loads issued between the arrival and the wait) 32.37-32.44, Js (plus a block's stores before each arrival)
-// 32.74: the fence of a combined barrier waited for the prefetch loads issued before it.
+// F' 30.90-31.00; H (bulk copies of up to 200 KB before each barrier) 36.47-37.10 against H0's 36.83-37.03 (at most
+// 0.55 less); I and I' (chunks by counter) 36.89-37.14, so a barrier's ~2.3 us is not the wait for the slowest fixed
+// share; J (the next chunk's loads issued between the arrival and the wait) 32.37-32.44, Js (plus a block's stores
+// before each arrival) 32.74: loads issued after the arrival recover ~1.1 us a barrier (the fence or the
+// __syncthreads before it waiting for loads issued just before them; not separated).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -280,6 +281,7 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
   auto chunks = [&](int s) { return static_cast<unsigned>((st.n[s] + C - 1) / C); };
   // the stage's first two chunk indices (slot 0 and 1), and cur loaded from slot 0
   auto start = [&](int s) {
+    __syncthreads();                          // every warp has read the slots (Inb can reach here with no barrier)
     if (threadIdx.x == 0) {
       slot[0] = atomicAdd(chunk_ctr + s, 1u);
       slot[1] = atomicAdd(chunk_ctr + s, 1u);
