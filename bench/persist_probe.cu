@@ -263,7 +263,11 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
 // SPLIT (J, with NEXT): those loads issued after the block's arrival and before its wait (grid_arrive / grid_wait), so
 // the arrival's fence does not wait for them.  STORES (Js): before each arrival the block's first warp stores 128 bytes
 // (a stage's outputs, which the fence must make visible before the count, as a real kernel's would).
-template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false, bool STORES = false>
+// DEFER0 (K, with NEXT and a combined barrier): warp 0, whose thread 0 runs the fence, loads its part of the next
+// chunk only after the barrier; the other warps load theirs before it, as in I'.  Near J: the fence waited for
+// thread 0's own loads; near I': something else (the __syncthreads, the other warps' loads) did.  Written after stop
+// 48's last call: not yet run.
+template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false, bool STORES = false, bool DEFER0 = false>
 __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0, int s1, unsigned* counter,
                                                        unsigned bar0, unsigned* chunk_ctr, int* out) {
   __shared__ unsigned slot[4];
@@ -280,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
   };
   auto chunks = [&](int s) { return static_cast<unsigned>((st.n[s] + C - 1) / C); };
   // the stage's first two chunk indices (slot 0 and 1), and cur loaded from slot 0
-  auto start = [&](int s) {
+  auto start = [&](int s, bool warp0_loads = true) {
     __syncthreads();                          // every warp has read the slots (Inb can reach here with no barrier)
     if (threadIdx.x == 0) {
       slot[0] = atomicAdd(chunk_ctr + s, 1u);
@@ -288,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
     }
     __syncthreads();
     const unsigned c = slot[0];
-    if (c < chunks(s)) load(s, c, cur);
+    if (c < chunks(s) && (warp0_loads || threadIdx.x >= 32)) load(s, c, cur);
     return c;
   };
   pdl_wait();
@@ -316,8 +320,9 @@ __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0,
       c = start(s + 1);
       grid_wait(counter, bar0 + static_cast<unsigned>(s - s0));
     } else if (NEXT) {
-      c = start(s + 1);                       // the next stage's first chunk in flight through the barrier
+      c = start(s + 1, !DEFER0);              // the next stage's first chunk in flight through the barrier
       if (BARRIERS) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0));
+      if (DEFER0 && threadIdx.x < 32 && c < chunks(s + 1)) load(s + 1, c, cur);
     } else {
       if (BARRIERS) grid_barrier(counter, bar0 + static_cast<unsigned>(s - s0));
       c = start(s + 1);
@@ -445,5 +450,6 @@ int main() {
   dyn("J4: J at 32 KB chunks", dyn_kernel<4, true, true, true>);
   dyn("Js: J with 128 B of stores a block before each arrival", dyn_kernel<U, true, true, true, true>);
   dyn("Js4: Js at 32 KB chunks", dyn_kernel<4, true, true, true, true>);
+  dyn("K: I', warp 0 (the fence's) loading after the barrier", dyn_kernel<U, true, true, false, false, true>);
   return 0;
 }
