@@ -31,6 +31,32 @@
 #include <vector>
 #include <type_traits>
 
+#ifdef KSLICE_STAMPS   // mode `stamps`: the kernel's phase hooks store each warp's globaltimer and clock64
+#include <cstdint>
+namespace stamps {
+constexpr int kIds = 64, kBlocks = 704, kWarps = 16, kPhases = 8;   // ids: the launch's first weight (its y)
+__constant__ unsigned long long* g_t;   // [id][block][warp][phase] globaltimer, ns (0: not stamped)
+__constant__ long long* g_c;            // the same slots: clock64
+__constant__ unsigned* g_sm;            // [id][block]: the SM
+__constant__ const char* g_arena;       // every weight's y sits in a 64 KB slot of this arena: id = slot
+__device__ __forceinline__ void stamp(int phase, const void* y) {
+  if ((threadIdx.x & 31) != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const long long c = clock64();
+  const int64_t id = (static_cast<const char*>(y) - g_arena) >> 16;
+  const int64_t slot = ((id * kBlocks + blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kPhases + phase;
+  g_t[slot] = t;
+  g_c[slot] = c;
+  if (phase == 0 && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    g_sm[id * kBlocks + blockIdx.x] = sm;
+  }
+}
+}  // namespace stamps
+#define EXL_KSLICE_STAMP(phase) stamps::stamp(phase, mats.m[0].y)
+#endif
 #include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernels (no torch headers)
 #include "../exl_core/csrc/cuda/qgemm_skinny_kernel.cuh"
 #include "probe_common.cuh"
@@ -93,7 +119,21 @@ void make_h2(W& w) {                                        // the probe's weigh
 W make_weight(int K, int N, bool mixed = false, int act = -1) {
   const PackedDev p = make_packed(K, N, mixed, act < 0 ? mixed : act != 0);
   W w{K, N, p.qw, p.s, p.z, nullptr, p.chunks, p.perm};
+#ifdef KSLICE_STAMPS
+  static char* arena = nullptr;                               // y in 64 KB slots: the stamp's launch id
+  static int used = 0;
+  if (!arena) {
+    CK(cudaMalloc(&arena, static_cast<size_t>(stamps::kIds) << 16));
+    CK(cudaMemcpyToSymbol(stamps::g_arena, &arena, sizeof arena));
+  }
+  if (used >= stamps::kIds || N * 2 > (1 << 16)) {
+    printf("FAILED: the stamp arena holds %d outputs of at most 32768 halves\n", stamps::kIds);
+    exit(2);
+  }
+  w.y = reinterpret_cast<__half*>(arena + (static_cast<size_t>(used++) << 16));
+#else
   CK(cudaMalloc(&w.y, static_cast<size_t>(N) * 2));
+#endif
   return w;
 }
 
@@ -402,6 +442,150 @@ void check_row(std::vector<Layer>& layers = g_layers) {
   }
 }
 
+#ifdef KSLICE_STAMPS
+// Mode `stamps`: the chain "GPTQ as the extension" replayed from a graph, then once more with every warp's phase
+// stamps kept (qgemm_kslice_kernel.cuh's EXL_KSLICE_STAMP: 0 entry, 1 before the PDL wait, 2 after it, 3 x staged,
+// 4 loop done, 5 after the block's reduction barrier, 6 exit).  Per launch of the middle layers: when its warps
+// pass each phase (us from the layer's first q/k/v entry, globaltimer) and how long each phase takes a warp.
+int stamp_run() {
+  using namespace stamps;
+  using Lqkv = KsLauncher<8, 4>;
+  using Lo = KsLauncher<16, 4>;
+  using Lgu = KsLauncher<8, 4>;
+  using Ld = KsLauncher<16, 8>;
+  const size_t n = static_cast<size_t>(kIds) * kBlocks * kWarps * kPhases;
+  unsigned long long* t;
+  long long* c;
+  unsigned* sm;
+  CK(cudaMalloc(&t, n * 8));
+  CK(cudaMalloc(&c, n * 8));
+  CK(cudaMalloc(&sm, static_cast<size_t>(kIds) * kBlocks * 4));
+  CK(cudaMemcpyToSymbol(g_t, &t, sizeof t));
+  CK(cudaMemcpyToSymbol(g_c, &c, sizeof c));
+  CK(cudaMemcpyToSymbol(g_sm, &sm, sizeof sm));
+  auto chain = [&](cudaStream_t st) {
+    for (auto& l : g_layers) {
+      Lqkv::go(Op{&l.q, &l.k, &l.v}, g_x4096, st);
+      Lo::go(Op{&l.o}, g_x4096, st);
+      Lgu::go(Op{&l.gate, &l.up}, g_x4096, st);
+      Ld::go(Op{&l.down}, g_x11008, st);
+    }
+  };
+  const float us = time_seq(chain) / kLayers;
+  printf("stamped chain (GPTQ as the extension) %.2f us/layer\n", us);
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  chain(st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < 5; ++r) CK(cudaGraphLaunch(exec, st));
+  CK(cudaStreamSynchronize(st));
+  CK(cudaMemset(t, 0, n * 8));
+  CK(cudaGraphLaunch(exec, st));
+  CK(cudaStreamSynchronize(st));
+  std::vector<unsigned long long> ht(n);
+  std::vector<long long> hc(n);
+  std::vector<unsigned> hsm(static_cast<size_t>(kIds) * kBlocks);
+  CK(cudaMemcpy(ht.data(), t, n * 8, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hc.data(), c, n * 8, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hsm.data(), sm, hsm.size() * 4, cudaMemcpyDeviceToHost));
+  auto id_of = [&](W* w) {
+    char* arena;
+    CK(cudaMemcpyFromSymbol(&arena, g_arena, sizeof arena));
+    return static_cast<int>((reinterpret_cast<char*>(w->y) - arena) >> 16);
+  };
+  // clock64 cycles per ns, from every warp's entry-to-exit span
+  double cyc = 0, ns = 0;
+  std::vector<unsigned long long> deltas;
+  for (size_t w = 0; w < n / kPhases; ++w) {
+    const size_t b = w * kPhases;
+    if (ht[b] && ht[b + 6]) {
+      cyc += hc[b + 6] - hc[b], ns += ht[b + 6] - ht[b];
+      for (int p = 1; p <= 6; ++p)
+        if (ht[b + p] > ht[b + p - 1]) deltas.push_back(ht[b + p] - ht[b + p - 1]);
+    }
+  }
+  std::sort(deltas.begin(), deltas.end());
+  const double cpn = cyc / ns;
+  printf("clock %.3f GHz (clock64 / globaltimer over warps' spans); smallest globaltimer steps %llu %llu %llu ns\n",
+         cpn, deltas.size() > 0 ? deltas[0] : 0ull, deltas.size() > 10 ? deltas[10] : 0ull,
+         deltas.size() > 100 ? deltas[100] : 0ull);
+  auto pct = [](std::vector<double> v, double q) {
+    if (v.empty()) return -1.0;
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+  };
+  const char* names[4] = {"q/k/v", "o", "gate/up", "down"};
+  if (const char* path = getenv("STAMP_CSV")) {               // every stamped warp of layers 3 and 4, ns
+    FILE* f = fopen(path, "w");
+    fprintf(f, "layer,op,block,warp,sm,t0,t1,t2,t3,t4,t5,t6\n");
+    for (int L = 3; L <= 4; ++L) {
+      Layer& l = g_layers[L];
+      W* ws[4] = {&l.q, &l.o, &l.gate, &l.down};
+      for (int op = 0; op < 4; ++op)
+        for (int b = 0; b < kBlocks; ++b)
+          for (int w = 0; w < kWarps; ++w) {
+            const int id = id_of(ws[op]);
+            const size_t s = ((static_cast<size_t>(id) * kBlocks + b) * kWarps + w) * kPhases;
+            if (!ht[s]) continue;
+            fprintf(f, "%d,%s,%d,%d,%u", L, names[op], b, w, hsm[static_cast<size_t>(id) * kBlocks + b]);
+            for (int p = 0; p < 7; ++p) fprintf(f, ",%llu", ht[s + p]);
+            fprintf(f, "\n");
+          }
+    }
+    fclose(f);
+  }
+  for (int L = 2; L < kLayers - 1; ++L) {
+    Layer& l = g_layers[L];
+    const int ids[4] = {id_of(&l.q), id_of(&l.o), id_of(&l.gate), id_of(&l.down)};
+    unsigned long long t0 = ~0ull;
+    for (size_t i = 0; i < static_cast<size_t>(kBlocks) * kWarps; ++i) {
+      const unsigned long long v = ht[(static_cast<size_t>(ids[0]) * kBlocks * kWarps + i) * kPhases];
+      if (v) t0 = std::min(t0, v);
+    }
+    printf("layer %d (us from its q/k/v launch's first warp entry; per-warp phase spans from clock64)\n", L);
+    for (int op = 0; op < 4; ++op) {
+      std::vector<double> at[7], span[6];
+      std::vector<int> per_sm(1024, 0);
+      int blocks = 0;
+      for (int b = 0; b < kBlocks; ++b) {
+        bool any = false;
+        for (int w = 0; w < kWarps; ++w) {
+          const size_t s = ((static_cast<size_t>(ids[op]) * kBlocks + b) * kWarps + w) * kPhases;
+          if (!ht[s]) continue;
+          any = true;
+          for (int p = 0; p < 7; ++p) at[p].push_back((static_cast<double>(ht[s + p]) - t0) / 1e3);
+          for (int p = 0; p < 6; ++p) span[p].push_back((hc[s + p + 1] - hc[s + p]) / cpn / 1e3);
+        }
+        if (any) ++blocks, ++per_sm[hsm[static_cast<size_t>(ids[op]) * kBlocks + b] & 1023];
+      }
+      const int sms_used = static_cast<int>(std::count_if(per_sm.begin(), per_sm.end(), [](int v) { return v > 0; }));
+      printf("  %-8s blocks %4d on %3d SMs | entry %6.2f %6.2f %6.2f | waited %6.2f %6.2f %6.2f | staged %6.2f | "
+             "loop done %6.2f %6.2f | exit %6.2f %6.2f\n",
+             names[op], blocks, sms_used, pct(at[0], 0), pct(at[0], 0.5), pct(at[0], 1), pct(at[2], 0),
+             pct(at[2], 0.5), pct(at[2], 1), pct(at[3], 0.5), pct(at[4], 0.5), pct(at[4], 1), pct(at[6], 0.5),
+             pct(at[6], 1));
+      printf("           spans (median / p90) prologue %5.2f/%5.2f wait %5.2f/%5.2f stage %5.2f/%5.2f loop %5.2f/%5.2f "
+             "reduce %5.2f/%5.2f epilogue %5.2f/%5.2f\n",
+             pct(span[0], .5), pct(span[0], .9), pct(span[1], .5), pct(span[1], .9), pct(span[2], .5),
+             pct(span[2], .9), pct(span[3], .5), pct(span[3], .9), pct(span[4], .5), pct(span[4], .9),
+             pct(span[5], .5), pct(span[5], .9));
+      printf("JSON {\"stamps\": \"%s\", \"layer\": %d, \"blocks\": %d, \"entry_us\": [%.3f, %.3f, %.3f], "
+             "\"waited_us\": [%.3f, %.3f, %.3f], \"staged_us\": %.3f, \"loop_done_us\": [%.3f, %.3f], "
+             "\"exit_us\": [%.3f, %.3f], \"span_median_us\": [%.3f, %.3f, %.3f, %.3f, %.3f, %.3f]}\n",
+             names[op], L, blocks, pct(at[0], 0), pct(at[0], 0.5), pct(at[0], 1), pct(at[2], 0), pct(at[2], 0.5),
+             pct(at[2], 1), pct(at[3], 0.5), pct(at[4], 0.5), pct(at[4], 1), pct(at[6], 0.5), pct(at[6], 1),
+             pct(span[0], .5), pct(span[1], .5), pct(span[2], .5), pct(span[3], .5), pct(span[4], .5),
+             pct(span[5], .5));
+    }
+  }
+  return 0;
+}
+#endif
+
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -412,6 +596,15 @@ int main(int argc, char** argv) {
     g_layers.push_back({make_weight(4096, 4096), make_weight(4096, 4096), make_weight(4096, 4096),
                         make_weight(4096, 4096), make_weight(4096, 11008), make_weight(4096, 11008),
                         make_weight(11008, 4096)});
+  std::vector<__half> hx(11008);
+  for (auto& v : hx) v = __float2half(2.f * rand() / RAND_MAX - 1.f);
+  CK(cudaMalloc(&g_x4096, 4096 * 2));
+  CK(cudaMalloc(&g_x11008, 11008 * 2));
+  CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
+#ifdef KSLICE_STAMPS
+  if (argc > 1 && std::string(argv[1]) == "stamps") return stamp_run();
+#endif
   for (int i = 0; i < kLayers; ++i)
     g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),
@@ -428,12 +621,6 @@ int main(int argc, char** argv) {
                                      make_weight(4096, 11008, true, 0), make_weight(4096, 11008, true, 0),
                                      make_weight(11008, 4096, true, 0)});
   }
-  std::vector<__half> hx(11008);
-  for (auto& v : hx) v = __float2half(2.f * rand() / RAND_MAX - 1.f);
-  CK(cudaMalloc(&g_x4096, 4096 * 2));
-  CK(cudaMalloc(&g_x11008, 11008 * 2));
-  CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
 
   // a few launches for Nsight Compute, per layer: GPTQ q/k/v, 4-bit q/k/v through the mixed-width path, EXL2-like q/k/v
   if (argc > 1 && std::string(argv[1]) == "ncu") {

@@ -44,6 +44,12 @@
 #include "pdl_device.cuh"
 #include "qmma_device.cuh"
 
+// Phase stamps for bench/gemv_probe.cu's `stamps` mode (built with -DKSLICE_STAMPS, which defines the macro as a
+// timer store per warp); empty in the extension.
+#ifndef EXL_KSLICE_STAMP
+#define EXL_KSLICE_STAMP(phase)
+#endif
+
 namespace exl_kslice {
 using namespace exl_mma;
 
@@ -132,6 +138,7 @@ template <int KW, bool U4, int R, int NT, bool ACT = false, bool FOLD = false, b
 __global__ void __launch_bounds__(32 * KW)
     qgemm_kslice_kernel(const __half* __restrict__ x, const __half* __restrict__ up, int M, int64_t K, int n_chunks,
                         int slots, int xs_stride, int gshift, int sgather, const Mats mats) {
+  EXL_KSLICE_STAMP(0);
   constexpr bool XG = NT > 1;
   // Staged rows are stored in the B-pair order (stage_pairs), so a chunk's B words are one shared load and no PRMT.
   // Uniform 4-bit staged rows also divide pairs 1 and 3 by 16 (S16, a_frags16): one shift a word.  Mixed widths do
@@ -201,8 +208,10 @@ __global__ void __launch_bounds__(32 * KW)
   if constexpr (fold)
     for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
 
+  EXL_KSLICE_STAMP(1);
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
   exl_pdl::pdl_trigger();
+  EXL_KSLICE_STAMP(2);
   const int64_t* perm = mat.perm;
   // ACT (staged rows only): x is the MLP's gate, `up` its up, and the staged rows are silu(gate) * up, the down
   // projection's input without a silu_mul launch between gate/up and down.  Its own instances, so the plain
@@ -326,6 +335,7 @@ __global__ void __launch_bounds__(32 * KW)
   }
   cp_async_wait_all();
   __syncwarp();
+  EXL_KSLICE_STAMP(3);
 
   float d[2][NT][4], acc[2][NT][4], dx[NT][4], xg[NT][2];
 #pragma unroll
@@ -465,9 +475,11 @@ __global__ void __launch_bounds__(32 * KW)
       if constexpr (XG) refill(i, c + i);
     }
   if (grp >= 0) flush();
+  EXL_KSLICE_STAMP(4);
 
   store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
   __syncthreads();
+  EXL_KSLICE_STAMP(5);
   static_assert(kTile == 32, "a warp stores one row of a tile (fold_row_ss)");
   for (int idx = threadIdx.x; idx < M * kTile; idx += 32 * KW) {   // warp-uniform rows and trip count
     const int m = idx / kTile, cl = idx - m * kTile;
@@ -482,6 +494,7 @@ __global__ void __launch_bounds__(32 * KW)
     }
     if (mats.nf.ss_out != nullptr) fold_row_ss(mats.nf, sq, tile, M, m, lane);
   }
+  EXL_KSLICE_STAMP(6);
 }
 
 
