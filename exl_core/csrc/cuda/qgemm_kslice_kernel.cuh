@@ -194,12 +194,6 @@ __global__ void __launch_bounds__(32 * KW)
   // Scale/zero rows of the warp's first `slots` groups (groups are consecutive along the chunks).
   const int gA = c1 <= c0 ? 0 : reg ? c0 >> gshift : tab[3 * c0 + 1];
   const int gw = c1 <= c0 ? 0 : min(slots, (reg ? (c1 - 1) >> gshift : tab[3 * (c1 - 1) + 1]) - gA + 1);
-  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
-  __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait),
-  if constexpr (fold) {                                       // a cp.async group of its own ahead of scale/zero's
-    for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
-    cp_async_commit();
-  }
   for (int j = lane; j < gw * (H2 ? 8 : 16); j += 32) {     // H2: a slot's 32 (s, z) pairs in its first 32 floats
     const int s = H2 ? j >> 3 : j >> 4, half = H2 ? 0 : (j >> 3) & 1, q = j & 7;
     int64_t cq = tile * kTile + 4 * q;
@@ -208,7 +202,11 @@ __global__ void __launch_bounds__(32 * KW)
   }
   if constexpr (H2)                                           // and its group's multiplier in float 32
     for (int j = lane; j < gw; j += 32) cp_async4(szw + j * 64 + 32, mat.zero + gA + j);
-  cp_async_commit();
+
+  const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
+  __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
+  if constexpr (fold)
+    for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
 
   EXL_KSLICE_STAMP(1);
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
@@ -223,46 +221,6 @@ __global__ void __launch_bounds__(32 * KW)
   if constexpr (XG) {
     // nothing to stage
   } else if (perm == nullptr && aligned && !ACT) {
-#ifndef EXL_KSLICE_STAGE_V0
-    // By plain loads, kB pieces a lane in flight at once, then reordered (and normalised) into place.  cp.async here
-    // made the staging wait for the scale/zero copies issued before the PDL wait (cp.async.wait_all takes every
-    // copy): those come from DRAM behind the weight ring, x from L2.  The fold's norm weight is the group before
-    // scale/zero's.
-    constexpr int kB = 2;                                     // registers: 4 more pieces a lane cost 3 blocks an SM
-    const int per_row = kwl >> 3, np = M * per_row, nb = (np + 32 * kB - 1) / (32 * kB);
-    float* rw = red + warp * M * kTile;                       // fold: rows' r in the warp's partial-sum area
-    for (int b = 0; b < nb; ++b) {                            // warp-uniform trip count (fold_rms shuffles)
-      uint4 v[kB];
-#pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        const int j = lane + 32 * (kB * b + u);
-        if (j < np) {
-          const int m = j / per_row, k = kw0 + 8 * (j - m * per_row);
-          v[u] = __ldg(reinterpret_cast<const uint4*>(x + m * K + k));
-        }
-      }
-      if constexpr (fold) {
-        if (b == 0) {                                         // rows' r while the first pieces fly
-          for (int m = 0; m < M; ++m) {
-            const float r = fold_rms(mats.nf, M, m, K, lane);
-            if (lane == 0) rw[m] = r;
-          }
-          cp_async_wait<1>();                                 // the norm weight's group
-          __syncwarp();
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        const int j = lane + 32 * (kB * b + u);
-        if (j < np) {
-          const int m = j / per_row, k = kw0 + 8 * (j - m * per_row);
-          uint4 o = v[u];
-          if constexpr (fold) o = fold_norm8(o, *reinterpret_cast<const uint4*>(gsm + k), rw[m]);
-          *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs<S16>(o);
-        }
-      }
-    }
-#else
     // by cp.async, every piece in flight at once, then reordered in place (the build that staged through
     // registers, loads then stores, ran GPTQ q/k/v M=8 at 21.0 us against 19.4 in an earlier sweep)
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
@@ -292,38 +250,7 @@ __global__ void __launch_bounds__(32 * KW)
         *p = stage_pairs<S16>(*p);
       }
     }
-#endif
   } else if (ACT && (perm == nullptr || XC) && (aligned || XC)) {  // XC: the host checked the alignment
-#ifndef EXL_KSLICE_STAGE_V0
-    constexpr int kB = 2;                                     // pieces a lane in flight: a round trip a batch
-    const int per_row = kwl >> 3, np = M * per_row;
-    for (int j0 = lane; j0 < np; j0 += 32 * kB) {
-      int64_t src[kB];
-#pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        const int j = j0 + 32 * u, m = j / per_row, k = kw0 + 8 * (j - m * per_row);
-        src[u] = j < np ? m * K + (XC ? __ldg(perm + (k >> 5)) + (k & 31) : k) : 0;
-      }
-      uint4 gv[kB], uv[kB];
-#pragma unroll
-      for (int u = 0; u < kB; ++u)
-        if (j0 + 32 * u < np) {
-          gv[u] = __ldg(reinterpret_cast<const uint4*>(x + src[u]));
-          uv[u] = __ldg(reinterpret_cast<const uint4*>(up + src[u]));
-        }
-#pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        const int j = j0 + 32 * u, m = j / per_row, k = kw0 + 8 * (j - m * per_row);
-        if (j >= np) continue;
-        uint4 o;
-        const __half *gp = reinterpret_cast<const __half*>(&gv[u]), *upp = reinterpret_cast<const __half*>(&uv[u]);
-        __half* op = reinterpret_cast<__half*>(&o);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
-        *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs<S16>(o);
-      }
-    }
-#else
     for (int j = lane; j < M * (kwl >> 3); j += 32) {
       const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
       const int64_t src = XC ? __ldg(perm + (k >> 5)) + (k & 31) : k;
@@ -336,7 +263,6 @@ __global__ void __launch_bounds__(32 * KW)
       for (int i = 0; i < 8; ++i) op[i] = exl_act::silu_mul<__half>(gp[i], upp[i]);
       *reinterpret_cast<uint4*>(xs + m * xs_stride + k) = stage_pairs<S16>(o);
     }
-#endif
   } else if (sgather && perm != nullptr && aligned) {
     // Act-order, shared-memory gather: the block copies x's rows whole (16-byte pieces; with ACT gate's, then
     // up's) and every warp gathers its slice from that copy.  Gathering from global memory instead moves a
@@ -407,9 +333,7 @@ __global__ void __launch_bounds__(32 * KW)
       }
     }
   }
-#ifdef EXL_KSLICE_STAGE_V0
   cp_async_wait_all();
-#endif
   __syncwarp();
   EXL_KSLICE_STAMP(3);
 
@@ -466,57 +390,32 @@ __global__ void __launch_bounds__(32 * KW)
     }
   };
   // Regular groups: the group check runs at a group's first chunk only (gnext); table groups check every chunk.
-  // A staged slot's scale/zero are read at its group's flush, and the first such read waits for the prologue's
-  // copies: nothing before the loop waits on them (they come from DRAM; x came from L2).  Groups past the slots
-  // load theirs from global memory at the group's start, as before.
-  int gnext = c0, gslot = -1;
-  bool sz_landed = false;
-  auto slot_sz = [&](int s, int ge) {
-    if constexpr (H2) {
-      const float* src = s < slots ? szw + s * 64 + 4 * g : mat.scale + static_cast<int64_t>(ge) * N + lcol;
-      const uint4 v = s < slots ? *reinterpret_cast<const uint4*>(src) : __ldg(reinterpret_cast<const uint4*>(src));
-      const float mul = s < slots ? szw[s * 64 + 32] : __ldg(mat.zero + ge);
-      const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
-      const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
-      const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));
-      const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));
-      s4 = make_float4(p0.x * mul, p1.x * mul, p2.x * mul, p3.x * mul), z4 = make_float4(p0.y, p1.y, p2.y, p3.y);
-    } else if (s < slots) {
-      s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
-      z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
-    } else {
-      s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
-      z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
-    }
-  };
-  auto flush_slot = [&]() {                                   // the group's scale/zero if still in shared memory
-#ifndef EXL_KSLICE_STAGE_V0
-    if (gslot >= 0) {
-      if (!sz_landed) {
-        cp_async_wait_all();
-        __syncwarp();
-        sz_landed = true;
-      }
-      slot_sz(gslot, 0);
-    }
-#endif
-    flush();
-  };
+  int gnext = c0;
   auto step = [&](const Raw& r, const uint4 (&xv)[NT], int c) {
     const int32_t* e = tab + 3 * c;
     if (c == gnext) {                                         // warp-uniform
       const int ge = reg ? c >> gshift : e[1];
       gnext = reg ? (ge + 1) << gshift : c + 1;
       if (ge != grp) {
-        if (grp >= 0) flush_slot();
+        if (grp >= 0) flush();
         grp = ge;
         const int s = ge - gA;
-#ifndef EXL_KSLICE_STAGE_V0
-        gslot = s < slots ? s : -1;
-        if (s >= slots) slot_sz(s, ge);
-#else
-        slot_sz(s, ge);
-#endif
+        if constexpr (H2) {
+          const float* src = s < slots ? szw + s * 64 + 4 * g : mat.scale + static_cast<int64_t>(ge) * N + lcol;
+          const uint4 v = s < slots ? *reinterpret_cast<const uint4*>(src) : __ldg(reinterpret_cast<const uint4*>(src));
+          const float mul = s < slots ? szw[s * 64 + 32] : __ldg(mat.zero + ge);
+          const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+          const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+          const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));
+          const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));
+          s4 = make_float4(p0.x * mul, p1.x * mul, p2.x * mul, p3.x * mul), z4 = make_float4(p0.y, p1.y, p2.y, p3.y);
+        } else if (s < slots) {
+          s4 = *reinterpret_cast<const float4*>(szw + s * 64 + 4 * g);
+          z4 = *reinterpret_cast<const float4*>(szw + s * 64 + 32 + 4 * g);
+        } else {
+          s4 = __ldg(reinterpret_cast<const float4*>(mat.scale + static_cast<int64_t>(ge) * N + lcol));
+          z4 = __ldg(reinterpret_cast<const float4*>(mat.zero + static_cast<int64_t>(ge) * N + lcol));
+        }
       }
     }
     uint32_t b[NT][4];
@@ -575,7 +474,7 @@ __global__ void __launch_bounds__(32 * KW)
       step(ring[i], xr[i % XR], c + i);
       if constexpr (XG) refill(i, c + i);
     }
-  if (grp >= 0) flush_slot();
+  if (grp >= 0) flush();
   EXL_KSLICE_STAMP(4);
 
   store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
