@@ -653,6 +653,15 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (argc > 1 && std::string(argv[1]) == "ring") {   // ring depth per launch, rounds alternated (stop 49)
+    for (int round = 0; round < 5; ++round) {
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 8>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o ring 8");
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("ext, down ring 4");
+      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+    }
+    return 0;
+  }
   if (argc > 1 && std::string(argv[1]) == "stream") {   // the one-wave GEMV against the extension's, same run
     check_row<StLauncher<8, 8, true>>();
     check_row<StLauncher<0, 8, true>>();

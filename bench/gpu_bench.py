@@ -312,8 +312,8 @@ def prompt_tok_s(model, T: int = 2048) -> float:
     return T / gpu_time(prefill_call(model, T), 5, warmup=2)
 
 
-def graph_time(fn, reps: int = 10) -> float:
-    """Median seconds of one replay of a CUDA graph of fn() (launch gaps shrunk, no host overhead)."""
+def capture_graph(fn):
+    """(graph, its output): fn() captured in a CUDA graph after two warm calls on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -322,8 +322,13 @@ def graph_time(fn, reps: int = 10) -> float:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return gpu_time(g.replay, reps)
+        out = fn()
+    return g, out
+
+
+def graph_time(fn, reps: int = 10) -> float:
+    """Median seconds of one replay of a CUDA graph of fn() (launch gaps shrunk, no host overhead)."""
+    return gpu_time(capture_graph(fn)[0].replay, reps)
 
 
 @torch.inference_mode()
