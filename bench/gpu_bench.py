@@ -138,6 +138,7 @@ class PrefillContext:
 
     def __init__(self, kv: StaticKV, T: int):
         self.kv, self.T = kv, T
+        self.num_positions = T          # stated, so Model.forward reads no max position back (a sync; graphs)
         self.positions = torch.arange(T, device="cuda").repeat(kv.B)
         self.logit_rows = torch.arange(kv.B, device="cuda") * T + T - 1
 

@@ -62,11 +62,18 @@ def main() -> None:
     def graph_tok_s(fmt: str) -> float:
         if fmt not in graphs:                         # captured once; its logits against an eager forward's
             fn = prefill_call(models[fmt], T)
-            g, out = capture_graph(fn)
+            try:
+                g, out = capture_graph(fn)
+            except RuntimeError as e:                 # a sync or other uncapturable call: recorded, not fatal
+                graph_err[fmt], graphs[fmt] = f"capture failed: {e}".splitlines()[0], None
+                torch.cuda.synchronize()
+                return float("nan")
             g.replay()
             ref = fn()
             graph_err[fmt] = (out.float() - ref.float()).abs().max().item()
             graphs[fmt] = g
+        if graphs[fmt] is None:
+            return float("nan")
         return T / gpu_time(graphs[fmt].replay, 5, warmup=2)
 
     def run(name: str) -> float:

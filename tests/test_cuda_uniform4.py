@@ -145,6 +145,30 @@ def test_prompt_dequantise_adds_twins(dtype, padded, monkeypatch):
         assert not torch.equal(w, two) or not bool((twins >= 0).any())     # the twin path did run
 
 
+def test_twin_table_needs_sixteen_times_the_scale():
+    """The prompt's dequantise takes a chunk and its twin as one value r + 16 h with the chunk's scale, so twins_of
+    gives a table only where every twin's scale is exactly 16x its chunk's (as formats.uniform4 writes it); one
+    column's twin scale off by an ulp and there is none (the extra rows are then dequantised apart and added)."""
+    _need_kernels()
+    import dataclasses
+    from exl_core.formats.uniform4 import as_uniform4
+    from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_dequant as cd
+    u = as_uniform4(random_packed(U4_LAYOUTS[1], 520, perm=True), max_growth=10.0).to("cuda")
+    fresh = lambda pw: dataclasses.replace(pw, meta={k: v for k, v in pw.meta.items() if not k.startswith("_")})
+    good = fresh(u)
+    chunks, perm = cc._chunks_of(good), cc._perm_of(good, torch.device("cuda"))
+    twins = cd.twins_of(good, chunks, perm)
+    assert twins is not None and bool((twins >= 0).any())
+    t = int(twins[twins >= 0][0])
+    scale = u.scale.clone()
+    g = int(chunks[t, 1])
+    scale[g, 3] = torch.nextafter(scale[g, 3], torch.tensor(float("inf"), device="cuda"))
+    bad = dataclasses.replace(fresh(u), scale=scale)
+    chunks, perm = cc._chunks_of(bad), cc._perm_of(bad, torch.device("cuda"))
+    assert cd.twins_of(bad, chunks, perm) is None
+
+
 def test_rewritten_prompt_reads_x_in_natural_order(tiny_model_factory, tmp_path, monkeypatch):
     """A rewritten EXL2 model's prompt (rows past the decode kernels): the norm before q/k/v and gate/up writes x in
     its natural order (no permuted norm), every GEMM runs over K, and the logits agree with the extended-order path

@@ -60,8 +60,9 @@ def twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
     rows of a weight rewritten as uniform 4-bit rows, formats/uniform4.py) the chunk-table row of the extra chunk
     that reads the same 32 x columns in the same order, or -1.  Extra chunks of zero scale (pad_rows' padding) add
     nothing and are left out.  None where pw is not of that form (a chunk not 4-bit, an extra chunk matching no main
-    chunk, a main chunk with two) or a CUDA graph is being captured with none made yet.  Made once per permutation
-    tensor (a host sync) and kept in pw's meta."""
+    chunk, a main chunk with two, a twin whose scale is not exactly 16x its chunk's: the kernel dequantises r + 16 h
+    with the chunk's scale) or a CUDA graph is being captured with none made yet.  Made once per permutation tensor
+    (a host sync) and kept in pw's meta."""
     held = pw.meta.get("_cuda_twins")
     if held is not None and held[0] is perm and held[1] is chunks:
         return held[2]
@@ -77,9 +78,11 @@ def twins_of(pw, chunks, perm) -> Optional[torch.Tensor]:
         same = torch.equal(main.view(-1, 32)[first // 32][live], extra[live]) and bool((first[live] % 32 == 0).all())
         if same:
             owner = (first // 32)[live]
-            if owner.unique().numel() == owner.numel():
+            tw = live.nonzero().flatten() + k // 32                  # the twin chunks' rows of the chunk table
+            scaled = torch.equal(pw.scale[chunks[tw, 1].long()], pw.scale[chunks[owner, 1].long()] * 16)
+            if owner.unique().numel() == owner.numel() and scaled:
                 twins = torch.full((k // 32,), -1, dtype=torch.int32, device=perm.device)
-                twins[owner] = (live.nonzero().flatten() + k // 32).to(torch.int32)
+                twins[owner] = tw.to(torch.int32)
     pw.meta["_cuda_twins"] = (perm, chunks, twins)
     return twins
 

@@ -87,18 +87,28 @@ __device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint3
   }
 }
 
-// The twin of a 4-bit chunk (formats/uniform4.py: a 5..8-bit value stored as two 4-bit rows that read one x column,
-// the high halves in an extra chunk after all K rows): its words and scaled group, added into the chunk's values
-// before the one rounding to T, so W has K rows and the prompt's GEMM runs over K.  A chunk without a twin takes the
-// same code with zero words, scale and zero (it adds +0): one copy of the unrolled loop, in a 4-bit-only instance
-// (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B layer alone: 154.01 /
-// 153.36 against 132.26 / 131.06 for the width switch's instance over the same chunks (stop 34 calls 5 / 7); a
-// second unrolled copy for twinned chunks, or this loop inside the switch's instance, ran 202.24 / 167.73 (stop 33).
+// The twin of a 4-bit chunk (formats/uniform4.py: a 5..8-bit value q = r + 16 h stored as two 4-bit rows that read
+// one x column, the high halves h in an extra chunk after all K rows, with scale 16 s and zero z_h): its words and
+// zero term, so the thread dequantises (r | h << 4) once, with the chunk's scale s and the two zero terms summed --
+// W has K rows and the prompt's GEMM runs over K.  twins_of (ops/cuda_dequant.py) gives a twin only where its scale
+// is exactly 16 s.  A chunk without a twin takes the same code with zero words and zero term: one copy of the
+// unrolled loop, in a 4-bit-only instance (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in
+// 16, us a 7B layer alone: 154.01 / 153.36 against 132.26 / 131.06 for the width switch's instance over the same
+// chunks (stop 34 calls 5 / 7, when the twin's values were dequantised apart and added: two extractions, two FMAs
+// and an add a value); a second unrolled copy for twinned chunks, or this loop inside the switch's instance, ran
+// 202.24 / 167.73 (stop 33).
 template <int V>
 struct Twin {
   const int32_t* qw;              // null: no twin (zero words)
-  float s[V], zs[V];
+  float zs[V];                    // z_h * 16 s, or 0
 };
+
+// Value i (0..31) of a twinned 4-bit chunk's column v: r from the chunk's words, h from the twin's.
+template <int V>
+__device__ __forceinline__ uint32_t twin_q(const uint32_t (&w)[4][V], const uint32_t (&w2)[4][V], int i, int v) {
+  const int wi = i >> 3, off = (i & 7) * 4;
+  return ((w[wi][v] >> off) & 15u) | (((w2[wi][v] >> off) & 15u) << 4);
+}
 
 // One thread per (chunk, V adjacent columns): 32 dequantised values per column written to rows perm[k] of W (rows
 // ldw apart) at Wc (the thread's first column); word rows are ldq apart.  V = 8 (16-bit W, aligned): two 16-byte
@@ -113,16 +123,18 @@ __device__ __forceinline__ void dequant_chunk(const int32_t* qw, int64_t ldq, in
   uint32_t w[BITS][V], w2[TW ? 4 : 1][V];
   load_chunk<BITS, V>(qw, ldq, w);
   if constexpr (TW) load_chunk<4, V>(twin.qw, ldq, w2, twin.qw != nullptr);   // a select per load, not a branch
+  float zt[V];                                                  // the zero terms, the twin's added in
+#pragma unroll
+  for (int v = 0; v < V; ++v) zt[v] = TW ? zs[v] + twin.zs[v] : zs[v];
   exl_pdl::pdl_wait();
   exl_pdl::pdl_trigger();
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     float f[V];
 #pragma unroll
-    for (int v = 0; v < V; ++v) f[v] = chunk_value<BITS, V>(w, i, v, s[v], zs[v]);
-    if constexpr (TW) {
-#pragma unroll
-      for (int v = 0; v < V; ++v) f[v] += chunk_value<4, V>(w2, i, v, twin.s[v], twin.zs[v]);
+    for (int v = 0; v < V; ++v) {
+      if constexpr (TW) f[v] = fmaf(q_to_f(twin_q<V>(w, w2, i, v)), s[v], -zt[v]);
+      else f[v] = chunk_value<BITS, V>(w, i, v, s[v], zt[v]);
     }
     const int64_t k = k0 + i;
     const int64_t row = perm ? perm[k] : k;
@@ -183,12 +195,9 @@ __global__ void dequant_kernel(const __grid_constant__ DequantMats mats) {
     Twin<V> tw;
     const int tc = m.twin ? ld_early(m.twin + c) : -1;
     tw.qw = tc >= 0 ? m.qweight + static_cast<int64_t>(m.chunks[tc * 3 + 2]) * m.ldq + col : nullptr;
-    if (tc >= 0) {
-      group_scale_zero<V>(m.scale, m.zero, m.chunks[tc * 3 + 1], m.ldq, col, tw.s, tw.zs);
-    } else {
+    const int64_t tg = tc >= 0 ? m.chunks[tc * 3 + 1] : 0;
 #pragma unroll
-      for (int v = 0; v < V; ++v) tw.s[v] = tw.zs[v] = 0.f;
-    }
+    for (int v = 0; v < V; ++v) tw.zs[v] = tc >= 0 ? ld_early(m.zero + tg * m.ldq + col + v) * (16.f * s[v]) : 0.f;
     dequant_chunk<T, 4, V, true>(qw, ldq, ldw, s, zs, perm, c * 32, Wc, tw);
   } else if constexpr (KIND == kUniform4) {
     dequant_chunk<T, 4, V>(qw, ldq, ldw, s, zs, perm, c * 32, Wc);
