@@ -1,0 +1,47 @@
+"""Where a decode layer's time goes between its launches, from gemv_probe's phase stamps (mode `stamps`,
+STAMP_CSV=...: every warp of layers 3 and 4 with its globaltimer at entry, before and after the PDL wait, x staged,
+loop done, after the block's barrier, exit; bench/gemv_probe.cu).
+
+    python bench/stamps_report.py bench/results/gemv_stamps_l34_h200_stop49_call1_1dd63da.csv.gz
+
+Per launch, us from the layer's first q/k/v entry: the median entry, the median wait release, the staged rows'
+p10/p50/p90, the loop's end p10/p50/p90/max and the last exit; then the ramp (the launch before's last exit to this
+launch's median staged time, when its weights stream again) and the tail (its median loop end to its last exit; for
+gate/up's 688 blocks in two waves that is the second wave).
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import sys
+
+OPS = ("q/k/v", "o", "gate/up", "down")
+
+
+def pct(v: list, q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+def main(path: str) -> None:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        rows = list(csv.DictReader(f))
+    prev_exit = None                                          # ns: the launch before's last exit (layers run in turn)
+    for layer in sorted({r["layer"] for r in rows}):
+        lr = [r for r in rows if r["layer"] == layer]
+        t0 = min(int(r["t0"]) for r in lr if r["op"] == OPS[0])
+        print(f"layer {layer}: us from its q/k/v launch's first warp entry")
+        for op in OPS:
+            w = [r for r in lr if r["op"] == op]
+            at = {p: [(int(r[f"t{p}"]) - t0) / 1e3 for r in w] for p in range(7)}
+            staged, done, exit_max = pct(at[3], 0.5), pct(at[4], 0.5), max(at[6])
+            ramp = f"{staged - (prev_exit - t0) / 1e3:5.2f}" if prev_exit is not None else "    -"
+            print(f"  {op:8s} entry {pct(at[0], .5):6.2f}  waited {pct(at[2], .5):6.2f}  staged "
+                  f"{pct(at[3], .1):6.2f} {staged:6.2f} {pct(at[3], .9):6.2f}  loop done {pct(at[4], .1):6.2f} "
+                  f"{done:6.2f} {pct(at[4], .9):6.2f} {max(at[4]):6.2f}  exit {exit_max:6.2f} | ramp {ramp} "
+                  f"tail {exit_max - done:5.2f}")
+            prev_exit = max(int(r["t6"]) for r in w)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
