@@ -265,8 +265,9 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
 // (a stage's outputs, which the fence must make visible before the count, as a real kernel's would).
 // DEFER0 (K, with NEXT and a combined barrier): warp 0, whose thread 0 runs the fence, loads its part of the next
 // chunk only after the barrier; the other warps load theirs before it, as in I'.  Near J: the fence waited for
-// thread 0's own loads; near I': something else (the __syncthreads, the other warps' loads) did.  Written after stop
-// 48's last call: not yet run.
+// thread 0's own loads; near I': something else (the __syncthreads, the other warps' loads) did.  Stop 49 call 1
+// (bench/results/persist_probe_h200_stop49_call1_1dd63da.txt): K 35.81 against I' 36.92 and J 32.53 us a layer, so
+// thread 0's own loads explain ~1.1 of the 4.39 us J saves over I'; the rest waits elsewhere (not separated further).
 template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false, bool STORES = false, bool DEFER0 = false>
 __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0, int s1, unsigned* counter,
                                                        unsigned bar0, unsigned* chunk_ctr, int* out) {
