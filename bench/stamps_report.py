@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import csv
 import gzip
+import math
 import sys
 
 OPS = ("q/k/v", "o", "gate/up", "down")
+
+
+def t2(x: float) -> str:
+    """x truncated (not rounded) to two decimals."""
+    return f"{math.trunc(x * 100) / 100:6.2f}"
 
 
 def pct(v: list, q: float) -> float:
@@ -35,11 +41,10 @@ def main(path: str) -> None:
             w = [r for r in lr if r["op"] == op]
             at = {p: [(int(r[f"t{p}"]) - t0) / 1e3 for r in w] for p in range(7)}
             staged, done, exit_max = pct(at[3], 0.5), pct(at[4], 0.5), max(at[6])
-            ramp = f"{staged - (prev_exit - t0) / 1e3:5.2f}" if prev_exit is not None else "    -"
-            print(f"  {op:8s} entry {pct(at[0], .5):6.2f}  waited {pct(at[2], .5):6.2f}  staged "
-                  f"{pct(at[3], .1):6.2f} {staged:6.2f} {pct(at[3], .9):6.2f}  loop done {pct(at[4], .1):6.2f} "
-                  f"{done:6.2f} {pct(at[4], .9):6.2f} {max(at[4]):6.2f}  exit {exit_max:6.2f} | ramp {ramp} "
-                  f"tail {exit_max - done:5.2f}")
+            ramp = t2(staged - (prev_exit - t0) / 1e3) if prev_exit is not None else "     -"
+            print(f"  {op:8s} entry {t2(pct(at[0], .5))}  waited {t2(pct(at[2], .5))}  staged {t2(pct(at[3], .1))} "
+                  f"{t2(staged)} {t2(pct(at[3], .9))}  loop done {t2(pct(at[4], .1))} {t2(done)} {t2(pct(at[4], .9))} "
+                  f"{t2(max(at[4]))}  exit {t2(exit_max)} | ramp {ramp} tail {t2(exit_max - done)}")
             prev_exit = max(int(r["t6"]) for r in w)
 
 
