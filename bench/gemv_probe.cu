@@ -19,6 +19,12 @@
 // prefetch.global.L2 (`git show 64b59b5:bench/gemv_probe.cu`, mode l2pf; bench/results/gemv_probe_l2pf_h200_stop39_*);
 // a one-wave GEMV that triggers its dependants first and stages its first chunks before the wait (mode `stream`,
 // bench/stream_gemv_kernel.cuh; bench/results/gemv_probe_stream_h200_stop40_*).
+// Modes of stop 49: `stamps` (built with -DKSLICE_STAMPS; STAMP_CSV=file.csv): every warp's phase times in the chain
+// (bench/stamps_report.py reads the CSV; bench/results/gemv_stamps_*_stop49_*); `ring`: ring depths per launch in the
+// chain; `tailpf` (built with -DKSLICE_TAIL_PREFETCH): the chain with each launch's warps, done with their loop, asking
+// L2 for the next launch's first ring of weights, against without, rounds alternated -- written after stop 49's last
+// call, compiled, not yet run (`PHASES=gemv PROBE_FLAGS=-DKSLICE_TAIL_PREFETCH PROBE_ARGS=tailpf bash bench/gpu.sh`;
+// with the stamps: PROBE_FLAGS="-DKSLICE_STAMPS -DKSLICE_TAIL_PREFETCH" PROBE_ARGS=stamps STAMP_TAILPF=1).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -31,20 +37,29 @@
 #include <vector>
 #include <type_traits>
 
-#ifdef KSLICE_STAMPS   // mode `stamps`: the kernel's phase hooks store each warp's globaltimer and clock64
+#if defined(KSLICE_STAMPS) || defined(KSLICE_TAIL_PREFETCH)
 #include <cstdint>
+#define KSLICE_LAUNCH_IDS
+namespace launch_ids {                  // a launch's id: the slot of its first weight's y in one arena (make_weight)
+constexpr int kIds = 64;
+__constant__ const char* g_arena;       // every weight's y sits in a 64 KB slot of this arena: id = slot
+__device__ __forceinline__ int64_t id_of(const void* y) { return (static_cast<const char*>(y) - g_arena) >> 16; }
+}  // namespace launch_ids
+#endif
+
+#ifdef KSLICE_STAMPS   // mode `stamps`: the kernel's phase hooks store each warp's globaltimer and clock64
 namespace stamps {
-constexpr int kIds = 64, kBlocks = 704, kWarps = 16, kPhases = 8;   // ids: the launch's first weight (its y)
+using launch_ids::kIds;
+constexpr int kBlocks = 704, kWarps = 16, kPhases = 8;
 __constant__ unsigned long long* g_t;   // [id][block][warp][phase] globaltimer, ns (0: not stamped)
 __constant__ long long* g_c;            // the same slots: clock64
 __constant__ unsigned* g_sm;            // [id][block]: the SM
-__constant__ const char* g_arena;       // every weight's y sits in a 64 KB slot of this arena: id = slot
 __device__ __forceinline__ void stamp(int phase, const void* y) {
   if ((threadIdx.x & 31) != 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   const long long c = clock64();
-  const int64_t id = (static_cast<const char*>(y) - g_arena) >> 16;
+  const int64_t id = launch_ids::id_of(y);
   const int64_t slot = ((id * kBlocks + blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kPhases + phase;
   g_t[slot] = t;
   g_c[slot] = c;
@@ -56,6 +71,44 @@ __device__ __forceinline__ void stamp(int phase, const void* y) {
 }
 }  // namespace stamps
 #define EXL_KSLICE_STAMP(phase) stamps::stamp(phase, mats.m[0].y)
+#endif
+
+#ifdef KSLICE_TAIL_PREFETCH   // mode `tailpf`: a launch's warps, done with their loop, ask L2 for the next launch's
+// first ring of weights (what its warps load before their PDL wait), spread over every thread of the launch: the
+// next launch's blocks enter only as this one's leave (phase stamps, stop 49), so its first loads would then hit L2.
+namespace tailpf {
+struct NextMat {
+  const int32_t* qw;
+  int64_t ldq;
+  int tile0;
+};
+struct NextOp {                         // the launch after, as its plan: kw warps a tile, a ring of `ring` chunks
+  NextMat m[3];
+  int n, kw, ring, n_chunks, tiles;     // n = 0: no prefetch
+};
+__constant__ NextOp c_next[launch_ids::kIds];
+__device__ __forceinline__ void prefetch_next(const void* y) {
+  const NextOp& nx = c_next[launch_ids::id_of(y)];
+  if (nx.n == 0) return;
+  const int64_t lines = static_cast<int64_t>(nx.tiles) * nx.kw * nx.ring * 4;   // 128 B: 4 word rows a chunk
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < lines; j += step) {
+    const int r = static_cast<int>(j & 3);
+    int64_t q = j >> 2;
+    const int ci = static_cast<int>(q % nx.ring);
+    q /= nx.ring;
+    const int w = static_cast<int>(q % nx.kw), T = static_cast<int>(q / nx.kw);
+    const int c = nx.n_chunks * w / nx.kw + ci;
+    if (c >= nx.n_chunks * (w + 1) / nx.kw) continue;
+    int mi = 0;
+    while (mi + 1 < nx.n && T >= nx.m[mi + 1].tile0) ++mi;
+    const NextMat& m = nx.m[mi];
+    const int32_t* p = m.qw + (4 * static_cast<int64_t>(c) + r) * m.ldq + 32 * static_cast<int64_t>(T - m.tile0);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+}
+}  // namespace tailpf
+#define EXL_KSLICE_TAIL() tailpf::prefetch_next(mats.m[0].y)
 #endif
 #include "../exl_core/csrc/cuda/qgemm_kslice_kernel.cuh"   // the extension's kernels (no torch headers)
 #include "../exl_core/csrc/cuda/qgemm_skinny_kernel.cuh"
@@ -119,15 +172,15 @@ void make_h2(W& w) {                                        // the probe's weigh
 W make_weight(int K, int N, bool mixed = false, int act = -1) {
   const PackedDev p = make_packed(K, N, mixed, act < 0 ? mixed : act != 0);
   W w{K, N, p.qw, p.s, p.z, nullptr, p.chunks, p.perm};
-#ifdef KSLICE_STAMPS
-  static char* arena = nullptr;                               // y in 64 KB slots: the stamp's launch id
+#ifdef KSLICE_LAUNCH_IDS
+  static char* arena = nullptr;                               // y in 64 KB slots: the launch id
   static int used = 0;
   if (!arena) {
-    CK(cudaMalloc(&arena, static_cast<size_t>(stamps::kIds) << 16));
-    CK(cudaMemcpyToSymbol(stamps::g_arena, &arena, sizeof arena));
+    CK(cudaMalloc(&arena, static_cast<size_t>(launch_ids::kIds) << 16));
+    CK(cudaMemcpyToSymbol(launch_ids::g_arena, &arena, sizeof arena));
   }
-  if (used >= stamps::kIds || N * 2 > (1 << 16)) {
-    printf("FAILED: the stamp arena holds %d outputs of at most 32768 halves\n", stamps::kIds);
+  if (used >= launch_ids::kIds || N * 2 > (1 << 16)) {
+    printf("FAILED: the launch-id arena holds %d outputs of at most 32768 halves\n", launch_ids::kIds);
     exit(2);
   }
   w.y = reinterpret_cast<__half*>(arena + (static_cast<size_t>(used++) << 16));
@@ -442,6 +495,67 @@ void check_row(std::vector<Layer>& layers = g_layers) {
   }
 }
 
+#ifdef KSLICE_TAIL_PREFETCH
+// The chain's next launch for each launch of "GPTQ as the extension" (q/k/v -> o -> gate/up -> down -> the next
+// layer's q/k/v; the last layer's down -> the first layer's q/k/v, as a replay follows the one before), or none.
+template <int KW, int R>
+tailpf::NextOp next_op(const Op& op) {
+  tailpf::NextOp nx{};
+  nx.n = static_cast<int>(op.size());
+  nx.kw = KW, nx.ring = R, nx.n_chunks = op[0]->K / 32;
+  int tiles = 0;
+  for (int i = 0; i < nx.n; ++i) {
+    nx.m[i] = {op[i]->qw, op[i]->N, tiles};
+    tiles += (op[i]->N + 31) / 32;
+  }
+  nx.tiles = tiles;
+  return nx;
+}
+int launch_id(W* w);
+void set_tail_prefetch(bool on) {
+  std::vector<tailpf::NextOp> table(launch_ids::kIds);
+  if (on)
+    for (int L = 0; L < kLayers; ++L) {
+      Layer& l = g_layers[L];
+      Layer& nl = g_layers[(L + 1) % kLayers];
+      table[launch_id(&l.q)] = next_op<16, 4>(Op{&l.o});
+      table[launch_id(&l.o)] = next_op<8, 4>(Op{&l.gate, &l.up});
+      table[launch_id(&l.gate)] = next_op<16, 8>(Op{&l.down});
+      table[launch_id(&l.down)] = next_op<8, 4>(Op{&nl.q, &nl.k, &nl.v});
+    }
+  CK(cudaMemcpyToSymbol(tailpf::c_next, table.data(), table.size() * sizeof(tailpf::NextOp)));
+}
+// Mode `tailpf`: the chain with and without the tail prefetches, rounds alternated (per-launch rows would prefetch
+// for a launch that does not follow, so only chains).
+int tailpf_run() {
+  for (int round = 0; round < 6; ++round)
+    for (int on = 0; on < 2; ++on) {
+      const int o = round % 2 ? 1 - on : on;
+      set_tail_prefetch(o != 0);
+      const float us = time_seq([&](cudaStream_t st) {
+                         for (auto& l : g_layers) {
+                           KsLauncher<8, 4>::go(Op{&l.q, &l.k, &l.v}, g_x4096, st);
+                           KsLauncher<16, 4>::go(Op{&l.o}, g_x4096, st);
+                           KsLauncher<8, 4>::go(Op{&l.gate, &l.up}, g_x4096, st);
+                           KsLauncher<16, 8>::go(Op{&l.down}, g_x11008, st);
+                         }
+                       }) / kLayers;
+      printf("GPTQ as the extension, tail prefetch %-3s chain %6.2f us/layer\n", o ? "on" : "off", us);
+      printf("JSON {\"tailpf\": %d, \"round\": %d, \"chain_us_per_layer\": %.2f}\n", o, round, us);
+    }
+  set_tail_prefetch(false);
+  return 0;
+}
+#endif
+
+#ifdef KSLICE_LAUNCH_IDS
+int launch_id(W* w) {
+  char* arena;
+  CK(cudaMemcpyFromSymbol(&arena, launch_ids::g_arena, sizeof arena));
+  return static_cast<int>((reinterpret_cast<char*>(w->y) - arena) >> 16);
+}
+#endif
+
 #ifdef KSLICE_STAMPS
 // Mode `stamps`: the chain "GPTQ as the extension" replayed from a graph, then once more with every warp's phase
 // stamps kept (qgemm_kslice_kernel.cuh's EXL_KSLICE_STAMP: 0 entry, 1 before the PDL wait, 2 after it, 3 x staged,
@@ -492,11 +606,7 @@ int stamp_run() {
   CK(cudaMemcpy(ht.data(), t, n * 8, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hc.data(), c, n * 8, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hsm.data(), sm, hsm.size() * 4, cudaMemcpyDeviceToHost));
-  auto id_of = [&](W* w) {
-    char* arena;
-    CK(cudaMemcpyFromSymbol(&arena, g_arena, sizeof arena));
-    return static_cast<int>((reinterpret_cast<char*>(w->y) - arena) >> 16);
-  };
+  auto id_of = launch_id;
   // clock64 cycles per ns, from every warp's entry-to-exit span
   double cyc = 0, ns = 0;
   std::vector<unsigned long long> deltas;
@@ -602,6 +712,10 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&g_x11008, 11008 * 2));
   CK(cudaMemcpy(g_x4096, hx.data(), 4096 * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(g_x11008, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
+#ifdef KSLICE_TAIL_PREFETCH
+  if (argc > 1 && std::string(argv[1]) == "tailpf") return tailpf_run();
+  set_tail_prefetch(getenv("STAMP_TAILPF") != nullptr);   // stamps with the tail prefetches on (-D both)
+#endif
 #ifdef KSLICE_STAMPS
   if (argc > 1 && std::string(argv[1]) == "stamps") return stamp_run();
 #endif

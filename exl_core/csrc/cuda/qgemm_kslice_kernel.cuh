@@ -45,9 +45,13 @@
 #include "qmma_device.cuh"
 
 // Phase stamps for bench/gemv_probe.cu's `stamps` mode (built with -DKSLICE_STAMPS, which defines the macro as a
-// timer store per warp); empty in the extension.
+// timer store per warp) and its `tailpf` mode's hook after a warp's loop (-DKSLICE_TAIL_PREFETCH: L2 prefetches of
+// the next launch's first weights); both empty in the extension.
 #ifndef EXL_KSLICE_STAMP
 #define EXL_KSLICE_STAMP(phase)
+#endif
+#ifndef EXL_KSLICE_TAIL
+#define EXL_KSLICE_TAIL()
 #endif
 
 namespace exl_kslice {
@@ -476,6 +480,7 @@ __global__ void __launch_bounds__(32 * KW)
     }
   if (grp >= 0) flush();
   EXL_KSLICE_STAMP(4);
+  EXL_KSLICE_TAIL();
 
   store_partials<NT>(acc, red + warp * M * kTile, kTile, M, g, t);
   __syncthreads();
