@@ -267,7 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(const Streams st, int
 // chunk only after the barrier; the other warps load theirs before it, as in I'.  Near J: the fence waited for
 // thread 0's own loads; near I': something else (the __syncthreads, the other warps' loads) did.  Stop 49 call 1
 // (bench/results/persist_probe_h200_stop49_call1_1dd63da.txt): K 35.81 against I' 36.92 and J 32.53 us a layer, so
-// thread 0's own loads explain ~1.1 of the 4.39 us J saves over I'; the rest waits elsewhere (not separated further).
+// warp 0's loads (the fence's warp) explain ~1.1 of the 4.39 us J saves over I'; the rest waits elsewhere (not
+// separated further).
 template <int U, bool BARRIERS, bool NEXT, bool SPLIT = false, bool STORES = false, bool DEFER0 = false>
 __global__ void __launch_bounds__(kThreads) dyn_kernel(const Streams st, int s0, int s1, unsigned* counter,
                                                        unsigned bar0, unsigned* chunk_ctr, int* out) {

@@ -7,8 +7,8 @@ format: the untraced eager prompt (gpu_bench.prompt_tok_s's forward) and traced 
 part, with the gaps before each part's launches and the largest gaps by (previous part, part).  Gaps: the idle time
 before a launch (its start minus the latest end before it, when positive); the net idle time also subtracts where
 kernels overlap (programmatic dependent launch).  The tracer's cost per launch can make a host-heavy path look
-host-bound: bench/prompt_host.py times the host untraced.  (A CUDA graph of the prompt is not tried: Model.forward
-reads positions.max() on the host unless the context states num_positions, which PrefillContext does not.)
+host-bound: bench/prompt_host.py times the host untraced.  (The prompt from a CUDA graph: bench/gpu_prompt_ab.py's
+graph variants; PrefillContext states num_positions since stop 49, so Model.forward reads nothing back.)
 
     PYTHONPATH=. python bench/prompt_timeline.py --gptq /tmp/exl_bench/gptq --exl2 /tmp/exl_bench/exl2
 """

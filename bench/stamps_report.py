@@ -19,9 +19,10 @@ import sys
 OPS = ("q/k/v", "o", "gate/up", "down")
 
 
-def t2(x: float) -> str:
-    """x truncated (not rounded) to two decimals."""
-    return f"{math.trunc(x * 100) / 100:6.2f}"
+def t2(ns: int) -> str:
+    """ns as us, truncated (not rounded) to two decimals, in integer arithmetic."""
+    sign, ns = ("-", -ns) if ns < 0 else ("", ns)
+    return f"{sign}{ns // 1000}.{ns % 1000 // 10:02d}".rjust(6)
 
 
 def pct(v: list, q: float) -> float:
@@ -33,15 +34,15 @@ def main(path: str) -> None:
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         rows = list(csv.DictReader(f))
     prev_exit = None                                          # ns: the launch before's last exit (layers run in turn)
-    for layer in sorted({r["layer"] for r in rows}):
+    for layer in sorted({r["layer"] for r in rows}, key=int):
         lr = [r for r in rows if r["layer"] == layer]
         t0 = min(int(r["t0"]) for r in lr if r["op"] == OPS[0])
         print(f"layer {layer}: us from its q/k/v launch's first warp entry")
         for op in OPS:
             w = [r for r in lr if r["op"] == op]
-            at = {p: [(int(r[f"t{p}"]) - t0) / 1e3 for r in w] for p in range(7)}
+            at = {p: [int(r[f"t{p}"]) - t0 for r in w] for p in range(7)}     # ns
             staged, done, exit_max = pct(at[3], 0.5), pct(at[4], 0.5), max(at[6])
-            ramp = t2(staged - (prev_exit - t0) / 1e3) if prev_exit is not None else "     -"
+            ramp = t2(staged - (prev_exit - t0)) if prev_exit is not None else "     -"
             print(f"  {op:8s} entry {t2(pct(at[0], .5))}  waited {t2(pct(at[2], .5))}  staged {t2(pct(at[3], .1))} "
                   f"{t2(staged)} {t2(pct(at[3], .9))}  loop done {t2(pct(at[4], .1))} {t2(done)} {t2(pct(at[4], .9))} "
                   f"{t2(max(at[4]))}  exit {t2(exit_max)} | ramp {ramp} tail {t2(exit_max - done)}")

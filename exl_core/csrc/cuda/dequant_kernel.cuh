@@ -87,16 +87,15 @@ __device__ __forceinline__ void load_chunk(const int32_t* qw, int64_t ldq, uint3
   }
 }
 
-// The twin of a 4-bit chunk (formats/uniform4.py: a 5..8-bit value q = r + 16 h stored as two 4-bit rows that read
-// one x column, the high halves h in an extra chunk after all K rows, with scale 16 s and zero z_h): its words and
-// zero term, so the thread dequantises (r | h << 4) once, with the chunk's scale s and the two zero terms summed --
-// W has K rows and the prompt's GEMM runs over K.  twins_of (ops/cuda_dequant.py) gives a twin only where its scale
-// is exactly 16 s.  A chunk without a twin takes the same code with zero words and zero term: one copy of the
-// unrolled loop, in a 4-bit-only instance (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in
-// 16, us a 7B layer alone: 154.01 / 153.36 against 132.26 / 131.06 for the width switch's instance over the same
-// chunks (stop 34 calls 5 / 7, when the twin's values were dequantised apart and added: two extractions, two FMAs
-// and an add a value); a second unrolled copy for twinned chunks, or this loop inside the switch's instance, ran
-// 202.24 / 167.73 (stop 33).
+// The twin of a 4-bit chunk (formats/uniform4.py: a 5..8-bit value q = r + 16 h stored as two 4-bit rows that read one
+// x column, the high halves h in an extra chunk after all K rows, with scale 16 s and zero z_h): its words and zero
+// term, so the thread dequantises (r | h << 4) once, with the chunk's scale s and the two zero terms summed -- W has K
+// rows and the prompt's GEMM runs over K.  twins_of (ops/cuda_dequant.py) gives a table only where every twin's scale
+// is exactly 16 s.  A chunk without a twin takes the same code with zero words and zero term: one copy of the unrolled
+// loop, in a 4-bit-only instance (dequant_kernel kTwin4).  H200, bench/twin_probe.cu, a twin for 1 chunk in 16, us a 7B
+// layer alone: 154.01 / 153.36 against 132.26 / 131.06 for the width switch's instance over the same chunks (stop 34
+// calls 5 / 7, when the twin's values were dequantised apart and added: two extractions, two FMAs and an add a value);
+// a second unrolled copy for twinned chunks, or this loop inside the switch's instance, ran 202.24 / 167.73 (stop 33).
 template <int V>
 struct Twin {
   const int32_t* qw;              // null: no twin (zero words)

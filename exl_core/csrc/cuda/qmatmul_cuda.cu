@@ -327,10 +327,11 @@ void dequant_into(at::Tensor& W, const at::Tensor& qweight, const at::Tensor& ch
 // weight (cols -1: to the end) for cuBLAS.  Large-M callers take wide weights in L2-sized column slices.
 // twin (int32 [K / 32], a weight rewritten as uniform 4-bit rows, formats/uniform4.py): W has K = 32 x its length
 // rows, chunk c's values plus, where twin[c] >= 0, those of chunk-table row twin[c] (the extra rows reading the same
-// x columns in the same order), rounded once; perm then has K entries.  The caller (ops/cuda_dequant.py
-// twins_of) checked that every chunk is 4-bit and every twin inside the table.  uniform4: every chunk is 4-bit
-// (the caller knows: uniform4), the instance without the width switch.  l2: W's lines persist in L2 (a GEMM reads
-// W next: l2_persist.cuh).
+// x columns in the same order), rounded once; perm then has K entries.  The kernel reads only a twin's words and
+// zero: it takes the twin's scale as exactly 16x its chunk's (formats/uniform4.py).  The caller (ops/cuda_dequant.py
+// twins_of) checked that every chunk is 4-bit, every twin inside the table and every twin's scale 16x its chunk's.
+// uniform4: every chunk is 4-bit (the caller knows: uniform4), the instance without the width switch.  l2: W's lines
+// persist in L2 (a GEMM reads W next: l2_persist.cuh).
 at::Tensor qdequant_chunks(const at::Tensor& qweight, const at::Tensor& chunks, const at::Tensor& scale,
                            const at::Tensor& zero, const c10::optional<at::Tensor>& perm, at::ScalarType dtype,
                            int64_t col0, int64_t cols, const c10::optional<at::Tensor>& twin, bool uniform4,
