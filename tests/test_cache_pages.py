@@ -197,6 +197,7 @@ def test_paged_context_matches_brute_force(window):
         k = torch.cat([s[1][a:a + n] for s, a, n in zip(seqs, starts, lens)])
         v = torch.cat([s[2][a:a + n] for s, a, n in zip(seqs, starts, lens)])
         assert ctx.positions.tolist() == [p for a, n in zip(starts, lens) for p in range(a, a + n)]
+        assert ctx.num_positions == (int(ctx.positions.max()) + 1 if T else 1)     # the model's rope table size
         out = ctx.attend(0, q, k, v, d ** -0.5, window)
         row = 0
         for s, a, n in zip(seqs, starts, lens):
@@ -210,6 +211,16 @@ def test_paged_context_matches_brute_force(window):
         cache.release(s[0])
     cache.pool.check()
     assert cache.pool.reserved == 0 and cache.pool.num_free + cache.pool.num_cached_unreferenced == 40
+
+
+def test_contiguous_context_states_its_rope_size():
+    """ContiguousContext gives the model 1 + its largest position from the host (Model.forward then reads no position
+    back from the device), also with cached starts, an empty sequence and no tokens at all."""
+    from exl_core.model.context import ContiguousContext
+    for lens, starts in (([5, 0, 3], [0, 9, 7]), ([1], [30]), ([0, 0], [4, 2]), ([], [])):
+        ctx = ContiguousContext(lens, [types.SimpleNamespace(length=s) if s else None for s in starts])
+        T = sum(lens)
+        assert ctx.num_positions == (int(ctx.positions.max()) + 1 if T else 1)
 
 
 def test_cache_sizing_from_cap_and_memory(monkeypatch):

@@ -191,6 +191,7 @@ class PagedContext:
         for n in new_lens:
             cu.append(cu[-1] + n)
         self.positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        self.num_positions = max(pos) + 1 if pos else 1  # from the host list: the model reads no position back
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=dev)
         self.slots = torch.tensor(slots, dtype=torch.int64, device=dev)
         self.block_table = torch.tensor(rows, dtype=torch.int32, device=dev).reshape(len(tables), width)

@@ -34,6 +34,9 @@ class ForwardContext(Protocol):
     # Optional: `attend_rope_ordered(layer, q, k, v, cos_sin, scale, window, order) -> Optional[Tensor]`,
     # attend_rope's output (T, Hq * D) with its columns stored where `order` (ops.attention.OutOrder) puts them,
     # or None, doing nothing, where the context cannot (the model then calls attend_rope).
+    # Optional: `num_positions: int`, 1 + the largest position (1 for no tokens) or more, known on the host: the model
+    # sizes its rope lookup from it instead of reading positions.max() back (a sync on a GPU, and none is allowed
+    # while a CUDA graph captures).
     # Optional: `native_kv() -> Optional[ops.decoder_layer.PagedKV]`, the paged tensors that let
     # the fused CPU decoder op (ops/decoder_layer.py) do `attend`'s work itself; contexts without
     # it (or returning None) always run the per-layer Python path.
@@ -66,6 +69,7 @@ class ContiguousContext:
         self.cu_seqlens = torch.tensor([0] + list(_cumsum(seq_lens)), dtype=torch.int64, device=device)
         self.positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, seq_lens)]
                                    ).to(device) if seq_lens else torch.zeros(0, dtype=torch.int64, device=device)
+        self.num_positions = max((s + n for s, n in zip(starts, seq_lens) if n > 0), default=1)
         self.logit_rows = logit_rows
 
     def attend(self, layer, q, k, v, scale, window):
