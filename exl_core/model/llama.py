@@ -318,7 +318,7 @@ class Model(nn.Module):
         """input_ids int64 [T] (flat ragged batch) → float32 logits [R, vocab] for ctx.logit_rows."""
         h = self.embed(input_ids)                                        # (T, hidden)
         # one host read of the largest position per forward (not one per layer: on CUDA each is a sync)
-        n_pos = getattr(ctx, "num_positions", None)     # static contexts (CUDA graphs) state it: no sync
+        n_pos = getattr(ctx, "num_positions", None)     # the library's contexts state it from the host: no sync
         if n_pos is None:
             n_pos = int(ctx.positions.max()) + 1 if input_ids.numel() else 1
         cos_sin = self.rope.cos_sin(n_pos)
