@@ -46,7 +46,7 @@
 
 // Phase stamps for bench/gemv_probe.cu's `stamps` mode (built with -DKSLICE_STAMPS, which defines the macro as a
 // timer store per warp) and its `tailpf` mode's hook after a warp's loop (-DKSLICE_TAIL_PREFETCH: L2 prefetches of
-// the next launch's first weights); both empty in the extension.
+// the next launch's first weights); both defined in bench/gemv_probe_hooks.cuh, empty in the extension.
 #ifndef EXL_KSLICE_STAMP
 #define EXL_KSLICE_STAMP(phase)
 #endif

@@ -1,0 +1,80 @@
+// Device hooks of bench/gemv_probe.cu's trace modes, defined before it includes qgemm_kslice_kernel.cuh (whose
+// EXL_KSLICE_STAMP / EXL_KSLICE_TAIL hooks are empty in the extension): a launch's id from its first weight's y
+// (gemv_probe.cu's make_weight puts every y in one arena), the phase stamps (-DKSLICE_STAMPS) and the tail prefetch of
+// the next launch's first weights (-DKSLICE_TAIL_PREFETCH).  Host side: gemv_probe_trace.cuh.
+#pragma once
+#include <cuda_runtime.h>
+
+#if defined(KSLICE_STAMPS) || defined(KSLICE_TAIL_PREFETCH)
+#include <cstdint>
+#define KSLICE_LAUNCH_IDS
+namespace launch_ids {                  // a launch's id: the slot of its first weight's y in one arena (make_weight)
+constexpr int kIds = 64;
+__constant__ const char* g_arena;       // every weight's y sits in a 64 KB slot of this arena: id = slot
+__device__ __forceinline__ int64_t id_of(const void* y) { return (static_cast<const char*>(y) - g_arena) >> 16; }
+}  // namespace launch_ids
+#endif
+
+#ifdef KSLICE_STAMPS   // mode `stamps`: the kernel's phase hooks store each warp's globaltimer and clock64
+namespace stamps {
+using launch_ids::kIds;
+constexpr int kBlocks = 704, kWarps = 16, kPhases = 8;
+__constant__ unsigned long long* g_t;   // [id][block][warp][phase] globaltimer, ns (0: not stamped)
+__constant__ long long* g_c;            // the same slots: clock64
+__constant__ unsigned* g_sm;            // [id][block]: the SM
+__device__ __forceinline__ void stamp(int phase, const void* y) {
+  if ((threadIdx.x & 31) != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const long long c = clock64();
+  const int64_t id = launch_ids::id_of(y);
+  const int64_t slot = ((id * kBlocks + blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kPhases + phase;
+  g_t[slot] = t;
+  g_c[slot] = c;
+  if (phase == 0 && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    g_sm[id * kBlocks + blockIdx.x] = sm;
+  }
+}
+}  // namespace stamps
+#define EXL_KSLICE_STAMP(phase) stamps::stamp(phase, mats.m[0].y)
+#endif
+
+#ifdef KSLICE_TAIL_PREFETCH   // mode `tailpf`: a launch's warps, done with their loop, ask L2 for the next launch's
+// first ring of weights (what its warps load before their PDL wait), spread over every thread of the launch: the
+// next launch's blocks enter only as this one's leave (phase stamps, stop 49), so its first loads would then hit L2.
+namespace tailpf {
+struct NextMat {
+  const int32_t* qw;
+  int64_t ldq;
+  int tile0;
+};
+struct NextOp {                         // the launch after, as its plan: kw warps a tile, a ring of `ring` chunks
+  NextMat m[3];
+  int n, kw, ring, n_chunks, tiles;     // n = 0: no prefetch
+};
+__constant__ NextOp c_next[launch_ids::kIds];
+__device__ __forceinline__ void prefetch_next(const void* y) {
+  const NextOp& nx = c_next[launch_ids::id_of(y)];
+  if (nx.n == 0) return;
+  const int64_t lines = static_cast<int64_t>(nx.tiles) * nx.kw * nx.ring * 4;   // 128 B: 4 word rows a chunk
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < lines; j += step) {
+    const int r = static_cast<int>(j & 3);
+    int64_t q = j >> 2;
+    const int ci = static_cast<int>(q % nx.ring);
+    q /= nx.ring;
+    const int w = static_cast<int>(q % nx.kw), T = static_cast<int>(q / nx.kw);
+    const int c = nx.n_chunks * w / nx.kw + ci;
+    if (c >= nx.n_chunks * (w + 1) / nx.kw) continue;
+    int mi = 0;
+    while (mi + 1 < nx.n && T >= nx.m[mi + 1].tile0) ++mi;
+    const NextMat& m = nx.m[mi];
+    const int32_t* p = m.qw + (4 * static_cast<int64_t>(c) + r) * m.ldq + 32 * static_cast<int64_t>(T - m.tile0);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+}
+}  // namespace tailpf
+#define EXL_KSLICE_TAIL() tailpf::prefetch_next(mats.m[0].y)
+#endif
