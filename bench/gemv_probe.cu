@@ -26,6 +26,8 @@
 // L2 for the next launch's first ring of weights, against without, rounds alternated -- written after stop 49's last
 // call, compiled, not yet run (`PHASES=gemv PROBE_FLAGS=-DKSLICE_TAIL_PREFETCH PROBE_ARGS=tailpf bash bench/gpu.sh`;
 // with the stamps: PROBE_FLAGS="-DKSLICE_STAMPS -DKSLICE_TAIL_PREFETCH" PROBE_ARGS=stamps STAMP_TAILPF=1).
+// Mode `chain` (stop 50): the extension's chain and the read floor, 3 rounds, for builds with other flags
+// (-DKSLICE_PREWAIT=P, -DKSLICE_X_BULK: gemv_probe_hooks.cuh) run in turn (gpu.sh phase `gemvab`).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -493,6 +495,16 @@ int main(int argc, char** argv) {
       layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, D>("GPTQ ext, half2 down only", g_layers,
                                                                           8.0 - 4.0 * 11008.0 * 4096 / kLayerParams);
+      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+    }
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "chain") {   // the extension's chain and the read floor, for A/B builds (stop 50)
+    check_row<KsLauncher<8, 4>>();
+    check_row<KsLauncher<16, 4>>();
+    check_row<KsLauncher<16, 8>>();
+    for (int round = 0; round < 3; ++round) {
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
       layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
     }
     return 0;

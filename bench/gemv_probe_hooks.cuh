@@ -1,7 +1,9 @@
 // Device hooks of bench/gemv_probe.cu's trace modes, defined before it includes qgemm_kslice_kernel.cuh (whose
 // EXL_KSLICE_STAMP / EXL_KSLICE_TAIL hooks are empty in the extension): a launch's id from its first weight's y
 // (gemv_probe.cu's make_weight puts every y in one arena), the phase stamps (-DKSLICE_STAMPS) and the tail prefetch of
-// the next launch's first weights (-DKSLICE_TAIL_PREFETCH).  Host side: gemv_probe_trace.cuh.
+// the next launch's first weights (-DKSLICE_TAIL_PREFETCH); the ramp's x staging variants (stop 50): fewer ring slots
+// before the PDL wait (-DKSLICE_PREWAIT=P) and x staged by one bulk copy a row and warp (-DKSLICE_X_BULK).  Host side:
+// gemv_probe_trace.cuh.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -77,4 +79,39 @@ __device__ __forceinline__ void prefetch_next(const void* y) {
 }
 }  // namespace tailpf
 #define EXL_KSLICE_TAIL() tailpf::prefetch_next(mats.m[0].y)
+#endif
+
+#ifdef KSLICE_PREWAIT   // the first P ring slots before the PDL wait, the rest once x is staged (R if P >= R)
+#define EXL_KSLICE_PREWAIT(R) ((KSLICE_PREWAIT) < (R) ? (KSLICE_PREWAIT) : (R))
+#endif
+
+#ifdef KSLICE_X_BULK   // a warp's plain x rows staged by lane 0's bulk copies (the copy engine, completing on an
+// mbarrier in the warp's partial-sum area, free until its loop ends), not by every lane's cp.async: the question is
+// whether x, an L2 hit, then arrives ahead of the weight loads the SM already has in flight (stamps: 0.87-2.42 us).
+#include "../exl_core/csrc/cuda/tma_device.cuh"
+namespace xbulk {
+__device__ __forceinline__ void copy_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   exl_tma::smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(exl_tma::smem_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_t K, int xs_stride, int kw0, int kwl,
+                                      float* scratch, int lane) {
+  uint64_t* bar = reinterpret_cast<uint64_t*>(scratch);
+  if (lane == 0) {
+    exl_tma::mbar_init(bar, 1);
+    exl_tma::mbar_init_fence();
+    exl_tma::mbar_arrive_expect(bar, static_cast<uint32_t>(M) * kwl * 2);
+    for (int m = 0; m < M; ++m) copy_1d(xs + m * xs_stride + kw0, x + m * K + kw0, kwl * 2, bar);
+  }
+  __syncwarp();
+  exl_tma::mbar_wait(bar, 0);
+  __syncwarp();
+  if (lane == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(exl_tma::smem_addr(bar)) : "memory");
+  __syncwarp();
+  return true;
+}
+}  // namespace xbulk
+#define EXL_KSLICE_STAGE_X() xbulk::stage(xs, x, M, K, xs_stride, kw0, kwl, red + warp * M * kTile, lane)
 #endif

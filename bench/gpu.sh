@@ -132,6 +132,22 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
     ls -la "$OUT"
   fi
 fi
+if has gemvab; then   # gemv_probe builds with other flags (GEMV_AB: flag sets split by ';', "" the plain build), their
+  # chains (mode `chain`) run in turn GEMV_AB_ROUNDS times (stop 50: the ramp's x staging; gemv_probe_hooks.cuh)
+  IFS=';' read -ra sets <<<"${GEMV_AB:-;-DKSLICE_X_BULK}"
+  for i in "${!sets[@]}"; do
+    rm -f /tmp/gemv_ab_$i; nvcc -O3 -arch=sm_90 ${sets[$i]} -o /tmp/gemv_ab_$i bench/gemv_probe.cu >/tmp/gemv_ab_$i.log 2>&1 &
+  done
+  wait
+  for r in $(seq 1 ${GEMV_AB_ROUNDS:-3}); do
+    for i in "${!sets[@]}"; do
+      echo "== gemvab round $r flags [${sets[$i]}]" | tee -a "$LOG"
+      timeout 120 /tmp/gemv_ab_$i chain 2>&1 | tee -a "$LOG" | grep -E "extension|floor|FAIL|err" | tail -8
+    done
+  done | tee /tmp/gemv_ab.txt
+  grep -E "^== gemvab|^JSON" "$LOG" | awk '/^== gemvab/{tag=$0; next} {sub(/^JSON /, ""); print "{\"run\": \"" tag "\", \"row\": " $0 "}"}' \
+    >"$OUT/gemv_ab_rows.jsonl"
+fi
 if has attntail; then  # batch 1: a layer's attention in the tail of its q/k/v launch against its own launch
   probe_run attn_tail_probe   # (bench/attn_tail_probe.cu; standalone, seconds; run in stop 48 call 1)
 fi

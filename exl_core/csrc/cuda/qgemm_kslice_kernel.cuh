@@ -53,6 +53,15 @@
 #ifndef EXL_KSLICE_TAIL
 #define EXL_KSLICE_TAIL()
 #endif
+// Probe hooks of the ramp's x staging (gemv_probe.cu, stop 50): EXL_KSLICE_PREWAIT(R), the uniform 4-bit ring slots
+// loaded before the PDL wait (the rest after x is staged), and EXL_KSLICE_STAGE_X(), which stages plain x rows its own
+// way and returns true (a bulk copy: -DKSLICE_X_BULK).  In the extension: all R slots, and cp.async by every lane.
+#ifndef EXL_KSLICE_PREWAIT
+#define EXL_KSLICE_PREWAIT(R) (R)
+#endif
+#ifndef EXL_KSLICE_STAGE_X
+#define EXL_KSLICE_STAGE_X() false
+#endif
 
 namespace exl_kslice {
 using namespace exl_mma;
@@ -178,9 +187,10 @@ __global__ void __launch_bounds__(32 * KW)
   Raw ring[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) ring[i].lo = ring[i].hi = make_int4(0, 0, 0, 0);
+  constexpr int kPre = EXL_KSLICE_PREWAIT(R);
   if constexpr (U4) {                                         // first weight loads need no table
 #pragma unroll
-    for (int i = 0; i < R; ++i)
+    for (int i = 0; i < kPre; ++i)
       if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
   }
   // Regular groups (uniform 4-bit only; every launch's weights alike): chunk c is in group c >> gshift, and the
@@ -227,10 +237,11 @@ __global__ void __launch_bounds__(32 * KW)
   } else if (perm == nullptr && aligned && !ACT) {
     // by cp.async, every piece in flight at once, then reordered in place (the build that staged through
     // registers, loads then stores, ran GPTQ q/k/v M=8 at 21.0 us against 19.4 in an earlier sweep)
-    for (int j = lane; j < M * (kwl >> 3); j += 32) {
-      const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
-      cp_async16(xs + m * xs_stride + k, x + m * K + k);
-    }
+    if (fold || !EXL_KSLICE_STAGE_X())
+      for (int j = lane; j < M * (kwl >> 3); j += 32) {
+        const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
+        cp_async16(xs + m * xs_stride + k, x + m * K + k);
+      }
     if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
       float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
       for (int m = 0; m < M; ++m) {
@@ -340,6 +351,11 @@ __global__ void __launch_bounds__(32 * KW)
   cp_async_wait_all();
   __syncwarp();
   EXL_KSLICE_STAMP(3);
+  if constexpr (U4 && kPre < R) {                             // the ring slots the prologue left (probe only)
+#pragma unroll
+    for (int i = kPre; i < R; ++i)
+      if (c0 + i < c1) load_words<true>(ring[i], nullptr, c0 + i, base, ldq, t);
+  }
 
   float d[2][NT][4], acc[2][NT][4], dx[NT][4], xg[NT][2];
 #pragma unroll
