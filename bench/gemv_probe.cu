@@ -27,7 +27,9 @@
 // call, compiled, not yet run (`PHASES=gemv PROBE_FLAGS=-DKSLICE_TAIL_PREFETCH PROBE_ARGS=tailpf bash bench/gpu.sh`;
 // with the stamps: PROBE_FLAGS="-DKSLICE_STAMPS -DKSLICE_TAIL_PREFETCH" PROBE_ARGS=stamps STAMP_TAILPF=1).
 // Mode `chain` (stop 50): the extension's chain and the read floor, 3 rounds, for builds with other flags
-// (-DKSLICE_PREWAIT=P, -DKSLICE_X_BULK: gemv_probe_hooks.cuh) run in turn (gpu.sh phase `gemvab`).
+// (-DKSLICE_PREWAIT=P, -DKSLICE_X_BULK: gemv_probe_hooks.cuh) run in turn (gpu.sh phase `gemvab`); `fit`: o and down
+// on 12 or 8 warps a block, so that a block of the next launch fits beside theirs.  Both run before the mixed-width
+// weights are made (with them made first, each run of call 1 of stop 50 took ~40 s: 7 of 8 chain runs in 420 s).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -451,6 +453,33 @@ int main(int argc, char** argv) {
 #ifdef KSLICE_STAMPS
   if (argc > 1 && std::string(argv[1]) == "stamps") return stamp_run();
 #endif
+  if (argc > 1 && std::string(argv[1]) == "chain") {   // the extension's chain and the read floor, for A/B builds (stop 50)
+    check_row<KsLauncher<8, 4>>();
+    check_row<KsLauncher<16, 4>>();
+    check_row<KsLauncher<16, 8>>();
+    for (int round = 0; round < 3; ++round) {
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+    }
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "fit") {   // blocks that fit beside the launch before's (stop 50)
+    // Registers allocated (8 a thread) an SM: q/k/v and gate/up k8 r4 3 x 20,480 of 65,536; o k16 r4 49,152 and down
+    // k16 r8 53,248 leave no room for a block of the next launch.  12 warps: o 36,864 (a gate/up block fits beside
+    // it, and it enters beside one q/k/v block), down ~39,936 (a q/k/v block fits beside it); 8 warps: down ~24,832.
+    check_row<KsLauncher<12, 4>>();
+    check_row<KsLauncher<12, 8>>();
+    check_row<KsLauncher<8, 8>>();
+    for (int round = 0; round < 5; ++round) {
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+      layer_row<KsLauncher<8, 4>, KsLauncher<12, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o k12");
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<12, 8>>("ext, down k12");
+      layer_row<KsLauncher<8, 4>, KsLauncher<12, 4>, KsLauncher<8, 4>, KsLauncher<12, 8>>("ext, o and down k12");
+      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<8, 8>>("ext, down k8");
+      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+    }
+    return 0;
+  }
   for (int i = 0; i < kLayers; ++i)
     g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),
@@ -495,16 +524,6 @@ int main(int argc, char** argv) {
       layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
       layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, D>("GPTQ ext, half2 down only", g_layers,
                                                                           8.0 - 4.0 * 11008.0 * 4096 / kLayerParams);
-      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-    }
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "chain") {   // the extension's chain and the read floor, for A/B builds (stop 50)
-    check_row<KsLauncher<8, 4>>();
-    check_row<KsLauncher<16, 4>>();
-    check_row<KsLauncher<16, 8>>();
-    for (int round = 0; round < 3; ++round) {
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
       layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
     }
     return 0;
