@@ -14,6 +14,7 @@ The Generator's scheduler and the rest of its sampler are not in these numbers.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -449,6 +450,11 @@ def bench_format(path: Path, fmt: str, bw: float, out: dict, quick: bool = False
                 r[key + "_error"] = repr(e)[:300]
         if f"bs{B}_decode_tok_s" not in r and f"bs{B}_decode_tok_s_eager" in r:
             r[f"bs{B}_decode_tok_s"] = r[f"bs{B}_decode_tok_s_eager"]
+    # The decode runs' graphs and cached blocks released first: timed right after them, the prompt read lower than in a
+    # process of its own (stop 49: EXL2 42,543.29 against 45,607.01-46,023.56 tok/s; NOTES, eighteenth session: after
+    # gc + empty_cache it read near its own process's figure again; the cause is not isolated).
+    gc.collect()
+    torch.cuda.empty_cache()
     try:             # before the profiles: after a torch.profiler session launches cost more host time
         r["prompt2048_tok_s"] = prompt_tok_s(model)
     except Exception as e:  # noqa: BLE001
