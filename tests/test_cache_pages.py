@@ -213,6 +213,45 @@ def test_paged_context_matches_brute_force(window):
     assert cache.pool.reserved == 0 and cache.pool.num_free + cache.pool.num_cached_unreferenced == 40
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
+    """A fresh sequence's first chunk (positions from 0, no window narrower than it) attends by SDPA's causal mask
+    over its own slots (forced on here; on CUDA by default): as float64 brute force, with and without rope, and only
+    there: a later chunk, two sequences or a chunk longer than the window take paged attention."""
+    from exl_core.cache import paged
+    calls = []
+    real = paged.fresh_causal_attention
+    monkeypatch.setattr(paged, "fresh_causal_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: True)
+    ps, hq, hkv, d = 8, 4, 2, 64
+    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    n = 30
+    tabs = [cache.try_admit(list(range(100 + i, 100 + i + n + 8)), n + 8, 32, reuse=False) for i in range(2)]
+    k, v = torch.randn(n + 8, hkv, d), torch.randn(n + 8, hkv, d)
+    for m in (n, 12):                            # a window of 20: 30 rows take paged attention, 12 the causal mask
+        ctx = cache.context([tabs[0]], [m])
+        assert ctx.fresh
+        calls.clear()
+        q = torch.randn(m, hq, d)
+        out = ctx.attend(0, q, k[:m], v[:m], d ** -0.5, window)
+        assert len(calls) == (0 if window and m > window else 1)
+        torch.testing.assert_close(out.double(), _brute_attention(q, k[:m], v[:m], 0, window), atol=2e-5, rtol=2e-5)
+        cos_sin = torch.randn(64, d)                # attend_rope: the same rope, then either attention
+        calls.clear()
+        out_rope = ctx.attend_rope(0, q, k[:m], v[:m], cos_sin, d ** -0.5, window)
+        monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: False)
+        ref_rope = ctx.attend_rope(0, q, k[:m], v[:m], cos_sin, d ** -0.5, window)
+        monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: True)
+        assert len(calls) == (0 if window and m > window else 1)
+        torch.testing.assert_close(out_rope, ref_rope, atol=2e-5, rtol=2e-5)
+    cache.after_forward(tabs[0], list(range(100, 100 + 12)), 12, more_to_come=True)
+    assert not cache.context([tabs[0]], [5]).fresh                   # rows from position 12: its keys are cached
+    assert not cache.context(tabs, [5, 5]).fresh                     # two sequences
+    assert not cache.context([tabs[1]], [1]).fresh                   # one row: decode's own path
+
+
 def test_contiguous_context_states_its_rope_size():
     """ContiguousContext gives the model 1 + its largest position from the host (Model.forward then reads no position
     back from the device), also with cached starts, an empty sequence and no tokens at all."""

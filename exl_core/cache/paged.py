@@ -11,12 +11,15 @@ kernels take.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
 
 from ..errors import CacheFullError, InputError
-from ..ops.attention import OutOrder, paged_attention, rope_paged_attention, rope_paged_attention_ordered, write_kv
+from ..ops.attention import (OutOrder, paged_attention, rope_paged_attention, rope_paged_attention_ordered, rope_write_kv,
+                             write_kv)
+from ..ops.attention_gathered import fresh_causal_attention
 from ..ops.decoder_layer import PagedKV
 from ..ops.rope import apply_rope
 from .pages import PagePool, PageTable
@@ -174,12 +177,21 @@ def step_indices(tables: Sequence[PageTable], new_lens: Sequence[int], width: in
     return pos, slots, lens, rows
 
 
+def fresh_prefill_on(device: torch.device) -> bool:
+    """A fresh sequence's prefill attends by SDPA's causal mask (fresh_causal_attention) on CUDA, where paged
+    attention otherwise gathers every page under an explicit mask (ops/attention_gathered.py: a 2,048-token prompt's
+    first token through the Generator ran at 0.81x the bench's forward on the H200, stop 50); the CPU keeps its paged
+    kernel. EXL_CORE_FRESH_PREFILL=0 turns it off (A/B runs)."""
+    return device.type == "cuda" and os.environ.get("EXL_CORE_FRESH_PREFILL", "1") != "0"
+
+
 class PagedContext:
     """`ForwardContext` over the paged cache for a flat ragged batch.
 
     positions int64 [T]; cu_seqlens int64 [S+1]; block_table int32 [S, max_pages] (-1 pads
     and released window pages); seq_lens_k int64 [S]; slots int64 [T].
     """
+    fresh = False     # one sequence's first chunk (set per instance; subclasses that skip __init__ keep False)
 
     def __init__(self, cache: Cache, tables: Sequence[PageTable], new_lens: Sequence[int],
                  logit_rows: Optional[torch.Tensor] = None):
@@ -198,6 +210,14 @@ class PagedContext:
         self.seq_lens_k = torch.tensor(lens, dtype=torch.int64, device=dev)
         self.logit_rows = logit_rows.to(dev) if logit_rows is not None else None
         self.max_q_len = max(new_lens, default=0)
+        # One sequence's first chunk (its rows start at position 0): its attention needs only the causal mask
+        self.fresh = len(tables) == 1 and new_lens[0] > 1 and lens[0] == new_lens[0]
+
+    def _fresh_attention(self, window: Optional[int], device: torch.device) -> bool:
+        """Whether attention runs as fresh_causal_attention: a fresh sequence (self.fresh), no window narrower than
+        its rows, this class's own attend, on a device where paged attention would gather pages (fresh_prefill_on)."""
+        return (self.fresh and (not window or self.max_q_len <= window) and type(self).attend is PagedContext.attend
+                and fresh_prefill_on(device))
 
     def native_kv(self) -> Optional[PagedKV]:
         """The tensors a fused decoder op needs to do what `attend` does, or None when a subclass
@@ -218,6 +238,9 @@ class PagedContext:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if self._fresh_attention(window, q.device):
+            q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
+            return fresh_causal_attention(q, kc, vc, self.slots, scale)
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
                                     self.cu_seqlens, self.seq_lens_k, scale, window, self.max_q_len)  # (T, Hq, D)
 
@@ -238,5 +261,7 @@ class PagedContext:
                scale: float, window: Optional[int]) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
+        if self._fresh_attention(window, q.device):
+            return fresh_causal_attention(q, kc, vc, self.slots, scale)
         return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
                                scale, window, self.max_q_len)  # (T, Hq, D)

@@ -99,6 +99,21 @@ def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out.transpose(1, 2).reshape(s * qmax, hq, d).index_select(0, p.dest)
 
 
+def fresh_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention of one sequence's first T rows (positions 0..T-1, nothing cached before them, no window narrower
+    than T) over their own keys and values, read back from their T cache slots: SDPA's own causal mask (a flash
+    kernel on CUDA), where paged_attention_gathered would gather every page, zero the unwritten slots and pass an
+    explicit (T, L) mask. The caller knows on the host that the sequence is fresh (PagedContext.fresh). (T, Hq, D)."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    kf = k_cache.reshape(-1, hkv, d).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]    # (1, Hkv, T, D)
+    vf = v_cache.reshape(-1, hkv, d).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kf, vf, is_causal=True, scale=scale,
+                                         enable_gqa=hq != hkv)                                     # (1, Hq, T, D)
+    return out[0].transpose(0, 1)
+
+
 def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, window, max_q_len=None) -> Optional[str]:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"q dtype {q.dtype} not supported"
