@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: machine description, timing, table printing, JSON results."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -130,3 +131,18 @@ def spread_rows(runs: list[dict], id_key: str, keys: tuple[str, ...]) -> list[di
                 row.update({f"{key}_{k}": v for k, v in spread(vals).items()})
         rows.append(row)
     return rows
+
+
+def gpu_model_cli(doc: str, **options: tuple) -> tuple:
+    """(args, model): a GPU probe's command line -- --model and `options` (name=(type, default), as --name) -- and the
+    model loaded in fp16 on CUDA (no tokenizer)."""
+    import torch
+
+    from exl_core.loader import load_model
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True)
+    for name, (typ, default) in options.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=default)
+    a = ap.parse_args()
+    model, _ = load_model(a.model, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    return a, model

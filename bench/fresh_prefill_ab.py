@@ -8,7 +8,6 @@ Prints a table and writes bench/results/fresh_prefill_ab.json (and $OUT/ when OU
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -18,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import print_table, write_results  # noqa: E402
+from common import gpu_model_cli, print_table, write_results  # noqa: E402
 from exl_core.cache import Cache  # noqa: E402
-from exl_core.loader import load_model  # noqa: E402
 from gpu_generator import prompt_tok_s  # noqa: E402
 
 
@@ -39,12 +37,7 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=2048)
-    a = ap.parse_args()
-    model, _ = load_model(a.model, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    a, model = gpu_model_cli(__doc__, rounds=(int, 3), tokens=(int, 2048))
     ids = torch.randint(100, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     set_fresh(True)
     on = prefill_logits(model, ids)

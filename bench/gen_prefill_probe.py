@@ -9,7 +9,6 @@ Prints only (a diagnostic, no result file).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
@@ -21,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from common import gpu_model_cli  # noqa: E402
 from exl_core.cache import Cache  # noqa: E402
 from exl_core.generation import Generator, Job  # noqa: E402
 from exl_core.generation.sampling import SamplerSettings  # noqa: E402
-from exl_core.loader import load_model  # noqa: E402
 
 
 def prompt(model, n, seed):
@@ -45,12 +44,7 @@ def run_prompt(gen, ids, per_iter=None):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--chunk", type=int, default=512)
-    a = ap.parse_args()
-    model, _ = load_model(a.model, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    a, model = gpu_model_cli(__doc__, tokens=(int, 2048), chunk=(int, 512))
     gen = Generator(model, Cache(model, max_tokens=a.tokens + 64, page_size=256), None,
                     max_batch_tokens=max(2048, a.chunk), max_chunk_size=a.chunk)
     run_prompt(gen, prompt(model, a.tokens, 1))                      # warm-up
