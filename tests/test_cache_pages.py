@@ -213,16 +213,27 @@ def test_paged_context_matches_brute_force(window):
     assert cache.pool.reserved == 0 and cache.pool.num_free + cache.pool.num_cached_unreferenced == 40
 
 
-@pytest.mark.parametrize("window", [None, 20])
-def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
-    """A fresh sequence's first chunk (positions from 0, no window narrower than it) attends by SDPA's causal mask
-    over its own slots (forced on here; on CUDA by default): as float64 brute force, with and without rope, and only
-    there: a later chunk, two sequences or a chunk longer than the window take paged attention."""
+def _fresh_spy(monkeypatch):
+    """fresh_causal_attention's calls, with the path forced on as on CUDA (fresh_prefill_on, and the dispatcher
+    picking the page-gathering SDPA it stands in for)."""
     from exl_core.cache import paged
+    from exl_core.ops import dispatch
     calls = []
     real = paged.fresh_causal_attention
     monkeypatch.setattr(paged, "fresh_causal_attention", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: True)
+    monkeypatch.setitem(dispatch._FORCED, "attention", "gathered_sdpa")
+    return calls
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
+    """A fresh sequence's first chunk (positions from 0, more rows than the paged kernels take, no window narrower
+    than it) attends by SDPA's causal mask over its own slots (forced on here; off by default, on CUDA only): as
+    float64 brute force, with and without rope, and only there: a later chunk, two sequences, 16 rows or a chunk
+    longer than the window take paged attention."""
+    from exl_core.cache import paged
+    calls = _fresh_spy(monkeypatch)
     ps, hq, hkv, d = 8, 4, 2, 64
     cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
     for t in cache.k + cache.v:
@@ -230,13 +241,14 @@ def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
     n = 30
     tabs = [cache.try_admit(list(range(100 + i, 100 + i + n + 8)), n + 8, 32, reuse=False) for i in range(2)]
     k, v = torch.randn(n + 8, hkv, d), torch.randn(n + 8, hkv, d)
-    for m in (n, 12):                            # a window of 20: 30 rows take paged attention, 12 the causal mask
+    for m in (n, 18, 16):                        # a window of 20: 30 rows take paged attention, 18 the causal mask
         ctx = cache.context([tabs[0]], [m])
         assert ctx.fresh
+        expect = 0 if m <= 16 or (window and m > window) else 1
         calls.clear()
         q = torch.randn(m, hq, d)
         out = ctx.attend(0, q, k[:m], v[:m], d ** -0.5, window)
-        assert len(calls) == (0 if window and m > window else 1)
+        assert len(calls) == expect
         torch.testing.assert_close(out.double(), _brute_attention(q, k[:m], v[:m], 0, window), atol=2e-5, rtol=2e-5)
         cos_sin = torch.randn(64, d)                # attend_rope: the same rope, then either attention
         calls.clear()
@@ -244,12 +256,49 @@ def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
         monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: False)
         ref_rope = ctx.attend_rope(0, q, k[:m], v[:m], cos_sin, d ** -0.5, window)
         monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: True)
-        assert len(calls) == (0 if window and m > window else 1)
+        assert len(calls) == expect
         torch.testing.assert_close(out_rope, ref_rope, atol=2e-5, rtol=2e-5)
     cache.after_forward(tabs[0], list(range(100, 100 + 12)), 12, more_to_come=True)
     assert not cache.context([tabs[0]], [5]).fresh                   # rows from position 12: its keys are cached
     assert not cache.context(tabs, [5, 5]).fresh                     # two sequences
     assert not cache.context([tabs[1]], [1]).fresh                   # one row: decode's own path
+
+
+def test_fresh_prefill_keeps_a_subclass_attend_a_forced_kernel_and_the_cache_dtype(monkeypatch):
+    """The causal-mask path stays out where a subclass changed `attend` or a forced attention kernel is not the
+    page-gathering SDPA, and reads a cache of another dtype than q as paged attention does (converted to q's)."""
+    from exl_core.cache.paged import PagedContext
+    from exl_core.ops import dispatch
+    calls = _fresh_spy(monkeypatch)
+    ps, hq, hkv, d, m = 8, 4, 2, 64, 24
+    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, dtype=torch.bfloat16), max_tokens=10 * ps, page_size=ps)
+    tab = cache.try_admit(list(range(m + 4)), m + 4, 32, reuse=False)
+    q, k, v = torch.randn(m, hq, d), torch.randn(m, hkv, d), torch.randn(m, hkv, d)
+    ctx = cache.context([tab], [m])
+    out = ctx.attend(0, q, k, v, d ** -0.5, None)                     # bf16 cache, fp32 q
+    assert len(calls) == 1 and out.dtype == torch.float32
+    ref = _brute_attention(q, k.bfloat16().float(), v.bfloat16().float(), 0, None)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+    class Logged(PagedContext):
+        def attend(self, layer, q, k, v, scale, window):
+            return super().attend(layer, q, k, v, scale, window)
+    ctx.__class__ = Logged
+    calls.clear()
+    ctx.attend_rope(0, q, k, v, torch.randn(64, d), d ** -0.5, None)
+    assert calls == []
+    ctx.__class__ = PagedContext
+    monkeypatch.setitem(dispatch._FORCED, "attention", "torch_ref")
+    ctx.attend(0, q, k, v, d ** -0.5, None)
+    assert calls == []
+
+
+def test_fresh_prefill_is_off_by_default_and_on_cuda_only(monkeypatch):
+    from exl_core.cache.paged import fresh_prefill_on
+    monkeypatch.delenv("EXL_CORE_FRESH_PREFILL", raising=False)
+    assert not fresh_prefill_on(torch.device("cuda")) and not fresh_prefill_on(torch.device("cpu"))
+    monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "1")
+    assert fresh_prefill_on(torch.device("cuda")) and not fresh_prefill_on(torch.device("cpu"))
 
 
 def test_contiguous_context_states_its_rope_size():

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError
-from ..ops.attention import (OutOrder, paged_attention, rope_paged_attention, rope_paged_attention_ordered, rope_write_kv,
-                             write_kv)
+from ..ops.attention import (PAGED_MAX_Q_ROWS, OutOrder, paged_attention, paged_attention_choice, rope_paged_attention,
+                             rope_paged_attention_ordered, rope_write_kv, write_kv)
 from ..ops.attention_gathered import fresh_causal_attention
 from ..ops.decoder_layer import PagedKV
 from ..ops.rope import apply_rope
@@ -178,11 +178,12 @@ def step_indices(tables: Sequence[PageTable], new_lens: Sequence[int], width: in
 
 
 def fresh_prefill_on(device: torch.device) -> bool:
-    """A fresh sequence's prefill attends by SDPA's causal mask (fresh_causal_attention) on CUDA, where paged
-    attention otherwise gathers every page under an explicit mask (ops/attention_gathered.py: a 2,048-token prompt's
-    first token through the Generator ran at 0.81x the bench's forward on the H200, stop 50); the CPU keeps its paged
-    kernel. EXL_CORE_FRESH_PREFILL=0 turns it off (A/B runs)."""
-    return device.type == "cuda" and os.environ.get("EXL_CORE_FRESH_PREFILL", "1") != "0"
+    """Whether a fresh sequence's prefill may attend by SDPA's causal mask (fresh_causal_attention) where paged
+    attention would gather every page under an explicit mask (ops/attention_gathered.py, the CUDA path above
+    PAGED_MAX_Q_ROWS rows: a 2,048-token prompt's first token through the Generator ran at 0.8110x the bench's forward
+    on the H200, stop 50). Off until measured on a GPU (bench/fresh_prefill_ab.py): EXL_CORE_FRESH_PREFILL=1 turns it
+    on, on CUDA; the CPU keeps its paged kernel."""
+    return device.type == "cuda" and os.environ.get("EXL_CORE_FRESH_PREFILL", "0") == "1"
 
 
 class PagedContext:
@@ -213,11 +214,16 @@ class PagedContext:
         # One sequence's first chunk (its rows start at position 0): its attention needs only the causal mask
         self.fresh = len(tables) == 1 and new_lens[0] > 1 and lens[0] == new_lens[0]
 
-    def _fresh_attention(self, window: Optional[int], device: torch.device) -> bool:
-        """Whether attention runs as fresh_causal_attention: a fresh sequence (self.fresh), no window narrower than
-        its rows, this class's own attend, on a device where paged attention would gather pages (fresh_prefill_on)."""
-        return (self.fresh and (not window or self.max_q_len <= window) and type(self).attend is PagedContext.attend
-                and fresh_prefill_on(device))
+    def _fresh_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
+                         window: Optional[int]) -> bool:
+        """Whether attention runs as fresh_causal_attention: a fresh sequence (self.fresh) of more rows than the paged
+        kernels take, no window narrower than them, this class's own attend, fresh_prefill_on, and only where
+        paged_attention would run the page-gathering SDPA (so a forced or disabled attention kernel is honoured)."""
+        if not (self.fresh and self.max_q_len > PAGED_MAX_Q_ROWS and (not window or self.max_q_len <= window)
+                and type(self).attend is PagedContext.attend and fresh_prefill_on(q.device)):
+            return False
+        return paged_attention_choice(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k, scale, window,
+                                      self.max_q_len) == "gathered_sdpa"
 
     def native_kv(self) -> Optional[PagedKV]:
         """The tensors a fused decoder op needs to do what `attend` does, or None when a subclass
@@ -238,7 +244,7 @@ class PagedContext:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if self._fresh_attention(window, q.device):
+        if self._fresh_attention(q, kc, vc, scale, window):
             q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
             return fresh_causal_attention(q, kc, vc, self.slots, scale)
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
@@ -261,7 +267,7 @@ class PagedContext:
                scale: float, window: Optional[int]) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
-        if self._fresh_attention(window, q.device):
+        if self._fresh_attention(q, kc, vc, scale, window):
             return fresh_causal_attention(q, kc, vc, self.slots, scale)
         return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
                                scale, window, self.max_q_len)  # (T, Hq, D)

@@ -359,6 +359,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                            window=window or None, max_q_len=max_q_len)
 
 
+def paged_attention_choice(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                           scale: float, window: Optional[int] = None, max_q_len: Optional[int] = None) -> str:
+    """The name of the candidate paged_attention would run with these arguments (checked as it checks them; the
+    EXL_CORE_FORCE_KERNEL / EXL_CORE_DISABLE_KERNEL settings apply)."""
+    _check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
+    return PAGED_ATTENTION.choose(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                                  cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, scale=scale,
+                                  window=window or None, max_q_len=max_q_len).name
+
+
 # ---------------------------------------------------------------------------------------------
 # One sequence with contiguous K/V (ContiguousContext): attention_dense's contract, dispatched.
 # The C++ kernel reads K/V as one page of Tk slots (a view, no copy): same kernel and bits as
