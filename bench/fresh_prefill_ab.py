@@ -1,6 +1,8 @@
-"""A fresh prompt's prefill through the Generator on CUDA: its attention by SDPA's causal mask over its own slots (the
-default since stop 50, cache/paged.py fresh_prefill_on) against paged attention over gathered pages under an explicit
-mask (EXL_CORE_FRESH_PREFILL=0), in one process, rounds alternated; and the two paths' logits of one prefill.
+"""A fresh prompt's prefill through the Generator on CUDA, by SDPA's causal mask against gathered pages, A/B.
+
+Its attention by SDPA's causal mask over its own slots (EXL_CORE_FRESH_PREFILL=1, cache/paged.py fresh_prefill_on; off
+by default until this has run) against paged attention over gathered pages under an explicit mask, in one process,
+rounds alternated; and the two paths' logits of one prefill.
 
     python bench/fresh_prefill_ab.py --model /tmp/exl_bench/gptq [--rounds 3]
 

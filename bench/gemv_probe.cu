@@ -465,8 +465,9 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && std::string(argv[1]) == "fit") {   // blocks that fit beside the launch before's (stop 50)
     // Registers allocated (8 a thread) an SM: q/k/v and gate/up k8 r4 3 x 20,480 of 65,536; o k16 r4 49,152 and down
-    // k16 r8 53,248 leave no room for a block of the next launch.  12 warps: o 36,864 (a gate/up block fits beside
-    // it, and it enters beside one q/k/v block), down ~39,936 (a q/k/v block fits beside it); 8 warps: down ~24,832.
+    // k16 r8 53,248 leave no room for a block of the next launch.  By this probe's plain build's counts (k12 r4 75,
+    // k12 r8 96, k8 r8 97): o on 12 warps 30,720 (a gate/up block fits beside it, and it enters beside one q/k/v
+    // block), down on 12 warps 36,864 (a q/k/v block fits beside it), on 8 warps 26,624.
     check_row<KsLauncher<12, 4>>();
     check_row<KsLauncher<12, 8>>();
     check_row<KsLauncher<8, 8>>();

@@ -85,9 +85,9 @@ __device__ __forceinline__ void prefetch_next(const void* y) {
 #define EXL_KSLICE_PREWAIT(R) ((KSLICE_PREWAIT) < (R) ? (KSLICE_PREWAIT) : (R))
 #endif
 
-#ifdef KSLICE_X_BULK   // a warp's plain x rows staged by lane 0's bulk copies (the copy engine, completing on an
+#ifdef KSLICE_X_BULK   // a warp's plain x rows staged by lane 0's bulk copies (the TMA unit, completing on an
 // mbarrier in the warp's partial-sum area, free until its loop ends), not by every lane's cp.async: the question is
-// whether x, an L2 hit, then arrives ahead of the weight loads the SM already has in flight (stamps: 0.87-2.42 us).
+// whether x, an L2 hit, then arrives ahead of the weight loads the SM already has in flight (stamps: 0.86-2.41 us).
 #include "../exl_core/csrc/cuda/tma_device.cuh"
 namespace xbulk {
 __device__ __forceinline__ void copy_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {

@@ -145,7 +145,7 @@ if has gemvab; then   # gemv_probe builds with other flags (GEMV_AB: flag sets s
       timeout 120 /tmp/gemv_ab_$i chain 2>&1 | tee -a "$LOG" | grep -E "extension|floor|FAIL|err" | tail -8
     done
   done | tee /tmp/gemv_ab.txt
-  grep -E "^== gemvab|^JSON" "$LOG" | awk '/^== gemvab/{tag=$0; next} {sub(/^JSON /, ""); print "{\"run\": \"" tag "\", \"row\": " $0 "}"}' \
+  grep -E "^== gemvab|^JSON" "$LOG" | awk '/^== gemvab/{tag=$0; next} tag != "" {sub(/^JSON /, ""); print "{\"run\": \"" tag "\", \"row\": " $0 "}"}' \
     >"$OUT/gemv_ab_rows.jsonl"
 fi
 if has attntail; then  # batch 1: a layer's attention in the tail of its q/k/v launch against its own launch
