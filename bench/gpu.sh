@@ -251,7 +251,7 @@ if has tests; then
   if [ "${SECOND_TESTS:-1}" != 0 ]; then
     timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_paged_attention.py \
       tests/test_cuda_attn_out_order.py tests/test_cuda_lookahead.py tests/test_cuda_xchunks.py \
-      tests/test_generation_fastpaths.py >>"$OUT/cuda_tests.txt" 2>&1
+      tests/test_generation_fastpaths.py tests/test_cuda_fresh_prefill.py >>"$OUT/cuda_tests.txt" 2>&1
     echo "paged attention tests (rc $?):"; tail -1 "$OUT/cuda_tests.txt"
     grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | tail -10
   fi

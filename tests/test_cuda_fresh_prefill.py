@@ -1,0 +1,46 @@
+"""A fresh sequence's prefill by SDPA's causal mask on a GPU (cache/paged.py fresh_prefill_on, EXL_CORE_FRESH_PREFILL=1,
+off by default until measured): the model's logits of a paged prefill as with paged attention over gathered pages, and
+the path taken in every layer. (Its attention against float64 brute force runs on the CPU, forced on:
+tests/test_cache_pages.py, tests/test_attention_gathered.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl_core.cache import Cache
+from exl_core.cache import paged
+from exl_core.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("llama", seed=7, vocab_size=500, num_attention_heads=4, num_key_value_heads=2)
+
+
+def prefill_logits(model, ids: list[int]) -> tuple[torch.Tensor, bool]:
+    """Every row's logits (float32) of one prefill over a fresh paged cache, and whether its context is fresh."""
+    cache = Cache(model, max_tokens=len(ids) + 64, page_size=16)
+    table = cache.try_admit(ids, len(ids) + 8, len(ids), reuse=False)
+    ctx = cache.context([table], [len(ids)])
+    with torch.inference_mode():
+        return model.forward(torch.tensor(ids, device=model.device), ctx).float(), ctx.fresh
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-2)])
+def test_fresh_prefill_matches_gathered_pages_on_the_gpu(tiny, monkeypatch, dtype, tol):
+    model, _ = load_model(tiny, device="cuda", dtype=dtype, load_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (77,), generator=torch.Generator().manual_seed(3)).tolist()
+    calls = []
+    real = paged.fresh_causal_attention
+    monkeypatch.setattr(paged, "fresh_causal_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "0")
+    off, fresh = prefill_logits(model, ids)
+    assert fresh and calls == []
+    monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "1")
+    on, _ = prefill_logits(model, ids)
+    assert len(calls) == model.config.num_hidden_layers
+    assert torch.isfinite(on).all()
+    scale = off.abs().max().item()
+    assert (on - off).abs().max().item() <= tol * max(scale, 1.0)
