@@ -20,12 +20,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common import gpu_model_cli, print_table, write_results  # noqa: E402
-from exl_core.cache import Cache  # noqa: E402
+from exl_core.cache import Cache, paged  # noqa: E402
 from gpu_generator import prompt_tok_s  # noqa: E402
 
 
 def set_fresh(on: bool) -> None:
     os.environ["EXL_CORE_FRESH_PREFILL"] = "1" if on else "0"
+
+
+CALLS = [0]          # fresh_causal_attention's calls: an "on" round in which it never ran would read as no difference
+
+
+def _count_calls() -> None:
+    real = paged.fresh_causal_attention
+
+    def counted(*a):
+        CALLS[0] += 1
+        return real(*a)
+    paged.fresh_causal_attention = counted
+
+
+def checked(fresh: bool, fn):
+    """fn()'s result, after checking that the causal-mask path ran (fresh) or did not."""
+    before = CALLS[0]
+    out = fn()
+    ran = CALLS[0] > before
+    if ran != fresh:
+        raise SystemExit(f"EXL_CORE_FRESH_PREFILL={int(fresh)} but the causal-mask path {'ran' if ran else 'never ran'}"
+                         " (a forced or disabled attention kernel, or a window narrower than the prompt?)")
+    return out
 
 
 @torch.inference_mode()
@@ -41,10 +64,11 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
 def main() -> None:
     a, model = gpu_model_cli(__doc__, rounds=(int, 3), tokens=(int, 2048))
     ids = torch.randint(100, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    _count_calls()
     set_fresh(True)
-    on = prefill_logits(model, ids)
+    on = checked(True, lambda: prefill_logits(model, ids))
     set_fresh(False)
-    off = prefill_logits(model, ids)
+    off = checked(False, lambda: prefill_logits(model, ids))
     diff = (on - off).abs().max().item()
     same_argmax = (on.argmax(-1) == off.argmax(-1)).float().mean().item()
     print(f"logits max |fresh - gathered| {diff:.4e} (max |logit| {off.abs().max().item():.3f}); argmax agree "
@@ -54,10 +78,9 @@ def main() -> None:
         for fresh in ((True, False) if r % 2 == 0 else (False, True)):
             set_fresh(fresh)
             for chunk in (2048, 512):
-                rows.append({"round": r, "fresh": fresh, "chunk": chunk,
-                             "prompt_tok_s": prompt_tok_s(model, a.tokens, chunk)})
+                tok_s = checked(fresh, lambda: prompt_tok_s(model, a.tokens, chunk))
+                rows.append({"round": r, "fresh": fresh, "chunk": chunk, "prompt_tok_s": tok_s})
                 print_table(rows[-1:], list(rows[-1]))
-    set_fresh(True)
     med = {}
     for fresh in (True, False):
         for chunk in (2048, 512):

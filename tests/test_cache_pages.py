@@ -160,8 +160,9 @@ def _fake_model(layers=2, hkv=2, d=64, window=None, dtype=torch.float32):
     return types.SimpleNamespace(config=cfg, dtype=dtype, device=torch.device("cpu"))
 
 
-def _brute_attention(q, k, v, q_start, window):
-    """float64 causal (windowed) attention of one sequence: q (Tq, Hq, D), k/v (Tk, Hkv, D)."""
+def _brute_attention(q, k, v, q_start, window, scale=None):
+    """float64 causal (windowed) attention of one sequence: q (Tq, Hq, D), k/v (Tk, Hkv, D); scale 1 / sqrt(D) unless
+    given."""
     q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
@@ -169,7 +170,7 @@ def _brute_attention(q, k, v, q_start, window):
         p = q_start + i
         lo = max(0, p - window + 1) if window else 0
         for h in range(q.shape[1]):
-            s = (k[lo:p + 1, h // rep] @ q[i, h]) * q.shape[2] ** -0.5
+            s = (k[lo:p + 1, h // rep] @ q[i, h]) * (q.shape[2] ** -0.5 if scale is None else scale)
             out[i, h] = torch.softmax(s, 0) @ v[lo:p + 1, h // rep]
     return out
 
@@ -241,7 +242,7 @@ def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
     n = 30
     tabs = [cache.try_admit(list(range(100 + i, 100 + i + n + 8)), n + 8, 32, reuse=False) for i in range(2)]
     k, v = torch.randn(n + 8, hkv, d), torch.randn(n + 8, hkv, d)
-    for m in (n, 18, 16):                        # a window of 20: 30 rows take paged attention, 18 the causal mask
+    for m in (n, 20, 18, 16):                    # a window of 20: 30 rows take paged attention, 20 the causal mask
         ctx = cache.context([tabs[0]], [m])
         assert ctx.fresh
         expect = 0 if m <= 16 or (window and m > window) else 1
@@ -291,6 +292,22 @@ def test_fresh_prefill_keeps_a_subclass_attend_a_forced_kernel_and_the_cache_dty
     monkeypatch.setitem(dispatch._FORCED, "attention", "torch_ref")
     ctx.attend(0, q, k, v, d ** -0.5, None)
     assert calls == []
+    monkeypatch.delitem(dispatch._FORCED, "attention")
+    monkeypatch.setattr(dispatch, "_DISABLED", {"gathered_sdpa", "cpu"})    # the reference, not the gathering SDPA
+    ctx.attend(0, q, k, v, d ** -0.5, None)
+    assert calls == []
+
+
+def test_fresh_prefill_keeps_the_attention_scale(monkeypatch):
+    """The model's attention scale, not SDPA's default 1 / sqrt(D), in the causal-mask path."""
+    calls = _fresh_spy(monkeypatch)
+    ps, hq, hkv, d, m = 8, 4, 2, 64, 24
+    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d), max_tokens=10 * ps, page_size=ps)
+    ctx = cache.context([cache.try_admit(list(range(m + 4)), m + 4, 32, reuse=False)], [m])
+    q, k, v = torch.randn(m, hq, d), torch.randn(m, hkv, d), torch.randn(m, hkv, d)
+    out = ctx.attend(0, q, k, v, 0.3, None)
+    assert len(calls) == 1
+    torch.testing.assert_close(out.double(), _brute_attention(q, k, v, 0, None, scale=0.3), atol=2e-5, rtol=2e-5)
 
 
 def test_fresh_prefill_is_off_by_default_and_on_cuda_only(monkeypatch):
