@@ -429,6 +429,7 @@ void check_row(std::vector<Layer>& layers = g_layers) {
 }
 
 #include "gemv_probe_trace.cuh"          // the trace modes' host side (stamps, tailpf)
+#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit)
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -453,34 +454,8 @@ int main(int argc, char** argv) {
 #ifdef KSLICE_STAMPS
   if (argc > 1 && std::string(argv[1]) == "stamps") return stamp_run();
 #endif
-  if (argc > 1 && std::string(argv[1]) == "chain") {   // the extension's chain and the read floor, for A/B builds (stop 50)
-    check_row<KsLauncher<8, 4>>();
-    check_row<KsLauncher<16, 4>>();
-    check_row<KsLauncher<16, 8>>();
-    for (int round = 0; round < 3; ++round) {
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
-      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-    }
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "fit") {   // blocks that fit beside the launch before's (stop 50)
-    // Registers allocated (8 a thread) an SM: q/k/v and gate/up k8 r4 3 x 20,480 of 65,536; o k16 r4 49,152 and down
-    // k16 r8 53,248 leave no room for a block of the next launch.  By this probe's plain build's counts (k12 r4 75,
-    // k12 r8 96, k8 r8 97): o on 12 warps 30,720 (a gate/up block fits beside it, and it enters beside one q/k/v
-    // block), down on 12 warps 36,864 (a q/k/v block fits beside it), on 8 warps 26,624.
-    check_row<KsLauncher<12, 4>>();
-    check_row<KsLauncher<12, 8>>();
-    check_row<KsLauncher<8, 8>>();
-    for (int round = 0; round < 5; ++round) {
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
-      layer_row<KsLauncher<8, 4>, KsLauncher<12, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o k12");
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<12, 8>>("ext, down k12");
-      layer_row<KsLauncher<8, 4>, KsLauncher<12, 4>, KsLauncher<8, 4>, KsLauncher<12, 8>>("ext, o and down k12");
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<8, 8>>("ext, down k8");
-      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-    }
-    return 0;
-  }
+  if (argc > 1 && std::string(argv[1]) == "chain") return chain_run();
+  if (argc > 1 && std::string(argv[1]) == "fit") return fit_run();
   for (int i = 0; i < kLayers; ++i)
     g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),
@@ -510,34 +485,8 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     return 0;
   }
-  if (argc > 1 && std::string(argv[1]) == "h2") {   // scale and zero as one half2 (4 bytes) against fp32's 8, in turn
-    for (auto& l : g_layers)
-      for (W* w : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) make_h2(*w);
-    CK(cudaDeviceSynchronize());
-    check_row<KsLauncher<8, 4, true, 2, false, true>>();
-    check_row<KsLauncher<16, 4, true, 2, false, true>>();
-    check_row<KsLauncher<16, 8, true, 2, false, true>>();
-    using A = KsLauncher<8, 4, true, 2, false, true>;
-    using B = KsLauncher<16, 4, true, 2, false, true>;
-    using D = KsLauncher<16, 8, true, 2, false, true>;
-    for (int round = 0; round < 5; ++round) {
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
-      layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, D>("GPTQ ext, half2 down only", g_layers,
-                                                                          8.0 - 4.0 * 11008.0 * 4096 / kLayerParams);
-      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-    }
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "ring") {   // ring depth per launch, rounds alternated (stop 49)
-    for (int round = 0; round < 5; ++round) {
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 8>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o ring 8");
-      layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("ext, down ring 4");
-      layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-    }
-    return 0;
-  }
+  if (argc > 1 && std::string(argv[1]) == "h2") return h2_run();
+  if (argc > 1 && std::string(argv[1]) == "ring") return ring_run();
   if (argc > 1 && std::string(argv[1]) == "stream") {   // the one-wave GEMV against the extension's, same run
     check_row<StLauncher<8, 8, true>>();
     check_row<StLauncher<0, 8, true>>();

@@ -244,7 +244,7 @@ class PagedContext:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if self._fresh_attention(q, kc, vc, scale, window):
+        if self.fresh and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
             q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
             return fresh_causal_attention(q, kc, vc, self.slots, scale)
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
@@ -267,7 +267,7 @@ class PagedContext:
                scale: float, window: Optional[int]) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
-        if self._fresh_attention(q, kc, vc, scale, window):
+        if self.fresh and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
             return fresh_causal_attention(q, kc, vc, self.slots, scale)
         return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
                                scale, window, self.max_q_len)  # (T, Hq, D)

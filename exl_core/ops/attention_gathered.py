@@ -102,9 +102,10 @@ def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def fresh_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """Attention of one sequence's first T rows (positions 0..T-1, nothing cached before them, no window narrower
-    than T) over their own keys and values, read back from their T cache slots: SDPA's own causal mask (on CUDA
-    a fused kernel, where torch has one for the dtype and shape), where paged_attention_gathered would gather every page, zero the unwritten slots and pass an
-    explicit (T, L) mask. The caller knows on the host that the sequence is fresh (PagedContext.fresh). (T, Hq, D)."""
+    than T) over their own keys and values, read back from their T cache slots: SDPA's own causal mask (on CUDA a
+    fused kernel, where torch has one for the dtype and shape), where paged_attention_gathered would gather every
+    page, zero the unwritten slots and pass an explicit (T, L) mask. The caller knows on the host that the sequence is
+    fresh (PagedContext.fresh). (T, Hq, D)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     kf = k_cache.reshape(-1, hkv, d).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]    # (1, Hkv, T, D)
