@@ -1,5 +1,5 @@
 // The chain modes of bench/gemv_probe.cu: the extension's GPTQ decode launches as a chain of layers against variants of
-// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`; NOTES, stops 45-50).  Included by
+// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`; NOTES, stops 45-51).  Included by
 // gemv_probe.cu after its launchers and layer_row; each returns main's exit code.
 #pragma once
 
@@ -62,6 +62,20 @@ int ring_run() {
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 8>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o ring 8");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("ext, down ring 4");
+    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+  }
+  return 0;
+}
+
+// Mode `wave`: gate/up (688 tiles) on 4-warp blocks, six an SM: one wave, against 8-warp blocks, three an SM: a full
+// wave and a 74 % one (stop 51; the extension's EXL_CORE_KSLICE_ONE_WAVE)
+int wave_run() {
+  check_row<KsLauncher<4, 4>>();
+  check_row<KsLauncher<4, 8>>();
+  for (int round = 0; round < 5; ++round) {
+    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<4, 4>, KsLauncher<16, 8>>("ext, gate/up k4 r4");
+    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<4, 8>, KsLauncher<16, 8>>("ext, gate/up k4 r8");
     layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   }
   return 0;

@@ -2,6 +2,7 @@
 // qgemm_kslice_kernel.cuh.
 #include <c10/cuda/CUDAGuard.h>
 #include <cstdlib>
+#include <cstring>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -55,13 +56,22 @@ bool mixed_waves_to_skinny() {
 // (stop 29 call 3, bench --quick): EXL2 batch 1 362.0 tok/s with 4 against 354.2 with 8 and 343.2 with 16; GPTQ 457.2
 // with 4 and 416.5 with 16 against 519.6 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
 // bench/gpu.sh phases wavekw4, wavekw8, wavekw16).
-int wave_kw(bool u4) {
+// EXL_CORE_KSLICE_ONE_WAVE=1 (off until measured, stop 51): uniform 4-bit launches of more tiles than three 8-warp
+// blocks an SM hold (gate/up: 688 tiles, 1.74 waves of 396) on 4-warp blocks, six an SM, so that they run in one wave
+// instead of a full wave and a 74 % one (its phase stamps, stop 49: the second wave's loops end ~11 us after the first's).
+int wave_kw(bool u4, int64_t tiles, int64_t sms) {
   static const int env = [] {
     const char* v = std::getenv("EXL_CORE_KSLICE_WAVE_KW");
     const int k = v ? std::atoi(v) : 0;
     return k == 4 || k == 8 || k == 16 ? k : 0;
   }();
-  return env ? env : u4 ? 8 : 4;
+  static const bool one_wave = [] {
+    const char* v = std::getenv("EXL_CORE_KSLICE_ONE_WAVE");
+    return v && std::strcmp(v, "1") == 0;
+  }();
+  if (env) return env;
+  if (!u4) return 4;
+  return one_wave && tiles > 3 * sms && tiles <= 6 * sms ? 4 : 8;
 }
 
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
@@ -83,7 +93,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
               bool act = false, bool fold = false) {
   const int nt = n_tiles_for(M);
   const int64_t sms = device_sm(dev, false);
-  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : wave_kw(u4);
+  if (kw <= 0) kw = nt > 1 ? (tiles > (nt == 2 ? 1 : 3) * sms ? 4 : 8) : tiles <= sms ? 16 : wave_kw(u4, tiles, sms);
   if (ring <= 0) ring = u4 && (nt > 1 || act) ? 8 : 4;
   const int n_chunks = static_cast<int>(K / 32);
   const int cw = (n_chunks + kw - 1) / kw;                    // most chunks one warp owns
