@@ -1,13 +1,12 @@
 """A fresh prompt's prefill through the Generator on CUDA, by SDPA's causal mask against gathered pages, A/B.
 
-Its attention by SDPA's causal mask over its own slots (EXL_CORE_FRESH_PREFILL=1, cache/paged.py fresh_prefill_on; off
-by default until this has run) against paged attention over gathered pages under an explicit mask, in one process,
-rounds alternated; and the two paths' logits of one prefill.
+Its attention by SDPA's causal mask over its own slots (cache/paged.py fresh_prefill_on; on by default since this ran in
+stop 51, EXL_CORE_FRESH_PREFILL=0 turns it off) against paged attention over gathered pages under an explicit mask, in
+one process, rounds alternated; and the two paths' logits of one prefill.
 
     python bench/fresh_prefill_ab.py --model /tmp/exl_bench/gptq [--rounds 3]
 
-Prints a table and writes bench/results/fresh_prefill_ab.json (and $OUT/ when OUT is set).
-"""
+Prints a table and writes bench/results/fresh_prefill_ab.json (and $OUT/ when OUT is set)."""
 from __future__ import annotations
 
 import os

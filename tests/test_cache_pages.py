@@ -310,9 +310,11 @@ def test_fresh_prefill_keeps_the_attention_scale(monkeypatch):
     torch.testing.assert_close(out.double(), _brute_attention(q, k, v, 0, None, scale=0.3), atol=2e-5, rtol=2e-5)
 
 
-def test_fresh_prefill_is_off_by_default_and_on_cuda_only(monkeypatch):
+def test_fresh_prefill_is_on_by_default_on_cuda_only(monkeypatch):
     from exl_core.cache.paged import fresh_prefill_on
     monkeypatch.delenv("EXL_CORE_FRESH_PREFILL", raising=False)
+    assert fresh_prefill_on(torch.device("cuda")) and not fresh_prefill_on(torch.device("cpu"))
+    monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "0")
     assert not fresh_prefill_on(torch.device("cuda")) and not fresh_prefill_on(torch.device("cpu"))
     monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "1")
     assert fresh_prefill_on(torch.device("cuda")) and not fresh_prefill_on(torch.device("cpu"))

@@ -1,6 +1,6 @@
-"""A fresh sequence's prefill by SDPA's causal mask on a GPU (cache/paged.py fresh_prefill_on, EXL_CORE_FRESH_PREFILL=1,
-off by default until measured): the model's logits of a paged prefill as with paged attention over gathered pages, and
-the path taken in every layer. (Its attention against float64 brute force runs on the CPU, forced on:
+"""A fresh sequence's prefill by SDPA's causal mask on a GPU (cache/paged.py fresh_prefill_on, on by default since stop
+51, EXL_CORE_FRESH_PREFILL=0 turns it off): the model's logits of a paged prefill as with paged attention over gathered
+pages, and the path taken in every layer. (Its attention against float64 brute force runs on the CPU, forced on:
 tests/test_cache_pages.py, tests/test_attention_gathered.py.)"""
 from __future__ import annotations
 
