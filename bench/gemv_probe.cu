@@ -429,7 +429,7 @@ void check_row(std::vector<Layer>& layers = g_layers) {
 }
 
 #include "gemv_probe_trace.cuh"          // the trace modes' host side (stamps, tailpf)
-#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit, wave)
+#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit, wave, sg)
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -457,6 +457,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "chain") return chain_run();
   if (argc > 1 && std::string(argv[1]) == "fit") return fit_run();
   if (argc > 1 && std::string(argv[1]) == "wave") return wave_run();
+  if (argc > 1 && std::string(argv[1]) == "sg") return sg_run();
   for (int i = 0; i < kLayers; ++i)
     g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),

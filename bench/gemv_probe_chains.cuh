@@ -1,6 +1,6 @@
 // The chain modes of bench/gemv_probe.cu: the extension's GPTQ decode launches as a chain of layers against variants of
-// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`; NOTES, stops 45-51).  Included by
-// gemv_probe.cu after its launchers and layer_row; each returns main's exit code.
+// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`, `sg`; NOTES, stops 45-51).  Included
+// by gemv_probe.cu after its launchers and layer_row; each returns main's exit code.
 #pragma once
 
 // Mode `chain`: the extension's chain and the read floor, for A/B builds (stop 50)
@@ -76,6 +76,31 @@ int wave_run() {
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<4, 4>, KsLauncher<16, 8>>("ext, gate/up k4 r4");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<4, 8>, KsLauncher<16, 8>>("ext, gate/up k4 r8");
+    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+  }
+  return 0;
+}
+
+// Mode `sg`: what the in-kernel act-order gather (sgather: x copied whole into shared memory, each warp gathering its
+// slice) costs q/k/v and gate/up in the chain -- against the EXL2 path's separate permuted-norm launch (3.24 and 3.26
+// us a layer of adds, stop 39's timeline), the price of a norm folded into an act-order consumer (stop 51)
+int sg_run() {
+  std::vector<Layer> hybrid = g_layers;       // o and down as GPTQ's; q/k/v and gate/up with a random act-order
+  for (auto& l : hybrid) {
+    l.q = make_weight(4096, 4096, false, 1), l.k = make_weight(4096, 4096, false, 1);
+    l.v = make_weight(4096, 4096, false, 1);
+    l.gate = make_weight(4096, 11008, false, 1), l.up = make_weight(4096, 11008, false, 1);
+  }
+  using S = KsLauncher<8, 4, true, 2, true>;
+  std::vector<Layer> permuted{{make_weight(4096, 4096, false, 1), make_weight(4096, 4096, false, 1),
+                               make_weight(4096, 4096, false, 1), make_weight(4096, 4096, false, 1),
+                               make_weight(4096, 11008, false, 1), make_weight(4096, 11008, false, 1),
+                               make_weight(11008, 4096, false, 1)}};
+  check_row<S>(permuted);                     // its gather against the reference's (o and down with a permutation)
+  for (int round = 0; round < 5; ++round) {
+    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+    layer_row<S, KsLauncher<16, 4>, S, KsLauncher<16, 8>>("ext, q/k/v and gate/up sgather", hybrid);
+    layer_row<S, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, q/k/v sgather", hybrid);
     layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   }
   return 0;
