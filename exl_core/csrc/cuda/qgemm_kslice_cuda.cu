@@ -2,7 +2,6 @@
 // qgemm_kslice_kernel.cuh.
 #include <c10/cuda/CUDAGuard.h>
 #include <cstdlib>
-#include <cstring>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -56,19 +55,21 @@ bool mixed_waves_to_skinny() {
 // (stop 29 call 3, bench --quick): EXL2 batch 1 362.0 tok/s with 4 against 354.2 with 8 and 343.2 with 16; GPTQ 457.2
 // with 4 and 416.5 with 16 against 519.6 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
 // bench/gpu.sh phases wavekw4, wavekw8, wavekw16).
-// EXL_CORE_KSLICE_ONE_WAVE=1 (off until measured, stop 51): uniform 4-bit launches of more tiles than three 8-warp
-// blocks an SM hold (gate/up: 688 tiles, 1.74 waves of 396) on 4-warp blocks, six an SM, so that they run in one wave
-// instead of a full wave and a 74 % one (its phase stamps, stop 49: the second wave's loops end ~11 us after the first's).
+// One wave: uniform 4-bit launches of more tiles than three 8-warp blocks an SM hold (gate/up: 688 tiles, 1.74 waves of
+// 396) run on 4-warp blocks, six an SM (ptxas: 72 and 78 registers for the folded-norm instances), in one wave instead
+// of a full wave and a 74 % one (stop 49's phase stamps: the second wave's loops end ~11 us after the first's).  H200,
+// bench --quick, stop 51 call 2, two rounds alternated: batch 1 GPTQ 527.84 / 528.26 tok/s against 515.87 / 515.92 with
+// 8 warps, EXL2 464.48 / 464.25 against 458.35 / 459.22; batch 8 and 32 do not take it.  (The gemv probe's chain of
+// plain instances, without the folded norm, read it 0.7-1.0 us a layer slower: 47.78-48.14 against 47.05-47.15, call
+// 1.)
+// EXL_CORE_KSLICE_ONE_WAVE=0 turns it off (A/B).
 int wave_kw(bool u4, int64_t tiles, int64_t sms) {
   static const int env = [] {
     const char* v = std::getenv("EXL_CORE_KSLICE_WAVE_KW");
     const int k = v ? std::atoi(v) : 0;
     return k == 4 || k == 8 || k == 16 ? k : 0;
   }();
-  static const bool one_wave = [] {
-    const char* v = std::getenv("EXL_CORE_KSLICE_ONE_WAVE");
-    return v && std::strcmp(v, "1") == 0;
-  }();
+  static const bool one_wave = exl_pdl::env_on("EXL_CORE_KSLICE_ONE_WAVE");
   if (env) return env;
   if (!u4) return 4;
   return one_wave && tiles > 3 * sms && tiles <= 6 * sms ? 4 : 8;
