@@ -100,7 +100,7 @@ int sg_run() {
   for (int round = 0; round < 5; ++round) {
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
     layer_row<S, KsLauncher<16, 4>, S, KsLauncher<16, 8>>("ext, q/k/v and gate/up sgather", hybrid);
-    layer_row<S, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, q/k/v sgather", hybrid);
+    layer_row<S, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, q/k/v sgather, gate/up gathers from global", hybrid);
     layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
   }
   return 0;
