@@ -82,10 +82,12 @@ NORMED_LAYOUTS = {"k512": U4, "k4096": [(4, 128)] * 32, "k1440": [(4, 32)] * 45}
 
 @pytest.mark.parametrize("M", [1, 5, 8, 17, 32])                  # qgemm_kslice staged rows; qgemm_wide
 @pytest.mark.parametrize("layout", list(NORMED_LAYOUTS))
-@pytest.mark.parametrize("widths", [(512, 128, 384), (4096, 1024, 1024)], ids=["24tiles", "192tiles"])
+@pytest.mark.parametrize("widths", [(512, 128, 384), (4096, 1024, 1024), (11008, 11008)],
+                         ids=["24tiles", "192tiles", "688tiles"])
 def test_many_normed_vs_float64_and_unfused(M, layout, widths, monkeypatch):
     """192 column tiles of 32 (more than an H200's 132 SMs) run qgemm_kslice's kw 8 fold instance, as a 7B's q/k/v
-    (384 tiles) and gate/up (688) do at batch 1; 24 tiles run the kw 16 one."""
+    (384 tiles) does at batch 1; 688 (a 7B's gate/up: more than three 8-warp blocks an SM, at most six 4-warp ones on
+    an H200) the kw 4 one, in one wave (wave_kw); 24 tiles run the kw 16 one."""
     _need_kernels()
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import norm_fold
