@@ -105,7 +105,11 @@ def test_many_normed_vs_float64_and_unfused(M, layout, widths, monkeypatch):
     ss = _tile_ss(res).float()                                      # a producer's sums, computed independently
     pc = [pw.to("cuda") for pw in pws]
     rc, wc, sc = res.cuda(), w.cuda(), ss.cuda()
-    assert norm_fold.DISPATCH_MANY_NORMED.choose(residual=rc, weight=wc, eps=eps, ss=sc, pws=pc).name == "cuda"
+    # at 2..8 rows a launch of gate/up's width runs qgemm_skinny (EXL_CORE_KSLICE_U4_ONE_ROW), which does not fold: the
+    # reference (norm, then qmatmul_many) takes it, and the values are checked all the same
+    folds = not (widths == (11008, 11008) and 1 < M <= 8)
+    assert norm_fold.DISPATCH_MANY_NORMED.choose(residual=rc, weight=wc, eps=eps, ss=sc, pws=pc).name == \
+        ("cuda" if folds else "torch")
     poison_allocator()
     ys = norm_fold.qmatmul_many_normed(rc, wc, eps, sc, pc)
     xn = _normed_ref(res, w, eps)
