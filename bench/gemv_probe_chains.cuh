@@ -3,16 +3,23 @@
 // by gemv_probe.cu after its launchers and layer_row; each returns main's exit code.
 #pragma once
 
+// `rounds` rounds of: the extension's chain, the mode's variants (a callable), the read floor; main's exit code.
+template <class F>
+int ab_rounds(int rounds, F variants) {
+  for (int round = 0; round < rounds; ++round) {
+    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+    variants();
+    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
+  }
+  return 0;
+}
+
 // Mode `chain`: the extension's chain and the read floor, for A/B builds (stop 50)
 int chain_run() {
   check_row<KsLauncher<8, 4>>();
   check_row<KsLauncher<16, 4>>();
   check_row<KsLauncher<16, 8>>();
-  for (int round = 0; round < 3; ++round) {
-    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
-    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  }
-  return 0;
+  return ab_rounds(3, [] {});
 }
 
 // Mode `fit`: blocks that fit beside the launch before's (stop 50)
@@ -24,15 +31,12 @@ int fit_run() {
   check_row<KsLauncher<12, 4>>();
   check_row<KsLauncher<12, 8>>();
   check_row<KsLauncher<8, 8>>();
-  for (int round = 0; round < 5; ++round) {
-    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+  return ab_rounds(5, [&] {
     layer_row<KsLauncher<8, 4>, KsLauncher<12, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o k12");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<12, 8>>("ext, down k12");
     layer_row<KsLauncher<8, 4>, KsLauncher<12, 4>, KsLauncher<8, 4>, KsLauncher<12, 8>>("ext, o and down k12");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<8, 8>>("ext, down k8");
-    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  }
-  return 0;
+  });
 }
 
 // Mode `h2`: scale and zero as one half2 (4 bytes) against fp32's 8, in turn
@@ -46,25 +50,19 @@ int h2_run() {
   using A = KsLauncher<8, 4, true, 2, false, true>;
   using B = KsLauncher<16, 4, true, 2, false, true>;
   using D = KsLauncher<16, 8, true, 2, false, true>;
-  for (int round = 0; round < 5; ++round) {
-    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+  return ab_rounds(5, [&] {
     layer_row<A, B, A, D>("GPTQ ext, half2 scale/zero", g_layers, 4.0);
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, D>("GPTQ ext, half2 down only", g_layers,
                                                                         8.0 - 4.0 * 11008.0 * 4096 / kLayerParams);
-    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  }
-  return 0;
+  });
 }
 
 // Mode `ring`: ring depth per launch, rounds alternated (stop 49)
 int ring_run() {
-  for (int round = 0; round < 5; ++round) {
-    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+  return ab_rounds(5, [&] {
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 8>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, o ring 8");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 4>>("ext, down ring 4");
-    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  }
-  return 0;
+  });
 }
 
 // Mode `wave`: gate/up (688 tiles) on 4-warp blocks, six an SM: one wave, against 8-warp blocks, three an SM: a full
@@ -72,13 +70,10 @@ int ring_run() {
 int wave_run() {
   check_row<KsLauncher<4, 4>>();
   check_row<KsLauncher<4, 8>>();
-  for (int round = 0; round < 5; ++round) {
-    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+  return ab_rounds(5, [&] {
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<4, 4>, KsLauncher<16, 8>>("ext, gate/up k4 r4");
     layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<4, 8>, KsLauncher<16, 8>>("ext, gate/up k4 r8");
-    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  }
-  return 0;
+  });
 }
 
 // Mode `sg`: what the in-kernel act-order gather (sgather: x copied whole into shared memory, each warp gathering its
@@ -97,11 +92,9 @@ int sg_run() {
                                make_weight(4096, 11008, false, 1), make_weight(4096, 11008, false, 1),
                                make_weight(11008, 4096, false, 1)}};
   check_row<S>(permuted);                     // its gather against the reference's (o and down with a permutation)
-  for (int round = 0; round < 5; ++round) {
-    layer_row<KsLauncher<8, 4>, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("GPTQ as the extension");
+  return ab_rounds(5, [&] {
     layer_row<S, KsLauncher<16, 4>, S, KsLauncher<16, 8>>("ext, q/k/v and gate/up sgather", hybrid);
-    layer_row<S, KsLauncher<16, 4>, KsLauncher<8, 4>, KsLauncher<16, 8>>("ext, q/k/v sgather, gate/up gathers from global", hybrid);
-    layer_row<ReadLauncher, ReadLauncher, ReadLauncher, ReadLauncher>("read floor");
-  }
-  return 0;
+    using G = KsLauncher<8, 4>;               // gate/up on permuted weights without sgather: the global gather
+    layer_row<S, KsLauncher<16, 4>, G, KsLauncher<16, 8>>("ext, q/k/v sgather, gate/up gathers from global", hybrid);
+  });
 }
