@@ -66,7 +66,7 @@ int ring_run() {
 }
 
 // Mode `wave`: gate/up (688 tiles) on 4-warp blocks, six an SM: one wave, against 8-warp blocks, three an SM: a full
-// wave and a 74 % one (stop 51; the extension's EXL_CORE_KSLICE_ONE_WAVE)
+// wave and a 73 % one (stop 51; the extension's EXL_CORE_KSLICE_ONE_WAVE)
 int wave_run() {
   check_row<KsLauncher<4, 4>>();
   check_row<KsLauncher<4, 8>>();

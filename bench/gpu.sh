@@ -42,7 +42,7 @@
 # oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), noonewave (both formats with EXL_CORE_KSLICE_ONE_WAVE=0: gate/up at
-# batch 1 on 8-warp blocks, 1.74 waves), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
+# batch 1 on 8-warp blocks, 1.73 waves), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
 # EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), noearlyw (both formats with
 # EXL_CORE_NORM_EARLY_W=0: the norm kernels read the weight after their PDL wait), nonormperm (EXL2 with
@@ -302,7 +302,7 @@ if has nonorm; then   # A/B: the RMSNorm and residual add as their own launches 
   EXL_CORE_NORM_FOLD=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --json /tmp/gpu_h200_nonorm.json 2>&1 | tee -a "$LOG" | tail -14
 fi
-if has noonewave; then  # A/B: gate/up at batch 1 on 8-warp blocks in 1.74 waves (EXL_CORE_KSLICE_ONE_WAVE=0; stop 51)
+if has noonewave; then  # A/B: gate/up at batch 1 on 8-warp blocks in 1.73 waves (EXL_CORE_KSLICE_ONE_WAVE=0; stop 51)
   EXL_CORE_KSLICE_ONE_WAVE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_noonewave.json" 2>&1 | tee -a "$LOG" | tail -14
 fi

@@ -3,6 +3,7 @@ the producer's add and sums of squares, and the consumers' normalised x, against
 unfused path (norm kernel, then the plain kernels).  Helpers from test_cuda_kernels."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -105,9 +106,12 @@ def test_many_normed_vs_float64_and_unfused(M, layout, widths, monkeypatch):
     ss = _tile_ss(res).float()                                      # a producer's sums, computed independently
     pc = [pw.to("cuda") for pw in pws]
     rc, wc, sc = res.cuda(), w.cuda(), ss.cuda()
-    # at 2..8 rows a launch of gate/up's width runs qgemm_skinny (EXL_CORE_KSLICE_U4_ONE_ROW), which does not fold: the
-    # reference (norm, then qmatmul_many) takes it, and the values are checked all the same
-    folds = not (widths == (11008, 11008) and 1 < M <= 8)
+    # at 2..8 rows a launch of more than 3 tiles an SM runs qgemm_skinny (qgemm_kslice_fits; lifted by
+    # EXL_CORE_KSLICE_U4_ONE_ROW=0), which does not fold: the reference (norm, then qmatmul_many) takes it, and the
+    # values are checked alike
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    one_row = os.environ.get("EXL_CORE_KSLICE_U4_ONE_ROW", "1") != "0"
+    folds = not (one_row and 1 < M <= 8 and sum((n + 31) // 32 for n in widths) > 3 * sms)
     assert norm_fold.DISPATCH_MANY_NORMED.choose(residual=rc, weight=wc, eps=eps, ss=sc, pws=pc).name == \
         ("cuda" if folds else "torch")
     poison_allocator()

@@ -206,7 +206,8 @@ def _kslice_ok(rows: int, pws, device, one_wave: bool = True) -> bool:
     """qgemm_kslice (the caller checks x is fp16) for 1..KSLICE_MAX_ROWS rows when its shared memory
     (x's rows, the chunk table, scale/zero slots) fits; pws share K.  Weights with more rows than x has columns
     (formats.uniform4) have no other decode kernel: the 2..8-row refusal of wide launches (qgemm_kslice_fits with
-    kw 0) does not apply to them, so they ask with the kw the kernel then chooses (8 for more tiles than SMs)."""
+    kw 0) does not apply to them, so they ask with kw 8, the kernel's choice for more tiles than SMs up to three 8-warp
+    blocks an SM; above that it takes 4 (wave_kw's one wave), whose shared memory is never larger."""
     u4 = all(_uniform4(pw) for pw in pws)
     tiles = sum((pw.out_features + 31) // 32 for pw in pws)
     rows_ok = 1 <= rows <= KSLICE_MAX_ROWS and (u4 or rows == KSLICE_MIXED_ROWS[0] or rows >= KSLICE_MIXED_ROWS[1] or

@@ -55,12 +55,14 @@ bool mixed_waves_to_skinny() {
 // (stop 29 call 3, bench --quick): EXL2 batch 1 362.0 tok/s with 4 against 354.2 with 8 and 343.2 with 16; GPTQ 457.2
 // with 4 and 416.5 with 16 against 519.6 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
 // bench/gpu.sh phases wavekw4, wavekw8, wavekw16).
-// One wave: uniform 4-bit launches of more tiles than three 8-warp blocks an SM hold (gate/up: 688 tiles, 1.74 waves of
-// 396) run on 4-warp blocks, six an SM (ptxas: 72 and 78 registers for the folded-norm instances), in one wave instead
-// of a full wave and a 74 % one (stop 49's phase stamps: the second wave's loops end ~11 us after the first's).  H200,
-// bench --quick, stop 51 call 2, two rounds alternated: batch 1 GPTQ 527.84 / 528.26 tok/s against 515.87 / 515.92 with
-// 8 warps, EXL2 464.48 / 464.25 against 458.35 / 459.22; batch 8 and 32 do not take it.  (The gemv probe's chain of
-// plain instances, without the folded norm, read it 0.7-1.0 us a layer slower: 47.78-48.14 against 47.05-47.15, call
+// One wave: uniform 4-bit launches of more tiles than three 8-warp blocks an SM hold (gate/up: 688 tiles, 1.73 waves of
+// 396) run on 4-warp blocks, six or more an SM (ptxas: 72 and 78 registers for the folded-norm instances), in one wave
+// instead of a full wave and a 73 % one (stop 49's phase stamps: the second wave's loops end ~11 us after the first's).
+// H200, bench --quick, stop 51 call 3, processes in turn: batch 1 GPTQ 532.60 / 532.14 tok/s against 518.92 with 8
+// warps, EXL2 466.84 / 466.28 against 461.44 (call 2, another machine: 527.84 / 528.26 against 515.87 / 515.92, 464.47
+// / 464.25 against 458.34 / 459.21).  Batch 32 and the prompt do not take it; EXL2's batch 8 does (its rewritten
+// gate/up runs here at 2..8 rows) with no gain (call 3: 2,240.54 / 2,240.47 against 2,251.31).  (The gemv probe's chain
+// of plain instances, without the folded norm, read it 0.7-1.0 us a layer slower: 47.78-48.14 against 47.05-47.15, call
 // 1.)
 // EXL_CORE_KSLICE_ONE_WAVE=0 turns it off (A/B).
 int wave_kw(bool u4, int64_t tiles, int64_t sms) {
