@@ -28,7 +28,7 @@ import torch
 
 import gpu_bench
 from exl_core.model import llama
-from exl_core.ops import attention, cuda_candidates, cuda_swiglu
+from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -80,7 +80,8 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "norm_perm_off": (llama, "NORM_PERM_DEVICES", ()),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True),
             "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ()),
-            "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0")}   # the host reads it per attention call
+            "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0"),   # the host reads it per attention call
+            "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True)}
 
 
 @contextmanager
@@ -190,6 +191,10 @@ def run_format(path: Path, fmt: str) -> list[dict]:
         cases += [(32, v) for v in ("wide_twin", "perm_banks") if f"{fmt}:32:{v}" in keep]   # they act at 32 rows
         cases += [(B, "attn_order_off") for B in (1, 8, 32) if f"{fmt}:{B}:attn_order_off" in keep]
     cases += [(B, "stage2_off") for B in (1, 8, 32) if f"{fmt}:{B}:stage2_off" in keep]   # stop 39: any format
+    # fold_wide (stop 52): the norm folded into qgemm_wide at 17..32 rows (EXL_CORE_NORM_FOLD_WIDE=1; GPTQ, whose
+    # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
+    if f"{fmt}:32:fold_wide" in keep:
+        cases.append((32, "fold_wide"))
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

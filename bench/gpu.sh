@@ -308,7 +308,7 @@ if has noonewave; then  # A/B: gate/up at batch 1 on 8-warp blocks in 1.73 waves
 fi
 if has widefold; then  # A/B: the RMSNorm folded into qgemm_wide too (batch 17..32; EXL_CORE_NORM_FOLD_WIDE=1)
   EXL_CORE_NORM_FOLD_WIDE=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \
-    --json /tmp/gpu_h200_widefold.json 2>&1 | tee -a "$LOG" | tail -14
+    --json "$OUT/gpu_h200_widefold.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has noropeattn; then  # A/B: rope and the K/V write as their own launch before attention (EXL_CORE_ROPE_ATTN_FUSE=0)
   EXL_CORE_ROPE_ATTN_FUSE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
