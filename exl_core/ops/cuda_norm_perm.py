@@ -32,13 +32,11 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 # against regular late 7,593.1 / 7,595.1 (lean late 7,345.2; at batch 1 lean early 442.3 / 442.8 against regular early
 # 446.8 / 446.2); call 2, regular early 7,343.2, and a first lean instance that read perm from global memory after the
 # row's values 7,537.4 early / 7,331.8 late.
-# Split (stop 52): up to qgemm_kslice's staged rows, the kernel's split instance -- S blocks of 2 warps a row from the SM
-# count (16 at batch 1 and 8 on the H200), each reading the whole row and writing P / S of y, where one block a row left
-# the gather and the stores on one SM per row.  Not at 17..32 rows: there a first version (blocks of 8 warps, 4 a row)
-# slowed the qgemm_wide launches after it, gate/up by ~10 us a layer (stop 52 call 2, EXL2 batch 32 step 4,397.31
-# against 4,204.93 us).  EXL_CORE_NORM_PERM_SPLIT=0 turns it off (A/B).
+# Split (stop 52): at most SPLIT_MAX_ROWS rows (decode), the kernel's split instance -- S blocks a row from the SM count
+# (up to 16 at batch 1, 4 at batch 32 on the H200), each reading the whole row and writing P / S of y, where one block a
+# row left the gather and the stores on one SM per row.  EXL_CORE_NORM_PERM_SPLIT=0 turns it off (A/B).
 SPLIT_ON = os.environ.get("EXL_CORE_NORM_PERM_SPLIT", "1") != "0"
-SPLIT_MAX_ROWS = cc.KSLICE_STAGED_ROWS
+SPLIT_MAX_ROWS = 64
 _LATE_ENV = os.environ.get("EXL_CORE_NORM_PERM_LATE", "")
 _LATE_FROM = int(_LATE_ENV) if _LATE_ENV.isdigit() and int(_LATE_ENV) > 0 else None   # anything else: never late
 _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")

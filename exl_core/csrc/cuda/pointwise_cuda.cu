@@ -23,16 +23,15 @@ using exl_act::f32;
 
 constexpr int kNormThreads = 256;
 
-// rsqrt(mean(h^2) + eps) of a row from each thread's sum of squares (one block of THREADS per row).
-template <int THREADS = kNormThreads>
+// rsqrt(mean(h^2) + eps) of a row from each thread's sum of squares (one block of kNormThreads per row).
 __device__ __forceinline__ float rms_scale(float ss, int64_t H, float eps) {
-  __shared__ float part[THREADS / 32];
+  __shared__ float part[kNormThreads / 32];
   for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
   float tot = 0.f;
 #pragma unroll
-  for (int i = 0; i < THREADS / 32; ++i) tot += part[i];
+  for (int i = 0; i < kNormThreads / 32; ++i) tot += part[i];
   return rsqrtf(tot / static_cast<float>(H) + eps);
 }
 
@@ -175,20 +174,16 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
 }
 constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
 
-// The permuted norm (PERM above) with S = `splits` blocks a row of kNormSplitThreads: block s writes y's vectors
-// [s * pvs, (s + 1) * pvs), pvs = ceil(P / V / S) <= kNormSplitThreads, one a thread.  Why: with one block a row the
-// gather (random shared-memory reads, several wavefronts each) and the P stores run on one SM per row -- at batch 1
-// one SM does all of it while the others wait for it.  Each block reads the whole row (x and the residual: L2 hits, 16
-// KB at H 4096 in fp16), keeps h in shared memory as it loads it (rms_scale's barrier publishes it) and normalises only
-// the values it gathers, y[j] = T(w[perm[j]] * T(h[perm[j]] * r)): the roundings of rms_norm_vec_kernel, so the same
-// bits.  A thread's perm entries and their weights are read before the PDL wait (the weight: rms_norm_static's
-// contract); block s stores h_out's vectors [s * hvs, (s + 1) * hvs).  Small blocks (2 warps, no row in registers): a
-// block of 256 threads and 52 registers took the room of a consumer's block on its SM, so the q/k/v and gate/up
-// launches after it, entering early under PDL, ran longer than the norm saved (stop 52 call 2: EXL2 batch 1 step
-// 2,150.02 against 2,141.43 us one block a row; batch 32 4,397.31 against 4,204.93).
-constexpr int kNormSplitThreads = 64;
-template <typename T>
-__global__ void __launch_bounds__(kNormSplitThreads) rms_norm_perm_split_kernel(
+// The permuted norm (PERM above) with S = `splits` blocks a row: block s writes y's vectors [s * pvs, (s + 1) * pvs),
+// pvs = ceil(P / V / S) <= kNormThreads, one a thread.  Why: with one block a row the gather (random shared-memory
+// reads, several wavefronts each) and the P stores run on one SM per row -- at batch 1 one SM does all of it while
+// the others wait for it.  Each block reads the whole row (x and the residual: L2 hits, 16 KB at H 4096 in fp16),
+// keeps h in shared memory as it loads it (rms_scale's barrier publishes it) and normalises only the values it
+// gathers, y[j] = T(w[perm[j]] * T(h[perm[j]] * r)): the roundings of rms_norm_vec_kernel, so the same bits.  A
+// thread's perm entries and their weights are read before the PDL wait (the weight: rms_norm_static's contract);
+// block s stores h_out's vectors [s * hvs, (s + 1) * hvs).
+template <typename T, int NV>
+__global__ void __launch_bounds__(kNormThreads) rms_norm_perm_split_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, int64_t H, float eps,
     T* __restrict__ y, T* __restrict__ h_out, const int32_t* __restrict__ perm, int64_t P, int splits, bool late) {
   constexpr int V = 16 / sizeof(T);
@@ -216,7 +211,10 @@ __global__ void __launch_bounds__(kNormSplitThreads) rms_norm_perm_split_kernel(
   if (!late) exl_pdl::pdl_trigger();
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
   float ss = 0.f;
-  for (int64_t vi = threadIdx.x; vi < nvec; vi += kNormSplitThreads) {
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+    if (vi >= nvec) break;
     uint4 hv = xr[vi];
     T* hp = reinterpret_cast<T*>(&hv);
     if (res) {
@@ -230,7 +228,7 @@ __global__ void __launch_bounds__(kNormSplitThreads) rms_norm_perm_split_kernel(
     for (int e = 0; e < V; ++e) ss += f32<T>(hp[e]) * f32<T>(hp[e]);
     reinterpret_cast<uint4*>(hs)[vi] = hv;
   }
-  const float r = rms_scale<kNormSplitThreads>(ss, H, eps);   // its barrier: every thread's h in shared memory
+  const float r = rms_scale(ss, H, eps);                      // its barrier: every thread's h in shared memory
   if (!has_out) return;
   uint4 o;
   T* op = reinterpret_cast<T*>(&o);
@@ -431,10 +429,10 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
       if (splits != 1 && ew) {
         const int64_t pvec = P / V, per_sm = std::max<int64_t>(1, exl_pdl::device_sm(dev, false) / rows);
         int64_t S = splits > 1 ? splits : std::min<int64_t>(16, per_sm);
-        S = std::min(std::max(S, (pvec + kNormSplitThreads - 1) / kNormSplitThreads), pvec);
+        S = std::min(std::max(S, (pvec + kNormThreads - 1) / kNormThreads), pvec);
         TORCH_CHECK(rows * S <= INT32_MAX, op, ": ", rows, " rows x ", S, " blocks a row is too large a grid");
-        exl_pdl::launch_pdl(rms_norm_perm_split_kernel<scalar_t>, dim3(static_cast<unsigned>(rows * S)),
-                            dim3(kNormSplitThreads), row_smem, stream, dev, xp, rp, wp, H, static_cast<float>(eps),
+        exl_pdl::launch_pdl(rms_norm_perm_split_kernel<scalar_t, kNormVecs>, dim3(static_cast<unsigned>(rows * S)),
+                            dim3(kNormThreads), row_smem, stream, dev, xp, rp, wp, H, static_cast<float>(eps),
                             ptr<scalar_t>(y), hp, static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P,
                             static_cast<int>(S), late);
         return;
