@@ -28,7 +28,7 @@ import torch
 
 import gpu_bench
 from exl_core.model import llama
-from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_norm_perm, cuda_swiglu
+from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -81,8 +81,7 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True),
             "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ()),
             "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0"),   # the host reads it per attention call
-            "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
-            "split_off": (cuda_norm_perm, "SPLIT_ON", False)}
+            "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True)}
 
 
 @contextmanager
@@ -196,8 +195,6 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
-    # split_off (stop 52): the permuted norm one block a row instead of its split kernel (EXL_CORE_NORM_PERM_SPLIT=0)
-    cases += [(B, "split_off") for B in (1, 8, 32) if f"{fmt}:{B}:split_off" in keep]
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

@@ -64,30 +64,6 @@ def test_rms_norm_perm_every_instance(dtype, late, lean):
             assert torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("rows", [1, 5, 32, 70])
-@pytest.mark.parametrize("splits", [0, 2, 3, 16, 200])   # 0: S from the SM count; 200: blocks with no vector of y
-@pytest.mark.parametrize("late", [False, True])
-def test_rms_norm_perm_split_same_bits(dtype, rows, splits, late):
-    """The split kernel (several blocks a row, each reading the whole row and writing its share of y and of the new
-    residual): the bits of the norm with its columns gathered, y and h fully written (poisoned buffers)."""
-    _need_kernels()
-    from exl_core.ops.norm import rms_norm
-    g = torch.Generator().manual_seed(rows * 1000 + splits)
-    H, extra = (8192, 0) if dtype == torch.bfloat16 else (4096, 256) if dtype == torch.float16 else (2048, 64)
-    x, res = (torch.randn(rows, H, generator=g).to(dtype).cuda() for _ in range(2))
-    w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
-    perm = torch.cat([torch.randperm(H, generator=g), torch.randint(0, H, (extra,), generator=g)]).int().cuda()
-    ref = rms_norm(x, w, 1e-5, res, weight_static=True)
-    for r in (None, res):
-        poison_allocator()
-        got = torch.ops.exl_core.rms_norm_perm(x, r, w, 1e-5, perm, late, False, splits)
-        want = ref if r is not None else (rms_norm(x, w, 1e-5, weight_static=True),)
-        assert torch.equal(got[0], want[0][:, perm.long()])
-        if r is not None:
-            assert torch.equal(got[1], want[1])
-
-
 def test_rms_norm_perm_refusals_fall_back_to_the_reference():
     _need_kernels()
     from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted

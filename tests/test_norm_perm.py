@@ -193,12 +193,3 @@ def test_cuda_policy_asks_for_the_lean_instance_from_the_batch_decode_rows(monke
     assert cnp._lean(cc.WIDE_MIN_ROWS) and cnp._lean(cc.WIDE_MAX_ROWS) and not cnp._lean(cc.WIDE_MIN_ROWS - 1)
     monkeypatch.setattr(cnp, "_LEAN", "0")
     assert not cnp._lean(cc.WIDE_MAX_ROWS)
-
-
-def test_rms_norm_perm_split_policy(monkeypatch):
-    """Decode rows take the split kernel, a prompt's the one-block-a-row kernel; EXL_CORE_NORM_PERM_SPLIT=0 (SPLIT_ON)
-    keeps one block a row everywhere."""
-    from exl_core.ops import cuda_norm_perm as cnp
-    assert [cnp._splits(n) for n in (1, 32, cnp.SPLIT_MAX_ROWS, cnp.SPLIT_MAX_ROWS + 1, 2048)] == [0, 0, 0, 1, 1]
-    monkeypatch.setattr(cnp, "SPLIT_ON", False)
-    assert cnp._splits(1) == 1

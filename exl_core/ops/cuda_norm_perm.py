@@ -1,7 +1,6 @@
 """CUDA candidate of ops/norm_perm.py: exl_core::rms_norm_perm, the norm's vector kernel (csrc/cuda/pointwise_cuda.cu,
 rms_norm_vec_kernel's PERM instances) storing the row through shared memory in perm's order, with perm's entries read
-before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance); for decode rows its split
-kernel (rms_norm_perm_split_kernel: several blocks a row, the same bits).  Takes what that kernel
+before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance).  Takes what that kernel
 takes: float16/bfloat16/float32 of one dtype, contiguous int32 perm on x's GPU, 16-byte aligned buffers, H and perm's
 length multiples of 16 bytes' values up to 4 vectors a thread; else the torch reference serves (rms_norm then
 index_select: the same values, a second launch).
@@ -32,11 +31,6 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 # against regular late 7,593.1 / 7,595.1 (lean late 7,345.2; at batch 1 lean early 442.3 / 442.8 against regular early
 # 446.8 / 446.2); call 2, regular early 7,343.2, and a first lean instance that read perm from global memory after the
 # row's values 7,537.4 early / 7,331.8 late.
-# Split (stop 52): at most SPLIT_MAX_ROWS rows (decode), the kernel's split instance -- S blocks a row from the SM count
-# (up to 16 at batch 1, 4 at batch 32 on the H200), each reading the whole row and writing P / S of y, where one block a
-# row left the gather and the stores on one SM per row.  EXL_CORE_NORM_PERM_SPLIT=0 turns it off (A/B).
-SPLIT_ON = os.environ.get("EXL_CORE_NORM_PERM_SPLIT", "1") != "0"
-SPLIT_MAX_ROWS = 64
 _LATE_ENV = os.environ.get("EXL_CORE_NORM_PERM_LATE", "")
 _LATE_FROM = int(_LATE_ENV) if _LATE_ENV.isdigit() and int(_LATE_ENV) > 0 else None   # anything else: never late
 _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
@@ -50,11 +44,6 @@ def _lean(rows: int) -> bool:
     """Whether to ask for the lean instance (the kernel's host side takes the regular one where the lean one's shared
     memory, the row and perm's P int32, would not fit a launch: H 8192 in 16-bit dtypes with P 8192)."""
     return _LEAN == "1" or (_LEAN != "0" and rows >= cc.WIDE_MIN_ROWS)
-
-
-def _splits(rows: int) -> int:
-    """The kernel's `splits`: 0 (S from the SM count) for decode rows, 1 (one block a row) above."""
-    return 0 if SPLIT_ON and rows <= SPLIT_MAX_ROWS else 1
 
 
 def _check(x, weight, eps, perm, residual) -> Optional[str]:
@@ -79,7 +68,7 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
 def _run(x, weight, eps, perm, residual):
     rows = x.numel() // max(1, x.shape[-1])
     out = torch.ops.exl_core.rms_norm_perm(x.contiguous(), None if residual is None else residual.contiguous(),
-                                           weight, float(eps), perm, _late(rows), _lean(rows), _splits(rows))
+                                           weight, float(eps), perm, _late(rows), _lean(rows))
     return out[0] if residual is None else (out[0], out[1])
 
 

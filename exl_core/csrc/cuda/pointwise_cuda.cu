@@ -174,69 +174,6 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
 }
 constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
 
-// The permuted norm (PERM above) with S = `splits` blocks a row: block s writes y's vectors [s * pvs, (s + 1) * pvs),
-// pvs = ceil(P / V / S) <= kNormThreads, one a thread.  Why: with one block a row the gather (random shared-memory
-// reads, several wavefronts each) and the P stores run on one SM per row -- at batch 1 one SM does all of it while
-// the others wait for it.  Each block reads the whole row (x and the residual: L2 hits, 16 KB at H 4096 in fp16),
-// keeps h in shared memory as it loads it (rms_scale's barrier publishes it) and normalises only the values it
-// gathers, y[j] = T(w[perm[j]] * T(h[perm[j]] * r)): the roundings of rms_norm_vec_kernel, so the same bits.  A
-// thread's perm entries and their weights are read before the PDL wait (the weight: rms_norm_static's contract);
-// block s stores h_out's vectors [s * hvs, (s + 1) * hvs).
-template <typename T, int NV>
-__global__ void __launch_bounds__(kNormThreads) rms_norm_perm_split_kernel(
-    const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, int64_t H, float eps,
-    T* __restrict__ y, T* __restrict__ h_out, const int32_t* __restrict__ perm, int64_t P, int splits, bool late) {
-  constexpr int V = 16 / sizeof(T);
-  const int64_t row = blockIdx.x / splits, s = blockIdx.x % splits, nvec = H / V, pvec = P / V;
-  const int64_t pvs = (pvec + splits - 1) / splits, hvs = (nvec + splits - 1) / splits;
-  const int64_t ov = s * pvs + threadIdx.x;                   // this thread's vector of y
-  const bool has_out = threadIdx.x < pvs && ov < pvec;
-  extern __shared__ __align__(16) unsigned char norm_smem[];
-  T* hs = reinterpret_cast<T*>(norm_smem);                    // the row's h in natural order
-  unsigned src[V];
-  T wg[V];
-  if (has_out) {
-#pragma unroll
-    for (int q = 0; q < V / 4; ++q) {
-      const int4 pv = reinterpret_cast<const int4*>(perm + ov * V)[q];
-      src[4 * q] = pv.x, src[4 * q + 1] = pv.y, src[4 * q + 2] = pv.z, src[4 * q + 3] = pv.w;
-    }
-#pragma unroll
-    for (int e = 0; e < V; ++e) {                             // clamped: a bad perm gives wrong values, not a fault
-      src[e] = min(src[e], static_cast<unsigned>(H - 1));
-      wg[e] = w[src[e]];
-    }
-  }
-  exl_pdl::pdl_wait();      // x and the residual come from the previous kernel (PDL, pdl.cuh)
-  if (!late) exl_pdl::pdl_trigger();
-  const uint4* xr = reinterpret_cast<const uint4*>(x + row * H);
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
-    if (vi >= nvec) break;
-    uint4 hv = xr[vi];
-    T* hp = reinterpret_cast<T*>(&hv);
-    if (res) {
-      const uint4 rv = reinterpret_cast<const uint4*>(res + row * H)[vi];
-      const T* rp = reinterpret_cast<const T*>(&rv);
-#pragma unroll
-      for (int e = 0; e < V; ++e) hp[e] = cvt<T>(f32<T>(hp[e]) + f32<T>(rp[e]));
-      if (vi / hvs == s) reinterpret_cast<uint4*>(h_out + row * H)[vi] = hv;
-    }
-#pragma unroll
-    for (int e = 0; e < V; ++e) ss += f32<T>(hp[e]) * f32<T>(hp[e]);
-    reinterpret_cast<uint4*>(hs)[vi] = hv;
-  }
-  const float r = rms_scale(ss, H, eps);                      // its barrier: every thread's h in shared memory
-  if (!has_out) return;
-  uint4 o;
-  T* op = reinterpret_cast<T*>(&o);
-#pragma unroll
-  for (int e = 0; e < V; ++e) op[e] = cvt<T>(f32<T>(wg[e]) * f32<T>(cvt<T>(f32<T>(hs[src[e]]) * r)));
-  reinterpret_cast<uint4*>(y + row * P)[ov] = o;
-}
-
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
@@ -378,13 +315,9 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 // perm (rms_norm_perm): int32 [P], P >= H, y's P columns written in that order (the vector kernel only: the caller
 // checks its conditions).
 // late / lean (perm only): no early PDL trigger / the LEAN instance -- the caller's policy (ops/cuda_norm_perm.py).
-// splits (perm only): 1 one block a row (rms_norm_vec_kernel); 0 rms_norm_perm_split_kernel with S from the SM count
-// (up to 16 blocks a row, as many as the rows leave SMs for); n > 1 that kernel with S = n -- at least enough blocks
-// for one vector of y a thread in either case.
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
                                               const at::Tensor& w_, double eps, bool early_w = false,
-                                              const at::Tensor* perm = nullptr, bool late = false, bool lean = false,
-                                              int64_t splits = 1) {
+                                              const at::Tensor* perm = nullptr, bool late = false, bool lean = false) {
   const char* op = perm ? "exl_core::rms_norm_perm (CUDA)" : "exl_core::rms_norm (CUDA)";
   check_same(x_, w_, op, "x", "weight");
   const int64_t H = x_.size(-1);
@@ -425,18 +358,6 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
       // lean only where the row and perm fit the dynamic shared memory a launch gets without opting in (the
       // kernel's own 32 bytes aside): a request that does not fit takes the regular instance, the same bits
       const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
-      TORCH_CHECK(splits >= 0, op, ": splits must be >= 0, got ", splits);
-      if (splits != 1 && ew) {
-        const int64_t pvec = P / V, per_sm = std::max<int64_t>(1, exl_pdl::device_sm(dev, false) / rows);
-        int64_t S = splits > 1 ? splits : std::min<int64_t>(16, per_sm);
-        S = std::min(std::max(S, (pvec + kNormThreads - 1) / kNormThreads), pvec);
-        TORCH_CHECK(rows * S <= INT32_MAX, op, ": ", rows, " rows x ", S, " blocks a row is too large a grid");
-        exl_pdl::launch_pdl(rms_norm_perm_split_kernel<scalar_t, kNormVecs>, dim3(static_cast<unsigned>(rows * S)),
-                            dim3(kNormThreads), row_smem, stream, dev, xp, rp, wp, H, static_cast<float>(eps),
-                            ptr<scalar_t>(y), hp, static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P,
-                            static_cast<int>(S), late);
-        return;
-      }
       lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
       const size_t smem = row_smem + (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
       auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
@@ -477,8 +398,8 @@ std::vector<at::Tensor> rms_norm_static_cuda(const at::Tensor& x, const c10::opt
 // (y's last dim is perm's length).
 std::vector<at::Tensor> rms_norm_perm_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& res,
                                            const at::Tensor& w, double eps, const at::Tensor& perm, bool late,
-                                           bool lean, int64_t splits) {
-  auto [y, h] = norm_impl(x, res, w, eps, true, &perm, late, lean, splits);
+                                           bool lean) {
+  auto [y, h] = norm_impl(x, res, w, eps, true, &perm, late, lean);
   if (res) return {y, h};
   return {y};
 }
@@ -623,7 +544,7 @@ TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("rms_norm_static(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
   m.def("rms_norm_perm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor perm, bool late=False, "
-        "bool lean=False, int splits=1) -> Tensor[]");
+        "bool lean=False) -> Tensor[]");
   m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }
