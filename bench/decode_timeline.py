@@ -4,8 +4,9 @@ Question: where does a graphed step's time go, kernel by kernel -- how long each
 adds to the step's end (the critical path), under programmatic dependent launch (a kernel may start before the one
 ahead of it ends)? The knock-out run (decode_knockout.py) gives a part's total; this gives every launch, the gaps
 between them; and same-process variants of the step (VARIANTS: rope and the K/V write as their own launch at batch 1
-and 32, and silu_mul as its own launch at batch 32; earlier stops' variants -- o and down on qgemm_wide, the RMSNorm
-fold off, the fold in qgemm_wide -- are in git history, commit ec87252).
+and 32, and silu_mul as its own launch at batch 32; the fold in qgemm_wide at batch 32 again since stop 52, as
+`fold_wide`; earlier stops' variants -- o and down on qgemm_wide, the RMSNorm fold off -- are in git history, commit
+ec87252).
 
 torch.profiler (CUPTI) records the kernels of REPLAYS replays of the bench's step graph (bench/gpu_bench.py); the
 middle replay is reported. A kernel's `adds` is its end minus the latest end before it (0 when it ends inside an
