@@ -81,7 +81,6 @@ struct W {                      // one weight [K, N]: GPTQ 4-bit g128, or EXL2-l
   __half* y;
   int* chunks;                  // [K/32, 3]: bits, group c/4, first word row
   int64_t* perm;                // or null
-  uint16_t* perm16 = nullptr;   // mode sgp: perm as uint16 (make_perm16)
   float* h2 = nullptr;          // mode h2: [G, N] half2 (s, z), made by make_h2
   float* h2mul = nullptr;       // and its multipliers [G], all 1 (the probe's scales are rounded to fp16)
 };
@@ -101,19 +100,7 @@ void make_h2(W& w) {                                        // the probe's weigh
   CK(cudaMemcpy(w.h2mul, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
 }
 
-// perm as uint16 (qgemm_kslice's Mat::perm16: the gather's indices staged before the PDL wait)
-__global__ void perm16_kernel(const int64_t* p, int n, uint16_t* out) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = static_cast<uint16_t>(p[i]);
-}
-void make_perm16(W& w) {
-  if (!w.perm || w.perm16) return;
-  CK(cudaMalloc(&w.perm16, static_cast<size_t>(w.K) * 2));
-  perm16_kernel<<<(w.K + 255) / 256, 256>>>(w.perm, w.K, w.perm16);
-  CK(cudaGetLastError());
-}
-
-// mode sgp's folded norm: sums of squares all 0 and eps 1 (r = 1), the norm weight all 1 -- the staged x equals x, so
+// The folded-norm launchers' norm (modes fold, stamps with STAMP_CHAIN=fold): sums of squares all 0 and eps 1 (r = 1), the norm weight all 1 -- the staged x equals x, so
 // the fp32 reference checks the folded launches too (their timing is what the mode measures)
 float* g_fold_ss = nullptr;
 __half* g_fold_nw = nullptr;
@@ -241,15 +228,14 @@ int* ReadLauncher::sink = nullptr;
 // GS: the group shift passed (2: GPTQ g128's regular groups, as the extension passes them; -1: the chunk table).
 // SG: act-order x gathered from a shared-memory copy of x (the kernel's sgather).
 // H2: scale and zero as one half2 a group and column (the weights' h2; mode h2).
-// FOLD: the folded-norm instance (probe_fold: r = 1, weight 1).  P16: the gather's indices from perm16 (mode sgp).
-template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false, bool H2 = false, bool FOLD = false,
-          bool P16 = false>
+// FOLD: the folded-norm instance (probe_fold: r = 1, weight 1; no gather: SG false).
+template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false, bool H2 = false, bool FOLD = false>
 struct KsLauncher {
   static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1, false, FOLD, false, H2>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
-    return Smem(n_chunks, KW, slots, 1, K, xr_halves(SG, FOLD, 1, K, false, n_chunks)).total;
+    return Smem(n_chunks, KW, slots, 1, K, xr_halves(SG, FOLD, 1, K, false)).total;
   }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
     const int K = op[0]->K, n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
@@ -258,8 +244,6 @@ struct KsLauncher {
     CK(cudaFuncSetAttribute(kern(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sm)));
     Mats mats = mats_of(op, H2);
     if constexpr (FOLD) mats.nf = probe_fold(K);
-    if constexpr (P16)
-      for (int i = 0; i < mats.n; ++i) mats.m[i].perm16 = op[i]->perm16;
     const int64_t tiles = assign_tiles(mats, kTile);
     cudaLaunchAttribute attr[1];
     const cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(tiles)), dim3(32 * KW), sm, st, attr);
@@ -275,8 +259,8 @@ struct KsLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "k%d r%d%s%s%s%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "",
-             P16 ? "16" : "", H2 ? " h2" : "", FOLD ? " fold" : "");
+    snprintf(b, sizeof b, "k%d r%d%s%s%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "",
+             H2 ? " h2" : "", FOLD ? " fold" : "");
     return b;
   }
 };
@@ -464,7 +448,7 @@ void check_row(std::vector<Layer>& layers = g_layers) {
 }
 
 #include "gemv_probe_trace.cuh"          // the trace modes' host side (stamps, tailpf)
-#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit, wave, sg, sgp)
+#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit, wave, sg, fold)
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -493,7 +477,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "fit") return fit_run();
   if (argc > 1 && std::string(argv[1]) == "wave") return wave_run();
   if (argc > 1 && std::string(argv[1]) == "sg") return sg_run();
-  if (argc > 1 && std::string(argv[1]) == "sgp") return sgp_run();
+  if (argc > 1 && std::string(argv[1]) == "fold") return fold_run();
   for (int i = 0; i < kLayers; ++i)
     g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),

@@ -1,5 +1,5 @@
 // The chain modes of bench/gemv_probe.cu: the extension's GPTQ decode launches as a chain of layers against variants of
-// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`, `sg`, `sgp`; NOTES, stops 45-53).  Included
+// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`, `sg`, `fold`; NOTES, stops 45-53).  Included
 // by gemv_probe.cu after its launchers and layer_row; each returns main's exit code.
 #pragma once
 
@@ -99,45 +99,22 @@ int sg_run() {
   });
 }
 
-// Mode `sgp`: EXL2's norm folded into its act-order consumers through the gather (stop 53).  The extension's chain as it
-// runs GPTQ (gate/up one wave of 4-warp blocks), with its folded q/k/v and gate/up, and on act-order q/k/v and gate/up:
-// the gather reading perm after the wait (sg), from perm16 staged before it (sg16), and sg16 with the folded norm -- the
-// candidate for EXL2, whose two permuted-norm launches it would replace (3.24 + 3.26 us a layer of adds, stop 39).
-int sgp_run() {
-  std::vector<Layer> hybrid = g_layers;       // o and down as GPTQ's; q/k/v and gate/up with a random act-order
-  for (auto& l : hybrid) {
-    l.q = make_weight(4096, 4096, false, 1), l.k = make_weight(4096, 4096, false, 1);
-    l.v = make_weight(4096, 4096, false, 1);
-    l.gate = make_weight(4096, 11008, false, 1), l.up = make_weight(4096, 11008, false, 1);
-    for (W* w : {&l.q, &l.k, &l.v, &l.gate, &l.up}) make_perm16(*w);
-  }
-  std::vector<Layer> permuted{{make_weight(4096, 4096, false, 1), make_weight(4096, 4096, false, 1),
-                               make_weight(4096, 4096, false, 1), make_weight(4096, 4096, false, 1),
-                               make_weight(4096, 11008, false, 1), make_weight(4096, 11008, false, 1),
-                               make_weight(11008, 4096, false, 1)}};
-  for (W* w : {&permuted[0].o, &permuted[0].down}) make_perm16(*w);
-  CK(cudaDeviceSynchronize());
-  using Q = KsLauncher<8, 4>;
+// Mode `fold`: what the folded norm costs its consumers in the chain (stop 53): the extension's chain as it runs GPTQ
+// (gate/up one wave of 4-warp blocks) with plain and with folded q/k/v and gate/up (probe_fold: r = 1).  Stop 53 call 1
+// (then mode sgp, 9304ddc) read 47.83-48.16 against 53.44-53.70 us a layer, where the model's fold wins (stop 27).
+int fold_run() {
   using QF = KsLauncher<8, 4, true, 2, false, false, true>;
-  using QS = KsLauncher<8, 4, true, 2, true>;
-  using QS16 = KsLauncher<8, 4, true, 2, true, false, false, true>;
-  using QS16F = KsLauncher<8, 4, true, 2, true, false, true, true>;
-  using U = KsLauncher<4, 4>;
   using UF = KsLauncher<4, 4, true, 2, false, false, true>;
-  using US = KsLauncher<4, 4, true, 2, true>;
-  using US16 = KsLauncher<4, 4, true, 2, true, false, false, true>;
-  using US16F = KsLauncher<4, 4, true, 2, true, false, true, true>;
   check_row<QF>();                            // r = 1, weight 1: the folded launches against the same reference
-  check_row<QS16>(permuted);
-  check_row<QS16F>(permuted);
-  check_row<US16F>(permuted);
+  check_row<UF>();
+  using Q = KsLauncher<8, 4>;
+  using U = KsLauncher<4, 4>;
   using O = KsLauncher<16, 4>;
   using D = KsLauncher<16, 8>;
-  return ab_rounds(5, [&] {
+  return ab_rounds(3, [&] {
     layer_row<Q, O, U, D>("ext (gate/up k4)");
     layer_row<QF, O, UF, D>("ext, folded q/k/v, gate/up");
-    layer_row<QS, O, US, D>("act-order, sg", hybrid);
-    layer_row<QS16, O, US16, D>("act-order, sg16", hybrid);
-    layer_row<QS16F, O, US16F, D>("act-order, sg16 + fold", hybrid);
+    layer_row<QF, O, U, D>("ext, folded q/k/v");
+    layer_row<Q, O, UF, D>("ext, folded gate/up");
   });
 }

@@ -38,12 +38,6 @@ __device__ __forceinline__ uint4 fold_norm8(const uint4& xv, const uint4& wv, fl
   return o;
 }
 
-// One value (fp16 bits) of a row of x normalised as fold_norm8 does: the gathering staging's (qgemm_kslice sgather).
-__device__ __forceinline__ unsigned short fold_norm1(unsigned short xv, unsigned short wv, float r) {
-  const float xr = __half2float(__float2half_rn(__half2float(__ushort_as_half(xv)) * r));
-  return __half_as_ushort(__float2half_rn(__half2float(__ushort_as_half(wv)) * xr));
-}
-
 // 8 values of a row of x times the norm weight's (qgemm_wide: r then scales the outputs, cluster_store's row_scale).
 __device__ __forceinline__ uint4 fold_weight8(const uint4& xv, const uint4& wv) {
   return make_uint4(h2u(__hmul2(u2h(xv.x), u2h(wv.x))), h2u(__hmul2(u2h(xv.y), u2h(wv.y))),

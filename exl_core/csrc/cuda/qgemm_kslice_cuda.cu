@@ -104,16 +104,16 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int slots = std::max(1, std::min(cw, (cw + per_group - 1) / per_group + 1));
   const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
   // fold (staged rows): the norm weight takes the xr region (xr_halves)
-  const int64_t xr = xr_halves(0, fold && nt == 1, M, K, act, n_chunks);
+  const int64_t xr = xr_halves(0, fold && nt == 1, M, K, act);
   return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride, xr).total, -1, 0, n_chunks};
 }
 
 // Takes the shared-memory gather where p stages x (one n-tile), some weight has a permutation and the copy of x
 // still fits the block (a plan without it stays usable: the gather is an option, never a reason to refuse).
 // Kx: x's columns (the copy's width).
-void plan_sgather(Plan& p, int M, int64_t Kx, bool any_perm, bool act, bool fold = false) {
+void plan_sgather(Plan& p, int M, int64_t Kx, bool any_perm, bool act) {
   if (p.nt != 1 || !any_perm || !sgather_enabled()) return;
-  const size_t with = Smem(p.n_chunks, p.kw, p.slots, M, p.xs_stride, xr_halves(1, fold, M, Kx, act, p.n_chunks)).total;
+  const size_t with = Smem(p.n_chunks, p.kw, p.slots, M, p.xs_stride, gather_halves(M, Kx, act)).total;
   if (with <= (p.kw == 16 ? kSmemMax : kGatherSmem)) {
     p.sgather = 1;
     p.smem = with;

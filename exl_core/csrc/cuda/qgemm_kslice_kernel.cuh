@@ -86,15 +86,11 @@ struct Smem {
   }
 };
 
-// Halves of x a block copies whole for the shared-memory gather of act-order weights (gate and up rows with ACT),
-// then the weight's n_chunks * 32 uint16 column indices (Mat::perm16, staged before the PDL wait).
-__host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act, int n_chunks) {
-  return (act ? 2 : 1) * M * K + static_cast<int64_t>(n_chunks) * 32;
-}
-// The xr region: the gather's (above), then with the norm folded in the RMSNorm weight's n_chunks * 32 halves in the
-// weight's row order (without the gather: that weight alone, K == n_chunks * 32).
-__host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act, int n_chunks) {
-  return (sgather ? gather_halves(M, K, act, n_chunks) : 0) + (fold ? static_cast<int64_t>(n_chunks) * 32 : 0);
+// Halves of x a block copies whole for the shared-memory gather of act-order weights (gate and up rows with ACT).
+__host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
+// The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation).
+__host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act) {
+  return sgather ? gather_halves(M, K, act) : fold ? K : 0;
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
@@ -182,7 +178,7 @@ __global__ void __launch_bounds__(32 * KW)
   static_assert(!FOLD || (U4 && NT == 1 && !ACT), "the folded norm: staged uniform 4-bit rows, no SwiGLU");
   static_assert(!XC || (ACT && NT == 1), "chunk offsets: the SwiGLU-fused staged rows");
   constexpr bool fold = FOLD;
-  const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT, n_chunks));
+  const Smem lay(n_chunks, KW, slots, M, xs_stride, xr_halves(sgather, fold, M, K, ACT));
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw + lay.tab);
   float* szw = reinterpret_cast<float*>(smem_raw + lay.sz) + warp * slots * 64;    // [slots][scale 32 | zero 32]
   __half* xs = reinterpret_cast<__half*>(smem_raw + lay.xs);
@@ -222,21 +218,9 @@ __global__ void __launch_bounds__(32 * KW)
     for (int j = lane; j < gw; j += 32) cp_async4(szw + j * 64 + 32, mat.zero + gA + j);
 
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
-  // xr (xr_halves): [the gather's copy of x | its perm16 slices] when sgather, then with the fold the norm weight.
-  // Both are load-time data: copied before the wait.  (The parts' addresses are derived again where they are read:
-  // kept live across the staging, they took ~18 more registers in the plain instances.)
-  auto xr_perm16 = [&]() { return reinterpret_cast<uint16_t*>(smem_raw + lay.xr) + gather_halves(M, K, ACT, 0); };
-  auto xr_norm_weight = [&]() {
-    return reinterpret_cast<__half*>(smem_raw + lay.xr) + (sgather ? gather_halves(M, K, ACT, n_chunks) : 0);
-  };
-  if constexpr (fold) {
-    __half* gsm = xr_norm_weight();
+  __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
+  if constexpr (fold)
     for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
-  }
-  if (!ACT && sgather && mat.perm16 != nullptr) {          // (the SwiGLU-fused instances keep perm: their registers)
-    uint16_t* psm = xr_perm16();
-    for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(psm + kw0 + 8 * j, mat.perm16 + kw0 + 8 * j);
-  }
 
   EXL_KSLICE_STAMP(1);
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
@@ -266,7 +250,6 @@ __global__ void __launch_bounds__(32 * KW)
       }
       cp_async_wait_all();
       __syncwarp();                                           // pieces other lanes copied, r
-      const __half* gsm = xr_norm_weight();
       for (int m = 0; m < M; ++m) {
         const float r = rw[m];
         for (int p = lane; p < (kwl >> 3); p += 32) {
@@ -299,51 +282,40 @@ __global__ void __launch_bounds__(32 * KW)
     // Act-order, shared-memory gather: the block copies x's rows whole (16-byte pieces; with ACT gate's, then
     // up's) and every warp gathers its slice from that copy.  Gathering from global memory instead moves a
     // 32-byte sector per 2-byte value and every block repeats it (gemv_probe.cu: 4-bit weights with a
-    // permutation ran the decode chain at 77.65 us a layer against 62.42 without).  The indices: perm16's, staged
-    // before the wait (above); else perm's, read after it (see permute_x_per_weight), 8 a lane at a time -- each
-    // batch after the first a dependent round trip.
-    // With the norm folded in (the residual is x; Mats::nf.nw in the weight's row order), each gathered value is
-    // normalised as the fold's staging does: fp16(w * fp16(x * r)).
+    // permutation ran the decode chain at 77.65 us a layer against 62.42 without).  perm is read after the
+    // PDL wait (see permute_x_per_weight); its loads are coalesced.
     __half* xr = reinterpret_cast<__half*>(smem_raw + lay.xr);
     const int per_row = static_cast<int>(K >> 3), nrows = ACT ? 2 * M : M;
     for (int j = threadIdx.x; j < nrows * per_row; j += 32 * KW) {
       const int r = j / per_row, k = 8 * (j - r * per_row);
       cp_async16(xr + static_cast<int64_t>(r) * K + k, (r < M ? x + r * K : up + (r - M) * K) + k);
     }
-    const bool p16 = !ACT && mat.perm16 != nullptr;
-    const uint16_t* psm = xr_perm16();
-    auto indices = [&](int k0, int (&src)[8]) {
+    int src[8];                                               // the first pass's indices load during the copy
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int k = k0 + 32 * i;
-        src[i] = k < kw0 + kwl ? (p16 ? static_cast<int>(psm[k]) : static_cast<int>(__ldg(perm + k))) : -1;
-      }
-    };
-    int src[8];
-    if (!p16) indices(kw0 + lane, src);                       // the first pass's indices load during the copy
-    float* rw = red + warp * M * kTile;                       // fold: the warp's partial sums' area, free until its loop
-    if constexpr (fold)                                       // rows' r while the copies fly
-      for (int m = 0; m < M; ++m) {
-        const float r = fold_rms(mats.nf, M, m, K, lane);
-        if (lane == 0) rw[m] = r;
-      }
+    for (int i = 0; i < 8; ++i) {
+      const int k = kw0 + lane + 32 * i;
+      src[i] = k < kw0 + kwl ? static_cast<int>(__ldg(perm + k)) : -1;
+    }
     cp_async_wait_all();
     __syncthreads();
     const unsigned short* xru = reinterpret_cast<const unsigned short*>(xr);
-    const unsigned short* gsu = reinterpret_cast<const unsigned short*>(xr_norm_weight());
     unsigned short* xsu = reinterpret_cast<unsigned short*>(xs);
     for (int k0 = kw0 + lane; k0 < kw0 + kwl; k0 += 8 * 32) {
-      if (p16 || k0 != kw0 + lane) indices(k0, src);
+      if (k0 != kw0 + lane) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int k = k0 + 32 * i;
+          src[i] = k < kw0 + kwl ? static_cast<int>(__ldg(perm + k)) : -1;
+        }
+      }
       for (int m = 0; m < M; ++m) {
-        const float r = fold ? rw[m] : 1.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (src[i] < 0) continue;
           unsigned short h = xru[m * K + src[i]];
-          const int k = k0 + 32 * i;
           if constexpr (ACT)
             h = __half_as_ushort(exl_act::silu_mul<__half>(__ushort_as_half(h), __ushort_as_half(xru[(M + m) * K + src[i]])));
-          if constexpr (fold) h = fold_norm1(h, gsu[k], r);
+          const int k = k0 + 32 * i;
           xsu[m * xs_stride + (k & ~7) + pairs_slot(k & 7)] = pairs_value<S16>(k & 7, h);
         }
       }

@@ -348,8 +348,6 @@ struct Mat {
   int64_t N;
   int tile0;                  // first blockIdx.x of this matrix
   const __half* x;            // this matrix's own x (qgemm_kslice: x permuted for act-order), or null
-  const uint16_t* perm16;     // perm as uint16 (x's K < 65536), or null: qgemm_kslice's shared-memory gather stages
-                              // it before the PDL wait (load-time data) instead of reading perm after it
 };
 // The residual add and the RMSNorm folded into the decode GEMMs (norm_fold_device.cuh; all zero: a plain GEMM).
 struct NormFold {
