@@ -229,13 +229,16 @@ int* ReadLauncher::sink = nullptr;
 // SG: act-order x gathered from a shared-memory copy of x (the kernel's sgather).
 // H2: scale and zero as one half2 a group and column (the weights' h2; mode h2).
 // FOLD: the folded-norm instance (probe_fold: r = 1, weight 1; no gather: SG false).
-template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false, bool H2 = false, bool FOLD = false>
+// CAP: at most CAP blocks an SM, by padding the block's shared memory (mode cap: the greedy fill of SMs under PDL).
+template <int KW, int R, bool U4 = true, int GS = 2, bool SG = false, bool H2 = false, bool FOLD = false, int CAP = 0>
 struct KsLauncher {
   static auto kern() { return qgemm_kslice_kernel<KW, U4, R, 1, false, FOLD, false, H2>; }
   static size_t smem(int K) {
     const int n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
     const int slots = std::max(1, std::min(cw, (cw + 3) / 4 + 1));
-    return Smem(n_chunks, KW, slots, 1, K, xr_halves(SG, FOLD, 1, K, false)).total;
+    const size_t need = Smem(n_chunks, KW, slots, 1, K, xr_halves(SG, FOLD, 1, K, false)).total;
+    // an SM's 228 KB over CAP blocks, less the 1 KB each block reserves and a margin
+    return CAP > 0 ? std::max(need, static_cast<size_t>(228 * 1024 / CAP - 1024 - 256)) : need;
   }
   static void go(const Op& op, const __half* x, cudaStream_t st) {
     const int K = op[0]->K, n_chunks = K / 32, cw = (n_chunks + KW - 1) / KW;
@@ -259,8 +262,8 @@ struct KsLauncher {
   }
   static std::string name() {
     char b[64];
-    snprintf(b, sizeof b, "k%d r%d%s%s%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "",
-             H2 ? " h2" : "", FOLD ? " fold" : "");
+    snprintf(b, sizeof b, "k%d r%d%s%s%s%s%s", KW, R, !U4 ? " mixed" : GS < 0 ? " table" : "", SG ? " sg" : "",
+             H2 ? " h2" : "", FOLD ? " fold" : "", CAP > 0 ? (" cap" + std::to_string(CAP)).c_str() : "");
     return b;
   }
 };
@@ -448,7 +451,7 @@ void check_row(std::vector<Layer>& layers = g_layers) {
 }
 
 #include "gemv_probe_trace.cuh"          // the trace modes' host side (stamps, tailpf)
-#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit, wave, sg, fold)
+#include "gemv_probe_chains.cuh"         // the chain modes (h2, ring, chain, fit, wave, sg, fold, cap)
 
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
@@ -478,6 +481,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "wave") return wave_run();
   if (argc > 1 && std::string(argv[1]) == "sg") return sg_run();
   if (argc > 1 && std::string(argv[1]) == "fold") return fold_run();
+  if (argc > 1 && std::string(argv[1]) == "cap") return cap_run();
   for (int i = 0; i < kLayers; ++i)
     g_layers_mixed.push_back({make_weight(4096, 4096, true), make_weight(4096, 4096, true),
                               make_weight(4096, 4096, true), make_weight(4096, 4096, true),

@@ -1,5 +1,5 @@
 // The chain modes of bench/gemv_probe.cu: the extension's GPTQ decode launches as a chain of layers against variants of
-// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`, `sg`, `fold`; NOTES, stops 45-53).  Included
+// one or more launches, rounds alternated (`h2`, `ring`, `chain`, `fit`, `wave`, `sg`, `fold`, `cap`; NOTES, stops 45-53).  Included
 // by gemv_probe.cu after its launchers and layer_row; each returns main's exit code.
 #pragma once
 
@@ -116,5 +116,30 @@ int fold_run() {
     layer_row<QF, O, UF, D>("ext, folded q/k/v, gate/up");
     layer_row<QF, O, U, D>("ext, folded q/k/v");
     layer_row<Q, O, UF, D>("ext, folded gate/up");
+  });
+}
+
+// Mode `cap`: gate/up's 688 one-wave blocks with at most 6 (or 5) an SM (stop 53).  Under PDL they enter while o's
+// blocks still run, and the SMs that free first take 7 each: call 2's stamps (STAMP_CHAIN=k4) put 7 blocks on 81-82 SMs
+// and 2 on 41-43, whose loops ended ~4 us earlier.  A cap spreads them (688 = 5.2 an SM).
+int cap_run() {
+  using U6 = KsLauncher<4, 4, true, 2, false, false, false, 6>;
+  using U5 = KsLauncher<4, 4, true, 2, false, false, false, 5>;
+  using UF6 = KsLauncher<4, 4, true, 2, false, false, true, 6>;
+  check_row<U6>();
+  check_row<U5>();
+  check_row<UF6>();
+  using Q = KsLauncher<8, 4>;
+  using QF = KsLauncher<8, 4, true, 2, false, false, true>;
+  using U = KsLauncher<4, 4>;
+  using UF = KsLauncher<4, 4, true, 2, false, false, true>;
+  using O = KsLauncher<16, 4>;
+  using D = KsLauncher<16, 8>;
+  return ab_rounds(4, [&] {
+    layer_row<Q, O, U, D>("ext (gate/up k4)");
+    layer_row<Q, O, U6, D>("ext, gate/up k4 cap 6");
+    layer_row<Q, O, U5, D>("ext, gate/up k4 cap 5");
+    layer_row<QF, O, UF, D>("ext, folded");
+    layer_row<QF, O, UF6, D>("ext, folded, gate/up cap 6");
   });
 }

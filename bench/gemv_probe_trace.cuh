@@ -14,8 +14,8 @@ int launch_id(W* w) {
 
 #if defined(KSLICE_STAMPS) || defined(KSLICE_TAIL_PREFETCH)
 // One replay's worth of "GPTQ as the extension": q/k/v -> o -> gate/up -> down over the 8 layers (both modes here).
-// STAMP_CHAIN=k4: gate/up on 4-warp blocks (the extension's one wave, stop 51); =fold: also q/k/v and gate/up with the
-// folded norm (probe_fold), as the extension runs GPTQ's batch 1 since stop 27 (stop 53).
+// STAMP_CHAIN=k4: gate/up on 4-warp blocks (the extension's one wave, stop 51), =k4cap6 at most 6 of them an SM;
+// =fold: also q/k/v and gate/up with the folded norm (probe_fold), as the extension runs GPTQ's batch 1 (stop 53).
 void ext_chain(cudaStream_t st) {
   static const std::string chain = getenv("STAMP_CHAIN") ? getenv("STAMP_CHAIN") : "";
   for (auto& l : g_layers) {
@@ -24,6 +24,7 @@ void ext_chain(cudaStream_t st) {
     KsLauncher<16, 4>::go(Op{&l.o}, g_x4096, st);
     if (chain == "fold") KsLauncher<4, 4, true, 2, false, false, true>::go(Op{&l.gate, &l.up}, g_x4096, st);
     else if (chain == "k4") KsLauncher<4, 4>::go(Op{&l.gate, &l.up}, g_x4096, st);
+    else if (chain == "k4cap6") KsLauncher<4, 4, true, 2, false, false, false, 6>::go(Op{&l.gate, &l.up}, g_x4096, st);
     else KsLauncher<8, 4>::go(Op{&l.gate, &l.up}, g_x4096, st);
     KsLauncher<16, 8>::go(Op{&l.down}, g_x11008, st);
   }

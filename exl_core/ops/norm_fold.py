@@ -8,10 +8,9 @@ q/k/v. Two ops let the projections do the add and the norm themselves, so no nor
       of the new residual per 32-column tile and row, float32 [ceil(N / 32), rows] -- or None when no kernel takes
       the call: then nothing is done and the caller adds its own way.
   qmatmul_many_normed(residual, weight, eps, ss, pws) -> list[Tensor]
-      qmatmul_many(rms_norm(residual, weight, eps), pws). With `ss` from qmatmul_add_ss_, the CUDA kernels scale x by
-      the norm weight while they stage it and their outputs by r (from the partial sums in a fixed order): the norm's
-      product up to fp16 rounding (csrc/cuda/norm_fold_device.cuh); the reference runs the norm, then qmatmul_many
-      (any device; `ss` unused).
+      qmatmul_many(rms_norm(residual, weight, eps), pws). With `ss` from qmatmul_add_ss_, the CUDA kernels normalise x
+      while they stage it (the same roundings as the norm kernel, r from the partial sums in a fixed order); the
+      reference runs the norm, then qmatmul_many (any device; `ss` unused).
 
 The CUDA candidates are in ops/cuda_norm_fold.py; EXL_CORE_NORM_FOLD=0 turns them off (A/B runs).
 """

@@ -8,9 +8,9 @@
 // Producer (o and down, qgemm_kslice): y is the residual stream and the epilogue adds into it, then writes the sum of
 // squares of the values it stored per (output tile, row) to ss_out.  Consumer (q/k/v and gate/up, qgemm_kslice's
 // staged rows and qgemm_wide): x is the residual; r = rsqrt(sum(ss_in[:, m]) / K + eps) from those partial sums in a
-// fixed order (every block gets the same r).  qgemm_kslice stages fp16(x * c * w) with c the power of two below r
-// (pow2_floor) and scales its outputs by r / c; qgemm_wide stages fp16(x * w) and scales its outputs by r (both the
-// norm's product up to fp16 rounding; every column tile stages the same x, so the per-value work is kept to one or two
+// fixed order (every block gets the same r).  qgemm_kslice stages x as w * fp16(x * r) rounded to fp16 -- the
+// roundings of rms_norm_vec_kernel -- instead of x; qgemm_wide stages fp16(x * w) and scales its outputs by r (the
+// same product up to fp16 rounding; every column tile stages the same x, so the per-value work is kept to one
 // HMUL2 a pair).  A block then needs neither the whole row of x nor a norm launch before it.
 #pragma once
 #include <cuda_fp16.h>
@@ -27,18 +27,15 @@ __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int6
   return rsqrtf(s / static_cast<float>(K) + nf.eps);
 }
 
-// The power of two c <= r (r's exponent, clamped into fp16's normal range).  qgemm_kslice stages x * c * w: x * c is
-// exact in fp16 and its row's RMS lies in (0.5, 1], so the product stays in fp16's range where x * w alone need not
-// (residual values run into the thousands in real models); its outputs are then scaled by r / c.
-__device__ __forceinline__ float pow2_floor(float r) {
-  const float c = __int_as_float(__float_as_int(r) & 0x7f800000);
-  return fminf(fmaxf(c, 0x1p-14f), 0x1p15f);
-}
-
-// 8 values of a row of x times c (a power of two: exact), then times the norm weight's: one rounding, two HMUL2 a pair.
-__device__ __forceinline__ uint4 fold_scaled8(const uint4& xv, const uint4& wv, __half2 c2) {
-  return make_uint4(h2u(__hmul2(__hmul2(u2h(xv.x), c2), u2h(wv.x))), h2u(__hmul2(__hmul2(u2h(xv.y), c2), u2h(wv.y))),
-                    h2u(__hmul2(__hmul2(u2h(xv.z), c2), u2h(wv.z))), h2u(__hmul2(__hmul2(u2h(xv.w), c2), u2h(wv.w))));
+// 8 values of a row of x normalised: fp16(w * fp16(x * r)).
+__device__ __forceinline__ uint4 fold_norm8(const uint4& xv, const uint4& wv, float r) {
+  uint4 o;
+  const __half *xp = reinterpret_cast<const __half*>(&xv), *wp = reinterpret_cast<const __half*>(&wv);
+  __half* op = reinterpret_cast<__half*>(&o);
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    op[e] = __float2half_rn(__half2float(wp[e]) * __half2float(__float2half_rn(__half2float(xp[e]) * r)));
+  return o;
 }
 
 // 8 values of a row of x times the norm weight's (qgemm_wide: r then scales the outputs, cluster_store's row_scale).

@@ -88,10 +88,9 @@ struct Smem {
 
 // Halves of x a block copies whole for the shared-memory gather of act-order weights (gate and up rows with ACT).
 __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
-// The xr region otherwise, when the norm is folded in (staged rows, no permutation): the RMSNorm weight's K halves,
-// then each row's output scale r / c as fp32 (kStagedRows of them).
+// The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation).
 __host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act) {
-  return sgather ? gather_halves(M, K, act) : fold ? K + 2 * kStagedRows : 0;
+  return sgather ? gather_halves(M, K, act) : fold ? K : 0;
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
@@ -243,25 +242,19 @@ __global__ void __launch_bounds__(32 * KW)
         const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
         cp_async16(xs + m * xs_stride + k, x + m * K + k);
       }
-    if constexpr (fold) {                                     // rows' r while the copies fly, then x scaled
-      // x staged as fp16(x * c * w), c = pow2_floor(r): two HMUL2 a pair, and r / c scales the outputs (the epilogue).
-      // Staged as the norm kernel rounds, fp16(w * fp16(x * r)) (fp32 arithmetic, ~7 instructions a value), every
-      // block of an SM normalising the same x: the probe's chain (mode fold, stop 53 call 2) ran the
-      // folded q/k/v and gate/up 2.55-2.91 us a layer above the plain ones.
+    if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
       float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
-      float* rs = reinterpret_cast<float*>(gsm + K);          // rows' r / c for the epilogue (xr_halves)
       for (int m = 0; m < M; ++m) {
         const float r = fold_rms(mats.nf, M, m, K, lane);
         if (lane == 0) rw[m] = r;
-        if (lane == 0 && warp == 0) rs[m] = r / pow2_floor(r);
       }
       cp_async_wait_all();
       __syncwarp();                                           // pieces other lanes copied, r
       for (int m = 0; m < M; ++m) {
-        const __half2 c2 = __float2half2_rn(pow2_floor(rw[m]));
+        const float r = rw[m];
         for (int p = lane; p < (kwl >> 3); p += 32) {
           uint4* q = reinterpret_cast<uint4*>(xs + m * xs_stride + kw0 + 8 * p);
-          *q = stage_pairs<S16>(fold_scaled8(*q, *reinterpret_cast<const uint4*>(gsm + kw0 + 8 * p), c2));
+          *q = stage_pairs<S16>(fold_norm8(*q, *reinterpret_cast<const uint4*>(gsm + kw0 + 8 * p), r));
         }
       }
     } else {
@@ -517,7 +510,6 @@ __global__ void __launch_bounds__(32 * KW)
     const int64_t n = tile * kTile + cl;
     float sq = 0.f;
     if (n < N) {
-      if constexpr (fold) a *= reinterpret_cast<const float*>(reinterpret_cast<const __half*>(smem_raw + lay.xr) + K)[m];
       if (mat.bias) a += __half2float(mat.bias[n]);
       sq = fold_store(mats.nf, mat.y + m * N + n, a);          // a plain store unless the residual add is folded in
     }

@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   // past the weight's last chunk hold stale bytes that no chunk reads.
   // With the norm folded in, each piece is multiplied by the norm weight first (staged before the loop; one HMUL2 a
   // pair); the rows' r scales the outputs in cluster_store -- normalising every piece in every column tile instead
-  // (the norm kernel's roundings in fp32) ran GPTQ batch-32 decode at 5,959.0 tok/s against 7,748.8 unfolded
+  // (fold_norm8, the norm kernel's roundings) ran GPTQ batch-32 decode at 5,959.0 tok/s against 7,748.8 unfolded
   // (stop 27 call 5); this way 7,264.3 against 7,757.0 (call 6), so the policy keeps the fold off here
   // (ops/cuda_norm_fold.py NORM_FOLD_WIDE).
   auto permute_stage = [&](int s) {
