@@ -77,6 +77,28 @@ int wave_kw(bool u4, int64_t tiles, int64_t sms) {
   return one_wave && tiles > 3 * sms && tiles <= 6 * sms ? 4 : 8;
 }
 
+// The one-wave launch's blocks an SM, capped at ceil(tiles / SMs) by padding each block's shared memory.  Under PDL its
+// blocks enter while the launch before (o: one 16-warp block an SM) still runs; the SMs that free first then fill to
+// the register bound (seven 72-register blocks) and the rest keep the one or two that entered early -- the gemv
+// probe's stamps (stop 53 call 2) put 7 of gate/up's 688 blocks on 81-82 SMs and 2 on 41-43, whose loops ended ~4 us
+// sooner.  Capped at 6, the probe's chain ran 46.89-47.13 us a layer against 47.94-48.29, and with the folded norm
+// 49.38-49.62 against 50.88-51.14 (mode cap, call 4; bench/results/gemv_probe_cap_h200_stop53_call4_3d409d7.txt).
+// EXL_CORE_KSLICE_WAVE_CAP=0 turns it off (A/B).  Returns the padded size, or `smem` where no padding applies.
+size_t wave_cap_smem(size_t smem, int64_t tiles, int64_t sms, int dev) {
+  static const bool on = exl_pdl::env_on("EXL_CORE_KSLICE_WAVE_CAP");
+  if (!on || sms <= 0) return smem;
+  static int per_sm[64] = {0}, reserved[64] = {0};
+  const int d = dev >= 0 && dev < 64 ? dev : 0;
+  if (!per_sm[d]) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm[d], cudaDevAttrMaxSharedMemoryPerMultiprocessor, d));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved[d], cudaDevAttrReservedSharedMemoryPerBlock, d));
+  }
+  const int64_t cap = (tiles + sms - 1) / sms;
+  // cap blocks fit an SM's shared memory, cap + 1 do not (256 bytes below the bound for the allocation granularity)
+  const int64_t padded = per_sm[d] / cap - reserved[d] - 256;
+  return padded > static_cast<int64_t>(smem) ? static_cast<size_t>(padded) : smem;
+}
+
 int n_tiles_for(int M) { return M <= kStagedRows ? 1 : M <= 16 ? 2 : 4; }
 
 // Warps per block from the grid: one 4096-wide matrix (128 tiles on 132 SMs) takes 16 warps along K so
@@ -105,7 +127,9 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   const int xs_stride = nt > 1 ? 0 : static_cast<int>(K) + (M > 1 ? kXPad : 0);
   // fold (staged rows): the norm weight takes the xr region (xr_halves)
   const int64_t xr = xr_halves(0, fold && nt == 1, M, K, act);
-  return {kw, ring, nt, slots, xs_stride, Smem(n_chunks, kw, slots, M, xs_stride, xr).total, -1, 0, n_chunks};
+  size_t smem = Smem(n_chunks, kw, slots, M, xs_stride, xr).total;
+  if (nt == 1 && kw == 4 && u4 && tiles > 3 * sms && tiles <= 6 * sms) smem = wave_cap_smem(smem, tiles, sms, dev);
+  return {kw, ring, nt, slots, xs_stride, smem, -1, 0, n_chunks};
 }
 
 // Takes the shared-memory gather where p stages x (one n-tile), some weight has a permutation and the copy of x
@@ -116,7 +140,7 @@ void plan_sgather(Plan& p, int M, int64_t Kx, bool any_perm, bool act) {
   const size_t with = Smem(p.n_chunks, p.kw, p.slots, M, p.xs_stride, gather_halves(M, Kx, act)).total;
   if (with <= (p.kw == 16 ? kSmemMax : kGatherSmem)) {
     p.sgather = 1;
-    p.smem = with;
+    p.smem = std::max(with, p.smem);                          // (p.smem may hold wave_cap_smem's padding)
   }
 }
 
