@@ -30,6 +30,9 @@
 // (-DKSLICE_PREWAIT=P, -DKSLICE_X_BULK: gemv_probe_hooks.cuh) run in turn (gpu.sh phase `gemvab`); `fit`: o and down
 // on 12 or 8 warps a block, so that a block of the next launch fits beside theirs.  Both run before the mixed-width
 // weights are made (with them made first, each run of call 1 of stop 50 took ~40 s: 7 of 8 chain runs in 420 s).
+// Modes of stop 53 (gemv_probe_chains.cuh): `fold`, the chain with the folded-norm consumers (KsLauncher's FOLD,
+// probe_fold) against the plain ones; `cap`, gate/up's one-wave blocks capped at 6 or 5 an SM by padded shared memory
+// (KsLauncher's CAP; the extension's wave_cap_smem); the stamps' STAMP_CHAIN=k4 | k4cap6 | fold chains.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

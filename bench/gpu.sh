@@ -42,7 +42,8 @@
 # oldexl2 (both),
 # genprefill (bench/gen_prefill_probe.py: the Generator's chunked prefill), nonorm (both formats with EXL_CORE_NORM_FOLD=0: the
 # RMSNorm and residual add as their own launches), noonewave (both formats with EXL_CORE_KSLICE_ONE_WAVE=0: gate/up at
-# batch 1 on 8-warp blocks, 1.73 waves), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
+# batch 1 on 8-warp blocks, 1.73 waves), nowavecap (both formats with EXL_CORE_KSLICE_WAVE_CAP=0: that launch's blocks
+# not capped at ceil(tiles / SMs) an SM), widefold (GPTQ with EXL_CORE_NORM_FOLD_WIDE=1), noropeattn (both formats
 # with EXL_CORE_ROPE_ATTN_FUSE=0: rope and the K/V write as their own launch before attention), noswiglu (GPTQ with
 # EXL_CORE_WIDE_SWIGLU=0: silu_mul as its own launch after gate/up at batch 17..32), noearlyw (both formats with
 # EXL_CORE_NORM_EARLY_W=0: the norm kernels read the weight after their PDL wait), nonormperm (EXL2 with
@@ -228,7 +229,7 @@ for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin|attntai
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -305,6 +306,10 @@ fi
 if has noonewave; then  # A/B: gate/up at batch 1 on 8-warp blocks in 1.73 waves (EXL_CORE_KSLICE_ONE_WAVE=0; stop 51)
   EXL_CORE_KSLICE_ONE_WAVE=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
     --quick --json "$OUT/gpu_h200_noonewave.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has nowavecap; then  # A/B: the one-wave gate/up's blocks not capped at ceil(tiles / SMs) an SM (stop 53)
+  EXL_CORE_KSLICE_WAVE_CAP=0 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
+    --quick --json "$OUT/gpu_h200_nowavecap.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has widefold; then  # A/B: the RMSNorm folded into qgemm_wide too (batch 17..32; EXL_CORE_NORM_FOLD_WIDE=1)
   EXL_CORE_NORM_FOLD_WIDE=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --quick \

@@ -83,7 +83,11 @@ int wave_kw(bool u4, int64_t tiles, int64_t sms) {
 // probe's stamps (stop 53 call 2) put 7 of gate/up's 688 blocks on 81-82 SMs and 2 on 41-43, whose loops ended ~4 us
 // sooner.  Capped at 6, the probe's chain ran 46.89-47.13 us a layer against 47.94-48.29, and with the folded norm
 // 49.38-49.62 against 50.88-51.14 (mode cap, call 4; bench/results/gemv_probe_cap_h200_stop53_call4_3d409d7.txt).
-// EXL_CORE_KSLICE_WAVE_CAP=0 turns it off (A/B).  Returns the padded size, or `smem` where no padding applies.
+// The model, bench --quick, processes in turn on one machine (stop 53 call 6): GPTQ batch 1 540.14 / 540.33 tok/s
+// against 530.05 uncapped (1.0190x / 1.0193x); EXL2 465.31 / 465.29 against 465.65 -- its gate/up follows the permuted
+// norm's one-block launch, not o, so its blocks found the SMs free alike (my reading, not stamped).
+// EXL_CORE_KSLICE_WAVE_CAP=0 turns it off (A/B: bench/gpu.sh phase nowavecap).  Returns the padded size, or `smem`
+// where no padding applies.
 size_t wave_cap_smem(size_t smem, int64_t tiles, int64_t sms, int dev) {
   static const bool on = exl_pdl::env_on("EXL_CORE_KSLICE_WAVE_CAP");
   if (!on || sms <= 0) return smem;
