@@ -2,8 +2,9 @@
 // EXL_KSLICE_STAMP / EXL_KSLICE_TAIL hooks are empty in the extension): a launch's id from its first weight's y
 // (gemv_probe.cu's make_weight puts every y in one arena), the phase stamps (-DKSLICE_STAMPS) and the tail prefetch of
 // the next launch's first weights (-DKSLICE_TAIL_PREFETCH); the ramp's x staging variants (stop 50): fewer ring slots
-// before the PDL wait (-DKSLICE_PREWAIT=P) and x staged by one bulk copy a row and warp (-DKSLICE_X_BULK).  Host side:
-// gemv_probe_trace.cuh.
+// before the PDL wait (-DKSLICE_PREWAIT=P) and x staged by one bulk copy a row and warp (-DKSLICE_X_BULK); the folded
+// norm's staging without the producer's sums (-DKSLICE_FOLD_NO_SS) or the norm weight's copy (-DKSLICE_FOLD_NO_NW; stop
+// 53).  Host side: gemv_probe_trace.cuh.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -114,4 +115,15 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 }
 }  // namespace xbulk
 #define EXL_KSLICE_STAGE_X() xbulk::stage(xs, x, M, K, xs_stride, kw0, kwl, red + warp * M * kTile, lane)
+#endif
+
+// The folded norm's staging parts (stop 53; mode `fold` built with them, gpu.sh gemvab GEMV_AB_MODE=fold): r taken as 1
+// without reading the producer's sums (probe_fold's sums and eps give exactly 1), and the norm weight's pieces stored as
+// 1 (probe_fold's weight) instead of copied -- the same results, so the checks still hold.
+#ifdef KSLICE_FOLD_NO_SS
+#define EXL_KSLICE_FOLD_RMS(m) 1.f
+#endif
+#ifdef KSLICE_FOLD_NO_NW
+#define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \
+  (*reinterpret_cast<uint4*>(dst) = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u))
 #endif

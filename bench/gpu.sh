@@ -135,7 +135,8 @@ if has gemv; then     # design probe for the batch-1 decode GEMV: per launch and
   fi
 fi
 if has gemvab; then   # gemv_probe builds with other flags (GEMV_AB: flag sets split by ';', "" the plain build), their
-  # chains (mode `chain`) run in turn GEMV_AB_ROUNDS times (stop 50: the ramp's x staging; gemv_probe_hooks.cuh)
+  # chains (mode `chain`, or GEMV_AB_MODE) run in turn GEMV_AB_ROUNDS times (stop 50: the ramp's x staging; stop 53's
+  # next step: GEMV_AB_MODE=fold GEMV_AB=";-DKSLICE_FOLD_NO_SS;-DKSLICE_FOLD_NO_NW" -- gemv_probe_hooks.cuh)
   IFS=';' read -ra sets <<<"${GEMV_AB:-;-DKSLICE_X_BULK}"
   for i in "${!sets[@]}"; do
     rm -f /tmp/gemv_ab_$i; nvcc -O3 -arch=sm_90 ${sets[$i]} -o /tmp/gemv_ab_$i bench/gemv_probe.cu >/tmp/gemv_ab_$i.log 2>&1 &
@@ -144,7 +145,7 @@ if has gemvab; then   # gemv_probe builds with other flags (GEMV_AB: flag sets s
   for r in $(seq 1 ${GEMV_AB_ROUNDS:-3}); do
     for i in "${!sets[@]}"; do
       echo "== gemvab round $r flags [${sets[$i]}]" | tee -a "$LOG"
-      timeout 120 /tmp/gemv_ab_$i chain 2>&1 | tee -a "$LOG" | grep -E "extension|floor|FAIL|err" | tail -8
+      timeout 120 /tmp/gemv_ab_$i ${GEMV_AB_MODE:-chain} 2>&1 | tee -a "$LOG" | grep -E "ext|floor|FAIL|err" | tail -16
     done
   done | tee /tmp/gemv_ab.txt
   grep -E "^== gemvab|^JSON" "$LOG" | awk '/^== gemvab/{tag=$0; next} tag != "" {sub(/^JSON /, ""); print "{\"run\": \"" tag "\", \"row\": " $0 "}"}' \

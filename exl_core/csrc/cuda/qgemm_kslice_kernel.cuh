@@ -62,6 +62,16 @@
 #ifndef EXL_KSLICE_STAGE_X
 #define EXL_KSLICE_STAGE_X() false
 #endif
+// Probe hooks of the folded norm's staging (gemv_probe.cu, stop 53: what its ~2.6-2.8 us a layer in the chain is made
+// of): EXL_KSLICE_FOLD_RMS(m), row m's r -- in the extension fold_rms over the producer's sums -- and
+// EXL_KSLICE_FOLD_NW_PIECE(dst, src), one 16-byte piece of the norm weight into shared memory -- in the extension a
+// cp.async before the PDL wait.
+#ifndef EXL_KSLICE_FOLD_RMS
+#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
+#endif
+#ifndef EXL_KSLICE_FOLD_NW_PIECE
+#define EXL_KSLICE_FOLD_NW_PIECE(dst, src) cp_async16(dst, src)
+#endif
 
 namespace exl_kslice {
 using namespace exl_mma;
@@ -220,7 +230,7 @@ __global__ void __launch_bounds__(32 * KW)
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
   if constexpr (fold)
-    for (int j = lane; j < (kwl >> 3); j += 32) cp_async16(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
+    for (int j = lane; j < (kwl >> 3); j += 32) EXL_KSLICE_FOLD_NW_PIECE(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
 
   EXL_KSLICE_STAMP(1);
   exl_pdl::pdl_wait();                                        // x is the previous kernel's output
@@ -245,7 +255,7 @@ __global__ void __launch_bounds__(32 * KW)
     if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
       float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
       for (int m = 0; m < M; ++m) {
-        const float r = fold_rms(mats.nf, M, m, K, lane);
+        const float r = EXL_KSLICE_FOLD_RMS(m);
         if (lane == 0) rw[m] = r;
       }
       cp_async_wait_all();
