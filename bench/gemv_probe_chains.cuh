@@ -99,29 +99,31 @@ int sg_run() {
   });
 }
 
-// Mode `fold`: what the folded norm costs its consumers in the chain (stop 53): the extension's chain as it runs GPTQ
-// (gate/up one wave of 4-warp blocks) with plain and with folded q/k/v and gate/up (probe_fold: r = 1).  Stop 53 call 1
-// (then mode sgp, 9304ddc) read 47.83-48.16 against 53.44-53.70 us a layer, where the model's fold wins (stop 27).
+// The extension's GPTQ batch-1 launches as it runs them since stop 51 (gate/up one wave of 4-warp blocks), and its
+// folded-norm consumers (probe_fold: r = 1, weight 1): modes fold and cap (stop 53).
+using ExtQ = KsLauncher<8, 4>;
+using ExtO = KsLauncher<16, 4>;
+using ExtU = KsLauncher<4, 4>;
+using ExtD = KsLauncher<16, 8>;
+using ExtQF = KsLauncher<8, 4, true, 2, false, false, true>;
+using ExtUF = KsLauncher<4, 4, true, 2, false, false, true>;
+
+// Mode `fold`: what the folded norm costs its consumers in the chain (stop 53).  Call 2 (7d97dd3) read the plain chain
+// at 47.70-48.00 us a layer against 50.55-50.62 folded, where the model's fold wins (stop 27: it removes a norm launch).
 int fold_run() {
-  using QF = KsLauncher<8, 4, true, 2, false, false, true>;
-  using UF = KsLauncher<4, 4, true, 2, false, false, true>;
-  check_row<QF>();                            // r = 1, weight 1: the folded launches against the same reference
-  check_row<UF>();
-  using Q = KsLauncher<8, 4>;
-  using U = KsLauncher<4, 4>;
-  using O = KsLauncher<16, 4>;
-  using D = KsLauncher<16, 8>;
+  check_row<ExtQF>();                         // r = 1, weight 1: the folded launches against the same reference
+  check_row<ExtUF>();
   return ab_rounds(3, [&] {
-    layer_row<Q, O, U, D>("ext (gate/up k4)");
-    layer_row<QF, O, UF, D>("ext, folded q/k/v, gate/up");
-    layer_row<QF, O, U, D>("ext, folded q/k/v");
-    layer_row<Q, O, UF, D>("ext, folded gate/up");
+    layer_row<ExtQ, ExtO, ExtU, ExtD>("ext (gate/up k4)");
+    layer_row<ExtQF, ExtO, ExtUF, ExtD>("ext, folded q/k/v, gate/up");
+    layer_row<ExtQF, ExtO, ExtU, ExtD>("ext, folded q/k/v");
+    layer_row<ExtQ, ExtO, ExtUF, ExtD>("ext, folded gate/up");
   });
 }
 
 // Mode `cap`: gate/up's 688 one-wave blocks with at most 6 (or 5) an SM (stop 53).  Under PDL they enter while o's
 // blocks still run, and the SMs that free first take 7 each: call 2's stamps (STAMP_CHAIN=k4) put 7 blocks on 81-82 SMs
-// and 2 on 41-43, whose loops ended ~4 us earlier.  A cap spreads them (688 = 5.2 an SM).
+// and 2 on 41-43, whose loops ended ~4 us earlier.  A cap spreads them (688 = 5.2 an SM); the extension's wave_cap_smem.
 int cap_run() {
   using U6 = KsLauncher<4, 4, true, 2, false, false, false, 6>;
   using U5 = KsLauncher<4, 4, true, 2, false, false, false, 5>;
@@ -129,17 +131,11 @@ int cap_run() {
   check_row<U6>();
   check_row<U5>();
   check_row<UF6>();
-  using Q = KsLauncher<8, 4>;
-  using QF = KsLauncher<8, 4, true, 2, false, false, true>;
-  using U = KsLauncher<4, 4>;
-  using UF = KsLauncher<4, 4, true, 2, false, false, true>;
-  using O = KsLauncher<16, 4>;
-  using D = KsLauncher<16, 8>;
   return ab_rounds(4, [&] {
-    layer_row<Q, O, U, D>("ext (gate/up k4)");
-    layer_row<Q, O, U6, D>("ext, gate/up k4 cap 6");
-    layer_row<Q, O, U5, D>("ext, gate/up k4 cap 5");
-    layer_row<QF, O, UF, D>("ext, folded");
-    layer_row<QF, O, UF6, D>("ext, folded, gate/up cap 6");
+    layer_row<ExtQ, ExtO, ExtU, ExtD>("ext (gate/up k4)");
+    layer_row<ExtQ, ExtO, U6, ExtD>("ext, gate/up k4 cap 6");
+    layer_row<ExtQ, ExtO, U5, ExtD>("ext, gate/up k4 cap 5");
+    layer_row<ExtQF, ExtO, ExtUF, ExtD>("ext, folded");
+    layer_row<ExtQF, ExtO, UF6, ExtD>("ext, folded, gate/up cap 6");
   });
 }
