@@ -99,8 +99,8 @@ int sg_run() {
   });
 }
 
-// The extension's GPTQ batch-1 launches as it runs them since stop 51 (gate/up one wave of 4-warp blocks), and its
-// folded-norm consumers (probe_fold: r = 1, weight 1): modes fold and cap (stop 53).
+// The extension's GPTQ batch-1 launches as it ran them in stops 51-52 (gate/up one wave of 4-warp blocks, not capped:
+// since stop 53 it runs mode cap's U6 / UF6), and its folded-norm consumers (probe_fold: r = 1, weight 1).
 using ExtQ = KsLauncher<8, 4>;
 using ExtO = KsLauncher<16, 4>;
 using ExtU = KsLauncher<4, 4>;
@@ -122,8 +122,8 @@ int fold_run() {
 }
 
 // Mode `cap`: gate/up's 688 one-wave blocks with at most 6 (or 5) an SM (stop 53).  Under PDL they enter while o's
-// blocks still run, and the SMs that free first take 7 each: call 2's stamps (STAMP_CHAIN=k4) put 7 blocks on 81-82 SMs
-// and 2 on 41-43, whose loops ended ~4 us earlier.  A cap spreads them (688 = 5.2 an SM); the extension's wave_cap_smem.
+// blocks still run: call 2's stamps (STAMP_CHAIN=k4) put 7 blocks on 81-82 SMs and 2 on 41-43, whose loops ended ~4 us
+// earlier (by my reading the SMs that free first fill to 7).  A cap spreads them (688 = 5.2 an SM); the extension's wave_cap_smem.
 int cap_run() {
   using U6 = KsLauncher<4, 4, true, 2, false, false, false, 6>;
   using U5 = KsLauncher<4, 4, true, 2, false, false, false, 5>;

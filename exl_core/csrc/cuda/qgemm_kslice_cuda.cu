@@ -56,7 +56,8 @@ bool mixed_waves_to_skinny() {
 // with 4 and 416.5 with 16 against 519.6 with 8.  EXL_CORE_KSLICE_WAVE_KW=4, 8 or 16 sets it for both (A/B runs:
 // bench/gpu.sh phases wavekw4, wavekw8, wavekw16).
 // One wave: uniform 4-bit launches of more tiles than three 8-warp blocks an SM hold (gate/up: 688 tiles, 1.73 waves of
-// 396) run on 4-warp blocks, six or more an SM (ptxas: 72 and 78 registers for the folded-norm instances), in one wave
+// 396) run on 4-warp blocks, up to six an SM (ptxas: 72 and 78 registers for the folded-norm instances; since stop 53
+// capped at ceil(tiles / SMs) an SM, wave_cap_smem below), in one wave
 // instead of a full wave and a 73 % one (stop 49's phase stamps: the second wave's loops end ~11 us after the first's).
 // H200, bench --quick, stop 51 call 3, processes in turn: batch 1 GPTQ 532.60 / 532.14 tok/s against 518.92 with 8
 // warps, EXL2 466.84 / 466.28 against 461.44 (call 2, another machine: 527.84 / 528.26 against 515.87 / 515.92, 464.47
@@ -78,14 +79,18 @@ int wave_kw(bool u4, int64_t tiles, int64_t sms) {
 }
 
 // The one-wave launch's blocks an SM, capped at ceil(tiles / SMs) by padding each block's shared memory.  Under PDL its
-// blocks enter while the launch before (o: one 16-warp block an SM) still runs; the SMs that free first then fill to
-// the register bound (seven 72-register blocks) and the rest keep the one or two that entered early -- the gemv
-// probe's stamps (stop 53 call 2) put 7 of gate/up's 688 blocks on 81-82 SMs and 2 on 41-43, whose loops ended ~4 us
-// sooner.  Capped at 6, the probe's chain ran 46.89-47.13 us a layer against 47.94-48.29, and with the folded norm
+// blocks enter while the launch before (o: one 16-warp block an SM) still runs: the gemv probe's stamps (stop 53 calls 2
+// and 4) put 7 of gate/up's 688 blocks on 71-83 SMs and 2 on 37-46 -- every SM with an o block took two gate/up blocks
+// that entered before o's block left, and the 2-block SMs are those that kept only these -- and the 2-block SMs' loops
+// ended ~4 us sooner.  My reading: the SMs whose o block leaves first fill to the register bound (seven 72-register
+// blocks) while the rest of the grid is handed out.  Capped at 6, the probe's chain ran 46.89-47.13 us a layer against 47.94-48.29, and with the folded norm
 // 49.38-49.62 against 50.88-51.14 (mode cap, call 4; bench/results/gemv_probe_cap_h200_stop53_call4_3d409d7.txt).
 // The model, bench --quick, processes in turn on one machine (stop 53 call 6): GPTQ batch 1 540.14 / 540.33 tok/s
 // against 530.05 uncapped (1.0190x / 1.0193x); EXL2 465.31 / 465.29 against 465.65 -- its gate/up follows the permuted
 // norm's one-block launch, not o, so its blocks found the SMs free alike (my reading, not stamped).
+// The padding assumes the driver gives the kernel an SM's whole shared memory (no carveout preference is set; the
+// probe's stamps showed 6 an SM on the H200).  plan_for applies it to every 4-warp uniform 4-bit staged launch of
+// 3..6 blocks an SM, the EXL_CORE_KSLICE_WAVE_KW=4 override's included.
 // EXL_CORE_KSLICE_WAVE_CAP=0 turns it off (A/B: bench/gpu.sh phase nowavecap).  Returns the padded size, or `smem`
 // where no padding applies.
 size_t wave_cap_smem(size_t smem, int64_t tiles, int64_t sms, int dev) {
@@ -93,9 +98,12 @@ size_t wave_cap_smem(size_t smem, int64_t tiles, int64_t sms, int dev) {
   if (!on || sms <= 0) return smem;
   static int per_sm[64] = {0}, reserved[64] = {0};
   const int d = dev >= 0 && dev < 64 ? dev : 0;
-  if (!per_sm[d]) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm[d], cudaDevAttrMaxSharedMemoryPerMultiprocessor, d));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved[d], cudaDevAttrReservedSharedMemoryPerBlock, d));
+  if (!per_sm[d]) {                                           // the guard written last (as device_sm's)
+    int p = 0, r = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&p, cudaDevAttrMaxSharedMemoryPerMultiprocessor, d));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&r, cudaDevAttrReservedSharedMemoryPerBlock, d));
+    reserved[d] = r;
+    per_sm[d] = p;
   }
   const int64_t cap = (tiles + sms - 1) / sms;
   // cap blocks fit an SM's shared memory, cap + 1 do not (256 bytes below the bound for the allocation granularity)
