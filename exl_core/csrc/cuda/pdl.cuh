@@ -24,21 +24,36 @@
 
 #include "pdl_device.cuh"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 namespace exl_pdl {
 
-// The device's compute-capability major (want_major) or multiprocessor count, cached per device.
-inline int device_sm(int dev, bool want_major) {
-  static int sms[64] = {0}, major[64] = {0};
+// Device attributes the launch policies read, fetched once per device: every value is stored before the flag that says
+// they are there (release / acquire), so a concurrent first caller fetches them again rather than reading a
+// half-filled entry.
+enum DeviceAttr { kCcMajor, kSmCount, kSmemPerSm, kSmemReservedPerBlock, kDeviceAttrs };
+inline int device_attr(int dev, DeviceAttr a) {
+  static int vals[64][kDeviceAttrs] = {};
+  static std::atomic<bool> ready[64] = {};
   if (dev < 0 || dev >= 64) dev = 0;
-  if (!sms[dev]) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev));
+  if (!ready[dev].load(std::memory_order_acquire)) {
+    static const cudaDeviceAttr ids[kDeviceAttrs] = {
+        cudaDevAttrComputeCapabilityMajor, cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+        cudaDevAttrReservedSharedMemoryPerBlock};
+    for (int i = 0; i < kDeviceAttrs; ++i) {
+      int v = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, ids[i], dev));
+      vals[dev][i] = v;
+    }
+    ready[dev].store(true, std::memory_order_release);
   }
-  return want_major ? major[dev] : sms[dev];
+  return vals[dev][a];
 }
+
+// The device's compute-capability major (want_major) or multiprocessor count.
+inline int device_sm(int dev, bool want_major) { return device_attr(dev, want_major ? kCcMajor : kSmCount); }
 
 // An A/B switch of the kernels: on unless the environment variable `name` is "0".
 inline bool env_on(const char* name) {

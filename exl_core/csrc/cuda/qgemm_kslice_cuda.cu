@@ -66,6 +66,9 @@ bool mixed_waves_to_skinny() {
 // of plain instances, without the folded norm, read it 0.7-1.0 us a layer slower: 47.78-48.14 against 47.05-47.15, call
 // 1.)
 // EXL_CORE_KSLICE_ONE_WAVE=0 turns it off (A/B).
+// More tiles than three 8-warp blocks an SM hold, at most six 4-warp ones: the one-wave launch's range (and its cap's).
+bool one_wave_range(int64_t tiles, int64_t sms) { return tiles > 3 * sms && tiles <= 6 * sms; }
+
 int wave_kw(bool u4, int64_t tiles, int64_t sms) {
   static const int env = [] {
     const char* v = std::getenv("EXL_CORE_KSLICE_WAVE_KW");
@@ -75,39 +78,31 @@ int wave_kw(bool u4, int64_t tiles, int64_t sms) {
   static const bool one_wave = exl_pdl::env_on("EXL_CORE_KSLICE_ONE_WAVE");
   if (env) return env;
   if (!u4) return 4;
-  return one_wave && tiles > 3 * sms && tiles <= 6 * sms ? 4 : 8;
+  return one_wave && one_wave_range(tiles, sms) ? 4 : 8;
 }
 
 // The one-wave launch's blocks an SM, capped at ceil(tiles / SMs) by padding each block's shared memory.  Under PDL its
-// blocks enter while the launch before (o: one 16-warp block an SM) still runs: the gemv probe's stamps (stop 53 calls 2
-// and 4) put 7 of gate/up's 688 blocks on 71-83 SMs and 2 on 37-46 -- every SM with an o block took two gate/up blocks
-// that entered before o's block left, and the 2-block SMs are those that kept only these -- and the 2-block SMs' loops
-// ended ~4 us sooner.  My reading: the SMs whose o block leaves first fill to the register bound (seven 72-register
-// blocks) while the rest of the grid is handed out.  Capped at 6, the probe's chain ran 46.89-47.13 us a layer against 47.94-48.29, and with the folded norm
-// 49.38-49.62 against 50.88-51.14 (mode cap, call 4; bench/results/gemv_probe_cap_h200_stop53_call4_3d409d7.txt).
-// The model, bench --quick, processes in turn on one machine (stop 53 call 6): GPTQ batch 1 540.14 / 540.33 tok/s
-// against 530.05 uncapped (1.0190x / 1.0193x); EXL2 465.31 / 465.29 against 465.65 -- its gate/up follows the permuted
-// norm's one-block launch, not o, so its blocks found the SMs free alike (my reading, not stamped).
-// The padding assumes the driver gives the kernel an SM's whole shared memory (no carveout preference is set; the
-// probe's stamps showed 6 an SM on the H200).  plan_for applies it to every 4-warp uniform 4-bit staged launch of
-// 3..6 blocks an SM, the EXL_CORE_KSLICE_WAVE_KW=4 override's included.
+// blocks enter while the launch before (o: one 16-warp block an SM) still runs: the gemv probe's stamps (stop 53 calls
+// 2 and 4) put 7 of gate/up's 688 blocks on 71-83 SMs and 2 on 37-46 -- every SM with an o block took two gate/up
+// blocks that entered before o's block left, and the 2-block SMs are those that kept only these -- and the 2-block SMs'
+// loops ended ~4 us sooner.  My reading: the SMs whose o block leaves first fill to the register bound (seven
+// 72-register blocks) while the rest of the grid is handed out.  Capped at 6, the probe's chain ran 46.89-47.13 us a
+// layer against 47.94-48.29, and with the folded norm 49.38-49.62 against 50.88-51.14 (mode cap, call 4;
+// bench/results/gemv_probe_cap_h200_stop53_call4_3d409d7.txt). The model, bench --quick, processes in turn on one
+// machine (stop 53 call 6): GPTQ batch 1 540.14 / 540.33 tok/s against 530.05 uncapped (1.0190x / 1.0193x); EXL2 465.31
+// / 465.29 against 465.65 -- its gate/up follows the permuted norm's one-block launch, not o, so its blocks found the
+// SMs free alike (my reading, not stamped). The padding assumes the driver gives the kernel an SM's whole shared memory
+// (no carveout preference is set; the probe's stamps showed 6 an SM on the H200).  plan_for applies it to every 4-warp
+// uniform 4-bit staged launch of 3..6 blocks an SM, the EXL_CORE_KSLICE_WAVE_KW=4 override's included.
 // EXL_CORE_KSLICE_WAVE_CAP=0 turns it off (A/B: bench/gpu.sh phase nowavecap).  Returns the padded size, or `smem`
 // where no padding applies.
 size_t wave_cap_smem(size_t smem, int64_t tiles, int64_t sms, int dev) {
   static const bool on = exl_pdl::env_on("EXL_CORE_KSLICE_WAVE_CAP");
   if (!on || sms <= 0) return smem;
-  static int per_sm[64] = {0}, reserved[64] = {0};
-  const int d = dev >= 0 && dev < 64 ? dev : 0;
-  if (!per_sm[d]) {                                           // the guard written last (as device_sm's)
-    int p = 0, r = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&p, cudaDevAttrMaxSharedMemoryPerMultiprocessor, d));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&r, cudaDevAttrReservedSharedMemoryPerBlock, d));
-    reserved[d] = r;
-    per_sm[d] = p;
-  }
   const int64_t cap = (tiles + sms - 1) / sms;
   // cap blocks fit an SM's shared memory, cap + 1 do not (256 bytes below the bound for the allocation granularity)
-  const int64_t padded = per_sm[d] / cap - reserved[d] - 256;
+  const int64_t padded = exl_pdl::device_attr(dev, exl_pdl::kSmemPerSm) / cap -
+                         exl_pdl::device_attr(dev, exl_pdl::kSmemReservedPerBlock) - 256;
   return padded > static_cast<int64_t>(smem) ? static_cast<size_t>(padded) : smem;
 }
 
@@ -140,7 +135,7 @@ Plan plan_for(int M, int64_t K, int64_t tiles, int kw, int ring, int64_t min_gro
   // fold (staged rows): the norm weight takes the xr region (xr_halves)
   const int64_t xr = xr_halves(0, fold && nt == 1, M, K, act);
   size_t smem = Smem(n_chunks, kw, slots, M, xs_stride, xr).total;
-  if (nt == 1 && kw == 4 && u4 && tiles > 3 * sms && tiles <= 6 * sms) smem = wave_cap_smem(smem, tiles, sms, dev);
+  if (nt == 1 && kw == 4 && u4 && one_wave_range(tiles, sms)) smem = wave_cap_smem(smem, tiles, sms, dev);
   return {kw, ring, nt, slots, xs_stride, smem, -1, 0, n_chunks};
 }
 
