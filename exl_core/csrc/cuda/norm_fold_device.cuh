@@ -19,12 +19,41 @@
 
 namespace exl_mma {
 
-// r of row m (one warp; every lane returns the same value: a butterfly's pairs add in either order alike).
-__device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int64_t K, int lane) {
+// Sum over t < count of p[t * stride] by one warp, every lane's loads of a batch in flight together (masked loads add
+// 0: the same bits), then a butterfly over the lanes `lanes` apart and more; a lane sums its values in t order, so
+// every block gets the same bits.  Why batches: the loop of one dependent load at a time it replaced cost the GEMV
+// probe's folded chain ~1.9 us a layer against r taken as 1 (stop 54 call 1, gemv_ab_rows).
+__device__ __forceinline__ float warp_sum_strided(const float* __restrict__ p, int count, int stride, int lane,
+                                                  int lanes = 1) {
+  constexpr int kBatch = 8;
   float s = 0.f;
-  for (int t = lane; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M + m);
-  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return rsqrtf(s / static_cast<float>(K) + nf.eps);
+  for (int b = 0; b < count; b += 32 * kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int t = b + lane + 32 * j;
+      v[j] = t < count ? __ldg(p + static_cast<int64_t>(t) * stride) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) s += v[j];
+  }
+  for (int o = 16; o >= lanes; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
+// r of every row m < M into rw[m] (one warp): r = rsqrt(sum(ss_in[:, m]) / K + eps).  With M dividing 32 the
+// [ss_tiles, M] sums are read as one contiguous run, a lane's values all of row lane % M, every row's loads together;
+// otherwise a row at a time.
+__device__ __forceinline__ void fold_rms_rows(const NormFold& nf, int M, int64_t K, int lane, float* rw) {
+  if (32 % M == 0) {
+    const float s = warp_sum_strided(nf.ss_in, nf.ss_tiles * M, 1, lane, M);
+    if (lane < M) rw[lane] = rsqrtf(s / static_cast<float>(K) + nf.eps);
+    return;
+  }
+  for (int m = 0; m < M; ++m) {
+    const float s = warp_sum_strided(nf.ss_in + m, nf.ss_tiles, M, lane);
+    if (lane == 0) rw[m] = rsqrtf(s / static_cast<float>(K) + nf.eps);
+  }
 }
 
 // 8 values of a row of x normalised: fp16(w * fp16(x * r)).

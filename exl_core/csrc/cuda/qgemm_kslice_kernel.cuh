@@ -63,11 +63,11 @@
 #define EXL_KSLICE_STAGE_X() false
 #endif
 // Probe hooks of the folded norm's staging (gemv_probe.cu, stop 53: what its ~2.6-2.8 us a layer in the chain is made
-// of): EXL_KSLICE_FOLD_RMS(m), row m's r -- in the extension fold_rms over the producer's sums -- and
+// of): EXL_KSLICE_FOLD_RMS_ROWS(rw), every row's r into rw -- in the extension fold_rms_rows over the producer's sums -- and
 // EXL_KSLICE_FOLD_NW_PIECE(dst, src), one 16-byte piece of the norm weight into shared memory -- in the extension a
 // cp.async before the PDL wait.
-#ifndef EXL_KSLICE_FOLD_RMS
-#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
+#ifndef EXL_KSLICE_FOLD_RMS_ROWS
+#define EXL_KSLICE_FOLD_RMS_ROWS(rw) fold_rms_rows(mats.nf, M, K, lane, rw)
 #endif
 #ifndef EXL_KSLICE_FOLD_NW_PIECE
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) cp_async16(dst, src)
@@ -254,10 +254,7 @@ __global__ void __launch_bounds__(32 * KW)
       }
     if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
       float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
-      for (int m = 0; m < M; ++m) {
-        const float r = EXL_KSLICE_FOLD_RMS(m);
-        if (lane == 0) rw[m] = r;
-      }
+      EXL_KSLICE_FOLD_RMS_ROWS(rw);
       cp_async_wait_all();
       __syncwarp();                                           // pieces other lanes copied, r
       for (int m = 0; m < M; ++m) {
