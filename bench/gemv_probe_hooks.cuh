@@ -126,15 +126,12 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
     if (lane < M) (rw)[lane] = 1.f;  \
   } while (0)
 #endif
-// Stop 53's fold_rms, for a same-run A/B against fold_rms_rows (stop 54): a row at a time, one load per step of a lane's
-// loop.
+// Stop 53's r, for a same-run A/B against fold_rms_block (stop 54): every warp reads all the sums, a row at a time.
 #ifdef KSLICE_FOLD_RMS_SERIAL
-#define EXL_KSLICE_FOLD_RMS_ROWS(rw)                                                                    \
-  for (int m = 0; m < M; ++m) {                                                                        \
-    float s_ = 0.f;                                                                                    \
-    for (int t = lane; t < mats.nf.ss_tiles; t += 32) s_ += __ldg(mats.nf.ss_in + static_cast<int64_t>(t) * M + m); \
-    for (int o = 16; o; o >>= 1) s_ += __shfl_xor_sync(0xffffffffu, s_, o);                          \
-    if (lane == 0) (rw)[m] = rsqrtf(s_ / static_cast<float>(K) + mats.nf.eps);                          \
+#define EXL_KSLICE_FOLD_RMS_ROWS(rw)                \
+  for (int m = 0; m < M; ++m) {                    \
+    const float r_ = fold_rms(mats.nf, M, m, K, lane); \
+    if (lane == 0) (rw)[m] = r_;                   \
   }
 #endif
 #ifdef KSLICE_FOLD_NO_NW

@@ -19,40 +19,47 @@
 
 namespace exl_mma {
 
-// Sum over t < count of p[t * stride] by one warp, every lane's loads of a batch in flight together (masked loads add
-// 0: the same bits), then a butterfly over the lanes `lanes` apart and more; a lane sums its values in t order, so
-// every block gets the same bits.  Why batches: the loop of one dependent load at a time it replaced cost the GEMV
-// probe's folded chain ~1.9 us a layer against r taken as 1 (stop 54 call 1, gemv_ab_rows).
-__device__ __forceinline__ float warp_sum_strided(const float* __restrict__ p, int count, int stride, int lane,
-                                                  int lanes = 1) {
-  constexpr int kBatch = 8;
+// r of row m (one warp; every lane returns the same value: a butterfly's pairs add in either order alike).
+__device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int64_t K, int lane) {
   float s = 0.f;
-  for (int b = 0; b < count; b += 32 * kBatch) {
-    float v[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int t = b + lane + 32 * j;
-      v[j] = t < count ? __ldg(p + static_cast<int64_t>(t) * stride) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) s += v[j];
-  }
-  for (int o = 16; o >= lanes; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return s;
+  for (int t = lane; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M + m);
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return rsqrtf(s / static_cast<float>(K) + nf.eps);
 }
 
-// r of every row m < M into rw[m] (one warp): r = rsqrt(sum(ss_in[:, m]) / K + eps).  With M dividing 32 the
-// [ss_tiles, M] sums are read as one contiguous run, a lane's values all of row lane % M, every row's loads together;
-// otherwise a row at a time.
-__device__ __forceinline__ void fold_rms_rows(const NormFold& nf, int M, int64_t K, int lane, float* rw) {
-  if (32 % M == 0) {
-    const float s = warp_sum_strided(nf.ss_in, nf.ss_tiles * M, 1, lane, M);
-    if (lane < M) rw[lane] = rsqrtf(s / static_cast<float>(K) + nf.eps);
+// Shared-memory floats fold_rms_block's parts take: nwarps x M, at most 16 warps x 8 staged rows.
+constexpr int kFoldParts = 16 * 8;
+
+// r of every row m < M into rw[m] (each warp's own), the producer's sums read once a block; every thread of the block
+// calls it (a block barrier).  With M dividing 32, thread i sums values i, i + 32 nwarps, ... of the contiguous
+// [ss_tiles, M] run (all of row i % M), a warp's butterfly leaves each row's part in lanes < M, and after the barrier
+// lane m adds the warps' parts in warp order (every block the same bits; a thread's loads one at a time: unrolled, the
+// kw 4 instance took 80 registers against 72).  Other M: a warp a row at a time
+// (fold_rms), no barrier.  Why: with every warp reading all the sums, 688 blocks x 4 warps asked for the same four
+// 128-byte lines at once after the PDL wait (gate/up); r taken as 1 ran the GEMV probe's folded chain ~1.9 us a layer
+// faster (stop 54 call 1), and batching each warp's loads made it slower, not faster (call 2) -- by my reading the
+// lines' L2 slices queue those requests, not the loads' latency.
+__device__ __forceinline__ void fold_rms_block(const NormFold& nf, int M, int64_t K, int nwarps, float* part,
+                                               float* rw) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (32 % M != 0) {
+    for (int m = 0; m < M; ++m) {
+      const float r = fold_rms(nf, M, m, K, lane);
+      if (lane == 0) rw[m] = r;
+    }
     return;
   }
-  for (int m = 0; m < M; ++m) {
-    const float s = warp_sum_strided(nf.ss_in + m, nf.ss_tiles, M, lane);
-    if (lane == 0) rw[m] = rsqrtf(s / static_cast<float>(K) + nf.eps);
+  const int n = nf.ss_tiles * M;
+  float s = 0.f;
+#pragma unroll 1
+  for (int i = threadIdx.x; i < n; i += 32 * nwarps) s += __ldg(nf.ss_in + i);
+  for (int o = 16; o >= M; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (lane < M) part[warp * M + lane] = s;
+  __syncthreads();
+  if (lane < M) {
+    float t = 0.f;
+    for (int w = 0; w < nwarps; ++w) t += part[w * M + lane];
+    rw[lane] = rsqrtf(t / static_cast<float>(K) + nf.eps);
   }
 }
 
