@@ -121,18 +121,7 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 // without reading the producer's sums (probe_fold's sums and eps give exactly 1), and the norm weight's pieces stored as
 // 1 (probe_fold's weight) instead of copied -- the same results, so the checks still hold.
 #ifdef KSLICE_FOLD_NO_SS
-#define EXL_KSLICE_FOLD_RMS_ROWS(rw) \
-  do {                               \
-    if (lane < M) (rw)[lane] = 1.f;  \
-  } while (0)
-#endif
-// Stop 53's r, for a same-run A/B against fold_rms_block (stop 54): every warp reads all the sums, a row at a time.
-#ifdef KSLICE_FOLD_RMS_SERIAL
-#define EXL_KSLICE_FOLD_RMS_ROWS(rw)                \
-  for (int m = 0; m < M; ++m) {                    \
-    const float r_ = fold_rms(mats.nf, M, m, K, lane); \
-    if (lane == 0) (rw)[m] = r_;                   \
-  }
+#define EXL_KSLICE_FOLD_RMS(m) 1.f
 #endif
 #ifdef KSLICE_FOLD_NO_NW
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \

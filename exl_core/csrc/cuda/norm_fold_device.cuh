@@ -27,42 +27,6 @@ __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int6
   return rsqrtf(s / static_cast<float>(K) + nf.eps);
 }
 
-// Shared-memory floats fold_rms_block's parts take: nwarps x M, at most 16 warps x 8 staged rows.
-constexpr int kFoldParts = 16 * 8;
-
-// r of every row m < M into rw[m] (each warp's own), the producer's sums read once a block; every thread of the block
-// calls it (a block barrier).  With M dividing 32, thread i sums values i, i + 32 nwarps, ... of the contiguous
-// [ss_tiles, M] run (all of row i % M), a warp's butterfly leaves each row's part in lanes < M, and after the barrier
-// lane m adds the warps' parts in warp order (every block the same bits; a thread's loads one at a time: unrolled, the
-// kw 4 instance took 80 registers against 72).  Other M: a warp a row at a time
-// (fold_rms), no barrier.  Why: with every warp reading all the sums, 688 blocks x 4 warps asked for the same four
-// 128-byte lines at once after the PDL wait (gate/up); r taken as 1 ran the GEMV probe's folded chain ~1.9 us a layer
-// faster (stop 54 call 1), and batching each warp's loads made it slower, not faster (call 2) -- by my reading the
-// lines' L2 slices queue those requests, not the loads' latency.
-__device__ __forceinline__ void fold_rms_block(const NormFold& nf, int M, int64_t K, int nwarps, float* part,
-                                               float* rw) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (32 % M != 0) {
-    for (int m = 0; m < M; ++m) {
-      const float r = fold_rms(nf, M, m, K, lane);
-      if (lane == 0) rw[m] = r;
-    }
-    return;
-  }
-  const int n = nf.ss_tiles * M;
-  float s = 0.f;
-#pragma unroll 1
-  for (int i = threadIdx.x; i < n; i += 32 * nwarps) s += __ldg(nf.ss_in + i);
-  for (int o = 16; o >= M; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if (lane < M) part[warp * M + lane] = s;
-  __syncthreads();
-  if (lane < M) {
-    float t = 0.f;
-    for (int w = 0; w < nwarps; ++w) t += part[w * M + lane];
-    rw[lane] = rsqrtf(t / static_cast<float>(K) + nf.eps);
-  }
-}
-
 // 8 values of a row of x normalised: fp16(w * fp16(x * r)).
 __device__ __forceinline__ uint4 fold_norm8(const uint4& xv, const uint4& wv, float r) {
   uint4 o;

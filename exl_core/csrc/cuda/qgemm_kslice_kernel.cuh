@@ -63,12 +63,11 @@
 #define EXL_KSLICE_STAGE_X() false
 #endif
 // Probe hooks of the folded norm's staging (gemv_probe.cu, stop 53: what its ~2.6-2.8 us a layer in the chain is made
-// of): EXL_KSLICE_FOLD_RMS_ROWS(rw), every row's r into the warp's rw -- in the extension fold_rms_block over the
-// producer's sums, its parts after the norm weight in the xr region -- and
+// of): EXL_KSLICE_FOLD_RMS(m), row m's r -- in the extension fold_rms over the producer's sums -- and
 // EXL_KSLICE_FOLD_NW_PIECE(dst, src), one 16-byte piece of the norm weight into shared memory -- in the extension a
 // cp.async before the PDL wait.
-#ifndef EXL_KSLICE_FOLD_RMS_ROWS
-#define EXL_KSLICE_FOLD_RMS_ROWS(rw) fold_rms_block(mats.nf, M, K, KW, reinterpret_cast<float*>(gsm + K), rw)
+#ifndef EXL_KSLICE_FOLD_RMS
+#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
 #endif
 #ifndef EXL_KSLICE_FOLD_NW_PIECE
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) cp_async16(dst, src)
@@ -99,10 +98,9 @@ struct Smem {
 
 // Halves of x a block copies whole for the shared-memory gather of act-order weights (gate and up rows with ACT).
 __host__ __device__ inline int64_t gather_halves(int M, int64_t K, bool act) { return (act ? 2 : 1) * M * K; }
-// The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation),
-// then fold_rms_block's parts.
+// The xr region otherwise: the RMSNorm weight's K halves when the norm is folded in (staged rows, no permutation).
 __host__ __device__ inline int64_t xr_halves(int sgather, bool fold, int M, int64_t K, bool act) {
-  return sgather ? gather_halves(M, K, act) : fold ? K + 2 * kFoldParts : 0;
+  return sgather ? gather_halves(M, K, act) : fold ? K : 0;
 }
 
 // d[u][nt] += A(tile u of the chunk's words) x B(n-tile nt), both k16 steps of the chunk: one dequantised
@@ -231,7 +229,6 @@ __global__ void __launch_bounds__(32 * KW)
 
   const int kw0 = c0 * 32, kwl = (c1 - c0) * 32;
   __half* gsm = reinterpret_cast<__half*>(smem_raw + lay.xr);   // fold: the norm weight (a weight: before the wait)
-  static_assert(!FOLD || KW * kStagedRows <= kFoldParts, "fold_rms_block's parts");
   if constexpr (fold)
     for (int j = lane; j < (kwl >> 3); j += 32) EXL_KSLICE_FOLD_NW_PIECE(gsm + kw0 + 8 * j, mats.nf.nw + kw0 + 8 * j);
 
@@ -257,7 +254,10 @@ __global__ void __launch_bounds__(32 * KW)
       }
     if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
       float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
-      EXL_KSLICE_FOLD_RMS_ROWS(rw);
+      for (int m = 0; m < M; ++m) {
+        const float r = EXL_KSLICE_FOLD_RMS(m);
+        if (lane == 0) rw[m] = r;
+      }
       cp_async_wait_all();
       __syncwarp();                                           // pieces other lanes copied, r
       for (int m = 0; m < M; ++m) {
