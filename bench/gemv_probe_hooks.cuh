@@ -123,6 +123,22 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 #ifdef KSLICE_FOLD_NO_SS
 #define EXL_KSLICE_FOLD_RMS(m) 1.f
 #endif
+// The sums' loads issued before the x copies, summed after them (stop 54; one row, as the probe's chain runs: 4 loads a
+// lane cover K / 32 <= 128 tiles): whether r's cost is its loads queued behind the copies.
+#ifdef KSLICE_FOLD_RMS_EARLY
+#define EXL_KSLICE_FOLD_EARLY()                                                                 \
+  float ss_[4] = {0.f, 0.f, 0.f, 0.f};                                                          \
+  if constexpr (fold)                                                                           \
+    for (int i = 0; i < 4; ++i)                                                                 \
+      if (lane + 32 * i < mats.nf.ss_tiles) ss_[i] = __ldg(mats.nf.ss_in + (lane + 32 * i) * M)
+#define EXL_KSLICE_FOLD_RMS(m) early_rms(ss_, mats.nf, K)
+template <class NormFold>   // exl_mma::NormFold (declared after this file)
+__device__ __forceinline__ float early_rms(const float (&v)[4], const NormFold& nf, int64_t K) {
+  float s = ((v[0] + v[1]) + v[2]) + v[3];
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return rsqrtf(s / static_cast<float>(K) + nf.eps);
+}
+#endif
 #ifdef KSLICE_FOLD_NO_NW
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \
   (*reinterpret_cast<uint4*>(dst) = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u))

@@ -69,6 +69,11 @@
 #ifndef EXL_KSLICE_FOLD_RMS
 #define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
 #endif
+// EXL_KSLICE_FOLD_EARLY(): statements before the staged rows' x copies are issued (stop 54's probe: the sums' loads
+// issued first) -- nothing in the extension.
+#ifndef EXL_KSLICE_FOLD_EARLY
+#define EXL_KSLICE_FOLD_EARLY()
+#endif
 #ifndef EXL_KSLICE_FOLD_NW_PIECE
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) cp_async16(dst, src)
 #endif
@@ -247,6 +252,7 @@ __global__ void __launch_bounds__(32 * KW)
   } else if (perm == nullptr && aligned && !ACT) {
     // by cp.async, every piece in flight at once, then reordered in place (the build that staged through
     // registers, loads then stores, ran GPTQ q/k/v M=8 at 21.0 us against 19.4 in an earlier sweep)
+    EXL_KSLICE_FOLD_EARLY();
     if (fold || !EXL_KSLICE_STAGE_X())
       for (int j = lane; j < M * (kwl >> 3); j += 32) {
         const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
