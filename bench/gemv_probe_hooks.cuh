@@ -123,8 +123,9 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 #ifdef KSLICE_FOLD_NO_SS
 #define EXL_KSLICE_FOLD_RMS(m) 1.f
 #endif
-// The sums' loads issued before the x copies, summed after them (stop 54; one row, as the probe's chain runs: 4 loads a
-// lane cover K / 32 <= 128 tiles): whether r's cost is its loads queued behind the copies.
+// The sums' loads issued before the x copies, summed after them (stop 54): whether r's cost is its loads queued behind
+// the copies.  Only for the probe's folded chain: row 0 only (it ignores m: M = 1) and 4 loads a lane (K / 32 <= 128
+// tiles, K <= 4096); nothing checks either, and probe_fold's zero sums would not show a misuse.
 #ifdef KSLICE_FOLD_RMS_EARLY
 #define EXL_KSLICE_FOLD_EARLY()                                                                 \
   float ss_[4] = {0.f, 0.f, 0.f, 0.f};                                                          \
