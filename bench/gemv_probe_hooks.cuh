@@ -132,13 +132,7 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
   if constexpr (fold)                                                                           \
     for (int i = 0; i < 4; ++i)                                                                 \
       if (lane + 32 * i < mats.nf.ss_tiles) ss_[i] = __ldg(mats.nf.ss_in + (lane + 32 * i) * M)
-#define EXL_KSLICE_FOLD_RMS(m) early_rms(ss_, mats.nf, K)
-template <class NormFold>   // exl_mma::NormFold (declared after this file)
-__device__ __forceinline__ float early_rms(const float (&v)[4], const NormFold& nf, int64_t K) {
-  float s = ((v[0] + v[1]) + v[2]) + v[3];
-  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return rsqrtf(s / static_cast<float>(K) + nf.eps);
-}
+#define EXL_KSLICE_FOLD_RMS(m) fold_rms_from(((ss_[0] + ss_[1]) + ss_[2]) + ss_[3], mats.nf, K)
 #endif
 #ifdef KSLICE_FOLD_NO_NW
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \

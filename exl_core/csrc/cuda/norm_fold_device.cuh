@@ -19,12 +19,18 @@
 
 namespace exl_mma {
 
-// r of row m (one warp; every lane returns the same value: a butterfly's pairs add in either order alike).
+// r from each lane's part of a row's sums (one warp; every lane returns the same value: a butterfly's pairs add in
+// either order alike).
+__device__ __forceinline__ float fold_rms_from(float s, const NormFold& nf, int64_t K) {
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return rsqrtf(s / static_cast<float>(K) + nf.eps);
+}
+
+// r of row m (one warp).
 __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int64_t K, int lane) {
   float s = 0.f;
   for (int t = lane; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M + m);
-  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return rsqrtf(s / static_cast<float>(K) + nf.eps);
+  return fold_rms_from(s, nf, K);
 }
 
 // 8 values of a row of x normalised: fp16(w * fp16(x * r)).
