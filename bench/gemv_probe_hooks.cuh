@@ -123,16 +123,9 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 #ifdef KSLICE_FOLD_NO_SS
 #define EXL_KSLICE_FOLD_RMS(m) 1.f
 #endif
-// The sums' loads issued before the x copies, summed after them (stop 54): whether r's cost is its loads queued behind
-// the copies.  Only for the probe's folded chain: row 0 only (it ignores m: M = 1) and 4 loads a lane (K / 32 <= 128
-// tiles, K <= 4096); nothing checks either, and probe_fold's zero sums would not show a misuse.
-#ifdef KSLICE_FOLD_RMS_EARLY
-#define EXL_KSLICE_FOLD_EARLY()                                                                 \
-  float ss_[4] = {0.f, 0.f, 0.f, 0.f};                                                          \
-  if constexpr (fold)                                                                           \
-    for (int i = 0; i < 4; ++i)                                                                 \
-      if (lane + 32 * i < mats.nf.ss_tiles) ss_[i] = __ldg(mats.nf.ss_in + (lane + 32 * i) * M)
-#define EXL_KSLICE_FOLD_RMS(m) fold_rms_from(((ss_[0] + ss_[1]) + ss_[2]) + ss_[3], mats.nf, K)
+// r's sums loaded after the x copies are issued, as before stop 55 (the extension loads row 0's first, FoldSums0).
+#ifdef KSLICE_FOLD_RMS_LATE
+#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
 #endif
 #ifdef KSLICE_FOLD_NO_NW
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \

@@ -63,16 +63,11 @@
 #define EXL_KSLICE_STAGE_X() false
 #endif
 // Probe hooks of the folded norm's staging (gemv_probe.cu, stop 53: what its ~2.6-2.8 us a layer in the chain is made
-// of): EXL_KSLICE_FOLD_RMS(m), row m's r -- in the extension fold_rms over the producer's sums -- and
-// EXL_KSLICE_FOLD_NW_PIECE(dst, src), one 16-byte piece of the norm weight into shared memory -- in the extension a
-// cp.async before the PDL wait.
+// of): EXL_KSLICE_FOLD_RMS(m), row m's r -- in the extension from the producer's sums, row 0's loaded before the x
+// copies (ss0, FoldSums0) -- and EXL_KSLICE_FOLD_NW_PIECE(dst, src), one 16-byte piece of the norm weight into shared
+// memory -- in the extension a cp.async before the PDL wait.
 #ifndef EXL_KSLICE_FOLD_RMS
-#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
-#endif
-// EXL_KSLICE_FOLD_EARLY(): statements before the staged rows' x copies are issued (stop 54's probe: the sums' loads
-// issued first) -- nothing in the extension.
-#ifndef EXL_KSLICE_FOLD_EARLY
-#define EXL_KSLICE_FOLD_EARLY()
+#define EXL_KSLICE_FOLD_RMS(m) ((m) == 0 ? ss0.rms(mats.nf, M, K, lane) : fold_rms(mats.nf, M, m, K, lane))
 #endif
 #ifndef EXL_KSLICE_FOLD_NW_PIECE
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) cp_async16(dst, src)
@@ -252,7 +247,8 @@ __global__ void __launch_bounds__(32 * KW)
   } else if (perm == nullptr && aligned && !ACT) {
     // by cp.async, every piece in flight at once, then reordered in place (the build that staged through
     // registers, loads then stores, ran GPTQ q/k/v M=8 at 21.0 us against 19.4 in an earlier sweep)
-    EXL_KSLICE_FOLD_EARLY();
+    FoldSums0 ss0;                                            // before the copies: see FoldSums0
+    if constexpr (fold) ss0.load(mats.nf, M, lane);
     if (fold || !EXL_KSLICE_STAGE_X())
       for (int j = lane; j < M * (kwl >> 3); j += 32) {
         const int m = j / (kwl >> 3), k = kw0 + 8 * (j - m * (kwl >> 3));
