@@ -127,6 +127,13 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 #ifdef KSLICE_FOLD_RMS_LATE
 #define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
 #endif
+// Stop 54's probe variant on the extension's early loads: every row's r from row 0's 4 sums a lane (the probe's chain:
+// M = 1, K <= 4096), no tail loop and no test of m, so the compiler may take r out of the row loop.  Stop 55 call 1
+// read the extension's form 50.08-50.46 us a layer against 50.27-50.62 late; stop 54 call 4 read this one
+// 49.52-49.65 against 50.40-50.63.
+#ifdef KSLICE_FOLD_RMS_EARLY54
+#define EXL_KSLICE_FOLD_RMS(m) fold_rms_from(((ss0.v[0] + ss0.v[1]) + ss0.v[2]) + ss0.v[3], mats.nf, K)
+#endif
 #ifdef KSLICE_FOLD_NO_NW
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \
   (*reinterpret_cast<uint4*>(dst) = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u))
