@@ -121,18 +121,19 @@ __device__ __forceinline__ bool stage(__half* xs, const __half* x, int M, int64_
 // without reading the producer's sums (probe_fold's sums and eps give exactly 1), and the norm weight's pieces stored as
 // 1 (probe_fold's weight) instead of copied -- the same results, so the checks still hold.
 #ifdef KSLICE_FOLD_NO_SS
+#define EXL_KSLICE_FOLD_RMS0() 1.f
 #define EXL_KSLICE_FOLD_RMS(m) 1.f
 #endif
 // r's sums loaded after the x copies are issued, as before stop 55 (the extension loads row 0's first, FoldSums0).
 #ifdef KSLICE_FOLD_RMS_LATE
-#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
+#define EXL_KSLICE_FOLD_RMS0() fold_rms(mats.nf, M, 0, K, lane)
 #endif
 // Stop 54's probe variant on the extension's early loads: every row's r from row 0's 4 sums a lane (the probe's chain:
-// M = 1, K <= 4096), no tail loop and no test of m, so the compiler may take r out of the row loop.  Stop 55 call 1
-// read the extension's form 50.08-50.46 us a layer against 50.27-50.62 late; stop 54 call 4 read this one
-// 49.52-49.65 against 50.40-50.63.
+// M = 1, K <= 4096), no tail loop.  Stop 55 call 2 (the extension then took r0 in the row loop): this form's chain
+// 49.70-50.05 us a layer, the extension's 50.26-50.74, late 50.26-50.82.
 #ifdef KSLICE_FOLD_RMS_EARLY54
-#define EXL_KSLICE_FOLD_RMS(m) fold_rms_from(((ss0.v[0] + ss0.v[1]) + ss0.v[2]) + ss0.v[3], mats.nf, K)
+#define EXL_KSLICE_FOLD_RMS0() fold_rms_from(((ss0.v[0] + ss0.v[1]) + ss0.v[2]) + ss0.v[3], mats.nf, K)
+#define EXL_KSLICE_FOLD_RMS(m) EXL_KSLICE_FOLD_RMS0()
 #endif
 #ifdef KSLICE_FOLD_NO_NW
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) \

@@ -77,8 +77,9 @@ def _normed_ref(res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (w.float() * (res.double() * r).half().float()).half()
 
 
-# K 512 (g128), 4096 (128 tiles of sums: several passes of a lane's loop) and 1440 (g32, 45 chunks: uneven warp splits)
-NORMED_LAYOUTS = {"k512": U4, "k4096": [(4, 128)] * 32, "k1440": [(4, 32)] * 45}
+# K 512 (g128), 4096 (128 tiles of sums: all of them in a lane's 4 early loads, FoldSums0), 5120 (160 tiles: past
+# them, fold_rms's loop) and 1440 (g32, 45 chunks: uneven warp splits)
+NORMED_LAYOUTS = {"k512": U4, "k4096": [(4, 128)] * 32, "k5120": [(4, 128)] * 40, "k1440": [(4, 32)] * 45}
 
 
 @pytest.mark.parametrize("M", [1, 5, 8, 17, 32])                  # qgemm_kslice staged rows; qgemm_wide

@@ -36,7 +36,7 @@ __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int6
 // Row 0's sums, a lane's first 4 (every one while K / 32 <= 128 tiles), loaded before the staged rows' x copies are
 // issued: after them they queued behind the copies (stop 54's probe: r's reading cost the folded chain 1.84-1.98 us a
 // layer, loaded first 0.94-1.00 of that less).  rms() adds them in fold_rms's order (0 + v0 = v0; the masked ones add
-// 0 to a sum of squares), so r keeps its bits.
+// 0 to a sum of squares), so r keeps its bits; past 128 tiles it is fold_rms itself (the early loads unused).
 struct FoldSums0 {
   float v[4];
   __device__ __forceinline__ void load(const NormFold& nf, int M, int lane) {
@@ -47,9 +47,8 @@ struct FoldSums0 {
     }
   }
   __device__ __forceinline__ float rms(const NormFold& nf, int M, int64_t K, int lane) const {
-    float s = ((v[0] + v[1]) + v[2]) + v[3];
-    for (int t = lane + 128; t < nf.ss_tiles; t += 32) s += __ldg(nf.ss_in + static_cast<int64_t>(t) * M);
-    return fold_rms_from(s, nf, K);
+    if (nf.ss_tiles > 128) return fold_rms(nf, M, 0, K, lane);
+    return fold_rms_from(((v[0] + v[1]) + v[2]) + v[3], nf, K);
   }
 };
 

@@ -63,11 +63,14 @@
 #define EXL_KSLICE_STAGE_X() false
 #endif
 // Probe hooks of the folded norm's staging (gemv_probe.cu, stop 53: what its ~2.6-2.8 us a layer in the chain is made
-// of): EXL_KSLICE_FOLD_RMS(m), row m's r -- in the extension from the producer's sums, row 0's loaded before the x
-// copies (ss0, FoldSums0) -- and EXL_KSLICE_FOLD_NW_PIECE(dst, src), one 16-byte piece of the norm weight into shared
-// memory -- in the extension a cp.async before the PDL wait.
+// of): EXL_KSLICE_FOLD_RMS0() and EXL_KSLICE_FOLD_RMS(m), the r of row 0 and of row m >= 1 -- in the extension from
+// the producer's sums, row 0's loaded before the x copies (ss0, FoldSums0) -- and EXL_KSLICE_FOLD_NW_PIECE(dst, src),
+// one 16-byte piece of the norm weight into shared memory -- in the extension a cp.async before the PDL wait.
+#ifndef EXL_KSLICE_FOLD_RMS0
+#define EXL_KSLICE_FOLD_RMS0() ss0.rms(mats.nf, M, K, lane)
+#endif
 #ifndef EXL_KSLICE_FOLD_RMS
-#define EXL_KSLICE_FOLD_RMS(m) ((m) == 0 ? ss0.rms(mats.nf, M, K, lane) : fold_rms(mats.nf, M, m, K, lane))
+#define EXL_KSLICE_FOLD_RMS(m) fold_rms(mats.nf, M, m, K, lane)
 #endif
 #ifndef EXL_KSLICE_FOLD_NW_PIECE
 #define EXL_KSLICE_FOLD_NW_PIECE(dst, src) cp_async16(dst, src)
@@ -256,8 +259,9 @@ __global__ void __launch_bounds__(32 * KW)
       }
     if constexpr (fold) {                                     // rows' r while the copies fly, then x normalised
       float* rw = red + warp * M * kTile;                     // the warp's partial sums' area, free until its loop ends
-      for (int m = 0; m < M; ++m) {
-        const float r = EXL_KSLICE_FOLD_RMS(m);
+      const float r0 = EXL_KSLICE_FOLD_RMS0();                // row 0's out of the row loop, as stop 54's probe form
+      for (int m = 0; m < M; ++m) {                           // that ran shorter in stop 55 call 2 (NOTES)
+        const float r = m == 0 ? r0 : EXL_KSLICE_FOLD_RMS(m);
         if (lane == 0) rw[m] = r;
       }
       cp_async_wait_all();
