@@ -107,17 +107,27 @@ using ExtU = KsLauncher<4, 4>;
 using ExtD = KsLauncher<16, 8>;
 using ExtQF = KsLauncher<8, 4, true, 2, false, false, true>;
 using ExtUF = KsLauncher<4, 4, true, 2, false, false, true>;
+// gate/up as the extension has launched it since stop 53: at most 6 blocks an SM (wave_cap_smem)
+using ExtU6 = KsLauncher<4, 4, true, 2, false, false, false, 6>;
+using ExtUF6 = KsLauncher<4, 4, true, 2, false, false, true, 6>;
 
 // Mode `fold`: what the folded norm costs its consumers in the chain (stop 53).  Call 2 (7d97dd3) read the plain chain
 // at 47.70-48.00 us a layer against 50.55-50.62 folded, where the model's fold wins (stop 27: it removes a norm launch).
+// Until stop 55 its gate/up launches were not capped: the kw 4 fold instance at 72 registers fit 7 blocks an SM, where
+// the extension runs 6.  In stop 55 call 3 the builds whose instance took 80 registers (6 an SM) read the folded chain
+// at 48.62-48.92 us a layer, the one at 72 (7 an SM; stop 54's early-sums form) 49.86-50.06.
+// The capped rows are the extension's; the uncapped ones stay for comparison with stops 53-55.
 int fold_run() {
   check_row<ExtQF>();                         // r = 1, weight 1: the folded launches against the same reference
   check_row<ExtUF>();
+  check_row<ExtUF6>();
   return ab_rounds(3, [&] {
     layer_row<ExtQ, ExtO, ExtU, ExtD>("ext (gate/up k4)");
     layer_row<ExtQF, ExtO, ExtUF, ExtD>("ext, folded q/k/v, gate/up");
     layer_row<ExtQF, ExtO, ExtU, ExtD>("ext, folded q/k/v");
     layer_row<ExtQ, ExtO, ExtUF, ExtD>("ext, folded gate/up");
+    layer_row<ExtQ, ExtO, ExtU6, ExtD>("ext cap 6 (gate/up k4)");
+    layer_row<ExtQF, ExtO, ExtUF6, ExtD>("ext cap 6, folded q/k/v, gate/up");
   });
 }
 
