@@ -115,7 +115,7 @@ using ExtUF6 = KsLauncher<4, 4, true, 2, false, false, true, 6>;
 // at 47.70-48.00 us a layer against 50.55-50.62 folded, where the model's fold wins (stop 27: it removes a norm launch).
 // Until stop 55 its gate/up launches were not capped: the kw 4 fold instance at 72 registers fit 7 blocks an SM, where
 // the extension runs 6.  In stop 55 call 3 the builds whose instance took 80 registers (6 an SM) read the folded chain
-// at 48.62-48.92 us a layer, the one at 72 (7 an SM; stop 54's early-sums form) 49.86-50.06.
+// at 48.62-48.90 us a layer, the one at 72 (7 an SM; stop 54's early-sums form) 49.86-50.06.
 // The capped rows are the extension's; the uncapped ones stay for comparison with stops 53-55.
 int fold_run() {
   check_row<ExtQF>();                         // r = 1, weight 1: the folded launches against the same reference

@@ -34,9 +34,11 @@ __device__ __forceinline__ float fold_rms(const NormFold& nf, int M, int m, int6
 }
 
 // Row 0's sums, a lane's first 4 (every one while K / 32 <= 128 tiles), loaded before the staged rows' x copies are
-// issued: after them they queued behind the copies (stop 54's probe: r's reading cost the folded chain 1.84-1.98 us a
-// layer, loaded first 0.94-1.00 of that less).  rms() adds them in fold_rms's order (0 + v0 = v0; the masked ones add
-// 0 to a sum of squares), so r keeps its bits; past 128 tiles it is fold_rms itself (the early loads unused).
+// issued (my reading: after them they queued behind the copies; stop 54's probe, gate/up uncapped at 7 blocks an SM:
+// r's reading cost the folded chain 1.84-1.88 us a layer, loaded first 0.94-1.00 of that less; at the extension's 6
+// the probe read no difference, stop 55 call 3; the model gained 0.64-0.84 % at batch 1).  rms() adds them in
+// fold_rms's order (0 + v0 = v0; the masked ones add 0 to a sum of squares), so r keeps its bits (by construction;
+// the tests check values); past 128 tiles it is fold_rms itself (the early loads unused).
 struct FoldSums0 {
   float v[4];
   __device__ __forceinline__ void load(const NormFold& nf, int M, int lane) {
