@@ -85,46 +85,10 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True)}
 
 
-def _prescaled_run(residual, weight, eps, ss, pws):
-    """cuda_norm_fold._normed_run with qgemm_wide told that x carries the norm weight already (norm_prescaled: no
-    staged weight, no multiply per staged piece, r on the outputs) -- x is the residual as it is, so the step computes
-    wrong values: timing only.  It prices the consumer's side of a producer that writes fp16(h * w) itself."""
-    kind = "wide" if cuda_candidates._wide_ok(residual.shape[0], pws, residual.device) else None
-    if kind is None:
-        return _NORMED_RUN(residual, weight, eps, ss, pws)
-    args = (residual, *cuda_candidates._weights_args(pws, residual.device, residual.dtype))
-    mg = min(cuda_candidates._min_group(pw) for pw in pws)
-    return list(torch.ops.exl_core.qgemm_wide_multi(*args, True, min_group=mg,
-                                                    group_shift=cuda_candidates._pws_group_shift(pws), norm_ss=ss,
-                                                    norm_eps=float(eps), norm_prescaled=True))
-
-
-_NORMED_RUN = cuda_norm_fold._normed_run
-
-
-@contextmanager
-def _fold_wide_prescaled():
-    """fold_wide with _prescaled_run as the folded consumer (stop 56)."""
-    from exl_core.ops import norm_fold
-    with mock.patch.object(cuda_norm_fold, "NORM_FOLD_WIDE", True):
-        cuda_candidates.install_candidate(norm_fold.DISPATCH_MANY_NORMED, cuda_norm_fold._normed_check, _prescaled_run)
-        try:
-            yield
-        finally:
-            cuda_norm_fold.install()
-
-
-CONTEXT_VARIANTS = {"fold_wide_prescaled": _fold_wide_prescaled}
-
-
 @contextmanager
 def variant_set(variant: str):
     if not variant:
         yield
-        return
-    if variant in CONTEXT_VARIANTS:
-        with CONTEXT_VARIANTS[variant]():
-            yield
         return
     mod, name, value = VARIANTS[variant]
     patch = mock.patch.dict(mod, {name: value}) if mod is os.environ else mock.patch.object(mod, name, value)
@@ -232,9 +196,6 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
-    # fold_wide_prescaled (stop 56, timing only): fold_wide without the norm weight's multiply per staged piece
-    if f"{fmt}:32:fold_wide_prescaled" in keep:
-        cases.append((32, "fold_wide_prescaled"))
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

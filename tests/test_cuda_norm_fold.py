@@ -125,34 +125,6 @@ def test_many_normed_vs_float64_and_unfused(M, layout, widths, monkeypatch):
         assert rel_err(y, u.double().cpu()) < 2e-3
 
 
-@pytest.mark.parametrize("M", [17, 32])
-@pytest.mark.parametrize("widths", [(512, 128, 384), (4096, 1024, 1024)], ids=["24tiles", "192tiles"])
-def test_wide_prescaled_vs_float64(M, widths, monkeypatch):
-    """qgemm_wide's norm_prescaled: x already fp16(residual * w) (what a producer would write), norm_ss the residual's
-    sums; the kernel applies only r = rsqrt(mean + eps) to its outputs, against the float64 product of the normalised
-    residual.  (Different roundings from the norm kernel's fp16(w * fp16(h * r)): the tolerance is the folds'.)"""
-    _need_kernels()
-    from exl_core.ops import cuda_candidates as cc
-    monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)
-    pws = [random_packed(U4, n, perm=False, bias=random.random() < 0.3) for n in widths]
-    K, eps = pws[0].in_features, 1e-5
-    res = (torch.randn(M, K) * 3).half()
-    w = (torch.rand(K) + 0.5).half()
-    pre = (res.float() * w.float()).half()                          # the producer's fp16(h * w)
-    ss = _tile_ss(res).float()
-    pc = [pw.to("cuda") for pw in pws]
-    assert cc._wide_ok(M, pc, torch.device("cuda"))
-    poison_allocator()
-    args = (pre.cuda(), *cc._weights_args(pc, torch.device("cuda"), torch.float16))
-    ys = torch.ops.exl_core.qgemm_wide_multi(*args, True, min_group=cc._min_group(pc[0]),
-                                             group_shift=cc._pws_group_shift(pc), norm_ss=ss.cuda(), norm_eps=eps,
-                                             norm_prescaled=True)
-    xn = _normed_ref(res, w, eps)
-    for pw, y in zip(pws, ys):
-        ref = xn.double() @ dequantize_reference(pw) + (pw.bias.half().double() if pw.bias is not None else 0)
-        assert y.shape == (M, pw.out_features) and rel_err(y, ref) < 2e-3
-
-
 def test_many_normed_refuses_what_it_cannot_fold():
     """Act-order weights and missing sums go to the reference (norm, then qmatmul_many).  (A refused op call
     itself is not tried: a failing TORCH_CHECK kills the process on the device image, csrc/cuda/NOTES.md.)"""

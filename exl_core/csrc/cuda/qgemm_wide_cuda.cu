@@ -74,8 +74,7 @@ void launch_u4(bool twin, const __half* x, int M, int64_t K, int64_t tiles, cons
 // group_shift s >= 0: every weight's chunk c is in group c >> s (uniform 4-bit only; -1: the chunk table).
 // Raises where the shape does not fit (see qgemm_wide_fits).
 // norm_weight / norm_ss (uniform 4-bit without permutation): x is the residual stream and the kernel multiplies
-// rmsnorm(x) * norm_weight instead (norm_fold_device.cuh; norm_ss from qgemm_kslice_add_).  norm_prescaled (with
-// norm_ss, no norm_weight): x is fp16(residual * norm_weight) already; the kernel applies r to its outputs only.
+// rmsnorm(x) * norm_weight instead (norm_fold_device.cuh; norm_ss from qgemm_kslice_add_).
 // pair (qgemm_wide_swiglu): two weights, gate and up; returns [silu(x @ gate) * (x @ up)] (the kernel's PAIR) --
 // with tails (int32 [ceil(N / 32)]) [M, out_cols], chunk c also at columns tails[c] .. + 31 where tails[c] >= 0.
 // twins (int32 [k_main / group rows], uniform 4-bit weights with regular groups, no permutation, K = x's columns):
@@ -89,8 +88,7 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
                                  int64_t min_group, int64_t group_shift, const c10::optional<at::Tensor>& norm_weight,
                                  const c10::optional<at::Tensor>& norm_ss, double norm_eps, bool pair = false,
                                  const c10::optional<at::Tensor>& tails = c10::nullopt, int64_t out_cols = 0,
-                                 const c10::optional<at::Tensor>& twins = c10::nullopt, int64_t k_main = 0,
-                                 bool norm_prescaled = false) {
+                                 const c10::optional<at::Tensor>& twins = c10::nullopt, int64_t k_main = 0) {
   std::vector<at::Tensor> ys;
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t K = 0;                                                        // the weights' rows (x's K unless
@@ -142,7 +140,7 @@ std::vector<at::Tensor> wide_run(const at::Tensor& x, at::TensorList qweight, at
   const int64_t tiles = assign_tiles(mats, kTile);
   const int64_t grid_tiles = pair ? (mats.m[0].N + kTile / 2 - 1) / (kTile / 2) : tiles;
   if (pair) mats.m[1].tile0 = 0;
-  const bool fold = set_norm_fold("exl_core::qgemm_wide", x, norm_weight, norm_ss, norm_eps, mats, norm_prescaled);
+  const bool fold = set_norm_fold("exl_core::qgemm_wide", x, norm_weight, norm_ss, norm_eps, mats);
   TORCH_CHECK(!fold || (uniform4 && K == x.size(1)), "exl_core::qgemm_wide: the folded norm takes uniform 4-bit ",
               "weights of x's K rows");
   TORCH_CHECK(!fold || !twin, "exl_core::qgemm_wide: no folded norm with twins");
@@ -189,10 +187,9 @@ std::vector<at::Tensor> qgemm_wide_multi(const at::Tensor& x, at::TensorList qwe
                                          int64_t splits, int64_t min_group, int64_t group_shift,
                                          const c10::optional<at::Tensor>& norm_weight,
                                          const c10::optional<at::Tensor>& norm_ss, double norm_eps,
-                                         const c10::optional<at::Tensor>& twins, int64_t k_main,
-                                         bool norm_prescaled) {
+                                         const c10::optional<at::Tensor>& twins, int64_t k_main) {
   return wide_run(x, qweight, chunks, scale, zero, perm, bias, uniform4, splits, min_group, group_shift, norm_weight,
-                  norm_ss, norm_eps, false, c10::nullopt, 0, twins, k_main, norm_prescaled);
+                  norm_ss, norm_eps, false, c10::nullopt, 0, twins, k_main);
 }
 
 // silu(x @ gate) * (x @ up) [M, N] fp16 in one launch, rounded as qgemm_wide_multi then silu_mul round it (the MLP
@@ -216,7 +213,7 @@ at::Tensor qgemm_wide(const at::Tensor& x, const at::Tensor& qweight, const at::
   p.push_back(perm);
   b.push_back(bias);
   return qgemm_wide_multi(x, {qweight}, {chunks}, {scale}, {zero}, p, b, uniform4, splits, min_group,
-                          group_shift, c10::nullopt, c10::nullopt, 0.0, c10::nullopt, 0, false)[0];
+                          group_shift, c10::nullopt, c10::nullopt, 0.0, c10::nullopt, 0)[0];
 }
 
 // Whether qgemm_wide takes M rows of K over `tiles` 128-column tiles on `device` (splits 0: its own choice); a
@@ -240,7 +237,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_wide_multi(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] perm, Tensor?[] bias, bool uniform4=False, int splits=0, int min_group=0, "
         "int group_shift=-1, Tensor? norm_weight=None, Tensor? norm_ss=None, float norm_eps=0.0, Tensor? twins=None, "
-        "int k_main=0, bool norm_prescaled=False) -> Tensor[]");
+        "int k_main=0) -> Tensor[]");
   m.def("qgemm_wide_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
         "Tensor?[] bias, int splits=0, int min_group=0, int group_shift=-1, Tensor? tails=None, int out_cols=0, "
         "Tensor? twins=None, int k_main=0) -> Tensor");

@@ -111,8 +111,6 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The norm folded in (norm_fold_device.cuh): weights without permutation (the host checks), x the residual.
   constexpr bool fold = FOLD;
-  // norm_prescaled (mats.nf.nw null): x is fp16(h * w) already, so only r applies (to the outputs, cluster_store)
-  const bool weigh = fold && mats.nf.nw != nullptr;
   const Smem<RING, STAGES> lay(kRows, M, cps, max_groups, fold, TWIN);
   __half* xs = reinterpret_cast<__half*>(smem_raw);                     // [kStages][kRows][kStageW]
   float* red = reinterpret_cast<float*>(smem_raw);                      // [M][kTile], after the K loop
@@ -161,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
     cp_async16(szs + (gr * 2 + half) * kTile + 4 * q,
                (half ? mq.zero : mq.scale) + static_cast<int64_t>(g_first + gr) * N + cq);
   }
-  if (weigh)                                                            // a weight: before the wait, with group 0
+  if (fold)                                                             // a weight: before the wait, with group 0
     for (int i = threadIdx.x; i < nc * 4; i += kThreads) cp_async16(gsm + 8 * i, mats.nf.nw + c_begin * 32 + 8 * i);
   if constexpr (TWIN) {                                                 // load-time data: before the wait
     for (int i = threadIdx.x; i < ngr; i += kThreads) tids[i] = __ldg(mats.twins + g_first + i);
@@ -243,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
       for (int j = 0; j < kQ; ++j) tot += rpart[j * kMaxRows + threadIdx.x];
       rrow[threadIdx.x] = rsqrtf(tot / static_cast<float>(K) + mats.nf.eps);
     }
-    if (weigh) cp_async_wait_all();         // the norm weight is read from pieces other threads copied
+    cp_async_wait_all();                    // the norm weight is read from pieces other threads copied
     __syncthreads();
   }
 
@@ -326,12 +324,12 @@ __global__ void __launch_bounds__(kThreads, U4 ? 4 : 3)   // 128 / 168 registers
   // (ops/cuda_norm_fold.py NORM_FOLD_WIDE).
   auto permute_stage = [&](int s) {
     __half* dst = xs + (s % kStages) * kRows * kStageW + pm * kStageW + pk;
-    const uint4 wv = weigh ? *reinterpret_cast<const uint4*>(gsm + s * (kRing * 32) + pk) : make_uint4(0, 0, 0, 0);
+    const uint4 wv = fold ? *reinterpret_cast<const uint4*>(gsm + s * (kRing * 32) + pk) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < kPasses; ++j)
       if (pm + j * kRP < M) {
         uint4* p = reinterpret_cast<uint4*>(dst + j * kRP * kStageW);
-        *p = stage_pairs<false>(weigh ? fold_weight8(*p, wv) : *p);
+        *p = stage_pairs<false>(fold ? fold_weight8(*p, wv) : *p);
       }
   };
   for (int s = 0; s < nst; ++s) {

@@ -182,30 +182,26 @@ inline at::Tensor permute_x_per_weight(const at::Tensor& x, const c10::List<c10:
 
 // The norm folded into a consumer launch (norm_fold_device.cuh; qgemm_kslice's staged rows, qgemm_wide): x is the
 // residual stream [M, K], nw the RMSNorm weight [K], ss the producer's sums of squares [ceil(K / 32), M]
-// (qgemm_kslice_add_).  Checks them and fills mats.nf; undefined ss: no fold.  Returns whether it folds.
-// prescaled (qgemm_wide only): x already carries the norm weight (fp16(h * w), written by the producer), so
-// norm_weight is absent and the kernel applies only r (mats.nf.nw null).
+// (qgemm_kslice_add_).  Checks them and fills mats.nf; undefined nw: no fold.  Returns whether it folds.
 inline bool set_norm_fold(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& nw,
-                          const c10::optional<at::Tensor>& ss, double eps, Mats& mats, bool prescaled = false) {
-  TORCH_CHECK(prescaled ? (!nw.has_value() && ss.has_value()) : nw.has_value() == ss.has_value(), op,
-              prescaled ? ": norm_prescaled takes norm_ss without norm_weight" : ": norm_weight and norm_ss go together");
-  if (!ss) return false;
+                          const c10::optional<at::Tensor>& ss, double eps, Mats& mats) {
+  TORCH_CHECK(nw.has_value() == ss.has_value(), op, ": norm_weight and norm_ss go together");
+  if (!nw) return false;
   const int64_t M = x.size(0), K = x.size(1);
   for (int i = 0; i < mats.n; ++i)
     TORCH_CHECK(mats.m[i].perm == nullptr && mats.m[i].x == nullptr, op,
                 ": the folded norm takes weights without a permutation (weight ", i, " has one)");
   TORCH_CHECK(aligned16(x), op, ": the folded norm needs x 16-byte aligned");
-  if (!prescaled)
-    TORCH_CHECK(nw->is_cuda() && nw->device() == x.device() && nw->dtype() == at::kHalf && nw->dim() == 1 &&
-                    nw->size(0) == K && nw->is_contiguous() && aligned16(*nw),
-                op, ": norm_weight must be contiguous, 16-byte aligned float16 [", K, "] on x's GPU, got ", nw->dtype(),
-                " ", nw->sizes());
+  TORCH_CHECK(nw->is_cuda() && nw->device() == x.device() && nw->dtype() == at::kHalf && nw->dim() == 1 &&
+                  nw->size(0) == K && nw->is_contiguous() && aligned16(*nw),
+              op, ": norm_weight must be contiguous, 16-byte aligned float16 [", K, "] on x's GPU, got ", nw->dtype(),
+              " ", nw->sizes());
   TORCH_CHECK(ss->is_cuda() && ss->device() == x.device() && ss->dtype() == at::kFloat && ss->dim() == 2 &&
                   ss->size(0) == (K + 31) / 32 && ss->size(1) == M && ss->is_contiguous(),
               op, ": norm_ss must be contiguous float32 [", (K + 31) / 32, ", ", M, "] on x's GPU (a producer's sums ",
               "of squares over 32-column tiles), got ", ss->dtype(), " ", ss->sizes());
   TORCH_CHECK(eps >= 0.0, op, ": norm_eps ", eps, " must be >= 0");
-  mats.nf.nw = prescaled ? nullptr : reinterpret_cast<const __half*>(nw->data_ptr());
+  mats.nf.nw = reinterpret_cast<const __half*>(nw->data_ptr());
   mats.nf.ss_in = ss->data_ptr<float>();
   mats.nf.ss_tiles = static_cast<int>(ss->size(0));
   mats.nf.eps = static_cast<float>(eps);
