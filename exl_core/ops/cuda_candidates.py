@@ -96,11 +96,6 @@ WIDE_U4_MIN_TILES = int(os.environ.get("EXL_CORE_WIDE_U4_MIN_TILES", "64"))   # 
                             # with 4 splits instead of 8 6,430.1 -- though bench/wide_probe.cu times wide's 4096x4096
                             # and 11008x4096 at 12.3 / 25.3 us, below kslice's 13.0 / 30.5 of the older sweep
 WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
-# qgemm_wide's K splits (thread-block cluster size) for its multi-weight launches (q/k/v) and the SwiGLU pair (gate/up,
-# ops/cuda_swiglu.py): 0 lets the kernel's rule choose (doubled until ~320 blocks: q/k/v 4, gate/up 2 on a 7B);
-# EXL_CORE_WIDE_SPLITS / EXL_CORE_WIDE_PAIR_SPLITS set them (A/B runs).
-WIDE_SPLITS = int(os.environ.get("EXL_CORE_WIDE_SPLITS", "0"))
-WIDE_PAIR_SPLITS = int(os.environ.get("EXL_CORE_WIDE_PAIR_SPLITS", "0"))
 # qgemm_wide's TWIN instances (extra rows folded into their main chunks): off by default until they have run on a GPU
 # (stop 36 wrote them; its last device call stopped at a Python name clash before the kernel); 1: on
 WIDE_TWIN_ON = os.environ.get("EXL_CORE_WIDE_TWIN", "0") == "1"
@@ -506,8 +501,7 @@ def _many_run(x, pws):
     u4 = all(_uniform4(pw) for pw in pws)
     if wide:
         twins, k_main = _wide_twins(rows, pws, x.device)
-        ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, splits=WIDE_SPLITS,
-                                                 min_group=min(_min_group(pw) for pw in pws),
+        ys = torch.ops.exl_core.qgemm_wide_multi(*args, u4, min_group=min(_min_group(pw) for pw in pws),
                                                  group_shift=_pws_group_shift(pws), twins=twins, k_main=k_main)
     elif kslice:
         h2, mul = _half2_lists(pws, x.device, rows)

@@ -56,7 +56,7 @@ def _run(x, gate, up, tails=None):
     qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)
     t, cols = tails if tails is not None else (None, 0)
     twins, k_main = cc._wide_twins(x2.shape[0], pws, x.device)
-    y = torch.ops.exl_core.qgemm_wide_swiglu(x2, qweight, chunks, scale, zero, bias, splits=cc.WIDE_PAIR_SPLITS,
+    y = torch.ops.exl_core.qgemm_wide_swiglu(x2, qweight, chunks, scale, zero, bias,
                                              min_group=min(cc._min_group(pw) for pw in pws),
                                              group_shift=cc._pws_group_shift(pws), tails=t, out_cols=cols,
                                              twins=twins, k_main=k_main)
