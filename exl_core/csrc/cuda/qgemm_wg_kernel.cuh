@@ -227,8 +227,13 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
 // grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
+// Blocks an SM at 32 tokens (bench/wgmma_probe.cu decode32; probe builds set it): 2 caps ptxas at 85 registers.
+#ifndef EXL_WG_DECODE_MIN_BLOCKS
+#define EXL_WG_DECODE_MIN_BLOCKS 2
+#endif
 template <int NT, int STAGES, bool TW>
-__global__ void __launch_bounds__(kThreads, NT <= 32 ? 2 : 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
+__global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS : 1)
+    qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
