@@ -187,7 +187,6 @@ __device__ __forceinline__ void mma_tile(float (&acc)[NT / 2], const uint32_t (&
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     if constexpr (NT == 256) exl_wgmma::wgmma_rs_n256(acc, A[s], desc + 2 * s, 1);
-    else if constexpr (NT == 32) exl_wgmma::wgmma_rs_n32(acc, A[s], desc + 2 * s, 1);
     else exl_wgmma::wgmma_rs_n128(acc, A[s], desc + 2 * s, 1);
   }
   exl_wgmma::commit();
@@ -200,19 +199,18 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   if (f >= a.N) return;
   __half2 b2 = __float2half2_rn(0.f);
   if (a.bias && !a.add) b2 = *reinterpret_cast<const __half2*>(a.bias + f);
-  constexpr int kJ = NT / 8 < 8 ? NT / 8 : 8;                // n8 tiles a pass
 #pragma unroll
-  for (int j0 = 0; j0 < NT / 8; j0 += kJ) {                  // 16 loads of the residual in flight, then their stores
-    __half2 old[kJ][2];
+  for (int j0 = 0; j0 < NT / 8; j0 += 8) {                   // 16 loads of the residual in flight, then their stores
+    __half2 old[8][2];
 #pragma unroll
-    for (int j = 0; j < kJ; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int tok = tok0 + 8 * (j0 + j) + r;
         old[j][r] = a.add && tok < a.M ? *reinterpret_cast<const __half2*>(a.y + tok * a.ldy + f) : b2;
       }
 #pragma unroll
-    for (int j = 0; j < kJ; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int tok = tok0 + 8 * (j0 + j) + r;
@@ -227,13 +225,8 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
 // grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
-// Blocks an SM at 32 tokens (bench/wgmma_probe.cu decode32; probe builds set it): 2 caps ptxas at 85 registers.
-#ifndef EXL_WG_DECODE_MIN_BLOCKS
-#define EXL_WG_DECODE_MIN_BLOCKS 2
-#endif
 template <int NT, int STAGES, bool TW>
-__global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS : 1)
-    qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
+__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
@@ -272,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
   const int KT = (a.K + kBK - 1) / kBK;
   const int warp = tid >> 5, lane = tid & 31;
   if (warp >= 8) {                                           // producer: a stage's boxes once both released it
-    if constexpr (NT > 32) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");   // to the consumers
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");    // its registers to the consumers
     if (warp == 8 && lane == 0) {
       for (int kt = 0; kt < KT; ++kt) {
         const int slot = kt % STAGES;
@@ -283,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
     exl_pdl::pdl_trigger();
     return;
   }
-  if constexpr (NT > 32) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = tid >> 7, g = lane >> 2, t = lane & 3;
   const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
