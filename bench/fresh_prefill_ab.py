@@ -27,16 +27,16 @@ def set_fresh(on: bool) -> None:
     os.environ["EXL_CORE_FRESH_PREFILL"] = "1" if on else "0"
 
 
-CALLS = [0]          # fresh_causal_attention's calls: an "on" round in which it never ran would read as no difference
+CALLS = [0]          # sequence_causal_attention's calls: an "on" round in which it never ran would read as no difference
 
 
 def _count_calls() -> None:
-    real = paged.fresh_causal_attention
+    real = paged.sequence_causal_attention
 
     def counted(*a):
         CALLS[0] += 1
         return real(*a)
-    paged.fresh_causal_attention = counted
+    paged.sequence_causal_attention = counted
 
 
 def checked(fresh: bool, fn):

@@ -4,7 +4,7 @@ bench/gpu_bench.py times the model with its own static contexts; this times the 
 (`Generator.iterate`, paged cache, sampling, streaming) on the same kind of checkpoint: decode at each batch size, and
 a 2,048-token prompt's prefill until its first token (512-token chunks, the default, and one chunk).
 
-    python bench/gpu_generator.py --model /tmp/exl_bench/gptq [--new-tokens 64] [--batches 1,8]
+    python bench/gpu_generator.py --model /tmp/exl_bench/gptq [--new-tokens 64] [--batches 1,8] [--chunks 512,2048]
 
 Writes bench/results/gpu_generator.json (and $OUT/gpu_generator.json when OUT is set).
 """
@@ -77,11 +77,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes ('' none: the prompts only)")
+    ap.add_argument("--chunks", default="512,2048", help="prefill chunk sizes of the 2,048-token prompt")
     a = ap.parse_args()
     model, _ = load_model(a.model, device="cuda", dtype=torch.float16, load_tokenizer=False)
     rows = []
-    for b in (int(x) for x in a.batches.split(",")):
+    for b in (int(x) for x in a.batches.split(",") if x):
         eager = decode_tok_s(model, b, a.new_tokens, graphs=False)
         graphed = decode_tok_s(model, b, a.new_tokens, graphs=True, lookahead=False)
         row = {"batch": b, "eager_tok_s": eager, "graphs_tok_s": graphed, "speedup": graphed / eager}
@@ -96,7 +97,7 @@ def main() -> None:
     print()
     print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup", "graphs_lookahead_tok_s", "lookahead_ratio"])
     prompts = []
-    for c in (512, 2048):
+    for c in (int(x) for x in a.chunks.split(",") if x):
         try:
             prompts.append({"prompt_tokens": 2048, "chunk": c, "prompt_tok_s": prompt_tok_s(model, 2048, c)})
         except Exception as e:  # noqa: BLE001

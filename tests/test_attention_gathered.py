@@ -79,14 +79,31 @@ def test_serves_where_the_cpu_kernel_refuses():
 
 
 @pytest.mark.parametrize("dtype,hq,tol", [(torch.float32, 4, 1e-5), (torch.bfloat16, 8, 3e-2)])
-def test_fresh_causal_attention_matches_reference(dtype, hq, tol):
+def test_sequence_causal_attention_matches_reference(dtype, hq, tol):
     """One sequence's first rows over their own slots (pages out of order, the rest of the cache NaN) by SDPA's
     causal mask: as the host-walking reference."""
-    from exl_core.ops.attention_gathered import fresh_causal_attention
+    from exl_core.ops.attention_gathered import sequence_causal_attention
     n, page = 21, 8
     q, kc, vc, table, cu, lens = _case([n], [n], hq=hq, hkv=2, d=64, dtype=dtype, seed=5)
     slots = torch.tensor([int(table[0, p // page]) * page + p % page for p in range(n)])
     ref = paged_attention_ref(q, kc, vc, table, cu, lens, 0.2, None).float()     # not SDPA's default 1 / sqrt(d)
-    out = fresh_causal_attention(q, kc, vc, slots, 0.2)
+    out = sequence_causal_attention(q, kc, vc, slots, 0.2)
+    assert out.shape == (n, hq, 64) and out.dtype == dtype and torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype,hq,tol", [(torch.float32, 4, 1e-5), (torch.float32, 2, 1e-5), (torch.bfloat16, 8, 3e-2)])
+@pytest.mark.parametrize("cached", [1, 9, 30])
+def test_sequence_causal_attention_after_cached_positions(dtype, hq, tol, cached):
+    """One sequence's last rows over all its keys (the earlier ones cached: a later prefill chunk, a reused prefix),
+    pages out of order and the rest of the cache NaN, by the lower-right causal bias: as the host-walking reference;
+    GQA (its KV heads repeated) and equal head counts."""
+    from exl_core.ops.attention_gathered import sequence_causal_attention
+    n, page = 21, 8
+    L = cached + n
+    q, kc, vc, table, cu, lens = _case([n], [L], hq=hq, hkv=2, d=64, dtype=dtype, seed=6 + cached)
+    slots = torch.tensor([int(table[0, p // page]) * page + p % page for p in range(L)])
+    ref = paged_attention_ref(q, kc, vc, table, cu, lens, 0.2, None).float()
+    out = sequence_causal_attention(q, kc, vc, slots, 0.2)
     assert out.shape == (n, hq, 64) and out.dtype == dtype and torch.isfinite(out).all()
     assert (out.float() - ref).abs().max().item() < tol

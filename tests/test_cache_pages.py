@@ -215,13 +215,13 @@ def test_paged_context_matches_brute_force(window):
 
 
 def _fresh_spy(monkeypatch):
-    """fresh_causal_attention's calls, with the path forced on as on CUDA (fresh_prefill_on, and the dispatcher
+    """sequence_causal_attention's calls, with the path forced on as on CUDA (fresh_prefill_on, and the dispatcher
     picking the page-gathering SDPA it stands in for)."""
     from exl_core.cache import paged
     from exl_core.ops import dispatch
     calls = []
-    real = paged.fresh_causal_attention
-    monkeypatch.setattr(paged, "fresh_causal_attention", lambda *a: calls.append(1) or real(*a))
+    real = paged.sequence_causal_attention
+    monkeypatch.setattr(paged, "sequence_causal_attention", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(paged, "fresh_prefill_on", lambda device: True)
     monkeypatch.setitem(dispatch._FORCED, "attention", "gathered_sdpa")
     return calls
@@ -263,6 +263,61 @@ def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
     assert not cache.context([tabs[0]], [5]).fresh                   # rows from position 12: its keys are cached
     assert not cache.context(tabs, [5, 5]).fresh                     # two sequences
     assert not cache.context([tabs[1]], [1]).fresh                   # one row: decode's own path
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_later_prefill_chunk_attends_by_the_lower_right_causal_mask(monkeypatch, window):
+    """One sequence's later chunk (earlier positions cached, more rows than the paged kernels take) attends by the
+    lower-right causal mask over all its keys' slots (forced on as on CUDA: chunk_prefill_on): as float64 brute force,
+    with and without rope; paged attention where the keys outnumber the window, for 16 rows, for two sequences, and
+    with EXL_CORE_CHUNK_PREFILL=0."""
+    from exl_core.cache import paged
+    calls = _fresh_spy(monkeypatch)
+    ps, hq, hkv, d = 8, 4, 2, 64
+    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    total = 60
+    tabs = [cache.try_admit(list(range(100 + i, 100 + i + total)), total, 32, reuse=False) for i in range(2)]
+    k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+    first = 13
+    ctx = cache.context([tabs[0]], [first])
+    ctx.attend(0, torch.randn(first, hq, d), k[:first], v[:first], d ** -0.5, window)   # the first chunk's keys
+    cache.after_forward(tabs[0], list(range(100, 100 + first)), first, more_to_come=True)
+    for m in (30, 16):
+        ctx = cache.context([tabs[0]], [m])
+        assert ctx.single and not ctx.fresh
+        keys = first + m
+        expect = 0 if m <= 16 or (window and keys > window) else 1
+        calls.clear()
+        q = torch.randn(m, hq, d)
+        out = ctx.attend(0, q, k[first:keys], v[first:keys], d ** -0.5, window)
+        assert len(calls) == expect
+        torch.testing.assert_close(out.double(), _brute_attention(q, k[:keys], v[:keys], first, window),
+                                   atol=2e-5, rtol=2e-5)
+        cos_sin = torch.randn(128, d)
+        calls.clear()
+        out_rope = ctx.attend_rope(0, q, k[first:keys], v[first:keys], cos_sin, d ** -0.5, window)
+        assert len(calls) == expect
+        monkeypatch.setenv("EXL_CORE_CHUNK_PREFILL", "0")
+        ref_rope = ctx.attend_rope(0, q, k[first:keys], v[first:keys], cos_sin, d ** -0.5, window)
+        monkeypatch.delenv("EXL_CORE_CHUNK_PREFILL")
+        assert len(calls) == expect
+        torch.testing.assert_close(out_rope, ref_rope, atol=2e-5, rtol=2e-5)
+    assert not cache.context(tabs, [20, 20]).single                  # two sequences
+    assert not cache.context([tabs[0]], [1]).single                  # one row: decode's own path
+
+
+def test_chunk_prefill_is_on_with_the_fresh_prefill_on_cuda_only(monkeypatch):
+    from exl_core.cache.paged import chunk_prefill_on
+    monkeypatch.delenv("EXL_CORE_FRESH_PREFILL", raising=False)
+    monkeypatch.delenv("EXL_CORE_CHUNK_PREFILL", raising=False)
+    assert chunk_prefill_on(torch.device("cuda")) and not chunk_prefill_on(torch.device("cpu"))
+    monkeypatch.setenv("EXL_CORE_CHUNK_PREFILL", "0")
+    assert not chunk_prefill_on(torch.device("cuda"))
+    monkeypatch.setenv("EXL_CORE_CHUNK_PREFILL", "1")
+    monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "0")
+    assert not chunk_prefill_on(torch.device("cuda"))
 
 
 def test_fresh_prefill_keeps_a_subclass_attend_a_forced_kernel_and_the_cache_dtype(monkeypatch):

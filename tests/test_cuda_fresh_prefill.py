@@ -33,14 +33,48 @@ def test_fresh_prefill_matches_gathered_pages_on_the_gpu(tiny, monkeypatch, dtyp
     model, _ = load_model(tiny, device="cuda", dtype=dtype, load_tokenizer=False)
     ids = torch.randint(0, model.config.vocab_size, (77,), generator=torch.Generator().manual_seed(3)).tolist()
     calls = []
-    real = paged.fresh_causal_attention
-    monkeypatch.setattr(paged, "fresh_causal_attention", lambda *a: calls.append(1) or real(*a))
+    real = paged.sequence_causal_attention
+    monkeypatch.setattr(paged, "sequence_causal_attention", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "0")
     off, fresh = prefill_logits(model, ids)
     assert fresh and calls == []
     monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "1")
     on, _ = prefill_logits(model, ids)
     assert len(calls) == model.config.num_hidden_layers
+    assert torch.isfinite(on).all()
+    scale = off.abs().max().item()
+    assert (on - off).abs().max().item() <= tol * max(scale, 1.0)
+
+
+def chunked_logits(model, ids: list[int], first: int) -> torch.Tensor:
+    """The second chunk's logits (float32) of a prefill in two chunks, `first` rows then the rest, over a paged cache."""
+    cache = Cache(model, max_tokens=len(ids) + 64, page_size=16)
+    table = cache.try_admit(ids, len(ids) + 8, len(ids), reuse=False)
+    with torch.inference_mode():
+        model.forward(torch.tensor(ids[:first], device=model.device), cache.context([table], [first]))
+        cache.after_forward(table, ids[:first], first, more_to_come=True)
+        ctx = cache.context([table], [len(ids) - first])
+        assert ctx.single and not ctx.fresh
+        return model.forward(torch.tensor(ids[first:], device=model.device), ctx).float()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-2)])
+def test_later_chunk_matches_gathered_pages_on_the_gpu(tiny, monkeypatch, dtype, tol):
+    """A prefill's second chunk by the lower-right causal mask (chunk_prefill_on, on by default) against paged
+    attention over gathered pages (EXL_CORE_CHUNK_PREFILL=0), the path taken in every layer (GQA: 4 heads over 2)."""
+    model, _ = load_model(tiny, device="cuda", dtype=dtype, load_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    calls = []
+    real = paged.sequence_causal_attention
+    monkeypatch.setattr(paged, "sequence_causal_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("EXL_CORE_CHUNK_PREFILL", "0")
+    off = chunked_logits(model, ids, 37)
+    first_chunk = len(calls)                     # the first chunk's fresh path only
+    monkeypatch.setenv("EXL_CORE_CHUNK_PREFILL", "1")
+    on = chunked_logits(model, ids, 37)
+    assert len(calls) - 2 * first_chunk == model.config.num_hidden_layers
     assert torch.isfinite(on).all()
     scale = off.abs().max().item()
     assert (on - off).abs().max().item() <= tol * max(scale, 1.0)

@@ -19,7 +19,7 @@ import torch
 from ..errors import CacheFullError, InputError
 from ..ops.attention import (PAGED_MAX_Q_ROWS, OutOrder, paged_attention, paged_attention_choice, rope_paged_attention,
                              rope_paged_attention_ordered, rope_write_kv, write_kv)
-from ..ops.attention_gathered import fresh_causal_attention
+from ..ops.attention_gathered import sequence_causal_attention
 from ..ops.decoder_layer import PagedKV
 from ..ops.rope import apply_rope
 from .pages import PagePool, PageTable
@@ -178,13 +178,21 @@ def step_indices(tables: Sequence[PageTable], new_lens: Sequence[int], width: in
 
 
 def fresh_prefill_on(device: torch.device) -> bool:
-    """Whether a fresh sequence's prefill may attend by SDPA's causal mask (fresh_causal_attention) where paged
+    """Whether a fresh sequence's prefill may attend by SDPA's causal mask (sequence_causal_attention) where paged
     attention would gather every page under an explicit mask (ops/attention_gathered.py, the CUDA path above
     PAGED_MAX_Q_ROWS rows: a 2,048-token prompt's first token through the Generator ran at 0.8110x the bench's forward
     on the H200, stop 50). On by default on CUDA (H200, stop 51, bench/fresh_prefill_ab.py, GPTQ 7B, 3 rounds: a
     2,048-token prompt in one chunk 45,063.28 tok/s against 37,362.17, medians; logits within 0.0039 of the gathered
     path's); EXL_CORE_FRESH_PREFILL=0 turns it off (A/B). The CPU keeps its paged kernel."""
     return device.type == "cuda" and os.environ.get("EXL_CORE_FRESH_PREFILL", "1") != "0"
+
+
+def chunk_prefill_on(device: torch.device) -> bool:
+    """Whether one sequence's later prefill chunk (earlier positions cached: the Generator's chunks after the first,
+    a prompt after a reused prefix) may attend by SDPA's lower-right causal mask over its gathered slots
+    (sequence_causal_attention) where paged attention would gather every page under an explicit mask. On CUDA with
+    fresh_prefill_on; EXL_CORE_CHUNK_PREFILL=0 turns it off (A/B)."""
+    return fresh_prefill_on(device) and os.environ.get("EXL_CORE_CHUNK_PREFILL", "1") != "0"
 
 
 class PagedContext:
@@ -194,6 +202,8 @@ class PagedContext:
     and released window pages); seq_lens_k int64 [S]; slots int64 [T].
     """
     fresh = False     # one sequence's first chunk (set per instance; subclasses that skip __init__ keep False)
+    single = False    # one sequence's chunk of more than one row (fresh or after cached positions)
+    kv_slots = None   # single and not fresh: the slots of all its keys (positions 0 .. seq_lens_k - 1), made once
 
     def __init__(self, cache: Cache, tables: Sequence[PageTable], new_lens: Sequence[int],
                  logit_rows: Optional[torch.Tensor] = None):
@@ -212,19 +222,34 @@ class PagedContext:
         self.seq_lens_k = torch.tensor(lens, dtype=torch.int64, device=dev)
         self.logit_rows = logit_rows.to(dev) if logit_rows is not None else None
         self.max_q_len = max(new_lens, default=0)
-        # One sequence's first chunk (its rows start at position 0): its attention needs only the causal mask
-        self.fresh = len(tables) == 1 and new_lens[0] > 1 and lens[0] == new_lens[0]
+        # One sequence's chunk: its attention needs only the causal mask, over its own rows where they start at
+        # position 0 (fresh), else over all its keys, whose slots are gathered (_sequence_slots; a window narrower
+        # than the keys, whose released pages have no slots, is refused in _fresh_attention before they are read)
+        self.single = len(tables) == 1 and new_lens[0] > 1
+        self.fresh = self.single and lens[0] == new_lens[0]
+        self._table, self._keys = (tables[0], lens[0]) if self.single and not self.fresh else (None, 0)
 
     def _fresh_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
                          window: Optional[int]) -> bool:
-        """Whether attention runs as fresh_causal_attention: a fresh sequence (self.fresh) of more rows than the paged
-        kernels take, no window narrower than them, this class's own attend, fresh_prefill_on, and only where
-        paged_attention would run the page-gathering SDPA (so a forced or disabled attention kernel is honoured)."""
-        if not (self.fresh and self.max_q_len > PAGED_MAX_Q_ROWS and (not window or self.max_q_len <= window)
-                and type(self).attend is PagedContext.attend and fresh_prefill_on(q.device)):
+        """Whether attention runs as sequence_causal_attention: one sequence (self.single) of more rows than the paged
+        kernels take, no window narrower than its keys, this class's own attend, fresh_prefill_on (chunk_prefill_on
+        after cached positions), and only where paged attention would run the page-gathering SDPA (so a forced or
+        disabled attention kernel is honoured)."""
+        keys = self.max_q_len if self.fresh else self._keys
+        if not (self.single and self.max_q_len > PAGED_MAX_Q_ROWS and (not window or keys <= window)
+                and type(self).attend is PagedContext.attend
+                and (fresh_prefill_on(q.device) if self.fresh else chunk_prefill_on(q.device))):
             return False
         return paged_attention_choice(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k, scale, window,
                                       self.max_q_len) == "gathered_sdpa"
+
+    def _sequence_slots(self) -> torch.Tensor:
+        """The single sequence's key slots: its rows' own when fresh, else all its positions' (made once a pass)."""
+        if self.fresh:
+            return self.slots
+        if self.kv_slots is None:
+            self.kv_slots = torch.tensor(self._table.slots(0, self._keys), dtype=torch.int64, device=self.slots.device)
+        return self.kv_slots
 
     def native_kv(self) -> Optional[PagedKV]:
         """The tensors a fused decoder op needs to do what `attend` does, or None when a subclass
@@ -245,9 +270,9 @@ class PagedContext:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if self.fresh and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
+        if self.single and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
             q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
-            return fresh_causal_attention(q, kc, vc, self.slots, scale)
+            return sequence_causal_attention(q, kc, vc, self._sequence_slots(), scale)
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
                                     self.cu_seqlens, self.seq_lens_k, scale, window, self.max_q_len)  # (T, Hq, D)
 
@@ -268,7 +293,7 @@ class PagedContext:
                scale: float, window: Optional[int]) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
-        if self.fresh and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
-            return fresh_causal_attention(q, kc, vc, self.slots, scale)
+        if self.single and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
+            return sequence_causal_attention(q, kc, vc, self._sequence_slots(), scale)
         return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
                                scale, window, self.max_q_len)  # (T, Hq, D)

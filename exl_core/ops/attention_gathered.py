@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .attention import PAGED_ATTENTION, _check_paged_args
 from .dispatch import Candidate
@@ -99,19 +100,26 @@ def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out.transpose(1, 2).reshape(s * qmax, hq, d).index_select(0, p.dest)
 
 
-def fresh_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """Attention of one sequence's first T rows (positions 0..T-1, nothing cached before them, no window narrower
-    than T) over their own keys and values, read back from their T cache slots: SDPA's own causal mask (on CUDA a
-    fused kernel, where torch has one for the dtype and shape), where paged_attention_gathered would gather every
-    page, zero the unwritten slots and pass an explicit (T, L) mask. The caller knows on the host that the sequence is
-    fresh (PagedContext.fresh). (T, Hq, D)."""
+def sequence_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """Attention of one sequence's last T rows over all its L >= T keys and values, read back from their cache slots
+    (`slots`: int64 [L], positions 0..L-1 in order; no window narrower than L): SDPA's own causal mask -- is_causal
+    for a fresh sequence (L == T), the lower-right aligned causal bias (torch.nn.attention.bias) when earlier
+    positions are cached (a later prefill chunk, a reused prefix) --, on CUDA a fused kernel where torch has one for
+    the dtype and shape, where paged_attention_gathered would gather every page, zero the unwritten slots and pass an
+    explicit (T, L) mask. The caller knows on the host that the batch is this one sequence (PagedContext.single).
+    (T, Hq, D)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
-    kf = k_cache.reshape(-1, hkv, d).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]    # (1, Hkv, T, D)
+    kf = k_cache.reshape(-1, hkv, d).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]    # (1, Hkv, L, D)
     vf = v_cache.reshape(-1, hkv, d).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kf, vf, is_causal=True, scale=scale,
-                                         enable_gqa=hq != hkv)                                     # (1, Hq, T, D)
+    qf = q.transpose(0, 1)[None]                                                                   # (1, Hq, T, D)
+    if slots.shape[0] == t:
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    else:
+        if hq != hkv:        # the causal bias's fused paths take equal head counts: the KV heads repeated
+            kf, vf = kf.repeat_interleave(hq // hkv, dim=1), vf.repeat_interleave(hq // hkv, dim=1)
+        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=causal_lower_right(t, slots.shape[0]), scale=scale)
     return out[0].transpose(0, 1)
 
 
