@@ -94,8 +94,10 @@ def main() -> None:
             row["lookahead_error"] = repr(e)[:300]
         rows.append(row)
         print_table(rows[-1:], list(rows[-1]))
-    print()
-    print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup", "graphs_lookahead_tok_s", "lookahead_ratio"])
+    if rows:
+        print()
+        print_table(rows, ["batch", "eager_tok_s", "graphs_tok_s", "speedup", "graphs_lookahead_tok_s",
+                           "lookahead_ratio"])
     prompts = []
     for c in (int(x) for x in a.chunks.split(",") if x):
         try:
