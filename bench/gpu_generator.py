@@ -4,7 +4,7 @@ bench/gpu_bench.py times the model with its own static contexts; this times the 
 (`Generator.iterate`, paged cache, sampling, streaming) on the same kind of checkpoint: decode at each batch size, and
 a 2,048-token prompt's prefill until its first token (512-token chunks, the default, and one chunk).
 
-    python bench/gpu_generator.py --model /tmp/exl_bench/gptq [--new-tokens 64] [--batches 1,8] [--chunks 512,2048]
+    python bench/gpu_generator.py --model /tmp/exl_bench/gptq [--new-tokens 64] [--batches 1,8] [--chunks 512,2048] [--prompt-tokens 2048]
 
 Writes bench/results/gpu_generator.json (and $OUT/gpu_generator.json when OUT is set).
 """
@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8", help="decode batch sizes ('' none: the prompts only)")
-    ap.add_argument("--chunks", default="512,2048", help="prefill chunk sizes of the 2,048-token prompt")
+    ap.add_argument("--chunks", default="512,2048", help="prefill chunk sizes of the prompt")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
     a = ap.parse_args()
     model, _ = load_model(a.model, device="cuda", dtype=torch.float16, load_tokenizer=False)
     rows = []
@@ -101,10 +102,11 @@ def main() -> None:
     prompts = []
     for c in (int(x) for x in a.chunks.split(",") if x):
         try:
-            prompts.append({"prompt_tokens": 2048, "chunk": c, "prompt_tok_s": prompt_tok_s(model, 2048, c)})
+            prompts.append({"prompt_tokens": a.prompt_tokens, "chunk": c,
+                            "prompt_tok_s": prompt_tok_s(model, a.prompt_tokens, c)})
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            prompts.append({"prompt_tokens": 2048, "chunk": c, "error": repr(e)[:300]})
+            prompts.append({"prompt_tokens": a.prompt_tokens, "chunk": c, "error": repr(e)[:300]})
     print_table(prompts, ["prompt_tokens", "chunk", "prompt_tok_s"])
     path = write_results("gpu_generator", {"model": str(a.model), "config_layers": model.config.num_hidden_layers,
                                            "new_tokens": a.new_tokens, "prompt_tokens": 128, "rows": rows,
