@@ -227,6 +227,14 @@ def _fresh_spy(monkeypatch):
     return calls
 
 
+def _poisoned_cache(window, ps, hkv, d):
+    """A one-layer cache of 40 pages, every slot NaN: no attention may read a slot its sequence did not write."""
+    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    return cache
+
+
 @pytest.mark.parametrize("window", [None, 20])
 def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
     """A fresh sequence's first chunk (positions from 0, more rows than the paged kernels take, no window narrower
@@ -236,9 +244,7 @@ def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
     from exl_core.cache import paged
     calls = _fresh_spy(monkeypatch)
     ps, hq, hkv, d = 8, 4, 2, 64
-    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
-    for t in cache.k + cache.v:
-        t.fill_(float("nan"))
+    cache = _poisoned_cache(window, ps, hkv, d)
     n = 30
     tabs = [cache.try_admit(list(range(100 + i, 100 + i + n + 8)), n + 8, 32, reuse=False) for i in range(2)]
     k, v = torch.randn(n + 8, hkv, d), torch.randn(n + 8, hkv, d)
@@ -274,9 +280,7 @@ def test_later_prefill_chunk_attends_by_the_lower_right_causal_mask(monkeypatch,
     from exl_core.cache import paged
     calls = _fresh_spy(monkeypatch)
     ps, hq, hkv, d = 8, 4, 2, 64
-    cache = Cache(_fake_model(layers=1, hkv=hkv, d=d, window=window), max_tokens=40 * ps, page_size=ps)
-    for t in cache.k + cache.v:
-        t.fill_(float("nan"))
+    cache = _poisoned_cache(window, ps, hkv, d)
     total = 60
     tabs = [cache.try_admit(list(range(100 + i, 100 + i + total)), total, 32, reuse=False) for i in range(2)]
     k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)

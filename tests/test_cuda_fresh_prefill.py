@@ -26,15 +26,21 @@ def prefill_logits(model, ids: list[int]) -> tuple[torch.Tensor, bool]:
         return model.forward(torch.tensor(ids, device=model.device), ctx).float(), ctx.fresh
 
 
+def _count_calls(monkeypatch) -> list:
+    """A list that grows by one each time the model's attention runs sequence_causal_attention."""
+    calls = []
+    real = paged.sequence_causal_attention
+    monkeypatch.setattr(paged, "sequence_causal_attention", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-2)])
 def test_fresh_prefill_matches_gathered_pages_on_the_gpu(tiny, monkeypatch, dtype, tol):
     model, _ = load_model(tiny, device="cuda", dtype=dtype, load_tokenizer=False)
     ids = torch.randint(0, model.config.vocab_size, (77,), generator=torch.Generator().manual_seed(3)).tolist()
-    calls = []
-    real = paged.sequence_causal_attention
-    monkeypatch.setattr(paged, "sequence_causal_attention", lambda *a: calls.append(1) or real(*a))
+    calls = _count_calls(monkeypatch)
     monkeypatch.setenv("EXL_CORE_FRESH_PREFILL", "0")
     off, fresh = prefill_logits(model, ids)
     assert fresh and calls == []
@@ -66,9 +72,7 @@ def test_later_chunk_matches_gathered_pages_on_the_gpu(tiny, monkeypatch, dtype,
     attention over gathered pages (EXL_CORE_CHUNK_PREFILL=0), the path taken in every layer (GQA: 4 heads over 2)."""
     model, _ = load_model(tiny, device="cuda", dtype=dtype, load_tokenizer=False)
     ids = torch.randint(0, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(4)).tolist()
-    calls = []
-    real = paged.sequence_causal_attention
-    monkeypatch.setattr(paged, "sequence_causal_attention", lambda *a: calls.append(1) or real(*a))
+    calls = _count_calls(monkeypatch)
     monkeypatch.setenv("EXL_CORE_CHUNK_PREFILL", "0")
     off = chunked_logits(model, ids, 37)
     first_chunk = len(calls)                     # the first chunk's fresh path only
