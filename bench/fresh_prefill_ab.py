@@ -2,7 +2,8 @@
 
 Its attention by SDPA's causal mask over its own slots (cache/paged.py fresh_prefill_on; on by default since this ran in
 stop 51, EXL_CORE_FRESH_PREFILL=0 turns it off) against paged attention over gathered pages under an explicit mask, in
-one process, rounds alternated; and the two paths' logits of one prefill.
+one process, rounds alternated; and the two paths' logits of one prefill. Since stop 56 EXL_CORE_FRESH_PREFILL=0 also
+turns off a later chunk's lower-right causal mask (chunk_prefill_on), so chunked rows compare both paths together.
 
     python bench/fresh_prefill_ab.py --model /tmp/exl_bench/gptq [--rounds 3]
 

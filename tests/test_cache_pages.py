@@ -274,9 +274,9 @@ def test_fresh_prefill_attends_by_the_causal_mask(monkeypatch, window):
 @pytest.mark.parametrize("window", [None, 40])
 def test_later_prefill_chunk_attends_by_the_lower_right_causal_mask(monkeypatch, window):
     """One sequence's later chunk (earlier positions cached, more rows than the paged kernels take) attends by the
-    lower-right causal mask over all its keys' slots (forced on as on CUDA: chunk_prefill_on): as float64 brute force,
-    with and without rope; paged attention where the keys outnumber the window, for 16 rows, for two sequences, and
-    with EXL_CORE_CHUNK_PREFILL=0."""
+    lower-right causal mask over all its keys' slots (forced on as on CUDA: chunk_prefill_on; its pages not contiguous):
+    as float64 brute force, and with rope as the paged path (EXL_CORE_CHUNK_PREFILL=0); paged attention where
+    the keys outnumber the window, for 16 rows and for two sequences."""
     from exl_core.cache import paged
     calls = _fresh_spy(monkeypatch)
     ps, hq, hkv, d = 8, 4, 2, 64
@@ -288,6 +288,9 @@ def test_later_prefill_chunk_attends_by_the_lower_right_causal_mask(monkeypatch,
     ctx = cache.context([tabs[0]], [first])
     ctx.attend(0, torch.randn(first, hq, d), k[:first], v[:first], d ** -0.5, window)   # the first chunk's keys
     cache.after_forward(tabs[0], list(range(100, 100 + first)), first, more_to_come=True)
+    other = cache.context([tabs[1]], [20])       # its pages next: the first sequence's later pages are not contiguous,
+    other.attend(0, torch.randn(20, hq, d), k[:20], v[:20], d ** -0.5, window)    # so its key slots must follow its
+    cache.after_forward(tabs[1], list(range(101, 121)), 20, more_to_come=True)    # table, not its positions
     for m in (30, 16):
         ctx = cache.context([tabs[0]], [m])
         assert ctx.single and not ctx.fresh
@@ -308,6 +311,7 @@ def test_later_prefill_chunk_attends_by_the_lower_right_causal_mask(monkeypatch,
         monkeypatch.delenv("EXL_CORE_CHUNK_PREFILL")
         assert len(calls) == expect
         torch.testing.assert_close(out_rope, ref_rope, atol=2e-5, rtol=2e-5)
+    assert tabs[0].slots(0, first + 30) != list(range(first + 30))   # the case above: slots other than positions
     assert not cache.context(tabs, [20, 20]).single                  # two sequences
     assert not cache.context([tabs[0]], [1]).single                  # one row: decode's own path
 
