@@ -204,6 +204,7 @@ class PagedContext:
     fresh = False     # one sequence's first chunk (set per instance; subclasses that skip __init__ keep False)
     single = False    # one sequence's chunk of more than one row (fresh or after cached positions)
     kv_slots = None   # single and not fresh: the slots of all its keys (positions 0 .. seq_lens_k - 1), made once
+    single_keys = 0   # single: its keys after this pass (seq_lens_k[0], known on the host)
 
     def __init__(self, cache: Cache, tables: Sequence[PageTable], new_lens: Sequence[int],
                  logit_rows: Optional[torch.Tensor] = None):
@@ -224,19 +225,18 @@ class PagedContext:
         self.max_q_len = max(new_lens, default=0)
         # One sequence's chunk: its attention needs only the causal mask, over its own rows where they start at
         # position 0 (fresh), else over all its keys, whose slots are gathered (_sequence_slots; a window narrower
-        # than the keys, whose released pages have no slots, is refused in _fresh_attention before they are read)
+        # than the keys, whose released pages have no slots, is refused in _causal_attention before they are read)
         self.single = len(tables) == 1 and new_lens[0] > 1
         self.fresh = self.single and lens[0] == new_lens[0]
-        self._table, self._keys = (tables[0], lens[0]) if self.single and not self.fresh else (None, 0)
+        self.single_keys = lens[0] if self.single else 0
 
-    def _fresh_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
-                         window: Optional[int]) -> bool:
+    def _causal_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
+                          window: Optional[int]) -> bool:
         """Whether attention runs as sequence_causal_attention: one sequence (self.single) of more rows than the paged
         kernels take, no window narrower than its keys, this class's own attend, fresh_prefill_on (chunk_prefill_on
         after cached positions), and only where paged attention would run the page-gathering SDPA (so a forced or
         disabled attention kernel is honoured)."""
-        keys = self.max_q_len if self.fresh else self._keys
-        if not (self.single and self.max_q_len > PAGED_MAX_Q_ROWS and (not window or keys <= window)
+        if not (self.single and self.max_q_len > PAGED_MAX_Q_ROWS and (not window or self.single_keys <= window)
                 and type(self).attend is PagedContext.attend
                 and (fresh_prefill_on(q.device) if self.fresh else chunk_prefill_on(q.device))):
             return False
@@ -244,11 +244,15 @@ class PagedContext:
                                       self.max_q_len) == "gathered_sdpa"
 
     def _sequence_slots(self) -> torch.Tensor:
-        """The single sequence's key slots: its rows' own when fresh, else all its positions' (made once a pass)."""
+        """The single sequence's key slots: its rows' own when fresh, else all its positions' from the block table's row
+        (on the device, made once a pass: no host list of every position)."""
         if self.fresh:
             return self.slots
         if self.kv_slots is None:
-            self.kv_slots = torch.tensor(self._table.slots(0, self._keys), dtype=torch.int64, device=self.slots.device)
+            ps = self.cache.page_size
+            pages = self.block_table[0, :-(-self.single_keys // ps)].to(torch.int64)
+            offsets = torch.arange(ps, dtype=torch.int64, device=pages.device)
+            self.kv_slots = (pages[:, None] * ps + offsets).reshape(-1)[:self.single_keys]
         return self.kv_slots
 
     def native_kv(self) -> Optional[PagedKV]:
@@ -270,7 +274,7 @@ class PagedContext:
             q, k = apply_rope(q, k, self.positions, cos_sin)
             return self.attend(layer, q, k, v, scale, window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if self.single and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
+        if self.single and self._causal_attention(q, kc, vc, scale, window):    # decode: one attribute read
             q = rope_write_kv(q, k, v, self.positions, cos_sin, kc, vc, self.slots)
             return sequence_causal_attention(q, kc, vc, self._sequence_slots(), scale)
         return rope_paged_attention(q, k, v, self.positions, cos_sin, kc, vc, self.slots, self.block_table,
@@ -293,7 +297,7 @@ class PagedContext:
                scale: float, window: Optional[int]) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         write_kv(kc, vc, k, v, self.slots)                     # k, v (T, Hkv, D) -> pages
-        if self.single and self._fresh_attention(q, kc, vc, scale, window):    # decode: one attribute read
+        if self.single and self._causal_attention(q, kc, vc, scale, window):    # decode: one attribute read
             return sequence_causal_attention(q, kc, vc, self._sequence_slots(), scale)
         return paged_attention(q, kc, vc, self.block_table, self.cu_seqlens, self.seq_lens_k,
                                scale, window, self.max_q_len)  # (T, Hq, D)
