@@ -7,6 +7,7 @@
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
 # Phases: wg (bench/wgmma_probe.cu: the prompt's fused dequantise-GEMM against dequantise + cuBLAS, standalone;
+#   PROBE_ARGS=decode32: the same kernel at 32 tokens a block on the batch-32 decode launches;
 # WG_NCU=1 adds ncu, the SASS and the source page), wide (bench/wide_probe.cu: the 9..32-row decode GEMM design,
 # standalone), twin (bench/twin_probe.cu: the
 # rewritten EXL2 prompt's twin dequantise variants, standalone, cuBLAS where found), persist (bench/persist_probe.cu:

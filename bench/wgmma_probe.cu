@@ -159,6 +159,115 @@ const char* const names[] = {"dequant+cublas", "cublas alone", "wg (register A)"
 constexpr int kVariants = 7;
 constexpr int kRounds = 7;
 
+// `wgmma_probe decode32` (stop 56): the register-A kernel at 32 tokens a block (m64n32k16; two blocks an SM, no
+// register hand-over), no split of K, on a 7B decode step's launches at 32 rows: q/k/v (three 4096x4096 weights in
+// one launch), gate/up (two 4096x11008), o (4096x4096), down (11008x4096); GPTQ 4-bit g128.  16 weight sets a graph
+// (beyond the L2), stages 4 and 8 in turn for 7 rounds, medians in us a launch; against bench/wide_probe.cu's
+// qgemm_wide (the extension's batch-32 kernel for q/k/v and gate/up) run in the same call.  Checked first: 64 entries
+// of each weight of set 0 against a float64 sum, every output written (NaN-poisoned before).
+template <int ST>
+void launch_batch32(const std::vector<exl_wg::WgArgs>& ws, cudaStream_t st) {
+  constexpr int smem = exl_wg::smem_bytes<32, ST, false>();
+  static bool attr_set = false;
+  if (!attr_set) {
+    CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<32, ST, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            smem));
+    attr_set = true;
+  }
+  exl_wg::WgBatch batch{};
+  int max_n = 0;
+  for (size_t i = 0; i < ws.size(); ++i) batch.w[i] = ws[i], max_n = std::max(max_n, ws[i].N);
+  batch.n = static_cast<int>(ws.size());
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = pdl_config(dim3((max_n + 127) / 128, 1, batch.n), dim3(exl_wg::kThreads), smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<32, ST, false>, batch));
+}
+
+template <int ST>
+void occupancy_row() {
+  int blocks = 0;
+  constexpr int smem = exl_wg::smem_bytes<32, ST, false>();
+  CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<32, ST, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, exl_wg::qgemm_wg_kernel<32, ST, false>, exl_wg::kThreads,
+                                                   smem));
+  printf("JSON {\"row\": \"occupancy\", \"stages\": %d, \"regs\": %d, \"smem\": %d, \"blocks_per_sm\": %d}\n", ST,
+         regs_of(exl_wg::qgemm_wg_kernel<32, ST, false>), smem, blocks);
+}
+
+int decode32(const __half* x, const std::vector<__half>& hx) {
+  const int M = 32, SETS = 16, R = 7;
+  struct Launch { const char* name; int K, N, n; };
+  const Launch launches[] = {{"q/k/v 3x4096x4096", 4096, 4096, 3}, {"gate/up 2x4096x11008", 4096, 11008, 2},
+                             {"o 4096x4096", 4096, 4096, 1}, {"down 11008x4096", 11008, 4096, 1}};
+  occupancy_row<4>();
+  occupancy_row<8>();
+  __half* y;
+  CK(cudaMalloc(&y, static_cast<size_t>(3) * M * 11008 * 2));
+  for (const Launch& l : launches) {
+    std::vector<std::vector<QW>> sets(SETS);
+    std::vector<std::vector<exl_wg::WgArgs>> args(SETS);
+    for (int s = 0; s < SETS; ++s)
+      for (int i = 0; i < l.n; ++i) {
+        sets[s].push_back(make_qw(l.K, l.N, false));
+        args[s].push_back(wg_args<32>(sets[s].back(), x, y + static_cast<size_t>(i) * M * 11008, M));
+      }
+    for (int v = 0; v < 2; ++v) {                            // checks: stages 4, then 8
+      CK(cudaMemset(y, 0xFF, static_cast<size_t>(3) * M * 11008 * 2));
+      if (v == 0) launch_batch32<4>(args[0], 0);
+      else launch_batch32<8>(args[0], 0);
+      CK(cudaDeviceSynchronize());
+      CK(cudaGetLastError());
+      std::vector<__half> hy(static_cast<size_t>(3) * M * 11008);
+      CK(cudaMemcpy(hy.data(), y, hy.size() * 2, cudaMemcpyDeviceToHost));
+      size_t bad = 0;
+      double err = 0, rmax = 0;
+      for (int i = 0; i < l.n; ++i) {
+        for (size_t e = 0; e < static_cast<size_t>(M) * l.N; ++e)
+          if (!std::isfinite(__half2float(hy[static_cast<size_t>(i) * M * 11008 + e]))) ++bad;
+        for (int s = 0; s < 64; ++s) {
+          const int m = rand() % M, n = rand() % l.N;
+          double r = 0;
+          for (int k = 0; k < l.K; ++k)
+            r += static_cast<double>(__half2float(hx[static_cast<size_t>(m) * l.K + k])) * w_ref(sets[0][i], k, n);
+          rmax = std::max(rmax, std::fabs(r));
+          err = std::max(err, std::fabs(__half2float(hy[static_cast<size_t>(i) * M * 11008 +
+                                                         static_cast<size_t>(m) * l.N + n]) - r));
+        }
+      }
+      printf("JSON {\"row\": \"check\", \"launch\": \"%s\", \"stages\": %d, \"bad\": %zu, \"err64\": %.4e, "
+             "\"max_ref\": %.4e}\n", l.name, v ? 8 : 4, bad, err, rmax);
+    }
+    // Timing knobs at stages 8 (stop 57): where a tile's time goes; y is wrong with any knob but the first.
+    const char* const knob_names[] = {"base", "skip_deq", "skip_x", "skip_store", "skip_deq+x"};
+    constexpr int kKnobs = 5;
+    std::vector<std::vector<std::vector<exl_wg::WgArgs>>> kargs(kKnobs, args);
+    for (int v = 1; v < kKnobs; ++v)
+      for (auto& set : kargs[v])
+        for (auto& wa : set) {
+          wa.skip_deq = v == 1 || v == 4;
+          wa.skip_x = v == 2 || v == 4;
+          wa.skip_store = v == 3;
+        }
+    std::vector<float> t[kKnobs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kKnobs; ++v)
+        t[v].push_back(time_seq([&](cudaStream_t st) {
+          for (int s = 0; s < SETS; ++s) launch_batch32<8>(kargs[v][s], st);
+        }) / SETS);
+    for (int v = 0; v < kKnobs; ++v) {
+      std::sort(t[v].begin(), t[v].end());
+      printf("%-22s stages 8 %-10s: %8.2f us a launch (min %.2f, max %.2f)\n", l.name, knob_names[v], t[v][R / 2],
+             t[v][0], t[v][R - 1]);
+      printf("JSON {\"row\": \"time\", \"launch\": \"%s\", \"stages\": 8, \"knob\": \"%s\", \"us\": %.3f, "
+             "\"us_min\": %.3f, \"us_max\": %.3f, \"rounds\": %d}\n", l.name, knob_names[v], t[v][R / 2], t[v][0],
+             t[v][R - 1], R);
+    }
+    for (auto& st : sets)
+      for (auto& w : st) { CK(cudaFree(w.qw)); CK(cudaFree(w.chunks)); CK(cudaFree(w.s)); CK(cudaFree(w.z)); }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -174,6 +283,7 @@ int main(int argc, char** argv) {
   std::vector<__half> hx(static_cast<size_t>(M) * 11008);
   for (auto& v : hx) v = __float2half(rand() / static_cast<float>(RAND_MAX) - 0.5f);
   CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  if (argc > 1 && std::string(argv[1]) == "decode32") return decode32(x, hx);
   if (argc > 1 && std::string(argv[1]) == "ncu") {   // three launches of GPTQ 4096x4096 for Nsight Compute
     QW w = make_qw(4096, 4096, false);
     const exl_wg::WgArgs wa = wg_args<256>(w, x, y, M);

@@ -121,11 +121,17 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
       }
     }
   }
+#if defined(EXL_WG_SZ_ONCE)   // probe build: one scale / zero box pair a tile (both chunks in one group: g >= 64 only)
+  bytes -= 2 * kBF * 4;
+  constexpr int kSzChunks = 1;
+#else
+  constexpr int kSzChunks = 2;
+#endif
   exl_tma::mbar_arrive_expect(bar, bytes);
   if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
   exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, bar);
 #pragma unroll
-  for (int ch = 0; ch < 2; ++ch) {
+  for (int ch = 0; ch < kSzChunks; ++ch) {
     const int c = k0 / 32 + ch, g = c < nchunks ? groups[c] : a.groups;
     exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2) * kBF * 4, &a.smap, f0, g, bar);
     exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + 1) * kBF * 4, &a.zmap, f0, g, bar);
@@ -150,7 +156,12 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
   const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-    const float2 s = sz[(ch * 2) * (kBF / 2) + pr], z = sz[(ch * 2 + 1) * (kBF / 2) + pr];
+#if defined(EXL_WG_SZ_ONCE)
+    const int cs = 0;
+#else
+    const int cs = ch;
+#endif
+    const float2 s = sz[(cs * 2) * (kBF / 2) + pr], z = sz[(cs * 2 + 1) * (kBF / 2) + pr];
     const __half2 s2[2] = {__float2half2_rn(s.x), __float2half2_rn(s.y)};
     __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};
     if constexpr (TW) {
@@ -180,13 +191,24 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
   }
 }
 
+// Accumulator sets at 32 tokens (probe knob): k16 step s of a tile adds into set s % kDecodeAcc, so a tile's wgmmas
+// do not wait for each other; the sets are summed before the stores.
+#ifndef EXL_WG_DECODE_ACC
+#define EXL_WG_DECODE_ACC 1
+#endif
 template <int NT>
-__device__ __forceinline__ void mma_tile(float (&acc)[NT / 2], const uint32_t (&A)[4][4], const uint8_t* xs) {
+__host__ __device__ constexpr int acc_sets() { return NT == 32 ? EXL_WG_DECODE_ACC : 1; }
+
+template <int NT>
+__device__ __forceinline__ void mma_tile(float (&acc)[NT / 2 * acc_sets<NT>()], const uint32_t (&A)[4][4],
+                                         const uint8_t* xs) {
   const uint64_t desc = exl_wgmma::sw128_desc(xs);
   exl_wgmma::fence();
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     if constexpr (NT == 256) exl_wgmma::wgmma_rs_n256(acc, A[s], desc + 2 * s, 1);
+    else if constexpr (NT == 32)
+      exl_wgmma::wgmma_rs_n32(*reinterpret_cast<float(*)[16]>(acc + 16 * (s % acc_sets<NT>())), A[s], desc + 2 * s, 1);
     else exl_wgmma::wgmma_rs_n128(acc, A[s], desc + 2 * s, 1);
   }
   exl_wgmma::commit();
@@ -199,18 +221,19 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   if (f >= a.N) return;
   __half2 b2 = __float2half2_rn(0.f);
   if (a.bias && !a.add) b2 = *reinterpret_cast<const __half2*>(a.bias + f);
+  constexpr int kJ = NT / 8 < 8 ? NT / 8 : 8;                // n8 tiles a pass
 #pragma unroll
-  for (int j0 = 0; j0 < NT / 8; j0 += 8) {                   // 16 loads of the residual in flight, then their stores
-    __half2 old[8][2];
+  for (int j0 = 0; j0 < NT / 8; j0 += kJ) {                  // 16 loads of the residual in flight, then their stores
+    __half2 old[kJ][2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kJ; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int tok = tok0 + 8 * (j0 + j) + r;
         old[j][r] = a.add && tok < a.M ? *reinterpret_cast<const __half2*>(a.y + tok * a.ldy + f) : b2;
       }
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kJ; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int tok = tok0 + 8 * (j0 + j) + r;
@@ -225,8 +248,13 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
 // grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
+// Blocks an SM at 32 tokens (bench/wgmma_probe.cu decode32; probe builds set it): 2 caps ptxas at 85 registers.
+#ifndef EXL_WG_DECODE_MIN_BLOCKS
+#define EXL_WG_DECODE_MIN_BLOCKS 2
+#endif
 template <int NT, int STAGES, bool TW>
-__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
+__global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS : 1)
+    qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
   const WgArgs& a = batch.w[blockIdx.z];
@@ -255,7 +283,11 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
+#if defined(EXL_WG_PRODUCER_WARPS)
+      exl_tma::mbar_init(full + s, 4);                       // each producer warp arrives with its own bytes
+#else
       exl_tma::mbar_init(full + s, 1);
+#endif
       exl_tma::mbar_init(empty + s, 2);                      // one arrival a consumer warpgroup
     }
     exl_tma::mbar_init_fence();
@@ -265,7 +297,60 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
   const int KT = (a.K + kBK - 1) / kBK;
   const int warp = tid >> 5, lane = tid & 31;
   if (warp >= 8) {                                           // producer: a stage's boxes once both released it
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");    // its registers to the consumers
+    if constexpr (NT > 32) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");   // to the consumers
+#if defined(EXL_WG_DECODE_HANDOVER)   // probe build, two blocks an SM at 32 tokens: 128 x 24 + 256 x 112 registers
+    if constexpr (NT == 32) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+#endif
+#if defined(EXL_WG_PRODUCER_WARPS)
+    if (lane == 0 && !TW) {          // probe knob: the producer's four warps issue a stage's boxes side by side
+      const int pw = warp - 8;       // 0: the byte count and x, 1: the words, 2: scales, 3: zeros
+#if defined(EXL_WG_SZ_ONCE)
+      constexpr int kSzBoxes = 1;
+#else
+      constexpr int kSzBoxes = 2;
+#endif
+      const int nchunks = a.K / 32;
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % STAGES, k0 = kt * kBK;
+        if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
+        uint8_t* st = smem + slot * L::kStage;
+        const bool load_x = !a.skip_x || kt < 8;
+        if (pw == 0) {
+          exl_tma::mbar_arrive_expect(full + slot, load_x ? L::kX : 0);
+          if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full + slot);
+        } else if (pw == 1) {
+          exl_tma::mbar_arrive_expect(full + slot, L::kW);
+          exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
+        } else {
+          exl_tma::mbar_arrive_expect(full + slot, kSzBoxes * kBF * 4);
+#pragma unroll
+          for (int ch = 0; ch < kSzBoxes; ++ch) {
+            const int c = k0 / 32 + ch, gr = c < nchunks ? groups[c] : a.groups;
+            exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0, gr,
+                                 full + slot);
+          }
+        }
+      }
+    }
+#elif defined(EXL_WG_PRODUCER_LANES)
+    if (warp == 8 && !TW) {          // probe knob: a box a lane (x, the words, 2 chunks' scale and zero)
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % STAGES;
+        if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
+        uint8_t* st = smem + slot * L::kStage;
+        if (lane == 0) exl_tma::mbar_arrive_expect(full + slot, L::kBytes - (!a.skip_x || kt < 8 ? 0 : L::kX));
+        __syncwarp();
+        const int k0 = kt * kBK, nchunks = a.K / 32;
+        if (lane == 0 && (!a.skip_x || kt < 8)) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full + slot);
+        if (lane == 1) exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
+        if (lane >= 2 && lane < 6) {
+          const int ch = (lane - 2) >> 1, c = k0 / 32 + ch, gr = c < nchunks ? groups[c] : a.groups;
+          exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + (lane & 1)) * kBF * 4, (lane & 1) ? &a.zmap : &a.smap, f0,
+                               gr, full + slot);
+        }
+      }
+    }
+#else
     if (warp == 8 && lane == 0) {
       for (int kt = 0; kt < KT; ++kt) {
         const int slot = kt % STAGES;
@@ -273,18 +358,27 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
         issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0);
       }
     }
+#endif
     exl_pdl::pdl_trigger();
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  if constexpr (NT > 32) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#if defined(EXL_WG_DECODE_HANDOVER)
+  if constexpr (NT == 32) asm volatile("setmaxnreg.inc.sync.aligned.u32 112;\n" ::: "memory");
+#endif
   const int wg = tid >> 7, g = lane >> 2, t = lane & 3;
   const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
   const bool releaser = (warp & 3) == 0 && lane == 0;        // arrives on a stage's empty barrier for its warpgroup
-  float acc[NT / 2];
+  float acc[NT / 2 * acc_sets<NT>()];
 #pragma unroll
-  for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
-  uint32_t A0[4][4], A1[4][4];
+  for (int i = 0; i < NT / 2 * acc_sets<NT>(); ++i) acc[i] = 0.f;
+  // Groups of wgmmas in flight at 32 tokens (probe knob EXL_WG_DECODE_DEPTH): a register set of A each.
+#ifndef EXL_WG_DECODE_DEPTH
+#define EXL_WG_DECODE_DEPTH 2
+#endif
+  constexpr int kDepth = NT == 32 ? EXL_WG_DECODE_DEPTH : 2;
+  uint32_t Aset[kDepth][4][4];
   // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
   // i - 1 complete (wait_group 1), so its stage goes back to the producer.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
@@ -316,22 +410,32 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_kernel(const __grid_cons
       } else {
         tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
       }
+#if defined(EXL_WG_SKIP_MMA)    // probe build: no wgmmas at all, the stages still brought and released
+      if (A[0][0] == 0x7FFFFFFFu && A[3][3] == 0x7FFFFFFFu) acc[0] += 1.f;     // keeps A live, never true here
+#else
       mma_tile<NT>(acc, A, st);
+#endif
     }
     exl_wgmma::fence_operands(acc);
-    exl_wgmma::wait<1>();
-    if (releaser && i > 0) exl_tma::mbar_arrive(empty + (i - 1) % STAGES);
+    exl_wgmma::wait<kDepth - 1>();
+    if (releaser && i >= kDepth - 1) exl_tma::mbar_arrive(empty + (i - (kDepth - 1)) % STAGES);
   };
   int i = 0;
-  for (; i + 1 < KT; i += 2) {                               // two register sets, each in one place
-    step(i, A0);
-    step(i + 1, A1);
+  for (; i + kDepth <= KT; i += kDepth) {                    // kDepth register sets, each in one place
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) step(i + d, Aset[d]);
   }
-  if (i < KT) step(i, A0);
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d)
+    if (i + d < KT) step(i + d, Aset[d]);
   exl_wgmma::wait<0>();
   exl_wgmma::fence_operands(acc);
+#pragma unroll
+  for (int j = 1; j < acc_sets<NT>(); ++j)
+#pragma unroll
+    for (int e = 0; e < NT / 2; ++e) acc[e] += acc[NT / 2 * j + e];
   exl_pdl::pdl_trigger();
-  if (!a.skip_store) store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
+  if (!a.skip_store) store_tile<NT>(a, *reinterpret_cast<const float(*)[NT / 2]>(acc), m0 + 2 * t, f0 + fp);
 #endif
 }
 
