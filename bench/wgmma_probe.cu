@@ -179,7 +179,8 @@ void launch_batch32(const std::vector<exl_wg::WgArgs>& ws, cudaStream_t st) {
   for (size_t i = 0; i < ws.size(); ++i) batch.w[i] = ws[i], max_n = std::max(max_n, ws[i].N);
   batch.n = static_cast<int>(ws.size());
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3((max_n + 127) / 128, 1, batch.n), dim3(exl_wg::kThreads), smem, st, attr);
+  cudaLaunchConfig_t cfg = pdl_config(dim3((max_n + 127) / 128, 1, batch.n), dim3(exl_wg::threads_of<32>()), smem, st,
+                                      attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg::qgemm_wg_kernel<32, ST, false>, batch));
 }
 
@@ -188,8 +189,8 @@ void occupancy_row() {
   int blocks = 0;
   constexpr int smem = exl_wg::smem_bytes<32, ST, false>();
   CK(cudaFuncSetAttribute(exl_wg::qgemm_wg_kernel<32, ST, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, exl_wg::qgemm_wg_kernel<32, ST, false>, exl_wg::kThreads,
-                                                   smem));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, exl_wg::qgemm_wg_kernel<32, ST, false>,
+                                                   exl_wg::threads_of<32>(), smem));
   printf("JSON {\"row\": \"occupancy\", \"stages\": %d, \"regs\": %d, \"smem\": %d, \"blocks_per_sm\": %d}\n", ST,
          regs_of(exl_wg::qgemm_wg_kernel<32, ST, false>), smem, blocks);
 }

@@ -69,7 +69,7 @@ def wrapper(n: int, ss: bool) -> str:
 
 if __name__ == "__main__":
     parts = [HEADER]
-    for n in (128, 256):          # A from registers (qgemm_wg_kernel.cuh)
+    for n in (32, 128, 256):      # A from registers (qgemm_wg_kernel.cuh; 32: the decode32 probe)
         parts.append(wrapper(n, False) + "\n")
     parts.append(wrapper(256, True) + "\n")   # A from shared memory: the probe's timing knob ss (qgemm_wg_kernel.cuh)
     parts.append("}  // namespace exl_wgmma\n")

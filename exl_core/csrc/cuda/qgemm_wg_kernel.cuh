@@ -37,6 +37,36 @@ namespace exl_wg {
 constexpr int kBK = 64;                 // K rows a stage
 constexpr int kBF = 128;                // W columns a block
 constexpr int kThreads = 384;          // two consumer warpgroups and a producer warpgroup (one thread of it issues)
+// Probe builds at 32 tokens without twins (bench/wgmma_probe.cu decode32, NOTES.md stop 57), each off by default:
+//   EXL_WG_DECODE_PAIRS=2: two pairs of consumer warpgroups, pair p taking the tiles i with i % 2 == p, their sums
+//     added through shared memory at the end (twice the tile chains on one block an SM);
+//   EXL_WG_PRODUCER_WARPS: the producer's four warps issue a stage's boxes side by side (x, words, scales, zeros),
+//     each arriving on the stage's barrier with its own bytes (one thread issuing them all took ~0.3 us a tile);
+//   EXL_WG_SZ_ONCE: one scale / zero box pair a tile, as both chunks of a 64-row tile share a group (groups of 64
+//     rows or more only: GPTQ g128 here).
+#ifndef EXL_WG_DECODE_PAIRS
+#define EXL_WG_DECODE_PAIRS 1
+#endif
+template <int NT>
+__host__ __device__ constexpr int pairs_of() { return NT == 32 ? EXL_WG_DECODE_PAIRS : 1; }
+template <int NT>
+__host__ __device__ constexpr int threads_of() { return 256 * pairs_of<NT>() + 128; }
+template <int NT, bool TW>
+__host__ __device__ constexpr bool producer_warps() {
+#if defined(EXL_WG_PRODUCER_WARPS)
+  return NT == 32 && !TW;
+#else
+  return false;
+#endif
+}
+template <int NT, bool TW>
+__host__ __device__ constexpr bool sz_once() {
+#if defined(EXL_WG_SZ_ONCE)
+  return NT == 32 && !TW;
+#else
+  return false;
+#endif
+}
 constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
@@ -121,12 +151,8 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
       }
     }
   }
-#if defined(EXL_WG_SZ_ONCE)   // probe build: one scale / zero box pair a tile (both chunks in one group: g >= 64 only)
-  bytes -= 2 * kBF * 4;
-  constexpr int kSzChunks = 1;
-#else
-  constexpr int kSzChunks = 2;
-#endif
+  constexpr int kSzChunks = sz_once<NT, TW>() ? 1 : 2;
+  bytes -= (2 - kSzChunks) * 2 * kBF * 4;
   exl_tma::mbar_arrive_expect(bar, bytes);
   if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, bar);
   exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, bar);
@@ -156,11 +182,7 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
   const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-#if defined(EXL_WG_SZ_ONCE)
-    const int cs = 0;
-#else
-    const int cs = ch;
-#endif
+    const int cs = sz_once<NT, TW>() ? 0 : ch;
     const float2 s = sz[(cs * 2) * (kBF / 2) + pr], z = sz[(cs * 2 + 1) * (kBF / 2) + pr];
     const __half2 s2[2] = {__float2half2_rn(s.x), __float2half2_rn(s.y)};
     __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};
@@ -191,24 +213,14 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
   }
 }
 
-// Accumulator sets at 32 tokens (probe knob): k16 step s of a tile adds into set s % kDecodeAcc, so a tile's wgmmas
-// do not wait for each other; the sets are summed before the stores.
-#ifndef EXL_WG_DECODE_ACC
-#define EXL_WG_DECODE_ACC 1
-#endif
 template <int NT>
-__host__ __device__ constexpr int acc_sets() { return NT == 32 ? EXL_WG_DECODE_ACC : 1; }
-
-template <int NT>
-__device__ __forceinline__ void mma_tile(float (&acc)[NT / 2 * acc_sets<NT>()], const uint32_t (&A)[4][4],
-                                         const uint8_t* xs) {
+__device__ __forceinline__ void mma_tile(float (&acc)[NT / 2], const uint32_t (&A)[4][4], const uint8_t* xs) {
   const uint64_t desc = exl_wgmma::sw128_desc(xs);
   exl_wgmma::fence();
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     if constexpr (NT == 256) exl_wgmma::wgmma_rs_n256(acc, A[s], desc + 2 * s, 1);
-    else if constexpr (NT == 32)
-      exl_wgmma::wgmma_rs_n32(*reinterpret_cast<float(*)[16]>(acc + 16 * (s % acc_sets<NT>())), A[s], desc + 2 * s, 1);
+    else if constexpr (NT == 32) exl_wgmma::wgmma_rs_n32(acc, A[s], desc + 2 * s, 1);
     else exl_wgmma::wgmma_rs_n128(acc, A[s], desc + 2 * s, 1);
   }
   exl_wgmma::commit();
@@ -245,6 +257,37 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
+// producer_warps: producer warp pw's share of every stage (0: x, 1: the words, 2: scales, 3: zeros), each warp
+// arriving on the stage's full barrier with its own bytes (so no complete-tx can precede its expect-tx).
+template <int NT, int STAGES, bool TW>
+__device__ __forceinline__ void produce_boxes(const WgArgs& a, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                              const int* groups, int pw, int KT, int m0, int f0) {
+  using L = Layout<NT, TW>;
+  constexpr int kSzBoxes = sz_once<NT, TW>() ? 1 : 2;
+  const int nchunks = a.K / 32;
+  for (int kt = 0; kt < KT; ++kt) {
+    const int slot = kt % STAGES, k0 = kt * kBK;
+    if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
+    uint8_t* st = smem + slot * L::kStage;
+    const bool load_x = !a.skip_x || kt < 8;
+    if (pw == 0) {
+      exl_tma::mbar_arrive_expect(full + slot, load_x ? L::kX : 0);
+      if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full + slot);
+    } else if (pw == 1) {
+      exl_tma::mbar_arrive_expect(full + slot, L::kW);
+      exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
+    } else {
+      exl_tma::mbar_arrive_expect(full + slot, kSzBoxes * kBF * 4);
+#pragma unroll
+      for (int ch = 0; ch < kSzBoxes; ++ch) {
+        const int c = k0 / 32 + ch, g = c < nchunks ? groups[c] : a.groups;
+        exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0, g,
+                             full + slot);
+      }
+    }
+  }
+}
+
 // grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
 // K % 32 == 0, K / 32 <= kMaxChunks, N % 8 == 0, 16-byte aligned x, qweight, scale, zero and y rows, uniform 4-bit
 // chunks with chunk c in word rows 4c..4c+3.
@@ -253,7 +296,7 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
 #define EXL_WG_DECODE_MIN_BLOCKS 2
 #endif
 template <int NT, int STAGES, bool TW>
-__global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS : 1)
+__global__ void __launch_bounds__(threads_of<NT>(), NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS : 1)
     qgemm_wg_kernel(const __grid_constant__ WgBatch batch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<NT, TW>;
@@ -271,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
   uint64_t* empty = full + STAGES;
   int* groups = reinterpret_cast<int*>(empty + STAGES);
   const int nchunks = a.K / 32;
-  for (int c = tid; c < nchunks; c += kThreads) {          // load-time data: read before the PDL wait
+  for (int c = tid; c < nchunks; c += threads_of<NT>()) {  // load-time data: read before the PDL wait
     groups[c] = a.chunks[c * 3 + 1];
     if constexpr (TW) {
       const int tc = a.twin ? a.twin[c] : -1;
@@ -283,11 +326,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-#if defined(EXL_WG_PRODUCER_WARPS)
-      exl_tma::mbar_init(full + s, 4);                       // each producer warp arrives with its own bytes
-#else
-      exl_tma::mbar_init(full + s, 1);
-#endif
+      exl_tma::mbar_init(full + s, producer_warps<NT, TW>() ? 4 : 1);   // each producer warp with its own bytes
       exl_tma::mbar_init(empty + s, 2);                      // one arrival a consumer warpgroup
     }
     exl_tma::mbar_init_fence();
@@ -296,89 +335,30 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
   exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int KT = (a.K + kBK - 1) / kBK;
   const int warp = tid >> 5, lane = tid & 31;
-  if (warp >= 8) {                                           // producer: a stage's boxes once both released it
+  constexpr int P = pairs_of<NT>(), kPw = 8 * P;            // consumer warpgroup pairs, the producer's first warp
+  if (warp >= kPw) {                                         // producer: a stage's boxes once both released it
     if constexpr (NT > 32) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");   // to the consumers
-#if defined(EXL_WG_DECODE_HANDOVER)   // probe build, two blocks an SM at 32 tokens: 128 x 24 + 256 x 112 registers
-    if constexpr (NT == 32) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-#endif
-#if defined(EXL_WG_PRODUCER_WARPS)
-    if (lane == 0 && !TW) {          // probe knob: the producer's four warps issue a stage's boxes side by side
-      const int pw = warp - 8;       // 0: the byte count and x, 1: the words, 2: scales, 3: zeros
-#if defined(EXL_WG_SZ_ONCE)
-      constexpr int kSzBoxes = 1;
-#else
-      constexpr int kSzBoxes = 2;
-#endif
-      const int nchunks = a.K / 32;
-      for (int kt = 0; kt < KT; ++kt) {
-        const int slot = kt % STAGES, k0 = kt * kBK;
-        if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
-        uint8_t* st = smem + slot * L::kStage;
-        const bool load_x = !a.skip_x || kt < 8;
-        if (pw == 0) {
-          exl_tma::mbar_arrive_expect(full + slot, load_x ? L::kX : 0);
-          if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full + slot);
-        } else if (pw == 1) {
-          exl_tma::mbar_arrive_expect(full + slot, L::kW);
-          exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
-        } else {
-          exl_tma::mbar_arrive_expect(full + slot, kSzBoxes * kBF * 4);
-#pragma unroll
-          for (int ch = 0; ch < kSzBoxes; ++ch) {
-            const int c = k0 / 32 + ch, gr = c < nchunks ? groups[c] : a.groups;
-            exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0, gr,
-                                 full + slot);
-          }
-        }
-      }
-    }
-#elif defined(EXL_WG_PRODUCER_LANES)
-    if (warp == 8 && !TW) {          // probe knob: a box a lane (x, the words, 2 chunks' scale and zero)
-      for (int kt = 0; kt < KT; ++kt) {
-        const int slot = kt % STAGES;
-        if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
-        uint8_t* st = smem + slot * L::kStage;
-        if (lane == 0) exl_tma::mbar_arrive_expect(full + slot, L::kBytes - (!a.skip_x || kt < 8 ? 0 : L::kX));
-        __syncwarp();
-        const int k0 = kt * kBK, nchunks = a.K / 32;
-        if (lane == 0 && (!a.skip_x || kt < 8)) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full + slot);
-        if (lane == 1) exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
-        if (lane >= 2 && lane < 6) {
-          const int ch = (lane - 2) >> 1, c = k0 / 32 + ch, gr = c < nchunks ? groups[c] : a.groups;
-          exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + (lane & 1)) * kBF * 4, (lane & 1) ? &a.zmap : &a.smap, f0,
-                               gr, full + slot);
-        }
-      }
-    }
-#else
-    if (warp == 8 && lane == 0) {
+    if constexpr (producer_warps<NT, TW>()) {
+      if (lane == 0) produce_boxes<NT, STAGES, TW>(a, smem, full, empty, groups, warp - kPw, KT, m0, f0);
+    } else if (warp == kPw && lane == 0) {
       for (int kt = 0; kt < KT; ++kt) {
         const int slot = kt % STAGES;
         if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
         issue_stage<NT, TW>(a, smem + slot * L::kStage, full + slot, groups, kt, m0, f0);
       }
     }
-#endif
     exl_pdl::pdl_trigger();
     return;
   }
   if constexpr (NT > 32) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-#if defined(EXL_WG_DECODE_HANDOVER)
-  if constexpr (NT == 32) asm volatile("setmaxnreg.inc.sync.aligned.u32 112;\n" ::: "memory");
-#endif
-  const int wg = tid >> 7, g = lane >> 2, t = lane & 3;
-  const int fp = wg * 64 + (warp & 3) * 16 + 2 * g;          // A rows g, g + 8 -> block-local columns fp, fp + 1
+  const int wg = tid >> 7, g = lane >> 2, t = lane & 3, pair = P > 1 ? wg >> 1 : 0;
+  const int fp = (P > 1 ? wg & 1 : wg) * 64 + (warp & 3) * 16 + 2 * g;   // A rows g, g + 8 -> columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
   const bool releaser = (warp & 3) == 0 && lane == 0;        // arrives on a stage's empty barrier for its warpgroup
-  float acc[NT / 2 * acc_sets<NT>()];
+  float acc[NT / 2];
 #pragma unroll
-  for (int i = 0; i < NT / 2 * acc_sets<NT>(); ++i) acc[i] = 0.f;
-  // Groups of wgmmas in flight at 32 tokens (probe knob EXL_WG_DECODE_DEPTH): a register set of A each.
-#ifndef EXL_WG_DECODE_DEPTH
-#define EXL_WG_DECODE_DEPTH 2
-#endif
-  constexpr int kDepth = NT == 32 ? EXL_WG_DECODE_DEPTH : 2;
-  uint32_t Aset[kDepth][4][4];
+  for (int i = 0; i < NT / 2; ++i) acc[i] = 0.f;
+  uint32_t A0[4][4], A1[4][4];
   // One tile: its stage full, its fragments dequantised while tile i - 1's wgmmas run, its wgmmas issued; then tile
   // i - 1 complete (wait_group 1), so its stage goes back to the producer.
   auto step = [&](int i, uint32_t(&A)[4][4]) {
@@ -410,32 +390,37 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
       } else {
         tile_fragments<NT, TW>(st, fp, sel, twin_row, A);
       }
-#if defined(EXL_WG_SKIP_MMA)    // probe build: no wgmmas at all, the stages still brought and released
-      if (A[0][0] == 0x7FFFFFFFu && A[3][3] == 0x7FFFFFFFu) acc[0] += 1.f;     // keeps A live, never true here
-#else
       mma_tile<NT>(acc, A, st);
-#endif
     }
     exl_wgmma::fence_operands(acc);
-    exl_wgmma::wait<kDepth - 1>();
-    if (releaser && i >= kDepth - 1) exl_tma::mbar_arrive(empty + (i - (kDepth - 1)) % STAGES);
+    exl_wgmma::wait<1>();
+    if (releaser && i >= P) exl_tma::mbar_arrive(empty + (i - P) % STAGES);   // the pair's tile before
   };
-  int i = 0;
-  for (; i + kDepth <= KT; i += kDepth) {                    // kDepth register sets, each in one place
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) step(i + d, Aset[d]);
+  int i = pair;
+  for (; i + P < KT; i += 2 * P) {                           // two register sets, each in one place
+    step(i, A0);
+    step(i + P, A1);
   }
-#pragma unroll
-  for (int d = 0; d < kDepth; ++d)
-    if (i + d < KT) step(i + d, Aset[d]);
+  if (i < KT) step(i, A0);
   exl_wgmma::wait<0>();
   exl_wgmma::fence_operands(acc);
+  if constexpr (P == 2) {            // pair 1's sums to pair 0 through shared memory ([half][element][thread])
+    float* red = reinterpret_cast<float*>(groups + (TW ? 4 : 1) * kMaxChunks) + (wg & 1) * (NT / 2) * 128;
+    const int tw = tid & 127;
+    if (pair == 1) {
 #pragma unroll
-  for (int j = 1; j < acc_sets<NT>(); ++j)
+      for (int e = 0; e < NT / 2; ++e) red[e * 128 + tw] = acc[e];
+    }
+    asm volatile("bar.sync 1, 512;\n" ::: "memory");        // the consumers of both pairs
+    if (pair == 1) {
+      exl_pdl::pdl_trigger();
+      return;
+    }
 #pragma unroll
-    for (int e = 0; e < NT / 2; ++e) acc[e] += acc[NT / 2 * j + e];
+    for (int e = 0; e < NT / 2; ++e) acc[e] += red[e * 128 + tw];
+  }
   exl_pdl::pdl_trigger();
-  if (!a.skip_store) store_tile<NT>(a, *reinterpret_cast<const float(*)[NT / 2]>(acc), m0 + 2 * t, f0 + fp);
+  if (!a.skip_store) store_tile<NT>(a, acc, m0 + 2 * t, f0 + fp);
 #endif
 }
 
@@ -456,7 +441,8 @@ __global__ void __launch_bounds__(kThreads, NT <= 32 ? EXL_WG_DECODE_MIN_BLOCKS 
 
 template <int NT, int STAGES, bool TW>
 constexpr int smem_bytes() {
-  return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 16 + (TW ? 4 : 1) * kMaxChunks * 4;
+  return STAGES * Layout<NT, TW>::kStage + 1024 + STAGES * 16 + (TW ? 4 : 1) * kMaxChunks * 4 +
+         (pairs_of<NT>() > 1 ? 2 * (NT / 2) * 128 * 4 : 0);
 }
 
 }  // namespace exl_wg
