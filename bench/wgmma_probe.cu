@@ -23,6 +23,7 @@
 #include "../exl_core/csrc/cuda/qgemm_wg_kernel.cuh"
 #include "../exl_core/csrc/cuda/tma_host.h"
 #include "probe_common.cuh"
+#include "wg_streamk.cuh"
 
 using namespace exl_dequant;
 
@@ -195,6 +196,33 @@ void occupancy_row() {
          regs_of(exl_wg::qgemm_wg_kernel<32, ST, false>), smem, blocks);
 }
 
+// The stream-K form (bench/wg_streamk.cuh; built with -DEXL_WG_SZ_ONCE): one block an SM.
+#if defined(EXL_WG_SZ_ONCE)
+constexpr bool kStreamK = true;
+template <int ST>
+void launch_streamk(const std::vector<exl_wg::WgArgs>& ws, float* work, int* count, cudaStream_t st) {
+  constexpr int smem = exl_wg_sk::smem_bytes<ST>();
+  static bool attr_set = false;
+  if (!attr_set) {
+    CK(cudaFuncSetAttribute(exl_wg_sk::qgemm_wg_streamk<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    attr_set = true;
+  }
+  static int sms = 0;
+  if (!sms) CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  exl_wg_sk::SkArgs sk{};
+  for (size_t i = 0; i < ws.size(); ++i) sk.batch.w[i] = ws[i];
+  sk.batch.n = static_cast<int>(ws.size());
+  sk.ws = work, sk.count = count;
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = pdl_config(dim3(sms), dim3(exl_wg_sk::kThreads), smem, st, attr);
+  CK(cudaLaunchKernelEx(&cfg, exl_wg_sk::qgemm_wg_streamk<ST>, sk));
+}
+#else
+constexpr bool kStreamK = false;
+template <int ST>
+void launch_streamk(const std::vector<exl_wg::WgArgs>&, float*, int*, cudaStream_t) {}
+#endif
+
 int decode32(const __half* x, const std::vector<__half>& hx) {
   const int M = 32, SETS = 16, R = 7;
   struct Launch { const char* name; int K, N, n; };
@@ -204,6 +232,12 @@ int decode32(const __half* x, const std::vector<__half>& hx) {
   occupancy_row<8>();
   __half* y;
   CK(cudaMalloc(&y, static_cast<size_t>(3) * M * 11008 * 2));
+  float* work;                                               // the stream-K form's workspace and counters
+  int* count;
+  CK(cudaMalloc(&work, static_cast<size_t>(172) * exl_wg_sk::kPerTile * 4));
+  CK(cudaMalloc(&count, 172 * 4));
+  CK(cudaMemset(work, 0, static_cast<size_t>(172) * exl_wg_sk::kPerTile * 4));
+  CK(cudaMemset(count, 0, 172 * 4));
   for (const Launch& l : launches) {
     std::vector<std::vector<QW>> sets(SETS);
     std::vector<std::vector<exl_wg::WgArgs>> args(SETS);
@@ -212,10 +246,11 @@ int decode32(const __half* x, const std::vector<__half>& hx) {
         sets[s].push_back(make_qw(l.K, l.N, false));
         args[s].push_back(wg_args<32>(sets[s].back(), x, y + static_cast<size_t>(i) * M * 11008, M));
       }
-    for (int v = 0; v < 2; ++v) {                            // checks: stages 4, then 8
-      CK(cudaMemset(y, 0xFF, static_cast<size_t>(3) * M * 11008 * 2));
+    for (int v = 0; v < (kStreamK ? 4 : 2); ++v) {           // checks: stages 4, 8, then stream-K twice (its
+      CK(cudaMemset(y, 0xFF, static_cast<size_t>(3) * M * 11008 * 2));   // workspace back to zero after a launch)
       if (v == 0) launch_batch32<4>(args[0], 0);
-      else launch_batch32<8>(args[0], 0);
+      else if (v == 1) launch_batch32<8>(args[0], 0);
+      else launch_streamk<8>(args[0], work, count, 0);
       CK(cudaDeviceSynchronize());
       CK(cudaGetLastError());
       std::vector<__half> hy(static_cast<size_t>(3) * M * 11008);
@@ -235,25 +270,28 @@ int decode32(const __half* x, const std::vector<__half>& hx) {
                                                          static_cast<size_t>(m) * l.N + n]) - r));
         }
       }
-      printf("JSON {\"row\": \"check\", \"launch\": \"%s\", \"stages\": %d, \"bad\": %zu, \"err64\": %.4e, "
-             "\"max_ref\": %.4e}\n", l.name, v ? 8 : 4, bad, err, rmax);
+      printf("JSON {\"row\": \"check\", \"launch\": \"%s\", \"stages\": %d, \"streamk\": %d, \"bad\": %zu, "
+             "\"err64\": %.4e, \"max_ref\": %.4e}\n", l.name, v ? 8 : 4, v >= 2, bad, err, rmax);
     }
     // Timing knobs at stages 8 (stop 57): where a tile's time goes; y is wrong with any knob but the first.
-    const char* const knob_names[] = {"base", "skip_deq", "skip_x", "skip_store", "skip_deq+x"};
-    constexpr int kKnobs = 5;
+    const char* const knob_names[] = {"base", "skip_deq", "skip_x", "skip_store", "skip_deq+x", "streamk"};
+    const int kKnobs = kStreamK ? 6 : 5;                     // the last: the stream-K form, no knob
     std::vector<std::vector<std::vector<exl_wg::WgArgs>>> kargs(kKnobs, args);
-    for (int v = 1; v < kKnobs; ++v)
+    for (int v = 1; v < 5; ++v)
       for (auto& set : kargs[v])
         for (auto& wa : set) {
           wa.skip_deq = v == 1 || v == 4;
           wa.skip_x = v == 2 || v == 4;
           wa.skip_store = v == 3;
         }
-    std::vector<float> t[kKnobs];
+    std::vector<float> t[6];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kKnobs; ++v)
         t[v].push_back(time_seq([&](cudaStream_t st) {
-          for (int s = 0; s < SETS; ++s) launch_batch32<8>(kargs[v][s], st);
+          for (int s = 0; s < SETS; ++s) {
+            if (v == 5) launch_streamk<8>(kargs[v][s], work, count, st);
+            else launch_batch32<8>(kargs[v][s], st);
+          }
         }) / SETS);
     for (int v = 0; v < kKnobs; ++v) {
       std::sort(t[v].begin(), t[v].end());

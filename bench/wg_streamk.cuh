@@ -1,0 +1,178 @@
+// Stream-K form of qgemm_wg_kernel at 32 tokens (probe only: bench/wgmma_probe.cu decode32, NOTES.md stop 57).
+// Why: at one block an SM, the register-A kernel's grid of one block a 128-column tile leaves SMs idle (q/k/v: 96
+// tiles on 132 SMs) or takes two waves (gate/up: 172). Here the grid is one block an SM and each block takes a
+// contiguous range of the launch's (column tile, k-tile) items, so every SM streams the same share. Inside a block as
+// the probe builds EXL_WG_DECODE_PAIRS=2 + EXL_WG_PRODUCER_WARPS + EXL_WG_SZ_ONCE: two pairs of consumer warpgroups
+// (pair p takes the block's items j with j % 2 == p, their sums added through shared memory at each tile's end), the
+// producer's four warps issuing an item's boxes side by side, one scale and one zero box an item.
+// A tile whose items span blocks is finished through an fp32 workspace: every contributor adds its sums by atomics,
+// fences, and counts itself in; the last one reads the total, stores y, and zeroes the workspace and its counter for
+// the next launch (no block waits for another).
+// Limits (a probe): every weight of the batch has the same K (a multiple of 64), N and group table, groups of 64 rows
+// or more, no twins, y = x W (no bias, no add).
+#pragma once
+#include "../exl_core/csrc/cuda/qgemm_wg_kernel.cuh"
+
+namespace exl_wg_sk {
+using namespace exl_wg;
+
+constexpr int kNT = 32, kThreads = 640;                 // two consumer warpgroup pairs and the producer's warpgroup
+constexpr int kPerTile = (kNT / 2) * 256;               // a tile's sums: 16 a thread of the 256 of pair 0
+constexpr int kRed = 2 * 2 * (kNT / 2) * 128;           // pair 1's sums: [buffer][half][element][thread] fp32
+
+struct SkArgs {
+  WgBatch batch;
+  float* ws;                            // [tiles][kPerTile], zero before the first launch (re-zeroed as it goes)
+  int* count;                           // [tiles], zero likewise
+};
+
+// The first item of block b among `items` shared by `blocks`; the block that holds item u.
+__host__ __device__ inline int64_t range_start(int64_t b, int64_t items, int64_t blocks) { return items * b / blocks; }
+__host__ __device__ inline int64_t block_of(int64_t u, int64_t items, int64_t blocks) {
+  return ((u + 1) * blocks - 1) / items;
+}
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int STAGES>
+constexpr int smem_bytes() {
+  return STAGES * Layout<kNT, false>::kStage + 1024 + STAGES * 16 + kMaxChunks * 4 + kRed * 4 + 16;
+}
+
+// grid (SMs), kThreads, dynamic shared memory smem_bytes<STAGES>().
+template <int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_constant__ SkArgs sk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sz_once<kNT, false>(), "build with -DEXL_WG_SZ_ONCE: an item's stage holds one scale / zero pair");
+  using L = Layout<kNT, false>;
+  const WgArgs& a0 = sk.batch.w[0];
+  const int tid = threadIdx.x;
+  const int KT = a0.K / kBK, tiles_w = (a0.N + kBF - 1) / kBF;
+  const int64_t items = static_cast<int64_t>(tiles_w) * sk.batch.n * KT, G = gridDim.x;
+  const int64_t u0 = range_start(blockIdx.x, items, G);
+  const int n = static_cast<int>(range_start(blockIdx.x + 1, items, G) - u0);
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (exl_tma::smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * L::kStage);
+  uint64_t* empty = full + STAGES;
+  int* groups = reinterpret_cast<int*>(empty + STAGES);
+  float* red = reinterpret_cast<float*>(groups + kMaxChunks);
+  int* last_flag = reinterpret_cast<int*>(red + kRed);
+  for (int c = tid; c < a0.K / 32; c += kThreads) groups[c] = a0.chunks[c * 3 + 1];   // load-time data
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      exl_tma::mbar_init(full + s, 4);                       // each producer warp arrives with its own bytes
+      exl_tma::mbar_init(empty + s, 2);                      // the item's pair: one arrival a warpgroup
+    }
+    exl_tma::mbar_init_fence();
+  }
+  __syncthreads();
+  exl_pdl::pdl_wait();                                       // x is the kernel before's output
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp >= 16) {                                          // producer: warp 16 + pw issues box pw of every item
+    if (lane == 0) {
+      const int pw = warp - 16;
+      for (int j = 0; j < n; ++j) {
+        const int64_t u = u0 + j;
+        const int tile = static_cast<int>(u / KT), k0 = static_cast<int>(u % KT) * kBK;
+        const WgArgs& a = sk.batch.w[tile / tiles_w];
+        const int f0 = (tile % tiles_w) * kBF, slot = j % STAGES;
+        if (j >= STAGES) exl_tma::mbar_wait(empty + slot, ((j / STAGES) - 1) & 1);
+        uint8_t* st = smem + slot * L::kStage;
+        if (pw == 0) {
+          exl_tma::mbar_arrive_expect(full + slot, L::kX);
+          exl_tma::tma_load_2d(st, &a.xmap, k0, 0, full + slot);
+        } else if (pw == 1) {
+          exl_tma::mbar_arrive_expect(full + slot, L::kW);
+          exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
+        } else {
+          exl_tma::mbar_arrive_expect(full + slot, kBF * 4);
+          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0,
+                               groups[k0 / 32], full + slot);
+        }
+      }
+    }
+    exl_pdl::pdl_trigger();
+    return;
+  }
+  const int wg = tid >> 7, g = lane >> 2, t = lane & 3, pair = wg >> 1, half = wg & 1;
+  const int fp = half * 64 + (warp & 3) * 16 + 2 * g;        // A rows g, g + 8 -> block-local columns fp, fp + 1
+  const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
+  const bool releaser = (warp & 3) == 0 && lane == 0;
+  const int twin_row[2] = {-1, -1};
+  float acc[kNT / 2];
+  uint32_t A0[4][4], A1[4][4];
+  int pending = -1;                                          // this pair's item whose stage is not yet released
+  auto step = [&](int j, uint32_t(&A)[4][4]) {
+    const int slot = j % STAGES;
+    exl_tma::mbar_wait(full + slot, (j / STAGES) & 1);
+    const uint8_t* st = smem + slot * L::kStage;
+    exl_wgmma::fence_operands(acc);
+    tile_fragments<kNT, false>(st, fp, sel, twin_row, A);
+    mma_tile<kNT>(acc, A, st);
+    exl_wgmma::fence_operands(acc);
+    exl_wgmma::wait<1>();                                    // this pair's item before is complete: release it
+    if (releaser && pending >= 0) exl_tma::mbar_arrive(empty + pending % STAGES);
+    pending = j;
+  };
+  int seg = 0;
+  for (int s0 = 0; s0 < n; ++seg) {                          // one column tile's items of this block: [s0, s1)
+    const int tile = static_cast<int>((u0 + s0) / KT);
+    const int s1 = static_cast<int>(min(static_cast<int64_t>(n), static_cast<int64_t>(tile + 1) * KT - u0));
+#pragma unroll
+    for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
+    int j = s0 + ((pair - s0) & 1);                          // this pair's first item of the tile
+    for (; j + 2 < s1; j += 4) {                             // two register sets, each in one place
+      step(j, A0);
+      step(j + 2, A1);
+    }
+    if (j < s1) step(j, A0);
+    exl_wgmma::wait<0>();
+    exl_wgmma::fence_operands(acc);
+    if (releaser && pending >= 0) exl_tma::mbar_arrive(empty + pending % STAGES);
+    pending = -1;
+    float* rb = red + (seg & 1) * (kRed / 2) + half * (kNT / 2) * 128;   // pair 1's sums, a buffer a tile in turn
+    if (pair == 1) {
+#pragma unroll
+      for (int e = 0; e < kNT / 2; ++e) rb[e * 128 + (tid & 127)] = acc[e];
+    }
+    named_barrier(1, 512);                                   // both pairs' consumers
+    if (pair == 0) {
+#pragma unroll
+      for (int e = 0; e < kNT / 2; ++e) acc[e] += rb[e * 128 + (tid & 127)];
+      const WgArgs& a = sk.batch.w[tile / tiles_w];
+      const int f0 = (tile % tiles_w) * kBF;
+      const int64_t first = block_of(static_cast<int64_t>(tile) * KT, items, G);
+      const int64_t last = block_of(static_cast<int64_t>(tile + 1) * KT - 1, items, G);
+      if (first == last) {
+        store_tile<kNT>(a, acc, 2 * t, f0 + fp);
+      } else {                                               // the tile spans blocks: add, count in, last one stores
+        float* wt = sk.ws + static_cast<size_t>(tile) * kPerTile;
+#pragma unroll
+        for (int e = 0; e < kNT / 2; ++e) atomicAdd(wt + e * 256 + tid, acc[e]);
+        __threadfence();
+        named_barrier(3, 256);                               // pair 0's threads
+        if (tid == 0) *last_flag = atomicAdd(sk.count + tile, 1) == static_cast<int>(last - first);
+        named_barrier(3, 256);
+        if (*last_flag) {
+          __threadfence();
+#pragma unroll
+          for (int e = 0; e < kNT / 2; ++e) {
+            acc[e] = __ldcg(wt + e * 256 + tid);
+            wt[e * 256 + tid] = 0.f;
+          }
+          if (tid == 0) sk.count[tile] = 0;
+          store_tile<kNT>(a, acc, 2 * t, f0 + fp);
+        }
+      }
+    }
+    s0 = s1;
+  }
+  exl_pdl::pdl_trigger();
+#endif
+}
+
+}  // namespace exl_wg_sk
