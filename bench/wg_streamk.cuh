@@ -75,22 +75,27 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
   if (warp >= 16) {                                          // producer: warp 16 + pw issues box pw of every item
     if (lane == 0) {
       const int pw = warp - 16;
-      for (int j = 0; j < n; ++j) {
-        const int64_t u = u0 + j;
-        const int tile = static_cast<int>(u / KT), k0 = static_cast<int>(u % KT) * kBK;
-        const WgArgs& a = sk.batch.w[tile / tiles_w];
-        const int f0 = (tile % tiles_w) * kBF, slot = j % STAGES;
+      int tile = static_cast<int>(u0 / KT), kt = static_cast<int>(u0 % KT);   // stepped, not divided, an item
+      const WgArgs* a = &sk.batch.w[tile / tiles_w];
+      int f0 = (tile % tiles_w) * kBF;
+      for (int j = 0; j < n; ++j, ++kt) {
+        if (kt == KT) {                                      // the next column tile
+          kt = 0, ++tile;
+          a = &sk.batch.w[tile / tiles_w];
+          f0 = (tile % tiles_w) * kBF;
+        }
+        const int k0 = kt * kBK, slot = j % STAGES;
         if (j >= STAGES) exl_tma::mbar_wait(empty + slot, ((j / STAGES) - 1) & 1);
         uint8_t* st = smem + slot * L::kStage;
         if (pw == 0) {
           exl_tma::mbar_arrive_expect(full + slot, L::kX);
-          exl_tma::tma_load_2d(st, &a.xmap, k0, 0, full + slot);
+          exl_tma::tma_load_2d(st, &a->xmap, k0, 0, full + slot);
         } else if (pw == 1) {
           exl_tma::mbar_arrive_expect(full + slot, L::kW);
-          exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
+          exl_tma::tma_load_2d(st + L::kOffW, &a->wmap, f0, k0 / 8, full + slot);
         } else {
           exl_tma::mbar_arrive_expect(full + slot, kBF * 4);
-          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0,
+          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a->zmap : &a->smap, f0,
                                groups[k0 / 32], full + slot);
         }
       }
