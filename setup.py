@@ -60,7 +60,9 @@ def _extension():
     link = ["-fopenmp"] + _shared_libstdcxx()
     if _want_cuda():
         cu = _sources("cuda/*.cu")
-        archs = os.environ.get("EXL_CORE_CUDA_ARCHS", "80;90").split(";")
+        # 90a: sm_90 with its arch-specific instructions (wgmma, setmaxnreg: qgemm_wg_decode); the other kernels
+        # compile to the same SASS as for 90 (qgemm_kslice_cuda.cu compared, stop 57)
+        archs = os.environ.get("EXL_CORE_CUDA_ARCHS", "80;90a").split(";")
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]

@@ -2,7 +2,7 @@
 # One command on the GPU machine (no network): build the CUDA extension, run the CUDA tests,
 # write random-weight Llama-2-7B-shaped GPTQ 4-bit g128 and EXL2 ~4.0 bpw checkpoints, and
 # print the benchmark table (bench/gpu_bench.py). Logs and the JSON go to $OUT (or bench/results).
-#   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90 by default (H100/H200 only, faster build)
+#   bash bench/gpu.sh            # EXL_CORE_CUDA_ARCHS=90a by default (H100/H200 only, faster build)
 #   PHASES="bench gen" bash bench/gpu.sh   # a subset (a second call on a machine that has the build)
 #   CUDA_TESTS="tests/..." (test files of the tests phase), BENCH_ARGS=--quick, EXLV2_ARGS="--gptq-no-gidx DIR":
 #   narrower runs when device time is short
@@ -76,7 +76,7 @@ mkdir -p "$OUT"
 # is in gpu_log.txt).
 LOG="$OUT/gpu_log.txt"
 BUILD_LOG=/tmp/exl_build_log.txt CKPT_LOG=/tmp/exl_ckpt_log.txt
-export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # bench scripts import exl_core from the tree
 CK=${CKPT_DIR:-/tmp/exl_bench}
@@ -246,7 +246,7 @@ if has tests; then
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_prompt_path.py \
     tests/test_cuda_pointwise.py tests/test_cuda_model.py tests/test_cuda_graphs.py tests/test_attention_gathered.py \
     tests/test_cuda_uniform4.py tests/test_cuda_norm_fold.py tests/test_cuda_swiglu.py tests/test_cuda_norm_perm.py \
-    tests/test_cuda_wide_twin.py tests/test_scale_half2.py} \
+    tests/test_cuda_wide_twin.py tests/test_scale_half2.py tests/test_cuda_wg_decode.py} \
     >"$OUT/cuda_tests.txt" 2>&1
   echo "cuda tests (rc $?, $(( $(date +%s) - t0 )) s):"; grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.txt" | head -15

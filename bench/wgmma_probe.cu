@@ -23,7 +23,7 @@
 #include "../exl_core/csrc/cuda/qgemm_wg_kernel.cuh"
 #include "../exl_core/csrc/cuda/tma_host.h"
 #include "probe_common.cuh"
-#include "wg_streamk.cuh"
+#include "../exl_core/csrc/cuda/qgemm_wg_streamk_kernel.cuh"
 
 using namespace exl_dequant;
 
@@ -196,9 +196,8 @@ void occupancy_row() {
          regs_of(exl_wg::qgemm_wg_kernel<32, ST, false>), smem, blocks);
 }
 
-// The stream-K form (bench/wg_streamk.cuh; built with -DEXL_WG_SZ_ONCE): one block an SM.
-#if defined(EXL_WG_SZ_ONCE)
-constexpr bool kStreamK = true;
+// The stream-K form (exl_core/csrc/cuda/qgemm_wg_streamk_kernel.cuh, the extension's qgemm_wg_decode): one block
+// an SM.
 template <int ST>
 void launch_streamk(const std::vector<exl_wg::WgArgs>& ws, float* work, int* count, cudaStream_t st) {
   constexpr int smem = exl_wg_sk::smem_bytes<ST>();
@@ -217,11 +216,7 @@ void launch_streamk(const std::vector<exl_wg::WgArgs>& ws, float* work, int* cou
   cudaLaunchConfig_t cfg = pdl_config(dim3(sms), dim3(exl_wg_sk::kThreads), smem, st, attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg_sk::qgemm_wg_streamk<ST>, sk));
 }
-#else
-constexpr bool kStreamK = false;
-template <int ST>
-void launch_streamk(const std::vector<exl_wg::WgArgs>&, float*, int*, cudaStream_t) {}
-#endif
+constexpr bool kStreamK = true;
 
 int decode32(const __half* x, const std::vector<__half>& hx) {
   const int M = 32, SETS = 16, R = 7;

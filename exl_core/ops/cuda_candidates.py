@@ -100,6 +100,12 @@ WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
 # (stop 36 wrote them; its last device call stopped at a Python name clash before the kernel); 1: on
 WIDE_TWIN_ON = os.environ.get("EXL_CORE_WIDE_TWIN", "0") == "1"
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
+# qgemm_wg_decode (csrc/cuda/qgemm_wg_decode_cuda.cu: wgmma, stream-K, sm_90) for 17..32 fp16 rows of uniform 4-bit
+# weights: off by default until the model has timed it -- stop 57 wrote it after its last device call; its probe read
+# q/k/v 20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78 against 25.35 (bench/wgmma_probe.cu
+# decode32, one call).  "1": q/k/v-style launches and single weights; "multi" or "single": one of the two.
+WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "0")
+WG_MIN_ROWS, WG_MAX_ROWS = 17, 32
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -236,6 +242,54 @@ def _sm_count(device) -> int:
 
 
 _WIDE_FITS: dict = {}
+_WG_READY: set = set()      # devices where qgemm_wg_decode has run (its workspace exists: graph captures may use it)
+
+
+def _wg_layout_ok(pw) -> bool:
+    """Uniform 4-bit words in K order whose groups are 64 rows or more, each starting at a multiple of 64 (the
+    kernel reads one scale / zero pair a 64-row tile), K a multiple of 64, N of 8, no permutation or bias."""
+    cached = pw.meta.get("_cuda_wg_layout")
+    if cached is None:
+        g = pw.groups.cpu().long()
+        pw.meta["_cuda_groups_key"] = tuple(map(tuple, g.tolist()))      # one launch takes one group layout
+        cached = pw.meta["_cuda_wg_layout"] = bool(
+            _uniform4(pw) and g.shape[0] > 0 and (g[:, 1] % 64 == 0).all() and (g[:, 2] % 64 == 0).all()
+            and pw.k_rows % 64 == 0 and pw.k_rows // 32 <= 512 and pw.out_features % 8 == 0)
+    return cached and pw.perm is None and pw.bias is None and pw.in_features == pw.k_rows and pw.qweight.dim() == 2
+
+
+def _wg_ok(rows: int, pws, device, multi: bool) -> bool:
+    """qgemm_wg_decode (the caller checks x is fp16): WG_DECODE on for this kind of launch, 17..32 rows, an sm_90
+    device, 1..3 weights of one shape and group layout (_wg_layout_ok); its first call on a device not inside a
+    graph capture (it allocates the stream-K workspace then)."""
+    if WG_DECODE not in ("1", "multi" if multi else "single") or not WG_MIN_ROWS <= rows <= WG_MAX_ROWS:
+        return False
+    if not (1 <= len(pws) <= 3 and _has_cuda_kernel("qgemm_wg_decode")):
+        return False
+    idx = device.index or 0
+    if idx not in _WG_READY and torch.cuda.is_current_stream_capturing():
+        return False
+    first = pws[0]
+    if _cc_major(idx) != 9 or not all(_wg_layout_ok(pw) for pw in pws):
+        return False
+    return all(pw.k_rows == first.k_rows and pw.out_features == first.out_features and
+               pw.meta["_cuda_groups_key"] == first.meta["_cuda_groups_key"] for pw in pws[1:])
+
+
+_CC_MAJOR: dict = {}
+
+
+def _cc_major(idx: int) -> int:
+    if idx not in _CC_MAJOR:
+        _CC_MAJOR[idx] = torch.cuda.get_device_capability(idx)[0]
+    return _CC_MAJOR[idx]
+
+
+def _wg_run(x2, pws) -> list:
+    ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws],
+                                            [pw.scale for pw in pws], [pw.zero for pw in pws])
+    _WG_READY.add(x2.device.index or 0)
+    return ys
 
 
 def _wide_ok(rows: int, pws, device, any_rows: bool = False) -> bool:
@@ -326,7 +380,9 @@ def _qmatmul_run(x, pw):
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     route = _route(rows, pw, x2)
-    if route == "wide":
+    if route == "wg":
+        y = _wg_run(x2, [pw])[0]
+    elif route == "wide":
         y = torch.ops.exl_core.qgemm_wide(x2, pw.qweight, chunks, pw.scale, pw.zero, perm, bias, _uniform4(pw),
                                           min_group=_min_group(pw), group_shift=_group_shift(pw))
     elif route == "kslice":
@@ -350,6 +406,8 @@ def _route(rows: int, pw, x2) -> str:
         return "dequant"
     if x2.dtype == torch.float16:
         dev = x2.device
+        if _wg_ok(rows, [pw], dev, multi=False):
+            return "wg"
         if _wide_ok(rows, [pw], dev):
             return "wide"
         if _kslice_ok(rows, [pw], dev):
@@ -488,6 +546,9 @@ def _many_run(x, pws):
     rows = x2.shape[0]
     if rows > _decode_max_rows():
         return [_qmatmul_run(x, pw) for pw in pws]
+    if _wg_ok(rows, pws, x.device, multi=True):
+        ys = _wg_run(x2 if x2.is_contiguous() else x2.contiguous(), pws)
+        return [y.reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
     wide = _wide_ok(rows, pws, x.device)
     kslice = wide or _kslice_ok(rows, pws, x.device)
     if not kslice and any(pw.rows is not None for pw in pws):     # formats.uniform4: wide is the other kernel

@@ -172,7 +172,8 @@ __device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64
 
 // One tile's A fragments (4 k16 steps x 4 registers) of this thread's A rows g and g + 8, block-local columns fp and
 // fp + 1; twin_row: per chunk of the tile, its twin's chunk-table row or -1 (TW).
-template <int NT, bool TW>
+// SZ1: the stage holds one scale / zero pair for both chunks (sz_once; the stream-K kernel's stages always do).
+template <int NT, bool TW, bool SZ1 = sz_once<NT, TW>()>
 __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32_t sel, const int (&twin_row)[2],
                                                uint32_t (&A)[4][4]) {
   using L = Layout<NT, TW>;
@@ -182,7 +183,7 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* st, int fp, uint32
   const __half2 mul = __floats2half2_rn(1.f, 0.0625f);
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-    const int cs = sz_once<NT, TW>() ? 0 : ch;
+    const int cs = SZ1 ? 0 : ch;
     const float2 s = sz[(cs * 2) * (kBF / 2) + pr], z = sz[(cs * 2 + 1) * (kBF / 2) + pr];
     const __half2 s2[2] = {__float2half2_rn(s.x), __float2half2_rn(s.y)};
     __half2 sub[2] = {__floats2half2_rn(-1024.f - z.x, -64.f - z.x), __floats2half2_rn(-1024.f - z.y, -64.f - z.y)};

@@ -1,4 +1,6 @@
-// Stream-K form of qgemm_wg_kernel at 32 tokens (probe only: bench/wgmma_probe.cu decode32, NOTES.md stop 57).
+// Stream-K form of qgemm_wg_kernel at 32 tokens: the batch-decode GEMM on Hopper's wgmma (sm_90a), y_i = x W_i for
+// up to three uniform 4-bit weights of one shape (qgemm_wg_decode_cuda.cu; bench/wgmma_probe.cu decode32 times it;
+// NOTES.md stop 57).
 // Why: at one block an SM, the register-A kernel's grid of one block a 128-column tile leaves SMs idle (q/k/v: 96
 // tiles on 132 SMs) or takes two waves (gate/up: 172). Here the grid is one block an SM and each block takes a
 // contiguous range of the launch's (column tile, k-tile) items, so every SM streams the same share. Inside a block as
@@ -8,10 +10,10 @@
 // A tile whose items span blocks is finished through an fp32 workspace: every contributor adds its sums by atomics,
 // fences, and counts itself in; the last one reads the total, stores y, and zeroes the workspace and its counter for
 // the next launch (no block waits for another).
-// Limits (a probe): every weight of the batch has the same K (a multiple of 64), N and group table, groups of 64 rows
-// or more, no twins, y = x W (no bias, no add).
+// Limits: every weight of the batch has the same K (a multiple of 64), N and group table, groups of 64 rows or more
+// starting at multiples of 64, no twins, y = x W (no bias, no add); the host op checks what it can without a sync.
 #pragma once
-#include "../exl_core/csrc/cuda/qgemm_wg_kernel.cuh"
+#include "qgemm_wg_kernel.cuh"
 
 namespace exl_wg_sk {
 using namespace exl_wg;
@@ -45,7 +47,6 @@ constexpr int smem_bytes() {
 template <int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_constant__ SkArgs sk) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(sz_once<kNT, false>(), "build with -DEXL_WG_SZ_ONCE: an item's stage holds one scale / zero pair");
   using L = Layout<kNT, false>;
   const WgArgs& a0 = sk.batch.w[0];
   const int tid = threadIdx.x;
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
     exl_tma::mbar_wait(full + slot, (j / STAGES) & 1);
     const uint8_t* st = smem + slot * L::kStage;
     exl_wgmma::fence_operands(acc);
-    tile_fragments<kNT, false>(st, fp, sel, twin_row, A);
+    tile_fragments<kNT, false, true>(st, fp, sel, twin_row, A);
     mma_tile<kNT>(acc, A, st);
     exl_wgmma::fence_operands(acc);
     exl_wgmma::wait<1>();                                    // this pair's item before is complete: release it

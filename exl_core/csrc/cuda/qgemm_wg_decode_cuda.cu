@@ -1,0 +1,140 @@
+// exl_core::qgemm_wg_decode: y_i = x W_i at batch-decode rows (17..32) on Hopper's wgmma, stream-K
+// (qgemm_wg_streamk_kernel.cuh): one block an SM over the launch's (column tile, 64-row k-tile) items.
+//
+// Why: at 32 rows qgemm_wide's blocks issue their dequantise with ~2.5 warps a scheduler, and its grid of one block
+// a (column tile, K split) leaves the tail of a wave idle. In bench/wgmma_probe.cu (stop 57 call 14, us a launch,
+// against bench/wide_probe.cu's qgemm_wide in the same call): q/k/v 20.32 against 23.62, gate/up 32.42 against
+// 33.79, 4096x4096 11.49 against 12.30, 11008x4096 18.78 against 25.35. Not yet timed in the model; off by default
+// (ops/cuda_candidates.py, EXL_CORE_WG_DECODE).
+//
+// Takes: x fp16 [M <= 32, K] contiguous (K % 64 == 0: the weights' rows, so an EXL2 rewrite's extra rows come with
+// x already widened, as qgemm_wide's Prepermuted callers pass it); 1..3 weights with the same K, N (N % 8 == 0) and
+// chunk table, uniform 4-bit words int32 [K / 8, N], scale and zero fp32 [G, N]. The caller guarantees what a check
+// here would need a device sync for: every chunk 4-bit, every group 64 rows or more starting at a multiple of 64.
+// sm_90 only (built for sm_90a); the first call on a device must not be inside a CUDA graph capture (it allocates
+// the stream-K workspace, which the kernel leaves zero for the next launch).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <vector>
+
+#include "pdl.cuh"
+#include "qgemm_wg_streamk_kernel.cuh"
+#include "tma_host.h"
+
+namespace {
+
+constexpr int kStages = 8;
+constexpr int64_t kMaxTiles = 1024;                 // column tiles of 128 a launch the workspace covers
+
+// A device's stream-K workspace and tile counters (zero; each launch leaves them zero).
+struct Work {
+  at::Tensor ws, count;
+};
+
+Work& work_for(const at::Device& dev) {
+  static std::mutex mu;
+  static Work works[64];
+  const int i = dev.index() < 0 ? 0 : dev.index() % 64;
+  std::lock_guard<std::mutex> lock(mu);
+  Work& w = works[i];
+  if (!w.ws.defined()) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &cap));
+    TORCH_CHECK(cap == cudaStreamCaptureStatusNone, "exl_core::qgemm_wg_decode: the first call on a device must run "
+                "outside a CUDA graph capture (it allocates the stream-K workspace)");
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+    w.ws = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
+    w.count = at::zeros({kMaxTiles}, f32.dtype(at::kInt));
+  }
+  return w;
+}
+
+void set_smem_once(int dev) {
+  static std::once_flag flags[64];
+  std::call_once(flags[dev % 64], [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(exl_wg_sk::qgemm_wg_streamk<kStages>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        exl_wg_sk::smem_bytes<kStages>()));
+  });
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                        at::TensorList scale, at::TensorList zero) {
+  const char* op = "exl_core::qgemm_wg_decode";
+  const size_t n = qweight.size();
+  TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(exl_wg::kMaxWeights), op, ": 1..", exl_wg::kMaxWeights,
+              " weights a call, got ", n);
+  TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n, op,
+              ": qweight, chunks, scale and zero lists must have the same length");
+  TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous() && aligned16(x.data_ptr()),
+              op, ": x must be contiguous, 16-byte aligned float16 [M, K] on the GPU, got ", x.dtype(), " ",
+              x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= exl_wg_sk::kNT, op, ": 1..", exl_wg_sk::kNT, " rows of x, got ", M);
+  TORCH_CHECK(K >= 64 && K % 64 == 0 && K / 32 <= exl_wg::kMaxChunks, op, ": K = ", K,
+              " must be a multiple of 64 up to ", exl_wg::kMaxChunks * 32);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int dev = x.device().index();
+  TORCH_CHECK(exl_pdl::device_sm(dev, true) == 9, op, ": needs an sm_90 GPU (wgmma), this one is sm_",
+              exl_pdl::device_sm(dev, true), "x");
+  const int64_t N = qweight[0].dim() == 2 ? qweight[0].size(1) : -1;
+  TORCH_CHECK(N > 0 && N % 8 == 0, op, ": weight 0 must be int32 [K / 8, N] with N % 8 == 0, got ",
+              qweight[0].sizes());
+  exl_wg_sk::SkArgs sk{};
+  sk.batch.n = static_cast<int>(n);
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor &q = qweight[i], &ch = chunks[i], &s = scale[i], &z = zero[i];
+    TORCH_CHECK(q.device() == x.device() && ch.device() == x.device() && s.device() == x.device() &&
+                    z.device() == x.device(), op, ": weight ", i, " must be on x's GPU");
+    TORCH_CHECK(q.dtype() == at::kInt && q.dim() == 2 && q.size(0) * 8 == K && q.size(1) == N && q.is_contiguous() &&
+                    aligned16(q.data_ptr()), op, ": qweight ", i, " must be contiguous, 16-byte aligned int32 [",
+                K / 8, ", ", N, "] (uniform 4-bit, every weight one shape), got ", q.sizes());
+    TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(0) * 32 == K && ch.size(1) == 3 &&
+                    ch.is_contiguous(), op, ": chunk table ", i, " must be int32 [", K / 32, ", 3], got ", ch.sizes());
+    for (const at::Tensor* t : {&s, &z})
+      TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous() &&
+                      aligned16(t->data_ptr()) && t->size(0) == scale[0].size(0), op, ": scale/zero ", i,
+                  " must be contiguous, 16-byte aligned float32 [G, ", N, "] with weight 0's G");
+    ys.push_back(at::empty({M, N}, x.options()));
+    exl_wg::WgArgs& a = sk.batch.w[i];
+    const int64_t G = s.size(0);
+    using exl_tma::make_map_2d;
+    const bool ok =
+        make_map_2d(&a.xmap, x.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT16, K, M, K * 2, exl_wg::kBK, exl_wg_sk::kNT,
+                    true) &&
+        make_map_2d(&a.wmap, q.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_INT32, N, K / 8, N * 4, exl_wg::kBF, 8, false) &&
+        make_map_2d(&a.smap, s.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, N, G, N * 4, exl_wg::kBF, 1, false) &&
+        make_map_2d(&a.zmap, z.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, N, G, N * 4, exl_wg::kBF, 1, false);
+    TORCH_CHECK(ok, op, ": the driver refused a tensor map for weight ", i, " (alignment, or no cuTensorMapEncodeTiled)");
+    a.chunks = ch.data_ptr<int32_t>();
+    a.y = reinterpret_cast<__half*>(ys.back().data_ptr());
+    a.ldy = N;
+    a.M = static_cast<int>(M), a.N = static_cast<int>(N), a.K = static_cast<int>(K), a.groups = static_cast<int>(G);
+  }
+  const int64_t tiles = static_cast<int64_t>(n) * ((N + exl_wg::kBF - 1) / exl_wg::kBF);
+  TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
+              kMaxTiles);
+  Work& w = work_for(x.device());
+  sk.ws = w.ws.data_ptr<float>();
+  sk.count = w.count.data_ptr<int>();
+  set_smem_once(dev);
+  exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(exl_pdl::device_sm(dev, false)),
+                      dim3(exl_wg_sk::kThreads), exl_wg_sk::smem_bytes<kStages>(),
+                      c10::cuda::getCurrentCUDAStream(), dev, sk);
+  return ys;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl_core, m) {
+  m.def("qgemm_wg_decode(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("qgemm_wg_decode", &qgemm_wg_decode); }

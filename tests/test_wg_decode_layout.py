@@ -1,0 +1,25 @@
+"""The host-side rule of qgemm_wg_decode (ops/cuda_candidates.py _wg_layout_ok): which weights the stream-K wgmma
+kernel may take -- uniform 4-bit words in K order, groups of 64 rows or more starting at multiples of 64 (a 64-row
+tile reads one scale / zero pair), K % 64 == 0, N % 8 == 0, no permutation, no bias.  Pure host logic: runs on the
+CPU."""
+from __future__ import annotations
+
+import pytest
+
+from exl_core.ops.cuda_candidates import _wg_layout_ok
+from test_cuda_kernels import random_packed
+
+
+@pytest.mark.parametrize("layout,N,perm,bias,ok", [
+    ([(4, 128)] * 4, 256, False, False, True),                   # GPTQ g128
+    ([(4, 64), (4, 128), (4, 192)], 136, False, False, True),    # 64-row multiples, N a multiple of 8 only
+    ([(4, 32)] * 8, 256, False, False, False),                   # 32-row groups: two scale pairs in a tile
+    ([(4, 96), (4, 160)], 256, False, False, False),             # a group starting past a 64-row boundary
+    ([(4, 128)] * 2 + [(4, 32)], 256, False, False, False),      # K 288: not a multiple of 64
+    ([(5, 128), (4, 128)], 256, False, False, False),            # a 5-bit group: not uniform 4-bit
+    ([(4, 128)] * 2, 132, False, False, False),                  # N % 8 != 0
+    ([(4, 128)] * 2, 256, True, False, False),                   # act-order permutation (x would need a gather)
+    ([(4, 128)] * 2, 256, False, True, False),                   # a bias (the kernel adds none)
+])
+def test_wg_layout_rule(layout, N, perm, bias, ok):
+    assert _wg_layout_ok(random_packed(layout, N, perm=perm, bias=bias, seed=1)) is ok
