@@ -51,22 +51,20 @@ template <int NT>
 __host__ __device__ constexpr int pairs_of() { return NT == 32 ? EXL_WG_DECODE_PAIRS : 1; }
 template <int NT>
 __host__ __device__ constexpr int threads_of() { return 256 * pairs_of<NT>() + 128; }
-template <int NT, bool TW>
-__host__ __device__ constexpr bool producer_warps() {
 #if defined(EXL_WG_PRODUCER_WARPS)
-  return NT == 32 && !TW;
+constexpr bool kProducerWarpsBuild = true;
 #else
-  return false;
+constexpr bool kProducerWarpsBuild = false;
 #endif
-}
-template <int NT, bool TW>
-__host__ __device__ constexpr bool sz_once() {
 #if defined(EXL_WG_SZ_ONCE)
-  return NT == 32 && !TW;
+constexpr bool kSzOnceBuild = true;
 #else
-  return false;
+constexpr bool kSzOnceBuild = false;
 #endif
-}
+template <int NT, bool TW>
+__host__ __device__ constexpr bool producer_warps() { return kProducerWarpsBuild && NT == 32 && !TW; }
+template <int NT, bool TW>
+__host__ __device__ constexpr bool sz_once() { return kSzOnceBuild && NT == 32 && !TW; }
 constexpr int kMaxWeights = 3;          // weights of one launch (q/k/v, gate/up) on the same x
 constexpr int kMaxChunks = 512;         // K / 32 the chunk-group table in shared memory holds (K <= 16,384)
 
