@@ -60,9 +60,12 @@ def _extension():
     link = ["-fopenmp"] + _shared_libstdcxx()
     if _want_cuda():
         cu = _sources("cuda/*.cu")
-        # 90a: sm_90 with its arch-specific instructions (wgmma, setmaxnreg: qgemm_wg_decode); the other kernels
+        cuda = tuple(int(p) for p in torch.version.cuda.split(".")[:2])
+        if cuda < (12, 5):      # qgemm_wg_decode's tensor maps: cudaGetDriverEntryPointByVersion (CUDA 12.5)
+            cu = [c for c in cu if not c.endswith("qgemm_wg_decode_cuda.cu")]
+        # 90a (CUDA 12.0+): sm_90 with its arch-specific instructions (wgmma: qgemm_wg_decode); the other kernels
         # compile to the same SASS as for 90 (qgemm_kslice_cuda.cu compared, stop 57)
-        archs = os.environ.get("EXL_CORE_CUDA_ARCHS", "80;90a").split(";")
+        archs = os.environ.get("EXL_CORE_CUDA_ARCHS", "80;90a" if cuda >= (12, 0) else "80;90").split(";")
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]

@@ -213,7 +213,9 @@ void launch_streamk(const std::vector<exl_wg::WgArgs>& ws, float* work, int* cou
   sk.batch.n = static_cast<int>(ws.size());
   sk.ws = work, sk.count = count;
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = pdl_config(dim3(sms), dim3(exl_wg_sk::kThreads), smem, st, attr);
+  const int64_t items = static_cast<int64_t>(ws.size()) * ((ws[0].N + 127) / 128) * (ws[0].K / 64);
+  cudaLaunchConfig_t cfg = pdl_config(dim3(static_cast<unsigned>(std::min<int64_t>(sms, items))),
+                                      dim3(exl_wg_sk::kThreads), smem, st, attr);
   CK(cudaLaunchKernelEx(&cfg, exl_wg_sk::qgemm_wg_streamk<ST>, sk));
 }
 constexpr bool kStreamK = true;

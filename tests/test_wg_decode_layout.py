@@ -15,7 +15,7 @@ from test_cuda_kernels import random_packed
     ([(4, 64), (4, 128), (4, 192)], 136, False, False, True),    # 64-row multiples, N a multiple of 8 only
     ([(4, 32)] * 8, 256, False, False, False),                   # 32-row groups: two scale pairs in a tile
     ([(4, 96), (4, 160)], 256, False, False, False),             # a group starting past a 64-row boundary
-    ([(4, 128)] * 2 + [(4, 32)], 256, False, False, False),      # K 288: not a multiple of 64
+    ([(4, 128)] * 2 + [(4, 32)], 256, False, False, False),      # a trailing 32-row group (K 288)
     ([(5, 128), (4, 128)], 256, False, False, False),            # a 5-bit group: not uniform 4-bit
     ([(4, 128)] * 2, 132, False, False, False),                  # N % 8 != 0
     ([(4, 128)] * 2, 256, True, False, False),                   # act-order permutation (x would need a gather)

@@ -106,6 +106,7 @@ RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/d
 # decode32, one call).  "1": q/k/v-style launches and single weights; "multi" or "single": one of the two.
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "0")
 WG_MIN_ROWS, WG_MAX_ROWS = 17, 32
+WG_MAX_TILES = 1024         # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -270,7 +271,9 @@ def _wg_ok(rows: int, pws, device, multi: bool) -> bool:
     if idx not in _WG_READY and torch.cuda.is_current_stream_capturing():
         return False
     first = pws[0]
-    if _cc_major(idx) != 9 or not all(_wg_layout_ok(pw) for pw in pws):
+    if _cc_major(idx) != 9 or not all(_wg_layout_ok(pw) and _mma_ok(pw) for pw in pws):
+        return False
+    if len(pws) * ((first.out_features + 127) // 128) > WG_MAX_TILES:
         return False
     return all(pw.k_rows == first.k_rows and pw.out_features == first.out_features and
                pw.meta["_cuda_groups_key"] == first.meta["_cuda_groups_key"] for pw in pws[1:])

@@ -11,13 +11,16 @@
 // x already widened, as qgemm_wide's Prepermuted callers pass it); 1..3 weights with the same K, N (N % 8 == 0) and
 // chunk table, uniform 4-bit words int32 [K / 8, N], scale and zero fp32 [G, N]. The caller guarantees what a check
 // here would need a device sync for: every chunk 4-bit, every group 64 rows or more starting at a multiple of 64.
-// sm_90 only (built for sm_90a); the first call on a device must not be inside a CUDA graph capture (it allocates
-// the stream-K workspace, which the kernel leaves zero for the next launch).
+// sm_90 only (built for sm_90a: EXL_CORE_CUDA_ARCHS must hold 90a, which the first call on a device checks); that
+// first call must not be inside a CUDA graph capture (it allocates the stream-K workspace, which the kernel leaves
+// zero for the next launch). One workspace a device: launches on two streams at once would race on it (the library
+// decodes on one stream).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -47,8 +50,14 @@ Work& work_for(const at::Device& dev) {
     TORCH_CHECK(cap == cudaStreamCaptureStatusNone, "exl_core::qgemm_wg_decode: the first call on a device must run "
                 "outside a CUDA graph capture (it allocates the stream-K workspace)");
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
-    w.ws = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
     w.count = at::zeros({kMaxTiles}, f32.dtype(at::kInt));
+    exl_wg_sk::wg_streamk_built<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(w.count.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const bool built = w.count[0].item<int>() == 1;           // a sync, once a device
+    w.count.zero_();
+    TORCH_CHECK(built, "exl_core::qgemm_wg_decode: this build has no sm_90a code for it (set EXL_CORE_CUDA_ARCHS to "
+                "include 90a and rebuild)");
+    w.ws = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
   }
   return w;
 }
@@ -112,7 +121,8 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
         make_map_2d(&a.wmap, q.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_INT32, N, K / 8, N * 4, exl_wg::kBF, 8, false) &&
         make_map_2d(&a.smap, s.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, N, G, N * 4, exl_wg::kBF, 1, false) &&
         make_map_2d(&a.zmap, z.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, N, G, N * 4, exl_wg::kBF, 1, false);
-    TORCH_CHECK(ok, op, ": the driver refused a tensor map for weight ", i, " (alignment, or no cuTensorMapEncodeTiled)");
+    TORCH_CHECK(ok, op, ": the driver refused a tensor map for weight ", i,
+                " (alignment, or no cuTensorMapEncodeTiled)");
     a.chunks = ch.data_ptr<int32_t>();
     a.y = reinterpret_cast<__half*>(ys.back().data_ptr());
     a.ldy = N;
@@ -125,7 +135,8 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
   sk.ws = w.ws.data_ptr<float>();
   sk.count = w.count.data_ptr<int>();
   set_smem_once(dev);
-  exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(exl_pdl::device_sm(dev, false)),
+  const int64_t items = tiles * (K / exl_wg::kBK), blocks = std::min<int64_t>(exl_pdl::device_sm(dev, false), items);
+  exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(static_cast<unsigned>(blocks)),
                       dim3(exl_wg_sk::kThreads), exl_wg_sk::smem_bytes<kStages>(),
                       c10::cuda::getCurrentCUDAStream(), dev, sk);
   return ys;

@@ -41,7 +41,7 @@ constexpr int kThreads = 384;          // two consumer warpgroups and a producer
 //   EXL_WG_DECODE_PAIRS=2: two pairs of consumer warpgroups, pair p taking the tiles i with i % 2 == p, their sums
 //     added through shared memory at the end (twice the tile chains on one block an SM);
 //   EXL_WG_PRODUCER_WARPS: the producer's four warps issue a stage's boxes side by side (x, words, scales, zeros),
-//     each arriving on the stage's barrier with its own bytes (one thread issuing them all took ~0.3 us a tile);
+//     each arriving on the stage's barrier with its own bytes (from one thread the six took ~0.17 of ~0.32 us a tile);
 //   EXL_WG_SZ_ONCE: one scale / zero box pair a tile, as both chunks of a 64-row tile share a group (groups of 64
 //     rows or more only: GPTQ g128 here).
 #ifndef EXL_WG_DECODE_PAIRS

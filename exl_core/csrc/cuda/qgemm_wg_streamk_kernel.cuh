@@ -43,7 +43,18 @@ constexpr int smem_bytes() {
   return STAGES * Layout<kNT, false>::kStage + 1024 + STAGES * 16 + kMaxChunks * 4 + kRed * 4 + 16;
 }
 
-// grid (SMs), kThreads, dynamic shared memory smem_bytes<STAGES>().
+// 1 where this build has the kernel's sm_90a code (wgmma), else 0: without it the kernel's body is empty, so the host
+// op asks once a device before its first launch (qgemm_wg_decode_cuda.cu).
+__global__ void wg_streamk_built(int* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+// grid min(SMs, items): every block at least one item (a tile's finisher counts on each block between its first and
+// last contributor adding to it), kThreads, dynamic shared memory smem_bytes<STAGES>().
 template <int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_constant__ SkArgs sk) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
