@@ -23,7 +23,8 @@
 # EXL_CORE_WIDE_U4_MIN_TILES=1: o and down on qgemm_wide at 17..32 rows), nou4 (EXL2 on the
 # mixed-width kernels), normpermold (EXL2 with EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17: the permuted
 # norm as stops 32-35 ran it, its regular instance triggering late from 17 rows; the default is the lean instance from
-# 17 rows, early everywhere), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
+# 17 rows, early everywhere), wgdecode (both formats with EXL_CORE_WG_DECODE per WG_AB_VARIANTS, in turn: the
+# stream-K wgmma kernel at 17..32 rows, off by default until measured), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
 # their main chunks instead of running them as K rows of their own; off by default until measured), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
@@ -231,7 +232,7 @@ for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin|attntai
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on || has wgdecode ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -360,6 +361,15 @@ fi
 if has l2on; then   # A/B: the prompt's W persisting in L2 (EXL_CORE_DEQUANT_L2=1), batch 1 and 32 again after it
   EXL_CORE_DEQUANT_L2=1 timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
     --decode-after-prompt --json "$OUT/gpu_h200_l2on.json" 2>&1 | tee -a "$LOG" | tail -14
+fi
+if has wgdecode; then  # A/B: qgemm_wg_decode (stream-K wgmma) at 17..32 rows, EXL_CORE_WG_DECODE per WG_AB_VARIANTS
+  # (default "0 1"; "multi": q/k/v-style launches only), processes in turn for WG_AB_ROUNDS rounds (default 2)
+  for r in $(seq 1 ${WG_AB_ROUNDS:-2}); do
+    for v in ${WG_AB_VARIANTS:-0 1}; do
+      EXL_CORE_WG_DECODE=$v timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
+        --quick --json "$OUT/gpu_h200_wg_${v}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|32)_decode"
+    done
+  done
 fi
 for v in "normpermold:EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17" "widetwin:EXL_CORE_WIDE_TWIN=1"; do  # A/B
   has ${v%%:*} && env ${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \
