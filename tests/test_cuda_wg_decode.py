@@ -59,19 +59,20 @@ def test_wg_decode_dispatch_switch():
     rows only, and the library's path then matches the float64 reference."""
     _need_wg()
     from exl_core.ops import cuda_candidates as cc
+    from exl_core.ops import cuda_wg_decode as wg
     from exl_core.ops import qmatmul as qm
     pws = [random_packed([(4, 128)] * 8, 256, perm=False, seed=7 + i) for i in range(3)]
     cs = [pw.to("cuda") for pw in pws]
     dev = torch.device("cuda", torch.cuda.current_device())
-    old = cc.WG_DECODE
+    old = wg.WG_DECODE
     try:
-        cc.WG_DECODE = "multi"
+        wg.WG_DECODE = "multi"
         assert cc._wg_ok(32, cs, dev, multi=True) and not cc._wg_ok(32, cs[:1], dev, multi=False)
         assert not any(cc._wg_ok(m, cs, dev, multi=True) for m in (1, 8, 16, 33))
-        cc.WG_DECODE = "single"
+        wg.WG_DECODE = "single"
         assert cc._wg_ok(20, cs[:1], dev, multi=False) and not cc._wg_ok(20, cs, dev, multi=True)
         assert cc._route(20, cs[0], torch.empty(20, 1024, dtype=torch.float16, device="cuda")) == "wg"
-        cc.WG_DECODE = "1"
+        wg.WG_DECODE = "1"
         x = torch.randn(20, 1024, dtype=torch.float16)
         many = qm.qmatmul_many(x.cuda(), cs)
         one = qm.qmatmul(x.cuda(), cs[1])
@@ -83,7 +84,7 @@ def test_wg_decode_dispatch_switch():
         permuted = random_packed([(4, 128)] * 2, 256, perm=True).to("cuda")
         assert not cc._wg_ok(20, [permuted], dev, multi=False)
     finally:
-        cc.WG_DECODE = old
+        wg.WG_DECODE = old
 
 
 @pytest.mark.parametrize("what,msg", [("rows", "rows of x"), ("k", "multiple of 64"), ("shape", "qweight 1")])

@@ -1,4 +1,4 @@
-"""The host-side rule of qgemm_wg_decode (ops/cuda_candidates.py _wg_layout_ok): which weights the stream-K wgmma
+"""The host-side rule of qgemm_wg_decode (ops/cuda_wg_decode.py layout_ok): which weights the stream-K wgmma
 kernel may take -- uniform 4-bit words in K order, groups of 64 rows or more starting at multiples of 64 (a 64-row
 tile reads one scale / zero pair), K % 64 == 0, N % 8 == 0, no permutation, no bias.  Pure host logic: runs on the
 CPU."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from exl_core.ops.cuda_candidates import _wg_layout_ok
+from exl_core.ops.cuda_wg_decode import layout_ok
 from test_cuda_kernels import random_packed
 
 
@@ -22,4 +22,4 @@ from test_cuda_kernels import random_packed
     ([(4, 128)] * 2, 256, False, True, False),                   # a bias (the kernel adds none)
 ])
 def test_wg_layout_rule(layout, N, perm, bias, ok):
-    assert _wg_layout_ok(random_packed(layout, N, perm=perm, bias=bias, seed=1)) is ok
+    assert layout_ok(random_packed(layout, N, perm=perm, bias=bias, seed=1)) is ok

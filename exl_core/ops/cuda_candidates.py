@@ -62,6 +62,7 @@ import torch
 from . import cuda_dequant as cd
 from .cuda_dequant import uniform4 as _uniform4   # there so that cuda_dequant imports nothing from here
 from . import cuda_scale_half2 as h2mod
+from . import cuda_wg_decode as wg
 from .cuda_scale_half2 import half2_of
 from .dispatch import Candidate, has_cuda_kernel
 from .xchunks import staged_xchunks
@@ -100,13 +101,6 @@ WIDE_ON = os.environ.get("EXL_CORE_WIDE", "1") != "0"
 # (stop 36 wrote them; its last device call stopped at a Python name clash before the kernel); 1: on
 WIDE_TWIN_ON = os.environ.get("EXL_CORE_WIDE_TWIN", "0") == "1"
 RESIDUAL_ADD_ON = os.environ.get("EXL_CORE_RESIDUAL_ADD", "1") != "0"   # 0: o/down never add in their GEMM (A/B)
-# qgemm_wg_decode (csrc/cuda/qgemm_wg_decode_cuda.cu: wgmma, stream-K, sm_90) for 17..32 fp16 rows of uniform 4-bit
-# weights: off by default until the model has timed it -- stop 57 wrote it after its last device call; its probe read
-# q/k/v 20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78 against 25.35 (bench/wgmma_probe.cu
-# decode32, one call).  "1": q/k/v-style launches and single weights; "multi" or "single": one of the two.
-WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "0")
-WG_MIN_ROWS, WG_MAX_ROWS = 17, 32
-WG_MAX_TILES = 1024         # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
 SKINNY_MAX_ROWS = 16        # fp16: at 32 rows qgemm_mma is faster on 2 of the 3 shapes (sweep)
 MMA_MIN_ROWS = 3            # fp16 outside the skinny kernel's reach: below this the GEMV is faster
 MMA_MAX_ROWS = 32           # above this dequantise + cuBLAS is faster (64 rows: 2x)
@@ -243,56 +237,15 @@ def _sm_count(device) -> int:
 
 
 _WIDE_FITS: dict = {}
-_WG_READY: set = set()      # devices where qgemm_wg_decode has run (its workspace exists: graph captures may use it)
-
-
-def _wg_layout_ok(pw) -> bool:
-    """Uniform 4-bit words in K order whose groups are 64 rows or more, each starting at a multiple of 64 (the
-    kernel reads one scale / zero pair a 64-row tile), K a multiple of 64, N of 8, no permutation or bias."""
-    cached = pw.meta.get("_cuda_wg_layout")
-    if cached is None:
-        g = pw.groups.cpu().long()
-        pw.meta["_cuda_groups_key"] = tuple(map(tuple, g.tolist()))      # one launch takes one group layout
-        cached = pw.meta["_cuda_wg_layout"] = bool(
-            _uniform4(pw) and g.shape[0] > 0 and (g[:, 1] % 64 == 0).all() and (g[:, 2] % 64 == 0).all()
-            and pw.k_rows % 64 == 0 and pw.k_rows // 32 <= 512 and pw.out_features % 8 == 0)
-    return cached and pw.perm is None and pw.bias is None and pw.in_features == pw.k_rows and pw.qweight.dim() == 2
 
 
 def _wg_ok(rows: int, pws, device, multi: bool) -> bool:
-    """qgemm_wg_decode (the caller checks x is fp16): WG_DECODE on for this kind of launch, 17..32 rows, an sm_90
-    device, 1..3 weights of one shape and group layout (_wg_layout_ok); its first call on a device not inside a
-    graph capture (it allocates the stream-K workspace then)."""
-    if WG_DECODE not in ("1", "multi" if multi else "single") or not WG_MIN_ROWS <= rows <= WG_MAX_ROWS:
-        return False
-    if not (1 <= len(pws) <= 3 and _has_cuda_kernel("qgemm_wg_decode")):
-        return False
-    idx = device.index or 0
-    if idx not in _WG_READY and torch.cuda.is_current_stream_capturing():
-        return False
-    first = pws[0]
-    if _cc_major(idx) != 9 or not all(_wg_layout_ok(pw) and _mma_ok(pw) for pw in pws):
-        return False
-    if len(pws) * ((first.out_features + 127) // 128) > WG_MAX_TILES:
-        return False
-    return all(pw.k_rows == first.k_rows and pw.out_features == first.out_features and
-               pw.meta["_cuda_groups_key"] == first.meta["_cuda_groups_key"] for pw in pws[1:])
-
-
-_CC_MAJOR: dict = {}
-
-
-def _cc_major(idx: int) -> int:
-    if idx not in _CC_MAJOR:
-        _CC_MAJOR[idx] = torch.cuda.get_device_capability(idx)[0]
-    return _CC_MAJOR[idx]
+    """qgemm_wg_decode's policy (cuda_wg_decode.py) plus the 16-byte alignment every decode kernel needs."""
+    return wg.wg_ok(rows, pws, device, multi) and all(_mma_ok(pw) for pw in pws)
 
 
 def _wg_run(x2, pws) -> list:
-    ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], [_chunks_of(pw) for pw in pws],
-                                            [pw.scale for pw in pws], [pw.zero for pw in pws])
-    _WG_READY.add(x2.device.index or 0)
-    return ys
+    return wg.run(x2, pws, [_chunks_of(pw) for pw in pws])
 
 
 def _wide_ok(rows: int, pws, device, any_rows: bool = False) -> bool:

@@ -5,7 +5,7 @@
 // a (column tile, K split) leaves the tail of a wave idle. In bench/wgmma_probe.cu (stop 57 call 14, us a launch,
 // against bench/wide_probe.cu's qgemm_wide in the same call): q/k/v 20.32 against 23.62, gate/up 32.42 against
 // 33.79, 4096x4096 11.49 against 12.30, 11008x4096 18.78 against 25.35. Not yet timed in the model; off by default
-// (ops/cuda_candidates.py, EXL_CORE_WG_DECODE).
+// (ops/cuda_wg_decode.py, EXL_CORE_WG_DECODE).
 //
 // Takes: x fp16 [M <= 32, K] contiguous (K % 64 == 0: the weights' rows, so an EXL2 rewrite's extra rows come with
 // x already widened, as qgemm_wide's Prepermuted callers pass it); 1..3 weights with the same K, N (N % 8 == 0) and
@@ -26,6 +26,7 @@
 
 #include "pdl.cuh"
 #include "qgemm_wg_streamk_kernel.cuh"
+#include "qmma_common.cuh"
 #include "tma_host.h"
 
 namespace {
@@ -62,16 +63,7 @@ Work& work_for(const at::Device& dev) {
   return w;
 }
 
-void set_smem_once(int dev) {
-  static std::once_flag flags[64];
-  std::call_once(flags[dev % 64], [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(exl_wg_sk::qgemm_wg_streamk<kStages>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        exl_wg_sk::smem_bytes<kStages>()));
-  });
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+using exl_mma::aligned16;
 
 std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                         at::TensorList scale, at::TensorList zero) {
@@ -81,7 +73,7 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
               " weights a call, got ", n);
   TORCH_CHECK(chunks.size() == n && scale.size() == n && zero.size() == n, op,
               ": qweight, chunks, scale and zero lists must have the same length");
-  TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous() && aligned16(x.data_ptr()),
+  TORCH_CHECK(x.is_cuda() && x.dtype() == at::kHalf && x.dim() == 2 && x.is_contiguous() && aligned16(x),
               op, ": x must be contiguous, 16-byte aligned float16 [M, K] on the GPU, got ", x.dtype(), " ",
               x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
@@ -103,13 +95,13 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
     TORCH_CHECK(q.device() == x.device() && ch.device() == x.device() && s.device() == x.device() &&
                     z.device() == x.device(), op, ": weight ", i, " must be on x's GPU");
     TORCH_CHECK(q.dtype() == at::kInt && q.dim() == 2 && q.size(0) * 8 == K && q.size(1) == N && q.is_contiguous() &&
-                    aligned16(q.data_ptr()), op, ": qweight ", i, " must be contiguous, 16-byte aligned int32 [",
+                    aligned16(q), op, ": qweight ", i, " must be contiguous, 16-byte aligned int32 [",
                 K / 8, ", ", N, "] (uniform 4-bit, every weight one shape), got ", q.sizes());
     TORCH_CHECK(ch.dtype() == at::kInt && ch.dim() == 2 && ch.size(0) * 32 == K && ch.size(1) == 3 &&
                     ch.is_contiguous(), op, ": chunk table ", i, " must be int32 [", K / 32, ", 3], got ", ch.sizes());
     for (const at::Tensor* t : {&s, &z})
       TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous() &&
-                      aligned16(t->data_ptr()) && t->size(0) == scale[0].size(0), op, ": scale/zero ", i,
+                      aligned16(*t) && t->size(0) == scale[0].size(0), op, ": scale/zero ", i,
                   " must be contiguous, 16-byte aligned float32 [G, ", N, "] with weight 0's G");
     ys.push_back(at::empty({M, N}, x.options()));
     exl_wg::WgArgs& a = sk.batch.w[i];
@@ -134,7 +126,7 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
   Work& w = work_for(x.device());
   sk.ws = w.ws.data_ptr<float>();
   sk.count = w.count.data_ptr<int>();
-  set_smem_once(dev);
+  exl_mma::ensure_smem(exl_wg_sk::qgemm_wg_streamk<kStages>, exl_wg_sk::smem_bytes<kStages>(), dev);
   const int64_t items = tiles * (K / exl_wg::kBK), blocks = std::min<int64_t>(exl_pdl::device_sm(dev, false), items);
   exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(static_cast<unsigned>(blocks)),
                       dim3(exl_wg_sk::kThreads), exl_wg_sk::smem_bytes<kStages>(),

@@ -1,0 +1,69 @@
+"""Which batch-decode launches qgemm_wg_decode takes (csrc/cuda/qgemm_wg_decode_cuda.cu: wgmma, stream-K, sm_90),
+split from cuda_candidates.py, which routes to it (its _route / _many_run).
+
+Off by default until the model has timed it: stop 57 wrote the op after its last device call; its probe read q/k/v
+20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78 against 25.35 (bench/wgmma_probe.cu decode32, one
+call).  EXL_CORE_WG_DECODE="1": q/k/v-style launches and single weights; "multi" or "single": one of the two.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cuda_dequant import uniform4
+from .dispatch import has_cuda_kernel
+
+WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "0")
+MIN_ROWS, MAX_ROWS = 17, 32
+MAX_TILES = 1024            # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
+_READY: set = set()         # devices where the op has run (its workspace exists: graph captures may use it)
+_CC_MAJOR: dict = {}
+
+
+def layout_ok(pw) -> bool:
+    """Uniform 4-bit words in K order whose groups are 64 rows or more, each starting at a multiple of 64 (the
+    kernel reads one scale / zero pair a 64-row tile; so K is a multiple of 64), N a multiple of 8, no permutation
+    or bias."""
+    cached = pw.meta.get("_cuda_wg_layout")
+    if cached is None:
+        g = pw.groups.cpu().long()
+        pw.meta["_cuda_groups_key"] = tuple(map(tuple, g.tolist()))      # one launch takes one group layout
+        cached = pw.meta["_cuda_wg_layout"] = bool(
+            uniform4(pw) and g.shape[0] > 0 and (g[:, 1] % 64 == 0).all() and (g[:, 2] % 64 == 0).all()
+            and pw.k_rows // 32 <= 512 and pw.out_features % 8 == 0)
+    return cached and pw.perm is None and pw.bias is None and pw.in_features == pw.k_rows and pw.qweight.dim() == 2
+
+
+def _cc_major(idx: int) -> int:
+    if idx not in _CC_MAJOR:
+        _CC_MAJOR[idx] = torch.cuda.get_device_capability(idx)[0]
+    return _CC_MAJOR[idx]
+
+
+def wg_ok(rows: int, pws, device, multi: bool) -> bool:
+    """The op for these fp16 rows (the caller checks the dtype and the weights' 16-byte alignment): WG_DECODE on for
+    this kind of launch, 17..32 rows, an sm_90 device, 1..3 weights of one shape and group layout (layout_ok) within
+    MAX_TILES; its first call on a device not inside a graph capture (it allocates the stream-K workspace then)."""
+    if WG_DECODE not in ("1", "multi" if multi else "single") or not MIN_ROWS <= rows <= MAX_ROWS:
+        return False
+    if not (1 <= len(pws) <= 3 and has_cuda_kernel("qgemm_wg_decode")):
+        return False
+    idx = device.index or 0
+    if idx not in _READY and torch.cuda.is_current_stream_capturing():
+        return False
+    first = pws[0]
+    if _cc_major(idx) != 9 or not all(layout_ok(pw) for pw in pws):
+        return False
+    if len(pws) * ((first.out_features + 127) // 128) > MAX_TILES:
+        return False
+    return all(pw.k_rows == first.k_rows and pw.out_features == first.out_features and
+               pw.meta["_cuda_groups_key"] == first.meta["_cuda_groups_key"] for pw in pws[1:])
+
+
+def run(x2, pws, chunks) -> list:
+    """[x2 @ W] for each weight (chunks: their chunk tables), in one launch."""
+    ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], chunks, [pw.scale for pw in pws],
+                                            [pw.zero for pw in pws])
+    _READY.add(x2.device.index or 0)
+    return ys
