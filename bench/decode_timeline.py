@@ -29,7 +29,7 @@ import torch
 
 import gpu_bench
 from exl_core.model import llama
-from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu
+from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu, cuda_wg_decode
 
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
@@ -82,7 +82,8 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "wide_twin": (cuda_candidates, "WIDE_TWIN_ON", True),
             "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ()),
             "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0"),   # the host reads it per attention call
-            "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True)}
+            "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
+            "wg_off": (cuda_wg_decode, "WG_DECODE", "0")}     # stop 58: qgemm_wg_decode at 17..32 rows off
 
 
 @contextmanager
@@ -196,6 +197,8 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
+    if f"{fmt}:32:wg_off" in keep:       # stop 58: any format
+        cases.append((32, "wg_off"))
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

@@ -1,9 +1,10 @@
 """Which batch-decode launches qgemm_wg_decode takes (csrc/cuda/qgemm_wg_decode_cuda.cu: wgmma, stream-K, sm_90),
 split from cuda_candidates.py, which routes to it (its _route / _many_run).
 
-Off by default until the model has timed it: stop 57 wrote the op after its last device call; its probe read q/k/v
-20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78 against 25.35 (bench/wgmma_probe.cu decode32, one
-call).  EXL_CORE_WG_DECODE="1": q/k/v-style launches and single weights; "multi" or "single": one of the two.
+On by default since stop 58: its probe read q/k/v 20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78
+against 25.35 (stop 57, bench/wgmma_probe.cu decode32); in the model (stop 58 call 1, bench --quick, one round) batch
+32 GPTQ 8,408.54 against 8,237.95 tok/s off, EXL2 7,854.41 against 7,643.49.  EXL_CORE_WG_DECODE="1" (default):
+q/k/v-style launches and single weights; "multi" or "single": one of the two; "0": off.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
-WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "0")
+WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "1")
 MIN_ROWS, MAX_ROWS = 17, 32
 MAX_TILES = 1024            # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
 _READY: set = set()         # devices where the op has run (its workspace exists: graph captures may use it)
