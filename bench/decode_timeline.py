@@ -34,7 +34,8 @@ from exl_core.ops import attention, cuda_candidates, cuda_norm_fold, cuda_swiglu
 REPLAYS = 3
 ACTIVITY, KERNEL_CAT = "CUDA", "kernel"     # (tests/CPU smoke runs: "CPU", "cpu_op")
 # kernel name -> part of the step (first match wins; the rest are "other")
-PARTS = (("wide", r"qgemm_wide"), ("kslice", r"qgemm_kslice"), ("skinny", r"qgemm_skinny"), ("mma", r"qgemm_mma"),
+PARTS = (("wg", r"qgemm_wg"), ("wide", r"qgemm_wide"), ("kslice", r"qgemm_kslice"), ("skinny", r"qgemm_skinny"),
+         ("mma", r"qgemm_mma"),
          ("attention", r"paged_attention|attn"), ("rope_kv", r"rope|write_kv|kv_write"), ("norm", r"rms_norm|norm"),
          ("silu", r"silu"), ("gemv", r"gemv_kernel"), ("x_gather", r"gather_cols"), ("gemm_fp16", r"gemm|cutlass|sm90_xmma|nvjet"),
          ("argmax", r"argmax|reduce"), ("embed", r"index_select|embedding"))
@@ -83,7 +84,12 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "attn_order_off": (llama, "ATTN_OUT_ORDER_DEVICES", ()),
             "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0"),   # the host reads it per attention call
             "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
-            "wg_off": (cuda_wg_decode, "WG_DECODE", "0")}     # stop 58: qgemm_wg_decode at 17..32 rows off
+            # stop 58: the stream-K wgmma kernels at 17..32 rows off; their SwiGLU pair off; o on them too (no size
+            # floor); their weight boxes after the PDL wait
+            "wg_off": (cuda_wg_decode, "WG_DECODE", "0"),
+            "wg_pair_off": (cuda_wg_decode, "WG_DECODE", "multi,single"),
+            "wg_o": (cuda_wg_decode, "MIN_ELEMS", 0),
+            "wg_late_w": (os.environ, "EXL_CORE_WG_EARLY_W", "0")}
 
 
 @contextmanager
@@ -197,8 +203,7 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
-    if f"{fmt}:32:wg_off" in keep:       # stop 58: any format
-        cases.append((32, "wg_off"))
+    cases += [(32, v) for v in ("wg_off", "wg_pair_off", "wg_o", "wg_late_w") if f"{fmt}:32:{v}" in keep]  # stop 58
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

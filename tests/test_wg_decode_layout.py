@@ -23,3 +23,12 @@ from test_cuda_kernels import random_packed
 ])
 def test_wg_layout_rule(layout, N, perm, bias, ok):
     assert layout_ok(random_packed(layout, N, perm=perm, bias=bias, seed=1)) is ok
+
+
+@pytest.mark.parametrize("setting,on", [("1", {"multi", "single", "pair"}), ("0", set()), ("pair", {"pair"}),
+                                        ("multi,single", {"multi", "single"})])
+def test_wg_kinds(setting, on, monkeypatch):
+    """EXL_CORE_WG_DECODE: "1" every kind of launch, "0" none, else the kinds it lists."""
+    from exl_core.ops import cuda_wg_decode as wg
+    monkeypatch.setattr(wg, "WG_DECODE", setting)
+    assert {k for k in wg.KINDS if wg.kind_on(k)} == on

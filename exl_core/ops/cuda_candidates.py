@@ -239,9 +239,10 @@ def _sm_count(device) -> int:
 _WIDE_FITS: dict = {}
 
 
-def _wg_ok(rows: int, pws, device, multi: bool) -> bool:
-    """qgemm_wg_decode's policy (cuda_wg_decode.py) plus the 16-byte alignment every decode kernel needs."""
-    return wg.wg_ok(rows, pws, device, multi) and all(_mma_ok(pw) for pw in pws)
+def _wg_ok(rows: int, pws, device, kind: str) -> bool:
+    """qgemm_wg_decode's policy (cuda_wg_decode.py; kind "multi", "single" or "pair") plus the 16-byte alignment every
+    decode kernel needs."""
+    return wg.wg_ok(rows, pws, device, kind) and all(_mma_ok(pw) for pw in pws)
 
 
 def _wg_run(x2, pws) -> list:
@@ -362,7 +363,7 @@ def _route(rows: int, pw, x2) -> str:
         return "dequant"
     if x2.dtype == torch.float16:
         dev = x2.device
-        if _wg_ok(rows, [pw], dev, multi=False):
+        if _wg_ok(rows, [pw], dev, "single"):
             return "wg"
         if _wide_ok(rows, [pw], dev):
             return "wide"
@@ -502,7 +503,7 @@ def _many_run(x, pws):
     rows = x2.shape[0]
     if rows > _decode_max_rows():
         return [_qmatmul_run(x, pw) for pw in pws]
-    if _wg_ok(rows, pws, x.device, multi=True):
+    if _wg_ok(rows, pws, x.device, "multi"):
         ys = _wg_run(x2 if x2.is_contiguous() else x2.contiguous(), pws)
         return [y.reshape(*x.shape[:-1], pw.out_features) for y, pw in zip(ys, pws)]
     wide = _wide_ok(rows, pws, x.device)

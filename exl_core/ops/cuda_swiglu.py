@@ -5,7 +5,9 @@ silu(gate) * up rounded as the two launches round it.
 Why: bench/decode_timeline.py put the silu_mul launch at 65.8 us of a traced 3,897.9 us GPTQ batch-32 step on the H200
 (stop 28 call 1: ~2 us a layer on the critical path), and the gate/up launch wrote both products (1.4 MB a layer).
 Same call (stop 28 call 3): batch 32 8,253.1 against 8,105.9 tok/s with it off (1.0181x).
-EXL_CORE_WIDE_SWIGLU=0: off (A/B). The dispatcher's op is "qmatmul_swiglu": EXL_CORE_FORCE_KERNEL /
+Since stop 58 the pair runs on qgemm_wg_swiglu (the stream-K wgmma kernel, ops/cuda_wg_decode.py, an sm_90 GPU)
+where that kernel takes the two weights (EXL_CORE_WG_DECODE kind "pair"), else on qgemm_wide_swiglu.
+EXL_CORE_WIDE_SWIGLU=0: off, either kernel (A/B). The dispatcher's op is "qmatmul_swiglu": EXL_CORE_FORCE_KERNEL /
 EXL_CORE_DISABLE_KERNEL settings for qmatmul_many do not reach it.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Optional
 import torch
 
 from . import cuda_candidates as cc
+from . import cuda_wg_decode as wg
 
 WIDE_SWIGLU_ON = os.environ.get("EXL_CORE_WIDE_SWIGLU", "1") != "0"
 
@@ -28,31 +31,41 @@ def _check(x, gate, up, tails=None) -> Optional[str]:
     rows = x.numel() // max(1, gate.in_features)
     if not cc.WIDE_MIN_ROWS <= rows <= cc.WIDE_MAX_ROWS:          # the cheap test first: every MLP call asks
         return f"{rows} rows: the batch-decode kernel takes {cc.WIDE_MIN_ROWS}..{cc.WIDE_MAX_ROWS}"
-    if not cc._has_cuda_kernel("qgemm_wide_swiglu"):
-        return "extension built without qgemm_wide_swiglu"
     why = cc._many_check(x, [gate, up])
     if why is not None:
         return why
     pws = [gate, up]
     if any(pw.perm is not None or pw.rows is not None or not cc._uniform4(pw) for pw in pws):
         return "the pair kernel takes uniform 4-bit weights without a permutation"
-    gs = cc._pws_group_shift(pws)
-    if gs < 0:
-        return "the pair kernel takes regular groups (one group shift for both weights)"
-    if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
-        return "these rows do not run qgemm_wide"
     if tails is not None:
         t, cols = tails
         N = gate.out_features
         if (t.device != x.device or N % 32 or t.dtype != torch.int32 or t.numel() != N // 32 or cols < N + 32 or
                 cols % 4):
             return f"tails {t.dtype} {tuple(t.shape)} on {t.device} with {cols} columns do not fit N = {N}"
+    if _on_wg(x, rows, pws):
+        return None
+    if not cc._has_cuda_kernel("qgemm_wide_swiglu"):
+        return "extension built without qgemm_wide_swiglu"
+    gs = cc._pws_group_shift(pws)
+    if gs < 0:
+        return "the pair kernel takes regular groups (one group shift for both weights)"
+    if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
+        return "these rows do not run qgemm_wide"
     return None
+
+
+def _on_wg(x, rows: int, pws) -> bool:
+    return x.dtype == torch.float16 and cc._wg_ok(rows, pws, x.device, "pair") and wg.has_swiglu()
 
 
 def _run(x, gate, up, tails=None):
     x2 = x.reshape(-1, gate.in_features).contiguous()
     pws = [gate, up]
+    if _on_wg(x, x2.shape[0], pws):
+        t, cols = tails if tails is not None else (None, 0)
+        y = wg.run_swiglu(x2, gate, up, [cc._chunks_of(pw) for pw in pws], t, cols)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)
     t, cols = tails if tails is not None else (None, 0)
     twins, k_main = cc._wide_twins(x2.shape[0], pws, x.device)

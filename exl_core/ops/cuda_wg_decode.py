@@ -3,8 +3,12 @@ split from cuda_candidates.py, which routes to it (its _route / _many_run).
 
 On by default since stop 58: its probe read q/k/v 20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78
 against 25.35 (stop 57, bench/wgmma_probe.cu decode32); in the model (stop 58 call 1, bench --quick, one round) batch
-32 GPTQ 8,408.54 against 8,237.95 tok/s off, EXL2 7,854.41 against 7,643.49.  EXL_CORE_WG_DECODE="1" (default):
-q/k/v-style launches and single weights; "multi" or "single": one of the two; "0": off.
+32 GPTQ 8,408.54 against 8,237.95 tok/s off, EXL2 7,854.41 against 7,643.49.  Its timeline (stop 58 call 2, adds a
+layer at 32 rows against the kernels it replaced): down 18.88 against qgemm_kslice's 21.92, q/k/v 20.96 against
+qgemm_wide's 21.44, o (4096 x 4096) 11.52 against qgemm_kslice's 9.79 -- so a launch takes it only from MIN_ELEMS
+weight elements (o stays on qgemm_kslice).
+EXL_CORE_WG_DECODE: "1" (default) every kind of launch; else a comma list of "multi" (q/k/v-style launches),
+"single" (one weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "0": off.
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "1")
+KINDS = ("multi", "single", "pair")
 MIN_ROWS, MAX_ROWS = 17, 32
+MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.1 M, not o's 16.8 M
 MAX_TILES = 1024            # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
 _READY: set = set()         # devices where the op has run (its workspace exists: graph captures may use it)
 _CC_MAJOR: dict = {}
@@ -36,17 +42,27 @@ def layout_ok(pw) -> bool:
     return cached and pw.perm is None and pw.bias is None and pw.in_features == pw.k_rows and pw.qweight.dim() == 2
 
 
+def has_swiglu() -> bool:
+    return has_cuda_kernel("qgemm_wg_swiglu")
+
+
 def _cc_major(idx: int) -> int:
     if idx not in _CC_MAJOR:
         _CC_MAJOR[idx] = torch.cuda.get_device_capability(idx)[0]
     return _CC_MAJOR[idx]
 
 
-def wg_ok(rows: int, pws, device, multi: bool) -> bool:
+def kind_on(kind: str) -> bool:
+    """WG_DECODE turns this kind of launch (one of KINDS) on."""
+    return WG_DECODE == "1" or kind in WG_DECODE.split(",")
+
+
+def wg_ok(rows: int, pws, device, kind: str) -> bool:
     """The op for these fp16 rows (the caller checks the dtype and the weights' 16-byte alignment): WG_DECODE on for
     this kind of launch, 17..32 rows, an sm_90 device, 1..3 weights of one shape and group layout (layout_ok) within
-    MAX_TILES; its first call on a device not inside a graph capture (it allocates the stream-K workspace then)."""
-    if WG_DECODE not in ("1", "multi" if multi else "single") or not MIN_ROWS <= rows <= MAX_ROWS:
+    MAX_TILES and of MIN_ELEMS elements or more; its first call on a device not inside a graph capture (it allocates
+    the stream-K workspace then)."""
+    if not MIN_ROWS <= rows <= MAX_ROWS or not kind_on(kind):
         return False
     if not (1 <= len(pws) <= 3 and has_cuda_kernel("qgemm_wg_decode")):
         return False
@@ -55,6 +71,8 @@ def wg_ok(rows: int, pws, device, multi: bool) -> bool:
         return False
     first = pws[0]
     if _cc_major(idx) != 9 or not all(layout_ok(pw) for pw in pws):
+        return False
+    if not len(pws) * first.k_rows * first.out_features >= MIN_ELEMS:
         return False
     if len(pws) * ((first.out_features + 127) // 128) > MAX_TILES:
         return False
@@ -68,3 +86,11 @@ def run(x2, pws, chunks) -> list:
                                             [pw.zero for pw in pws])
     _READY.add(x2.device.index or 0)
     return ys
+
+
+def run_swiglu(x2, gate, up, chunks, tails=None, cols: int = 0):
+    """silu(x2 @ gate) * (x2 @ up) in one launch as fp16 [rows, cols or N]; tails as ops/swiglu.py says."""
+    h = torch.ops.exl_core.qgemm_wg_swiglu(x2, [gate.qweight, up.qweight], chunks, [gate.scale, up.scale],
+                                           [gate.zero, up.zero], tails, cols)
+    _READY.add(x2.device.index or 0)
+    return h

@@ -1,20 +1,22 @@
 // exl_core::qgemm_wg_decode: y_i = x W_i at batch-decode rows (17..32) on Hopper's wgmma, stream-K
 // (qgemm_wg_streamk_kernel.cuh): one block an SM over the launch's (column tile, 64-row k-tile) items.
+// exl_core::qgemm_wg_swiglu: the same for SwiGLU's gate and up, writing only silu(x W_gate) * (x W_up) (ops/swiglu.py:
+// tails, out_cols as qgemm_wide_swiglu takes them).
 //
 // Why: at 32 rows qgemm_wide's blocks issue their dequantise with ~2.5 warps a scheduler, and its grid of one block
 // a (column tile, K split) leaves the tail of a wave idle. In bench/wgmma_probe.cu (stop 57 call 14, us a launch,
 // against bench/wide_probe.cu's qgemm_wide in the same call): q/k/v 20.32 against 23.62, gate/up 32.42 against
-// 33.79, 4096x4096 11.49 against 12.30, 11008x4096 18.78 against 25.35. Not yet timed in the model; off by default
-// (ops/cuda_wg_decode.py, EXL_CORE_WG_DECODE).
+// 33.79, 4096x4096 11.49 against 12.30, 11008x4096 18.78 against 25.35. In the model since stop 58
+// (ops/cuda_wg_decode.py, EXL_CORE_WG_DECODE); EXL_CORE_WG_EARLY_W=0: the weight boxes after the PDL wait (A/B).
 //
 // Takes: x fp16 [M <= 32, K] contiguous (K % 64 == 0: the weights' rows, so an EXL2 rewrite's extra rows come with
 // x already widened, as qgemm_wide's Prepermuted callers pass it); 1..3 weights with the same K, N (N % 8 == 0) and
 // chunk table, uniform 4-bit words int32 [K / 8, N], scale and zero fp32 [G, N]. The caller guarantees what a check
 // here would need a device sync for: every chunk 4-bit, every group 64 rows or more starting at a multiple of 64.
 // sm_90 only (built for sm_90a: EXL_CORE_CUDA_ARCHS must hold 90a, which the first call on a device checks); that
-// first call must not be inside a CUDA graph capture (it allocates the stream-K workspace, which the kernel leaves
-// zero for the next launch). One workspace a device: launches on two streams at once would race on it (the library
-// decodes on one stream).
+// first call must not be inside a CUDA graph capture (it allocates the stream-K workspace, whose counters the kernel
+// leaves zero for the next launch). One workspace a device: launches on two streams at once would race on it (the
+// library decodes on one stream).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -34,9 +36,10 @@ namespace {
 constexpr int kStages = 8;
 constexpr int64_t kMaxTiles = 1024;                 // column tiles of 128 a launch the workspace covers
 
-// A device's stream-K workspace and tile counters (zero; each launch leaves them zero).
+// A device's stream-K workspace: two partial-sum slots a block, SwiGLU's pair slots, and the tile and pair counters
+// (zero; each launch leaves them zero).
 struct Work {
-  at::Tensor ws, count;
+  at::Tensor ws, count, pair_ws, pair_count;
 };
 
 Work& work_for(const at::Device& dev) {
@@ -58,16 +61,19 @@ Work& work_for(const at::Device& dev) {
     w.count.zero_();
     TORCH_CHECK(built, "exl_core::qgemm_wg_decode: this build has no sm_90a code for it (set EXL_CORE_CUDA_ARCHS to "
                 "include 90a and rebuild)");
-    w.ws = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
+    w.ws = at::empty({2 * exl_pdl::device_sm(w.count.get_device(), false), exl_wg_sk::kPerTile}, f32);
+    w.pair_ws = at::empty({kMaxTiles / 2, 2, exl_wg_sk::kPerTile / 2}, f32.dtype(at::kInt));
+    w.pair_count = at::zeros({kMaxTiles / 2}, f32.dtype(at::kInt));
   }
   return w;
 }
 
 using exl_mma::aligned16;
 
-std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
-                                        at::TensorList scale, at::TensorList zero) {
-  const char* op = "exl_core::qgemm_wg_decode";
+// y_i = x W_i (h undefined: the outputs returned), or SwiGLU into h (two weights; tails as ops/swiglu.py says).
+std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                  at::TensorList scale, at::TensorList zero, const at::Tensor& h,
+                                  const c10::optional<at::Tensor>& tails) {
   const size_t n = qweight.size();
   TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(exl_wg::kMaxWeights), op, ": 1..", exl_wg::kMaxWeights,
               " weights a call, got ", n);
@@ -103,7 +109,7 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
       TORCH_CHECK(t->dtype() == at::kFloat && t->dim() == 2 && t->size(1) == N && t->is_contiguous() &&
                       aligned16(*t) && t->size(0) == scale[0].size(0), op, ": scale/zero ", i,
                   " must be contiguous, 16-byte aligned float32 [G, ", N, "] with weight 0's G");
-    ys.push_back(at::empty({M, N}, x.options()));
+    if (!h.defined()) ys.push_back(at::empty({M, N}, x.options()));
     exl_wg::WgArgs& a = sk.batch.w[i];
     const int64_t G = s.size(0);
     using exl_tma::make_map_2d;
@@ -116,7 +122,7 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
     TORCH_CHECK(ok, op, ": the driver refused a tensor map for weight ", i,
                 " (alignment, or no cuTensorMapEncodeTiled)");
     a.chunks = ch.data_ptr<int32_t>();
-    a.y = reinterpret_cast<__half*>(ys.back().data_ptr());
+    a.y = h.defined() ? nullptr : reinterpret_cast<__half*>(ys.back().data_ptr());
     a.ldy = N;
     a.M = static_cast<int>(M), a.N = static_cast<int>(N), a.K = static_cast<int>(K), a.groups = static_cast<int>(G);
   }
@@ -126,18 +132,55 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
   Work& w = work_for(x.device());
   sk.ws = w.ws.data_ptr<float>();
   sk.count = w.count.data_ptr<int>();
+  sk.pair_ws = reinterpret_cast<uint32_t*>(w.pair_ws.data_ptr<int>());
+  sk.pair_count = w.pair_count.data_ptr<int>();
+  sk.early_w = exl_pdl::env_on("EXL_CORE_WG_EARLY_W");     // read a call (graph captures fix it), for A/B runs
+  if (h.defined()) {
+    sk.h = reinterpret_cast<__half*>(h.data_ptr());
+    sk.ldh = h.size(1);
+    if (tails && tails->defined()) sk.tails = tails->data_ptr<int>();
+  }
   exl_mma::ensure_smem(exl_wg_sk::qgemm_wg_streamk<kStages>, exl_wg_sk::smem_bytes<kStages>(), dev);
-  const int64_t items = tiles * (K / exl_wg::kBK), blocks = std::min<int64_t>(exl_pdl::device_sm(dev, false), items);
+  const int64_t items = tiles * (K / exl_wg::kBK), blocks = std::min<int64_t>(w.ws.size(0) / 2, items);
   exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(static_cast<unsigned>(blocks)),
                       dim3(exl_wg_sk::kThreads), exl_wg_sk::smem_bytes<kStages>(),
                       c10::cuda::getCurrentCUDAStream(), dev, sk);
   return ys;
 }
 
+std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
+                                        at::TensorList scale, at::TensorList zero) {
+  return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt);
+}
+
+// silu(x W_gate) * (x W_up) as fp16 [M, out_cols] (out_cols 0: N); tails int32 [N / 32] on x's GPU or none: chunk c of
+// the product also at columns tails[c] .. + 31 where tails[c] >= 0 (the caller checks the columns fit, as for
+// qgemm_wide_swiglu).
+at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
+                           at::TensorList zero, const c10::optional<at::Tensor>& tails, int64_t out_cols) {
+  const char* op = "exl_core::qgemm_wg_swiglu";
+  TORCH_CHECK(qweight.size() == 2, op, ": two weights (gate, up), got ", qweight.size());
+  TORCH_CHECK(qweight[0].dim() == 2 && x.dim() == 2, op, ": x [M, K] and int32 [K / 8, N] weights");
+  const int64_t N = qweight[0].size(1), cols = out_cols > 0 ? out_cols : N;
+  TORCH_CHECK(cols >= N && cols % 2 == 0, op, ": out_cols ", cols, " must be at least N = ", N, " and even");
+  if (tails && tails->defined())
+    TORCH_CHECK(tails->is_cuda() && tails->device() == x.device() && tails->dtype() == at::kInt &&
+                    tails->numel() * 32 == N && N % 32 == 0 && cols >= N + 32 && tails->is_contiguous(),
+                op, ": tails must be contiguous int32 [N / 32] on x's GPU with out_cols >= N + 32");
+  at::Tensor h = at::empty({x.size(0), cols}, x.options());
+  wg_launch(op, x, qweight, chunks, scale, zero, h, tails);
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_wg_decode(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero) -> Tensor[]");
+  m.def("qgemm_wg_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
+        "Tensor? tails=None, int out_cols=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(exl_core, CUDA, m) { m.impl("qgemm_wg_decode", &qgemm_wg_decode); }
+TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {
+  m.impl("qgemm_wg_decode", &qgemm_wg_decode);
+  m.impl("qgemm_wg_swiglu", &qgemm_wg_swiglu);
+}

@@ -1,18 +1,25 @@
 // Stream-K form of qgemm_wg_kernel at 32 tokens: the batch-decode GEMM on Hopper's wgmma (sm_90a), y_i = x W_i for
-// up to three uniform 4-bit weights of one shape (qgemm_wg_decode_cuda.cu; bench/wgmma_probe.cu decode32 times it;
-// NOTES.md stop 57).
+// up to three uniform 4-bit weights of one shape, or SwiGLU's silu(x W_gate) * (x W_up) (qgemm_wg_decode_cuda.cu;
+// bench/wgmma_probe.cu decode32 times the plain form; NOTES.md stops 57-58).
 // Why: at one block an SM, the register-A kernel's grid of one block a 128-column tile leaves SMs idle (q/k/v: 96
 // tiles on 132 SMs) or takes two waves (gate/up: 172). Here the grid is one block an SM and each block takes a
 // contiguous range of the launch's (column tile, k-tile) items, so every SM streams the same share. Inside a block as
 // the probe builds EXL_WG_DECODE_PAIRS=2 + EXL_WG_PRODUCER_WARPS + EXL_WG_SZ_ONCE: two pairs of consumer warpgroups
 // (pair p takes the block's items j with j % 2 == p, their sums added through shared memory at each tile's end), the
 // producer's four warps issuing an item's boxes side by side, one scale and one zero box an item.
-// A tile whose items span blocks is finished through an fp32 workspace: every contributor adds its sums by atomics,
-// fences, and counts itself in; the last one reads the total, stores y, and zeroes the workspace and its counter for
-// the next launch (no block waits for another).
+// A tile whose items span blocks is finished through an fp32 workspace, deterministically: every contributor stores
+// its partial sums in its own slot (a block has at most two such tiles: its first and its last), fences and counts
+// itself in; the last one adds the slots in block order (the same bits whichever block comes last), stores y and
+// zeroes the counter for the next launch (no block waits for another).
+// SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
+// as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
+// (exl_act::silu_mul, as silu_mul rounds it), also at a chunk's tail columns where tails say (ops/swiglu.py).
+// early_w: the producer's weight warps issue their first stages before the PDL wait (the words, scales and zeros are
+// load-time data, pdl.cuh); x's warp and the consumers wait.
 // Limits: every weight of the batch has the same K (a multiple of 64), N and group table, groups of 64 rows or more
 // starting at multiples of 64, no twins, y = x W (no bias, no add); the host op checks what it can without a sync.
 #pragma once
+#include "act_device.cuh"
 #include "qgemm_wg_kernel.cuh"
 
 namespace exl_wg_sk {
@@ -24,8 +31,14 @@ constexpr int kRed = 2 * 2 * (kNT / 2) * 128;           // pair 1's sums: [buffe
 
 struct SkArgs {
   WgBatch batch;
-  float* ws;                            // [tiles][kPerTile], zero before the first launch (re-zeroed as it goes)
-  int* count;                           // [tiles], zero likewise
+  float* ws;                            // [2 * blocks][kPerTile]: block b's partial sums of its first / last tile
+  int* count;                           // [tiles], zero before the first launch (each finisher re-zeroes its own)
+  uint32_t* pair_ws;                    // SwiGLU: [column tiles][2][kPerTile / 2] half2 of finished tiles
+  int* pair_count;                      // SwiGLU: [column tiles], zero likewise
+  __half* h;                            // SwiGLU: silu(x W_0) * (x W_1), [M, ldh]; null: y_i = x W_i
+  const int* tails;                     // SwiGLU: [N / 32] column a chunk is also written at, or -1; may be null
+  int64_t ldh;
+  int early_w;                          // weight boxes before the PDL wait
 };
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
@@ -34,8 +47,64 @@ __host__ __device__ inline int64_t block_of(int64_t u, int64_t items, int64_t bl
   return ((u + 1) * blocks - 1) / items;
 }
 
+// Column tile `tile` of the launch: its weight and its first column. SwiGLU interleaves gate and up tiles so that
+// twins finish close together; plain launches take the weights one after the other.
+struct TileAt {
+  int w, f0;
+};
+__device__ __forceinline__ TileAt tile_at(int tile, int tiles_w, bool swiglu) {
+  return swiglu ? TileAt{tile & 1, (tile >> 1) * kBF} : TileAt{tile / tiles_w, (tile % tiles_w) * kBF};
+}
+
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Pair 0's 256 threads: after each stored its share (to global memory), count the block in on `counter`; true in
+// the block that makes it `need` + 1 contributions (its threads then see the others' stores).
+__device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
+  __threadfence();
+  named_barrier(3, 256);
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == need;
+  named_barrier(3, 256);
+  const bool last = *flag;
+  if (last) __threadfence();
+  return last;
+}
+
+// SwiGLU: a finished tile's values rounded to fp16 (as store_tile rounds y) into its pair slot; the second twin to
+// finish writes h = silu(gate) * up at rows tok0 + 8 j + r, columns f, f + 1 (and their tail copies).
+__device__ __forceinline__ void finish_swiglu(const SkArgs& sk, const float (&acc)[kNT / 2], TileAt at, int tid,
+                                              int tok0, int f, int* flag) {
+  const int c = at.f0 / kBF;
+  uint32_t v[kNT / 4];
+#pragma unroll
+  for (int i = 0; i < kNT / 4; ++i) {                        // i = 2 j + r: acc[4 j + r] (column f), [4 j + r + 2]
+    const __half2 p = __floats2half2_rn(acc[4 * (i >> 1) + (i & 1)], acc[4 * (i >> 1) + (i & 1) + 2]);
+    v[i] = *reinterpret_cast<const uint32_t*>(&p);
+  }
+  uint32_t* slot = sk.pair_ws + (static_cast<size_t>(c) * 2 + at.w) * (kPerTile / 2);
+#pragma unroll
+  for (int i = 0; i < kNT / 4; ++i) __stcg(slot + i * 256 + tid, v[i]);
+  if (!count_in(sk.pair_count + c, 1, flag)) return;
+  if (tid == 0) sk.pair_count[c] = 0;
+  const uint32_t* twin = sk.pair_ws + (static_cast<size_t>(c) * 2 + (at.w ^ 1)) * (kPerTile / 2);
+  const int M = sk.batch.w[0].M, N = sk.batch.w[0].N;
+  if (f >= N) return;
+  const int tail = sk.tails ? sk.tails[f >> 5] : -1;
+#pragma unroll
+  for (int i = 0; i < kNT / 4; ++i) {
+    const int tok = tok0 + 8 * (i >> 1) + (i & 1);
+    const uint32_t o = __ldcg(twin + i * 256 + tid);
+    const __half2 g = *reinterpret_cast<const __half2*>(at.w == 0 ? &v[i] : &o);
+    const __half2 u = *reinterpret_cast<const __half2*>(at.w == 0 ? &o : &v[i]);
+    const __half2 hv = __halves2half2(exl_act::silu_mul<__half>(__low2half(g), __low2half(u)),
+                                      exl_act::silu_mul<__half>(__high2half(g), __high2half(u)));
+    if (tok < M) {
+      *reinterpret_cast<__half2*>(sk.h + tok * sk.ldh + f) = hv;
+      if (tail >= 0) *reinterpret_cast<__half2*>(sk.h + tok * sk.ldh + tail + (f & 31)) = hv;
+    }
+  }
 }
 
 template <int STAGES>
@@ -82,20 +151,23 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
     exl_tma::mbar_init_fence();
   }
   __syncthreads();
-  exl_pdl::pdl_wait();                                       // x is the kernel before's output
   const int warp = tid >> 5, lane = tid & 31;
+  const bool swiglu = sk.h != nullptr;
   if (warp >= 16) {                                          // producer: warp 16 + pw issues box pw of every item
+    const int pw = warp - 16;
+    if (pw == 0 || !sk.early_w) {                            // x is the kernel before's output; weights are not
+      exl_pdl::pdl_wait();
+      exl_pdl::pdl_trigger();
+    }
     if (lane == 0) {
-      const int pw = warp - 16;
       int tile = static_cast<int>(u0 / KT), kt = static_cast<int>(u0 % KT);   // stepped, not divided, an item
-      const WgArgs* a = &sk.batch.w[tile / tiles_w];
-      int f0 = (tile % tiles_w) * kBF;
+      TileAt at = tile_at(tile, tiles_w, swiglu);
       for (int j = 0; j < n; ++j, ++kt) {
         if (kt == KT) {                                      // the next column tile
           kt = 0, ++tile;
-          a = &sk.batch.w[tile / tiles_w];
-          f0 = (tile % tiles_w) * kBF;
+          at = tile_at(tile, tiles_w, swiglu);
         }
+        const WgArgs* a = &sk.batch.w[at.w];
         const int k0 = kt * kBK, slot = j % STAGES;
         if (j >= STAGES) exl_tma::mbar_wait(empty + slot, ((j / STAGES) - 1) & 1);
         uint8_t* st = smem + slot * L::kStage;
@@ -104,17 +176,18 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
           exl_tma::tma_load_2d(st, &a->xmap, k0, 0, full + slot);
         } else if (pw == 1) {
           exl_tma::mbar_arrive_expect(full + slot, L::kW);
-          exl_tma::tma_load_2d(st + L::kOffW, &a->wmap, f0, k0 / 8, full + slot);
+          exl_tma::tma_load_2d(st + L::kOffW, &a->wmap, at.f0, k0 / 8, full + slot);
         } else {
           exl_tma::mbar_arrive_expect(full + slot, kBF * 4);
-          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a->zmap : &a->smap, f0,
+          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a->zmap : &a->smap, at.f0,
                                groups[k0 / 32], full + slot);
         }
       }
     }
-    exl_pdl::pdl_trigger();
     return;
   }
+  exl_pdl::pdl_wait();                                       // before the workspace and the stores
+  exl_pdl::pdl_trigger();
   const int wg = tid >> 7, g = lane >> 2, t = lane & 3, pair = wg >> 1, half = wg & 1;
   const int fp = half * 64 + (warp & 3) * 16 + 2 * g;        // A rows g, g + 8 -> block-local columns fp, fp + 1
   const uint32_t sel = static_cast<uint32_t>(t | 0x40 | (t << 8) | 0x4000);
@@ -160,35 +233,36 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
     if (pair == 0) {
 #pragma unroll
       for (int e = 0; e < kNT / 2; ++e) acc[e] += rb[e * 128 + (tid & 127)];
-      const WgArgs& a = sk.batch.w[tile / tiles_w];
-      const int f0 = (tile % tiles_w) * kBF;
       const int64_t first = block_of(static_cast<int64_t>(tile) * KT, items, G);
       const int64_t last = block_of(static_cast<int64_t>(tile + 1) * KT - 1, items, G);
-      if (first == last) {
-        store_tile<kNT>(a, acc, 2 * t, f0 + fp);
-      } else {                                               // the tile spans blocks: add, count in, last one stores
-        float* wt = sk.ws + static_cast<size_t>(tile) * kPerTile;
+      bool done = true;
+      if (first != last) {                                   // the tile spans blocks: the last one adds the slots
+        float* mine = sk.ws + static_cast<size_t>(2 * blockIdx.x + (seg == 0 ? 0 : 1)) * kPerTile;
 #pragma unroll
-        for (int e = 0; e < kNT / 2; ++e) atomicAdd(wt + e * 256 + tid, acc[e]);
-        __threadfence();
-        named_barrier(3, 256);                               // pair 0's threads
-        if (tid == 0) *last_flag = atomicAdd(sk.count + tile, 1) == static_cast<int>(last - first);
-        named_barrier(3, 256);
-        if (*last_flag) {
-          __threadfence();
+        for (int e = 0; e < kNT / 2; ++e) __stcg(mine + e * 256 + tid, acc[e]);
+        done = count_in(sk.count + tile, static_cast<int>(last - first), last_flag);
+        if (done) {
 #pragma unroll
-          for (int e = 0; e < kNT / 2; ++e) {
-            acc[e] = __ldcg(wt + e * 256 + tid);
-            wt[e * 256 + tid] = 0.f;
+          for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
+          for (int64_t b = first; b <= last; ++b) {          // block order: the same sums whoever finishes
+            const int slot = 2 * static_cast<int>(b) + (range_start(b, items, G) / KT == tile ? 0 : 1);
+            const float* p = sk.ws + static_cast<size_t>(slot) * kPerTile;
+#pragma unroll
+            for (int e = 0; e < kNT / 2; ++e) acc[e] += __ldcg(p + e * 256 + tid);
           }
           if (tid == 0) sk.count[tile] = 0;
-          store_tile<kNT>(a, acc, 2 * t, f0 + fp);
         }
+      }
+      if (done) {
+        const TileAt at = tile_at(tile, tiles_w, swiglu);
+        if (!swiglu)
+          store_tile<kNT>(sk.batch.w[at.w], acc, 2 * t, at.f0 + fp);
+        else
+          finish_swiglu(sk, acc, at, tid, 2 * t, at.f0 + fp, last_flag);
       }
     }
     s0 = s1;
   }
-  exl_pdl::pdl_trigger();
 #endif
 }
 
