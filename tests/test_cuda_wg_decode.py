@@ -2,7 +2,8 @@
 qgemm_wg_streamk_kernel.cuh): y_i = x W_i, or silu(x W_gate) * (x W_up), for 17..32 rows of uniform 4-bit weights on
 an sm_90 GPU, against float64 references on shapes whose column tiles split across blocks and leave tails, outputs on
 NaN-poisoned memory; the same bits again (its counters left zero, its split tiles added in block order) and with the
-weight boxes after the PDL wait; the dispatch switch and size floor; and its refusals.  Skips without an sm_90 GPU."""
+weight boxes after the PDL wait; the atomics' form (exact=False); the dispatch switch and size floor; a model's
+decode step on it; and its refusals.  Skips without an sm_90 GPU."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +24,9 @@ def _need_wg():
         pytest.fail("exl_core._C has CUDA kernels but no qgemm_wg_decode")
 
 
-def _call(x, cs, chunks):
+def _call(x, cs, chunks, exact=True):
     return torch.ops.exl_core.qgemm_wg_decode(x, [c.qweight for c in cs], chunks, [c.scale for c in cs],
-                                              [c.zero for c in cs])
+                                              [c.zero for c in cs], exact)
 
 
 # (group layout of (bits, rows), N, weights): K 640 with 128- and 64-row groups; N with a tail past 128-column tiles;
@@ -49,12 +50,15 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
     poison_allocator()
     ys = _call(x.cuda(), cs, chunks)
     again = _call(x.cuda(), cs, chunks)           # the counters the first launch left zero; the same sums
+    atomic = _call(x.cuda(), cs, chunks, exact=False)     # split tiles by fp32 atomics into the zeroed sums
+    atomic2 = _call(x.cuda(), cs, chunks, exact=False)    # which the first left zero
     monkeypatch.setenv("EXL_CORE_WG_EARLY_W", "0")
     late = _call(x.cuda(), cs, chunks)
-    for y, y2, y3, pw in zip(ys, again, late, pws):
+    for y, y2, y3, ya, ya2, pw in zip(ys, again, late, atomic, atomic2, pws):
         ref = x.double() @ dequantize_reference(pw)
         assert y.shape == (M, N) and rel_err(y, ref) < 2e-3
         assert torch.equal(y2, y) and torch.equal(y3, y)
+        assert rel_err(ya, ref) < 2e-3 and rel_err(ya2, ref) < 2e-3
 
 
 @pytest.mark.parametrize("case", [0, 1, 2])

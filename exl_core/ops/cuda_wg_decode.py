@@ -6,9 +6,11 @@ against 25.35 (stop 57, bench/wgmma_probe.cu decode32); in the model (stop 58 ca
 32 GPTQ 8,408.54 against 8,237.95 tok/s off, EXL2 7,854.41 against 7,643.49.  Its timeline (stop 58 call 2, adds a
 layer at 32 rows against the kernels it replaced): down 18.88 against qgemm_kslice's 21.92, q/k/v 20.96 against
 qgemm_wide's 21.44, o (4096 x 4096) 11.52 against qgemm_kslice's 9.79 -- so a launch takes it only from MIN_ELEMS
-weight elements (o stays on qgemm_kslice).
-EXL_CORE_WG_DECODE: "1" (default) every kind of launch; else a comma list of "multi" (q/k/v-style launches),
-"single" (one weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "0": off.
+weight elements (o stays on qgemm_kslice).  SwiGLU's gate/up pair on it (qgemm_wg_swiglu) lost in the same call's
+timeline: 36.08 us a layer against qgemm_wide_swiglu's 30.53 (GPTQ), so kind "pair" is off by default.
+EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/v-style launches), "single" (one
+weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
+EXL_CORE_WG_EXACT=0: split tiles added by fp32 atomics (run-to-run bits may differ) instead of in block order.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch
 from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
-WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "1")
+WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
+EXACT = os.environ.get("EXL_CORE_WG_EXACT", "1") != "0"
 KINDS = ("multi", "single", "pair")
 MIN_ROWS, MAX_ROWS = 17, 32
 MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.1 M, not o's 16.8 M
@@ -83,7 +86,7 @@ def wg_ok(rows: int, pws, device, kind: str) -> bool:
 def run(x2, pws, chunks) -> list:
     """[x2 @ W] for each weight (chunks: their chunk tables), in one launch."""
     ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], chunks, [pw.scale for pw in pws],
-                                            [pw.zero for pw in pws])
+                                            [pw.zero for pw in pws], EXACT)
     _READY.add(x2.device.index or 0)
     return ys
 
@@ -91,6 +94,6 @@ def run(x2, pws, chunks) -> list:
 def run_swiglu(x2, gate, up, chunks, tails=None, cols: int = 0):
     """silu(x2 @ gate) * (x2 @ up) in one launch as fp16 [rows, cols or N]; tails as ops/swiglu.py says."""
     h = torch.ops.exl_core.qgemm_wg_swiglu(x2, [gate.qweight, up.qweight], chunks, [gate.scale, up.scale],
-                                           [gate.zero, up.zero], tails, cols)
+                                           [gate.zero, up.zero], tails, cols, EXACT)
     _READY.add(x2.device.index or 0)
     return h

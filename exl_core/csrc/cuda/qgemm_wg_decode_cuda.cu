@@ -36,10 +36,10 @@ namespace {
 constexpr int kStages = 8;
 constexpr int64_t kMaxTiles = 1024;                 // column tiles of 128 a launch the workspace covers
 
-// A device's stream-K workspace: two partial-sum slots a block, SwiGLU's pair slots, and the tile and pair counters
-// (zero; each launch leaves them zero).
+// A device's stream-K workspace: two partial-sum slots a block, the atomics' tile sums (zero), SwiGLU's pair slots,
+// and the tile and pair counters (zero; each launch leaves the sums and counters zero).
 struct Work {
-  at::Tensor ws, count, pair_ws, pair_count;
+  at::Tensor ws, sum, count, pair_ws, pair_count;
 };
 
 Work& work_for(const at::Device& dev) {
@@ -62,6 +62,7 @@ Work& work_for(const at::Device& dev) {
     TORCH_CHECK(built, "exl_core::qgemm_wg_decode: this build has no sm_90a code for it (set EXL_CORE_CUDA_ARCHS to "
                 "include 90a and rebuild)");
     w.ws = at::empty({2 * exl_pdl::device_sm(w.count.get_device(), false), exl_wg_sk::kPerTile}, f32);
+    w.sum = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
     w.pair_ws = at::empty({kMaxTiles / 2, 2, exl_wg_sk::kPerTile / 2}, f32.dtype(at::kInt));
     w.pair_count = at::zeros({kMaxTiles / 2}, f32.dtype(at::kInt));
   }
@@ -73,7 +74,7 @@ using exl_mma::aligned16;
 // y_i = x W_i (h undefined: the outputs returned), or SwiGLU into h (two weights; tails as ops/swiglu.py says).
 std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                   at::TensorList scale, at::TensorList zero, const at::Tensor& h,
-                                  const c10::optional<at::Tensor>& tails) {
+                                  const c10::optional<at::Tensor>& tails, bool exact) {
   const size_t n = qweight.size();
   TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(exl_wg::kMaxWeights), op, ": 1..", exl_wg::kMaxWeights,
               " weights a call, got ", n);
@@ -131,6 +132,8 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
               kMaxTiles);
   Work& w = work_for(x.device());
   sk.ws = w.ws.data_ptr<float>();
+  sk.sum = w.sum.data_ptr<float>();
+  sk.exact = exact;
   sk.count = w.count.data_ptr<int>();
   sk.pair_ws = reinterpret_cast<uint32_t*>(w.pair_ws.data_ptr<int>());
   sk.pair_count = w.pair_count.data_ptr<int>();
@@ -148,16 +151,17 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   return ys;
 }
 
+// exact: split tiles added in block order (the same bits every run), else by fp32 atomics (see the kernel).
 std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
-                                        at::TensorList scale, at::TensorList zero) {
-  return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt);
+                                        at::TensorList scale, at::TensorList zero, bool exact) {
+  return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt, exact);
 }
 
 // silu(x W_gate) * (x W_up) as fp16 [M, out_cols] (out_cols 0: N); tails int32 [N / 32] on x's GPU or none: chunk c of
 // the product also at columns tails[c] .. + 31 where tails[c] >= 0 (the caller checks the columns fit, as for
 // qgemm_wide_swiglu).
 at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
-                           at::TensorList zero, const c10::optional<at::Tensor>& tails, int64_t out_cols) {
+                           at::TensorList zero, const c10::optional<at::Tensor>& tails, int64_t out_cols, bool exact) {
   const char* op = "exl_core::qgemm_wg_swiglu";
   TORCH_CHECK(qweight.size() == 2, op, ": two weights (gate, up), got ", qweight.size());
   TORCH_CHECK(qweight[0].dim() == 2 && x.dim() == 2, op, ": x [M, K] and int32 [K / 8, N] weights");
@@ -168,16 +172,17 @@ at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::Tens
                     tails->numel() * 32 == N && N % 32 == 0 && cols >= N + 32 && tails->is_contiguous(),
                 op, ": tails must be contiguous int32 [N / 32] on x's GPU with out_cols >= N + 32");
   at::Tensor h = at::empty({x.size(0), cols}, x.options());
-  wg_launch(op, x, qweight, chunks, scale, zero, h, tails);
+  wg_launch(op, x, qweight, chunks, scale, zero, h, tails, exact);
   return h;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
-  m.def("qgemm_wg_decode(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero) -> Tensor[]");
+  m.def("qgemm_wg_decode(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
+        "bool exact=True) -> Tensor[]");
   m.def("qgemm_wg_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor? tails=None, int out_cols=0) -> Tensor");
+        "Tensor? tails=None, int out_cols=0, bool exact=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {

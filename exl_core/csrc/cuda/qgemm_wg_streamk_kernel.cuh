@@ -7,10 +7,11 @@
 // the probe builds EXL_WG_DECODE_PAIRS=2 + EXL_WG_PRODUCER_WARPS + EXL_WG_SZ_ONCE: two pairs of consumer warpgroups
 // (pair p takes the block's items j with j % 2 == p, their sums added through shared memory at each tile's end), the
 // producer's four warps issuing an item's boxes side by side, one scale and one zero box an item.
-// A tile whose items span blocks is finished through an fp32 workspace, deterministically: every contributor stores
-// its partial sums in its own slot (a block has at most two such tiles: its first and its last), fences and counts
-// itself in; the last one adds the slots in block order (the same bits whichever block comes last), stores y and
-// zeroes the counter for the next launch (no block waits for another).
+// A tile whose items span blocks is finished through an fp32 workspace (finish_split), by default deterministically:
+// every contributor stores its partial sums in its own slot (a block has at most two such tiles: its first and its
+// last), fences and counts itself in; the last one adds the slots in block order (the same bits whichever block comes
+// last), stores y and zeroes the counter for the next launch (no block waits for another). exact 0: fp32 atomics into
+// a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
 // SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
 // as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
 // (exl_act::silu_mul, as silu_mul rounds it), also at a chunk's tail columns where tails say (ops/swiglu.py).
@@ -31,7 +32,8 @@ constexpr int kRed = 2 * 2 * (kNT / 2) * 128;           // pair 1's sums: [buffe
 
 struct SkArgs {
   WgBatch batch;
-  float* ws;                            // [2 * blocks][kPerTile]: block b's partial sums of its first / last tile
+  float* ws;                            // exact: [2 * blocks][kPerTile], block b's partial sums of its first, last tile
+  float* sum;                           // not exact: [tiles][kPerTile], zero (each finisher re-zeroes its own)
   int* count;                           // [tiles], zero before the first launch (each finisher re-zeroes its own)
   uint32_t* pair_ws;                    // SwiGLU: [column tiles][2][kPerTile / 2] half2 of finished tiles
   int* pair_count;                      // SwiGLU: [column tiles], zero likewise
@@ -39,6 +41,7 @@ struct SkArgs {
   const int* tails;                     // SwiGLU: [N / 32] column a chunk is also written at, or -1; may be null
   int64_t ldh;
   int early_w;                          // weight boxes before the PDL wait
+  int exact;                            // split tiles added in block order (finish_split)
 };
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
@@ -70,6 +73,45 @@ __device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
   const bool last = *flag;
   if (last) __threadfence();
   return last;
+}
+
+// A tile whose items span blocks first..last (pair 0's 256 threads, acc this block's sums): true in the block that
+// counts in last, acc then the tile's total. exact: each block's sums in its own slot (first: the block's first
+// tile), added in block order (a slot's loads at a time: more registers here spill the main loop's), so the bits do
+// not depend on which block finishes; else atomics into sk.sum, which the finisher reads and re-zeroes.
+__device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT / 2], int tile, int64_t first,
+                                             int64_t last, bool first_seg, int KT, int64_t items, int64_t G,
+                                             int* flag) {
+  const int tid = threadIdx.x, need = static_cast<int>(last - first);
+  if (!sk.exact) {
+    float* wt = sk.sum + static_cast<size_t>(tile) * kPerTile + tid;
+#pragma unroll
+    for (int e = 0; e < kNT / 2; ++e) atomicAdd(wt + e * 256, acc[e]);
+    if (!count_in(sk.count + tile, need, flag)) return false;
+#pragma unroll
+    for (int e = 0; e < kNT / 2; ++e) {
+      acc[e] = __ldcg(wt + e * 256);
+      wt[e * 256] = 0.f;
+    }
+    if (tid == 0) sk.count[tile] = 0;
+    return true;
+  }
+  auto slot = [&](int64_t b, bool b_first) {
+    return sk.ws + static_cast<size_t>(2 * b + (b_first ? 0 : 1)) * kPerTile + tid;
+  };
+  float* mine = slot(blockIdx.x, first_seg);
+#pragma unroll
+  for (int e = 0; e < kNT / 2; ++e) __stcg(mine + e * 256, acc[e]);
+  if (!count_in(sk.count + tile, need, flag)) return false;
+  if (tid == 0) sk.count[tile] = 0;
+#pragma unroll
+  for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
+  for (int64_t b = first; b <= last; ++b) {                  // block order: the same sums whoever finishes
+    const float* p = slot(b, range_start(b, items, G) / KT == tile);
+#pragma unroll
+    for (int e = 0; e < kNT / 2; ++e) acc[e] += __ldcg(p + e * 256);
+  }
+  return true;
 }
 
 // SwiGLU: a finished tile's values rounded to fp16 (as store_tile rounds y) into its pair slot; the second twin to
@@ -235,24 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
       for (int e = 0; e < kNT / 2; ++e) acc[e] += rb[e * 128 + (tid & 127)];
       const int64_t first = block_of(static_cast<int64_t>(tile) * KT, items, G);
       const int64_t last = block_of(static_cast<int64_t>(tile + 1) * KT - 1, items, G);
-      bool done = true;
-      if (first != last) {                                   // the tile spans blocks: the last one adds the slots
-        float* mine = sk.ws + static_cast<size_t>(2 * blockIdx.x + (seg == 0 ? 0 : 1)) * kPerTile;
-#pragma unroll
-        for (int e = 0; e < kNT / 2; ++e) __stcg(mine + e * 256 + tid, acc[e]);
-        done = count_in(sk.count + tile, static_cast<int>(last - first), last_flag);
-        if (done) {
-#pragma unroll
-          for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
-          for (int64_t b = first; b <= last; ++b) {          // block order: the same sums whoever finishes
-            const int slot = 2 * static_cast<int>(b) + (range_start(b, items, G) / KT == tile ? 0 : 1);
-            const float* p = sk.ws + static_cast<size_t>(slot) * kPerTile;
-#pragma unroll
-            for (int e = 0; e < kNT / 2; ++e) acc[e] += __ldcg(p + e * 256 + tid);
-          }
-          if (tid == 0) sk.count[tile] = 0;
-        }
-      }
+      const bool done = first == last || finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag);
       if (done) {
         const TileAt at = tile_at(tile, tiles_w, swiglu);
         if (!swiglu)
