@@ -24,7 +24,7 @@
 # mixed-width kernels), normpermold (EXL2 with EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17: the permuted
 # norm as stops 32-35 ran it, its regular instance triggering late from 17 rows; the default is the lean instance from
 # 17 rows, early everywhere), wgdecode (both formats with EXL_CORE_WG_DECODE per WG_AB_VARIANTS, in turn: the
-# stream-K wgmma kernel at 17..32 rows, off by default until measured), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
+# stream-K wgmma kernel at 17..32 rows; default "multi,single" since stop 58, "0" off, "1" with the SwiGLU pair), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
 # their main chunks instead of running them as K rows of their own; off by default until measured), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
@@ -363,7 +363,8 @@ if has l2on; then   # A/B: the prompt's W persisting in L2 (EXL_CORE_DEQUANT_L2=
     --decode-after-prompt --json "$OUT/gpu_h200_l2on.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has wgdecode; then  # A/B: qgemm_wg_decode (stream-K wgmma) at 17..32 rows, EXL_CORE_WG_DECODE per WG_AB_VARIANTS
-  # (default "0 1"; "multi": q/k/v-style launches only), processes in turn for WG_AB_ROUNDS rounds (default 2)
+  # (default "0 1"; kinds multi, single, pair: ops/cuda_wg_decode.py), processes in turn for WG_AB_ROUNDS rounds
+  # (default 2)
   for r in $(seq 1 ${WG_AB_ROUNDS:-2}); do
     for v in ${WG_AB_VARIANTS:-0 1}; do
       EXL_CORE_WG_DECODE=$v timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \

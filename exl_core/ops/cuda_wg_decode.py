@@ -1,16 +1,22 @@
 """Which batch-decode launches qgemm_wg_decode takes (csrc/cuda/qgemm_wg_decode_cuda.cu: wgmma, stream-K, sm_90),
 split from cuda_candidates.py, which routes to it (its _route / _many_run).
 
-On by default since stop 58: its probe read q/k/v 20.32 us against qgemm_wide's 23.62 at 32 rows, 11008x4096 18.78
-against 25.35 (stop 57, bench/wgmma_probe.cu decode32); in the model (stop 58 call 1, bench --quick, one round) batch
-32 GPTQ 8,408.54 against 8,237.95 tok/s off, EXL2 7,854.41 against 7,643.49.  Its timeline (stop 58 call 2, adds a
-layer at 32 rows against the kernels it replaced): down 18.88 against qgemm_kslice's 21.92, q/k/v 20.96 against
-qgemm_wide's 21.44, o (4096 x 4096) 11.52 against qgemm_kslice's 9.79 -- so a launch takes it only from MIN_ELEMS
-weight elements (o stays on qgemm_kslice).  SwiGLU's gate/up pair on it (qgemm_wg_swiglu) lost in the same call's
-timeline: 36.08 us a layer against qgemm_wide_swiglu's 30.53 (GPTQ), so kind "pair" is off by default.
+On by default since stop 58 (GPTQ 7B shapes at 32 rows, figures truncated; timelines: bench/decode_timeline.py, adds a
+layer, medians over layers 2-31, us):
+- stop 57's probe: q/k/v 20.32 against qgemm_wide's 23.62, 11008x4096 18.78 against 25.35 (bench/wgmma_probe.cu).
+- stop 58 call 2 (the atomics' finish, o on it): down 18.87 against qgemm_kslice's 22.09, q/k/v 20.95 against
+  qgemm_wide's 21.47, o (4096 x 4096) 11.55 against qgemm_kslice's 10.01 -- so a launch takes it only from MIN_ELEMS
+  weight elements and o stays on qgemm_kslice.
+- call 3: SwiGLU's gate/up pair on it (qgemm_wg_swiglu) 36.07 against qgemm_wide_swiglu's 30.52, so kind "pair" is
+  off by default.
+- call 4, same process, untraced steps: the exact finish (default) 3,860.09, the atomics' 3,785.53, off 3,892.77 (EXL2
+  4,126.38 / 4,040.19 / 4,185.57); down 21.34 / 18.94 / 22.11 -- the exact finish reads a split tile's slots one block
+  at a time, and down's 172 k-tiles span 5-6 blocks (41.6 items a block). bench --quick: batch 32 GPTQ 8,278.01
+  against 8,229.19 off, EXL2 7,716.56 against 7,628.64.
 EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/v-style launches), "single" (one
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
-EXL_CORE_WG_EXACT=0: split tiles added by fp32 atomics (run-to-run bits may differ) instead of in block order.
+EXL_CORE_WG_EXACT=0: split tiles added by fp32 atomics (faster, above; the bits may differ from run to run) instead of
+in block order (the same bits every run).
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
 EXACT = os.environ.get("EXL_CORE_WG_EXACT", "1") != "0"
 KINDS = ("multi", "single", "pair")
 MIN_ROWS, MAX_ROWS = 17, 32
-MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.1 M, not o's 16.8 M
+MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.0 M, not o's 16.7 M
 MAX_TILES = 1024            # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
 _READY: set = set()         # devices where the op has run (its workspace exists: graph captures may use it)
 _CC_MAJOR: dict = {}
