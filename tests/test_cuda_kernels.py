@@ -34,6 +34,17 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def tiny_gptq_model(tiny_model_factory, tmp_path, kv_heads: int = 2):
+    """A tiny random Llama (hidden 256, MLP 512, 4 heads) quantized to GPTQ 4-bit g128 and loaded on the GPU in fp16:
+    the model-level decode tests' subject."""
+    from exl_core.loader import load_model
+    from exl_core.quantize.rtn import quantize_model_rtn
+    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=kv_heads)
+    d = quantize_model_rtn(src, tmp_path / "q", fmt="gptq", bits=4, group_size=128, act_order=False)
+    return load_model(d, device="cuda", dtype=torch.float16, load_tokenizer=False)[0]
+
+
 def random_packed(K_groups, N, *, perm=True, bias=False, seed=None) -> PackedWeight:
     """K_groups: [(bits, k_len)] along the permuted rows. Random words cover every bit pattern."""
     g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))

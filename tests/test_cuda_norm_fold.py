@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from exl_core.formats.packed import dequantize_reference
-from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err, tiny_gptq_model
 
 pytestmark = pytest.mark.cuda
 
@@ -147,14 +147,9 @@ def test_many_normed_refuses_what_it_cannot_fold():
 def test_model_decode_folded_matches_unfused(tiny_model_factory, tmp_path, B, monkeypatch):
     """A GPTQ model's decode step with the folds on (counted) and off: the same logits up to fp16 rounding."""
     _need_kernels()
-    from exl_core.loader import load_model
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_norm_fold as nf
-    from exl_core.quantize.rtn import quantize_model_rtn
-    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2)
-    d = quantize_model_rtn(src, tmp_path / "q", fmt="gptq", bits=4, group_size=128, act_order=False)
-    model, _ = load_model(d, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    model = tiny_gptq_model(tiny_model_factory, tmp_path)
     wide_ok = cc._wide_ok
 
     def multi_wide(rows, pws, device, any_rows=False):

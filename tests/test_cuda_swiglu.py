@@ -4,14 +4,13 @@ with it against without.  The stream-K wgmma kernels (qgemm_wg_*, on by default 
 tested in test_cuda_wg_decode.py.  Helpers from test_cuda_kernels."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from exl_core.formats.packed import dequantize_reference
-from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err, tiny_gptq_model
 
 pytestmark = pytest.mark.cuda
 
@@ -93,14 +92,9 @@ def test_pair_refuses_what_it_does_not_run(monkeypatch):
 def test_model_decode_with_pair_matches_without(tiny_model_factory, tmp_path, monkeypatch):
     """A GPTQ model's 20-row decode step with the pair on (counted) and off: the same logits, bit for bit."""
     _need_kernels()
-    from exl_core.loader import load_model
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_swiglu, swiglu
-    from exl_core.quantize.rtn import quantize_model_rtn
-    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2)
-    d = quantize_model_rtn(src, tmp_path / "q", fmt="gptq", bits=4, group_size=128, act_order=False)
-    model, _ = load_model(d, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    model = tiny_gptq_model(tiny_model_factory, tmp_path)
     monkeypatch.setattr(cc, "WIDE_U4_MIN_TILES", 1)
     B, T = 20, 9
     ids = torch.randint(0, model.config.vocab_size, (B, T))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from exl_core.formats.packed import dequantize_reference
-from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err
+from test_cuda_kernels import _need_kernels, poison_allocator, random_packed, rel_err, tiny_gptq_model
 
 pytestmark = pytest.mark.cuda
 
@@ -186,14 +186,8 @@ def test_model_decode_on_wg(tiny_model_factory, tmp_path, monkeypatch):
     """A GPTQ model's 20-row decode step with the stream-K kernels taking q/k/v, o, down and the SwiGLU pair (size
     floor off: the model is tiny) against the same step without them: the same logits up to fp16 rounding."""
     _need_wg()
-    import random
-    from exl_core.loader import load_model
     from exl_core.ops import cuda_wg_decode as wg
-    from exl_core.quantize.rtn import quantize_model_rtn
-    src = tiny_model_factory("llama", seed=random.randrange(1000), hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=4)
-    d = quantize_model_rtn(src, tmp_path / "q", fmt="gptq", bits=4, group_size=128, act_order=False)
-    model, _ = load_model(d, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    model = tiny_gptq_model(tiny_model_factory, tmp_path, kv_heads=4)      # q, k, v of one shape: one launch
     monkeypatch.setattr(wg, "MIN_ELEMS", 0)
     calls = {"plain": 0, "pair": 0}
     run, run_swiglu = wg.run, wg.run_swiglu
