@@ -204,7 +204,8 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
-    cases += [(32, v) for v in ("wg_off", "wg_pair", "wg_o", "wg_late_w", "wg_atomic") if f"{fmt}:32:{v}" in keep]  # stop 58
+    wg_variants = ("wg_off", "wg_pair", "wg_o", "wg_late_w", "wg_atomic")          # stop 58: any format
+    cases += [(32, v) for v in wg_variants if f"{fmt}:32:{v}" in keep]
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
         if not cases:

@@ -363,12 +363,12 @@ if has l2on; then   # A/B: the prompt's W persisting in L2 (EXL_CORE_DEQUANT_L2=
     --decode-after-prompt --json "$OUT/gpu_h200_l2on.json" 2>&1 | tee -a "$LOG" | tail -14
 fi
 if has wgdecode; then  # A/B: qgemm_wg_decode (stream-K wgmma) at 17..32 rows, EXL_CORE_WG_DECODE per WG_AB_VARIANTS
-  # (default "0 1"; kinds multi, single, pair: ops/cuda_wg_decode.py), processes in turn for WG_AB_ROUNDS rounds
-  # (default 2)
+  # (default "0 multi,single"; kinds multi, single, pair: ops/cuda_wg_decode.py), processes in turn for
+  # WG_AB_ROUNDS rounds (default 2); the JSONs' names have "_" for the list's commas
   for r in $(seq 1 ${WG_AB_ROUNDS:-2}); do
-    for v in ${WG_AB_VARIANTS:-0 1}; do
+    for v in ${WG_AB_VARIANTS:-0 multi,single}; do
       EXL_CORE_WG_DECODE=$v timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
-        --quick --json "$OUT/gpu_h200_wg_${v}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|32)_decode"
+        --quick --json "$OUT/gpu_h200_wg_${v//,/_}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|32)_decode"
     done
   done
 fi

@@ -1,9 +1,8 @@
 """SwiGLU's gate/up pair in one batch-decode launch (ops/swiglu.py, exl_core::qgemm_wide_swiglu): against the two
 launches (qgemm_wide_multi, then silu_mul) bit for bit and against float64; what it refuses; a model's decode step
-with it against without.  The stream-K wgmma kernels (qgemm_wg_*, on by default on sm_90) are off here: their pair is
-tested in test_cuda_wg_decode.py.  Helpers from test_cuda_kernels."""
+with it against without.  The stream-K wgmma kernels (qgemm_wg_decode is on by default on sm_90; its pair,
+qgemm_wg_swiglu, is not) are off here: they are tested in test_cuda_wg_decode.py.  Helpers from test_cuda_kernels."""
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ pytestmark = pytest.mark.cuda
 def _no_wg(monkeypatch):
     from exl_core.ops import cuda_wg_decode
     monkeypatch.setattr(cuda_wg_decode, "WG_DECODE", "0")
+
 
 # k32: one chunk, so one K split (cluster_store_swiglu's S == 1 branch)
 LAYOUTS = {"k512": [(4, 128)] * 4, "k4096": [(4, 128)] * 32, "k1024_g32": [(4, 32)] * 32, "k32": [(4, 32)]}

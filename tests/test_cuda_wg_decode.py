@@ -64,10 +64,12 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("M", [17, 32])
 @pytest.mark.parametrize("with_tails", [False, True])
-def test_wg_swiglu_vs_float64(case, M, with_tails):
+@pytest.mark.parametrize("exact", [True, False])
+def test_wg_swiglu_vs_float64(case, M, with_tails, exact):
     """silu(x W_gate) * (x W_up) in one launch against float64, against the plain launch's two outputs through
     silu_mul (the same fp16 roundings; the sums may split differently, so up to a rounding step), the same bits
-    twice; with tails, each chunk's copy at its tail columns."""
+    twice (exact; by atomics close); with tails, each chunk's copy at its tail columns.  (exact=False added after
+    stop 58's last device call.)"""
     _need_wg()
     from exl_core.ops.activation import silu_mul
     from exl_core.ops.cuda_candidates import chunk_table
@@ -89,9 +91,11 @@ def test_wg_swiglu_vs_float64(case, M, with_tails):
         cols = N + 32 * len(picked)
         tails = tails.cuda()
     poison_allocator()
-    args = (x.cuda(), [c.qweight for c in cs], chunks, [c.scale for c in cs], [c.zero for c in cs], tails, cols)
+    args = (x.cuda(), [c.qweight for c in cs], chunks, [c.scale for c in cs], [c.zero for c in cs], tails, cols, exact)
     h = torch.ops.exl_core.qgemm_wg_swiglu(*args)
-    assert h.shape == (M, cols or N) and torch.equal(torch.ops.exl_core.qgemm_wg_swiglu(*args), h)
+    again = torch.ops.exl_core.qgemm_wg_swiglu(*args)       # the pair and tile counters left zero (and the sums)
+    assert h.shape == (M, cols or N)
+    assert torch.equal(again, h) if exact else rel_err(again[:, :N], h[:, :N].double().cpu()) < 1e-3
     xd = x.double()
     ref = torch.nn.functional.silu(xd @ dequantize_reference(gate)) * (xd @ dequantize_reference(up))
     assert rel_err(h[:, :N], ref) < 3e-3

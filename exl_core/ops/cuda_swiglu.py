@@ -5,8 +5,9 @@ silu(gate) * up rounded as the two launches round it.
 Why: bench/decode_timeline.py put the silu_mul launch at 65.8 us of a traced 3,897.9 us GPTQ batch-32 step on the H200
 (stop 28 call 1: ~2 us a layer on the critical path), and the gate/up launch wrote both products (1.4 MB a layer).
 Same call (stop 28 call 3): batch 32 8,253.1 against 8,105.9 tok/s with it off (1.0181x).
-Since stop 58 the pair runs on qgemm_wg_swiglu (the stream-K wgmma kernel, ops/cuda_wg_decode.py, an sm_90 GPU)
-where that kernel takes the two weights (EXL_CORE_WG_DECODE kind "pair"), else on qgemm_wide_swiglu.
+Since stop 58 the pair can run on qgemm_wg_swiglu (the stream-K wgmma kernel, ops/cuda_wg_decode.py, an sm_90 GPU)
+where that kernel takes the two weights and EXL_CORE_WG_DECODE turns its kind "pair" on -- off by default: it lost to
+qgemm_wide_swiglu (stop 58 call 3, 36.07 against 30.52 us a layer) --, else on qgemm_wide_swiglu.
 EXL_CORE_WIDE_SWIGLU=0: off, either kernel (A/B). The dispatcher's op is "qmatmul_swiglu": EXL_CORE_FORCE_KERNEL /
 EXL_CORE_DISABLE_KERNEL settings for qmatmul_many do not reach it.
 """
@@ -45,10 +46,14 @@ def _check(x, gate, up, tails=None) -> Optional[str]:
             return f"tails {t.dtype} {tuple(t.shape)} on {t.device} with {cols} columns do not fit N = {N}"
     if _on_wg(x, rows, pws):
         return None
+    return _wide_why(x, rows, pws)
+
+
+def _wide_why(x, rows: int, pws) -> Optional[str]:
+    """Why qgemm_wide_swiglu does not take these rows, or None."""
     if not cc._has_cuda_kernel("qgemm_wide_swiglu"):
         return "extension built without qgemm_wide_swiglu"
-    gs = cc._pws_group_shift(pws)
-    if gs < 0:
+    if cc._pws_group_shift(pws) < 0:
         return "the pair kernel takes regular groups (one group shift for both weights)"
     if not cc._wide_ok(rows, pws, x.device):     # the pair launches with the plan of this check (the two launches')
         return "these rows do not run qgemm_wide"
@@ -66,6 +71,8 @@ def _run(x, gate, up, tails=None):
         t, cols = tails if tails is not None else (None, 0)
         y = wg.run_swiglu(x2, gate, up, [cc._chunks_of(pw) for pw in pws], t, cols)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+    if _wide_why(x, x2.shape[0], pws) is not None:     # _check chose the wg kernel, which no longer takes them
+        return None                                     # (nothing done: the caller runs the two launches)
     qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)
     t, cols = tails if tails is not None else (None, 0)
     twins, k_main = cc._wide_twins(x2.shape[0], pws, x.device)

@@ -63,7 +63,7 @@ def _cc_major(idx: int) -> int:
 
 def kind_on(kind: str) -> bool:
     """WG_DECODE turns this kind of launch (one of KINDS) on."""
-    return WG_DECODE == "1" or kind in WG_DECODE.split(",")
+    return WG_DECODE == "1" or kind in {k.strip() for k in WG_DECODE.split(",")}
 
 
 def wg_ok(rows: int, pws, device, kind: str) -> bool:

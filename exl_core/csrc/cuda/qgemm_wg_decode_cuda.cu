@@ -1,7 +1,7 @@
 // exl_core::qgemm_wg_decode: y_i = x W_i at batch-decode rows (17..32) on Hopper's wgmma, stream-K
 // (qgemm_wg_streamk_kernel.cuh): one block an SM over the launch's (column tile, 64-row k-tile) items.
 // exl_core::qgemm_wg_swiglu: the same for SwiGLU's gate and up, writing only silu(x W_gate) * (x W_up) (ops/swiglu.py:
-// tails, out_cols as qgemm_wide_swiglu takes them).
+// tails as qgemm_wide_swiglu takes them; columns past N get values only where tails put a chunk's copy).
 //
 // Why: at 32 rows qgemm_wide's blocks issue their dequantise with ~2.5 warps a scheduler, and its grid of one block
 // a (column tile, K split) leaves the tail of a wave idle. In bench/wgmma_probe.cu (stop 57 call 14, us a launch,
@@ -159,7 +159,7 @@ std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qwei
 
 // silu(x W_gate) * (x W_up) as fp16 [M, out_cols] (out_cols 0: N); tails int32 [N / 32] on x's GPU or none: chunk c of
 // the product also at columns tails[c] .. + 31 where tails[c] >= 0 (the caller checks the columns fit, as for
-// qgemm_wide_swiglu).
+// qgemm_wide_swiglu). Columns past N that no tail covers are left unwritten (callers pass out_cols only with tails).
 at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
                            at::TensorList zero, const c10::optional<at::Tensor>& tails, int64_t out_cols, bool exact) {
   const char* op = "exl_core::qgemm_wg_swiglu";
