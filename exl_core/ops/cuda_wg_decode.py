@@ -15,10 +15,8 @@ layer, medians over layers 2-31, us):
   against 8,229.19 off, EXL2 7,716.56 against 7,628.64.
 EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/v-style launches), "single" (one
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
-EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the
-same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run;
-EXL_CORE_WG_EXACT=0 also picks it, as in stop 58's runs), "ordered_smem" (block order, the slots copied into shared
-memory a few at once: the same bits as "ordered"; written after stop 58's last device call, not yet run on a GPU).
+EXL_CORE_WG_EXACT=0: split tiles added by fp32 atomics (faster, above; the bits may differ from run to run) instead of
+in block order (the same bits every run).
 """
 from __future__ import annotations
 
@@ -30,20 +28,7 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
-FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2}      # csrc qgemm_wg_streamk_kernel.cuh Finish
-
-
-def finish_setting(env=os.environ) -> int:
-    """The split tiles' finish the environment asks for (module docstring)."""
-    if env.get("EXL_CORE_WG_EXACT") == "0":
-        return FINISHES["atomic"]
-    v = env.get("EXL_CORE_WG_FINISH", "ordered")
-    if v not in FINISHES:
-        raise ValueError(f"EXL_CORE_WG_FINISH={v!r}: expected one of {', '.join(FINISHES)}")
-    return FINISHES[v]
-
-
-FINISH = finish_setting()
+EXACT = os.environ.get("EXL_CORE_WG_EXACT", "1") != "0"
 KINDS = ("multi", "single", "pair")
 MIN_ROWS, MAX_ROWS = 17, 32
 MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.0 M, not o's 16.7 M
@@ -107,7 +92,7 @@ def wg_ok(rows: int, pws, device, kind: str) -> bool:
 def run(x2, pws, chunks) -> list:
     """[x2 @ W] for each weight (chunks: their chunk tables), in one launch."""
     ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], chunks, [pw.scale for pw in pws],
-                                            [pw.zero for pw in pws], FINISH)
+                                            [pw.zero for pw in pws], EXACT)
     _READY.add(x2.device.index or 0)
     return ys
 
@@ -115,6 +100,6 @@ def run(x2, pws, chunks) -> list:
 def run_swiglu(x2, gate, up, chunks, tails=None, cols: int = 0):
     """silu(x2 @ gate) * (x2 @ up) in one launch as fp16 [rows, cols or N]; tails as ops/swiglu.py says."""
     h = torch.ops.exl_core.qgemm_wg_swiglu(x2, [gate.qweight, up.qweight], chunks, [gate.scale, up.scale],
-                                           [gate.zero, up.zero], tails, cols, FINISH)
+                                           [gate.zero, up.zero], tails, cols, EXACT)
     _READY.add(x2.device.index or 0)
     return h
