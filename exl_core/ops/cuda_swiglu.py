@@ -67,14 +67,11 @@ def _on_wg(x, rows: int, pws) -> bool:
 def _run(x, gate, up, tails=None):
     x2 = x.reshape(-1, gate.in_features).contiguous()
     pws = [gate, up]
-    if _on_wg(x, x2.shape[0], pws):
-        t, cols = tails if tails is not None else (None, 0)
+    t, cols = tails if tails is not None else (None, 0)
+    if _on_wg(x, x2.shape[0], pws):             # _check's choice (nothing it reads changes between the two)
         y = wg.run_swiglu(x2, gate, up, [cc._chunks_of(pw) for pw in pws], t, cols)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    if _wide_why(x, x2.shape[0], pws) is not None:     # _check chose the wg kernel, which no longer takes them
-        return None                                     # (nothing done: the caller runs the two launches)
     qweight, chunks, scale, zero, _perm, bias = cc._weights_args(pws, x.device, x.dtype)   # no permutations (the check)
-    t, cols = tails if tails is not None else (None, 0)
     twins, k_main = cc._wide_twins(x2.shape[0], pws, x.device)
     y = torch.ops.exl_core.qgemm_wide_swiglu(x2, qweight, chunks, scale, zero, bias,
                                              min_group=min(cc._min_group(pw) for pw in pws),

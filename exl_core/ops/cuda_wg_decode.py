@@ -20,6 +20,7 @@ in block order (the same bits every run).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,7 +34,8 @@ KINDS = ("multi", "single", "pair")
 MIN_ROWS, MAX_ROWS = 17, 32
 MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.0 M, not o's 16.7 M
 MAX_TILES = 1024            # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
-_READY: set = set()         # devices where the op has run (its workspace exists: graph captures may use it)
+_READY: set = set()         # (device, pair, exact) the op has run with: the workspace it needs exists, so graph
+                            # captures may use it (qgemm_wg_decode_cuda.cu allocates each part on first need)
 _CC_MAJOR: dict = {}
 
 
@@ -61,22 +63,27 @@ def _cc_major(idx: int) -> int:
     return _CC_MAJOR[idx]
 
 
+@functools.lru_cache(maxsize=8)
+def _kinds(setting: str) -> frozenset:
+    return frozenset(KINDS) if setting == "1" else frozenset(k.strip() for k in setting.split(","))
+
+
 def kind_on(kind: str) -> bool:
     """WG_DECODE turns this kind of launch (one of KINDS) on."""
-    return WG_DECODE == "1" or kind in {k.strip() for k in WG_DECODE.split(",")}
+    return kind in _kinds(WG_DECODE)
 
 
 def wg_ok(rows: int, pws, device, kind: str) -> bool:
     """The op for these fp16 rows (the caller checks the dtype and the weights' 16-byte alignment): WG_DECODE on for
     this kind of launch, 17..32 rows, an sm_90 device, 1..3 weights of one shape and group layout (layout_ok) within
-    MAX_TILES and of MIN_ELEMS elements or more; its first call on a device not inside a graph capture (it allocates
-    the stream-K workspace then)."""
+    MAX_TILES and of MIN_ELEMS elements or more; its first call on a device for this kind's workspace (the pair's
+    buffers, the atomics' sums) not inside a graph capture (it allocates them then)."""
     if not MIN_ROWS <= rows <= MAX_ROWS or not kind_on(kind):
         return False
     if not (1 <= len(pws) <= 3 and has_cuda_kernel("qgemm_wg_decode")):
         return False
     idx = device.index or 0
-    if idx not in _READY and torch.cuda.is_current_stream_capturing():
+    if (idx, kind == "pair", EXACT) not in _READY and torch.cuda.is_current_stream_capturing():
         return False
     first = pws[0]
     if _cc_major(idx) != 9 or not all(layout_ok(pw) for pw in pws):
@@ -93,7 +100,7 @@ def run(x2, pws, chunks) -> list:
     """[x2 @ W] for each weight (chunks: their chunk tables), in one launch."""
     ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], chunks, [pw.scale for pw in pws],
                                             [pw.zero for pw in pws], EXACT)
-    _READY.add(x2.device.index or 0)
+    _READY.add((x2.device.index or 0, False, EXACT))
     return ys
 
 
@@ -101,5 +108,5 @@ def run_swiglu(x2, gate, up, chunks, tails=None, cols: int = 0):
     """silu(x2 @ gate) * (x2 @ up) in one launch as fp16 [rows, cols or N]; tails as ops/swiglu.py says."""
     h = torch.ops.exl_core.qgemm_wg_swiglu(x2, [gate.qweight, up.qweight], chunks, [gate.scale, up.scale],
                                            [gate.zero, up.zero], tails, cols, EXACT)
-    _READY.add(x2.device.index or 0)
+    _READY.add((x2.device.index or 0, True, EXACT))
     return h

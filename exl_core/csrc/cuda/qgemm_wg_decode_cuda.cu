@@ -36,33 +36,40 @@ namespace {
 constexpr int kStages = 8;
 constexpr int64_t kMaxTiles = 1024;                 // column tiles of 128 a launch the workspace covers
 
-// A device's stream-K workspace: two partial-sum slots a block, the atomics' tile sums (zero), SwiGLU's pair slots,
-// and the tile and pair counters (zero; each launch leaves the sums and counters zero).
+// A device's stream-K workspace: two partial-sum slots a block (the ordered finish), the atomics' tile sums (zero),
+// SwiGLU's pair slots, and the tile and pair counters (zero; each launch leaves the sums and counters zero). The
+// atomics' sums (16 MiB) and the pair's buffers (8 MiB) are made only when a call first needs them.
 struct Work {
   at::Tensor ws, sum, count, pair_ws, pair_count;
 };
 
-Work& work_for(const at::Device& dev) {
+// The workspace of x's device with what this call needs: every allocation must happen outside a CUDA graph capture
+// (the graph would own it), so the first call on a device -- and the first with the atomics' finish or the SwiGLU
+// pair -- must run eagerly (ops/cuda_wg_decode.py tracks which have).
+Work& work_for(const char* op, const at::Device& dev, bool atomic, bool pair) {
   static std::mutex mu;
   static Work works[64];
   const int i = dev.index() < 0 ? 0 : dev.index() % 64;
   std::lock_guard<std::mutex> lock(mu);
   Work& w = works[i];
+  if (w.ws.defined() && (!atomic || w.sum.defined()) && (!pair || w.pair_ws.defined())) return w;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &cap));
+  TORCH_CHECK(cap == cudaStreamCaptureStatusNone, op, ": the first call on a device (and the first with the atomics' "
+              "finish or the SwiGLU pair) must run outside a CUDA graph capture: it allocates the stream-K workspace");
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
   if (!w.ws.defined()) {
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &cap));
-    TORCH_CHECK(cap == cudaStreamCaptureStatusNone, "exl_core::qgemm_wg_decode: the first call on a device must run "
-                "outside a CUDA graph capture (it allocates the stream-K workspace)");
-    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
     w.count = at::zeros({kMaxTiles}, f32.dtype(at::kInt));
     exl_wg_sk::wg_streamk_built<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(w.count.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const bool built = w.count[0].item<int>() == 1;           // a sync, once a device
     w.count.zero_();
-    TORCH_CHECK(built, "exl_core::qgemm_wg_decode: this build has no sm_90a code for it (set EXL_CORE_CUDA_ARCHS to "
-                "include 90a and rebuild)");
+    TORCH_CHECK(built, op, ": this build has no sm_90a code for it (set EXL_CORE_CUDA_ARCHS to include 90a and "
+                "rebuild)");
     w.ws = at::empty({2 * exl_pdl::device_sm(w.count.get_device(), false), exl_wg_sk::kPerTile}, f32);
-    w.sum = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
+  }
+  if (atomic && !w.sum.defined()) w.sum = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
+  if (pair && !w.pair_ws.defined()) {
     w.pair_ws = at::empty({kMaxTiles / 2, 2, exl_wg_sk::kPerTile / 2}, f32.dtype(at::kInt));
     w.pair_count = at::zeros({kMaxTiles / 2}, f32.dtype(at::kInt));
   }
@@ -130,15 +137,15 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   const int64_t tiles = static_cast<int64_t>(n) * ((N + exl_wg::kBF - 1) / exl_wg::kBF);
   TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
               kMaxTiles);
-  Work& w = work_for(x.device());
+  Work& w = work_for(op, x.device(), !exact, h.defined());
   sk.ws = w.ws.data_ptr<float>();
-  sk.sum = w.sum.data_ptr<float>();
+  sk.sum = exact ? nullptr : w.sum.data_ptr<float>();
   sk.exact = exact;
   sk.count = w.count.data_ptr<int>();
-  sk.pair_ws = reinterpret_cast<uint32_t*>(w.pair_ws.data_ptr<int>());
-  sk.pair_count = w.pair_count.data_ptr<int>();
   sk.early_w = exl_pdl::env_on("EXL_CORE_WG_EARLY_W");     // read a call (graph captures fix it), for A/B runs
   if (h.defined()) {
+    sk.pair_ws = reinterpret_cast<uint32_t*>(w.pair_ws.data_ptr<int>());
+    sk.pair_count = w.pair_count.data_ptr<int>();
     sk.h = reinterpret_cast<__half*>(h.data_ptr());
     sk.ldh = h.size(1);
     if (tails && tails->defined()) sk.tails = tails->data_ptr<int>();
