@@ -2,8 +2,9 @@
 qgemm_wg_streamk_kernel.cuh): y_i = x W_i, or silu(x W_gate) * (x W_up), for 17..32 rows of uniform 4-bit weights on
 an sm_90 GPU, against float64 references on shapes whose column tiles split across blocks and leave tails, outputs on
 NaN-poisoned memory; the same bits again (its counters left zero, its split tiles added in block order) and with the
-weight boxes after the PDL wait; the atomics' form (exact=False); the dispatch switch and size floor; a model's
-decode step on it; and its refusals.  Skips without an sm_90 GPU."""
+weight boxes after the PDL wait; the atomics' finish and the ordered one through shared memory (the same bits as
+the plain ordered one); the dispatch switch and size floor; a model's decode step on it; and its refusals.  Skips
+without an sm_90 GPU."""
 from __future__ import annotations
 
 import pytest
@@ -24,9 +25,12 @@ def _need_wg():
         pytest.fail("exl_core._C has CUDA kernels but no qgemm_wg_decode")
 
 
-def _call(x, cs, chunks, exact=True):
+ATOMIC, ORDERED, ORDERED_SMEM = 0, 1, 2          # the split tiles' finishes (ops/cuda_wg_decode.py FINISHES)
+
+
+def _call(x, cs, chunks, finish=ORDERED):
     return torch.ops.exl_core.qgemm_wg_decode(x, [c.qweight for c in cs], chunks, [c.scale for c in cs],
-                                              [c.zero for c in cs], exact)
+                                              [c.zero for c in cs], finish)
 
 
 # (group layout of (bits, rows), N, weights): K 640 with 128- and 64-row groups; N with a tail past 128-column tiles;
@@ -50,26 +54,27 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
     poison_allocator()
     ys = _call(x.cuda(), cs, chunks)
     again = _call(x.cuda(), cs, chunks)           # the counters the first launch left zero; the same sums
-    atomic = _call(x.cuda(), cs, chunks, exact=False)     # split tiles by fp32 atomics into the zeroed sums
-    atomic2 = _call(x.cuda(), cs, chunks, exact=False)    # which the first left zero
+    atomic = _call(x.cuda(), cs, chunks, ATOMIC)          # split tiles by fp32 atomics into the zeroed sums
+    atomic2 = _call(x.cuda(), cs, chunks, ATOMIC)         # which the first left zero
+    smem = _call(x.cuda(), cs, chunks, ORDERED_SMEM)      # the same order through shared memory: the same bits
     monkeypatch.setenv("EXL_CORE_WG_EARLY_W", "0")
     late = _call(x.cuda(), cs, chunks)
-    for y, y2, y3, ya, ya2, pw in zip(ys, again, late, atomic, atomic2, pws):
+    for y, y2, y3, ys2, ya, ya2, pw in zip(ys, again, late, smem, atomic, atomic2, pws):
         ref = x.double() @ dequantize_reference(pw)
         assert y.shape == (M, N) and rel_err(y, ref) < 2e-3
-        assert torch.equal(y2, y) and torch.equal(y3, y)
+        assert torch.equal(y2, y) and torch.equal(y3, y) and torch.equal(ys2, y)
         assert rel_err(ya, ref) < 2e-3 and rel_err(ya2, ref) < 2e-3
 
 
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("M", [17, 32])
 @pytest.mark.parametrize("with_tails", [False, True])
-@pytest.mark.parametrize("exact", [True, False])
-def test_wg_swiglu_vs_float64(case, M, with_tails, exact):
+@pytest.mark.parametrize("finish", [ORDERED, ATOMIC, ORDERED_SMEM])
+def test_wg_swiglu_vs_float64(case, M, with_tails, finish):
     """silu(x W_gate) * (x W_up) in one launch against float64, against the plain launch's two outputs through
     silu_mul (the same fp16 roundings; the sums may split differently, so up to a rounding step), the same bits
-    twice (exact; by atomics close); with tails, each chunk's copy at its tail columns.  (exact=False added after
-    stop 58's last device call.)"""
+    twice (ordered finishes; by atomics close); with tails, each chunk's copy at its tail columns.  (The atomic and
+    shared-memory finishes here were added after stop 58's last device call.)"""
     _need_wg()
     from exl_core.ops.activation import silu_mul
     from exl_core.ops.cuda_candidates import chunk_table
@@ -91,11 +96,14 @@ def test_wg_swiglu_vs_float64(case, M, with_tails, exact):
         cols = N + 32 * len(picked)
         tails = tails.cuda()
     poison_allocator()
-    args = (x.cuda(), [c.qweight for c in cs], chunks, [c.scale for c in cs], [c.zero for c in cs], tails, cols, exact)
-    h = torch.ops.exl_core.qgemm_wg_swiglu(*args)
-    again = torch.ops.exl_core.qgemm_wg_swiglu(*args)       # the pair and tile counters left zero (and the sums)
+    args = (x.cuda(), [c.qweight for c in cs], chunks, [c.scale for c in cs], [c.zero for c in cs], tails, cols)
+    h = torch.ops.exl_core.qgemm_wg_swiglu(*args, finish)
+    again = torch.ops.exl_core.qgemm_wg_swiglu(*args, finish)   # the pair and tile counters left zero (and the sums)
     assert h.shape == (M, cols or N)
-    assert torch.equal(again, h) if exact else rel_err(again[:, :N], h[:, :N].double().cpu()) < 1e-3
+    if finish == ATOMIC:
+        assert rel_err(again[:, :N], h[:, :N].double().cpu()) < 1e-3
+    else:                                                        # both ordered finishes: one order, the same bits
+        assert torch.equal(again, h) and torch.equal(h, torch.ops.exl_core.qgemm_wg_swiglu(*args, ORDERED))
     xd = x.double()
     ref = torch.nn.functional.silu(xd @ dequantize_reference(gate)) * (xd @ dequantize_reference(up))
     assert rel_err(h[:, :N], ref) < 3e-3

@@ -32,3 +32,14 @@ def test_wg_kinds(setting, on, monkeypatch):
     from exl_core.ops import cuda_wg_decode as wg
     monkeypatch.setattr(wg, "WG_DECODE", setting)
     assert {k for k in wg.KINDS if wg.kind_on(k)} == on
+
+
+def test_wg_finish_setting():
+    """EXL_CORE_WG_FINISH picks the split tiles' finish (EXL_CORE_WG_EXACT=0: the atomics', as stop 58 ran it); an
+    unknown value is an error that names the variable."""
+    from exl_core.ops.cuda_wg_decode import FINISHES, finish_setting
+    assert finish_setting({}) == FINISHES["ordered"]
+    assert finish_setting({"EXL_CORE_WG_FINISH": "ordered_smem"}) == FINISHES["ordered_smem"]
+    assert finish_setting({"EXL_CORE_WG_EXACT": "0", "EXL_CORE_WG_FINISH": "ordered"}) == FINISHES["atomic"]
+    with pytest.raises(ValueError, match="EXL_CORE_WG_FINISH='fast'"):
+        finish_setting({"EXL_CORE_WG_FINISH": "fast"})

@@ -15,8 +15,10 @@ layer, medians over layers 2-31, us):
   against 8,229.19 off, EXL2 7,716.56 against 7,628.64.
 EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/v-style launches), "single" (one
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
-EXL_CORE_WG_EXACT=0: split tiles added by fp32 atomics (faster, above; the bits may differ from run to run) instead of
-in block order (the same bits every run).
+EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the
+same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run;
+EXL_CORE_WG_EXACT=0 also picks it, as in stop 58's runs), "ordered_smem" (block order, the slots copied into shared
+memory a few at once: the same bits as "ordered"; written after stop 58's last device call, not yet run on a GPU).
 """
 from __future__ import annotations
 
@@ -29,12 +31,25 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
-EXACT = os.environ.get("EXL_CORE_WG_EXACT", "1") != "0"
+FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2}      # csrc qgemm_wg_streamk_kernel.cuh Finish
+
+
+def finish_setting(env=os.environ) -> int:
+    """The split tiles' finish the environment asks for (module docstring)."""
+    if env.get("EXL_CORE_WG_EXACT") == "0":
+        return FINISHES["atomic"]
+    v = env.get("EXL_CORE_WG_FINISH", "ordered")
+    if v not in FINISHES:
+        raise ValueError(f"EXL_CORE_WG_FINISH={v!r}: expected one of {', '.join(FINISHES)}")
+    return FINISHES[v]
+
+
+FINISH = finish_setting()
 KINDS = ("multi", "single", "pair")
 MIN_ROWS, MAX_ROWS = 17, 32
 MIN_ELEMS = 1 << 25         # K x N summed over a launch's weights: a 7B's q/k/v 50.3 M and down 45.0 M, not o's 16.7 M
 MAX_TILES = 1024            # column tiles of 128 a launch its workspace covers (qgemm_wg_decode_cuda.cu kMaxTiles)
-_READY: set = set()         # (device, pair, exact) the op has run with: the workspace it needs exists, so graph
+_READY: set = set()         # (device, pair, finish) the op has run with: the workspace it needs exists, so graph
                             # captures may use it (qgemm_wg_decode_cuda.cu allocates each part on first need)
 _CC_MAJOR: dict = {}
 
@@ -83,7 +98,7 @@ def wg_ok(rows: int, pws, device, kind: str) -> bool:
     if not (1 <= len(pws) <= 3 and has_cuda_kernel("qgemm_wg_decode")):
         return False
     idx = device.index or 0
-    if (idx, kind == "pair", EXACT) not in _READY and torch.cuda.is_current_stream_capturing():
+    if (idx, kind == "pair", FINISH) not in _READY and torch.cuda.is_current_stream_capturing():
         return False
     first = pws[0]
     if _cc_major(idx) != 9 or not all(layout_ok(pw) for pw in pws):
@@ -99,14 +114,14 @@ def wg_ok(rows: int, pws, device, kind: str) -> bool:
 def run(x2, pws, chunks) -> list:
     """[x2 @ W] for each weight (chunks: their chunk tables), in one launch."""
     ys = torch.ops.exl_core.qgemm_wg_decode(x2, [pw.qweight for pw in pws], chunks, [pw.scale for pw in pws],
-                                            [pw.zero for pw in pws], EXACT)
-    _READY.add((x2.device.index or 0, False, EXACT))
+                                            [pw.zero for pw in pws], FINISH)
+    _READY.add((x2.device.index or 0, False, FINISH))
     return ys
 
 
 def run_swiglu(x2, gate, up, chunks, tails=None, cols: int = 0):
     """silu(x2 @ gate) * (x2 @ up) in one launch as fp16 [rows, cols or N]; tails as ops/swiglu.py says."""
     h = torch.ops.exl_core.qgemm_wg_swiglu(x2, [gate.qweight, up.qweight], chunks, [gate.scale, up.scale],
-                                           [gate.zero, up.zero], tails, cols, EXACT)
-    _READY.add((x2.device.index or 0, True, EXACT))
+                                           [gate.zero, up.zero], tails, cols, FINISH)
+    _READY.add((x2.device.index or 0, True, FINISH))
     return h

@@ -81,7 +81,7 @@ using exl_mma::aligned16;
 // y_i = x W_i (h undefined: the outputs returned), or SwiGLU into h (two weights; tails as ops/swiglu.py says).
 std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                   at::TensorList scale, at::TensorList zero, const at::Tensor& h,
-                                  const c10::optional<at::Tensor>& tails, bool exact) {
+                                  const c10::optional<at::Tensor>& tails, int64_t finish) {
   const size_t n = qweight.size();
   TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(exl_wg::kMaxWeights), op, ": 1..", exl_wg::kMaxWeights,
               " weights a call, got ", n);
@@ -137,10 +137,12 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   const int64_t tiles = static_cast<int64_t>(n) * ((N + exl_wg::kBF - 1) / exl_wg::kBF);
   TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
               kMaxTiles);
-  Work& w = work_for(op, x.device(), !exact, h.defined());
+  Work& w = work_for(op, x.device(), finish == exl_wg_sk::kFinishAtomic, h.defined());
   sk.ws = w.ws.data_ptr<float>();
-  sk.sum = exact ? nullptr : w.sum.data_ptr<float>();
-  sk.exact = exact;
+  TORCH_CHECK(finish >= 0 && finish <= 2, op, ": finish must be 0 (atomics), 1 (ordered) or 2 (ordered, through "
+              "shared memory), got ", finish);
+  sk.finish = static_cast<int>(finish);
+  sk.sum = finish == exl_wg_sk::kFinishAtomic ? w.sum.data_ptr<float>() : nullptr;
   sk.count = w.count.data_ptr<int>();
   sk.early_w = exl_pdl::env_on("EXL_CORE_WG_EARLY_W");     // read a call (graph captures fix it), for A/B runs
   if (h.defined()) {
@@ -150,25 +152,28 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
     sk.ldh = h.size(1);
     if (tails && tails->defined()) sk.tails = tails->data_ptr<int>();
   }
-  exl_mma::ensure_smem(exl_wg_sk::qgemm_wg_streamk<kStages>, exl_wg_sk::smem_bytes<kStages>(), dev);
+  const int smem = exl_wg_sk::smem_bytes<kStages>(finish == exl_wg_sk::kFinishOrderedSmem);
+  exl_mma::ensure_smem(exl_wg_sk::qgemm_wg_streamk<kStages>, smem, dev);
   const int64_t items = tiles * (K / exl_wg::kBK), blocks = std::min<int64_t>(w.ws.size(0) / 2, items);
   exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(static_cast<unsigned>(blocks)),
-                      dim3(exl_wg_sk::kThreads), exl_wg_sk::smem_bytes<kStages>(),
+                      dim3(exl_wg_sk::kThreads), smem,
                       c10::cuda::getCurrentCUDAStream(), dev, sk);
   return ys;
 }
 
-// exact: split tiles added in block order (the same bits every run), else by fp32 atomics (see the kernel).
+// finish: how split tiles are added (exl_wg_sk::Finish): 0 fp32 atomics, 1 in block order (the same bits every run),
+// 2 in block order with the others' sums copied into shared memory.
 std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
-                                        at::TensorList scale, at::TensorList zero, bool exact) {
-  return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt, exact);
+                                        at::TensorList scale, at::TensorList zero, int64_t finish) {
+  return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt, finish);
 }
 
 // silu(x W_gate) * (x W_up) as fp16 [M, out_cols] (out_cols 0: N); tails int32 [N / 32] on x's GPU or none: chunk c of
 // the product also at columns tails[c] .. + 31 where tails[c] >= 0 (the caller checks the columns fit, as for
 // qgemm_wide_swiglu). Columns past N that no tail covers are left unwritten (callers pass out_cols only with tails).
 at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks, at::TensorList scale,
-                           at::TensorList zero, const c10::optional<at::Tensor>& tails, int64_t out_cols, bool exact) {
+                           at::TensorList zero, const c10::optional<at::Tensor>& tails, int64_t out_cols,
+                           int64_t finish) {
   const char* op = "exl_core::qgemm_wg_swiglu";
   TORCH_CHECK(qweight.size() == 2, op, ": two weights (gate, up), got ", qweight.size());
   TORCH_CHECK(qweight[0].dim() == 2 && x.dim() == 2, op, ": x [M, K] and int32 [K / 8, N] weights");
@@ -179,7 +184,7 @@ at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::Tens
                     tails->numel() * 32 == N && N % 32 == 0 && cols >= N + 32 && tails->is_contiguous(),
                 op, ": tails must be contiguous int32 [N / 32] on x's GPU with out_cols >= N + 32");
   at::Tensor h = at::empty({x.size(0), cols}, x.options());
-  wg_launch(op, x, qweight, chunks, scale, zero, h, tails, exact);
+  wg_launch(op, x, qweight, chunks, scale, zero, h, tails, finish);
   return h;
 }
 
@@ -187,9 +192,9 @@ at::Tensor qgemm_wg_swiglu(const at::Tensor& x, at::TensorList qweight, at::Tens
 
 TORCH_LIBRARY_FRAGMENT(exl_core, m) {
   m.def("qgemm_wg_decode(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "bool exact=True) -> Tensor[]");
+        "int finish=1) -> Tensor[]");
   m.def("qgemm_wg_swiglu(Tensor x, Tensor[] qweight, Tensor[] chunks, Tensor[] scale, Tensor[] zero, "
-        "Tensor? tails=None, int out_cols=0, bool exact=True) -> Tensor");
+        "Tensor? tails=None, int out_cols=0, int finish=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl_core, CUDA, m) {

@@ -10,8 +10,10 @@
 // A tile whose items span blocks is finished through an fp32 workspace (finish_split), by default deterministically:
 // every contributor stores its partial sums in its own slot (a block has at most two such tiles: its first and its
 // last), fences and counts itself in; the last one adds the slots in block order (the same bits whichever block comes
-// last), stores y and zeroes the counter for the next launch (no block waits for another). exact 0: fp32 atomics into
-// a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
+// last), stores y and zeroes the counter for the next launch (no block waits for another). kFinishOrderedSmem: the
+// same sums, the slots brought into shared memory by cp.async, up to kFinSlots at once (no registers held for them, so
+// one L2 round trip for several blocks; written after stop 58's last device call, not yet run on a GPU).
+// kFinishAtomic: fp32 atomics into a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
 // SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
 // as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
 // (exl_act::silu_mul, as silu_mul rounds it), also at a chunk's tail columns where tails say (ops/swiglu.py).
@@ -21,6 +23,7 @@
 // starting at multiples of 64, no twins, y = x W (no bias, no add); the host op checks what it can without a sync.
 #pragma once
 #include "act_device.cuh"
+#include "cp_async_device.cuh"
 #include "qgemm_wg_kernel.cuh"
 
 namespace exl_wg_sk {
@@ -41,8 +44,10 @@ struct SkArgs {
   const int* tails;                     // SwiGLU: [N / 32] column a chunk is also written at, or -1; may be null
   int64_t ldh;
   int early_w;                          // weight boxes before the PDL wait
-  int exact;                            // split tiles added in block order (finish_split)
+  int finish;                           // split tiles: kFinishAtomic, kFinishOrdered, kFinishOrderedSmem
 };
+enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2 };
+constexpr int kFinSlots = 4;            // kFinishOrderedSmem: blocks' slots a round of copies brings (16 KB each)
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
 __host__ __device__ inline int64_t range_start(int64_t b, int64_t items, int64_t blocks) { return items * b / blocks; }
@@ -76,14 +81,16 @@ __device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
 }
 
 // A tile whose items span blocks first..last (pair 0's 256 threads, acc this block's sums): true in the block that
-// counts in last, acc then the tile's total. exact: each block's sums in its own slot (first: the block's first
-// tile), added in block order (a slot's loads at a time: more registers here spill the main loop's), so the bits do
-// not depend on which block finishes; else atomics into sk.sum, which the finisher reads and re-zeroes.
+// counts in last, acc then the tile's total. Ordered finishes: each block's sums in its own slot (first: the block's
+// first tile), added in block order, so the bits do not depend on which block finishes -- kFinishOrdered a slot's
+// loads at a time (more registers here spill the main loop's); kFinishOrderedSmem each thread's 64 bytes of a slot
+// contiguous, copied by cp.async into `fin` (shared memory, kFinSlots slots a round, this block's own too) and added
+// from there. kFinishAtomic: atomics into sk.sum, which the finisher reads and re-zeroes.
 __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT / 2], int tile, int64_t first,
                                              int64_t last, bool first_seg, int KT, int64_t items, int64_t G,
-                                             int* flag) {
+                                             int* flag, float* fin) {
   const int tid = threadIdx.x, need = static_cast<int>(last - first);
-  if (!sk.exact) {
+  if (sk.finish == kFinishAtomic) {
     float* wt = sk.sum + static_cast<size_t>(tile) * kPerTile + tid;
 #pragma unroll
     for (int e = 0; e < kNT / 2; ++e) atomicAdd(wt + e * 256, acc[e]);
@@ -97,9 +104,44 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
     return true;
   }
   auto slot = [&](int64_t b, bool b_first) {
-    return sk.ws + static_cast<size_t>(2 * b + (b_first ? 0 : 1)) * kPerTile + tid;
+    return sk.ws + static_cast<size_t>(2 * b + (b_first ? 0 : 1)) * kPerTile;
   };
-  float* mine = slot(blockIdx.x, first_seg);
+  auto slot_of = [&](int64_t b) { return slot(b, range_start(b, items, G) / KT == tile); };
+  if (sk.finish == kFinishOrderedSmem) {
+    float4* mine = reinterpret_cast<float4*>(slot(blockIdx.x, first_seg)) + tid * 4;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      __stcg(mine + q, make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+    if (!count_in(sk.count + tile, need, flag)) return false;
+    if (tid == 0) sk.count[tile] = 0;
+#pragma unroll
+    for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;        // this block's own slot read back too: fewer registers
+    for (int64_t b0 = first; b0 <= last; b0 += kFinSlots) {  // a round: up to kFinSlots slots, copied at once
+      const int n = static_cast<int>(min(static_cast<int64_t>(kFinSlots), last - b0 + 1));
+#pragma unroll
+      for (int k = 0; k < kFinSlots; ++k) {
+        if (k < n) {                                         // each thread copies and reads only its own 64 bytes
+          const float* src = slot_of(b0 + k) + tid * 16;
+          float* dst = fin + (k * 256 + tid) * 16;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) cp_async16(dst + 4 * q, src + 4 * q);
+        }
+      }
+      cp_async_commit();
+      cp_async_wait_all();
+      for (int k = 0; k < n; ++k) {                          // block order
+        const float4* p = reinterpret_cast<const float4*>(fin + (k * 256 + tid) * 16);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float4 v = p[q];
+          acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
+        }
+      }
+      asm volatile("" ::: "memory");                         // these reads before the next round's copies
+    }
+    return true;
+  }
+  float* mine = slot(blockIdx.x, first_seg) + tid;
 #pragma unroll
   for (int e = 0; e < kNT / 2; ++e) __stcg(mine + e * 256, acc[e]);
   if (!count_in(sk.count + tile, need, flag)) return false;
@@ -107,7 +149,7 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
 #pragma unroll
   for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
   for (int64_t b = first; b <= last; ++b) {                  // block order: the same sums whoever finishes
-    const float* p = slot(b, range_start(b, items, G) / KT == tile);
+    const float* p = slot_of(b) + tid;
 #pragma unroll
     for (int e = 0; e < kNT / 2; ++e) acc[e] += __ldcg(p + e * 256);
   }
@@ -149,9 +191,11 @@ __device__ __forceinline__ void finish_swiglu(const SkArgs& sk, const float (&ac
   }
 }
 
+// fin: kFinishOrderedSmem's slots after the rest (only that finish touches them).
 template <int STAGES>
-constexpr int smem_bytes() {
-  return STAGES * Layout<kNT, false>::kStage + 1024 + STAGES * 16 + kMaxChunks * 4 + kRed * 4 + 16;
+constexpr int smem_bytes(bool fin = false) {
+  return STAGES * Layout<kNT, false>::kStage + 1024 + STAGES * 16 + kMaxChunks * 4 + kRed * 4 + 16 +
+         (fin ? kFinSlots * kPerTile * 4 : 0);
 }
 
 // 1 where this build has the kernel's sm_90a code (wgmma), else 0: without it the kernel's body is empty, so the host
@@ -183,6 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
   int* groups = reinterpret_cast<int*>(empty + STAGES);
   float* red = reinterpret_cast<float*>(groups + kMaxChunks);
   int* last_flag = reinterpret_cast<int*>(red + kRed);
+  float* fin = reinterpret_cast<float*>(last_flag + 4);    // 16-byte aligned
   for (int c = tid; c < a0.K / 32; c += kThreads) groups[c] = a0.chunks[c * 3 + 1];   // load-time data
   if (tid == 0) {
 #pragma unroll
@@ -277,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
       for (int e = 0; e < kNT / 2; ++e) acc[e] += rb[e * 128 + (tid & 127)];
       const int64_t first = block_of(static_cast<int64_t>(tile) * KT, items, G);
       const int64_t last = block_of(static_cast<int64_t>(tile + 1) * KT - 1, items, G);
-      const bool done = first == last || finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag);
+      const bool done =
+          first == last || finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag, fin);
       if (done) {
         const TileAt at = tile_at(tile, tiles_w, swiglu);
         if (!swiglu)
