@@ -232,7 +232,7 @@ for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin|attntai
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on || has wgdecode ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on || has wgdecode || has envab ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -369,6 +369,17 @@ if has wgdecode; then  # A/B: qgemm_wg_decode (stream-K wgmma) at 17..32 rows, E
     for v in ${WG_AB_VARIANTS:-0 multi,single}; do
       EXL_CORE_WG_DECODE=$v timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
         --quick --json "$OUT/gpu_h200_wg_${v//,/_}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|32)_decode"
+    done
+  done
+fi
+if has envab; then  # A/B of any settings: ENV_AB="label:VAR=val,VAR2=val2 label2: ..." (an empty list after the
+  # colon: the defaults), both formats, bench --quick, processes in turn for ENV_AB_ROUNDS rounds (default 1)
+  for r in $(seq 1 ${ENV_AB_ROUNDS:-1}); do
+    for v in ${ENV_AB:-default:}; do
+      e=${v#*:}
+      echo "== envab ${v%%:*} round $r: ${e:-defaults}" | tee -a "$LOG"
+      env ${e//,/ } timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
+        --quick --json "$OUT/gpu_h200_envab_${v%%:*}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|32)_decode|prompt"
     done
   done
 fi
