@@ -144,17 +144,7 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
   if (tid == 0) sk.count[tile] = 0;
 #pragma unroll
   for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
-  int64_t b = first;
-  for (; b < last; b += 2) {                                 // block order: the same sums whoever finishes; two
-    const float* p0 = slot_of(b) + tid;                      // slots' loads in flight at once (written out: a loop
-    const float* p1 = slot_of(b + 1) + tid;                  // over a count of slots spilled 36 / 92 bytes, not 16 / 24)
-    float v0[kNT / 2], v1[kNT / 2];
-#pragma unroll
-    for (int e = 0; e < kNT / 2; ++e) v0[e] = __ldcg(p0 + e * 256), v1[e] = __ldcg(p1 + e * 256);
-#pragma unroll
-    for (int e = 0; e < kNT / 2; ++e) acc[e] = (acc[e] + v0[e]) + v1[e];
-  }
-  if (b == last) {
+  for (int64_t b = first; b <= last; ++b) {                  // block order: the same sums whoever finishes
     const float* p = slot_of(b) + tid;
 #pragma unroll
     for (int e = 0; e < kNT / 2; ++e) acc[e] += __ldcg(p + e * 256);
