@@ -256,45 +256,35 @@ __device__ __forceinline__ void store_tile(const WgArgs& a, const float (&acc)[N
   }
 }
 
-// producer_warps: producer warp pw's share of a stage (0: x, 1: the words, 2: scales, 3: zeros; SZ_BOXES scale /
-// zero boxes from k0), each warp arriving on the stage's full barrier with its own bytes (so no complete-tx can
-// precede its expect-tx).
-template <int NT, bool TW, int SZ_BOXES>
-__device__ __forceinline__ void issue_stage(const WgArgs& a, uint8_t* st, uint64_t* full, const int* groups, int pw,
-                                            int k0, int m0, int f0, bool load_x) {
-  using L = Layout<NT, TW>;
-  if (pw == 0) {
-    exl_tma::mbar_arrive_expect(full, load_x ? L::kX : 0);
-    if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full);
-  } else if (pw == 1) {
-    exl_tma::mbar_arrive_expect(full, L::kW);
-    exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full);
-  } else {
-    exl_tma::mbar_arrive_expect(full, SZ_BOXES * kBF * 4);
-    const int nchunks = a.K / 32;
-#pragma unroll
-    for (int ch = 0; ch < SZ_BOXES; ++ch) {
-      const int c = k0 / 32 + ch, g = c < nchunks ? groups[c] : a.groups;
-      exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0, g, full);
-    }
-  }
-}
-
-// Every stage of one block's column tile, producer warp pw's boxes.
+// producer_warps: producer warp pw's share of every stage (0: x, 1: the words, 2: scales, 3: zeros), each warp
+// arriving on the stage's full barrier with its own bytes (so no complete-tx can precede its expect-tx).
 template <int NT, int STAGES, bool TW>
 __device__ __forceinline__ void produce_boxes(const WgArgs& a, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                               const int* groups, int pw, int KT, int m0, int f0) {
   using L = Layout<NT, TW>;
+  constexpr int kSzBoxes = sz_once<NT, TW>() ? 1 : 2;
+  const int nchunks = a.K / 32;
   for (int kt = 0; kt < KT; ++kt) {
-    const int slot = kt % STAGES;
+    const int slot = kt % STAGES, k0 = kt * kBK;
     if (kt >= STAGES) exl_tma::mbar_wait(empty + slot, ((kt / STAGES) - 1) & 1);
-    issue_stage<NT, TW, sz_once<NT, TW>() ? 1 : 2>(a, smem + slot * L::kStage, full + slot, groups, pw, kt * kBK, m0,
-                                                   f0, !a.skip_x || kt < 8);
+    uint8_t* st = smem + slot * L::kStage;
+    const bool load_x = !a.skip_x || kt < 8;
+    if (pw == 0) {
+      exl_tma::mbar_arrive_expect(full + slot, load_x ? L::kX : 0);
+      if (load_x) exl_tma::tma_load_2d(st, &a.xmap, k0, m0, full + slot);
+    } else if (pw == 1) {
+      exl_tma::mbar_arrive_expect(full + slot, L::kW);
+      exl_tma::tma_load_2d(st + L::kOffW, &a.wmap, f0, k0 / 8, full + slot);
+    } else {
+      exl_tma::mbar_arrive_expect(full + slot, kSzBoxes * kBF * 4);
+#pragma unroll
+      for (int ch = 0; ch < kSzBoxes; ++ch) {
+        const int c = k0 / 32 + ch, g = c < nchunks ? groups[c] : a.groups;
+        exl_tma::tma_load_2d(st + L::kOffSZ + (ch * 2 + pw - 2) * kBF * 4, pw == 3 ? &a.zmap : &a.smap, f0, g,
+                             full + slot);
+      }
+    }
   }
-}
-
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // grid (ceil(max N / 128), ceil(M / NT), batch.n), kThreads, dynamic shared memory smem_bytes().  Requires
@@ -420,7 +410,7 @@ __global__ void __launch_bounds__(threads_of<NT>(), NT <= 32 ? EXL_WG_DECODE_MIN
 #pragma unroll
       for (int e = 0; e < NT / 2; ++e) red[e * 128 + tw] = acc[e];
     }
-    named_barrier(1, 512);                                  // the consumers of both pairs
+    asm volatile("bar.sync 1, 512;\n" ::: "memory");        // the consumers of both pairs
     if (pair == 1) {
       exl_pdl::pdl_trigger();
       return;

@@ -64,6 +64,10 @@ __device__ __forceinline__ TileAt tile_at(int tile, int tiles_w, bool swiglu) {
   return swiglu ? TileAt{tile & 1, (tile >> 1) * kBF} : TileAt{tile / tiles_w, (tile % tiles_w) * kBF};
 }
 
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Pair 0's 256 threads: after each stored its share (to global memory), count the block in on `counter`; true in
 // the block that makes it `need` + 1 contributions (its threads then see the others' stores).
 __device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
@@ -251,9 +255,20 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
           at = tile_at(tile, tiles_w, swiglu);
         }
         const WgArgs* a = &sk.batch.w[at.w];
-        const int slot = j % STAGES;
+        const int k0 = kt * kBK, slot = j % STAGES;
         if (j >= STAGES) exl_tma::mbar_wait(empty + slot, ((j / STAGES) - 1) & 1);
-        issue_stage<kNT, false, 1>(*a, smem + slot * L::kStage, full + slot, groups, pw, kt * kBK, 0, at.f0, true);
+        uint8_t* st = smem + slot * L::kStage;
+        if (pw == 0) {
+          exl_tma::mbar_arrive_expect(full + slot, L::kX);
+          exl_tma::tma_load_2d(st, &a->xmap, k0, 0, full + slot);
+        } else if (pw == 1) {
+          exl_tma::mbar_arrive_expect(full + slot, L::kW);
+          exl_tma::tma_load_2d(st + L::kOffW, &a->wmap, at.f0, k0 / 8, full + slot);
+        } else {
+          exl_tma::mbar_arrive_expect(full + slot, kBF * 4);
+          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a->zmap : &a->smap, at.f0,
+                               groups[k0 / 32], full + slot);
+        }
       }
     }
     return;
