@@ -24,7 +24,8 @@
 # mixed-width kernels), normpermold (EXL2 with EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17: the permuted
 # norm as stops 32-35 ran it, its regular instance triggering late from 17 rows; the default is the lean instance from
 # 17 rows, early everywhere), wgdecode (both formats with EXL_CORE_WG_DECODE per WG_AB_VARIANTS, in turn: the
-# stream-K wgmma kernel at 17..32 rows; default "multi,single" since stop 58, "0" off, "1" with the SwiGLU pair), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
+# stream-K wgmma kernel at 17..32 rows; default "multi,single" since stop 58, "0" off, "1" with the SwiGLU pair), envab (ENV_AB: bench --quick
+# under several settings, in turn), buildab (BUILD_AB: carried builds alternated, bench --quick), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
 # their main chunks instead of running them as K rows of their own; off by default until measured), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
@@ -232,7 +233,7 @@ for p in $PHASES; do case $p in wg|wide|gemv|readbw|dequant|persist|twin|attntai
 [ $only_probes = 1 ] || $PY -c "from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks'), 'no CUDA kernels in _C'" || exit 1
 
 # Checkpoints are CPU work: write them while the GPU runs the tests.
-( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on || has wgdecode || has envab ||
+( has ckpt || has bench || has u4rows || has mixks || has nofold || has spec || has gen || has probe || has nopdl || has nogs || has nosg || has knockout || has timeline || has nonorm || has noonewave || has nowavecap || has widefold || has noropeattn || has noswiglu || has noearlyw || has nonormperm || has wavekw4 || has wavekw8 || has wavekw16 || has attnab || has nofuse || has nosilu || has noks || has nowide || has widetiles || has nou4 || has promptprof || has projprobe || has noxchunks || has notails || has promptext || has promptab || has prompttl || has prompthost || has normpermold || has widetwin || has noattnorder || has nostage2 || has noh2 || has h2all || has argmax || has gennopick || has oldexl2 || has genprefill || has promptprobe || has kvhtd || has sdpa || has exlv2 || has promptorder || has l2on || has wgdecode || has envab || has buildab ||
   exit 0
   # a warm machine's folders are rebuilt when make_7b_checkpoint.py changed since they were written (stamp: its hash)
   stamp=$(sha1sum bench/make_7b_checkpoint.py | cut -c1-12)
@@ -380,6 +381,20 @@ if has envab; then  # A/B of any settings: ENV_AB="label:VAR=val,VAR2=val2 label
       echo "== envab ${v%%:*} round $r: ${e:-defaults}" | tee -a "$LOG"
       env ${e//,/ } timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
         --quick --json "$OUT/gpu_h200_envab_${v%%:*}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|32)_decode|prompt"
+    done
+  done
+fi
+if has buildab; then  # A/B of builds: BUILD_AB="stamp1 stamp2" (.devcache/ext_STAMP.so.gz, carried; "current": this
+  # call's build), bench --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); the build in place
+  # afterwards is the last one run
+  so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+  cp "$so" /tmp/exl_current.so
+  for r in $(seq 1 ${BUILD_AB_ROUNDS:-2}); do
+    for b in ${BUILD_AB:-current}; do
+      if [ "$b" = current ]; then cp /tmp/exl_current.so "$so"; else gunzip -c ".devcache/ext_$b.so.gz" >"$so" || exit 1; fi
+      echo "== build $b round $r" | tee -a "$LOG"
+      timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+        --json "$OUT/gpu_h200_build_${b}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|8|32)_decode_tok_s |prompt"
     done
   done
 fi
