@@ -242,10 +242,6 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
   const bool swiglu = sk.h != nullptr;
   if (warp >= 16) {                                          // producer: warp 16 + pw issues box pw of every item
     const int pw = warp - 16;
-    if (lane < sk.batch.n) {                                 // this warp's map of each weight, before any wait
-      const WgArgs& a = sk.batch.w[lane];
-      exl_tma::prefetch_map(pw == 0 ? &a.xmap : pw == 1 ? &a.wmap : pw == 2 ? &a.smap : &a.zmap);
-    }
     if (pw == 0 || !sk.early_w) {                            // x is the kernel before's output; weights are not
       exl_pdl::pdl_wait();
       exl_pdl::pdl_trigger();
@@ -260,7 +256,6 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
         }
         const WgArgs* a = &sk.batch.w[at.w];
         const int k0 = kt * kBK, slot = j % STAGES;
-        const int g = pw >= 2 ? groups[k0 / 32] : 0;        // read before the wait: off the issue's path
         if (j >= STAGES) exl_tma::mbar_wait(empty + slot, ((j / STAGES) - 1) & 1);
         uint8_t* st = smem + slot * L::kStage;
         if (pw == 0) {
@@ -271,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
           exl_tma::tma_load_2d(st + L::kOffW, &a->wmap, at.f0, k0 / 8, full + slot);
         } else {
           exl_tma::mbar_arrive_expect(full + slot, kBF * 4);
-          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a->zmap : &a->smap, at.f0, g,
-                               full + slot);
+          exl_tma::tma_load_2d(st + L::kOffSZ + (pw - 2) * kBF * 4, pw == 3 ? &a->zmap : &a->smap, at.f0,
+                               groups[k0 / 32], full + slot);
         }
       }
     }

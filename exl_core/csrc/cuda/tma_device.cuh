@@ -56,9 +56,4 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// Brings map's descriptor into the TMA unit's cache ahead of its first copy (a kernel parameter's generic address).
-__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
 }  // namespace exl_tma
