@@ -85,7 +85,8 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0"),   # the host reads it per attention call
             "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
             # stop 58: the stream-K wgmma kernels at 17..32 rows off; their SwiGLU pair on; o on them too (no size
-            # floor); their weight boxes after the PDL wait; split tiles by atomics
+            # floor); their weight boxes after the PDL wait; split tiles by atomics; (stop 59) in block order through
+            # shared memory
             "wg_off": (cuda_wg_decode, "WG_DECODE", "0"),
             "wg_pair": (cuda_wg_decode, "WG_DECODE", "1"),
             "wg_atomic": (cuda_wg_decode, "FINISH", 0),

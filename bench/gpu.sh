@@ -24,8 +24,9 @@
 # mixed-width kernels), normpermold (EXL2 with EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17: the permuted
 # norm as stops 32-35 ran it, its regular instance triggering late from 17 rows; the default is the lean instance from
 # 17 rows, early everywhere), wgdecode (both formats with EXL_CORE_WG_DECODE per WG_AB_VARIANTS, in turn: the
-# stream-K wgmma kernel at 17..32 rows; default "multi,single" since stop 58, "0" off, "1" with the SwiGLU pair), envab (ENV_AB: bench --quick
-# under several settings, in turn), buildab (BUILD_AB: carried builds alternated, bench --quick), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
+# stream-K wgmma kernel at 17..32 rows; default "multi,single" since stop 58, "0" off, "1" with the SwiGLU pair),
+# envab (ENV_AB: bench --quick under several settings, in turn), buildab (BUILD_AB: carried builds alternated, bench
+# --quick), widetwin (EXL2 with EXL_CORE_WIDE_TWIN=1: at 17..32 rows qgemm_wide folds the extra rows into
 # their main chunks instead of running them as K rows of their own; off by default until measured), noxchunks (EXL2 with
 # EXL_CORE_KSLICE_XCHUNKS=0: the SwiGLU-fused down stages x through its permutation, not by chunk offsets), notails
 # (EXL2 with EXL_CORE_WIDE_TAILS=0: at 17..32 rows down gathers the SwiGLU pair's product by an x_gather), promptext
@@ -374,9 +375,11 @@ if has wgdecode; then  # A/B: qgemm_wg_decode (stream-K wgmma) at 17..32 rows, E
   done
 fi
 if has envab; then  # A/B of any settings: ENV_AB="label:VAR=val,VAR2=val2 label2: ..." (an empty list after the
-  # colon: the defaults), both formats, bench --quick, processes in turn for ENV_AB_ROUNDS rounds (default 1)
+  # colon: the defaults; so no value may hold a comma or a space), both formats, bench --quick, processes in turn for
+  # ENV_AB_ROUNDS rounds (default 1)
   for r in $(seq 1 ${ENV_AB_ROUNDS:-1}); do
     for v in ${ENV_AB:-default:}; do
+      case $v in *:*) ;; *) echo "ENV_AB: '$v' needs a 'label:' in front" >&2; exit 1 ;; esac
       e=${v#*:}
       echo "== envab ${v%%:*} round $r: ${e:-defaults}" | tee -a "$LOG"
       env ${e//,/ } timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" \
@@ -385,10 +388,10 @@ if has envab; then  # A/B of any settings: ENV_AB="label:VAR=val,VAR2=val2 label
   done
 fi
 if has buildab; then  # A/B of builds: BUILD_AB="stamp1 stamp2" (.devcache/ext_STAMP.so.gz, carried; "current": this
-  # call's build), bench --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); the build in place
-  # afterwards is the last one run
+  # call's build), bench --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); this call's build
+  # put back afterwards (stop 59's calls 5-7 ran this loop by hand before it became a phase)
   so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-  cp "$so" /tmp/exl_current.so
+  cp "$so" /tmp/exl_current.so || exit 1
   for r in $(seq 1 ${BUILD_AB_ROUNDS:-2}); do
     for b in ${BUILD_AB:-current}; do
       if [ "$b" = current ]; then cp /tmp/exl_current.so "$so"; else gunzip -c ".devcache/ext_$b.so.gz" >"$so" || exit 1; fi
@@ -397,6 +400,7 @@ if has buildab; then  # A/B of builds: BUILD_AB="stamp1 stamp2" (.devcache/ext_S
         --json "$OUT/gpu_h200_build_${b}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|8|32)_decode_tok_s |prompt"
     done
   done
+  cp /tmp/exl_current.so "$so"
 fi
 for v in "normpermold:EXL_CORE_NORM_PERM_LEAN=0 EXL_CORE_NORM_PERM_LATE=17" "widetwin:EXL_CORE_WIDE_TWIN=1"; do  # A/B
   has ${v%%:*} && env ${v#*:} timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --exl2 "$CK/exl2" --quick \

@@ -180,7 +180,8 @@ def test_wg_decode_dispatch_switch():
         wg.WG_DECODE, wg.MIN_ELEMS = old
 
 
-@pytest.mark.parametrize("what,msg", [("rows", "rows of x"), ("k", "multiple of 64"), ("shape", "qweight 1")])
+@pytest.mark.parametrize("what,msg", [("rows", "rows of x"), ("k", "multiple of 64"), ("shape", "qweight 1"),
+                                      ("finish", "finish must be 0")])      # the last added after stop 59's device calls
 def test_wg_decode_refuses_bad_input(what, msg):
     _need_wg()
     from exl_core.ops.cuda_candidates import chunk_table
@@ -191,7 +192,7 @@ def test_wg_decode_refuses_bad_input(what, msg):
     if what == "k":
         x = x[:, :224].contiguous()
     with pytest.raises(RuntimeError, match=msg):
-        _call(x, pws, chunks)
+        _call(x, pws, chunks, 3 if what == "finish" else ORDERED)
 
 
 def test_model_decode_on_wg(tiny_model_factory, tmp_path, monkeypatch):
