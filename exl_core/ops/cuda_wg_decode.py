@@ -16,8 +16,8 @@ layer, medians over layers 2-31, us):
 EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/v-style launches), "single" (one
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
 EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the
-same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run;
-EXL_CORE_WG_EXACT=0 also picks it, as in stop 58's runs), "ordered_smem" (block order, the slots copied into shared
+same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run; stop 58
+ran it as EXL_CORE_WG_EXACT=0, no longer read), "ordered_smem" (block order, the slots copied into shared
 memory a few at once: the same bits as "ordered", but slower -- stop 59 call 1, same process, untraced steps: GPTQ
 ordered 3,868.61, atomic 3,787.02, ordered_smem 3,993.31 us; bench --quick batch 32 against ordered: atomic 1.0234x /
 1.0247x, ordered_smem 0.9704x / 0.9780x, GPTQ / EXL2).
@@ -38,8 +38,6 @@ FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2}      # csrc qgemm_wg_s
 
 def finish_setting(env=os.environ) -> int:
     """The split tiles' finish the environment asks for (module docstring)."""
-    if env.get("EXL_CORE_WG_EXACT") == "0":
-        return FINISHES["atomic"]
     v = env.get("EXL_CORE_WG_FINISH", "ordered")
     if v not in FINISHES:
         raise ValueError(f"EXL_CORE_WG_FINISH={v!r}: expected one of {', '.join(FINISHES)}")
