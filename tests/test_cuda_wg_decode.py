@@ -25,7 +25,7 @@ def _need_wg():
         pytest.fail("exl_core._C has CUDA kernels but no qgemm_wg_decode")
 
 
-ATOMIC, ORDERED, ORDERED_SMEM, FIXED = 0, 1, 2, 3   # the split tiles' finishes (ops/cuda_wg_decode.py FINISHES)
+ATOMIC, ORDERED, ORDERED_SMEM, FIXED, ORDERED2 = 0, 1, 2, 3, 4   # split tiles' finishes (cuda_wg_decode FINISHES)
 
 
 def _call(x, cs, chunks, finish=ORDERED):
@@ -57,18 +57,19 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
     atomic = _call(x.cuda(), cs, chunks, ATOMIC)          # split tiles by fp32 atomics into the zeroed sums
     atomic2 = _call(x.cuda(), cs, chunks, ATOMIC)         # which the first left zero
     smem = _call(x.cuda(), cs, chunks, ORDERED_SMEM)      # the same order through shared memory: the same bits
+    two = _call(x.cuda(), cs, chunks, ORDERED2)           # the same order, two slots' loads a round: the same bits
     fixed = _call(x.cuda(), cs, chunks, FIXED)            # integer sums: another order-free total,
     fixed2 = _call(x.cuda(), cs, chunks, FIXED)           # the same bits on the integers the first left zero
     monkeypatch.setenv("EXL_CORE_WG_EARLY_W", "0")
     late = _call(x.cuda(), cs, chunks)
-    for y, y2, y3, ys2, ya, ya2, yf, yf2, pw in zip(ys, again, late, smem, atomic, atomic2, fixed, fixed2, pws):
-        ref = x.double() @ dequantize_reference(pw)
+    for i, pw in enumerate(pws):
+        y, ref = ys[i], x.double() @ dequantize_reference(pw)
         assert y.shape == (M, N) and rel_err(y, ref) < 2e-3
-        assert torch.equal(y2, y) and torch.equal(y3, y) and torch.equal(ys2, y)
-        assert rel_err(ya, ref) < 2e-3 and rel_err(ya2, ref) < 2e-3
-        assert torch.equal(yf2, yf) and rel_err(yf, ref) < 2e-3
+        assert all(torch.equal(o[i], y) for o in (again, late, smem, two))
+        assert rel_err(atomic[i], ref) < 2e-3 and rel_err(atomic2[i], ref) < 2e-3
+        assert torch.equal(fixed2[i], fixed[i]) and rel_err(fixed[i], ref) < 2e-3
         # the sums differ from the ordered ones by float rounding only: fp16 outputs a rounding step apart at most
-        assert (yf.float() - y.float()).abs().max().item() <= 2 * ref.abs().max().item() * 2 ** -10
+        assert (fixed[i].float() - y.float()).abs().max().item() <= 2 * ref.abs().max().item() * 2 ** -10
 
 
 def test_wg_decode_fixed_finish_wild_values():
@@ -104,7 +105,7 @@ def test_wg_decode_fixed_finish_wild_values():
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("M", [17, 32])
 @pytest.mark.parametrize("with_tails", [False, True])
-@pytest.mark.parametrize("finish", [ORDERED, ATOMIC, ORDERED_SMEM, FIXED])
+@pytest.mark.parametrize("finish", [ORDERED, ATOMIC, ORDERED_SMEM, FIXED, ORDERED2])
 def test_wg_swiglu_vs_float64(case, M, with_tails, finish):
     """silu(x W_gate) * (x W_up) in one launch against float64, against the plain launch's two outputs through
     silu_mul (the same fp16 roundings; the sums may split differently, so up to a rounding step), the same bits
@@ -229,7 +230,7 @@ def test_wg_decode_refuses_bad_input(what, msg):
     if what == "k":
         x = x[:, :224].contiguous()
     with pytest.raises(RuntimeError, match=msg):
-        _call(x, pws, chunks, 4 if what == "finish" else ORDERED)
+        _call(x, pws, chunks, 5 if what == "finish" else ORDERED)
 
 
 def test_model_decode_on_wg(tiny_model_factory, tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
-FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2, "fixed": 3}      # csrc qgemm_wg_streamk_kernel.cuh Finish
+FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2, "fixed": 3, "ordered2": 4}      # csrc qgemm_wg_streamk_kernel.cuh Finish
 
 
 def finish_setting(env=os.environ) -> int:

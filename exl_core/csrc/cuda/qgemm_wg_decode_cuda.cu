@@ -143,8 +143,8 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   const int64_t tiles = static_cast<int64_t>(n) * ((N + exl_wg::kBF - 1) / exl_wg::kBF);
   TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
               kMaxTiles);
-  TORCH_CHECK(finish >= 0 && finish <= 3, op, ": finish must be 0 (atomics), 1 (ordered), 2 (ordered, through "
-              "shared memory) or 3 (fixed point), got ", finish);
+  TORCH_CHECK(finish >= 0 && finish <= 4, op, ": finish must be 0 (atomics), 1 (ordered), 2 (ordered, through "
+              "shared memory), 3 (fixed point) or 4 (ordered, two slots a round), got ", finish);
   Work& w = work_for(op, x.device(), finish, h.defined());
   sk.ws = w.ws.data_ptr<float>();
   sk.finish = static_cast<int>(finish);

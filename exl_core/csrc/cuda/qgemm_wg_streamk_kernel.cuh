@@ -49,7 +49,7 @@ struct SkArgs {
   int early_w;                          // weight boxes before the PDL wait
   int finish;                           // split tiles: a Finish
 };
-enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2, kFinishFixed = 3 };
+enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2, kFinishFixed = 3, kFinishOrdered2 = 4 };
 constexpr int kFinSlots = 4;            // kFinishOrderedSmem: blocks' slots a round of copies brings (16 KB each)
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
@@ -206,6 +206,25 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
   if (tid == 0) sk.count[tile] = 0;
 #pragma unroll
   for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
+  if (sk.finish == kFinishOrdered2) {                        // two slots' loads in flight a round, the same adds
+    for (int64_t b = first; b <= last; b += 2) {
+      const bool two = b < last;
+      const float* p = slot_of(b) + tid;
+      const float* q = slot_of(two ? b + 1 : b) + tid;
+      float u[kNT / 2], v[kNT / 2];
+#pragma unroll
+      for (int e = 0; e < kNT / 2; ++e) u[e] = __ldcg(p + e * 256);
+#pragma unroll
+      for (int e = 0; e < kNT / 2; ++e) v[e] = __ldcg(q + e * 256);
+#pragma unroll
+      for (int e = 0; e < kNT / 2; ++e) acc[e] += u[e];
+      if (two) {
+#pragma unroll
+        for (int e = 0; e < kNT / 2; ++e) acc[e] += v[e];
+      }
+    }
+    return true;
+  }
   for (int64_t b = first; b <= last; ++b) {                  // block order: the same sums whoever finishes
     const float* p = slot_of(b) + tid;
 #pragma unroll
