@@ -93,8 +93,6 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "wg_smem_fin": (cuda_wg_decode, "FINISH", 2),
             "wg_fixed": (cuda_wg_decode, "FINISH", 3),          # stop 60: fixed point; two slots a round
             "wg_ord2": (cuda_wg_decode, "FINISH", 4),
-            "wg_own": (cuda_wg_decode, "FINISH", 5),            # stop 60 probes (wrong sums): own slot read only;
-            "wg_red": (cuda_wg_decode, "FINISH", 6),            # slots written by fp32 atomics
             "wg_o": (cuda_wg_decode, "MIN_ELEMS", 0),
             "wg_late_w": (os.environ, "EXL_CORE_WG_EARLY_W", "0")}
 
@@ -210,8 +208,7 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
-    wg_variants = ("wg_off", "wg_pair", "wg_o", "wg_late_w", "wg_atomic", "wg_smem_fin", "wg_fixed", "wg_ord2",
-                   "wg_own", "wg_red")
+    wg_variants = ("wg_off", "wg_pair", "wg_o", "wg_late_w", "wg_atomic", "wg_smem_fin", "wg_fixed", "wg_ord2")
     cases += [(32, v) for v in wg_variants if f"{fmt}:32:{v}" in keep]
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]
