@@ -20,9 +20,7 @@ same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may di
 ran it as EXL_CORE_WG_EXACT=0, no longer read), "ordered_smem" (block order, the slots copied into shared
 memory a few at once: the same bits as "ordered", but slower -- stop 59 call 1, same process, untraced steps: GPTQ
 ordered 3,868.61, atomic 3,787.02, ordered_smem 3,993.31 us; bench --quick batch 32 against ordered: atomic 1.0234x /
-1.0247x, ordered_smem 0.9704x / 0.9780x, GPTQ / EXL2), "fixed" (stop 60: each block's sums in 64-bit fixed point by
-integer atomics, which associate: the same bits every run with the atomics' one round trip; values past 2^24 or not
-finite go through fp32 atomics, qgemm_wg_streamk_kernel.cuh finish_fixed).
+1.0247x, ordered_smem 0.9704x / 0.9780x, GPTQ / EXL2).
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
-FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2, "fixed": 3, "ordered2": 4}      # csrc qgemm_wg_streamk_kernel.cuh Finish
+FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2}      # csrc qgemm_wg_streamk_kernel.cuh Finish
 
 
 def finish_setting(env=os.environ) -> int:

@@ -37,31 +37,26 @@ constexpr int kStages = 8;
 constexpr int64_t kMaxTiles = 1024;                 // column tiles of 128 a launch the workspace covers
 
 // A device's stream-K workspace: two partial-sum slots a block (the ordered finish), the atomics' tile sums (zero),
-// the fixed-point finish's integer sums (zero), SwiGLU's pair slots, and the tile and pair counters (zero; each launch
-// leaves the sums and counters zero). The atomics' sums (16 MiB; the fixed-point finish's out-of-range values use them
-// too), the integer sums (32 MiB) and the pair's buffers (8 MiB) are made only when a call first needs them.
+// SwiGLU's pair slots, and the tile and pair counters (zero; each launch leaves the sums and counters zero). The
+// atomics' sums (16 MiB) and the pair's buffers (8 MiB) are made only when a call first needs them.
 struct Work {
-  at::Tensor ws, sum, fixed, count, pair_ws, pair_count;
+  at::Tensor ws, sum, count, pair_ws, pair_count;
 };
 
 // The workspace of x's device with what this call needs: every allocation must happen outside a CUDA graph capture
-// (the graph would own it), so the first call on a device -- and the first with the atomics' or fixed-point finish
-// or the SwiGLU pair -- must run eagerly (ops/cuda_wg_decode.py tracks which have).  finish: an exl_wg_sk::Finish.
-Work& work_for(const char* op, const at::Device& dev, int64_t finish, bool pair) {
-  const bool atomic = finish == exl_wg_sk::kFinishAtomic || finish == exl_wg_sk::kFinishFixed;
-  const bool fixed = finish == exl_wg_sk::kFinishFixed;
+// (the graph would own it), so the first call on a device -- and the first with the atomics' finish or the SwiGLU
+// pair -- must run eagerly (ops/cuda_wg_decode.py tracks which have).
+Work& work_for(const char* op, const at::Device& dev, bool atomic, bool pair) {
   static std::mutex mu;
   static Work works[64];
   const int i = dev.index() < 0 ? 0 : dev.index() % 64;
   std::lock_guard<std::mutex> lock(mu);
   Work& w = works[i];
-  if (w.ws.defined() && (!atomic || w.sum.defined()) && (!fixed || w.fixed.defined()) &&
-      (!pair || w.pair_ws.defined()))
-    return w;
+  if (w.ws.defined() && (!atomic || w.sum.defined()) && (!pair || w.pair_ws.defined())) return w;
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &cap));
   TORCH_CHECK(cap == cudaStreamCaptureStatusNone, op, ": the first call on a device (and the first with the atomics' "
-              "or fixed-point finish or the SwiGLU pair) must run outside a CUDA graph capture: it allocates the stream-K workspace");
+              "finish or the SwiGLU pair) must run outside a CUDA graph capture: it allocates the stream-K workspace");
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
   if (!w.ws.defined()) {
     w.count = at::zeros({kMaxTiles}, f32.dtype(at::kInt));
@@ -74,7 +69,6 @@ Work& work_for(const char* op, const at::Device& dev, int64_t finish, bool pair)
     w.ws = at::empty({2 * exl_pdl::device_sm(w.count.get_device(), false), exl_wg_sk::kPerTile}, f32);
   }
   if (atomic && !w.sum.defined()) w.sum = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32);
-  if (fixed && !w.fixed.defined()) w.fixed = at::zeros({kMaxTiles, exl_wg_sk::kPerTile}, f32.dtype(at::kLong));
   if (pair && !w.pair_ws.defined()) {
     w.pair_ws = at::empty({kMaxTiles / 2, 2, exl_wg_sk::kPerTile / 2}, f32.dtype(at::kInt));
     w.pair_count = at::zeros({kMaxTiles / 2}, f32.dtype(at::kInt));
@@ -143,14 +137,12 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   const int64_t tiles = static_cast<int64_t>(n) * ((N + exl_wg::kBF - 1) / exl_wg::kBF);
   TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
               kMaxTiles);
-  TORCH_CHECK(finish >= 0 && finish <= 4, op, ": finish must be 0 (atomics), 1 (ordered), 2 (ordered, through "
-              "shared memory), 3 (fixed point) or 4 (ordered, two slots a round), got ", finish);
-  Work& w = work_for(op, x.device(), finish, h.defined());
+  Work& w = work_for(op, x.device(), finish == exl_wg_sk::kFinishAtomic, h.defined());
   sk.ws = w.ws.data_ptr<float>();
+  TORCH_CHECK(finish >= 0 && finish <= 2, op, ": finish must be 0 (atomics), 1 (ordered) or 2 (ordered, through "
+              "shared memory), got ", finish);
   sk.finish = static_cast<int>(finish);
-  sk.sum = w.sum.defined() ? w.sum.data_ptr<float>() : nullptr;
-  sk.fixed = finish == exl_wg_sk::kFinishFixed ? reinterpret_cast<unsigned long long*>(w.fixed.data_ptr<int64_t>())
-                                               : nullptr;
+  sk.sum = finish == exl_wg_sk::kFinishAtomic ? w.sum.data_ptr<float>() : nullptr;
   sk.count = w.count.data_ptr<int>();
   sk.early_w = exl_pdl::env_on("EXL_CORE_WG_EARLY_W");     // read a call (graph captures fix it), for A/B runs
   if (h.defined()) {
@@ -170,8 +162,7 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
 }
 
 // finish: how split tiles are added (exl_wg_sk::Finish): 0 fp32 atomics, 1 in block order (the same bits every run),
-// 2 in block order with the others' sums copied into shared memory, 3 fixed point by integer atomics (the same bits
-// every run, finish_fixed).
+// 2 in block order with the others' sums copied into shared memory.
 std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                         at::TensorList scale, at::TensorList zero, int64_t finish) {
   return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt, finish);

@@ -14,8 +14,6 @@
 // same sums, the slots brought into shared memory by cp.async, up to kFinSlots at once (no registers held for them, so
 // one L2 round trip for several blocks; written after stop 58's last device call, not yet run on a GPU).
 // kFinishAtomic: fp32 atomics into a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
-// kFinishFixed: 64-bit integer atomics of each partial in fixed point (finish_fixed): integers associate, so the
-// bits do not depend on the order, at the atomics' one round trip for the finisher.
 // SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
 // as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
 // (exl_act::silu_mul, as silu_mul rounds it), also at a chunk's tail columns where tails say (ops/swiglu.py).
@@ -39,7 +37,6 @@ struct SkArgs {
   WgBatch batch;
   float* ws;                            // exact: [2 * blocks][kPerTile], block b's partial sums of its first, last tile
   float* sum;                           // not exact: [tiles][kPerTile], zero (each finisher re-zeroes its own)
-  unsigned long long* fixed;            // kFinishFixed: [tiles][kPerTile] two's complement fixed point, zero likewise
   int* count;                           // [tiles], zero before the first launch (each finisher re-zeroes its own)
   uint32_t* pair_ws;                    // SwiGLU: [column tiles][2][kPerTile / 2] half2 of finished tiles
   int* pair_count;                      // SwiGLU: [column tiles], zero likewise
@@ -47,9 +44,9 @@ struct SkArgs {
   const int* tails;                     // SwiGLU: [N / 32] column a chunk is also written at, or -1; may be null
   int64_t ldh;
   int early_w;                          // weight boxes before the PDL wait
-  int finish;                           // split tiles: a Finish
+  int finish;                           // split tiles: kFinishAtomic, kFinishOrdered, kFinishOrderedSmem
 };
-enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2, kFinishFixed = 3, kFinishOrdered2 = 4 };
+enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2 };
 constexpr int kFinSlots = 4;            // kFinishOrderedSmem: blocks' slots a round of copies brings (16 KB each)
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
@@ -83,60 +80,6 @@ __device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
   return last;
 }
 
-// kFinishFixed (pair 0's 256 threads; flag: the block's two shared ints, [1] zero on entry): each partial sum v goes
-// to the tile's integer sum as rint(v * 2^28) by a 64-bit atomic add. Integer adds associate, so the total, and the
-// finisher's float(total) * 2^-28, has the same bits whatever order the blocks come in, with the atomics' one L2
-// round trip (the ordered finish reads a slot a contributor: down's 5-6). Steps of 2^-28 (3.7e-9) are finer than
-// fp16's subnormals; |v| < 2^24 over at most 132 contributors stays far inside 63 bits. A v outside that range or not
-// finite (its output is past fp16's range or NaN unless sums cancel) goes to sk.sum by an fp32 atomic instead and
-// the block counts in with 2^16 added; a finisher that sees such a count adds sk.sum as well (those outputs' bits may
-// then vary from run to run; the others' do not).
-constexpr float kFixUnit = 268435456.f, kFixLimit = 16777216.f;   // 2^28, 2^24
-__device__ __forceinline__ bool finish_fixed(const SkArgs& sk, float (&acc)[kNT / 2], int tile, int need, int* flag) {
-  const int tid = threadIdx.x;
-  const size_t base = static_cast<size_t>(tile) * kPerTile + tid;
-  unsigned long long* it = sk.fixed + base;
-  bool wild = false;
-#pragma unroll
-  for (int e = 0; e < kNT / 2; ++e) {
-    const float v = acc[e];
-    if (fabsf(v) < kFixLimit) {                              // false for NaN
-      atomicAdd(it + e * 256, static_cast<unsigned long long>(__float2ll_rn(v * kFixUnit)));
-    } else {
-      wild = true;
-      atomicAdd(sk.sum + base + e * 256, v);
-    }
-  }
-  __threadfence();
-  if (wild) flag[1] = 1;
-  named_barrier(3, 256);
-  if (tid == 0) {
-    const int w = flag[1];
-    flag[1] = 0;
-    const int old = atomicAdd(sk.count + tile, 1 + (w << 16));
-    flag[0] = (old & 0xffff) != need ? 0 : (old >> 16) != 0 || w ? 3 : 1;   // 1: last, 3: last with wild sums
-  }
-  named_barrier(3, 256);
-  const int f = flag[0];
-  if (f == 0) return false;
-  __threadfence();
-  if (tid == 0) sk.count[tile] = 0;
-#pragma unroll
-  for (int e = 0; e < kNT / 2; ++e) {
-    const long long s = static_cast<long long>(__ldcg(it + e * 256));
-    __stcg(it + e * 256, 0ull);
-    acc[e] = static_cast<float>(s) * (1.f / kFixUnit);
-  }
-  if (f == 3) {
-#pragma unroll
-    for (int e = 0; e < kNT / 2; ++e) {
-      acc[e] += __ldcg(sk.sum + base + e * 256);
-      sk.sum[base + e * 256] = 0.f;
-    }
-  }
-  return true;
-}
-
 // A tile whose items span blocks first..last (pair 0's 256 threads, acc this block's sums): true in the block that
 // counts in last, acc then the tile's total. Ordered finishes: each block's sums in its own slot (first: the block's
 // first tile), added in block order, so the bits do not depend on which block finishes -- kFinishOrdered a slot's
@@ -147,7 +90,6 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
                                              int64_t last, bool first_seg, int KT, int64_t items, int64_t G,
                                              int* flag, float* fin) {
   const int tid = threadIdx.x, need = static_cast<int>(last - first);
-  if (sk.finish == kFinishFixed) return finish_fixed(sk, acc, tile, need, flag);
   if (sk.finish == kFinishAtomic) {
     float* wt = sk.sum + static_cast<size_t>(tile) * kPerTile + tid;
 #pragma unroll
@@ -206,25 +148,6 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
   if (tid == 0) sk.count[tile] = 0;
 #pragma unroll
   for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
-  if (sk.finish == kFinishOrdered2) {                        // two slots' loads in flight a round, the same adds
-    for (int64_t b = first; b <= last; b += 2) {
-      const bool two = b < last;
-      const float* p = slot_of(b) + tid;
-      const float* q = slot_of(two ? b + 1 : b) + tid;
-      float u[kNT / 2], v[kNT / 2];
-#pragma unroll
-      for (int e = 0; e < kNT / 2; ++e) u[e] = __ldcg(p + e * 256);
-#pragma unroll
-      for (int e = 0; e < kNT / 2; ++e) v[e] = __ldcg(q + e * 256);
-#pragma unroll
-      for (int e = 0; e < kNT / 2; ++e) acc[e] += u[e];
-      if (two) {
-#pragma unroll
-        for (int e = 0; e < kNT / 2; ++e) acc[e] += v[e];
-      }
-    }
-    return true;
-  }
   for (int64_t b = first; b <= last; ++b) {                  // block order: the same sums whoever finishes
     const float* p = slot_of(b) + tid;
 #pragma unroll
@@ -307,7 +230,6 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
   float* fin = reinterpret_cast<float*>(last_flag + 4);    // 16-byte aligned
   for (int c = tid; c < a0.K / 32; c += kThreads) groups[c] = a0.chunks[c * 3 + 1];   // load-time data
   if (tid == 0) {
-    last_flag[1] = 0;                                        // finish_fixed's wild mark
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       exl_tma::mbar_init(full + s, 4);                       // each producer warp arrives with its own bytes
