@@ -73,8 +73,7 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
 def test_wg_swiglu_vs_float64(case, M, with_tails, finish):
     """silu(x W_gate) * (x W_up) in one launch against float64, against the plain launch's two outputs through
     silu_mul (the same fp16 roundings; the sums may split differently, so up to a rounding step), the same bits
-    twice (ordered finishes; by atomics close); with tails, each chunk's copy at its tail columns.  (The atomic and
-    shared-memory finishes here were added after stop 58's last device call.)"""
+    twice (ordered finishes; by atomics close); with tails, each chunk's copy at its tail columns."""
     _need_wg()
     from exl_core.ops.activation import silu_mul
     from exl_core.ops.cuda_candidates import chunk_table
@@ -181,7 +180,7 @@ def test_wg_decode_dispatch_switch():
 
 
 @pytest.mark.parametrize("what,msg", [("rows", "rows of x"), ("k", "multiple of 64"), ("shape", "qweight 1"),
-                                      ("finish", "finish must be 0")])      # the last added after stop 59's device calls
+                                      ("finish", "finish must be 0")])
 def test_wg_decode_refuses_bad_input(what, msg):
     _need_wg()
     from exl_core.ops.cuda_candidates import chunk_table

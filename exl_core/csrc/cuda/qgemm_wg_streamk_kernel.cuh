@@ -12,7 +12,7 @@
 // last), fences and counts itself in; the last one adds the slots in block order (the same bits whichever block comes
 // last), stores y and zeroes the counter for the next launch (no block waits for another). kFinishOrderedSmem: the
 // same sums, the slots brought into shared memory by cp.async, up to kFinSlots at once (no registers held for them, so
-// one L2 round trip for several blocks; written after stop 58's last device call, not yet run on a GPU).
+// one L2 round trip for several blocks; tested, but slower than kFinishOrdered: NOTES.md stops 59-60).
 // kFinishAtomic: fp32 atomics into a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
 // SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
 // as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
