@@ -25,7 +25,7 @@ def _need_wg():
         pytest.fail("exl_core._C has CUDA kernels but no qgemm_wg_decode")
 
 
-ATOMIC, ORDERED, ORDERED_SMEM = 0, 1, 2          # the split tiles' finishes (ops/cuda_wg_decode.py FINISHES)
+ATOMIC, ORDERED, ORDERED_SMEM, ORDERED_TAIL = 0, 1, 2, 4   # split tiles' finishes (cuda_wg_decode.py FINISHES)
 
 
 def _call(x, cs, chunks, finish=ORDERED):
@@ -34,10 +34,12 @@ def _call(x, cs, chunks, finish=ORDERED):
 
 
 # (group layout of (bits, rows), N, weights): K 640 with 128- and 64-row groups; N with a tail past 128-column tiles;
-# K 4096 in 128-row groups (a 7B layer's K) over three weights, so most tiles span two blocks of the stream.
+# K 4096 in 128-row groups (a 7B layer's K) over three weights, so most tiles span two blocks of the stream; K 16,384
+# and one column tile, which the whole grid shares (tails over several rounds of ORDERED_TAIL's stage copies).
 CASES = [([(4, 128), (4, 64), (4, 192), (4, 64), (4, 192)], 328, 1),
          ([(4, 128)] * 5, 1024, 2),
-         ([(4, 128)] * 32, 4096, 3)]
+         ([(4, 128)] * 32, 4096, 3),
+         ([(4, 128)] * 128, 128, 1)]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -57,6 +59,7 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
     atomic = _call(x.cuda(), cs, chunks, ATOMIC)          # split tiles by fp32 atomics into the zeroed sums
     atomic2 = _call(x.cuda(), cs, chunks, ATOMIC)         # which the first left zero
     smem = _call(x.cuda(), cs, chunks, ORDERED_SMEM)      # the same order through shared memory: the same bits
+    tail = _call(x.cuda(), cs, chunks, ORDERED_TAIL)      # the same order, tails through the stages: the same bits
     monkeypatch.setenv("EXL_CORE_WG_EARLY_W", "0")
     late = _call(x.cuda(), cs, chunks)
     for y, y2, y3, ys2, ya, ya2, pw in zip(ys, again, late, smem, atomic, atomic2, pws):
@@ -64,12 +67,13 @@ def test_wg_decode_vs_float64(case, M, monkeypatch):
         assert y.shape == (M, N) and rel_err(y, ref) < 2e-3
         assert torch.equal(y2, y) and torch.equal(y3, y) and torch.equal(ys2, y)
         assert rel_err(ya, ref) < 2e-3 and rel_err(ya2, ref) < 2e-3
+    assert all(torch.equal(yt, y) for yt, y in zip(tail, ys))
 
 
 @pytest.mark.parametrize("case", [0, 1, 2])
 @pytest.mark.parametrize("M", [17, 32])
 @pytest.mark.parametrize("with_tails", [False, True])
-@pytest.mark.parametrize("finish", [ORDERED, ATOMIC, ORDERED_SMEM])
+@pytest.mark.parametrize("finish", [ORDERED, ATOMIC, ORDERED_SMEM, ORDERED_TAIL])
 def test_wg_swiglu_vs_float64(case, M, with_tails, finish):
     """silu(x W_gate) * (x W_up) in one launch against float64, against the plain launch's two outputs through
     silu_mul (the same fp16 roundings; the sums may split differently, so up to a rounding step), the same bits
@@ -191,7 +195,7 @@ def test_wg_decode_refuses_bad_input(what, msg):
     if what == "k":
         x = x[:, :224].contiguous()
     with pytest.raises(RuntimeError, match=msg):
-        _call(x, pws, chunks, 3 if what == "finish" else ORDERED)
+        _call(x, pws, chunks, 3 if what == "finish" else ORDERED)   # 3: no finish (a retired code)
 
 
 def test_model_decode_on_wg(tiny_model_factory, tmp_path, monkeypatch):

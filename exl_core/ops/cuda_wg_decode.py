@@ -33,7 +33,7 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
-FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2}      # csrc qgemm_wg_streamk_kernel.cuh Finish
+FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2, "ordered_tail": 4}   # qgemm_wg_streamk_kernel.cuh Finish
 
 
 def finish_setting(env=os.environ) -> int:

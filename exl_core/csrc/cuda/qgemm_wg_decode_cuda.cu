@@ -139,8 +139,8 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
               kMaxTiles);
   Work& w = work_for(op, x.device(), finish == exl_wg_sk::kFinishAtomic, h.defined());
   sk.ws = w.ws.data_ptr<float>();
-  TORCH_CHECK(finish >= 0 && finish <= 2, op, ": finish must be 0 (atomics), 1 (ordered) or 2 (ordered, through "
-              "shared memory), got ", finish);
+  TORCH_CHECK(finish >= 0 && finish <= 4 && finish != 3, op, ": finish must be 0 (atomics), 1 (ordered), 2 (ordered, "
+              "through shared memory) or 4 (ordered, the tail's through the stages), got ", finish);
   sk.finish = static_cast<int>(finish);
   sk.sum = finish == exl_wg_sk::kFinishAtomic ? w.sum.data_ptr<float>() : nullptr;
   sk.count = w.count.data_ptr<int>();

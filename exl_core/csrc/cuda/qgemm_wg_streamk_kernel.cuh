@@ -46,7 +46,7 @@ struct SkArgs {
   int early_w;                          // weight boxes before the PDL wait
   int finish;                           // split tiles: kFinishAtomic, kFinishOrdered, kFinishOrderedSmem
 };
-enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2 };
+enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2, kFinishOrderedTail = 4 };
 constexpr int kFinSlots = 4;            // kFinishOrderedSmem: blocks' slots a round of copies brings (16 KB each)
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
@@ -86,9 +86,16 @@ __device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
 // loads at a time (more registers here spill the main loop's); kFinishOrderedSmem each thread's 64 bytes of a slot
 // contiguous, copied by cp.async into `fin` (shared memory, kFinSlots slots a round, this block's own too) and added
 // from there. kFinishAtomic: atomics into sk.sum, which the finisher reads and re-zeroes.
+// kFinishOrderedTail (stop 60): the slots as kFinishOrderedSmem lays them out; a finish on the block's last segment
+// (tail: no item left, so the stages' shared memory is idle) copies up to tail_slots slots at once into the stages
+// (`stages`) and adds them from there; other finishes read a slot at a time into registers. The same sums in the
+// same order as the other ordered finishes, the same bits. Why: the finisher's reads, a slot a round trip, were ~1.7
+// of down's ~2.2 us a launch behind the atomics (stop 60 call 3: its own slot only, timing only, down 19.64 us
+// against 21.37, the atomics' 19.16), and the tails are what the launch waits for; kFinishOrderedSmem's own 64 KB
+// lost (stop 59), registers for more slots spill the item loop (stop 60).
 __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT / 2], int tile, int64_t first,
                                              int64_t last, bool first_seg, int KT, int64_t items, int64_t G,
-                                             int* flag, float* fin) {
+                                             int* flag, float* fin, bool tail, float* stages, int tail_slots) {
   const int tid = threadIdx.x, need = static_cast<int>(last - first);
   if (sk.finish == kFinishAtomic) {
     float* wt = sk.sum + static_cast<size_t>(tile) * kPerTile + tid;
@@ -106,34 +113,61 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
   auto slot = [&](int64_t b, bool b_first) {
     return sk.ws + static_cast<size_t>(2 * b + (b_first ? 0 : 1)) * kPerTile;
   };
-  auto slot_of = [&](int64_t b) { return slot(b, range_start(b, items, G) / KT == tile); };
-  if (sk.finish == kFinishOrderedSmem) {
-    float4* mine = reinterpret_cast<float4*>(slot(blockIdx.x, first_seg)) + tid * 4;
+  // Block b's slot of this tile: its first-tile slot for every contributor after `first` (their ranges start inside
+  // the tile), and for `first` where its range starts at the tile's start -- one 64-bit division a finish, not two a
+  // slot (each a ~100-instruction subroutine call on the finisher's serial path; stop 60, after its device calls).
+  const bool first_owns = range_start(first, items, G) == static_cast<int64_t>(tile) * KT;
+  auto slot_of = [&](int64_t b) { return slot(b, b != first || first_owns); };
+  // The smem-routed finishes' slots as [q][thread] float4 (stop 60, after call 4): a warp's 16-byte accesses
+  // contiguous. Thread-contiguous 64-byte pieces (stop 59's form) made each warp access touch 32 sectors half-used,
+  // twice the L2 traffic of the slot's bytes -- by my reading why both smem-routed finishes lost (not measured).
+  auto put_slot = [&]() {
+    float4* mine = reinterpret_cast<float4*>(slot(blockIdx.x, first_seg)) + tid;
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      __stcg(mine + q, make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+      __stcg(mine + q * 256, make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+  };
+  if (sk.finish == kFinishOrderedTail && !tail) {           // a slot at a time
+    put_slot();
+    if (!count_in(sk.count + tile, need, flag)) return false;
+    if (tid == 0) sk.count[tile] = 0;
+#pragma unroll
+    for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
+    for (int64_t b = first; b <= last; ++b) {
+      const float4* p = reinterpret_cast<const float4*>(slot_of(b)) + tid;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 v = __ldcg(p + q * 256);
+        acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
+      }
+    }
+    return true;
+  }
+  if (sk.finish == kFinishOrderedSmem || sk.finish == kFinishOrderedTail) {
+    const bool in_stages = sk.finish == kFinishOrderedTail;
+    const int per_round = in_stages ? tail_slots : kFinSlots;
+    float* buf = in_stages ? stages : fin;
+    if (in_stages) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // the stages' TMA / wgmma use
+    put_slot();
     if (!count_in(sk.count + tile, need, flag)) return false;
     if (tid == 0) sk.count[tile] = 0;
 #pragma unroll
     for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;        // this block's own slot read back too: fewer registers
-    for (int64_t b0 = first; b0 <= last; b0 += kFinSlots) {  // a round: up to kFinSlots slots, copied at once
-      const int n = static_cast<int>(min(static_cast<int64_t>(kFinSlots), last - b0 + 1));
+    for (int64_t b0 = first; b0 <= last; b0 += per_round) {  // a round: up to per_round slots, copied at once
+      const int n = static_cast<int>(min(static_cast<int64_t>(per_round), last - b0 + 1));
+      for (int k = 0; k < n; ++k) {                          // each thread copies and reads only its own vectors
+        const float4* src = reinterpret_cast<const float4*>(slot_of(b0 + k)) + tid;
+        float4* dst = reinterpret_cast<float4*>(buf) + k * 1024 + tid;
 #pragma unroll
-      for (int k = 0; k < kFinSlots; ++k) {
-        if (k < n) {                                         // each thread copies and reads only its own 64 bytes
-          const float* src = slot_of(b0 + k) + tid * 16;
-          float* dst = fin + (k * 256 + tid) * 16;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) cp_async16(dst + 4 * q, src + 4 * q);
-        }
+        for (int q = 0; q < 4; ++q) cp_async16(dst + q * 256, src + q * 256);
       }
       cp_async_commit();
       cp_async_wait_all();
       for (int k = 0; k < n; ++k) {                          // block order
-        const float4* p = reinterpret_cast<const float4*>(fin + (k * 256 + tid) * 16);
+        const float4* p = reinterpret_cast<const float4*>(buf) + k * 1024 + tid;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const float4 v = p[q];
+          const float4 v = p[q * 256];
           acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
         }
       }
@@ -322,8 +356,9 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
       for (int e = 0; e < kNT / 2; ++e) acc[e] += rb[e * 128 + (tid & 127)];
       const int64_t first = block_of(static_cast<int64_t>(tile) * KT, items, G);
       const int64_t last = block_of(static_cast<int64_t>(tile + 1) * KT - 1, items, G);
-      const bool done =
-          first == last || finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag, fin);
+      const bool done = first == last ||
+                        finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag, fin, s1 == n,
+                                     reinterpret_cast<float*>(smem), STAGES * L::kStage / (kPerTile * 4));
       if (done) {
         const TileAt at = tile_at(tile, tiles_w, swiglu);
         if (!swiglu)
