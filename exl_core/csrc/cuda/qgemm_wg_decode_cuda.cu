@@ -137,10 +137,11 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   const int64_t tiles = static_cast<int64_t>(n) * ((N + exl_wg::kBF - 1) / exl_wg::kBF);
   TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
               kMaxTiles);
-  Work& w = work_for(op, x.device(), finish == exl_wg_sk::kFinishAtomic, h.defined());
-  sk.ws = w.ws.data_ptr<float>();
+  // the finish checked before work_for, which allocates the atomics' sums only for finish 0
   TORCH_CHECK(finish >= 0 && finish <= 4 && finish != 3, op, ": finish must be 0 (atomics), 1 (ordered), 2 (ordered, "
               "through shared memory) or 4 (ordered, the tail's through the stages), got ", finish);
+  Work& w = work_for(op, x.device(), finish == exl_wg_sk::kFinishAtomic, h.defined());
+  sk.ws = w.ws.data_ptr<float>();
   sk.finish = static_cast<int>(finish);
   sk.sum = finish == exl_wg_sk::kFinishAtomic ? w.sum.data_ptr<float>() : nullptr;
   sk.count = w.count.data_ptr<int>();

@@ -1,0 +1,86 @@
+"""The decode norms alone (GPU): exl_core::rms_norm_static (GPTQ's plain norm) against exl_core::rms_norm_perm (EXL2's
+norm writing its consumer's act-order), lean and regular instances, random and identity perm, P = H and P > H, at
+1 / 8 / 32 rows of H = 4096 with a residual -- us a launch in a CUDA graph of back-to-back launches (each launch's PDL
+wait holds it until the one before has finished, so the figure is a launch's own span, not the step's).
+
+Why: at batch 32 the EXL2 step's two permuted norms add ~2 us a layer each over GPTQ's plain norms (stop 59's
+timeline: 4.63 / 5.08 against 2.65 / 3.26); this says whether the kernel itself costs that or its neighbours do.
+
+    python bench/norm_probe.py [--json bench/results/norm_probe_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+import exl_core  # noqa: F401  (loads the extension's ops)
+
+
+def trunc(v: float) -> float:
+    return math.floor(v * 100) / 100
+
+
+def per_launch_us(fn, n: int = 200, reps: int = 15) -> float:
+    """Median over `reps` replays of a graph of `n` launches of fn, us a launch."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / n)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--extra", type=int, default=256, help="P - H of the P > H cases (the uniform-4 rewrite's extra rows)")
+    args = ap.parse_args()
+    H, dev = args.hidden, torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.rand(H, generator=gen) + 0.5).half().to(dev)
+    ident = torch.arange(H, dtype=torch.int32, device=dev)
+    rand = torch.randperm(H, generator=gen).to(torch.int32).to(dev)
+    extra = torch.randint(0, H, (args.extra,), generator=gen).to(torch.int32).to(dev)
+    perms = {"ident_P=H": ident, "rand_P=H": rand, f"rand_P=H+{args.extra}": torch.cat([rand, extra])}
+    ops = torch.ops.exl_core
+    rows_out = []
+    print(f"{'rows':>4}  {'case':<34} {'us/launch':>10}")
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, H, generator=gen).half().to(dev)
+        res = torch.randn(rows, H, generator=gen).half().to(dev)
+        cases = {"plain (rms_norm_static)": lambda: ops.rms_norm_static(x, res, w, 1e-5)}
+        for pname, p in perms.items():
+            for lean in (True, False):
+                cases[f"perm {'lean' if lean else 'regular'} {pname}"] = (
+                    lambda p=p, lean=lean: ops.rms_norm_perm(x, res, w, 1e-5, p, False, lean))
+        for name, fn in cases.items():
+            us = per_launch_us(fn)
+            rows_out.append({"rows": rows, "case": name, "us_per_launch": trunc(us)})
+            print(f"{rows:>4}  {name:<34} {trunc(us):>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": H,
+                       "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
