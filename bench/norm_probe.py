@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-import exl_core  # noqa: F401  (loads the extension's ops)
+from exl_core.ops.dispatch import has_cuda_kernel
 
 
 def trunc(v: float) -> float:
@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--extra", type=int, default=256, help="P - H of the P > H cases (the uniform-4 rewrite's extra rows)")
     args = ap.parse_args()
     H, dev = args.hidden, torch.device("cuda")
+    for op in ("rms_norm_static", "rms_norm_perm"):     # also loads the extension (exl_core.ops.dispatch)
+        if not has_cuda_kernel(op):
+            raise SystemExit(f"norm_probe: the extension has no CUDA kernel for exl_core::{op}")
     gen = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.rand(H, generator=gen) + 0.5).half().to(dev)
     ident = torch.arange(H, dtype=torch.int32, device=dev)
