@@ -85,12 +85,10 @@ VARIANTS = {"rope_attn_off": (attention, "ROPE_ATTN_FUSE", False),
             "stage2_off": (os.environ, "EXL_CORE_ATTN_STAGE2", "0"),   # the host reads it per attention call
             "fold_wide": (cuda_norm_fold, "NORM_FOLD_WIDE", True),
             # stop 58: the stream-K wgmma kernels at 17..32 rows off; their SwiGLU pair on; o on them too (no size
-            # floor); their weight boxes after the PDL wait; split tiles by atomics; (stop 59) in block order through
-            # shared memory
+            # floor); their weight boxes after the PDL wait; split tiles by atomics
             "wg_off": (cuda_wg_decode, "WG_DECODE", "0"),
             "wg_pair": (cuda_wg_decode, "WG_DECODE", "1"),
             "wg_atomic": (cuda_wg_decode, "FINISH", 0),
-            "wg_smem_fin": (cuda_wg_decode, "FINISH", 2),
             "wg_o": (cuda_wg_decode, "MIN_ELEMS", 0),
             "wg_late_w": (os.environ, "EXL_CORE_WG_EARLY_W", "0")}
 
@@ -206,7 +204,7 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     # weights have no permutation), last measured in stop 27 (0.9364x at batch 32)
     if f"{fmt}:32:fold_wide" in keep:
         cases.append((32, "fold_wide"))
-    wg_variants = ("wg_off", "wg_pair", "wg_o", "wg_late_w", "wg_atomic", "wg_smem_fin")   # stop 58: any format
+    wg_variants = ("wg_off", "wg_pair", "wg_o", "wg_late_w", "wg_atomic")   # stop 58: any format
     cases += [(32, v) for v in wg_variants if f"{fmt}:32:{v}" in keep]
     if keep:
         cases = [(B, v) for B, v in cases if f"{fmt}:{B}" + (f":{v}" if v else "") in keep]

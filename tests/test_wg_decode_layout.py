@@ -38,7 +38,8 @@ def test_wg_finish_setting():
     """EXL_CORE_WG_FINISH picks the split tiles' finish; an unknown value is an error that names the variable."""
     from exl_core.ops.cuda_wg_decode import FINISHES, finish_setting
     assert finish_setting({}) == FINISHES["ordered"]
-    assert finish_setting({"EXL_CORE_WG_FINISH": "ordered_smem"}) == FINISHES["ordered_smem"]
     assert finish_setting({"EXL_CORE_WG_FINISH": "atomic"}) == FINISHES["atomic"]
+    with pytest.raises(ValueError, match="expected one of atomic, ordered"):       # a removed finish (stop 61)
+        finish_setting({"EXL_CORE_WG_FINISH": "ordered_smem"})
     with pytest.raises(ValueError, match="EXL_CORE_WG_FINISH='fast'"):
         finish_setting({"EXL_CORE_WG_FINISH": "fast"})

@@ -17,10 +17,10 @@ EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
 EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the
 same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run; stop 58
-ran it as EXL_CORE_WG_EXACT=0, no longer read), "ordered_smem" (block order, the slots copied into shared
-memory a few at once: the same bits as "ordered", but slower -- stop 59 call 1, same process, untraced steps: GPTQ
-ordered 3,868.61, atomic 3,787.02, ordered_smem 3,993.31 us; bench --quick batch 32 against ordered: atomic 1.0234x /
-1.0247x, ordered_smem 0.9704x / 0.9780x, GPTQ / EXL2).
+ran it as EXL_CORE_WG_EXACT=0, no longer read). Deterministic finishes that lost to "ordered" were removed (NOTES.md
+stops 59-61): the slots copied into shared memory a few at once (stop 61 call 2, bench --quick batch 32 against
+ordered, GPTQ / EXL2: 0.9901x-0.9903x / 0.9915x-0.9921x) and the tails' slots through the idle stages (stop 61 call 1:
+1.0005x-1.0020x / 0.9977x-0.9992x).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from .cuda_dequant import uniform4
 from .dispatch import has_cuda_kernel
 
 WG_DECODE = os.environ.get("EXL_CORE_WG_DECODE", "multi,single")
-FINISHES = {"atomic": 0, "ordered": 1, "ordered_smem": 2, "ordered_tail": 4}   # qgemm_wg_streamk_kernel.cuh Finish
+FINISHES = {"atomic": 0, "ordered": 1}      # csrc qgemm_wg_streamk_kernel.cuh Finish
 
 
 def finish_setting(env=os.environ) -> int:

@@ -138,8 +138,8 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   TORCH_CHECK(tiles <= kMaxTiles, op, ": ", tiles, " column tiles of ", exl_wg::kBF, " in one call; at most ",
               kMaxTiles);
   // the finish checked before work_for, which allocates the atomics' sums only for finish 0
-  TORCH_CHECK(finish >= 0 && finish <= 4 && finish != 3, op, ": finish must be 0 (atomics), 1 (ordered), 2 (ordered, "
-              "through shared memory) or 4 (ordered, the tail's through the stages), got ", finish);
+  TORCH_CHECK(finish == exl_wg_sk::kFinishAtomic || finish == exl_wg_sk::kFinishOrdered, op,
+              ": finish must be 0 (atomics) or 1 (ordered), got ", finish);
   Work& w = work_for(op, x.device(), finish == exl_wg_sk::kFinishAtomic, h.defined());
   sk.ws = w.ws.data_ptr<float>();
   sk.finish = static_cast<int>(finish);
@@ -153,7 +153,7 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
     sk.ldh = h.size(1);
     if (tails && tails->defined()) sk.tails = tails->data_ptr<int>();
   }
-  const int smem = exl_wg_sk::smem_bytes<kStages>(finish == exl_wg_sk::kFinishOrderedSmem);
+  const int smem = exl_wg_sk::smem_bytes<kStages>();
   exl_mma::ensure_smem(exl_wg_sk::qgemm_wg_streamk<kStages>, smem, dev);
   const int64_t items = tiles * (K / exl_wg::kBK), blocks = std::min<int64_t>(w.ws.size(0) / 2, items);
   exl_pdl::launch_pdl(exl_wg_sk::qgemm_wg_streamk<kStages>, dim3(static_cast<unsigned>(blocks)),

@@ -10,9 +10,9 @@
 // A tile whose items span blocks is finished through an fp32 workspace (finish_split), by default deterministically:
 // every contributor stores its partial sums in its own slot (a block has at most two such tiles: its first and its
 // last), fences and counts itself in; the last one adds the slots in block order (the same bits whichever block comes
-// last), stores y and zeroes the counter for the next launch (no block waits for another). kFinishOrderedSmem: the
-// same sums, the slots brought into shared memory by cp.async, up to kFinSlots at once (no registers held for them, so
-// one L2 round trip for several blocks; tested, but slower than kFinishOrdered: NOTES.md stops 59-60).
+// last), stores y and zeroes the counter for the next launch (no block waits for another). Deterministic variants
+// that lost to it and were removed: the slots through shared memory by cp.async (stops 59-61), fixed-point atomics,
+// two slots a round (stop 60), the tails' slots through the idle stages (stop 61): NOTES.md.
 // kFinishAtomic: fp32 atomics into a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
 // SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
 // as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
@@ -23,7 +23,6 @@
 // starting at multiples of 64, no twins, y = x W (no bias, no add); the host op checks what it can without a sync.
 #pragma once
 #include "act_device.cuh"
-#include "cp_async_device.cuh"
 #include "qgemm_wg_kernel.cuh"
 
 namespace exl_wg_sk {
@@ -44,10 +43,9 @@ struct SkArgs {
   const int* tails;                     // SwiGLU: [N / 32] column a chunk is also written at, or -1; may be null
   int64_t ldh;
   int early_w;                          // weight boxes before the PDL wait
-  int finish;                           // split tiles: kFinishAtomic, kFinishOrdered, kFinishOrderedSmem
+  int finish;                           // split tiles: kFinishAtomic, kFinishOrdered
 };
-enum Finish { kFinishAtomic = 0, kFinishOrdered = 1, kFinishOrderedSmem = 2, kFinishOrderedTail = 4 };
-constexpr int kFinSlots = 4;            // kFinishOrderedSmem: blocks' slots a round of copies brings (16 KB each)
+enum Finish { kFinishAtomic = 0, kFinishOrdered = 1 };
 
 // The first item of block b among `items` shared by `blocks`; the block that holds item u.
 __host__ __device__ inline int64_t range_start(int64_t b, int64_t items, int64_t blocks) { return items * b / blocks; }
@@ -81,21 +79,13 @@ __device__ __forceinline__ bool count_in(int* counter, int need, int* flag) {
 }
 
 // A tile whose items span blocks first..last (pair 0's 256 threads, acc this block's sums): true in the block that
-// counts in last, acc then the tile's total. Ordered finishes: each block's sums in its own slot (first: the block's
-// first tile), added in block order, so the bits do not depend on which block finishes -- kFinishOrdered a slot's
-// loads at a time (more registers here spill the main loop's); kFinishOrderedSmem each thread's 64 bytes of a slot
-// contiguous, copied by cp.async into `fin` (shared memory, kFinSlots slots a round, this block's own too) and added
-// from there. kFinishAtomic: atomics into sk.sum, which the finisher reads and re-zeroes.
-// kFinishOrderedTail (stop 60): the slots as kFinishOrderedSmem lays them out; a finish on the block's last segment
-// (tail: no item left, so the stages' shared memory is idle) copies up to tail_slots slots at once into the stages
-// (`stages`) and adds them from there; other finishes read a slot at a time into registers. The same sums in the
-// same order as the other ordered finishes, the same bits. Why: the finisher's reads, a slot a round trip, were ~1.7
-// of down's ~2.2 us a launch behind the atomics (stop 60 call 3: its own slot only, timing only, down 19.64 us
-// against 21.37, the atomics' 19.16), and the tails are what the launch waits for; kFinishOrderedSmem's own 64 KB
-// lost (stop 59), registers for more slots spill the item loop (stop 60).
+// counts in last, acc then the tile's total. kFinishOrdered: each block's sums in its own slot (first: the block's
+// first tile), added in block order, so the bits do not depend on which block finishes, a slot's loads at a time
+// (more registers here spill the main loop's). kFinishAtomic: atomics into sk.sum, which the finisher reads and
+// re-zeroes.
 __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT / 2], int tile, int64_t first,
                                              int64_t last, bool first_seg, int KT, int64_t items, int64_t G,
-                                             int* flag, float* fin, bool tail, float* stages, int tail_slots) {
+                                             int* flag) {
   const int tid = threadIdx.x, need = static_cast<int>(last - first);
   if (sk.finish == kFinishAtomic) {
     float* wt = sk.sum + static_cast<size_t>(tile) * kPerTile + tid;
@@ -115,66 +105,9 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
   };
   // Block b's slot of this tile: its first-tile slot for every contributor after `first` (their ranges start inside
   // the tile), and for `first` where its range starts at the tile's start -- one 64-bit division a finish, not two a
-  // slot (each a ~100-instruction subroutine call on the finisher's serial path; stop 60, after its device calls).
+  // slot (each a ~100-instruction subroutine call on the finisher's serial path; stop 61 calls 1-2, no measurable gain).
   const bool first_owns = range_start(first, items, G) == static_cast<int64_t>(tile) * KT;
   auto slot_of = [&](int64_t b) { return slot(b, b != first || first_owns); };
-  // The smem-routed finishes' slots as [q][thread] float4 (stop 60, after call 4): a warp's 16-byte accesses
-  // contiguous. Thread-contiguous 64-byte pieces (stop 59's form) made each warp access touch 32 sectors half-used,
-  // twice the L2 traffic of the slot's bytes -- by my reading why both smem-routed finishes lost (not measured).
-  auto put_slot = [&]() {
-    float4* mine = reinterpret_cast<float4*>(slot(blockIdx.x, first_seg)) + tid;
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      __stcg(mine + q * 256, make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
-  };
-  if (sk.finish == kFinishOrderedTail && !tail) {           // a slot at a time
-    put_slot();
-    if (!count_in(sk.count + tile, need, flag)) return false;
-    if (tid == 0) sk.count[tile] = 0;
-#pragma unroll
-    for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;
-    for (int64_t b = first; b <= last; ++b) {
-      const float4* p = reinterpret_cast<const float4*>(slot_of(b)) + tid;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 v = __ldcg(p + q * 256);
-        acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
-      }
-    }
-    return true;
-  }
-  if (sk.finish == kFinishOrderedSmem || sk.finish == kFinishOrderedTail) {
-    const bool in_stages = sk.finish == kFinishOrderedTail;
-    const int per_round = in_stages ? tail_slots : kFinSlots;
-    float* buf = in_stages ? stages : fin;
-    if (in_stages) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // the stages' TMA / wgmma use
-    put_slot();
-    if (!count_in(sk.count + tile, need, flag)) return false;
-    if (tid == 0) sk.count[tile] = 0;
-#pragma unroll
-    for (int e = 0; e < kNT / 2; ++e) acc[e] = 0.f;        // this block's own slot read back too: fewer registers
-    for (int64_t b0 = first; b0 <= last; b0 += per_round) {  // a round: up to per_round slots, copied at once
-      const int n = static_cast<int>(min(static_cast<int64_t>(per_round), last - b0 + 1));
-      for (int k = 0; k < n; ++k) {                          // each thread copies and reads only its own vectors
-        const float4* src = reinterpret_cast<const float4*>(slot_of(b0 + k)) + tid;
-        float4* dst = reinterpret_cast<float4*>(buf) + k * 1024 + tid;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) cp_async16(dst + q * 256, src + q * 256);
-      }
-      cp_async_commit();
-      cp_async_wait_all();
-      for (int k = 0; k < n; ++k) {                          // block order
-        const float4* p = reinterpret_cast<const float4*>(buf) + k * 1024 + tid;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float4 v = p[q * 256];
-          acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
-        }
-      }
-      asm volatile("" ::: "memory");                         // these reads before the next round's copies
-    }
-    return true;
-  }
   float* mine = slot(blockIdx.x, first_seg) + tid;
 #pragma unroll
   for (int e = 0; e < kNT / 2; ++e) __stcg(mine + e * 256, acc[e]);
@@ -225,11 +158,9 @@ __device__ __forceinline__ void finish_swiglu(const SkArgs& sk, const float (&ac
   }
 }
 
-// fin: kFinishOrderedSmem's slots after the rest (only that finish touches them).
 template <int STAGES>
-constexpr int smem_bytes(bool fin = false) {
-  return STAGES * Layout<kNT, false>::kStage + 1024 + STAGES * 16 + kMaxChunks * 4 + kRed * 4 + 16 +
-         (fin ? kFinSlots * kPerTile * 4 : 0);
+constexpr int smem_bytes() {
+  return STAGES * Layout<kNT, false>::kStage + 1024 + STAGES * 16 + kMaxChunks * 4 + kRed * 4 + 16;
 }
 
 // 1 where this build has the kernel's sm_90a code (wgmma), else 0: without it the kernel's body is empty, so the host
@@ -261,7 +192,6 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
   int* groups = reinterpret_cast<int*>(empty + STAGES);
   float* red = reinterpret_cast<float*>(groups + kMaxChunks);
   int* last_flag = reinterpret_cast<int*>(red + kRed);
-  float* fin = reinterpret_cast<float*>(last_flag + 4);    // 16-byte aligned
   for (int c = tid; c < a0.K / 32; c += kThreads) groups[c] = a0.chunks[c * 3 + 1];   // load-time data
   if (tid == 0) {
 #pragma unroll
@@ -356,9 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_con
       for (int e = 0; e < kNT / 2; ++e) acc[e] += rb[e * 128 + (tid & 127)];
       const int64_t first = block_of(static_cast<int64_t>(tile) * KT, items, G);
       const int64_t last = block_of(static_cast<int64_t>(tile + 1) * KT - 1, items, G);
-      const bool done = first == last ||
-                        finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag, fin, s1 == n,
-                                     reinterpret_cast<float*>(smem), STAGES * L::kStage / (kPerTile * 4));
+      const bool done =
+          first == last || finish_split(sk, acc, tile, first, last, seg == 0, KT, items, G, last_flag);
       if (done) {
         const TileAt at = tile_at(tile, tiles_w, swiglu);
         if (!swiglu)
