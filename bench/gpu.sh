@@ -57,7 +57,7 @@
 # with EXL_CORE_KSLICE=0: qgemm_skinny instead of qgemm_kslice), kvhtd (bench's graph decode and prompt with the
 # K/V cache as (B, Hkv, T, D)), exlv2 (ExLlamaV2 0.3.2 on the same checkpoints, after bench and gen; carry .whl), sdpa (bench's graph decode with the masked-SDPA decode attention), ncu (qgemm_kslice at 32 rows under Nsight Compute), ncu32 (qgemm_wide and
 # the 9..32-row qgemm_kslice at the bench's batch-32 launches under Nsight Compute: stall reasons, a SASS CSV), readbw (bench/read_bw.cu: read bandwidth by
-# access method), normprobe (bench/norm_probe.py: the decode norms alone, plain against permuted), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nofuse (bench's
+# access method), normprobe (bench/norm_probe.py: the decode norms alone, plain against permuted; NORMPROBE_ARGS=--between-wg also between two stream-K launches), nopdl (bench's graph decode and prompt with EXL_CORE_PDL=0), nofuse (bench's
 # graph decode and prompt with EXL_CORE_ATTN_CLUSTER=0, EXL_CORE_ROPE_KV_FUSE=0 and EXL_CORE_RESIDUAL_ADD=0), nogs (GPTQ with EXL_CORE_GROUP_SHIFT=0),
 # nosg (both formats with EXL_CORE_KSLICE_SGATHER=0: act-order x gathered from global memory), nosilu
 # (both formats with EXL_CORE_SILU_FUSE=0), u4rows (GPTQ with EXL_CORE_KSLICE_U4_ONE_ROW=0: gate/up at 2..8 rows on
@@ -265,7 +265,7 @@ if has tests; then
 fi
 
 if has normprobe; then  # the decode norms alone, plain against permuted (bench/norm_probe.py; no checkpoint needed)
-  timeout ${PROBE_TIMEOUT:-150} $PY bench/norm_probe.py --json "$OUT/norm_probe_h200.json" 2>&1 | tee -a "$LOG" | tail -30
+  timeout ${PROBE_TIMEOUT:-150} $PY bench/norm_probe.py ${NORMPROBE_ARGS:-} --json "$OUT/norm_probe_h200.json" 2>&1 | tee -a "$LOG" | tail -30
 fi
 wait $ck_pid || { cp "$CKPT_LOG" "$OUT/"; cat "$CKPT_LOG"; exit 1; }
 if has bench; then     # BENCH_ARGS=--quick: graph decode and prompt only.  The table's JSON goes to $OUT (a --json in
