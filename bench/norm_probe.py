@@ -7,7 +7,7 @@ Why: at batch 32 the EXL2 step's two permuted norms add ~2 us a layer each over 
 timeline: 4.63 / 5.08 against 2.65 / 3.26); this says whether the kernel itself costs that or its neighbours do.
 --between-wg (sm_90): the same norms at 32 rows between two launches of the batch-32 stream-K kernel
 (exl_core::qgemm_wg_decode, three 4,096 x 4,096 uniform 4-bit weights, as q/k/v), against the two launches alone: what
-a norm adds next to the kernels it sits between in a decode step (stop 61: alone the permuted norm costs 0.35-0.58 us
+a norm adds next to the kernels it sits between in a decode step (stop 61: alone the permuted norm costs 0.32-0.58 us
 more than the plain one, in the step ~1.8 us more).
 
     python bench/norm_probe.py [--between-wg] [--json bench/results/norm_probe_h200.json]

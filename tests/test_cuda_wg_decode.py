@@ -2,8 +2,8 @@
 qgemm_wg_streamk_kernel.cuh): y_i = x W_i, or silu(x W_gate) * (x W_up), for 17..32 rows of uniform 4-bit weights on
 an sm_90 GPU, against float64 references on shapes whose column tiles split across blocks and leave tails, outputs on
 NaN-poisoned memory; the same bits again (its counters left zero, its split tiles added in block order) and with the
-weight boxes after the PDL wait; the atomics' finish; the dispatch switch and size floor; a model's decode step on it; and its refusals.  Skips
-without an sm_90 GPU."""
+weight boxes after the PDL wait; the atomics' finish; the dispatch switch and size floor; a model's decode step on
+it; and its refusals.  Skips without an sm_90 GPU."""
 from __future__ import annotations
 
 import pytest

@@ -162,8 +162,7 @@ std::vector<at::Tensor> wg_launch(const char* op, const at::Tensor& x, at::Tenso
   return ys;
 }
 
-// finish: how split tiles are added (exl_wg_sk::Finish): 0 fp32 atomics, 1 in block order (the same bits every run),
-// 2 in block order with the others' sums copied into shared memory.
+// finish: how split tiles are added (exl_wg_sk::Finish): 0 fp32 atomics, 1 in block order (the same bits every run).
 std::vector<at::Tensor> qgemm_wg_decode(const at::Tensor& x, at::TensorList qweight, at::TensorList chunks,
                                         at::TensorList scale, at::TensorList zero, int64_t finish) {
   return wg_launch("exl_core::qgemm_wg_decode", x, qweight, chunks, scale, zero, at::Tensor(), c10::nullopt, finish);

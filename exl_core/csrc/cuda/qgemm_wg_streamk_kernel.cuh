@@ -11,8 +11,8 @@
 // every contributor stores its partial sums in its own slot (a block has at most two such tiles: its first and its
 // last), fences and counts itself in; the last one adds the slots in block order (the same bits whichever block comes
 // last), stores y and zeroes the counter for the next launch (no block waits for another). Deterministic variants
-// that lost to it and were removed: the slots through shared memory by cp.async (stops 59-61), fixed-point atomics,
-// two slots a round (stop 60), the tails' slots through the idle stages (stop 61): NOTES.md.
+// that did not beat it and were removed: the slots through shared memory by cp.async (stops 59-61), fixed-point
+// atomics, two slots a round (stop 60), the tails' slots through the idle stages (stops 60-61): NOTES.md.
 // kFinishAtomic: fp32 atomics into a zeroed sum instead (stop 57's form; the order of the adds varies from run to run).
 // SwiGLU (sk.h set, two weights): the tiles go gate c, up c, gate c + 1, ...; a finished tile's fp16 values (rounded
 // as y would be) go to a pair slot, and the second of the twins to finish writes h = silu(gate) * up
@@ -105,7 +105,7 @@ __device__ __forceinline__ bool finish_split(const SkArgs& sk, float (&acc)[kNT 
   };
   // Block b's slot of this tile: its first-tile slot for every contributor after `first` (their ranges start inside
   // the tile), and for `first` where its range starts at the tile's start -- one 64-bit division a finish, not two a
-  // slot (each a ~100-instruction subroutine call on the finisher's serial path; stop 61 calls 1-2, no measurable gain).
+  // slot (each a ~100-instruction subroutine call on the finisher's serial path; its gain not measured apart).
   const bool first_owns = range_start(first, items, G) == static_cast<int64_t>(tile) * KT;
   auto slot_of = [&](int64_t b) { return slot(b, b != first || first_owns); };
   float* mine = slot(blockIdx.x, first_seg) + tid;
