@@ -158,6 +158,8 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     model = model.to(device).eval()
     if torch.device(device).type == "cuda" and os.environ.get("EXL_CORE_EXL2_AS_U4", "1") != "0":
         as_uniform4_weights(model)
+    if torch.device(device).type == "cuda" and os.environ.get("EXL_CORE_NORM_BANK_ORDER", "0") == "1":
+        order_perms_for_gather(model)
     set_activations(model, activations)
     set_prefill(model, prefill)
     return model
@@ -210,6 +212,41 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15, formats=("exl2",
         for layer, pw in zip(group, pws):
             layer.set_packed(pad_rows(pw, top))
     share_input_perms(model)                   # equal row layouts give equal permutations: the norm can write them
+    if n:
+        invalidate_native_stacks()
+    return n
+
+
+# The gather mapping of the GPU's permuted norm (csrc/cuda/pointwise_cuda.cu rms_norm_vec_kernel PERM) that
+# order_perms_for_gather orders rows for: formats/gather_order.py gather_classes.
+GATHER_MAPPING = "block"
+
+
+def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
+    """Reorders the rows of each input group (q/k/v, gate/up) that shares one act-order permutation and one 4-bit
+    group layout, inside its groups, so the permuted norm's shared-memory gather meets fewer bank conflicts
+    (formats/gather_order.py: a random act-order's ~3.5 wavefronts a gather step to ~2.05 under the kernel's mapping;
+    the products are unchanged, their sums may round differently). Returns how many groups it reordered. load_model
+    calls it for CUDA models with EXL_CORE_NORM_BANK_ORDER=1: off by default, not yet measured on a GPU (stop 61)."""
+    from .formats.gather_order import bank_order, reorder_rows, segments_and_twins
+    elem_bytes = torch.finfo(model.dtype).bits // 8
+    n = 0
+    for group in input_groups(model):
+        if not all(type(layer) is QuantLinear and layer.is_quantized for layer in group):
+            continue
+        pws = [layer.packed for layer in group]
+        perm = pws[0].perm
+        if perm is None or any(pw.perm is not perm or not torch.equal(pw.groups, pws[0].groups) for pw in pws[1:]):
+            continue
+        layouts = [segments_and_twins(pw) for pw in pws]
+        if layouts[0] is None or any(lay != layouts[0] for lay in layouts[1:]):
+            continue
+        segs, twins = layouts[0]
+        sigma = bank_order(perm, segs, twins, elem_bytes, mapping)
+        new_perm = perm[sigma.to(perm.device)].contiguous()
+        for layer, pw in zip(group, pws):
+            layer.set_packed(reorder_rows(pw, sigma, new_perm))
+        n += 1
     if n:
         invalidate_native_stacks()
     return n
