@@ -224,7 +224,7 @@ GATHER_MAPPING = "block"
 
 def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
     """Reorders the rows of each input group (q/k/v, gate/up) that shares one act-order permutation and one 4-bit
-    group layout, inside its groups, so the permuted norm's shared-memory gather meets fewer bank conflicts
+    group layout (EXL2's, not GPTQ's: below), inside its groups, so the permuted norm's shared-memory gather meets fewer bank conflicts
     (formats/gather_order.py: a random act-order's ~3.5 wavefronts a gather step to ~2.05 under the kernel's mapping;
     the products are unchanged, their sums may round differently). Returns how many groups it reordered. load_model
     calls it for CUDA models with EXL_CORE_NORM_BANK_ORDER=1: off by default, not yet measured on a GPU (stop 61)."""
@@ -237,6 +237,10 @@ def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
         pws = [layer.packed for layer in group]
         perm = pws[0].perm
         if perm is None or any(pw.perm is not perm or not torch.equal(pw.groups, pws[0].groups) for pw in pws[1:]):
+            continue
+        # GPTQ: a LoRA merge re-quantizes through gptq.read_layer, whose perm sorts g_idx back into the stored order
+        # (model/lora.py requantize_like), so a merged layer would stop sharing the group's perm
+        if any(pw.meta.get("format") == "gptq" for pw in pws):
             continue
         layouts = [segments_and_twins(pw) for pw in pws]
         if layouts[0] is None or any(lay != layouts[0] for lay in layouts[1:]):

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from exl_core.formats.gather_order import bank_order, mean_wavefronts, reorder_rows, segments_and_twins
+from exl_core.formats.gather_order import (bank_order, gather_classes, mean_wavefronts, reorder_rows,
+                                           segments_and_twins)
 from exl_core.formats.packed import dequantize_reference
-from exl_core.formats.uniform4 import as_uniform4, twin_groups
+from exl_core.formats.uniform4 import as_uniform4
 from test_uniform4 import mixed
 
 
@@ -40,6 +41,27 @@ def test_cost_model_is_the_kernels_reads(elem_bytes):
     assert mean_wavefronts(np.arange(1024), 2) == pytest.approx(4.0)      # ascending order: 4-way conflicts
 
 
+@pytest.mark.parametrize("V", [4, 8])
+def test_spread_classes_are_the_prepared_kernels_steps(V):
+    """The `spread` mapping as the prepared kernel (7176422) computes it: thread (warp w, lane l) at step i writes
+    vector l C + w + 8 i (C = ceil(vectors / 32); none where w + 8 i >= C or the vector is past the row). For every
+    row length the kernel takes, each vector is written once and a warp's step (with an entry e) is one class."""
+    for pvec in range(1, 256 * 4 + 1):
+        cols = -(-pvec // 32)
+        w, i, lane = np.meshgrid(np.arange(8), np.arange(4), np.arange(32), indexing="ij")
+        c = w + 8 * i
+        vi = np.where(c < cols, np.minimum(lane * cols + c, pvec), pvec)
+        written = vi[vi < pvec]
+        assert sorted(written.tolist()) == list(range(pvec))
+        cls = gather_classes(pvec * V, 16 // V, "spread")
+        for ww in range(8):
+            for ii in range(4):
+                vs = vi[ww, ii][vi[ww, ii] < pvec]
+                for e in range(V):
+                    assert len(set(cls[V * vs + e].tolist())) <= 1
+        assert len(np.unique(cls)) == len({(int(a), e) for a in np.unique(c[vi < pvec]) for e in range(V)})
+
+
 def test_bank_order_keeps_rows_in_their_groups_and_cuts_conflicts():
     rng = np.random.default_rng(0)
     perm = np.concatenate([rng.permutation(4096), rng.integers(0, 4096, 256)])
@@ -62,12 +84,20 @@ def test_twins_take_their_main_groups_order():
     assert not torch.equal(new.perm, pw.perm)
     for main, twin in twins.items():
         assert torch.equal(new.perm[main:main + 64], new.perm[twin:twin + 64])
-    assert twin_groups(new) == twin_groups(pw)
+        assert not torch.equal(new.perm[main:main + 64], pw.perm[main:main + 64])     # reordered, in step
     bad = dict(twins)
     main = next(iter(bad))
     bad[main] = segs[0][0] if segs[0][0] != main else segs[1][0]   # not its twin
     with pytest.raises(ValueError, match="not a twin"):
         bank_order(pw.perm, segs, bad)
+
+
+def test_reorder_rows_refuses_a_row_leaving_its_group():
+    pw = mixed(128, 8, (4,), seed=2)
+    sigma = torch.arange(128)
+    sigma[[0, 100]] = sigma[[100, 0]]
+    with pytest.raises(ValueError, match="within itself"):
+        reorder_rows(pw, sigma)
 
 
 @pytest.mark.parametrize("widths", [(4,), (5, 4, 3), (8, 6, 4, 2)])
@@ -94,6 +124,7 @@ def test_model_reordered_keeps_the_logits(exl2_act_order_dir, monkeypatch):
     from exl_core.loader import as_uniform4_weights, input_groups, load_model, order_perms_for_gather
     from exl_core.model import llama
     model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    assert order_perms_for_gather(model) == 0                 # every layer its own permutation: nothing shared
     share_group_perms(model)
     assert as_uniform4_weights(model, max_growth=10.0) > 0
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(6))
@@ -129,3 +160,22 @@ def test_lora_merge_requantizes_a_reordered_weight_to_its_order():
     again = requantize_like(new, w, "q_proj")
     assert torch.equal(again.perm, new.perm)
     assert torch.equal(dequantize_reference(again), dequantize_reference(requantize_like(pw, w, "q_proj")))
+
+
+def test_gptq_groups_are_left_alone(exl2_act_order_dir):
+    """A GPTQ layer's LoRA merge would re-quantize it into its stored row order (gptq.read_layer sorts g_idx), so a
+    group with a GPTQ weight is not reordered: the tiny model's groups, shared and rewritten as uniform 4-bit rows
+    (which order_perms_for_gather reorders, above), each with its first weight marked as GPTQ's."""
+    import dataclasses
+
+    from test_norm_perm import share_group_perms
+
+    from exl_core.loader import as_uniform4_weights, input_groups, load_model, order_perms_for_gather
+    model = load_model(exl2_act_order_dir, dtype=torch.float32, load_tokenizer=False)[0]
+    share_group_perms(model)
+    assert as_uniform4_weights(model, max_growth=10.0) > 0
+    for group in input_groups(model):
+        pw = group[0].packed
+        group[0].set_packed(dataclasses.replace(pw, meta=dict(pw.meta, format="gptq")))
+    assert all(segments_and_twins(m.packed) is not None for g in input_groups(model) for m in g)
+    assert order_perms_for_gather(model) == 0

@@ -7,7 +7,8 @@ for output p. A warp's 32 reads of one step ("a class" of positions p) cost as m
 largest number of distinct 4-byte words one bank holds among them; a random act-order costs ~3.5 (stop 61,
 bench/gather_bank_order.py). Swapping rows inside a group -- a row's packed values and its perm entry together --
 changes no product (a group shares one scale and zero), only which index sits at which position, so a greedy choice
-of that order cuts the wavefronts: to ~2.05 under the kernel's `block` mapping, ~1.5 under a `spread` one.
+of that order cuts the wavefronts (bench/gather_bank_order.py, H 4,096, 128-row groups: to 2.03-2.05 under the
+kernel's `block` mapping, 1.25-1.73 under a `spread` one, the higher figures with the uniform-4 rewrite's twins).
 
 Where the layers of a group share a permutation (loader.share_input_perms), one order serves them all. A weight
 rewritten as uniform 4-bit rows (formats/uniform4.py) has, for each 5..8-bit group, an extra group reading the same
@@ -24,6 +25,7 @@ import torch
 
 from .bitpack import pack_stream, unpack_stream
 from .packed import PackedWeight
+from .uniform4 import extra_group_pairs
 
 VEC_BYTES = 16                      # a thread's vector of the norm kernel's output
 MAPPINGS = ("block", "spread")
@@ -65,6 +67,10 @@ def bank_order(perm, segments: list[tuple[int, int]], twins: Optional[dict[int, 
     whose bank the position's class (and its twin's) has used least; a word the class already holds costs nothing."""
     idx = np.asarray(torch.as_tensor(perm).cpu(), dtype=np.int64)
     twins = twins or {}
+    lengths = dict(segments)
+    for s0, t0 in twins.items():
+        if lengths.get(t0) != lengths.get(s0) or not np.array_equal(idx[t0:t0 + lengths[s0]], idx[s0:s0 + lengths[s0]]):
+            raise ValueError(f"bank_order: segment at {t0} is not a twin of the one at {s0}")
     cls = gather_classes(len(idx), elem_bytes, mapping)
     words = idx * elem_bytes // 4
     sigma = np.arange(len(idx))
@@ -74,8 +80,6 @@ def bank_order(perm, segments: list[tuple[int, int]], twins: Optional[dict[int, 
         if s0 in followers:
             continue
         t0 = twins.get(s0)
-        if t0 is not None and not np.array_equal(idx[t0:t0 + n], idx[s0:s0 + n]):
-            raise ValueError(f"bank_order: segment at {t0} is not a twin of the one at {s0}")
         pool: list[dict[int, list[int]]] = [dict() for _ in range(32)]   # bank -> word -> offsets in the segment
         for k in range(n):
             w = int(words[s0 + k])
@@ -98,9 +102,8 @@ def bank_order(perm, segments: list[tuple[int, int]], twins: Optional[dict[int, 
                 if best is None or key < best[0]:
                     best = (key, b)
             b = best[1]
-            held = seen[0].get(b, ())
-            shared = [w for w in pool[b] if w in held]
-            w = shared[0] if shared else max(pool[b], key=lambda x: len(pool[b][x]))
+            # the word held by the most of the position's classes (then the most left), so a twin's class gains too
+            w = max(pool[b], key=lambda x: (sum(x in s.get(b, ()) for s in seen), len(pool[b][x])))
             q = pool[b][w].pop()
             if not pool[b][w]:
                 del pool[b][w]
@@ -124,14 +127,11 @@ def segments_and_twins(pw: PackedWeight) -> Optional[tuple[list[tuple[int, int]]
     segs = [(k, n) for _b, k, n, _q in groups]
     twins: dict[int, int] = {}
     if pw.rows is not None:
-        orig = pw.meta.get("uniform4_groups")
-        if not orig:
+        pairs = extra_group_pairs(pw)
+        if pairs is None:
             return None
-        wide = [i for i, g in enumerate(orig) if g[0] > 4]
-        if len(groups) < len(orig) + len(wide):
-            return None
-        for rank, i in enumerate(wide):
-            main, extra = groups[i], groups[len(orig) + rank]
+        for i, e in pairs:
+            main, extra = groups[i], groups[e]
             if main[2] != extra[2] or not torch.equal(pw.perm[main[1]:main[1] + main[2]],
                                                       pw.perm[extra[1]:extra[1] + extra[2]]):
                 return None
@@ -143,8 +143,15 @@ def reorder_rows(pw: PackedWeight, sigma: torch.Tensor, perm: Optional[torch.Ten
     """pw with its rows (packed values and perm entries) in the order sigma gives (new position -> old position),
     every row inside its group; all groups 4-bit, packed in row order. The same weight: dequantize_reference is
     unchanged. perm: pw.perm[sigma] already made (one tensor for the layers that share it)."""
-    q = unpack_stream(pw.qweight, 4, pw.k_rows)
+    sig = sigma.to(torch.int64)
+    qweight = pw.qweight.clone()
+    for _b, k, n, q0 in pw.groups.tolist():                 # a group at a time: its int64 values only
+        local = sig[k:k + n] - k
+        if not torch.equal(local.sort().values, torch.arange(n, device=local.device)):
+            raise ValueError(f"reorder_rows: sigma does not permute the group at rows {k}..{k + n - 1} within itself")
+        words = n // 8
+        vals = unpack_stream(pw.qweight[q0:q0 + words], 4, n)
+        qweight[q0:q0 + words] = pack_stream(vals[local.to(vals.device)], 4)
     if perm is None:
-        perm = pw.perm[sigma.to(pw.perm.device)].contiguous()
-    return dataclasses.replace(pw, qweight=pack_stream(q[sigma.to(q.device)], 4).contiguous(), perm=perm,
-                               meta=pw.portable_meta()).validate("gather order")
+        perm = pw.perm[sig.to(pw.perm.device)].contiguous()
+    return dataclasses.replace(pw, qweight=qweight, perm=perm, meta=pw.portable_meta()).validate("gather order")

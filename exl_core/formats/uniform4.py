@@ -74,6 +74,20 @@ def as_uniform4(pw: PackedWeight, max_growth: float = 1.15) -> Optional[PackedWe
                         k if extra else None).validate("uniform4")
 
 
+def extra_group_pairs(pw: PackedWeight) -> Optional[list[tuple[int, int]]]:
+    """[(g, e)] for a weight as_uniform4 wrote: main group g (a 5..8-bit group of the file) has its high halves in
+    extra group e, which reads the same x columns in the same order. Read from the layout as_uniform4 writes (meta
+    uniform4_groups: main groups first in their order, then one extra group per 5..8-bit group in that order; the
+    permutation is not checked). None for a weight without that meta or with too few groups."""
+    orig = pw.meta.get("uniform4_groups")
+    if not orig:
+        return None
+    wide = [i for i, (bits, *_rest) in enumerate(orig) if bits > 4]
+    if len(pw.groups) < len(orig) + len(wide):
+        return None
+    return [(i, len(orig) + rank) for rank, i in enumerate(wide)]
+
+
 def twin_groups(pw: PackedWeight) -> Optional[tuple[list[int], int]]:
     """(twins, k_main) for a weight as_uniform4 wrote with extra rows, all of whose groups have one size G (pad_rows'
     padding group after them too, where it is G rows): group g of the k_main main rows has its high halves in group
@@ -83,21 +97,20 @@ def twin_groups(pw: PackedWeight) -> Optional[tuple[list[int], int]]:
     other weight.  Read from the layout as_uniform4 writes: the original groups (meta uniform4_groups), main groups
     first in their order, then one extra group per 5..8-bit group in that order (the permutation is not checked:
     views without it reach here)."""
-    orig = pw.meta.get("uniform4_groups")
-    if not orig:
+    pairs = extra_group_pairs(pw)
+    if not pairs:
         return None
+    orig = pw.meta["uniform4_groups"]
     G = orig[0][2]
     if any(k_len != G for _b, _k, k_len, _q in orig):
         return None
-    wide = [i for i, (bits, *_rest) in enumerate(orig) if bits > 4]
     n_main, g = len(orig), pw.groups.tolist()
-    if not wide or len(g) < n_main + len(wide) or any(row[0] != 4 or row[2] != G for row in g[:n_main + len(wide)]):
-        return None
-    if any(g[i][1] != i * G for i in range(n_main + len(wide))):
+    n_all = n_main + len(pairs)
+    if any(row[0] != 4 or row[2] != G for row in g[:n_all]) or any(g[i][1] != i * G for i in range(n_all)):
         return None
     twins = [-1] * n_main
-    for rank, i in enumerate(wide):
-        twins[i] = n_main + rank
+    for i, e in pairs:
+        twins[i] = e
     return twins, n_main * G
 
 
