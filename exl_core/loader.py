@@ -219,7 +219,7 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15, formats=("exl2",
 
 # The gather mapping of the GPU's permuted norm (csrc/cuda/pointwise_cuda.cu rms_norm_vec_kernel PERM) that
 # order_perms_for_gather orders rows for: formats/gather_order.py gather_classes.
-GATHER_MAPPING = "spread"
+GATHER_MAPPING = "block"
 
 
 def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:

@@ -89,23 +89,12 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   extern __shared__ __align__(16) unsigned char norm_smem[];
   T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
   int4* ps = reinterpret_cast<int4*>(norm_smem + ((H * sizeof(T) + 15) & ~size_t(15)));   // LEAN: perm's entries
-  // The output vector of this thread's step i (pvec: none). Lane l of warp w takes vector l C + c, c = w + 8 i,
-  // C = ceil(pvec / 32): a warp's gather step spans the whole row, whose bank supply a permutation balances, so rows
-  // ordered inside their groups (formats/gather_order.py, mapping "spread") meet fewer bank conflicts than under
-  // 32 consecutive vectors a step (bench/gather_bank_order.py: 1.25-1.73 against 2.03-2.05 wavefronts a step, random
-  // 4,096-entry act-orders with and without twins; stores and perm loads then touch twice the sectors). C <= 32 vectors
-  // a lane (P <= kNormThreads * NV * V), so c < C takes at most NV steps of the 8 warps.
-  const int64_t cols = (pvec + 31) / 32;
-  auto out_vec = [&](int i) -> int64_t {
-    const int64_t c = (threadIdx.x >> 5) + 8 * static_cast<int64_t>(i);
-    return c < cols ? min(static_cast<int64_t>(threadIdx.x & 31) * cols + c, pvec) : pvec;
-  };
   // A thread's own vectors of perm: straight into registers, or (LEAN) into shared memory, read back by the same
   // thread (no barrier) after cp_async_wait_all.
   auto load_perm = [&](bool to_smem) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const int64_t vi = out_vec(i);
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
 #pragma unroll
       for (int q = 0; q < V / 4; ++q) {
         if (to_smem) {
@@ -171,8 +160,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
     __syncthreads();                                          // the row's values, all threads'
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const int64_t vi = out_vec(i);
-      if (vi >= pvec) continue;
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+      if (vi >= pvec) break;
       uint4 o;
       T* op = reinterpret_cast<T*>(&o);
       const int* pi = reinterpret_cast<const int*>(&pv[i][0]);
