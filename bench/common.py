@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -45,6 +46,37 @@ def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> f
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def graph_us(fns: list[Callable[[], object]], reps: int = 30) -> float:
+    """Mean us per callable of one CUDA graph that runs them all in order (warmed on a side stream first, so
+    first-call allocations and caches stay out of the capture)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1000 / reps / len(fns)
+
+
+def truncate(v: float, places: int = 2) -> float:
+    """v truncated (not rounded) to `places` decimals, as the notes quote figures."""
+    return math.floor(v * 10 ** places) / 10 ** places
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

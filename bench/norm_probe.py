@@ -16,46 +16,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from exl_core.ops.dispatch import has_cuda_kernel
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us, truncate as trunc  # noqa: E402
+
+from exl_core.ops.dispatch import has_cuda_kernel  # noqa: E402
 
 
-def trunc(v: float) -> float:
-    return math.floor(v * 100) / 100
-
-
-def per_launch_us(fn, n: int = 200, reps: int = 15) -> float:
-    """Median over `reps` replays of a graph of `n` launches of fn, us a launch."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / n)
-    return statistics.median(times)
+def per_iteration_us(fns, n: int = 200) -> float:
+    """us an iteration of fns (launched in order) in a CUDA graph of n iterations (bench/common.py graph_us). Stop 61's
+    committed figures (norm_probe_h200_stop61_call2_44d0e6e.json) came from this file's earlier timer: the median of
+    15 replays instead of the mean of 30."""
+    return graph_us(list(fns) * n) * len(fns)
 
 
 def between_wg(H: int, w: torch.Tensor, perms: dict, gen: torch.Generator) -> list[dict]:
     """us an iteration of [stream-K launch, norm, stream-K launch] minus [stream-K launch, stream-K launch], 32 rows."""
     from exl_core.ops.cuda_candidates import chunk_table
-    from exl_core.ops.dispatch import has_cuda_kernel
     if torch.cuda.get_device_capability()[0] != 9 or not has_cuda_kernel("qgemm_wg_decode"):
         print("between-wg: needs an sm_90 GPU and exl_core::qgemm_wg_decode")
         return []
@@ -73,10 +54,10 @@ def between_wg(H: int, w: torch.Tensor, perms: dict, gen: torch.Generator) -> li
     norms = {"plain (rms_norm_static)": lambda: ops.rms_norm_static(x, res, w, 1e-5)}
     for pname, p in perms.items():
         norms[f"perm lean {pname}"] = lambda p=p: ops.rms_norm_perm(x, res, w, 1e-5, p, False, True)
-    out, base = [], per_launch_us(lambda: (wg(), wg()), n=50)
+    out, base = [], per_iteration_us([wg, wg], n=50)
     print(f"  32  two stream-K launches alone            {trunc(base):>10.2f} (us an iteration)")
     for name, fn in norms.items():
-        us = per_launch_us(lambda fn=fn: (wg(), fn(), wg()), n=50) - base
+        us = per_iteration_us([wg, fn, wg], n=50) - base
         out.append({"rows": 32, "case": f"between stream-K: {name}", "us_per_launch": trunc(us),
                     "two_wg_alone_us": trunc(base)})
         print(f"  32  between stream-K: {name:<22} {trunc(us):>10.2f}")
@@ -87,7 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--extra", type=int, default=256, help="P - H of the P > H cases (the uniform-4 rewrite's extra rows)")
+    ap.add_argument("--extra", type=int, default=256,
+                    help="P - H of the P > H cases (the uniform-4 rewrite's extra rows)")
     ap.add_argument("--between-wg", action="store_true", help="also at 32 rows between two stream-K launches")
     args = ap.parse_args()
     H, dev = args.hidden, torch.device("cuda")
@@ -112,7 +94,7 @@ def main() -> None:
                 cases[f"perm {'lean' if lean else 'regular'} {pname}"] = (
                     lambda p=p, lean=lean: ops.rms_norm_perm(x, res, w, 1e-5, p, False, lean))
         for name, fn in cases.items():
-            us = per_launch_us(fn)
+            us = per_iteration_us([fn])
             rows_out.append({"rows": rows, "case": name, "us_per_launch": trunc(us)})
             print(f"{rows:>4}  {name:<34} {trunc(us):>10.2f}")
     if args.between_wg:

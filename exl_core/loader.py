@@ -224,10 +224,11 @@ GATHER_MAPPING = "block"
 
 def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
     """Reorders the rows of each input group (q/k/v, gate/up) that shares one act-order permutation and one 4-bit
-    group layout (EXL2's, not GPTQ's: below), inside its groups, so the permuted norm's shared-memory gather meets fewer bank conflicts
-    (formats/gather_order.py: a random act-order's ~3.5 wavefronts a gather step to ~2.05 under the kernel's mapping;
-    the products are unchanged, their sums may round differently). Returns how many groups it reordered. load_model
-    calls it for CUDA models with EXL_CORE_NORM_BANK_ORDER=1: off by default, not yet measured on a GPU (stop 61)."""
+    group layout (EXL2's, not GPTQ's: below), inside its groups, so the permuted norm's shared-memory gather meets
+    fewer bank conflicts (formats/gather_order.py: a random act-order's ~3.5 wavefronts a gather step to ~2.05 under
+    the kernel's mapping; the products are unchanged, their sums may round differently). Returns how many groups it
+    reordered. load_model calls it for CUDA models with EXL_CORE_NORM_BANK_ORDER=1: off by default, not yet measured
+    on a GPU (stop 61)."""
     from .formats.gather_order import bank_order, reorder_rows, segments_and_twins
     elem_bytes = torch.finfo(model.dtype).bits // 8
     n = 0

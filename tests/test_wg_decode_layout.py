@@ -43,3 +43,5 @@ def test_wg_finish_setting():
         finish_setting({"EXL_CORE_WG_FINISH": "ordered_smem"})
     with pytest.raises(ValueError, match="EXL_CORE_WG_FINISH='fast'"):
         finish_setting({"EXL_CORE_WG_FINISH": "fast"})
+    with pytest.raises(ValueError, match="EXL_CORE_WG_FINISH=atomic"):               # the old name, not ignored
+        finish_setting({"EXL_CORE_WG_EXACT": "0"})

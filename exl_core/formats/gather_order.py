@@ -69,7 +69,8 @@ def bank_order(perm, segments: list[tuple[int, int]], twins: Optional[dict[int, 
     twins = twins or {}
     lengths = dict(segments)
     for s0, t0 in twins.items():
-        if lengths.get(t0) != lengths.get(s0) or not np.array_equal(idx[t0:t0 + lengths[s0]], idx[s0:s0 + lengths[s0]]):
+        if s0 not in lengths or lengths.get(t0) != lengths[s0] or \
+                not np.array_equal(idx[t0:t0 + lengths[s0]], idx[s0:s0 + lengths[s0]]):
             raise ValueError(f"bank_order: segment at {t0} is not a twin of the one at {s0}")
     cls = gather_classes(len(idx), elem_bytes, mapping)
     words = idx * elem_bytes // 4

@@ -17,10 +17,10 @@ EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
 EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the
 same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run; stop 58
-ran it as EXL_CORE_WG_EXACT=0, no longer read). Deterministic finishes that did not beat "ordered" were removed (NOTES.md
-stops 59-61): the slots copied into shared memory a few at once (stop 61 call 2, bench --quick batch 32 against
-ordered, GPTQ / EXL2: 0.9901x-0.9903x / 0.9915x-0.9921x) and the tails' slots through the idle stages (stop 61 call 1:
-1.0005x-1.0020x / 0.9977x-0.9992x).
+ran it as EXL_CORE_WG_EXACT=0, no longer read). Deterministic finishes that did not beat "ordered" were removed
+(NOTES.md stops 59-61): the slots copied into shared memory a few at once (stop 61 call 2, bench --quick batch 32
+against ordered, GPTQ / EXL2: 0.9901x-0.9903x / 0.9915x-0.9921x) and the tails' slots through the idle stages (stop
+61 call 1: 1.0005x-1.0020x / 0.9977x-0.9992x).
 """
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ FINISHES = {"atomic": 0, "ordered": 1}      # csrc qgemm_wg_streamk_kernel.cuh F
 
 def finish_setting(env=os.environ) -> int:
     """The split tiles' finish the environment asks for (module docstring)."""
+    if "EXL_CORE_WG_EXACT" in env:                       # stop 58's name: refused, not silently ignored
+        raise ValueError("EXL_CORE_WG_EXACT is no longer read: set EXL_CORE_WG_FINISH=atomic (was EXL_CORE_WG_EXACT=0) "
+                         "or leave it unset (ordered, was EXL_CORE_WG_EXACT=1)")
     v = env.get("EXL_CORE_WG_FINISH", "ordered")
     if v not in FINISHES:
         raise ValueError(f"EXL_CORE_WG_FINISH={v!r}: expected one of {', '.join(FINISHES)}")
