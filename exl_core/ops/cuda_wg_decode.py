@@ -15,11 +15,11 @@ layer, medians over layers 2-31, us):
   against 8,229.19 off, EXL2 7,716.56 against 7,628.64.
 EXL_CORE_WG_DECODE: "multi,single" (default), else a comma list of "multi" (q/k/v-style launches), "single" (one
 weight), "pair" (SwiGLU's gate/up, ops/cuda_swiglu.py); "1": every kind; "0": off.
-EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the
-same bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run; stop 58
-ran it as EXL_CORE_WG_EXACT=0, a name now refused with a message). Deterministic finishes that did not beat
-"ordered" were removed (NOTES.md stops 59-61): the slots copied into shared memory a few at once (stop 61 call 2, bench --quick batch 32
-against ordered, GPTQ / EXL2: 0.9901x-0.9903x / 0.9915x-0.9921x) and the tails' slots through the idle stages (stop
+EXL_CORE_WG_FINISH: how a column tile split across blocks is added up -- "ordered" (default: in block order, the same
+bits every run), "atomic" (fp32 atomics: faster, above, but the bits may differ from run to run; stop 58 ran it as
+EXL_CORE_WG_EXACT=0, a name now refused with a message). Deterministic finishes that did not beat "ordered" were
+removed (NOTES.md stops 59-61): the slots copied into shared memory a few at once (stop 61 call 2, bench --quick batch
+32 against ordered, GPTQ / EXL2: 0.9901x-0.9903x / 0.9915x-0.9921x) and the tails' slots through the idle stages (stop
 61 call 1: 1.0005x-1.0020x / 0.9977x-0.9992x).
 """
 from __future__ import annotations
