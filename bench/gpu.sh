@@ -201,21 +201,21 @@ if has wg; then       # the prompt's fused dequantise-GEMM (wgmma, sm_90a) again
   fi
 fi
 if has build; then
-  # A build of these sources for this python, torch and nvcc with these build settings, carried from an earlier call
-  # (`run` with carry [".devcache"]: a SAVE_BUILD=1 call wrote it to $OUT; copy it into .devcache/), skips the
-  # ~3-minute build.  The stamp hashes each source file's name and contents (not NOTES.md); no stamp, no carry.
+  # A build of these sources for this python, torch and nvcc with these build settings (bench/build_stamp.sh), carried
+  # from an earlier call (`run` with carry [".devcache"]: a SAVE_BUILD=1 call wrote it to $OUT; copy it into
+  # .devcache/) or made without a GPU by bench/cross_build.sh, skips the ~3-minute build.  No stamp, no carry.
   t0=$(date +%s)
-  stamp=
-  if versions=$($PY -c "import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)") &&
-     nv=$(nvcc --version 2>/dev/null | tail -2); then
-    settings='^(EXL_CORE_CUDA_ARCHS|EXL_CORE_NO_CUDA|NVCC_APPEND_FLAGS|NVCC_PREPEND_FLAGS|CUDA_HOME)='
-    stamp=$( ( echo "$versions $nv"; env | grep -E "$settings" | LC_ALL=C sort; sha1sum setup.py; \
-      find exl_core/csrc -type f ! -name '*.md' | LC_ALL=C sort | xargs sha1sum ) | sha1sum | cut -c1-16)
-  fi
+  stamp=$(bash bench/build_stamp.sh "$PY" 2>/dev/null) || stamp=
+  echo "build: here $($PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__)') \
+$(nvcc --version 2>/dev/null | tail -1), stamp ${stamp:-none}" | tee -a "$LOG"
   so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-  if [ -n "$stamp" ] && [ -f ".devcache/ext_$stamp.so.gz" ] && gunzip -c ".devcache/ext_$stamp.so.gz" >"$so"; then
+  # a carried build made elsewhere (cross_build.sh) may not load here (system libraries): then it is built here
+  if [ -n "$stamp" ] && [ -f ".devcache/ext_$stamp.so.gz" ] && gunzip -c ".devcache/ext_$stamp.so.gz" >"$so" &&
+     { $PY -c "import exl_core._C" 2>&1 | tail -3 | tee -a "$LOG"; [ "${PIPESTATUS[0]}" = 0 ]; }; then
     echo "build: carried .devcache/ext_$stamp.so.gz" | tee -a "$LOG"
+    [ -f ".devcache/ext_$stamp.txt" ] && sed 's/^/build:   /' ".devcache/ext_$stamp.txt" | tee -a "$LOG"
   else
+    rm -f "$so"
     if ! $PY setup.py build_ext --inplace -q >"$BUILD_LOG" 2>&1; then
       cp "$BUILD_LOG" "$OUT/"
       grep -i -B2 -A6 "error" "$BUILD_LOG" | head -60
