@@ -390,17 +390,20 @@ if has envab; then  # A/B of any settings: ENV_AB="label:VAR=val,VAR2=val2 label
     done
   done
 fi
-if has buildab; then  # A/B of builds: BUILD_AB="stamp1 stamp2" (.devcache/ext_STAMP.so.gz, carried; "current": this
-  # call's build), bench --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); this call's build
-  # put back afterwards (stop 59's calls 5-7 ran this loop by hand before it became a phase)
+if has buildab; then  # A/B of builds: BUILD_AB="[label=]stamp[:VAR=val,VAR2=val2] ..." (.devcache/ext_STAMP.so.gz,
+  # carried; "current": this call's build; the settings as in ENV_AB, e.g. a build's matching EXL_CORE_* switches), bench
+  # --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); this call's build put back afterwards
+  # (stop 59's calls 5-7 ran this loop by hand before it became a phase)
   so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   cp "$so" /tmp/exl_current.so || exit 1
   for r in $(seq 1 ${BUILD_AB_ROUNDS:-2}); do
-    for b in ${BUILD_AB:-current}; do
+    for v in ${BUILD_AB:-current}; do
+      b=${v%%:*} e=; [[ $v == *:* ]] && e=${v#*:}
+      label=${b%%=*} b=${b#*=}
       if [ "$b" = current ]; then cp /tmp/exl_current.so "$so"; else gunzip -c ".devcache/ext_$b.so.gz" >"$so" || exit 1; fi
-      echo "== build $b round $r" | tee -a "$LOG"
-      timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
-        --json "$OUT/gpu_h200_build_${b}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|8|32)_decode_tok_s |prompt"
+      echo "== build $label ($b) round $r: ${e:-defaults}" | tee -a "$LOG"
+      env ${e//,/ } timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
+        --json "$OUT/gpu_h200_build_${label}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|8|32)_decode_tok_s |prompt"
     done
   done
   cp /tmp/exl_current.so "$so"

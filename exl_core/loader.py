@@ -218,8 +218,9 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15, formats=("exl2",
 
 
 # The gather mapping of the GPU's permuted norm (csrc/cuda/pointwise_cuda.cu rms_norm_vec_kernel PERM) that
-# order_perms_for_gather orders rows for: formats/gather_order.py gather_classes.
-GATHER_MAPPING = "block"
+# order_perms_for_gather orders rows for: formats/gather_order.py gather_classes. EXL_CORE_GATHER_MAPPING names
+# another, for an A/B against a build whose kernel uses it (bench/gpu.sh buildab; the orders change no product).
+GATHER_MAPPING = os.environ.get("EXL_CORE_GATHER_MAPPING", "block")
 
 
 def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
@@ -229,7 +230,9 @@ def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
     the kernel's mapping; the products are unchanged, their sums may round differently). Returns how many groups it
     reordered. load_model calls it for CUDA models with EXL_CORE_NORM_BANK_ORDER=1: off by default, not yet measured
     on a GPU (stop 61)."""
-    from .formats.gather_order import bank_order, reorder_rows, segments_and_twins
+    from .formats.gather_order import MAPPINGS, bank_order, reorder_rows, segments_and_twins
+    if mapping not in MAPPINGS:
+        raise ConfigError(f"gather mapping {mapping!r} (EXL_CORE_GATHER_MAPPING?) is not one of {MAPPINGS}")
     elem_bytes = torch.finfo(model.dtype).bits // 8
     n = 0
     for group in input_groups(model):

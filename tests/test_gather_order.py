@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from exl_core.formats.gather_order import (bank_order, gather_classes, mean_wavefronts, reorder_rows,
+from exl_core.formats.gather_order import (MAPPINGS, bank_order, gather_classes, mean_wavefronts, reorder_rows,
                                            segments_and_twins)
 from exl_core.formats.packed import dequantize_reference
 from exl_core.formats.uniform4 import as_uniform4
@@ -115,7 +115,8 @@ def test_other_layouts_are_left_alone():
     assert segments_and_twins(mixed(128, 8, (4,), seed=1, perm=False)) is None   # no act-order
 
 
-def test_model_reordered_keeps_the_logits(exl2_act_order_dir, monkeypatch):
+@pytest.mark.parametrize("mapping", MAPPINGS)
+def test_model_reordered_keeps_the_logits(exl2_act_order_dir, monkeypatch, mapping):
     """A tiny EXL2 act-order model, q/k/v and gate/up sharing one permutation and rewritten as uniform 4-bit rows:
     order_perms_for_gather reorders every group, the layers still share one permutation, and the logits stay those
     of the model before, through the gathering path and through the norm writing the shared order (CPU, fp32)."""
@@ -131,10 +132,10 @@ def test_model_reordered_keeps_the_logits(exl2_act_order_dir, monkeypatch):
     with torch.inference_mode():
         ref = model.forward_batch(ids)
     before = [g[0].packed.perm for g in input_groups(model)]
-    assert order_perms_for_gather(model) == 2 * len(model.layers)
+    assert order_perms_for_gather(model, mapping) == 2 * len(model.layers)
     for group, old in zip(input_groups(model), before):
         assert group[0].packed.perm is not old and all(m.packed.perm is group[0].packed.perm for m in group)
-        assert mean_wavefronts(group[0].packed.perm, 4) <= mean_wavefronts(old, 4)
+        assert mean_wavefronts(group[0].packed.perm, 4, mapping) <= mean_wavefronts(old, 4, mapping)
     with torch.inference_mode():
         got = model.forward_batch(ids)
         monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda", "cpu"))
@@ -142,6 +143,13 @@ def test_model_reordered_keeps_the_logits(exl2_act_order_dir, monkeypatch):
     assert float(ref.abs().max()) > 1e-2
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
     torch.testing.assert_close(normed, ref, rtol=0, atol=1e-4)
+
+
+def test_unknown_mapping_is_refused():
+    from exl_core.errors import ConfigError
+    from exl_core.loader import order_perms_for_gather
+    with pytest.raises(ConfigError, match="EXL_CORE_GATHER_MAPPING"):
+        order_perms_for_gather(None, "zigzag")
 
 
 def test_lora_merge_requantizes_a_reordered_weight_to_its_order():
