@@ -150,7 +150,11 @@ def summarise(rows: list[dict]) -> dict:
 
 
 @torch.inference_mode()              # the step's tensors are inference tensors (reset() updates one in place)
-def run_case(model, fmt: str, B: int, variant: str) -> dict:
+def run_case(model, fmt: str, B: int, variant: str, skip: int = 0) -> dict:
+    """skip: steps replayed before the traced ones, so the traced step reads skip more keys a sequence (the
+    untraced mean covers the bench's DECODE steps, the traced step sits near their start without it)."""
+    if not 0 <= skip <= gpu_bench.DECODE - REPLAYS - 1:     # the cache holds the prompt and DECODE steps
+        raise ValueError(f"skip {skip}: 0..{gpu_bench.DECODE - REPLAYS - 1}")
     with variant_set(variant):
         _, replay, reset = gpu_bench.decode_graph(model, B)
         torch.cuda.synchronize()
@@ -162,11 +166,13 @@ def run_case(model, fmt: str, B: int, variant: str) -> dict:
         b.synchronize()
         untraced = a.elapsed_time(b) * 1e3 / gpu_bench.DECODE
         reset()
+        for _ in range(skip):
+            replay()
         steps = traced_kernels(replay)
     rows = step_rows(steps[REPLAYS // 2])
-    case = {"format": fmt, "batch": B, "variant": variant, "untraced_step_us": untraced,
+    case = {"format": fmt, "batch": B, "variant": variant, "skip_steps": skip, "untraced_step_us": untraced,
             "traced_spans_us": [summarise(step_rows(s))["span_us"] for s in steps], **summarise(rows), "kernels": rows}
-    print(f"\n== {fmt} bs{B} {variant or 'default'}: untraced step {untraced:.2f} us, traced span {case['span_us']:.2f} "
+    print(f"\n== {fmt} bs{B} {variant or 'default'}{f' after {skip} steps' if skip else ''}: untraced step {untraced:.2f} us, traced span {case['span_us']:.2f} "
           f"us (replays {', '.join(f'{s:.2f}' for s in case['traced_spans_us'])}), {case['launches']} launches")
     print(f"{'part':10s} {'launches':>8s} {'dur us':>10s} {'adds us':>10s} {'gaps us':>10s}")
     for p, v in sorted(case["parts"].items(), key=lambda kv: -kv[1]["adds_us"]):
@@ -213,13 +219,16 @@ def run_format(path: Path, fmt: str) -> list[dict]:
     from exl_core.loader import load_model
     with mock.patch.dict(os.environ, {"EXL_CORE_EXL2_AS_U4": "1" if fmt == "exl2_u4" else "0"}):
         model, _ = load_model(path, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    # TIMELINE_SKIPS="0 120": each case traced after each number of untraced steps (keys 131 and 251 a sequence
+    # after the bench's 128-token prompt), e.g. for the attention's share as the keys grow
+    skips = [int(v) for v in os.environ.get("TIMELINE_SKIPS", "0").split()]
     out = []
-    for B, variant in cases:
+    for (B, variant), skip in ((c, k) for c in cases for k in skips):
         try:
-            out.append(run_case(model, fmt, B, variant))
+            out.append(run_case(model, fmt, B, variant, skip))
         except Exception as e:  # noqa: BLE001 - a probe keeps going and reports the failure
             print(f"{fmt} bs{B} {variant}: {e!r}")
-            out.append({"format": fmt, "batch": B, "variant": variant, "error": repr(e)[:300]})
+            out.append({"format": fmt, "batch": B, "variant": variant, "skip_steps": skip, "error": repr(e)[:300]})
     del model
     torch.cuda.empty_cache()
     return out

@@ -486,7 +486,8 @@ if has projprobe; then  # the decode projections' launches alone: GPTQ vs EXL2's
     --json "$OUT/proj_probe_h200.json" 2>&1 | tee -a "$LOG" | tail -60
 fi
 if has timeline; then  # every kernel of one graphed decode step on a timeline (torch.profiler); GPTQ also with rope
-  # and the K/V write as their own launch at batch 1 and 32, silu_mul as its own at 32 (decode_timeline.VARIANTS)
+  # and the K/V write as their own launch at batch 1 and 32, silu_mul as its own at 32 (decode_timeline.VARIANTS);
+  # TIMELINE_CASES keeps some cases, TIMELINE_SKIPS="0 120" traces each after that many steps (more keys)
   timeout ${PROBE_TIMEOUT:-150} $PY bench/decode_timeline.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --exl2-u4 \
     --json "$OUT/decode_timeline_h200.json" 2>&1 | tee -a "$LOG" | tail -200
 fi
