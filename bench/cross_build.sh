@@ -6,7 +6,8 @@
 # load there, gpu.sh builds as before.
 #   bash bench/cross_build.sh           # the working tree's setup.py and exl_core/csrc
 #   bash bench/cross_build.sh REV       # a commit's
-# Env: XBUILD_DIR (the build folder kept between runs, default /tmp/exl_xbuild), XPY (a python 3.12 with that torch; default: /tmp/xvenv, made on first use from the package registry),
+# Env: XPY (a python 3.12 with that torch; default /tmp/xvenv, made on first use from the package registry),
+#      XBUILD_DIR (the build folder kept between runs, default /tmp/exl_xbuild),
 #      EXL_CORE_CUDA_ARCHS (default 90a, as gpu.sh), MAX_JOBS (default: this machine's cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,13 +20,16 @@ export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-$(np
 
 XPY=${XPY:-/tmp/xvenv/bin/python}
 if ! "$XPY" -c "import torch" 2>/dev/null; then
-  py312=$(command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
+  py312=$(command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1 ||
+          true)
   [ -n "$py312" ] && "$py312" --version >/dev/null 2>&1 || { echo "cross_build: no python3.12 here" >&2; exit 1; }
   venv=$(dirname "$(dirname "$XPY")")
   "$py312" -m venv "$venv"
   "$venv/bin/pip" install -q "torch==$TORCH_VERSION" numpy ninja setuptools wheel
 fi
-read -r torch_ver torch_cuda < <("$XPY" -c "import torch; print(torch.__version__, torch.version.cuda)")
+read -r torch_ver torch_cuda < <("$XPY" -c "import torch; print(torch.__version__, torch.version.cuda)") || true
+want="$TORCH_VERSION+cu${torch_cuda//./}"     # what the H200 machine has (stop 61's results: 2.11.0+cu130)
+[ "$torch_ver" = "$want" ] || echo "cross_build: warning: torch $torch_ver here, not $want: no stamp will match" >&2
 # the CUDA libraries' headers (cublas, cusparse, ...) that torch's headers include come with torch's nvidia wheels
 nv_inc=$("$XPY" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu${torch_cuda%%.*}', 'include'))")
 [ -d "$nv_inc" ] || { echo "cross_build: no $nv_inc" >&2; exit 1; }
@@ -39,8 +43,10 @@ if [ -n "$REV" ]; then
   git archive "$REV" setup.py exl_core/csrc | tar -x -C "$stage"
   what="commit $(git rev-parse --short "$REV")"
 else
-  tar -c setup.py exl_core/csrc | tar -x -C "$stage"
-  what="working tree at $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- setup.py exl_core/csrc || echo ' + edits')"
+  # the files a device call sends: tracked ones and untracked ones git does not ignore
+  git ls-files -co --exclude-standard -- setup.py exl_core/csrc | tar -c -T - | tar -x -C "$stage"
+  edits=$(git diff --quiet HEAD -- setup.py exl_core/csrc || echo ' + edits')
+  what="working tree at $(git rev-parse --short HEAD)$edits"
 fi
 # copies the files whose contents differ (with a new mtime, for ninja) and drops those gone
 (cd "$stage" && find setup.py exl_core/csrc -type f) | while read -r f; do
@@ -64,11 +70,12 @@ assert torch._C._dispatch_has_kernel_for_dispatch_key('exl_core::qgemv_chunks', 
 mkdir -p "$ROOT/.devcache"
 strip --strip-debug -o stripped.so "$so"
 gzip -c stripped.so >"$ROOT/.devcache/ext_$stamp.so.gz"
-glibc=$(objdump -T "$so" | grep -o 'GLIBC_[0-9.]*' | sort -t. -k2,2n -k3,3n -u | tail -1)
-cxxabi=$(objdump -T "$so" | grep -o 'GLIBCXX_[0-9.]*' | sort -t. -k3,3n -u | tail -1)
+glibc=$(objdump -T "$so" | grep -o 'GLIBC_[0-9.]*' | sort -t. -k2,2n -k3,3n -u | tail -1 || true)
+cxxabi=$(objdump -T "$so" | grep -o 'GLIBCXX_[0-9.]*' | sort -t. -k3,3n -u | tail -1 || true)
 {
   echo "cross-built $(date -u +%F' '%H:%M) UTC from $what in $(( $(date +%s) - t0 )) s"
-  echo "python $("$XPY" -c "import sys; print(sys.version.split()[0])"), torch $torch_ver, nvcc $(nvcc --version | grep -o "V[0-9][0-9.]*")"
+  py=$("$XPY" -c "import sys; print(sys.version.split()[0])")
+  echo "python $py, torch $torch_ver, nvcc $(nvcc --version | grep -o "V[0-9][0-9.]*" || true)"
   echo "$(${CXX:-c++} --version | head -1), needs ${glibc:-no GLIBC symbol}, ${cxxabi:-no GLIBCXX symbol}"
 } >"$ROOT/.devcache/ext_$stamp.txt"
 cat "$ROOT/.devcache/ext_$stamp.txt"

@@ -172,8 +172,9 @@ def run_case(model, fmt: str, B: int, variant: str, skip: int = 0) -> dict:
     rows = step_rows(steps[REPLAYS // 2])
     case = {"format": fmt, "batch": B, "variant": variant, "skip_steps": skip, "untraced_step_us": untraced,
             "traced_spans_us": [summarise(step_rows(s))["span_us"] for s in steps], **summarise(rows), "kernels": rows}
-    print(f"\n== {fmt} bs{B} {variant or 'default'}{f' after {skip} steps' if skip else ''}: untraced step {untraced:.2f} us, traced span {case['span_us']:.2f} "
-          f"us (replays {', '.join(f'{s:.2f}' for s in case['traced_spans_us'])}), {case['launches']} launches")
+    after = f" after {skip} steps" if skip else ""
+    print(f"\n== {fmt} bs{B} {variant or 'default'}{after}: untraced step {untraced:.2f} us, "
+          f"traced span {case['span_us']:.2f} us (replays {', '.join(f'{s:.2f}' for s in case['traced_spans_us'])}), {case['launches']} launches")
     print(f"{'part':10s} {'launches':>8s} {'dur us':>10s} {'adds us':>10s} {'gaps us':>10s}")
     for p, v in sorted(case["parts"].items(), key=lambda kv: -kv[1]["adds_us"]):
         print(f"{p:10s} {v['launches']:8d} {v['dur_us']:10.2f} {v['adds_us']:10.2f} {v['gap_us']:10.2f}")

@@ -211,7 +211,8 @@ $(nvcc --version 2>/dev/null | tail -1), stamp ${stamp:-none}" | tee -a "$LOG"
   so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   # a carried build made elsewhere (cross_build.sh) may not load here (system libraries): then it is built here
   if [ -n "$stamp" ] && [ -f ".devcache/ext_$stamp.so.gz" ] && gunzip -c ".devcache/ext_$stamp.so.gz" >"$so" &&
-     { $PY -c "import exl_core._C" 2>&1 | tail -3 | tee -a "$LOG"; [ "${PIPESTATUS[0]}" = 0 ]; }; then
+     { $PY -c "import torch; from exl_core.ops.cuda_candidates import _has_cuda_kernel as h; assert h('qgemv_chunks')" \
+       2>&1 | tail -3 | tee -a "$LOG"; [ "${PIPESTATUS[0]}" = 0 ]; }; then
     echo "build: carried .devcache/ext_$stamp.so.gz" | tee -a "$LOG"
     [ -f ".devcache/ext_$stamp.txt" ] && sed 's/^/build:   /' ".devcache/ext_$stamp.txt" | tee -a "$LOG"
   else
@@ -391,16 +392,25 @@ if has envab; then  # A/B of any settings: ENV_AB="label:VAR=val,VAR2=val2 label
   done
 fi
 if has buildab; then  # A/B of builds: BUILD_AB="[label=]stamp[:VAR=val,VAR2=val2] ..." (.devcache/ext_STAMP.so.gz,
-  # carried; "current": this call's build; the settings as in ENV_AB, e.g. a build's matching EXL_CORE_* switches), bench
-  # --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); this call's build put back afterwards
+  # carried; "current": this call's build; the settings as in ENV_AB, e.g. a build's matching EXL_CORE_* switches),
+  # bench --quick both formats, alternated for BUILD_AB_ROUNDS rounds (default 2); this call's build put back afterwards
   # (stop 59's calls 5-7 ran this loop by hand before it became a phase)
   so=exl_core/_C$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   cp "$so" /tmp/exl_current.so || exit 1
+  ab_entry() { b=${1%%:*} e=; [[ $1 == *:* ]] && e=${1#*:}; label=${b%%=*} b=${b#*=}; }   # -> label, b, e
+  labels=
+  for v in ${BUILD_AB:-current}; do        # checked before any run: labels unique, builds there, settings VAR=val
+    ab_entry "$v"
+    [[ " $labels " == *" $label "* ]] && { echo "BUILD_AB: label '$label' twice (name them: label=stamp)" >&2; exit 1; }
+    labels="$labels $label"
+    [ "$b" = current ] || [ -f ".devcache/ext_$b.so.gz" ] || { echo "BUILD_AB: no .devcache/ext_$b.so.gz" >&2; exit 1; }
+    for kv in ${e//,/ }; do [[ $kv == ?*=* ]] || { echo "BUILD_AB: '$kv' is not VAR=val" >&2; exit 1; }; done
+  done
   for r in $(seq 1 ${BUILD_AB_ROUNDS:-2}); do
     for v in ${BUILD_AB:-current}; do
-      b=${v%%:*} e=; [[ $v == *:* ]] && e=${v#*:}
-      label=${b%%=*} b=${b#*=}
-      if [ "$b" = current ]; then cp /tmp/exl_current.so "$so"; else gunzip -c ".devcache/ext_$b.so.gz" >"$so" || exit 1; fi
+      ab_entry "$v"
+      if [ "$b" = current ]; then cp /tmp/exl_current.so "$so"
+      else gunzip -c ".devcache/ext_$b.so.gz" >"$so" || { cp /tmp/exl_current.so "$so"; exit 1; }; fi
       echo "== build $label ($b) round $r: ${e:-defaults}" | tee -a "$LOG"
       env ${e//,/ } timeout ${BENCH_TIMEOUT:-400} $PY bench/gpu_bench.py --gptq "$CK/gptq" --exl2 "$CK/exl2" --quick \
         --json "$OUT/gpu_h200_build_${label}_r$r.json" 2>&1 | tee -a "$LOG" | grep -E "bs(1|8|32)_decode_tok_s |prompt"

@@ -44,6 +44,7 @@ def main() -> None:
             continue
         rows = layer_rows(case)
         name = f"{case['format']} bs{case['batch']}" + (f" {case['variant']}" if case["variant"] else "")
+        name += f" after {case['skip_steps']} steps" if case.get("skip_steps") else ""
         print(f"== {name}: untraced step {trunc(case['untraced_step_us'])} us, "
               f"traced span {trunc(case['span_us'])} us")
         for r in rows:

@@ -220,10 +220,10 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15, formats=("exl2",
 # The gather mapping of the GPU's permuted norm (csrc/cuda/pointwise_cuda.cu rms_norm_vec_kernel PERM) that
 # order_perms_for_gather orders rows for: formats/gather_order.py gather_classes. EXL_CORE_GATHER_MAPPING names
 # another, for an A/B against a build whose kernel uses it (bench/gpu.sh buildab; the orders change no product).
-GATHER_MAPPING = os.environ.get("EXL_CORE_GATHER_MAPPING", "block")
+GATHER_MAPPING = "block"
 
 
-def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
+def order_perms_for_gather(model: Model, mapping: Optional[str] = None) -> int:
     """Reorders the rows of each input group (q/k/v, gate/up) that shares one act-order permutation and one 4-bit
     group layout (EXL2's, not GPTQ's: below), inside its groups, so the permuted norm's shared-memory gather meets
     fewer bank conflicts (formats/gather_order.py: a random act-order's ~3.5 wavefronts a gather step to ~2.05 under
@@ -231,6 +231,7 @@ def order_perms_for_gather(model: Model, mapping: str = GATHER_MAPPING) -> int:
     reordered. load_model calls it for CUDA models with EXL_CORE_NORM_BANK_ORDER=1: off by default, not yet measured
     on a GPU (stop 61)."""
     from .formats.gather_order import MAPPINGS, bank_order, reorder_rows, segments_and_twins
+    mapping = mapping or os.environ.get("EXL_CORE_GATHER_MAPPING", GATHER_MAPPING)
     if mapping not in MAPPINGS:
         raise ConfigError(f"gather mapping {mapping!r} (EXL_CORE_GATHER_MAPPING?) is not one of {MAPPINGS}")
     elem_bytes = torch.finfo(model.dtype).bits // 8

@@ -145,11 +145,14 @@ def test_model_reordered_keeps_the_logits(exl2_act_order_dir, monkeypatch, mappi
     torch.testing.assert_close(normed, ref, rtol=0, atol=1e-4)
 
 
-def test_unknown_mapping_is_refused():
+def test_unknown_mapping_is_refused(monkeypatch):
     from exl_core.errors import ConfigError
     from exl_core.loader import order_perms_for_gather
     with pytest.raises(ConfigError, match="EXL_CORE_GATHER_MAPPING"):
         order_perms_for_gather(None, "zigzag")
+    monkeypatch.setenv("EXL_CORE_GATHER_MAPPING", "zigzag")         # read per call, not at import
+    with pytest.raises(ConfigError, match="'zigzag'"):
+        order_perms_for_gather(None)
 
 
 def test_lora_merge_requantizes_a_reordered_weight_to_its_order():
