@@ -175,13 +175,8 @@ __global__ void wg_streamk_built(int* out) {
 
 // grid min(SMs, items): every block at least one item (a tile's finisher counts on each block between its first and
 // last contributor adding to it), kThreads, dynamic shared memory smem_bytes<STAGES>().
-// 80 registers (ptxas: no stack frame, no spills; 96 under __launch_bounds__(kThreads, 1), which __maxnreg__ may not
-// join): 640 x 80 = 51,200 of an SM's 65,536, so a norm block (256 threads x 48 = 12,288) fits beside a block of
-// this kernel; at 96 (61,440) it did not, and on the 32 SMs holding the batch-32 norm's blocks the q/k/v launch's
-// blocks could not start their weight loads before the PDL wait, nor the norm's start beside down's -- my reading,
-// not measured.
 template <int STAGES>
-__global__ void __maxnreg__(80) qgemm_wg_streamk(const __grid_constant__ SkArgs sk) {
+__global__ void __launch_bounds__(kThreads, 1) qgemm_wg_streamk(const __grid_constant__ SkArgs sk) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<kNT, false>;
   const WgArgs& a0 = sk.batch.w[0];
