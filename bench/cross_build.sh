@@ -80,3 +80,9 @@ cxxabi=$(objdump -T "$so" | grep -o 'GLIBCXX_[0-9.]*' | sort -t. -k3,3n -u | tai
 } >"$ROOT/.devcache/ext_$stamp.txt"
 cat "$ROOT/.devcache/ext_$stamp.txt"
 ls -la "$ROOT/.devcache/ext_$stamp.so.gz"
+# a device call carries the tree and .devcache together, 64 MiB at most: say when the builds kept here crowd it
+bytes() { xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}' || true; }   # of the files named
+tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | bytes)
+cache=$(printf '%s\0' "$ROOT"/.devcache/* | bytes)
+echo "tree $((tree >> 20)) MiB + .devcache $((cache >> 20)) MiB of a call's 64 MiB"
+[ $((tree + cache)) -le $((60 << 20)) ] || echo "cross_build: warning: delete older .devcache builds before a call" >&2
