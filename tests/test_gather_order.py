@@ -43,7 +43,7 @@ def test_cost_model_is_the_kernels_reads(elem_bytes):
 
 @pytest.mark.parametrize("V", [4, 8])
 def test_spread_classes_are_the_prepared_kernels_steps(V):
-    """The `spread` mapping as the prepared kernel (7176422) computes it: thread (warp w, lane l) at step i writes
+    """The `spread` mapping as the prepared kernel (ca12b2d) computes it: thread (warp w, lane l) at step i writes
     vector l C + w + 8 i (C = ceil(vectors / 32); none where w + 8 i >= C or the vector is past the row). For every
     row length the kernel takes, each vector is written once and a warp's step (with an entry e) is one class."""
     for pvec in range(1, 256 * 4 + 1):
