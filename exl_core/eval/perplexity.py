@@ -103,7 +103,10 @@ def perplexity_of_folder(model_dir, text_file, ctx: int = 2048, stride: Optional
     path = Path(text_file)
     if not path.is_file():
         raise InputError(f"text file {path} not found")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"text file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
     model, tok = load_model(model_dir, device=device)
     ids = tok.encode(text, add_bos=False, special=False)
     return perplexity(model, ids, ctx, stride, max_windows, progress)

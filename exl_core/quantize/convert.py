@@ -338,6 +338,10 @@ def _check_settings(s: ConvertSettings, src) -> None:
         raise InputError(f"calibration file {s.calib} not found")
     if s.rows < 1 or s.length < 16:
         raise InputError(f"calibration needs rows ≥ 1 and length ≥ 16 (got {s.rows}×{s.length})")
+    if not s.damp >= 0:             # the Hessian's dampening is a fraction of its mean diagonal: negative breaks it
+        raise InputError(f"--damp {s.damp}: must be ≥ 0 (a fraction of the Hessian's mean diagonal, e.g. 0.01)")
+    if s.threads is not None and s.threads < 1:
+        raise InputError(f"--threads {s.threads}: must be ≥ 1")
     if s.format == "gptq":
         if s.bits not in gptq_fmt.SUPPORTED_BITS:
             raise InputError(f"--bits {s.bits}: GPTQ supports {gptq_fmt.SUPPORTED_BITS}")
