@@ -78,8 +78,33 @@ def layer_tensors(names: Iterable[str], prefix: str) -> list[str]:
     return sorted(n[len(p):] for n in names if n.startswith(p) and "." not in n[len(p):])
 
 
-def to_dense_linear(m: HFQuantLinear, dtype: torch.dtype) -> nn.Linear:
-    """Dequantised nn.Linear with the same function (for `model.dequantize()`)."""
+def as_torch_dtype(dtype, default: torch.dtype = torch.float32) -> torch.dtype:
+    """A `torch.dtype` from a torch.dtype or its name ("float32", "torch.bfloat16", "fp16", ...).
+
+    None and "auto" give `default`. transformers hands `model.config.dtype` to `dequantize`, and
+    that is a string once the config was serialised (e.g. by `save_pretrained`)."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.strip()
+        if name.startswith("torch."):
+            name = name[len("torch."):]
+        if name == "auto":
+            return default
+        name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}.get(name, name)
+        found = getattr(torch, name, None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise TypeError(f"not a torch dtype: {dtype!r} (give a torch.dtype or its name, e.g. 'float16')")
+
+
+def to_dense_linear(m: HFQuantLinear, dtype) -> nn.Linear:
+    """Dequantised nn.Linear with the same function (for `model.dequantize()`).
+
+    dtype: a torch.dtype or its name (see `as_torch_dtype`)."""
+    dtype = as_torch_dtype(dtype)
     w = m.dense_weight(torch.float32).to(dtype)        # (out, in)
     lin = nn.Linear(m.in_features, m.out_features, bias=m._packed.bias is not None,
                     device=w.device, dtype=dtype)

@@ -116,8 +116,10 @@ class ExlHfQuantizer(HfQuantizer):
         return model
 
     def _dequantize(self, model, dtype=None):
-        from .modules import HFQuantLinear, to_dense_linear
-        dtype = dtype or torch.float32
+        # transformers' `dequantize` passes `model.config.dtype` when the caller gives none; after
+        # `save_pretrained` (or any config serialisation) that is the string "float32"/"float16".
+        from .modules import HFQuantLinear, as_torch_dtype, to_dense_linear
+        dtype = as_torch_dtype(dtype, default=_loaded_float_dtype(model))
         for name, m in list(model.named_modules()):
             if isinstance(m, HFQuantLinear):
                 parent_name, _, child = name.rpartition(".")
@@ -136,6 +138,14 @@ class ExlGptqHfQuantizer(ExlHfQuantizer):
     """GPTQ checkpoints (transformers' GPTQConfig) on exl_core kernels; opt-in, see config.py."""
 
     requires_calibration = True
+
+
+def _loaded_float_dtype(model) -> torch.dtype:
+    """dtype of the model's floating-point (non-quantized) parameters, float32 when it has none."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def _has_index(folder: Path) -> bool:

@@ -191,6 +191,46 @@ def test_dequantize_gives_plain_linears_with_same_logits(quantized_dirs):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("load_dtype,want", [("float32", torch.float32), ("float16", torch.float16)])
+def test_dequantize_after_save_pretrained(quantized_dirs, tmp_path, load_dtype, want):
+    """Regression: save_pretrained leaves `config.dtype` as a string ('float32'), which transformers'
+    `dequantize()` hands to the quantizer; it used to reach `Tensor.to` as a device string."""
+    hf = AutoModelForCausalLM.from_pretrained(str(quantized_dirs["exl2"]), dtype=load_dtype).eval()
+    ids = _ids(hf.config.vocab_size)
+    with torch.inference_mode():
+        before = hf(ids).logits.float()
+    hf.save_pretrained(tmp_path)
+    assert isinstance(hf.config.dtype, str)           # the state that used to break dequantize()
+    hf.dequantize()
+    assert not any(isinstance(m, QuantLinear) for m in hf.modules())
+    lins = [m for m in hf.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(lins) == 7 * len(hf.model.layers)
+    assert all(type(m) is torch.nn.Linear and m.weight.dtype == want for m in lins)
+    with torch.inference_mode():
+        after = hf(ids).logits.float()
+    tol = 1e-4 if want == torch.float32 else 5e-2
+    torch.testing.assert_close(after, before, rtol=tol, atol=tol)
+
+
+def test_dequantize_accepts_dtype_names(quantized_dirs):
+    hf = _load(quantized_dirs["exl2"])
+    hf.dequantize(dtype="torch.bfloat16")
+    assert hf.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_as_torch_dtype():
+    from exl_core_hf.modules import as_torch_dtype
+    assert as_torch_dtype(torch.float16) is torch.float16
+    assert as_torch_dtype("float32") is torch.float32
+    assert as_torch_dtype("torch.bfloat16") is torch.bfloat16
+    assert as_torch_dtype("bf16") is torch.bfloat16
+    assert as_torch_dtype(None, default=torch.float16) is torch.float16
+    assert as_torch_dtype("auto", default=torch.float16) is torch.float16
+    for bad in ("cpu", "nn", "float33", 3):
+        with pytest.raises(TypeError):
+            as_torch_dtype(bad)
+
+
 def test_gptq_routing_is_opt_in(quantized_dirs, monkeypatch):
     from transformers.quantizers.auto import AutoHfQuantizer
     from transformers.utils.quantization_config import GPTQConfig

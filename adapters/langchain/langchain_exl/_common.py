@@ -59,6 +59,15 @@ class ExlParams(BaseModel):
         return exl_core.Job(prompt_ids, max_new_tokens=max_new, sampler=sampler, stop=stops or None, seed=seed)
 
 
+def completion_ids(tokenizer, prompt: str, add_bos: Optional[bool] = None) -> list[int]:
+    """Token ids of a plain completion prompt, exactly as exl_core's `Generator.generate(prompt)`
+    encodes it: `Tokenizer.encode`'s defaults, i.e. a BOS only when the model's tokenizer asks for
+    one (tokenizer_config.json ``add_bos_token``; SmolLM2 says false) and special-token strings in
+    the text as their ids -- also what transformers' tokenizer(prompt) gives. `add_bos` True/False
+    overrides the tokenizer's BOS setting."""
+    return tokenizer.encode(prompt, add_bos=add_bos)
+
+
 def usage(job) -> dict:
     n_in, n_out = job.prompt_len, len(job.generated)
     return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}

@@ -8,17 +8,21 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from ._common import ExlParams, usage
+from ._common import ExlParams, completion_ids, usage
 
 
 class ExlLLM(ExlParams, BaseLLM):
     """Completion model: ``ExlLLM(model="path/to/folder", max_tokens=64).invoke("Once upon a time")``.
 
     `batch()` / `generate([...])` send all prompts to the Generator at once (one batched run).
-    Prompts are encoded with the model's BOS. generation_info carries finish_reason and usage.
+    Prompts are encoded as exl_core's native ``Generator.generate(prompt)`` encodes them (the
+    tokenizer's own BOS setting, ``add_bos_token``), so greedy output matches it and transformers'
+    ``generate`` on the same prompt. generation_info carries finish_reason and usage.
     """
 
-    add_bos: bool = True
+    add_bos: Optional[bool] = None
+    """None: a BOS only if the model's tokenizer adds one (tokenizer_config.json add_bos_token);
+    True/False: always / never prepend the BOS."""
 
     @property
     def _llm_type(self) -> str:
@@ -41,7 +45,7 @@ class ExlLLM(ExlParams, BaseLLM):
         kwargs = dict(kwargs)
         model = kwargs.pop("model", None)
         engine = self._engine(model)
-        ids = engine.tokenizer.encode(prompt, add_bos=self.add_bos, special=False)
+        ids = completion_ids(engine.tokenizer, prompt, add_bos=self.add_bos)
         return engine, self._job(engine, ids, stop, **kwargs)
 
     @staticmethod

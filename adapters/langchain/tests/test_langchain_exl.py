@@ -176,16 +176,16 @@ def test_llm_completion_batch_stream_and_stop(smollm2_dir):
     assert llm.batch(prompts) == single
     assert "".join(llm.stream(prompts[1])) == single[1]
     assert asyncio.run(llm.ainvoke(prompts[0])) == single[0]
-    # reference: transformers greedy on the raw prompt (SmolLM2 adds no BOS of its own)
+    # reference: transformers greedy on the raw prompt (SmolLM2 adds no BOS of its own); the
+    # prompt ids must be transformers' and the native tokenizer's default encoding
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tok(prompts[1], return_tensors="pt")["input_ids"]
-    want_ids = llm._engine().tokenizer.encode(prompts[1], add_bos=True, special=False)
-    if ids[0].tolist() == want_ids:
-        with torch.inference_mode():
-            out = _hf_model(smollm2_dir).generate(ids, max_new_tokens=N, do_sample=False,
-                                                  pad_token_id=tok.eos_token_id)
-        assert single[1] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert ids[0].tolist() == llm._engine().tokenizer.encode(prompts[1])
+    with torch.inference_mode():
+        out = _hf_model(smollm2_dir).generate(ids, max_new_tokens=N, do_sample=False,
+                                              pad_token_id=tok.eos_token_id)
+    assert single[1] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     stop = pick_stop(single[1])
     assert llm.invoke(prompts[1], stop=[stop]) == single[1][:single[1].index(stop)]
 
@@ -198,3 +198,58 @@ def test_non_text_content_is_refused():
         to_chat_dicts(msgs)
     assert to_chat_dicts([SystemMessage("s"), HumanMessage([{"type": "text", "text": "a"}, "b"])]) == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
+
+
+# -- completion prompts are encoded like exl_core's native Generator ----------------------------
+
+def _record_prompts(generator, monkeypatch) -> list:
+    """The input ids of every Job handed to `generator` (SharedEngine and Generator.generate
+    both go through Generator.enqueue)."""
+    from exl_core.generation.job import Job
+    seen, orig = [], generator.enqueue
+
+    def enqueue(job):
+        if isinstance(job, Job):        # a list comes back here one job at a time
+            seen.append(list(job.input_ids))
+        return orig(job)
+    monkeypatch.setattr(generator, "enqueue", enqueue)
+    return seen
+
+
+TOKENIZER_CASES = [("wordlevel", False), ("wordlevel", True), ("wordlevel", None),
+                   ("smollm2", False), ("smollm2", True)]
+
+
+@pytest.mark.parametrize("source,add_bos_token", TOKENIZER_CASES)
+def test_llm_prompt_ids_are_the_native_generators(completion_model, monkeypatch, source, add_bos_token):
+    """Regression: ExlLLM prepended a BOS to every prompt although SmolLM2's tokenizer says
+    add_bos_token false, so its greedy text differed from Generator.generate and transformers."""
+    import exl_core
+    folder = completion_model(source, add_bos_token)
+    llm = ExlLLM(model=folder, temperature=0, max_tokens=4)
+    eng = llm._engine()
+    tok = eng.tokenizer
+    prompt = "the cat sat on the mat"
+    want = tok.encode(prompt)                             # the native tokenizer's default encoding
+    assert (want[0] == tok.bos_token_id) == (add_bos_token is not False)   # None: post-processor adds it
+    assert want.count(tok.bos_token_id) <= 1
+
+    seen = _record_prompts(eng.generator, monkeypatch)
+    text = llm.invoke(prompt)
+    assert llm.batch([prompt, prompt]) == [text, text]
+    assert "".join(llm.stream(prompt)) == text
+    assert asyncio.run(llm.ainvoke(prompt)) == text
+    assert seen == [want] * 5
+
+    # the native path on the same weights: same ids, same greedy text
+    native = exl_core.Generator(eng.model, exl_core.Cache(eng.model, max_tokens=256), tok)
+    native_seen = _record_prompts(native, monkeypatch)
+    assert native.generate(prompt, max_new_tokens=4, sampler=exl_core.SamplerSettings(temperature=0)) == text
+    assert native_seen == [want]
+
+    # explicit override still works
+    seen.clear()
+    ExlLLM(model=folder, temperature=0, max_tokens=1, add_bos=False).invoke(prompt)
+    ExlLLM(model=folder, temperature=0, max_tokens=1, add_bos=True).invoke(prompt)
+    assert seen == [tok.encode(prompt, add_bos=False), tok.encode(prompt, add_bos=True)]
+    assert seen[0][0] != tok.bos_token_id and seen[1][0] == tok.bos_token_id

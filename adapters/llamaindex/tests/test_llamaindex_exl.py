@@ -73,8 +73,9 @@ def test_chat_and_complete_match_transformers(smollm2_dir):
 
     prompt = "The three primary colors are"
     comp = model.complete(prompt)
-    exl_ids = model._engine().tokenizer.encode(prompt, add_bos=True, special=False)
-    assert comp.text == hf_greedy(smollm2_dir, exl_ids)
+    hf_ids = tok(prompt)["input_ids"]               # transformers' own encoding (no BOS for SmolLM2)
+    assert list(hf_ids) == model._engine().tokenizer.encode(prompt)
+    assert comp.text == hf_greedy(smollm2_dir, list(hf_ids))
 
 
 @pytest.mark.real_model
@@ -195,3 +196,55 @@ def test_vector_index_query_engine_end_to_end(smollm2_dir, kind):
     sresp = stream_engine.query(question)
     pieces = list(sresp.response_gen)
     assert len(pieces) > 3 and "".join(pieces) == str(resp)
+
+
+# -- completion prompts are encoded like exl_core's native Generator ----------------------------
+
+def _record_prompts(generator, monkeypatch) -> list:
+    """The input ids of every Job handed to `generator` (SharedEngine and Generator.generate
+    both go through Generator.enqueue)."""
+    from exl_core.generation.job import Job
+    seen, orig = [], generator.enqueue
+
+    def enqueue(job):
+        if isinstance(job, Job):        # a list comes back here one job at a time
+            seen.append(list(job.input_ids))
+        return orig(job)
+    monkeypatch.setattr(generator, "enqueue", enqueue)
+    return seen
+
+
+TOKENIZER_CASES = [("wordlevel", False), ("wordlevel", True), ("wordlevel", None),
+                   ("smollm2", False), ("smollm2", True)]
+
+
+@pytest.mark.parametrize("source,add_bos_token", TOKENIZER_CASES)
+def test_complete_prompt_ids_are_the_native_generators(completion_model, monkeypatch, source, add_bos_token):
+    """Regression: Exl.complete prepended a BOS to every prompt although SmolLM2's tokenizer says
+    add_bos_token false, so its greedy text differed from Generator.generate and transformers."""
+    import exl_core
+    folder = completion_model(source, add_bos_token)
+    model = llm(folder, max_new_tokens=4)
+    eng = model._engine()
+    tok = eng.tokenizer
+    prompt = "the cat sat on the mat"
+    want = tok.encode(prompt)                             # the native tokenizer's default encoding
+    assert (want[0] == tok.bos_token_id) == (add_bos_token is not False)   # None: post-processor adds it
+    assert want.count(tok.bos_token_id) <= 1
+
+    seen = _record_prompts(eng.generator, monkeypatch)
+    text = model.complete(prompt).text
+    assert "".join(r.delta for r in model.stream_complete(prompt)) == text
+
+    async def run():
+        streamed = [r.delta async for r in await model.astream_complete(prompt)]
+        return (await model.acomplete(prompt)).text, "".join(streamed)
+    assert asyncio.run(run()) == (text, text)
+    assert model.complete(prompt, formatted=True).text == text
+    assert seen == [want] * 5
+
+    # the native path on the same weights: same ids, same greedy text
+    native = exl_core.Generator(eng.model, exl_core.Cache(eng.model, max_tokens=256), tok)
+    native_seen = _record_prompts(native, monkeypatch)
+    assert native.generate(prompt, max_new_tokens=4, sampler=exl_core.SamplerSettings(temperature=0)) == text
+    assert native_seen == [want]

@@ -2,7 +2,8 @@
 
 chat/stream_chat (and async) format messages with the model's own chat template;
 complete/stream_complete send the prompt as text (after `completion_to_prompt` unless
-formatted=True). The model is loaded once per folder and shared (exl_core.plugins.shared_engine).
+formatted=True), encoded as exl_core's native `Generator.generate(prompt)` encodes it (see
+`completion_ids`). The model is loaded once per folder and shared (exl_core.plugins.shared_engine).
 """
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from llama_index.core.llms.llm import LLM
 
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
                 "frequency_penalty", "presence_penalty")
+
+
+def completion_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a completion prompt, exactly as exl_core's `Generator.generate(prompt)` encodes
+    it: `Tokenizer.encode`'s defaults, i.e. a BOS only when the model's tokenizer asks for one
+    (tokenizer_config.json ``add_bos_token``; SmolLM2 says false) and special-token strings in the
+    text as their ids -- also what transformers' tokenizer(prompt) gives. (langchain-exl has the
+    same helper in langchain_exl/_common.py; the two distributions share only exl_core.)"""
+    return tokenizer.encode(prompt)
 
 
 class Exl(LLM):
@@ -86,7 +96,7 @@ class Exl(LLM):
         eng = self._engine()
         if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
-        return eng, self._job(eng.tokenizer.encode(prompt, add_bos=True, special=False), **kwargs)
+        return eng, self._job(completion_ids(eng.tokenizer, prompt), **kwargs)
 
     @staticmethod
     def _info(job) -> dict:
