@@ -8,6 +8,7 @@ weight uninitialised.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 
 from pathlib import Path
@@ -28,8 +29,23 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.float32
 
 
+# The dtypes the kernels compute in (float64 and integer dtypes fail inside the first op that meets them)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported: use one of "
+                          f"{', '.join(map(str, SUPPORTED_DTYPES))} (or None: float16 on CUDA, float32 on CPU)")
+
+
 def _as_device(device) -> torch.device:
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):   # torch's message lists every backend it knows, not the ones we run on
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: exl_core runs on 'cpu' or 'cuda' (or 'cuda:N' for GPU N)")
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' requested but torch sees no CUDA GPU; use device='cpu'")
     return d
@@ -120,10 +136,12 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     if prefill == "bf16" and device.type != "cpu":
         raise ConfigError(f"prefill='bf16' has CPU kernels only; on {device} the layers would silently "
                           f"stay exact: use prefill='exact'")
+    _check_dtype(dtype)
     dtype = dtype or default_dtype(device)
     names = reader.names()
     fmt = detect_format(cfg.quantization_config, names)
     src = str(cfg.path or "model folder")
+    check_embedding(cfg, reader)
 
     def get(name: str, shape: tuple) -> torch.Tensor:
         if not reader.has(name):
@@ -163,6 +181,25 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     set_activations(model, activations)
     set_prefill(model, prefill)
     return model
+
+
+def check_embedding(cfg: ModelConfig, reader: WeightReader) -> None:
+    """config.json's vocab_size and hidden_size against the embedding, which every format stores dense: checked
+    before any layer is read, since a wrong hidden_size otherwise surfaces as a puzzle about packed rows inside the
+    first quantized layer (the head)."""
+    name = "model.embed_tokens.weight"
+    if not reader.has(name):
+        return                          # reported where it is read, with the shape it should have
+    have = tuple(reader.shape(name))
+    want = (cfg.vocab_size, cfg.hidden_size)
+    if have == want:
+        return
+    bad = [f"{k}={w}" for i, (k, w) in enumerate(zip(("vocab_size", "hidden_size"), want))
+           if len(have) != 2 or have[i] != w]
+    conf = cfg.path / "config.json" if cfg.path is not None else "config.json"
+    raise FormatError(f"{conf}: {' and '.join(bad)} contradict{'s' if len(bad) == 1 else ''} tensor '{name}' of "
+                      f"shape {list(have)} in {reader.file_of(name)} (expected [vocab_size, hidden_size] = "
+                      f"{list(want)}); config.json does not describe these weights")
 
 
 def input_groups(model: Model):
@@ -305,6 +342,13 @@ def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memo
     `max_memory` is accepted for API compatibility (bytes the weights may take); exceeding
     it raises instead of swapping.
     """
+    # arguments first: a bad one should not cost reading the weights
+    if max_memory is not None and (not isinstance(max_memory, numbers.Integral) or isinstance(max_memory, bool)
+                                   or max_memory <= 0):
+        raise ConfigError(f"load_model: max_memory={max_memory!r} must be a number of bytes (an int > 0, "
+                          "e.g. 10 * 2**30 for 10 GiB) or None")
+    _as_device(device)
+    _check_dtype(dtype)
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{p}: model folder not found")

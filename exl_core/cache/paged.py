@@ -11,6 +11,7 @@ kernels take.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Optional, Sequence
 
@@ -24,7 +25,15 @@ from ..ops.decoder_layer import PagedKV
 from ..ops.rope import apply_rope
 from .pages import PagePool, PageTable
 from .prefix import PrefixIndex, page_keys
-from .sizing import bytes_per_token, num_pages_for
+from .sizing import bytes_per_token, known_free_memory, num_pages_for
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)   # numpy ints too
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 class Cache:
@@ -33,10 +42,11 @@ class Cache:
     def __init__(self, model, max_tokens: Optional[int] = None, page_size: int = 256,
                  dtype: Optional[torch.dtype] = None):
         cfg = model.config
-        if page_size < 1:
-            raise InputError(f"Cache: page_size={page_size} must be >= 1")
-        if max_tokens is not None and max_tokens < 1:
-            raise InputError(f"Cache: max_tokens={max_tokens} must be >= 1 (or None to size from free memory)")
+        if not _is_int(page_size) or page_size < 1:
+            raise InputError(f"Cache: page_size={page_size!r} must be an int >= 1")
+        if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+            raise InputError(f"Cache: max_tokens={max_tokens!r} must be an int >= 1 (or None to size from free "
+                             "memory)")
         self.model = model
         self.config = cfg
         self.page_size = page_size
@@ -53,10 +63,28 @@ class Cache:
         per_token = bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
         self.num_pages = num_pages_for(per_token, page_size, self.device, max_tokens,
                                        cfg.max_position_embeddings)
+        need = self.num_pages * page_size * per_token
+        if max_tokens is not None:
+            # a size past the free memory fails deep in torch's allocator (or, where the OS overcommits, gets the
+            # process killed while the pages are zeroed): refuse it here, with the numbers
+            free = known_free_memory(self.device)
+            if free is not None and self.device.type == "cuda":   # blocks torch's allocator holds unused: ours too
+                free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            if free is not None and need > free:
+                raise InputError(f"Cache: max_tokens={max_tokens} needs {need} bytes ({_gib(need)}, {per_token} "
+                                 f"bytes a token) but only {free} bytes ({_gib(free)}) are free on {self.device}; "
+                                 f"lower max_tokens (under {free // per_token} tokens) or pass None to size from "
+                                 "free memory")
         shape = (self.num_pages, page_size, self.num_kv_heads, self.head_dim)
-        # zeros, not empty: a kernel reading a masked slot must see finite values (0 * NaN = NaN)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        try:
+            # zeros, not empty: a kernel reading a masked slot must see finite values (0 * NaN = NaN)
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        except RuntimeError as e:   # torch.OutOfMemoryError too: free memory is only an estimate
+            self.k = self.v = []    # the traceback keeps self alive: drop the layers already allocated
+            asked = f"max_tokens={max_tokens}" if max_tokens is not None else "sized from free memory"
+            raise InputError(f"Cache: {asked}: allocating {need} bytes ({_gib(need)}) of K/V cache on "
+                             f"{self.device} failed ({str(e).splitlines()[0][:200]}); lower max_tokens") from e
         self.pool = PagePool(self.num_pages)
         self.index = PrefixIndex(self.pool, page_size)
 

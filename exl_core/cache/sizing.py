@@ -1,6 +1,7 @@
 """How many cache pages fit: from a user cap or from the device's free memory."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -18,8 +19,9 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-def free_memory(device: torch.device) -> int:
-    """Free bytes on `device`: cudaMemGetInfo on GPU, MemAvailable from /proc/meminfo on CPU."""
+def known_free_memory(device: torch.device) -> Optional[int]:
+    """Free bytes on `device`: cudaMemGetInfo on GPU, MemAvailable from /proc/meminfo (else the OS's count of
+    available pages) on CPU; None where neither can be read."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -30,7 +32,16 @@ def free_memory(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 4 << 30   # no /proc (not Linux): assume a modest 4 GiB
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def free_memory(device: torch.device) -> int:
+    """known_free_memory, or a modest 4 GiB where the OS does not say."""
+    free = known_free_memory(device)
+    return free if free is not None else 4 << 30
 
 
 def num_pages_for(per_token: int, page_size: int, device: torch.device, max_tokens: Optional[int],

@@ -57,7 +57,7 @@ def read_header(path: Union[str, Path]) -> tuple[dict[str, _Entry], dict[str, st
     """Parse and validate one safetensors header without trusting it.
     Returns ({tensor name: entry}, metadata). Raises FormatError on any inconsistency."""
     path = Path(path)
-    fn = path.name
+    fn = str(path)          # the full path: a user may hold several model folders
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -189,7 +189,7 @@ class WeightReader:
                 continue
             prev = self._entries.get(name)
             if prev is not None:
-                raise FormatError(f"{f.name}: tensor '{name}' also appears in {prev.file.name}; "
+                raise FormatError(f"{f}: tensor '{name}' also appears in {prev.file}; "
                                   "which copy to use is ambiguous")
             self._entries[name] = e
         return entries
@@ -198,28 +198,28 @@ class WeightReader:
         try:
             data = json.loads(index.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{index.name}: unreadable index ({e})") from e
+            raise FormatError(f"{index}: unreadable index ({e})") from e
         wmap = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wmap, dict) or not wmap:
-            raise FormatError(f"{index.name}: missing or empty 'weight_map'")
+            raise FormatError(f"{index}: missing or empty 'weight_map'")
         if isinstance(data.get("metadata"), dict):
             self.metadata.update({str(k): str(v) for k, v in data["metadata"].items()})
         by_file: dict[str, list[str]] = {}
         for name, fname in wmap.items():
             if not isinstance(fname, str) or "/" in fname or "\\" in fname or fname.startswith(".."):
-                raise FormatError(f"{index.name}: tensor '{name}' maps to an invalid file name "
+                raise FormatError(f"{index}: tensor '{name}' maps to an invalid file name "
                                   f"{fname!r}")
             by_file.setdefault(fname, []).append(name)
         for fname, names in sorted(by_file.items()):
             f = self.path / fname
             if not f.is_file():
-                raise FormatError(f"{index.name}: tensor '{names[0]}' (and {len(names) - 1} more) "
+                raise FormatError(f"{index}: tensor '{names[0]}' (and {len(names) - 1} more) "
                                   f"map to shard '{fname}', which does not exist in {self.path} "
                                   "(incomplete download?)")
             entries = self._add_file(f, only=set(names))
             for name in names:
                 if name not in entries:
-                    raise FormatError(f"{index.name}: tensor '{name}' is mapped to '{fname}' but "
+                    raise FormatError(f"{index}: tensor '{name}' is mapped to '{fname}' but "
                                       f"that shard does not contain it")
 
     # -- queries ------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ class WeightReader:
             try:
                 h = safe_open(str(e.file), framework="pt", device="cpu")
             except Exception as ex:  # safetensors raises its own SafetensorError
-                raise FormatError(f"{e.file.name}: safetensors cannot open the file ({ex})") from ex
+                raise FormatError(f"{e.file}: safetensors cannot open the file ({ex})") from ex
             self._handles[e.file] = h
         t = h.get_tensor(name)
         if dtype is not None or str(device) != "cpu":
@@ -269,7 +269,7 @@ class WeightReader:
         have = self.shape(name)
         if tuple(int(s) for s in shape) != have:
             why = f" (from {source})" if source else ""
-            raise FormatError(f"{self.file_of(name).name}: tensor '{name}': expected "
+            raise FormatError(f"{self.file_of(name)}: tensor '{name}': expected "
                               f"{_fmt_shape(shape)}{why}, file has {_fmt_shape(have)}")
         return self.get(name, dtype=dtype, device=device)
 

@@ -15,7 +15,7 @@ import os
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -364,6 +364,9 @@ class Generator:
         Every job gets the same `seed` (so each is reproducible alone or batched). Other
         jobs already queued advance too; their results reach them through their callbacks."""
         single = isinstance(prompts, str)
+        if not single and not isinstance(prompts, Iterable):   # None, a Job: list() would raise a bare TypeError
+            raise InputError(f"Generator.generate: prompts must be a str or a list of str, got "
+                             f"{type(prompts).__name__}; enqueue a Job for token ids")
         plist = [prompts] if single else list(prompts)
         jobs = [self._make_job(p, chat, max_new_tokens=max_new_tokens, sampler=sampler, stop=stop, seed=seed,
                                stop_on_eos=stop_on_eos, **job_kwargs) for p in plist]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -60,8 +61,19 @@ class Job:
                  identifier: Any = None, decode_special: bool = False,
                  loras: Optional[dict[str, float]] = None):
         if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.reshape(-1).tolist()
-        ids = list(input_ids)
+            # one prompt per Job: flattening a (batch, T) tensor would silently join its rows
+            if input_ids.dim() != 1:
+                raise InputError(f"Job: input_ids must be a 1-D tensor or a list of ints (one prompt), got a "
+                                 f"{input_ids.dim()}-D tensor of shape {list(input_ids.shape)}; for a batch make "
+                                 "one Job per row (e.g. Job(ids[0]))")
+            input_ids = input_ids.tolist()
+        if isinstance(input_ids, str):
+            raise InputError("Job: input_ids must be token ids, got a str; encode it first (tokenizer.encode)")
+        try:
+            ids = list(input_ids)
+        except TypeError:
+            raise InputError(f"Job: input_ids must be a 1-D tensor or a list of ints, got "
+                             f"{type(input_ids).__name__}") from None
         if not ids:
             raise InputError("Job: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
@@ -75,6 +87,14 @@ class Job:
             if isinstance(s, bool) or not isinstance(s, (str, int)) or (isinstance(s, str) and not s) \
                     or (isinstance(s, int) and s < 0):
                 raise InputError(f"Job: stop entry {s!r} must be a non-empty string or a token id")
+        if seed is not None:
+            # int() would take "5" or 5.7 and fail on "abc" with a bare ValueError; index() takes numpy ints
+            try:
+                if isinstance(seed, bool):
+                    raise TypeError
+                seed = operator.index(seed)
+            except TypeError:
+                raise InputError(f"Job: seed={seed!r} must be an int (or None for a random seed)") from None
         self.input_ids = ids
         self.max_new_tokens = max_new_tokens
         self.sampler = sampler if sampler is not None else SamplerSettings()
@@ -90,7 +110,7 @@ class Job:
         self.loras = dict(loras) if loras else {}     # LoRA adapter name -> weight (model.lora)
         self.rng: Optional[torch.Generator] = None
         if seed is not None:
-            self.rng = torch.Generator().manual_seed(int(seed))
+            self.rng = torch.Generator().manual_seed(seed)
         # -- state, owned by the Generator ------------------------------------------------------
         self.status = "new"                  # new -> queued -> active -> done
         self.table = None                    # cache.PageTable while active
