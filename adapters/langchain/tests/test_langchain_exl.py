@@ -17,6 +17,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
 from exl_core.errors import InputError
+from exl_core.testing import record_prompts
 from langchain_exl import ChatExl, ExlLLM
 
 N = 16   # tokens per generation in these tests: enough to see divergence, cheap on 2 cores
@@ -202,20 +203,6 @@ def test_non_text_content_is_refused():
 
 # -- completion prompts are encoded like exl_core's native Generator ----------------------------
 
-def _record_prompts(generator, monkeypatch) -> list:
-    """The input ids of every Job handed to `generator` (SharedEngine and Generator.generate
-    both go through Generator.enqueue)."""
-    from exl_core.generation.job import Job
-    seen, orig = [], generator.enqueue
-
-    def enqueue(job):
-        if isinstance(job, Job):        # a list comes back here one job at a time
-            seen.append(list(job.input_ids))
-        return orig(job)
-    monkeypatch.setattr(generator, "enqueue", enqueue)
-    return seen
-
-
 TOKENIZER_CASES = [("wordlevel", False), ("wordlevel", True), ("wordlevel", None),
                    ("smollm2", False), ("smollm2", True)]
 
@@ -234,7 +221,7 @@ def test_llm_prompt_ids_are_the_native_generators(completion_model, monkeypatch,
     assert (want[0] == tok.bos_token_id) == (add_bos_token is not False)   # None: post-processor adds it
     assert want.count(tok.bos_token_id) <= 1
 
-    seen = _record_prompts(eng.generator, monkeypatch)
+    seen = record_prompts(eng.generator, monkeypatch)
     text = llm.invoke(prompt)
     assert llm.batch([prompt, prompt]) == [text, text]
     assert "".join(llm.stream(prompt)) == text
@@ -243,7 +230,7 @@ def test_llm_prompt_ids_are_the_native_generators(completion_model, monkeypatch,
 
     # the native path on the same weights: same ids, same greedy text
     native = exl_core.Generator(eng.model, exl_core.Cache(eng.model, max_tokens=256), tok)
-    native_seen = _record_prompts(native, monkeypatch)
+    native_seen = record_prompts(native, monkeypatch)
     assert native.generate(prompt, max_new_tokens=4, sampler=exl_core.SamplerSettings(temperature=0)) == text
     assert native_seen == [want]
 

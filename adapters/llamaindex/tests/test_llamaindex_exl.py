@@ -17,6 +17,8 @@ import pytest
 import torch
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
+from exl_core.testing import record_prompts
+
 N = 16
 
 
@@ -200,20 +202,6 @@ def test_vector_index_query_engine_end_to_end(smollm2_dir, kind):
 
 # -- completion prompts are encoded like exl_core's native Generator ----------------------------
 
-def _record_prompts(generator, monkeypatch) -> list:
-    """The input ids of every Job handed to `generator` (SharedEngine and Generator.generate
-    both go through Generator.enqueue)."""
-    from exl_core.generation.job import Job
-    seen, orig = [], generator.enqueue
-
-    def enqueue(job):
-        if isinstance(job, Job):        # a list comes back here one job at a time
-            seen.append(list(job.input_ids))
-        return orig(job)
-    monkeypatch.setattr(generator, "enqueue", enqueue)
-    return seen
-
-
 TOKENIZER_CASES = [("wordlevel", False), ("wordlevel", True), ("wordlevel", None),
                    ("smollm2", False), ("smollm2", True)]
 
@@ -232,7 +220,7 @@ def test_complete_prompt_ids_are_the_native_generators(completion_model, monkeyp
     assert (want[0] == tok.bos_token_id) == (add_bos_token is not False)   # None: post-processor adds it
     assert want.count(tok.bos_token_id) <= 1
 
-    seen = _record_prompts(eng.generator, monkeypatch)
+    seen = record_prompts(eng.generator, monkeypatch)
     text = model.complete(prompt).text
     assert "".join(r.delta for r in model.stream_complete(prompt)) == text
 
@@ -245,6 +233,6 @@ def test_complete_prompt_ids_are_the_native_generators(completion_model, monkeyp
 
     # the native path on the same weights: same ids, same greedy text
     native = exl_core.Generator(eng.model, exl_core.Cache(eng.model, max_tokens=256), tok)
-    native_seen = _record_prompts(native, monkeypatch)
+    native_seen = record_prompts(native, monkeypatch)
     assert native.generate(prompt, max_new_tokens=4, sampler=exl_core.SamplerSettings(temperature=0)) == text
     assert native_seen == [want]
