@@ -146,11 +146,17 @@ def test_vocab_size_contradicting_the_tensors_names_config_json(tiny_llama_dir, 
 
 
 # -- safetensors errors name the whole path -----------------------------------------------------
-def test_truncated_safetensors_error_gives_the_full_path(tiny_llama_dir, tmp_path):
-    folder = _copy(tiny_llama_dir, tmp_path)
+def _truncated_copy(folder, tmp_path):
+    """(a copy of folder, its model.safetensors cut to 1,000 bytes)."""
+    folder = _copy(folder, tmp_path)
     f = folder / "model.safetensors"
     with open(f, "r+b") as fh:
         fh.truncate(1000)
+    return folder, f
+
+
+def test_truncated_safetensors_error_gives_the_full_path(tiny_llama_dir, tmp_path):
+    folder, f = _truncated_copy(tiny_llama_dir, tmp_path)
     with pytest.raises(FormatError) as e:
         exl.load_model(folder, load_tokenizer=False)
     assert str(e.value).startswith(f"{f}: ") and "truncated" in str(e.value)
@@ -169,10 +175,7 @@ def test_tensor_shape_error_gives_the_full_path(tiny_llama_dir, tmp_path):
 def test_reader_errors_give_the_full_path_outside_load_model_too(tiny_llama_dir, tmp_path):
     """The converter and the HF adapter read through WeightReader directly: its own messages carry the path."""
     from exl_core.formats.safetensors_io import WeightReader
-    folder = _copy(tiny_llama_dir, tmp_path)
-    f = folder / "model.safetensors"
-    with open(f, "r+b") as fh:
-        fh.truncate(1000)
+    folder, f = _truncated_copy(tiny_llama_dir, tmp_path)
     with pytest.raises(FormatError) as e:
         WeightReader(folder)
     assert str(e.value).startswith(f"{f}: ")
