@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # convert / eval own their argument parsers (exl_core.quantize / exl_core.eval)
     sub.add_parser("convert", help="convert FP16 -> EXL2/GPTQ, GPTQ -> EXL2 (see exl convert -h)", add_help=False)
-    sub.add_parser("eval", help="evaluate (exl eval ppl -h)", add_help=False)
+    sub.add_parser("eval", help="evaluate: perplexity, variants side by side, task accuracy (exl eval -h)",
+                   add_help=False)
     return ap
 
 
@@ -280,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from .quantize.convert import convert_main
             return convert_main(argv[1:]) or 0
         if argv and argv[0] == "eval":
-            from .eval.perplexity import eval_main
+            from .eval.cli import eval_main
             return eval_main(argv[1:]) or 0
         args = build_parser().parse_args(argv)
         return args.fn(args) or 0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from exl_core.errors import InputError
-from exl_core.eval.perplexity import eval_main, perplexity, perplexity_from_logits_fn, window_spans
+from exl_core.eval.cli import eval_main
+from exl_core.eval.perplexity import perplexity, perplexity_from_logits_fn, window_spans
 
 
 def test_window_spans_cover_each_target_once():

