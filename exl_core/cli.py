@@ -97,6 +97,7 @@ def cmd_run(args) -> int:
     from .generation import Generator, Job
     if not args.prompt.strip():
         raise ExlError("the prompt is empty: pass text with -p")
+    sampler = _sampler(args)                # bad settings are refused before the model loads
     model, tok = _load(args)
     if not args.raw and tok.chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -105,7 +106,7 @@ def cmd_run(args) -> int:
         ids = tok.encode(args.prompt)
     cache = Cache(model, max_tokens=len(ids) + args.max_new_tokens + 256)
     gen = Generator(model, cache, tok)
-    job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=_sampler(args), seed=args.seed,
+    job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
               stop_on_eos=not args.ignore_eos)
     t0 = time.perf_counter()
     t_first, n_new = None, 0
@@ -150,6 +151,7 @@ def fit_history(tok, messages: list, budget: int) -> tuple[list, list, int]:
 def cmd_chat(args) -> int:
     from .cache import Cache
     from .generation import Generator, Job
+    sampler = _sampler(args)                # bad settings are refused before the model loads
     model, tok = _load(args)
     cache = Cache(model, max_tokens=args.max_tokens)
     # the generator shortens a reply to what the cache holds: keep the prompt within what leaves the whole reply room
@@ -159,7 +161,6 @@ def cmd_chat(args) -> int:
                        f"{cache.max_tokens} tokens (--max-tokens)")
     gen = Generator(model, cache, tok)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    sampler = _sampler(args)
     print("exl chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:

@@ -141,3 +141,10 @@ def test_chat_message_too_long_for_the_cache_names_the_flags():
     from exl_core.errors import ExlError
     with pytest.raises(ExlError, match="--max-tokens"):
         fit_history(_WordTokenizer(), [{"role": "user", "content": "word " * 50}], budget=20)
+
+
+def test_bad_sampler_setting_is_refused_before_loading(tmp_path):
+    """The model folder does not exist: a sampler error that names top_p shows the settings were checked first."""
+    r = run_cli("run", "-m", str(tmp_path / "nope"), "-p", "hi", "--top-p", "0")
+    assert r.returncode == 2
+    assert "top_p" in r.stderr and "not found" not in r.stderr and "Traceback" not in r.stderr
