@@ -148,6 +148,7 @@ def default_exl2_path(progress: bool = True) -> Path:
 
 def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
     from .quantize.convert import ConvertSettings, convert
+    from .quantize.job_state import StaleJobError
     if (folder / "config.json").is_file() or (folder.exists() and not (folder / ".exl_job").is_dir()):
         shutil.rmtree(folder)     # finished by other settings / another import, or not ours: redo
     meas = _shipped_measurement(dense)
@@ -159,9 +160,13 @@ def _convert_default(dense: Path, folder: Path, progress: bool) -> None:
         took = "under a minute on 2 cores" if meas is not None else "a few minutes: no shipped measurement"
         print(f"exl_core: first use: converting the default model to EXL2 {c['bpw']} bpw into {folder} "
               f"(once, {took}; resumes if interrupted)", file=sys.stderr)
-    convert(ConvertSettings(input=str(dense), output=str(folder), format="exl2", bpw=c["bpw"],
-                            rows=c["rows"], length=c["length"], seed=c["seed"], measurement=meas,
-                            progress=progress))
+    settings = ConvertSettings(input=str(dense), output=str(folder), format="exl2", bpw=c["bpw"], rows=c["rows"],
+                               length=c["length"], seed=c["seed"], measurement=meas, progress=progress)
+    try:
+        convert(settings)
+    except StaleJobError:       # our cache's unfinished job, from another import or release: start it over
+        shutil.rmtree(folder)
+        convert(settings)
     dense_marker = json.loads((dense / _import_marker_name()).read_text())
     tmp = folder / f".{DEFAULT_MARKER}.tmp"
     tmp.write_text(json.dumps({"conversion": DEFAULT_CONVERSION, "dense": dense_marker}, sort_keys=True))

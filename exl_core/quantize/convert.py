@@ -8,12 +8,15 @@
     ──► head (EXL2: head_bits) ──► sharded safetensors + config.json (written last)
 
 Every step is saved in OUT/.exl_job (job_state.py); rerunning the same command resumes and gives
-byte-identical files. The job folder is removed when the output is complete.
+byte-identical files (a rerun whose input files changed is refused: see input_fingerprint). The job
+folder is removed when the output is complete.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -74,6 +77,34 @@ class ConvertSettings:
         d["measurement"] = None if self.measurement is None else str(Path(self.measurement).resolve())
         return d
 
+    def input_fingerprint(self) -> dict:
+        """The input files a resumed job must still find unchanged (job_key() holds only their
+        paths): the model folder's config.json, *.safetensors and index by name, size and mtime
+        (cheap, the weights are large), the calibration and measurement files by sha256 (small)."""
+        folder = Path(self.input)
+        files = set(folder.glob("*.safetensors")) | {folder / "config.json", folder / "model.safetensors.index.json"}
+        try:                                # shards the index names, wherever they are
+            wm = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+            files |= {folder / v for v in wm.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        model = {}
+        for f in sorted(files):
+            if f.is_file():
+                st = f.stat()
+                model[Path(os.path.relpath(f, folder)).as_posix()] = [st.st_size, st.st_mtime_ns]
+        return {"model": model, "calib": _sha256(self.calib), "measurement": _sha256(self.measurement)}
+
+
+def _sha256(path: Optional[str]) -> Optional[str]:
+    if path is None or not Path(path).is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
 
 @contextmanager
 def _deterministic(threads: Optional[int]):
@@ -132,7 +163,7 @@ class Converter:
         self.s = s
         self.src = source
         self.cfg = source.cfg
-        self.job = JobState(Path(s.output), s.job_key())
+        self.job = JobState(Path(s.output), s.job_key(), s.input_fingerprint())
         d = source.dims
         self.inv_freq = rope_inv_freq(d.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         self.shapes = {n: source.shape_of_linear(n) for i in range(self.cfg.num_hidden_layers)
@@ -343,6 +374,9 @@ def _check_settings(s: ConvertSettings, src) -> None:
     if s.threads is not None and s.threads < 1:
         raise InputError(f"--threads {s.threads}: must be ≥ 1")
     if s.format == "gptq":
+        if s.bpw is not None:
+            raise InputError(f"-b {s.bpw}: -b is EXL2's target bitrate; GPTQ takes --bits "
+                             f"({', '.join(map(str, gptq_fmt.SUPPORTED_BITS))})")
         if s.bits not in gptq_fmt.SUPPORTED_BITS:
             raise InputError(f"--bits {s.bits}: GPTQ supports {gptq_fmt.SUPPORTED_BITS}")
         if s.group_size not in (-1, 32, 64, 128):

@@ -1,7 +1,8 @@
 """Resumable job folder: every finished step is a file written atomically (tmp + rename).
 
     OUT/.exl_job/
-        job.json                 the settings the job was started with (a rerun must match)
+        job.json                 the settings the job was started with (a rerun must match) and
+                                 its inputs' fingerprint under "inputs" (a rerun's inputs must too)
         calib.safetensors        calibration tokens [rows, length] + info
         measure/state.safetensors  hidden states after the last measured layer (+ its index)
         measure/layer_XXX.json   errors of every candidate for the layers of block XXX
@@ -45,23 +46,42 @@ def atomic_json(data, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class StaleJobError(InputError):
+    """An unfinished job in the output folder was started with other settings or from other input files: its
+    finished steps cannot be resumed into this conversion."""
+
+
 class JobState:
-    def __init__(self, out_dir: Path, settings: dict):
+    def __init__(self, out_dir: Path, settings: dict, inputs: Optional[dict] = None):
         self.out = Path(out_dir)
         self.dir = self.out / JOB_DIR
         self.settings = settings
+        self.inputs = inputs          # fingerprint of the input files (ConvertSettings.input_fingerprint)
 
     def open(self) -> bool:
-        """Creates or reopens the job; True when resuming. Refuses a job with other settings."""
+        """Creates or reopens the job; True when resuming. Refuses a job with other settings, or
+        one whose input files changed since it started (its finished steps come from the old ones)."""
         f = self.dir / "job.json"
         if f.is_file():
             old = json.loads(f.read_text())
+            old_inputs = old.pop("inputs", None)        # absent in jobs started before it was recorded
             if old != self.settings:
                 diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
-                raise InputError(f"{self.out}: holds an unfinished conversion with other settings ({', '.join(diff)}); "
+                raise StaleJobError(f"{self.out}: holds an unfinished conversion with other settings ({', '.join(diff)}); "
                                  "rerun with the same arguments to resume, or choose an empty output folder")
+            if old_inputs is not None and self.inputs is not None:
+                changed = input_changes(old_inputs, self.inputs, self.settings)
+                if changed:
+                    raise StaleJobError(
+                        f"{self.out}: holds an unfinished conversion whose inputs changed since it started: "
+                        f"{'; '.join(changed)}. Its finished layers were computed from the old inputs and "
+                        f"cannot be mixed with the new ones: use a new output folder, or delete {self.dir} "
+                        "to start this conversion over (its finished work is lost)")
             return True
-        atomic_json(self.settings, f)
+        data = dict(self.settings)
+        if self.inputs is not None:
+            data["inputs"] = self.inputs
+        atomic_json(data, f)
         return False
 
     # -- files --------------------------------------------------------------------------------
@@ -83,6 +103,22 @@ class JobState:
 
     def clear(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def input_changes(old: dict, new: dict, settings: dict) -> list[str]:
+    """What differs between two input fingerprints (ConvertSettings.input_fingerprint), one
+    readable item per changed input."""
+    out = []
+    om, nm = old.get("model") or {}, new.get("model") or {}
+    files = [f"{name} is gone" if name not in nm else f"{name} is new" if name not in om
+             else f"{name} changed (size or modification time)"
+             for name in sorted(set(om) | set(nm)) if om.get(name) != nm.get(name)]
+    if files:
+        out.append(f"input model {settings.get('input')}: {', '.join(files)}")
+    for key, what in (("calib", "calibration file"), ("measurement", "measurement file")):
+        if old.get(key) != new.get(key):
+            out.append(f"{what} {settings.get(key)} changed (its sha256 differs)")
+    return out
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
