@@ -110,9 +110,16 @@ class Cache:
         """CacheFullError when a prompt can never fit, however empty the cache."""
         need = self.pages_to_reserve(prompt_len, 0, max_chunk)
         if need > self.num_pages:
+            fix = "raise Cache(max_tokens=...) or shorten the prompt"
+            # with a window a job holds the window plus one chunk: the largest chunk that fits
+            chunk = (self.num_pages - 1) * self.page_size - self.window + 1 if self.window else 0
+            if chunk >= 1:
+                fix = (f"raise Cache(max_tokens=...), shorten the prompt or pass a smaller "
+                       f"Generator(max_chunk_size=...) (now {max_chunk}; at most {chunk} fits with the model's "
+                       f"sliding window of {self.window})")
             raise CacheFullError(f"{what} of {prompt_len} tokens needs {need} pages but the cache has "
                                  f"{self.num_pages} pages of {self.page_size} tokens ({self.max_tokens} tokens); "
-                                 "raise Cache(max_tokens=...) or shorten the prompt")
+                                 f"{fix}")
 
     def prompt_keys(self, prompt: Sequence[int], salt: bytes = b"") -> list[bytes]:
         """Keys of the prompt's full pages that may be shared: those ending before its last

@@ -112,8 +112,8 @@ class SamplerSettings:
 
         def check_id(name, t):
             if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                rng = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-                bad(name, t, f"token ids must be ints in {rng}")
+                rng = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+                bad(name, t, f"token ids must be ints {rng}")
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..errors import InputError
+from ..errors import CacheFullError, InputError
 from .ngram import ngram_draft
 from .sampling import _uniform, processed_probs_batch   # one uniform from a job's generator
 
@@ -143,6 +143,13 @@ class SpeculativeDecoder:
         self._failed.discard(id(job))
         self._klen.pop(id(job), None)
 
+    def _drop(self, job) -> None:
+        """Stop drafting for a job: its draft-cache pages go back, it decodes plainly."""
+        t = self._tables.pop(id(job), None)
+        if t is not None:
+            self.draft_cache.release(t)
+        self._failed.add(id(job))
+
     def record(self, job, drafted: int, accepted: int) -> None:
         """Grow the job's draft length after a fully accepted run, shrink it after a miss."""
         k = self._klen.get(id(job), self.k)
@@ -161,9 +168,10 @@ class SpeculativeDecoder:
             return None
         t = self._tables.get(key)
         if t is None:
-            # every position the job may ever store, plus the drafts beyond them
-            t = self.draft_cache.try_admit(job.input_ids, job.prompt_len + job.limit + self.k, max_chunk,
-                                           reuse=False)
+            # every position the job may ever store, plus the drafts beyond them; with a window
+            # the held span is the window plus one chunk or one step's drafts, whichever is longer
+            t = self.draft_cache.try_admit(job.input_ids, job.prompt_len + job.limit + self.k,
+                                           max(max_chunk, self.k), reuse=False)
             if t is None:               # draft cache full: this job decodes plainly
                 self._failed.add(key)
                 return None
@@ -173,62 +181,88 @@ class SpeculativeDecoder:
         return t
 
     # -- drafting ---------------------------------------------------------------------------
-    def budget(self, job) -> int:
+    def budget(self, job, max_drafts: Optional[int] = None) -> int:
         """Drafts this job may verify now: the main cache holds prompt + limit - 1 positions, so
-        a step that feeds 1 + n tokens needs n <= limit - generated - 1."""
-        return max(0, min(self._klen.get(id(job), self.k), job.limit - len(job.generated) - 1))
+        a step that feeds 1 + n tokens needs n <= limit - generated - 1 (and n <= max_drafts)."""
+        n = min(self._klen.get(id(job), self.k), job.limit - len(job.generated) - 1)
+        return max(0, n if max_drafts is None else min(n, max_drafts))
 
-    def propose(self, jobs: list, max_chunk: int) -> dict[int, tuple[list[int], Optional[torch.Tensor]]]:
+    def propose(self, jobs: list, max_chunk: int, max_drafts: Optional[int] = None
+                ) -> dict[int, tuple[list[int], Optional[torch.Tensor]]]:
         """id(job) -> (drafts, q [n, V] or None) for the decoding jobs given (n may be 0)."""
         out: dict[int, tuple[list[int], Optional[torch.Tensor]]] = {}
         if self.ngram:
             for job in jobs:
-                out[id(job)] = (ngram_draft(job.tokens, self.budget(job), self.max_ngram, self.min_ngram), None)
+                out[id(job)] = (ngram_draft(job.tokens, self.budget(job, max_drafts), self.max_ngram,
+                                            self.min_ngram), None)
             return out
-        return self._propose_model(jobs, max_chunk)
+        return self._propose_model(jobs, max_chunk, max_drafts)
 
     @torch.inference_mode()
-    def _propose_model(self, jobs: list, max_chunk: int):
+    def _propose_model(self, jobs: list, max_chunk: int, max_drafts: Optional[int] = None):
         out = {id(j): ([], None) for j in jobs}
         live = []                              # (job, table, n_wanted)
         for job in jobs:
-            n = self.budget(job)
+            n = self.budget(job, max_drafts)
             if n > 0:
                 t = self._draft_table(job, max_chunk)
                 if t is not None:
                     live.append((job, t, n))
         drafts = {id(j): [] for j, _, _ in live}
         qs = {id(j): [] for j, _, _ in live}
-        step = 0
+        window = self.draft_cache.window
         while live:
-            # step 0 catches the draft cache up with the sequence; later steps feed one draft each
-            feeds = [j.tokens[t.num_tokens:] if step == 0 else drafts[id(j)][-1:] for j, t, _ in live]
+            # first catch the draft cache up with the sequence, in chunks like the scheduler's
+            # prefill (a windowed table only has pages for one chunk past the window); then
+            # feed one draft at a time
+            feeds = []
+            for job, t, _ in live:
+                pos = t.num_tokens
+                if pos < len(job.tokens):
+                    feeds.append(job.tokens[pos:(pos // max_chunk + 1) * max_chunk])
+                else:
+                    feeds.append(drafts[id(job)][-1:])
             lens = [len(f) for f in feeds]
             rows = torch.tensor(list(_cumsum(lens)), dtype=torch.int64) - 1
-            ctx = self.draft_cache.context([t for _, t, _ in live], lens, rows)
+            try:
+                ctx = self.draft_cache.context([t for _, t, _ in live], lens, rows)
+            except CacheFullError:   # past the pages promised (should not happen): these jobs decode plainly
+                for job, _, _ in live:
+                    self._drop(job)
+                    drafts[id(job)], qs[id(job)] = [], []
+                break
             dev = self.draft_model.device
             logits = self.draft_model.forward(torch.tensor([x for f in feeds for x in f], dtype=torch.int64,
                                                            device=dev), ctx)   # (S, V)
             self.stats.draft_forward_passes += 1
             for (job, t, _), n_fed in zip(live, lens):
-                t.num_tokens += n_fed      # draft pages are private: no index, no window here
-            hist = [job.tokens + drafts[id(job)] for job, _, _ in live]
+                t.num_tokens += n_fed      # draft pages are private: no prefix index
+                # slide only over the sequence's own tokens: a rollback returns to them, never
+                # before, so no query after it looks below what was released
+                if window and t.num_tokens <= len(job.tokens):
+                    t.release_window(self.draft_cache.pool, window, keep_reservation=True)
+            ready = [r for r, (job, t, _) in enumerate(live) if t.num_tokens >= len(job.tokens)]
+            if not ready:              # all still catching up: nothing to draw yet
+                continue
+            rl = [live[r] for r in ready]
+            hist = [job.tokens + drafts[id(job)] for job, _, _ in rl]
             try:
-                q = processed_probs_batch(logits.float(), [j.sampler for j, _, _ in live], hist,
-                                          [j.prompt_len for j, _, _ in live], dtype=torch.float64)
+                q = processed_probs_batch(logits[ready].float(), [j.sampler for j, _, _ in rl], hist,
+                                          [j.prompt_len for j, _, _ in rl], dtype=torch.float64)
             except Exception:   # noqa: BLE001 - e.g. every token banned: these jobs just decode plainly
                 for job, _, _ in live:
                     drafts[id(job)], qs[id(job)] = [], []
                 break
+            qrow = {r: i for i, r in enumerate(ready)}
             keep = []
             for r, (job, t, n) in enumerate(live):
-                d = draw_from(q[r], self._rngs.get(id(job)))
-                drafts[id(job)].append(d)
-                qs[id(job)].append(q[r])
+                if r in qrow:
+                    d = draw_from(q[qrow[r]], self._rngs.get(id(job)))
+                    drafts[id(job)].append(d)
+                    qs[id(job)].append(q[qrow[r]])
                 if len(drafts[id(job)]) < n:
                     keep.append((job, t, n))
             live = keep
-            step += 1
         for key, ds in drafts.items():
             if ds:
                 out[key] = (ds, torch.stack(qs[key]))
@@ -251,7 +285,9 @@ def speculative_step(gen, plan) -> list:
     from ..model.lora import lora_rows
     spec: SpeculativeDecoder = gen.spec
     decoding = [i.job for i in plan.items if i.job.fed >= i.job.prompt_len and i.job.token_filter is None]
-    proposals = spec.propose(decoding, gen.scheduler.max_chunk_size) if decoding else {}
+    # a windowed main cache promises each job pages for one chunk past the window: drafts stay within it
+    cap = gen.scheduler.max_chunk_size if gen.cache.window else None
+    proposals = spec.propose(decoding, gen.scheduler.max_chunk_size, cap) if decoding else {}
 
     ids, lens, rows = [], [], []
     work = []          # (item, drafts, q, first logits row of the item)
