@@ -179,3 +179,11 @@ def test_reader_errors_give_the_full_path_outside_load_model_too(tiny_llama_dir,
     with pytest.raises(FormatError) as e:
         WeightReader(folder)
     assert str(e.value).startswith(f"{f}: ")
+
+
+def test_cache_sized_from_little_free_memory_warns(tiny, monkeypatch):
+    from exl_core.cache import sizing
+    monkeypatch.setattr(sizing, "known_free_memory", lambda device: 1 << 20)
+    with pytest.warns(RuntimeWarning, match=r"holds only \d+ tokens"):
+        cache = exl.Cache(tiny)
+    assert cache.max_tokens >= 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -55,4 +56,9 @@ def num_pages_for(per_token: int, page_size: int, device: torch.device, max_toke
     budget = max(0, int(free_memory(device) * frac) - ACTIVATION_RESERVE)
     by_memory = budget // (per_token * page_size)
     cap = -(-(DEFAULT_CAP_SEQS * max(max_seq_len, 8192)) // page_size)
-    return max(1, min(by_memory, cap))
+    pages = max(1, min(by_memory, cap))
+    if pages * page_size < min(max_seq_len, 2048):     # a cache this small fails or shortens most jobs: say why
+        warnings.warn(f"Cache sized from free memory holds only {pages * page_size} tokens ({free_memory(device)} "
+                      f"bytes free on {device}, {per_token} bytes a token, {ACTIVATION_RESERVE} kept for "
+                      "activations); pass Cache(max_tokens=...) to choose its size", RuntimeWarning, stacklevel=3)
+    return pages
