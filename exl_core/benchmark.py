@@ -3,7 +3,8 @@
 One measurement per batch size: `batch` jobs of `prompt_tokens` random token ids each (seeded; random ids, so
 no prompt shares a prefix with another and the prefix index saves nothing), greedy, `new_tokens` new tokens each
 with EOS ignored.  Prompt tokens/s is every prompt's tokens over the time until every job has its first token;
-decode tokens/s is the tokens after those first ones over the rest of the run.  The project's benchmarks against
+decode tokens/s is the tokens made after that moment over the rest of the run (tokens an early job decoded while a
+later one still prefilled count toward neither).  The project's benchmarks against
 peers (HF transformers, llama.cpp, ExLlamaV2) are the scripts under bench/; this is the quick check a user runs.
 """
 from __future__ import annotations
@@ -39,14 +40,18 @@ def _peak_mem_gb(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
+def check_sizes(batch: int, prompt_tokens: int, new_tokens: int) -> None:
+    if batch < 1 or prompt_tokens < 1 or new_tokens < 2:
+        raise InputError(f"bench: batch {batch}, prompt tokens {prompt_tokens} and new tokens {new_tokens} must be "
+                         ">= 1, >= 1 and >= 2 (decode speed needs a token after the first)")
+
+
 def measure(model, tokenizer, batch: int, prompt_tokens: int, new_tokens: int, seed: int = 0) -> BenchRow:
     """One BenchRow: `batch` random prompts of `prompt_tokens` ids, `new_tokens` greedy tokens each."""
     from .cache import Cache
     from .generation import Generator, Job
     from .generation.sampling import SamplerSettings
-    if batch < 1 or prompt_tokens < 1 or new_tokens < 2:
-        raise InputError(f"bench: batch {batch}, prompt tokens {prompt_tokens} and new tokens {new_tokens} must be "
-                         ">= 1, >= 1 and >= 2 (decode speed needs a token after the first)")
+    check_sizes(batch, prompt_tokens, new_tokens)
     vocab = model.config.vocab_size
     gen_ids = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=gen_ids).tolist() for _ in range(batch)]
@@ -59,15 +64,16 @@ def measure(model, tokenizer, batch: int, prompt_tokens: int, new_tokens: int, s
         torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
     gen.enqueue(jobs)
-    first_all = None
+    first_all, n0 = None, 0
     while gen.has_work():
         gen.iterate()
         if first_all is None and all(j.generated for j in jobs):
             first_all = time.perf_counter()
+            n0 = sum(len(j.generated) for j in jobs)     # early jobs may decode while later ones still prefill
     t1 = time.perf_counter()
     generated = sum(len(j.generated) for j in jobs)
     first_all = first_all or t1
-    decode = (generated - batch) / (t1 - first_all) if t1 > first_all else 0.0
+    decode = (generated - n0) / (t1 - first_all) if t1 > first_all else 0.0
     return BenchRow(batch, prompt_tokens, new_tokens, generated, batch * prompt_tokens / (first_all - t0), decode,
                     _peak_mem_gb(model.device))
 

@@ -170,7 +170,12 @@ def cmd_chat(args) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        messages, ids, dropped = fit_history(tok, messages, budget)
+        try:
+            messages, ids, dropped = fit_history(tok, messages, budget)
+        except ExlError as e:           # this message alone is too long: say so, keep the session and its history
+            messages.pop()
+            print(f"exl chat: {e}", file=sys.stderr)
+            continue
         if dropped:
             print(f"exl chat: dropped the oldest {dropped} turn{'s' * (dropped > 1)} to fit --max-tokens "
                   f"{args.max_tokens}", file=sys.stderr)
@@ -190,13 +195,15 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(args) -> int:
     import json
-    from .benchmark import format_table, machine_info, measure
+    from .benchmark import check_sizes, format_table, machine_info, measure
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         raise ExlError(f"--batch {args.batch!r}: a comma-separated list of batch sizes, e.g. 1,8") from None
+    for b in batches:                       # refused before the model loads
+        check_sizes(b, args.prompt_tokens, args.new_tokens)
     model, tok = _load(args)
-    rows = [measure(model, tok, b, args.prompt_tokens, args.new_tokens, seed=args.seed or 0) for b in batches]
+    rows = [measure(model, tok, b, args.prompt_tokens, args.new_tokens, seed=args.seed) for b in batches]
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"benchmark": "exl bench", "model": str(_model_path(args.model)),

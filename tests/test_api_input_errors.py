@@ -48,7 +48,7 @@ def test_job_refuses_none_and_text_as_input_ids():
         exl.Job("hello")
 
 
-@pytest.mark.parametrize("seed", ["abc", "5", 1.5, True])
+@pytest.mark.parametrize("seed", ["abc", "5", 1.5, True, 2**70, -2**64])
 def test_job_seed_must_be_an_int(seed):
     with pytest.raises(InputError, match=f"seed={seed!r}"):
         exl.Job([1, 2], seed=seed)

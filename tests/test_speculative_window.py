@@ -83,7 +83,9 @@ def test_qa_repro_small_draft_cache_slides(models, plain, draft_tokens):
                     draft_model=draft, draft_cache=dc)
     assert _run(gen, PROMPTS[:1], 200) == plain[1]
     st = gen.spec.stats
-    assert st.steps > 0 and st.accepted == st.drafted      # it drafted all along: nothing turned it off
+    # it drafted all along (nothing turned it off); the model is its own draft, so nearly every draft is accepted --
+    # not all: a near tie may round apart between the draft's one-row and the verify pass' many-row forwards
+    assert st.steps > 0 and st.accepted >= 0.9 * st.drafted
     _balanced(dc)
     _balanced(gen.cache)
 

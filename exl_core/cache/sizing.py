@@ -53,12 +53,13 @@ def num_pages_for(per_token: int, page_size: int, device: torch.device, max_toke
     if max_tokens is not None:
         return max(1, -(-int(max_tokens) // page_size))
     frac = GPU_FRACTION if device.type == "cuda" else CPU_FRACTION
-    budget = max(0, int(free_memory(device) * frac) - ACTIVATION_RESERVE)
+    free = free_memory(device)
+    budget = max(0, int(free * frac) - ACTIVATION_RESERVE)
     by_memory = budget // (per_token * page_size)
     cap = -(-(DEFAULT_CAP_SEQS * max(max_seq_len, 8192)) // page_size)
     pages = max(1, min(by_memory, cap))
     if pages * page_size < min(max_seq_len, 2048):     # a cache this small fails or shortens most jobs: say why
-        warnings.warn(f"Cache sized from free memory holds only {pages * page_size} tokens ({free_memory(device)} "
+        warnings.warn(f"Cache sized from free memory holds only {pages * page_size} tokens ({free} "
                       f"bytes free on {device}, {per_token} bytes a token, {ACTIVATION_RESERVE} kept for "
                       "activations); pass Cache(max_tokens=...) to choose its size", RuntimeWarning, stacklevel=3)
     return pages

@@ -7,7 +7,12 @@ import json
 import sys
 from typing import Optional
 
-from ..errors import ExlError
+from ..errors import ExlError, InputError
+
+
+def _positive(text: str) -> int:
+    from ..cli import positive_int
+    return positive_int(text)
 
 
 def _windows_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                        '({"context": ..., "choices": [...], "answer": index} a line)')
     p.add_argument("-m", "--model", required=True, help="model folder")
     p.add_argument("-t", "--task", required=True, help="JSONL task file")
-    p.add_argument("--limit", type=int, help="score at most this many examples")
+    p.add_argument("--limit", type=_positive, help="score at most this many examples")
     _common_args(p)
     return ap
 
@@ -54,7 +59,7 @@ def _warn_ctx(a) -> None:
         try:
             n = load_config(m).max_position_embeddings
         except ExlError:
-            return                                  # the load itself reports the folder's problem
+            continue                                # the load itself reports the folder's problem
         if n and a.ctx > n:
             print(f"exl eval: warning: --ctx {a.ctx} is longer than {m}'s max_position_embeddings {n}",
                   file=sys.stderr)
@@ -76,6 +81,8 @@ def eval_main(argv: Optional[list[str]] = None) -> int:
         _warn_ctx(a)
         if a.what == "compare":
             from .compare import compare_folders, format_table
+            if len(a.model) < 2:                    # before any model loads
+                raise InputError("compare needs a reference and at least one variant: pass -m twice or more")
             rows = compare_folders(a.model, a.data, a.ctx, a.stride, a.windows, a.device, progress=not a.json)
             print(json.dumps([r.as_dict() for r in rows]) if a.json else format_table(rows))
             return 0

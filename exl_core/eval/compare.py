@@ -23,6 +23,9 @@ from ..errors import InputError
 from .perplexity import read_text_file, window_spans
 
 
+_KL_ROWS = 128      # rows of a window's log-probabilities taken to float64 at once for the KL
+
+
 @dataclass
 class VariantResult:
     model: str
@@ -65,12 +68,14 @@ def compare_models(models: Sequence, ids: Sequence[int], ctx: int = 2048, stride
         window, tgt = ids_t[b:e], ids_t[first:e]
         ref_lp = None
         for i, m in enumerate(models):
-            logits = m.forward_batch(window[None].to(m.device))[0].float().cpu()
-            lp = torch.log_softmax(logits[first - 1 - b:e - 1 - b].double(), -1)      # rows predicting the targets
-            nll[i] -= lp.gather(-1, tgt[:, None])[:, 0].sum().item()
+            logits = m.forward_batch(window[None].to(m.device))[0]
+            lp = torch.log_softmax(logits[first - 1 - b:e - 1 - b].float(), -1).cpu()   # rows predicting the targets
+            nll[i] -= lp.gather(-1, tgt[:, None])[:, 0].double().sum().item()
             if ref_lp is None:
                 ref_lp = lp
-            kl[i] += (ref_lp.exp() * (ref_lp - lp)).sum().item()
+            for r in range(0, len(tgt), _KL_ROWS):      # float64 a slice of rows at a time: T x vocab stays small
+                a, v = ref_lp[r:r + _KL_ROWS].double(), lp[r:r + _KL_ROWS].double()
+                kl[i] += torch.nn.functional.kl_div(v, a, log_target=True, reduction="sum").item()
             agree[i] += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
         count += len(tgt)
     return [VariantResult(names[i], 0.0, math.exp(nll[i] / count), kl[i] / count, agree[i] / count, count)

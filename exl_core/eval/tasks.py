@@ -44,6 +44,8 @@ class TaskResult:
 def read_task(path, limit: Optional[int] = None) -> list[Example]:
     """The examples of a JSONL task file, checked line by line (the error names the file and the line)."""
     p = Path(path)
+    if limit is not None and limit < 1:
+        raise InputError(f"task limit {limit} must be >= 1")
     if not p.is_file():
         raise InputError(f"task file {p} not found")
     out = []

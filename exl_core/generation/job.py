@@ -93,8 +93,11 @@ class Job:
                 if isinstance(seed, bool):
                     raise TypeError
                 seed = operator.index(seed)
+                if not -2**63 <= seed < 2**64:      # torch.Generator.manual_seed's range
+                    raise TypeError
             except TypeError:
-                raise InputError(f"Job: seed={seed!r} must be an int (or None for a random seed)") from None
+                raise InputError(f"Job: seed={seed!r} must be an int in [-2**63, 2**64) (or None for a random "
+                                 "seed)") from None
         self.input_ids = ids
         self.max_new_tokens = max_new_tokens
         self.sampler = sampler if sampler is not None else SamplerSettings()

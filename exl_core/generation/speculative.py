@@ -250,7 +250,8 @@ class SpeculativeDecoder:
                 q = processed_probs_batch(logits[ready].float(), [j.sampler for j, _, _ in rl], hist,
                                           [j.prompt_len for j, _, _ in rl], dtype=torch.float64)
             except Exception:   # noqa: BLE001 - e.g. every token banned: these jobs just decode plainly
-                for job, _, _ in live:
+                for job, t, _ in live:
+                    t.num_tokens = min(t.num_tokens, len(job.tokens))   # no drafts' K/V kept past the sequence
                     drafts[id(job)], qs[id(job)] = [], []
                 break
             qrow = {r: i for i, r in enumerate(ready)}

@@ -67,8 +67,9 @@ class JobState:
             old_inputs = old.pop("inputs", None)        # absent in jobs started before it was recorded
             if old != self.settings:
                 diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
-                raise StaleJobError(f"{self.out}: holds an unfinished conversion with other settings ({', '.join(diff)}); "
-                                 "rerun with the same arguments to resume, or choose an empty output folder")
+                raise StaleJobError(f"{self.out}: holds an unfinished conversion with other settings "
+                                    f"({', '.join(diff)}); rerun with the same arguments to resume, or choose an "
+                                    "empty output folder")
             if old_inputs is not None and self.inputs is not None:
                 changed = input_changes(old_inputs, self.inputs, self.settings)
                 if changed:

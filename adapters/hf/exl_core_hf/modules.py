@@ -85,8 +85,7 @@ def as_torch_dtype(dtype, default: torch.dtype = torch.float32) -> torch.dtype:
     that is a string once the config was serialised (e.g. by `save_pretrained`)."""
     if dtype is None:
         return default
-    if isinstance(dtype, torch.dtype):
-        return dtype
+    given = dtype
     if isinstance(dtype, str):
         name = dtype.strip()
         if name.startswith("torch."):
@@ -94,10 +93,10 @@ def as_torch_dtype(dtype, default: torch.dtype = torch.float32) -> torch.dtype:
         if name == "auto":
             return default
         name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}.get(name, name)
-        found = getattr(torch, name, None)
-        if isinstance(found, torch.dtype):
-            return found
-    raise TypeError(f"not a torch dtype: {dtype!r} (give a torch.dtype or its name, e.g. 'float16')")
+        dtype = getattr(torch, name, None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise TypeError(f"not a floating-point torch dtype: {given!r} (give a torch.dtype or its name, e.g. 'float16')")
 
 
 def to_dense_linear(m: HFQuantLinear, dtype) -> nn.Linear:

@@ -226,7 +226,7 @@ def test_as_torch_dtype():
     assert as_torch_dtype("bf16") is torch.bfloat16
     assert as_torch_dtype(None, default=torch.float16) is torch.float16
     assert as_torch_dtype("auto", default=torch.float16) is torch.float16
-    for bad in ("cpu", "nn", "float33", 3):
+    for bad in ("cpu", "nn", "float33", 3, "int8", torch.bool):
         with pytest.raises(TypeError):
             as_torch_dtype(bad)
 
