@@ -14,6 +14,7 @@ from exl_core.errors import CacheFullError
 from exl_core.generation import Generator, Job
 from exl_core.generation.sampling import SamplerSettings
 from exl_core.testing import make_tiny_model
+from test_speculative import _balanced, _run as run_jobs
 
 GREEDY = SamplerSettings(temperature=0.0)
 WINDOW = 16
@@ -52,19 +53,7 @@ PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n
 
 
 def _run(gen, prompts, n, check=None):
-    jobs = [Job(p, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False) for p in prompts]
-    gen.enqueue(jobs)
-    while gen.has_work():
-        gen.iterate()
-        if check is not None:
-            check(gen)
-    return [j.generated for j in jobs]
-
-
-def _balanced(cache):
-    cache.pool.check()
-    assert cache.pool.reserved == 0
-    assert cache.pool.num_free + cache.pool.num_cached_unreferenced == cache.pool.num_pages
+    return run_jobs(gen, [Job(p, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False) for p in prompts], check)
 
 
 @pytest.fixture(scope="module")
