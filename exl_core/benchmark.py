@@ -28,6 +28,8 @@ class BenchRow:
     prompt_tok_s: float
     decode_tok_s: float
     peak_mem_gb: float             # CUDA: the device's peak allocation; CPU: the process's peak resident set
+    forward_passes: int            # the timed run's (new_tokens when every job prefills in the first and decodes
+                                   # together after it)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,8 +48,10 @@ def check_sizes(batch: int, prompt_tokens: int, new_tokens: int) -> None:
                          ">= 1, >= 1 and >= 2 (decode speed needs a token after the first)")
 
 
-def measure(model, tokenizer, batch: int, prompt_tokens: int, new_tokens: int, seed: int = 0) -> BenchRow:
-    """One BenchRow: `batch` random prompts of `prompt_tokens` ids, `new_tokens` greedy tokens each."""
+def measure(model, tokenizer, batch: int, prompt_tokens: int, new_tokens: int, seed: int = 0,
+            warmup: bool = True) -> BenchRow:
+    """One BenchRow: `batch` random prompts of `prompt_tokens` ids, `new_tokens` greedy tokens each (after one
+    short untimed job with `warmup`)."""
     from .cache import Cache
     from .generation import Generator, Job
     from .generation.sampling import SamplerSettings
@@ -55,13 +59,22 @@ def measure(model, tokenizer, batch: int, prompt_tokens: int, new_tokens: int, s
     vocab = model.config.vocab_size
     gen_ids = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=gen_ids).tolist() for _ in range(batch)]
-    cache = Cache(model, max_tokens=batch * (prompt_tokens + new_tokens) + 256)
+    page = 256
+    # whole pages a job: a cache of batch * (prompt + new) tokens holds fewer jobs at once when a job's tokens do not
+    # fill its last page, and the rest would wait (measured: 3 of 4 jobs of 64 + 16 tokens in 576 tokens)
+    cache = Cache(model, max_tokens=batch * page * -(-(prompt_tokens + new_tokens) // page), page_size=page)
     gen = Generator(model, cache, tokenizer)
     greedy = SamplerSettings(temperature=0.0)
+    if warmup:              # the first forward pays one-time costs (weights packed for the fused kernels, allocations)
+        warm = Job(prompts[0][:8], max_new_tokens=2, sampler=greedy, stop_on_eos=False)
+        gen.enqueue(warm)
+        while gen.has_work():
+            gen.iterate()
     jobs = [Job(p, max_new_tokens=new_tokens, sampler=greedy, stop_on_eos=False) for p in prompts]
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
         torch.cuda.reset_peak_memory_stats(model.device)
+    passes0 = gen.stats.forward_passes
     t0 = time.perf_counter()
     gen.enqueue(jobs)
     first_all, n0 = None, 0
@@ -75,7 +88,7 @@ def measure(model, tokenizer, batch: int, prompt_tokens: int, new_tokens: int, s
     first_all = first_all or t1
     decode = (generated - n0) / (t1 - first_all) if t1 > first_all else 0.0
     return BenchRow(batch, prompt_tokens, new_tokens, generated, batch * prompt_tokens / (first_all - t0), decode,
-                    _peak_mem_gb(model.device))
+                    _peak_mem_gb(model.device), gen.stats.forward_passes - passes0)
 
 
 def machine_info(device: torch.device) -> dict:

@@ -73,8 +73,8 @@ def test_bench_runs_every_batch_and_counts_its_tokens(tiny_llama_dir, tmp_path):
     assert "decode tok/s" in r.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 3]
-    for row in rows:     # EOS ignored: every job makes all its tokens
-        assert row["generated"] == row["batch"] * 5
+    for row in rows:     # EOS ignored: every job makes all its tokens, all jobs at once (one prefill step, then 4)
+        assert row["generated"] == row["batch"] * 5 and row["forward_passes"] == 5
         assert row["prompt_tok_s"] > 0 and row["decode_tok_s"] > 0
 
 
