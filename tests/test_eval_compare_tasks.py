@@ -120,7 +120,7 @@ def test_eval_cli_compare_and_task(tiny_llama_dir, exl2_act_order_dir, tmp_path,
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
     assert eval_main(["task", "-m", str(tiny_llama_dir), "-t", str(bad)]) == 2
-    assert f"{bad}:1: not JSON" in capsys.readouterr().err
+    assert f"{bad}:1: not valid JSON" in capsys.readouterr().err
 
 
 def test_compare_of_one_model_is_refused_before_loading(tmp_path, capsys):

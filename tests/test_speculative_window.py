@@ -14,23 +14,10 @@ from exl_core.errors import CacheFullError
 from exl_core.generation import Generator, Job
 from exl_core.generation.sampling import SamplerSettings
 from exl_core.testing import make_tiny_model
-from test_speculative import _balanced, _run as run_jobs
+from test_speculative import _balanced, _load, _one_thread, _run as run_jobs  # noqa: F401 (_one_thread: autouse)
 
 GREEDY = SamplerSettings(temperature=0.0)
 WINDOW = 16
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)      # tiny models: OpenMP spin-waits only cost on a shared box
-    yield
-    torch.set_num_threads(n)
-
-
-def _load(folder):
-    from exl_core.loader import load_model
-    return load_model(folder, dtype=torch.float32, load_tokenizer=False)[0]
 
 
 @pytest.fixture(scope="module")

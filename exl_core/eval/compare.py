@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import InputError
-from .perplexity import read_text_file, window_spans
+from ..textfiles import read_utf8
+from .perplexity import window_spans
 
 
 _KL_ROWS = 128      # rows of a window's log-probabilities taken to float64 at once for the KL
@@ -87,7 +88,7 @@ def compare_folders(folders: Sequence, text_file, ctx: int = 2048, stride: Optio
                     progress: bool = False) -> list[VariantResult]:
     """compare_models on model folders (the first the reference), the text tokenized by the first one's tokenizer."""
     from ..loader import load_model
-    text = read_text_file(text_file)
+    text = read_utf8(text_file)
     models, tok = [], None
     for f in folders:
         m, t = load_model(f, device=device, load_tokenizer=tok is None)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..errors import InputError
+from ..textfiles import read_utf8
 
 
 @dataclass
@@ -94,21 +94,10 @@ def perplexity(model, ids: Sequence[int], ctx: int = 2048, stride: Optional[int]
     return perplexity_from_logits_fn(logits_fn, ids, ctx, stride, max_windows, progress)
 
 
-def read_text_file(text_file) -> str:
-    """A UTF-8 text file's contents; a missing or non-UTF-8 file is an InputError naming it."""
-    path = Path(text_file)
-    if not path.is_file():
-        raise InputError(f"text file {path} not found")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"text file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-
-
 def perplexity_of_folder(model_dir, text_file, ctx: int = 2048, stride: Optional[int] = None,
                          max_windows: Optional[int] = None, device: str = "cpu", progress: bool = False) -> PplResult:
     from ..loader import load_model
-    text = read_text_file(text_file)
+    text = read_utf8(text_file)
     model, tok = load_model(model_dir, device=device)
     ids = tok.encode(text, add_bos=False, special=False)
     return perplexity(model, ids, ctx, stride, max_windows, progress)

@@ -13,7 +13,6 @@ a choice is usually written with its leading space (" Paris"). No data ships wit
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -21,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import InputError
+from ..textfiles import jsonl_objects
 
 
 @dataclass(frozen=True)
@@ -46,20 +46,8 @@ def read_task(path, limit: Optional[int] = None) -> list[Example]:
     p = Path(path)
     if limit is not None and limit < 1:
         raise InputError(f"task limit {limit} must be >= 1")
-    if not p.is_file():
-        raise InputError(f"task file {p} not found")
     out = []
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise InputError(f"task file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{p}:{n}: not JSON ({e.msg})") from e
+    for n, d in jsonl_objects(p, "task file"):
         ctx, choices, ans = (d.get(k) if isinstance(d, dict) else None for k in ("context", "choices", "answer"))
         if not isinstance(ctx, str) or not isinstance(choices, list) or len(choices) < 2 or \
                 not all(isinstance(c, str) and c for c in choices):

