@@ -35,3 +35,11 @@ class KernelError(ExlError):
 
 class LoraError(ExlError):
     """A LoRA adapter does not fit the model or is stored unsafely."""
+
+
+def is_int(v) -> bool:
+    """An integer argument as the checks behind these errors take it: int or numpy's integers, not bool."""
+    if type(v) is int:
+        return True
+    import numbers
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)

@@ -8,7 +8,6 @@ weight uninitialised.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Optional
 import torch
 
 from .config import ModelConfig, load_config
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, is_int
 from .formats.base import detect_format
 from .formats.safetensors_io import WeightReader
 from .formats.uniform4 import as_uniform4, pad_rows
@@ -343,8 +342,7 @@ def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memo
     it raises instead of swapping.
     """
     # arguments first: a bad one should not cost reading the weights
-    if max_memory is not None and (not isinstance(max_memory, numbers.Integral) or isinstance(max_memory, bool)
-                                   or max_memory <= 0):
+    if max_memory is not None and (not is_int(max_memory) or max_memory <= 0):
         raise ConfigError(f"load_model: max_memory={max_memory!r} must be a number of bytes (an int > 0, "
                           "e.g. 10 * 2**30 for 10 GiB) or None")
     _as_device(device)

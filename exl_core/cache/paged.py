@@ -11,13 +11,12 @@ kernels take.
 """
 from __future__ import annotations
 
-import numbers
 import os
 from typing import Optional, Sequence
 
 import torch
 
-from ..errors import CacheFullError, InputError
+from ..errors import CacheFullError, InputError, is_int
 from ..ops.attention import (PAGED_MAX_Q_ROWS, OutOrder, paged_attention, paged_attention_choice, rope_paged_attention,
                              rope_paged_attention_ordered, rope_write_kv, write_kv)
 from ..ops.attention_gathered import sequence_causal_attention
@@ -26,10 +25,6 @@ from ..ops.rope import apply_rope
 from .pages import PagePool, PageTable
 from .prefix import PrefixIndex, page_keys
 from .sizing import bytes_per_token, known_free_memory, num_pages_for
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)   # numpy ints too
 
 
 def _gib(n: int) -> str:
@@ -42,9 +37,9 @@ class Cache:
     def __init__(self, model, max_tokens: Optional[int] = None, page_size: int = 256,
                  dtype: Optional[torch.dtype] = None):
         cfg = model.config
-        if not _is_int(page_size) or page_size < 1:
+        if not is_int(page_size) or page_size < 1:
             raise InputError(f"Cache: page_size={page_size!r} must be an int >= 1")
-        if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
             raise InputError(f"Cache: max_tokens={max_tokens!r} must be an int >= 1 (or None to size from free "
                              "memory)")
         self.model = model

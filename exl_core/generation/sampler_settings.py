@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..errors import SamplerError
+from ..errors import SamplerError, is_int
 
 History = Union[torch.Tensor, Sequence[int], None]
 
@@ -19,12 +19,6 @@ def _is_real(v) -> bool:          # numbers.* so numpy scalars pass too; bools a
     if t is float or t is int:    # the usual case, without the ABC machinery (validate runs every step)
         return True
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _is_int(v) -> bool:
-    if type(v) is int:
-        return True
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 # (field, valid, rule) of SamplerSettings' float fields, checked by `validate`
@@ -102,16 +96,16 @@ class SamplerSettings:
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or not ok(v):
                 bad(name, v, rule)
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", self.top_k, "must be an int >= 0 (0 = off)")
-        if not _is_int(self.penalty_range) or self.penalty_range < -1:
+        if not is_int(self.penalty_range) or self.penalty_range < -1:
             bad("penalty_range", self.penalty_range, "must be an int >= -1 (-1 = whole history, 0 = none)")
         for name in ("penalize_prompt", "temperature_last"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, getattr(self, name), "must be True or False")
 
         def check_id(name, t):
-            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 rng = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
                 bad(name, t, f"token ids must be ints {rng}")
 

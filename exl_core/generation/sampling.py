@@ -33,7 +33,8 @@ import torch
 
 from ..errors import InputError, SamplerError
 from .logprobs import check_row_max, chosen_logprobs, lse_rows, native_lse
-from .sampler_settings import History, SamplerSettings, _is_int
+from ..errors import is_int
+from .sampler_settings import History, SamplerSettings
 
 
 # ----------------------------------------------------------------------------------------
@@ -458,7 +459,7 @@ def sample(logits: torch.Tensor, settings: SamplerSettings, history: History = N
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens under the model: logits [..., V] -> (logprobs float32 [..., k],
     ids int64 [..., k]), most likely first, lowest id first among ties."""
-    if not _is_int(k) or k < 0:
+    if not is_int(k) or k < 0:
         raise InputError(f"top_logprobs: k={k!r} must be an int >= 0")
     if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or not logits.is_floating_point():
         raise InputError("top_logprobs: logits must be a floating tensor [..., V]")
