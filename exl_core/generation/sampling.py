@@ -31,9 +31,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..errors import InputError, SamplerError
+from ..errors import InputError, SamplerError, is_int
 from .logprobs import check_row_max, chosen_logprobs, lse_rows, native_lse
-from ..errors import is_int
 from .sampler_settings import History, SamplerSettings
 
 
