@@ -18,8 +18,10 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("extra", [0, 256], ids=["perm", "perm+256"])
 @pytest.mark.parametrize("rows", [13, 32])      # 32: the lean instance (ops/cuda_norm_perm.py _lean)
-def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows):
+@pytest.mark.parametrize("packed", ["0", "1"])   # EXL_CORE_NORM_PERM_PACKED: "1" the packed instance for lean's
+def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows, packed, monkeypatch):
     _need_kernels()
+    monkeypatch.setenv("EXL_CORE_NORM_PERM_PACKED", packed)
     from exl_core.ops.norm import rms_norm
     from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted
     g = torch.Generator().manual_seed(H)
@@ -42,11 +44,13 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("lean", [False, True])
-def test_rms_norm_perm_every_instance(dtype, late, lean):
+@pytest.mark.parametrize("lean,packed", [(False, False), (True, False), (True, True)],
+                         ids=["regular", "lean", "packed"])
+def test_rms_norm_perm_every_instance(dtype, late, lean, packed, monkeypatch):
     """The kernel's launch options (the policy in ops/cuda_norm_perm.py picks them, lean where its shared memory
-    fits): the same bits either way."""
+    fits; EXL_CORE_NORM_PERM_PACKED=1 the packed instance where lean would run): the same bits either way."""
     _need_kernels()
+    monkeypatch.setenv("EXL_CORE_NORM_PERM_PACKED", "1" if packed else "0")
     from exl_core.ops.norm import rms_norm
     g = torch.Generator().manual_seed(7)
     # (16-bit: H 8192 with P 8192 does not fit the lean instance's shared memory: the host takes the regular one)

@@ -4,6 +4,10 @@
 // Rounding follows the torch references (HF semantics): values are rounded to x's dtype at the
 // same points, math in fp32.
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -76,7 +80,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // LEAN (PERM only): perm's entries go to shared memory by cp.async before the PDL wait (after the row's values, P
 // int32) and into registers only once x's and the weight's vectors are dead: 48 registers a thread against 88 (see
 // ops/cuda_norm_perm.py).
-template <typename T, int NV, bool PERM = false, bool LEAN = false>
+// PACK (PERM only, H <= 65,536; EXL_CORE_NORM_PERM_PACKED=1, an A/B): perm's entries read before the PDL wait and
+// kept in registers as 16-bit pairs, so that shared memory holds the row alone (H values of T, not LEAN's H values
+// and P int32) with the registers of LEAN plus NV * V / 2.
+template <typename T, int NV, bool PERM = false, bool LEAN = false, bool PACK = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
@@ -85,7 +92,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   static_assert(!LEAN || PERM, "lean: the permuted norm");
-  int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
+  static_assert(!PACK || (PERM && !LEAN), "packed: the permuted norm, not lean");
+  int4 pv[PERM && !PACK ? NV : 1][V / 4];                     // perm's entries for this thread's output vectors
+  uint32_t pk[PACK ? NV : 1][V / 2];                          // PACK: the same as 16-bit pairs
   extern __shared__ __align__(16) unsigned char norm_smem[];
   T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
   int4* ps = reinterpret_cast<int4*>(norm_smem + ((H * sizeof(T) + 15) & ~size_t(15)));   // LEAN: perm's entries
@@ -106,7 +115,22 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       }
     }
   };
-  if constexpr (PERM) load_perm(LEAN);
+  if constexpr (PACK) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q) {
+        const int4 a = vi < pvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
+        pk[i][2 * q] = (static_cast<uint32_t>(a.x) & 0xffffu) | (static_cast<uint32_t>(a.y) << 16);
+        pk[i][2 * q + 1] = (static_cast<uint32_t>(a.z) & 0xffffu) | (static_cast<uint32_t>(a.w) << 16);
+        // packed here, not at the gather: else the compiler keeps the four int32 live across the row's work
+        asm volatile("" : "+r"(pk[i][2 * q]), "+r"(pk[i][2 * q + 1]));
+      }
+    }
+  } else if constexpr (PERM) {
+    load_perm(LEAN);
+  }
   uint4 wv[NV];
   auto load_w = [&]() {
 #pragma unroll
@@ -166,13 +190,25 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       T* op = reinterpret_cast<T*>(&o);
       const int* pi = reinterpret_cast<const int*>(&pv[i][0]);
 #pragma unroll
-      for (int e = 0; e < V; ++e)                            // clamped: a bad perm gives wrong values, not a fault
-        op[e] = ys[min(static_cast<unsigned>(pi[e]), static_cast<unsigned>(H - 1))];
+      for (int e = 0; e < V; ++e) {                          // clamped: a bad perm gives wrong values, not a fault
+        const unsigned j = PACK ? (pk[i][e / 2] >> (16 * (e & 1))) & 0xffffu : static_cast<unsigned>(pi[e]);
+        op[e] = ys[min(j, static_cast<unsigned>(H - 1))];
+      }
       reinterpret_cast<uint4*>(y + row * P)[vi] = o;
     }
   }
 }
 constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
+
+// EXL_CORE_NORM_SMEM_PAD=n (a probe's knob, bench/norm_probe.py; read per call): n bytes of unused dynamic shared
+// memory added to a norm launch that asks for `used`, up to what a launch gets without opting in, to time what a
+// norm's shared memory costs between its neighbours.
+size_t smem_pad(size_t used) {
+  const char* v = std::getenv("EXL_CORE_NORM_SMEM_PAD");
+  const long n = v ? std::strtol(v, nullptr, 10) : 0;
+  const size_t room = 48 * 1024 - 64 > used ? 48 * 1024 - 64 - used : 0;
+  return n > 0 ? std::min(static_cast<size_t>(n), room) : 0;
+}
 
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
@@ -359,8 +395,14 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
       // kernel's own 32 bytes aside): a request that does not fit takes the regular instance, the same bits
       const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
       lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
-      const size_t smem = row_smem + (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
-      auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
+      // EXL_CORE_NORM_PERM_PACKED=1 (read per call, so one process can time both): the packed instance instead of
+      // the lean one (an A/B, off by default)
+      const char* pk_env = std::getenv("EXL_CORE_NORM_PERM_PACKED");
+      const bool packed = lean && pk_env && std::strcmp(pk_env, "1") == 0 && H <= 65536;
+      size_t smem = row_smem + (lean && !packed ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
+      smem += smem_pad(smem);
+      auto* kern = packed ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, false, true>
+                   : lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
                           : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
@@ -368,9 +410,9 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
-    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev, xp, rp, wp, H,
-                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr), H,
-                        false);
+    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem_pad(0), stream, dev, xp, rp,
+                        wp, H, static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr),
+                        H, false);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
