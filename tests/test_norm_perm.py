@@ -83,8 +83,8 @@ def record_norm_widths(monkeypatch) -> list:
     from exl_core.model import llama
     widths, real = [], llama.rms_norm_permuted
 
-    def recorded(x, weight, eps, perm, residual=None):
-        out = real(x, weight, eps, perm, residual)
+    def recorded(x, weight, eps, perm, residual=None, site="mlp"):
+        out = real(x, weight, eps, perm, residual, site)
         widths.append((out if residual is None else out[0]).shape[-1])
         return out
     monkeypatch.setattr(llama, "rms_norm_permuted", recorded)
@@ -190,6 +190,12 @@ def test_cuda_policy_asks_for_the_lean_instance_from_the_batch_decode_rows(monke
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_norm_perm as cnp
     monkeypatch.setattr(cnp, "_LEAN", None)            # the default, whatever the environment says
-    assert cnp._lean(cc.WIDE_MIN_ROWS) and cnp._lean(cc.WIDE_MAX_ROWS) and not cnp._lean(cc.WIDE_MIN_ROWS - 1)
-    monkeypatch.setattr(cnp, "_LEAN", "0")
-    assert not cnp._lean(cc.WIDE_MAX_ROWS)
+    for site in ("attn", "mlp"):
+        monkeypatch.setattr(cnp, "_ATTN", "lean")
+        assert cnp._lean(cc.WIDE_MIN_ROWS, site) and cnp._lean(cc.WIDE_MAX_ROWS, site)
+        assert not cnp._lean(cc.WIDE_MIN_ROWS - 1, site)
+        monkeypatch.setattr(cnp, "_ATTN", "regular")      # the regular instance before q/k/v only
+        assert cnp._lean(cc.WIDE_MAX_ROWS, site) == (site == "mlp")
+        monkeypatch.setattr(cnp, "_LEAN", "0")
+        assert not cnp._lean(cc.WIDE_MAX_ROWS, site)
+        monkeypatch.setattr(cnp, "_LEAN", None)

@@ -233,7 +233,7 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     if perm is None:
         out = norm(x) if residual is None else norm(x, residual)
     else:
-        out = rms_norm_permuted(x, norm.weight, norm.eps, perm, residual)
+        out = rms_norm_permuted(x, norm.weight, norm.eps, perm, residual, "attn" if mlp is None else "mlp")
         layers = [Prepermuted(m) for m in layers]          # their weights without the permutation
     xn, added = (out, None) if residual is None else out
     return (mlp.gate_up(xn, layers) if mlp is not None else linear_many(xn, layers)), added

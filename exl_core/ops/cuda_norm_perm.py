@@ -34,19 +34,27 @@ _NORM_THREADS, _NORM_VECS = 256, 4    # pointwise_cuda.cu kNormThreads, kNormVec
 _LATE_ENV = os.environ.get("EXL_CORE_NORM_PERM_LATE", "")
 _LATE_FROM = int(_LATE_ENV) if _LATE_ENV.isdigit() and int(_LATE_ENV) > 0 else None   # anything else: never late
 _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
+# The norm before q/k/v (site "attn") sits between two launches of the batch-32 stream-K kernel, whose 96-register
+# blocks leave no room beside them for either instance's; there the regular instance added 2.61 us against the lean
+# one's 4.35 (bench/norm_probe.py --between-wg, stop 64 call 3), while before gate/up (site "mlp") the lean one's
+# registers let qgemm_wide's blocks start beside it.  EXL_CORE_NORM_PERM_ATTN=regular: the regular instance at the
+# attention site from WIDE_MIN_ROWS rows too (an A/B; the default keeps lean at both sites until measured).
+_ATTN = os.environ.get("EXL_CORE_NORM_PERM_ATTN", "lean")
 
 
 def _late(rows: int) -> bool:
     return _LATE_FROM is not None and rows >= _LATE_FROM
 
 
-def _lean(rows: int) -> bool:
+def _lean(rows: int, site: str) -> bool:
     """Whether to ask for the lean instance (the kernel's host side takes the regular one where the lean one's shared
     memory, the row and perm's P int32, would not fit a launch: H 8192 in 16-bit dtypes with P 8192)."""
-    return _LEAN == "1" or (_LEAN != "0" and rows >= cc.WIDE_MIN_ROWS)
+    if _LEAN in ("0", "1"):
+        return _LEAN == "1"
+    return rows >= cc.WIDE_MIN_ROWS and not (site == "attn" and _ATTN == "regular")
 
 
-def _check(x, weight, eps, perm, residual) -> Optional[str]:
+def _check(x, weight, eps, perm, residual, site="mlp") -> Optional[str]:
     # one GPU, one dtype
     why = cuda_small_ops._same_cuda("rms_norm", x, weight, *(() if residual is None else (residual,)))
     if why is not None:
@@ -65,10 +73,10 @@ def _check(x, weight, eps, perm, residual) -> Optional[str]:
     return None
 
 
-def _run(x, weight, eps, perm, residual):
+def _run(x, weight, eps, perm, residual, site="mlp"):
     rows = x.numel() // max(1, x.shape[-1])
     out = torch.ops.exl_core.rms_norm_perm(x.contiguous(), None if residual is None else residual.contiguous(),
-                                           weight, float(eps), perm, _late(rows), _lean(rows))
+                                           weight, float(eps), perm, _late(rows), _lean(rows, site))
     return out[0] if residual is None else (out[0], out[1])
 
 

@@ -26,7 +26,7 @@ from .dispatch import Candidate, Dispatcher
 from .norm import check_norm_args, rms_norm
 
 
-def _ref_run(x, weight, eps, perm, residual):
+def _ref_run(x, weight, eps, perm, residual, site="mlp"):
     out = rms_norm(x, weight, eps, residual, weight_static=True)
     y, h = out if residual is not None else (out, None)
     y = y.index_select(-1, perm.to(y.device))
@@ -39,14 +39,18 @@ RMS_NORM_PERM = Dispatcher("rms_norm_perm", [
 
 
 def rms_norm_permuted(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor,
-                      residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                      residual: Optional[torch.Tensor] = None,
+                      site: str = "mlp") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """rms_norm(x, weight, eps, residual) with y's last dim in perm's order (perm: int32/int64 [P], P >= H, values
     in [0, H): a permutation, or one with repeats as PackedWeight.rows weights have; not checked on the GPU, where a
     check would sync -- the CUDA kernel clamps them, the reference's index_select raises).  The weight is a model's
-    (rms_norm's weight_static)."""
+    (rms_norm's weight_static).  site: "attn" before q/k/v, "mlp" before gate/up -- which launch follows, for the
+    CUDA kernel's launch policy (ops/cuda_norm_perm.py); the values do not depend on it."""
     check_norm_args("rms_norm_permuted", x, weight, residual)
     H = x.shape[-1]
     if perm.dim() != 1 or perm.shape[0] < H or perm.dtype not in (torch.int32, torch.int64):
         raise InputError(f"rms_norm_permuted: perm {perm.dtype} {tuple(perm.shape)} must be int32/int64 [P], P >= H = "
                          f"{H} (x {tuple(x.shape)})")
-    return RMS_NORM_PERM(x=x, weight=weight, eps=eps, perm=perm, residual=residual)
+    if site not in ("attn", "mlp"):
+        raise InputError(f"rms_norm_permuted: site {site!r} is not 'attn' or 'mlp'")
+    return RMS_NORM_PERM(x=x, weight=weight, eps=eps, perm=perm, residual=residual, site=site)
