@@ -41,6 +41,8 @@ def test_op_refuses_bad_arguments():
         rms_norm_permuted(x, w, 1e-5, torch.arange(8), torch.randn(3, 8))
     with pytest.raises(InputError, match="weight"):
         rms_norm_permuted(x, torch.ones(7), 1e-5, torch.arange(8))
+    with pytest.raises(InputError, match="site"):
+        rms_norm_permuted(x, w, 1e-5, torch.arange(8), site="qkv")
 
 
 def share_group_perms(model) -> int:
@@ -107,16 +109,17 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     calls = []
     real = llama.rms_norm_permuted
 
-    def counted(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def counted(x, weight, eps, perm, residual=None, site="mlp"):
+        calls.append(site)
+        return real(x, weight, eps, perm, residual, site)
     with torch.inference_mode():
         ref = model.forward_batch(ids)
         assert not calls                                   # the CPU default keeps the gathers
         monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda", "cpu"))
         monkeypatch.setattr(llama, "rms_norm_permuted", counted)
         got = model.forward_batch(ids)
-    assert len(calls) == 2 * len(model.layers)           # every q/k/v and gate/up input written permuted
+    assert calls == ["attn", "mlp"] * len(model.layers)  # every q/k/v and gate/up input written permuted, the
+    # launch policy told which of them follows (ops/cuda_norm_perm.py)
     assert float(ref.abs().max()) > 1e-2                  # logits that can show a wrong order
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
