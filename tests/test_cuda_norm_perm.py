@@ -121,8 +121,9 @@ def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_mode
         out[devices] = _step_logits(model, nxt, kvs)
     assert len(calls) == 2 * len(model.layers)          # the step's q/k/v and gate/up inputs, every layer
     from exl_core.ops.norm_perm import RMS_NORM_PERM
-    x, weight, eps, perm, residual = calls[1][0]          # a middle norm's arguments: the kernel served it
-    assert RMS_NORM_PERM.select(x=x, weight=weight, eps=eps, perm=perm, residual=residual).name == "cuda"
+    x, weight, eps, perm, residual, site = calls[1][0]    # a middle norm's arguments: the kernel served it
+    assert site == "mlp" and [c[0][5] for c in calls[:2]] == ["attn", "mlp"]
+    assert RMS_NORM_PERM.select(x=x, weight=weight, eps=eps, perm=perm, residual=residual, site=site).name == "cuda"
     assert float(out[()].abs().max()) > 1e-2
     assert torch.equal(out[("cuda",)], out[()])
 

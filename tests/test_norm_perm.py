@@ -189,9 +189,12 @@ def test_moving_the_model_keeps_shared_permutations_shared(exl2_act_order_dir):
 
 def test_cuda_policy_asks_for_the_lean_instance_from_the_batch_decode_rows(monkeypatch):
     """ops/cuda_norm_perm.py: the lean instance (perm staged in shared memory) from the rows qgemm_wide takes after
-    the norm, the regular one below (where the lean one read slower at batch 1, stop 36 call 3)."""
+    the norm, the regular one below (where the lean one read slower at batch 1, stop 36 call 3); before q/k/v the
+    regular one at every row count by default (stop 64 call 4)."""
+    import os
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_norm_perm as cnp
+    assert cnp._ATTN == os.environ.get("EXL_CORE_NORM_PERM_ATTN", "regular")
     monkeypatch.setattr(cnp, "_LEAN", None)            # the default, whatever the environment says
     for site in ("attn", "mlp"):
         monkeypatch.setattr(cnp, "_ATTN", "lean")

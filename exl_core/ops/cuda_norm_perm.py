@@ -37,9 +37,11 @@ _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
 # The norm before q/k/v (site "attn") sits between two launches of the batch-32 stream-K kernel, whose 96-register
 # blocks leave no room beside them for either instance's; there the regular instance added 2.61 us against the lean
 # one's 4.35 (bench/norm_probe.py --between-wg, stop 64 call 3), while before gate/up (site "mlp") the lean one's
-# registers let qgemm_wide's blocks start beside it.  EXL_CORE_NORM_PERM_ATTN=regular: the regular instance at the
-# attention site from WIDE_MIN_ROWS rows too (an A/B; the default keeps lean at both sites until measured).
-_ATTN = os.environ.get("EXL_CORE_NORM_PERM_ATTN", "lean")
+# registers let qgemm_wide's blocks start beside it.  So the attention site takes the regular instance at every row
+# count: EXL2 batch 32 1.0148x / 1.0164x against lean at both sites, GPTQ (no permuted norm) and batch 1 / 8 within
+# 0.9955x-1.0036x (stop 64 call 4, bench/results/gpu_h200_build_*_stop64_call4_*.json).  EXL_CORE_NORM_PERM_ATTN=lean
+# puts the lean instance back there from WIDE_MIN_ROWS rows (the A/B).
+_ATTN = os.environ.get("EXL_CORE_NORM_PERM_ATTN", "regular")
 
 
 def _late(rows: int) -> bool:
