@@ -1,5 +1,5 @@
 """The decode norms alone (GPU): exl_core::rms_norm_static (GPTQ's plain norm) against exl_core::rms_norm_perm (EXL2's
-norm writing its consumer's act-order), lean and regular instances, random and identity perm, P = H and P > H, at
+norm writing its consumer's act-order), lean, regular and P16 instances, random and identity perm, P = H and P > H, at
 1 / 8 / 32 rows of H = 4096 with a residual -- us a launch in a CUDA graph of back-to-back launches (each launch's PDL
 wait holds it until the one before has finished, so the figure is a launch's own span, not the step's).
 
@@ -73,13 +73,13 @@ def between_wg(H: int, w: torch.Tensor, perms: dict, gen: torch.Generator) -> li
         norms[f"perm lean {pname}"] = lambda p=p: ops.rms_norm_perm(x, res, w, 1e-5, p, False, True)
     big = perms[max(perms, key=lambda k: perms[k].numel())]
     # what a norm's launch shape costs there (stop 64): the plain norm with the permuted ones' shared memory as
-    # unused padding (8 KB: the row; 25 KB: the lean instance's row and int32 perm), the regular and packed instances
+    # unused padding (8 KB: the row; 25 KB: the lean instance's row and int32 perm), the regular and P16 instances
     norms["plain + 8 KB smem pad"] = (norms["plain (rms_norm_static)"], {"EXL_CORE_NORM_SMEM_PAD": str(H * 2)})
     norms["plain + 25 KB smem pad"] = (norms["plain (rms_norm_static)"],
                                        {"EXL_CORE_NORM_SMEM_PAD": str(H * 2 + big.numel() * 4)})
     norms["perm regular (P max)"] = lambda: ops.rms_norm_perm(x, res, w, 1e-5, big, False, False)
-    norms["perm packed (P max)"] = (lambda: ops.rms_norm_perm(x, res, w, 1e-5, big, False, True),
-                                    {"EXL_CORE_NORM_PERM_PACKED": "1"})
+    big16 = big.short()
+    norms["perm p16 (P max)"] = lambda: ops.rms_norm_perm(x, res, w, 1e-5, big16, False, False)
     out, base = [], per_iteration_us([wg, wg], n=50)
     print(f"  32  two stream-K launches alone            {trunc(base):>10.2f} (us an iteration)")
     for name, case in norms.items():
@@ -121,9 +121,8 @@ def main() -> None:
             for lean in (True, False):
                 cases[f"perm {'lean' if lean else 'regular'} {pname}"] = (
                     lambda p=p, lean=lean: ops.rms_norm_perm(x, res, w, 1e-5, p, False, lean))
-        cases["perm packed (P max)"] = (lambda p=perms[f"rand_P=H+{args.extra}"]:
-                                        ops.rms_norm_perm(x, res, w, 1e-5, p, False, True),
-                                        {"EXL_CORE_NORM_PERM_PACKED": "1"})
+        cases["perm p16 (P max)"] = (lambda p=perms[f"rand_P=H+{args.extra}"].short():
+                                     ops.rms_norm_perm(x, res, w, 1e-5, p, False, False))
         for name, case in cases.items():
             fn, env = case if isinstance(case, tuple) else (case, {})
             with environ(env):

@@ -18,10 +18,9 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("extra", [0, 256], ids=["perm", "perm+256"])
 @pytest.mark.parametrize("rows", [13, 32])      # 32: the lean instance (ops/cuda_norm_perm.py _lean)
-@pytest.mark.parametrize("packed", ["0", "1"])   # EXL_CORE_NORM_PERM_PACKED: "1" the packed instance for lean's
-def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows, packed, monkeypatch):
+@pytest.mark.parametrize("pdtype", [torch.int32, torch.int16], ids=["i32", "i16"])   # i16: the P16 instance
+def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows, pdtype):
     _need_kernels()
-    monkeypatch.setenv("EXL_CORE_NORM_PERM_PACKED", packed)
     from exl_core.ops.norm import rms_norm
     from exl_core.ops.norm_perm import RMS_NORM_PERM, rms_norm_permuted
     g = torch.Generator().manual_seed(H)
@@ -29,7 +28,7 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows
     w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
     res = torch.randn(rows, H, generator=g).to(dtype).cuda() if with_residual else None
     # extra: columns read again (weights with extra rows, formats/uniform4.py): y has H + extra columns
-    perm = torch.cat([torch.randperm(H, generator=g), torch.randint(0, H, (extra,), generator=g)]).to(torch.int32).cuda()
+    perm = torch.cat([torch.randperm(H, generator=g), torch.randint(0, H, (extra,), generator=g)]).to(pdtype).cuda()
     per_vec, P = 16 // x.element_size(), H + extra        # the kernel: whole 16-byte vectors, at most 4 a thread
     kernel = H % per_vec == 0 and P <= 256 * 4 * per_vec  # (fp16/bf16 up to 8192, fp32 up to 4096)
     assert (RMS_NORM_PERM.select(x=x, weight=w, eps=1e-5, perm=perm, residual=res).name == "cuda") == kernel
@@ -44,13 +43,12 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("lean,packed", [(False, False), (True, False), (True, True)],
-                         ids=["regular", "lean", "packed"])
-def test_rms_norm_perm_every_instance(dtype, late, lean, packed, monkeypatch):
+@pytest.mark.parametrize("lean,p16", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["regular", "lean", "p16", "p16-lean"])
+def test_rms_norm_perm_every_instance(dtype, late, lean, p16):
     """The kernel's launch options (the policy in ops/cuda_norm_perm.py picks them, lean where its shared memory
-    fits; EXL_CORE_NORM_PERM_PACKED=1 the packed instance where lean would run): the same bits either way."""
+    fits; an int16 perm takes the P16 instance whatever lean asks): the same bits either way."""
     _need_kernels()
-    monkeypatch.setenv("EXL_CORE_NORM_PERM_PACKED", "1" if packed else "0")
     from exl_core.ops.norm import rms_norm
     g = torch.Generator().manual_seed(7)
     # (16-bit: H 8192 with P 8192 does not fit the lean instance's shared memory: the host takes the regular one)
@@ -61,7 +59,7 @@ def test_rms_norm_perm_every_instance(dtype, late, lean, packed, monkeypatch):
     ref = rms_norm(x, w, 1e-5, res, weight_static=True)
     for r in (None, res):
         poison_allocator()
-        got = torch.ops.exl_core.rms_norm_perm(x, r, w, 1e-5, perm, late, lean)
+        got = torch.ops.exl_core.rms_norm_perm(x, r, w, 1e-5, perm.short() if p16 else perm, late, lean)
         want = ref if r is not None else (rms_norm(x, w, 1e-5, weight_static=True),)
         assert torch.equal(got[0], want[0][:, perm.long()])
         if r is not None:
@@ -102,10 +100,12 @@ def _step_logits(model, ids, kvs):
         return model.forward_batch(ids, kvs)
 
 
+@pytest.mark.parametrize("pdtype", [torch.int32, torch.int16], ids=["i32", "i16"])   # llama.NORM_PERM_DTYPE
 @pytest.mark.parametrize("rows", [1, 8, 20])
-def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_model, rows, monkeypatch):
+def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_model, rows, pdtype, monkeypatch):
     from exl_core.model import llama
     model = shared_perm_model
+    monkeypatch.setattr(llama, "NORM_PERM_DTYPE", pdtype)
     g = torch.Generator().manual_seed(rows)
     prompt = torch.randint(0, 1000, (rows, 6), generator=g).cuda()
     nxt = torch.randint(0, 1000, (rows, 1), generator=g).cuda()
@@ -122,7 +122,7 @@ def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_mode
     assert len(calls) == 2 * len(model.layers)          # the step's q/k/v and gate/up inputs, every layer
     from exl_core.ops.norm_perm import RMS_NORM_PERM
     x, weight, eps, perm, residual, site = calls[1][0]    # a middle norm's arguments: the kernel served it
-    assert site == "mlp" and [c[0][5] for c in calls[:2]] == ["attn", "mlp"]
+    assert site == "mlp" and [c[0][5] for c in calls[:2]] == ["attn", "mlp"] and perm.dtype == pdtype
     assert RMS_NORM_PERM.select(x=x, weight=weight, eps=eps, perm=perm, residual=residual, site=site).name == "cuda"
     assert float(out[()].abs().max()) > 1e-2
     assert torch.equal(out[("cuda",)], out[()])

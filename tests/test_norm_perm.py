@@ -93,7 +93,8 @@ def record_norm_widths(monkeypatch) -> list:
     return widths
 
 
-def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, monkeypatch):
+@pytest.mark.parametrize("pdtype", [torch.int32, torch.int16], ids=["i32", "i16"])   # llama.NORM_PERM_DTYPE
+def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, pdtype, monkeypatch):
     """On the CPU per-op path (the model's default keeps the gathers there: NORM_PERM_DEVICES), both ways: fp32, the
     same products and sums, so the logits agree to rounding of the gathered and permuted copies (none)."""
     from exl_core.loader import load_model
@@ -108,8 +109,10 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(4))
     calls = []
     real = llama.rms_norm_permuted
+    monkeypatch.setattr(llama, "NORM_PERM_DTYPE", pdtype)
 
     def counted(x, weight, eps, perm, residual=None, site="mlp"):
+        assert perm.dtype == pdtype
         calls.append(site)
         return real(x, weight, eps, perm, residual, site)
     with torch.inference_mode():
@@ -122,6 +125,22 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     # launch policy told which of them follows (ops/cuda_norm_perm.py)
     assert float(ref.abs().max()) > 1e-2                  # logits that can show a wrong order
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_op_reads_an_int16_permutation_unsigned():
+    """An int16 perm (the CUDA norm's P16 instance; model.linear.shared_perm(..., torch.int16)) holds entries up to
+    65,535 as their low 16 bits: the reference reads them unsigned, as the kernel does."""
+    from exl_core.model.linear import shared_perm
+    H = 40_000                                             # entries past int16's 32,767
+    g = torch.Generator().manual_seed(16)
+    x, w = torch.randn(2, H, generator=g), torch.rand(H, generator=g) + 0.5
+    perm = torch.randperm(H, generator=g).to(torch.int32)
+    assert int(perm.max()) > 32767
+    p16 = perm.to(torch.int16)
+    assert torch.equal(rms_norm_permuted(x, w, 1e-5, p16), rms_norm_permuted(x, w, 1e-5, perm))
+    with pytest.raises(InputError, match="int16"):
+        rms_norm_permuted(torch.randn(1, 65537), torch.ones(65537), 1e-5, torch.zeros(65537, dtype=torch.int16))
+    assert shared_perm([torch.nn.Linear(2, 2)], torch.int16) is None      # not a packed layer
 
 
 def test_op_with_a_longer_permutation_repeats_columns():

@@ -26,7 +26,7 @@ _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 # Per-layer caches of the functions below (in the layer's __dict__: (source tensor, cached value)), dropped by
 # QuantLinear._drop_caches when the packed weight is replaced or moved.
-_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails")
+_LAYER_CACHES = ("_perm32", "_perm16", "_unpermuted", "_out_order", "_tails")
 
 # Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
 # skip re-checking every projection for LoRA hooks on every forward pass).
@@ -184,12 +184,14 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
 # The caches below live in the QuantLinear's __dict__ (cleared by _apply), not in PackedWeight.meta: a twin kept there
 # would hold its weight's tensors after a move and, holding meta itself, form a reference cycle.
 
-def shared_perm(layers) -> Optional[torch.Tensor]:
+def shared_perm(layers, dtype: torch.dtype = torch.int32) -> Optional[torch.Tensor]:
     """The act-order permutation all `layers` read x in, as int32 on their device, where they are plain packed
     layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm before
     them can then write x in that order (ops/norm_perm.py) for Prepermuted views of them.  Weights with extra rows
     (formats/uniform4.py) share one too where their row layouts agree: its length is then their rows.
-    The int32 copy is made once per permutation tensor and waited for on the host: the norm kernel reads it before
+    dtype torch.int16: the same entries as 16-bit values (the CUDA norm's P16 instance reads them unsigned), where
+    the layers' inputs are at most 65,536 wide; else None.
+    The copy is made once per permutation tensor and waited for on the host: the norm kernel reads it before
     its programmatic-dependent-launch wait, as data no kernel of the step writes (csrc/cuda/pdl.cuh).  While a CUDA
     graph is being captured a missing copy cannot be made that way: None then (the layers gather x themselves)."""
     if not all(_plain_packed(m) for m in layers):
@@ -197,14 +199,18 @@ def shared_perm(layers) -> Optional[torch.Tensor]:
     pw = layers[0].packed
     if pw.perm is None or any(m.packed.perm is not pw.perm for m in layers[1:]):
         return None
-    held = layers[0].__dict__.get("_perm32")
+    if dtype == torch.int16 and layers[0].in_features > 65536:
+        return None
+    cache = "_perm32" if dtype == torch.int32 else "_perm16"
+    held = layers[0].__dict__.get(cache)
     if held is None or held[0] is not pw.perm:
         if pw.perm.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        perm32 = pw.perm.to(torch.int32).contiguous()
-        if perm32.is_cuda:
-            torch.cuda.current_stream(perm32.device).synchronize()
-        held = layers[0].__dict__["_perm32"] = (pw.perm, perm32)
+        # int16 of entries up to 65,535: their low 16 bits (int32 -> int16 keeps them), read back unsigned
+        copy = pw.perm.to(torch.int32).to(dtype).contiguous()
+        if copy.is_cuda:
+            torch.cuda.current_stream(copy.device).synchronize()
+        held = layers[0].__dict__[cache] = (pw.perm, copy)
     return held[1]
 
 

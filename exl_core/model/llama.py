@@ -218,6 +218,9 @@ def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, co
 # would gather x per launch or per block.  The CPU per-op path keeps the gathers (it is the reference the CPU decoder
 # stack matches).  EXL_CORE_NORM_PERM=0: none (A/B runs).
 NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0" else ()
+# EXL_CORE_NORM_PERM16=1: the permutation as int16 (the CUDA norm's P16 instance: its entries in registers at half the
+# regular instance's cost, no shared-memory copy of them); an A/B, off until measured (stop 64 prepared it).
+NORM_PERM_DTYPE = torch.int16 if os.environ.get("EXL_CORE_NORM_PERM16", "0") == "1" else torch.int32
 
 
 def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, mlp: Optional["MLP"] = None):
@@ -227,7 +230,10 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     act-order files whose permutations agree) and x is on CUDA, the norm writes its output in that order and the
     layers read it without a gather (ops/norm_perm.py; NORM_PERM_DEVICES).  The norm module's forward (and its hooks)
     does not run then: its weight and eps are all that is read."""
-    perm = shared_perm(layers) if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm else None
+    perm = None
+    if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm:
+        perm = shared_perm(layers, NORM_PERM_DTYPE)
+        perm = shared_perm(layers) if perm is None and NORM_PERM_DTYPE != torch.int32 else perm
     if perm is not None and perm.numel() != x.shape[-1] and prompt_adds_extra_rows(x.numel() // x.shape[-1]):
         perm = None              # a prompt of weights with extra rows: their dequantise adds those, GEMMs over K
     if perm is None:

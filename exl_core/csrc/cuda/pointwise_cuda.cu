@@ -80,10 +80,13 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // LEAN (PERM only): perm's entries go to shared memory by cp.async before the PDL wait (after the row's values, P
 // int32) and into registers only once x's and the weight's vectors are dead: 48 registers a thread against 88 (see
 // ops/cuda_norm_perm.py).
-// PACK (PERM only, H <= 65,536; EXL_CORE_NORM_PERM_PACKED=1, an A/B): perm's entries read before the PDL wait and
-// kept in registers as 16-bit pairs, so that shared memory holds the row alone (H values of T, not LEAN's H values
-// and P int32) with the registers of LEAN plus NV * V / 2.
-template <typename T, int NV, bool PERM = false, bool LEAN = false, bool PACK = false>
+// P16 (PERM only; perm given as int16, read as unsigned 16-bit entries): perm's entries read before the PDL wait into
+// registers as the regular instance does, at half its registers for them (NV * V / 2), and the row alone in shared
+// memory -- the regular instance's latency with nearer the lean one's registers (stop 64: before q/k/v the regular
+// instance added 2.61 us between two stream-K launches where the lean one added 4.35; before gate/up the lean one's
+// 48 registers let three qgemm_wide blocks start beside a norm block, the regular one's 88 two).  Where perm is int16
+// the host takes it whatever `lean` asks.
+template <typename T, int NV, bool PERM = false, bool LEAN = false, bool P16 = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
@@ -92,9 +95,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   static_assert(!LEAN || PERM, "lean: the permuted norm");
-  static_assert(!PACK || (PERM && !LEAN), "packed: the permuted norm, not lean");
-  int4 pv[PERM && !PACK ? NV : 1][V / 4];                     // perm's entries for this thread's output vectors
-  uint32_t pk[PACK ? NV : 1][V / 2];                          // PACK: the same as 16-bit pairs
+  static_assert(!P16 || (PERM && !LEAN), "P16: the permuted norm, not lean");
+  int4 pv[PERM && !P16 ? NV : 1][V / 4];                      // perm's entries for this thread's output vectors
+  uint32_t pk[P16 ? NV : 1][V / 2];                           // P16: the same as 16-bit pairs
   extern __shared__ __align__(16) unsigned char norm_smem[];
   T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
   int4* ps = reinterpret_cast<int4*>(norm_smem + ((H * sizeof(T) + 15) & ~size_t(15)));   // LEAN: perm's entries
@@ -115,17 +118,18 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       }
     }
   };
-  if constexpr (PACK) {
+  if constexpr (P16) {
+    const uint16_t* perm16 = reinterpret_cast<const uint16_t*>(perm);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
-#pragma unroll
-      for (int q = 0; q < V / 4; ++q) {
-        const int4 a = vi < pvec ? reinterpret_cast<const int4*>(perm + vi * V)[q] : make_int4(0, 0, 0, 0);
-        pk[i][2 * q] = (static_cast<uint32_t>(a.x) & 0xffffu) | (static_cast<uint32_t>(a.y) << 16);
-        pk[i][2 * q + 1] = (static_cast<uint32_t>(a.z) & 0xffffu) | (static_cast<uint32_t>(a.w) << 16);
-        // packed here, not at the gather: else the compiler keeps the four int32 live across the row's work
-        asm volatile("" : "+r"(pk[i][2 * q]), "+r"(pk[i][2 * q + 1]));
+      if constexpr (V == 8) {
+        const uint4 a = vi < pvec ? reinterpret_cast<const uint4*>(perm16)[vi] : make_uint4(0, 0, 0, 0);
+        pk[i][0] = a.x, pk[i][1] = a.y, pk[i][2] = a.z, pk[i][3] = a.w;
+      } else {
+        static_assert(V == 4, "16-byte vectors of 2- or 4-byte values");
+        const uint2 a = vi < pvec ? reinterpret_cast<const uint2*>(perm16)[vi] : make_uint2(0, 0);
+        pk[i][0] = a.x, pk[i][1] = a.y;
       }
     }
   } else if constexpr (PERM) {
@@ -191,7 +195,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       const int* pi = reinterpret_cast<const int*>(&pv[i][0]);
 #pragma unroll
       for (int e = 0; e < V; ++e) {                          // clamped: a bad perm gives wrong values, not a fault
-        const unsigned j = PACK ? (pk[i][e / 2] >> (16 * (e & 1))) & 0xffffu : static_cast<unsigned>(pi[e]);
+        const unsigned j = P16 ? (pk[i][e / 2] >> (16 * (e & 1))) & 0xffffu : static_cast<unsigned>(pi[e]);
         op[e] = ys[min(j, static_cast<unsigned>(H - 1))];
       }
       reinterpret_cast<uint4*>(y + row * P)[vi] = o;
@@ -387,26 +391,24 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
     const bool ew = early_w && w_.is_contiguous();
     if (perm) {
       const int64_t lim = static_cast<int64_t>(kNormThreads) * kNormVecs * V;
-      TORCH_CHECK(vec && perm->is_cuda() && perm->device() == x.device() && perm->scalar_type() == at::kInt &&
-                      perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
-                  op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length P (", P, ") and H (", H,
-                  ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
+      const bool p16 = perm->scalar_type() == at::kShort;   // the P16 instance: entries read as unsigned 16-bit
+      TORCH_CHECK(vec && perm->is_cuda() && perm->device() == x.device() &&
+                      (perm->scalar_type() == at::kInt || (p16 && H <= 65536)) && perm->dim() == 1 && P % V == 0 &&
+                      P <= lim && perm->is_contiguous() && aligned16({perm}),
+                  op, ": needs contiguous, 16-byte aligned int32 perm (int16 where H <= 65,536) on x's GPU of a length",
+                  " P (", P, ") and H (", H, ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
       // lean only where the row and perm fit the dynamic shared memory a launch gets without opting in (the
       // kernel's own 32 bytes aside): a request that does not fit takes the regular instance, the same bits
       const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
       lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
-      // EXL_CORE_NORM_PERM_PACKED=1 (read per call, so one process can time both): the packed instance instead of
-      // the lean one (an A/B, off by default)
-      const char* pk_env = std::getenv("EXL_CORE_NORM_PERM_PACKED");
-      const bool packed = lean && pk_env && std::strcmp(pk_env, "1") == 0 && H <= 65536;
-      size_t smem = row_smem + (lean && !packed ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
+      size_t smem = row_smem + (lean && !p16 ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
       smem += smem_pad(smem);
-      auto* kern = packed ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, false, true>
+      auto* kern = p16    ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, false, true>
                    : lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
                           : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
-                          static_cast<const int32_t*>(perm->data_ptr<int32_t>()), P, late);
+                          static_cast<const int32_t*>(perm->data_ptr()), P, late);
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
