@@ -36,7 +36,7 @@ def _norm_passthrough(self, x, residual=None):
     return x if residual is None else (x, residual)
 
 
-def _perm_norm_passthrough(x, weight, eps, perm, residual=None):
+def _perm_norm_passthrough(x, weight, eps, perm, residual=None, site="mlp"):
     """llama.rms_norm_permuted knocked out: x as it is (the extended width of weights with extra rows cannot be)."""
     if perm.numel() != x.shape[-1]:
         raise ValueError("the norm knock-out cannot stand in for a norm that writes extra columns")

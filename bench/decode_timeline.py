@@ -68,10 +68,10 @@ def _bank_order(P: int, H: int, device) -> torch.Tensor:
     return _bank_orders[key]
 
 
-def _perm_norm_banks(x, weight, eps, perm, residual=None):
+def _perm_norm_banks(x, weight, eps, perm, residual=None, site="mlp"):
     """llama.rms_norm_permuted with perm replaced by _bank_order: the same launch without the gather's bank
     conflicts.  Timing only: the step computes garbage."""
-    return _PERM_NORM(x, weight, eps, _bank_order(perm.numel(), x.shape[-1], perm.device), residual)
+    return _PERM_NORM(x, weight, eps, _bank_order(perm.numel(), x.shape[-1], perm.device), residual, site)
 
 
 # perm_banks (stop 37): the rewrite's permuted norms add ~1.9 us a launch more than GPTQ's plain ones at batch 32

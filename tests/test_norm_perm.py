@@ -105,6 +105,11 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     blk = model.layers[0]
     assert shared_perm((blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)) is not None
     assert shared_perm((blk.mlp.gate_proj, blk.mlp.up_proj)) is not None
+    qkv = (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)
+    p16 = shared_perm(qkv, torch.int16)                  # the int16 copy: the same entries, read unsigned
+    assert p16.dtype == torch.int16 and torch.equal(p16.to(torch.int32) & 0xFFFF, shared_perm(qkv))
+    with pytest.raises(ValueError, match="dtype"):
+        shared_perm(qkv, torch.int64)
     assert shared_perm((blk.self_attn.q_proj, blk.self_attn.o_proj)) is None     # another permutation
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(4))
     calls = []
@@ -211,9 +216,14 @@ def test_cuda_policy_asks_for_the_lean_instance_from_the_batch_decode_rows(monke
     the norm, the regular one below (where the lean one read slower at batch 1, stop 36 call 3); before q/k/v the
     regular one at every row count by default (stop 64 call 4)."""
     import os
+    import subprocess
+    import sys
     from exl_core.ops import cuda_candidates as cc
     from exl_core.ops import cuda_norm_perm as cnp
-    assert cnp._ATTN == os.environ.get("EXL_CORE_NORM_PERM_ATTN", "regular")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL_CORE_NORM_PERM")}
+    default = subprocess.run([sys.executable, "-c", "import exl_core.ops.cuda_norm_perm as c; print(c._ATTN)"],
+                             env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert default == "regular"                        # the module's own default, outside this process's settings
     monkeypatch.setattr(cnp, "_LEAN", None)            # the default, whatever the environment says
     for site in ("attn", "mlp"):
         monkeypatch.setattr(cnp, "_ATTN", "lean")

@@ -89,7 +89,7 @@ class QuantLinear(nn.Module):
 
     def _drop_caches(self) -> None:
         """Forget what this module's functions cached on the layer from its packed weight (they would keep old or
-        moved tensors alive): shared_perm's int32 copy, _without_perm's twin, input_out_order's store map,
+        moved tensors alive): shared_perm's int32 / int16 copies, _without_perm's twin, input_out_order's store map,
         down_tails' map."""
         for name in _LAYER_CACHES:
             self.__dict__.pop(name, None)
@@ -199,6 +199,8 @@ def shared_perm(layers, dtype: torch.dtype = torch.int32) -> Optional[torch.Tens
     pw = layers[0].packed
     if pw.perm is None or any(m.packed.perm is not pw.perm for m in layers[1:]):
         return None
+    if dtype not in (torch.int32, torch.int16):
+        raise ValueError(f"shared_perm: dtype {dtype} (int32 or int16)")
     if dtype == torch.int16 and layers[0].in_features > 65536:
         return None
     cache = "_perm32" if dtype == torch.int32 else "_perm16"

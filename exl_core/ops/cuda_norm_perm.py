@@ -39,8 +39,8 @@ _LEAN = os.environ.get("EXL_CORE_NORM_PERM_LEAN")
 # blocks leave no room beside them for either instance's; there the regular instance added 2.61 us against the lean
 # one's 4.35 (bench/norm_probe.py --between-wg, stop 64 call 3), while before gate/up (site "mlp") the lean one's
 # registers let qgemm_wide's blocks start beside it.  So the attention site takes the regular instance at every row
-# count: EXL2 batch 32 1.0148x / 1.0164x against lean at both sites, GPTQ (no permuted norm) and batch 1 / 8 within
-# 0.9955x-1.0036x (stop 64 call 4, bench/results/gpu_h200_build_*_stop64_call4_*.json).  EXL_CORE_NORM_PERM_ATTN=lean
+# count: EXL2 batch 32 1.0148x / 1.0164x against lean at both sites, EXL2 batch 1 / 8 and the prompt 0.9955x-1.0036x,
+# GPTQ (no permuted norm) 0.9943x-1.0034x (stop 64 call 4, bench/results/gpu_h200_build_*_stop64_call4_*.json).  EXL_CORE_NORM_PERM_ATTN=lean
 # puts the lean instance back there from WIDE_MIN_ROWS rows (the A/B).
 _ATTN = os.environ.get("EXL_CORE_NORM_PERM_ATTN", "regular")
 

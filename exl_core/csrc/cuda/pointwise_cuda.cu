@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -71,10 +70,11 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // The same with 16-byte vectors kept in registers between the two passes (H * sizeof(T) % 16 == 0,
 // aligned rows, H <= kNormThreads * NV * 16 / sizeof(T)): one read of x and residual instead of
 // scalar loads and a re-read; per element the same roundings as rms_norm_kernel.
-// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [P]) gives, y[j] = norm(h)[perm[j]] --
-// the input order of act-order weights sharing perm, which then read x as it is instead of gathering it per
-// launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats columns).  The values pass through shared memory (H values of T); perm's vectors are read before the
-// PDL wait, as load-time data (pdl.cuh).
+// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [P]; int16: P16 below) gives,
+// y[j] = norm(h)[perm[j]] -- the input order of act-order weights sharing perm, which then read x as it is instead of
+// gathering it per launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats
+// columns).  The values pass through shared memory (H values of T); perm's vectors are read before the PDL wait, as
+// load-time data (pdl.cuh).
 // late (PERM only): no early trigger, so the launch after it (PDL) starts as this one's blocks exit -- see
 // ops/cuda_norm_perm.py.
 // LEAN (PERM only): perm's entries go to shared memory by cp.async before the PDL wait (after the row's values, P
@@ -192,10 +192,11 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       if (vi >= pvec) break;
       uint4 o;
       T* op = reinterpret_cast<T*>(&o);
-      const int* pi = reinterpret_cast<const int*>(&pv[i][0]);
 #pragma unroll
       for (int e = 0; e < V; ++e) {                          // clamped: a bad perm gives wrong values, not a fault
-        const unsigned j = P16 ? (pk[i][e / 2] >> (16 * (e & 1))) & 0xffffu : static_cast<unsigned>(pi[e]);
+        unsigned j;
+        if constexpr (P16) j = (pk[i][e / 2] >> (16 * (e & 1))) & 0xffffu;
+        else j = static_cast<unsigned>(reinterpret_cast<const int*>(&pv[i][0])[e]);
         op[e] = ys[min(j, static_cast<unsigned>(H - 1))];
       }
       reinterpret_cast<uint4*>(y + row * P)[vi] = o;
@@ -352,8 +353,8 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 }
 
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
-// perm (rms_norm_perm): int32 [P], P >= H, y's P columns written in that order (the vector kernel only: the caller
-// checks its conditions).
+// perm (rms_norm_perm): int32 (or int16) [P], P >= H, y's P columns written in that order (the vector kernel only:
+// the caller checks its conditions).
 // late / lean (perm only): no early PDL trigger / the LEAN instance -- the caller's policy (ops/cuda_norm_perm.py).
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
                                               const at::Tensor& w_, double eps, bool early_w = false,
