@@ -76,7 +76,7 @@ def test_batch_invariance():
     bias = torch.randn(N)
     x = torch.randn(512, K)
     full = run_op(x, w_t, bias)
-    for M in (1, 7, 64):
+    for M in (1, 2, 3, 4, 7, 64):       # 1-4: the direct path's row blocks
         for start in (0, 100, 512 - M):
             assert torch.equal(run_op(x[start:start + M].contiguous(), w_t, bias), full[start:start + M])
     order = torch.randperm(512)

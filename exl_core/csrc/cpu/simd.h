@@ -230,6 +230,14 @@ static void tile_rows(const float* x, int64_t ldx, int64_t M, int64_t k0, const 
 // order), so results stay bit-identical to large M.
 constexpr int FUSED_MAX_M = 4;
 constexpr int FUSED_NV = 4;  // column vectors per block: 4 independent FMA chains per row
+// Accumulators a block may hold in registers: 8 of AVX2's 16 ymm, 16 of AVX-512's 32 zmm (the rest hold the unpacked
+// weights, x's broadcasts and the masks).  Past that the compiler spills them, and 4 rows cost twice 2 rows (stop 64,
+// AVX2: q_proj of SmolLM2 31.8 / 34.3 / 55.5 us at 1 / 2 / 4 rows).  So rows beyond it take fewer column vectors.
+constexpr int FUSED_ACC = sizeof(typename V::f) >= 64 ? 16 : 8;
+template <int MR>
+constexpr int fused_nv() {
+  return MR * FUSED_NV <= FUSED_ACC ? FUSED_NV : (FUSED_ACC / MR >= 2 ? 2 : 1);
+}
 
 // Value I of the chunk for column vector j: words at q + (I*B/32)*N (loads fold into the shift).
 template <int B, int MR, int NV, int I>
@@ -296,7 +304,8 @@ static void fused_cols(const QGemmArgs& a, int64_t n_begin, int64_t n_end) {  //
   const int64_t nchunks = a.K / 32;
   for (int64_t c = 0; c < nchunks; ++c) {
     int64_t n = n_begin;
-    for (; n + FUSED_NV * V::W <= n_end; n += FUSED_NV * V::W) fused_block<MR, FUSED_NV>(a, n, c);
+    constexpr int NV = fused_nv<MR>();
+    for (; n + NV * V::W <= n_end; n += NV * V::W) fused_block<MR, NV>(a, n, c);
     for (; n + 2 * V::W <= n_end; n += 2 * V::W) fused_block<MR, 2>(a, n, c);
     for (; n < n_end; n += V::W) fused_block<MR, 1>(a, n, c);
   }
@@ -339,10 +348,10 @@ static void dense_block(const DenseGemmArgs& a, int64_t n0, int64_t ncols, int64
 
 template <int MR, bool BF16>
 static void dense_small(const DenseGemmArgs& a, int64_t c0, int64_t c1) {
-  constexpr int NB = FUSED_NV * V::W;
+  constexpr int NV = fused_nv<MR>(), NB = NV * V::W;
   for (int64_t k0 = 0; k0 < a.K; k0 += DENSE_KB) {
     const int64_t k1 = k0 + DENSE_KB < a.K ? k0 + DENSE_KB : a.K;
-    for (int64_t n = c0; n < c1; n += NB) dense_block<MR, FUSED_NV, BF16>(a, n, c1 - n, k0, k1);
+    for (int64_t n = c0; n < c1; n += NB) dense_block<MR, NV, BF16>(a, n, c1 - n, k0, k1);
   }
 }
 

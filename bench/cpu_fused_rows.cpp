@@ -1,0 +1,50 @@
+// The CPU quantized matmul's small-M path (csrc/cpu/simd.h, fused_cols) alone, single thread, AVX2 instance:
+// us a call at M = 1..4 rows for a 4-bit g128 weight of SmolLM2's shapes (K x N given on the command line).
+// Built twice by bench/cpu_fused_rows.sh (the working tree's simd.h and a git revision's) to A/B a change to it.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "qmatmul.h"
+
+using namespace exl_cpu;
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s K N  (K a multiple of 128)\n", argv[0]);
+    return 2;
+  }
+  const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]);
+  const int bits = 4;
+  std::vector<ChunkInfo> chunks;
+  for (int64_t c = 0; c < K / 32; ++c) chunks.push_back({bits, static_cast<int32_t>(c / 4), c * bits});
+  std::vector<int32_t> q(static_cast<size_t>(K / 32 * bits * N));
+  std::srand(1);
+  for (auto& v : q) v = std::rand();
+  std::vector<float> scale(static_cast<size_t>(K / 128 * N), 0.01f), zero(scale.size(), 8.f);
+  for (int M = 1; M <= 4; ++M) {
+    std::vector<float> x(M * K), y(M * N), xs(M * (K / 32));
+    for (auto& v : x) v = static_cast<float>(std::rand() % 1000) / 1000.f;
+    for (int m = 0; m < M; ++m)
+      for (int64_t c = 0; c < K / 32; ++c) {
+        float s = 0;
+        for (int i = 0; i < 32; ++i) s += x[m * K + c * 32 + i];
+        xs[m * (K / 32) + c] = s;
+      }
+    QGemmArgs a{x.data(), K, M, K, N, q.data(), scale.data(), zero.data(), chunks.data(), nullptr, y.data(), N,
+                xs.data()};
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    for (int i = 0; i < 20; ++i) isa_avx2::qgemm(a, 0, panels);
+    double best = 1e30;
+    for (int rep = 0; rep < 7; ++rep) {
+      const int n = 200;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < n; ++i) isa_avx2::qgemm(a, 0, panels);
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
+      best = us < best ? us : best;
+    }
+    std::printf("%lld %lld %d %.3f\n", static_cast<long long>(K), static_cast<long long>(N), M, best);
+  }
+  return 0;
+}
