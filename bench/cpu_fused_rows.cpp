@@ -1,9 +1,10 @@
-// The CPU quantized matmul's small-M path (csrc/cpu/simd.h, fused_cols) alone, single thread, AVX2 instance:
-// us a call at M = 1..4 rows for a 4-bit g128 weight of SmolLM2's shapes (K x N given on the command line).
+// The CPU matmuls' small-M paths (csrc/cpu/simd.h: fused_cols for a 4-bit g128 weight, dense_small for fp32 and bf16
+// weights) alone, single thread, AVX2 instance: us a call at M = 1..4 rows for a K x N given on the command line.
 // Built twice by bench/cpu_fused_rows.sh (the working tree's simd.h and a git revision's) to A/B a change to it.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <vector>
 
 #include "qmatmul.h"
@@ -44,7 +45,29 @@ int main(int argc, char** argv) {
       const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
       best = us < best ? us : best;
     }
-    std::printf("%lld %lld %d %.3f\n", static_cast<long long>(K), static_cast<long long>(N), M, best);
+    std::printf("q4 %lld %lld %d %.3f\n", static_cast<long long>(K), static_cast<long long>(N), M, best);
+    // the dense direct path (dense_small) on fp32 and bf16 weights of the same shape
+    for (const bool bf16 : {false, true}) {
+      std::vector<float> wf(static_cast<size_t>(K * N));
+      std::vector<uint16_t> wb(wf.size());
+      for (size_t i = 0; i < wf.size(); ++i) {
+        wf[i] = static_cast<float>(std::rand() % 1000) / 1000.f - 0.5f;
+        wb[i] = static_cast<uint16_t>(std::rand());
+      }
+      DenseGemmArgs d{x.data(), K, M, K, N, bf16 ? static_cast<const void*>(wb.data()) : wf.data(), bf16, nullptr,
+                      y.data(), N};
+      for (int i = 0; i < 5; ++i) isa_avx2::dense_gemm(d, 0, panels);
+      double dbest = 1e30;
+      for (int rep = 0; rep < 5; ++rep) {
+        const int n = 40;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < n; ++i) isa_avx2::dense_gemm(d, 0, panels);
+        const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
+        dbest = us < dbest ? us : dbest;
+      }
+      std::printf("%s %lld %lld %d %.3f\n", bf16 ? "bf16" : "fp32", static_cast<long long>(K),
+                  static_cast<long long>(N), M, dbest);
+    }
   }
   return 0;
 }

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# A/B of the CPU matmul's small-M path (csrc/cpu/simd.h): bench/cpu_fused_rows.cpp built against the working tree's
-# csrc/cpu and against REV's (default HEAD), run in turn for ROUNDS rounds (default 3), single thread, AVX2; prints
-# the best us a call per round and the ratio, and writes bench/results/cpu_fused_rows.json (OUT=... to change).
-#   bash bench/cpu_fused_rows.sh [REV]
+# A/B of the CPU matmuls' small-M paths (csrc/cpu/simd.h): bench/cpu_fused_rows.cpp built against the working tree's
+# csrc/cpu and against REV's (default HEAD: an uncommitted change), run in turn for ROUNDS rounds (default 3), single
+# thread, AVX2 (REV's qmatmul.h must declare the same argument structs); prints the best us a call per round and the
+# ratio, and writes bench/results/cpu_fused_rows.json (OUT=... to change).
+#   bash bench/cpu_fused_rows.sh [REV]      # stop 64's change: bash bench/cpu_fused_rows.sh 02205ee~1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:-HEAD}
 ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-bench/results/cpu_fused_rows.json}
+grep -qw avx2 /proc/cpuinfo || { echo "cpu_fused_rows: needs AVX2" >&2; exit 1; }
 dir=$(mktemp -d /tmp/cpu_fused_rows.XXXXXX)
+trap 'rm -rf "$dir"' EXIT
 mkdir -p "$dir/rev/cpu"
-for f in $(git ls-tree --name-only "$REV" exl_core/csrc/cpu/); do git show "$REV:$f" >"$dir/rev/cpu/$(basename "$f")"; done
+for f in $(git ls-tree --name-only "$REV" exl_core/csrc/cpu/); do
+  git show "$REV:$f" >"$dir/rev/cpu/$(basename "$f")"
+done
 CXX=${CXX:-g++}
 $CXX -O3 -std=c++17 -Iexl_core/csrc/cpu -o "$dir/tree" bench/cpu_fused_rows.cpp exl_core/csrc/cpu/qmatmul_avx2.cpp
 $CXX -O3 -std=c++17 -I"$dir/rev/cpu" -o "$dir/rev_bin" bench/cpu_fused_rows.cpp "$dir/rev/cpu/qmatmul_avx2.cpp"
@@ -25,21 +30,24 @@ import json, math, platform, sys
 from collections import defaultdict
 runs = defaultdict(list)
 for line in open(sys.argv[1]):
-    who, r, K, N, M, us = line.split()
-    runs[(int(K), int(N), int(M), who)].append(float(us))
+    who, r, path, K, N, M, us = line.split()
+    runs[(path, int(K), int(N), int(M), who)].append(float(us))
 trunc = lambda v, n=2: math.floor(v * 10 ** n) / 10 ** n
 rows = []
-print(f"{'K':>5} {'N':>5} {'M':>2} {'rev us (rounds)':>26} {'tree us (rounds)':>26} {'rev / tree':>22}")
-for K, N, M in sorted({k[:3] for k in runs}):
-    a, b = runs[(K, N, M, "rev")], runs[(K, N, M, "tree")]
+print(f"{'path':>4} {'K':>5} {'N':>5} {'M':>2} {'rev us (rounds)':>28} {'tree us (rounds)':>28} {'rev / tree':>22}")
+for path, K, N, M in sorted({k[:4] for k in runs}):
+    a, b = runs[(path, K, N, M, "rev")], runs[(path, K, N, M, "tree")]
     ratios = [trunc(x / y, 4) for x, y in zip(a, b)]
-    print(f"{K:>5} {N:>5} {M:>2} {' / '.join(f'{trunc(v):.2f}' for v in a):>26} "
-          f"{' / '.join(f'{trunc(v):.2f}' for v in b):>26} {' / '.join(f'{v:.4f}' for v in ratios):>22}")
-    rows.append({"K": K, "N": N, "M": M, "rev_us": [trunc(v, 3) for v in a], "tree_us": [trunc(v, 3) for v in b],
-                 "rev_over_tree": ratios})
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
+    print(f"{path:>4} {K:>5} {N:>5} {M:>2} {' / '.join(f'{trunc(v):.2f}' for v in a):>28} "
+          f"{' / '.join(f'{trunc(v):.2f}' for v in b):>28} {' / '.join(f'{v:.4f}' for v in ratios):>22}")
+    rows.append({"path": path, "K": K, "N": N, "M": M, "rev_us": [trunc(v, 3) for v in a],
+                 "tree_us": [trunc(v, 3) for v in b], "rev_over_tree": ratios})
+cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+           platform.machine())
 json.dump({"benchmark": "bench/cpu_fused_rows.sh", "rev": sys.argv[3], "rev_commit": sys.argv[4], "cpu": cpu,
-           "threads": 1, "isa": "avx2", "weight": "4-bit, 128-row groups", "rows": rows}, open(sys.argv[2], "w"), indent=1)
+           "threads": 1, "isa": "avx2", "paths": {"q4": "4-bit, 128-row groups (fused_cols)",
+                                                   "fp32": "dense fp32 weight (dense_small)",
+                                                   "bf16": "dense bf16 weight (dense_small)"},
+           "rows": rows}, open(sys.argv[2], "w"), indent=1)
 print("wrote", sys.argv[2])
 PY
-rm -rf "$dir"

@@ -70,9 +70,10 @@ def test_empty_k_gives_bias():
 
 
 @needs_op
-def test_batch_invariance():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])   # the direct path's two instances
+def test_batch_invariance(dtype):
     K, N = 576, 1000
-    w_t = torch.randn(K, N).to(torch.bfloat16)
+    w_t = torch.randn(K, N).to(dtype)
     bias = torch.randn(N)
     x = torch.randn(512, K)
     full = run_op(x, w_t, bias)

@@ -100,7 +100,7 @@ def test_each_bit_width(bits, M, rng):
 
 @needs_op
 @pytest.mark.parametrize("N", [1, 13, 37, 95])
-@pytest.mark.parametrize("M", [1, 2, 13, 26])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 13, 26])   # 3-4: the fused path's narrower blocks and tails
 def test_odd_shapes(N, M, rng):
     pw = rand_packed(96, N, rng)
     x = torch.randn(M, 96)

@@ -231,8 +231,9 @@ static void tile_rows(const float* x, int64_t ldx, int64_t M, int64_t k0, const 
 constexpr int FUSED_MAX_M = 4;
 constexpr int FUSED_NV = 4;  // column vectors per block: 4 independent FMA chains per row
 // Accumulators a block may hold in registers: 8 of AVX2's 16 ymm, 16 of AVX-512's 32 zmm (the rest hold the unpacked
-// weights, x's broadcasts and the masks).  Past that the compiler spills them, and 4 rows cost twice 2 rows (stop 64,
-// AVX2: q_proj of SmolLM2 31.8 / 34.3 / 55.5 us at 1 / 2 / 4 rows).  So rows beyond it take fewer column vectors.
+// weights, x's broadcasts and the masks).  Past that the compiler spilled them: on AVX2 a 576 x 576 4-bit call took
+// 17.49 / 23.31 / 44.58 / 54.11 us at 1 / 2 / 3 / 4 rows (bench/cpu_fused_rows.sh, one thread, stop 64).  So rows
+// beyond it take fewer column vectors (the dense direct path's bf16 instance aside: see dense_small).
 constexpr int FUSED_ACC = sizeof(typename V::f) >= 64 ? 16 : 8;
 template <int MR>
 constexpr int fused_nv() {
@@ -348,7 +349,9 @@ static void dense_block(const DenseGemmArgs& a, int64_t n0, int64_t ncols, int64
 
 template <int MR, bool BF16>
 static void dense_small(const DenseGemmArgs& a, int64_t c0, int64_t c1) {
-  constexpr int NV = fused_nv<MR>(), NB = NV * V::W;
+  // bf16 weights keep FUSED_NV: there the widening loads, not spills, set the pace, and 2 vectors a block were
+  // ~1.2x slower at 3-4 rows on AVX2 (stop 64's review, one thread); fp32 weights take fused_nv (~1.3x faster).
+  constexpr int NV = BF16 ? FUSED_NV : fused_nv<MR>(), NB = NV * V::W;
   for (int64_t k0 = 0; k0 < a.K; k0 += DENSE_KB) {
     const int64_t k1 = k0 + DENSE_KB < a.K ? k0 + DENSE_KB : a.K;
     for (int64_t n = c0; n < c1; n += NB) dense_block<MR, NV, BF16>(a, n, c1 - n, k0, k1);
