@@ -15,9 +15,7 @@ more than the plain one, in the step ~1.8 us more).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -34,21 +32,6 @@ def per_iteration_us(fns, n: int = 200) -> float:
     committed figures (norm_probe_h200_stop61_call2_44d0e6e.json) came from this file's earlier timer: the median of
     15 replays instead of the mean of 30."""
     return graph_us(list(fns) * n) * len(fns)
-
-
-@contextlib.contextmanager
-def environ(env: dict):
-    """os.environ with env set (the extension's launchers read some switches per call), restored afterwards."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def between_wg(H: int, w: torch.Tensor, perms: dict, gen: torch.Generator) -> list[dict]:
@@ -72,20 +55,15 @@ def between_wg(H: int, w: torch.Tensor, perms: dict, gen: torch.Generator) -> li
     for pname, p in perms.items():
         norms[f"perm lean {pname}"] = lambda p=p: ops.rms_norm_perm(x, res, w, 1e-5, p, False, True)
     big = perms[max(perms, key=lambda k: perms[k].numel())]
-    # what a norm's launch shape costs there (stop 64): the plain norm with the permuted ones' shared memory as
-    # unused padding (8 KB: the row; 25 KB: the lean instance's row and int32 perm), the regular and P16 instances
-    norms["plain + 8 KB smem pad"] = (norms["plain (rms_norm_static)"], {"EXL_CORE_NORM_SMEM_PAD": str(H * 2)})
-    norms["plain + 25 KB smem pad"] = (norms["plain (rms_norm_static)"],
-                                       {"EXL_CORE_NORM_SMEM_PAD": str(H * 2 + big.numel() * 4)})
+    # the other instances there (stop 64; its call 3 also padded the plain norm with unused shared memory, 8 and 25
+    # KB: +0.09-0.13 us, so that knob was removed -- NOTES.md, "forty-fourth")
     norms["perm regular (P max)"] = lambda: ops.rms_norm_perm(x, res, w, 1e-5, big, False, False)
     big16 = big.short()
     norms["perm p16 (P max)"] = lambda: ops.rms_norm_perm(x, res, w, 1e-5, big16, False, False)
     out, base = [], per_iteration_us([wg, wg], n=50)
     print(f"  32  two stream-K launches alone            {trunc(base):>10.2f} (us an iteration)")
-    for name, case in norms.items():
-        fn, env = case if isinstance(case, tuple) else (case, {})
-        with environ(env):              # the launchers read these per call: the graph keeps the captured launch
-            us = per_iteration_us([wg, fn, wg], n=50) - base
+    for name, fn in norms.items():
+        us = per_iteration_us([wg, fn, wg], n=50) - base
         out.append({"rows": 32, "case": f"between stream-K: {name}", "us_per_launch": trunc(us),
                     "two_wg_alone_us": trunc(base)})
         print(f"  32  between stream-K: {name:<22} {trunc(us):>10.2f}")
@@ -123,10 +101,8 @@ def main() -> None:
                     lambda p=p, lean=lean: ops.rms_norm_perm(x, res, w, 1e-5, p, False, lean))
         cases["perm p16 (P max)"] = (lambda p=perms[f"rand_P=H+{args.extra}"].short():
                                      ops.rms_norm_perm(x, res, w, 1e-5, p, False, False))
-        for name, case in cases.items():
-            fn, env = case if isinstance(case, tuple) else (case, {})
-            with environ(env):
-                us = per_iteration_us([fn])
+        for name, fn in cases.items():
+            us = per_iteration_us([fn])
             rows_out.append({"rows": rows, "case": name, "us_per_launch": trunc(us)})
             print(f"{rows:>4}  {name:<34} {trunc(us):>10.2f}")
     if args.between_wg:

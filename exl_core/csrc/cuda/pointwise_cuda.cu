@@ -4,9 +4,6 @@
 // Rounding follows the torch references (HF semantics): values are rounded to x's dtype at the
 // same points, math in fp32.
 
-#include <algorithm>
-#include <cstdlib>
-
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -205,16 +202,6 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
 }
 constexpr int kNormVecs = 4;   // vectors per thread of rms_norm_vec_kernel
 
-// EXL_CORE_NORM_SMEM_PAD=n (a probe's knob, bench/norm_probe.py; read per call): n bytes of unused dynamic shared
-// memory added to a norm launch that asks for `used`, up to what a launch gets without opting in, to time what a
-// norm's shared memory costs between its neighbours.
-size_t smem_pad(size_t used) {
-  const char* v = std::getenv("EXL_CORE_NORM_SMEM_PAD");
-  const long n = v ? std::strtol(v, nullptr, 10) : 0;
-  const size_t room = 48 * 1024 - 64 > used ? 48 * 1024 - 64 - used : 0;
-  return n > 0 ? std::min(static_cast<size_t>(n), room) : 0;
-}
-
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t n, T* __restrict__ y) {
   exl_pdl::pdl_wait();      // inputs come from the previous kernel (PDL, pdl.cuh)
@@ -402,8 +389,7 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
       // kernel's own 32 bytes aside): a request that does not fit takes the regular instance, the same bits
       const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
       lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
-      size_t smem = row_smem + (lean && !p16 ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
-      smem += smem_pad(smem);
+      const size_t smem = row_smem + (lean && !p16 ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
       auto* kern = p16    ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, false, true>
                    : lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
                           : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
@@ -413,9 +399,9 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
-    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem_pad(0), stream, dev, xp, rp,
-                        wp, H, static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr),
-                        H, false);
+    exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, stream, dev, xp, rp, wp, H,
+                        static_cast<float>(eps), ptr<scalar_t>(y), hp, ew, static_cast<const int32_t*>(nullptr), H,
+                        false);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, h};
