@@ -93,10 +93,12 @@ def record_norm_widths(monkeypatch) -> list:
     return widths
 
 
-@pytest.mark.parametrize("pdtype", [torch.int32, torch.int16], ids=["i32", "i16"])   # llama.NORM_PERM_DTYPE
-def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, pdtype, monkeypatch):
+@pytest.mark.parametrize("pdtype,cap", [(torch.int32, None), (torch.int16, None), (torch.int16, 9)],
+                         ids=["i32", "i16", "i16decode"])   # llama.NORM_PERM_DTYPE, NORM_PERM16_MAX_ROWS
+def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, pdtype, cap, monkeypatch):
     """On the CPU per-op path (the model's default keeps the gathers there: NORM_PERM_DEVICES), both ways: fp32, the
-    same products and sums, so the logits agree to rounding of the gathered and permuted copies (none)."""
+    same products and sums, so the logits agree to rounding of the gathered and permuted copies (none).  With a row
+    cap (EXL_CORE_NORM_PERM16=decode) the 18-row batch reads int32 and a 2-row step int16."""
     from exl_core.loader import load_model
     from exl_core.model import llama
     from exl_core.model.linear import shared_perm
@@ -115,21 +117,28 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     calls = []
     real = llama.rms_norm_permuted
     monkeypatch.setattr(llama, "NORM_PERM_DTYPE", pdtype)
+    monkeypatch.setattr(llama, "NORM_PERM16_MAX_ROWS", cap)
+    dtypes = []
 
     def counted(x, weight, eps, perm, residual=None, site="mlp"):
-        assert perm.dtype == pdtype
+        dtypes.append(perm.dtype)
         calls.append(site)
         return real(x, weight, eps, perm, residual, site)
     with torch.inference_mode():
         ref = model.forward_batch(ids)
+        ref_step = model.forward_batch(ids[:, :1])
         assert not calls                                   # the CPU default keeps the gathers
         monkeypatch.setattr(llama, "NORM_PERM_DEVICES", ("cuda", "cpu"))
         monkeypatch.setattr(llama, "rms_norm_permuted", counted)
         got = model.forward_batch(ids)
-    assert calls == ["attn", "mlp"] * len(model.layers)  # every q/k/v and gate/up input written permuted, the
+        batch_dtypes, dtypes[:] = set(dtypes), []
+        got_step = model.forward_batch(ids[:, :1])
+    assert calls == ["attn", "mlp"] * len(model.layers) * 2  # every q/k/v and gate/up input written permuted, the
     # launch policy told which of them follows (ops/cuda_norm_perm.py)
+    assert batch_dtypes == {pdtype if cap is None else torch.int32} and set(dtypes) == {pdtype}
     assert float(ref.abs().max()) > 1e-2                  # logits that can show a wrong order
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_step, ref_step, rtol=0, atol=1e-5)
 
 
 def test_op_reads_an_int16_permutation_unsigned():

@@ -219,8 +219,17 @@ def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, co
 # stack matches).  EXL_CORE_NORM_PERM=0: none (A/B runs).
 NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0" else ()
 # EXL_CORE_NORM_PERM16=1: the permutation as int16 (the CUDA norm's P16 instance: its entries in registers at half the
-# regular instance's cost, no shared-memory copy of them); an A/B, off until measured (stop 64 prepared it).
-NORM_PERM_DTYPE = torch.int16 if os.environ.get("EXL_CORE_NORM_PERM16", "0") == "1" else torch.int32
+# regular instance's cost, no shared-memory copy of them); =decode: int16 up to NORM_PERM16_MAX_ROWS rows (decode
+# steps), int32 for prompts.  A/Bs, off until measured (stop 64 prepared P16, stop 65 the decode-only form).
+_PERM16 = os.environ.get("EXL_CORE_NORM_PERM16", "0")
+NORM_PERM_DTYPE = torch.int16 if _PERM16 in ("1", "decode") else torch.int32
+NORM_PERM16_MAX_ROWS = 32 if _PERM16 == "decode" else None     # None: int16 at every row count
+
+
+def _norm_perm_dtype(rows: int) -> torch.dtype:
+    """The dtype of the permutation the norm reads for `rows` rows (NORM_PERM_DTYPE, int32 above the row limit)."""
+    cap = NORM_PERM16_MAX_ROWS
+    return NORM_PERM_DTYPE if cap is None or rows <= cap else torch.int32
 
 
 def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, mlp: Optional["MLP"] = None):
@@ -232,8 +241,9 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     does not run then: its weight and eps are all that is read."""
     perm = None
     if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm:
-        perm = shared_perm(layers, NORM_PERM_DTYPE)
-        perm = shared_perm(layers) if perm is None and NORM_PERM_DTYPE != torch.int32 else perm
+        dtype = _norm_perm_dtype(x.numel() // x.shape[-1])
+        perm = shared_perm(layers, dtype)
+        perm = shared_perm(layers) if perm is None and dtype != torch.int32 else perm
     if perm is not None and perm.numel() != x.shape[-1] and prompt_adds_extra_rows(x.numel() // x.shape[-1]):
         perm = None              # a prompt of weights with extra rows: their dequantise adds those, GEMMs over K
     if perm is None:
