@@ -127,19 +127,25 @@ class QuantLinear(nn.Module):
             self._packed = pw
         return pw
 
+    # Buffers whose dtype the kernels define: a dtype cast of the model moves them without rounding them.
+    _FIXED_DTYPE_BUFFERS = ("_pk_scale", "_pk_zero")
+
+    def _fixed_dtype_buffers(self) -> tuple:
+        return self._FIXED_DTYPE_BUFFERS
+
     def _apply(self, fn, recurse=True):
-        # Only float payloads follow dtype casts; packed integer words, scales and the
-        # permutation keep their dtypes (the kernels define them) and only change device.
+        # Only float payloads follow dtype casts; packed integer words, scales and the permutation keep their dtypes
+        # (the kernels define them) and only change device -- moved from the original, so no value is rounded (a
+        # cast to bfloat16 and back would round the scales).
+        fixed = {id(t) for n, t in self._buffers.items() if t is not None and n in self._fixed_dtype_buffers()}
+
         def guarded(t):
             moved = fn(t)
-            if t.dtype != moved.dtype and not t.is_floating_point():
-                return moved.to(t.dtype)
+            if t.dtype != moved.dtype and (id(t) in fixed or not t.is_floating_point()):
+                return t.to(moved.device)
             return moved
         super()._apply(guarded, recurse)
         self._drop_caches()
-        if self._packed is not None:
-            self._pk_scale = self._pk_scale.float()
-            self._pk_zero = self._pk_zero.float()
         return self
 
     def dense_weight(self, dtype=torch.float32) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import InputError
 from .dispatch import Candidate, Dispatcher, has_op
+from .input_grad import records_grad, with_input_grad
 
 _OP_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -69,6 +70,8 @@ def dense_linear(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor
                          f"(w_t must be the pre-transposed weight [in_features, out_features])")
     if bias is not None and tuple(bias.shape) != (w_t.shape[1],):
         raise InputError(f"dense_linear: bias shape {tuple(bias.shape)} != ({w_t.shape[1]},)")
+    if records_grad(x):            # dL/dx through the frozen weight (ops/input_grad.py)
+        return with_input_grad(x, lambda t: DISPATCH(x=t, w_t=w_t, bias=bias), lambda: w_t.float())
     return DISPATCH(x=x, w_t=w_t, bias=bias)
 
 

@@ -39,6 +39,7 @@ from ..errors import InputError
 from ..formats.bitpack import unpack_stream
 from ..formats.packed import PackedWeight, scatter_rows
 from .dispatch import Candidate, Dispatcher, has_op
+from .input_grad import records_grad, with_input_grad
 
 # ---------------------------------------------------------------------------- torch reference
 
@@ -223,6 +224,8 @@ def qmatmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     if x.dim() < 1 or x.shape[-1] != pw.in_features:
         raise InputError(f"qmatmul: x has shape {tuple(x.shape)}, last dim must be in_features="
                          f"{pw.in_features} of the packed weight")
+    if records_grad(x):            # adapter training over a frozen quantized weight (ops/input_grad.py)
+        return with_input_grad(x, lambda t: DISPATCH(x=t, pw=pw), lambda: dequantize(pw, torch.float32))
     return DISPATCH(x=x, pw=pw)
 
 

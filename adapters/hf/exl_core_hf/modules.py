@@ -35,6 +35,11 @@ class HFQuantLinear(QuantLinear):
             # meta: transformers materialises it from the file; nothing is ever random-initialised
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"), persistent=True)
 
+    def _fixed_dtype_buffers(self) -> tuple:
+        # the checkpoint's tensors keep the file's dtypes through model.to(torch.bfloat16): save_pretrained writes
+        # them back bit for bit (they are read only to build the packed weight)
+        return super()._fixed_dtype_buffers() + self.source_names
+
     # -- after transformers filled the buffers -------------------------------------------------
     def finalize(self, pack: Callable[[Callable[[str], torch.Tensor], str], PackedWeight]) -> None:
         """Build the PackedWeight from the loaded checkpoint tensors.

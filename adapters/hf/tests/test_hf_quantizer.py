@@ -128,9 +128,16 @@ def test_generate_and_pipeline(quantized_dirs):
     assert text == tok.decode(want[0], skip_special_tokens=True)
 
 
-def test_save_pretrained_round_trip(quantized_dirs, tmp_path):
+@pytest.mark.parametrize("cast", [None, torch.bfloat16], ids=["as_loaded", "to_bf16"])
+def test_save_pretrained_round_trip(quantized_dirs, tmp_path, cast):
+    """Also after model.to(torch.bfloat16) (transformers allows it on quantized models): the checkpoint's packed
+    tensors keep the file's dtypes and bits, and the packed scales the kernels use are not rounded."""
     folder = Path(quantized_dirs["exl2"])
     hf = _load(folder)
+    if cast is not None:
+        scales = {n: m.packed.scale.clone() for n, m in hf.named_modules() if isinstance(m, QuantLinear)}
+        hf.to(cast)
+        assert all(torch.equal(m.packed.scale, scales[n]) for n, m in hf.named_modules() if isinstance(m, QuantLinear))
     hf.save_pretrained(tmp_path)
     orig, saved = {}, {}
     for f in folder.glob("*.safetensors"):
@@ -142,16 +149,43 @@ def test_save_pretrained_round_trip(quantized_dirs, tmp_path):
     for k in quant:                               # packed tensors come back bit for bit
         assert saved[k].dtype == orig[k].dtype and torch.equal(saved[k], orig[k]), k
     for k in set(orig) - quant:                   # dense tensors: same values (dtype may follow the model)
-        torch.testing.assert_close(saved[k].float(), orig[k].float(), rtol=0, atol=0)
+        want = orig[k] if cast is None else orig[k].to(cast)
+        torch.testing.assert_close(saved[k].float(), want.float(), rtol=0, atol=0)
     assert set(saved) == set(orig)
     qc_saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     qc_orig = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert qc_saved == qc_orig
+    if cast is not None:
+        return                                    # the model now computes in bfloat16: no fp32 logits to compare
 
     again = _load(tmp_path)
     ids = _ids(hf.config.vocab_size)
     with torch.inference_mode():
         torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
+def test_backward_gives_input_gradients_of_the_dequantised_model(quantized_dirs):
+    """Adapter training (PEFT / LoRA) over the quantized model needs gradients through its frozen layers: the
+    embedding's gradient equals the one of transformers' dense Llama with the float64-dequantised weights."""
+    from exl_core.formats.packed import dequantize_reference
+    hf = _load(quantized_dirs["exl2"])
+    dense = _load(quantized_dirs["dense"])
+    with torch.no_grad():
+        for name, m in hf.named_modules():
+            if isinstance(m, QuantLinear):
+                dense.get_submodule(name).weight.copy_(dequantize_reference(m.packed, dtype=torch.float64).t().float())
+        for name, p in hf.named_parameters():
+            dense.get_parameter(name).copy_(p)
+    ids = _ids(hf.config.vocab_size, n=8, batch=1)
+    grads = []
+    for m in (hf, dense):
+        m.get_input_embeddings().weight.requires_grad_(True)
+        m.get_input_embeddings().weight.grad = None
+        m(ids, labels=ids).loss.backward()
+        grads.append(m.get_input_embeddings().weight.grad)
+    assert grads[0] is not None and float(grads[1].abs().max()) > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-3 * float(grads[1].abs().max()))
+    assert not any(b.requires_grad for m in hf.modules() if isinstance(m, QuantLinear) for b in m.buffers())
 
 
 def _rewrite_without(src: Path, dst: Path, drop: str) -> None:
