@@ -7,7 +7,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Per-call kwargs that map onto SamplerSettings fields.
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
-                "frequency_penalty", "presence_penalty")
+                "frequency_penalty", "presence_penalty", "penalty_range", "logit_bias", "banned_tokens")
+# Per-call kwargs besides those (max_new_tokens: the same as max_tokens); model= / model_name= (another folder for
+# the call) are taken by pop_model before.
+CALL_KEYS = SAMPLER_KEYS + ("max_tokens", "max_new_tokens", "seed")
 
 
 class ExlParams(BaseModel):
@@ -24,7 +27,8 @@ class ExlParams(BaseModel):
     """KV cache size of the shared engine (tokens over all concurrent requests)."""
 
     temperature: float = 0.7
-    max_tokens: int = 256
+    max_tokens: int = Field(default=256, alias="max_new_tokens")
+    """New tokens at most (also accepted as max_new_tokens, exl_core's name)."""
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -32,6 +36,11 @@ class ExlParams(BaseModel):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    penalty_range: int = -1
+    """Tokens back that the penalties look at (-1: all)."""
+    logit_bias: Optional[dict[int, float]] = None
+    """Token id -> bias added to its logit."""
+    banned_tokens: Optional[list[int]] = None
     seed: Optional[int] = None
     stop: Optional[list[str]] = None
     """Stop strings (never part of the output); merged with per-call `stop=`."""
@@ -39,6 +48,11 @@ class ExlParams(BaseModel):
     # Accepted for LangChain's standard parameters; a local model neither times out nor retries.
     timeout: Optional[float] = None
     max_retries: int = 0
+
+    def _exl_params(self) -> dict[str, Any]:
+        """Every setting that changes the output (LangChain's cache key is built from _identifying_params: two
+        instances that differ in any of these must not share cached answers)."""
+        return {k: getattr(self, k) for k in _OUTPUT_FIELDS if k in type(self).model_fields}
 
     def _engine(self, model: Optional[str] = None):
         from exl_core.plugins import shared_engine
@@ -51,12 +65,26 @@ class ExlParams(BaseModel):
     def _job(self, engine, prompt_ids: list[int], stop: Optional[list[str]], **kwargs: Any):
         """A Job with this instance's settings overridden by call kwargs (temperature=..., max_tokens=...)."""
         import exl_core
+        from exl_core.errors import InputError
+        unknown = sorted(set(kwargs) - set(CALL_KEYS))
+        if unknown:
+            raise InputError(f"{type(self).__name__}: unknown keyword argument(s) {', '.join(unknown)}; per call it "
+                             f"takes {', '.join(CALL_KEYS)}, model and stop")
         sampler_kw = {k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS}
         sampler = exl_core.SamplerSettings(**sampler_kw)     # temperature 0 = greedy
         max_new = int(kwargs.pop("max_tokens", kwargs.pop("max_new_tokens", self.max_tokens)))
         seed = kwargs.pop("seed", self.seed)
         stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
         return exl_core.Job(prompt_ids, max_new_tokens=max_new, sampler=sampler, stop=stops or None, seed=seed)
+
+
+# Fields of ExlParams (and the classes' own output settings) that _exl_params reports.
+_OUTPUT_FIELDS = ("model", "device", "dtype", "cache_tokens", "max_tokens", "seed", "stop", "add_bos") + SAMPLER_KEYS
+
+
+def pop_model(kwargs: dict) -> Optional[str]:
+    """The call's model folder (model= or model_name=), taken out of kwargs; None: the instance's."""
+    return kwargs.pop("model", None) or kwargs.pop("model_name", None)
 
 
 def completion_ids(tokenizer, prompt: str, add_bos: Optional[bool] = None) -> list[int]:

@@ -1,6 +1,7 @@
 """`ChatExl`: a LangChain chat model on exl_core's native Generator (chat template of the model)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Iterator, Optional
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -9,10 +10,11 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
                                      SystemMessage, ToolMessage)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict
 
 from exl_core.errors import InputError
 
-from ._common import ExlParams, usage
+from ._common import ExlParams, pop_model, usage
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 
@@ -61,10 +63,19 @@ class ChatExl(ExlParams, BaseChatModel):
     def _llm_type(self) -> str:
         return "exl-chat"
 
+    model_config = ConfigDict(extra="forbid")     # a misspelt setting is an error, not silently ignored
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_exl", "chat_models"]
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "device": self.device, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k}
+        return self._exl_params()
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="exl_core", ls_model_name=kwargs.get("model", self.model),
@@ -77,7 +88,8 @@ class ChatExl(ExlParams, BaseChatModel):
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _prepare(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
-        model = kwargs.pop("model", None) or kwargs.pop("model_name", None)
+        kwargs = dict(kwargs)
+        model = pop_model(kwargs)
         engine = self._engine(model)
         text = engine.tokenizer.apply_chat_template(to_chat_dicts(messages), add_generation_prompt=True)
         ids = engine.tokenizer.encode(text, add_bos=False, special=True)   # the template has its own BOS
@@ -121,7 +133,7 @@ class ChatExl(ExlParams, BaseChatModel):
         if self.streaming:
             from langchain_core.language_models.chat_models import agenerate_from_stream
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
-        engine, job, name = self._prepare(messages, stop, kwargs)
+        engine, job, name = await asyncio.to_thread(self._prepare, messages, stop, kwargs)   # a first load off the loop
         parts = [r.text async for r in engine.astream(job)]
         msg = AIMessage(content="".join(parts), usage_metadata=usage(job), response_metadata=self._meta(job, name))
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": job.finish_reason})])
@@ -129,7 +141,7 @@ class ChatExl(ExlParams, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        engine, job, name = self._prepare(messages, stop, kwargs)
+        engine, job, name = await asyncio.to_thread(self._prepare, messages, stop, kwargs)
         async for r in engine.astream(job):
             if r.text:
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=r.text))

@@ -7,8 +7,9 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
 
-from ._common import ExlParams, completion_ids, usage
+from ._common import ExlParams, completion_ids, pop_model, usage
 
 
 class ExlLLM(ExlParams, BaseLLM):
@@ -28,10 +29,19 @@ class ExlLLM(ExlParams, BaseLLM):
     def _llm_type(self) -> str:
         return "exl"
 
+    model_config = ConfigDict(extra="forbid")     # a misspelt setting is an error, not silently ignored
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_exl", "llms"]
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "device": self.device, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}
+        return self._exl_params()
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="exl_core", ls_model_name=kwargs.get("model", self.model),
@@ -43,8 +53,7 @@ class ExlLLM(ExlParams, BaseLLM):
 
     def _prepare(self, prompt: str, stop: Optional[list[str]], kwargs: dict):
         kwargs = dict(kwargs)
-        model = kwargs.pop("model", None)
-        engine = self._engine(model)
+        engine = self._engine(pop_model(kwargs))
         ids = completion_ids(engine.tokenizer, prompt, add_bos=self.add_bos)
         return engine, self._job(engine, ids, stop, **kwargs)
 
@@ -74,7 +83,7 @@ class ExlLLM(ExlParams, BaseLLM):
         import asyncio
 
         async def one(prompt):
-            eng, job = self._prepare(prompt, stop, kwargs)
+            eng, job = await asyncio.to_thread(self._prepare, prompt, stop, kwargs)   # a first load off the loop
             text = "".join([r.text async for r in eng.astream(job)])
             return job, text
         done = await asyncio.gather(*(one(p) for p in prompts))   # concurrent jobs batch in the engine
@@ -99,7 +108,8 @@ class ExlLLM(ExlParams, BaseLLM):
     async def _astream(self, prompt: str, stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
-        eng, job = self._prepare(prompt, stop, kwargs)
+        import asyncio
+        eng, job = await asyncio.to_thread(self._prepare, prompt, stop, kwargs)
         async for r in eng.astream(job):
             info = self._info(job) if r.finish_reason is not None else None
             if r.text or info:

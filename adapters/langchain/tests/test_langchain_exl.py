@@ -230,3 +230,96 @@ def test_llm_prompt_ids_are_the_native_generators(completion_model, monkeypatch,
     ExlLLM(model=folder, temperature=0, max_tokens=1, add_bos=True).invoke(prompt)
     assert seen == [tok.encode(prompt, add_bos=False), tok.encode(prompt, add_bos=True)]
     assert seen[0][0] != tok.bos_token_id and seen[1][0] == tok.bos_token_id
+
+
+# -- settings: cache keys, validation, async loading, serialization -------------------------------
+
+def test_every_output_setting_is_in_the_cache_key(completion_model):
+    """LangChain's LLM cache keys on _identifying_params: instances differing in any setting that changes the
+    output must not share entries (regression: penalties, min_p, seed, stop, ... were left out)."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+    from langchain_exl._common import _OUTPUT_FIELDS
+    folder = completion_model("smollm2", False)
+    changed = {"device": "meta", "dtype": "float16", "cache_tokens": 64, "max_tokens": 3, "seed": 5, "stop": ["x"],
+               "add_bos": True, "temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "typical": 0.5,
+               "repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.5, "penalty_range": 8,
+               "logit_bias": {1: 2.0}, "banned_tokens": [3], "model": folder + "/other"}
+    assert set(changed) == set(_OUTPUT_FIELDS)
+    base = ExlLLM(model=folder, temperature=0, max_tokens=4)
+    for k, v in changed.items():
+        assert ExlLLM(**{"model": folder, "temperature": 0, "max_tokens": 4, k: v})._identifying_params != \
+            base._identifying_params, k
+    set_llm_cache(InMemoryCache())
+    try:
+        first = base.invoke(COMPLETION_PROMPT)
+        ids = base._engine().tokenizer.encode(first)
+        banned = ExlLLM(model=folder, temperature=0, max_tokens=4, banned_tokens=ids[:1]).invoke(COMPLETION_PROMPT)
+        assert banned != first                          # computed, not the cached answer of `base`
+        assert base.invoke(COMPLETION_PROMPT) == first
+    finally:
+        set_llm_cache(None)
+
+
+def test_settings_are_validated_and_reach_the_sampler(completion_model):
+    from pydantic import ValidationError
+    folder = completion_model("smollm2", False)
+    with pytest.raises(ValidationError, match="top_pp"):
+        ExlLLM(model=folder, top_pp=0.1)
+    with pytest.raises(ValidationError, match="model_kwargs"):
+        ChatExl(model=folder, model_kwargs={"x": 1})
+    assert ExlLLM(model=folder, max_new_tokens=2).max_tokens == 2      # exl_core's name for it
+    assert ChatExl(model=folder, max_new_tokens=2).max_tokens == 2
+    llm = ExlLLM(model=folder, temperature=0, max_tokens=4)
+    with pytest.raises(InputError, match="top_pp"):
+        llm.invoke(COMPLETION_PROMPT, top_pp=0.1)
+    plain = llm.invoke(COMPLETION_PROMPT)
+    first = llm._engine().tokenizer.encode(plain)[0]
+    assert llm.invoke(COMPLETION_PROMPT, max_new_tokens=1) == llm._engine().tokenizer.decode([first])
+    for per_call in ({"banned_tokens": [first]}, {"logit_bias": {first: -1e4}}):
+        got = llm.invoke(COMPLETION_PROMPT, **per_call)
+        assert llm._engine().tokenizer.encode(got)[:1] != [first], per_call
+
+
+def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeypatch):
+    """The first call on a folder loads the model: in ainvoke / astream that runs in a worker thread, so the event
+    loop keeps serving other tasks meanwhile (regression: it stalled for the whole load)."""
+    import time
+    from langchain_exl._common import ExlParams
+    folder = completion_model("smollm2", False)
+    real = ExlParams._engine
+
+    def slow_engine(self, model=None):
+        time.sleep(0.4)                                  # a load's duration, on whichever thread calls it
+        return real(self, model)
+    monkeypatch.setattr(ExlParams, "_engine", slow_engine)
+
+    async def main(call):
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        await call()
+        t.cancel()
+        return ticks
+    llm = ExlLLM(model=folder, temperature=0, max_tokens=2)
+    chat_model = ChatExl(model=folder, temperature=0, max_tokens=2)
+
+    async def astream_all():
+        return [c async for c in chat_model.astream("hi")]
+    for call in (lambda: llm.ainvoke(COMPLETION_PROMPT), lambda: chat_model.ainvoke("hi"), astream_all):
+        assert asyncio.run(main(call)) >= 10
+
+
+@pytest.mark.parametrize("cls,module", [(ExlLLM, "llms"), (ChatExl, "chat_models")])
+def test_models_serialize_and_load_back(cls, module):
+    from langchain_core.load import dumpd, load
+    llm = cls(model="some/folder", temperature=0.2, max_tokens=7, stop=["\n"], logit_bias={5: -2.0})
+    ser = dumpd(llm)
+    assert ser["id"] == ["langchain_exl", module, cls.__name__]
+    back = load(ser, valid_namespaces=["langchain_exl"], allowed_objects=[cls])
+    assert type(back) is cls and back._identifying_params == llm._identifying_params

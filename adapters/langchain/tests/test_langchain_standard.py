@@ -53,11 +53,23 @@ class TestChatExlUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": _path_or_skip()}
+        # unit tests never load the model (ChatExl loads on the first call); a fixed folder name keeps the stored
+        # serialization snapshot (__snapshots__/) the same on every machine
+        return {"model": "models/smollm2-135m-instruct"}
 
     @property
     def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": N}
+        # a local model takes no api_key: ChatExl refuses settings it does not have (extra="forbid")
+        params = {k: v for k, v in super().standard_chat_model_params.items() if k != "api_key"}
+        return {**params, "max_tokens": N}
+
+    @pytest.mark.xfail(strict=True, raises=ValueError,
+                       reason="the suite loads with allowed_objects='all', which admits only the classes listed in "
+                              "langchain_core.load.mapping; test_langchain_exl.py round-trips ChatExl and ExlLLM with "
+                              "allowed_objects=[cls] (dumpd still matches the stored snapshot first)")
+    def test_serdes(self, model, snapshot) -> None:
+        super().test_serdes(model, snapshot)
+
 
 
 @pytest.mark.real_model
