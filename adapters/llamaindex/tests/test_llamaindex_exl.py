@@ -226,3 +226,78 @@ def test_complete_prompt_ids_are_the_native_generators(completion_model, monkeyp
     assert seen == [want] * 5
 
     assert_native_generates(eng, text, want, monkeypatch)   # the native path: same ids, same greedy text
+
+
+# -- settings, message contents, async loading ----------------------------------------------------
+
+def test_settings_are_validated_and_reach_the_sampler(completion_model):
+    from pydantic import ValidationError
+
+    from exl_core.errors import InputError
+    folder = completion_model("smollm2", False)
+    with pytest.raises(ValidationError, match="generate_kwargs"):
+        llm(folder, generate_kwargs={"x": 1})
+    from llama_index.llms.exl import Exl
+    assert Exl(model=folder, max_tokens=3).max_new_tokens == 3           # OpenAI's name for it
+    model = llm(folder, max_new_tokens=4)
+    with pytest.raises(InputError, match="top_pp"):
+        model.complete(COMPLETION_PROMPT, top_pp=0.1)
+    tok = model._engine().tokenizer
+    plain = model.complete(COMPLETION_PROMPT).text
+    first = tok.encode(plain)[0]
+    for per_call in ({"banned_tokens": [first]}, {"logit_bias": {first: -1e4}}):
+        assert tok.encode(model.complete(COMPLETION_PROMPT, **per_call).text)[:1] != [first], per_call
+    assert tok.encode(llm(folder, max_new_tokens=4, banned_tokens=[first]).complete(COMPLETION_PROMPT).text)[:1] \
+        != [first]
+
+
+def test_chat_refuses_non_text_blocks_and_honours_messages_to_prompt(completion_model, monkeypatch):
+    from llama_index.core.base.llms.types import ImageBlock, TextBlock
+
+    from exl_core.errors import InputError
+    folder = completion_model("smollm2", False)
+    model = llm(folder, max_new_tokens=2)
+    msg = ChatMessage(role=MessageRole.USER, blocks=[TextBlock(text="Describe: "), ImageBlock(url="http://127.0.0.1/x.png")])
+    with pytest.raises(InputError, match="ImageBlock"):
+        model.chat([msg])
+    custom = llm(folder, max_new_tokens=2, messages_to_prompt=lambda ms: "|".join(m.content for m in ms) + "|>")
+    seen = record_prompts(custom._engine().generator, monkeypatch)
+    custom.chat([ChatMessage(role=MessageRole.USER, content="a b"), ChatMessage(role=MessageRole.USER, content="c")])
+    assert seen == [custom._engine().tokenizer.encode("a b|c|>")]     # the user's format, not the chat template
+
+
+def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeypatch):
+    """The first call on a folder loads the model: the async methods do that in a worker thread, so the event loop
+    keeps serving other tasks (regression: it stalled for the whole load)."""
+    import time
+
+    from llama_index.llms.exl import Exl
+    folder = completion_model("smollm2", False)
+    real = Exl._engine
+
+    def slow_engine(self):
+        time.sleep(0.4)
+        return real(self)
+    monkeypatch.setattr(Exl, "_engine", slow_engine)
+    model = llm(folder, max_new_tokens=2)
+    msgs = [ChatMessage(role=MessageRole.USER, content="hi")]
+
+    async def drain(gen):
+        return [r async for r in await gen]
+    calls = (lambda: model.acomplete(COMPLETION_PROMPT), lambda: drain(model.astream_complete(COMPLETION_PROMPT)),
+             lambda: model.achat(msgs), lambda: drain(model.astream_chat(msgs)))
+
+    async def main(call):
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        await call()
+        t.cancel()
+        return ticks
+    for call in calls:
+        assert asyncio.run(main(call)) >= 10

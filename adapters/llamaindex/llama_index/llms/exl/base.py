@@ -7,17 +7,21 @@ formatted=True), encoded as exl_core's native `Generator.generate(prompt)` encod
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional, Sequence
 
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
                                               CompletionResponse, CompletionResponseAsyncGen,
-                                              CompletionResponseGen, LLMMetadata, MessageRole)
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+                                              CompletionResponseGen, LLMMetadata, MessageRole, TextBlock)
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
-                "frequency_penalty", "presence_penalty")
+                "frequency_penalty", "presence_penalty", "penalty_range", "logit_bias", "banned_tokens")
+# Per-call kwargs besides those (max_tokens: the same as max_new_tokens).
+CALL_KEYS = SAMPLER_KEYS + ("max_new_tokens", "max_tokens", "seed", "stop")
 
 
 def completion_ids(tokenizer, prompt: str) -> list[int]:
@@ -29,15 +33,29 @@ def completion_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def _text(message: ChatMessage, i: int) -> str:
+    """A message's text; blocks other than text (images, audio, documents) are refused, not dropped."""
+    from exl_core.errors import InputError
+    for block in message.blocks:
+        if not isinstance(block, TextBlock):
+            raise InputError(f"Exl: message {i} has a {type(block).__name__}; this model takes text only")
+    return message.content or ""
+
+
 class Exl(LLM):
-    """``Exl(model="path/to/folder", temperature=0.7, max_new_tokens=256)``."""
+    """``Exl(model="path/to/folder", temperature=0.7, max_new_tokens=256)``.
+
+    chat() uses the model's chat template, unless ``messages_to_prompt`` is given: then its text is the prompt."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)   # a misspelt setting is an error
 
     model: str = Field(description="Model folder (dense, GPTQ or EXL2).")
     device: str = Field(default="cpu")
     dtype: Optional[str] = Field(default=None, description="float16/bfloat16/float32; None: exl_core's choice.")
     cache_tokens: int = Field(default=8192, description="KV cache size of the shared engine.")
     temperature: float = Field(default=0.7, ge=0.0)
-    max_new_tokens: int = Field(default=256, gt=0)
+    max_new_tokens: int = Field(default=256, gt=0, alias="max_tokens",
+                                description="New tokens at most (also accepted as max_tokens).")
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -45,6 +63,9 @@ class Exl(LLM):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    penalty_range: int = Field(default=-1, description="Tokens back that the penalties look at (-1: all).")
+    logit_bias: Optional[dict[int, float]] = Field(default=None, description="Token id -> bias added to its logit.")
+    banned_tokens: Optional[list[int]] = None
     seed: Optional[int] = None
     stop: Optional[list[str]] = None
     context_window: Optional[int] = Field(default=None, description="Default: max_position_embeddings.")
@@ -80,6 +101,11 @@ class Exl(LLM):
 
     def _job(self, ids: list[int], **kwargs: Any):
         import exl_core
+        from exl_core.errors import InputError
+        unknown = sorted(set(kwargs) - set(CALL_KEYS))
+        if unknown:
+            raise InputError(f"Exl: unknown keyword argument(s) {', '.join(unknown)}; per call it takes "
+                             f"{', '.join(CALL_KEYS)}")
         sampler = exl_core.SamplerSettings(**{k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS})
         max_new = int(kwargs.pop("max_new_tokens", kwargs.pop("max_tokens", self.max_new_tokens)))
         stops = list(dict.fromkeys([*(self.stop or []), *(kwargs.pop("stop", None) or [])]))
@@ -87,8 +113,11 @@ class Exl(LLM):
                             seed=kwargs.pop("seed", self.seed))
 
     def _chat_job(self, messages: Sequence[ChatMessage], kwargs: dict):
+        texts = [_text(m, i) for i, m in enumerate(messages)]
         eng = self._engine()
-        dicts = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        if self.messages_to_prompt is not generic_messages_to_prompt:     # the user's own prompt format
+            return eng, self._job(completion_ids(eng.tokenizer, self.messages_to_prompt(messages)), **kwargs)
+        dicts = [{"role": m.role.value, "content": t} for m, t in zip(messages, texts)]
         text = eng.tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
         return eng, self._job(eng.tokenizer.encode(text, add_bos=False, special=True), **kwargs)
 
@@ -129,14 +158,14 @@ class Exl(LLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        eng, job = self._completion_job(prompt, formatted, kwargs)
+        eng, job = await asyncio.to_thread(self._completion_job, prompt, formatted, kwargs)   # a first load
         parts = [r.text async for r in eng.astream(job)]
         return CompletionResponse(text="".join(parts), additional_kwargs=self._info(job))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        eng, job = self._completion_job(prompt, formatted, kwargs)
+        eng, job = await asyncio.to_thread(self._completion_job, prompt, formatted, kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
@@ -169,13 +198,13 @@ class Exl(LLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        eng, job = self._chat_job(messages, kwargs)
+        eng, job = await asyncio.to_thread(self._chat_job, messages, kwargs)   # a first call loads the model
         parts = [r.text async for r in eng.astream(job)]
         return ChatResponse(message=self._assistant("".join(parts)), additional_kwargs=self._info(job))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        eng, job = self._chat_job(messages, kwargs)
+        eng, job = await asyncio.to_thread(self._chat_job, messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
