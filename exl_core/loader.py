@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from pathlib import Path
 from typing import Optional
@@ -142,14 +143,29 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     src = str(cfg.path or "model folder")
     check_embedding(cfg, reader)
 
+    check_unused_layers(cfg, names)
+
     def get(name: str, shape: tuple) -> torch.Tensor:
         if not reader.has(name):
             raise FormatError(f"{src}: tensor '{name}' is missing (expected shape {list(shape)} from config.json)")
+        if not reader.dtype(name).is_floating_point:      # would be cast to floats without a word
+            raise FormatError(f"{reader.file_of(name)}: tensor '{name}' is {reader.dtype(name)}; dense weights are "
+                              f"float16, bfloat16 or float32")
         return reader.get_checked(name, shape).to(device)
 
     def linear(prefix: str, n_in: int, n_out: int, bias: bool) -> QuantLinear:
+        if not bias and reader.has(f"{prefix}.bias"):
+            raise ConfigError(f"{src}: the file has '{prefix}.bias' but config.json describes this layer without a "
+                              f"bias (attention_bias / mlp_bias?); it would be dropped")
         if fmt is not None and fmt.has_layer(names, prefix):
-            pw = fmt.load_layer(reader.get, reader.shape, prefix, n_in, n_out, cfg.quantization_config)
+            try:
+                pw = fmt.load_layer(reader.get, reader.shape, prefix, n_in, n_out, cfg.quantization_config)
+            except FormatError as e:               # the formats name the layer; say which folder holds it
+                if str(src) in str(e):
+                    raise
+                raise FormatError(f"{src}: {e}") from e
+            if bias and pw.bias is None:
+                raise FormatError(f"{src}: tensor '{prefix}.bias' is missing (config.json gives this layer a bias)")
             return QuantLinear.from_packed(pw.to(device))
         w = get(f"{prefix}.weight", (n_out, n_in)).to(dtype)
         b = get(f"{prefix}.bias", (n_out,)).to(dtype) if bias else None
@@ -180,6 +196,20 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     set_activations(model, activations)
     set_prefill(model, prefill)
     return model
+
+
+def check_unused_layers(cfg: ModelConfig, names) -> None:
+    """Decoder layers in the file past config.json's num_hidden_layers: loading the first n of them would run a
+    truncated model (garbage text, no error)."""
+    idx = {int(m.group(1)) for m in map(_LAYER_NAME.match, names) if m}
+    extra = sorted(i for i in idx if i >= cfg.num_hidden_layers)
+    if extra:
+        conf = cfg.path / "config.json" if cfg.path is not None else "config.json"
+        raise ConfigError(f"{conf}: num_hidden_layers={cfg.num_hidden_layers}, but the weights hold layers up to "
+                          f"model.layers.{extra[-1]} ({len(idx)} layers); config.json does not describe these weights")
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def check_embedding(cfg: ModelConfig, reader: WeightReader) -> None:

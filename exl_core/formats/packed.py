@@ -98,6 +98,10 @@ class PackedWeight:
             raise FormatError(f"{name}: perm must be [{K}], got {tuple(self.perm.shape)}")
         if self.bias is not None and tuple(self.bias.shape) != (N,):
             raise FormatError(f"{name}: bias must be [{N}], got {tuple(self.bias.shape)}")
+        for t, tn in ((self.scale, "scale"), (self.zero, "zero"), (self.bias, "bias")):
+            # a NaN or inf here would surface only as corrupt logits, far from the file that holds it
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise FormatError(f"{name}: {tn} holds NaN or inf values (a corrupt file?)")
         return self
 
     def portable_meta(self) -> dict:

@@ -1,0 +1,86 @@
+"""Weights that do not match config.json are refused at load with the file and the tensor named, where they used
+to load and give wrong text: non-float dense tensors, layers past num_hidden_layers, biases the config does not
+describe (either way, dense and EXL2), NaN / inf in a packed layer's scales."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exl_core.errors import ConfigError, FormatError
+from exl_core.loader import load_model
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    for f in folder.glob("*.safetensors"):
+        t = load_file(f)
+        edit(t)
+        save_file(t, f, metadata={"format": "pt"})
+
+
+def _edit_config(folder: Path, **over) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(over)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _load(folder):
+    return load_model(folder, load_tokenizer=False)
+
+
+@pytest.mark.parametrize("name,dtype", [("model.layers.1.input_layernorm.weight", torch.int32),
+                                        ("model.embed_tokens.weight", torch.int8),
+                                        ("model.layers.0.self_attn.q_proj.weight", torch.bool)])
+def test_non_float_dense_tensors_are_refused(tiny_llama_dir, tmp_path, name, dtype):
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    _edit_tensors(folder, lambda t: t.__setitem__(name, t[name].to(dtype)) if name in t else None)
+    with pytest.raises(FormatError, match=rf"model.safetensors: tensor '{name}' is {dtype}"):
+        _load(folder)
+
+
+def test_layers_past_num_hidden_layers_are_refused(tiny_llama_dir, tmp_path):
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    _edit_config(folder, num_hidden_layers=n - 1)
+    with pytest.raises(ConfigError, match=rf"config.json: num_hidden_layers={n - 1}.*model.layers.{n - 1}"):
+        _load(folder)
+
+
+def test_a_bias_the_config_does_not_describe_is_refused(tiny_llama_dir, tmp_path):
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    _edit_tensors(folder, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias",
+                                                  torch.zeros(t["model.layers.0.self_attn.q_proj.weight"].shape[0])))
+    with pytest.raises(ConfigError, match="'model.layers.0.self_attn.q_proj.bias'.*without a bias"):
+        _load(folder)
+
+
+def test_exl2_layers_honour_the_config_bias_flags(exl2_act_order_dir, tmp_path):
+    """Dense files already failed on a missing bias; EXL2 layers ran without it."""
+    folder = _copy(exl2_act_order_dir, tmp_path / "m")
+    _edit_config(folder, attention_bias=True)
+    with pytest.raises(FormatError, match=r"'model.layers.0.self_attn.q_proj.bias' is missing"):
+        _load(folder)
+    _load(exl2_act_order_dir)                                  # the folder as written loads
+
+
+def test_non_finite_exl2_scale_is_refused_at_load(exl2_act_order_dir, tmp_path):
+    folder = _copy(exl2_act_order_dir, tmp_path / "m")
+    name = "model.layers.1.mlp.down_proj.q_scale_max"
+
+    def poison(t):
+        if name in t:
+            t[name] = t[name].clone()
+            t[name][0] = float("nan")
+    _edit_tensors(folder, poison)
+    with pytest.raises(FormatError, match="model.layers.1.mlp.down_proj.*scale holds NaN or inf") as err:
+        _load(folder)
+    assert str(folder) in str(err.value)                       # the folder that holds it
