@@ -202,6 +202,8 @@ def cmd_bench(args) -> int:
         raise ExlError(f"--batch {args.batch!r}: a comma-separated list of batch sizes, e.g. 1,8") from None
     for b in batches:                       # refused before the model loads
         check_sizes(b, args.prompt_tokens, args.new_tokens)
+    if args.json and not Path(args.json).resolve().parent.is_dir():     # not after the whole benchmark ran
+        raise ExlError(f"--json {args.json}: folder {Path(args.json).resolve().parent} does not exist")
     model, tok = _load(args)
     rows = [measure(model, tok, b, args.prompt_tokens, args.new_tokens, seed=args.seed) for b in batches]
     print(format_table(rows))
@@ -242,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate text from a prompt, streamed")
     _add_model_args(p)
     p.add_argument("-p", "--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_sampling_args(p)
@@ -251,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat with the model's chat template")
     _add_model_args(p)
     p.add_argument("--system", default=None)
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=positive_int, default=512)
     p.add_argument("--max-tokens", type=positive_int, default=8192,
                    help="KV cache size in tokens; the oldest turns are dropped to keep a prompt within it")
     _add_sampling_args(p)
@@ -294,6 +296,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         return args.fn(args) or 0
     except ExlError as e:
+        print(f"exl: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                    # an output path that is a file, a missing folder, no permission...
         print(f"exl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

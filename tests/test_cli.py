@@ -162,7 +162,18 @@ def test_chat_keeps_going_after_a_message_too_long_for_the_cache(tiny_llama_dir)
 
 
 @pytest.mark.parametrize("args", [("eval", "task", "-m", "x", "-t", "y", "--limit", "0"),
-                                  ("bench", "-m", "nowhere", "--batch", "0")])
+                                  ("bench", "-m", "nowhere", "--batch", "0"),
+                                  ("run", "-m", "nowhere", "-p", "hi", "--max-new-tokens", "0"),
+                                  ("chat", "-m", "nowhere", "--max-new-tokens", "-1"),
+                                  ("bench", "-m", "nowhere", "--json", "/nonexistent_dir/x.json")])
 def test_bad_limits_are_refused_before_loading(args):
     r = run_cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "not found" not in r.stderr
+
+
+def test_an_output_path_that_is_a_file_is_a_clear_error(tiny_llama_dir, tmp_path):
+    """OS errors (an existing file where a folder goes) are reported like other errors, not as a traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = run_cli("convert", "-i", str(tiny_llama_dir), "-o", str(afile / "sub"), "-b", "4.0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "afile" in r.stderr

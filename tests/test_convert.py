@@ -1,5 +1,6 @@
 """End-to-end converter on tiny random Llama folders: formats, quality order, resume, bad input."""
 import json
+import shutil
 import os
 import random
 import signal
@@ -295,6 +296,17 @@ def test_bad_inputs(tiny, calib_file, tmp_path):
     _expect_refusal(_settings(tiny, out, bpw=4.0, calib=str(calib_file), measurement=str(bad_meas)), out, "measurement")
     # the CLI entry point reports instead of raising
     assert convert_main(["-i", str(tiny), "-o", str(out), "-b", "20", "-q"]) == 2
+    # NaN weights: named with their file before any quantizing (was a sampling / packing error deep inside)
+    nan = tmp_path / "nan"
+    shutil.copytree(tiny, nan)
+    from safetensors.torch import load_file, save_file
+    for f in nan.glob("*.safetensors"):
+        t = load_file(f)
+        if "model.layers.1.self_attn.q_proj.weight" in t:
+            t["model.layers.1.self_attn.q_proj.weight"][0, :5] = float("nan")
+            save_file(t, f, metadata={"format": "pt"})
+    _expect_refusal(_settings(nan, out, bpw=4.0, calib=str(calib_file)), out,
+                    "model.layers.1.self_attn.q_proj.weight' holds NaN")
 
 
 def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):

@@ -91,6 +91,10 @@ def test_task_file_errors_name_the_line(tmp_path):
                  '"answer": 0}\n')
     with pytest.raises(InputError, match=rf"{f}:3: .*two or more"):
         read_task(f)
+    f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 1}\n{"context": "", "choices": ["x", "y"], '
+                 '"answer": 0}\n')
+    with pytest.raises(InputError, match=rf"{f}:2: .*non-empty \"context\""):
+        read_task(f)
     f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 2}\n')
     with pytest.raises(InputError, match=rf"{f}:1: \"answer\""):
         read_task(f)

@@ -49,10 +49,10 @@ def read_task(path, limit: Optional[int] = None) -> list[Example]:
     out = []
     for n, d in jsonl_objects(p, "task file"):
         ctx, choices, ans = (d.get(k) if isinstance(d, dict) else None for k in ("context", "choices", "answer"))
-        if not isinstance(ctx, str) or not isinstance(choices, list) or len(choices) < 2 or \
+        if not isinstance(ctx, str) or not ctx or not isinstance(choices, list) or len(choices) < 2 or \
                 not all(isinstance(c, str) and c for c in choices):
-            raise InputError(f"{p}:{n}: an example needs a \"context\" string and \"choices\", a list of two or more "
-                             "non-empty strings")
+            raise InputError(f"{p}:{n}: an example needs a non-empty \"context\" string and \"choices\", a list of "
+                             "two or more non-empty strings")
         if isinstance(ans, bool) or not isinstance(ans, int) or not 0 <= ans < len(choices):
             raise InputError(f"{p}:{n}: \"answer\" must be the index of the right choice (0..{len(choices) - 1}), "
                              f"got {ans!r}")

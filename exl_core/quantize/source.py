@@ -48,7 +48,13 @@ class DenseSource:
         return self.reader.has(name)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.reader.get(name, dtype=torch.float32)
+        where = f"{self.reader.file_of(name)}: tensor '{name}'"
+        if not self.reader.dtype(name).is_floating_point:
+            raise FormatError(f"{where} is {self.reader.dtype(name)}; dense weights are float16, bfloat16 or float32")
+        t = self.reader.get(name, dtype=torch.float32)
+        if not bool(torch.isfinite(t).all()):     # else a sampling or packing error deep in the quantizer
+            raise FormatError(f"{where} holds NaN or inf values; a model to convert needs finite weights")
+        return t
 
     def shape_of_linear(self, name: str) -> tuple[int, int]:
         """(out, in) of linear `name` (without .weight)."""
