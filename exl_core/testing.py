@@ -167,6 +167,26 @@ def record_prompts(generator, monkeypatch) -> list:
     return seen
 
 
+def event_loop_ticks(call) -> int:
+    """How often a 10 ms ticker task ran on the event loop while `await call()` ran (asyncio.run of both): an
+    adapter's async method that blocks the loop (a model load on it) lets it tick about never."""
+    import asyncio
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        await call()
+        t.cancel()
+        return ticks
+    return asyncio.run(main())
+
+
 def refuse_network(monkeypatch) -> None:
     """Make socket connections to anything but loopback raise (asyncio's self-pipe stays usable)."""
     import socket

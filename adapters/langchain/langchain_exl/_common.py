@@ -49,6 +49,15 @@ class ExlParams(BaseModel):
     timeout: Optional[float] = None
     max_retries: int = 0
 
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        """["langchain_exl", the class's module]: where load() imports it from."""
+        return ["langchain_exl", cls.__module__.rsplit(".", 1)[-1]]
+
     def _exl_params(self) -> dict[str, Any]:
         """Every setting that changes the output (LangChain's cache key is built from _identifying_params: two
         instances that differ in any of these must not share cached answers)."""

@@ -65,14 +65,6 @@ class ChatExl(ExlParams, BaseChatModel):
 
     model_config = ConfigDict(extra="forbid")     # a misspelt setting is an error, not silently ignored
 
-    @classmethod
-    def is_lc_serializable(cls) -> bool:
-        return True
-
-    @classmethod
-    def get_lc_namespace(cls) -> list[str]:
-        return ["langchain_exl", "chat_models"]
-
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._exl_params()

@@ -31,14 +31,6 @@ class ExlLLM(ExlParams, BaseLLM):
 
     model_config = ConfigDict(extra="forbid")     # a misspelt setting is an error, not silently ignored
 
-    @classmethod
-    def is_lc_serializable(cls) -> bool:
-        return True
-
-    @classmethod
-    def get_lc_namespace(cls) -> list[str]:
-        return ["langchain_exl", "llms"]
-
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._exl_params()

@@ -18,7 +18,7 @@ from langchain_core.prompts import ChatPromptTemplate
 
 from exl_core.errors import InputError
 from exl_core.testing import (COMPLETION_PROMPT, COMPLETION_TOKENIZER_CASES, assert_native_generates,
-                              native_prompt_ids, record_prompts)
+                              event_loop_ticks, native_prompt_ids, record_prompts)
 from langchain_exl import ChatExl, ExlLLM
 
 N = 16   # tokens per generation in these tests: enough to see divergence, cheap on 2 cores
@@ -294,25 +294,13 @@ def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeyp
         return real(self, model)
     monkeypatch.setattr(ExlParams, "_engine", slow_engine)
 
-    async def main(call):
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-        t = asyncio.create_task(ticker())
-        await call()
-        t.cancel()
-        return ticks
     llm = ExlLLM(model=folder, temperature=0, max_tokens=2)
     chat_model = ChatExl(model=folder, temperature=0, max_tokens=2)
 
     async def astream_all():
         return [c async for c in chat_model.astream("hi")]
     for call in (lambda: llm.ainvoke(COMPLETION_PROMPT), lambda: chat_model.ainvoke("hi"), astream_all):
-        assert asyncio.run(main(call)) >= 10
+        assert event_loop_ticks(call) >= 10
 
 
 @pytest.mark.parametrize("cls,module", [(ExlLLM, "llms"), (ChatExl, "chat_models")])

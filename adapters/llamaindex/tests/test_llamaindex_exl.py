@@ -18,7 +18,7 @@ import torch
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
 from exl_core.testing import (COMPLETION_PROMPT, COMPLETION_TOKENIZER_CASES, assert_native_generates,
-                              native_prompt_ids, record_prompts)
+                              event_loop_ticks, native_prompt_ids, record_prompts)
 
 N = 16
 
@@ -287,17 +287,5 @@ def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeyp
     calls = (lambda: model.acomplete(COMPLETION_PROMPT), lambda: drain(model.astream_complete(COMPLETION_PROMPT)),
              lambda: model.achat(msgs), lambda: drain(model.astream_chat(msgs)))
 
-    async def main(call):
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-        t = asyncio.create_task(ticker())
-        await call()
-        t.cancel()
-        return ticks
     for call in calls:
-        assert asyncio.run(main(call)) >= 10
+        assert event_loop_ticks(call) >= 10
