@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from .errors import TokenizerError
+from .errors import TokenizerError, is_int
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -29,6 +30,17 @@ def _read_json(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{path}: unreadable JSON ({e})") from e
     return data if isinstance(data, dict) else {}
+
+
+def _check_template(template: Any, source: Path) -> Any:
+    """A chat template as transformers stores it: a Jinja string, or a list of {"name", "template"} dicts (named
+    templates); anything else would fail only when a chat is rendered, with a Jinja error naming no file."""
+    named = isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str)
+                                               for t in template)
+    if template is not None and not isinstance(template, str) and not named:
+        raise TokenizerError(f"{source}: chat_template must be a Jinja template string or a list of "
+                             '{"name": ..., "template": ...} entries, got ' + type(template).__name__)
+    return template
 
 
 def _token_text(tok: Any) -> Optional[str]:
@@ -275,6 +287,9 @@ class Tokenizer:
         else:
             self.add_bos_default = self._post_processor_adds_bos()
         self.clean_up_spaces = bool(tok_config.get("clean_up_tokenization_spaces", False))
+        # ids a model of this folder can produce: config.json's vocab_size may exceed the tokenizer's (padding rows)
+        n = model_config.get("vocab_size")
+        self.id_limit: int = max(self.vocab_size, int(n) if is_int(n) else 0)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -300,12 +315,15 @@ class Tokenizer:
         template: Optional[Union[str, list]] = None
         jinja = folder / "chat_template.jinja"
         if jinja.is_file():  # transformers >= 4.47 saves it here, and prefers it
-            template = jinja.read_text(encoding="utf-8")
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja}: unreadable chat template ({e}); it must be UTF-8 text") from e
         elif tok_config.get("chat_template"):
-            template = tok_config["chat_template"]
+            template = _check_template(tok_config["chat_template"], folder / "tokenizer_config.json")
         else:
-            ct = _read_json(folder / "chat_template.json")
-            template = ct.get("chat_template") or None
+            ct = folder / "chat_template.json"
+            template = _check_template(_read_json(ct).get("chat_template") or None, ct)
         return cls(backend, folder, tok_config, model_config, gen_config, template)
 
     def _post_processor_adds_bos(self) -> bool:
@@ -353,13 +371,34 @@ class Tokenizer:
             return out
         return [self.encode(t, add_bos=add_bos, special=special) for t in texts]
 
+    def _token_ids(self, ids: Iterable[int]) -> list[int]:
+        """`ids` as ints, each in [0, id_limit): int() would pass 1.5 as 1 and True as 1."""
+        if hasattr(ids, "tolist"):      # a tensor or array: its numbers (a float tensor's stay floats: refused)
+            ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TokenizerError(f"{self.folder}: decode: ids must be a sequence of token ids, got "
+                                 f"{type(ids).__name__}")
+        out, bad = [], []
+        for i in ids:
+            try:
+                v = None if isinstance(i, bool) else operator.index(i)   # ints, numpy ints, 0-d int tensors
+            except TypeError:
+                v = None
+            if v is None or not 0 <= v < self.id_limit:
+                bad.append(i)
+            else:
+                out.append(v)
+        if bad:
+            raise TokenizerError(f"{self.folder}: decode: ids {bad[:5]} are not token ids: each must be a "
+                                 f"non-negative int below {self.id_limit} (the vocabulary size)")
+        return out
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        """Text of `ids`. Ids past the tokenizer's vocabulary (padding rows of a larger model
-        vocabulary) decode to nothing, as in `tokenizers`; negative ids are an error."""
-        ids = [int(i) for i in ids]
+        """Text of `ids`. Ids past the tokenizer's vocabulary but within config.json's vocab_size
+        (padding rows of a larger model vocabulary) decode to nothing, as in `tokenizers`;
+        negative ids, ids past both and non-integers are an error."""
+        ids = self._token_ids(ids)
         vs = self.vocab_size
-        if any(i < 0 for i in ids):
-            raise TokenizerError(f"{self.folder}: negative token id in {ids[:20]}")
         if any(i >= vs for i in ids):
             ids = [i for i in ids if i < vs]
         text = self._b.decode(ids, skip_special)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError, is_int
+from ..loader import SUPPORTED_DTYPES
 from ..ops.attention import (PAGED_MAX_Q_ROWS, OutOrder, paged_attention, paged_attention_choice, rope_paged_attention,
                              rope_paged_attention_ordered, rope_write_kv, write_kv)
 from ..ops.attention_gathered import sequence_causal_attention
@@ -42,6 +43,10 @@ class Cache:
         if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
             raise InputError(f"Cache: max_tokens={max_tokens!r} must be an int >= 1 (or None to size from free "
                              "memory)")
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
+            # the dtypes load_model takes: an integer cache rounds every K/V to garbage, a str fails in sizing
+            raise InputError(f"Cache: dtype={dtype!r} is not supported: use one of "
+                             f"{', '.join(map(str, SUPPORTED_DTYPES))} (or None for the model's dtype)")
         self.model = model
         self.config = cfg
         self.page_size = page_size

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, is_int
 from ..model.lora import lora_manager, lora_rows
 from .job import Job, JobResult
 from .lookahead import Lookahead
@@ -44,13 +44,25 @@ def default_budget(gpu: bool, window: Optional[int], max_batch_tokens: Optional[
     """(max_batch_tokens, max_chunk_size) where the caller left them None (Generator's docstring): a chunk is never cut
     to fit the budget (scheduler.py), so the budget keeps room for it next to max_batch_size decoding jobs, or a
     prompt would wait for every decoding job to finish."""
-    chunk = max_chunk_size or (2048 if gpu and not window else 512)
+    chunk = max_chunk_size if max_chunk_size is not None else (2048 if gpu and not window else 512)
     if max_batch_tokens is None:
         max_batch_tokens = max(2048, chunk + max_batch_size) if gpu else 2048
     if max_chunk_size is None:
         room = max_batch_tokens - max_batch_size
         chunk = min(chunk, room) if room >= 512 else min(512, max_batch_tokens)
     return max_batch_tokens, chunk
+
+
+def _check_filtered(job: Job, out, row: torch.Tensor) -> None:
+    """A token_filter's return value: None (row edited in place) or a replacement float row of the row's shape;
+    anything else would fail in torch's copy (wrong shape) or be cast silently (ints, bools)."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != row.shape:
+        got = (f"a {out.dtype} tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise InputError(f"Job {job.identifier!r}: token_filter returned {got}; it must return a float tensor of "
+                         f"shape [{row.numel()}] (the logits row, replaced) or None (the row edited in place)")
 
 
 class Generator:
@@ -70,6 +82,12 @@ class Generator:
         off)."""
         if cache.model is not model:
             raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
+        for name, v, optional in (("max_batch_tokens", max_batch_tokens, True),
+                                  ("max_chunk_size", max_chunk_size, True), ("max_batch_size", max_batch_size, False)):
+            # only None means the default: 0 must not pass for it, nor 2.5 reach the scheduler's arithmetic
+            if (v is not None or not optional) and (not is_int(v) or v < 1):
+                raise InputError(f"Generator: {name}={v!r} must be an int >= 1"
+                                 + (" (or None for the default)" if optional else ""))
         # speculative decoding (speculative.py): a draft model or n-gram lookup proposes tokens
         self.spec = None
         if draft_model is not None or ngram_draft:
@@ -125,10 +143,11 @@ class Generator:
             raise InputError(f"Generator.enqueue: expected a Job, got {type(job).__name__}")
         if job.status != "new":
             raise InputError(f"Generator.enqueue: {job!r} was already enqueued; create a new Job")
-        bad = [t for t in job.input_ids if t >= self.vocab_size]
-        if bad:
-            raise InputError(f"Job {job.identifier!r}: token ids {bad[:5]} are outside the vocabulary "
-                             f"(size {self.vocab_size})")
+        for what, ids in (("input_ids", job.input_ids), ("stop", sorted(job.stop_tokens))):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:     # a stop id past the vocabulary could never be sampled: the stop would silently never fire
+                raise InputError(f"Job {job.identifier!r}: {what} token ids {bad[:5]} are outside the vocabulary "
+                                 f"(size {self.vocab_size})")
         job.sampler.validate(self.vocab_size)
         if job.loras:
             from ..model.lora import check_job_loras
@@ -219,6 +238,7 @@ class Generator:
             if job.token_filter is not None:
                 try:
                     out = job.token_filter(list(job.tokens), logits[r])
+                    _check_filtered(job, out, logits[r])
                 except Exception as e:   # the job ends; the error reaches the caller below
                     errors.append(e)
                     self._finish(job, "cancelled")

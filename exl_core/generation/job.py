@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, is_int
 from .sampling import SamplerSettings
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "callback")
@@ -78,15 +78,21 @@ class Job:
             raise InputError("Job: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             raise InputError("Job: input_ids must be non-negative ints")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:     # is_int: True is no count
             raise InputError(f"Job: max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        if isinstance(stop, (str, int)):     # a single stop string / token, not a sequence of chars
+        if isinstance(stop, str) or is_int(stop):     # a single stop string / token, not a sequence of chars
             stop = [stop]
         stop = list(stop or [])
         for s in stop:
-            if isinstance(s, bool) or not isinstance(s, (str, int)) or (isinstance(s, str) and not s) \
-                    or (isinstance(s, int) and s < 0):
+            if not ((isinstance(s, str) and s) or (is_int(s) and s >= 0)):
                 raise InputError(f"Job: stop entry {s!r} must be a non-empty string or a token id")
+        if sampler is not None and not isinstance(sampler, SamplerSettings):
+            # a dict or a name would pass here and fail at enqueue as an AttributeError
+            hint = " (e.g. SamplerSettings(**sampler))" if isinstance(sampler, dict) else ""
+            raise InputError(f"Job: sampler must be a SamplerSettings or None, got {type(sampler).__name__}{hint}")
+        for name, fn in (("callback", callback), ("token_filter", token_filter)):
+            if fn is not None and not callable(fn):     # else a TypeError mid-generation, after its pages are taken
+                raise InputError(f"Job: {name} must be callable or None, got {type(fn).__name__}")
         if seed is not None:
             # int() would take "5" or 5.7 and fail on "abc" with a bare ValueError; index() takes numpy ints
             try:
@@ -99,10 +105,10 @@ class Job:
                 raise InputError(f"Job: seed={seed!r} must be an int in [-2**63, 2**64) (or None for a random "
                                  "seed)") from None
         self.input_ids = ids
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = int(max_new_tokens)
         self.sampler = sampler if sampler is not None else SamplerSettings()
         self.stop_strings = [s for s in stop if isinstance(s, str)]
-        self.stop_tokens = {s for s in stop if isinstance(s, int)}
+        self.stop_tokens = {int(s) for s in stop if not isinstance(s, str)}
         self.seed = seed
         self.stop_on_eos = stop_on_eos
         self.callback = callback
@@ -122,7 +128,7 @@ class Job:
         self.logprobs: list[float] = []
         self.text = ""                       # all text released so far
         self.finish_reason: Optional[str] = None
-        self.limit = max_new_tokens          # may be lowered to what the cache can hold
+        self.limit = self.max_new_tokens     # may be lowered to what the cache can hold
         self.reused_tokens = 0               # prompt positions taken from the prefix index
         self.page_keys: Optional[list[bytes]] = None   # Cache.prompt_keys(input_ids), computed once
         self.stream = None                   # streaming.TextStream

@@ -1,0 +1,176 @@
+"""Bad arguments to Cache, Job, Generator and the Tokenizer are refused with an ExlError naming the argument or file,
+never accepted into a silent wrong answer or a raw Python/torch error mid-generation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import exl_core as exl
+from exl_core.cache import Cache
+from exl_core.errors import InputError, TokenizerError
+from exl_core.generation import Generator, Job
+from exl_core.testing import make_completion_model
+from exl_core.tokenizer import Tokenizer
+from generator_support import (GREEDY, CharTokenizer, TinyLM, _one_thread, assert_greedy,  # noqa: F401 (fixture)
+                               assert_pool_idle, rand_prompt, run_all)
+
+
+@pytest.fixture(scope="module")
+def wordlevel_dir(tmp_path_factory):
+    """A tiny random Llama (vocab_size 64) whose word-level tokenizer holds 21 ids: rows 21..63 are padding."""
+    return make_completion_model(tmp_path_factory.mktemp("wordlevel") / "m", "wordlevel", True)
+
+
+def _generator(**kw):
+    model = TinyLM(seed=0)
+    cache = Cache(model, max_tokens=256, page_size=16)
+    return Generator(model, cache, CharTokenizer(), **kw)
+
+
+# -- Cache(dtype=...) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.bool, "float16"])
+def test_cache_refuses_dtypes_the_kernels_do_not_compute_in(dtype):
+    with pytest.raises(InputError, match=rf"Cache: dtype={dtype!r} is not supported.*torch.float16"):
+        Cache(TinyLM(seed=0), max_tokens=64, page_size=16, dtype=dtype)
+
+
+def test_cache_takes_each_supported_dtype():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, None):
+        assert Cache(TinyLM(seed=0), max_tokens=64, page_size=16, dtype=dtype).k[0].dtype == (dtype or torch.float32)
+
+
+# -- Job arguments ------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampler, shown", [({"temperature": 0}, r"dict \(e.g. SamplerSettings\(\*\*sampler\)\)"),
+                                            ("greedy", "str")])
+def test_job_sampler_must_be_sampler_settings(sampler, shown):
+    with pytest.raises(InputError, match=f"Job: sampler must be a SamplerSettings or None, got {shown}"):
+        Job([1, 2], sampler=sampler)
+
+
+def test_generate_with_a_dict_sampler_is_refused_before_anything_is_queued():
+    gen = _generator()
+    with pytest.raises(InputError, match="sampler.*dict"):
+        gen.generate("hi", max_new_tokens=2, sampler={"temperature": 0})
+    assert not gen.has_work()
+
+
+@pytest.mark.parametrize("name", ["callback", "token_filter"])
+def test_job_callback_and_token_filter_must_be_callable(name):
+    with pytest.raises(InputError, match=f"Job: {name} must be callable or None, got int"):
+        Job([1, 2], **{name: 5})
+
+
+@pytest.mark.parametrize("n", [True, 2.0, "3"])
+def test_job_max_new_tokens_must_be_an_int(n):
+    with pytest.raises(InputError, match=f"max_new_tokens={n!r} must be an int >= 1"):
+        Job([1, 2], max_new_tokens=n)
+
+
+def test_job_takes_numpy_ints_for_counts_and_stop_ids():
+    np = pytest.importorskip("numpy")
+    job = Job([1, 2], max_new_tokens=np.int64(3), stop=np.int64(7))
+    assert (job.max_new_tokens, job.limit, job.stop_tokens) == (3, 3, {7})
+    assert type(job.max_new_tokens) is int and all(type(t) is int for t in job.stop_tokens)
+
+
+def test_stop_token_outside_the_vocabulary_is_refused_at_enqueue():
+    gen = _generator()
+    with pytest.raises(InputError, match=r"stop token ids \[1000000000\] are outside the vocabulary \(size 300\)"):
+        gen.enqueue(Job([1, 2], stop=["x", 10 ** 9, 5]))
+    assert not gen.has_work()
+    with pytest.raises(InputError, match=r"input_ids token ids \[300\] are outside the vocabulary"):
+        gen.enqueue(Job([1, 300]))
+    gen.enqueue(Job([1, 2], max_new_tokens=1, stop=[299]))         # the last id is a valid stop
+
+
+# -- token_filter's return value ----------------------------------------------------------------
+@pytest.mark.parametrize("ret, shown", [(torch.zeros(3), r"a torch.float32 tensor of shape \[3\]"),
+                                        (torch.zeros(300, dtype=torch.int64), r"a torch.int64 tensor of shape \[300\]"),
+                                        ([0.0] * 300, "list")])
+def test_token_filter_returning_a_bad_row_cancels_its_job_with_an_input_error(ret, shown):
+    gen = _generator(max_batch_tokens=64, max_chunk_size=32)
+    p_ok = rand_prompt(9)
+    ok = gen.enqueue(Job(p_ok, max_new_tokens=4, sampler=GREEDY))
+    bad = gen.enqueue(Job(rand_prompt(9), max_new_tokens=4, sampler=GREEDY, token_filter=lambda ids, row: ret))
+    with pytest.raises(InputError, match=rf"Job {bad.identifier!r}: token_filter returned {shown}; it must return a "
+                                         r"float tensor of shape \[300\]"):
+        run_all(gen)
+    run_all(gen)
+    assert bad.finish_reason == "cancelled" and bad.table is None
+    assert ok.finish_reason == "length"
+    assert_greedy(gen.model, p_ok, ok.generated)
+    assert_pool_idle(gen.cache)
+
+
+def test_token_filter_replacement_row_is_used():
+    gen = _generator()
+    row = torch.full((300,), float("-inf"))
+    row[42] = 0.0
+    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=lambda ids, r: row))
+    run_all(gen)
+    assert job.generated == [42, 42, 42]
+
+
+# -- Generator budgets --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["max_chunk_size", "max_batch_tokens", "max_batch_size"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_generator_budgets_must_be_positive_ints(name, value):
+    with pytest.raises(InputError, match=f"Generator: {name}={value!r} must be an int >= 1"):
+        _generator(**{name: value})
+
+
+def test_generator_budget_none_is_the_default():
+    assert _generator(max_chunk_size=None, max_batch_tokens=None).scheduler.max_chunk_size == 512
+
+
+# -- Tokenizer ----------------------------------------------------------------------------------
+def _copy_folder(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_non_utf8_chat_template_file_names_the_file(wordlevel_dir, tmp_path):
+    folder = _copy_folder(wordlevel_dir, tmp_path / "m")
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(TokenizerError, match=r"chat_template\.jinja: unreadable chat template.*UTF-8"):
+        exl.load_model(folder)
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.json"])
+@pytest.mark.parametrize("template", [5, [{"name": "default", "template": 5}]])
+def test_chat_template_of_the_wrong_type_names_the_file(wordlevel_dir, tmp_path, where, template):
+    folder = _copy_folder(wordlevel_dir, tmp_path / "m")
+    cfg = json.loads((folder / where).read_text()) if (folder / where).exists() else {}
+    (folder / where).write_text(json.dumps({**cfg, "chat_template": template}))
+    with pytest.raises(TokenizerError, match=rf"{where}: chat_template must be a Jinja template string"):
+        Tokenizer.from_folder(folder)
+
+
+def test_chat_templates_of_both_forms_still_render(wordlevel_dir, tmp_path):
+    folder = _copy_folder(wordlevel_dir, tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    source = "{{ messages[0]['content'] }}!"
+    for template in (source, [{"name": "default", "template": source}]):
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+        assert Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+@pytest.mark.parametrize("ids", [[10 ** 7], [64], [1.5], [True], [-1], torch.tensor([3.0]), "cat", 5])
+def test_decode_refuses_what_is_not_a_token_id(wordlevel_dir, ids):
+    tok = Tokenizer.from_folder(wordlevel_dir)
+    with pytest.raises(TokenizerError, match=rf"{wordlevel_dir}: decode: ids"):
+        tok.decode(ids)
+
+
+def test_decode_drops_padding_rows_and_takes_integer_likes(wordlevel_dir):
+    np = pytest.importorskip("numpy")
+    tok = Tokenizer.from_folder(wordlevel_dir)
+    assert (tok.vocab_size, tok.id_limit) == (21, 64)        # config.json: vocab_size 64
+    want = tok.decode([3, 4])
+    assert want and tok.decode([3, 63, 4]) == want           # a padding row the model may sample: no text
+    assert tok.decode(torch.tensor([3, 4])) == tok.decode(np.array([3, 4])) == want
+    assert tok.decode([torch.tensor(3), np.int32(4)]) == want
