@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", default_attention_bias=True, uses_sliding_window=True,
                                  sliding_window_flag="use_sliding_window"),
 }
+
+
+# transformers' ACT2FN maps both names to SiLU
+SILU_NAMES = ("silu", "swish")
 
 
 def register_architecture(spec: ArchSpec) -> None:
@@ -72,79 +77,121 @@ class ModelConfig:
         return None if not qc else qc.get("quant_method")
 
 
-class _Reader:
-    """Typed access to one config dict, with errors that name the file and key."""
+class Reader:
+    """Typed access to one config dict, with errors that name the file and key.
 
-    def __init__(self, data: dict, source: str):
-        self.data, self.source = data, source
+    `prefix` names a nested object ("rope_scaling."), so its keys are reported by their full path."""
 
-    def _fail(self, key, why):
-        raise ConfigError(f"{self.source}: key '{key}' {why}")
+    def __init__(self, data: dict, source: str, prefix: str = ""):
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def fail(self, key, why):
+        raise ConfigError(f"{self.source}: key '{self.prefix}{key}' {why}")
 
     def get(self, key, typ, default: Any = ..., positive=False):
         if key not in self.data or self.data[key] is None:
             if default is ...:
-                self._fail(key, "is missing")
+                self.fail(key, "is missing")
             return default
-        v = self.data[key]
+        return self.check(key, self.data[key], typ, positive)
+
+    def check(self, key, v, typ, positive=False):
+        """`v` (the value of `key`, or an item of it) as `typ`: ints pass as floats and integral floats
+        as ints, bools pass only as bool."""
         if typ is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         if typ is int and isinstance(v, float) and v.is_integer():
             v = int(v)
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            self._fail(key, f"must be {typ.__name__}, got {type(v).__name__} {v!r}")
+            self.fail(key, f"must be {typ.__name__}, got {type(v).__name__} {v!r}")
         if typ is float and not math.isfinite(v):
-            self._fail(key, f"must be finite, got {v!r}")
+            self.fail(key, f"must be finite, got {v!r}")
         if positive and v <= 0:
-            self._fail(key, f"must be > 0, got {v!r}")
+            self.fail(key, f"must be > 0, got {v!r}")
         return v
 
-
-def _rope_scaling(r: _Reader) -> Optional[dict]:
-    rs = r.data.get("rope_scaling")
-    if rs is None:
-        # transformers 5.x may write `rope_parameters` instead of rope_scaling/rope_theta
-        rp = r.data.get("rope_parameters")
-        if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
-            rs = rp
-        else:
+    def sub(self, key) -> Optional["Reader"]:
+        """A Reader over the nested object at `key`, None when absent or null."""
+        v = self.data.get(key)
+        if v is None:
             return None
-    if not isinstance(rs, dict):
-        raise ConfigError(f"{r.source}: key 'rope_scaling' must be an object, got {rs!r}")
-    kind = rs.get("rope_type", rs.get("type"))
+        if not isinstance(v, dict):
+            self.fail(key, f"must be an object, got {type(v).__name__} {v!r}")
+        return Reader(v, self.source, f"{self.prefix}{key}.")
+
+
+def _rope_scaling(r: Reader) -> Optional[dict]:
+    # transformers 5.x may write `rope_parameters` instead of rope_scaling/rope_theta
+    rs = r.sub("rope_scaling") or r.sub("rope_parameters")
+    if rs is None:
+        return None
+    type_key = "rope_type" if "rope_type" in rs.data else "type"
+    kind = rs.data.get(type_key)
     if kind in (None, "default"):
         return None
     if kind == "linear":
-        f = rs.get("factor")
-        if not isinstance(f, (int, float)) or f <= 0:
-            raise ConfigError(f"{r.source}: rope_scaling.factor must be > 0 for linear scaling, got {f!r}")
-        return {"rope_type": "linear", "factor": float(f)}
+        return {"rope_type": "linear", "factor": rs.get("factor", float, positive=True)}
     if kind == "llama3":
-        need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        for k in need:
-            if not isinstance(rs.get(k), (int, float)):
-                raise ConfigError(f"{r.source}: rope_scaling.{k} is missing or not a number (llama3 scaling)")
-        return {"rope_type": "llama3", **{k: float(rs[k]) for k in need}}
-    raise ConfigError(f"{r.source}: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        lo = rs.get("low_freq_factor", float, positive=True)
+        hi = rs.get("high_freq_factor", float, positive=True)
+        if hi <= lo:   # the llama3 formula divides by (high - low)
+            rs.fail("high_freq_factor", f"must be greater than low_freq_factor ({lo}), got {hi}")
+        return {"rope_type": "llama3", "factor": rs.get("factor", float, positive=True),
+                "low_freq_factor": lo, "high_freq_factor": hi, "original_max_position_embeddings":
+                    float(rs.get("original_max_position_embeddings", int, positive=True))}
+    rs.fail(type_key, f"value {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _token_id(r: Reader, key: str, v, vocab: int) -> int:
+    """A special token id: an int the embedding has a row for."""
+    i = r.check(key, v, int)
+    if not 0 <= i < vocab:
+        r.fail(key, f"must be a token id in [0, vocab_size={vocab}), got {i}")
+    return i
+
+
+def _optional_token_id(r: Reader, key: str, vocab: int) -> Optional[int]:
+    v = r.data.get(key)
+    return None if v is None else _token_id(r, key, v, vocab)
+
+
+def _pad_token_id(r: Reader, vocab: int) -> Optional[int]:
+    """pad_token_id: the model never reads it, and old conversions write -1 for "none": out of range means none
+    here rather than a model refused for a field it does not use (its type is still checked)."""
+    v = r.get("pad_token_id", int, None)
+    return v if v is not None and 0 <= v < vocab else None
+
+
+def _eos_token_ids(r: Reader, vocab: int) -> list[int]:
+    eos = r.data.get("eos_token_id")
+    if isinstance(eos, list):   # Llama 3 lists several
+        return [_token_id(r, f"eos_token_id[{i}]", v, vocab) for i, v in enumerate(eos)]
+    return [] if eos is None else [_token_id(r, "eos_token_id", eos, vocab)]
 
 
 def config_from_dict(data: dict, source: str = "config.json", path: Optional[Path] = None) -> ModelConfig:
-    r = _Reader(data, source)
+    r = Reader(data, source)
     archs = r.get("architectures", list)
     if not archs:
         raise ConfigError(f"{source}: key 'architectures' is empty")
+    if not all(isinstance(a, str) for a in archs):
+        r.fail("architectures", f"must be a list of class names (strings), got {archs!r}")
     arch = archs[0]
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: architecture {arch!r} is not supported "
                           f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     spec = ARCHITECTURES[arch]
+    act = r.get("hidden_act", str, "silu")
+    if act not in SILU_NAMES:   # the MLP computes SiLU only; another activation would run as SiLU
+        r.fail("hidden_act", f"is {act!r}; exl_core supports only SiLU ({', '.join(map(repr, SILU_NAMES))})")
+    vocab = r.get("vocab_size", int, positive=True)
     hidden = r.get("hidden_size", int, positive=True)
     heads = r.get("num_attention_heads", int, positive=True)
     kv_heads = r.get("num_key_value_heads", int, heads, positive=True)
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
                           f"num_key_value_heads ({kv_heads})")
-    head_dim = r.get("head_dim", int, None)
+    head_dim = r.get("head_dim", int, None, positive=True)
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) "
@@ -152,25 +199,23 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         head_dim = hidden // heads
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
-    rope_theta = r.get("rope_theta", float, None)
+    rope_theta = r.get("rope_theta", float, None, positive=True)
     if rope_theta is None:
-        rp = data.get("rope_parameters")
-        rope_theta = float(rp["rope_theta"]) if isinstance(rp, dict) and "rope_theta" in rp else 10000.0
+        rp = r.sub("rope_parameters")
+        rope_theta = rp.get("rope_theta", float, 10000.0, positive=True) if rp else 10000.0
     sliding = None
     if spec.uses_sliding_window:
         sliding = r.get("sliding_window", int, None)
-        if spec.sliding_window_flag and not data.get(spec.sliding_window_flag, False):
+        if spec.sliding_window_flag and not r.get(spec.sliding_window_flag, bool, False):
             sliding = None
         if sliding is not None and sliding <= 0:
             raise ConfigError(f"{source}: key 'sliding_window' must be > 0, got {sliding}")
-    eos = data.get("eos_token_id")
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     qc = data.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise ConfigError(f"{source}: key 'quantization_config' must be an object")
     return ModelConfig(
         architecture=arch,
-        vocab_size=r.get("vocab_size", int, positive=True),
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=r.get("intermediate_size", int, positive=True),
         num_hidden_layers=r.get("num_hidden_layers", int, positive=True),
@@ -185,9 +230,9 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         mlp_bias=r.get("mlp_bias", bool, False),
         rope_scaling=_rope_scaling(r),
         sliding_window=sliding,
-        bos_token_id=r.get("bos_token_id", int, None),
-        eos_token_ids=eos_ids,
-        pad_token_id=r.get("pad_token_id", int, None),
+        bos_token_id=_optional_token_id(r, "bos_token_id", vocab),
+        eos_token_ids=_eos_token_ids(r, vocab),
+        pad_token_id=_pad_token_id(r, vocab),
         torch_dtype=data.get("torch_dtype") or data.get("dtype"),
         quantization_config=qc,
         path=path,
@@ -195,26 +240,45 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
     )
 
 
-def load_config(folder) -> ModelConfig:
-    """Reads `<folder>/config.json` (or a path to the file itself)."""
-    p = Path(folder)
-    file = p / "config.json" if p.is_dir() else p
+def model_folder(path) -> Path:
+    """`path` as an existing folder: None, a non-path or a file given by mistake is named as such here
+    instead of failing inside pathlib or as a weight file that is "not valid JSON"."""
+    if not isinstance(path, (str, os.PathLike)) or str(path) == "":
+        raise ConfigError(f"a model folder path (str or pathlib.Path) is expected, got {path!r}")
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: model folder not found")
+    if not p.is_dir():
+        raise ConfigError(f"{p}: is a file; a model folder (holding config.json and the weights) is expected")
+    return p
+
+
+def _read_json_object(file: Path) -> dict:
+    if file.is_dir():
+        raise ConfigError(f"{file}: is a folder, not a JSON file")
     if not file.exists():
         raise ConfigError(f"{file}: not found (a model folder needs a HF config.json)")
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{file}: cannot be read ({e.strerror})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: must hold a JSON object")
+    return data
+
+
+def load_config(folder) -> ModelConfig:
+    """Reads `<folder>/config.json` (or a path to the config.json file itself)."""
+    p = Path(folder) if isinstance(folder, (str, os.PathLike)) else None
+    if p is not None and p.name == "config.json" and p.is_file():
+        file = p
+    else:
+        file = model_folder(folder) / "config.json"
+    data = _read_json_object(file)
     legacy = file.parent / "quantize_config.json"
     if "quantization_config" not in data and legacy.exists():
         # older AutoGPTQ folders keep the GPTQ settings beside config.json
-        try:
-            qc = json.loads(legacy.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{legacy}: not valid JSON ({e})") from None
-        if not isinstance(qc, dict):
-            raise ConfigError(f"{legacy}: must hold a JSON object")
-        data = {**data, "quantization_config": {"quant_method": "gptq", **qc}}
+        data = {**data, "quantization_config": {"quant_method": "gptq", **_read_json_object(legacy)}}
     return config_from_dict(data, str(file), file.parent)

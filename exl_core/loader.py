@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .config import ModelConfig, load_config
+from .config import ModelConfig, load_config, model_folder
 from .errors import ConfigError, FormatError, is_int
 from .formats.base import detect_format
 from .formats.safetensors_io import WeightReader
@@ -377,9 +377,7 @@ def load_model(path, device="cpu", dtype: Optional[torch.dtype] = None, max_memo
                           "e.g. 10 * 2**30 for 10 GiB) or None")
     _as_device(device)
     _check_dtype(dtype)
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{p}: model folder not found")
+    p = model_folder(path)                  # None, a file or a missing path: named as such
     cfg = load_config(p)
     reader = WeightReader(p)
     model = build_model(cfg, reader, device=device, dtype=dtype, progress=progress, head=head,

@@ -21,6 +21,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from ..config import Reader
 from ..errors import FormatError
 from .base import check_tensor, gather, register_format
 from .bitpack import fp16_ceil, pack_stream, stream_to_bits_reference, unpack_stream
@@ -42,16 +43,24 @@ def checkpoint_is_v1(quant_config: Optional[dict], name: str = "quantization_con
     return fmt == "gptq"
 
 
-def _bits(tensors: Mapping[str, torch.Tensor], in_features: int, quant_config: Optional[dict], name: str) -> int:
+def quant_settings(quant_config: Optional[dict]) -> tuple[Optional[int], Optional[int]]:
+    """(bits, group_size) of quantization_config, None where absent; a value of the wrong type, or a
+    group_size that is neither > 0 nor -1 (one group over all rows), raises ConfigError."""
+    r = Reader(quant_config or {}, "config.json", "quantization_config.")
+    bits, gs = r.get("bits", int, None), r.get("group_size", int, None)
+    if gs is not None and gs <= 0 and gs != -1:
+        r.fail("group_size", f"must be > 0, or -1 for one group over all rows, got {gs}")
+    return bits, gs
+
+
+def _bits(tensors: Mapping[str, torch.Tensor], in_features: int, bits: Optional[int], name: str) -> int:
     qw = check_tensor(f"{name}.qweight", tensors.get("qweight"), torch.int32, None)
     if qw.dim() != 2:
         raise FormatError(f"{name}.qweight: expected a 2-D int32 tensor, got {list(qw.shape)}")
-    bits = (quant_config or {}).get("bits")
     if bits is None:   # infer from the shape: rows = K*bits/32
         bits, rem = divmod(qw.shape[0] * 32, in_features)
         if rem:
             bits = -1
-    bits = int(bits)
     if bits not in SUPPORTED_BITS:
         raise FormatError(f"{name}.qweight: unsupported GPTQ bit width {bits} (supported: {SUPPORTED_BITS})")
     return bits
@@ -61,7 +70,8 @@ def validate(tensors: Mapping[str, torch.Tensor], in_features: int, out_features
              quant_config: Optional[dict] = None, name: str = "layer") -> tuple[int, torch.Tensor, int]:
     """Checks every tensor; returns (bits, g_idx int64 [K], groups G)."""
     K, N = in_features, out_features
-    bits = _bits(tensors, K, quant_config, name)
+    bits, gs = quant_settings(quant_config)
+    bits = _bits(tensors, K, bits, name)
     if (K * bits) % 32 or (N * bits) % 32:
         raise FormatError(f"{name}: in_features={K} / out_features={N} do not fill whole 32-bit words "
                           f"at {bits} bits")
@@ -71,7 +81,6 @@ def validate(tensors: Mapping[str, torch.Tensor], in_features: int, out_features
         raise FormatError(f"{name}.scales: expected float16 [groups, {N}], got {list(sc.shape)}")
     G = sc.shape[0]
     check_tensor(f"{name}.qzeros", tensors.get("qzeros"), torch.int32, (G, N * bits // 32))
-    gs = (quant_config or {}).get("group_size")
     if "g_idx" in tensors and not _placeholder_g_idx(tensors["g_idx"], G):
         g_idx = check_tensor(f"{name}.g_idx", tensors["g_idx"], _INTS, (K,)).to(torch.int64)
         if K and (int(g_idx.min()) < 0 or int(g_idx.max()) >= G):
@@ -138,7 +147,7 @@ def dequantize_reference(tensors: Mapping[str, torch.Tensor], quant_config: Opti
     per-row g_idx lookup; no permutation or repacking involved)."""
     qw, sc = tensors["qweight"], tensors["scales"]
     N = qw.shape[1]
-    bits = (quant_config or {}).get("bits")
+    bits, gs = quant_settings(quant_config)
     if bits is None:
         if "g_idx" not in tensors:
             raise FormatError("dequantize_reference: needs quant_config['bits'] when g_idx is absent")
@@ -150,7 +159,6 @@ def dequantize_reference(tensors: Mapping[str, torch.Tensor], quant_config: Opti
     if "g_idx" in tensors and not _placeholder_g_idx(tensors["g_idx"], sc.shape[0]):
         g_idx = tensors["g_idx"].to(torch.int64)
     else:
-        gs = (quant_config or {}).get("group_size")
         G = sc.shape[0]
         g_idx = torch.arange(K) // (gs if gs not in (None, -1) else -(-K // G))
     return (q.to(dtype) - z[g_idx].to(dtype)) * sc.to(dtype)[g_idx]
