@@ -11,7 +11,7 @@ import torch
 
 from exl_core.errors import LoraError
 from exl_core.model.context import ContiguousContext
-from exl_core.model.lora import load_lora, row_plan, set_active
+from exl_core.model.lora import load_lora, lora_manager, row_plan, set_active
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -270,3 +270,70 @@ def test_merge_into_weights_rewritten_as_uniform4_rows(exl2_act_order_dir, tiny_
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         torch.testing.assert_close(rewritten.forward_batch(ids), plain.forward_batch(ids), rtol=0, atol=1e-4)
+
+
+def test_merges_are_undone_in_reverse_order_only(tiny_llama_dir, tmp_path):
+    """Each merge saves the weights as they were (holding the merges before it): unmerging out of order would
+    restore weights without a later adapter's update while it still counts as merged (regression: silently
+    corrupted base weights)."""
+    model = _fresh(tiny_llama_dir)
+    ids = torch.randint(0, 49152, (1, 7))
+    plain = model.forward_batch(ids)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=1), name="a")
+    b = load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, seed=2), name="b")
+    a.merge()
+    b.merge()
+    for wrong in (a.unmerge, a.unload):
+        with pytest.raises(LoraError, match="'b' was merged after it"):
+            wrong()
+    assert a.merged and b.merged
+    b.unmerge()
+    a.unmerge()
+    assert torch.equal(model.forward_batch(ids), plain)      # exact base weights again
+
+
+def test_adapters_in_use_by_jobs_are_not_unloaded_or_merged(tiny_llama_dir, tmp_path):
+    """Unloading (or merging) an adapter that a queued or running job names used to leave the generator raising on
+    every iterate(), its jobs never finishing."""
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=3), name="a")
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    s = SamplerSettings(temperature=0.0)
+    jobs = [Job([1, 2, 3], max_new_tokens=4, sampler=s, stop_on_eos=False, loras={"a": 1.0}),
+            Job([4, 5, 6], max_new_tokens=4, sampler=s, stop_on_eos=False)]
+    gen.enqueue(jobs)
+    for attempt in (a.unload, a.merge):
+        with pytest.raises(LoraError, match="1 queued or running job use it"):
+            attempt()
+    gen.iterate()
+    with pytest.raises(LoraError, match="1 queued or running job use it"):
+        a.unload()
+    while gen.has_work():
+        gen.iterate()
+    assert [len(j.generated) for j in jobs] == [4, 4]
+    a.unload()                                                # nothing uses it now
+    assert "a" not in lora_manager(model).adapters
+
+
+def test_rank_and_alpha_patterns_match_as_peft_does(tiny_llama_dir, tmp_path):
+    """PEFT matches a pattern key as a regex after a "." boundary: "q_proj|v_proj" or a layer-qualified name
+    (regression: those were missed, and the default alpha or rank silently used)."""
+    model = _fresh(tiny_llama_dir)
+    folder = make_adapter(tmp_path / "p", tiny_llama_dir, r=4, alpha=8.0)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg["alpha_pattern"] = {"q_proj|v_proj": 32.0, r"layers\.1\.mlp\.down_proj": 2.0}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    ad = load_lora(model, folder, name="p")
+    scales = {m: ad.layers[m].scale for m in ad.layers}
+    for m, s in scales.items():
+        want = 32.0 / 4 if m.endswith(("q_proj", "v_proj")) else 2.0 / 4 if m == "model.layers.1.mlp.down_proj" \
+            else 8.0 / 4
+        assert s == pytest.approx(want), m
+    ad.unload()
+    cfg["alpha_pattern"] = {"q_proj(": 1.0}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoraError, match="not a valid regular expression"):
+        load_lora(model, folder, name="bad")

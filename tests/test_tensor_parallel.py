@@ -35,20 +35,23 @@ def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, ou
         model, _ = load_model(folder, load_tokenizer=False)
         shard_model(model)
         logits = model.forward_batch(ids)
-        torch.save({"logits": logits, "tokens": _sample(model, ids),
+        tokens = _sample(model, ids)
+        torch.rand(rank + 1)               # the ranks' global generators drift apart (rank-dependent work)
+        unseeded = _sample(model, ids, seeded=False)
+        torch.save({"logits": logits, "tokens": tokens, "unseeded": unseeded,
                     "local_heads": model.config.num_key_value_heads}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _sample(model, ids) -> list[list[int]]:
-    """Seeded sampling of 6 tokens per row of ids through the Generator."""
+def _sample(model, ids, seeded: bool = True) -> list[list[int]]:
+    """Sampling of 6 tokens per row of ids through the Generator (seeded: each job its own seed)."""
     from exl_core.cache import Cache
     from exl_core.generation import Generator, Job
     from exl_core.generation.sampling import SamplerSettings
     gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
     jobs = gen.enqueue([Job(input_ids=ids[i].tolist(), max_new_tokens=6, stop_on_eos=False,
-                            sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i)
+                            sampler=SamplerSettings(temperature=0.8, top_k=50), seed=11 + i if seeded else None)
                         for i in range(ids.shape[0])])
     while gen.has_work():
         gen.iterate()
@@ -86,6 +89,10 @@ def test_two_ranks_match_one_process(tp_models, tmp_path, kind):
         assert got["logits"].shape == ref_logits.shape
         assert (got["logits"] - ref_logits).abs().max().item() <= 1e-6
         assert got["tokens"] == ref_tokens
+    # jobs without a seed: every rank samples the same tokens (a seed shared from rank 0), else the gathered
+    # activations would mix different histories
+    unseeded = [torch.load(tmp_path / f"rank{rank}.pt")["unseeded"] for rank in range(2)]
+    assert unseeded[0] == unseeded[1]
 
 
 def test_indivisible_heads_are_refused(tp_models):

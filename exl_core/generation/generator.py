@@ -149,9 +149,14 @@ class Generator:
                 raise InputError(f"Job {job.identifier!r}: {what} token ids {bad[:5]} are outside the vocabulary "
                                  f"(size {self.vocab_size})")
         job.sampler.validate(self.vocab_size)
+        tp = getattr(self.model, "tensor_parallel", None)
+        if tp is not None and job.seed is None:     # every rank must sample the same tokens (TPGroup.shared_seed)
+            job.seed = tp.shared_seed()
+            job.rng = torch.Generator().manual_seed(job.seed)
         if job.loras:
             from ..model.lora import check_job_loras
             check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
+            lora_manager(self.model).generators.add(self)   # its adapters are not unloaded / merged under it
         self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
 
     def cancel(self, job: Job) -> bool:

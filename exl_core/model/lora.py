@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import re
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,19 @@ class LoraManager:
         self.hooks: dict[str, LoraHook] = {}
         self.active: dict[str, float] = {}            # mix for every row when no plan is set
         self._plan: Optional[list[tuple[int, int, dict]]] = None
+        self.merged: list[str] = []                   # merge order: merges are undone in reverse (each saved the
+        # weights as they were, which hold the merges before it)
+        self.generators = weakref.WeakSet()           # generators whose queued / running jobs may name adapters
+
+    def jobs_using(self, name: str) -> int:
+        """Queued or running jobs (of generators on this model) whose mix names adapter `name`."""
+        return sum(1 for g in list(self.generators) for j in (*g.waiting, *g.active) if name in (j.loras or {}))
+
+    def check_unused(self, name: str, doing: str) -> None:
+        n = self.jobs_using(name)
+        if n:
+            raise LoraError(f"cannot {doing} adapter {name!r}: {n} queued or running job{'s' * (n > 1)} use it; let "
+                            "them finish or cancel them first")
 
     def check_mix(self, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
         """Validated copy of a mix: known, unmerged adapters with finite weights."""
@@ -244,9 +258,14 @@ def _read_tensors(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
 
 
 def _pattern_value(patterns: Optional[dict], module: str, default):
-    """PEFT rank_pattern / alpha_pattern: a key matches a module name ending in it (or regex)."""
+    """PEFT rank_pattern / alpha_pattern: the first key that, as a regex, matches the module name after a "."
+    boundary (PEFT's rule: "(.*\\.)?(key)$"), e.g. "q_proj", "q_proj|v_proj", "layers\\.1\\.self_attn\\.q_proj"."""
     for key, v in (patterns or {}).items():
-        if module == key or module.endswith("." + key) or re.fullmatch(key, module):
+        try:
+            hit = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as e:
+            raise LoraError(f"adapter_config.json: pattern key {key!r} is not a valid regular expression ({e})") from None
+        if hit:
             return v
     return default
 
@@ -284,6 +303,7 @@ class LoraAdapter:
             raise LoraError(f"adapter {self.name!r} is already merged")
         if self.name in self.manager.active:
             raise LoraError(f"adapter {self.name!r} is active on the fly; set_active(model, None) first")
+        self.manager.check_unused(self.name, "merge")
         layers = dict(self.manager.model.linear_layers())
         report = {}
         for module in self.layers:
@@ -308,13 +328,19 @@ class LoraAdapter:
         from ..loader import share_input_perms   # q/k/v (gate/up) re-quantized alike share one permutation again
         share_input_perms(self.manager.model)
         self.merged = True
+        self.manager.merged.append(self.name)
         self.merge_report = report
         return report
 
     def unmerge(self) -> None:
-        """Restore the exact base weights saved by merge()."""
+        """Restore the exact weights saved by merge(); merges are undone in reverse order (the weights this one saved
+        hold the merges made before it, and restoring them under a later merge would drop that one's update)."""
         if not self.merged:
             raise LoraError(f"adapter {self.name!r} is not merged")
+        stack = self.manager.merged
+        if stack and stack[-1] != self.name:
+            raise LoraError(f"adapter {self.name!r}: {stack[-1]!r} was merged after it; unmerge {stack[-1]!r} first "
+                            "(merges are undone in reverse order)")
         layers = dict(self.manager.model.linear_layers())
         for module, (kind, saved) in self._saved.items():
             if kind == "packed":
@@ -323,9 +349,11 @@ class LoraAdapter:
                 layers[module].w_t = saved
         self._saved.clear()
         self.merged = False
+        stack.pop()
 
     def unload(self) -> None:
-        """Forget the adapter (unmerging it first)."""
+        """Forget the adapter (unmerging it first). Refused while queued or running jobs use it."""
+        self.manager.check_unused(self.name, "unload")
         if self.merged:
             self.unmerge()
         m = self.manager
@@ -346,6 +374,8 @@ def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = Fa
     LoraError when a file is missing or pickled, a target module is absent from the model, or
     a factor's rank or shape does not fit the base model."""
     folder = Path(folder)
+    if getattr(model, "tensor_parallel", None) is not None:   # its projections are column shards
+        raise LoraError(f"{folder}: LoRA adapters are not supported on a tensor-parallel model")
     if not folder.is_dir():
         raise LoraError(f"{folder}: adapter folder not found")
     cfg = _read_config(folder)

@@ -48,6 +48,16 @@ class TPGroup:
                              "(call init_tensor_parallel() or dist.init_process_group first)")
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
+    def shared_seed(self) -> int:
+        """A seed drawn by rank 0 (from torch's global generator there) and handed to every rank: jobs without a
+        seed of their own sample from it, so ranks whose global generators drifted apart still pick the same tokens
+        (different tokens would feed the ranks different histories, and the gathered activations mix them)."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(dev)
+        dist.broadcast(seed, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                       group=self.group)
+        return int(seed.item())
+
     def gather_columns(self, y: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., world * n], rank r's block at columns r*n:(r+1)*n."""
         if self.world == 1:
@@ -61,7 +71,8 @@ class TPGroup:
 def slice_columns(layer: QuantLinear, cols: torch.Tensor) -> QuantLinear:
     """A new QuantLinear computing only output columns `cols` (int64 indices) of `layer`."""
     if layer.lora is not None:
-        raise InputError("tensor parallel: shard the model before loading LoRA adapters")
+        raise InputError("tensor parallel: LoRA adapters are not supported on a tensor-parallel model (the model "
+                         "has adapters loaded; load it without them)")
     return layer.with_columns(cols)
 
 
