@@ -279,6 +279,11 @@ def test_bad_inputs(tiny, calib_file, tmp_path):
     _expect_refusal(_settings(tiny, out, bpw=9.5, calib=str(calib_file)), out, "bpw")
     assert not out.exists()
     _expect_refusal(_settings(tiny, out, format="gptq", bits=5, calib=str(calib_file)), out, "bits")
+    # the other format's options would be ignored silently
+    _expect_refusal(_settings(tiny, out, bpw=4.0, sym=False, group_size=32, calib=str(calib_file)), out,
+                    "--group-size, --asym: not used by --format exl2")
+    _expect_refusal(_settings(tiny, out, format="gptq", head_bits=8, calib=str(calib_file)), out,
+                    "--head-bits: not used by --format gptq")
     # folder without weights
     empty = tmp_path / "noweights"
     empty.mkdir()
@@ -352,6 +357,15 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
         assert torch.equal(exl, gp)
     meas = json.loads((out / "measurement.json").read_text())
     assert all(v.get("fixed") for v in meas["layers"].values())
+    qcfg = json.loads((out / "config.json").read_text())
+    assert qcfg["torch_dtype"] == qcfg.get("dtype", "float16") == "float16"       # one answer for HF's "auto"
+    # a target above the exact repack converts at the repack (was refused after measuring), one below is refused
+    # naming why; the refusal gives the range with 4 decimals rounded inwards
+    out_hi = tmp_path / "exl2_from_gptq_hi"
+    convert(_settings(gq, out_hi, format="exl2", bpw=6.0, calib=str(calib_file)))
+    assert (out_hi / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    with pytest.raises(ExlError, match=r"converts to \d\.\d{4} to \d\.\d{4} bpw.*repacked as they are"):
+        convert(_settings(gq, tmp_path / "exl2_from_gptq_lo", format="exl2", bpw=3.0, calib=str(calib_file)))
     # an ordinary GPTQ file (free fp16 scales) is dequantized and re-quantized
     gq2 = tmp_path / "gptq_plain"
     convert(_settings(tiny, gq2, format="gptq", bits=4, group_size=32, calib=str(calib_file)))

@@ -49,6 +49,8 @@ def calib(tmp_path):
 def _settings(src, out, **kw):
     base = dict(input=str(src), output=str(out), format="gptq", bits=4, group_size=32, rows=4, length=32,
                 progress=False, threads=1)
+    if kw.get("format") == "exl2":          # GPTQ's options are refused for EXL2
+        del base["bits"], base["group_size"]
     base.update(kw)
     return ConvertSettings(**base)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -72,6 +73,9 @@ def from_file(path, tokenizer_folder, rows: int, length: int) -> Calibration:
     n = min(rows, len(ids) // length)
     if n < 1:
         raise InputError(f"{path}: only {len(ids)} tokens, a calibration row needs {length}")
+    if n < rows:        # said, not only recorded in the output's calibration info
+        print(f"exl convert: {path} holds {len(ids)} tokens: {n} calibration rows of {length}, not {rows}",
+              file=sys.stderr)
     stride = len(ids) // n
     tokens = torch.tensor([ids[r * stride:r * stride + length] for r in range(n)], dtype=torch.int64)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]

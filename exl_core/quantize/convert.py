@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -31,7 +32,7 @@ from ..errors import ConfigError, ExlError, InputError
 from ..formats import exl2 as exl2_fmt
 from ..formats import gptq as gptq_fmt
 from ..formats.safetensors_io import write_sharded
-from .allocate import allocate_bpw, bpw_range
+from .allocate import allocate_bpw, bpw_range, range_text
 from .calib_forward import (LINEARS, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
 from .calibration import Calibration, cached_self_calibration, from_file
 from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, plan_groups
@@ -222,7 +223,17 @@ class Converter:
         costs = [layers[n]["bits"] for n in names]
         errs = [layers[n]["err"] for n in names]
         numel = [layers[n]["numel"] for n in names]
-        choice = allocate_bpw(costs, errs, numel, self.s.bpw)
+        lossless = getattr(self.src, "fixed_exl2", None) is not None
+        lo, hi = bpw_range(costs, numel)
+        if lossless and self.s.bpw < lo:
+            raise InputError(f"-b {self.s.bpw}: this GPTQ model converts to {range_text(lo, hi)} bpw: its layers that "
+                             "EXL2 holds exactly are repacked as they are (one cost each), not re-quantized lower")
+        if lossless and self.s.bpw > hi:
+            # a GPTQ source: its exactly repacked layers have one cost, and more bits cannot add what its weights
+            # do not hold -- the highest is the repack itself, not a refusal after the whole measurement pass
+            print(f"exl convert: -b {self.s.bpw}: this GPTQ model repacks to at most {range_text(hi, hi).split()[0]} "
+                  "bpw; converting at that", file=sys.stderr)
+        choice = allocate_bpw(costs, errs, numel, self.s.bpw, clamp_high=lossless)
         cands = CANDIDATES
         return {n: cands[c].plan(self.shapes[n][1]) for n, c in zip(names, choice)}
 
@@ -318,10 +329,12 @@ class Converter:
             qc = {"quant_method": "gptq", "bits": s.bits, "group_size": s.group_size, "desc_act": s.act_order,
                   "sym": s.sym, "checkpoint_format": "gptq", "damp_percent": s.damp, "true_sequential": True,
                   "real_bpw": round(real_bpw, 4), "calibration": cal.info}
+        for stale in out.glob(".*.tmp-*"):           # a write killed (SIGKILL) before its cleanup could run
+            stale.unlink()
         write_sharded(tensors, out, max_shard_bytes=s_max_shard(), metadata={"quantizer": "exl_core"})
         cfg = json.loads((self.src.folder / "config.json").read_text())
         cfg["quantization_config"] = qc
-        cfg["torch_dtype"] = "float16"
+        cfg["torch_dtype"] = cfg["dtype"] = "float16"     # transformers 5 reads "dtype": both, never two answers
         tmp = out / ".config.json.tmp"
         tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True))
         tmp.replace(out / "config.json")                # last: the folder is complete from here
@@ -373,6 +386,16 @@ def _check_settings(s: ConvertSettings, src) -> None:
         raise InputError(f"--damp {s.damp}: must be ≥ 0 (a fraction of the Hessian's mean diagonal, e.g. 0.01)")
     if s.threads is not None and s.threads < 1:
         raise InputError(f"--threads {s.threads}: must be ≥ 1")
+    # options of the other format would be ignored (and still count in job.json's resume key): refused
+    other = ({"head_bits": (s.head_bits, 6, "--head-bits"), "measurement": (s.measurement, None, "-m")}
+             if s.format == "gptq" else
+             {"bits": (s.bits, 4, "--bits"), "group_size": (s.group_size, 128, "--group-size"),
+              "sym": (s.sym, True, "--asym"), "act_order": (s.act_order, True, "--no-act-order")})
+    given = [flag for v, default, flag in other.values() if v != default]
+    if given:
+        why = ("EXL2 is always symmetric with act-order and picks its bits and groups per layer from -b"
+               if s.format == "exl2" else "they are EXL2's")
+        raise InputError(f"{', '.join(given)}: not used by --format {s.format} ({why})")
     if s.format == "gptq":
         if s.bpw is not None:
             raise InputError(f"-b {s.bpw}: -b is EXL2's target bitrate; GPTQ takes --bits "
@@ -391,8 +414,10 @@ def _check_settings(s: ConvertSettings, src) -> None:
     shapes = src_shapes(src)
     costs = [[candidate_bits(c, o, i) for c in CANDIDATES] for o, i in shapes.values()]
     lo, hi = bpw_range(costs, [o * i for o, i in shapes.values()])
+    if getattr(src, "fixed_exl2", None) is not None:
+        hi = math.inf          # a GPTQ source's exact repacks may cost more than any candidate: capped after measuring
     if not (lo <= s.bpw <= hi + 0.05):
-        raise InputError(f"-b {s.bpw}: EXL2 settings reach {lo:.2f} to {hi:.2f} bpw for this model")
+        raise InputError(f"-b {s.bpw}: EXL2 settings reach {range_text(lo, hi)} bpw for this model")
 
 
 def src_shapes(src) -> dict[str, tuple[int, int]]:
