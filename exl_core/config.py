@@ -22,13 +22,15 @@ class ArchSpec:
     default_attention_bias: bool = False   # Qwen2: q/k/v projections carry a bias
     uses_sliding_window: bool = False      # Mistral/Qwen2 may set `sliding_window`
     sliding_window_flag: Optional[str] = None  # Qwen2: `use_sliding_window` gates it
+    o_proj_bias: bool = True               # o_proj carries a bias where attention_bias says so (HF's Llama); Mistral's
+    # and Qwen2's o_proj never does
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM"),
-    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True),
+    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True, o_proj_bias=False),
     "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", default_attention_bias=True, uses_sliding_window=True,
-                                 sliding_window_flag="use_sliding_window"),
+                                 sliding_window_flag="use_sliding_window", o_proj_bias=False),
 }
 
 

@@ -22,6 +22,7 @@ CASES = [
     ("llama", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 64}}),
+    ("llama", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),    # o_proj's bias too (was dropped)
     ("mistral", "MistralForCausalLM", {"sliding_window": 5}),
     ("qwen2", "Qwen2ForCausalLM", {}),
 ]

@@ -288,8 +288,9 @@ class Model(nn.Module):
         for i in (progress(it) if progress else it):
             p = f"model.layers.{i}"
             ab, mb = cfg.attention_bias, cfg.mlp_bias
+            ob = ab and cfg.arch.o_proj_bias          # HF's Llama gives o_proj a bias too; Mistral / Qwen2 do not
             attn = Attention(cfg, linear(f"{p}.self_attn.q_proj", h, nq, ab), linear(f"{p}.self_attn.k_proj", h, nkv, ab),
-                             linear(f"{p}.self_attn.v_proj", h, nkv, ab), linear(f"{p}.self_attn.o_proj", nq, h, False))
+                             linear(f"{p}.self_attn.v_proj", h, nkv, ab), linear(f"{p}.self_attn.o_proj", nq, h, ob))
             mlp = MLP(linear(f"{p}.mlp.gate_proj", h, inter, mb), linear(f"{p}.mlp.up_proj", h, inter, mb),
                       linear(f"{p}.mlp.down_proj", inter, h, mb))
             layers.append(Block(RMSNorm(get(f"{p}.input_layernorm.weight", (h,)).to(dtype), cfg.rms_norm_eps), attn,
