@@ -22,15 +22,15 @@ class ArchSpec:
     default_attention_bias: bool = False   # Qwen2: q/k/v projections carry a bias
     uses_sliding_window: bool = False      # Mistral/Qwen2 may set `sliding_window`
     sliding_window_flag: Optional[str] = None  # Qwen2: `use_sliding_window` gates it
-    o_proj_bias: bool = True               # o_proj carries a bias where attention_bias says so (HF's Llama); Mistral's
-    # and Qwen2's o_proj never does
+    o_proj_bias: bool = False              # o_proj carries a bias where attention_bias says so (HF's Llama); Mistral's
+    # and Qwen2's never does
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec("LlamaForCausalLM"),
-    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True, o_proj_bias=False),
+    "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", o_proj_bias=True),
+    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True),
     "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", default_attention_bias=True, uses_sliding_window=True,
-                                 sliding_window_flag="use_sliding_window", o_proj_bias=False),
+                                 sliding_window_flag="use_sliding_window"),
 }
 
 
@@ -272,9 +272,9 @@ def _read_json_object(file: Path) -> dict:
 
 
 def load_config(folder) -> ModelConfig:
-    """Reads `<folder>/config.json` (or a path to the config.json file itself)."""
+    """Reads `<folder>/config.json` (or a path to a .json config file itself)."""
     p = Path(folder) if isinstance(folder, (str, os.PathLike)) else None
-    if p is not None and p.name == "config.json" and p.is_file():
+    if p is not None and p.suffix == ".json" and p.is_file():     # the config file itself, whatever its name
         file = p
     else:
         file = model_folder(folder) / "config.json"

@@ -154,9 +154,12 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
         return reader.get_checked(name, shape).to(device)
 
     def linear(prefix: str, n_in: int, n_out: int, bias: bool) -> QuantLinear:
-        if not bias and reader.has(f"{prefix}.bias"):
-            raise ConfigError(f"{src}: the file has '{prefix}.bias' but config.json describes this layer without a "
-                              f"bias (attention_bias / mlp_bias?); it would be dropped")
+        # a bias config.json does not describe: old GPTQ tools wrote zeros on every projection (dropped here, the
+        # same function); a non-zero one would change the output against HF's model of this config
+        stray = not bias and reader.has(f"{prefix}.bias")
+        if stray and bool(reader.get(f"{prefix}.bias").any()):
+            raise ConfigError(f"{src}: the file has a non-zero '{prefix}.bias' but config.json describes this layer "
+                              f"without a bias (attention_bias / mlp_bias?)")
         if fmt is not None and fmt.has_layer(names, prefix):
             try:
                 pw = fmt.load_layer(reader.get, reader.shape, prefix, n_in, n_out, cfg.quantization_config)
@@ -166,6 +169,8 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
                 raise FormatError(f"{src}: {e}") from e
             if bias and pw.bias is None:
                 raise FormatError(f"{src}: tensor '{prefix}.bias' is missing (config.json gives this layer a bias)")
+            if stray:
+                pw = dataclasses.replace(pw, bias=None)
             return QuantLinear.from_packed(pw.to(device))
         w = get(f"{prefix}.weight", (n_out, n_in)).to(dtype)
         b = get(f"{prefix}.bias", (n_out,)).to(dtype) if bias else None

@@ -167,23 +167,25 @@ def record_prompts(generator, monkeypatch) -> list:
     return seen
 
 
-def event_loop_ticks(call) -> int:
-    """How often a 10 ms ticker task ran on the event loop while `await call()` ran (asyncio.run of both): an
-    adapter's async method that blocks the loop (a model load on it) lets it tick about never."""
+def event_loop_ticks_within(call, window) -> int:
+    """How often a 10 ms ticker task ran on the event loop inside the time span window() returns after
+    `await call()` ((t0, t1) by time.monotonic, e.g. a slow model load's): an adapter's async method that runs that
+    work on the loop itself lets it tick about never in it."""
     import asyncio
+    import time
 
     async def main():
-        ticks = 0
+        times = []
 
         async def ticker():
-            nonlocal ticks
             while True:
                 await asyncio.sleep(0.01)
-                ticks += 1
+                times.append(time.monotonic())
         t = asyncio.create_task(ticker())
         await call()
         t.cancel()
-        return ticks
+        t0, t1 = window()
+        return sum(t0 <= x <= t1 for x in times)
     return asyncio.run(main())
 
 

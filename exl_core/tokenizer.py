@@ -287,9 +287,10 @@ class Tokenizer:
         else:
             self.add_bos_default = self._post_processor_adds_bos()
         self.clean_up_spaces = bool(tok_config.get("clean_up_tokenization_spaces", False))
-        # ids a model of this folder can produce: config.json's vocab_size may exceed the tokenizer's (padding rows)
+        # ids a model of this folder can produce: config.json's vocab_size may exceed the tokenizer's (padding rows);
+        # a folder without one (a tokenizer alone) sets no bound: a padded model's ids then decode to nothing
         n = model_config.get("vocab_size")
-        self.id_limit: int = max(self.vocab_size, int(n) if is_int(n) else 0)
+        self.id_limit: Optional[int] = max(self.vocab_size, int(n)) if is_int(n) else None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -384,13 +385,14 @@ class Tokenizer:
                 v = None if isinstance(i, bool) else operator.index(i)   # ints, numpy ints, 0-d int tensors
             except TypeError:
                 v = None
-            if v is None or not 0 <= v < self.id_limit:
+            if v is None or v < 0 or (self.id_limit is not None and v >= self.id_limit):
                 bad.append(i)
             else:
                 out.append(v)
         if bad:
             raise TokenizerError(f"{self.folder}: decode: ids {bad[:5]} are not token ids: each must be a "
-                                 f"non-negative int below {self.id_limit} (the vocabulary size)")
+                                 + (f"non-negative int below {self.id_limit} (the vocabulary size)"
+                                    if self.id_limit is not None else "non-negative int"))
         return out
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:

@@ -57,7 +57,7 @@ def test_gptq_quant_config_values_are_type_checked(qc, field):
                  lambda: gptq.dequantize_reference(t, qc)):
         with pytest.raises(ConfigError) as e:
             call()
-        assert f"config.json: key 'quantization_config.{field}'" in str(e.value), str(e.value)
+        assert f"config.json (or quantize_config.json): key 'quantization_config.{field}'" in str(e.value), str(e.value)
 
 
 def test_gptq_integral_floats_and_one_group_still_load():

@@ -88,14 +88,14 @@ def test_stop_token_outside_the_vocabulary_is_refused_at_enqueue():
 # -- token_filter's return value ----------------------------------------------------------------
 @pytest.mark.parametrize("ret, shown", [(torch.zeros(3), r"a torch.float32 tensor of shape \[3\]"),
                                         (torch.zeros(300, dtype=torch.int64), r"a torch.int64 tensor of shape \[300\]"),
-                                        ([0.0] * 300, "list")])
+                                        ([0.0] * 299, "list"), ("x" * 300, "str")])
 def test_token_filter_returning_a_bad_row_cancels_its_job_with_an_input_error(ret, shown):
     gen = _generator(max_batch_tokens=64, max_chunk_size=32)
     p_ok = rand_prompt(9)
     ok = gen.enqueue(Job(p_ok, max_new_tokens=4, sampler=GREEDY))
     bad = gen.enqueue(Job(rand_prompt(9), max_new_tokens=4, sampler=GREEDY, token_filter=lambda ids, row: ret))
-    with pytest.raises(InputError, match=rf"Job {bad.identifier!r}: token_filter returned {shown}; it must return a "
-                                         r"float tensor of shape \[300\]"):
+    with pytest.raises(InputError, match=rf"Job {bad.identifier!r}: token_filter returned {shown}; it must return "
+                                         r"300 floats"):
         run_all(gen)
     run_all(gen)
     assert bad.finish_reason == "cancelled" and bad.table is None
@@ -104,11 +104,13 @@ def test_token_filter_returning_a_bad_row_cancels_its_job_with_an_input_error(re
     assert_pool_idle(gen.cache)
 
 
-def test_token_filter_replacement_row_is_used():
+@pytest.mark.parametrize("form", ["tensor", "1xV", "list"])
+def test_token_filter_replacement_row_is_used(form):
     gen = _generator()
     row = torch.full((300,), float("-inf"))
     row[42] = 0.0
-    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=lambda ids, r: row))
+    ret = {"tensor": row, "1xV": row[None], "list": row.tolist()}[form]      # a list of V floats worked before too
+    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=lambda ids, r: ret))
     run_all(gen)
     assert job.generated == [42, 42, 42]
 
@@ -174,3 +176,9 @@ def test_decode_drops_padding_rows_and_takes_integer_likes(wordlevel_dir):
     assert want and tok.decode([3, 63, 4]) == want           # a padding row the model may sample: no text
     assert tok.decode(torch.tensor([3, 4])) == tok.decode(np.array([3, 4])) == want
     assert tok.decode([torch.tensor(3), np.int32(4)]) == want
+    (wordlevel_dir / "config.json").rename(wordlevel_dir / "config.json.away")    # a tokenizer folder alone:
+    try:                                                                            # no model vocabulary, no bound
+        alone = Tokenizer.from_folder(wordlevel_dir)
+        assert alone.id_limit is None and alone.decode([3, 500, 4]) == want
+    finally:
+        (wordlevel_dir / "config.json.away").rename(wordlevel_dir / "config.json")

@@ -58,9 +58,26 @@ def test_layers_past_num_hidden_layers_are_refused(tiny_llama_dir, tmp_path):
 def test_a_bias_the_config_does_not_describe_is_refused(tiny_llama_dir, tmp_path):
     folder = _copy(tiny_llama_dir, tmp_path / "m")
     _edit_tensors(folder, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias",
-                                                  torch.zeros(t["model.layers.0.self_attn.q_proj.weight"].shape[0])))
-    with pytest.raises(ConfigError, match="'model.layers.0.self_attn.q_proj.bias'.*without a bias"):
+                                                  torch.ones(t["model.layers.0.self_attn.q_proj.weight"].shape[0])))
+    with pytest.raises(ConfigError, match="non-zero 'model.layers.0.self_attn.q_proj.bias'.*without a bias"):
         _load(folder)
+
+
+def test_zero_biases_of_old_gptq_files_load(tiny_llama_dir, tmp_path):
+    """GPTQ-for-LLaMa / old AutoGPTQ wrote a zero .bias on every projection whatever the config: those load, with
+    the logits of the file without them."""
+    from exl_core.quantize.rtn import quantize_model_rtn
+    folder = quantize_model_rtn(tiny_llama_dir, tmp_path / "gptq", fmt="gptq", bits=4, group_size=32)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        ref = _load(folder)[0].forward_batch(ids)
+
+    def zero_biases(t):
+        for n in [n for n in t if n.endswith(".qweight")]:
+            t[n[:-len("qweight")] + "bias"] = torch.zeros(t[n].shape[1], dtype=torch.float16)
+    _edit_tensors(folder, zero_biases)
+    with torch.inference_mode():
+        assert torch.equal(_load(folder)[0].forward_batch(ids), ref)
 
 
 def test_exl2_layers_honour_the_config_bias_flags(exl2_act_order_dir, tmp_path):

@@ -306,10 +306,10 @@ def test_adapters_in_use_by_jobs_are_not_unloaded_or_merged(tiny_llama_dir, tmp_
             Job([4, 5, 6], max_new_tokens=4, sampler=s, stop_on_eos=False)]
     gen.enqueue(jobs)
     for attempt in (a.unload, a.merge):
-        with pytest.raises(LoraError, match="1 queued or running job use it"):
+        with pytest.raises(LoraError, match="1 queued or running job uses it"):
             attempt()
     gen.iterate()
-    with pytest.raises(LoraError, match="1 queued or running job use it"):
+    with pytest.raises(LoraError, match="1 queued or running job uses it"):
         a.unload()
     while gen.has_work():
         gen.iterate()

@@ -49,10 +49,10 @@ def read_task(path, limit: Optional[int] = None) -> list[Example]:
     out = []
     for n, d in jsonl_objects(p, "task file"):
         ctx, choices, ans = (d.get(k) if isinstance(d, dict) else None for k in ("context", "choices", "answer"))
-        if not isinstance(ctx, str) or not ctx or not isinstance(choices, list) or len(choices) < 2 or \
+        if not isinstance(ctx, str) or not isinstance(choices, list) or len(choices) < 2 or \
                 not all(isinstance(c, str) and c for c in choices):
-            raise InputError(f"{p}:{n}: an example needs a non-empty \"context\" string and \"choices\", a list of "
-                             "two or more non-empty strings")
+            raise InputError(f"{p}:{n}: an example needs a \"context\" string and \"choices\", a list of two or more "
+                             "non-empty strings")
         if isinstance(ans, bool) or not isinstance(ans, int) or not 0 <= ans < len(choices):
             raise InputError(f"{p}:{n}: \"answer\" must be the index of the right choice (0..{len(choices) - 1}), "
                              f"got {ans!r}")
@@ -83,8 +83,11 @@ def evaluate_task(model, tokenizer, examples: Sequence[Example], progress: bool 
         it = tqdm(examples, desc="task", unit="example")
     right = right_norm = 0
     scores = []
-    for ex in it:
+    for i, ex in enumerate(it):
         ctx = tokenizer.encode(ex.context)
+        if not ctx:     # "" is fine where the tokenizer adds a BOS (minimal-pair tasks), else nothing to score on
+            raise InputError(f"task example {i + 1}: its context encodes to no tokens (an empty context needs a "
+                             "tokenizer that adds a BOS)")
         s = [choice_logprob(model, ctx, tokenizer.encode(c, add_bos=False, special=False)) for c in ex.choices]
         norm = [v / len(c.encode("utf-8")) for v, c in zip(s, ex.choices)]
         right += max(range(len(s)), key=s.__getitem__) == ex.answer

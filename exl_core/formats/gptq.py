@@ -46,7 +46,7 @@ def checkpoint_is_v1(quant_config: Optional[dict], name: str = "quantization_con
 def quant_settings(quant_config: Optional[dict]) -> tuple[Optional[int], Optional[int]]:
     """(bits, group_size) of quantization_config, None where absent; a value of the wrong type, or a
     group_size that is neither > 0 nor -1 (one group over all rows), raises ConfigError."""
-    r = Reader(quant_config or {}, "config.json", "quantization_config.")
+    r = Reader(quant_config or {}, "config.json (or quantize_config.json)", "quantization_config.")
     bits, gs = r.get("bits", int, None), r.get("group_size", int, None)
     if gs is not None and gs <= 0 and gs != -1:
         r.fail("group_size", f"must be > 0, or -1 for one group over all rows, got {gs}")

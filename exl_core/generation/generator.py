@@ -53,16 +53,21 @@ def default_budget(gpu: bool, window: Optional[int], max_batch_tokens: Optional[
     return max_batch_tokens, chunk
 
 
-def _check_filtered(job: Job, out, row: torch.Tensor) -> None:
-    """A token_filter's return value: None (row edited in place) or a replacement float row of the row's shape;
-    anything else would fail in torch's copy (wrong shape) or be cast silently (ints, bools)."""
+def _check_filtered(job: Job, out, row: torch.Tensor) -> Optional[torch.Tensor]:
+    """A token_filter's return value as the row to use: None (row edited in place) or a replacement of V floats (a
+    float tensor of V values, [V] or [1, V], or a list of V floats); anything else would fail in torch's copy (wrong
+    size) or be cast silently (ints, bools)."""
     if out is None:
-        return
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != row.shape:
-        got = (f"a {out.dtype} tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
-               else type(out).__name__)
-        raise InputError(f"Job {job.identifier!r}: token_filter returned {got}; it must return a float tensor of "
-                         f"shape [{row.numel()}] (the logits row, replaced) or None (the row edited in place)")
+        return None
+    if isinstance(out, (list, tuple)) and len(out) == row.numel() and \
+            all(isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)) for v in out):
+        out = torch.tensor(out, dtype=row.dtype, device=row.device)
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() == row.numel() and \
+            out.dim() <= 2 and out.shape[-1] == row.numel():
+        return out.reshape(row.shape)
+    got = f"a {out.dtype} tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+    raise InputError(f"Job {job.identifier!r}: token_filter returned {got}; it must return {row.numel()} floats (a "
+                     "tensor or a list: the logits row, replaced) or None (the row edited in place)")
 
 
 class Generator:
@@ -156,7 +161,7 @@ class Generator:
         if job.loras:
             from ..model.lora import check_job_loras
             check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
-            lora_manager(self.model).generators.add(self)   # its adapters are not unloaded / merged under it
+            lora_manager(self.model).add_generator(self)   # its adapters are not unloaded / merged under it
         self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
 
     def cancel(self, job: Job) -> bool:
@@ -242,8 +247,7 @@ class Generator:
         for r, job in enumerate(jobs):
             if job.token_filter is not None:
                 try:
-                    out = job.token_filter(list(job.tokens), logits[r])
-                    _check_filtered(job, out, logits[r])
+                    out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r])
                 except Exception as e:   # the job ends; the error reaches the caller below
                     errors.append(e)
                     self._finish(job, "cancelled")

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import re
+import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,16 +91,28 @@ class LoraManager:
         self.merged: list[str] = []                   # merge order: merges are undone in reverse (each saved the
         # weights as they were, which hold the merges before it)
         self.generators = weakref.WeakSet()           # generators whose queued / running jobs may name adapters
+        self.lock = threading.Lock()                  # guards `generators` (enqueue on other threads adds to it)
+
+    def add_generator(self, gen) -> None:
+        with self.lock:
+            self.generators.add(gen)
 
     def jobs_using(self, name: str) -> int:
-        """Queued or running jobs (of generators on this model) whose mix names adapter `name`."""
-        return sum(1 for g in list(self.generators) for j in (*g.waiting, *g.active) if name in (j.loras or {}))
+        """Queued or running jobs (of generators on this model) whose mix names adapter `name`; each generator's
+        lists are read under its lock (its scheduler moves jobs between them inside it)."""
+        with self.lock:
+            gens = list(self.generators)
+        n = 0
+        for g in gens:
+            with g._lock:
+                n += sum(1 for j in (*g.waiting, *g.active) if name in (j.loras or {}))
+        return n
 
     def check_unused(self, name: str, doing: str) -> None:
         n = self.jobs_using(name)
         if n:
-            raise LoraError(f"cannot {doing} adapter {name!r}: {n} queued or running job{'s' * (n > 1)} use it; let "
-                            "them finish or cancel them first")
+            raise LoraError(f"cannot {doing} adapter {name!r}: {n} queued or running job{'s use' if n > 1 else ' uses'} "
+                            "it; let them finish or cancel them first")
 
     def check_mix(self, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
         """Validated copy of a mix: known, unmerged adapters with finite weights."""

@@ -70,7 +70,8 @@ def dense_linear(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor
                          f"(w_t must be the pre-transposed weight [in_features, out_features])")
     if bias is not None and tuple(bias.shape) != (w_t.shape[1],):
         raise InputError(f"dense_linear: bias shape {tuple(bias.shape)} != ({w_t.shape[1]},)")
-    if records_grad(x):            # dL/dx through the frozen weight (ops/input_grad.py)
+    if records_grad(x) and not w_t.requires_grad and (bias is None or not bias.requires_grad):
+        # dL/dx through the frozen weight (ops/input_grad.py); a weight that requires grad goes on as before
         return with_input_grad(x, lambda t: DISPATCH(x=t, w_t=w_t, bias=bias), lambda: w_t.float())
     return DISPATCH(x=x, w_t=w_t, bias=bias)
 

@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -387,11 +387,10 @@ def _check_settings(s: ConvertSettings, src) -> None:
     if s.threads is not None and s.threads < 1:
         raise InputError(f"--threads {s.threads}: must be ≥ 1")
     # options of the other format would be ignored (and still count in job.json's resume key): refused
-    other = ({"head_bits": (s.head_bits, 6, "--head-bits"), "measurement": (s.measurement, None, "-m")}
-             if s.format == "gptq" else
-             {"bits": (s.bits, 4, "--bits"), "group_size": (s.group_size, 128, "--group-size"),
-              "sym": (s.sym, True, "--asym"), "act_order": (s.act_order, True, "--no-act-order")})
-    given = [flag for v, default, flag in other.values() if v != default]
+    flags = {"head_bits": "--head-bits", "measurement": "-m"} if s.format == "gptq" else \
+        {"bits": "--bits", "group_size": "--group-size", "sym": "--asym", "act_order": "--no-act-order"}
+    defaults = {f.name: f.default for f in fields(ConvertSettings)}
+    given = [flag for k, flag in flags.items() if getattr(s, k) != defaults[k]]
     if given:
         why = ("EXL2 is always symmetric with act-order and picks its bits and groups per layer from -b"
                if s.format == "exl2" else "they are EXL2's")

@@ -18,7 +18,7 @@ import torch
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
 from exl_core.testing import (COMPLETION_PROMPT, COMPLETION_TOKENIZER_CASES, assert_native_generates,
-                              event_loop_ticks, native_prompt_ids, record_prompts)
+                              event_loop_ticks_within, native_prompt_ids, record_prompts)
 
 N = 16
 
@@ -275,8 +275,12 @@ def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeyp
     folder = completion_model("smollm2", False)
     real = Exl._engine
 
+    spans = []                                       # (start, end) of each slow load
+
     def slow_engine(self):
+        spans.append([time.monotonic()])
         time.sleep(0.4)
+        spans[-1].append(time.monotonic())
         return real(self)
     monkeypatch.setattr(Exl, "_engine", slow_engine)
     model = llm(folder, max_new_tokens=2)
@@ -288,4 +292,4 @@ def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeyp
              lambda: model.achat(msgs), lambda: drain(model.astream_chat(msgs)))
 
     for call in calls:
-        assert event_loop_ticks(call) >= 10
+        assert event_loop_ticks_within(call, lambda: spans[-1]) >= 10   # ticks during the load
