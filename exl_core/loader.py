@@ -148,9 +148,7 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     def get(name: str, shape: tuple) -> torch.Tensor:
         if not reader.has(name):
             raise FormatError(f"{src}: tensor '{name}' is missing (expected shape {list(shape)} from config.json)")
-        if not reader.dtype(name).is_floating_point:      # would be cast to floats without a word
-            raise FormatError(f"{reader.file_of(name)}: tensor '{name}' is {reader.dtype(name)}; dense weights are "
-                              f"float16, bfloat16 or float32")
+        reader.check_float(name)
         return reader.get_checked(name, shape).to(device)
 
     def linear(prefix: str, n_in: int, n_out: int, bias: bool) -> QuantLinear:

@@ -244,6 +244,12 @@ class WeightReader:
     def file_of(self, name: str) -> Path:
         return self._entry(name).file
 
+    def check_float(self, name: str) -> None:
+        """A dense weight must be stored as floats: an int or bool tensor would be cast to floats without a word."""
+        if not self.dtype(name).is_floating_point:
+            raise FormatError(f"{self.file_of(name)}: tensor '{name}' is {self.dtype(name)}; dense weights are "
+                              "float16, bfloat16 or float32")
+
     def get(self, name: str, dtype: Optional[torch.dtype] = None,
             device: Union[str, torch.device] = "cpu") -> torch.Tensor:
         """Read one tensor (memory-mapped), optionally cast and moved."""

@@ -179,6 +179,11 @@ class Generator:
                 job.callback(res)
             return True
 
+    def pending_jobs(self) -> list[Job]:
+        """The queued and running jobs, read under the lock (the scheduler moves jobs between the lists inside it)."""
+        with self._lock:
+            return [*self.waiting, *self.active]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.active or self._events)
 

@@ -98,15 +98,10 @@ class LoraManager:
             self.generators.add(gen)
 
     def jobs_using(self, name: str) -> int:
-        """Queued or running jobs (of generators on this model) whose mix names adapter `name`; each generator's
-        lists are read under its lock (its scheduler moves jobs between them inside it)."""
+        """Queued or running jobs (of generators on this model) whose mix names adapter `name`."""
         with self.lock:
             gens = list(self.generators)
-        n = 0
-        for g in gens:
-            with g._lock:
-                n += sum(1 for j in (*g.waiting, *g.active) if name in (j.loras or {}))
-        return n
+        return sum(1 for g in gens for j in g.pending_jobs() if name in (j.loras or {}))
 
     def check_unused(self, name: str, doing: str) -> None:
         n = self.jobs_using(name)

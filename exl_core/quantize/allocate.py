@@ -101,20 +101,25 @@ def bpw_range(costs: Sequence[Sequence[float]], numel: Sequence[int]) -> tuple[f
     return sum(min(c) for c in costs) / total, sum(max(c) for c in costs) / total
 
 
+def bpw_text(v: float, up: bool = False) -> str:
+    """v with 4 decimals, rounded up or down: a printed bound must itself be reachable (4.1406 printed as 4.14 would
+    invite a target just below the range)."""
+    return f"{(math.ceil if up else math.floor)(v * 1e4) / 1e4:.4f}"
+
+
 def range_text(lo: float, hi: float) -> str:
-    """"lo to hi" with 4 decimals rounded inwards, so that both printed values are themselves reachable (4.1406
-    printed as 4.14 would invite a target just below the range)."""
-    return f"{math.ceil(lo * 1e4) / 1e4:.4f} to {math.floor(hi * 1e4) / 1e4:.4f}"
+    """"lo to hi", rounded inwards (bpw_text)."""
+    return f"{bpw_text(lo, up=True)} to {bpw_text(hi)}"
 
 
 def allocate_bpw(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
                  numel: Sequence[int], target_bpw: float, tolerance: float = 0.05,
-                 clamp_high: bool = False) -> list[int]:
+                 clamp_high: bool = False, why: str = "") -> list[int]:
     """allocate() with the budget given as average bits per weight; refuses targets below the lowest or above the
-    highest + tolerance with an InputError naming the reachable range -- unless clamp_high, where a target above
-    it takes the highest (every layer's costliest choice)."""
+    highest + tolerance with an InputError naming the reachable range (and `why`, the caller's reason for it) --
+    unless clamp_high, where a target above it takes the highest (every layer's costliest choice)."""
     lo, hi = bpw_range(costs, numel)
     if target_bpw < lo or (target_bpw > hi + tolerance and not clamp_high):
         raise InputError(f"target {target_bpw} bpw is outside what the EXL2 settings allow "
-                         f"({range_text(lo, hi)} bpw for this model)")
+                         f"({range_text(lo, hi)} bpw for this model){why}")
     return allocate(costs, errors, min(target_bpw, hi) * float(sum(numel)))

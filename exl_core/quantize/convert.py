@@ -32,7 +32,7 @@ from ..errors import ConfigError, ExlError, InputError
 from ..formats import exl2 as exl2_fmt
 from ..formats import gptq as gptq_fmt
 from ..formats.safetensors_io import write_sharded
-from .allocate import allocate_bpw, bpw_range, range_text
+from .allocate import allocate_bpw, bpw_range, bpw_text, range_text
 from .calib_forward import (LINEARS, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
 from .calibration import Calibration, cached_self_calibration, from_file
 from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, plan_groups
@@ -223,17 +223,16 @@ class Converter:
         costs = [layers[n]["bits"] for n in names]
         errs = [layers[n]["err"] for n in names]
         numel = [layers[n]["numel"] for n in names]
+        # a GPTQ source: its exactly repacked layers have one cost each, and more bits cannot add what its weights do
+        # not hold -- a target above the highest converts at it (said), not a refusal after the measurement pass
         lossless = getattr(self.src, "fixed_exl2", None) is not None
-        lo, hi = bpw_range(costs, numel)
-        if lossless and self.s.bpw < lo:
-            raise InputError(f"-b {self.s.bpw}: this GPTQ model converts to {range_text(lo, hi)} bpw: its layers that "
-                             "EXL2 holds exactly are repacked as they are (one cost each), not re-quantized lower")
+        hi = bpw_range(costs, numel)[1]
         if lossless and self.s.bpw > hi:
-            # a GPTQ source: its exactly repacked layers have one cost, and more bits cannot add what its weights
-            # do not hold -- the highest is the repack itself, not a refusal after the whole measurement pass
-            print(f"exl convert: -b {self.s.bpw}: this GPTQ model repacks to at most {range_text(hi, hi).split()[0]} "
-                  "bpw; converting at that", file=sys.stderr)
-        choice = allocate_bpw(costs, errs, numel, self.s.bpw, clamp_high=lossless)
+            print(f"exl convert: -b {self.s.bpw}: this GPTQ model converts to at most {bpw_text(hi)} bpw; "
+                  "converting at that", file=sys.stderr)
+        choice = allocate_bpw(costs, errs, numel, self.s.bpw, clamp_high=lossless,
+                              why="; a GPTQ model's layers that EXL2 holds exactly are repacked as they are (one cost "
+                                  "each), not re-quantized lower" if lossless else "")
         cands = CANDIDATES
         return {n: cands[c].plan(self.shapes[n][1]) for n, c in zip(names, choice)}
 

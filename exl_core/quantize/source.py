@@ -48,12 +48,11 @@ class DenseSource:
         return self.reader.has(name)
 
     def tensor(self, name: str) -> torch.Tensor:
-        where = f"{self.reader.file_of(name)}: tensor '{name}'"
-        if not self.reader.dtype(name).is_floating_point:
-            raise FormatError(f"{where} is {self.reader.dtype(name)}; dense weights are float16, bfloat16 or float32")
+        self.reader.check_float(name)
         t = self.reader.get(name, dtype=torch.float32)
         if not bool(torch.isfinite(t).all()):     # else a sampling or packing error deep in the quantizer
-            raise FormatError(f"{where} holds NaN or inf values; a model to convert needs finite weights")
+            raise FormatError(f"{self.reader.file_of(name)}: tensor '{name}' holds NaN or inf values; a model to "
+                              "convert needs finite weights")
         return t
 
     def shape_of_linear(self, name: str) -> tuple[int, int]:
