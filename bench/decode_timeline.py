@@ -55,23 +55,23 @@ _PERM_NORM = llama.rms_norm_permuted
 _bank_orders: dict = {}
 
 
-def _bank_order(P: int, H: int, device) -> torch.Tensor:
+def _bank_order(P: int, H: int, device, dtype=torch.int32) -> torch.Tensor:
     """An index of P entries in [0, H) under which rms_norm_vec_kernel's gather has no bank conflict: its thread t of
     a warp reads entry 8 (b + t) + e at step e (b a multiple of 32), here 2 t + 64 e + 512 ((b + t) // 32) mod H, so
     the 32 reads of a step fall in 32 banks.  (Ascending order would not do: entries 16 bytes apart per thread, 4-way
     conflicts.)  H a multiple of 64."""
-    key = (P, H, str(device))
+    key = (P, H, str(device), dtype)
     if key not in _bank_orders:
         j = torch.arange(P)
         v, e = j // 8, j % 8
-        _bank_orders[key] = ((2 * (v % 32) + 64 * e + 512 * (v // 32)) % H).to(torch.int32).to(device)
+        _bank_orders[key] = ((2 * (v % 32) + 64 * e + 512 * (v // 32)) % H).to(dtype).to(device)
     return _bank_orders[key]
 
 
 def _perm_norm_banks(x, weight, eps, perm, residual=None, site="mlp"):
     """llama.rms_norm_permuted with perm replaced by _bank_order: the same launch without the gather's bank
     conflicts.  Timing only: the step computes garbage."""
-    return _PERM_NORM(x, weight, eps, _bank_order(perm.numel(), x.shape[-1], perm.device), residual, site)
+    return _PERM_NORM(x, weight, eps, _bank_order(perm.numel(), x.shape[-1], perm.device, perm.dtype), residual, site)
 
 
 # perm_banks (stop 37): the rewrite's permuted norms add ~1.9 us a launch more than GPTQ's plain ones at batch 32

@@ -41,7 +41,7 @@ def test_576x1536(M, wdt):
 
 @needs_op
 @pytest.mark.parametrize("K,N", [(1, 1), (7, 13), (96, 37), (33, 95), (577, 50)])
-@pytest.mark.parametrize("M", [1, 2, 13, 26])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 13, 26])
 def test_odd_shapes(K, N, M):
     w_t = torch.randn(K, N)
     x = torch.randn(M, K)
@@ -85,8 +85,9 @@ def test_batch_invariance(dtype):
 
 
 @needs_op
-def test_isa_paths_bit_identical():
-    x, w_t, bias = torch.randn(6, 100), torch.randn(100, 45), torch.randn(45)
+@pytest.mark.parametrize("M", [3, 4, 6])          # 3-4: the small-M direct path's narrower AVX2 blocks, N 45 a tail
+def test_isa_paths_bit_identical(M):
+    x, w_t, bias = torch.randn(M, 100), torch.randn(100, 45), torch.randn(45)
     outs = []
     try:
         for level in (2, 1, 0):

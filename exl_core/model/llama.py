@@ -242,9 +242,9 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     does not run then: its weight and eps are all that is read."""
     perm = None
     if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm:
-        dtype = _norm_perm_dtype(x.numel() // x.shape[-1])
+        wide = getattr(layers[0], "in_features", 0) > 65536      # int16 entries reach 65,535
+        dtype = torch.int32 if wide else _norm_perm_dtype(x.numel() // x.shape[-1])
         perm = shared_perm(layers, dtype)
-        perm = shared_perm(layers) if perm is None and dtype != torch.int32 else perm
     if perm is not None and perm.numel() != x.shape[-1] and prompt_adds_extra_rows(x.numel() // x.shape[-1]):
         perm = None              # a prompt of weights with extra rows: their dequantise adds those, GEMMs over K
     if perm is None:

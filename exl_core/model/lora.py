@@ -106,8 +106,8 @@ class LoraManager:
     def check_unused(self, name: str, doing: str) -> None:
         n = self.jobs_using(name)
         if n:
-            raise LoraError(f"cannot {doing} adapter {name!r}: {n} queued or running job{'s use' if n > 1 else ' uses'} "
-                            "it; let them finish or cancel them first")
+            jobs = f"{n} queued or running job{'s use' if n > 1 else ' uses'}"
+            raise LoraError(f"cannot {doing} adapter {name!r}: {jobs} it; let them finish or cancel them first")
 
     def check_mix(self, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
         """Validated copy of a mix: known, unmerged adapters with finite weights."""
@@ -272,7 +272,8 @@ def _pattern_value(patterns: Optional[dict], module: str, default):
         try:
             hit = re.match(rf"(.*\.)?({key})$", module)
         except re.error as e:
-            raise LoraError(f"adapter_config.json: pattern key {key!r} is not a valid regular expression ({e})") from None
+            raise LoraError(f"adapter_config.json: pattern key {key!r} is not a valid regular expression "
+                            f"({e})") from None
         if hit:
             return v
     return default

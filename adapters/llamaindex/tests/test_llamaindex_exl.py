@@ -257,7 +257,8 @@ def test_chat_refuses_non_text_blocks_and_honours_messages_to_prompt(completion_
     from exl_core.errors import InputError
     folder = completion_model("smollm2", False)
     model = llm(folder, max_new_tokens=2)
-    msg = ChatMessage(role=MessageRole.USER, blocks=[TextBlock(text="Describe: "), ImageBlock(url="http://127.0.0.1/x.png")])
+    msg = ChatMessage(role=MessageRole.USER,
+                      blocks=[TextBlock(text="Describe: "), ImageBlock(url="http://127.0.0.1/x.png")])
     with pytest.raises(InputError, match="ImageBlock"):
         model.chat([msg])
     custom = llm(folder, max_new_tokens=2, messages_to_prompt=lambda ms: "|".join(m.content for m in ms) + "|>")
