@@ -25,14 +25,15 @@ for r in $(seq 1 "$ROUNDS"); do
     "$dir/tree" $s | sed "s/^/tree $r /"
   done
 done >"$dir/runs.txt"
-python3 - "$dir/runs.txt" "$OUT" "$REV" "$(git rev-parse --short "$REV")" <<'PY'
-import json, math, platform, sys
+${PY:-.venv/bin/python} - "$dir/runs.txt" "$OUT" "$REV" "$(git rev-parse --short "$REV")" <<'PY'
+import json, sys
 from collections import defaultdict
+sys.path.insert(0, "bench")
+from common import machine_info, truncate as trunc
 runs = defaultdict(list)
 for line in open(sys.argv[1]):
     who, r, path, K, N, M, us = line.split()
     runs[(path, int(K), int(N), int(M), who)].append(float(us))
-trunc = lambda v, n=2: math.floor(v * 10 ** n) / 10 ** n
 rows = []
 print(f"{'path':>4} {'K':>5} {'N':>5} {'M':>2} {'rev us (rounds)':>28} {'tree us (rounds)':>28} {'rev / tree':>22}")
 for path, K, N, M in sorted({k[:4] for k in runs}):
@@ -42,10 +43,8 @@ for path, K, N, M in sorted({k[:4] for k in runs}):
           f"{' / '.join(f'{trunc(v):.2f}' for v in b):>28} {' / '.join(f'{v:.4f}' for v in ratios):>22}")
     rows.append({"path": path, "K": K, "N": N, "M": M, "rev_us": [trunc(v, 3) for v in a],
                  "tree_us": [trunc(v, 3) for v in b], "rev_over_tree": ratios})
-cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-           platform.machine())
-json.dump({"benchmark": "bench/cpu_fused_rows.sh", "rev": sys.argv[3], "rev_commit": sys.argv[4], "cpu": cpu,
-           "threads": 1, "isa": "avx2", "paths": {"q4": "4-bit, 128-row groups (fused_cols)",
+json.dump({"benchmark": "bench/cpu_fused_rows.sh", "rev": sys.argv[3], "rev_commit": sys.argv[4],
+           "machine": machine_info(), "threads": 1, "isa": "avx2", "paths": {"q4": "4-bit, 128-row groups (fused_cols)",
                                                    "fp32": "dense fp32 weight (dense_small)",
                                                    "bf16": "dense bf16 weight (dense_small)"},
            "rows": rows}, open(sys.argv[2], "w"), indent=1)
