@@ -24,13 +24,19 @@ class ArchSpec:
     sliding_window_flag: Optional[str] = None  # Qwen2: `use_sliding_window` gates it
     o_proj_bias: bool = False              # o_proj carries a bias where attention_bias says so (HF's Llama); Mistral's
     # and Qwen2's never does
+    fixed_biases: bool = False             # Mistral / Qwen2: the biases are the architecture's (default_attention_bias
+    # on q/k/v, none elsewhere); HF ignores attention_bias / mlp_bias in their configs
+    window_layers_key: Optional[str] = None  # Qwen2: layers below `max_window_layers` attend to every key, unless
+    # `layer_types` lists each layer's kind
+    window_layers_default: int = 0         # the key's value where config.json leaves it out (HF's Qwen2Config: 28)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", o_proj_bias=True),
-    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True),
+    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True, fixed_biases=True),
     "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", default_attention_bias=True, uses_sliding_window=True,
-                                 sliding_window_flag="use_sliding_window"),
+                                 sliding_window_flag="use_sliding_window", fixed_biases=True,
+                                 window_layers_key="max_window_layers", window_layers_default=28),
 }
 
 
@@ -60,7 +66,8 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool = False
     rope_scaling: Optional[dict] = None
-    sliding_window: Optional[int] = None
+    sliding_window: Optional[int] = None    # the window of the layers that slide
+    sliding_layers: Optional[tuple[bool, ...]] = None   # which layers slide, where some do not (None: all do)
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: Optional[int] = None
@@ -72,6 +79,18 @@ class ModelConfig:
     @property
     def arch(self) -> ArchSpec:
         return ARCHITECTURES[self.architecture]
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of one decoder layer (None: it attends to every earlier key)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_window(self) -> Optional[int]:
+        """The window every layer slides by, None where any layer attends to every key: a cache may drop the pages
+        that left it only then."""
+        return self.sliding_window if self.sliding_layers is None else None
 
     @property
     def quant_method(self) -> Optional[str]:
@@ -122,9 +141,28 @@ class Reader:
         return Reader(v, self.source, f"{self.prefix}{key}.")
 
 
-def _rope_scaling(r: Reader) -> Optional[dict]:
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _original_max_positions(rs: Reader, r: Reader) -> int:
+    """llama3 rope's pretraining length, as transformers 5.x's Llama fills it where the rope object leaves it out:
+    max_position_embeddings (a top-level original_max_position_embeddings is not read for Llama)."""
+    inner = rs.get("original_max_position_embeddings", int, None, positive=True)
+    return inner if inner is not None else r.get("max_position_embeddings", int, 4096, positive=True)
+
+
+def _rope_parameters(r: Reader) -> Optional[Reader]:
+    """transformers 5.x's `rope_parameters` (rope_theta and the scaling in one object). One object a layer type
+    (Gemma-style) would be read as default rope here: refused."""
+    rp = r.sub("rope_parameters")
+    if rp is not None and any(k in rp.data for k in LAYER_TYPES):
+        r.fail("rope_parameters", "holds one rope per layer type; exl_core supports one rope for every layer")
+    return rp
+
+
+def _rope_scaling(r: Reader, rope_parameters: Optional[Reader]) -> Optional[dict]:
     # transformers 5.x may write `rope_parameters` instead of rope_scaling/rope_theta
-    rs = r.sub("rope_scaling") or r.sub("rope_parameters")
+    rs = r.sub("rope_scaling") or rope_parameters
     if rs is None:
         return None
     type_key = "rope_type" if "rope_type" in rs.data else "type"
@@ -139,9 +177,40 @@ def _rope_scaling(r: Reader) -> Optional[dict]:
         if hi <= lo:   # the llama3 formula divides by (high - low)
             rs.fail("high_freq_factor", f"must be greater than low_freq_factor ({lo}), got {hi}")
         return {"rope_type": "llama3", "factor": rs.get("factor", float, positive=True),
-                "low_freq_factor": lo, "high_freq_factor": hi, "original_max_position_embeddings":
-                    float(rs.get("original_max_position_embeddings", int, positive=True))}
+                "low_freq_factor": lo, "high_freq_factor": hi,
+                "original_max_position_embeddings": float(_original_max_positions(rs, r))}
     rs.fail(type_key, f"value {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _sliding_window(r: Reader, spec: ArchSpec, layers: int) -> tuple[Optional[int], Optional[tuple[bool, ...]]]:
+    """(window, which layers slide) as HF's modeling code reads them: Mistral slides every layer by `sliding_window`
+    (null: none); Qwen2 only where `use_sliding_window` is true, and then the layers `layer_types` calls
+    sliding_attention, or without that list the layers from `max_window_layers` on."""
+    if not spec.uses_sliding_window:
+        return None, None
+    window = r.get("sliding_window", int, None)
+    if spec.sliding_window_flag and not r.get(spec.sliding_window_flag, bool, False):
+        return None, None
+    if window is None:
+        return None, None
+    if window <= 0:
+        r.fail("sliding_window", f"must be > 0, got {window}")
+    if not spec.window_layers_key:
+        return window, None
+    kinds = r.get("layer_types", list, None)
+    if kinds is not None:
+        if len(kinds) != layers or any(k not in LAYER_TYPES for k in kinds):
+            r.fail("layer_types", f"must list {layers} entries (num_hidden_layers), each one of "
+                                  f"{', '.join(LAYER_TYPES)}; got {kinds!r}")
+        slides = tuple(k == "sliding_attention" for k in kinds)
+    else:
+        first = r.get(spec.window_layers_key, int, spec.window_layers_default)
+        if first < 0:
+            r.fail(spec.window_layers_key, f"must be >= 0, got {first}")
+        slides = tuple(i >= first for i in range(layers))
+    if not any(slides):
+        return None, None
+    return window, (None if all(slides) else slides)
 
 
 def _token_id(r: Reader, key: str, v, vocab: int) -> int:
@@ -201,17 +270,13 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         head_dim = hidden // heads
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
-    rope_theta = r.get("rope_theta", float, None, positive=True)
+    # transformers 5.x keeps rope_parameters' theta and fills it from the top-level key only where it is missing
+    rp = _rope_parameters(r)
+    rope_theta = rp.get("rope_theta", float, None, positive=True) if rp else None
     if rope_theta is None:
-        rp = r.sub("rope_parameters")
-        rope_theta = rp.get("rope_theta", float, 10000.0, positive=True) if rp else 10000.0
-    sliding = None
-    if spec.uses_sliding_window:
-        sliding = r.get("sliding_window", int, None)
-        if spec.sliding_window_flag and not r.get(spec.sliding_window_flag, bool, False):
-            sliding = None
-        if sliding is not None and sliding <= 0:
-            raise ConfigError(f"{source}: key 'sliding_window' must be > 0, got {sliding}")
+        rope_theta = r.get("rope_theta", float, 10000.0, positive=True)
+    layers = r.get("num_hidden_layers", int, positive=True)
+    sliding, sliding_layers = _sliding_window(r, spec, layers)
     qc = data.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise ConfigError(f"{source}: key 'quantization_config' must be an object")
@@ -220,7 +285,7 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=r.get("intermediate_size", int, positive=True),
-        num_hidden_layers=r.get("num_hidden_layers", int, positive=True),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -228,10 +293,12 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         rope_theta=rope_theta,
         max_position_embeddings=r.get("max_position_embeddings", int, 4096, positive=True),
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
-        attention_bias=r.get("attention_bias", bool, spec.default_attention_bias),
-        mlp_bias=r.get("mlp_bias", bool, False),
-        rope_scaling=_rope_scaling(r),
+        attention_bias=(spec.default_attention_bias if spec.fixed_biases
+                        else r.get("attention_bias", bool, spec.default_attention_bias)),
+        mlp_bias=False if spec.fixed_biases else r.get("mlp_bias", bool, False),
+        rope_scaling=_rope_scaling(r, rp),
         sliding_window=sliding,
+        sliding_layers=sliding_layers,
         bos_token_id=_optional_token_id(r, "bos_token_id", vocab),
         eos_token_ids=_eos_token_ids(r, vocab),
         pad_token_id=_pad_token_id(r, vocab),

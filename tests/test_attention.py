@@ -142,6 +142,17 @@ def test_paged_dispatch_and_head_dim_fallback():
     assert torch.allclose(got.double(), brute_force(*args, 0.1, None), rtol=1e-4, atol=1e-5)
 
 
+def test_paged_dispatch_falls_back_past_16_query_heads_per_kv_head():
+    """32 query heads over one kv head: the CPU kernel takes up to 16 a kv head; the paged face (the generator's
+    path) raised from inside the kernel instead of falling back, as the contiguous face already did."""
+    args = make_case([(3, 20), (1, 7)], 32, 1, 64, 8)
+    reasons = dict(A.PAGED_ATTENTION.reasons(**dict(zip(
+        ["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k", "scale", "window"], (*args, 0.1, None)))))
+    assert "per kv head" in reasons["cpu"]
+    got = A.paged_attention(*args, 0.1)
+    assert torch.allclose(got.double(), brute_force(*args, 0.1, None), rtol=1e-4, atol=1e-5)
+
+
 def test_paged_bad_input():
     q, kc, vc, table, cu, lens = make_case([(2, 9)], 4, 2, 64, 8)
     with pytest.raises(InputError, match="multiple of kv heads"):

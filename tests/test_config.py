@@ -30,8 +30,21 @@ def test_llama_defaults(tmp_path):
 def test_qwen2_bias_and_sliding_flag(tmp_path):
     c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=False))
     assert c.attention_bias is True and c.sliding_window is None
+    c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=True,
+                          max_window_layers=0))
+    assert c.sliding_window == 32 and c.uniform_window == 32 and c.layer_window(1) == 32
+    # HF's Qwen2Config: layers below max_window_layers (default 28) attend to every key
     c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=True))
-    assert c.sliding_window == 32
+    assert c.sliding_window is None and c.layer_window(1) is None
+    c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=True,
+                          max_window_layers=1))
+    assert (c.layer_window(0), c.layer_window(1), c.uniform_window) == (None, 32, None)
+    c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=True,
+                          max_window_layers=0, layer_types=["sliding_attention", "full_attention"]))
+    assert (c.layer_window(0), c.layer_window(1), c.uniform_window) == (32, None, None)
+    # attention_bias / mlp_bias are Llama's keys: HF's Qwen2 ignores them
+    c = load_config(write(tmp_path, architectures=["Qwen2ForCausalLM"], attention_bias=False, mlp_bias=True))
+    assert c.attention_bias is True and c.mlp_bias is False
 
 
 def test_mistral_window_and_rope_variants(tmp_path):

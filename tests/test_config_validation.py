@@ -72,6 +72,7 @@ def test_gptq_integral_floats_and_one_group_still_load():
 
 
 # -- head_dim and rope --------------------------------------------------------------------------
+Q2W = {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8}
 L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 8192}
 
@@ -101,6 +102,11 @@ L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_f
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type"),
     ({"rope_parameters": {**L3, "rope_theta": 5e5, "low_freq_factor": 0}}, "rope_parameters.low_freq_factor"),
+    # one rope a layer type (Gemma-style) was read as the default rope with theta 10,000
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "rope_parameters"),
+    ({**Q2W, "layer_types": ["sliding_attention"]}, "layer_types"),                  # 1 entry for 2 layers
+    ({**Q2W, "layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ({**Q2W, "max_window_layers": -1}, "max_window_layers"),
 ])
 def test_bad_head_dim_and_rope_fields(tmp_path, over, field):
     refused(write(tmp_path, **over), field)
@@ -109,6 +115,11 @@ def test_bad_head_dim_and_rope_fields(tmp_path, over, field):
 def test_good_rope_fields_still_load(tmp_path):
     c = load_config(write(tmp_path, rope_parameters={**L3, "rope_theta": 500000}))
     assert c.rope_theta == 500000.0 and c.rope_scaling == {**L3, "original_max_position_embeddings": 8192.0}
+    # llama3 without its pretraining length: transformers 5.x's Llama takes max_position_embeddings
+    no_len = {k: v for k, v in L3.items() if k != "original_max_position_embeddings"}
+    c = load_config(write(tmp_path, max_position_embeddings=2048, original_max_position_embeddings=1024,
+                          rope_scaling=no_len))
+    assert c.rope_scaling["original_max_position_embeddings"] == 2048.0
     c = load_config(write(tmp_path, head_dim=32, rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2}))
     assert (c.head_dim, c.rope_theta, c.rope_scaling["factor"]) == (32, 1e6, 2.0)
 

@@ -25,6 +25,14 @@ CASES = [
     ("llama", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),    # o_proj's bias too (was dropped)
     ("mistral", "MistralForCausalLM", {"sliding_window": 5}),
     ("qwen2", "Qwen2ForCausalLM", {}),
+    # Qwen2 slides only layers >= max_window_layers (HF's default 28: none here), or those layer_types names
+    ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4}),
+    ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4,
+                                   "layer_types": ["sliding_attention", "full_attention"]}),
+    # HF ignores these keys for Qwen2 (q/k/v biases always, none elsewhere) and Mistral (no biases)
+    ("qwen2", "Qwen2ForCausalLM", {"attention_bias": False, "mlp_bias": True}),
+    ("mistral", "MistralForCausalLM", {"attention_bias": True}),
 ]
 
 
@@ -48,6 +56,50 @@ def test_logits_match_hf(tiny_model_factory, arch, cls, over):
     for t in range(8, 11):
         step = model.forward_batch(ids[:, t:t + 1], kvs)
         assert (step[:, 0] - ref[:, t]).abs().max().item() < ATOL
+
+
+def _edit_config(folder, **keys):
+    import json
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(keys)
+    path.write_text(json.dumps(cfg))
+
+
+def test_rope_parameters_theta_wins_over_top_level(tiny_model_factory):
+    """transformers 5.x keeps rope_parameters' rope_theta and fills it from the top-level key only where it is
+    missing; a config carrying both (edited by a tool) was read with the top-level one."""
+    folder = tiny_model_factory("llama", seed=3)
+    _edit_config(folder, rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    hf = _hf(folder, "LlamaForCausalLM")
+    assert hf.config.rope_parameters["rope_theta"] == 500000.0
+    model, _ = load_model(folder, load_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    assert (model.forward_batch(ids) - ref).abs().max().item() < ATOL
+
+
+def test_mixed_sliding_layers_through_the_generator(tiny_model_factory):
+    """Qwen2 with one full and one sliding layer, past the window, through the paged cache and the generator (the
+    cache must keep every page: the full layer reads them all), greedy against HF's greedy."""
+    from exl_core import Cache, Generator, Job, SamplerSettings
+    folder = tiny_model_factory("qwen2", seed=5, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    hf = _hf(folder, "Qwen2ForCausalLM")
+    model, _ = load_model(folder, load_tokenizer=False)
+    assert [blk.self_attn.window for blk in model.layers] == [None, 6]
+    cache = Cache(model, max_tokens=256, page_size=8)
+    assert cache.window is None
+    prompt = torch.randint(3, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                           eos_token_id=None, pad_token_id=0)[0, 30:].tolist()
+    gen = Generator(model, cache, max_chunk_size=7)
+    job = Job(prompt, max_new_tokens=12, sampler=SamplerSettings(temperature=0), stop_on_eos=False)
+    gen.enqueue(job)
+    while not job.done:
+        gen.iterate()
+    assert job.generated == want
 
 
 def test_bf16_close_to_fp32(tiny_llama_dir):

@@ -55,7 +55,7 @@ class Cache:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.window: Optional[int] = cfg.sliding_window or None
+        self.window: Optional[int] = cfg.uniform_window   # pages leave the cache only where every layer slides
         # Prefix sharing is off with a sliding window: a job re-reserves every page it drops
         # out of the window, which is only sound when the dropped page really returns to the
         # pool (a page still shared with another sequence would not).

@@ -41,13 +41,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, q_proj, k_proj, v_proj, o_proj):
+    def __init__(self, cfg: ModelConfig, q_proj, k_proj, v_proj, o_proj, layer: int = 0):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                             cfg.head_dim)
         self.scale = self.head_dim ** -0.5
-        self.window = cfg.sliding_window
+        self.window = cfg.layer_window(layer)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer_idx: int, cos_sin: torch.Tensor) -> torch.Tensor:
         """cos_sin: the rope table covering every position in ctx (looked up once per forward). (Block runs the plain
@@ -291,7 +291,7 @@ class Model(nn.Module):
             ab, mb = cfg.attention_bias, cfg.mlp_bias
             ob = ab and cfg.arch.o_proj_bias          # HF's Llama gives o_proj a bias too; Mistral / Qwen2 do not
             attn = Attention(cfg, linear(f"{p}.self_attn.q_proj", h, nq, ab), linear(f"{p}.self_attn.k_proj", h, nkv, ab),
-                             linear(f"{p}.self_attn.v_proj", h, nkv, ab), linear(f"{p}.self_attn.o_proj", nq, h, ob))
+                             linear(f"{p}.self_attn.v_proj", h, nkv, ab), linear(f"{p}.self_attn.o_proj", nq, h, ob), i)
             mlp = MLP(linear(f"{p}.mlp.gate_proj", h, inter, mb), linear(f"{p}.mlp.up_proj", h, inter, mb),
                       linear(f"{p}.mlp.down_proj", inter, h, mb))
             layers.append(Block(RMSNorm(get(f"{p}.input_layernorm.weight", (h,)).to(dtype), cfg.rms_norm_eps), attn,

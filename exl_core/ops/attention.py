@@ -294,6 +294,9 @@ def _paged_cpu_check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
         return f"tensors on {q.device}, kernel is CPU-only"
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}"
+    hkv = k_cache.shape[-2] if k_cache.dim() >= 3 else 0   # (pages, page size, Hkv, D); contiguous: (T, Hkv, D)
+    if hkv == 0 or q.shape[1] % hkv or q.shape[1] // hkv > _MAX_REP:
+        return f"{q.shape[1]} query heads over {hkv} kv heads: the kernel takes up to {_MAX_REP} per kv head"
     if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype not in (torch.float32, torch.bfloat16):
         return f"dtypes q={q.dtype}, cache={k_cache.dtype}; kernel takes float32/bfloat16"
     return paged_layout_problem(k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k)
@@ -387,8 +390,6 @@ def _contig_cpu_check(q, k, v, scale, q_start, window) -> Optional[str]:
                f"needs keys exactly up to the last query"
     if k.shape[0] == 0 or k.dtype != v.dtype:
         return f"no keys, or k/v dtypes differ ({k.dtype}, {v.dtype})"
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.shape[1] // k.shape[1] > _MAX_REP:
-        return f"{q.shape[1]} query heads over {k.shape[1]} kv heads: the kernel takes up to {_MAX_REP} per kv head"
     return _paged_cpu_check(q, k, v, torch.empty(0, 0, dtype=torch.int32), torch.empty(0, dtype=torch.int64),
                             torch.empty(0, dtype=torch.int64), scale, window)
 

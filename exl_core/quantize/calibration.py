@@ -118,7 +118,7 @@ def sample_from_model(source, rows: int, length: int, seed: int = 0, temperature
             h = embed[toks].unsqueeze(1)                                    # (b, 1, hidden)
             cos, sin = cos_all[t:t + 1], sin_all[t:t + 1]
             for li, w in enumerate(layers):
-                h = _decode_layer(h, w, d, cos, sin, kc[li], vc[li], t)
+                h = _decode_layer(h, w, source.layer_dims(li), cos, sin, kc[li], vc[li], t)
             logits = linear(rms_norm(h[:, 0], norm_w, d.eps), head)        # (b, vocab)
             probs = torch.softmax(logits.double() / temperature, -1)
             toks = torch.multinomial(probs, 1, generator=gen)[:, 0]

@@ -33,7 +33,7 @@ from ..formats import exl2 as exl2_fmt
 from ..formats import gptq as gptq_fmt
 from ..formats.safetensors_io import write_sharded
 from .allocate import allocate_bpw, bpw_range, bpw_text, range_text
-from .calib_forward import (LINEARS, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
+from .calib_forward import (LINEARS, Dims, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
 from .calibration import Calibration, cached_self_calibration, from_file
 from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, plan_groups
 from .hessian import HessianAccumulator
@@ -131,10 +131,9 @@ def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
 QuantizeFn = Callable[[list[str], torch.Tensor, dict], dict]   # (names, H, weights) -> {name: w_hat}
 
 
-def _walk_layer(h: torch.Tensor, w: dict, src, cos, sin, quantize: QuantizeFn) -> torch.Tensor:
-    """h (B, T, hidden) → next hidden. `quantize(names, H, w)` returns the weights to propagate with
-    (dense ones for measurement, quantized ones for the real pass) for each linear group."""
-    d = src.dims
+def _walk_layer(h: torch.Tensor, w: dict, d: Dims, cos, sin, quantize: QuantizeFn) -> torch.Tensor:
+    """h (B, T, hidden) → next hidden through a layer of dims `d`. `quantize(names, H, w)` returns the weights to
+    propagate with (dense ones for measurement, quantized ones for the real pass) for each linear group."""
     g = w.get
     x = rms_norm(h, w["input_layernorm.weight"], d.eps)                      # (B, T, hidden)
     hat = quantize(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], _hess(x), w)
@@ -207,7 +206,7 @@ class Converter:
         n_layers = self.cfg.num_hidden_layers
         bar = _bar(n_layers, "measuring", s.progress, done + 1)
         for i in range(done + 1, n_layers):
-            rec, h = measure_layer(h, self.src.layer_weights(i), self.src.dims, cos, sin, CANDIDATES, s.damp,
+            rec, h = measure_layer(h, self.src.layer_weights(i), self.src.layer_dims(i), cos, sin, CANDIDATES, s.damp,
                                    f"model.layers.{i}.", self._fixed)
             atomic_json(rec, job.path("measure", f"layer_{i:03d}.json"))
             job.save_state("measure", h, i)
@@ -283,7 +282,7 @@ class Converter:
                     hats[n] = r.w_hat
                 return hats
 
-            h = _walk_layer(h, self.src.layer_weights(i), self.src, cos, sin, quant_group)
+            h = _walk_layer(h, self.src.layer_weights(i), self.src.layer_dims(i), cos, sin, quant_group)
             atomic_save(tensors, job.path("quant", f"layer_{i:03d}.safetensors"))
             job.save_state("quant", h, i)
             bar.update(1)

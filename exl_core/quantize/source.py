@@ -6,6 +6,7 @@ only needs tensors, and reading per layer keeps memory at one layer plus the act
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -31,8 +32,12 @@ class DenseSource:
         self.reader = WeightReader(self.folder)
         c = self.cfg
         self.dims = Dims(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                         c.rms_norm_eps, c.sliding_window)
+                         c.rms_norm_eps, c.uniform_window)   # layer_dims(i): a layer's own
         self._check_names()
+
+    def layer_dims(self, i: int) -> Dims:
+        """The dims of decoder layer i: its own sliding window (Qwen2 slides only some layers)."""
+        return dataclasses.replace(self.dims, window=self.cfg.layer_window(i))
 
     def _check_names(self):
         need = ["model.embed_tokens.weight", "model.norm.weight"]
