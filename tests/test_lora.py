@@ -337,3 +337,99 @@ def test_rank_and_alpha_patterns_match_as_peft_does(tiny_llama_dir, tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(LoraError, match="not a valid regular expression"):
         load_lora(model, folder, name="bad")
+
+
+def _greedy(gen, prompt, **kw):
+    from exl_core.generation import Job
+    from exl_core.generation.sampling import SamplerSettings
+    job = Job(prompt, max_new_tokens=6, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False, **kw)
+    gen.enqueue(job)
+    while not job.done:
+        gen.iterate()
+    return job
+
+
+def test_prefix_pages_are_not_reused_across_lora_changes(tiny_llama_dir, tmp_path):
+    """A cached prompt prefix computed before activate() / merge() / an unload and reload under the same name was
+    reused after it: the job read K/V of other weights (silently other tokens than on a fresh cache)."""
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, std=0.3, seed=1), name="a")
+    prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    gen = Generator(model, Cache(model, max_tokens=512, page_size=16), None)
+
+    def fresh():
+        return _greedy(Generator(model, Cache(model, max_tokens=512, page_size=16), None), prompt).generated
+
+    plain = _greedy(gen, prompt)
+    assert plain.reused_tokens == 0
+    assert _greedy(gen, prompt).reused_tokens == 32                     # same state: the prefix is shared
+    a.activate()
+    job = _greedy(gen, prompt)
+    assert job.reused_tokens == 0 and job.generated == fresh() != plain.generated
+    set_active(model, None)
+    a.merge()
+    job = _greedy(gen, prompt)
+    assert job.reused_tokens == 0 and job.generated == fresh()
+    a.unmerge()
+    a.unload()
+    load_lora(model, make_adapter(tmp_path / "a2", tiny_llama_dir, std=0.3, seed=2), name="a")
+    job = _greedy(gen, prompt, loras={"a": 1.0})
+    assert job.reused_tokens == 0
+    assert job.generated == _greedy(Generator(model, Cache(model, max_tokens=512, page_size=16), None), prompt,
+                                    loras={"a": 1.0}).generated
+
+
+def test_jobs_without_a_mix_keep_the_active_one_when_batched_with_mixes(tiny_llama_dir, tmp_path):
+    """With an active adapter, a job of no mix of its own ran without any adapter when batched beside a job that
+    named one (its rows got an empty mix in the row plan): output depended on the batch."""
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, std=0.3, seed=5), name="a")
+    load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, std=0.3, seed=6), name="b")
+    a.activate()
+    x = torch.randint(0, 49152, (7,), generator=torch.Generator().manual_seed(7)).tolist()
+    y = torch.randint(0, 49152, (5,), generator=torch.Generator().manual_seed(8)).tolist()
+    alone = _greedy(Generator(model, Cache(model, max_tokens=256, page_size=16), None), x).generated
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    s = SamplerSettings(temperature=0.0)
+    jobs = [Job(x, max_new_tokens=6, sampler=s, stop_on_eos=False),
+            Job(y, max_new_tokens=6, sampler=s, stop_on_eos=False, loras={"b": 1.0})]
+    gen.enqueue(jobs)
+    while gen.has_work():
+        gen.iterate()
+    assert jobs[0].generated == alone
+    set_active(model, None)
+    assert _greedy(Generator(model, Cache(model, max_tokens=256, page_size=16), None), x).generated != alone
+
+
+def test_weights_do_not_change_under_queued_jobs(tiny_llama_dir, tmp_path):
+    """merge / unmerge change every row, the active mix the rows of jobs without their own: refused while such jobs
+    are queued or running (their K/V so far is of the old weights)."""
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=9), name="a")
+    load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, seed=10), name="b")
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    own = Job([1, 2, 3], max_new_tokens=2, loras={"b": 1.0})
+    gen.enqueue(own)
+    with pytest.raises(LoraError, match="1 queued or running job would mix"):
+        a.merge()
+    a.activate()                                       # the only job has its own mix: unaffected
+    set_active(model, None)
+    gen.enqueue(Job([4, 5], max_new_tokens=2))
+    with pytest.raises(LoraError, match="without their own loras"):
+        a.activate()
+    while gen.has_work():
+        gen.iterate()
+    a.merge()
+    gen.enqueue(Job([4, 5], max_new_tokens=2))
+    with pytest.raises(LoraError, match="would mix"):
+        a.unmerge()
+    while gen.has_work():
+        gen.iterate()
+    a.unmerge()

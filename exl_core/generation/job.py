@@ -1,7 +1,6 @@
 """A generation request (`Job`) and what each step reports about it (`JobResult`)."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import operator
 from dataclasses import dataclass
@@ -131,15 +130,9 @@ class Job:
         self.limit = self.max_new_tokens     # may be lowered to what the cache can hold
         self.reused_tokens = 0               # prompt positions taken from the prefix index
         self.page_keys: Optional[list[bytes]] = None   # Cache.prompt_keys(input_ids), computed once
+        self.salt: Optional[bytes] = None    # lora.prefix_salt at its first admission try (the LoRA state it
+        # depends on cannot change while the job is queued or running)
         self.stream = None                   # streaming.TextStream
-
-    @property
-    def cache_salt(self) -> bytes:
-        """Starts the prefix-index key chain: jobs with different LoRA mixes compute different
-        K/V for the same tokens and must never share pages."""
-        if not self.loras:
-            return b""
-        return hashlib.blake2b(repr(sorted(self.loras.items())).encode(), digest_size=16).digest()
 
     @property
     def prompt_len(self) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import InputError
+from ..model.lora import prefix_salt
 from .job import Job
 
 
@@ -73,9 +74,11 @@ class Scheduler:
         pending: Optional[set] = None
         while waiting and len(active) < self.max_batch_size:
             job = waiting[0]
+            if job.salt is None:
+                job.salt = prefix_salt(cache.model, job.loras)
             if reuse:
                 if job.page_keys is None:
-                    job.page_keys = cache.prompt_keys(job.input_ids, job.cache_salt)
+                    job.page_keys = cache.prompt_keys(job.input_ids, job.salt)
                 if pending is None:
                     pending = {k for a in active if a.fed < a.prompt_len and a.page_keys
                                for k in a.page_keys[len(a.table.keys):]}
@@ -85,7 +88,7 @@ class Scheduler:
                     continue
             total_len = job.prompt_len + job.limit - 1     # the last sampled token is never fed
             table = cache.try_admit(job.input_ids, total_len, self.max_chunk_size, reuse=reuse,
-                                    keys=job.page_keys, salt=job.cache_salt)
+                                    keys=job.page_keys, salt=job.salt)
             if table is None:
                 break
             waiting.popleft()

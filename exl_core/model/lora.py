@@ -19,6 +19,7 @@ scale_a = lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora), as PEFT comp
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -92,6 +93,8 @@ class LoraManager:
         # weights as they were, which hold the merges before it)
         self.generators = weakref.WeakSet()           # generators whose queued / running jobs may name adapters
         self.lock = threading.Lock()                  # guards `generators` (enqueue on other threads adds to it)
+        self.epoch = 0                                # bumped by every change of what a row computes (load,
+        # unload, merge, unmerge, the active mix): a cache's prefix pages from before never match after (prefix_salt)
 
     def add_generator(self, gen) -> None:
         with self.lock:
@@ -103,11 +106,31 @@ class LoraManager:
             gens = list(self.generators)
         return sum(1 for g in gens for j in g.pending_jobs() if name in (j.loras or {}))
 
+    def _pending(self, affected) -> int:
+        with self.lock:
+            gens = list(self.generators)
+        return sum(1 for g in gens for j in g.pending_jobs() if affected(j))
+
     def check_unused(self, name: str, doing: str) -> None:
         n = self.jobs_using(name)
         if n:
             jobs = f"{n} queued or running job{'s use' if n > 1 else ' uses'}"
             raise LoraError(f"cannot {doing} adapter {name!r}: {jobs} it; let them finish or cancel them first")
+
+    def check_no_jobs(self, doing: str, default_mix_only: bool = False) -> None:
+        """Refuses a change of what rows compute under queued or running jobs (every job's for merges, the jobs
+        without their own mix for the active one): their K/V so far was computed the old way."""
+        n = self._pending((lambda j: not j.loras) if default_mix_only else (lambda j: True))
+        if n:
+            whose = " without their own loras (they use the active mix)" if default_mix_only else ""
+            raise LoraError(f"cannot {doing}: {n} queued or running job{'s' if n > 1 else ''}{whose} would mix K/V "
+                            "computed before and after it; let them finish or cancel them first")
+
+    def set_active(self, mix: dict[str, float], doing: str = "change the active mix") -> None:
+        if mix != self.active:
+            self.check_no_jobs(doing, default_mix_only=True)
+            self.active = mix
+            self.epoch += 1
 
     def check_mix(self, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
         """Validated copy of a mix: known, unmerged adapters with finite weights."""
@@ -199,15 +222,15 @@ def check_job_loras(model, mix: Optional[Mix], what: str = "loras") -> dict[str,
 
 @contextmanager
 def lora_rows(model, jobs_and_lens: Sequence[tuple[object, int]]):
-    """Row plan for one flat forward: the i-th entry's `job.loras` covers its `n` consecutive
-    rows. Does nothing (no plan set) when no job asks for an adapter."""
+    """Row plan for one flat forward: the i-th entry's `job.loras` (or, where it has none, the active mix) covers
+    its `n` consecutive rows. Does nothing (no plan set) when no job asks for an adapter."""
     m = lora_manager(model)
     if m is None or not any(getattr(j, "loras", None) for j, _ in jobs_and_lens):
         yield
         return
     plan, r = [], 0
-    for job, n in jobs_and_lens:
-        plan.append((r, r + n, getattr(job, "loras", None) or {}))
+    for job, n in jobs_and_lens:   # a job without its own mix takes the active one, as it would alone
+        plan.append((r, r + n, getattr(job, "loras", None) or m.active))
         r += n
     m.set_plan(plan)
     try:
@@ -220,7 +243,20 @@ def set_active(model, mix: Optional[Mix]) -> None:
     """The mix applied to every row of plain `model.forward` calls (no row plan set)."""
     m = lora_manager(model, create=bool(mix))
     if m is not None:
-        m.active = m.check_mix(mix, "set_active")
+        m.set_active(m.check_mix(mix, "set_active"))
+
+
+def prefix_salt(model, loras: Optional[Mix]) -> bytes:
+    """Starts a job's prefix-index key chain: jobs whose rows compute different K/V for the same tokens (another
+    mix, or the model's adapters loaded, merged or activated since) must never share pages.  b"" for a model no
+    adapter ever touched."""
+    m = lora_manager(model)
+    if m is None:
+        return b""
+    mix = loras or m.active
+    if not mix and m.epoch == 0:
+        return b""
+    return hashlib.blake2b(repr((m.epoch, sorted(mix.items()))).encode(), digest_size=16).digest()
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -313,6 +349,7 @@ class LoraAdapter:
         if self.name in self.manager.active:
             raise LoraError(f"adapter {self.name!r} is active on the fly; set_active(model, None) first")
         self.manager.check_unused(self.name, "merge")
+        self.manager.check_no_jobs(f"merge adapter {self.name!r} (every row's weights change)")
         layers = dict(self.manager.model.linear_layers())
         report = {}
         for module in self.layers:
@@ -338,6 +375,7 @@ class LoraAdapter:
         share_input_perms(self.manager.model)
         self.merged = True
         self.manager.merged.append(self.name)
+        self.manager.epoch += 1
         self.merge_report = report
         return report
 
@@ -350,6 +388,7 @@ class LoraAdapter:
         if stack and stack[-1] != self.name:
             raise LoraError(f"adapter {self.name!r}: {stack[-1]!r} was merged after it; unmerge {stack[-1]!r} first "
                             "(merges are undone in reverse order)")
+        self.manager.check_no_jobs(f"unmerge adapter {self.name!r} (every row's weights change)")
         layers = dict(self.manager.model.linear_layers())
         for module, (kind, saved) in self._saved.items():
             if kind == "packed":
@@ -359,6 +398,7 @@ class LoraAdapter:
         self._saved.clear()
         self.merged = False
         stack.pop()
+        self.manager.epoch += 1
 
     def unload(self) -> None:
         """Forget the adapter (unmerging it first). Refused while queued or running jobs use it."""
@@ -366,10 +406,11 @@ class LoraAdapter:
         if self.merged:
             self.unmerge()
         m = self.manager
-        m.active.pop(self.name, None)
+        m.set_active({k: w for k, w in m.active.items() if k != self.name}, f"unload active adapter {self.name!r}")
         for module in self.layers:
             m.hooks[module].adapters.pop(self.name, None)
         m.adapters.pop(self.name, None)
+        m.epoch += 1     # a later adapter loaded under this name computes other K/V
 
     def __repr__(self) -> str:
         return f"LoraAdapter({self.name!r}, r={self.rank}, layers={len(self.layers)}, merged={self.merged})"
