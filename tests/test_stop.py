@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from exl_core.errors import InputError
-from exl_core.generation.stop import FinishReason, StopConditions, StopStringMatcher
+from exl_core.generation.stop import StopStringMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -123,32 +123,3 @@ def test_no_stop_strings_passes_everything():
 def test_bad_stop_strings(bad):
     with pytest.raises(InputError, match="stop strings"):
         StopStringMatcher(bad)
-
-
-def test_conditions_eos_releases_held_text():
-    c = StopConditions(eos_ids={2}, stop_strings=["###"], max_new_tokens=10)
-    assert c.step(5, "Hi #") == ("Hi ", None)
-    assert c.step(2, "</s>") == ("#", FinishReason.EOS)
-    assert c.finished and c.finish_reason == "eos"
-    assert c.step(7, "x") == ("", FinishReason.EOS)
-
-
-def test_conditions_stop_token_and_string():
-    c = StopConditions(stop_token_ids={9}, eos_ids={2})
-    assert c.check(4, "a") is None and c.last_text == "a"
-    assert c.check(9, "<|im_end|>") == FinishReason.STOP_TOKEN and c.last_text == ""
-    c = StopConditions(eos_ids={2}, stop_strings=["User:"])
-    assert c.step(4, "ok\nUs") == ("ok\n", None)
-    assert c.step(4, "er: hi") == ("", FinishReason.STOP_STRING)
-
-
-def test_conditions_length_counts_every_token():
-    n = random.randint(1, 6)
-    c = StopConditions(eos_ids={0}, stop_strings=["zy"], max_new_tokens=n)
-    texts = [c.step(1, "z") for _ in range(n)]
-    # Each "z" may start "zy" and is held; the last step ends the job and releases it.
-    assert [r for _, r in texts] == [None] * (n - 1) + [FinishReason.LENGTH]
-    want = [""] + ["z"] * (n - 2) + ["zz"] if n > 1 else ["z"]
-    assert [t for t, _ in texts] == want
-    with pytest.raises(InputError, match="max_new_tokens"):
-        StopConditions(max_new_tokens=-1)

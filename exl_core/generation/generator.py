@@ -134,7 +134,11 @@ class Generator:
                 self._validate(j)
             return [self.enqueue(j) for j in jobs]
         self._validate(job)
-        if not self.cache.window:   # without a window every position keeps its page
+        # Clipped to what the cache can hold where the job's pages could never all be promised: always without a
+        # window (every position keeps its page); with one where the window plus a chunk exceeds the cache (else
+        # such a job stayed queued for ever)
+        total = job.prompt_len + job.max_new_tokens - 1
+        if self.cache.pages_to_reserve(total, 0, self.scheduler.max_chunk_size) > self.cache.num_pages:
             room = self.cache.max_tokens - job.prompt_len + 1
             job.limit = max(1, min(job.max_new_tokens, room))
         job.stream = TextStream(self.tokenizer, job.stop_strings, skip_special=not job.decode_special)
@@ -148,6 +152,8 @@ class Generator:
             raise InputError(f"Generator.enqueue: expected a Job, got {type(job).__name__}")
         if job.status != "new":
             raise InputError(f"Generator.enqueue: {job!r} was already enqueued; create a new Job")
+        if job.stop_strings:
+            self._stop_strings_to_ids(job)
         for what, ids in (("input_ids", job.input_ids), ("stop", sorted(job.stop_tokens))):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:     # a stop id past the vocabulary could never be sampled: the stop would silently never fire
@@ -163,6 +169,19 @@ class Generator:
             check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
             lora_manager(self.model).add_generator(self)   # its adapters are not unloaded / merged under it
         self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
+
+    def _stop_strings_to_ids(self, job: Job) -> None:
+        """Stop strings are matched in the decoded text: without a tokenizer there is none (they would never fire),
+        and a special token (e.g. "<|im_end|>") is left out of it unless the job decodes specials, so such a string
+        also stops the job as its token id."""
+        if self.tokenizer is None:
+            raise InputError(f"Job {job.identifier!r}: stop strings {job.stop_strings!r} need a tokenizer to match "
+                             "the decoded text; pass Generator(..., tokenizer) or stop token ids")
+        special = getattr(self.tokenizer, "special_ids", ())
+        for text in job.stop_strings:
+            tid = self.tokenizer.piece_to_id(text) if hasattr(self.tokenizer, "piece_to_id") else None
+            if tid is not None and tid in special and not job.decode_special:
+                job.stop_tokens.add(tid)
 
     def cancel(self, job: Job) -> bool:
         """Stop a queued or running job now (pages freed); its final JobResult (finish
@@ -442,12 +461,36 @@ class Generator:
         # One driver per event loop: steps run in a thread, results go to each astream's queue.
         try:
             while self._queues and self.has_work():
-                for r in await asyncio.to_thread(self.iterate):
+                try:
+                    results = await asyncio.to_thread(self.iterate)
+                except Exception as e:          # noqa: BLE001 - handed to the consumers, not lost in this task
+                    if not self._route_step_error(e):
+                        return
+                    continue
+                for r in results:
                     q = self._queues.get(id(r.job))
                     if q is not None:
                         q.put_nowait(r)
         finally:
             self._driver = None
+
+    def _route_step_error(self, e: Exception) -> bool:
+        """A step's error for the astream consumers: raised in those whose jobs it ended (their cancelled results
+        wait in the events; the other events go out as usual) and the driver goes on for the rest (True); where it
+        ended no job (a failed forward), raised in every consumer (False: the driver stops, each consumer's exit
+        cancels its job)."""
+        with self._lock:
+            events, self._events = self._events, []
+        ended = {id(r.job) for r in events if r.finish_reason == "cancelled"}
+        for r in events:
+            q = self._queues.get(id(r.job))
+            if q is not None:
+                q.put_nowait(e if id(r.job) in ended else r)
+        if ended:
+            return True
+        for q in self._queues.values():
+            q.put_nowait(e)
+        return False
 
     async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
         """Async results of one job; several may run concurrently on one generator."""
@@ -459,6 +502,8 @@ class Generator:
                 self._driver = asyncio.ensure_future(self._drive())
             while True:
                 r = await q.get()
+                if isinstance(r, BaseException):    # the step that ended this job raised (_route_step_error)
+                    raise r
                 yield r
                 if r.done:
                     break

@@ -1,4 +1,4 @@
-"""Stop conditions: stop strings matched across streamed text, stop tokens, EOS, length.
+"""Stop strings matched across streamed text (the generator checks stop tokens, EOS and length itself).
 
 Text arrives in small pieces (one decoded token at a time), so a stop string can be split
 over several pieces. `StopStringMatcher` holds back the longest tail that is still the start
@@ -14,18 +14,9 @@ how the text was split into pieces.
 """
 from __future__ import annotations
 
-from enum import Enum
 from typing import Iterable, Optional
 
 from ..errors import InputError
-
-
-class FinishReason(str, Enum):
-    """Why a job ended (a str, so `reason == "eos"` works)."""
-    EOS = "eos"                  # an end-of-sequence token was drawn
-    STOP_TOKEN = "stop_token"    # one of the job's stop tokens was drawn
-    STOP_STRING = "stop_string"  # the text completed one of the job's stop strings
-    LENGTH = "length"            # max_new_tokens reached
 
 
 def _check_strings(stop_strings) -> list[str]:
@@ -90,52 +81,4 @@ class StopStringMatcher:
         return out
 
 
-class StopConditions:
-    """Everything that ends one job, checked once per drawn token.
-
-    `step(token_id, text)` -> (text to emit now, finish reason or None), where `text` is the
-    decoded text the token added. A stop token or EOS is not emitted; held-back text is
-    released when the job ends for any reason other than a stop string."""
-
-    def __init__(self, stop_token_ids: Iterable[int] = (), eos_ids: Iterable[int] = (),
-                 stop_strings: Iterable[str] | None = None, max_new_tokens: Optional[int] = None):
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
-            raise InputError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0 or None")
-        self.stop_token_ids = set(stop_token_ids or ())
-        self.eos_ids = set(eos_ids or ())
-        self.matcher = StopStringMatcher(stop_strings or [])
-        self.max_new_tokens = max_new_tokens
-        self.num_tokens = 0
-        self.finish_reason: Optional[FinishReason] = None
-        self.last_text = ""
-
-    def step(self, token_id: int, text: str) -> tuple[str, Optional[FinishReason]]:
-        if self.finish_reason is not None:
-            return "", self.finish_reason
-        self.num_tokens += 1
-        if token_id in self.eos_ids:
-            return self.matcher.flush(), self._finish(FinishReason.EOS)
-        if token_id in self.stop_token_ids:
-            return self.matcher.flush(), self._finish(FinishReason.STOP_TOKEN)
-        out, stopped = self.matcher.feed(text)
-        if stopped:
-            return out, self._finish(FinishReason.STOP_STRING)
-        if self.max_new_tokens is not None and self.num_tokens >= self.max_new_tokens:
-            return out + self.matcher.flush(), self._finish(FinishReason.LENGTH)
-        return out, None
-
-    def check(self, token_id: int, text: str) -> Optional[FinishReason]:
-        """`step` for callers that want only the reason; the text is left in `last_text`."""
-        self.last_text, reason = self.step(token_id, text)
-        return reason
-
-    def _finish(self, reason: FinishReason) -> FinishReason:
-        self.finish_reason = reason
-        return reason
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-__all__ = ["FinishReason", "StopStringMatcher", "StopConditions"]
+__all__ = ["StopStringMatcher"]
