@@ -175,6 +175,18 @@ def test_top_p(xs, p):
     assert_restricted_softmax(ps, xs, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("v", [0.0, 1.0, 3.284196376800537, 7.93328857421875, 12.5, -30.25])
+def test_top_p_keeps_no_tie_past_an_exact_boundary(v, dtype):
+    """n tied tokens, p = j / n: exactly j are kept (the (j+1)-th has mass j / n before it, not below p). The sum of
+    rounded probabilities fell short of j / n and one more was kept (two at 0.5 each, p = 0.5: both)."""
+    for n, j in ((2, 1), (10, 1), (10, 3), (4, 2), (8, 5)):
+        x = torch.cat([torch.full((n,), v), torch.tensor([-float("inf")] * 3)])
+        probs = processed_probs(x, SamplerSettings(top_p=j / n), dtype=dtype)
+        assert int((probs > 0).sum()) == j, (n, j)
+        assert probs[:j].tolist() == pytest.approx([1 / j] * j)       # the lowest ids among the ties
+
+
 @settings(max_examples=200, deadline=None)
 @given(xs=logit_lists, m=st.floats(0.0, 1.0))
 def test_min_p(xs, m):
@@ -483,6 +495,8 @@ def test_top_logprobs():
     ("penalty_range", -2), ("penalize_prompt", 1), ("temperature_last", "yes"),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("nan")}), ("logit_bias", {3: float("inf")}),
     ("logit_bias", [1, 2]), ("banned_tokens", [4, -2]), ("banned_tokens", ["a"]),
+    # an iterator was used up by the check, an array / tensor failed at sample time (len(), truth value)
+    ("banned_tokens", iter([2])), ("banned_tokens", (t for t in [2])), ("banned_tokens", torch.tensor([1, 2])),
 ])
 def test_invalid_settings_name_the_field(field, value):
     with pytest.raises(SamplerError, match=field):
@@ -502,6 +516,16 @@ def test_token_ids_checked_against_vocab():
         processed_probs(torch.randn(50), s)
     with pytest.raises(SamplerError, match="banned_tokens"):
         sample(torch.randn(4), SamplerSettings(banned_tokens=[4]))
+
+
+def test_penalties_that_overflow_the_logits_are_refused():
+    """Accepted extremes (repetition_penalty 1e-308, frequency_penalty -1e308) overflowed a logit to inf: the row
+    became NaN and sample() returned a fixed token."""
+    for s in (SamplerSettings(repetition_penalty=1e-308), SamplerSettings(frequency_penalty=-1e308)):
+        with pytest.raises(SamplerError, match="overflowed"):
+            sample(torch.tensor([1.0, 2.0, 0.5]), s, history=[0, 0, 1])
+        with pytest.raises(SamplerError, match="overflowed"):
+            processed_probs(torch.tensor([1.0, 2.0, 0.5]), s, history=[0, 0, 1])
 
 
 def test_valid_edges_accepted():

@@ -20,6 +20,7 @@ from exl_core.generation import Generator, Job
 from exl_core.generation.ngram import ngram_draft
 from exl_core.generation.sampling import SamplerSettings, processed_probs
 from exl_core.generation.speculative import accept_draft, draw_from
+from generator_support import TinyLM
 
 GREEDY = SamplerSettings(temperature=0.0)
 ALPHA = 1e-4
@@ -287,3 +288,47 @@ def test_smollm2_ngram_greedy_identical_and_fewer_passes(smollm2_dir):
     assert gen.spec.stats.accepted > 0
     assert gen.stats.forward_passes < plain_gen.stats.forward_passes
     _balanced(gen.cache)
+
+
+class _NaNAfter(TinyLM):
+    """TinyLM whose logits are NaN in the rows right after token `bad` is fed."""
+    bad = 4
+
+    def forward(self, ids, ctx):
+        out = super().forward(ids, ctx)
+        rows = ctx.logit_rows if ctx.logit_rows is not None else torch.arange(ids.numel())
+        out[ids[rows] == self.bad] = float("nan")
+        return out
+
+
+@pytest.mark.parametrize("bad,bias", [(4, {4: -5.0}), (5, {5: 5.0})])
+def test_a_row_that_cannot_be_sampled_ends_only_its_job_as_plain_decoding(monkeypatch, bad, bias):
+    """A verified row with NaN logits made every later step raise (no job advanced or ended). Now the job ends where
+    plain decoding would: never, where the row follows a rejected draft (bad 4, which the bias keeps from being
+    chosen); after emitting the accepted drafts, where they reach it (bad 5, always chosen: cancelled, as plain)."""
+    import exl_core.generation.speculative as sp
+    monkeypatch.setattr(sp, "ngram_draft", lambda tokens, n, *a: [bad, 5][:n])
+    main = _NaNAfter(vocab=8, seed=2)
+    main.bad = bad
+    s = SamplerSettings.greedy(logit_bias=bias)
+    runs = {}
+    for label, kw in (("plain", {}), ("spec", dict(ngram_draft=True, num_draft_tokens=2))):
+        gen = Generator(main, Cache(main, max_tokens=4096, page_size=16), None, **kw)
+        jobs = [Job([0, 3], max_new_tokens=8, sampler=s, stop_on_eos=False),
+                Job([1, 2], max_new_tokens=8, sampler=s, stop_on_eos=False)]
+        gen.enqueue(jobs)
+        errors = 0
+        for _ in range(40):
+            if not gen.has_work():
+                break
+            try:
+                gen.iterate()
+            except InputError:
+                errors += 1
+        assert not gen.has_work()
+        runs[label] = ([(j.generated, j.finish_reason) for j in jobs], errors)
+    assert runs["spec"] == runs["plain"], runs
+    if bad == 4:
+        assert runs["plain"][1] == 0 and all(r == "length" for _, r in runs["plain"][0])
+    else:   # both jobs choose 5 first: their next rows are NaN, one step raises for both
+        assert runs["plain"] == ([([5], "cancelled"), ([5], "cancelled")], 1)

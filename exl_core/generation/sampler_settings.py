@@ -117,8 +117,10 @@ class SamplerSettings:
                 if not _is_real(b) or math.isnan(b) or b == math.inf:
                     bad("logit_bias", {t: b}, "biases must be finite numbers or -inf")
         if self.banned_tokens is not None:
-            if isinstance(self.banned_tokens, (str, bytes)) or not hasattr(self.banned_tokens, "__iter__"):
-                bad("banned_tokens", self.banned_tokens, "must be a list of token ids or None")
+            # a container read again at every step: an iterator would be used up here, an array / tensor has no
+            # plain truth value
+            if not isinstance(self.banned_tokens, (list, tuple, set, frozenset)):
+                bad("banned_tokens", self.banned_tokens, "must be a list, tuple or set of token ids, or None")
             for t in self.banned_tokens:
                 check_id("banned_tokens", t)
         return self

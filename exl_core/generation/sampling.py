@@ -167,7 +167,10 @@ def _top_p(x: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
         probs = (vals - lse).exp()
         before = torch.zeros_like(probs)                                # mass strictly before each
         before[:, 1:] = torch.cumsum(probs, dim=1)[:, :-1]
-        keep = before < ps[:, None]                                     # [B, k], a prefix
+        # A sum of j rounded probabilities may fall a few ulps short of its exact value: tied tokens whose mass
+        # before is exactly p (two of 0.5 at p = 0.5) read as below p and one too many was kept
+        slack = (torch.arange(k, device=x.device, dtype=x.dtype) + 2) * torch.finfo(x.dtype).eps
+        keep = before < ps[:, None] - slack                             # [B, k], a prefix
         n = keep.sum(dim=1, keepdim=True)
         # Done when the last kept value is above the smallest candidate: then every token
         # that ties with or beats it is among the candidates, and the prefix is exact.
@@ -284,7 +287,14 @@ def _filtered_logits(x: torch.Tensor, settings: list[SamplerSettings], histories
     are left after step 3 (the caller takes their argmax)."""
     B = x.shape[0]
     _adjust(x, settings, histories, prompt_lens)
-    alive = x.amax(dim=1) > -math.inf
+    mx = x.amax(dim=1)
+    if bool(torch.isnan(mx).any() | torch.isposinf(mx).any()):    # finite logits before: the settings overflowed
+        b = int((torch.isnan(mx) | torch.isposinf(mx)).nonzero()[0])
+        s = settings[b]
+        raise SamplerError(f"row {b}: the penalties or logit bias overflowed the logits to inf / NaN "
+                           f"(repetition_penalty={s.repetition_penalty}, frequency_penalty={s.frequency_penalty}, "
+                           f"presence_penalty={s.presence_penalty}); use values of a sensible size")
+    alive = mx > -math.inf
     if not bool(alive.all()):
         b = int((~alive).nonzero()[0])
         raise SamplerError(f"row {b}: every token is banned or has logit -inf; nothing can be sampled "

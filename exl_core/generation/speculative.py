@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError
+from .job import JobResult
 from .ngram import ngram_draft
 from .sampling import _uniform, processed_probs_batch   # one uniform from a job's generator
 
@@ -315,6 +316,8 @@ def speculative_step(gen, plan) -> list:
     # decide acceptance first (pure), then account the cache, then emit
     verdicts = []      # (job, tokens, logprobs)
     plain_jobs, plain_rows = [], []
+    errors: list[Exception] = []
+    failed: dict[int, Exception] = {}    # jobs whose accepted drafts reach a row that cannot be sampled
     for item, drafts, q, first in work:
         job = item.job
         if not drafts:
@@ -325,10 +328,17 @@ def speculative_step(gen, plan) -> list:
             continue
         n = len(drafts)
         lg = logits[first:first + n + 1]                                    # (n+1, V)
-        hist = [job.tokens + drafts[:i] for i in range(n + 1)]
-        p = processed_probs_batch(lg, [job.sampler] * (n + 1), hist, [job.prompt_len] * (n + 1),
-                                  dtype=torch.float64)
+        p, bad = _verified_probs(job, drafts, lg)
+        if bad is not None and bad[0] == 0:      # the row plain decoding samples from: the job ends as it would
+            errors.append(bad[1])
+            _cancel(gen, job)
+            continue
+        if bad is not None:
+            drafts, q = drafts[:bad[0]], (None if q is None else q[:bad[0]])
         toks, a = accept_draft(p, q, drafts, job.rng)
+        if bad is not None and a == len(drafts):  # all accepted: the next token needs the bad row, as it would plain
+            toks = toks[:a]
+            failed[id(job)] = bad[1]
         spec.record(job, n, a)
         # main cache: keep the last fed token and the accepted drafts; rejected slots are
         # overwritten next step (their pages stay with the job, inside its reservation)
@@ -339,7 +349,7 @@ def speculative_step(gen, plan) -> list:
         lps = [float(lg[i, t].float() - lse[i]) for i, t in enumerate(toks)]
         verdicts.append((job, toks, lps))
 
-    results, errors = [], []
+    results = []
     for job, toks, lps in verdicts:
         for t, lp in zip(toks, lps):
             if job.status != "active":       # stopped (eos, stop string, limit, callback)
@@ -349,6 +359,9 @@ def speculative_step(gen, plan) -> list:
             except Exception as e:   # noqa: BLE001 - delivered like the plain path does
                 errors.append(e)
                 break
+        if id(job) in failed and job.status == "active":
+            errors.append(failed[id(job)])
+            _cancel(gen, job)
     if plain_jobs:
         try:
             results.extend(gen._sample_and_emit(plain_jobs, logits[plain_rows]))
@@ -358,6 +371,35 @@ def speculative_step(gen, plan) -> list:
         gen._events.extend(results)
         raise errors[0]
     return results
+
+
+def _cancel(gen, job) -> None:
+    """End a job whose next token cannot be sampled, as Generator._draw does (its result with the next step)."""
+    gen._finish(job, "cancelled")
+    gen._events.append(JobResult(job, "", [], "cancelled"))
+
+
+def _verified_probs(job, drafts: list[int], lg: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple]]:
+    """The main model's distributions at a job's n+1 verified rows, and (b, error) for the first row b that cannot
+    be sampled (NaN / inf logits, every token filtered), else None.  Acceptance at rows before b never reads row b,
+    so the caller verifies drafts[:b] with a stand-in row b and ends the job only where all b are accepted (plain
+    decoding would sample from row b there): the same law as without the bad row, and no step that raises for
+    every job of the batch."""
+    n = len(drafts)
+    args = lambda rows: ([job.sampler] * len(rows), [job.tokens + drafts[:i] for i in rows],  # noqa: E731
+                         [job.prompt_len] * len(rows))
+    try:
+        return processed_probs_batch(lg, *args(range(n + 1)), dtype=torch.float64), None
+    except Exception:   # noqa: BLE001 - find the first bad row below
+        pass
+    good = []
+    for i in range(n + 1):
+        try:
+            good.append(processed_probs_batch(lg[i:i + 1], *args([i]), dtype=torch.float64))
+        except Exception as e:   # noqa: BLE001 - the job's error, delivered by the caller
+            stand_in = torch.full((1, lg.shape[1]), 1.0 / lg.shape[1], dtype=torch.float64, device=lg.device)
+            return torch.cat(good + [stand_in]), (i, e)
+    raise AssertionError("unreachable: every row sampled one at a time but not together")
 
 
 def _cumsum(xs):
