@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl_core.errors import FormatError
+from exl_core.errors import ConfigError, FormatError
 from exl_core.formats import gptq
 from exl_core.formats.base import detect_format, get_format
 from exl_core.formats.packed import dequantize_reference as packed_dequant
@@ -134,6 +134,26 @@ def test_all_zero_g_idx_means_sequential_groups_like_exllamav2():
     want = expected_weight(q, scales, zeros, g_idx)
     assert torch.equal(gptq.dequantize_reference(t, {"bits": 4}), want)
     assert torch.equal(packed_dequant(gptq.read_layer(t, K, N, quant_config={"bits": 4})), want)
+
+
+def test_gptqmodel_dynamic_overrides_per_module():
+    """GPTQModel's `dynamic`: down_proj at 8 bits in groups of 64 under a 4-bit / 32 config (no g_idx, so the group
+    size decides the groups). It was refused by a shape check that did not name `dynamic`."""
+    K, N = 256, 64
+    fmt = get_format("gptq")
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+          "dynamic": {r"-:.*\.o_proj": {}, r"+:.*down_proj": {"bits": 8, "group_size": 64}}}
+    for name, bits, gs in (("model.layers.0.mlp.down_proj", 8, 64), ("model.layers.0.mlp.up_proj", 4, 32)):
+        q, scales, zeros, seq = random_layer(K, N, bits, gs, False)
+        t = gptq.pack_layer(q, scales, zeros, seq, bits)
+        del t["g_idx"]
+        full = {f"{name}.{k}": v for k, v in t.items()}
+        pw = fmt.load_layer(full.__getitem__, lambda n: tuple(full[n].shape), name, K, N, qc)
+        assert pw.meta["bits"] == bits
+        assert torch.equal(packed_dequant(pw), expected_weight(q, scales, zeros, seq))
+    assert gptq.layer_config(qc, "model.layers.3.self_attn.o_proj") is qc      # "-:": stored dense, no override
+    with pytest.raises(ConfigError, match="dynamic"):
+        gptq.layer_config({"bits": 4, "dynamic": {"+:(": {"bits": 8}}}, "x")
 
 
 def test_bits_inferred_when_config_lacks_them():

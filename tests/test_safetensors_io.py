@@ -280,6 +280,25 @@ def test_index_names_missing_shard(tmp_path):
     _assert_names(e, sio.INDEX_NAME, victim, name, "does not exist")
 
 
+def test_index_of_none_of_the_folders_files_is_ignored(tmp_path):
+    """ExLlamaV2's converter copies its fp16 source's index beside its own output-*.safetensors (which no index
+    names): that folder was refused for shards it never had. An index with some shards present still decides."""
+    folder, ts = _sharded(tmp_path / "src")
+    out = tmp_path / "exl2"
+    out.mkdir()
+    (out / sio.INDEX_NAME).write_text((folder / sio.INDEX_NAME).read_text())
+    names = sorted(ts)
+    save_file({k: ts[k] for k in names[:3]}, str(out / "output-00001-of-00002.safetensors"))
+    save_file({k: ts[k] for k in names[3:]}, str(out / "output-00002-of-00002.safetensors"))
+    r = WeightReader(out)
+    assert r.names() == set(ts) and all(torch.equal(r.get(k), ts[k]) for k in ts)
+    (out / "output-00002-of-00002.safetensors").unlink()
+    shard = sorted(set(json.loads((folder / sio.INDEX_NAME).read_text())["weight_map"].values()))[0]
+    (out / shard).write_bytes((folder / shard).read_bytes())       # one of the index's shards present
+    with pytest.raises(FormatError, match="does not exist"):
+        WeightReader(out)
+
+
 def test_index_maps_tensor_to_wrong_shard(tmp_path):
     folder, ts = _sharded(tmp_path)
     idx = json.loads((folder / sio.INDEX_NAME).read_text())

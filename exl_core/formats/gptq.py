@@ -17,12 +17,13 @@ stable-sorts rows by g_idx into the kernel layout's `perm` and repacks the bit s
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional
 
 import torch
 
 from ..config import Reader
-from ..errors import FormatError
+from ..errors import ConfigError, FormatError
 from .base import check_tensor, gather, register_format
 from .bitpack import fp16_ceil, pack_stream, stream_to_bits_reference, unpack_stream
 from .packed import PackedWeight
@@ -41,6 +42,27 @@ def checkpoint_is_v1(quant_config: Optional[dict], name: str = "quantization_con
     if fmt not in ("gptq", "gptq_v2"):
         raise FormatError(f"{name}: GPTQ checkpoint_format '{fmt}' is not supported (use 'gptq' or 'gptq_v2')")
     return fmt == "gptq"
+
+
+def layer_config(quant_config: Optional[dict], name: str) -> Optional[dict]:
+    """The quantization settings of one layer: GPTQModel's `dynamic` maps regular expressions (matched at the start
+    of the module name, the first that matches wins) to per-module overrides of bits / group_size / sym / desc_act
+    ("+:" or no prefix); a "-:" rule leaves the module unquantized (it is stored dense, so no override is needed)."""
+    dyn = (quant_config or {}).get("dynamic")
+    if not dyn:
+        return quant_config
+    if not isinstance(dyn, dict):
+        raise ConfigError(f"quantization_config.dynamic must be an object {{regex: settings}}, got {dyn!r}")
+    for pattern, over in dyn.items():
+        try:
+            hit = re.match(str(pattern)[2:] if str(pattern)[:2] in ("+:", "-:") else str(pattern), name)
+        except re.error as e:
+            raise ConfigError(f"quantization_config.dynamic: {pattern!r} is not a regular expression ({e})") from e
+        if hit:
+            if str(pattern).startswith("-:") or not isinstance(over, dict):
+                return quant_config
+            return {**quant_config, **over}
+    return quant_config
 
 
 def quant_settings(quant_config: Optional[dict]) -> tuple[Optional[int], Optional[int]]:
@@ -303,7 +325,7 @@ class GptqFormat:
     def load_layer(self, read, shape, prefix: str, in_features: int, out_features: int,
                    quant_config: Optional[dict]) -> PackedWeight:
         tensors = gather(read, shape, prefix, REQUIRED, OPTIONAL)
-        return read_layer(tensors, in_features, out_features, prefix, quant_config)
+        return read_layer(tensors, in_features, out_features, prefix, layer_config(quant_config, prefix))
 
 
 register_format(GptqFormat())

@@ -151,6 +151,20 @@ class _TensorNotFound(FormatError):
         return f"{self._path}: tensor '{self._name}' not found{hint}"
 
 
+def _stale_index(index: Path, folder: Path) -> bool:
+    """An index none of whose shards is in the folder while other *.safetensors files are: ExLlamaV2's converter
+    copies every non-safetensors file of its fp16 source (its index too) beside its own output*.safetensors, which
+    it names in no index. Read the folder's files then; an index with some of its shards present (an incomplete
+    download) is still read, and named in the error."""
+    try:
+        wmap = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        shards = {f for f in wmap.values() if isinstance(f, str)}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False                                   # unreadable: _open_index says why
+    return bool(shards) and not any((folder / f).is_file() for f in shards if "/" not in f and "\\" not in f) \
+        and any(folder.glob("*.safetensors"))
+
+
 class WeightReader:
     """Validated, memory-mapped access to the tensors of a dense HF checkpoint.
 
@@ -167,7 +181,7 @@ class WeightReader:
             self._add_file(self.path)
         elif self.path.is_dir():
             index = self.path / INDEX_NAME
-            if index.is_file():
+            if index.is_file() and not _stale_index(index, self.path):
                 self._open_index(index)
             else:
                 files = sorted(self.path.glob("*.safetensors"))

@@ -22,6 +22,13 @@ def set_gptq_routing(enabled):
     _set(enabled)
 
 
+def prepare_folder(folder):
+    """Make an ExLlamaV2 (output*.safetensors) or AutoGPTQ (quantize_config.json) folder loadable by
+    `from_pretrained` (see folder.py); returns what it changed."""
+    from .folder import prepare_folder as _prepare
+    return _prepare(folder)
+
+
 def __getattr__(name):
     if name == "ExlQuantConfig":
         from .config import ExlQuantConfig
@@ -35,5 +42,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'exl_core_hf' has no attribute {name!r}")
 
 
-__all__ = ["register", "set_gptq_routing", "ExlQuantConfig", "ExlHfQuantizer", "ExlGptqHfQuantizer",
+__all__ = ["register", "set_gptq_routing", "prepare_folder", "ExlQuantConfig", "ExlHfQuantizer", "ExlGptqHfQuantizer",
            "HFQuantLinear"]

@@ -344,3 +344,78 @@ def test_biased_projections_round_trip(tmp_path, dense_factory):
     saved = load_file(next((tmp_path / "saved").glob("*.safetensors")))
     k = "model.layers.0.self_attn.q_proj.bias"
     assert k in orig and torch.equal(saved[k], orig[k])
+
+
+def test_biases_the_config_contradicts_are_refused_as_by_the_native_loader(tmp_path, dense_factory):
+    """The adapter built each layer from the file's tensors alone: a bias the config gives the layer but the file
+    lacks was dropped, a non-zero one the config does not describe was added -- silently, both loading."""
+    from exl_core.errors import ConfigError
+    from exl_core.quantize.rtn import quantize_model_rtn
+    dense = dense_factory(tmp_path / "dense", int.from_bytes(os.urandom(4), "little"), None, attention_bias=True)
+    with torch.no_grad():   # save_pretrained leaves HF's zero-initialised biases: make them count
+        t = load_file(next(dense.glob("*.safetensors")))
+        for k in t:
+            if k.endswith(".bias"):
+                t[k] = torch.randn_like(t[k]) * 0.5
+        save_file(t, next(dense.glob("*.safetensors")), metadata={"format": "pt"})
+    folder = Path(quantize_model_rtn(dense, tmp_path / "exl2", fmt="exl2", bits=4, group_size=32))
+    k = "model.layers.0.self_attn.q_proj.bias"
+    _rewrite_without(folder, tmp_path / "nobias", k)
+    with pytest.raises(FormatError, match=k.replace(".", r"\.") + ".*is missing"):
+        _load(tmp_path / "nobias")
+    stray = tmp_path / "stray"
+    shutil.copytree(folder, stray)
+    cfg = json.loads((stray / "config.json").read_text())
+    cfg["attention_bias"] = False
+    (stray / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="non-zero"):
+        _load(stray)
+    # zero biases (old GPTQ tools wrote them on every projection) still load, and change nothing
+    for f in stray.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({n: (torch.zeros_like(v) if n.endswith(".bias") else v) for n, v in t.items()}, f,
+                  metadata={"format": "pt"})
+    hf = _load(stray)
+    ids = _ids(hf.config.vocab_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(ids).logits, _native_logits(stray, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_prepare_folder_opens_exllamav2_and_autogptq_layouts(quantized_dirs, tmp_path, monkeypatch):
+    """transformers opens model.safetensors / its index only, and reads quantization settings from config.json only:
+    ExLlamaV2's output.safetensors (beside its source's copied index) was not found, and an AutoGPTQ folder with
+    quantize_config.json loaded with no quantizer, every projection random. prepare_folder writes what it needs."""
+    import exl_core_hf
+    from exl_core.formats.safetensors_io import INDEX_NAME
+    from exl_core_hf.config import GPTQ_ENV
+    fixture = Path(__file__).resolve().parents[3] / "tests" / "data" / "exllamav2" / "exlv2_conv"
+    if not (fixture / "output.safetensors").is_file():
+        pytest.skip("ExLlamaV2 fixture not present")
+    ex = tmp_path / "exl2"
+    shutil.copytree(fixture, ex)
+    (ex / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))        # the fp16 source's, copied
+    with pytest.raises(OSError):
+        _load(ex)
+    changes = exl_core_hf.prepare_folder(ex)
+    assert len(changes) == 2 and (ex / (INDEX_NAME + ".stale")).is_file()
+    assert exl_core_hf.prepare_folder(ex) == []                                    # idempotent
+    hf = _load(ex)
+    ids = _ids(hf.config.vocab_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(ids).logits, _native_logits(ex, ids), rtol=1e-4, atol=1e-4)
+
+    gq = tmp_path / "gptq"
+    shutil.copytree(quantized_dirs["gptq"], gq)
+    cfg = json.loads((gq / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    qc.pop("quant_method")
+    (gq / "config.json").write_text(json.dumps(cfg))
+    (gq / "quantize_config.json").write_text(json.dumps(qc))
+    assert exl_core_hf.prepare_folder(gq) == ["copied quantize_config.json into config.json's quantization_config"]
+    monkeypatch.setenv(GPTQ_ENV, "1")
+    hf = _load(gq)
+    assert isinstance(hf.model.layers[0].mlp.down_proj, QuantLinear)
+    ids = _ids(hf.config.vocab_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(ids).logits, _native_logits(gq, ids), rtol=1e-4, atol=1e-4)

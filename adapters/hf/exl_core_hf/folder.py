@@ -1,0 +1,58 @@
+"""`prepare_folder`: make a checkpoint folder that exl_core loads readable by transformers' `from_pretrained` too.
+
+transformers opens `model.safetensors` or `model.safetensors.index.json` only, and reads quantization settings from
+config.json only. ExLlamaV2 writes `output.safetensors` / `output-0000i-of-0000n.safetensors` (and copies its fp16
+source's index, whose shards are not there); older AutoGPTQ folders keep the GPTQ settings in quantize_config.json.
+Such a folder made transformers fail to find weights, or load a GPTQ model without its quantizer (every projection
+randomly initialised). exl_core's own loader reads both layouts as they are.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Union
+
+from exl_core.errors import FormatError
+from exl_core.formats.safetensors_io import INDEX_NAME, WeightReader
+
+STALE_SUFFIX = ".stale"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)              # never a half-written config.json or index
+
+
+def prepare_folder(folder: Union[str, Path]) -> list[str]:
+    """Writes what transformers needs into `folder` (idempotent) and returns what it changed, one line each:
+    - an index naming every tensor's file, where the folder has no model.safetensors and no index of its own files
+      (a stale index is kept beside it as `model.safetensors.index.json.stale`);
+    - `quantization_config` in config.json from quantize_config.json, where config.json has none.
+    The tensors themselves are never rewritten."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FormatError(f"{folder}: no config.json; not a model folder")
+    changes = []
+    index = folder / INDEX_NAME
+    if not (folder / "model.safetensors").is_file():
+        reader = WeightReader(folder)       # reads the folder's own files where an index names none of them
+        files = {name: reader.file_of(name).name for name in reader.names()}
+        reader.close()
+        if not index.is_file() or json.loads(index.read_text(encoding="utf-8")).get("weight_map") != files:
+            if index.is_file():
+                os.replace(index, index.with_name(index.name + STALE_SUFFIX))
+                changes.append(f"moved the index of files not in the folder to {index.name}{STALE_SUFFIX}")
+            _write_json(index, {"metadata": {}, "weight_map": dict(sorted(files.items()))})
+            changes.append(f"wrote {index.name} for {', '.join(sorted(set(files.values())))}")
+    cfg_path, legacy = folder / "config.json", folder / "quantize_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    if "quantization_config" not in cfg and legacy.is_file():
+        cfg["quantization_config"] = {"quant_method": "gptq", **json.loads(legacy.read_text(encoding="utf-8"))}
+        _write_json(cfg_path, cfg)
+        changes.append("copied quantize_config.json into config.json's quantization_config")
+    return changes
+
+
+__all__ = ["prepare_folder"]
