@@ -410,6 +410,34 @@ def test_cache_sizing_from_cap_and_memory(monkeypatch):
         Cache(m, max_tokens=0)
 
 
+def test_free_memory_respects_a_container_memory_limit(tmp_path, monkeypatch):
+    """A memory cgroup's limit (Docker, Kubernetes) bounds what the process may use whatever the host has free: the
+    cache was sized from /proc/meminfo alone and could outgrow the limit (the process killed while zeroing it)."""
+    def tree(lines: str, files: dict) -> tuple[str, str]:
+        root = tmp_path / f"cg{len(list(tmp_path.iterdir()))}"
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        (root / "self").write_text(lines)
+        return str(root), str(root / "self")
+
+    gib = 1 << 30
+    v2 = tree("0::/job\n", {"job/memory.max": f"{4 * gib}\n", "job/memory.current": f"{gib}\n"})
+    assert sizing.cgroup_headroom(*v2) == 3 * gib
+    v1 = tree("4:memory:/pod/x\n3:cpu:/\n", {"memory/pod/x/memory.limit_in_bytes": f"{2 * gib}",
+                                              "memory/pod/x/memory.usage_in_bytes": f"{gib // 2}",
+                                              "memory/memory.limit_in_bytes": "9223372036854771712",
+                                              "memory/memory.usage_in_bytes": "5"})
+    assert sizing.cgroup_headroom(*v1) == 2 * gib - gib // 2
+    assert sizing.cgroup_headroom(*tree("0::/\n", {"memory.max": "max\n", "memory.current": "7\n"})) is None
+    assert sizing.cgroup_headroom(str(tmp_path / "none"), str(tmp_path / "missing")) is None
+    monkeypatch.setattr(sizing, "cgroup_headroom", lambda: 3 * gib)
+    monkeypatch.setattr(sizing, "_mem_available", lambda: 20 * gib)
+    assert sizing.known_free_memory(torch.device("cpu")) == 3 * gib
+    monkeypatch.setattr(sizing, "cgroup_headroom", lambda: None)
+    assert sizing.known_free_memory(torch.device("cpu")) == 20 * gib
+
+
 def test_cache_full_check_names_sizes():
     cache = Cache(_fake_model(), max_tokens=64, page_size=16)
     cache.check_fits(64, 32)

@@ -26,17 +26,62 @@ def known_free_memory(device: torch.device) -> Optional[int]:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    free = _mem_available()
+    room = cgroup_headroom()     # a container's memory limit: the host's free memory is not this process's
+    return room if free is None else free if room is None else min(free, room)
+
+
+def _mem_available() -> Optional[int]:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+_NO_LIMIT = 1 << 60      # cgroup v1 writes ~2^63 for "no limit"
+
+
+def cgroup_headroom(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
+    """Bytes this process's memory cgroup may still grow by (limit - usage, the tightest of v2's memory.max and
+    v1's memory.limit_in_bytes at the cgroup's own path and at the mount's root), None where no limit is set or
+    nothing can be read."""
+    try:
+        lines = open(self_cgroup).read().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.lstrip("/")
+        if controllers == "":                                       # v2: one unified hierarchy
+            for base in (os.path.join(root, path), root):
+                candidates.append((os.path.join(base, "memory.max"), os.path.join(base, "memory.current")))
+        elif "memory" in controllers.split(","):                    # v1
+            for base in (os.path.join(root, "memory", path), os.path.join(root, "memory")):
+                candidates.append((os.path.join(base, "memory.limit_in_bytes"),
+                                   os.path.join(base, "memory.usage_in_bytes")))
+    best = None
+    for limit_file, usage_file in candidates:
+        try:
+            limit = open(limit_file).read().strip()
+            usage = int(open(usage_file).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= _NO_LIMIT:
+            continue
+        room = max(0, int(limit) - usage)
+        best = room if best is None else min(best, room)
+    return best
 
 
 def free_memory(device: torch.device) -> int:
