@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 
 from pathlib import Path
 from typing import Optional
@@ -144,6 +145,7 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     check_embedding(cfg, reader)
 
     check_unused_layers(cfg, names)
+    warn_unread_tensors(cfg, names, src)
 
     def get(name: str, shape: tuple) -> torch.Tensor:
         if not reader.has(name):
@@ -213,6 +215,20 @@ def check_unused_layers(cfg: ModelConfig, names) -> None:
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+# what a Llama-family model reads (a projection's tensors have format-specific names: weight, qweight, q_scale, ...)
+_READ = re.compile(r"model\.(embed_tokens\.weight|norm\.weight|layers\.\d+\.((input|post_attention)_layernorm\.weight|"
+                   r"self_attn\.[qkvo]_proj\.\w+|mlp\.(gate|up|down)_proj\.\w+))$|lm_head\.\w+$|"
+                   r".*rotary_emb\.inv_freq$")      # old checkpoints' rope table: recomputed
+
+
+def warn_unread_tensors(cfg: ModelConfig, names, src: str) -> None:
+    """Tensors the model never reads, named in a warning (as transformers reports unexpected keys): q_norm /
+    k_norm weights, say, belong to another architecture than config.json names, whose output this is not."""
+    unread = sorted(n for n in names if not _READ.match(n))
+    if unread:
+        shown = ", ".join(unread[:5]) + (f" (+{len(unread) - 5} more)" if len(unread) > 5 else "")
+        warnings.warn(f"{src}: {len(unread)} tensor(s) are not used by {cfg.architecture}: {shown}; if the model "
+                      "needs them, config.json names another architecture", RuntimeWarning, stacklevel=3)
 
 
 def check_embedding(cfg: ModelConfig, reader: WeightReader) -> None:

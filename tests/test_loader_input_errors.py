@@ -101,3 +101,16 @@ def test_non_finite_exl2_scale_is_refused_at_load(exl2_act_order_dir, tmp_path):
     with pytest.raises(FormatError, match="model.layers.1.mlp.down_proj.*scale holds NaN or inf") as err:
         _load(folder)
     assert str(folder) in str(err.value)                       # the folder that holds it
+
+
+def test_tensors_the_model_never_reads_are_named_in_a_warning(tiny_llama_dir, tmp_path, recwarn):
+    """q_norm / k_norm weights (Qwen3-style) in a folder whose config.json says Llama were skipped without a word;
+    the model then is not the one the weights were trained as."""
+    _load(tiny_llama_dir)
+    assert not [w for w in recwarn if "not used by" in str(w.message)]
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    _edit_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16),
+                                              "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    with pytest.warns(RuntimeWarning, match=r"1 tensor\(s\) are not used by LlamaForCausalLM: "
+                                            r"model\.layers\.0\.self_attn\.q_norm\.weight;"):
+        _load(folder)
