@@ -160,9 +160,8 @@ def _rope_parameters(r: Reader) -> Optional[Reader]:
     return rp
 
 
-def _rope_scaling(r: Reader, rope_parameters: Optional[Reader]) -> Optional[dict]:
-    # transformers 5.x may write `rope_parameters` instead of rope_scaling/rope_theta
-    rs = r.sub("rope_scaling") or rope_parameters
+def _rope_scaling(rs: Optional[Reader], r: Reader) -> Optional[dict]:
+    """The scaling of the rope object (rope_scaling, or transformers 5.x's rope_parameters)."""
     if rs is None:
         return None
     type_key = "rope_type" if "rope_type" in rs.data else "type"
@@ -270,9 +269,11 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         head_dim = hidden // heads
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
-    # transformers 5.x keeps rope_parameters' theta and fills it from the top-level key only where it is missing
+    # transformers 5.x reads one rope object (a legacy rope_scaling, else rope_parameters) and fills its theta from
+    # the top-level key only where it has none
     rp = _rope_parameters(r)
-    rope_theta = rp.get("rope_theta", float, None, positive=True) if rp else None
+    rope = r.sub("rope_scaling") or rp
+    rope_theta = rope.get("rope_theta", float, None, positive=True) if rope else None
     if rope_theta is None:
         rope_theta = r.get("rope_theta", float, 10000.0, positive=True)
     layers = r.get("num_hidden_layers", int, positive=True)
@@ -296,7 +297,7 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         attention_bias=(spec.default_attention_bias if spec.fixed_biases
                         else r.get("attention_bias", bool, spec.default_attention_bias)),
         mlp_bias=False if spec.fixed_biases else r.get("mlp_bias", bool, False),
-        rope_scaling=_rope_scaling(r, rp),
+        rope_scaling=_rope_scaling(rope, r),
         sliding_window=sliding,
         sliding_layers=sliding_layers,
         bos_token_id=_optional_token_id(r, "bos_token_id", vocab),

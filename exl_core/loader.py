@@ -154,21 +154,15 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
         return reader.get_checked(name, shape).to(device)
 
     def linear(prefix: str, n_in: int, n_out: int, bias: bool) -> QuantLinear:
-        # a bias config.json does not describe: old GPTQ tools wrote zeros on every projection (dropped here, the
-        # same function); a non-zero one would change the output against HF's model of this config
-        stray = not bias and reader.has(f"{prefix}.bias")
-        if stray and bool(reader.get(f"{prefix}.bias").any()):
-            raise ConfigError(f"{src}: the file has a non-zero '{prefix}.bias' but config.json describes this layer "
-                              f"without a bias (attention_bias / mlp_bias?)")
-        if fmt is not None and fmt.has_layer(names, prefix):
+        packed = fmt is not None and fmt.has_layer(names, prefix)
+        stray = check_layer_bias(reader, prefix, bias, src, dense=not packed)
+        if packed:
             try:
                 pw = fmt.load_layer(reader.get, reader.shape, prefix, n_in, n_out, cfg.quantization_config)
-            except FormatError as e:               # the formats name the layer; say which folder holds it
+            except (FormatError, ConfigError) as e:   # the formats name the layer; say which folder holds it
                 if str(src) in str(e):
                     raise
-                raise FormatError(f"{src}: {e}") from e
-            if bias and pw.bias is None:
-                raise FormatError(f"{src}: tensor '{prefix}.bias' is missing (config.json gives this layer a bias)")
+                raise type(e)(f"{src}: {e}") from e
             if stray:
                 pw = dataclasses.replace(pw, bias=None)
             return QuantLinear.from_packed(pw.to(device))
@@ -201,6 +195,22 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     set_activations(model, activations)
     set_prefill(model, prefill)
     return model
+
+
+def check_layer_bias(reader: WeightReader, prefix: str, config_bias: bool, src, dense: bool = False) -> bool:
+    """A layer's bias in the file against config.json: missing where the config gives the layer one (a quantized
+    layer would silently run without it; a dense one reports it where it is read, with its shape: `dense`), or
+    non-zero where the config describes none (the output would differ from HF's model of this config): an error.
+    True for a zero bias the config does not describe -- old GPTQ tools wrote them on every projection -- which the
+    caller drops (the same function)."""
+    in_file = reader.has(f"{prefix}.bias")
+    if config_bias and not in_file and not dense:
+        raise FormatError(f"{src}: tensor '{prefix}.bias' is missing (config.json gives this layer a bias)")
+    stray = not config_bias and in_file
+    if stray and bool(reader.get(f"{prefix}.bias").any()):
+        raise ConfigError(f"{src}: the file has a non-zero '{prefix}.bias' but config.json describes this layer "
+                          f"without a bias (attention_bias / mlp_bias?)")
+    return stray
 
 
 def check_unused_layers(cfg: ModelConfig, names) -> None:

@@ -146,8 +146,8 @@ def test_paged_dispatch_falls_back_past_16_query_heads_per_kv_head():
     """32 query heads over one kv head: the CPU kernel takes up to 16 a kv head; the paged face (the generator's
     path) raised from inside the kernel instead of falling back, as the contiguous face already did."""
     args = make_case([(3, 20), (1, 7)], 32, 1, 64, 8)
-    reasons = dict(A.PAGED_ATTENTION.reasons(**dict(zip(
-        ["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k", "scale", "window"], (*args, 0.1, None)))))
+    names = ["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k", "scale", "window"]
+    reasons = dict(A.PAGED_ATTENTION.reasons(**dict(zip(names, (*args, 0.1, None)))))
     assert "per kv head" in reasons["cpu"]
     got = A.paged_attention(*args, 0.1)
     assert torch.allclose(got.double(), brute_force(*args, 0.1, None), rtol=1e-4, atol=1e-5)

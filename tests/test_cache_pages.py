@@ -424,6 +424,10 @@ def test_free_memory_respects_a_container_memory_limit(tmp_path, monkeypatch):
     gib = 1 << 30
     v2 = tree("0::/job\n", {"job/memory.max": f"{4 * gib}\n", "job/memory.current": f"{gib}\n"})
     assert sizing.cgroup_headroom(*v2) == 3 * gib
+    # reclaimable page cache (the mapped weight files) is room too
+    v2 = tree("0::/job\n", {"job/memory.max": f"{4 * gib}\n", "job/memory.current": f"{2 * gib}\n",
+                            "job/memory.stat": f"anon 5\ninactive_file {gib}\nactive_file 9\n"})
+    assert sizing.cgroup_headroom(*v2) == 3 * gib
     v1 = tree("4:memory:/pod/x\n3:cpu:/\n", {"memory/pod/x/memory.limit_in_bytes": f"{2 * gib}",
                                               "memory/pod/x/memory.usage_in_bytes": f"{gib // 2}",
                                               "memory/memory.limit_in_bytes": "9223372036854771712",

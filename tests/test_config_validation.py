@@ -120,6 +120,10 @@ def test_good_rope_fields_still_load(tmp_path):
     c = load_config(write(tmp_path, max_position_embeddings=2048, original_max_position_embeddings=1024,
                           rope_scaling=no_len))
     assert c.rope_scaling["original_max_position_embeddings"] == 2048.0
+    # transformers 5.x reads one rope object: a legacy rope_scaling wins, its theta from the top level if it has none
+    c = load_config(write(tmp_path, rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                          rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    assert (c.rope_theta, c.rope_scaling) == (1e4, {"rope_type": "linear", "factor": 2.0})
     c = load_config(write(tmp_path, head_dim=32, rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2}))
     assert (c.head_dim, c.rope_theta, c.rope_scaling["factor"]) == (32, 1e6, 2.0)
 

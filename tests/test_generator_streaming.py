@@ -160,6 +160,24 @@ def test_astream_raises_a_step_error_in_its_consumer_and_the_others_finish():
     assert job.finish_reason == "cancelled" and good == want
     assert_pool_idle(cache)
 
+    # a raising callback too: its result was lost, so the error reached every consumer and stopped the others
+    def cb(res):
+        if len(res.job.generated) == 2:
+            raise ValueError("callback failed")
+
+    async def bad_cb():
+        j = Job(tok.encode("hello"), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False, callback=cb)
+        with pytest.raises(ValueError, match="callback failed"):
+            await _collect(gen.astream(j))
+        return j
+
+    async def main_cb():
+        return await asyncio.wait_for(asyncio.gather(
+            bad_cb(), _collect(gen.astream("abc", max_new_tokens=10, sampler=GREEDY, stop_on_eos=False))), 60)
+    job, good = asyncio.run(main_cb())
+    assert job.finish_reason == "cancelled" and good == want
+    assert_pool_idle(cache)
+
     # a forward that fails ends no job by itself: every consumer gets the error, and leaving cancels its job
     def broken(*a, **k):
         raise RuntimeError("forward failed")

@@ -414,6 +414,13 @@ def test_weights_do_not_change_under_queued_jobs(tiny_llama_dir, tmp_path):
     model = _fresh(tiny_llama_dir)
     a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=9), name="a")
     load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, seed=10), name="b")
+    plain = Generator(model, Cache(model, max_tokens=256, page_size=16), None)   # never sees a job with loras
+    plain.enqueue(Job([7, 8], max_new_tokens=2))
+    for change in (a.activate, a.merge):
+        with pytest.raises(LoraError, match="1 queued or running job"):
+            change()
+    while plain.has_work():
+        plain.iterate()
     gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
     own = Job([1, 2, 3], max_new_tokens=2, loras={"b": 1.0})
     gen.enqueue(own)

@@ -185,6 +185,9 @@ def test_top_p_keeps_no_tie_past_an_exact_boundary(v, dtype):
         probs = processed_probs(x, SamplerSettings(top_p=j / n), dtype=dtype)
         assert int((probs > 0).sum()) == j, (n, j)
         assert probs[:j].tolist() == pytest.approx([1 / j] * j)       # the lowest ids among the ties
+    for tiny in (1e-17, 1e-300):                                         # valid p below the slack: the best token
+        probs = processed_probs(torch.tensor([v, v + 1.0, v - 2.0]), SamplerSettings(top_p=tiny), dtype=dtype)
+        assert probs.tolist() == [0.0, 1.0, 0.0]
 
 
 @settings(max_examples=200, deadline=None)
@@ -533,6 +536,8 @@ def test_valid_edges_accepted():
                     logit_bias={0: NEG}).validate(1)
     assert SamplerSettings.greedy().is_greedy and not SamplerSettings().is_greedy
     import numpy as np                              # numpy scalars are numbers too
+    for ok in (range(0, 2), {0: 1, 1: 1}.keys(), (0, 1), {0, 1}):     # any sized container of ids
+        assert kept(probs64([5.0, 1.0, 2.0], SamplerSettings(banned_tokens=ok))) == {2}
     s = SamplerSettings(top_k=np.int64(3), temperature=np.float32(0.5), banned_tokens=[np.int64(0)])
     ps = probs64([5.0, 1.0, 2.0, 3.0, 4.0], s)
     assert kept(ps) == {2, 3, 4}

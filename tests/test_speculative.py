@@ -317,15 +317,19 @@ def test_a_row_that_cannot_be_sampled_ends_only_its_job_as_plain_decoding(monkey
         jobs = [Job([0, 3], max_new_tokens=8, sampler=s, stop_on_eos=False),
                 Job([1, 2], max_new_tokens=8, sampler=s, stop_on_eos=False)]
         gen.enqueue(jobs)
-        errors = 0
+        errors, seen = 0, {id(j): [] for j in jobs}
         for _ in range(40):
             if not gen.has_work():
                 break
             try:
-                gen.iterate()
+                for r in gen.iterate():
+                    seen[id(r.job)].append((r.token_ids, r.finish_reason))
             except InputError:
                 errors += 1
         assert not gen.has_work()
+        for j in jobs:     # every token's result, then the final one, in that order
+            assert [t for ts, _ in seen[id(j)] for t in ts] == j.generated
+            assert seen[id(j)][-1][1] == j.finish_reason and all(f is None for _, f in seen[id(j)][:-1])
         runs[label] = ([(j.generated, j.finish_reason) for j in jobs], errors)
     assert runs["spec"] == runs["plain"], runs
     if bad == 4:

@@ -55,7 +55,8 @@ class Cache:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.window: Optional[int] = cfg.uniform_window   # pages leave the cache only where every layer slides
+        # pages leave the cache only where every layer slides (a model config of another kind: its sliding_window)
+        self.window: Optional[int] = getattr(cfg, "uniform_window", getattr(cfg, "sliding_window", None)) or None
         # Prefix sharing is off with a sliding window: a job re-reserves every page it drops
         # out of the window, which is only sound when the dropped page really returns to the
         # pool (a page still shared with another sequence would not).

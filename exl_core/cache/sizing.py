@@ -53,7 +53,7 @@ def cgroup_headroom(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self
     v1's memory.limit_in_bytes at the cgroup's own path and at the mount's root), None where no limit is set or
     nothing can be read."""
     try:
-        lines = open(self_cgroup).read().splitlines()
+        lines = _read(self_cgroup).splitlines()
     except OSError:
         return None
     candidates = []
@@ -65,23 +65,41 @@ def cgroup_headroom(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self
         path = path.lstrip("/")
         if controllers == "":                                       # v2: one unified hierarchy
             for base in (os.path.join(root, path), root):
-                candidates.append((os.path.join(base, "memory.max"), os.path.join(base, "memory.current")))
+                candidates.append((base, "memory.max", "memory.current", "inactive_file"))
         elif "memory" in controllers.split(","):                    # v1
             for base in (os.path.join(root, "memory", path), os.path.join(root, "memory")):
-                candidates.append((os.path.join(base, "memory.limit_in_bytes"),
-                                   os.path.join(base, "memory.usage_in_bytes")))
+                candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
     best = None
-    for limit_file, usage_file in candidates:
+    for base, limit_name, usage_name, cache_key in candidates:
         try:
-            limit = open(limit_file).read().strip()
-            usage = int(open(usage_file).read().strip())
+            limit = _read(os.path.join(base, limit_name))
+            usage = int(_read(os.path.join(base, usage_name)))
         except (OSError, ValueError):
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= _NO_LIMIT:
             continue
-        room = max(0, int(limit) - usage)
+        # usage counts the page cache (the model's mapped weight files among it), which the kernel reclaims before
+        # the limit bites: what is inactive of it is room too (as kubelet reckons a container's working set)
+        room = max(0, int(limit) - usage + _stat(os.path.join(base, "memory.stat"), cache_key))
         best = room if best is None else min(best, room)
     return best
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _stat(path: str, key: str) -> int:
+    """One field of a cgroup's memory.stat, 0 where it cannot be read."""
+    try:
+        for line in _read(path).splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def free_memory(device: torch.device) -> int:

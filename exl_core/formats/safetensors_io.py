@@ -152,17 +152,17 @@ class _TensorNotFound(FormatError):
 
 
 def _stale_index(index: Path, folder: Path) -> bool:
-    """An index none of whose shards is in the folder while other *.safetensors files are: ExLlamaV2's converter
-    copies every non-safetensors file of its fp16 source (its index too) beside its own output*.safetensors, which
-    it names in no index. Read the folder's files then; an index with some of its shards present (an incomplete
-    download) is still read, and named in the error."""
+    """An index none of whose shards is in the folder beside ExLlamaV2's output*.safetensors: its converter copies
+    every non-safetensors file of its fp16 source (its index too) beside its own output files, which it names in no
+    index. Read the folder's files then; any other index (some shards present: an incomplete download; none, beside
+    unrelated files) is still read, and named in the error."""
     try:
         wmap = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
         shards = {f for f in wmap.values() if isinstance(f, str)}
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         return False                                   # unreadable: _open_index says why
     return bool(shards) and not any((folder / f).is_file() for f in shards if "/" not in f and "\\" not in f) \
-        and any(folder.glob("*.safetensors"))
+        and any(folder.glob("output*.safetensors"))
 
 
 class WeightReader:

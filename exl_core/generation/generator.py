@@ -20,7 +20,7 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..errors import InputError, is_int
-from ..model.lora import lora_manager, lora_rows
+from ..model.lora import lora_manager, lora_rows, register_generator
 from .job import Job, JobResult
 from .lookahead import Lookahead
 from .sampling import SamplerSettings, sample_batch, sample_batch_unchecked
@@ -123,6 +123,7 @@ class Generator:
         if lookahead is None:
             lookahead = os.environ.get("EXL_CORE_GEN_LOOKAHEAD", "1") != "0"
         self.lookahead = Lookahead(self) if lookahead and self.graphs is not None and self.spec is None else None
+        register_generator(model, self)   # no adapter is merged, unloaded or (de)activated under its jobs
 
     # -- queue ------------------------------------------------------------------------------
     def enqueue(self, job: Union[Job, Sequence[Job]]) -> Union[Job, list[Job]]:
@@ -167,7 +168,6 @@ class Generator:
         if job.loras:
             from ..model.lora import check_job_loras
             check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
-            lora_manager(self.model).add_generator(self)   # its adapters are not unloaded / merged under it
         self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
 
     def _stop_strings_to_ids(self, job: Job) -> None:
@@ -191,8 +191,7 @@ class Generator:
                 self.waiting.remove(job)
             elif job.status != "active":
                 return False
-            res = JobResult(job, "", [], "cancelled")
-            self._finish(job, "cancelled")
+            res = self._cancelled(job)
             self._events.append(res)
             if job.callback is not None:
                 job.callback(res)
@@ -220,41 +219,50 @@ class Generator:
         """Run one forward pass over everything schedulable; return this step's results."""
         with self._lock:
             results, self._events = self._events, []
-            for job in self.scheduler.admit(self.waiting, self.active, self.cache, reuse=self.prefix_reuse):
-                self.stats.reused_tokens += job.reused_tokens
-            plan = self.scheduler.plan(self.active)
-            if not plan.items:
-                return results
-            if self.spec is not None:
-                from .speculative import speculative_step
-                results.extend(speculative_step(self, plan))
-                return results
-            ids, lens, rows, r = [], [], [], -1
-            for item in plan.items:
-                ids.extend(item.tokens)
-                lens.append(len(item.tokens))
-                r += len(item.tokens)
-                if item.wants_logits:
-                    rows.append(r)
-            dev = self.model.device
-            tables = [i.job.table for i in plan.items]
-            logits = self.lookahead.take(plan) if self.lookahead is not None else None
-            if logits is not None:
-                pass                                     # launched last step (lookahead.py): this very plan
-            elif self._graphable(lens, [i.wants_logits for i in plan.items]):
-                logits = self._graph_step(ids, tables)                                         # (S, V)
-            else:
-                ctx = self.cache.context(tables, lens, torch.tensor(rows, dtype=torch.int64, device=dev))
-                with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):
-                    logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
-            self.stats.forward_passes += 1
-            self.stats.forward_tokens += len(ids)
-            for item in plan.items:
-                self.cache.after_forward(item.job.table, item.job.tokens, len(item.tokens), more_to_come=True)
-            sampled = [i.job for i in plan.items if i.wants_logits]
-            if sampled:
-                results.extend(self._sample_and_emit(sampled, logits))
+            try:
+                return self._step(results)
+            except BaseException:
+                # results made before this step (cancels, a failed step's other jobs) go out with the next one
+                self._events[:0] = results
+                raise
+
+    def _step(self, results: list[JobResult]) -> list[JobResult]:
+        """iterate's work, under its lock: admit, plan, one forward, sample; this step's results after `results`."""
+        for job in self.scheduler.admit(self.waiting, self.active, self.cache, reuse=self.prefix_reuse):
+            self.stats.reused_tokens += job.reused_tokens
+        plan = self.scheduler.plan(self.active)
+        if not plan.items:
             return results
+        if self.spec is not None:
+            from .speculative import speculative_step
+            results.extend(speculative_step(self, plan))
+            return results
+        ids, lens, rows, r = [], [], [], -1
+        for item in plan.items:
+            ids.extend(item.tokens)
+            lens.append(len(item.tokens))
+            r += len(item.tokens)
+            if item.wants_logits:
+                rows.append(r)
+        dev = self.model.device
+        tables = [i.job.table for i in plan.items]
+        logits = self.lookahead.take(plan) if self.lookahead is not None else None
+        if logits is not None:
+            pass                                     # launched last step (lookahead.py): this very plan
+        elif self._graphable(lens, [i.wants_logits for i in plan.items]):
+            logits = self._graph_step(ids, tables)                                         # (S, V)
+        else:
+            ctx = self.cache.context(tables, lens, torch.tensor(rows, dtype=torch.int64, device=dev))
+            with lora_rows(self.model, [(i.job, len(i.tokens)) for i in plan.items]):
+                logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx)  # (R, V)
+        self.stats.forward_passes += 1
+        self.stats.forward_tokens += len(ids)
+        for item in plan.items:
+            self.cache.after_forward(item.job.table, item.job.tokens, len(item.tokens), more_to_come=True)
+        sampled = [i.job for i in plan.items if i.wants_logits]
+        if sampled:
+            results.extend(self._sample_and_emit(sampled, logits))
+        return results
 
     def _graphable(self, lens: list[int], wants_logits: list[bool]) -> bool:
         """Whether a step of these rows runs from the CUDA graphs (LoRA models stay eager: adapters change weights
@@ -274,8 +282,7 @@ class Generator:
                     out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r])
                 except Exception as e:   # the job ends; the error reaches the caller below
                     errors.append(e)
-                    self._finish(job, "cancelled")
-                    self._events.append(JobResult(job, "", [], "cancelled"))
+                    self._events.append(self._cancelled(job))
                     continue
                 if out is not None:
                     logits[r] = out
@@ -331,8 +338,7 @@ class Generator:
             except Exception as e:
                 errors.append(e)
                 if job.status != "done":
-                    self._finish(job, "cancelled")
-                    self._events.append(JobResult(job, "", [], "cancelled"))
+                    self._events.append(self._cancelled(job))
                 out.append((-1, 0.0))
         bad = None                # its errors' tracebacks hold this frame: no cycle through the closure's cell
         return out
@@ -368,14 +374,21 @@ class Generator:
             try:
                 keep = job.callback(res)
             except Exception:
-                if job.status != "done":
-                    res.finish_reason = "cancelled"
-                    self._finish(job, "cancelled")
+                # an error in its callback ends the job (docs/sampling.md); its result comes with the next step, as
+                # a cancel()'s does (it was lost, and astream could not tell which job the error ended)
+                self._finish(job, "cancelled")
+                res.finish_reason = job.finish_reason = "cancelled"
+                self._events.append(res)
                 raise
             if keep is False and job.status != "done":
                 res.finish_reason = "callback"
                 self._finish(job, "callback")
         return res
+
+    def _cancelled(self, job: Job) -> JobResult:
+        """End a job now (pages freed) and return its final, empty result: the caller queues it where it belongs."""
+        self._finish(job, "cancelled")
+        return JobResult(job, "", [], "cancelled")
 
     def _finish(self, job: Job, reason: str) -> None:
         if job.status == "done":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Collection
 from dataclasses import dataclass, replace as _dc_replace
 from typing import Optional, Sequence, Union
 
@@ -118,9 +119,10 @@ class SamplerSettings:
                     bad("logit_bias", {t: b}, "biases must be finite numbers or -inf")
         if self.banned_tokens is not None:
             # a container read again at every step: an iterator would be used up here, an array / tensor has no
-            # plain truth value
-            if not isinstance(self.banned_tokens, (list, tuple, set, frozenset)):
-                bad("banned_tokens", self.banned_tokens, "must be a list, tuple or set of token ids, or None")
+            # plain truth value (list(...) or .tolist() first)
+            b = self.banned_tokens
+            if not isinstance(b, Collection) or isinstance(b, (str, bytes)) or hasattr(b, "__array__"):
+                bad("banned_tokens", b, "must be a list, tuple, set or range of token ids, or None")
             for t in self.banned_tokens:
                 check_id("banned_tokens", t)
         return self

@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..errors import InputError, SamplerError, is_int
-from .logprobs import check_row_max, chosen_logprobs, lse_rows, native_lse
+from .logprobs import check_row_max, chosen_logprobs, native_lse
 from .sampler_settings import History, SamplerSettings
 
 
@@ -157,20 +157,23 @@ def _top_p(x: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """Keep mask [B, V] of the smallest prefix (logit desc, then token id asc) whose mass
     reaches p."""
     B, V = x.shape
-    lse = lse_rows(x)                                                  # [B, 1]
+    # Weights relative to the row's max and their total, compared unnormalised: tied tokens weigh exactly 1 each
+    # and sum exactly, where probabilities exp(v - lse) carried lse's rounding (a few ulps of |lse|): tied tokens
+    # whose mass before is exactly p (two of 0.5 at p = 0.5) read as below p and one too many was kept
+    top = x.amax(dim=1, keepdim=True)                                  # [B, 1], finite (a live row)
+    total = (x - top).exp().sum(dim=1, keepdim=True)                   # [B, 1]
     k = min(V, _FIRST_K)
     while True:
         vals, idx = torch.topk(x, k, dim=1)                             # [B, k], desc, ties arbitrary
         idx, perm = torch.sort(idx, dim=1)                              # by id, then stable by value:
         vals, perm = torch.sort(vals.gather(1, perm), dim=1, descending=True, stable=True)
         idx = idx.gather(1, perm)                                       # desc value, asc id on ties
-        probs = (vals - lse).exp()
-        before = torch.zeros_like(probs)                                # mass strictly before each
-        before[:, 1:] = torch.cumsum(probs, dim=1)[:, :-1]
-        # A sum of j rounded probabilities may fall a few ulps short of its exact value: tied tokens whose mass
-        # before is exactly p (two of 0.5 at p = 0.5) read as below p and one too many was kept
-        slack = (torch.arange(k, device=x.device, dtype=x.dtype) + 2) * torch.finfo(x.dtype).eps
-        keep = before < ps[:, None] - slack                             # [B, k], a prefix
+        weights = (vals - top).exp()
+        before = torch.zeros_like(weights)                              # weight strictly before each
+        before[:, 1:] = torch.cumsum(weights, dim=1)[:, :-1]
+        slack = (torch.arange(k, device=x.device, dtype=x.dtype) + 2) * torch.finfo(x.dtype).eps   # p * total's
+        keep = before < ps[:, None] * total * (1 - slack)               # [B, k], a prefix
+        keep[:, 0] = True                                               # the best token always stays
         n = keep.sum(dim=1, keepdim=True)
         # Done when the last kept value is above the smallest candidate: then every token
         # that ties with or beats it is among the candidates, and the prefix is exact.

@@ -26,7 +26,6 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError
-from .job import JobResult
 from .ngram import ngram_draft
 from .sampling import _uniform, processed_probs_batch   # one uniform from a job's generator
 
@@ -331,7 +330,7 @@ def speculative_step(gen, plan) -> list:
         p, bad = _verified_probs(job, drafts, lg)
         if bad is not None and bad[0] == 0:      # the row plain decoding samples from: the job ends as it would
             errors.append(bad[1])
-            _cancel(gen, job)
+            gen._events.append(gen._cancelled(job))
             continue
         if bad is not None:
             drafts, q = drafts[:bad[0]], (None if q is None else q[:bad[0]])
@@ -361,7 +360,7 @@ def speculative_step(gen, plan) -> list:
                 break
         if id(job) in failed and job.status == "active":
             errors.append(failed[id(job)])
-            _cancel(gen, job)
+            results.append(gen._cancelled(job))    # after the job's accepted tokens
     if plain_jobs:
         try:
             results.extend(gen._sample_and_emit(plain_jobs, logits[plain_rows]))
@@ -371,12 +370,6 @@ def speculative_step(gen, plan) -> list:
         gen._events.extend(results)
         raise errors[0]
     return results
-
-
-def _cancel(gen, job) -> None:
-    """End a job whose next token cannot be sampled, as Generator._draw does (its result with the next step)."""
-    gen._finish(job, "cancelled")
-    gen._events.append(JobResult(job, "", [], "cancelled"))
 
 
 def _verified_probs(job, drafts: list[int], lg: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple]]:
@@ -390,16 +383,16 @@ def _verified_probs(job, drafts: list[int], lg: torch.Tensor) -> tuple[torch.Ten
                          [job.prompt_len] * len(rows))
     try:
         return processed_probs_batch(lg, *args(range(n + 1)), dtype=torch.float64), None
-    except Exception:   # noqa: BLE001 - find the first bad row below
-        pass
+    except Exception as e:   # noqa: BLE001 - find the first bad row below
+        whole = e
     good = []
+    stand_in = torch.full((1, lg.shape[1]), 1.0 / lg.shape[1], dtype=torch.float64, device=lg.device)
     for i in range(n + 1):
         try:
             good.append(processed_probs_batch(lg[i:i + 1], *args([i]), dtype=torch.float64))
         except Exception as e:   # noqa: BLE001 - the job's error, delivered by the caller
-            stand_in = torch.full((1, lg.shape[1]), 1.0 / lg.shape[1], dtype=torch.float64, device=lg.device)
             return torch.cat(good + [stand_in]), (i, e)
-    raise AssertionError("unreachable: every row sampled one at a time but not together")
+    return stand_in, (0, whole)    # no row fails alone: the job ends on the batch's error, as at its first row
 
 
 def _cumsum(xs):

@@ -91,25 +91,16 @@ class LoraManager:
         self._plan: Optional[list[tuple[int, int, dict]]] = None
         self.merged: list[str] = []                   # merge order: merges are undone in reverse (each saved the
         # weights as they were, which hold the merges before it)
-        self.generators = weakref.WeakSet()           # generators whose queued / running jobs may name adapters
-        self.lock = threading.Lock()                  # guards `generators` (enqueue on other threads adds to it)
-        self.epoch = 0                                # bumped by every change of what a row computes (load,
-        # unload, merge, unmerge, the active mix): a cache's prefix pages from before never match after (prefix_salt)
-
-    def add_generator(self, gen) -> None:
-        with self.lock:
-            self.generators.add(gen)
+        self.epoch = 0                                # bumped where the weights change (merge, unmerge) or an
+        # adapter's name may come to mean other factors (unload): prefix pages from before never match after
+        # (prefix_salt; the mix itself is in the salt)
 
     def jobs_using(self, name: str) -> int:
         """Queued or running jobs (of generators on this model) whose mix names adapter `name`."""
-        with self.lock:
-            gens = list(self.generators)
-        return sum(1 for g in gens for j in g.pending_jobs() if name in (j.loras or {}))
+        return self._pending(lambda j: name in (j.loras or {}))
 
     def _pending(self, affected) -> int:
-        with self.lock:
-            gens = list(self.generators)
-        return sum(1 for g in gens for j in g.pending_jobs() if affected(j))
+        return sum(1 for g in generators_of(self.model) for j in g.pending_jobs() if affected(j))
 
     def check_unused(self, name: str, doing: str) -> None:
         n = self.jobs_using(name)
@@ -130,7 +121,6 @@ class LoraManager:
         if mix != self.active:
             self.check_no_jobs(doing, default_mix_only=True)
             self.active = mix
-            self.epoch += 1
 
     def check_mix(self, mix: Optional[Mix], what: str = "loras") -> dict[str, float]:
         """Validated copy of a mix: known, unmerged adapters with finite weights."""
@@ -179,6 +169,22 @@ class LoraManager:
             layer.lora = hook
             self.hooks[name] = hook
         return hook
+
+
+# Every generator of a model, whether or not its jobs name adapters: a merge or a new active mix changes the rows of
+# jobs that name none. Kept apart from the LoraManager, whose mere existence keeps a model off the CUDA graphs.
+_GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GENERATORS_LOCK = threading.Lock()      # generators are made, and enqueue, on other threads too
+
+
+def register_generator(model, gen) -> None:
+    with _GENERATORS_LOCK:
+        _GENERATORS.setdefault(model, weakref.WeakSet()).add(gen)
+
+
+def generators_of(model) -> list:
+    with _GENERATORS_LOCK:
+        return list(_GENERATORS.get(model, ()))
 
 
 def lora_manager(model, create: bool = False) -> Optional[LoraManager]:

@@ -160,7 +160,10 @@ def self_calibration_path(folder, rows: int, length: int, seed: int = 0, tempera
     its config and weight files' names, sizes and mtimes)."""
     from ..default_model import exl_home
     h = hashlib.sha256()
-    h.update((Path(folder) / "config.json").read_bytes())
+    config = (Path(folder) / "config.json").read_bytes()
+    h.update(config)
+    if b"use_sliding_window" in config and json.loads(config).get("use_sliding_window"):
+        h.update(b"per-layer windows")   # Qwen2's windows read as HF reads them since stop 66: older tokens differ
     for f in sorted(Path(folder).glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     h.update(json.dumps([rows, length, seed, temperature]).encode())

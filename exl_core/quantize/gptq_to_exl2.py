@@ -49,7 +49,7 @@ class GptqSource(DenseSource):
         if self.reader.has(f"{name}.g_idx"):
             k = self.reader.shape(f"{name}.g_idx")[0]
         else:
-            bits = int(self.qc.get("bits", 4))
+            bits = int(gptq_fmt.layer_config(self.qc, name).get("bits", 4))   # GPTQModel's per-module dynamic
             k = self.reader.shape(f"{name}.qweight")[0] * 32 // bits
         return n, k
 
@@ -58,7 +58,7 @@ class GptqSource(DenseSource):
             n, k = self.shape_of_linear(name)
             t = {s: self.reader.get(f"{name}.{s}") for s in gptq_fmt.REQUIRED + gptq_fmt.OPTIONAL
                  if self.reader.has(f"{name}.{s}")}
-            self._packed[name] = gptq_fmt.read_layer(t, k, n, name, self.qc)
+            self._packed[name] = gptq_fmt.read_layer(t, k, n, name, gptq_fmt.layer_config(self.qc, name))
         return self._packed[name]
 
     def linear_weight(self, name: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.quantizers import auto as _auto
 from transformers.quantizers.base import HfQuantizer
 
-from exl_core.errors import ConfigError, FormatError
+from exl_core.errors import FormatError
 
 from .config import EXL2_METHOD, ExlQuantConfig, gptq_routing_enabled
 
@@ -70,6 +70,7 @@ class ExlHfQuantizer(HfQuantizer):
     # -- before weights load --------------------------------------------------------------------
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from exl_core.formats.safetensors_io import WeightReader
+        from exl_core.loader import check_layer_bias
 
         from .modules import HFQuantLinear, layer_tensors
 
@@ -90,7 +91,7 @@ class ExlHfQuantizer(HfQuantizer):
                 continue
             if not self._fmt.has_layer(names, name):
                 continue
-            _check_bias(module, name, names, reader, folder)
+            check_layer_bias(reader, name, module.bias is not None, folder)   # the file's bias against config.json
             tensors = {t: (reader.shape(f"{name}.{t}"), reader.dtype(f"{name}.{t}"))
                        for t in layer_tensors(names, name)}
             new = HFQuantLinear(module.in_features, module.out_features, tensors, prefix=name)
@@ -167,18 +168,6 @@ def _untie_quantized_head(model) -> None:
             model.all_tied_weights_keys = {}
         except Exception:  # noqa: BLE001 - property without setter in some versions: nothing to clear
             pass
-
-
-def _check_bias(module: nn.Linear, name: str, names: set, reader, folder: Path) -> None:
-    """The file's bias against the layer transformers built from config.json (as exl_core's loader checks it): a
-    missing one would be dropped (the packed layer is built from the file alone), a non-zero one the config does not
-    describe would be added. Zero ones, which old GPTQ tools wrote on every projection, change nothing."""
-    in_file = f"{name}.bias" in names
-    if module.bias is not None and not in_file:
-        raise FormatError(f"{folder}: tensor '{name}.bias' is missing (config.json gives this layer a bias)")
-    if module.bias is None and in_file and bool(reader.get(f"{name}.bias").any()):
-        raise ConfigError(f"{folder}: the file has a non-zero '{name}.bias' but config.json describes this layer "
-                          "without a bias (attention_bias / mlp_bias?)")
 
 
 def _check_nothing_missing(model, names: set, folder: Path) -> None:
