@@ -143,40 +143,26 @@ def test_astream_raises_a_step_error_in_its_consumer_and_the_others_finish():
     def boom(ids, logits):
         calls.append(1)
         if len(calls) == 3:
-            raise ValueError("filter failed")
+            raise ValueError("token_filter failed")
 
-    want = tok.decode(reference_greedy(model, tok.encode("abc"), 10))
-
-    async def bad():
-        job = Job(tok.encode("hello"), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False, token_filter=boom)
-        with pytest.raises(ValueError, match="filter failed"):
-            await _collect(gen.astream(job))
-        return job
-
-    async def main():
-        return await asyncio.wait_for(asyncio.gather(
-            bad(), _collect(gen.astream("abc", max_new_tokens=10, sampler=GREEDY, stop_on_eos=False))), 60)
-    job, good = asyncio.run(main())
-    assert job.finish_reason == "cancelled" and good == want
-    assert_pool_idle(cache)
-
-    # a raising callback too: its result was lost, so the error reached every consumer and stopped the others
-    def cb(res):
+    def cb(res):            # a raising callback too: its result was lost, so every consumer got the error
         if len(res.job.generated) == 2:
             raise ValueError("callback failed")
 
-    async def bad_cb():
-        j = Job(tok.encode("hello"), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False, callback=cb)
-        with pytest.raises(ValueError, match="callback failed"):
-            await _collect(gen.astream(j))
-        return j
+    want = tok.decode(reference_greedy(model, tok.encode("abc"), 10))
+    for kw, text in ((dict(token_filter=boom), "token_filter failed"), (dict(callback=cb), "callback failed")):
+        async def bad():
+            job = Job(tok.encode("hello"), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False, **kw)
+            with pytest.raises(ValueError, match=text):
+                await _collect(gen.astream(job))
+            return job
 
-    async def main_cb():
-        return await asyncio.wait_for(asyncio.gather(
-            bad_cb(), _collect(gen.astream("abc", max_new_tokens=10, sampler=GREEDY, stop_on_eos=False))), 60)
-    job, good = asyncio.run(main_cb())
-    assert job.finish_reason == "cancelled" and good == want
-    assert_pool_idle(cache)
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(
+                bad(), _collect(gen.astream("abc", max_new_tokens=10, sampler=GREEDY, stop_on_eos=False))), 60)
+        job, good = asyncio.run(main())
+        assert job.finish_reason == "cancelled" and good == want
+        assert_pool_idle(cache)
 
     # a forward that fails ends no job by itself: every consumer gets the error, and leaving cancels its job
     def broken(*a, **k):
