@@ -221,7 +221,8 @@ NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0
 # EXL_CORE_NORM_PERM16=1: the permutation as int16 (the CUDA norm's P16 instance: its entries in registers at half the
 # regular instance's cost, no shared-memory copy of them); =decode: int16 for calls of up to NORM_PERM16_MAX_ROWS rows
 # (the bench's decode batches 1 / 8 / 32; also a prompt chunk that short, and no 33..64-row decode bucket), int32
-# above (its 2,048-token prompt).  A/Bs, off until measured (stop 64 prepared P16, stop 65 the row cap).
+# above (its 2,048-token prompt).  Off: both lost on the H200 (stop 66, EXL2 batch 32 0.9755x-0.9843x against the
+# regular instance; csrc/cuda/NOTES.md "forty-sixth"); kept for A/Bs until csrc next changes.
 _PERM16 = os.environ.get("EXL_CORE_NORM_PERM16", "0")
 NORM_PERM_DTYPE = torch.int16 if _PERM16 in ("1", "decode") else torch.int32
 NORM_PERM16_MAX_ROWS = 32 if _PERM16 == "decode" else None     # None: int16 at every row count
