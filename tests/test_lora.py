@@ -440,3 +440,32 @@ def test_weights_do_not_change_under_queued_jobs(tiny_llama_dir, tmp_path):
     while gen.has_work():
         gen.iterate()
     a.unmerge()
+
+
+def test_weight_changes_and_enqueues_do_not_interleave(tiny_llama_dir, tmp_path, monkeypatch):
+    """The pending-jobs check and the change it allows were two steps: a job enqueued (or a step run) between them saw
+    mixed weights. Now the change holds every generator's lock, and enqueue checks a job's mix again under it."""
+    import threading
+    import time
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=11), name="a")
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    with gen._lock:                                    # a step in progress
+        t = threading.Thread(target=a.merge)
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive() and not a.merged           # the merge waits for it
+    t.join(30)
+    assert a.merged
+    a.unmerge()
+    validate = gen._validate
+
+    def merge_after_validate(job):                     # a merge lands between a job's checks and its queueing
+        validate(job)
+        a.merge()
+    monkeypatch.setattr(gen, "_validate", merge_after_validate)
+    with pytest.raises(LoraError, match="merged into the weights"):
+        gen.enqueue(Job([1, 2], max_new_tokens=2, loras={"a": 1.0}))
+    assert not gen.has_work()

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..errors import InputError, is_int
-from ..model.lora import lora_manager, lora_rows, register_generator
+from ..model.lora import check_job_loras, lora_manager, lora_rows, register_generator
 from .job import Job, JobResult
 from .lookahead import Lookahead
 from .sampling import SamplerSettings, sample_batch, sample_batch_unchecked
@@ -144,6 +144,8 @@ class Generator:
             job.limit = max(1, min(job.max_new_tokens, room))
         job.stream = TextStream(self.tokenizer, job.stop_strings, skip_special=not job.decode_special)
         with self._lock:
+            if job.loras:   # again under the lock: an adapter merged or unloaded since _validate (lora.jobs_frozen)
+                check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
             job.status = "queued"
             self.waiting.append(job)
         return job
@@ -166,7 +168,6 @@ class Generator:
             job.seed = tp.shared_seed()
             job.rng = torch.Generator().manual_seed(job.seed)
         if job.loras:
-            from ..model.lora import check_job_loras
             check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
         self.cache.check_fits(job.prompt_len, self.scheduler.max_chunk_size, what=f"prompt of job {job.identifier!r}")
 

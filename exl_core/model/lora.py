@@ -19,6 +19,7 @@ scale_a = lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora), as PEFT comp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -187,6 +188,30 @@ def generators_of(model) -> list:
         return list(_GENERATORS.get(model, ()))
 
 
+@contextmanager
+def jobs_frozen(model):
+    """Holds every generator's lock of `model` (in one order: no deadlock): no job is enqueued, admitted or stepped
+    meanwhile, so a check of the pending jobs and the change it allows are one step (Generator.enqueue checks a job's
+    mix again under its lock)."""
+    gens = sorted(generators_of(model), key=id)
+    for g in gens:
+        g._lock.acquire()
+    try:
+        yield
+    finally:
+        for g in reversed(gens):
+            g._lock.release()
+
+
+def _jobs_frozen(change):
+    """A LoraAdapter method that changes what rows compute, run under jobs_frozen."""
+    @functools.wraps(change)
+    def run(self, *args, **kwargs):
+        with jobs_frozen(self.manager.model):
+            return change(self, *args, **kwargs)
+    return run
+
+
 def lora_manager(model, create: bool = False) -> Optional[LoraManager]:
     m = getattr(model, "_lora_manager", None)
     if m is None and create:
@@ -246,10 +271,12 @@ def lora_rows(model, jobs_and_lens: Sequence[tuple[object, int]]):
 
 
 def set_active(model, mix: Optional[Mix]) -> None:
-    """The mix applied to every row of plain `model.forward` calls (no row plan set)."""
+    """The mix applied to every row of plain `model.forward` calls (no row plan set), and to the generator's jobs
+    that name no mix of their own."""
     m = lora_manager(model, create=bool(mix))
     if m is not None:
-        m.set_active(m.check_mix(mix, "set_active"))
+        with jobs_frozen(model):
+            m.set_active(m.check_mix(mix, "set_active"))
 
 
 def prefix_salt(model, loras: Optional[Mix]) -> bytes:
@@ -346,6 +373,7 @@ class LoraAdapter:
         """Apply this adapter (alone) on the fly to every row of plain forward calls."""
         set_active(self.manager.model, {self.name: weight})
 
+    @_jobs_frozen
     def merge(self, weight: float = 1.0) -> dict[str, float]:
         """Bake weight * delta into the base weights (every row then sees it). Quantized layers
         are dequantised, updated and re-quantized in their own layout; returns, per layer,
@@ -385,6 +413,7 @@ class LoraAdapter:
         self.merge_report = report
         return report
 
+    @_jobs_frozen
     def unmerge(self) -> None:
         """Restore the exact weights saved by merge(); merges are undone in reverse order (the weights this one saved
         hold the merges made before it, and restoring them under a later merge would drop that one's update)."""
@@ -406,6 +435,7 @@ class LoraAdapter:
         stack.pop()
         self.manager.epoch += 1
 
+    @_jobs_frozen
     def unload(self) -> None:
         """Forget the adapter (unmerging it first). Refused while queued or running jobs use it."""
         self.manager.check_unused(self.name, "unload")
