@@ -180,8 +180,11 @@ def test_greedy_speculative_equals_plain(tiny_llama_dir, mode):
     assert [len(s) for s in spec] == lens
     st = gen.spec.stats
     assert st.drafted > 0 and 0 < st.accepted <= st.drafted
-    # accepted drafts save main-model forward passes
-    assert gen.stats.forward_passes < plain_gen.stats.forward_passes
+    # accepted drafts save main-model forward passes -- where they land on the longest job, which sets the count: the
+    # n-gram drafter's few acceptances on a random model may all fall on shorter ones (a strict < failed once so)
+    assert gen.stats.forward_passes <= plain_gen.stats.forward_passes
+    if mode == "draft":
+        assert gen.stats.forward_passes < plain_gen.stats.forward_passes
     _balanced(cache)
     if mode == "draft":
         _balanced(gen.spec.draft_cache)
