@@ -289,7 +289,7 @@ def as_uniform4_weights(model: Model, max_growth: float = 1.15, formats=("exl2",
     load_model calls it for CUDA models (EXL_CORE_EXL2_AS_U4=0: not).  H200, 7B-shaped EXL2 4.0 bpw, same call (stop
     30 call 1), with the attention storing o's input in its order: decode 1.1584x / 1.0821x / 1.0752x at batch 1 / 8 /
     32, the 2,048-token prompt 0.9516x (its GEMMs run over the extra rows); a merged LoRA adapter is re-quantized in
-    the file's layout and rewritten again (model/lora.py requantize_like)."""
+    the file's layout and rewritten again (lora_requant.requantize_like)."""
     n = 0
     for _, layer in model.linear_layers():
         # `formats`: the files' formats to rewrite (EXL2's mixed widths; GPTQ 8-bit would also take the rewrite,
@@ -339,7 +339,7 @@ def order_perms_for_gather(model: Model, mapping: Optional[str] = None) -> int:
         if perm is None or any(pw.perm is not perm or not torch.equal(pw.groups, pws[0].groups) for pw in pws[1:]):
             continue
         # GPTQ: a LoRA merge re-quantizes through gptq.read_layer, whose perm sorts g_idx back into the stored order
-        # (model/lora.py requantize_like), so a merged layer would stop sharing the group's perm
+        # (lora_requant.requantize_like), so a merged layer would stop sharing the group's perm
         if any(pw.meta.get("format") == "gptq" for pw in pws):
             continue
         layouts = [segments_and_twins(pw) for pw in pws]

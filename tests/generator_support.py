@@ -35,8 +35,7 @@ class TinyLM(torch.nn.Module):
         d = hidden // heads
         self.config = types.SimpleNamespace(
             vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=kv, head_dim=d, sliding_window=window, uniform_window=window,
-            max_position_embeddings=4096,
+            num_key_value_heads=kv, head_dim=d, sliding_window=window, max_position_embeddings=4096,
             eos_token_ids=[])
 
         def r(*s):

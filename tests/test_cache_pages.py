@@ -156,7 +156,7 @@ from exl_core.cache import sizing  # noqa: E402
 
 def _fake_model(layers=2, hkv=2, d=64, window=None, dtype=torch.float32):
     cfg = types.SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=hkv, head_dim=d,
-                                sliding_window=window, uniform_window=window, max_position_embeddings=2048)
+                                sliding_window=window, max_position_embeddings=2048)
     return types.SimpleNamespace(config=cfg, dtype=dtype, device=torch.device("cpu"))
 
 

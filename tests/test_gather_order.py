@@ -156,12 +156,12 @@ def test_unknown_mapping_is_refused(monkeypatch):
 
 
 def test_lora_merge_requantizes_a_reordered_weight_to_its_order():
-    """model/lora.py requantize_like on a reordered rewrite: quantized in the file's groups (the same rows a group,
+    """lora_requant.requantize_like on a reordered rewrite: quantized in the file's groups (the same rows a group,
     in the new order), rewritten again: the same values as re-quantizing the original, and the same permutation as
     the reordered weight (so layers merged and not merged still share one)."""
     import dataclasses
 
-    from exl_core.model.lora import requantize_like
+    from exl_core.model.lora_requant import requantize_like
     pw = mixed(256, 8, (6, 5, 4, 3), seed=7)             # EXL2 stores widths non-increasing
     pw = dataclasses.replace(pw, meta=dict(pw.meta, format="exl2"))
     u = as_uniform4(pw, max_growth=10.0)

@@ -1,4 +1,4 @@
-"""LoRA merges into quantized weights keep the layer's own grid where it fits (model/lora.py requantize_like):
+"""LoRA merges into quantized weights keep the layer's own grid where it fits (lora_requant.requantize_like):
 merge(0) and an all-zero adapter change nothing (bit for bit), re-quantizing a weight already on its grid gives the
 same codes, scales and zeros back, and a real merge is never further from W + delta than plain round-to-nearest and
 moves the logits toward the on-the-fly adapter's. Before the fix, merge(0.0) re-derived RTN scales from each group's
@@ -14,7 +14,8 @@ from test_lora import make_adapter
 
 from exl_core.formats import exl2, gptq
 from exl_core.formats.packed import dequantize_reference
-from exl_core.model.lora import load_lora, requantize_like, set_active
+from exl_core.model.lora import load_lora, set_active
+from exl_core.model.lora_requant import requantize_like
 
 BASES = {
     "gptq": dict(fmt="gptq", bits=4, group_size=32),

@@ -125,12 +125,12 @@ def test_model_rewritten_computes_the_same(tiny_model_factory, tmp_path):
 
 
 def test_lora_merge_requantizes_a_rewritten_weight_in_its_file_layout():
-    """A merge (model/lora.py requantize_like) into a weight rewritten as uniform 4-bit rows quantizes in the file's
+    """A merge (lora_requant.requantize_like) into a weight rewritten as uniform 4-bit rows quantizes in the file's
     own groups, widths and order (kept in the rewrite's meta), then rewrites again: the same values as re-quantizing
     the original weight."""
     import dataclasses
 
-    from exl_core.model.lora import requantize_like
+    from exl_core.model.lora_requant import requantize_like
     pw = mixed(128, 8, (5, 4), seed=7)
     pw = dataclasses.replace(pw, meta=dict(pw.meta, format="exl2"))
     u = as_uniform4(pw, max_growth=10.0)

@@ -13,7 +13,7 @@ kernel's `block` mapping, 1.25-1.73 under a `spread` one, the higher figures wit
 Where the layers of a group share a permutation (loader.share_input_perms), one order serves them all. A weight
 rewritten as uniform 4-bit rows (formats/uniform4.py) has, for each 5..8-bit group, an extra group reading the same
 x columns in the same order (its twin): both take the same order, so the twin relation (qgemm_wide's TWIN) and a LoRA
-merge's re-quantization in the file's layout (model/lora.py requantize_like) still hold.
+merge's re-quantization in the file's layout (lora_requant.requantize_like) still hold.
 """
 from __future__ import annotations
 

@@ -15,14 +15,9 @@ from typing import Union
 
 from exl_core.errors import FormatError
 from exl_core.formats.safetensors_io import INDEX_NAME, WeightReader
+from exl_core.quantize.job_state import atomic_json   # never a half-written file
 
 STALE_SUFFIX = ".stale"
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)              # never a half-written config.json or index
 
 
 def prepare_folder(folder: Union[str, Path]) -> list[str]:
@@ -44,13 +39,13 @@ def prepare_folder(folder: Union[str, Path]) -> list[str]:
             if index.is_file():
                 os.replace(index, index.with_name(index.name + STALE_SUFFIX))
                 changes.append(f"moved the index of files not in the folder to {index.name}{STALE_SUFFIX}")
-            _write_json(index, {"metadata": {}, "weight_map": dict(sorted(files.items()))})
+            atomic_json({"metadata": {}, "weight_map": dict(sorted(files.items()))}, index)
             changes.append(f"wrote {index.name} for {', '.join(sorted(set(files.values())))}")
     cfg_path, legacy = folder / "config.json", folder / "quantize_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     if "quantization_config" not in cfg and legacy.is_file():
         cfg["quantization_config"] = {"quant_method": "gptq", **json.loads(legacy.read_text(encoding="utf-8"))}
-        _write_json(cfg_path, cfg)
+        atomic_json(cfg, cfg_path)
         changes.append("copied quantize_config.json into config.json's quantization_config")
     return changes
 
