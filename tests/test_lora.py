@@ -12,6 +12,7 @@ import torch
 from exl_core.errors import LoraError
 from exl_core.model.context import ContiguousContext
 from exl_core.model.lora import load_lora, lora_manager, row_plan, set_active
+from generator_support import run_all
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUB = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -228,8 +229,7 @@ def test_generator_jobs_with_different_adapters_match_running_alone(tiny_llama_d
         gen = Generator(model, Cache(model, max_tokens=1024, page_size=16), None)
         jobs = [Job(p, max_new_tokens=8, sampler=s, stop_on_eos=False, loras=m) for p, m in pairs]
         gen.enqueue(jobs)
-        while gen.has_work():
-            gen.iterate()
+        run_all(gen)
         return [j.generated for j in jobs]
 
     together = run(list(zip(prompts, mixes)))
@@ -311,8 +311,7 @@ def test_adapters_in_use_by_jobs_are_not_unloaded_or_merged(tiny_llama_dir, tmp_
     gen.iterate()
     with pytest.raises(LoraError, match="1 queued or running job uses it"):
         a.unload()
-    while gen.has_work():
-        gen.iterate()
+    run_all(gen)
     assert [len(j.generated) for j in jobs] == [4, 4]
     a.unload()                                                # nothing uses it now
     assert "a" not in lora_manager(model).adapters
@@ -399,8 +398,7 @@ def test_jobs_without_a_mix_keep_the_active_one_when_batched_with_mixes(tiny_lla
     jobs = [Job(x, max_new_tokens=6, sampler=s, stop_on_eos=False),
             Job(y, max_new_tokens=6, sampler=s, stop_on_eos=False, loras={"b": 1.0})]
     gen.enqueue(jobs)
-    while gen.has_work():
-        gen.iterate()
+    run_all(gen)
     assert jobs[0].generated == alone
     set_active(model, None)
     assert _greedy(Generator(model, Cache(model, max_tokens=256, page_size=16), None), x).generated != alone
@@ -419,8 +417,7 @@ def test_weights_do_not_change_under_queued_jobs(tiny_llama_dir, tmp_path):
     for change in (a.activate, a.merge):
         with pytest.raises(LoraError, match="1 queued or running job"):
             change()
-    while plain.has_work():
-        plain.iterate()
+    run_all(plain)
     gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
     own = Job([1, 2, 3], max_new_tokens=2, loras={"b": 1.0})
     gen.enqueue(own)
@@ -431,14 +428,12 @@ def test_weights_do_not_change_under_queued_jobs(tiny_llama_dir, tmp_path):
     gen.enqueue(Job([4, 5], max_new_tokens=2))
     with pytest.raises(LoraError, match="without their own loras"):
         a.activate()
-    while gen.has_work():
-        gen.iterate()
+    run_all(gen)
     a.merge()
     gen.enqueue(Job([4, 5], max_new_tokens=2))
     with pytest.raises(LoraError, match="would mix"):
         a.unmerge()
-    while gen.has_work():
-        gen.iterate()
+    run_all(gen)
     a.unmerge()
 
 
