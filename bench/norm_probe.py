@@ -1,7 +1,8 @@
 """The decode norms alone (GPU): exl_core::rms_norm_static (GPTQ's plain norm) against exl_core::rms_norm_perm (EXL2's
-norm writing its consumer's act-order), lean, regular and P16 instances, random and identity perm, P = H and P > H, at
-1 / 8 / 32 rows of H = 4096 with a residual -- us a launch in a CUDA graph of back-to-back launches (each launch's PDL
-wait holds it until the one before has finished, so the figure is a launch's own span, not the step's).
+norm writing its consumer's act-order), lean and regular instances (P16, stop 65, lost and removed), random and
+identity perm, P = H and P > H, at 1 / 8 / 32 rows of H = 4096 with a residual -- us a launch in a CUDA graph of
+back-to-back launches (each launch's PDL wait holds it until the one before has finished, so the figure is a launch's
+own span, not the step's).
 
 Why: at batch 32 the EXL2 step's two permuted norms add ~2 us a layer each over GPTQ's plain norms (stop 59's
 timeline: 4.63 / 5.08 against 2.65 / 3.26); this says whether the kernel itself costs that or its neighbours do.
@@ -58,8 +59,6 @@ def between_wg(H: int, w: torch.Tensor, perms: dict, gen: torch.Generator) -> li
     # the other instances there (stop 64; its call 3 also padded the plain norm with unused shared memory, 8 and 25
     # KB: +0.09-0.13 us, so that knob was removed -- NOTES.md, "forty-fourth")
     norms["perm regular (P max)"] = lambda: ops.rms_norm_perm(x, res, w, 1e-5, big, False, False)
-    big16 = big.short()
-    norms["perm p16 (P max)"] = lambda: ops.rms_norm_perm(x, res, w, 1e-5, big16, False, False)
     out, base = [], per_iteration_us([wg, wg], n=50)
     print(f"  32  two stream-K launches alone            {trunc(base):>10.2f} (us an iteration)")
     for name, fn in norms.items():
@@ -99,8 +98,6 @@ def main() -> None:
             for lean in (True, False):
                 cases[f"perm {'lean' if lean else 'regular'} {pname}"] = (
                     lambda p=p, lean=lean: ops.rms_norm_perm(x, res, w, 1e-5, p, False, lean))
-        cases["perm p16 (P max)"] = (lambda p=perms[f"rand_P=H+{args.extra}"].short():
-                                     ops.rms_norm_perm(x, res, w, 1e-5, p, False, False))
         for name, fn in cases.items():
             us = per_iteration_us([fn])
             rows_out.append({"rows": rows, "case": name, "us_per_launch": trunc(us)})

@@ -93,12 +93,9 @@ def record_norm_widths(monkeypatch) -> list:
     return widths
 
 
-@pytest.mark.parametrize("pdtype,cap", [(torch.int32, None), (torch.int16, None), (torch.int16, 9)],
-                         ids=["i32", "i16", "i16decode"])   # llama.NORM_PERM_DTYPE, NORM_PERM16_MAX_ROWS
-def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, pdtype, cap, monkeypatch):
+def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir, monkeypatch):
     """On the CPU per-op path (the model's default keeps the gathers there: NORM_PERM_DEVICES), both ways: fp32, the
-    same products and sums, so the logits agree to rounding of the gathered and permuted copies (none).  With a row
-    cap (EXL_CORE_NORM_PERM16=decode) the 18-row batch reads int32 and a 2-row step int16."""
+    same products and sums, so the logits agree to rounding of the gathered and permuted copies (none)."""
     from exl_core.loader import load_model
     from exl_core.model import llama
     from exl_core.model.linear import shared_perm
@@ -108,16 +105,13 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
     assert shared_perm((blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)) is not None
     assert shared_perm((blk.mlp.gate_proj, blk.mlp.up_proj)) is not None
     qkv = (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj)
-    p16 = shared_perm(qkv, torch.int16)                  # the int16 copy: the same entries, read unsigned
-    assert p16.dtype == torch.int16 and torch.equal(p16.to(torch.int32) & 0xFFFF, shared_perm(qkv))
-    with pytest.raises(ValueError, match="dtype"):
-        shared_perm(qkv, torch.int64)
+    p32 = shared_perm(qkv)                               # the int32 copy the norm kernel reads: the same entries
+    assert p32.dtype == torch.int32 and torch.equal(p32.long(), qkv[0].packed.perm.long())
+    assert shared_perm(qkv) is p32                       # made once
     assert shared_perm((blk.self_attn.q_proj, blk.self_attn.o_proj)) is None     # another permutation
     ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(4))
     calls = []
     real = llama.rms_norm_permuted
-    monkeypatch.setattr(llama, "NORM_PERM_DTYPE", pdtype)
-    monkeypatch.setattr(llama, "NORM_PERM16_MAX_ROWS", cap)
     dtypes = []
 
     def counted(x, weight, eps, perm, residual=None, site="mlp"):
@@ -135,26 +129,20 @@ def test_model_norm_writing_the_shared_order_keeps_the_logits(exl2_act_order_dir
         got_step = model.forward_batch(ids[:, :1])
     assert calls == ["attn", "mlp"] * len(model.layers) * 2  # every q/k/v and gate/up input written permuted, the
     # launch policy told which of them follows (ops/cuda_norm_perm.py)
-    assert batch_dtypes == {pdtype if cap is None else torch.int32} and set(dtypes) == {pdtype}
+    assert batch_dtypes == {torch.int32} and set(dtypes) == {torch.int32}
     assert float(ref.abs().max()) > 1e-2                  # logits that can show a wrong order
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_step, ref_step, rtol=0, atol=1e-5)
 
 
-def test_op_reads_an_int16_permutation_unsigned():
-    """An int16 perm (the CUDA norm's P16 instance; model.linear.shared_perm(..., torch.int16)) holds entries up to
-    65,535 as their low 16 bits: the reference reads them unsigned, as the kernel does."""
+def test_op_refuses_a_permutation_of_another_dtype():
+    """The op takes int32 / int64 entries; an int16 (or float) perm is bad input, named in the error."""
     from exl_core.model.linear import shared_perm
-    H = 40_000                                             # entries past int16's 32,767
-    g = torch.Generator().manual_seed(16)
-    x, w = torch.randn(2, H, generator=g), torch.rand(H, generator=g) + 0.5
-    perm = torch.randperm(H, generator=g).to(torch.int32)
-    assert int(perm.max()) > 32767
-    p16 = perm.to(torch.int16)
-    assert torch.equal(rms_norm_permuted(x, w, 1e-5, p16), rms_norm_permuted(x, w, 1e-5, perm))
-    with pytest.raises(InputError, match="int16"):
-        rms_norm_permuted(torch.randn(1, 65537), torch.ones(65537), 1e-5, torch.zeros(65537, dtype=torch.int16))
-    assert shared_perm([torch.nn.Linear(2, 2)], torch.int16) is None      # not a packed layer
+    x, w = torch.randn(2, 64), torch.ones(64)
+    for bad in (torch.arange(64, dtype=torch.int16), torch.arange(64, dtype=torch.float32)):
+        with pytest.raises(InputError, match=str(bad.dtype)):
+            rms_norm_permuted(x, w, 1e-5, bad)
+    assert shared_perm([torch.nn.Linear(2, 2)]) is None   # not a packed layer
 
 
 def test_op_with_a_longer_permutation_repeats_columns():

@@ -26,7 +26,7 @@ _PACKED_FIELDS = ("qweight", "groups", "scale", "zero", "perm", "bias")
 
 # Per-layer caches of the functions below (in the layer's __dict__: (source tensor, cached value)), dropped by
 # QuantLinear._drop_caches when the packed weight is replaced or moved.
-_LAYER_CACHES = ("_perm32", "_perm16", "_unpermuted", "_out_order", "_tails")
+_LAYER_CACHES = ("_perm32", "_unpermuted", "_out_order", "_tails")
 
 # Bumped whenever a QuantLinear's `lora` attribute is set or deleted (model/llama.py reads it to
 # skip re-checking every projection for LoRA hooks on every forward pass).
@@ -89,7 +89,7 @@ class QuantLinear(nn.Module):
 
     def _drop_caches(self) -> None:
         """Forget what this module's functions cached on the layer from its packed weight (they would keep old or
-        moved tensors alive): shared_perm's int32 / int16 copies, _without_perm's twin, input_out_order's store map,
+        moved tensors alive): shared_perm's int32 copy, _without_perm's twin, input_out_order's store map,
         down_tails' map."""
         for name in _LAYER_CACHES:
             self.__dict__.pop(name, None)
@@ -190,13 +190,11 @@ def linear_many(x: torch.Tensor, layers) -> list[torch.Tensor]:
 # The caches below live in the QuantLinear's __dict__ (cleared by _apply), not in PackedWeight.meta: a twin kept there
 # would hold its weight's tensors after a move and, holding meta itself, form a reference cycle.
 
-def shared_perm(layers, dtype: torch.dtype = torch.int32) -> Optional[torch.Tensor]:
+def shared_perm(layers) -> Optional[torch.Tensor]:
     """The act-order permutation all `layers` read x in, as int32 on their device, where they are plain packed
     layers sharing one permutation tensor (loader.share_input_perms: q/k/v, gate/up); else None.  The norm before
     them can then write x in that order (ops/norm_perm.py) for Prepermuted views of them.  Weights with extra rows
     (formats/uniform4.py) share one too where their row layouts agree: its length is then their rows.
-    dtype torch.int16: the same entries as 16-bit values (the CUDA norm's P16 instance reads them unsigned), where
-    the layers' inputs are at most 65,536 wide; else None.
     The copy is made once per permutation tensor and waited for on the host: the norm kernel reads it before
     its programmatic-dependent-launch wait, as data no kernel of the step writes (csrc/cuda/pdl.cuh).  While a CUDA
     graph is being captured a missing copy cannot be made that way: None then (the layers gather x themselves)."""
@@ -205,20 +203,14 @@ def shared_perm(layers, dtype: torch.dtype = torch.int32) -> Optional[torch.Tens
     pw = layers[0].packed
     if pw.perm is None or any(m.packed.perm is not pw.perm for m in layers[1:]):
         return None
-    if dtype not in (torch.int32, torch.int16):
-        raise ValueError(f"shared_perm: dtype {dtype} (int32 or int16)")
-    if dtype == torch.int16 and layers[0].in_features > 65536:
-        return None
-    cache = "_perm32" if dtype == torch.int32 else "_perm16"
-    held = layers[0].__dict__.get(cache)
+    held = layers[0].__dict__.get("_perm32")
     if held is None or held[0] is not pw.perm:
         if pw.perm.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        # int16 of entries up to 65,535: their low 16 bits (int32 -> int16 keeps them), read back unsigned
-        copy = pw.perm.to(torch.int32).to(dtype).contiguous()
+        copy = pw.perm.to(torch.int32).contiguous()
         if copy.is_cuda:
             torch.cuda.current_stream(copy.device).synchronize()
-        held = layers[0].__dict__[cache] = (pw.perm, copy)
+        held = layers[0].__dict__["_perm32"] = (pw.perm, copy)
     return held[1]
 
 

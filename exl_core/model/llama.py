@@ -218,22 +218,6 @@ def _attend_for_o(a: Attention, q, k, v, ctx: ForwardContext, layer_idx: int, co
 # would gather x per launch or per block.  The CPU per-op path keeps the gathers (it is the reference the CPU decoder
 # stack matches).  EXL_CORE_NORM_PERM=0: none (A/B runs).
 NORM_PERM_DEVICES = ("cuda",) if os.environ.get("EXL_CORE_NORM_PERM", "1") != "0" else ()
-# EXL_CORE_NORM_PERM16=1: the permutation as int16 (the CUDA norm's P16 instance: its entries in registers at half the
-# regular instance's cost, no shared-memory copy of them); =decode: int16 for calls of up to NORM_PERM16_MAX_ROWS rows
-# (the bench's decode batches 1 / 8 / 32; also a prompt chunk that short, and no 33..64-row decode bucket), int32
-# above (its 2,048-token prompt).  Off: both lost on the H200 (stop 66, EXL2 batch 32 0.9755x-0.9843x against the
-# regular instance; csrc/cuda/NOTES.md "forty-sixth"); kept for A/Bs until csrc next changes.
-_PERM16 = os.environ.get("EXL_CORE_NORM_PERM16", "0")
-NORM_PERM_DTYPE = torch.int16 if _PERM16 in ("1", "decode") else torch.int32
-NORM_PERM16_MAX_ROWS = 32 if _PERM16 == "decode" else None     # None: int16 at every row count
-
-
-def _norm_perm_dtype(rows: int) -> torch.dtype:
-    """The dtype of the permutation the norm reads for `rows` rows (NORM_PERM_DTYPE, int32 above the row limit)."""
-    cap = NORM_PERM16_MAX_ROWS
-    return NORM_PERM_DTYPE if cap is None or rows <= cap else torch.int32
-
-
 def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, mlp: Optional["MLP"] = None):
     """(the projections of norm(x, residual)'s output -- linear_many(..., layers), or with `mlp` its gate_up (gate
     and up, or SwiGLU's product and None) --, the new residual: the norm's second output, None without a residual).
@@ -243,9 +227,7 @@ def _norm_many(norm, x: torch.Tensor, residual: Optional[torch.Tensor], layers, 
     does not run then: its weight and eps are all that is read."""
     perm = None
     if x.device.type in NORM_PERM_DEVICES and type(norm) is RMSNorm:
-        wide = getattr(layers[0], "in_features", 0) > 65536      # int16 entries reach 65,535
-        dtype = torch.int32 if wide else _norm_perm_dtype(x.numel() // x.shape[-1])
-        perm = shared_perm(layers, dtype)
+        perm = shared_perm(layers)
     if perm is not None and perm.numel() != x.shape[-1] and prompt_adds_extra_rows(x.numel() // x.shape[-1]):
         perm = None              # a prompt of weights with extra rows: their dequantise adds those, GEMMs over K
     if perm is None:

@@ -1,8 +1,7 @@
 """CUDA candidate of ops/norm_perm.py: exl_core::rms_norm_perm, the norm's vector kernel (csrc/cuda/pointwise_cuda.cu,
 rms_norm_vec_kernel's PERM instances) storing the row through shared memory in perm's order, with perm's entries read
-before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance; an int16 perm into
-registers at half the cost: the P16 instance, model/llama.py NORM_PERM_DTYPE).  Takes what that kernel takes:
-float16/bfloat16/float32 of one dtype, contiguous int32 (or int16) perm on x's GPU, 16-byte aligned buffers, H and
+before the PDL wait (into registers, or by cp.async into shared memory: the LEAN instance).  Takes what that kernel
+takes: float16/bfloat16/float32 of one dtype, contiguous int32 perm on x's GPU, 16-byte aligned buffers, H and
 perm's length multiples of 16 bytes' values up to 4 vectors a thread; else the torch reference serves (rms_norm then
 index_select: the same values, a second launch).
 EXL_CORE_NORM_PERM=0 turns the permuted norm off in the model (model/llama.py: q/k/v and gate/up then gather x
@@ -68,8 +67,8 @@ def _check(x, weight, eps, perm, residual, site="mlp") -> Optional[str]:
     lim = _NORM_THREADS * _NORM_VECS * per_vec
     if H % per_vec or H > lim or P % per_vec or P > lim:
         return f"H = {H}, perm's length {P}: the kernel takes multiples of {per_vec} up to {lim}"
-    if perm.dtype not in (torch.int32, torch.int16) or perm.device != x.device or not perm.is_contiguous():
-        return f"perm {perm.dtype} on {perm.device}: the kernel takes contiguous int32 or int16 on x's GPU"
+    if perm.dtype != torch.int32 or perm.device != x.device or not perm.is_contiguous():
+        return f"perm {perm.dtype} on {perm.device}: the kernel takes contiguous int32 on x's GPU"
     ts = (x, weight, perm) + (() if residual is None else (residual,))
     if any(t.data_ptr() % 16 for t in ts) or not weight.is_contiguous():
         return "buffers not 16-byte aligned or weight not contiguous"

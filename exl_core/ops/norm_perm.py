@@ -29,8 +29,6 @@ from .norm import check_norm_args, rms_norm
 def _ref_run(x, weight, eps, perm, residual, site="mlp"):
     out = rms_norm(x, weight, eps, residual, weight_static=True)
     y, h = out if residual is not None else (out, None)
-    if perm.dtype == torch.int16:             # entries up to 65,535 in 16 bits, read unsigned (the CUDA kernel's P16)
-        perm = perm.to(torch.int32) & 0xFFFF
     y = y.index_select(-1, perm.to(y.device))
     return y if residual is None else (y, h)
 
@@ -43,18 +41,16 @@ RMS_NORM_PERM = Dispatcher("rms_norm_perm", [
 def rms_norm_permuted(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor,
                       residual: Optional[torch.Tensor] = None,
                       site: str = "mlp") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """rms_norm(x, weight, eps, residual) with y's last dim in perm's order (perm: int32/int64 [P], or int16 read as
-    unsigned 16-bit entries, P >= H, values in [0, H): a permutation, or one with repeats as PackedWeight.rows weights
-    have; not checked on the GPU, where a check would sync -- the CUDA kernel clamps them, the reference's
+    """rms_norm(x, weight, eps, residual) with y's last dim in perm's order (perm: int32/int64 [P], P >= H, values
+    in [0, H): a permutation, or one with repeats as PackedWeight.rows weights have; not checked on the GPU, where a check would sync -- the CUDA kernel clamps them, the reference's
     index_select raises).  The weight is a model's (rms_norm's weight_static).  site: "attn" before q/k/v, "mlp"
     before gate/up -- which launch follows, for the CUDA kernel's launch policy (ops/cuda_norm_perm.py); the values
     do not depend on it."""
     check_norm_args("rms_norm_permuted", x, weight, residual)
     H = x.shape[-1]
-    if perm.dim() != 1 or perm.shape[0] < H or perm.dtype not in (torch.int16, torch.int32, torch.int64) or (
-            perm.dtype == torch.int16 and H > 65536):
-        raise InputError(f"rms_norm_permuted: perm {perm.dtype} {tuple(perm.shape)} must be int32/int64 [P] (int16 "
-                         f"where H <= 65,536, entries read unsigned), P >= H = {H} (x {tuple(x.shape)})")
+    if perm.dim() != 1 or perm.shape[0] < H or perm.dtype not in (torch.int32, torch.int64):
+        raise InputError(f"rms_norm_permuted: perm {perm.dtype} {tuple(perm.shape)} must be int32/int64 [P], "
+                         f"P >= H = {H} (x {tuple(x.shape)})")
     if site not in ("attn", "mlp"):
         raise InputError(f"rms_norm_permuted: site {site!r} is not 'attn' or 'mlp'")
     return RMS_NORM_PERM(x=x, weight=weight, eps=eps, perm=perm, residual=residual, site=site)

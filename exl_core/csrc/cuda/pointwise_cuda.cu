@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // The same with 16-byte vectors kept in registers between the two passes (H * sizeof(T) % 16 == 0,
 // aligned rows, H <= kNormThreads * NV * 16 / sizeof(T)): one read of x and residual instead of
 // scalar loads and a re-read; per element the same roundings as rms_norm_kernel.
-// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [P]; int16: P16 below) gives,
+// PERM (exl_core::rms_norm_perm): y's row is written in the order perm (int32 [P]) gives,
 // y[j] = norm(h)[perm[j]] -- the input order of act-order weights sharing perm, which then read x as it is instead of
 // gathering it per launch or per block (P > H: weights with extra rows, formats/uniform4.py, whose perm repeats
 // columns).  The values pass through shared memory (H values of T); perm's vectors are read before the PDL wait, as
@@ -77,13 +77,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restr
 // LEAN (PERM only): perm's entries go to shared memory by cp.async before the PDL wait (after the row's values, P
 // int32) and into registers only once x's and the weight's vectors are dead: 48 registers a thread against 88 (see
 // ops/cuda_norm_perm.py).
-// P16 (PERM only; perm given as int16, read as unsigned 16-bit entries): perm's entries read before the PDL wait into
-// registers as the regular instance does, at half its registers for them (NV * V / 2), and the row alone in shared
-// memory -- the regular instance's latency with nearer the lean one's registers (stop 64: before q/k/v the regular
-// instance added 2.61 us between two stream-K launches where the lean one added 4.35; before gate/up the lean one's
-// 48 registers let three qgemm_wide blocks start beside a norm block, the regular one's 88 two).  Where perm is int16
-// the host takes it whatever `lean` asks.
-template <typename T, int NV, bool PERM = false, bool LEAN = false, bool P16 = false>
+// An int16 perm read into registers (P16, stop 65) lost to this regular instance on the H200: EXL2 batch 32 0.9755x-
+// 0.9843x (csrc/cuda/NOTES.md "forty-sixth"), and was removed.
+template <typename T, int NV, bool PERM = false, bool LEAN = false>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                                      const T* __restrict__ w, int64_t H, float eps,
                                                                      T* __restrict__ y, T* __restrict__ h_out,
@@ -92,9 +88,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
   constexpr int V = 16 / sizeof(T);
   const int64_t row = blockIdx.x, nvec = H / V, pvec = P / V;   // P: y's row length (H without PERM)
   static_assert(!LEAN || PERM, "lean: the permuted norm");
-  static_assert(!P16 || (PERM && !LEAN), "P16: the permuted norm, not lean");
-  int4 pv[PERM && !P16 ? NV : 1][V / 4];                      // perm's entries for this thread's output vectors
-  uint32_t pk[P16 ? NV : 1][V / 2];                           // P16: the same as 16-bit pairs
+  int4 pv[PERM ? NV : 1][V / 4];                              // perm's entries for this thread's output vectors
   extern __shared__ __align__(16) unsigned char norm_smem[];
   T* ys = reinterpret_cast<T*>(norm_smem);                   // PERM: the row in natural order
   int4* ps = reinterpret_cast<int4*>(norm_smem + ((H * sizeof(T) + 15) & ~size_t(15)));   // LEAN: perm's entries
@@ -115,23 +109,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       }
     }
   };
-  if constexpr (P16) {
-    const uint16_t* perm16 = reinterpret_cast<const uint16_t*>(perm);
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * kNormThreads;
-      if constexpr (V == 8) {
-        const uint4 a = vi < pvec ? reinterpret_cast<const uint4*>(perm16)[vi] : make_uint4(0, 0, 0, 0);
-        pk[i][0] = a.x, pk[i][1] = a.y, pk[i][2] = a.z, pk[i][3] = a.w;
-      } else {
-        static_assert(V == 4, "16-byte vectors of 2- or 4-byte values");
-        const uint2 a = vi < pvec ? reinterpret_cast<const uint2*>(perm16)[vi] : make_uint2(0, 0);
-        pk[i][0] = a.x, pk[i][1] = a.y;
-      }
-    }
-  } else if constexpr (PERM) {
-    load_perm(LEAN);
-  }
+  if constexpr (PERM) load_perm(LEAN);
   uint4 wv[NV];
   auto load_w = [&]() {
 #pragma unroll
@@ -191,9 +169,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const T* __r
       T* op = reinterpret_cast<T*>(&o);
 #pragma unroll
       for (int e = 0; e < V; ++e) {                          // clamped: a bad perm gives wrong values, not a fault
-        unsigned j;
-        if constexpr (P16) j = (pk[i][e / 2] >> (16 * (e & 1))) & 0xffffu;
-        else j = static_cast<unsigned>(reinterpret_cast<const int*>(&pv[i][0])[e]);
+        const unsigned j = static_cast<unsigned>(reinterpret_cast<const int*>(&pv[i][0])[e]);
         op[e] = ys[min(j, static_cast<unsigned>(H - 1))];
       }
       reinterpret_cast<uint4*>(y + row * P)[vi] = o;
@@ -340,8 +316,8 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 }
 
 // early_w: the weight is no output of the kernel just before (rms_norm_static) and is read before the PDL wait.
-// perm (rms_norm_perm): int32 (or int16) [P], P >= H, y's P columns written in that order (the vector kernel only:
-// the caller checks its conditions).
+// perm (rms_norm_perm): int32 [P], P >= H, y's P columns written in that order (the vector kernel only: the caller
+// checks its conditions).
 // late / lean (perm only): no early PDL trigger / the LEAN instance -- the caller's policy (ops/cuda_norm_perm.py).
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::optional<at::Tensor>& res_,
                                               const at::Tensor& w_, double eps, bool early_w = false,
@@ -379,23 +355,20 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_, const c10::op
     const bool ew = early_w && w_.is_contiguous();
     if (perm) {
       const int64_t lim = static_cast<int64_t>(kNormThreads) * kNormVecs * V;
-      const bool p16 = perm->scalar_type() == at::kShort;   // the P16 instance: entries read as unsigned 16-bit
-      TORCH_CHECK(vec && perm->is_cuda() && perm->device() == x.device() &&
-                      (perm->scalar_type() == at::kInt || (p16 && H <= 65536)) && perm->dim() == 1 && P % V == 0 &&
-                      P <= lim && perm->is_contiguous() && aligned16({perm}),
-                  op, ": needs contiguous, 16-byte aligned int32 perm (int16 where H <= 65,536) on x's GPU of a length",
+      TORCH_CHECK(vec && perm->is_cuda() && perm->device() == x.device() && perm->scalar_type() == at::kInt &&
+                      perm->dim() == 1 && P % V == 0 && P <= lim && perm->is_contiguous() && aligned16({perm}),
+                  op, ": needs contiguous, 16-byte aligned int32 perm on x's GPU of a length",
                   " P (", P, ") and H (", H, ") that are multiples of ", V, " up to ", lim, ", and aligned rows");
       // lean only where the row and perm fit the dynamic shared memory a launch gets without opting in (the
       // kernel's own 32 bytes aside): a request that does not fit takes the regular instance, the same bits
       const size_t row_smem = (static_cast<size_t>(H) * sizeof(scalar_t) + 15) & ~size_t(15);
       lean = lean && row_smem + static_cast<size_t>(P) * sizeof(int32_t) <= 48 * 1024 - 64;
-      const size_t smem = row_smem + (lean && !p16 ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
-      auto* kern = p16    ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, false, true>
-                   : lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
-                          : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
+      const size_t smem = row_smem + (lean ? static_cast<size_t>(P) * sizeof(int32_t) : 0);
+      auto* kern = lean ? rms_norm_vec_kernel<scalar_t, kNormVecs, true, true>
+                        : rms_norm_vec_kernel<scalar_t, kNormVecs, true>;
       exl_pdl::launch_pdl(kern, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), smem, stream, dev, xp, rp, wp, H,
                           static_cast<float>(eps), ptr<scalar_t>(y), hp, ew,
-                          static_cast<const int32_t*>(perm->data_ptr()), P, late);
+                          perm->data_ptr<int32_t>(), P, late);
       return;
     }
     auto* kern = vec ? rms_norm_vec_kernel<scalar_t, kNormVecs> : rms_norm_kernel<scalar_t>;
