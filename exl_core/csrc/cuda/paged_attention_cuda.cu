@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "paged_attention_kernel.cuh"
 #include "pdl.cuh"
@@ -69,11 +70,23 @@ bool cluster_merge_enabled(int dev) {
   return on && exl_pdl::device_sm(dev, true) >= 9;
 }
 
-// Keys per split and split count: enough blocks for ~4 per SM, at least 64 keys per split.
+// The fewest keys a split gets: 64, or EXL_CORE_ATTN_SPLIT_KEYS (16..1024, read once; an A/B knob: at batch 1 of the
+// bench's 7B, 256 keys of pages give 4 splits of 64 keys, 8 of 32 at 32).
+int split_min_keys() {
+  static const int keys = [] {
+    const char* v = std::getenv("EXL_CORE_ATTN_SPLIT_KEYS");
+    const long n = v ? std::strtol(v, nullptr, 10) : 64;
+    return n >= 16 && n <= 1024 ? static_cast<int>(n) : 64;
+  }();
+  return keys;
+}
+
+// Keys per split and split count: enough blocks for ~4 per SM, at least split_min_keys() keys per split.
 int pick_splits(int64_t rows, int64_t hkv, int64_t max_keys, int sms, int* chunk) {
   const int64_t base = rows * hkv;
   int64_t splits = (4LL * sms + base - 1) / base;
-  const int64_t most = (max_keys + 63) / 64;
+  const int64_t mk = split_min_keys();
+  const int64_t most = (max_keys + mk - 1) / mk;
   if (splits > most) splits = most;
   if (splits < 1) splits = 1;
   int64_t c = (max_keys + splits - 1) / splits;
