@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
@@ -111,10 +112,15 @@ class Generator:
         self.stats = GeneratorStats()
         self._events: list[JobResult] = []        # results produced outside iterate (cancel)
         self._lock = threading.RLock()
+        self._stepping = False                    # inside iterate's step (its lock is re-entrant for callbacks)
         self._queues: dict[int, asyncio.Queue] = {}  # astream: job id -> results
         self._driver: Optional[asyncio.Task] = None
         self.vocab_size = model.config.vocab_size
-        eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+        if tokenizer is not None and type(tokenizer).__module__.split(".")[0] in ("transformers", "tokenizers"):
+            raise InputError(f"Generator: tokenizer is a {type(tokenizer).__module__}.{type(tokenizer).__name__}; "
+                             "pass exl_core's Tokenizer (the second value load_model returns)")
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        eos = {eos} if isinstance(eos, int) else set(eos)
         self.eos_ids = eos | set(getattr(model.config, "eos_token_ids", None) or ())
         self.graphs = None
         if cuda_graphs or (cuda_graphs is None and torch.device(model.device).type == "cuda"):
@@ -133,6 +139,8 @@ class Generator:
             jobs = list(job)
             for j in jobs:                 # all or nothing: validate every job first
                 self._validate(j)
+            if len({id(j) for j in jobs}) != len(jobs):
+                raise InputError("Generator.enqueue: the same Job appears twice in the list; create one Job each")
             return [self.enqueue(j) for j in jobs]
         self._validate(job)
         # Clipped to what the cache can hold where the job's pages could never all be promised: always without a
@@ -147,6 +155,7 @@ class Generator:
             if job.loras:   # again under the lock: an adapter merged or unloaded since _validate (lora.jobs_frozen)
                 check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
             job.status = "queued"
+            job.owner = weakref.ref(self)
             self.waiting.append(job)
         return job
 
@@ -186,8 +195,11 @@ class Generator:
 
     def cancel(self, job: Job) -> bool:
         """Stop a queued or running job now (pages freed); its final JobResult (finish
-        reason "cancelled") comes with the next iterate(). False if it had already finished."""
+        reason "cancelled") comes with the next iterate(). False if it had already finished (or was never
+        queued); InputError for a job another generator runs."""
         with self._lock:
+            if job.status in ("queued", "active") and (job.owner is None or job.owner() is not self):
+                raise InputError(f"Generator.cancel: {job!r} was queued on another Generator; cancel it there")
             if job.status == "queued":
                 self.waiting.remove(job)
             elif job.status != "active":
@@ -219,13 +231,19 @@ class Generator:
     def iterate(self) -> list[JobResult]:
         """Run one forward pass over everything schedulable; return this step's results."""
         with self._lock:
+            if self._stepping:   # a callback or token filter stepping its own generator: jobs sit mid-step there
+                raise InputError("Generator.iterate: called from inside a step (a job's callback or token_filter); "
+                                 "enqueue or cancel jobs there, and step the generator from outside")
             results, self._events = self._events, []
+            self._stepping = True
             try:
                 return self._step(results)
             except BaseException:
                 # results made before this step (cancels, a failed step's other jobs) go out with the next one
                 self._events[:0] = results
                 raise
+            finally:
+                self._stepping = False
 
     def _step(self, results: list[JobResult]) -> list[JobResult]:
         """iterate's work, under its lock: admit, plan, one forward, sample; this step's results after `results`."""
@@ -383,13 +401,27 @@ class Generator:
                 raise
             if keep is False and job.status != "done":
                 res.finish_reason = "callback"
+                tail = self._flush_text(job)    # after the callback saw res: job.text and res.text (iterate's) have it
+                res.text += tail
                 self._finish(job, "callback")
         return res
 
+    @staticmethod
+    def _flush_text(job: Job) -> str:
+        """The text a running job's stream still holds back (docs/sampling.md: released when the job ends other than
+        by a stop string), added to job.text."""
+        if job.status == "done" or job.stream is None:
+            return ""
+        tail, _ = job.stream.finish()   # a stop string it completes is cut, as at a normal end
+        job.text += tail
+        return tail
+
     def _cancelled(self, job: Job) -> JobResult:
-        """End a job now (pages freed) and return its final, empty result: the caller queues it where it belongs."""
+        """End a job now (pages freed) and return its final result, with the text it held back: the caller queues
+        it where it belongs."""
+        tail = self._flush_text(job)
         self._finish(job, "cancelled")
-        return JobResult(job, "", [], "cancelled")
+        return JobResult(job, tail, [], "cancelled")
 
     def _finish(self, job: Job, reason: str) -> None:
         if job.status == "done":
@@ -442,17 +474,33 @@ class Generator:
             while not all(j.done for j in jobs):
                 self.iterate()
         except BaseException:
-            for j in jobs:
-                self.cancel(j)
+            for j in jobs:          # every job, whatever its callback does when told it was cancelled
+                try:
+                    self.cancel(j)
+                except Exception:   # noqa: BLE001 - the step's error is the one to raise
+                    pass
             raise
         texts = [j.text for j in jobs]
         return texts[0] if single else texts
 
-    def stream(self, prompt: Union[str, Job], max_new_tokens: int = 256, chat: bool = False,
+    def _job_of(self, prompt: Union[str, Job], max_new_tokens: Optional[int], chat: bool, job_kwargs: dict,
+                what: str) -> Job:
+        """stream / astream's job: the Job given (which carries its own settings: none may be passed beside it), or
+        one made from the prompt (max_new_tokens 256 when None)."""
+        if isinstance(prompt, Job):
+            given = [k for k, v in (("max_new_tokens", max_new_tokens), ("chat", chat or None)) if v is not None]
+            if given or job_kwargs:
+                raise InputError(f"Generator.{what}: a Job carries its own settings; {given + list(job_kwargs)} "
+                                 "would be ignored (set them on the Job, or pass a prompt string)")
+            return prompt
+        return self._make_job(prompt, chat, max_new_tokens=256 if max_new_tokens is None else max_new_tokens,
+                              **job_kwargs)
+
+    def stream(self, prompt: Union[str, Job], max_new_tokens: Optional[int] = None, chat: bool = False,
                **job_kwargs) -> Iterator[str]:
-        """Text pieces of one job as they are produced. Leaving the loop early cancels it."""
-        job = prompt if isinstance(prompt, Job) else self._make_job(prompt, chat, max_new_tokens=max_new_tokens,
-                                                                    **job_kwargs)
+        """Text pieces of one job as they are produced (max_new_tokens: 256 by default). Leaving the loop early
+        cancels it."""
+        job = self._job_of(prompt, max_new_tokens, chat, job_kwargs, "stream")
         self.enqueue(job)
         try:
             while not job.done:
@@ -512,6 +560,10 @@ class Generator:
         self._queues[id(job)] = q
         try:
             self.enqueue(job)
+        except BaseException:   # a refused job (e.g. queued already) is left as it was: not ours to cancel
+            self._queues.pop(id(job), None)
+            raise
+        try:
             if self._driver is None:
                 self._driver = asyncio.ensure_future(self._drive())
             while True:
@@ -526,11 +578,10 @@ class Generator:
             if not job.done:
                 self.cancel(job)
 
-    async def astream(self, prompt: Union[str, Job], max_new_tokens: int = 256, chat: bool = False,
+    async def astream(self, prompt: Union[str, Job], max_new_tokens: Optional[int] = None, chat: bool = False,
                       **job_kwargs) -> AsyncIterator[str]:
         """Async text pieces of one prompt (see `stream`)."""
-        job = prompt if isinstance(prompt, Job) else self._make_job(prompt, chat, max_new_tokens=max_new_tokens,
-                                                                    **job_kwargs)
+        job = self._job_of(prompt, max_new_tokens, chat, job_kwargs, "astream")
         async for r in self.astream_results(job):
             if r.text:
                 yield r.text

@@ -121,6 +121,7 @@ class Job:
             self.rng = torch.Generator().manual_seed(seed)
         # -- state, owned by the Generator ------------------------------------------------------
         self.status = "new"                  # new -> queued -> active -> done
+        self.owner = None                    # weakref to the Generator that queued it (no cycle: it holds its jobs)
         self.table = None                    # cache.PageTable while active
         self.tokens: list[int] = list(ids)   # prompt + generated
         self.generated: list[int] = []

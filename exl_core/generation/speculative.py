@@ -286,8 +286,12 @@ def speculative_step(gen, plan) -> list:
     from ..model.lora import lora_rows
     spec: SpeculativeDecoder = gen.spec
     decoding = [i.job for i in plan.items if i.job.fed >= i.job.prompt_len and i.job.token_filter is None]
-    # a windowed main cache promises each job pages for one chunk past the window: drafts stay within it
+    # a windowed main cache promises each job pages for one chunk past the window: drafts stay within it; and the
+    # forward stays within max_batch_tokens: the plan's tokens plus an equal share of the rest for each job's drafts
     cap = gen.scheduler.max_chunk_size if gen.cache.window else None
+    if decoding:
+        share = (gen.scheduler.max_batch_tokens - sum(len(i.tokens) for i in plan.items)) // len(decoding)
+        cap = max(0, share) if cap is None else min(cap, max(0, share))
     proposals = spec.propose(decoding, gen.scheduler.max_chunk_size, cap) if decoding else {}
 
     ids, lens, rows = [], [], []
