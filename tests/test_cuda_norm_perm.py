@@ -42,11 +42,10 @@ def test_rms_norm_perm_is_the_norm_gathered(dtype, H, with_residual, extra, rows
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize("lean,p16", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["regular", "lean", "p16", "p16-lean"])
-def test_rms_norm_perm_every_instance(dtype, late, lean, p16):
+@pytest.mark.parametrize("lean", [False, True], ids=["regular", "lean"])
+def test_rms_norm_perm_every_instance(dtype, late, lean):
     """The kernel's launch options (the policy in ops/cuda_norm_perm.py picks them, lean where its shared memory
-    fits; an int16 perm takes the P16 instance whatever lean asks): the same bits either way."""
+    fits): the same bits either way; an int16 perm (the P16 instance's, removed in stop 67) is refused."""
     _need_kernels()
     from exl_core.ops.norm import rms_norm
     g = torch.Generator().manual_seed(7)
@@ -58,11 +57,13 @@ def test_rms_norm_perm_every_instance(dtype, late, lean, p16):
     ref = rms_norm(x, w, 1e-5, res, weight_static=True)
     for r in (None, res):
         poison_allocator()
-        got = torch.ops.exl_core.rms_norm_perm(x, r, w, 1e-5, perm.short() if p16 else perm, late, lean)
+        got = torch.ops.exl_core.rms_norm_perm(x, r, w, 1e-5, perm, late, lean)
         want = ref if r is not None else (rms_norm(x, w, 1e-5, weight_static=True),)
         assert torch.equal(got[0], want[0][:, perm.long()])
         if r is not None:
             assert torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="int32 perm"):
+        torch.ops.exl_core.rms_norm_perm(x, res, w, 1e-5, perm.short(), late, lean)
 
 
 def test_rms_norm_perm_refusals_fall_back_to_the_reference():
@@ -99,12 +100,10 @@ def _step_logits(model, ids, kvs):
         return model.forward_batch(ids, kvs)
 
 
-@pytest.mark.parametrize("pdtype", [torch.int32, torch.int16], ids=["i32", "i16"])   # llama.NORM_PERM_DTYPE
 @pytest.mark.parametrize("rows", [1, 8, 20])
-def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_model, rows, pdtype, monkeypatch):
+def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_model, rows, monkeypatch):
     from exl_core.model import llama
     model = shared_perm_model
-    monkeypatch.setattr(llama, "NORM_PERM_DTYPE", pdtype)
     g = torch.Generator().manual_seed(rows)
     prompt = torch.randint(0, 1000, (rows, 6), generator=g).cuda()
     nxt = torch.randint(0, 1000, (rows, 1), generator=g).cuda()
@@ -121,7 +120,7 @@ def test_model_decode_same_bits_with_the_norm_writing_the_order(shared_perm_mode
     assert len(calls) == 2 * len(model.layers)          # the step's q/k/v and gate/up inputs, every layer
     from exl_core.ops.norm_perm import RMS_NORM_PERM
     x, weight, eps, perm, residual, site = calls[1][0]    # a middle norm's arguments: the kernel served it
-    assert site == "mlp" and [c[0][5] for c in calls[:2]] == ["attn", "mlp"] and perm.dtype == pdtype
+    assert site == "mlp" and [c[0][5] for c in calls[:2]] == ["attn", "mlp"] and perm.dtype == torch.int32
     assert RMS_NORM_PERM.select(x=x, weight=weight, eps=eps, perm=perm, residual=residual, site=site).name == "cuda"
     assert float(out[()].abs().max()) > 1e-2
     assert torch.equal(out[("cuda",)], out[()])
