@@ -78,6 +78,13 @@ def test_bench_runs_every_batch_and_counts_its_tokens(tiny_llama_dir, tmp_path):
         assert row["prompt_tok_s"] > 0 and row["decode_tok_s"] > 0
 
 
+def test_bench_json_naming_a_folder_is_refused_before_it_runs(tiny_llama_dir, tmp_path):
+    r = run_cli("bench", "-m", str(tiny_llama_dir), "--batch", "1", "--prompt-tokens", "12", "--new-tokens", "2",
+                "--json", str(tmp_path))
+    assert r.returncode == 2 and "is a folder" in r.stderr and "Traceback" not in r.stderr
+    assert "decode tok/s" not in r.stdout                 # refused before the benchmark ran
+
+
 @pytest.mark.parametrize("args,named", [(("bench", "--batch", "1,x"), "--batch"),
                                         (("run", "-p", "hi", "--threads", "-2"), "--threads"),
                                         (("run", "-p", "hi", "--threads", "0"), "--threads")])

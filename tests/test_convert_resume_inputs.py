@@ -211,3 +211,55 @@ def test_default_model_starts_a_stale_job_over(tmp_path, monkeypatch):
     default_model._convert_default(dense, folder, progress=False)
     assert calls == [True, False]               # the second run found the old job gone
     assert (folder / default_model.DEFAULT_MARKER).is_file()
+
+
+def test_a_refused_calibration_file_leaves_no_job_behind(src, calib, tmp_path):
+    """The calibration file is read after job.json is written: a refused one (too short here) used to leave that
+    job.json, so the corrected rerun was refused as a stale job (stop 67's review)."""
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match="short.txt"):
+        convert(_settings(src, out, calib=str(short)))
+    assert not (out / ".exl_job").exists()
+    convert(_settings(src, out, calib=str(calib)))           # the corrected rerun
+    assert (out / "config.json").is_file()
+
+
+def _refused_with(s: ConvertSettings, *names: str) -> str:
+    with pytest.raises(InputError) as e:
+        convert(s)
+    for n in names:
+        assert n in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_damaged_or_orphaned_job_files_are_refused_by_name(src, calib, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    s = _settings(src, out, calib=str(calib))
+    _interrupted(s, monkeypatch)
+    job = out / ".exl_job"
+    state = job / "quant" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:50])                # truncated
+    assert "delete" in _refused_with(s, "state.safetensors", "damaged job file", str(job))
+    (job / "job.json").write_text("{not json")
+    _refused_with(s, "job.json", "damaged job file")
+    (job / "job.json").unlink()                               # job files whose settings are unknown
+    _refused_with(s, "without job.json", str(job))
+    shutil.rmtree(job)
+    convert(s)                                                # started over
+    assert (out / "config.json").is_file()
+
+
+def test_calibration_longer_than_the_models_context_is_refused(src, tmp_path):
+    ctx = json.loads((Path(src) / "config.json").read_text())["max_position_embeddings"]
+    _refused_with(_settings(src, tmp_path / "out", length=ctx + 1), "--length", str(ctx))
+    assert not (tmp_path / "out").exists()
+
+
+def test_python_m_convert_reports_an_unwritable_output_cleanly(src, calib, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = convert_main(["-i", str(src), "-o", str(blocker / "out"), "--format", "gptq", "-c", str(calib),
+                       "--rows", "4", "--length", "32", "-q"])
+    assert rc == 2 and "exl convert: error:" in capsys.readouterr().err

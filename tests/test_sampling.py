@@ -409,6 +409,18 @@ def test_sampling_frequencies_match_processed_probs():
     assert torch.allclose(lps, torch.log_softmax(logits.double(), 0)[ids].float())
 
 
+def test_top_k_past_int64_keeps_every_token_in_the_batched_path():
+    """Any int >= 0 is a valid top_k (validation); the batched path packed it into int64 and overflowed at 2**63."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    big, off = SamplerSettings(temperature=0.7, top_k=2**63), SamplerSettings(temperature=0.7)
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(3)]      # noqa: E731
+    a = sample_batch(logits, [big] * 3, [[]] * 3, gens())
+    b = sample_batch(logits, [off] * 3, [[]] * 3, gens())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(processed_probs_batch(logits, [big] * 3, [[]] * 3), processed_probs_batch(logits, [off] * 3,
+                                                                                                  [[]] * 3))
+
+
 def test_draw_never_picks_zero_mass_tokens_at_the_edges():
     from exl_core.generation.sampling import _draw
     x = torch.tensor([[NEG, NEG, 0.3, NEG, -0.2, NEG]], dtype=torch.float64)

@@ -262,7 +262,7 @@ def _filter_batch(x: torch.Tensor, settings: list[SamplerSettings], greedy: torc
     t_last = sampled & (temps != 1.0) & last
     if t_first.any():
         _on_rows(x, t_first, lambda sub, rows: _temper(sub, temps[rows]))
-    ks = col(lambda s: s.top_k, torch.int64)
+    ks = col(lambda s: min(s.top_k, V), torch.int64)      # top_k >= V keeps every token (any int is valid)
     ps, ms, tys = col(lambda s: s.top_p), col(lambda s: s.min_p), col(lambda s: s.typical)
     filters = (   # (rows where active, keep-mask function), in pipeline order
         (sampled & (ks > 0) & (ks < V), lambda sub, rows: _top_k(sub, ks[rows])),

@@ -37,7 +37,7 @@ from .calib_forward import (LINEARS, Dims, attention, linear, mlp_act, rms_norm,
 from .calibration import Calibration, cached_self_calibration, from_file
 from .gptq_solver import LayerPlan, QuantResult, gptq_quantize, plan_groups
 from .hessian import HessianAccumulator
-from .job_state import JobState, atomic_json, atomic_save, load_tensors
+from .job_state import JobState, atomic_json, atomic_save
 from .measure import (CANDIDATES, candidate_bits, load_measurement, measure_layer,
                       save_measurement)
 
@@ -174,8 +174,9 @@ class Converter:
         p = self.job.path("calib.safetensors")
         if p.is_file():
             from safetensors import safe_open
-            with safe_open(str(p), "pt") as f:
-                return Calibration(f.get_tensor("tokens"), json.loads(f.metadata()["info"]))
+            with self.job.reading(p):
+                with safe_open(str(p), "pt") as f:
+                    return Calibration(f.get_tensor("tokens"), json.loads(f.metadata()["info"]))
         s = self.s
         if s.calib is not None:
             cal = from_file(s.calib, self.src.folder, s.rows, s.length)
@@ -202,7 +203,9 @@ class Converter:
             h = self._embed(cal.tokens)
         layers: dict = {}
         for i in range(done + 1):
-            layers.update(json.loads(job.path("measure", f"layer_{i:03d}.json").read_text()))
+            rec = job.path("measure", f"layer_{i:03d}.json")
+            with job.reading(rec):
+                layers.update(json.loads(rec.read_text()))
         n_layers = self.cfg.num_hidden_layers
         bar = _bar(n_layers, "measuring", s.progress, done + 1)
         for i in range(done + 1, n_layers):
@@ -311,8 +314,8 @@ class Converter:
         s, out = self.s, Path(self.s.output)
         tensors = self.src.passthrough_tensors()
         for i in range(self.cfg.num_hidden_layers):
-            tensors.update(load_tensors(self.job.path("quant", f"layer_{i:03d}.safetensors")))
-        tensors.update({k: v for k, v in load_tensors(self.job.path("quant", "head.safetensors")).items()
+            tensors.update(self.job.load_tensors("quant", f"layer_{i:03d}.safetensors"))
+        tensors.update({k: v for k, v in self.job.load_tensors("quant", "head.safetensors").items()
                         if k != HEAD_NONE})
         tensors = dict(sorted(tensors.items()))
         real_bpw = self.real_bpw(tensors)
@@ -380,6 +383,10 @@ def _check_settings(s: ConvertSettings, src) -> None:
         raise InputError(f"calibration file {s.calib} not found")
     if s.rows < 1 or s.length < 16:
         raise InputError(f"calibration needs rows ≥ 1 and length ≥ 16 (got {s.rows}×{s.length})")
+    ctx = getattr(src.cfg, "max_position_embeddings", None)
+    if ctx and s.length > ctx:       # positions the model was never trained at: calibration on them misleads
+        raise InputError(f"--length {s.length}: the model's context is {ctx} tokens (max_position_embeddings); "
+                         f"use --length {min(256, ctx)} or at most {ctx}")
     if not s.damp >= 0:             # the Hessian's dampening is a fraction of its mean diagonal: negative breaks it
         raise InputError(f"--damp {s.damp}: must be ≥ 0 (a fraction of the Hessian's mean diagonal, e.g. 0.01)")
     if s.threads is not None and s.threads < 1:
@@ -441,8 +448,13 @@ def convert(s: ConvertSettings) -> dict:
     t0 = time.time()
     with _deterministic(s.threads), torch.inference_mode():
         conv = Converter(s, src)
-        conv.job.open()
-        cal = conv.calibration()
+        resumed = conv.job.open()
+        try:
+            cal = conv.calibration()
+        except BaseException:
+            if not resumed:      # a new job with no finished work: a refused calibration must not block a rerun
+                conv.job.clear()
+            raise
         if s.format == "exl2":
             if measurement is not None and not conv.job.path("measurement.json").is_file():
                 save_measurement(conv.job.path("measurement.json"), measurement, CANDIDATES,
@@ -501,6 +513,9 @@ def convert_main(argv: Optional[list[str]] = None) -> int:
     try:
         qc = convert(settings_from_args(a))
     except ExlError as e:
+        print(f"exl convert: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:      # an unwritable or odd output path: the system's message names the path
         print(f"exl convert: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(qc, sort_keys=True))

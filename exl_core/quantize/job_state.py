@@ -17,6 +17,7 @@ float32 hidden states gives bit-identical results.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
@@ -58,12 +60,28 @@ class JobState:
         self.settings = settings
         self.inputs = inputs          # fingerprint of the input files (ConvertSettings.input_fingerprint)
 
+    @contextlib.contextmanager
+    def reading(self, path: Path):
+        """Reading a job file: a damaged one (truncated, corrupt) is refused by name, with the way out."""
+        try:
+            yield
+        except (OSError, ValueError, KeyError, SafetensorError) as e:     # JSONDecodeError is a ValueError
+            raise InputError(f"{path}: damaged job file ({type(e).__name__}: {e}); delete {self.dir} to start this "
+                             "conversion over (its finished work is lost)") from None
+
     def open(self) -> bool:
         """Creates or reopens the job; True when resuming. Refuses a job with other settings, or
-        one whose input files changed since it started (its finished steps come from the old ones)."""
+        one whose input files changed since it started (its finished steps come from the old ones), a damaged
+        job.json, and job files without one (whose settings cannot be known)."""
         f = self.dir / "job.json"
+        if not f.is_file() and self.dir.is_dir() and any(self.dir.iterdir()):
+            raise InputError(f"{self.dir}: job files without job.json (their settings are unknown, so they cannot be "
+                             f"resumed); delete {self.dir} to start this conversion over")
         if f.is_file():
-            old = json.loads(f.read_text())
+            with self.reading(f):
+                old = json.loads(f.read_text())
+                if not isinstance(old, dict):
+                    raise ValueError("not a JSON object")
             old_inputs = old.pop("inputs", None)        # absent in jobs started before it was recorded
             if old != self.settings:
                 diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
@@ -98,9 +116,15 @@ class JobState:
         if not p.is_file():
             return None, -1
         from safetensors import safe_open
-        with safe_open(str(p), "pt") as f:
+        with self.reading(p), safe_open(str(p), "pt") as f:
             layer = int(f.metadata()["layer"])
             return f.get_tensor("hidden"), layer
+
+    def load_tensors(self, *parts) -> dict[str, torch.Tensor]:
+        """A finished step's tensors (a damaged file refused by name: reading())."""
+        p = self.path(*parts)
+        with self.reading(p):
+            return load_file(str(p))
 
     def clear(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -122,5 +146,3 @@ def input_changes(old: dict, new: dict, settings: dict) -> list[str]:
     return out
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
