@@ -73,7 +73,7 @@ def _add_ss_run(residual, x, pw, up):
     bias = pw.bias if pw.bias is None or pw.bias.dtype == x.dtype else pw.bias.to(x.dtype)
     if up is not None:
         h2, mul = cc._half2_args(pw, x.device)
-    else:                                                        # o: only under EXL_CORE_KSLICE_H2_ALL=1
+    else:                                                        # o: only under _half2_lists' switches
         lists = cc._half2_lists([pw], x.device, x2.shape[0])
         h2, mul = (lists[0][0], lists[1][0]) if lists[0] is not None else (None, None)
     return torch.ops.exl_core.qgemm_kslice_add_(
