@@ -247,6 +247,10 @@ def test_damaged_or_orphaned_job_files_are_refused_by_name(src, calib, tmp_path,
     (job / "job.json").unlink()                               # job files whose settings are unknown
     _refused_with(s, "without job.json", str(job))
     shutil.rmtree(job)
+    job.mkdir()
+    (job / ".job.json.tmp").write_text("{")                   # a kill during the first job.json write: no work
+    from exl_core.quantize.job_state import DamagedJobError
+    assert issubclass(DamagedJobError, InputError)            # (the default model starts such a job over)
     convert(s)                                                # started over
     assert (out / "config.json").is_file()
 
@@ -262,4 +266,5 @@ def test_python_m_convert_reports_an_unwritable_output_cleanly(src, calib, tmp_p
     blocker.write_text("x")
     rc = convert_main(["-i", str(src), "-o", str(blocker / "out"), "--format", "gptq", "-c", str(calib),
                        "--rows", "4", "--length", "32", "-q"])
-    assert rc == 2 and "exl convert: error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("exl convert: error:") and str(blocker) in err and "Traceback" not in err

@@ -63,9 +63,10 @@ def test_generate_cancels_every_job_when_a_callback_raises_while_cancelled():
 
 
 @pytest.mark.parametrize("end", ["length", "callback", "cancel"])
-def test_text_held_back_by_a_stop_string_is_released_at_every_end_but_a_stop(end):
+def test_text_held_back_by_a_stop_string_is_released_at_every_end_but_a_stop_or_the_callbacks(end):
     """Tokens "a", "b", "OP" under stop "OPQ": "OP" may start the stop string, so it is held until the job ends;
-    docs/sampling.md releases it at any end but a stop string's."""
+    docs/sampling.md releases it at any end but a stop string's or the job's own callback's (which has seen every
+    piece it gets: the callback and the iterator see the same text)."""
     m = TinyLM(seed=7)
     forced = [0, 1, 263]
 
@@ -87,8 +88,9 @@ def test_text_held_back_by_a_stop_string_is_released_at_every_end_but_a_stop(end
         if end == "cancel" and len(job.generated) == 3 and not job.done:
             g.cancel(job)
     assert job.finish_reason == {"length": "length", "callback": "callback", "cancel": "cancelled"}[end]
-    assert job.text == "abOP"
-    assert "".join(r.text for r in results) == "abOP"       # the iterator's pieces add up to the job's text
+    assert job.text == ("ab" if end == "callback" else "abOP")
+    assert "".join(r.text for r in results) == job.text     # the iterator's pieces add up to the job's text,
+    assert "".join(r.text for r in seen) == job.text        # and so do the callback's
 
 
 def test_a_step_started_from_inside_a_step_is_refused():
@@ -142,6 +144,27 @@ def test_astream_leaves_a_job_it_refuses_alone():
     assert job.status == "active" and job.finish_reason is None
     run_all(g)
     assert job.generated == reference_greedy(m, job.input_ids, 4)
+
+    async def two_consumers():     # a second stream of a job the first one streams: refused, the first goes on
+        other = Job(rand_prompt(8), max_new_tokens=4, sampler=GREEDY)
+        first = g.astream_results(other)
+        got = [await first.__anext__()]
+        with pytest.raises(InputError, match="already enqueued"):
+            async for _ in g.astream_results(other):
+                pass
+        got += [r async for r in first]
+        return other, got
+    other, got = asyncio.run(asyncio.wait_for(two_consumers(), 60))
+    assert got[-1].done and other.generated == reference_greedy(m, other.input_ids, 4)
+
+
+def test_a_finished_job_pickles():
+    import pickle
+    g = _gen(TinyLM(seed=5))
+    job = g.enqueue(Job([1, 2, 3], max_new_tokens=2, sampler=GREEDY))
+    run_all(g)
+    assert job.done and job.owner is None
+    assert pickle.loads(pickle.dumps(job)).generated == job.generated
 
 
 def test_stream_of_a_job_refuses_settings_it_would_ignore():

@@ -400,9 +400,9 @@ class Generator:
                 self._events.append(res)
                 raise
             if keep is False and job.status != "done":
+                # ended by its callback, which has seen every piece it will get: held-back text is not released
+                # (docs/sampling.md) -- added to res now, only iterate's readers would see it
                 res.finish_reason = "callback"
-                tail = self._flush_text(job)    # after the callback saw res: job.text and res.text (iterate's) have it
-                res.text += tail
                 self._finish(job, "callback")
         return res
 
@@ -433,6 +433,7 @@ class Generator:
             self.spec.forget(job)
         if job in self.active:
             self.active.remove(job)
+        job.owner = None            # a finished job is no generator's (and pickles again)
         job.status = "done"
         job.finish_reason = reason
         self.stats.jobs_finished += 1
@@ -557,12 +558,10 @@ class Generator:
     async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
         """Async results of one job; several may run concurrently on one generator."""
         q: asyncio.Queue = asyncio.Queue()
+        # enqueue first: a refused job (queued already, perhaps streamed by another consumer) is left as it was, and
+        # so is that consumer's queue; no await until the queue is in place, so no result of this job is missed
+        self.enqueue(job)
         self._queues[id(job)] = q
-        try:
-            self.enqueue(job)
-        except BaseException:   # a refused job (e.g. queued already) is left as it was: not ours to cancel
-            self._queues.pop(id(job), None)
-            raise
         try:
             if self._driver is None:
                 self._driver = asyncio.ensure_future(self._drive())
@@ -574,7 +573,8 @@ class Generator:
                 if r.done:
                     break
         finally:
-            self._queues.pop(id(job), None)
+            if self._queues.get(id(job)) is q:
+                del self._queues[id(job)]
             if not job.done:
                 self.cancel(job)
 

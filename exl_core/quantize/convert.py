@@ -383,8 +383,8 @@ def _check_settings(s: ConvertSettings, src) -> None:
         raise InputError(f"calibration file {s.calib} not found")
     if s.rows < 1 or s.length < 16:
         raise InputError(f"calibration needs rows ≥ 1 and length ≥ 16 (got {s.rows}×{s.length})")
-    ctx = getattr(src.cfg, "max_position_embeddings", None)
-    if ctx and s.length > ctx:       # positions the model was never trained at: calibration on them misleads
+    ctx = (getattr(src.cfg, "raw", None) or {}).get("max_position_embeddings")    # stated, not config.py's default
+    if isinstance(ctx, int) and ctx > 0 and s.length > ctx:       # positions the model was never trained at: calibration on them misleads
         raise InputError(f"--length {s.length}: the model's context is {ctx} tokens (max_position_embeddings); "
                          f"use --length {min(256, ctx)} or at most {ctx}")
     if not s.damp >= 0:             # the Hessian's dampening is a fraction of its mean diagonal: negative breaks it

@@ -53,6 +53,10 @@ class StaleJobError(InputError):
     finished steps cannot be resumed into this conversion."""
 
 
+class DamagedJobError(StaleJobError):
+    """The job folder cannot be resumed as it is: a truncated or corrupt file, or files without job.json."""
+
+
 class JobState:
     def __init__(self, out_dir: Path, settings: dict, inputs: Optional[dict] = None):
         self.out = Path(out_dir)
@@ -65,18 +69,23 @@ class JobState:
         """Reading a job file: a damaged one (truncated, corrupt) is refused by name, with the way out."""
         try:
             yield
-        except (OSError, ValueError, KeyError, SafetensorError) as e:     # JSONDecodeError is a ValueError
-            raise InputError(f"{path}: damaged job file ({type(e).__name__}: {e}); delete {self.dir} to start this "
-                             "conversion over (its finished work is lost)") from None
+        # corrupt or missing content only (JSONDecodeError is a ValueError); a PermissionError and the like are the
+        # system's to report, not a reason to throw the job away
+        except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, SafetensorError) as e:
+            raise DamagedJobError(f"{path}: damaged job file ({type(e).__name__}: {e}); delete {self.dir} to start "
+                                  "this conversion over (its finished work is lost)") from None
 
     def open(self) -> bool:
         """Creates or reopens the job; True when resuming. Refuses a job with other settings, or
         one whose input files changed since it started (its finished steps come from the old ones), a damaged
         job.json, and job files without one (whose settings cannot be known)."""
         f = self.dir / "job.json"
-        if not f.is_file() and self.dir.is_dir() and any(self.dir.iterdir()):
-            raise InputError(f"{self.dir}: job files without job.json (their settings are unknown, so they cannot be "
-                             f"resumed); delete {self.dir} to start this conversion over")
+        # (a temp file of an atomic write that a kill interrupted is no finished work: .job.json.tmp after a kill
+        # during the first write)
+        if not f.is_file() and self.dir.is_dir() and any(not (p.name.startswith(".") and p.name.endswith(".tmp"))
+                                                         for p in self.dir.iterdir()):
+            raise DamagedJobError(f"{self.dir}: job files without job.json (their settings are unknown, so they "
+                                  f"cannot be resumed); delete {self.dir} to start this conversion over")
         if f.is_file():
             with self.reading(f):
                 old = json.loads(f.read_text())
