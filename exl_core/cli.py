@@ -104,7 +104,11 @@ def cmd_run(args) -> int:
                                       tokenize=True)
     else:
         ids = tok.encode(args.prompt)
-    cache = Cache(model, max_tokens=len(ids) + args.max_new_tokens + 256)
+    try:
+        cache = Cache(model, max_tokens=len(ids) + args.max_new_tokens + 256)
+    except ExlError as e:     # its message speaks of Cache(max_tokens=...), a setting `exl run` makes itself
+        raise ExlError(f"--max-new-tokens {args.max_new_tokens}: a cache for the prompt ({len(ids)} tokens) and "
+                       f"that many new tokens does not fit ({e})") from None
     gen = Generator(model, cache, tok)
     job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
               stop_on_eos=not args.ignore_eos)
@@ -177,8 +181,9 @@ def cmd_chat(args) -> int:
             print(f"exl chat: {e}", file=sys.stderr)
             continue
         if dropped:
-            print(f"exl chat: dropped the oldest {dropped} turn{'s' * (dropped > 1)} to fit --max-tokens "
-                  f"{args.max_tokens}", file=sys.stderr)
+            pages = "" if cache.max_tokens == args.max_tokens else ", rounded up to whole pages"
+            print(f"exl chat: dropped the oldest {dropped} turn{'s' * (dropped > 1)} to fit the cache's "
+                  f"{cache.max_tokens} tokens (--max-tokens {args.max_tokens}{pages})", file=sys.stderr)
         job = Job(ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed)
         gen.enqueue(job)
         reply = []

@@ -140,8 +140,8 @@ def build_model(cfg: ModelConfig, reader: WeightReader, device="cpu", dtype: Opt
     _check_dtype(dtype)
     dtype = dtype or default_dtype(device)
     names = reader.names()
-    fmt = detect_format(cfg.quantization_config, names)
     src = str(cfg.path or "model folder")
+    fmt = detect_format(cfg.quantization_config, names, f"{src}/config.json" if cfg.path else "config.json")
     check_embedding(cfg, reader)
 
     check_unused_layers(cfg, names)

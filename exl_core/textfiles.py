@@ -9,11 +9,19 @@ from typing import Any, Iterator
 from .errors import InputError
 
 
-def read_utf8(path, what: str = "text file") -> str:
-    """The file's text; a missing or non-UTF-8 file is an InputError naming it (`what`: how to call it)."""
+def require_file(path, what: str = "text file") -> Path:
+    """`path` as a Path where it is a file; else an InputError naming it: not found, or a folder."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{what} {p} is a folder; name a file")
     if not p.is_file():
         raise InputError(f"{what} {p} not found")
+    return p
+
+
+def read_utf8(path, what: str = "text file") -> str:
+    """The file's text; a missing or non-UTF-8 file is an InputError naming it (`what`: how to call it)."""
+    p = require_file(path, what)
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -184,3 +184,28 @@ def test_an_output_path_that_is_a_file_is_a_clear_error(tiny_llama_dir, tmp_path
     afile.write_text("x")
     r = run_cli("convert", "-i", str(tiny_llama_dir), "-o", str(afile / "sub"), "-b", "4.0")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "afile" in r.stderr
+
+
+def test_a_folder_given_as_a_text_file_is_named_as_a_folder(tiny_llama_dir, tmp_path):
+    """eval -d and convert -c with a folder: "is a folder", not "not found" (the folder exists)."""
+    r = run_cli("eval", "ppl", "-m", str(tiny_llama_dir), "-d", str(tmp_path))
+    assert r.returncode == 2 and f"{tmp_path} is a folder" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("convert", "-i", str(tiny_llama_dir), "-o", str(tmp_path / "out"), "-b", "4", "-c", str(tmp_path))
+    assert r.returncode == 2 and f"{tmp_path} is a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_with_more_new_tokens_than_any_cache_names_the_flag(tiny_llama_dir):
+    r = run_cli("run", "-m", str(tiny_llama_dir), "-p", "hi", "--max-new-tokens", "100000000")
+    assert r.returncode == 2 and "--max-new-tokens 100000000" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_unsupported_quant_method_names_the_config_file(tiny_llama_dir, tmp_path):
+    import json
+    import shutil
+    folder = tmp_path / "awq"
+    shutil.copytree(tiny_llama_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = run_cli("run", "-m", str(folder), "-p", "hi")
+    assert r.returncode == 2 and f"{folder}/config.json: quantization_config.quant_method 'awq'" in r.stderr

@@ -50,15 +50,15 @@ def get_format(name: str) -> QuantFormat:
         raise FormatError(f"unknown quantization format '{name}'; known: {sorted(FORMATS)}") from None
 
 
-def detect_format(quant_config: Optional[dict], tensor_names) -> Optional[QuantFormat]:
+def detect_format(quant_config: Optional[dict], tensor_names, where: str = "config.json") -> Optional[QuantFormat]:
     """The format named by quantization_config.quant_method, else the one whose tensors are
-    present; None for a dense model. An unknown quant_method raises FormatError."""
+    present; None for a dense model. An unknown quant_method raises FormatError naming `where` (the config file)."""
     names = set(tensor_names)
     method = (quant_config or {}).get("quant_method")
     if method is not None:
         method = str(method).lower()
         if method not in FORMATS:
-            raise FormatError(f"config.json: quantization_config.quant_method '{method}' is not supported "
+            raise FormatError(f"{where}: quantization_config.quant_method '{method}' is not supported "
                               f"(supported: {sorted(FORMATS)})")
         return FORMATS[method]
     for fmt in FORMATS.values():

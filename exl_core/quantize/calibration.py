@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..errors import InputError, TokenizerError
-from ..textfiles import jsonl_objects, read_utf8
+from ..textfiles import jsonl_objects, read_utf8, require_file
 from .calib_forward import rms_norm, rope_inv_freq, rope_tables, linear, mlp_act
 
 
@@ -37,9 +37,7 @@ def _load_tokenizer(folder: Path):
 
 def read_texts(path: Path) -> list[str]:
     """Documents of a .txt (one document), .jsonl ("text" field per line) or .parquet ("text" column)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"calibration file {path} not found")
+    path = require_file(path, "calibration file")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         texts = []

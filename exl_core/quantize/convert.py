@@ -32,6 +32,7 @@ from ..errors import ConfigError, ExlError, InputError
 from ..formats import exl2 as exl2_fmt
 from ..formats import gptq as gptq_fmt
 from ..formats.safetensors_io import write_sharded
+from ..textfiles import require_file
 from .allocate import allocate_bpw, bpw_range, bpw_text, range_text
 from .calib_forward import (LINEARS, Dims, attention, linear, mlp_act, rms_norm, rope_inv_freq, rope_tables)
 from .calibration import Calibration, cached_self_calibration, from_file
@@ -379,8 +380,8 @@ def _open_source(s: ConvertSettings):
 def _check_settings(s: ConvertSettings, src) -> None:
     if s.format not in ("exl2", "gptq"):
         raise InputError(f"--format must be exl2 or gptq, got {s.format!r}")
-    if s.calib is not None and not Path(s.calib).is_file():
-        raise InputError(f"calibration file {s.calib} not found")
+    if s.calib is not None:
+        require_file(s.calib, "calibration file")
     if s.rows < 1 or s.length < 16:
         raise InputError(f"calibration needs rows ≥ 1 and length ≥ 16 (got {s.rows}×{s.length})")
     ctx = (getattr(src.cfg, "raw", None) or {}).get("max_position_embeddings")    # stated, not config.py's default
