@@ -103,6 +103,37 @@ def test_non_finite_exl2_scale_is_refused_at_load(exl2_act_order_dir, tmp_path):
     assert str(folder) in str(err.value)                       # the folder that holds it
 
 
+@pytest.mark.parametrize("name,dtype,bad", [
+    ("model.layers.1.mlp.up_proj.weight", torch.float16, float("nan")),
+    ("model.layers.0.input_layernorm.weight", torch.bfloat16, float("-inf")),
+    ("model.embed_tokens.weight", torch.float32, float("inf"))])
+def test_non_finite_dense_tensor_is_refused_at_load(tiny_llama_dir, tmp_path, name, dtype, bad):
+    """NaN / inf in a dense tensor (here a dense model's) used to load and surface only as "logits contain NaN" at the
+    first forward, naming no tensor."""
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+
+    def poison(t):
+        if name in t:
+            t[name] = t[name].to(dtype)
+            t[name].view(-1)[7] = bad
+    _edit_tensors(folder, poison)
+    with pytest.raises(FormatError, match=rf"{name}' holds NaN or inf") as err:
+        _load(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_nonfinite_check_reads_every_dtype_exactly():
+    from exl_core.loader import has_nonfinite
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        big = torch.finfo(dtype).max
+        t = torch.tensor([0.0, -0.0, big, -big, torch.finfo(dtype).tiny, 1e-45], dtype=dtype)
+        assert not has_nonfinite(t) and not has_nonfinite(t[:0])
+        for v in (float("nan"), float("inf"), float("-inf")):
+            u = t.clone()
+            u[3] = v
+            assert has_nonfinite(u), (dtype, v)
+
+
 def test_tensors_the_model_never_reads_are_named_in_a_warning(tiny_llama_dir, tmp_path, recwarn):
     """q_norm / k_norm weights (Qwen3-style) in a folder whose config.json says Llama were skipped without a word;
     the model then is not the one the weights were trained as."""
