@@ -210,7 +210,8 @@ def cmd_bench(args) -> int:
     if args.json and not Path(args.json).resolve().parent.is_dir():     # not after the whole benchmark ran
         raise ExlError(f"--json {args.json}: folder {Path(args.json).resolve().parent} does not exist")
     if args.json and Path(args.json).is_dir():
-        raise ExlError(f"--json {args.json}: is a folder; name the file to write (e.g. {Path(args.json) / 'bench.json'})")
+        raise ExlError(f"--json {args.json}: is a folder; name the file to write "
+                       f"(e.g. {Path(args.json) / 'bench.json'})")
     model, tok = _load(args)
     rows = [measure(model, tok, b, args.prompt_tokens, args.new_tokens, seed=args.seed) for b in batches]
     print(format_table(rows))

@@ -401,7 +401,7 @@ class Generator:
                 raise
             if keep is False and job.status != "done":
                 # ended by its callback, which has seen every piece it will get: held-back text is not released
-                # (docs/sampling.md) -- added to res now, only iterate's readers would see it
+                # (docs/sampling.md), so the callback's pieces and iterate's add up to the same job.text
                 res.finish_reason = "callback"
                 self._finish(job, "callback")
         return res
@@ -489,7 +489,7 @@ class Generator:
         """stream / astream's job: the Job given (which carries its own settings: none may be passed beside it), or
         one made from the prompt (max_new_tokens 256 when None)."""
         if isinstance(prompt, Job):
-            given = [k for k, v in (("max_new_tokens", max_new_tokens), ("chat", chat or None)) if v is not None]
+            given = (["max_new_tokens"] if max_new_tokens is not None else []) + (["chat"] if chat else [])
             if given or job_kwargs:
                 raise InputError(f"Generator.{what}: a Job carries its own settings; {given + list(job_kwargs)} "
                                  "would be ignored (set them on the Job, or pass a prompt string)")

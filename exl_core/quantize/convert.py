@@ -384,8 +384,10 @@ def _check_settings(s: ConvertSettings, src) -> None:
         require_file(s.calib, "calibration file")
     if s.rows < 1 or s.length < 16:
         raise InputError(f"calibration needs rows ≥ 1 and length ≥ 16 (got {s.rows}×{s.length})")
-    ctx = (getattr(src.cfg, "raw", None) or {}).get("max_position_embeddings")    # stated, not config.py's default
-    if isinstance(ctx, int) and ctx > 0 and s.length > ctx:       # positions the model was never trained at: calibration on them misleads
+    # positions the model was never trained at mislead the measurement; the context config.json states, not
+    # config.py's default for a missing key
+    ctx = src.cfg.raw.get("max_position_embeddings")
+    if isinstance(ctx, int) and ctx > 0 and s.length > ctx:
         raise InputError(f"--length {s.length}: the model's context is {ctx} tokens (max_position_embeddings); "
                          f"use --length {min(256, ctx)} or at most {ctx}")
     if not s.damp >= 0:             # the Hessian's dampening is a fraction of its mean diagonal: negative breaks it
@@ -513,10 +515,7 @@ def convert_main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         qc = convert(settings_from_args(a))
-    except ExlError as e:
-        print(f"exl convert: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:      # an unwritable or odd output path: the system's message names the path
+    except (ExlError, OSError) as e:    # OSError: an unwritable or odd output path, which its message names
         print(f"exl convert: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(qc, sort_keys=True))

@@ -153,5 +153,3 @@ def input_changes(old: dict, new: dict, settings: dict) -> list[str]:
         if old.get(key) != new.get(key):
             out.append(f"{what} {settings.get(key)} changed (its sha256 differs)")
     return out
-
-
