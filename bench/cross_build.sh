@@ -20,9 +20,12 @@ export EXL_CORE_CUDA_ARCHS=${EXL_CORE_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-$(np
 
 XPY=${XPY:-/tmp/xvenv/bin/python}
 if ! "$XPY" -c "import torch" 2>/dev/null; then
-  py312=$(command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1 ||
-          true)
-  [ -n "$py312" ] && "$py312" --version >/dev/null 2>&1 || { echo "cross_build: no python3.12 here" >&2; exit 1; }
+  # the first python3.12 that runs: a pyenv shim on PATH may exist without that version selected
+  py312=
+  for c in "$(command -v python3.12 2>/dev/null || true)" /root/.pyenv/versions/3.12*/bin/python3.12; do
+    [ -n "$c" ] && "$c" --version >/dev/null 2>&1 && { py312=$c; break; }
+  done
+  [ -n "$py312" ] || { echo "cross_build: no python3.12 here" >&2; exit 1; }
   venv=$(dirname "$(dirname "$XPY")")
   "$py312" -m venv "$venv"
   "$venv/bin/pip" install -q "torch==$TORCH_VERSION" numpy ninja setuptools wheel
