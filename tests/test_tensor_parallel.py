@@ -95,6 +95,39 @@ def test_two_ranks_match_one_process(tp_models, tmp_path, kind):
     assert unseeded[0] == unseeded[1]
 
 
+def _cache_size_worker(rank: int, world: int, port: int, folder: str, out_dir: str):
+    """Each rank reads a different free memory (as ranks on GPUs of one host do): a Cache sized from it must come
+    out the same on every rank, or the ranks admit different jobs and their all-gathers stop matching."""
+    import torch.distributed as dist
+    from exl_core.cache import Cache, sizing
+    from exl_core.loader import load_model
+    from exl_core.parallel.tensor_parallel import shard_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, _ = load_model(folder, load_tokenizer=False)
+        shard_model(model)
+        free = int(sizing.ACTIVATION_RESERVE / sizing.CPU_FRACTION) + (rank + 1) * (8 << 20)
+        sizing.known_free_memory = lambda device: free
+        cache = Cache(model)
+        own = sizing.num_pages_for(sizing.bytes_per_token(
+            cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype), cache.page_size, cache.device, None,
+            model.config.max_position_embeddings)
+        torch.save({"pages": cache.num_pages, "own": own}, os.path.join(out_dir, f"cache{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_a_cache_sized_from_free_memory(tp_models, tmp_path):
+    mp.start_processes(_cache_size_worker, args=(2, _free_port(), str(tp_models["dense"]), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    got = [torch.load(tmp_path / f"cache{rank}.pt") for rank in range(2)]
+    assert got[0]["own"] != got[1]["own"]                 # the ranks' own readings differ ...
+    assert got[0]["pages"] == got[1]["pages"] == min(g["own"] for g in got)     # ... and both take the smaller
+
+
 def test_indivisible_heads_are_refused(tp_models):
     from exl_core.loader import load_model
     from exl_core.parallel.tensor_parallel import TPGroup, shard_model

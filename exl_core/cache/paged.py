@@ -64,6 +64,9 @@ class Cache:
         per_token = bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
         self.num_pages = num_pages_for(per_token, page_size, self.device, max_tokens,
                                        cfg.max_position_embeddings)
+        tp = getattr(model, "tensor_parallel", None)
+        if tp is not None and max_tokens is None:   # each rank read its own free memory: all take the smallest
+            self.num_pages = tp.agreed_min(self.num_pages)
         need = self.num_pages * page_size * per_token
         if max_tokens is not None:
             # a size past the free memory fails deep in torch's allocator (or, where the OS overcommits, gets the

@@ -52,11 +52,24 @@ class TPGroup:
         """A seed drawn by rank 0 (from torch's global generator there) and handed to every rank: jobs without a
         seed of their own sample from it, so ranks whose global generators drifted apart still pick the same tokens
         (different tokens would feed the ranks different histories, and the gathered activations mix them)."""
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(dev)
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(self._device())
         dist.broadcast(seed, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                        group=self.group)
         return int(seed.item())
+
+    def agreed_min(self, value: int) -> int:
+        """The smallest of every rank's value, on every rank: a size each rank measured for itself (a cache sized
+        from its own free memory) must be the same on all of them, or they admit different jobs and their
+        collectives stop matching."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def _device(self) -> torch.device:
+        """Where this group's collectives take their tensors (NCCL: the current GPU)."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def gather_columns(self, y: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., world * n], rank r's block at columns r*n:(r+1)*n."""
