@@ -211,7 +211,19 @@ def test_bad_adapters(tiny_llama_dir, tmp_path, base):
         load_lora(base, tmp_path / "pkl", allow_pickle=True)
     with pytest.raises(LoraError, match="no adapter named"):
         set_active(base, {"nope": 1.0})
+    for nan in (float("nan"), float("inf"), True):   # activate() refused these; merge() wrote NaN weights
+        with pytest.raises(LoraError, match="merge: weight of adapter .* must be a finite number"):
+            ok.merge(nan)
+    assert not ok.merged
     ok.unload()
+    # adapter_config.json of the wrong JSON kinds: a LoraError naming the file, not an AttributeError
+    folder = make_adapter(tmp_path / "kinds", tiny_llama_dir)
+    good = json.loads((folder / "adapter_config.json").read_text())
+    for cfg, what in (([good], "expected a JSON object"), (dict(good, rank_pattern=["q_proj"]), "'rank_pattern' must"),
+                      (dict(good, alpha_pattern="q_proj"), "'alpha_pattern' must")):
+        (folder / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(LoraError, match=f"adapter_config.json: {what}"):
+            load_lora(base, folder)
 
 
 def test_generator_jobs_with_different_adapters_match_running_alone(tiny_llama_dir, tmp_path):
@@ -314,7 +326,7 @@ def test_adapters_in_use_by_jobs_are_not_unloaded_or_merged(tiny_llama_dir, tmp_
     run_all(gen)
     assert [len(j.generated) for j in jobs] == [4, 4]
     a.unload()                                                # nothing uses it now
-    assert "a" not in lora_manager(model).adapters
+    assert lora_manager(model) is None                        # the last adapter gone: no manager left
 
 
 def test_rank_and_alpha_patterns_match_as_peft_does(tiny_llama_dir, tmp_path):
@@ -464,3 +476,25 @@ def test_weight_changes_and_enqueues_do_not_interleave(tiny_llama_dir, tmp_path,
     with pytest.raises(LoraError, match="merged into the weights"):
         gen.enqueue(Job([1, 2], max_new_tokens=2, loras={"a": 1.0}))
     assert not gen.has_work()
+
+
+def test_unloading_the_last_adapter_leaves_the_base_model(tiny_llama_dir, tmp_path):
+    """unload() emptied the adapter out of each layer's hook but left the hooks (and the manager): a model with no
+    adapter still ran the per-op path instead of the fused CPU stack, and shard_model refused it as having adapters."""
+    model = _fresh(tiny_llama_dir)
+    ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(3))
+    base = model.forward_batch(ids)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=1), name="a")
+    b = load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, seed=2, targets=("q_proj",)), name="b")
+    a.unload()
+    hooked = {n for n, layer in model.linear_layers() if layer.lora is not None}
+    assert hooked == {f"model.layers.{i}.self_attn.q_proj" for i in range(model.config.num_hidden_layers)}
+    b.activate()
+    assert not torch.equal(model.forward_batch(ids), base)
+    set_active(model, None)
+    b.unload()
+    assert lora_manager(model) is None
+    assert all(layer.lora is None for _, layer in model.linear_layers())
+    assert torch.equal(model.forward_batch(ids), base)
+    b.unload()                                                # twice: a no-op
+    assert lora_manager(model) is None

@@ -92,9 +92,11 @@ class LoraManager:
         self._plan: Optional[list[tuple[int, int, dict]]] = None
         self.merged: list[str] = []                   # merge order: merges are undone in reverse (each saved the
         # weights as they were, which hold the merges before it)
-        self.epoch = 0                                # bumped where the weights change (merge, unmerge) or an
-        # adapter's name may come to mean other factors (unload): prefix pages from before never match after
-        # (prefix_salt; the mix itself is in the salt)
+        # bumped where the weights change (merge, unmerge) or an adapter's name may come to mean other factors
+        # (unload): prefix pages from before never match after (prefix_salt; the mix itself is in the salt). It goes
+        # on from the model's previous manager (unload drops the last one), so a name reloaded with other factors
+        # never meets that manager's pages
+        self.epoch = getattr(model, "_lora_epoch", 0)
 
     def jobs_using(self, name: str) -> int:
         """Queued or running jobs (of generators on this model) whose mix names adapter `name`."""
@@ -301,6 +303,12 @@ def _read_config(folder: Path) -> dict:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise LoraError(f"{cfg_path}: unreadable JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{cfg_path}: expected a JSON object of PEFT settings, got a {type(cfg).__name__}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise LoraError(f"{cfg_path}: '{key}' must be an object of module pattern -> value, got "
+                            f"{type(cfg[key]).__name__}")
     ptype = str(cfg.get("peft_type", "LORA")).upper()
     if ptype != "LORA":
         raise LoraError(f"{cfg_path}: peft_type {ptype!r} is not supported (only LORA)")
@@ -378,6 +386,8 @@ class LoraAdapter:
         """Bake weight * delta into the base weights (every row then sees it). Quantized layers
         are dequantised, updated and re-quantized in their own layout; returns, per layer,
         ||W_new - (W + delta)|| / ||W + delta|| (0 for dense fp32 layers, up to rounding)."""
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise LoraError(f"merge: weight of adapter {self.name!r} must be a finite number, got {weight!r}")
         if self.merged:
             raise LoraError(f"adapter {self.name!r} is already merged")
         if self.name in self.manager.active:
@@ -437,16 +447,30 @@ class LoraAdapter:
 
     @_jobs_frozen
     def unload(self) -> None:
-        """Forget the adapter (unmerging it first). Refused while queued or running jobs use it."""
+        """Forget the adapter (unmerging it first). Refused while queued or running jobs use it; a no-op once
+        unloaded."""
+        if self.manager.adapters.get(self.name) is not self:
+            return
         self.manager.check_unused(self.name, "unload")
         if self.merged:
             self.unmerge()
         m = self.manager
         m.set_active({k: w for k, w in m.active.items() if k != self.name}, f"unload active adapter {self.name!r}")
+        layers = dict(m.model.linear_layers())
         for module in self.layers:
-            m.hooks[module].adapters.pop(self.name, None)
+            hook = m.hooks[module]
+            hook.adapters.pop(self.name, None)
+            if not hook.adapters:       # a layer with an empty hook still left the fused CPU stack and TP refusing it
+                if layers[module].lora is hook:
+                    layers[module].lora = None
+                del m.hooks[module]
         m.adapters.pop(self.name, None)
         m.epoch += 1     # a later adapter loaded under this name computes other K/V
+        if not m.adapters and getattr(m.model, "_lora_manager", None) is m:
+            # the last adapter gone: the model is the base model again (a manager keeps it off the CUDA graphs
+            # and the fused CPU stack); the next manager's epochs go on from this one's
+            m.model._lora_epoch = m.epoch
+            del m.model._lora_manager
 
     def __repr__(self) -> str:
         return f"LoraAdapter({self.name!r}, r={self.rank}, layers={len(self.layers)}, merged={self.merged})"
