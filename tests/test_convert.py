@@ -219,6 +219,16 @@ def test_calibration_file_kinds(tiny, tmp_path):
     a = from_file(tmp_path / "a.txt", tiny, rows=5, length=50)
     b = from_file(tmp_path / "b.jsonl", tiny, rows=5, length=50)
     assert a.tokens.shape == b.tokens.shape == (5, 50)
+    # a .json dataset export: its documents, not its JSON syntax (was read as one text of brackets and quotes)
+    chunks = [words[i:i + 900] for i in range(0, len(words), 900)]
+    (tmp_path / "d.json").write_text(json.dumps([{"text": c} for c in chunks]))
+    (tmp_path / "e.json").write_text(json.dumps(chunks))
+    for f in ("d.json", "e.json"):
+        assert torch.equal(from_file(tmp_path / f, tiny, rows=5, length=50).tokens, b.tokens)
+    for bad in ({"text": words}, [{"txt": words}], []):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(InputError, match="array of strings or of objects"):
+            from_file(tmp_path / "bad.json", tiny, rows=2, length=50)
     (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
     with pytest.raises(InputError, match="text"):
         from_file(tmp_path / "bad.jsonl", tiny, rows=2, length=50)
@@ -284,6 +294,15 @@ def test_bad_inputs(tiny, calib_file, tmp_path):
                     "--group-size, --asym: not used by --format exl2")
     _expect_refusal(_settings(tiny, out, format="gptq", head_bits=8, calib=str(calib_file)), out,
                     "--head-bits: not used by --format gptq")
+    # GPTQ's qzeros pack along N: 3-bit needs out_features a multiple of 32 (a k/v of 16 features crashed with a
+    # traceback after the first layers' work, leaving a job folder behind)
+    from exl_core.testing import make_tiny_model
+    odd = make_tiny_model(tmp_path / "odd", "llama", seed=3, hidden_size=64, intermediate_size=160,
+                          num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=1,
+                          tokenizer_from=tiny)
+    _expect_refusal(_settings(odd, out, format="gptq", bits=3, calib=str(calib_file)), out,
+                    "k_proj: 16 output features at --bits 3 do not fill whole 32-bit words")
+    assert not out.exists()
     # folder without weights
     empty = tmp_path / "noweights"
     empty.mkdir()
@@ -357,6 +376,16 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
         assert torch.equal(exl, gp)
     meas = json.loads((out / "measurement.json").read_text())
     assert all(v.get("fixed") for v in meas["layers"].values())
+    # an older AutoGPTQ folder (its settings in quantize_config.json) converts the same (was read as a dense folder
+    # and refused as missing its .weight tensors)
+    legacy = tmp_path / "gptq_legacy"
+    shutil.copytree(gq, legacy)
+    (legacy / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    (legacy / "quantize_config.json").write_text(json.dumps(
+        {k: v for k, v in cfg["quantization_config"].items() if k != "quant_method"}))
+    convert(_settings(legacy, tmp_path / "exl2_from_legacy", format="exl2", bpw=4.4, calib=str(calib_file)))
+    assert (tmp_path / "exl2_from_legacy" / "model.safetensors").read_bytes() == \
+        (out / "model.safetensors").read_bytes()
     qcfg = json.loads((out / "config.json").read_text())
     assert qcfg["torch_dtype"] == qcfg.get("dtype", "float16") == "float16"       # one answer for HF's "auto"
     # a target above the exact repack converts at the repack (was refused after measuring), one below is refused

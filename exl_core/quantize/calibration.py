@@ -1,4 +1,4 @@
-"""Calibration tokens: from a user file (.txt, .jsonl with "text", .parquet) or sampled from
+"""Calibration tokens: from a user file (.jsonl or .json with "text", .parquet, else plain text) or sampled from
 the model itself (the default: needs no download and matches the model's own distribution).
 
 Both return `Calibration(tokens int64 [rows, length], info dict)`; `info` goes into the output's
@@ -36,9 +36,21 @@ def _load_tokenizer(folder: Path):
 
 
 def read_texts(path: Path) -> list[str]:
-    """Documents of a .txt (one document), .jsonl ("text" field per line) or .parquet ("text" column)."""
+    """Documents of a .jsonl ("text" field per line), a .json (an array of such objects, or of strings: a dataset
+    export, not text to calibrate on), a .parquet ("text" column) or any other file as one text document."""
     path = require_file(path, "calibration file")
     suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            data = json.loads(read_utf8(path, "calibration file"))
+        except ValueError as e:
+            raise InputError(f"{path}: not valid JSON ({e}); a plain text calibration file should not end in "
+                             ".json") from None
+        texts = [d.get("text") if isinstance(d, dict) else d for d in data] if isinstance(data, list) else None
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise InputError(f"{path}: a .json calibration file must hold an array of strings or of objects with a "
+                             "string field \"text\"")
+        return texts
     if suffix == ".jsonl":
         texts = []
         for n, obj in jsonl_objects(path, "calibration file"):

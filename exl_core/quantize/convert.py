@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import load_config
 from ..errors import ConfigError, ExlError, InputError
 from ..formats import exl2 as exl2_fmt
 from ..formats import gptq as gptq_fmt
@@ -84,7 +85,8 @@ class ConvertSettings:
         paths): the model folder's config.json, *.safetensors and index by name, size and mtime
         (cheap, the weights are large), the calibration and measurement files by sha256 (small)."""
         folder = Path(self.input)
-        files = set(folder.glob("*.safetensors")) | {folder / "config.json", folder / "model.safetensors.index.json"}
+        files = set(folder.glob("*.safetensors")) | {folder / "config.json", folder / "model.safetensors.index.json",
+                                                      folder / "quantize_config.json"}
         try:                                # shards the index names, wherever they are
             wm = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
             files |= {folder / v for v in wm.values()}
@@ -364,17 +366,17 @@ def _open_source(s: ConvertSettings):
         raise ConfigError(f"{inp}: input model folder not found")
     if not (inp / "config.json").is_file():
         raise ConfigError(f"{inp}: no config.json; -i must be a Hugging Face model folder")
-    qc = json.loads((inp / "config.json").read_text()).get("quantization_config") or {}
-    method = str(qc.get("quant_method", "")).lower()
+    cfg = load_config(inp)      # with an older AutoGPTQ folder's quantize_config.json, as load_model reads it
+    method = str((cfg.quantization_config or {}).get("quant_method", "")).lower()
     if method == "gptq":
         if s.format != "exl2":
             raise InputError(f"{inp}: input is already GPTQ; only GPTQ → EXL2 is supported (--format exl2)")
         from .gptq_to_exl2 import GptqSource
-        return GptqSource(inp)
+        return GptqSource(inp, cfg)
     if method:
         raise InputError(f"{inp}: input is quantized with {method!r}; convert from the FP16 model instead")
     from .source import DenseSource
-    return DenseSource(inp)
+    return DenseSource(inp, cfg)
 
 
 def _check_settings(s: ConvertSettings, src) -> None:
@@ -413,6 +415,10 @@ def _check_settings(s: ConvertSettings, src) -> None:
             raise InputError(f"--group-size {s.group_size}: use 32, 64, 128 or -1")
         for n, (o, i) in src_shapes(src).items():
             plan_groups(i, s.group_size, [(s.bits, 1.0)], mode="gptq")     # raises on odd shapes
+            if o * s.bits % 32:          # qzeros pack along N: refused here, not after the first layers' work
+                raise InputError(f"{n}: {o} output features at --bits {s.bits} do not fill whole 32-bit words of "
+                                 f"GPTQ's qzeros ({32 // math.gcd(32, s.bits)} features a word); use --bits 4 or 8, "
+                                 "or EXL2")
         return
     if s.bpw is None:
         raise InputError("EXL2 needs a target bitrate: -b BPW (e.g. -b 4.0)")

@@ -143,7 +143,8 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
     """Upper Cholesky factor of (H + λI)⁻¹, raising λ until H is positive definite."""
     k = h.shape[0]
     mean_diag = torch.diag(h).mean().item()
-    lam = damp * (mean_diag if mean_diag > 0 else 1.0)
+    unit = mean_diag if mean_diag > 0 else 1.0
+    lam = damp * unit
     eye = torch.eye(k, dtype=h.dtype)
     for _ in range(8):
         chol, info = torch.linalg.cholesky_ex(h + lam * eye)
@@ -152,8 +153,10 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
             u, info2 = torch.linalg.cholesky_ex(hinv, upper=True)
             if info2.item() == 0:
                 return u
-        lam *= 10
-    raise InputError(f"{name}: Hessian is not positive definite even with dampening {lam:g}")
+        last = lam
+        lam = max(lam * 10, 1e-6 * unit)     # damp 0 on a singular H: ×10 alone would stay at 0
+    raise InputError(f"{name}: Hessian is not positive definite even with dampening {last:g} (of a mean diagonal "
+                     f"{mean_diag:g}); more calibration rows (--rows) or a larger --damp may help")
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, plan: LayerPlan, damp: float = 0.01,
@@ -289,10 +292,12 @@ def plan_bits(plan: LayerPlan, out_features: int) -> int:
     """Storage bits of one EXL2/GPTQ matrix with this plan (values, scales, group table, perm)."""
     k = plan.in_features
     G = len(plan.groups)
-    vals = sum(b * ln for b, ln in plan.groups) * out_features
     if plan.mode == "exl2":
+        # q_weight and q_scale store columns padded to a multiple of 32 (formats/exl2.py pack_layer): priced too
+        n = out_features + (-out_features % 32)
         # q_scale 4 bit/column/group, q_scale_max fp16/group, q_groups 2×int16/group, q_invperm int32/row
-        return vals + G * out_features * 4 + G * 16 + G * 32 + k * 32
+        return sum(b * ln for b, ln in plan.groups) * n + G * n * 4 + G * 16 + G * 32 + k * 32
+    vals = sum(b * ln for b, ln in plan.groups) * out_features
     bits = plan.groups[0][0]
     # scales fp16 + packed zeros per column per group + g_idx int32 per row
     return vals + G * out_features * (16 + bits) + k * 32
