@@ -20,9 +20,12 @@ one loaded model + Generator per folder, driven by a worker thread (see the diag
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import pluggy
@@ -260,10 +263,14 @@ def collect(hook_name: str) -> dict:
 # instead of taking turns behind a lock.
 #
 #   caller thread(s) ──gen.enqueue(job), wake──► worker: while has_work: gen.iterate()
-#        ▲                                                   │ job.callback(result)
-#        └───────────── per-job queue ◄──────────────────────┘
+#        ▲                      cancels (inbox) ──►      │ job.callback(result)
+#        └───────────── per-job queue ◄──────────────────┘
+#
+# Async callers enqueue from an executor thread: enqueue takes the generator's lock, which the worker holds for a
+# whole step. Cancels go through an inbox the worker drains between steps, so no caller waits on a step to leave.
 
 _engines: dict[tuple, "SharedEngine"] = {}
+_live_engines: "weakref.WeakSet[SharedEngine]" = weakref.WeakSet()   # closed at exit (atexit below)
 
 
 class SharedEngine:
@@ -280,34 +287,93 @@ class SharedEngine:
         self.generator = exl_core.Generator(self.model, self.cache, self.tokenizer)
         self.name = _model_name(path)
         self._wake = threading.Event()
-        self._sinks: dict = {}            # job identifier -> callable(result or exception)
+        self._stop = threading.Event()
+        self._sinks: dict = {}            # job identifier -> (job, callable(result or exception))
+        self._cancels: "collections.deque" = collections.deque()     # jobs callers gave up on
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
+        _live_engines.add(self)
 
     # -- worker ----------------------------------------------------------------------------------
     def _ensure_worker(self) -> None:
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name=f"exl-engine:{self.name}", daemon=True)
+                self._stop.clear()
+                # daemon, but joined at exit (close_engines): a daemon thread still inside torch when the interpreter
+                # tears down aborts the process
+                self._thread = threading.Thread(target=SharedEngine._work, args=(weakref.ref(self),),
+                                                name=f"exl-engine:{self.name}", daemon=True)
                 self._thread.start()
 
-    def _work(self) -> None:
+    @staticmethod
+    def _work(ref) -> None:
+        """The worker loop. It holds its engine by a weak reference while idle, so a released engine (and its model
+        and cache) is freed; close() stops it."""
+        while True:
+            eng = ref()
+            if eng is None:
+                return
+            wake, stop = eng._wake, eng._stop
+            del eng
+            while not wake.wait(1.0):
+                if ref() is None:
+                    return
+            wake.clear()                # cleared before has_work(): a later enqueue sets it again
+            eng = ref()
+            if eng is None:
+                return
+            if stop.is_set():
+                eng._cancel_all()
+                return
+            eng._run_steps()
+            del eng
+
+    def _run_steps(self) -> None:
         gen = self.generator
         while True:
-            self._wake.wait()
-            self._wake.clear()          # cleared before has_work(): a later enqueue sets it again
+            while self._cancels:
+                job = self._cancels.popleft()
+                if not job.done:
+                    gen.cancel(job)     # its final result goes to its sink (the caller has left)
+            if self._stop.is_set() or not gen.has_work():
+                return
+            running = [k for k, (job, _sink) in list(self._sinks.items()) if not job.done]
             try:
-                while gen.has_work():
-                    gen.iterate()       # results reach callers through the jobs' callbacks
-            except Exception as exc:    # a model/kernel failure: every waiting caller hears it
-                sinks, self._sinks = list(self._sinks.values()), {}
-                for sink in sinks:
-                    sink(exc)
-                for job in list(gen.active) + list(gen.waiting):
-                    try:
-                        gen.cancel(job)  # frees its pages
-                    except Exception:  # noqa: BLE001 - already reported above; keep the worker alive
-                        pass
+                gen.iterate()           # results reach callers through the jobs' callbacks
+            except Exception as exc:
+                self._step_failed(exc, running)
+
+    def _step_failed(self, exc: Exception, running: list) -> None:
+        """A step raised. Where it ended jobs (an error of theirs: a token filter, a sampler; the generator ends
+        them without a callback, their cancelled results wait in its events) only their callers hear it and the
+        rest go on, as Generator._route_step_error does for astream; where it ended none (a model/kernel failure)
+        every waiting caller hears it and every job is cancelled."""
+        ended = [k for k in running if k in self._sinks and self._sinks[k][0].done]
+        if ended:
+            for k in ended:
+                self._sinks.pop(k)[1](exc)
+            return
+        sinks, self._sinks = list(self._sinks.values()), {}
+        for _job, sink in sinks:
+            sink(exc)
+        self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        gen = self.generator
+        for job in gen.pending_jobs():
+            try:
+                gen.cancel(job)         # frees its pages; its caller gets the cancelled result
+            except Exception:  # noqa: BLE001 - keep the worker alive
+                pass
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker after its current step, cancelling the jobs left (their callers get cancelled results);
+        the engine starts a new worker if used again."""
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
 
     # -- submitting --------------------------------------------------------------------------------
     def _submit(self, job, sink) -> None:
@@ -317,15 +383,19 @@ class SharedEngine:
         user_cb = job.callback
 
         def callback(result):
+            # the user's callback first: where it raises, the step raises and _step_failed tells this job's caller
+            keep = user_cb(result) if user_cb is not None else None
+            go_on = not cancelled.is_set() and keep is not False
+            if not go_on and result.finish_reason is None:
+                result.finish_reason = "callback"   # as the generator then ends it: the caller must see the end
             sink(result)
             if result.finish_reason is not None:
                 self._sinks.pop(job.identifier, None)
-            keep = user_cb(result) if user_cb is not None else None
-            return not cancelled.is_set() and keep is not False
+            return go_on
 
         job.callback = callback
         job._exl_cancel = cancelled
-        self._sinks[job.identifier] = sink
+        self._sinks[job.identifier] = (job, sink)
         try:
             self.generator.enqueue(job)    # the generator locks its queues itself
         except BaseException:
@@ -335,8 +405,11 @@ class SharedEngine:
         self._wake.set()
 
     def _cancel(self, job) -> None:
+        """Give up on a job without waiting for the running step: the worker cancels it between steps."""
         job._exl_cancel.set()
-        self.generator.cancel(job)
+        self._cancels.append(job)
+        self._ensure_worker()
+        self._wake.set()
 
     def stream(self, job):
         """Blocking iterator over the JobResults of `job` (ends with the one carrying finish_reason).
@@ -353,11 +426,13 @@ class SharedEngine:
                 self._cancel(job)
 
     async def astream(self, job):
-        """Async iterator over the JobResults of `job`; the event loop never blocks on the model."""
+        """Async iterator over the JobResults of `job`; the event loop never blocks on the model (the enqueue, which
+        waits for a running step, runs in an executor thread)."""
         import asyncio
         loop = asyncio.get_running_loop()
         q: "asyncio.Queue" = asyncio.Queue()
-        self._submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        await loop.run_in_executor(None, self._submit, job,
+                                   lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
         ended = [False]
         try:
             while not ended[0]:
@@ -376,22 +451,29 @@ class SharedEngine:
         return item
 
     def run(self, jobs) -> list:
-        """Run several jobs together (one batch for the Generator); returns their final texts."""
+        """Run several jobs together (one batch for the Generator); returns their final texts. A job refused at
+        submission (or an error) cancels the ones already submitted before it is raised."""
         import queue
         q: "queue.Queue" = queue.Queue()
         texts = {j.identifier: [] for j in jobs}
-        for j in jobs:
-            self._submit(j, q.put)
-        left = len(jobs)
-        while left:
-            item = q.get()
-            if isinstance(item, BaseException):
-                for j in jobs:
+        submitted = []
+        try:
+            for j in jobs:
+                self._submit(j, q.put)
+                submitted.append(j)
+            left = len(jobs)
+            while left:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                texts[item.job.identifier].append(item.text)
+                if item.finish_reason is not None:
+                    left -= 1
+        except BaseException:
+            for j in submitted:
+                if not j.done:
                     self._cancel(j)
-                raise item
-            texts[item.job.identifier].append(item.text)
-            if item.finish_reason is not None:
-                left -= 1
+            raise
         return ["".join(texts[j.identifier]) for j in jobs]
 
 
@@ -418,9 +500,20 @@ def shared_engine(path, device: str = "cpu", dtype=None, cache_tokens: int = 819
 
 
 def release_engines() -> None:
-    """Forget every shared engine (their models are freed once no adapter references them)."""
+    """Forget every shared engine and stop its worker (their models are freed once no adapter references them)."""
     with _lock:
+        engines = list(_engines.values())
         _engines.clear()
+    for eng in engines:
+        eng.close()
+
+
+@atexit.register
+def close_engines() -> None:
+    """Stops every engine's worker before the interpreter tears down (a worker left inside torch aborts the
+    process at exit)."""
+    for eng in list(_live_engines):
+        eng.close(timeout=10.0)
 
 
 def _reset_for_tests() -> None:

@@ -424,3 +424,96 @@ def test_shared_engine_is_one_per_folder(monkeypatch, tmp_path):
         assert a.cache.max_tokens != c.cache.max_tokens
     finally:
         plugins.release_engines()
+
+
+def test_engine_one_jobs_error_leaves_the_others_running(engine):
+    """A step error that ends one job (every token banned) reached every caller of the engine and cancelled their
+    jobs; now only that job's caller hears it, as the Generator's own astream does."""
+    import exl_core
+    good = _job([1, 2, 3, 4], n=30)
+    it = engine.stream(good)
+    first = next(it)                                   # running
+    bad = exl_core.Job([5, 6], max_new_tokens=4,
+                       sampler=exl_core.SamplerSettings(temperature=1.0, banned_tokens=list(range(40))))
+    with pytest.raises(exl_core.errors.SamplerError, match="every token is banned"):
+        list(engine.stream(bad))
+    rest = list(it)
+    assert rest[-1].finish_reason == "length"
+    got = [t for r in [first, *rest] for t in r.token_ids]
+    assert got == _greedy_reference(engine.model, [1, 2, 3, 4], 30)
+
+
+def test_engine_async_enqueue_runs_off_the_event_loop(engine):
+    """astream's enqueue waits for the generator's lock, which a running step holds: it ran on the event loop's
+    thread and stalled every other task for a whole step."""
+    threads = []
+    enqueue = engine.generator.enqueue
+
+    def spy(job):
+        threads.append(threading.current_thread())
+        return enqueue(job)
+    engine.generator.enqueue = spy
+
+    async def main():
+        return [r async for r in engine.astream(_job([2, 7, 1], n=5))]
+    results = asyncio.run(main())
+    assert results[-1].finish_reason == "length"
+    assert threads and threading.main_thread() not in threads
+
+
+def test_engine_run_cancels_submitted_jobs_when_a_later_one_is_refused(engine):
+    """run() submitted jobs one by one: when a later prompt was refused the earlier ones ran on unread."""
+    ok = _job([1, 2, 3], n=500)
+    with pytest.raises(InputError):
+        engine.run([ok, _job([99, 1, 2])])             # token 99 is outside the vocabulary
+    for _ in range(100):
+        if ok.done:
+            break
+        threading.Event().wait(0.05)
+    assert ok.done and ok.finish_reason == "cancelled" and len(ok.generated) < 500
+
+
+def test_released_engine_stops_its_worker_and_is_freed(monkeypatch, tmp_path):
+    """release_engines() forgot the engines but their worker threads ran on, holding model and cache; and a daemon
+    worker still inside torch at interpreter exit aborted the process (close_engines runs at exit)."""
+    import gc
+    import weakref
+    import exl_core
+    monkeypatch.setitem(vars(exl_core), "load_model", lambda path, device="cpu", dtype=None: (AttnLM(), LetterTokenizer()))
+    plugins.release_engines()
+    eng = plugins.shared_engine(tmp_path, cache_tokens=512)
+    list(eng.stream(_job([1, 2], n=3)))
+    worker = eng._thread
+    assert worker.is_alive()
+    long_job = _job([3, 4], n=100000)
+    it = eng.stream(long_job)
+    next(it)
+    plugins.close_engines()                            # what atexit runs: the worker stops, the running job ends
+    assert not worker.is_alive()
+    assert long_job.done and long_job.finish_reason == "cancelled"
+    list(it)
+    list(eng.stream(_job([1, 2], n=3)))                # used again: a new worker
+    worker = eng._thread
+    ref = weakref.ref(eng)
+    del eng, it, long_job                             # a job's callback holds its engine
+    plugins.release_engines()
+    gc.collect()
+    assert not worker.is_alive() and ref() is None
+
+
+def test_engine_stream_ends_when_the_jobs_own_callback_stops_it(engine):
+    """A job whose callback returns False is ended by the generator (finish "callback") after its result went to
+    the caller's queue with no finish reason: the stream waited forever (or saw the reason only by a race)."""
+    seen = []
+    job = _job([1, 2, 3], n=50)
+    job.callback = lambda r: seen.append(r) or len(seen) < 3
+    results = list(engine.stream(job))
+    assert len(results) == 3 and results[-1].finish_reason == "callback" and job.finish_reason == "callback"
+    raising = _job([4, 5, 6], n=50)
+
+    def boom(r):
+        raise ValueError("user callback failed")
+    raising.callback = boom
+    with pytest.raises(ValueError, match="user callback failed"):
+        list(engine.stream(raising))
+    assert raising.done
