@@ -483,6 +483,36 @@ def _model_name(path) -> str:
     return p.name or str(p)
 
 
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+                "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def dtype_setting(value, owner: str):
+    """An adapter's dtype setting (a name such as "float16" / "fp16" / "bf16", a torch dtype, or None for
+    exl_core's choice) as a torch dtype; an InputError naming the setting for anything else."""
+    import torch
+    if value is None or value == "" or isinstance(value, torch.dtype):
+        return value or None
+    name = _DTYPE_NAMES.get(str(value).lower().removeprefix("torch."))
+    if name is None:
+        from .errors import InputError
+        raise InputError(f"{owner}: dtype={value!r} is not supported; use float16, bfloat16 or float32 (or None)")
+    return getattr(torch, name)
+
+
+def stop_strings(*groups, owner: str) -> Optional[list]:
+    """Stop strings merged from settings and a call (each None, one string or a list of strings), duplicates
+    dropped in order; None when there are none. A lone string is one stop, not its characters."""
+    out: list = []
+    for g in groups:
+        items = [g] if isinstance(g, str) else list(g or [])
+        if not all(isinstance(x, str) for x in items):
+            from .errors import InputError
+            raise InputError(f"{owner}: stop must be a string or a list of strings, got {g!r}")
+        out.extend(items)
+    return list(dict.fromkeys(out)) or None
+
+
 def shared_engine(path, device: str = "cpu", dtype=None, cache_tokens: int = 8192) -> SharedEngine:
     """The process-wide engine for a model folder (loaded on first request, then reused by every
     adapter instance pointing at the same folder, device, dtype and cache size)."""

@@ -517,3 +517,18 @@ def test_engine_stream_ends_when_the_jobs_own_callback_stops_it(engine):
     with pytest.raises(ValueError, match="user callback failed"):
         list(engine.stream(raising))
     assert raising.done
+
+
+def test_adapter_setting_helpers():
+    """The adapters' dtype and stop settings: "fp16" raised a bare AttributeError (getattr(torch, "fp16")), and a
+    per-call stop string was split into one stop per character."""
+    assert plugins.dtype_setting("fp16", "X") is torch.float16
+    assert plugins.dtype_setting("bfloat16", "X") is torch.bfloat16 and plugins.dtype_setting(None, "X") is None
+    assert plugins.dtype_setting(torch.float32, "X") is torch.float32
+    with pytest.raises(InputError, match="ChatExl: dtype='int8' is not supported"):
+        plugins.dtype_setting("int8", "ChatExl")
+    assert plugins.stop_strings(["a", "bc"], "QQQe", owner="X") == ["a", "bc", "QQQe"]
+    assert plugins.stop_strings(None, None, owner="X") is None
+    assert plugins.stop_strings(["a"], ["a", "b"], owner="X") == ["a", "b"]
+    with pytest.raises(InputError, match="Exl: stop must be a string or a list of strings"):
+        plugins.stop_strings(None, [1, 2], owner="Exl")

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Union
 
 from exl_core.errors import FormatError
+from exl_core.formats import exl2 as _exl2, gptq as _gptq  # noqa: F401 - registers both formats
+from exl_core.formats.base import detect_format
 from exl_core.formats.safetensors_io import INDEX_NAME, WeightReader
 from exl_core.quantize.job_state import atomic_json   # never a half-written file
 
@@ -24,7 +26,8 @@ def prepare_folder(folder: Union[str, Path]) -> list[str]:
     """Writes what transformers needs into `folder` (idempotent) and returns what it changed, one line each:
     - an index naming every tensor's file, where the folder has no model.safetensors and no index of its own files
       (a stale index is kept beside it as `model.safetensors.index.json.stale`);
-    - `quantization_config` in config.json from quantize_config.json, where config.json has none.
+    - `quantization_config` in config.json from quantize_config.json, where config.json has none; where there is
+      neither and the tensors are EXL2's, `{"quant_method": "exl2"}` (a FormatError for other quantized tensors).
     The tensors themselves are never rewritten."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -47,6 +50,19 @@ def prepare_folder(folder: Union[str, Path]) -> list[str]:
         cfg["quantization_config"] = {"quant_method": "gptq", **json.loads(legacy.read_text(encoding="utf-8"))}
         atomic_json(cfg, cfg_path)
         changes.append("copied quantize_config.json into config.json's quantization_config")
+    elif "quantization_config" not in cfg:
+        # ExLlamaV2 writes quantization_config only when run with -cf; the usual folder has its fp16 source's
+        # config.json, and transformers would load it as a dense model with every projection random
+        reader = WeightReader(folder)
+        fmt = detect_format(None, reader.names(), str(cfg_path))
+        reader.close()
+        if fmt is not None and fmt.name == "exl2":
+            cfg["quantization_config"] = {"quant_method": "exl2"}
+            atomic_json(cfg, cfg_path)
+            changes.append("wrote quantization_config {quant_method: exl2} into config.json (EXL2 tensors found)")
+        elif fmt is not None:
+            raise FormatError(f"{cfg_path}: the weights are {fmt.name} but config.json has no quantization_config "
+                              "(and there is no quantize_config.json) to give its settings")
     return changes
 
 

@@ -85,16 +85,20 @@ class ExlHfQuantizer(HfQuantizer):
         skip = list(getattr(self.quantization_config, "modules_to_not_convert", None) or [])
         self.modules_to_not_convert = skip
 
+        # a base model (AutoModel: LlamaModel) names its modules without the checkpoint's "model." prefix, which
+        # transformers strips when it loads the tensors
+        ckpt = _checkpoint_prefix(model, names)
         replaced = 0
         for name, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear) or any(name == s or name.startswith(s + ".") for s in skip):
                 continue
-            if not self._fmt.has_layer(names, name):
+            key = ckpt + name
+            if not self._fmt.has_layer(names, key):
                 continue
-            check_layer_bias(reader, name, module.bias is not None, folder)   # the file's bias against config.json
-            tensors = {t: (reader.shape(f"{name}.{t}"), reader.dtype(f"{name}.{t}"))
-                       for t in layer_tensors(names, name)}
-            new = HFQuantLinear(module.in_features, module.out_features, tensors, prefix=name)
+            check_layer_bias(reader, key, module.bias is not None, folder)   # the file's bias against config.json
+            tensors = {t: (reader.shape(f"{key}.{t}"), reader.dtype(f"{key}.{t}"))
+                       for t in layer_tensors(names, key)}
+            new = HFQuantLinear(module.in_features, module.out_features, tensors, prefix=key)
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, new)
@@ -103,7 +107,7 @@ class ExlHfQuantizer(HfQuantizer):
             raise FormatError(f"{folder}: quant_method {self._qdict.get('quant_method')!r} but no linear layer "
                               "of the model matches quantized tensors in the checkpoint")
         _untie_quantized_head(model)
-        _check_nothing_missing(model, names, folder)
+        _check_nothing_missing(model, names, folder, ckpt)
         reader.close()
         return model
 
@@ -170,13 +174,22 @@ def _untie_quantized_head(model) -> None:
             pass
 
 
-def _check_nothing_missing(model, names: set, folder: Path) -> None:
+def _checkpoint_prefix(model, names: set) -> str:
+    """"model." where the model is a base model (no `model.base_model_prefix` submodule) and the checkpoint's names
+    carry that prefix (a causal-LM checkpoint), else ""."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or hasattr(model, prefix) or not any(n.startswith(prefix + ".") for n in names):
+        return ""
+    return prefix + "."
+
+
+def _check_nothing_missing(model, names: set, folder: Path, ckpt: str = "") -> None:
     """Every persistent tensor of the model must come from the checkpoint (or a tie): transformers
     would silently random-initialise the rest, so refuse here, naming them."""
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
     missing = [k for k in model.state_dict().keys()
-               if k not in names and k not in tied and not any(p.search(k) for p in ignore)]
+               if ckpt + k not in names and k not in tied and not any(p.search(k) for p in ignore)]
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise FormatError(f"{folder}: the checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}. "

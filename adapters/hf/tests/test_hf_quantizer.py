@@ -405,12 +405,29 @@ def test_prepare_folder_opens_exllamav2_and_autogptq_layouts(quantized_dirs, tmp
     with torch.inference_mode():
         torch.testing.assert_close(hf(ids).logits, _native_logits(ex, ids), rtol=1e-4, atol=1e-4)
 
+    # ExLlamaV2 run without -cf: its source's config.json, no quantization_config (loaded with every projection
+    # randomly initialised, no error)
+    bare = tmp_path / "exl2_bare"
+    shutil.copytree(ex, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    del cfg["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(cfg))
+    assert exl_core_hf.prepare_folder(bare) == [
+        "wrote quantization_config {quant_method: exl2} into config.json (EXL2 tensors found)"]
+    hf = _load(bare)
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(ids).logits, _native_logits(ex, ids), rtol=1e-4, atol=1e-4)
+
     gq = tmp_path / "gptq"
     shutil.copytree(quantized_dirs["gptq"], gq)
     cfg = json.loads((gq / "config.json").read_text())
     qc = cfg.pop("quantization_config")
     qc.pop("quant_method")
     (gq / "config.json").write_text(json.dumps(cfg))
+    nocfg = tmp_path / "gptq_nocfg"                          # GPTQ with its settings nowhere: refused, named
+    shutil.copytree(gq, nocfg)
+    with pytest.raises(FormatError, match="config.json: the weights are gptq but config.json has no"):
+        exl_core_hf.prepare_folder(nocfg)
     (gq / "quantize_config.json").write_text(json.dumps(qc))
     assert exl_core_hf.prepare_folder(gq) == ["copied quantize_config.json into config.json's quantization_config"]
     monkeypatch.setenv(GPTQ_ENV, "1")
@@ -419,3 +436,18 @@ def test_prepare_folder_opens_exllamav2_and_autogptq_layouts(quantized_dirs, tmp
     ids = _ids(hf.config.vocab_size)
     with torch.inference_mode():
         torch.testing.assert_close(hf(ids).logits, _native_logits(gq, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+def test_automodel_base_model_loads_quantized(quantized_dirs, fmt, monkeypatch):
+    """AutoModel (LlamaModel, no LM head) names its modules without the checkpoint's "model." prefix: no layer
+    matched and from_pretrained raised FormatError, though transformers strips the prefix for dense folders."""
+    from transformers import AutoModel
+    from exl_core_hf.config import GPTQ_ENV
+    monkeypatch.setenv(GPTQ_ENV, "1")
+    full = _load(quantized_dirs[fmt])
+    base = AutoModel.from_pretrained(str(quantized_dirs[fmt]), dtype=torch.float32).eval()
+    assert isinstance(base.layers[0].self_attn.q_proj, QuantLinear)
+    ids = _ids(full.config.vocab_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(base(ids).last_hidden_state, full.model(ids).last_hidden_state, rtol=0, atol=0)

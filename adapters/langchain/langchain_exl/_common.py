@@ -64,12 +64,9 @@ class ExlParams(BaseModel):
         return {k: getattr(self, k) for k in _OUTPUT_FIELDS if k in type(self).model_fields}
 
     def _engine(self, model: Optional[str] = None):
-        from exl_core.plugins import shared_engine
-        dtype = None
-        if self.dtype:
-            import torch
-            dtype = getattr(torch, self.dtype)
-        return shared_engine(model or self.model, device=self.device, dtype=dtype, cache_tokens=self.cache_tokens)
+        from exl_core.plugins import dtype_setting, shared_engine
+        return shared_engine(model or self.model, device=self.device,
+                             dtype=dtype_setting(self.dtype, type(self).__name__), cache_tokens=self.cache_tokens)
 
     def _job(self, engine, prompt_ids: list[int], stop: Optional[list[str]], **kwargs: Any):
         """A Job with this instance's settings overridden by call kwargs (temperature=..., max_tokens=...)."""
@@ -83,8 +80,9 @@ class ExlParams(BaseModel):
         sampler = exl_core.SamplerSettings(**sampler_kw)     # temperature 0 = greedy
         max_new = int(kwargs.pop("max_tokens", kwargs.pop("max_new_tokens", self.max_tokens)))
         seed = kwargs.pop("seed", self.seed)
-        stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
-        return exl_core.Job(prompt_ids, max_new_tokens=max_new, sampler=sampler, stop=stops or None, seed=seed)
+        from exl_core.plugins import stop_strings
+        stops = stop_strings(self.stop, stop, owner=type(self).__name__)
+        return exl_core.Job(prompt_ids, max_new_tokens=max_new, sampler=sampler, stop=stops, seed=seed)
 
 
 # Fields of ExlParams (and the classes' own output settings) that _exl_params reports.

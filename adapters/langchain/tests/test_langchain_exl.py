@@ -109,6 +109,8 @@ def test_stop_sequence_cuts_output(smollm2_dir):
     cut = text[:text.index(stop)]
     res = model.invoke("Count from one to ten in words, separated by commas.", stop=[stop])
     assert res.content == cut and res.response_metadata["finish_reason"] == "stop"
+    # one string is one stop (it was split into its characters, cutting at the first of any)
+    assert model.invoke("Count from one to ten in words, separated by commas.", stop=stop).content == cut
     bound = chat(smollm2_dir, max_tokens=24, stop=[stop])          # stop as a model field
     assert bound.invoke("Count from one to ten in words, separated by commas.").content == cut
     streamed = "".join(c.content for c in model.stream("Count from one to ten in words, separated by commas.",

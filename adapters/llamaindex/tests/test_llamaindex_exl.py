@@ -112,6 +112,8 @@ def test_stop_strings_and_overrides(smollm2_dir):
     stop = next(text[k:k + 3] for k in range(len(text) // 3, len(text) - 2)
                 if text[k:k + 3].strip() and text.index(text[k:k + 3]) > 0)
     assert llm(smollm2_dir, max_new_tokens=24, stop=[stop]).complete("1, 2, 3, 4,").text == text[:text.index(stop)]
+    # a per-call string is one stop (it was split into its characters, cutting at the first of any)
+    assert model.complete("1, 2, 3, 4,", stop=stop).text == text[:text.index(stop)]
     short = model.complete("1, 2, 3, 4,", max_new_tokens=3)
     assert short.additional_kwargs["completion_tokens"] == 3
 

@@ -92,12 +92,9 @@ class Exl(LLM):
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _engine(self):
-        from exl_core.plugins import shared_engine
-        dtype = None
-        if self.dtype:
-            import torch
-            dtype = getattr(torch, self.dtype)
-        return shared_engine(self.model, device=self.device, dtype=dtype, cache_tokens=self.cache_tokens)
+        from exl_core.plugins import dtype_setting, shared_engine
+        return shared_engine(self.model, device=self.device, dtype=dtype_setting(self.dtype, "Exl"),
+                             cache_tokens=self.cache_tokens)
 
     def _job(self, ids: list[int], **kwargs: Any):
         import exl_core
@@ -108,8 +105,9 @@ class Exl(LLM):
                              f"{', '.join(CALL_KEYS)}")
         sampler = exl_core.SamplerSettings(**{k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS})
         max_new = int(kwargs.pop("max_new_tokens", kwargs.pop("max_tokens", self.max_new_tokens)))
-        stops = list(dict.fromkeys([*(self.stop or []), *(kwargs.pop("stop", None) or [])]))
-        return exl_core.Job(ids, max_new_tokens=max_new, sampler=sampler, stop=stops or None,
+        from exl_core.plugins import stop_strings
+        stops = stop_strings(self.stop, kwargs.pop("stop", None), owner="Exl")
+        return exl_core.Job(ids, max_new_tokens=max_new, sampler=sampler, stop=stops,
                             seed=kwargs.pop("seed", self.seed))
 
     def _chat_job(self, messages: Sequence[ChatMessage], kwargs: dict):
