@@ -112,18 +112,6 @@ def test_launch_policy(monkeypatch):
     assert cc._half2_lists([gq, unsplit], cpu, 1) == (None, None)          # one launch, one kind of scale/zero
     monkeypatch.setattr(h2mod, "KSLICE_H2_ON", False)
     assert cc._half2_lists([rew], cpu, 1) == (None, None)
-    # KSLICE_H2_REWRITE_ROWS: 2..8 rows of weights with extra rows only (EXL2's rewrite), not GPTQ's, not batch 1
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ON", True)
-    monkeypatch.setattr(h2mod, "KSLICE_H2_ALL", False)
-    monkeypatch.setattr(h2mod, "KSLICE_H2_REWRITE_ROWS", True)
-    assert rew.rows is not None and gq.rows is None
-    assert cc._half2_lists([rew], cpu, 1) == (None, None)
-    assert cc._half2_lists([rew, gq], cpu, 8) == (None, None)
-    assert cc._half2_lists([rew], cpu, cc.KSLICE_STAGED_ROWS + 1) == (None, None)
-    for rows in (2, cc.KSLICE_STAGED_ROWS):
-        h2, mul = cc._half2_lists([rew], cpu, rows)
-        want = split_half2(rew.scale, rew.zero)
-        assert torch.equal(h2[0], want[0]) and torch.equal(mul[0], want[1])
 
 
 # ---------------------------------------------------------------------------- CUDA

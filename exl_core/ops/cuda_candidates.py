@@ -454,13 +454,9 @@ def _half2_args(pw, device) -> tuple:
 
 
 def _half2_lists(pws, device, rows: int) -> tuple:
-    """([sz_half2], [sz_mul]) for a staged-row qgemm_kslice launch of these weights under EXL_CORE_KSLICE_H2_ALL=1,
-    or at 2..8 rows of weights with extra rows under EXL_CORE_KSLICE_H2_REWRITE=1 (every weight split), else (None,
-    None)."""
-    if rows > KSLICE_STAGED_ROWS:
-        return None, None
-    rewrite = h2mod.KSLICE_H2_REWRITE_ROWS and rows >= 2 and all(pw.rows is not None for pw in pws)
-    if not (h2mod.KSLICE_H2_ALL or rewrite):
+    """([sz_half2], [sz_mul]) for a staged-row qgemm_kslice launch of these weights under EXL_CORE_KSLICE_H2_ALL=1
+    (every weight split), else (None, None)."""
+    if rows > KSLICE_STAGED_ROWS or not h2mod.KSLICE_H2_ALL:
         return None, None
     splits = [_half2_args(pw, device) for pw in pws]
     if any(h is None for h, _ in splits):

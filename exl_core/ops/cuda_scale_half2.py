@@ -29,10 +29,8 @@ KSLICE_H2_ON = os.environ.get("EXL_CORE_KSLICE_H2", "1") != "0"
 # 1.0071x, batch 8 1.0199x) but not in stop 47 call 1 (these launches on half2 for weights with extra rows only, on
 # against off: 0.9997x, 0.9987x; 3 rounds in turn each).  gpu.sh phase h2all measures the switch.
 KSLICE_H2_ALL = os.environ.get("EXL_CORE_KSLICE_H2_ALL", "0") == "1"
-# 1: those launches take half2 at 2..8 rows for weights with extra rows (EXL2's uniform 4-bit rewrite) only -- stop 67
-# on an H100, KSLICE_H2_ALL against off, same round: EXL2 batch 8 1.0185x / 1.0241x, batch 1 0.9911x / 0.9926x, GPTQ
-# batch 8 0.9918x / 0.9912x (stop 46 on the H200: EXL2 batch 8 1.0199x).  An A/B switch, off until measured alone.
-KSLICE_H2_REWRITE_ROWS = os.environ.get("EXL_CORE_KSLICE_H2_REWRITE", "0") == "1"
+# (Stop 68 measured half2 at 2..8 rows for weights with extra rows only, EXL_CORE_KSLICE_H2_REWRITE=1, on an H100:
+# EXL2 batch 8 0.9969x / 1.0001x against off, two rounds in turn -- none of stop 67's H2_ALL batch-8 gain; removed.)
 _TINY = torch.finfo(torch.float32).tiny   # the kernels flush float32 denormals (--use_fast_math): none may occur
 
 
