@@ -6,6 +6,7 @@ and EXL2 weights, and the generator on each rank must produce the single-process
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -23,7 +24,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out_dir: str):
+@contextlib.contextmanager
+def _sharded_rank(rank: int, world: int, port: int, folder: str):
+    """This rank's shard of the model in `folder`, in a gloo group of `world` processes."""
     import torch.distributed as dist
     from exl_core.loader import load_model
     from exl_core.parallel.tensor_parallel import shard_model
@@ -34,14 +37,19 @@ def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, ou
     try:
         model, _ = load_model(folder, load_tokenizer=False)
         shard_model(model)
+        yield model
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out_dir: str):
+    with _sharded_rank(rank, world, port, folder) as model:
         logits = model.forward_batch(ids)
         tokens = _sample(model, ids)
         torch.rand(rank + 1)               # the ranks' global generators drift apart (rank-dependent work)
         unseeded = _sample(model, ids, seeded=False)
         torch.save({"logits": logits, "tokens": tokens, "unseeded": unseeded,
                     "local_heads": model.config.num_key_value_heads}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _sample(model, ids, seeded: bool = True) -> list[list[int]]:
@@ -98,17 +106,8 @@ def test_two_ranks_match_one_process(tp_models, tmp_path, kind):
 def _cache_size_worker(rank: int, world: int, port: int, folder: str, out_dir: str):
     """Each rank reads a different free memory (as ranks on GPUs of one host do): a Cache sized from it must come
     out the same on every rank, or the ranks admit different jobs and their all-gathers stop matching."""
-    import torch.distributed as dist
     from exl_core.cache import Cache, sizing
-    from exl_core.loader import load_model
-    from exl_core.parallel.tensor_parallel import shard_model
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model, _ = load_model(folder, load_tokenizer=False)
-        shard_model(model)
+    with _sharded_rank(rank, world, port, folder) as model:
         free = int(sizing.ACTIVATION_RESERVE / sizing.CPU_FRACTION) + (rank + 1) * (8 << 20)
         sizing.known_free_memory = lambda device: free
         cache = Cache(model)
@@ -116,8 +115,6 @@ def _cache_size_worker(rank: int, world: int, port: int, folder: str, out_dir: s
             cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype), cache.page_size, cache.device, None,
             model.config.max_position_embeddings)
         torch.save({"pages": cache.num_pages, "own": own}, os.path.join(out_dir, f"cache{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_agree_on_a_cache_sized_from_free_memory(tp_models, tmp_path):
