@@ -114,7 +114,13 @@ def _cache_size_worker(rank: int, world: int, port: int, folder: str, out_dir: s
         own = sizing.num_pages_for(sizing.bytes_per_token(
             cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype), cache.page_size, cache.device, None,
             model.config.max_position_embeddings)
-        torch.save({"pages": cache.num_pages, "own": own}, os.path.join(out_dir, f"cache{rank}.pt"))
+        # an unsharded draft model on each rank: its default cache agrees too (the ranks must draft alike)
+        from exl_core.generation import Generator
+        from exl_core.loader import load_model
+        draft, _ = load_model(folder, load_tokenizer=False)
+        gen = Generator(model, cache, None, draft_model=draft)
+        torch.save({"pages": cache.num_pages, "own": own, "draft_pages": gen.spec.draft_cache.num_pages},
+                   os.path.join(out_dir, f"cache{rank}.pt"))
 
 
 def test_ranks_agree_on_a_cache_sized_from_free_memory(tp_models, tmp_path):
@@ -123,6 +129,7 @@ def test_ranks_agree_on_a_cache_sized_from_free_memory(tp_models, tmp_path):
     got = [torch.load(tmp_path / f"cache{rank}.pt") for rank in range(2)]
     assert got[0]["own"] != got[1]["own"]                 # the ranks' own readings differ ...
     assert got[0]["pages"] == got[1]["pages"] == min(g["own"] for g in got)     # ... and both take the smaller
+    assert got[0]["draft_pages"] == got[1]["draft_pages"]
 
 
 def test_indivisible_heads_are_refused(tp_models):

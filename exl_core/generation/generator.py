@@ -99,7 +99,8 @@ class Generator:
         if draft_model is not None or ngram_draft:
             from .speculative import SpeculativeDecoder
             self.spec = SpeculativeDecoder(num_draft_tokens, draft_model, draft_cache, ngram=ngram_draft,
-                                           vocab_size=model.config.vocab_size)
+                                           vocab_size=model.config.vocab_size,
+                                           tp=getattr(model, "tensor_parallel", None))
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer

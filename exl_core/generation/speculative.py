@@ -105,7 +105,8 @@ class SpeculativeDecoder:
     """Owns the drafter (draft model + its paged cache, or n-gram lookup) for a Generator."""
 
     def __init__(self, num_draft_tokens: int = 4, draft_model=None, draft_cache=None, ngram: bool = False,
-                 max_ngram: int = 3, min_ngram: int = 2, vocab_size: Optional[int] = None):
+                 max_ngram: int = 3, min_ngram: int = 2, vocab_size: Optional[int] = None, tp=None):
+        """`tp`: the main model's TPGroup where it is tensor-parallel (the draft may be a whole model on each rank)."""
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise InputError(f"speculative decoding: num_draft_tokens={num_draft_tokens!r} must be an int >= 1")
         if (draft_model is None) == (not ngram):
@@ -114,6 +115,13 @@ class SpeculativeDecoder:
             if draft_cache is None:
                 from ..cache import Cache
                 draft_cache = Cache(draft_model, max_tokens=None)
+                if tp is not None and getattr(draft_model, "tensor_parallel", None) is None:
+                    # an unsharded draft on every rank: the ranks must draft alike, so its cache, sized from each
+                    # rank's own free memory, takes the smallest size of all (a sharded one's Cache does so itself)
+                    pages, page_size = tp.agreed_min(draft_cache.num_pages), draft_cache.page_size
+                    if pages != draft_cache.num_pages:
+                        del draft_cache
+                        draft_cache = Cache(draft_model, max_tokens=pages * page_size)
             if draft_cache.model is not draft_model:
                 raise InputError("speculative decoding: draft_cache was built for a different model than "
                                  "draft_model; use Cache(draft_model, ...)")
