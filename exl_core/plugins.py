@@ -351,11 +351,11 @@ class SharedEngine:
         ended = [k for k in running if k in self._sinks and self._sinks[k][0].done]
         if ended:
             for k in ended:
-                self._sinks.pop(k)[1](exc)
+                _tell(self._sinks.pop(k)[1], exc)
             return
         sinks, self._sinks = list(self._sinks.values()), {}
         for _job, sink in sinks:
-            sink(exc)
+            _tell(sink, exc)
         self._cancel_all()
 
     def _cancel_all(self) -> None:
@@ -388,7 +388,8 @@ class SharedEngine:
             go_on = not cancelled.is_set() and keep is not False
             if not go_on and result.finish_reason is None:
                 result.finish_reason = "callback"   # as the generator then ends it: the caller must see the end
-            sink(result)
+            if not _tell(sink, result) and go_on:
+                go_on, result.finish_reason = False, "callback"     # nobody reads it any more: end the job
             if result.finish_reason is not None:
                 self._sinks.pop(job.identifier, None)
             return go_on
@@ -431,8 +432,15 @@ class SharedEngine:
         import asyncio
         loop = asyncio.get_running_loop()
         q: "asyncio.Queue" = asyncio.Queue()
-        await loop.run_in_executor(None, self._submit, job,
-                                   lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        submitted = loop.run_in_executor(None, self._submit, job,
+                                         lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        try:
+            await submitted
+        except asyncio.CancelledError:
+            # the caller's task was cancelled while the enqueue ran in its thread: cancel the job once it is in
+            submitted.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self._cancel(job))
+            raise
         ended = [False]
         try:
             while not ended[0]:
@@ -475,6 +483,16 @@ class SharedEngine:
                     self._cancel(j)
             raise
         return ["".join(texts[j.identifier]) for j in jobs]
+
+
+def _tell(sink, item) -> bool:
+    """Hands a caller its result or error; False where the caller is gone (its event loop closed, say): a sink must
+    never raise into the worker, whose other callers it would take down."""
+    try:
+        sink(item)
+        return True
+    except Exception:  # noqa: BLE001 - the caller's side failed, not the model
+        return False
 
 
 def _model_name(path) -> str:

@@ -272,6 +272,10 @@ def test_installed_adapters_declare_entry_points():
         assert hasattr(mod, "exl_core_register_integration")
 
 
+# an exception that escapes the engine's worker thread (a caller's sink raising into it) fails the test
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
+
 # ---- SharedEngine: one worker thread serving many callers ------------------------------------------
 #
 # A stand-in model (embedding -> one causal attention layer through the cache -> head) and a
@@ -532,3 +536,31 @@ def test_adapter_setting_helpers():
     assert plugins.stop_strings(["a"], ["a", "b"], owner="X") == ["a", "b"]
     with pytest.raises(InputError, match="Exl: stop must be a string or a list of strings"):
         plugins.stop_strings(None, [1, 2], owner="Exl")
+
+
+def test_engine_astream_cancelled_during_its_enqueue_leaves_no_job_running(engine):
+    """astream's enqueue runs in an executor thread; a task cancelled while it waits must not leave the job it was
+    enqueuing to run on unread."""
+    gate, entered = threading.Event(), threading.Event()
+    enqueue = engine.generator.enqueue
+
+    def slow(job):
+        entered.set()
+        gate.wait(10)
+        return enqueue(job)
+    engine.generator.enqueue = slow
+    job = _job([1, 2, 3], n=100000)
+
+    async def main():
+        task = asyncio.ensure_future(engine.astream(job).__anext__())
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+    asyncio.run(main())
+    for _ in range(200):
+        if job.done:
+            break
+        threading.Event().wait(0.05)
+    assert job.done and job.finish_reason in ("cancelled", "callback") and len(job.generated) < 100000
