@@ -315,17 +315,18 @@ class SharedEngine:
                 return
             wake, stop = eng._wake, eng._stop
             del eng
-            while not wake.wait(1.0):
+            while not wake.wait(1.0) and not stop.is_set():
                 if ref() is None:
                     return
             wake.clear()                # cleared before has_work(): a later enqueue sets it again
             eng = ref()
             if eng is None:
                 return
+            if not stop.is_set():
+                eng._run_steps()        # returns early once stop is set
             if stop.is_set():
                 eng._cancel_all()
                 return
-            eng._run_steps()
             del eng
 
     def _run_steps(self) -> None:
