@@ -29,14 +29,18 @@ class ArchSpec:
     window_layers_key: Optional[str] = None  # Qwen2: layers below `max_window_layers` attend to every key, unless
     # `layer_types` lists each layer's kind
     window_layers_default: int = 0         # the key's value where config.json leaves it out (HF's Qwen2Config: 28)
+    default_window: Optional[int] = None   # `sliding_window` where config.json leaves the key out (HF's MistralConfig
+    # and Qwen2Config: 4096; an explicit null means none)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", o_proj_bias=True),
-    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True, fixed_biases=True),
+    "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True, fixed_biases=True,
+                                   default_window=4096),
     "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", default_attention_bias=True, uses_sliding_window=True,
                                  sliding_window_flag="use_sliding_window", fixed_biases=True,
-                                 window_layers_key="max_window_layers", window_layers_default=28),
+                                 window_layers_key="max_window_layers", window_layers_default=28,
+                                 default_window=4096),
 }
 
 
@@ -187,7 +191,8 @@ def _sliding_window(r: Reader, spec: ArchSpec, layers: int) -> tuple[Optional[in
     sliding_attention, or without that list the layers from `max_window_layers` on."""
     if not spec.uses_sliding_window:
         return None, None
-    window = r.get("sliding_window", int, None)
+    # a missing key is the architecture's default (HF's config classes), an explicit null no window
+    window = r.get("sliding_window", int, None) if "sliding_window" in r.data else spec.default_window
     if spec.sliding_window_flag and not r.get(spec.sliding_window_flag, bool, False):
         return None, None
     if window is None:

@@ -47,6 +47,22 @@ def test_qwen2_bias_and_sliding_flag(tmp_path):
     assert c.attention_bias is True and c.mlp_bias is False
 
 
+@pytest.mark.parametrize("arch,extra", [("MistralForCausalLM", {"model_type": "mistral"}),
+                                         ("Qwen2ForCausalLM", {"model_type": "qwen2", "use_sliding_window": True,
+                                                               "max_window_layers": 0})])
+def test_missing_sliding_window_key_is_hfs_default(tmp_path, arch, extra):
+    """Without a `sliding_window` key HF's MistralConfig / Qwen2Config slide by 4096 (exl_core attended to every key,
+    so logits past 4096 tokens differed); an explicit null is no window for both."""
+    transformers = pytest.importorskip("transformers")
+    d = dict(BASE, architectures=[arch], **extra)
+    for value in ("missing", None):
+        if value != "missing":
+            d["sliding_window"] = value
+        (tmp_path / "config.json").write_text(json.dumps(d))
+        hf = transformers.AutoConfig.from_pretrained(str(tmp_path))
+        assert load_config(tmp_path).sliding_window == hf.sliding_window == (4096 if value == "missing" else None)
+
+
 def test_mistral_window_and_rope_variants(tmp_path):
     c = load_config(write(tmp_path, architectures=["MistralForCausalLM"], sliding_window=4096))
     assert c.sliding_window == 4096

@@ -125,6 +125,13 @@ def test_arbitrary_g_idx_and_missing_g_idx():
     assert torch.equal(packed_dequant(gptq.read_layer(t2, K, N, quant_config=qc)),
                        expected_weight(q, scales, zeros, seq))
     assert torch.equal(gptq.dequantize_reference(t2, qc), expected_weight(q, scales, zeros, seq))
+    # act-order without its g_idx (a stripped file): refused, not read with sequential groups (every scale on the
+    # wrong rows); static_groups act-order keeps sequential groups
+    with pytest.raises(FormatError, match=r"layer\.g_idx is missing: .*desc_act"):
+        gptq.read_layer(t2, K, N, quant_config=dict(qc, desc_act=True))
+    assert torch.equal(packed_dequant(gptq.read_layer(t2, K, N, quant_config=dict(qc, desc_act=True,
+                                                                                   static_groups=True))),
+                       expected_weight(q, scales, zeros, seq))
 
 
 def test_all_zero_g_idx_means_sequential_groups_like_exllamav2():

@@ -109,6 +109,12 @@ def validate(tensors: Mapping[str, torch.Tensor], in_features: int, out_features
             raise FormatError(f"{name}.g_idx: values must lie in [0, {G}) (scales has {G} groups), got "
                               f"[{int(g_idx.min())}, {int(g_idx.max())}]")
     else:   # no g_idx: sequential groups of group_size (or K/G) rows
+        qc = quant_config or {}
+        if "g_idx" not in tensors and qc.get("desc_act") is True and not qc.get("static_groups"):
+            # act-order: g_idx is the only record of which group each row uses; sequential groups would apply
+            # every scale to the wrong rows
+            raise FormatError(f"{name}.g_idx is missing: the quantization_config says desc_act (act-order), whose "
+                              "layers need it")
         gs = K if gs in (None, -1) and G == 1 else gs if gs not in (None, -1) else -(-K // G)
         if -(-K // gs) != G:
             raise FormatError(f"{name}.scales: {G} groups do not match group_size={gs} for {K} rows")
