@@ -182,3 +182,25 @@ def test_decode_drops_padding_rows_and_takes_integer_likes(wordlevel_dir):
         assert alone.id_limit is None and alone.decode([3, 500, 4]) == want
     finally:
         (wordlevel_dir / "config.json.away").rename(wordlevel_dir / "config.json")
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_logprobs_under_a_token_filter_are_the_models(in_place):
+    """A job's logprobs are the model's log-softmax of the chosen token (docs/sampling.md); with a token_filter they
+    came from the filtered row (renormalised over the tokens it left)."""
+    gen = _generator()
+    seen = []
+
+    def ban_odd(ids, row):
+        seen.append(torch.log_softmax(row.double(), -1))     # the model's row, before the filter
+        out = row if in_place else row.clone()
+        out[1::2] = float("-inf")
+        return None if in_place else out
+    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=4, sampler=GREEDY, token_filter=ban_odd,
+                          return_logprobs=True))
+    run_all(gen)
+    assert all(t % 2 == 0 for t in job.generated)
+    want = [float(lp[t]) for lp, t in zip(seen, job.generated)]
+    assert job.logprobs == pytest.approx(want, abs=1e-5)
+    assert any(abs(float(torch.log_softmax(torch.where(torch.arange(lp.numel()) % 2 == 1, float("-inf"), lp), -1)[t])
+                   - w) > 1e-3 for lp, t, w in zip(seen, job.generated, want))   # the filtered row would differ

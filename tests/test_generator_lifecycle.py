@@ -199,3 +199,33 @@ def test_a_transformers_tokenizer_is_refused_by_name():
                                                                                          unk_token="<unk>")))
     with pytest.raises(InputError, match="exl_core's Tokenizer"):
         _gen(TinyLM(seed=5), tok)
+
+
+def test_stream_gets_every_piece_whoever_runs_the_steps():
+    """stream() kept only the pieces of the steps it ran itself: two streams read in turn, or a stream beside a
+    generate() in another thread, each lost the pieces of the steps the other ran (job.text stayed right)."""
+    import threading
+    m = TinyLM(seed=6)
+    g = _gen(m, CharTokenizer())
+    prompts = ["abcde", "fghij", "klmno"]
+    want = [_gen(m, CharTokenizer()).generate(p, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)
+            for p in prompts]
+    s1 = g.stream(prompts[0], max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)
+    s2 = g.stream(prompts[1], max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)
+    out1, out2 = [], []
+    for a, b in zip(s1, s2):                                # in turn: each runs steps for both
+        out1.append(a)
+        out2.append(b)
+    out1 += list(s1)
+    out2 += list(s2)
+    assert ["".join(out1), "".join(out2)] == want[:2]
+    got, other = [], []
+    t = threading.Thread(target=lambda: other.append(
+        g.generate(prompts[2], max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)))
+    it = g.stream(prompts[0], max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)
+    got.append(next(it))
+    t.start()                                               # its steps now carry the stream's job too
+    t.join(60)
+    got += list(it)
+    assert "".join(got) == want[0] and other == [want[2]]
+    assert not g._pieces

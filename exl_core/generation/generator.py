@@ -23,6 +23,7 @@ import torch
 from ..errors import InputError, is_int
 from ..model.lora import check_job_loras, lora_manager, lora_rows, register_generator
 from .job import Job, JobResult
+from .logprobs import chosen_logprobs
 from .lookahead import Lookahead
 from .sampling import SamplerSettings, sample_batch, sample_batch_unchecked
 from .scheduler import Scheduler
@@ -115,6 +116,7 @@ class Generator:
         self._lock = threading.RLock()
         self._stepping = False                    # inside iterate's step (its lock is re-entrant for callbacks)
         self._queues: dict[int, asyncio.Queue] = {}  # astream: job id -> results
+        self._pieces: dict[int, deque] = {}          # stream: job id -> text pieces any iterate() produced for it
         self._driver: Optional[asyncio.Task] = None
         self.vocab_size = model.config.vocab_size
         if tokenizer is not None and type(tokenizer).__module__.split(".")[0] in ("transformers", "tokenizers"):
@@ -238,7 +240,12 @@ class Generator:
             results, self._events = self._events, []
             self._stepping = True
             try:
-                return self._step(results)
+                results = self._step(results)
+                for r in results:       # a stream()'s pieces, whoever ran the step (another stream, generate)
+                    pieces = self._pieces.get(id(r.job))
+                    if pieces is not None and r.text:
+                        pieces.append(r.text)
+                return results
             except BaseException:
                 # results made before this step (cancels, a failed step's other jobs) go out with the next one
                 self._events[:0] = results
@@ -296,8 +303,11 @@ class Generator:
 
     def _sample_and_emit(self, jobs: list[Job], logits: torch.Tensor) -> list[JobResult]:
         errors: list[BaseException] = []
+        raw: dict[int, torch.Tensor] = {}     # rows a filter may edit whose logprobs the job reports: the model's
         for r, job in enumerate(jobs):
             if job.token_filter is not None:
+                if job.return_logprobs:
+                    raw[r] = logits[r].clone()
                 try:
                     out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r])
                 except Exception as e:   # the job ends; the error reaches the caller below
@@ -307,6 +317,10 @@ class Generator:
                 if out is not None:
                     logits[r] = out
         drawn = self._draw(jobs, logits, errors)
+        for r, row in raw.items():            # logprobs under the model, not the filtered row (docs/sampling.md)
+            if drawn[r][0] >= 0:
+                drawn[r] = (drawn[r][0], float(chosen_logprobs(row[None].float(), torch.tensor([drawn[r][0]],
+                                                                                               device=row.device))[0]))
         results = []
         for job, (t, p) in zip(jobs, drawn):
             if job.status != "active":   # ended by its filter, its sampler or another job's callback
@@ -503,13 +517,21 @@ class Generator:
         """Text pieces of one job as they are produced (max_new_tokens: 256 by default). Leaving the loop early
         cancels it."""
         job = self._job_of(prompt, max_new_tokens, chat, job_kwargs, "stream")
-        self.enqueue(job)
+        pieces: deque = deque()
+        with self._lock:                 # no step between the enqueue and the registration
+            self.enqueue(job)
+            self._pieces[id(job)] = pieces
         try:
-            while not job.done:
-                for r in self.iterate():
-                    if r.job is job and r.text:
-                        yield r.text
+            while True:
+                while pieces:            # steps run by anyone (this loop, other threads' streams) fed them
+                    yield pieces.popleft()
+                if job.done:
+                    break
+                self.iterate()
         finally:
+            with self._lock:
+                if self._pieces.get(id(job)) is pieces:
+                    del self._pieces[id(job)]
             if not job.done:
                 self.cancel(job)
 
