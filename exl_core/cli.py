@@ -165,6 +165,10 @@ def cmd_chat(args) -> int:
                        f"{cache.max_tokens} tokens (--max-tokens)")
     gen = Generator(model, cache, tok)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    try:        # a tokenizer without a (working) chat template refuses every turn: say so once, before the first
+        tok.apply_chat_template(messages + [{"role": "user", "content": "hello"}])
+    except ExlError as e:
+        raise ExlError(f"{e}; exl chat needs one (exl run --raw takes a plain prompt)") from None
     print("exl chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:

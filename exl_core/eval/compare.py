@@ -21,7 +21,7 @@ import torch
 
 from ..errors import InputError
 from ..textfiles import read_utf8
-from .perplexity import window_spans
+from .perplexity import require_in_vocab, window_spans
 
 
 _KL_ROWS = 128      # rows of a window's log-probabilities taken to float64 at once for the KL
@@ -55,6 +55,7 @@ def compare_models(models: Sequence, ids: Sequence[int], ctx: int = 2048, stride
     vocab = {m.config.vocab_size for m in models}
     if len(vocab) != 1:
         raise InputError(f"compare: the models' vocabularies differ ({sorted(vocab)}); variants of one model share one")
+    require_in_vocab(ids, vocab.pop(), "compare")
     ids_t = torch.as_tensor(list(ids), dtype=torch.int64)
     spans = window_spans(len(ids_t), ctx, stride, max_windows)
     nll = [0.0] * len(models)

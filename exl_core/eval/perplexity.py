@@ -86,9 +86,19 @@ def perplexity_from_logits_fn(logits_fn: LogitsFn, ids: Sequence[int], ctx: int 
     return PplResult(math.exp(nll / count), count, len(spans), nll)
 
 
+def require_in_vocab(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """An InputError where a token id has no row in the model's embedding: a tokenizer that does not belong to the
+    model (the forward pass would fail deep inside with an IndexError)."""
+    big = max(ids, default=-1)
+    if big >= vocab_size:
+        raise InputError(f"{what}: token id {big} is outside the model's vocabulary (size {vocab_size}); the "
+                         "tokenizer does not match the model")
+
+
 def perplexity(model, ids: Sequence[int], ctx: int = 2048, stride: Optional[int] = None,
                max_windows: Optional[int] = None, progress: bool = False) -> PplResult:
     """Perplexity of an exl_core `Model` (dense, GPTQ or EXL2) on token ids."""
+    require_in_vocab(ids, model.config.vocab_size, "perplexity")
     def logits_fn(window: torch.Tensor) -> torch.Tensor:
         return model.forward_batch(window[None].to(model.device))[0]
     return perplexity_from_logits_fn(logits_fn, ids, ctx, stride, max_windows, progress)

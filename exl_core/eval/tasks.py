@@ -8,8 +8,11 @@ the right choice). Each choice is scored by the log-probability of its tokens af
     acc           = fraction of examples whose highest score is the answer
     acc_norm      = the same with score(c) / len(c in UTF-8 bytes), which does not favour short choices
 
-The context is encoded as the tokenizer encodes a prompt (its BOS setting), the choice on its own without BOS, so
-a choice is usually written with its leading space (" Paris"). No data ships with exl_core: bring the task's file.
+As lm-evaluation-harness does, a choice's tokens are those of context + choice after the context's (the context
+encoded as the tokenizer encodes a prompt, with its BOS setting), with whitespace that ends the context moved to the
+choice first; so a choice is written as it follows the context (" Paris" after "The capital of France is"). Encoding
+a choice on its own instead gave SentencePiece tokenizers (Llama-2, Mistral) an extra word-start token in every
+choice. No data ships with exl_core: bring the task's file.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from ..errors import InputError
 from ..textfiles import jsonl_objects
+from .perplexity import require_in_vocab
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,19 @@ def evaluate_task(model, tokenizer, examples: Sequence[Example], progress: bool 
     right = right_norm = 0
     scores = []
     for i, ex in enumerate(it):
-        ctx = tokenizer.encode(ex.context)
+        context = ex.context.rstrip()
+        moved = ex.context[len(context):]                 # the context's trailing whitespace goes with the choice
+        ctx = tokenizer.encode(context)
         if not ctx:     # "" is fine where the tokenizer adds a BOS (minimal-pair tasks), else nothing to score on
             raise InputError(f"task example {i + 1}: its context encodes to no tokens (an empty context needs a "
                              "tokenizer that adds a BOS)")
-        s = [choice_logprob(model, ctx, tokenizer.encode(c, add_bos=False, special=False)) for c in ex.choices]
+        s = []
+        for c in ex.choices:
+            whole = tokenizer.encode(context + moved + c)
+            require_in_vocab(whole, model.config.vocab_size, f"task example {i + 1}")
+            if len(whole) <= len(ctx):
+                raise InputError(f"task example {i + 1}: choice {c!r} adds no tokens after the context")
+            s.append(choice_logprob(model, ctx, whole[len(ctx):]))      # as lm-evaluation-harness splits them
         norm = [v / len(c.encode("utf-8")) for v, c in zip(s, ex.choices)]
         right += max(range(len(s)), key=s.__getitem__) == ex.answer
         right_norm += max(range(len(norm)), key=norm.__getitem__) == ex.answer
