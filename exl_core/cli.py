@@ -168,7 +168,9 @@ def cmd_chat(args) -> int:
     try:        # a tokenizer without a (working) chat template refuses every turn: say so once, before the first
         tok.apply_chat_template(messages + [{"role": "user", "content": "hello"}])
     except ExlError as e:
-        raise ExlError(f"{e}; exl chat needs one (exl run --raw takes a plain prompt)") from None
+        why = ("exl chat needs one" if not getattr(tok, "chat_template", None) else
+               "with --system" if args.system else "on a user message")
+        raise ExlError(f"{e} ({why}; exl run --raw takes a plain prompt)") from None
     print("exl chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:

@@ -325,7 +325,10 @@ class SharedEngine:
             if not stop.is_set():
                 eng._run_steps()        # returns early once stop is set
             if stop.is_set():
-                eng._cancel_all()
+                with eng._start_lock:   # a job enqueued from now on starts a new worker (_ensure_worker)
+                    eng._cancel_all()
+                    if eng._thread is threading.current_thread():
+                        eng._thread = None
                 return
             del eng
 
@@ -335,7 +338,10 @@ class SharedEngine:
             while self._cancels:
                 job = self._cancels.popleft()
                 if not job.done:
-                    gen.cancel(job)     # its final result goes to its sink (the caller has left)
+                    try:
+                        gen.cancel(job)     # its final result goes to its sink (the caller has left)
+                    except Exception:  # noqa: BLE001 - the job's own callback raised on it; keep serving the rest
+                        pass
             if self._stop.is_set() or not gen.has_work():
                 return
             running = [k for k, (job, _sink) in list(self._sinks.items()) if not job.done]
@@ -433,14 +439,26 @@ class SharedEngine:
         import asyncio
         loop = asyncio.get_running_loop()
         q: "asyncio.Queue" = asyncio.Queue()
-        submitted = loop.run_in_executor(None, self._submit, job,
-                                         lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        # the caller's task may be cancelled while the enqueue runs in its thread (asyncio then cancels the future
+        # it awaits, but not the thread): whichever side comes second cancels the job
+        handoff = threading.Lock()
+        state = {"in": False, "gone": False}
+
+        def submit():
+            self._submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+            with handoff:
+                state["in"] = True
+                gone = state["gone"]
+            if gone:
+                self._cancel(job)
         try:
-            await submitted
+            await loop.run_in_executor(None, submit)
         except asyncio.CancelledError:
-            # the caller's task was cancelled while the enqueue ran in its thread: cancel the job once it is in
-            submitted.add_done_callback(
-                lambda f: None if f.cancelled() or f.exception() is not None else self._cancel(job))
+            with handoff:
+                state["gone"] = True
+                was_in = state["in"]
+            if was_in:
+                self._cancel(job)
             raise
         ended = [False]
         try:

@@ -301,7 +301,8 @@ def test_bad_inputs(tiny, calib_file, tmp_path):
                           num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=1,
                           tokenizer_from=tiny)
     _expect_refusal(_settings(odd, out, format="gptq", bits=3, calib=str(calib_file)), out,
-                    "k_proj: 16 output features at --bits 3 do not fill whole 32-bit words")
+                    r"k_proj: 16 output features at --bits 3 do not fill whole 32-bit words of GPTQ's qzeros "
+                    r"\(out_features must be a multiple of 32\); use --bits 2 or 4 or 8, or convert to EXL2")
     assert not out.exists()
     # folder without weights
     empty = tmp_path / "noweights"

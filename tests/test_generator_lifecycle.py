@@ -229,3 +229,32 @@ def test_stream_gets_every_piece_whoever_runs_the_steps():
     got += list(it)
     assert "".join(got) == want[0] and other == [want[2]]
     assert not g._pieces
+
+
+def test_stream_keeps_its_last_piece_when_another_thread_ends_its_job():
+    """stream() read job.done without the lock: a step run by another thread sets it before feeding the job's last
+    piece, so a stream checking in between ended without that piece (the window widened here to 0.3 s)."""
+    import threading
+    import time
+    m = TinyLM(seed=6)
+    want = _gen(m, CharTokenizer()).generate("abcde", max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)
+    g = _gen(m, CharTokenizer())
+    step = g._step
+
+    def slow_end(results):
+        out = step(results)
+        if any(r.job.done for r in out):
+            time.sleep(0.3)
+        return out
+    g._step = slow_end
+    it = g.stream("abcde", max_new_tokens=12, sampler=GREEDY, stop_on_eos=False)
+    got = [next(it)]
+    t = threading.Thread(target=g.generate, args=("klmno",),
+                         kwargs=dict(max_new_tokens=30, sampler=GREEDY, stop_on_eos=False))
+    t.start()
+    time.sleep(0.1)
+    for piece in it:
+        got.append(piece)
+        time.sleep(0.02)                                    # a consumer doing some work per piece
+    t.join(60)
+    assert "".join(got) == want

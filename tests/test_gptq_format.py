@@ -132,6 +132,13 @@ def test_arbitrary_g_idx_and_missing_g_idx():
     assert torch.equal(packed_dequant(gptq.read_layer(t2, K, N, quant_config=dict(qc, desc_act=True,
                                                                                    static_groups=True))),
                        expected_weight(q, scales, zeros, seq))
+    # one group (group_size -1): every row uses it, so no g_idx is needed even under desc_act
+    q1, s1, z1, _ = random_layer(K, N, 3, K, False)
+    one = gptq.pack_layer(q1, s1, z1, torch.zeros(K, dtype=torch.int64), 3)
+    del one["g_idx"]
+    assert torch.equal(packed_dequant(gptq.read_layer(one, K, N, quant_config={"bits": 3, "group_size": -1,
+                                                                                "desc_act": True})),
+                       expected_weight(q1, s1, z1, torch.zeros(K, dtype=torch.int64)))
 
 
 def test_all_zero_g_idx_means_sequential_groups_like_exllamav2():

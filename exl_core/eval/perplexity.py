@@ -89,10 +89,13 @@ def perplexity_from_logits_fn(logits_fn: LogitsFn, ids: Sequence[int], ctx: int 
 def require_in_vocab(ids: Sequence[int], vocab_size: int, what: str) -> None:
     """An InputError where a token id has no row in the model's embedding: a tokenizer that does not belong to the
     model (the forward pass would fail deep inside with an IndexError)."""
-    big = max(ids, default=-1)
-    if big >= vocab_size:
-        raise InputError(f"{what}: token id {big} is outside the model's vocabulary (size {vocab_size}); the "
-                         "tokenizer does not match the model")
+    t = torch.as_tensor(ids, dtype=torch.int64)
+    if not t.numel():
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        raise InputError(f"{what}: token id {hi if hi >= vocab_size else lo} is outside the model's vocabulary "
+                         f"(size {vocab_size}); the tokenizer does not match the model")
 
 
 def perplexity(model, ids: Sequence[int], ctx: int = 2048, stride: Optional[int] = None,

@@ -110,7 +110,7 @@ def validate(tensors: Mapping[str, torch.Tensor], in_features: int, out_features
                               f"[{int(g_idx.min())}, {int(g_idx.max())}]")
     else:   # no g_idx: sequential groups of group_size (or K/G) rows
         qc = quant_config or {}
-        if "g_idx" not in tensors and qc.get("desc_act") is True and not qc.get("static_groups"):
+        if "g_idx" not in tensors and G > 1 and qc.get("desc_act") is True and not qc.get("static_groups"):
             # act-order: g_idx is the only record of which group each row uses; sequential groups would apply
             # every scale to the wrong rows
             raise FormatError(f"{name}.g_idx is missing: the quantization_config says desc_act (act-order), whose "

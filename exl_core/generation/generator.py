@@ -523,9 +523,11 @@ class Generator:
             self._pieces[id(job)] = pieces
         try:
             while True:
+                with self._lock:         # done is set inside a step, its last piece fed after: read them in order
+                    done = job.done
                 while pieces:            # steps run by anyone (this loop, other threads' streams) fed them
                     yield pieces.popleft()
-                if job.done:
+                if done:
                     break
                 self.iterate()
         finally:

@@ -416,9 +416,12 @@ def _check_settings(s: ConvertSettings, src) -> None:
         for n, (o, i) in src_shapes(src).items():
             plan_groups(i, s.group_size, [(s.bits, 1.0)], mode="gptq")     # raises on odd shapes
             if o * s.bits % 32:          # qzeros pack along N: refused here, not after the first layers' work
+                fits = [b for b in gptq_fmt.SUPPORTED_BITS if all(oo * b % 32 == 0 for oo, _ in
+                                                                  src_shapes(src).values())]
+                instead = f"use --bits {' or '.join(map(str, fits))}" if fits else "no GPTQ bit width fits"
                 raise InputError(f"{n}: {o} output features at --bits {s.bits} do not fill whole 32-bit words of "
-                                 f"GPTQ's qzeros ({32 // math.gcd(32, s.bits)} features a word); use --bits 4 or 8, "
-                                 "or EXL2")
+                                 f"GPTQ's qzeros (out_features must be a multiple of {32 // math.gcd(32, s.bits)}); "
+                                 f"{instead}, or convert to EXL2")
         return
     if s.bpw is None:
         raise InputError("EXL2 needs a target bitrate: -b BPW (e.g. -b 4.0)")
