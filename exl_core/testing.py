@@ -29,10 +29,13 @@ def tiny_config_kwargs(arch: str = "llama", **over) -> dict:
     return kw
 
 
-def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, tokenizer_from: Path | None = None,
+def make_tiny_model(folder: Path | str, arch: str = "llama", seed: int = 0,
+                    tokenizer_from: Path | str | None = None,
                     **over) -> Path:
-    """Writes a random HF model folder (config.json + model.safetensors [+ tokenizer files])."""
+    """Writes a random HF model folder (config.json + model.safetensors [+ tokenizer files]); paths as str or Path."""
     import transformers
+    folder = Path(folder)
+    tokenizer_from = Path(tokenizer_from) if tokenizer_from is not None else None
     cfg_name, model_name = ARCH_CLASSES[arch]
     cfg = getattr(transformers, cfg_name)(**tiny_config_kwargs(arch, **over))
     torch.manual_seed(seed)
