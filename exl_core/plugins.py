@@ -336,26 +336,21 @@ class SharedEngine:
         gen = self.generator
         while True:
             while self._cancels:
-                job = self._cancels.popleft()
-                if not job.done:
-                    try:
-                        gen.cancel(job)     # its final result goes to its sink (the caller has left)
-                    except Exception:  # noqa: BLE001 - the job's own callback raised on it; keep serving the rest
-                        pass
+                self._cancel_quietly(self._cancels.popleft())     # its final result goes to its (gone) caller
             if self._stop.is_set() or not gen.has_work():
                 return
-            running = [k for k, (job, _sink) in list(self._sinks.items()) if not job.done]
             try:
                 gen.iterate()           # results reach callers through the jobs' callbacks
             except Exception as exc:
-                self._step_failed(exc, running)
+                self._step_failed(exc)
 
-    def _step_failed(self, exc: Exception, running: list) -> None:
+    def _step_failed(self, exc: Exception) -> None:
         """A step raised. Where it ended jobs (an error of theirs: a token filter, a sampler; the generator ends
         them without a callback, their cancelled results wait in its events) only their callers hear it and the
         rest go on, as Generator._route_step_error does for astream; where it ended none (a model/kernel failure)
-        every waiting caller hears it and every job is cancelled."""
-        ended = [k for k in running if k in self._sinks and self._sinks[k][0].done]
+        every waiting caller hears it and every job is cancelled. A job that ended through its callback (a finish,
+        a cancel, its callback stopping it) has no sink left, so a done job with one is a job this step ended."""
+        ended = [k for k, (job, _sink) in list(self._sinks.items()) if job.done]
         if ended:
             for k in ended:
                 _tell(self._sinks.pop(k)[1], exc)
@@ -366,12 +361,18 @@ class SharedEngine:
         self._cancel_all()
 
     def _cancel_all(self) -> None:
-        gen = self.generator
-        for job in gen.pending_jobs():
-            try:
-                gen.cancel(job)         # frees its pages; its caller gets the cancelled result
-            except Exception:  # noqa: BLE001 - keep the worker alive
-                pass
+        for job in self.generator.pending_jobs():
+            self._cancel_quietly(job)   # frees its pages; its caller gets the cancelled result
+
+    def _cancel_quietly(self, job) -> None:
+        """Cancel a job on the worker: the job's own callback may raise on its cancelled result, which must not end
+        the worker (every other caller would wait forever)."""
+        if job.done:
+            return
+        try:
+            self.generator.cancel(job)
+        except Exception:  # noqa: BLE001 - that job's error; keep serving the rest
+            pass
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker after its current step, cancelling the jobs left (their callers get cancelled results);

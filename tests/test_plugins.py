@@ -483,7 +483,8 @@ def test_released_engine_stops_its_worker_and_is_freed(monkeypatch, tmp_path):
     import gc
     import weakref
     import exl_core
-    monkeypatch.setitem(vars(exl_core), "load_model", lambda path, device="cpu", dtype=None: (AttnLM(), LetterTokenizer()))
+    monkeypatch.setitem(vars(exl_core), "load_model",
+                        lambda path, device="cpu", dtype=None: (AttnLM(), LetterTokenizer()))
     plugins.release_engines()
     eng = plugins.shared_engine(tmp_path, cache_tokens=512)
     list(eng.stream(_job([1, 2], n=3)))

@@ -36,7 +36,9 @@ class Cache:
     """Paged K/V cache of one model: tensors + PagePool + PrefixIndex (+ sliding window)."""
 
     def __init__(self, model, max_tokens: Optional[int] = None, page_size: int = 256,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, tp_group=None):
+        """`tp_group`: the tensor-parallel ranks that must all size this cache alike where it is sized from free
+        memory (max_tokens None); default the model's own group (a sharded model's `tensor_parallel`)."""
         cfg = model.config
         if not is_int(page_size) or page_size < 1:
             raise InputError(f"Cache: page_size={page_size!r} must be an int >= 1")
@@ -64,7 +66,7 @@ class Cache:
         per_token = bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
         self.num_pages = num_pages_for(per_token, page_size, self.device, max_tokens,
                                        cfg.max_position_embeddings)
-        tp = getattr(model, "tensor_parallel", None)
+        tp = tp_group if tp_group is not None else getattr(model, "tensor_parallel", None)
         if tp is not None and max_tokens is None:   # each rank read its own free memory: all take the smallest
             self.num_pages = tp.agreed_min(self.num_pages)
         need = self.num_pages * page_size * per_token

@@ -16,12 +16,13 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..errors import InputError, is_int
 from ..model.lora import check_job_loras, lora_manager, lora_rows, register_generator
+from .async_consumers import AsyncConsumers
 from .job import Job, JobResult
 from .logprobs import chosen_logprobs
 from .lookahead import Lookahead
@@ -72,7 +73,7 @@ def _check_filtered(job: Job, out, row: torch.Tensor) -> Optional[torch.Tensor]:
                      "tensor or a list: the logits row, replaced) or None (the row edited in place)")
 
 
-class Generator:
+class Generator(AsyncConsumers):
     def __init__(self, model, cache, tokenizer=None, max_batch_tokens: Optional[int] = None,
                  max_chunk_size: Optional[int] = None, max_batch_size: int = 256, prefix_reuse: bool = True,
                  draft_model=None, draft_cache=None, num_draft_tokens: int = 4, ngram_draft: bool = False,
@@ -241,10 +242,11 @@ class Generator:
             self._stepping = True
             try:
                 results = self._step(results)
-                for r in results:       # a stream()'s pieces, whoever ran the step (another stream, generate)
-                    pieces = self._pieces.get(id(r.job))
-                    if pieces is not None and r.text:
-                        pieces.append(r.text)
+                if self._pieces:        # a stream()'s pieces, whoever ran the step (another stream, generate)
+                    for r in results:
+                        pieces = self._pieces.get(id(r.job))
+                        if pieces is not None and r.text:
+                            pieces.append(r.text)
                 return results
             except BaseException:
                 # results made before this step (cancels, a failed step's other jobs) go out with the next one
@@ -536,77 +538,3 @@ class Generator:
                     del self._pieces[id(job)]
             if not job.done:
                 self.cancel(job)
-
-    # -- async ------------------------------------------------------------------------------
-    async def aiterate(self) -> AsyncIterator[JobResult]:
-        """Results of every job while there is work; each step runs in a worker thread so the
-        event loop stays responsive."""
-        while self.has_work():
-            for r in await asyncio.to_thread(self.iterate):
-                yield r
-
-    async def _drive(self) -> None:
-        # One driver per event loop: steps run in a thread, results go to each astream's queue.
-        try:
-            while self._queues and self.has_work():
-                try:
-                    results = await asyncio.to_thread(self.iterate)
-                except Exception as e:          # noqa: BLE001 - handed to the consumers, not lost in this task
-                    if not self._route_step_error(e):
-                        return
-                    continue
-                for r in results:
-                    q = self._queues.get(id(r.job))
-                    if q is not None:
-                        q.put_nowait(r)
-        finally:
-            self._driver = None
-
-    def _route_step_error(self, e: Exception) -> bool:
-        """A step's error for the astream consumers: raised in those whose jobs it ended (their cancelled results
-        wait in the events; the other events go out as usual) and the driver goes on for the rest (True); where it
-        ended no job (a failed forward), raised in every consumer (False: the driver stops, each consumer's exit
-        cancels its job)."""
-        with self._lock:
-            events, self._events = self._events, []
-        ended = {id(r.job) for r in events if r.finish_reason == "cancelled"}
-        for r in events:
-            q = self._queues.get(id(r.job))
-            if q is not None:
-                q.put_nowait(e if id(r.job) in ended else r)
-        if ended:
-            return True
-        for q in self._queues.values():
-            q.put_nowait(e)
-        return False
-
-    async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
-        """Async results of one job; several may run concurrently on one generator."""
-        q: asyncio.Queue = asyncio.Queue()
-        # enqueue first: a refused job (queued already, perhaps streamed by another consumer) is left as it was, and
-        # so is that consumer's queue; no await until the queue is in place, so no result of this job is missed
-        self.enqueue(job)
-        self._queues[id(job)] = q
-        try:
-            if self._driver is None:
-                self._driver = asyncio.ensure_future(self._drive())
-            while True:
-                r = await q.get()
-                if isinstance(r, BaseException):    # the step that ended this job raised (_route_step_error)
-                    raise r
-                yield r
-                if r.done:
-                    break
-        finally:
-            if self._queues.get(id(job)) is q:
-                del self._queues[id(job)]
-            if not job.done:
-                self.cancel(job)
-
-    async def astream(self, prompt: Union[str, Job], max_new_tokens: Optional[int] = None, chat: bool = False,
-                      **job_kwargs) -> AsyncIterator[str]:
-        """Async text pieces of one prompt (see `stream`)."""
-        job = self._job_of(prompt, max_new_tokens, chat, job_kwargs, "astream")
-        async for r in self.astream_results(job):
-            if r.text:
-                yield r.text

@@ -114,14 +114,10 @@ class SpeculativeDecoder:
         if draft_model is not None:
             if draft_cache is None:
                 from ..cache import Cache
-                draft_cache = Cache(draft_model, max_tokens=None)
-                if tp is not None and getattr(draft_model, "tensor_parallel", None) is None:
-                    # an unsharded draft on every rank: the ranks must draft alike, so its cache, sized from each
-                    # rank's own free memory, takes the smallest size of all (a sharded one's Cache does so itself)
-                    pages, page_size = tp.agreed_min(draft_cache.num_pages), draft_cache.page_size
-                    if pages != draft_cache.num_pages:
-                        del draft_cache
-                        draft_cache = Cache(draft_model, max_tokens=pages * page_size)
+                # sized alike on every rank of a tensor-parallel main model: the ranks must draft alike, also where
+                # the draft is a whole (unsharded) model on each
+                draft_cache = Cache(draft_model, max_tokens=None,
+                                    tp_group=getattr(draft_model, "tensor_parallel", None) or tp)
             if draft_cache.model is not draft_model:
                 raise InputError("speculative decoding: draft_cache was built for a different model than "
                                  "draft_model; use Cache(draft_model, ...)")

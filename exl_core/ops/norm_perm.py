@@ -43,9 +43,9 @@ def rms_norm_permuted(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: t
                       site: str = "mlp") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """rms_norm(x, weight, eps, residual) with y's last dim in perm's order (perm: int32/int64 [P], P >= H, values
     in [0, H): a permutation, or one with repeats as PackedWeight.rows weights have; not checked on the GPU, where a
-    check would sync -- the CUDA kernel clamps them, the reference's index_select raises).  The weight is a model's (rms_norm's weight_static).  site: "attn" before q/k/v, "mlp"
-    before gate/up -- which launch follows, for the CUDA kernel's launch policy (ops/cuda_norm_perm.py); the values
-    do not depend on it."""
+    check would sync -- the CUDA kernel clamps them, the reference's index_select raises).  The weight is a model's
+    (rms_norm's weight_static).  site: "attn" before q/k/v, "mlp" before gate/up -- which launch follows, for the
+    CUDA kernel's launch policy (ops/cuda_norm_perm.py); the values do not depend on it."""
     check_norm_args("rms_norm_permuted", x, weight, residual)
     H = x.shape[-1]
     if perm.dim() != 1 or perm.shape[0] < H or perm.dtype not in (torch.int32, torch.int64):

@@ -413,11 +413,11 @@ def _check_settings(s: ConvertSettings, src) -> None:
             raise InputError(f"--bits {s.bits}: GPTQ supports {gptq_fmt.SUPPORTED_BITS}")
         if s.group_size not in (-1, 32, 64, 128):
             raise InputError(f"--group-size {s.group_size}: use 32, 64, 128 or -1")
-        for n, (o, i) in src_shapes(src).items():
+        shapes = src_shapes(src)
+        for n, (o, i) in shapes.items():
             plan_groups(i, s.group_size, [(s.bits, 1.0)], mode="gptq")     # raises on odd shapes
             if o * s.bits % 32:          # qzeros pack along N: refused here, not after the first layers' work
-                fits = [b for b in gptq_fmt.SUPPORTED_BITS if all(oo * b % 32 == 0 for oo, _ in
-                                                                  src_shapes(src).values())]
+                fits = [b for b in gptq_fmt.SUPPORTED_BITS if all(oo * b % 32 == 0 for oo, _ in shapes.values())]
                 instead = f"use --bits {' or '.join(map(str, fits))}" if fits else "no GPTQ bit width fits"
                 raise InputError(f"{n}: {o} output features at --bits {s.bits} do not fill whole 32-bit words of "
                                  f"GPTQ's qzeros (out_features must be a multiple of {32 // math.gcd(32, s.bits)}); "
