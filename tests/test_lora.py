@@ -478,6 +478,38 @@ def test_weight_changes_and_enqueues_do_not_interleave(tiny_llama_dir, tmp_path,
     assert not gen.has_work()
 
 
+def test_a_generator_made_during_a_change_waits_for_it(tiny_llama_dir, tmp_path, monkeypatch):
+    """jobs_frozen locked the generators it found when it began: one made while the merge ran registered at once and
+    could enqueue and step on half-changed weights. It now waits for the change to end before it registers."""
+    import threading
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator
+    from exl_core.model import lora as lora_mod
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=11), name="a")
+    inside, release = threading.Event(), threading.Event()
+    check = lora_mod.LoraManager.check_no_jobs
+
+    def slow_check(self, what):                        # the merge stops inside its frozen section
+        check(self, what)
+        inside.set()
+        assert release.wait(30)
+    monkeypatch.setattr(lora_mod.LoraManager, "check_no_jobs", slow_check)
+    merger = threading.Thread(target=a.merge)
+    merger.start()
+    assert inside.wait(30)
+    made = []
+    maker = threading.Thread(target=lambda: made.append(Generator(model, Cache(model, max_tokens=64), None)))
+    maker.start()
+    maker.join(0.5)
+    assert maker.is_alive() and not made               # registering waits for the merge
+    release.set()
+    merger.join(30)
+    maker.join(30)
+    assert a.merged and len(made) == 1
+    assert made[0] in lora_mod.generators_of(model)
+
+
 def test_unloading_the_last_adapter_leaves_the_base_model(tiny_llama_dir, tmp_path):
     """unload() emptied the adapter out of each layer's hook but left the hooks (and the manager): a model with no
     adapter still ran the per-op path instead of the fused CPU stack, and shard_model refused it as having adapters."""
