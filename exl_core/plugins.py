@@ -21,7 +21,7 @@ one loaded model + Generator per folder, driven by a worker thread (see the diag
 from __future__ import annotations
 
 import atexit
-import collections
+import functools
 import os
 import threading
 import warnings
@@ -262,12 +262,13 @@ def collect(hook_name: str) -> dict:
 # so concurrent callers (LangChain batch(), asyncio tasks) are batched by the Generator
 # instead of taking turns behind a lock.
 #
-#   caller thread(s) ──gen.enqueue(job), wake──► worker: while has_work: gen.iterate()
-#        ▲                      cancels (inbox) ──►      │ job.callback(result)
-#        └───────────── per-job queue ◄──────────────────┘
+#   caller thread(s) ──attach sink, gen.enqueue(job), wake──► worker: while has_work: step
+#        ▲                      cancels (inbox) ──►                   │ the generator's routing
+#        └───────────── per-job queue ◄───────────────────────────────┘
 #
 # Async callers enqueue from an executor thread: enqueue takes the generator's lock, which the worker holds for a
-# whole step. Cancels go through an inbox the worker drains between steps, so no caller waits on a step to leave.
+# whole step. Cancels go through the generator's inbox, drained at the end of the running step, so no caller waits
+# on a step to leave.
 
 _engines: dict[tuple, "SharedEngine"] = {}
 _live_engines: "weakref.WeakSet[SharedEngine]" = weakref.WeakSet()   # closed at exit (atexit below)
@@ -288,8 +289,6 @@ class SharedEngine:
         self.name = _model_name(path)
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._sinks: dict = {}            # job identifier -> (job, callable(result or exception))
-        self._cancels: "collections.deque" = collections.deque()     # jobs callers gave up on
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
         _live_engines.add(self)
@@ -335,44 +334,19 @@ class SharedEngine:
     def _run_steps(self) -> None:
         gen = self.generator
         while True:
-            while self._cancels:
-                self._cancel_quietly(self._cancels.popleft())     # its final result goes to its (gone) caller
+            gen._drain_cancels_now()                # jobs callers gave up on while a step ran
             if self._stop.is_set() or not gen.has_work():
                 return
-            try:
-                gen.iterate()           # results reach callers through the jobs' callbacks
-            except Exception as exc:
-                self._step_failed(exc)
-
-    def _step_failed(self, exc: Exception) -> None:
-        """A step raised. Where it ended jobs (an error of theirs: a token filter, a sampler; the generator ends
-        them without a callback, their cancelled results wait in its events) only their callers hear it and the
-        rest go on, as Generator._route_step_error does for astream; where it ended none (a model/kernel failure)
-        every waiting caller hears it and every job is cancelled. A job that ended through its callback (a finish,
-        a cancel, its callback stopping it) has no sink left, so a done job with one is a job this step ended."""
-        ended = [k for k, (job, _sink) in list(self._sinks.items()) if job.done]
-        if ended:
-            for k in ended:
-                _tell(self._sinks.pop(k)[1], exc)
-            return
-        sinks, self._sinks = list(self._sinks.values()), {}
-        for _job, sink in sinks:
-            _tell(sink, exc)
-        self._cancel_all()
+            # results and a step's errors reach each job's caller through its sink (Generator routing): an error
+            # that ended jobs (a token filter, a sampler) only theirs; one that ended none (a model/kernel failure)
+            # every caller, and every job is cancelled
+            _, err, ended = gen._step_routed()
+            if err is not None and not ended:
+                self._cancel_all()
 
     def _cancel_all(self) -> None:
         for job in self.generator.pending_jobs():
-            self._cancel_quietly(job)   # frees its pages; its caller gets the cancelled result
-
-    def _cancel_quietly(self, job) -> None:
-        """Cancel a job on the worker: the job's own callback may raise on its cancelled result, which must not end
-        the worker (every other caller would wait forever)."""
-        if job.done:
-            return
-        try:
-            self.generator.cancel(job)
-        except Exception:  # noqa: BLE001 - that job's error; keep serving the rest
-            pass
+            self.generator._cancel_quiet(job)   # frees its pages; its caller gets the cancelled result first
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker after its current step, cancelling the jobs left (their callers get cancelled results);
@@ -385,39 +359,21 @@ class SharedEngine:
 
     # -- submitting --------------------------------------------------------------------------------
     def _submit(self, job, sink) -> None:
-        """sink(x) gets each JobResult (the last one carries finish_reason) or an exception.
-        Bad jobs (prompt too long, bad sampler) raise here, in the caller's thread."""
-        cancelled = threading.Event()
-        user_cb = job.callback
-
-        def callback(result):
-            # the user's callback first: where it raises, the step raises and _step_failed tells this job's caller
-            keep = user_cb(result) if user_cb is not None else None
-            go_on = not cancelled.is_set() and keep is not False
-            if not go_on and result.finish_reason is None:
-                result.finish_reason = "callback"   # as the generator then ends it: the caller must see the end
-            if not _tell(sink, result) and go_on:
-                go_on, result.finish_reason = False, "callback"     # nobody reads it any more: end the job
-            if result.finish_reason is not None:
-                self._sinks.pop(job.identifier, None)
-            return go_on
-
-        job.callback = callback
-        job._exl_cancel = cancelled
-        self._sinks[job.identifier] = (job, sink)
+        """sink(x) gets each JobResult (the last one carries finish_reason) or an exception, on the worker's thread
+        (it must not block). Bad jobs (prompt too long, bad sampler) raise here, in the caller's thread."""
+        gen = self.generator
+        gen._attach(job, sink)
         try:
-            self.generator.enqueue(job)    # the generator locks its queues itself
+            gen.enqueue(job)    # the generator locks its queues itself
         except BaseException:
-            self._sinks.pop(job.identifier, None)
+            gen._detach(job, sink)
             raise
         self._ensure_worker()
         self._wake.set()
 
     def _cancel(self, job) -> None:
-        """Give up on a job without waiting for the running step: the worker cancels it between steps."""
-        job._exl_cancel.set()
-        self._cancels.append(job)
-        self._ensure_worker()
+        """Give up on a job without waiting for the running step (that step's end cancels it)."""
+        self.generator._cancel_soon(job)
         self._wake.set()
 
     def stream(self, job):
@@ -425,12 +381,14 @@ class SharedEngine:
         Leaving the loop early cancels the job."""
         import queue
         q: "queue.Queue" = queue.Queue()
-        self._submit(job, q.put)
+        sink = q.put
+        self._submit(job, sink)
         ended = [False]
         try:
             while not ended[0]:
                 yield self._take(q.get(), ended)
         finally:
+            self.generator._detach(job, sink)
             if not ended[0]:
                 self._cancel(job)
 
@@ -438,15 +396,18 @@ class SharedEngine:
         """Async iterator over the JobResults of `job`; the event loop never blocks on the model (the enqueue, which
         waits for a running step, runs in an executor thread)."""
         import asyncio
+
+        from .generation.async_consumers import LoopSink
         loop = asyncio.get_running_loop()
         q: "asyncio.Queue" = asyncio.Queue()
+        sink = LoopSink(loop, q)
         # the caller's task may be cancelled while the enqueue runs in its thread (asyncio then cancels the future
         # it awaits, but not the thread): whichever side comes second cancels the job
         handoff = threading.Lock()
         state = {"in": False, "gone": False}
 
         def submit():
-            self._submit(job, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+            self._submit(job, sink)
             with handoff:
                 state["in"] = True
                 gone = state["gone"]
@@ -466,6 +427,7 @@ class SharedEngine:
             while not ended[0]:
                 yield self._take(await q.get(), ended)
         finally:
+            self.generator._detach(job, sink)
             if not ended[0]:
                 self._cancel(job)
 
@@ -483,36 +445,34 @@ class SharedEngine:
         submission (or an error) cancels the ones already submitted before it is raised."""
         import queue
         q: "queue.Queue" = queue.Queue()
-        texts = {j.identifier: [] for j in jobs}
+        texts: list[list[str]] = [[] for _ in jobs]          # by position: identifiers need not be unique
         submitted = []
         try:
-            for j in jobs:
-                self._submit(j, q.put)
-                submitted.append(j)
+            for i, j in enumerate(jobs):
+                sink = functools.partial(_put_tagged, q, i)
+                self._submit(j, sink)
+                submitted.append((j, sink))
             left = len(jobs)
             while left:
-                item = q.get()
+                i, item = q.get()
                 if isinstance(item, BaseException):
                     raise item
-                texts[item.job.identifier].append(item.text)
+                texts[i].append(item.text)
                 if item.finish_reason is not None:
                     left -= 1
         except BaseException:
-            for j in submitted:
+            for j, _ in submitted:
                 if not j.done:
                     self._cancel(j)
             raise
-        return ["".join(texts[j.identifier]) for j in jobs]
+        finally:
+            for j, sink in submitted:
+                self.generator._detach(j, sink)
+        return ["".join(t) for t in texts]
 
 
-def _tell(sink, item) -> bool:
-    """Hands a caller its result or error; False where the caller is gone (its event loop closed, say): a sink must
-    never raise into the worker, whose other callers it would take down."""
-    try:
-        sink(item)
-        return True
-    except Exception:  # noqa: BLE001 - the caller's side failed, not the model
-        return False
+def _put_tagged(q, i, item) -> None:
+    q.put((i, item))
 
 
 def _model_name(path) -> str:

@@ -80,6 +80,26 @@ def test_static_decode_context_with_sliding_window_pages(tiny_model_factory, mon
     assert static == plain
 
 
+def test_windowed_job_decodes_past_the_graphs_rope_table(tiny_model_factory):
+    """A sliding window lets a job run past the cache; the graphs' rope table, sized once from the config and the
+    cache, ended such a job (an InputError on the CPU; by the rope kernel's range check, NaN rows on a GPU). Steps
+    past the table now run eagerly, with the same tokens."""
+    folder = tiny_model_factory("mistral", seed=0, vocab_size=512, sliding_window=12, max_position_embeddings=64)
+    model, _ = load_model(folder, load_tokenizer=False)
+    prompt = [random.Random(1).randrange(3, 512) for _ in range(5)]
+    out = []
+    for graphs in (False, True):
+        gen = Generator(model, Cache(model, max_tokens=64, page_size=8), max_batch_tokens=64, max_chunk_size=16,
+                        cuda_graphs=graphs)
+        job = gen.enqueue(Job(prompt, max_new_tokens=300, sampler=GREEDY, stop_on_eos=False))
+        while gen.has_work():
+            gen.iterate()
+        assert job.finish_reason == "length"
+        out.append(job.generated)
+    assert gen.graphs.num_positions < 300 and gen.graphs._entries      # early steps did take the graph path
+    assert out[0] == out[1]
+
+
 def test_graphs_off_by_default_on_cpu(tiny):
     model, _ = load_model(tiny, load_tokenizer=False)
     assert Generator(model, Cache(model, max_tokens=256)).graphs is None

@@ -228,7 +228,7 @@ def test_stream_gets_every_piece_whoever_runs_the_steps():
     t.join(60)
     got += list(it)
     assert "".join(got) == want[0] and other == [want[2]]
-    assert not g._pieces
+    assert not g._sinks
 
 
 def test_stream_keeps_its_last_piece_when_another_thread_ends_its_job():

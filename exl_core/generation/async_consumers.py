@@ -1,13 +1,29 @@
-"""The Generator's asyncio consumers (aiterate, astream, astream_results): steps run in a worker thread, one driver
-task per generator hands each step's results to the queue of the job they belong to, and a step's error goes to the
-consumers whose jobs it ended (or to all where it ended none). A mixin of `Generator` (generator.py), which owns the
-state it uses: `_lock`, `_events`, `_queues`, `_driver`, `iterate`, `enqueue`, `cancel`, `has_work`, `_job_of`."""
+"""The Generator's asyncio consumers (aiterate, astream, astream_results). A mixin of `Generator` (generator.py) on
+top of its routing (routing.py): an astream attaches a sink that puts its job's results (or the error of the step
+that ended it) into its queue thread-safely, whoever runs the steps -- one driver task per event loop, other
+loops' drivers, a thread's stream() or generate(). The event loop never waits for a step: the enqueue runs in a
+thread when the generator's lock is busy, and a consumer's exit cancels through routing's inbox."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from typing import AsyncIterator, Optional, Union
 
 from .job import Job, JobResult
+
+_POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Enqueues that wait for a running step (concurrent.futures, not the loop's executor: a future that already
+    runs is not cancelled with the task awaiting it, and its done callback still fires)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="exl-enqueue")
+        return _POOL
 
 
 class AsyncConsumers:
@@ -18,63 +34,67 @@ class AsyncConsumers:
             for r in await asyncio.to_thread(self.iterate):
                 yield r
 
-    async def _drive(self) -> None:
-        # One driver per event loop: steps run in a thread, results go to each astream's queue.
-        try:
-            while self._queues and self.has_work():
-                try:
-                    results = await asyncio.to_thread(self.iterate)
-                except Exception as e:          # noqa: BLE001 - handed to the consumers, not lost in this task
-                    if not self._route_step_error(e):
-                        return
-                    continue
-                for r in results:
-                    q = self._queues.get(id(r.job))
-                    if q is not None:
-                        q.put_nowait(r)
-        finally:
-            self._driver = None
+    def _has_consumers_on(self, loop) -> bool:
+        return any(getattr(e.sink, "loop", None) is loop for e in list(self._sinks.values()))
 
-    def _route_step_error(self, e: Exception) -> bool:
-        """A step's error for the astream consumers: raised in those whose jobs it ended (their cancelled results
-        wait in the events; the other events go out as usual) and the driver goes on for the rest (True); where it
-        ended no job (a failed forward), raised in every consumer (False: the driver stops, each consumer's exit
-        cancels its job)."""
-        with self._lock:
-            events, self._events = self._events, []
-        ended = {id(r.job) for r in events if r.finish_reason == "cancelled"}
-        for r in events:
-            q = self._queues.get(id(r.job))
-            if q is not None:
-                q.put_nowait(e if id(r.job) in ended else r)
-        if ended:
-            return True
-        for q in self._queues.values():
-            q.put_nowait(e)
-        return False
+    async def _drive(self, loop) -> None:
+        # This loop's driver: steps run in a thread while its astreams wait; results reach them by routing.
+        try:
+            while self._has_consumers_on(loop) and self.has_work():
+                _, err, ended = await asyncio.to_thread(self._step_routed)
+                if err is not None and not ended:
+                    return              # a failed forward: every consumer heard it, each one's exit cancels its job
+        finally:
+            if self._drivers.get(loop) is asyncio.current_task():
+                del self._drivers[loop]
+
+    def _ensure_driver(self, loop) -> None:
+        task = self._drivers.get(loop)
+        if task is None or task.done():
+            self._drivers[loop] = loop.create_task(self._drive(loop))
+
+    async def _enqueue_nowait(self, job: Job) -> None:
+        """enqueue() without holding the event loop for a running step; a task cancelled meanwhile leaves no job
+        running (the thread's enqueue, once done, is cancelled)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self.enqueue(job)
+                return
+            finally:
+                self._lock.release()
+        fut = _pool().submit(self.enqueue, job)
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._cancel_soon(job))
+            raise
 
     async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
-        """Async results of one job; several may run concurrently on one generator."""
+        """Async results of one job; several may run concurrently on one generator, from any event loops."""
+        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        # enqueue first: a refused job (queued already, perhaps streamed by another consumer) is left as it was, and
-        # so is that consumer's queue; no await until the queue is in place, so no result of this job is missed
-        self.enqueue(job)
-        self._queues[id(job)] = q
+        sink = LoopSink(loop, q)
+        # attached before the enqueue, so no result of this job is missed; a job already queued (perhaps streamed by
+        # another consumer) is refused and left as it was, with that consumer's sink
+        self._attach(job, sink)
         try:
-            if self._driver is None:
-                self._driver = asyncio.ensure_future(self._drive())
+            await self._enqueue_nowait(job)
+        except BaseException:
+            self._detach(job, sink)
+            raise
+        try:
+            self._ensure_driver(loop)
             while True:
                 r = await q.get()
-                if isinstance(r, BaseException):    # the step that ended this job raised (_route_step_error)
+                if isinstance(r, BaseException):    # the step that ended this job raised (routing.py)
                     raise r
                 yield r
                 if r.done:
                     break
         finally:
-            if self._queues.get(id(job)) is q:
-                del self._queues[id(job)]
+            self._detach(job, sink)
             if not job.done:
-                self.cancel(job)
+                self._cancel_soon(job)
 
     async def astream(self, prompt: Union[str, Job], max_new_tokens: Optional[int] = None, chat: bool = False,
                       **job_kwargs) -> AsyncIterator[str]:
@@ -83,3 +103,14 @@ class AsyncConsumers:
         async for r in self.astream_results(job):
             if r.text:
                 yield r.text
+
+
+class LoopSink:
+    """Puts into an asyncio queue from any thread (routing calls sinks on whichever thread ran the step)."""
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)   # raises once the loop is closed

@@ -97,10 +97,13 @@ class GraphedDecoder:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
 
-    def accepts(self, lens, wants_logits) -> bool:
-        """A decode step this decoder can serve (the caller also keeps LoRA models off graphs:
-        adapters change weights and per-row plans the recorded kernels would not see)."""
-        return 0 < len(lens) <= self.max_batch and all(n == 1 for n in lens) and all(wants_logits)
+    def accepts(self, lens, wants_logits, positions: int) -> bool:
+        """A decode step this decoder can serve, its sequences `positions` long at most (the caller also keeps
+        LoRA models off graphs: adapters change weights and per-row plans the recorded kernels would not see).
+        Longer ones run eagerly: a sliding window lets a job run past the cache, and past the rope table here,
+        which the eager context builds to each step's length."""
+        return (0 < len(lens) <= self.max_batch and all(n == 1 for n in lens) and all(wants_logits)
+                and positions <= self.num_positions)
 
     def run(self, ids: list[int], tables: Sequence[PageTable], device_ids: Optional[torch.Tensor] = None
             ) -> torch.Tensor:

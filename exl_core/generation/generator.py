@@ -10,7 +10,6 @@ The generator never touches the cache's tensors; it hands page tables to `Cache.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import weakref
@@ -26,6 +25,7 @@ from .async_consumers import AsyncConsumers
 from .job import Job, JobResult
 from .logprobs import chosen_logprobs
 from .lookahead import Lookahead
+from .routing import Routing
 from .sampling import SamplerSettings, sample_batch, sample_batch_unchecked
 from .scheduler import Scheduler
 from .streaming import TextStream
@@ -73,7 +73,7 @@ def _check_filtered(job: Job, out, row: torch.Tensor) -> Optional[torch.Tensor]:
                      "tensor or a list: the logits row, replaced) or None (the row edited in place)")
 
 
-class Generator(AsyncConsumers):
+class Generator(Routing, AsyncConsumers):
     def __init__(self, model, cache, tokenizer=None, max_batch_tokens: Optional[int] = None,
                  max_chunk_size: Optional[int] = None, max_batch_size: int = 256, prefix_reuse: bool = True,
                  draft_model=None, draft_cache=None, num_draft_tokens: int = 4, ngram_draft: bool = False,
@@ -116,9 +116,8 @@ class Generator(AsyncConsumers):
         self._events: list[JobResult] = []        # results produced outside iterate (cancel)
         self._lock = threading.RLock()
         self._stepping = False                    # inside iterate's step (its lock is re-entrant for callbacks)
-        self._queues: dict[int, asyncio.Queue] = {}  # astream: job id -> results
-        self._pieces: dict[int, deque] = {}          # stream: job id -> text pieces any iterate() produced for it
-        self._driver: Optional[asyncio.Task] = None
+        self._init_routing()                         # stream / astream consumers (routing.py)
+        self._drivers: dict = {}                     # event loop -> its astream driver task (async_consumers.py)
         self.vocab_size = model.config.vocab_size
         if tokenizer is not None and type(tokenizer).__module__.split(".")[0] in ("transformers", "tokenizers"):
             raise InputError(f"Generator: tokenizer is a {type(tokenizer).__module__}.{type(tokenizer).__name__}; "
@@ -210,6 +209,7 @@ class Generator(AsyncConsumers):
                 return False
             res = self._cancelled(job)
             self._events.append(res)
+            self._route([res])           # its consumer has the tail before anyone reads job.done
             if job.callback is not None:
                 job.callback(res)
             return True
@@ -220,7 +220,7 @@ class Generator(AsyncConsumers):
             return [*self.waiting, *self.active]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active or self._events)
+        return bool(self.waiting or self.active or self._events or self._orphan_error is not None)
 
     @property
     def num_active(self) -> int:
@@ -231,29 +231,31 @@ class Generator(AsyncConsumers):
         return len(self.waiting)
 
     # -- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def iterate(self) -> list[JobResult]:
         """Run one forward pass over everything schedulable; return this step's results."""
-        with self._lock:
-            if self._stepping:   # a callback or token filter stepping its own generator: jobs sit mid-step there
-                raise InputError("Generator.iterate: called from inside a step (a job's callback or token_filter); "
-                                 "enqueue or cancel jobs there, and step the generator from outside")
-            results, self._events = self._events, []
-            self._stepping = True
+        err = self._take_orphan_error()    # a stream's step ended jobs of this caller's
+        if err is None:
+            results, err, _ = self._step_routed(consumer=False)
+        if err is not None:
             try:
-                results = self._step(results)
-                if self._pieces:        # a stream()'s pieces, whoever ran the step (another stream, generate)
-                    for r in results:
-                        pieces = self._pieces.get(id(r.job))
-                        if pieces is not None and r.text:
-                            pieces.append(r.text)
-                return results
-            except BaseException:
-                # results made before this step (cancels, a failed step's other jobs) go out with the next one
-                self._events[:0] = results
-                raise
+                raise err
             finally:
-                self._stepping = False
+                del err           # no cycle through this frame
+        return results
+
+    @torch.inference_mode()
+    def _step_locked(self) -> list[JobResult]:
+        """iterate's step, under its lock (routing.py checks it is not inside a step)."""
+        results, self._events = self._events, []
+        self._stepping = True
+        try:
+            return self._step(results)
+        except BaseException:
+            # results made before this step (cancels, a failed step's other jobs) go out with the next one
+            self._events[:0] = results
+            raise
+        finally:
+            self._stepping = False
 
     def _step(self, results: list[JobResult]) -> list[JobResult]:
         """iterate's work, under its lock: admit, plan, one forward, sample; this step's results after `results`."""
@@ -278,7 +280,7 @@ class Generator(AsyncConsumers):
         logits = self.lookahead.take(plan) if self.lookahead is not None else None
         if logits is not None:
             pass                                     # launched last step (lookahead.py): this very plan
-        elif self._graphable(lens, [i.wants_logits for i in plan.items]):
+        elif self._graphable(lens, [i.wants_logits for i in plan.items], max(len(i.job.tokens) for i in plan.items)):
             logits = self._graph_step(ids, tables)                                         # (S, V)
         else:
             ctx = self.cache.context(tables, lens, torch.tensor(rows, dtype=torch.int64, device=dev))
@@ -293,10 +295,11 @@ class Generator(AsyncConsumers):
             results.extend(self._sample_and_emit(sampled, logits))
         return results
 
-    def _graphable(self, lens: list[int], wants_logits: list[bool]) -> bool:
-        """Whether a step of these rows runs from the CUDA graphs (LoRA models stay eager: adapters change weights
-        and per-row plans the recorded kernels would not see)."""
-        return self.graphs is not None and lora_manager(self.model) is None and self.graphs.accepts(lens, wants_logits)
+    def _graphable(self, lens: list[int], wants_logits: list[bool], positions: int) -> bool:
+        """Whether a step of these rows, `positions` long at most, runs from the CUDA graphs (LoRA models stay eager:
+        adapters change weights and per-row plans the recorded kernels would not see)."""
+        return (self.graphs is not None and lora_manager(self.model) is None
+                and self.graphs.accepts(lens, wants_logits, positions))
 
     def _graph_step(self, ids: list[int], tables: list, device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A decode step's logits from the graphs (GraphedDecoder.run), its pages taken first."""
@@ -314,7 +317,7 @@ class Generator(AsyncConsumers):
                     out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r])
                 except Exception as e:   # the job ends; the error reaches the caller below
                     errors.append(e)
-                    self._events.append(self._cancelled(job))
+                    self._events.append(self._error_cancelled(job))
                     continue
                 if out is not None:
                     logits[r] = out
@@ -374,7 +377,7 @@ class Generator(AsyncConsumers):
             except Exception as e:
                 errors.append(e)
                 if job.status != "done":
-                    self._events.append(self._cancelled(job))
+                    self._events.append(self._error_cancelled(job))
                 out.append((-1, 0.0))
         bad = None                # its errors' tracebacks hold this frame: no cycle through the closure's cell
         return out
@@ -414,6 +417,7 @@ class Generator(AsyncConsumers):
                 # a cancel()'s does (it was lost, and astream could not tell which job the error ended)
                 self._finish(job, "cancelled")
                 res.finish_reason = job.finish_reason = "cancelled"
+                res._by_error = True
                 self._events.append(res)
                 raise
             if keep is False and job.status != "done":
@@ -439,6 +443,18 @@ class Generator(AsyncConsumers):
         tail = self._flush_text(job)
         self._finish(job, "cancelled")
         return JobResult(job, tail, [], "cancelled")
+
+    def _error_cancelled(self, job: Job) -> JobResult:
+        """_cancelled for a job the step's error ends (its filter, its sampler): its callback hears the end too (a
+        consumer driven by callbacks only would wait for ever), whatever it does with it."""
+        res = self._cancelled(job)
+        res._by_error = True
+        if job.callback is not None:
+            try:
+                job.callback(res)
+            except Exception:  # noqa: BLE001 - the job has ended already; the step's own error is the one raised
+                pass
+        return res
 
     def _finish(self, job: Job, reason: str) -> None:
         if job.status == "done":
@@ -519,22 +535,30 @@ class Generator(AsyncConsumers):
         """Text pieces of one job as they are produced (max_new_tokens: 256 by default). Leaving the loop early
         cancels it."""
         job = self._job_of(prompt, max_new_tokens, chat, job_kwargs, "stream")
-        pieces: deque = deque()
-        with self._lock:                 # no step between the enqueue and the registration
+        items: deque = deque()      # its results and errors, from whoever runs the steps (routing.py)
+        sink = items.append
+        self._attach(job, sink)
+        try:
             self.enqueue(job)
-            self._pieces[id(job)] = pieces
+        except BaseException:
+            self._detach(job, sink)
+            raise
         try:
             while True:
-                with self._lock:         # done is set inside a step, its last piece fed after: read them in order
+                with self._lock:    # done is set in the locked section that routed the job's last result
                     done = job.done
-                while pieces:            # steps run by anyone (this loop, other threads' streams) fed them
-                    yield pieces.popleft()
+                while items:
+                    item = items.popleft()
+                    if isinstance(item, BaseException):     # the step that ended this job raised
+                        raise item
+                    if item.text:
+                        yield item.text
+                    if item.done:
+                        return
                 if done:
-                    break
-                self.iterate()
+                    return
+                self._step_routed()     # its results and errors reach `items`, and the other consumers'
         finally:
-            with self._lock:
-                if self._pieces.get(id(job)) is pieces:
-                    del self._pieces[id(job)]
+            self._detach(job, sink)
             if not job.done:
                 self.cancel(job)

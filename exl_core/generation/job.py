@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -30,6 +30,8 @@ class JobResult:
     token_ids: list[int]
     finish_reason: Optional[str] = None
     logprobs: Optional[list[float]] = None
+    _routed: bool = field(default=False, repr=False, compare=False)    # handed to its consumer (routing.py)
+    _by_error: bool = field(default=False, repr=False, compare=False)  # its job ended by the step's error
 
     @property
     def done(self) -> bool:

@@ -98,7 +98,7 @@ class Lookahead:
         n = len(jobs)
         return (n == len(gen.active) and not gen.waiting and all(a is b for a, b in zip(jobs, gen.active))
                 and all(j.status == "active" and len(j.generated) + 1 < j.limit for j in jobs)
-                and gen._graphable([1] * n, [True] * n))
+                and gen._graphable([1] * n, [True] * n, 1 + max(len(j.tokens) for j in jobs)))
 
     def _to_host(self, tok: torch.Tensor, lp: torch.Tensor, row_max: Optional[torch.Tensor]):
         """A function returning (tok list, lp list, row_max on the host or None), their device-to-host copy queued

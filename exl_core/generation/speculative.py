@@ -338,7 +338,7 @@ def speculative_step(gen, plan) -> list:
         p, bad = _verified_probs(job, drafts, lg)
         if bad is not None and bad[0] == 0:      # the row plain decoding samples from: the job ends as it would
             errors.append(bad[1])
-            gen._events.append(gen._cancelled(job))
+            gen._events.append(gen._error_cancelled(job))
             continue
         if bad is not None:
             drafts, q = drafts[:bad[0]], (None if q is None else q[:bad[0]])
@@ -368,7 +368,7 @@ def speculative_step(gen, plan) -> list:
                 break
         if id(job) in failed and job.status == "active":
             errors.append(failed[id(job)])
-            results.append(gen._cancelled(job))    # after the job's accepted tokens
+            results.append(gen._error_cancelled(job))    # after the job's accepted tokens
     if plain_jobs:
         try:
             results.extend(gen._sample_and_emit(plain_jobs, logits[plain_rows]))

@@ -1,0 +1,232 @@
+"""Results and step errors reach each job's own consumer, whoever runs the step (generation/routing.py): a stream's
+job cancelled by another caller keeps its held-back tail; a step's error reaches only the consumers of the jobs it
+ended; astream is served by steps other threads run and from several event loops; callbacks hear an error's end;
+the adapters' engine keys its callers by job, not by identifier."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from exl_core.cache import Cache
+from exl_core.generation import Generator, Job
+from generator_support import (GREEDY, CharTokenizer, TinyLM, _one_thread,  # noqa: F401 (autouse fixture)
+                               assert_pool_idle, rand_prompt, reference_greedy, run_all)
+
+P = CharTokenizer.PIECES
+
+
+class Boom(Exception):
+    pass
+
+
+def _setup():
+    model = TinyLM(seed=1)
+    cache = Cache(model, max_tokens=1024, page_size=16)
+    return model, cache, Generator(model, cache, CharTokenizer(), max_batch_tokens=64, max_chunk_size=32)
+
+
+def _forcing(seq, prompt_len):
+    def f(ids, logits):
+        out = torch.full_like(logits, -1e4)
+        out[seq[min(len(ids) - prompt_len, len(seq) - 1)]] = 0.0
+        return out
+    return f
+
+
+def _fails_at(n, prompt_len, msg):
+    def f(ids, logits):
+        if len(ids) - prompt_len == n:
+            raise Boom(msg)
+    return f
+
+
+def test_stream_keeps_its_held_back_tail_when_another_job_cancels_it():
+    """The cancel's final result (with the text held back for a possible stop string) went to the events only; a
+    stream that then read job.done stopped without it."""
+    model, cache, gen = _setup()
+    S, T = P.index("S"), P.index("T")
+    job = Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, stop=["STOP"],
+              token_filter=_forcing([0, 1, S, T, 2, 3, 4, 5], 5))
+
+    def other_cb(r):       # another job's callback cancels the streamed one inside a step
+        if len(job.generated) == 4:
+            gen.cancel(job)
+    gen.enqueue(Job(rand_prompt(5), max_new_tokens=30, sampler=GREEDY, callback=other_cb))
+    pieces = list(gen.stream(job))
+    assert job.finish_reason == "cancelled" and job.text.endswith("ST")
+    assert "".join(pieces) == job.text
+    run_all(gen)
+    assert_pool_idle(cache)
+
+
+def test_stream_is_not_raised_another_jobs_error():
+    """Whichever stream ran a failing step raised the error, though it ended another job, and cancelled its own."""
+    model, cache, gen = _setup()
+    a = Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, stop_on_eos=False)
+    b = gen.enqueue(Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, token_filter=_fails_at(2, 5, "B")))
+    text = "".join(gen.stream(a))
+    assert a.finish_reason == "length" and text == a.text
+    assert a.generated == reference_greedy(model, a.input_ids, 10)
+    assert b.finish_reason == "cancelled"
+    with pytest.raises(Boom, match="B"):          # B's error is the next plain iterate's
+        run_all(gen)
+
+
+def test_astream_cancelled_job_gets_its_end_not_another_jobs_error():
+    model, cache, gen = _setup()
+    a = Job(rand_prompt(5), max_new_tokens=20, sampler=GREEDY)
+
+    def b_filter(ids, logits):
+        if len(ids) - 5 == 3:
+            gen.cancel(a)                     # a plain cancel in the same step as B's error
+            raise Boom("B")
+    b = Job(rand_prompt(5), max_new_tokens=20, sampler=GREEDY, token_filter=b_filter)
+
+    async def consume(job):
+        try:
+            return [r.finish_reason async for r in gen.astream_results(job)][-1]
+        except Boom as e:
+            return f"raised {e}"
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(consume(a), consume(b)), 60)
+    assert asyncio.run(main()) == ["cancelled", "raised B"]
+
+
+def test_astream_is_fed_by_steps_another_thread_runs():
+    """astream's queue was fed only by its own driver's steps: with another thread stepping the generator, its job
+    could finish there and the consumer wait for ever."""
+    model, cache, gen = _setup()
+    stop = threading.Event()
+
+    def stepper():
+        while not stop.is_set():
+            gen.generate("abcdef", max_new_tokens=8, sampler=GREEDY, stop_on_eos=False)
+    job = Job(rand_prompt(5), max_new_tokens=30, sampler=GREEDY, stop_on_eos=False,
+              token_filter=lambda ids, row: time.sleep(0.002))
+
+    async def consume():
+        return [p async for p in gen.astream(job)]
+    t = threading.Thread(target=stepper)
+    t.start()
+    try:
+        pieces = asyncio.run(asyncio.wait_for(consume(), 60))
+    finally:
+        stop.set()
+        t.join(60)
+    assert "".join(pieces) == job.text and len(job.generated) == 30
+
+
+def test_astream_from_two_event_loops():
+    """One driver served every loop, putting into other loops' queues from its own thread (never waking them)."""
+    model, cache, gen = _setup()
+    out = {}
+
+    def consume(name, n, delay):
+        async def main():
+            job = Job(rand_prompt(5), max_new_tokens=n, sampler=GREEDY, stop_on_eos=False,
+                      token_filter=lambda ids, row: time.sleep(delay))
+            out[name] = ("".join([p async for p in gen.astream(job)]), job)
+        asyncio.run(asyncio.wait_for(main(), 60))
+    ta = threading.Thread(target=consume, args=("a", 40, 0.003))
+    ta.start()
+    time.sleep(0.05)
+    tb = threading.Thread(target=consume, args=("b", 5, 0.0))
+    tb.start()
+    tb.join(60)
+    ta.join(60)
+    for text, job in out.values():
+        assert text == job.text and job.finish_reason == "length"
+    assert set(out) == {"a", "b"} and not gen._drivers
+
+
+def test_astream_enqueue_does_not_hold_the_event_loop_for_a_step():
+    model, cache, gen = _setup()
+    busy = gen.enqueue(Job(rand_prompt(5), max_new_tokens=4, sampler=GREEDY, stop_on_eos=False,
+                           token_filter=lambda ids, row: time.sleep(0.4)))
+    t = threading.Thread(target=lambda: gen.iterate())
+    t.start()                                # a step runs, holding the lock ~0.4 s
+    time.sleep(0.1)
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.01)
+        tick = asyncio.ensure_future(ticker())
+        job = Job(rand_prompt(5), max_new_tokens=2, sampler=GREEDY, stop_on_eos=False)
+        text = "".join([p async for p in gen.astream(job)])
+        tick.cancel()
+        return text, job, max(b - a for a, b in zip(ticks, ticks[1:]))
+    text, job, gap = asyncio.run(asyncio.wait_for(main(), 60))
+    t.join(60)
+    assert text == job.text and gap < 0.2, gap     # the loop kept ticking through the step
+    run_all(gen)
+    assert busy.done
+
+
+def test_callback_hears_the_end_of_a_job_its_filter_ended():
+    """A job ended by its token_filter (or an unsamplable row) had its cancelled result in the events only: a
+    consumer driven by callbacks never learned it ended."""
+    model, cache, gen = _setup()
+    seen = []
+    gen.enqueue(Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, token_filter=_fails_at(2, 5, "f"),
+                    callback=lambda r: seen.append(r.finish_reason)))
+    with pytest.raises(Boom):
+        run_all(gen)
+    assert seen == [None, None, "cancelled"]
+
+
+def test_engine_keys_callers_by_job_not_identifier():
+    """Jobs sharing an identifier had their texts merged by run(), and one finishing dropped the other's caller."""
+    from exl_core.plugins import SharedEngine
+    model = TinyLM(seed=1)
+    eng = SharedEngine("tiny", model=model, tokenizer=CharTokenizer(), cache_tokens=1024)
+    try:
+        jobs = [Job(rand_prompt(6), max_new_tokens=n, sampler=GREEDY, stop_on_eos=False, identifier="same")
+                for n in (3, 7)]
+        texts = eng.run(jobs)
+        assert texts == [j.text for j in jobs] and [len(j.generated) for j in jobs] == [3, 7]
+        a = Job(rand_prompt(6), max_new_tokens=2, sampler=GREEDY, stop_on_eos=False, identifier="x")
+        b = Job(rand_prompt(6), max_new_tokens=20, sampler=GREEDY, stop_on_eos=False, identifier="x",
+                token_filter=_fails_at(5, 6, "B"))
+        c = Job(rand_prompt(6), max_new_tokens=20, sampler=GREEDY, stop_on_eos=False, identifier="c")
+        out = {}
+
+        def consume(name, job):
+            try:
+                out[name] = [r.finish_reason for r in eng.stream(job)][-1]
+            except Boom as e:
+                out[name] = f"raised {e}"
+        ts = [threading.Thread(target=consume, args=nj) for nj in (("c", c), ("b", b), ("a", a))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert out == {"a": "length", "b": "raised B", "c": "length"}
+    finally:
+        eng.close()
+
+
+def test_engine_close_reaches_a_caller_whose_callback_raises_on_its_cancel():
+    from exl_core.plugins import SharedEngine
+    eng = SharedEngine("tiny", model=TinyLM(seed=1), tokenizer=CharTokenizer(), cache_tokens=1024)
+
+    def cb(r):
+        time.sleep(0.005)
+        if r.finish_reason == "cancelled":
+            raise RuntimeError("dislikes cancels")
+    job = Job(rand_prompt(6), max_new_tokens=500, sampler=GREEDY, stop_on_eos=False, callback=cb)
+    got = []
+    t = threading.Thread(target=lambda: got.extend(r.finish_reason for r in eng.stream(job)))
+    t.start()
+    time.sleep(0.3)
+    eng.close()
+    t.join(30)
+    assert not t.is_alive() and got[-1] == "cancelled" and job.finish_reason == "cancelled"
