@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CacheFullError, InputError
+from .logprobs import chosen_logprobs
 from .ngram import ngram_draft
 from .sampling import _uniform, processed_probs_batch   # one uniform from a job's generator
 
@@ -352,8 +353,8 @@ def speculative_step(gen, plan) -> list:
         gen.cache.after_forward(job.table, job.tokens + drafts[:a], 1 + a, more_to_come=True)
         if spec.draft_model is not None:
             spec.rollback(job, len(job.tokens) + min(a, n - 1))
-        lse = torch.logsumexp(lg[:len(toks)].float(), dim=1)
-        lps = [float(lg[i, t].float() - lse[i]) for i, t in enumerate(toks)]
+        # the plain sampler's logprobs (float64 log-sum-exp), so speculation changes no reported value
+        lps = chosen_logprobs(lg[:len(toks)].float(), torch.tensor(toks, device=lg.device)).tolist()
         verdicts.append((job, toks, lps))
 
     results = []

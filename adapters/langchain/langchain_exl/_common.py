@@ -7,7 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Per-call kwargs that map onto SamplerSettings fields.
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
-                "frequency_penalty", "presence_penalty", "penalty_range", "logit_bias", "banned_tokens")
+                "frequency_penalty", "presence_penalty", "penalty_range", "penalize_prompt", "temperature_last",
+                "logit_bias", "banned_tokens")
 # Per-call kwargs besides those (max_new_tokens: the same as max_tokens); model= / model_name= (another folder for
 # the call) are taken by pop_model before.
 CALL_KEYS = SAMPLER_KEYS + ("max_tokens", "max_new_tokens", "seed")
@@ -38,6 +39,10 @@ class ExlParams(BaseModel):
     presence_penalty: float = 0.0
     penalty_range: int = -1
     """Tokens back that the penalties look at (-1: all)."""
+    penalize_prompt: bool = True
+    """False: the penalties count generated tokens only (OpenAI's convention), not the prompt's (llama.cpp's)."""
+    temperature_last: bool = False
+    """Apply the temperature after the truncation filters instead of before."""
     logit_bias: Optional[dict[int, float]] = None
     """Token id -> bias added to its logit."""
     banned_tokens: Optional[list[int]] = None

@@ -246,7 +246,7 @@ def test_every_output_setting_is_in_the_cache_key(completion_model):
     changed = {"device": "meta", "dtype": "float16", "cache_tokens": 64, "max_tokens": 3, "seed": 5, "stop": ["x"],
                "add_bos": True, "temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "typical": 0.5,
                "repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.5, "penalty_range": 8,
-               "logit_bias": {1: 2.0}, "banned_tokens": [3], "model": folder + "/other"}
+               "penalize_prompt": False, "temperature_last": True, "logit_bias": {1: 2.0}, "banned_tokens": [3], "model": folder + "/other"}
     assert set(changed) == set(_OUTPUT_FIELDS)
     base = ExlLLM(model=folder, temperature=0, max_tokens=4)
     for k, v in changed.items():
@@ -281,6 +281,17 @@ def test_settings_are_validated_and_reach_the_sampler(completion_model):
     for per_call in ({"banned_tokens": [first]}, {"logit_bias": {first: -1e4}}):
         got = llm.invoke(COMPLETION_PROMPT, **per_call)
         assert llm._engine().tokenizer.encode(got)[:1] != [first], per_call
+
+
+def test_penalty_convention_settings_reach_the_sampler(completion_model, monkeypatch):
+    """penalize_prompt (OpenAI's convention: generated tokens only) and temperature_last were not settable here."""
+    llm = ExlLLM(model=completion_model("smollm2", False), temperature=0, max_tokens=1, penalize_prompt=False)
+    gen = llm._engine().generator
+    seen, enqueue = [], gen.enqueue
+    monkeypatch.setattr(gen, "enqueue", lambda job: (seen.append(job.sampler), enqueue(job))[1])
+    llm.invoke(COMPLETION_PROMPT)
+    llm.invoke(COMPLETION_PROMPT, penalize_prompt=True, temperature_last=True)
+    assert [(s.penalize_prompt, s.temperature_last) for s in seen] == [(False, False), (True, True)]
 
 
 def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeypatch):

@@ -19,7 +19,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.llm import LLM
 
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty",
-                "frequency_penalty", "presence_penalty", "penalty_range", "logit_bias", "banned_tokens")
+                "frequency_penalty", "presence_penalty", "penalty_range", "penalize_prompt", "temperature_last",
+                "logit_bias", "banned_tokens")
 # Per-call kwargs besides those (max_tokens: the same as max_new_tokens).
 CALL_KEYS = SAMPLER_KEYS + ("max_new_tokens", "max_tokens", "seed", "stop")
 
@@ -64,6 +65,9 @@ class Exl(LLM):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_range: int = Field(default=-1, description="Tokens back that the penalties look at (-1: all).")
+    penalize_prompt: bool = Field(default=True, description="False: the penalties count generated tokens only "
+                                  "(OpenAI's convention), not the prompt's (llama.cpp's).")
+    temperature_last: bool = Field(default=False, description="Temperature after the truncation filters.")
     logit_bias: Optional[dict[int, float]] = Field(default=None, description="Token id -> bias added to its logit.")
     banned_tokens: Optional[list[int]] = None
     seed: Optional[int] = None
