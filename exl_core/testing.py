@@ -156,15 +156,15 @@ def assert_native_generates(engine, text: str, want: list, monkeypatch) -> None:
     assert seen == [want]
 
 
-def record_prompts(generator, monkeypatch) -> list:
-    """The input ids of every Job handed to `generator` (an adapter's engine and Generator.generate both go
-    through Generator.enqueue)."""
+def record_prompts(generator, monkeypatch, of=lambda job: list(job.input_ids)) -> list:
+    """The input ids (or `of(job)`: its sampler, say) of every Job handed to `generator` (an adapter's engine and
+    Generator.generate both go through Generator.enqueue)."""
     from .generation.job import Job
     seen, orig = [], generator.enqueue
 
     def enqueue(job):
         if isinstance(job, Job):        # a list comes back here one job at a time
-            seen.append(list(job.input_ids))
+            seen.append(of(job))
         return orig(job)
     monkeypatch.setattr(generator, "enqueue", enqueue)
     return seen

@@ -286,9 +286,8 @@ def test_settings_are_validated_and_reach_the_sampler(completion_model):
 def test_penalty_convention_settings_reach_the_sampler(completion_model, monkeypatch):
     """penalize_prompt (OpenAI's convention: generated tokens only) and temperature_last were not settable here."""
     llm = ExlLLM(model=completion_model("smollm2", False), temperature=0, max_tokens=1, penalize_prompt=False)
-    gen = llm._engine().generator
-    seen, enqueue = [], gen.enqueue
-    monkeypatch.setattr(gen, "enqueue", lambda job: (seen.append(job.sampler), enqueue(job))[1])
+    from exl_core.testing import record_prompts
+    seen = record_prompts(llm._engine().generator, monkeypatch, of=lambda job: job.sampler)
     llm.invoke(COMPLETION_PROMPT)
     llm.invoke(COMPLETION_PROMPT, penalize_prompt=True, temperature_last=True)
     assert [(s.penalize_prompt, s.temperature_last) for s in seen] == [(False, False), (True, True)]

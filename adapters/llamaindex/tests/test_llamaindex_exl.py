@@ -256,9 +256,8 @@ def test_settings_are_validated_and_reach_the_sampler(completion_model):
 def test_penalty_convention_settings_reach_the_sampler(completion_model, monkeypatch):
     """penalize_prompt (OpenAI's convention: generated tokens only) and temperature_last were not settable here."""
     model = llm(completion_model("smollm2", False), max_new_tokens=1, penalize_prompt=False)
-    gen = model._engine().generator
-    seen, enqueue = [], gen.enqueue
-    monkeypatch.setattr(gen, "enqueue", lambda job: (seen.append(job.sampler), enqueue(job))[1])
+    from exl_core.testing import record_prompts
+    seen = record_prompts(model._engine().generator, monkeypatch, of=lambda job: job.sampler)
     model.complete(COMPLETION_PROMPT)
     model.complete(COMPLETION_PROMPT, penalize_prompt=True, temperature_last=True)
     assert [(s.penalize_prompt, s.temperature_last) for s in seen] == [(False, False), (True, True)]
