@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .errors import ConfigError
+from .textfiles import loads_json
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,7 @@ def _read_json_object(file: Path) -> dict:
     if not file.exists():
         raise ConfigError(f"{file}: not found (a model folder needs a HF config.json)")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = loads_json(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     except OSError as e:

@@ -335,7 +335,7 @@ class SharedEngine:
         gen = self.generator
         while True:
             gen._drain_cancels_now()                # jobs callers gave up on while a step ran
-            if self._stop.is_set() or not gen.has_work():
+            if self._stop.is_set() or not gen._has_jobs():
                 return
             # results and a step's errors reach each job's caller through its sink (Generator routing): an error
             # that ended jobs (a token filter, a sampler) only theirs; one that ended none (a model/kernel failure)

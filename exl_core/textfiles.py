@@ -28,12 +28,27 @@ def read_utf8(path, what: str = "text file") -> str:
         raise InputError(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
+class _NestedTooDeep(json.JSONDecodeError):
+    def __str__(self) -> str:       # no line/column: where the nesting became too deep tells the user nothing
+        return self.msg
+
+
+def loads_json(text: str) -> Any:
+    """json.loads, where a document nested deeper than Python's recursion limit fails as malformed JSON (a
+    json.JSONDecodeError saying "nested too deeply"), so the callers' JSON error handling names the file; json.loads
+    itself raises a bare RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise _NestedTooDeep("nested too deeply", text, 0) from None
+
+
 def jsonl_objects(path, what: str = "JSONL file") -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line; a line that is not JSON is an InputError naming it."""
     for n, line in enumerate(read_utf8(path, what).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            yield n, json.loads(line)
+            yield n, loads_json(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from e

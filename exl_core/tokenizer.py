@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from .errors import TokenizerError, is_int
+from .textfiles import loads_json
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -26,7 +27,7 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{path}: unreadable JSON ({e})") from e
     return data if isinstance(data, dict) else {}
@@ -60,6 +61,19 @@ def _ids(v: Any) -> list[int]:
     if isinstance(v, (list, tuple)):
         return [int(x) for x in v if isinstance(x, int) and not isinstance(x, bool)]
     return []
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Lone surrogates ("\\udcff": Python's stand-in for argv/stdin bytes that were not UTF-8) cannot be tokenized:
+    the tokenizers library refuses them with a TypeError naming neither the text nor the place, and the lookups of
+    a piece with a UnicodeEncodeError."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"{what}: the text is not valid Unicode at position {e.start} (a lone surrogate "
+                             f"{text[e.start]!r}: input bytes that were not UTF-8?)") from None
 
 
 def _cleanup_spaces(text: str) -> str:
@@ -351,6 +365,7 @@ class Tokenizer:
         special-token strings in the text (e.g. "<|im_end|>") become their ids."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
+        _check_unicode(text, "encode")
         ids = self._b.encode(text, special)
         if add_bos is None:
             add_bos = self.add_bos_default
@@ -361,6 +376,9 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], add_bos: Optional[bool] = None,
                      special: bool = True) -> list[list[int]]:
         """encode() of each text (the tokenizers backend runs them in parallel)."""
+        for n, t in enumerate(texts):
+            if isinstance(t, str):
+                _check_unicode(t, f"encode_batch: text {n}")
         if isinstance(self._b, _FastBackend) and all(isinstance(t, str) for t in texts):
             tok = self._b.tok if special else self._b._plain
             out = [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -413,6 +431,8 @@ class Tokenizer:
         return piece
 
     def piece_to_id(self, piece: str) -> Optional[int]:
+        if isinstance(piece, str):
+            _check_unicode(piece, f"piece_to_id({piece!r:.40})")
         return self._b.token_to_id(piece)
 
     @functools.cached_property
@@ -434,6 +454,9 @@ class Tokenizer:
         keyword arguments (tools, documents, enable_thinking, ...) go to the template."""
         if continue_final_message:
             add_generation_prompt = False
+        for n, m in enumerate(messages):     # else encode would name a position in the rendered chat, not the message
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                _check_unicode(m["content"], f"apply_chat_template: message {n}")
         template = self.chat_template
         if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

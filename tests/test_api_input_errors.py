@@ -73,6 +73,24 @@ def test_generate_names_bad_prompts_and_seed(tiny):
     assert isinstance(gen.generate("abc", max_new_tokens=2, seed=3, token_filter=ban), str)
 
 
+# -- Model.forward_batch ------------------------------------------------------------------------
+def test_forward_batch_refuses_ids_outside_the_vocabulary(tiny):
+    """-1 read the last embedding row without a word; an id past the vocabulary was a bare IndexError (a device-side
+    assert on CUDA)."""
+    v = tiny.config.vocab_size
+    for bad, shown in ((-1, -1), (v, v), (10 ** 6, 10 ** 6)):
+        with pytest.raises(InputError, match=rf"forward_batch: input_ids hold {shown}, not a token id: each must be "
+                                             rf"in \[0, {v}\)"):
+            tiny.forward_batch(torch.tensor([[1, bad, 2]]))
+    for ids, shown in ((torch.tensor([1, 2]), "a 1-D torch.int64 tensor"), (torch.tensor([[1.0, 2.0]]), "float32"),
+                       ([[1, 2]], "list")):
+        with pytest.raises(InputError, match=f"input_ids must be a 2-D int64 .*got .*{shown}"):
+            tiny.forward_batch(ids)
+    assert tiny.forward_batch(torch.tensor([[0, v - 1]])).shape == (1, 2, v)
+    assert torch.equal(tiny.forward_batch(torch.tensor([[0, v - 1]], dtype=torch.int32)),
+                       tiny.forward_batch(torch.tensor([[0, v - 1]])))
+
+
 # -- Cache --------------------------------------------------------------------------------------
 def test_cache_larger_than_memory_names_max_tokens_and_bytes(tiny):
     with pytest.raises(InputError) as e:

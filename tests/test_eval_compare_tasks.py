@@ -153,6 +153,9 @@ def test_task_file_errors_name_the_line(tmp_path):
     f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 2}\n')
     with pytest.raises(InputError, match=rf"{f}:1: \"answer\""):
         read_task(f)
+    f.write_text("[" * 100000 + "]" * 100000 + "\n")     # a bare RecursionError from json.loads
+    with pytest.raises(InputError, match=rf"{f}:1: not valid JSON \(nested too deeply\)"):
+        read_task(f)
     f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 0}\n' * 5)
     assert len(read_task(f, limit=3)) == 3
     with pytest.raises(InputError, match="at least one token"):

@@ -36,6 +36,36 @@ def test_cache_refuses_dtypes_the_kernels_do_not_compute_in(dtype):
         Cache(TinyLM(seed=0), max_tokens=64, page_size=16, dtype=dtype)
 
 
+@pytest.mark.parametrize("model, shown", [("pair", r"model is a tuple; load_model returns \(model, tokenizer\): pass "
+                                                   "the model"),
+                                          (None, "model must be a model .*got NoneType"),
+                                          ("m", "model must be a model .*got str")])
+def test_cache_and_generator_refuse_what_is_not_a_model(model, shown):
+    """An AttributeError ('tuple' object has no attribute 'config') before."""
+    if model == "pair":                                  # what load_model returns
+        model = (TinyLM(seed=0), CharTokenizer())
+    with pytest.raises(InputError, match="Cache: " + shown):
+        Cache(model, max_tokens=64, page_size=16)
+    cache = Cache(TinyLM(seed=0), max_tokens=64, page_size=16)
+    with pytest.raises(InputError, match="Generator: " + shown):
+        Generator(model, cache, CharTokenizer())
+
+
+@pytest.mark.parametrize("cache", [None, "cache", 64])
+def test_generator_refuses_what_is_not_a_cache(cache):
+    with pytest.raises(InputError, match=f"Generator: cache must be a Cache .*got {type(cache).__name__}"):
+        Generator(TinyLM(seed=0), cache, CharTokenizer())
+
+
+@pytest.mark.parametrize("tok", ["tok", 5, object()])
+def test_generator_refuses_a_tokenizer_without_encode_and_decode(tok):
+    """A str passed as the tokenizer failed only at generate(), as LookupError: unknown encoding: <the prompt>."""
+    model = TinyLM(seed=0)
+    with pytest.raises(InputError, match=f"Generator: tokenizer must have encode and decode .*got "
+                                         f"{type(tok).__name__}"):
+        Generator(model, Cache(model, max_tokens=64, page_size=16), tok)
+
+
 def test_cache_takes_each_supported_dtype():
     for dtype in (torch.float16, torch.bfloat16, torch.float32, None):
         assert Cache(TinyLM(seed=0), max_tokens=64, page_size=16, dtype=dtype).k[0].dtype == (dtype or torch.float32)
@@ -66,6 +96,29 @@ def test_job_callback_and_token_filter_must_be_callable(name):
 def test_job_max_new_tokens_must_be_an_int(n):
     with pytest.raises(InputError, match=f"max_new_tokens={n!r} must be an int >= 1"):
         Job([1, 2], max_new_tokens=n)
+
+
+@pytest.mark.parametrize("stop", [5.5, object(), False])
+def test_job_stop_must_be_strings_or_token_ids(stop):
+    """list(stop) raised a bare TypeError ('float' object is not iterable)."""
+    with pytest.raises(InputError, match=r"Job: stop=.* must be a string, a token id or a list of them \(or None\)"):
+        Job([1, 2], stop=stop)
+
+
+@pytest.mark.parametrize("loras", ["x", 5, ["a"]])
+def test_job_loras_must_be_a_mapping(loras):
+    """dict(loras) raised a bare ValueError / TypeError."""
+    with pytest.raises(InputError, match=r"Job: loras=.* must be a mapping of adapter name to weight"):
+        Job([1, 2], loras=loras)
+
+
+@pytest.mark.parametrize("name", ["stop_on_eos", "return_logprobs", "decode_special"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_job_flags_must_be_bools(name, value):
+    """ "no" is truthy: it turned the flag on."""
+    with pytest.raises(InputError, match=f"Job: {name}={value!r} must be True or False"):
+        Job([1, 2], **{name: value})
+    assert getattr(Job([1, 2], **{name: False}), name) is False
 
 
 def test_job_takes_numpy_ints_for_counts_and_stop_ids():
@@ -101,6 +154,22 @@ def test_token_filter_returning_a_bad_row_cancels_its_job_with_an_input_error(re
     assert bad.finish_reason == "cancelled" and bad.table is None
     assert ok.finish_reason == "length"
     assert_greedy(gen.model, p_ok, ok.generated)
+    assert_pool_idle(gen.cache)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("form", ["tensor", "list"])
+def test_token_filter_returning_nan_or_inf_is_blamed_on_the_filter(bad, form):
+    """The sampler's check said "the model output is corrupt"."""
+    gen = _generator()
+    row = torch.zeros(300)
+    row[7] = bad
+    ret = row if form == "tensor" else row.tolist()
+    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=lambda ids, r: ret))
+    with pytest.raises(InputError, match=rf"Job {job.identifier!r}: its token_filter returned NaN or \+inf logits"):
+        run_all(gen)
+    run_all(gen)
+    assert job.finish_reason == "cancelled"
     assert_pool_idle(gen.cache)
 
 
@@ -166,6 +235,18 @@ def test_decode_refuses_what_is_not_a_token_id(wordlevel_dir, ids):
     tok = Tokenizer.from_folder(wordlevel_dir)
     with pytest.raises(TokenizerError, match=rf"{wordlevel_dir}: decode: ids"):
         tok.decode(ids)
+
+
+def test_generate_refuses_lone_surrogates_in_prompts_and_stop_strings(wordlevel_dir):
+    """Undecodable argv/stdin bytes ("\\udcff"): a TypeError from the tokenizers library (prompt), a
+    UnicodeEncodeError from the piece lookup (stop string)."""
+    model, tok = exl.load_model(wordlevel_dir)
+    gen = Generator(model, Cache(model, max_tokens=64, page_size=16), tok)
+    with pytest.raises(TokenizerError, match=r"not valid Unicode at position 4 \(a lone surrogate '\\udcff'"):
+        gen.generate("the \udcff cat", max_new_tokens=2)
+    with pytest.raises(TokenizerError, match=r"not valid Unicode at position 0 \(a lone surrogate '\\ud800'"):
+        gen.generate("the cat", max_new_tokens=2, stop=["\ud800"])
+    assert not gen.has_work()
 
 
 def test_decode_drops_padding_rows_and_takes_integer_likes(wordlevel_dir):

@@ -331,6 +331,55 @@ def test_head_count_mismatch(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("method,write,key,needle", [
+    ("add_head_count", lambda w: w.add_uint32("llama.attention.head_count", 0), "llama.attention.head_count",
+     "is 0; it must be at least 1"),                                          # was a ZeroDivisionError
+    ("add_embedding_length", lambda w: w.add_string("llama.embedding_length", "abc"), "llama.embedding_length",
+     "is 'abc'; a whole number is expected"),                                 # was a ValueError from int()
+    ("add_layer_norm_rms_eps", lambda w: w.add_string("llama.attention.layer_norm_rms_epsilon", "x"),
+     "llama.attention.layer_norm_rms_epsilon", "is 'x'; a number is expected"),   # ... from float()
+    ("add_context_length", lambda w: w.add_float32("llama.context_length", 256.5), "llama.context_length",
+     "is 256.5; a whole number"),                                             # int() would cut it to 256
+], ids=["head_count_0", "embedding_length_str", "rms_eps_str", "context_length_fraction"])
+def test_bad_numeric_metadata_names_the_key(tmp_path, monkeypatch, method, write, key, needle):
+    import gguf
+    from exl_core.errors import ConfigError
+    src = tmp_path / "meta.gguf"
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, *a: write(self))
+    write_tiny_gguf(src, tied=True)
+    with pytest.raises(ConfigError) as e:
+        import_gguf(src, tmp_path / "out", progress=False)
+    assert "meta.gguf" in str(e.value) and f"'{key}' {needle}" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_tensor_type_gguf_cannot_dequantize_names_the_tensor(tmp_path, monkeypatch):
+    """gguf's dequantize raises NotImplementedError for some types (Q8_1, I8, ...)."""
+    import gguf
+    qt = gguf.GGMLQuantizationType.Q8_1
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = np.zeros((I, H // block * size), dtype=np.uint8)
+    try:
+        gguf.quants.dequantize(raw, qt)
+        pytest.skip("this gguf package dequantizes Q8_1")
+    except NotImplementedError:
+        pass
+    real = gguf.GGUFWriter.add_tensor
+
+    def q8_1_up(self, name, tensor, *a, **k):
+        if name == "blk.1.ffn_up.weight":
+            return real(self, name, raw, raw_dtype=qt)
+        return real(self, name, tensor, *a, **k)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", q8_1_up)
+    src = tmp_path / "q81.gguf"
+    write_tiny_gguf(src, tied=True)
+    with pytest.raises(FormatError) as e:
+        import_gguf(src, tmp_path / "out", progress=False)
+    assert "q81.gguf" in str(e.value) and "'blk.1.ffn_up.weight'" in str(e.value) and "Q8_1" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_eot_id_joins_stop_ids(tmp_path, monkeypatch):
     import gguf
     from exl_core.tokenizer import Tokenizer

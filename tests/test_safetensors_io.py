@@ -192,6 +192,21 @@ def test_corrupt_header_json(tmp_path):
     _assert_names(e, f.name, "JSON")
 
 
+def test_deeply_nested_header_and_index(tmp_path):
+    """A header or an index nested past Python's recursion limit: a bare RecursionError from json.loads."""
+    deep = "[" * 100000 + "]" * 100000
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", len(deep)) + deep.encode())
+    with pytest.raises(FormatError) as e:
+        WeightReader(tmp_path)
+    _assert_names(e, f.name, "not valid JSON (nested too deeply)")
+    folder, _ = _sharded(tmp_path / "sharded")
+    (folder / sio.INDEX_NAME).write_text('{"weight_map":' + deep + "}")
+    with pytest.raises(FormatError) as e:
+        WeightReader(folder)
+    _assert_names(e, sio.INDEX_NAME, "nested too deeply")
+
+
 def test_header_length_larger_than_file(tmp_path):
     f = _raw_file(tmp_path / "w.safetensors",
                   {"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4,

@@ -522,6 +522,21 @@ def test_invalid_settings_name_the_field(field, value):
         s.validate()
 
 
+def test_ints_too_large_for_a_float_are_refused():
+    """math.isfinite / float() raised a bare OverflowError on them."""
+    for field in ("temperature", "top_p", "repetition_penalty", "frequency_penalty"):
+        for v in (10 ** 400, -10 ** 400):
+            with pytest.raises(SamplerError, match=f"SamplerSettings.{field}=.* is invalid"):
+                SamplerSettings(**{field: v})
+    for v in (10 ** 400, -10 ** 400):
+        with pytest.raises(SamplerError, match="logit_bias.*biases must be finite numbers or -inf"):
+            SamplerSettings(logit_bias={1: v})
+    import sys
+    if sys.get_int_max_str_digits():                 # past Python's int -> str limit, repr() itself fails
+        with pytest.raises(SamplerError, match="temperature=<a number too large to print> is invalid"):
+            SamplerSettings(temperature=10 ** sys.get_int_max_str_digits())
+
+
 def test_token_ids_checked_against_vocab():
     s = SamplerSettings(logit_bias={100: 1.0}, banned_tokens=[5])
     s.validate()                                   # vocab unknown: fine

@@ -178,6 +178,13 @@ def test_corrupt_tokenizer_json(tmp_path):
         Tokenizer.from_folder(tmp_path)
 
 
+def test_deeply_nested_tokenizer_config(tmp_path):
+    """json.loads raised a bare RecursionError on a document nested past Python's recursion limit."""
+    (tmp_path / "tokenizer_config.json").write_text('{"a":' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: .*JSON \(nested too deeply\)"):
+        Tokenizer.from_folder(tmp_path)
+
+
 @pytest.mark.real_model
 def test_eos_ids_collected_from_all_configs(smollm2_dir, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -325,6 +332,21 @@ def test_sentencepiece_model_matches_library(spm_dir):
     assert tok.encode("a</s>b", add_bos=False).count(2) == 1                 # matched as special
     assert 2 not in tok.encode("a</s>b", add_bos=False, special=False)
     assert tok.decode([1, *ref.encode("hi")], skip_special=False) == "<s>" + ref.decode(ref.encode("hi"))
+
+
+@pytest.mark.parametrize("folder", ["sp_dir", "spm_dir"])
+def test_lone_surrogates_are_refused(folder, request):
+    """Undecodable argv/stdin bytes reach Python as lone surrogates ("\\udcff"): the tokenizers library refused them
+    with "TypeError: TextInputSequence must be str", the piece lookups with a UnicodeEncodeError."""
+    tok = Tokenizer.from_folder(request.getfixturevalue(folder))
+    for call, where in ((lambda: tok.encode("the \udcff cat"), "encode: .* position 4"),
+                        (lambda: tok.encode_batch(["ok", "x\ud800"]), "text 1: .* position 1"),
+                        (lambda: tok.piece_to_id("\ud800"), "position 0"),
+                        (lambda: tok.apply_chat_template([{"role": "user", "content": "a\udcff"}]),
+                         "message 0: .* position 1")):
+        with pytest.raises(TokenizerError, match=where + r" \(a lone surrogate .*not UTF-8\?\)"):
+            call()
+    assert tok.decode(tok.encode("héllo wörld 🤗", add_bos=False)) == "héllo wörld 🤗"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

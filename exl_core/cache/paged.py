@@ -32,6 +32,16 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def check_model(model, what: str) -> None:
+    """`model` as Cache and Generator take it: an object with a model config (a model load_model returned, or a
+    stand-in); anything else would fail later as an AttributeError naming neither the argument nor the fix."""
+    if isinstance(model, tuple):
+        raise InputError(f"{what}: model is a tuple; load_model returns (model, tokenizer): pass the model "
+                         "(model, tokenizer = load_model(...))")
+    if getattr(model, "config", None) is None:
+        raise InputError(f"{what}: model must be a model (as load_model returns it), got {type(model).__name__}")
+
+
 class Cache:
     """Paged K/V cache of one model: tensors + PagePool + PrefixIndex (+ sliding window)."""
 
@@ -39,6 +49,7 @@ class Cache:
                  dtype: Optional[torch.dtype] = None, tp_group=None):
         """`tp_group`: the tensor-parallel ranks that must all size this cache alike where it is sized from free
         memory (max_tokens None); default the model's own group (a sharded model's `tensor_parallel`)."""
+        check_model(model, "Cache")
         cfg = model.config
         if not is_int(page_size) or page_size < 1:
             raise InputError(f"Cache: page_size={page_size!r} must be an int >= 1")
@@ -74,8 +85,6 @@ class Cache:
             # a size past the free memory fails deep in torch's allocator (or, where the OS overcommits, gets the
             # process killed while the pages are zeroed): refuse it here, with the numbers
             free = known_free_memory(self.device)
-            if free is not None and self.device.type == "cuda":   # blocks torch's allocator holds unused: ours too
-                free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             if free is not None and need > free:
                 raise InputError(f"Cache: max_tokens={max_tokens} needs {need} bytes ({_gib(need)}, {per_token} "
                                  f"bytes a token) but only {free} bytes ({_gib(free)}) are free on {self.device}; "

@@ -78,6 +78,22 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def _number(reader, key: str, path: str, default: Any = None, kind: type = int, minimum: Optional[int] = None):
+    """Metadata `key` as a number of `kind` (int: a whole one), `default` where it is absent: a string, an array or
+    a fraction stored there is a ConfigError naming the file and the key, not a ValueError from int()/float()."""
+    v = _field(reader, key)
+    if v is None:
+        return default
+    whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not whole):
+        raise ConfigError(f"{path}: GGUF metadata '{key}' is {v!r:.60}; "
+                          + ("a whole number" if kind is int else "a number") + " is expected")
+    v = kind(v)
+    if minimum is not None and v < minimum:
+        raise ConfigError(f"{path}: GGUF metadata '{key}' is {v}; it must be at least {minimum}")
+    return v
+
+
 def _f32(x) -> float:
     """GGUF stores floats as f32: print the shortest decimal that rounds to it (1e-05, not
     9.999999747378752e-06)."""
@@ -164,69 +180,72 @@ def _config_from_gguf(reader, path: str, has_output: bool, embed_rows: int) -> d
                           f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     spec = SUPPORTED_ARCHS[arch]
 
-    def need(key: str):
-        v = _field(reader, f"{arch}.{key}")
+    def num(key: str, default: Any = None, kind: type = int, minimum: Optional[int] = None):
+        return _number(reader, f"{arch}.{key}", path, default, kind, minimum)
+
+    def need(key: str, kind: type = int, minimum: Optional[int] = None):
+        v = num(key, kind=kind, minimum=minimum)
         if v is None:
             raise ConfigError(f"{path}: GGUF metadata lacks '{arch}.{key}', needed for config.json")
         return v
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    hidden = need("embedding_length")
+    heads = need("attention.head_count", minimum=1)        # the divisor of the default head size
+    kv_heads = num("attention.head_count_kv", heads, minimum=1)
+    head_dim = num("attention.key_length", hidden // heads, minimum=1)
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else embed_rows))
+    vocab = num("vocab_size", len(tokens) if tokens else embed_rows)
     cfg = {
         "architectures": [spec.hf_arch],
         "model_type": spec.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon", float)),
+        "rope_theta": _f32(num("rope.freq_base", 10000.0, float)),
+        "max_position_embeddings": num("context_length", 2048),
         "tie_word_embeddings": not has_output,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": "float16",
     }
-    rot = _field(reader, f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
+    rot = num("rope.dimension_count")
+    if rot is not None and rot != head_dim:
         raise FormatError(f"{path}: rope.dimension_count={rot} but head_dim={head_dim}: partial "
                           "rotary embeddings are not a Llama-family layout")
     cfg["rope_scaling"] = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    factor = num("rope.scaling.factor", kind=float)
     if scaling_type in ("linear", "yarn") and factor is not None:
         cfg["rope_scaling"] = {"type": scaling_type, "rope_type": scaling_type,
-                               "factor": float(factor)}
-        orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
+                               "factor": factor}
+        orig = num("rope.scaling.original_context_length")
         if scaling_type == "yarn" and orig is not None:
-            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+            cfg["rope_scaling"]["original_max_position_embeddings"] = orig
     cfg.update(dict(spec.extra))
-    sw = _field(reader, f"{arch}.attention.sliding_window")
+    sw = num("attention.sliding_window")
     if sw:
-        cfg["sliding_window"] = int(sw)
+        cfg["sliding_window"] = sw
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
-        v = _field(reader, f"tokenizer.ggml.{key}")
+        v = _number(reader, f"tokenizer.ggml.{key}", path)
         if v is not None:
-            cfg[hf_key] = int(v)
+            cfg[hf_key] = v
     return cfg
 
 
-def _stop_ids(reader, cfg: dict) -> list[int]:
+def _stop_ids(reader, cfg: dict, path: str) -> list[int]:
     """eos plus llama.cpp's end-of-turn / end-of-message ids (chat models stop on those)."""
     ids = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
     for key in ("eot_token_id", "eom_token_id"):
-        v = _field(reader, f"tokenizer.ggml.{key}")
-        if v is not None and int(v) not in ids:
-            ids.append(int(v))
+        v = _number(reader, f"tokenizer.ggml.{key}", path)
+        if v is not None and v not in ids:
+            ids.append(v)
     return ids
 
 
@@ -251,7 +270,7 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     other tools expect (chat template inside tokenizer_config.json, special tokens map,
     generation config). A GGUF without a vocabulary gets only generation_config.json."""
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
-    stops = _stop_ids(reader, cfg)
+    stops = _stop_ids(reader, cfg, str(gguf_path))
     if len(stops) > 1:
         gen["eos_token_id"] = stops
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
@@ -291,11 +310,21 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
 
 
+def _dequantize_raw(t, path: str) -> np.ndarray:
+    """gguf's dequantize of tensor `t`; a storage type it cannot decode is a FormatError naming the tensor, not its
+    NotImplementedError."""
+    import gguf
+    try:
+        return gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise FormatError(f"{path}: tensor '{t.name}' is stored as GGML type {t.tensor_type.name}, which the gguf "
+                          f"package cannot dequantize ({e}); re-export the model with another type") from None
+
+
 def _dequantize(t, arch: str, n_head: int, n_kv: int, head_dim: int, path: str) -> np.ndarray:
     """One GGUF tensor as float32 in HF layout."""
-    import gguf
     # dequantize returns float32 in numpy order (= HF order: out_features, in_features)
-    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    w = _dequantize_raw(t, path)
     w = np.array(w, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
     if SUPPORTED_ARCHS[arch].permute_qk:
         if ".attn_q." in t.name:
@@ -337,9 +366,8 @@ def import_gguf(gguf_file, out_dir, dtype: torch.dtype = torch.float16,
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         scaling = _rope_scaling_from_factors(
-            gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type), cfg["head_dim"],
-            cfg["rope_theta"], _field(reader, f"{arch}.rope.scaling.original_context_length"),
-            str(gguf_path))
+            _dequantize_raw(rope_freqs, str(gguf_path)), cfg["head_dim"], cfg["rope_theta"],
+            _number(reader, f"{arch}.rope.scaling.original_context_length", str(gguf_path)), str(gguf_path))
         if scaling is not None:
             cfg["rope_scaling"] = scaling
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

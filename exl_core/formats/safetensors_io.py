@@ -23,6 +23,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from ..errors import FormatError
+from ..textfiles import loads_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -76,7 +77,7 @@ def read_header(path: Union[str, Path]) -> tuple[dict[str, _Entry], dict[str, st
     except OSError as e:
         raise FormatError(f"{path}: cannot read ({e})") from e
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = loads_json(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{fn}: header is not valid JSON ({e}); the file is corrupt") from e
     if not isinstance(header, dict):
@@ -157,7 +158,7 @@ def _stale_index(index: Path, folder: Path) -> bool:
     index. Read the folder's files then; any other index (some shards present: an incomplete download; none, beside
     unrelated files) is still read, and named in the error."""
     try:
-        wmap = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        wmap = loads_json(index.read_text(encoding="utf-8")).get("weight_map")
         shards = {f for f in wmap.values() if isinstance(f, str)}
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         return False                                   # unreadable: _open_index says why
@@ -210,7 +211,7 @@ class WeightReader:
 
     def _open_index(self, index: Path) -> None:
         try:
-            data = json.loads(index.read_text(encoding="utf-8"))
+            data = loads_json(index.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FormatError(f"{index}: unreadable index ({e})") from e
         wmap = data.get("weight_map") if isinstance(data, dict) else None

@@ -40,7 +40,7 @@ class AsyncConsumers:
     async def _drive(self, loop) -> None:
         # This loop's driver: steps run in a thread while its astreams wait; results reach them by routing.
         try:
-            while self._has_consumers_on(loop) and self.has_work():
+            while self._has_consumers_on(loop) and self._has_jobs():
                 _, err, ended = await asyncio.to_thread(self._step_routed)
                 if err is not None and not ended:
                     return              # a failed forward: every consumer heard it, each one's exit cancels its job

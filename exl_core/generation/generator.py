@@ -67,6 +67,9 @@ def _check_filtered(job: Job, out, row: torch.Tensor) -> Optional[torch.Tensor]:
         out = torch.tensor(out, dtype=row.dtype, device=row.device)
     if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() == row.numel() and \
             out.dim() <= 2 and out.shape[-1] == row.numel():
+        if bool((out.isnan() | out.isposinf()).any()):    # the sampler's check would blame the model (-inf: a ban)
+            raise InputError(f"Job {job.identifier!r}: its token_filter returned NaN or +inf logits; return finite "
+                             "values (-inf bans a token)")
         return out.reshape(row.shape)
     got = f"a {out.dtype} tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
     raise InputError(f"Job {job.identifier!r}: token_filter returned {got}; it must return {row.numel()} floats (a "
@@ -88,6 +91,15 @@ class Generator(Routing, AsyncConsumers):
         (and no speculative decoding), launch the next decode step before this step's tokens reach the host, so the
         host's per-step work overlaps the GPU's (lookahead.py; the same tokens); default on (EXL_CORE_GEN_LOOKAHEAD=0:
         off)."""
+        from ..cache.paged import Cache, check_model
+        check_model(model, "Generator")
+        if not isinstance(cache, Cache):
+            raise InputError(f"Generator: cache must be a Cache (Cache(model, ...)), got {type(cache).__name__}")
+        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                          and callable(getattr(tokenizer, "decode", None))):
+            # a str here would be taken for one later: str.encode(prompt) fails with "unknown encoding"
+            raise InputError(f"Generator: tokenizer must have encode and decode methods (the Tokenizer load_model "
+                             f"returns) or be None, got {type(tokenizer).__name__}")
         if cache.model is not model:
             raise InputError("Generator: the cache was built for a different model; use Cache(model, ...)")
         for name, v, optional in (("max_batch_tokens", max_batch_tokens, True),
@@ -220,7 +232,12 @@ class Generator(Routing, AsyncConsumers):
             return [*self.waiting, *self.active]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active or self._events or self._orphan_error is not None)
+        """Jobs to step or results to hand out -- or an error a stream's step left for the next iterate()."""
+        return self._has_jobs() or self._orphan_error is not None
+
+    def _has_jobs(self) -> bool:
+        """has_work for the consumers' own loops (routing.py), which do not take the errors left for iterate()."""
+        return bool(self.waiting or self.active or self._events)
 
     @property
     def num_active(self) -> int:

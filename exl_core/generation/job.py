@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -83,7 +83,11 @@ class Job:
             raise InputError(f"Job: max_new_tokens={max_new_tokens!r} must be an int >= 1")
         if isinstance(stop, str) or is_int(stop):     # a single stop string / token, not a sequence of chars
             stop = [stop]
-        stop = list(stop or [])
+        try:
+            stop = list(stop) if stop is not None else []
+        except TypeError:      # 5.5, an object: list() names neither the argument nor what it takes
+            raise InputError(f"Job: stop={stop!r:.60} must be a string, a token id or a list of them (or None)") \
+                from None
         for s in stop:
             if not ((isinstance(s, str) and s) or (is_int(s) and s >= 0)):
                 raise InputError(f"Job: stop entry {s!r} must be a non-empty string or a token id")
@@ -94,6 +98,13 @@ class Job:
         for name, fn in (("callback", callback), ("token_filter", token_filter)):
             if fn is not None and not callable(fn):     # else a TypeError mid-generation, after its pages are taken
                 raise InputError(f"Job: {name} must be callable or None, got {type(fn).__name__}")
+        if loras is not None and not isinstance(loras, Mapping):    # dict() takes pairs, fails on the rest
+            raise InputError(f"Job: loras={loras!r:.60} must be a mapping of adapter name to weight, e.g. "
+                             "{'my_adapter': 1.0} (or None)")
+        for name, v in (("stop_on_eos", stop_on_eos), ("return_logprobs", return_logprobs),
+                        ("decode_special", decode_special)):
+            if not isinstance(v, bool):     # "no" or "false" would count as True
+                raise InputError(f"Job: {name}={v!r:.60} must be True or False")
         if seed is not None:
             # int() would take "5" or 5.7 and fail on "abc" with a bare ValueError; index() takes numpy ints
             try:

@@ -22,6 +22,15 @@ def _is_real(v) -> bool:          # numbers.* so numpy scalars pass too; bools a
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def _finite(v) -> bool:
+    """math.isfinite of a real number, where an int too large for a float (10**400) is not finite either (isfinite
+    raises OverflowError on it)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 # (field, valid, rule) of SamplerSettings' float fields, checked by `validate`
 _FLOAT_RULES = (
     ("temperature", lambda v: v >= 0, "must be a finite number >= 0 (0 = greedy)"),
@@ -91,11 +100,15 @@ class SamplerSettings:
         """Raise SamplerError naming the field and its valid range; token ids are checked
         against `vocab_size` when given. Returns self so calls chain."""
         def bad(name, value, rule):
-            raise SamplerError(f"SamplerSettings.{name}={value!r} is invalid: {rule}")
+            try:
+                shown = repr(value)
+            except ValueError:      # an int of more digits than Python converts to text (sys.set_int_max_str_digits)
+                shown = "<a number too large to print>"
+            raise SamplerError(f"SamplerSettings.{name}={shown} is invalid: {rule}")
 
         for name, ok, rule in _FLOAT_RULES:
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v) or not ok(v):
+            if not _is_real(v) or not _finite(v) or not ok(v):
                 bad(name, v, rule)
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", self.top_k, "must be an int >= 0 (0 = off)")
@@ -115,7 +128,7 @@ class SamplerSettings:
                 bad("logit_bias", self.logit_bias, "must be a dict {token id: bias} or None")
             for t, b in self.logit_bias.items():
                 check_id("logit_bias", t)
-                if not _is_real(b) or math.isnan(b) or b == math.inf:
+                if not _is_real(b) or not (_finite(b) or b == -math.inf):
                     bad("logit_bias", {t: b}, "biases must be finite numbers or -inf")
         if self.banned_tokens is not None:
             # a container read again at every step: an iterator would be used up here, an array / tensor has no

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import InputError
 from ..ops.activation import silu_mul
 from ..ops.cuda_candidates import prompt_adds_extra_rows
 from ..ops.decoder_layer import DenseWeight, LayerWeights, NativeStack, decoder_layers
@@ -417,6 +418,20 @@ class Model(nn.Module):
         their K/V are appended (used by tests and simple scripts; the generator uses the
         paged cache).
         """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
+                input_ids.dtype not in (torch.int64, torch.int32):
+            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
+            raise InputError(f"forward_batch: input_ids must be a 2-D int64 (or int32) tensor [batch, tokens], got "
+                             f"{got}")
+        if input_ids.numel():
+            # embedding lookup would read -1 as the last row, and fail on ids past the vocabulary with an IndexError
+            # (a device-side assert on CUDA): one min/max, one host read
+            lo, hi = (int(v) for v in torch.aminmax(input_ids))
+            n = self.embed_weight.shape[0]
+            if lo < 0 or hi >= n:
+                raise InputError(f"forward_batch: input_ids hold {lo if lo < 0 else hi}, not a token id: each must be "
+                                 f"in [0, {n}) (the vocabulary size)")
         b, t = input_ids.shape
         kvs = kvs if kvs is not None else [None] * b
         ctx = ContiguousContext([t] * b, kvs, device=self.device)
