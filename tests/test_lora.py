@@ -224,6 +224,9 @@ def test_bad_adapters(tiny_llama_dir, tmp_path, base):
         (folder / "adapter_config.json").write_text(json.dumps(cfg))
         with pytest.raises(LoraError, match=f"adapter_config.json: {what}"):
             load_lora(base, folder)
+    (folder / "adapter_config.json").write_text('{"r": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(LoraError, match="adapter_config.json: unreadable JSON .*nested too deeply"):
+        load_lora(base, folder)          # was a bare RecursionError
 
 
 def test_generator_jobs_with_different_adapters_match_running_alone(tiny_llama_dir, tmp_path):

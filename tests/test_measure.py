@@ -68,3 +68,12 @@ def test_residual_errors_match_direct_forward(seed):
                 assert direct / 2 < r["err"][i] < direct * 2, (n, cands[i].name, r["err"][i], direct)
         # more bits, less error (the allocator relies on a meaningful order)
         assert r["err"][0] > r["err"][cands.index(REF_CANDIDATE)] > r["err"][-1]
+
+
+def test_a_measurement_file_nested_too_deeply_is_refused_by_name(tmp_path):
+    from exl_core.errors import InputError
+    from exl_core.quantize.measure import load_measurement
+    path = tmp_path / "measurement.json"
+    path.write_text('{"layers": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(InputError, match=f"{path}: not valid JSON .*nested too deeply"):
+        load_measurement(path, {})          # was a bare RecursionError

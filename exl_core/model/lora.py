@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 import re
 import threading
@@ -34,6 +33,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..errors import LoraError
+from ..textfiles import loads_json
 from .linear import QuantLinear
 from .lora_requant import requantize_like
 
@@ -312,7 +312,7 @@ def _read_config(folder: Path) -> dict:
     if not cfg_path.is_file():
         raise LoraError(f"{folder}: adapter_config.json not found; a PEFT LoRA folder needs it")
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = loads_json(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise LoraError(f"{cfg_path}: unreadable JSON ({e})") from e
     if not isinstance(cfg, dict):

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..errors import InputError, TokenizerError
-from ..textfiles import jsonl_objects, read_utf8, require_file
+from ..textfiles import jsonl_objects, loads_json, read_utf8, require_file
 from .calib_forward import rms_norm, rope_inv_freq, rope_tables, linear, mlp_act
 
 
@@ -42,7 +42,7 @@ def read_texts(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
-            data = json.loads(read_utf8(path, "calibration file"))
+            data = loads_json(read_utf8(path, "calibration file"))
         except ValueError as e:
             raise InputError(f"{path}: not valid JSON ({e}); a plain text calibration file should not end in "
                              ".json") from None

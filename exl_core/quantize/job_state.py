@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
+from ..textfiles import loads_json
 
 JOB_DIR = ".exl_job"
 
@@ -88,7 +89,7 @@ class JobState:
                                   f"cannot be resumed); delete {self.dir} to start this conversion over")
         if f.is_file():
             with self.reading(f):
-                old = json.loads(f.read_text())
+                old = loads_json(f.read_text())
                 if not isinstance(old, dict):
                     raise ValueError("not a JSON object")
             old_inputs = old.pop("inputs", None)        # absent in jobs started before it was recorded

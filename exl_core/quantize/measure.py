@@ -30,6 +30,7 @@ import torch
 
 from ..errors import InputError
 from ..formats.exl2 import REQUIRED as EXL2_TENSORS
+from ..textfiles import loads_json
 from .calib_forward import Dims, attention, linear, mlp_act, rms_norm
 from .gptq_solver import LayerPlan, gptq_quantize_multi, plan_bits, plan_groups
 from .hessian import HessianAccumulator, output_sq_error
@@ -94,7 +95,7 @@ def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]]) -> t
     if not path.is_file():
         raise InputError(f"measurement file {path} not found")
     try:
-        data = json.loads(path.read_text())
+        data = loads_json(path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, dict) or data.get("version") != MEASUREMENT_VERSION or "layers" not in data:

@@ -19,6 +19,7 @@ import torch
 from ..errors import ConfigError, FormatError
 from ..formats import exl2, gptq
 from ..formats.safetensors_io import WeightReader, write_sharded
+from ..textfiles import loads_json
 
 PROJ = re.compile(r"^(.*\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj))\.weight$")
 _SKIP_COPY = {"config.json", "model.safetensors.index.json", "quantize_config.json", "measurement.json"}
@@ -44,7 +45,7 @@ def quantize_model_rtn(src_folder, dst_folder, fmt: str = "gptq", bits: BitsSpec
         raise ConfigError(f"quantize_model_rtn: fmt must be 'gptq' or 'exl2', got {fmt!r}")
     cfg_path = src / "config.json"
     try:
-        config = json.loads(cfg_path.read_text())
+        config = loads_json(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{cfg_path}: cannot read config.json ({e})") from e
     if (Path(dst) / "config.json").resolve() == cfg_path.resolve():
