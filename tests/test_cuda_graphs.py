@@ -100,6 +100,29 @@ def test_windowed_job_decodes_past_the_graphs_rope_table(tiny_model_factory):
     assert out[0] == out[1]
 
 
+def test_graph_entries_of_a_growing_window_table_stay_bounded(tiny_model_factory, monkeypatch):
+    """A windowed job's block table widens with its length (released pages keep their places): one recorded shape a
+    bucket, for ever. The least recently used shapes are dropped past MAX_ENTRIES, with the same tokens."""
+    from exl_core.generation import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "WIDTH_BUCKET_TOKENS", 8)      # a new width every page of 8
+    monkeypatch.setattr(cuda_graphs, "MAX_ENTRIES", 3)
+    folder = tiny_model_factory("mistral", seed=2, vocab_size=512, sliding_window=12)
+    model, _ = load_model(folder, load_tokenizer=False)
+    prompt = [random.Random(2).randrange(3, 512) for _ in range(5)]
+    out, sizes = [], []
+    for graphs in (False, True):
+        gen = Generator(model, Cache(model, max_tokens=64, page_size=8), max_batch_tokens=64, max_chunk_size=16,
+                        cuda_graphs=graphs)
+        job = gen.enqueue(Job(prompt, max_new_tokens=120, sampler=GREEDY, stop_on_eos=False))
+        while gen.has_work():
+            gen.iterate()
+            if graphs:
+                sizes.append(len(gen.graphs._entries))
+        out.append(job.generated)
+    assert max(sizes) == 3 and max(w for _, w in gen.graphs._entries) >= 14     # 15 widths came and went
+    assert out[0] == out[1]
+
+
 def test_graphs_off_by_default_on_cpu(tiny):
     model, _ = load_model(tiny, load_tokenizer=False)
     assert Generator(model, Cache(model, max_tokens=256)).graphs is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import warnings
 from array import array
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +33,9 @@ from ..cache.paged import PagedContext, step_indices, table_width
 # Block tables are padded to a multiple of this many tokens' worth of pages: few graphs as sequences
 # grow, while the gathered attention (whose work grows with the padded width) reads little padding.
 WIDTH_BUCKET_TOKENS = 256
+# Recorded (batch, width) shapes kept, least recently used dropped first: a sliding-window job's block table keeps its
+# released pages' places (-1), so its width grows with its length and would record a graph every bucket for ever.
+MAX_ENTRIES = 64
 
 
 class StaticDecodeContext(PagedContext):
@@ -93,7 +97,7 @@ class GraphedDecoder:
         self.num_positions = max(cfg.max_position_embeddings, cache.max_tokens) + 1
         self._rope = model.rope.cos_sin(self.num_positions)
         self.bucket = max(1, WIDTH_BUCKET_TOKENS // cache.page_size)      # pages
-        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._entries: "OrderedDict[tuple[int, int], _Entry]" = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
 
@@ -118,6 +122,10 @@ class GraphedDecoder:
         fresh = e is None
         if fresh:
             e = self._entries[key] = _Entry(StaticDecodeContext(self.cache, s, width, self.num_positions))
+            if len(self._entries) > MAX_ENTRIES:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
         e.ctx.fill(ids, tables)
         if device_ids is not None:
             e.ctx.ids.copy_(device_ids)          # the fill's copy is queued before it, on the same stream
