@@ -339,10 +339,8 @@ class SharedEngine:
                 return
             # results and a step's errors reach each job's caller through its sink (Generator routing): an error
             # that ended jobs (a token filter, a sampler) only theirs; one that ended none (a model/kernel failure)
-            # every caller, and every job is cancelled
-            _, err, ended = gen._step_routed()
-            if err is not None and not ended:
-                self._cancel_all()
+            # every caller of a queued or running job, and those jobs are cancelled
+            gen._step_routed()      # a failed forward's callers heard it, their jobs ended (routing.py)
 
     def _cancel_all(self) -> None:
         for job in self.generator.pending_jobs():
@@ -406,13 +404,17 @@ class SharedEngine:
         handoff = threading.Lock()
         state = {"in": False, "gone": False}
 
+        def give_up():
+            self.generator._detach(job, sink)
+            self._cancel(job)
+
         def submit():
             self._submit(job, sink)
             with handoff:
                 state["in"] = True
                 gone = state["gone"]
             if gone:
-                self._cancel(job)
+                give_up()
         try:
             await loop.run_in_executor(None, submit)
         except asyncio.CancelledError:
@@ -420,7 +422,7 @@ class SharedEngine:
                 state["gone"] = True
                 was_in = state["in"]
             if was_in:
-                self._cancel(job)
+                give_up()
             raise
         ended = [False]
         try:
@@ -437,7 +439,10 @@ class SharedEngine:
         ended[0] becomes True on the last result or an error (nothing left to cancel then)."""
         ended[0] = isinstance(item, BaseException) or item.finish_reason is not None
         if isinstance(item, BaseException):
-            raise item
+            try:
+                raise item
+            finally:
+                del item        # no cycle through this frame
         return item
 
     def run(self, jobs) -> list:
@@ -456,7 +461,10 @@ class SharedEngine:
             while left:
                 i, item = q.get()
                 if isinstance(item, BaseException):
-                    raise item
+                    try:
+                        raise item
+                    finally:
+                        del item    # no cycle through this frame
                 texts[i].append(item.text)
                 if item.finish_reason is not None:
                     left -= 1

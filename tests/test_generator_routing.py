@@ -230,3 +230,131 @@ def test_engine_close_reaches_a_caller_whose_callback_raises_on_its_cancel():
     eng.close()
     t.join(30)
     assert not t.is_alive() and got[-1] == "cancelled" and job.finish_reason == "cancelled"
+
+
+def test_a_cancel_from_a_callback_comes_after_the_jobs_token_of_that_step():
+    """cancel() routed its final result at once, ahead of the same step's token result for that job: the stream
+    stopped at 'cancelled' and dropped the token's text."""
+    model, cache, gen = _setup()
+    job = Job(rand_prompt(5), max_new_tokens=30, sampler=GREEDY, stop_on_eos=False)
+
+    def other_cb(r):        # runs after `job`'s token is accepted in the same step (job is first in the batch)
+        if len(job.generated) == 4 and not job.done:
+            gen.cancel(job)
+    it = gen.stream(job)
+    pieces = [next(it)]
+    gen.enqueue(Job(rand_prompt(5), max_new_tokens=30, sampler=GREEDY, stop_on_eos=False, callback=other_cb))
+    pieces += list(it)
+    assert job.finish_reason == "cancelled" and len(job.generated) == 4 and "".join(pieces) == job.text
+    run_all(gen)
+
+
+def test_a_cancel_asked_while_the_lock_is_busy_is_carried_out_without_a_step():
+    """A consumer leaving while something other than a step held the lock (a LoRA change, an enqueue) left its
+    cancel in the inbox, which only a later step drained: the job kept its pages."""
+    from exl_core.model.lora import jobs_frozen
+    model, cache, gen = _setup()
+    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=50, sampler=GREEDY, stop_on_eos=False))
+    gen.iterate()
+    with jobs_frozen(model):                  # the generator's lock, held by another section
+        t = threading.Thread(target=gen._cancel_soon, args=(job,))    # an event loop's consumer leaving
+        t.start()
+        t.join(30)
+        assert not t.is_alive() and job.status == "active"
+    deadline = time.time() + 30
+    while job.status != "done" and time.time() < deadline:
+        time.sleep(0.01)
+    assert job.finish_reason == "cancelled" and not gen._cancel_inbox
+    assert_pool_idle(cache)
+
+
+def test_an_abandoned_consumers_job_error_is_not_left_for_another_caller():
+    """A job whose consumer left while the step that ended it ran counted as never consumed: its error was kept for
+    the next plain iterate() -- an unrelated generate() raised it."""
+    model, cache, gen = _setup()
+    job = Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, token_filter=_fails_at(2, 5, "gone"))
+    it = gen.stream(job)
+    next(it)
+    gen._detach(job, gen._sinks[id(job)].sink)     # its consumer leaves (as an astream whose task ended)
+    gen._step_routed()
+    gen._step_routed()
+    assert job.finish_reason == "cancelled" and gen._orphan_error is None
+    assert len(gen.generate("abc", max_new_tokens=3, sampler=GREEDY, stop_on_eos=False)) > 0
+
+
+def test_a_generator_whose_consumers_raised_is_freed_without_the_cycle_collector():
+    """The consumers' frames held the exception they raised, whose traceback held those frames and the generator."""
+    import gc
+    import weakref
+    from exl_core.plugins import SharedEngine
+
+    def stream_case():
+        model, cache, gen = _setup()
+        with pytest.raises(Boom):
+            list(gen.stream(Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, token_filter=_fails_at(2, 5, "x"))))
+        return weakref.ref(gen)
+
+    def astream_case():
+        model, cache, gen = _setup()
+
+        async def main():
+            with pytest.raises(Boom):
+                async for _ in gen.astream(Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY,
+                                               token_filter=_fails_at(2, 5, "x"))):
+                    pass
+        asyncio.run(main())
+        return weakref.ref(gen)
+
+    def orphan_case():       # a stream's step ends a job nobody consumes: its error waits for iterate()
+        model, cache, gen = _setup()
+        gen.enqueue(Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, token_filter=_fails_at(2, 5, "x")))
+        list(gen.stream(Job(rand_prompt(5), max_new_tokens=6, sampler=GREEDY)))
+        assert gen._orphan_error is not None
+        return weakref.ref(gen)
+
+    def engine_case():
+        eng = SharedEngine("tiny", model=TinyLM(seed=1), tokenizer=CharTokenizer(), cache_tokens=1024)
+        with pytest.raises(Boom):
+            list(eng.stream(Job(rand_prompt(5), max_new_tokens=10, sampler=GREEDY, token_filter=_fails_at(2, 5, "x"))))
+        eng.close()
+        return weakref.ref(eng.generator)
+    for case in (stream_case, astream_case, orphan_case, engine_case):
+        gc.collect()
+        gc.disable()
+        try:
+            ref = case()
+            assert ref() is None, case.__name__
+        finally:
+            gc.enable()
+
+
+def test_engine_astream_cancelled_during_its_enqueue_detaches_its_consumer():
+    from exl_core.plugins import SharedEngine
+    eng = SharedEngine("tiny", model=TinyLM(seed=1), tokenizer=CharTokenizer(), cache_tokens=1024)
+    busy = threading.Event()
+
+    def slow(ids, row):
+        busy.set()
+        time.sleep(0.3)
+    try:
+        first = Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, stop_on_eos=False, token_filter=slow)
+        t = threading.Thread(target=lambda: list(eng.stream(first)))
+        t.start()
+        assert busy.wait(30)                  # a step holds the lock: the enqueues below wait in their threads
+
+        async def main():
+            jobs = [Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY) for _ in range(4)]
+            tasks = [asyncio.ensure_future(eng.astream(j).__anext__()) for j in jobs]
+            await asyncio.sleep(0.05)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return jobs
+        jobs = asyncio.run(main())
+        t.join(30)
+        deadline = time.time() + 30
+        while any(not j.done and j.status != "new" for j in jobs) and time.time() < deadline:
+            time.sleep(0.01)
+        assert not eng.generator._sinks
+    finally:
+        eng.close()

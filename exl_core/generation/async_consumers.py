@@ -6,24 +6,10 @@ thread when the generator's lock is busy, and a consumer's exit cancels through 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
 from typing import AsyncIterator, Optional, Union
 
 from .job import Job, JobResult
-
-_POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Enqueues that wait for a running step (concurrent.futures, not the loop's executor: a future that already
-    runs is not cancelled with the task awaiting it, and its done callback still fires)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="exl-enqueue")
-        return _POOL
+from .routing import pool
 
 
 class AsyncConsumers:
@@ -41,12 +27,19 @@ class AsyncConsumers:
         # This loop's driver: steps run in a thread while its astreams wait; results reach them by routing.
         try:
             while self._has_consumers_on(loop) and self._has_jobs():
-                _, err, ended = await asyncio.to_thread(self._step_routed)
-                if err is not None and not ended:
-                    return              # a failed forward: every consumer heard it, each one's exit cancels its job
+                if await asyncio.to_thread(self._driver_step):
+                    await asyncio.sleep(0)    # a failed forward: its consumers heard it; one attached since goes on
         finally:
             if self._drivers.get(loop) is asyncio.current_task():
                 del self._drivers[loop]
+
+    def _driver_step(self) -> bool:
+        """A step for a driver: whether it was a failed forward (the error itself stays in this thread's frame,
+        which ends here: a future holding it would keep the Generator in a cycle)."""
+        _, err, ended = self._step_routed()
+        failed = err is not None and not ended
+        del err       # its traceback holds this frame
+        return failed
 
     def _ensure_driver(self, loop) -> None:
         task = self._drivers.get(loop)
@@ -62,7 +55,7 @@ class AsyncConsumers:
                 return
             finally:
                 self._lock.release()
-        fut = _pool().submit(self.enqueue, job)
+        fut = pool().submit(self.enqueue, job)   # concurrent.futures: a running one is not cancelled with the task
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -87,7 +80,10 @@ class AsyncConsumers:
             while True:
                 r = await q.get()
                 if isinstance(r, BaseException):    # the step that ended this job raised (routing.py)
-                    raise r
+                    try:
+                        raise r
+                    finally:
+                        del r       # no cycle through this frame
                 yield r
                 if r.done:
                     break

@@ -25,7 +25,7 @@ from .async_consumers import AsyncConsumers
 from .job import Job, JobResult
 from .logprobs import chosen_logprobs
 from .lookahead import Lookahead
-from .routing import Routing
+from .routing import Routing, _by_end
 from .sampling import SamplerSettings, sample_batch, sample_batch_unchecked
 from .scheduler import Scheduler
 from .streaming import TextStream
@@ -220,8 +220,10 @@ class Generator(Routing, AsyncConsumers):
             elif job.status != "active":
                 return False
             res = self._cancelled(job)
-            self._events.append(res)
-            self._route([res])           # its consumer has the tail before anyone reads job.done
+            # its consumer has the tail before anyone reads job.done -- from a callback inside a step, at the step's
+            # end, after the job's result of that step (routing.py)
+            if self._stepping or not self._route([res]):
+                self._events.append(res)
             if job.callback is not None:
                 job.callback(res)
             return True
@@ -250,9 +252,7 @@ class Generator(Routing, AsyncConsumers):
     # -- one step ---------------------------------------------------------------------------
     def iterate(self) -> list[JobResult]:
         """Run one forward pass over everything schedulable; return this step's results."""
-        err = self._take_orphan_error()    # a stream's step ended jobs of this caller's
-        if err is None:
-            results, err, _ = self._step_routed(consumer=False)
+        results, err, _ = self._step_routed(consumer=False)   # or a consumer's step's error for this caller's jobs
         if err is not None:
             try:
                 raise err
@@ -268,8 +268,10 @@ class Generator(Routing, AsyncConsumers):
         try:
             return self._step(results)
         except BaseException:
-            # results made before this step (cancels, a failed step's other jobs) go out with the next one
+            # results made before this step (cancels, a failed step's other jobs) go out with the next one, each
+            # job's end after its other results
             self._events[:0] = results
+            self._events = _by_end(self._events)
             raise
         finally:
             self._stepping = False
@@ -520,10 +522,27 @@ class Generator(Routing, AsyncConsumers):
         plist = [prompts] if single else list(prompts)
         jobs = [self._make_job(p, chat, max_new_tokens=max_new_tokens, sampler=sampler, stop=stop, seed=seed,
                                stop_on_eos=stop_on_eos, **job_kwargs) for p in plist]
-        self.enqueue(jobs)
+        # a consumer of its jobs (routing.py): the error that ends one reaches it whichever thread ran that step
+        sinks = [deque() for _ in jobs]
+        puts = [items.append for items in sinks]
+        for j, put in zip(jobs, puts):
+            self._attach(j, put)
         try:
-            while not all(j.done for j in jobs):
-                self.iterate()
+            self.enqueue(jobs)
+            while True:
+                with self._lock:     # done is set in the section that routed the job's error
+                    done = all(j.done for j in jobs)
+                for items in sinks:
+                    for item in items:
+                        if isinstance(item, BaseException):
+                            try:
+                                raise item
+                            finally:
+                                del item
+                    items.clear()
+                if done:
+                    break
+                self._step_routed()
         except BaseException:
             for j in jobs:          # every job, whatever its callback does when told it was cancelled
                 try:
@@ -531,6 +550,9 @@ class Generator(Routing, AsyncConsumers):
                 except Exception:   # noqa: BLE001 - the step's error is the one to raise
                     pass
             raise
+        finally:
+            for j, put in zip(jobs, puts):
+                self._detach(j, put)
         texts = [j.text for j in jobs]
         return texts[0] if single else texts
 
@@ -567,7 +589,10 @@ class Generator(Routing, AsyncConsumers):
                 while items:
                     item = items.popleft()
                     if isinstance(item, BaseException):     # the step that ended this job raised
-                        raise item
+                        try:
+                            raise item
+                        finally:
+                            del item    # no cycle through this frame
                     if item.text:
                         yield item.text
                     if item.done:
