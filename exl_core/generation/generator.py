@@ -571,8 +571,8 @@ class Generator(Routing, AsyncConsumers):
 
     def stream(self, prompt: Union[str, Job], max_new_tokens: Optional[int] = None, chat: bool = False,
                **job_kwargs) -> Iterator[str]:
-        """Text pieces of one job as they are produced (max_new_tokens: 256 by default). Leaving the loop early
-        cancels it."""
+        """Text pieces of one job as they are produced (max_new_tokens: 256 by default). Closing the iterator
+        cancels the job: leaving a `for` loop over it, or `.close()` where the iterator is kept in a variable."""
         job = self._job_of(prompt, max_new_tokens, chat, job_kwargs, "stream")
         items: deque = deque()      # its results and errors, from whoever runs the steps (routing.py)
         sink = items.append
