@@ -84,10 +84,12 @@ def test_mixed_sliding_layers_through_the_generator(tiny_model_factory):
     """Qwen2 with one full and one sliding layer, past the window, through the paged cache and the generator (the
     cache must keep every page: the full layer reads them all), greedy against HF's greedy."""
     from exl_core import Cache, Generator, Job, SamplerSettings
-    folder = tiny_model_factory("qwen2", seed=5, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    folder = tiny_model_factory("qwen2", seed=5, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                hidden_size=128, num_attention_heads=2, num_key_value_heads=1)   # head dim 64
     hf = _hf(folder, "Qwen2ForCausalLM")
     model, _ = load_model(folder, load_tokenizer=False)
     assert [blk.self_attn.window for blk in model.layers] == [None, 6]
+    assert model._native_stack().reason is None       # per-layer windows in the fused CPU stack (was per op)
     cache = Cache(model, max_tokens=256, page_size=8)
     assert cache.window is None
     prompt = torch.randint(3, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()

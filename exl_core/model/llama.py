@@ -390,22 +390,23 @@ class Model(nn.Module):
         return out
 
     def _build_native_stack(self) -> NativeStack:
-        layers, reason, consts = [], None, None
+        layers, reason, consts, windows = [], None, None, []
         for i, blk in enumerate(self.layers):
             lw, why = _layer_weights(blk, i)
             a, n1, n2 = blk.self_attn, blk.input_layernorm, blk.post_attention_layernorm
-            here = (a.num_heads, a.num_kv_heads, a.head_dim, n1.eps, a.scale, a.window)
+            here = (a.num_heads, a.num_kv_heads, a.head_dim, n1.eps, a.scale)    # the window may differ by layer
             if why is None and (n2.eps != n1.eps or (consts is not None and here != consts)):
-                why = "norm eps or attention shape/scale/window differ from the other layers (one stack takes one)"
+                why = "norm eps or attention shape/scale differ from the other layers (one stack takes one)"
             if why is not None:
                 reason = f"layer {i}: {why}"
                 break
             consts = here
             layers.append(lw)
+            windows.append(a.window)
         if reason is not None:
             return NativeStack.refused(reason)
-        hq, hkv, d, eps, scale, window = consts
-        stack = NativeStack(layers, hq, hkv, d, eps, scale, window, self.dtype)
+        hq, hkv, d, eps, scale = consts
+        stack = NativeStack(layers, hq, hkv, d, eps, scale, windows, self.dtype)
         stack.lora_slots = [vars(getattr(getattr(blk, p), n)) for blk in self.layers for p, n in _PROJ]
         stack.lora_modules = [d["_modules"] for d in stack.lora_slots]
         return stack

@@ -80,7 +80,8 @@ class NativeStack:
     """The C++ `DecoderStack` built from the layers' weights, or the reason it cannot be."""
 
     def __init__(self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float, scale: float, window: Optional[int], dtype: torch.dtype):
+                 eps: float, scale: float, windows: Sequence[Optional[int]], dtype: torch.dtype):
+        """`windows`: each layer's sliding window (None: every key)."""
         self.dtype = dtype
         self.num_layers = len(layers)
         self.lora_slots: list = []     # projections' __dict__s whose .lora the caller re-checks (model/llama.py)
@@ -95,8 +96,8 @@ class NativeStack:
             fusions = [_fusions(lw.projections) for lw in layers]
             fuse = sum(_packed_bytes(w) for f in fusions for _, parts in f for w in parts) <= FUSE_MAX_BYTES
             obj = torch.classes.exl_core.DecoderStack(num_heads, num_kv_heads, head_dim, float(eps), float(scale),
-                                                      int(window or 0))
-            for lw, layer_fusions in zip(layers, fusions):
+                                                      int(windows[0] or 0))
+            for lw, layer_fusions, window in zip(layers, fusions, windows):
                 for w in lw.projections:
                     if isinstance(w, PackedWeight):
                         obj.add_packed(w.qweight, w.groups, w.scale, w.zero, w.perm, w.bias, wants_int8(w),
@@ -104,6 +105,8 @@ class NativeStack:
                     else:
                         obj.add_dense(w.w_t, w.bias)
                 obj.add_layer(lw.input_norm.contiguous(), lw.post_norm.contiguous())
+                if window != windows[0]:
+                    obj.set_layer_window(int(window or 0))
                 for which, parts in layer_fusions if fuse else ():
                     _set_fused(obj, which, parts)
                     self.fused += 1

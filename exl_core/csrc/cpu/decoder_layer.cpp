@@ -187,7 +187,16 @@ class DecoderStack : public torch::CustomClassHolder {
                 "(q, k, v, o, gate, up, down), got ", pending_.size());
     auto& p = pending_;
     layers_.push_back(Layer{in_norm, post_norm, p[0], p[1], p[2], p[3], p[4], p[5], p[6]});
+    windows_.push_back(window_);
     p.clear();
+  }
+
+  // The last added layer's sliding window (0: none), where it differs from the stack's (Qwen2's
+  // max_window_layers: full attention below it, the window from it on).
+  void set_layer_window(int64_t window) {
+    TORCH_CHECK(!layers_.empty(), "exl_core.DecoderStack: set_layer_window before add_layer");
+    TORCH_CHECK(window >= 0, "exl_core.DecoderStack: window must be >= 0 (0 = none)");
+    windows_.back() = window;
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -317,7 +326,8 @@ class DecoderStack : public torch::CustomClassHolder {
       write_pages(kc, k, slots, i);
       write_pages(vc, v, slots, i);
       clock_.stop(kRope);
-      const at::Tensor o = kops::paged_attention(q, kc, vc, block_table, cu_seqlens, seq_lens_k, scale_, window_);
+      const at::Tensor o = kops::paged_attention(q, kc, vc, block_table, cu_seqlens, seq_lens_k, scale_,
+                                                   windows_[i]);
       clock_.stop(kAttention);
       const at::Tensor a = linears(o.reshape({t, hq_ * d_}), {&ly.o}, int8_rows_, panel_reads_)[0];
       clock_.stop(kO);
@@ -367,6 +377,7 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t panel_reads_ = 0;
   std::vector<Linear> pending_;
   std::vector<Layer> layers_;
+  std::vector<int64_t> windows_;     // per layer
   StageClock clock_;
 };
 
@@ -378,6 +389,7 @@ TORCH_LIBRARY_FRAGMENT(exl_core, m) {
       .def("add_packed", &DecoderStack::add_packed)
       .def("add_dense", &DecoderStack::add_dense)
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_layer_window", &DecoderStack::set_layer_window)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_int8_rows", &DecoderStack::set_int8_rows)
       .def("set_panel_major", &DecoderStack::set_panel_major)
