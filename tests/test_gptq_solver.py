@@ -183,3 +183,25 @@ def test_multi_plan_pass_matches_single_plans():
         assert m.groups == single.groups
         assert output_error(w, m.w_hat, h) == pytest.approx(output_error(w, single.w_hat, h), rel=0.05)
         assert (m.qint != single.qint).float().mean() < 0.02    # float reassociation may flip a few roundings
+
+
+@pytest.mark.parametrize("mode,sym", [("exl2", True), ("gptq", True), ("gptq", False)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_all_zero_group_quantizes_to_exact_zeros(mode, sym, act_order):
+    """Pruned inputs (activations always 0) zero their weight columns: a scale floor applied before fp16 rounding
+    rounded to 0, so 0/0 gave NaN weights and integer values outside [0, 2^bits) (GPTQ packing raised)."""
+    gen = torch.Generator().manual_seed(7)
+    k, n = 128, 64
+    x = torch.randn(1024, k, generator=gen)
+    x[:, 96:] = 0                                                # the last group's inputs are dead
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[:8] = 0                                                    # and a few all-zero output rows
+    r = gptq_quantize(w, acc.hessian(), plan_groups(k, 32, [(4, 1.0)], mode=mode, sym=sym, act_order=act_order))
+    assert torch.isfinite(r.w_hat).all() and torch.isfinite(r.scale).all() and (r.scale > 0).all()
+    assert r.qint.min() >= 0 and r.qint.max() <= 15
+    assert torch.equal(r.w_hat[:, 96:], torch.zeros(n, 32)) and torch.equal(r.w_hat[:8], torch.zeros(8, k))
+    if mode == "gptq":
+        torch.testing.assert_close(r.scale, r.scale.half().float(), rtol=0, atol=0)     # stored as fp16
+    torch.testing.assert_close(dequantize_reference(to_packed(r)), r.w_hat.double().T, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,7 @@
 """EXL2 measurement: each candidate's error in residual-stream units, checked against a direct
 forward of the whole decoder layer (calib_forward.layer_forward) with that one linear quantized."""
+import re
+
 import pytest
 import torch
 
@@ -77,3 +79,28 @@ def test_a_measurement_file_nested_too_deeply_is_refused_by_name(tmp_path):
     path.write_text('{"layers": ' + "[" * 100000 + "]" * 100000 + "}")
     with pytest.raises(InputError, match=f"{path}: not valid JSON .*nested too deeply"):
         load_measurement(path, {})          # was a bare RecursionError
+
+
+def test_pruned_inputs_give_finite_errors_and_a_non_finite_error_is_refused(monkeypatch):
+    """32 pruned MLP neurons (up_proj rows and down_proj columns 0): NaN quantized weights made every error NaN,
+    and `gain = ... if sq[ref] > 0 else 0.0` turned them into zero error -- the allocator starved the layer."""
+    from exl_core.errors import ExlError
+    from exl_core.quantize import measure
+    w, d, h = _layer(3)
+    w["mlp.up_proj.weight"][:32] = 0
+    w["mlp.down_proj.weight"][:, :32] = 0
+    cos, sin = rope_tables(rope_inv_freq(d.head_dim, 10000.0, None), torch.arange(h.shape[1]))
+    rec, _ = measure_layer(h, w, d, cos, sin, CANDIDATES, 0.01, "L.")
+    for n in ("mlp.up_proj", "mlp.down_proj"):
+        err = rec[f"L.{n}"]["err"]
+        assert all(e > 0 and e < float("inf") for e in err), (n, err)
+        assert err[0] > err[-1]
+
+    def nan_quantizer(*a, **kw):
+        res = gptq_quantize_multi(*a, **kw)
+        res[1].w_hat[0, 0] = float("nan")
+        return res
+    monkeypatch.setattr(measure, "gptq_quantize_multi", nan_quantizer)
+    with pytest.raises(ExlError, match=r"L\.self_attn\.q_proj: the measured quantization error is not finite "
+                                       rf"\(candidates {re.escape(CANDIDATES[1].name)}\)"):
+        measure_layer(h, w, d, cos, sin, CANDIDATES, 0.01, "L.")

@@ -108,8 +108,9 @@ def bpw_text(v: float, up: bool = False) -> str:
 
 
 def range_text(lo: float, hi: float) -> str:
-    """"lo to hi", rounded inwards (bpw_text)."""
-    return f"{bpw_text(lo, up=True)} to {bpw_text(hi)}"
+    """"lo to hi", rounded inwards (bpw_text); one value where the range is narrower than that rounding."""
+    a, b = bpw_text(lo, up=True), bpw_text(hi)
+    return f"{a} to {b}" if float(a) < float(b) else f"only {a}"
 
 
 def allocate_bpw(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],

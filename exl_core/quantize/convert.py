@@ -171,6 +171,7 @@ class Converter:
         self.inv_freq = rope_inv_freq(d.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         self.shapes = {n: source.shape_of_linear(n) for i in range(self.cfg.num_hidden_layers)
                        for n in source.linear_names(i)}
+        self.bpw = s.bpw        # EXL2 bitrate converted at: allocate() lowers a target above the reachable one
 
     # -- calibration --
     def calibration(self) -> Calibration:
@@ -232,9 +233,11 @@ class Converter:
         # not hold -- a target above the highest converts at it (said), not a refusal after the measurement pass
         lossless = getattr(self.src, "fixed_exl2", None) is not None
         hi = bpw_range(costs, numel)[1]
-        if lossless and self.s.bpw > hi:
-            print(f"exl convert: -b {self.s.bpw}: this GPTQ model converts to at most {bpw_text(hi)} bpw; "
-                  "converting at that", file=sys.stderr)
+        if self.s.bpw > hi:     # allocate_bpw converts at hi (where lossless or within its tolerance): recorded
+            self.bpw = float(bpw_text(hi))
+            if lossless:
+                print(f"exl convert: -b {self.s.bpw}: this GPTQ model converts to at most {bpw_text(hi)} bpw; "
+                      "converting at that", file=sys.stderr)
         choice = allocate_bpw(costs, errs, numel, self.s.bpw, clamp_high=lossless,
                               why="; a GPTQ model's layers that EXL2 holds exactly are repacked as they are (one cost "
                                   "each), not re-quantized lower" if lossless else "")
@@ -280,7 +283,9 @@ class Converter:
                     if fixed is not None:
                         for k, t in fixed.items():
                             tensors[f"{prefix}{n}.{k}"] = t
-                        hats[n] = exl2_fmt.dequantize_reference(fixed, torch.float64).T.float().contiguous()
+                        o = self.shapes[prefix + n][0]       # EXL2 stores columns padded to a multiple of 32
+                        w_hat = exl2_fmt.dequantize_reference(fixed, torch.float64, out_features=o)
+                        hats[n] = w_hat.T.float().contiguous()
                         continue
                     r = gptq_quantize(w[f"{n}.weight"], H, plans[prefix + n], damp=s.damp, name=prefix + n)
                     for k, t in self._pack(r, w.get(f"{n}.bias")).items():
@@ -326,7 +331,7 @@ class Converter:
             if (self.src.folder / f).is_file():
                 shutil.copyfile(self.src.folder / f, out / f)
         if s.format == "exl2":
-            qc = {"quant_method": "exl2", "version": "exl_core-0.1", "bits": s.bpw, "head_bits": s.head_bits,
+            qc = {"quant_method": "exl2", "version": "exl_core-0.1", "bits": self.bpw, "head_bits": s.head_bits,
                   "real_bpw": round(real_bpw, 4), "calibration": cal.info}
             shutil.copyfile(self.job.path("measurement.json"), out / "measurement.json")
         else:
@@ -392,8 +397,12 @@ def _check_settings(s: ConvertSettings, src) -> None:
     if isinstance(ctx, int) and ctx > 0 and s.length > ctx:
         raise InputError(f"--length {s.length}: the model's context is {ctx} tokens (max_position_embeddings); "
                          f"use --length {min(256, ctx)} or at most {ctx}")
-    if not s.damp >= 0:             # the Hessian's dampening is a fraction of its mean diagonal: negative breaks it
-        raise InputError(f"--damp {s.damp}: must be ≥ 0 (a fraction of the Hessian's mean diagonal, e.g. 0.01)")
+    # the Hessian's dampening, a fraction of its mean diagonal: 0 (none, raised only where H is singular) is
+    # meaningful for EXL2, but GPTQ writes it as damp_percent, which transformers' GPTQConfig wants in (0, 1)
+    if not (0 < s.damp < 1 or (s.damp == 0 and s.format == "exl2")):
+        allowed = "in [0, 1)" if s.format == "exl2" else "in (0, 1) (config.json's damp_percent for transformers)"
+        raise InputError(f"--damp {s.damp}: must be {allowed} for --format {s.format}; it is a fraction of the "
+                         "Hessian's mean diagonal, e.g. 0.01")
     if s.threads is not None and s.threads < 1:
         raise InputError(f"--threads {s.threads}: must be ≥ 1")
     # options of the other format would be ignored (and still count in job.json's resume key): refused
@@ -496,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-act-order", dest="act_order", action="store_false")
     p.add_argument("--sym", dest="sym", action="store_true", default=True)
     p.add_argument("--asym", dest="sym", action="store_false")
-    p.add_argument("-c", "--calib", help="calibration text (.txt, .jsonl with 'text', .parquet); "
+    p.add_argument("-c", "--calib", help="calibration text (.txt, .jsonl with 'text', .json: an array of strings "
+                   "or of objects with 'text', .parquet); "
                    "default: text sampled from the model itself")
     p.add_argument("--rows", type=int, default=32, help="calibration rows")
     p.add_argument("--length", type=int, default=256, help="calibration tokens per row")

@@ -27,6 +27,9 @@ from ..errors import InputError
 
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 GPTQ_BITS = (2, 3, 4, 8)
+# smallest fp16 > 0, the floor of a scale after fp16 rounding (a smaller floor applied before it rounds
+# to 0): an all-zero group keeps a scale > 0 and quantizes to exactly 0 instead of 0/0 = NaN
+_FP16_MIN = 2.0 ** -24
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def _group_params_exl2(w: torch.Tensor, bits: int):
     half = 2 ** (bits - 1)
     maxq = 2 ** bits - 1
     ideal = w.abs().amax(1) / half                              # (N,)
-    smax = ideal.max().clamp_min(1e-10).to(torch.float16)
+    smax = ideal.max().to(torch.float16).clamp_min(_FP16_MIN)
     if not torch.isfinite(smax):
         smax = torch.tensor(65504.0, dtype=torch.float16)
     smax_f = smax.float()
@@ -127,11 +130,11 @@ def _group_params_gptq(w: torch.Tensor, bits: int, sym: bool):
     if sym:
         amax = torch.maximum(-xmin, xmax)
         scales = 2 * amax * shrink / maxq
-        scales = _round_fp16(scales.clamp_min(1e-8))
+        scales = _round_fp16(scales).clamp_min(_FP16_MIN)
         zeros = torch.full_like(scales, float((maxq + 1) // 2))
     else:
         lo, hi = xmin * shrink, xmax * shrink
-        scales = _round_fp16(((hi - lo) / maxq).clamp_min(1e-8))
+        scales = _round_fp16((hi - lo) / maxq).clamp_min(_FP16_MIN)
         # zero ≥ 1: GPTQ v1 checkpoints store zero-1 and cannot hold -1
         zeros = torch.clamp(torch.round(-lo / scales), 1, maxq)
     best = _best_of(w, scales, zeros, maxq)

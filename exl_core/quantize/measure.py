@@ -22,13 +22,14 @@ output projection.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ..errors import InputError
+from ..errors import ExlError, InputError
 from ..formats.exl2 import REQUIRED as EXL2_TENSORS
 from ..textfiles import loads_json
 from .calib_forward import Dims, attention, linear, mlp_act, rms_norm
@@ -190,6 +191,12 @@ def measure_layer(h: torch.Tensor, w: dict, d: Dims, cos, sin, cands, damp: floa
             sq = [output_sq_error(W, r.w_hat, H) for r in results]
             den = output_sq_error(W, torch.zeros_like(W), H)
             res_ref = (delta(n, results[ref].w_hat).double().pow(2).sum(-1) * inv).mean().item()
+            bad = [c.name for c, e in zip(cands, sq) if not math.isfinite(e)]
+            if bad or not math.isfinite(res_ref):
+                # NaN fails every comparison: it would read as zero error and starve the layer of bits
+                raise ExlError(f"{key}: the measured quantization error is not finite (candidates "
+                               f"{', '.join(bad) or cands[ref].name}); the weights or calibration "
+                               "activations of this layer hold inf/NaN, or the quantizer has a bug")
             gain = res_ref / sq[ref] if sq[ref] > 0 else 0.0
             rec[key] = {"shape": [out_f, in_f], "numel": out_f * in_f,
                         "bits": [candidate_bits(c, out_f, in_f) for c in cands],

@@ -41,7 +41,8 @@ class ExlQuantConfig(QuantizationConfigMixin):
     Every key of the checkpoint's dict is kept as-is so `save_pretrained` writes back the same
     `quantization_config`. Extra loading options:
 
-    - ``modules_to_not_convert``: module names (prefixes) left as they are in the HF model.
+    - ``modules_to_not_convert``: module names (prefixes) left as they are in the HF model; also taken from
+      ``from_pretrained(quantization_config=...)``. Naming one the checkpoint stores quantized is a FormatError.
     """
 
     def __init__(self, bits: Optional[float] = None, modules_to_not_convert: Optional[list] = None,

@@ -90,11 +90,16 @@ class ExlHfQuantizer(HfQuantizer):
         ckpt = _checkpoint_prefix(model, names)
         replaced = 0
         for name, module in list(model.named_modules()):
-            if not isinstance(module, nn.Linear) or any(name == s or name.startswith(s + ".") for s in skip):
+            if not isinstance(module, nn.Linear):
                 continue
             key = ckpt + name
             if not self._fmt.has_layer(names, key):
                 continue
+            listed = next((s for s in skip if name == s or name.startswith(s + ".")), None)
+            if listed is not None:
+                # no dense weight to keep it as: a tied lm_head silently became the embedding, others went missing
+                raise FormatError(f"{folder}: modules_to_not_convert lists {listed!r}, but the checkpoint holds "
+                                  f"{key} quantized; it can only load quantized (remove {listed!r} from the list)")
             check_layer_bias(reader, key, module.bias is not None, folder)   # the file's bias against config.json
             tensors = {t: (reader.shape(f"{key}.{t}"), reader.dtype(f"{key}.{t}"))
                        for t in layer_tensors(names, key)}
@@ -215,6 +220,12 @@ def register() -> bool:
         changed = True
     if EXL2_METHOD not in _auto.AUTO_QUANTIZER_MAPPING:
         _auto.register_quantizer(EXL2_METHOD)(ExlHfQuantizer)
+        changed = True
+    types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+    if types is not None and ExlQuantConfig not in types:
+        # from_pretrained(quantization_config=ExlQuantConfig(modules_to_not_convert=...)) on a folder with its own
+        # quantization_config keeps the loading attributes of these types only: ours were dropped with a warning
+        _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = types + (ExlQuantConfig,)
         changed = True
     current = _auto.AUTO_QUANTIZER_MAPPING.get("gptq")
     if current is not None and current is not _GptqRouter:

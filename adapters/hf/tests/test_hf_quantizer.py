@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -325,6 +326,29 @@ def test_tied_model_with_quantized_head(tmp_path, dense_factory):
     hf.save_pretrained(tmp_path / "saved")
     with torch.inference_mode():
         torch.testing.assert_close(_load(tmp_path / "saved")(ids).logits, got, rtol=0, atol=0)
+
+
+def test_modules_to_not_convert_naming_a_quantized_module_is_refused(quantized_dirs, tmp_path, dense_factory):
+    """From from_pretrained(quantization_config=...) the list was dropped (transformers merges the loading
+    attributes of the config types it knows only); from config.json, on a tied model with a quantized head,
+    ["lm_head"] silently made the head the tied embedding. A module the checkpoint holds quantized has no dense
+    weight to load, so listing one is refused by name."""
+    from exl_core_hf import ExlQuantConfig
+    from exl_core.quantize.rtn import quantize_model_rtn
+    folder = quantized_dirs["exl2"]
+    hf = _load(folder, quantization_config=ExlQuantConfig(modules_to_not_convert=["lm_head"]))   # dense head: no-op
+    assert not isinstance(hf.lm_head, QuantLinear) and isinstance(hf.model.layers[0].self_attn.q_proj, QuantLinear)
+    with pytest.raises(FormatError, match=rf"{re.escape(str(folder))}: modules_to_not_convert lists 'model.layers.0', "
+                                          r"but the checkpoint holds model\.layers\.0\.self_attn\.q_proj quantized"):
+        _load(folder, quantization_config=ExlQuantConfig(modules_to_not_convert=["model.layers.0"]))
+    dense = dense_factory(tmp_path / "dense", int.from_bytes(os.urandom(4), "little"), None, tie=True)
+    tied = quantize_model_rtn(dense, tmp_path / "exl2", fmt="exl2", bits=4, group_size=32, head_bits=6)
+    cfg = json.loads((tied / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    (tied / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match=rf"{re.escape(str(tied))}: modules_to_not_convert lists 'lm_head', "
+                                          r"but the checkpoint holds lm_head quantized"):
+        _load(tied)
 
 
 def test_biased_projections_round_trip(tmp_path, dense_factory):
