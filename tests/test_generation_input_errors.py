@@ -126,6 +126,8 @@ def test_job_takes_numpy_ints_for_counts_and_stop_ids():
     job = Job([1, 2], max_new_tokens=np.int64(3), stop=np.int64(7))
     assert (job.max_new_tokens, job.limit, job.stop_tokens) == (3, 3, {7})
     assert type(job.max_new_tokens) is int and all(type(t) is int for t in job.stop_tokens)
+    job = Job([1, 2], stop_on_eos=np.False_, return_logprobs=np.True_)      # numpy's bools too, as Python's
+    assert job.stop_on_eos is False and job.return_logprobs is True
 
 
 def test_stop_token_outside_the_vocabulary_is_refused_at_enqueue():

@@ -481,15 +481,19 @@ def test_weight_changes_and_enqueues_do_not_interleave(tiny_llama_dir, tmp_path,
     assert not gen.has_work()
 
 
-def test_a_generator_made_during_a_change_waits_for_it(tiny_llama_dir, tmp_path, monkeypatch):
-    """jobs_frozen locked the generators it found when it began: one made while the merge ran registered at once and
-    could enqueue and step on half-changed weights. It now waits for the change to end before it registers."""
+def test_a_generator_made_while_a_change_waits_for_the_locks_is_frozen_too(tiny_llama_dir, tmp_path, monkeypatch):
+    """jobs_frozen locked the generators it found when it began: one made while it waited for a busy generator's lock
+    (a step running) was not locked, and could enqueue and step on half-changed weights. The set is read again once
+    the locks are held, until it holds no new generator. (A per-model change lock held through the change made such
+    generators wait, but deadlocked a change asked for from a job's callback while another thread's change waited
+    for that step's generator.)"""
     import threading
     from exl_core.cache import Cache
     from exl_core.generation import Generator
     from exl_core.model import lora as lora_mod
     model = _fresh(tiny_llama_dir)
     a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=11), name="a")
+    busy = Generator(model, Cache(model, max_tokens=64), None)
     inside, release = threading.Event(), threading.Event()
     check = lora_mod.LoraManager.check_no_jobs
 
@@ -498,19 +502,53 @@ def test_a_generator_made_during_a_change_waits_for_it(tiny_llama_dir, tmp_path,
         inside.set()
         assert release.wait(30)
     monkeypatch.setattr(lora_mod.LoraManager, "check_no_jobs", slow_check)
-    merger = threading.Thread(target=a.merge)
-    merger.start()
+    with busy._lock:                                   # a step in progress on `busy`
+        merger = threading.Thread(target=a.merge)
+        merger.start()
+        assert not inside.wait(0.3)                    # the merge waits for that step
+        late = Generator(model, Cache(model, max_tokens=64), None)
     assert inside.wait(30)
-    made = []
-    maker = threading.Thread(target=lambda: made.append(Generator(model, Cache(model, max_tokens=64), None)))
-    maker.start()
-    maker.join(0.5)
-    assert maker.is_alive() and not made               # registering waits for the merge
+    stepper = threading.Thread(target=late.iterate)
+    stepper.start()
+    stepper.join(0.3)
+    assert stepper.is_alive()                          # `late` is frozen by the merge too
     release.set()
     merger.join(30)
-    maker.join(30)
-    assert a.merged and len(made) == 1
-    assert made[0] in lora_mod.generators_of(model)
+    stepper.join(30)
+    assert a.merged and not stepper.is_alive()
+
+
+def test_a_job_callback_may_ask_for_a_change_while_another_thread_waits_for_one(tiny_llama_dir, tmp_path):
+    """A change asked for from a job's callback (inside its generator's step) while another thread's change waited
+    for that generator: neither finished under the per-model change lock of the previous form."""
+    import threading
+    import time
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    model = _fresh(tiny_llama_dir)
+    a = load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, seed=11), name="a")
+    b = load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, seed=12), name="b")
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+    waiting = threading.Event()
+    other = threading.Thread(target=lambda: (waiting.set(), a.unload()), daemon=True)   # daemon: a deadlock fails
+
+    def cb(r):
+        if len(r.job.generated) == 1:
+            other.start()
+            waiting.wait(30)
+            time.sleep(0.2)                              # the other thread now waits for this step's lock
+            b.unload()                                   # no job uses it
+    def run_all_gen():
+        gen.enqueue(Job([1, 2, 3], max_new_tokens=3, sampler=SamplerSettings(temperature=0.0), callback=cb))
+        while gen.has_work():
+            gen.iterate()
+    t = threading.Thread(target=run_all_gen, daemon=True)
+    t.start()
+    t.join(60)
+    other.join(60)
+    assert not t.is_alive() and not other.is_alive()
+    assert lora_manager(model) is None
 
 
 def test_unloading_the_last_adapter_leaves_the_base_model(tiny_llama_dir, tmp_path):

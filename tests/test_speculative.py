@@ -179,8 +179,9 @@ def test_greedy_speculative_equals_plain(tiny_llama_dir, mode):
                  for p, n in zip(prompts, lens)]
     spec = _run(gen, spec_jobs, check)
     assert spec == plain
-    # the model's logprobs of the same tokens; the verifying forward's logits (several rows a job) round apart
-    # from plain decoding's in the last bits (9.5e-07 here), so they are not compared bit for bit
+    # a sanity bound: the model's logprobs of the same tokens. The verifying forward's logits (several rows a job)
+    # round apart from plain decoding's in the last bits (9.5e-07 here), so they are not compared bit for bit, and
+    # this bound would not tell the sampler's float64 log-sum-exp from a float32 one
     diff = max(abs(a - b) for s, p in zip(spec_jobs, plain_jobs) for a, b in zip(s.logprobs, p.logprobs))
     assert diff < 1e-5
     assert [len(s) for s in spec] == lens

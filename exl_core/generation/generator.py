@@ -171,6 +171,8 @@ class Generator(Routing, AsyncConsumers):
                 check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
             job.status = "queued"
             job.owner = weakref.ref(self)
+            entry = self._sinks.get(id(job))
+            job._consumed = entry is not None and entry.job is job    # its errors are its consumer's (routing.py)
             self.waiting.append(job)
         return job
 
@@ -209,9 +211,10 @@ class Generator(Routing, AsyncConsumers):
                 job.stop_tokens.add(tid)
 
     def cancel(self, job: Job) -> bool:
-        """Stop a queued or running job now (pages freed); its final JobResult (finish
-        reason "cancelled") comes with the next iterate(). False if it had already finished (or was never
-        queued); InputError for a job another generator runs."""
+        """Stop a queued or running job now (pages freed); its final JobResult (finish reason "cancelled") goes to
+        the job's consumer where it has one (stream, astream, generate, the adapters' engine: at once, or from a
+        callback at the end of that step), else comes with the next iterate(). False if it had already finished (or
+        was never queued); InputError for a job another generator runs."""
         with self._lock:
             if job.status in ("queued", "active") and (job.owner is None or job.owner() is not self):
                 raise InputError(f"Generator.cancel: {job!r} was queued on another Generator; cancel it there")
@@ -533,13 +536,13 @@ class Generator(Routing, AsyncConsumers):
                 with self._lock:     # done is set in the section that routed the job's error
                     done = all(j.done for j in jobs)
                 for items in sinks:
-                    for item in items:
+                    while items:        # popleft: a step on another thread may append meanwhile
+                        item = items.popleft()
                         if isinstance(item, BaseException):
                             try:
                                 raise item
                             finally:
                                 del item
-                    items.clear()
                 if done:
                     break
                 self._step_routed()

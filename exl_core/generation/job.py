@@ -101,10 +101,14 @@ class Job:
         if loras is not None and not isinstance(loras, Mapping):    # dict() takes pairs, fails on the rest
             raise InputError(f"Job: loras={loras!r:.60} must be a mapping of adapter name to weight, e.g. "
                              "{'my_adapter': 1.0} (or None)")
+        flags = {}
         for name, v in (("stop_on_eos", stop_on_eos), ("return_logprobs", return_logprobs),
                         ("decode_special", decode_special)):
-            if not isinstance(v, bool):     # "no" or "false" would count as True
+            numpy_bool = getattr(getattr(v, "dtype", None), "kind", None) == "b" and getattr(v, "ndim", 1) == 0
+            if not (isinstance(v, bool) or numpy_bool):     # "no" or "false" would count as True
                 raise InputError(f"Job: {name}={v!r:.60} must be True or False")
+            flags[name] = bool(v)
+        stop_on_eos, return_logprobs, decode_special = flags.values()
         if seed is not None:
             # int() would take "5" or 5.7 and fail on "abc" with a bare ValueError; index() takes numpy ints
             try:

@@ -59,7 +59,6 @@ class Routing:
         if self._sinks.setdefault(id(job), entry) is not entry:   # atomic: two consumers racing for one job
             raise InputError(f"Generator: {job!r} was already enqueued and is streamed by another consumer; "
                              "create a new Job")
-        job._consumed = True      # its errors are its consumer's, even after that one left
 
     def _detach(self, job: Job, sink: Sink) -> None:
         entry = self._sinks.get(id(job))

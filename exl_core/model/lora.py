@@ -178,21 +178,10 @@ class LoraManager:
 # jobs that name none. Kept apart from the LoraManager, whose mere existence keeps a model off the CUDA graphs.
 _GENERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _GENERATORS_LOCK = threading.Lock()      # generators are made, and enqueue, on other threads too
-# A model's change lock, held through a whole jobs_frozen: a generator made while a change runs (after that change
-# took the list of generators to lock) waits to register until the change is done, rather than stepping under it.
-_CHANGE_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _change_lock(model) -> threading.RLock:
-    with _GENERATORS_LOCK:
-        lock = _CHANGE_LOCKS.get(model)
-        if lock is None:
-            lock = _CHANGE_LOCKS[model] = threading.RLock()   # re-entered: unload runs unmerge
-        return lock
 
 
 def register_generator(model, gen) -> None:
-    with _change_lock(model), _GENERATORS_LOCK:
+    with _GENERATORS_LOCK:
         _GENERATORS.setdefault(model, weakref.WeakSet()).add(gen)
 
 
@@ -206,15 +195,20 @@ def jobs_frozen(model):
     """Holds every generator's lock of `model` (in one order: no deadlock): no job is enqueued, admitted or stepped
     meanwhile, so a check of the pending jobs and the change it allows are one step (Generator.enqueue checks a job's
     mix again under its lock)."""
-    with _change_lock(model):
+    while True:
         gens = sorted(generators_of(model), key=id)
         for g in gens:
             g._lock.acquire()
-        try:
-            yield
-        finally:
-            for g in reversed(gens):
-                g._lock.release()
+        if set(generators_of(model)) <= set(gens):
+            break
+        # a generator was made while this waited for the others' locks: all again, in one order with it
+        for g in reversed(gens):
+            g._lock.release()
+    try:
+        yield
+    finally:
+        for g in reversed(gens):
+            g._lock.release()
 
 
 def _jobs_frozen(change):
