@@ -80,22 +80,30 @@ def test_static_decode_context_with_sliding_window_pages(tiny_model_factory, mon
     assert static == plain
 
 
+def _windowed_runs(model, prompt, n, each_step=lambda gen: None):
+    """One job of `n` new tokens, eager and then through the graphed decoder (its static context, run eagerly on the
+    CPU): ([generated tokens of each], the graphed run's Generator)."""
+    out = []
+    for graphs in (False, True):
+        gen = Generator(model, Cache(model, max_tokens=64, page_size=8), max_batch_tokens=64, max_chunk_size=16,
+                        cuda_graphs=graphs)
+        job = gen.enqueue(Job(prompt, max_new_tokens=n, sampler=GREEDY, stop_on_eos=False))
+        while gen.has_work():
+            gen.iterate()
+            if graphs:
+                each_step(gen)
+        assert job.finish_reason == "length"
+        out.append(job.generated)
+    return out, gen
+
+
 def test_windowed_job_decodes_past_the_graphs_rope_table(tiny_model_factory):
     """A sliding window lets a job run past the cache; the graphs' rope table, sized once from the config and the
     cache, ended such a job (an InputError on the CPU; by the rope kernel's range check, NaN rows on a GPU). Steps
     past the table now run eagerly, with the same tokens."""
     folder = tiny_model_factory("mistral", seed=0, vocab_size=512, sliding_window=12, max_position_embeddings=64)
     model, _ = load_model(folder, load_tokenizer=False)
-    prompt = [random.Random(1).randrange(3, 512) for _ in range(5)]
-    out = []
-    for graphs in (False, True):
-        gen = Generator(model, Cache(model, max_tokens=64, page_size=8), max_batch_tokens=64, max_chunk_size=16,
-                        cuda_graphs=graphs)
-        job = gen.enqueue(Job(prompt, max_new_tokens=300, sampler=GREEDY, stop_on_eos=False))
-        while gen.has_work():
-            gen.iterate()
-        assert job.finish_reason == "length"
-        out.append(job.generated)
+    out, gen = _windowed_runs(model, [random.Random(1).randrange(3, 512) for _ in range(5)], 300)
     assert gen.graphs.num_positions < 300 and gen.graphs._entries      # early steps did take the graph path
     assert out[0] == out[1]
 
@@ -108,17 +116,9 @@ def test_graph_entries_of_a_growing_window_table_stay_bounded(tiny_model_factory
     monkeypatch.setattr(cuda_graphs, "MAX_ENTRIES", 3)
     folder = tiny_model_factory("mistral", seed=2, vocab_size=512, sliding_window=12)
     model, _ = load_model(folder, load_tokenizer=False)
-    prompt = [random.Random(2).randrange(3, 512) for _ in range(5)]
-    out, sizes = [], []
-    for graphs in (False, True):
-        gen = Generator(model, Cache(model, max_tokens=64, page_size=8), max_batch_tokens=64, max_chunk_size=16,
-                        cuda_graphs=graphs)
-        job = gen.enqueue(Job(prompt, max_new_tokens=120, sampler=GREEDY, stop_on_eos=False))
-        while gen.has_work():
-            gen.iterate()
-            if graphs:
-                sizes.append(len(gen.graphs._entries))
-        out.append(job.generated)
+    sizes = []
+    out, gen = _windowed_runs(model, [random.Random(2).randrange(3, 512) for _ in range(5)], 120,
+                              lambda g: sizes.append(len(g.graphs._entries)))
     assert max(sizes) == 3 and max(w for _, w in gen.graphs._entries) >= 14     # 15 widths came and went
     assert out[0] == out[1]
 
