@@ -339,7 +339,7 @@ class SharedEngine:
                 return
             # results and a step's errors reach each job's caller through its sink (Generator routing): an error
             # that ended jobs (a token filter, a sampler) only theirs; one that ended none (a model/kernel failure)
-            # every caller of a queued or running job, and those jobs are cancelled
+            # every caller of a running job, and those jobs are cancelled
             gen._step_routed()      # a failed forward's callers heard it, their jobs ended (routing.py)
 
     def _cancel_all(self) -> None:

@@ -175,6 +175,23 @@ def test_token_filter_returning_nan_or_inf_is_blamed_on_the_filter(bad, form):
     assert_pool_idle(gen.cache)
 
 
+def test_token_filter_writing_nan_in_place_is_blamed_on_the_filter():
+    """A filter that edits the row in place (returns None) to NaN was reported as a corrupt model output."""
+    gen = _generator()
+
+    def in_place(ids, r):
+        r[7] = float("nan")
+    job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=in_place))
+    with pytest.raises(InputError, match=rf"Job {job.identifier!r}: its token_filter wrote NaN or \+inf into"):
+        run_all(gen)
+    run_all(gen)
+    assert job.finish_reason == "cancelled"
+    banned = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY,
+                             token_filter=lambda ids, r: r.__setitem__(slice(0, 10), float("-inf"))))
+    run_all(gen)                                      # -inf in place is a ban, as before
+    assert banned.finish_reason == "length" and all(t >= 10 for t in banned.generated)
+
+
 @pytest.mark.parametrize("form", ["tensor", "1xV", "list"])
 def test_token_filter_replacement_row_is_used(form):
     gen = _generator()

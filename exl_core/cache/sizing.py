@@ -21,8 +21,8 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
 
 
 def known_free_memory(device: torch.device) -> Optional[int]:
-    """Free bytes on `device`: cudaMemGetInfo plus torch's cached blocks on GPU, MemAvailable from /proc/meminfo (else the OS's count of
-    available pages) on CPU; None where neither can be read."""
+    """Free bytes on `device`: cudaMemGetInfo plus torch's cached blocks on GPU, MemAvailable from /proc/meminfo
+    (else the OS's count of available pages) on CPU; None where neither can be read."""
     if device.type == "cuda":     # with the blocks torch's allocator holds unused: our tensors can take them too
         free, _total = torch.cuda.mem_get_info(device)
         return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

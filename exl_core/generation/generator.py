@@ -56,18 +56,26 @@ def default_budget(gpu: bool, window: Optional[int], max_batch_tokens: Optional[
     return max_batch_tokens, chunk
 
 
-def _check_filtered(job: Job, out, row: torch.Tensor) -> Optional[torch.Tensor]:
+def _nan_or_posinf(t: torch.Tensor) -> bool:
+    return bool((t.isnan() | t.isposinf()).any())      # -inf is a ban, not an error
+
+
+def _check_filtered(job: Job, out, row: torch.Tensor, row_was_bad: bool) -> Optional[torch.Tensor]:
     """A token_filter's return value as the row to use: None (row edited in place) or a replacement of V floats (a
     float tensor of V values, [V] or [1, V], or a list of V floats); anything else would fail in torch's copy (wrong
-    size) or be cast silently (ints, bools)."""
+    size) or be cast silently (ints, bools). NaN or +inf the filter put there is its error (the sampler's check would
+    blame the model); `row_was_bad`: the model's row had some already."""
     if out is None:
+        if not row_was_bad and _nan_or_posinf(row):
+            raise InputError(f"Job {job.identifier!r}: its token_filter wrote NaN or +inf into the logits row; write "
+                             "finite values (-inf bans a token)")
         return None
     if isinstance(out, (list, tuple)) and len(out) == row.numel() and \
             all(isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)) for v in out):
         out = torch.tensor(out, dtype=row.dtype, device=row.device)
     if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() == row.numel() and \
             out.dim() <= 2 and out.shape[-1] == row.numel():
-        if bool((out.isnan() | out.isposinf()).any()):    # the sampler's check would blame the model (-inf: a ban)
+        if _nan_or_posinf(out):
             raise InputError(f"Job {job.identifier!r}: its token_filter returned NaN or +inf logits; return finite "
                              "values (-inf bans a token)")
         return out.reshape(row.shape)
@@ -225,8 +233,10 @@ class Generator(Routing, AsyncConsumers):
             res = self._cancelled(job)
             # its consumer has the tail before anyone reads job.done -- from a callback inside a step, at the step's
             # end, after the job's result of that step (routing.py)
-            if self._stepping or not self._route([res]):
-                self._events.append(res)
+            if self._stepping:
+                self._events.append(res)    # routed at the step's end, after the job's result of that step
+            elif not self._route([res]) and not getattr(job, "_consumed", False):
+                self._events.append(res)    # a plain job's, for the next iterate() (a consumer's, even one gone, not)
             if job.callback is not None:
                 job.callback(res)
             return True
@@ -336,7 +346,8 @@ class Generator(Routing, AsyncConsumers):
                 if job.return_logprobs:
                     raw[r] = logits[r].clone()
                 try:
-                    out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r])
+                    was_bad = _nan_or_posinf(logits[r])
+                    out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r], was_bad)
                 except Exception as e:   # the job ends; the error reaches the caller below
                     errors.append(e)
                     self._events.append(self._error_cancelled(job))

@@ -7,7 +7,7 @@ its job's sink exactly once, under the generator's lock, in the locked section t
 the step ends, a job's own before its end; a cancel()'s result at once, or at the end of the step a callback called
 it from): a consumer that reads `job.done` under the lock has its job's last piece already. A step's error goes to
 the sinks of the jobs it ended (a token filter, a sampler, a callback that raised), or, where it ended none (a
-failed forward), to every consumer whose job was queued or running, and those jobs are cancelled. A cancel asked for
+failed forward), to every consumer whose job was running, and those jobs are cancelled. A cancel asked for
 where the lock is busy (an event loop must not wait for a step) goes to an inbox, drained by the section holding the
 lock or by a pool thread that waits for it."""
 from __future__ import annotations
@@ -89,8 +89,8 @@ class Routing:
 
     def _route_error(self, error: BaseException, ended: set) -> None:
         """A failed step's error: to the consumers of the jobs it ended (`ended`: their ids) instead of their
-        cancelled results; the other pending results as usual. Where it ended none: to every consumer of a queued or
-        running job (not one whose enqueue still waits), and those jobs end."""
+        cancelled results; the other pending results as usual. Where it ended none: to every consumer of a running
+        job (not of one still queued, which the next step may run), and those jobs end."""
         for r in _by_end(self._events):
             if r._routed:
                 continue
@@ -100,7 +100,7 @@ class Routing:
                 self._tell(entry, error if id(r.job) in ended else r)
         if not ended:
             for entry in list(self._sinks.values()):
-                if entry.job.status in ("queued", "active"):
+                if entry.job.status == "active":
                     self._tell(entry, error)
                     self._cancel_inbox.append(entry.job)   # after its error: the consumer stops there
 

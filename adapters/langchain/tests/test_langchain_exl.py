@@ -246,7 +246,8 @@ def test_every_output_setting_is_in_the_cache_key(completion_model):
     changed = {"device": "meta", "dtype": "float16", "cache_tokens": 64, "max_tokens": 3, "seed": 5, "stop": ["x"],
                "add_bos": True, "temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "typical": 0.5,
                "repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.5, "penalty_range": 8,
-               "penalize_prompt": False, "temperature_last": True, "logit_bias": {1: 2.0}, "banned_tokens": [3], "model": folder + "/other"}
+               "penalize_prompt": False, "temperature_last": True, "logit_bias": {1: 2.0}, "banned_tokens": [3],
+               "model": folder + "/other"}
     assert set(changed) == set(_OUTPUT_FIELDS)
     base = ExlLLM(model=folder, temperature=0, max_tokens=4)
     for k, v in changed.items():
