@@ -165,22 +165,26 @@ def test_off_without_graphs_or_with_speculative_decoding(model):
     assert Generator(model, Cache(model, max_tokens=256), cuda_graphs=True).lookahead is not None   # default: on
 
 
-def test_a_row_that_cannot_be_sampled_after_the_launch_ends_only_its_job(model):
+def test_a_row_that_cannot_be_sampled_after_the_launch_ends_only_its_job(model, monkeypatch):
     """The greedy sampler's row check is read with the ids, after the next step was launched
     (sampling.sample_batch_unchecked): a NaN row found then drops that step, cancels its job and raises, as
     without the lookahead; the other jobs go on with the same tokens."""
     from exl_core.errors import InputError
     prompts = _prompts(7)
+    forward = model.forward
 
-    def nan_at_5(ids, row):
-        if len(ids) - 19 == 5:                      # the third job's sixth new token
-            row.fill_(float("nan"))
+    def nan_at_5(ids, ctx):         # the model's row of the third job's sixth new token (position 19 + 5 - 1) is NaN
+        out = forward(ids, ctx)     # (a token filter writing it in place is that filter's error, caught before)
+        hit = (ctx.positions == 23).nonzero()
+        if len(hit) and out.shape[0] == ctx.positions.numel():     # decode steps only: one row a job
+            out[int(hit[0, 0])] = float("nan")
+        return out
+    monkeypatch.setattr(model, "forward", nan_at_5)
 
     def run(lookahead):
         gen = Generator(model, Cache(model, max_tokens=4096, page_size=16), None, max_batch_tokens=256,
                         max_chunk_size=64, cuda_graphs=True, lookahead=lookahead)
-        jobs = gen.enqueue([Job(p, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False,
-                                token_filter=nan_at_5 if i == 2 else None) for i, p in enumerate(prompts)])
+        jobs = gen.enqueue([Job(p, max_new_tokens=12, sampler=GREEDY, stop_on_eos=False) for p in prompts])
         raised = 0
         while gen.has_work():
             try:
