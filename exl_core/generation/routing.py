@@ -41,6 +41,18 @@ class _Attached(NamedTuple):
     sink: Sink
 
 
+def next_result(items: deque) -> JobResult:
+    """A consumer's next item (it has one): the result, or the routed error raised -- from this frame, which keeps
+    no reference to it (a caller's local would hold the exception whose traceback holds the caller: a cycle)."""
+    item = items.popleft()
+    if isinstance(item, BaseException):
+        try:
+            raise item
+        finally:
+            del item
+    return item
+
+
 def _by_end(results: list[JobResult]) -> list[JobResult]:
     """Each job's running results before its final one (a step's callbacks may end a job before its token's
     result is filed)."""
