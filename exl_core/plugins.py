@@ -366,6 +366,10 @@ class SharedEngine:
         except BaseException:
             gen._detach(job, sink)
             raise
+        self._start()
+
+    def _start(self) -> None:
+        """A job was queued: the worker runs (started if it is not) and wakes."""
         self._ensure_worker()
         self._wake.set()
 
@@ -392,38 +396,20 @@ class SharedEngine:
 
     async def astream(self, job):
         """Async iterator over the JobResults of `job`; the event loop never blocks on the model (the enqueue, which
-        waits for a running step, runs in an executor thread)."""
+        may wait for a running step, runs in a thread then: Generator._enqueue_nowait)."""
         import asyncio
 
         from .generation.async_consumers import LoopSink
-        loop = asyncio.get_running_loop()
+        gen = self.generator
         q: "asyncio.Queue" = asyncio.Queue()
-        sink = LoopSink(loop, q)
-        # the caller's task may be cancelled while the enqueue runs in its thread (asyncio then cancels the future
-        # it awaits, but not the thread): whichever side comes second cancels the job
-        handoff = threading.Lock()
-        state = {"in": False, "gone": False}
-
-        def give_up():
-            self.generator._detach(job, sink)
-            self._cancel(job)
-
-        def submit():
-            self._submit(job, sink)
-            with handoff:
-                state["in"] = True
-                gone = state["gone"]
-            if gone:
-                give_up()
+        sink = LoopSink(asyncio.get_running_loop(), q)
+        gen._attach(job, sink)
         try:
-            await loop.run_in_executor(None, submit)
-        except asyncio.CancelledError:
-            with handoff:
-                state["gone"] = True
-                was_in = state["in"]
-            if was_in:
-                give_up()
+            await gen._enqueue_nowait(job)      # a task cancelled meanwhile leaves no job running
+        except BaseException:
+            gen._detach(job, sink)
             raise
+        self._start()
         ended = [False]
         try:
             while not ended[0]:

@@ -170,15 +170,13 @@ def record_prompts(generator, monkeypatch, of=lambda job: list(job.input_ids)) -
     return seen
 
 
-def event_loop_ticks_within(call, window) -> int:
-    """How often a 10 ms ticker task ran on the event loop inside the time span window() returns after
-    `await call()` ((t0, t1) by time.monotonic, e.g. a slow model load's): an adapter's async method that runs that
-    work on the loop itself lets it tick about never in it."""
+def _ticks_during(call) -> list:
+    """time.monotonic() of each run of a 10 ms ticker task on the event loop while `await call()` ran."""
     import asyncio
     import time
 
     async def main():
-        times = []
+        times = [time.monotonic()]
 
         async def ticker():
             while True:
@@ -187,9 +185,25 @@ def event_loop_ticks_within(call, window) -> int:
         t = asyncio.create_task(ticker())
         await call()
         t.cancel()
-        t0, t1 = window()
-        return sum(t0 <= x <= t1 for x in times)
+        times.append(time.monotonic())
+        return times
     return asyncio.run(main())
+
+
+def event_loop_ticks_within(call, window) -> int:
+    """How often a 10 ms ticker task ran on the event loop inside the time span window() returns after
+    `await call()` ((t0, t1) by time.monotonic, e.g. a slow model load's): an adapter's async method that runs that
+    work on the loop itself lets it tick about never in it."""
+    times = _ticks_during(call)[1:-1]
+    t0, t1 = window()
+    return sum(t0 <= x <= t1 for x in times)
+
+
+def event_loop_longest_stall(call) -> float:
+    """The longest time (s) the event loop went without running a 10 ms ticker task while `await call()` ran: a
+    call that blocks the loop's thread (waiting for a lock a step holds, say) shows as a stall that long."""
+    times = _ticks_during(call)
+    return max(b - a for a, b in zip(times, times[1:]))
 
 
 def refuse_network(monkeypatch) -> None:

@@ -447,22 +447,30 @@ def test_engine_one_jobs_error_leaves_the_others_running(engine):
     assert got == _greedy_reference(engine.model, [1, 2, 3, 4], 30)
 
 
-def test_engine_async_enqueue_runs_off_the_event_loop(engine):
+def test_engine_async_enqueue_does_not_hold_the_event_loop_for_a_step(engine):
     """astream's enqueue waits for the generator's lock, which a running step holds: it ran on the event loop's
-    thread and stalled every other task for a whole step."""
-    threads = []
-    enqueue = engine.generator.enqueue
+    thread and stalled every other task for a whole step. It now runs in a thread whenever the lock is busy."""
+    import time
+    started = threading.Event()
 
-    def spy(job):
-        threads.append(threading.current_thread())
-        return enqueue(job)
-    engine.generator.enqueue = spy
+    def slow(ids, row):
+        started.set()
+        time.sleep(1.0)                                    # a step that holds the lock ~1 s
+    busy = _job([3, 1, 4], n=1)
+    busy.token_filter = slow
+    t = threading.Thread(target=lambda: list(engine.stream(busy)))
+    t.start()
+    assert started.wait(30)
 
-    async def main():
-        return [r async for r in engine.astream(_job([2, 7, 1], n=5))]
-    results = asyncio.run(main())
+    from exl_core.testing import event_loop_longest_stall
+    results = []
+
+    async def consume():
+        results.extend([r async for r in engine.astream(_job([2, 7, 1], n=5))])
+    gap = event_loop_longest_stall(consume)
+    t.join(30)
     assert results[-1].finish_reason == "length"
-    assert threads and threading.main_thread() not in threads
+    assert gap < 0.5, gap                                  # the loop kept ticking through the step (~1 s)
 
 
 def test_engine_run_cancels_submitted_jobs_when_a_later_one_is_refused(engine):
