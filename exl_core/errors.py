@@ -37,6 +37,12 @@ class LoraError(ExlError):
     """A LoRA adapter does not fit the model or is stored unsafely."""
 
 
+def is_bool(v) -> bool:
+    """A flag argument as these checks take it: bool or numpy's bool scalar (not "no", which is truthy, nor 1)."""
+    return isinstance(v, bool) or (getattr(getattr(v, "dtype", None), "kind", None) == "b"
+                                   and getattr(v, "ndim", 1) == 0)
+
+
 def is_int(v) -> bool:
     """An integer argument as the checks behind these errors take it: int or numpy's integers, not bool."""
     if type(v) is int:

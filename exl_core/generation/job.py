@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..errors import InputError, is_int
+from ..errors import InputError, is_bool, is_int
 from .sampling import SamplerSettings
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "callback")
@@ -104,8 +104,7 @@ class Job:
         flags = {}
         for name, v in (("stop_on_eos", stop_on_eos), ("return_logprobs", return_logprobs),
                         ("decode_special", decode_special)):
-            numpy_bool = getattr(getattr(v, "dtype", None), "kind", None) == "b" and getattr(v, "ndim", 1) == 0
-            if not (isinstance(v, bool) or numpy_bool):     # "no" or "false" would count as True
+            if not is_bool(v):
                 raise InputError(f"Job: {name}={v!r:.60} must be True or False")
             flags[name] = bool(v)
         stop_on_eos, return_logprobs, decode_special = flags.values()

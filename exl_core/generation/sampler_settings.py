@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..errors import SamplerError, is_int
+from ..errors import SamplerError, is_bool, is_int
 
 History = Union[torch.Tensor, Sequence[int], None]
 
@@ -115,7 +115,7 @@ class SamplerSettings:
         if not is_int(self.penalty_range) or self.penalty_range < -1:
             bad("penalty_range", self.penalty_range, "must be an int >= -1 (-1 = whole history, 0 = none)")
         for name in ("penalize_prompt", "temperature_last"):
-            if not isinstance(getattr(self, name), bool):
+            if not is_bool(getattr(self, name)):
                 bad(name, getattr(self, name), "must be True or False")
 
         def check_id(name, t):
