@@ -155,6 +155,41 @@ def _balanced(cache):
     assert cache.pool.num_free + cache.pool.num_cached_unreferenced == cache.pool.num_pages
 
 
+def test_speculative_logprobs_are_the_verifying_rows_float64_log_softmax(tiny_llama_dir, monkeypatch):
+    """Each token a speculative step emits reports float32(x[t] - lse) with lse in float64 over the very logits row
+    that verified it, as the plain sampler does. A float32 log-sum-exp lands one or more float32 steps away on a
+    good share of tokens, so bit equality over all of them tells the two apart."""
+    main = _load(tiny_llama_dir)
+    draft = _perturb(_load(tiny_llama_dir), 0.002, seed=7)
+    forwards = []          # logits of every main-model forward, in order
+    real_forward = main.forward
+
+    def recording_forward(*a, **k):
+        out = real_forward(*a, **k)
+        forwards.append(out.detach().clone())
+        return out
+    monkeypatch.setattr(main, "forward", recording_forward)
+    gen = Generator(main, Cache(main, max_tokens=1024, page_size=16), None, num_draft_tokens=4,
+                    draft_model=draft, draft_cache=Cache(draft, max_tokens=1024, page_size=16))
+    job = Job(torch.randint(0, 49152, (11,)).tolist(), max_new_tokens=60, sampler=GREEDY, stop_on_eos=False,
+              return_logprobs=True)
+    gen.enqueue(job)
+    rows = []              # the logits row behind each emitted token
+    while gen.has_work():
+        before, seen = len(job.generated), len(forwards)
+        gen.iterate()
+        got = len(job.generated) - before
+        assert len(forwards) == seen + 1
+        rows.extend(forwards[-1][:got])      # one job: the forward returns its asked rows, verified ones first
+    assert gen.spec.stats.accepted > 0                  # several tokens came from one verifying forward
+    assert len(rows) == len(job.generated) == 60
+    lg = torch.stack(rows).double()
+    toks = torch.tensor(job.generated)
+    assert torch.equal(lg.argmax(1), toks)
+    ref = (lg.gather(1, toks[:, None]).squeeze(1) - torch.logsumexp(lg, 1)).float().tolist()
+    assert job.logprobs == ref
+
+
 @pytest.mark.parametrize("mode", ["draft", "ngram"])
 def test_greedy_speculative_equals_plain(tiny_llama_dir, mode):
     main = _load(tiny_llama_dir)
