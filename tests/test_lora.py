@@ -204,7 +204,8 @@ def test_bad_adapters(tiny_llama_dir, tmp_path, base):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LoraError, match="do not match the base model"):
         load_lora(base, make_adapter(tmp_path / "mismatch", other))
-    assert not getattr(base, "_lora_manager").adapters         # nothing half-loaded
+    # nothing half-loaded, and no empty manager left behind (its existence keeps a model off CUDA graphs)
+    assert lora_manager(base) is None or not lora_manager(base).adapters
     ok = load_lora(base, tmp_path / "pkl", allow_pickle=True)    # trusted: loads
     assert ok.rank == 4
     with pytest.raises(LoraError, match="already loaded"):
@@ -224,6 +225,26 @@ def test_bad_adapters(tiny_llama_dir, tmp_path, base):
         (folder / "adapter_config.json").write_text(json.dumps(cfg))
         with pytest.raises(LoraError, match=f"adapter_config.json: {what}"):
             load_lora(base, folder)
+    # values json reads but no adapter can have: NaN / Infinity scale every update into NaN, "false" is truthy
+    for over, what in (({"lora_alpha": float("nan")}, "'lora_alpha' must be a positive finite number"),
+                       ({"lora_alpha": float("inf")}, "'lora_alpha' must be a positive finite number"),
+                       ({"r": 4.5}, "'r' must be a positive integer"),
+                       ({"rank_pattern": {"q_proj": "four"}}, "'rank_pattern.'q_proj'.' must be a positive integer"),
+                       ({"rank_pattern": {"q_proj": None}}, "'rank_pattern.'q_proj'.' must be a positive integer"),
+                       ({"alpha_pattern": {"q_proj": -2}}, "'alpha_pattern.'q_proj'.' must be a positive finite"),
+                       ({"alpha_pattern": {"q_proj": float("nan")}}, "'alpha_pattern.'q_proj'.' must be a positive"),
+                       ({"use_rslora": "false"}, "'use_rslora' must be true or false")):
+        (folder / "adapter_config.json").write_text(json.dumps(dict(good, **over)))
+        with pytest.raises(LoraError, match=f"adapter_config.json: {what}"):
+            load_lora(base, folder)
+    (folder / "adapter_config.json").write_text(json.dumps(good))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_A.weight"))
+    save_file(dict(tensors, **{key.replace("lora_A.weight", "lora_A.default.weight"): tensors[key].clone()}),
+              str(folder / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="has more than one lora_A weight"):    # one of the two was dropped silently
+        load_lora(base, folder)
     (folder / "adapter_config.json").write_text('{"r": ' + "[" * 100000 + "]" * 100000 + "}")
     with pytest.raises(LoraError, match="adapter_config.json: unreadable JSON .*nested too deeply"):
         load_lora(base, folder)          # was a bare RecursionError
@@ -255,6 +276,47 @@ def test_generator_jobs_with_different_adapters_match_running_alone(tiny_llama_d
     with pytest.raises(LoraError, match="no adapter named"):
         Generator(model, Cache(model, max_tokens=256, page_size=16), None).enqueue(
             Job(prompts[0], loras={"zzz": 1.0}))
+
+
+def test_generators_on_threads_keep_their_own_jobs_adapters(tiny_llama_dir, tmp_path, monkeypatch):
+    """Two generators of one model step on their own threads, each under its own lock: each forward must use its own
+    jobs' mixes (the row plan was one attribute of the model's manager, so a forward ran with the other's plan)."""
+    import threading
+    import time
+
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    from exl_core.model.lora import LoraHook
+    model = _fresh(tiny_llama_dir)
+    load_lora(model, make_adapter(tmp_path / "a", tiny_llama_dir, std=0.3, seed=1), name="a")
+    load_lora(model, make_adapter(tmp_path / "b", tiny_llama_dir, std=0.3, seed=2), name="b")
+    prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (7, 5)]
+    mixes = [{"a": 1.0}, {"b": 1.0}]
+
+    def run(prompt, mix, out, key):
+        gen = Generator(model, Cache(model, max_tokens=256, page_size=16), None)
+        job = Job(prompt, max_new_tokens=6, sampler=SamplerSettings(temperature=0.0), stop_on_eos=False, loras=mix)
+        gen.enqueue(job)
+        run_all(gen)
+        out[key] = job.generated
+    alone: dict = {}
+    for k in (0, 1):
+        run(prompts[k], mixes[k], alone, k)
+    real_call = LoraHook.__call__
+
+    def slow_call(self, x, y):         # a thread switch inside a forward, as any op releasing the GIL allows
+        time.sleep(0.0005)
+        return real_call(self, x, y)
+    monkeypatch.setattr(LoraHook, "__call__", slow_call)
+    for _ in range(3):
+        got: dict = {}
+        threads = [threading.Thread(target=run, args=(prompts[k], mixes[k], got, k)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == alone
 
 
 def test_merge_into_weights_rewritten_as_uniform4_rows(exl2_act_order_dir, tiny_llama_dir, tmp_path):

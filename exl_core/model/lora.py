@@ -32,7 +32,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..errors import LoraError
+from ..errors import LoraError, is_bool, is_int
 from ..textfiles import loads_json
 from .linear import QuantLinear
 from .lora_requant import requantize_like
@@ -89,7 +89,9 @@ class LoraManager:
         self.adapters: dict[str, "LoraAdapter"] = {}
         self.hooks: dict[str, LoraHook] = {}
         self.active: dict[str, float] = {}            # mix for every row when no plan is set
-        self._plan: Optional[list[tuple[int, int, dict]]] = None
+        # the row plan lives per thread: generators on one model step on their own threads, each between its own
+        # set_plan and forward (one plan on the manager let a forward run with another generator's mix)
+        self._local = threading.local()
         self.merged: list[str] = []                   # merge order: merges are undone in reverse (each saved the
         # weights as they were, which hold the merges before it)
         # bumped where the weights change (merge, unmerge) or an adapter's name may come to mean other factors
@@ -145,7 +147,7 @@ class LoraManager:
         """Per-row mixes for the next forward(s): [(start, end, mix)] over the flat batch rows;
         rows outside every range get no adapter. None: back to `active` for every row."""
         if plan is None:
-            self._plan = None
+            self._local.plan = None
             return
         merged: list[tuple[int, int, dict]] = []
         for start, end, mix in plan:
@@ -156,11 +158,12 @@ class LoraManager:
                 merged[-1] = (merged[-1][0], end, mix)
             else:
                 merged.append((start, end, mix))
-        self._plan = merged
+        self._local.plan = merged
 
     def current_plan(self, rows: int) -> list[tuple[int, int, dict]]:
-        if self._plan is not None:
-            return self._plan
+        plan = getattr(self._local, "plan", None)
+        if plan is not None:
+            return plan
         return [(0, rows, self.active)] if self.active else []
 
     def hook_for(self, name: str, layer: QuantLinear) -> LoraHook:
@@ -281,10 +284,12 @@ def lora_rows(model, jobs_and_lens: Sequence[tuple[object, int]]):
 def set_active(model, mix: Optional[Mix]) -> None:
     """The mix applied to every row of plain `model.forward` calls (no row plan set), and to the generator's jobs
     that name no mix of their own."""
-    m = lora_manager(model, create=bool(mix))
-    if m is not None:
-        with jobs_frozen(model):
-            m.set_active(m.check_mix(mix, "set_active"))
+    m = lora_manager(model)
+    if m is None:
+        check_job_loras(model, mix, "set_active")     # refuses a mix; nothing to change without adapters
+        return
+    with jobs_frozen(model):
+        m.set_active(m.check_mix(mix, "set_active"))
 
 
 def prefix_salt(model, loras: Optional[Mix]) -> bytes:
@@ -318,10 +323,18 @@ def _read_config(folder: Path) -> dict:
     ptype = str(cfg.get("peft_type", "LORA")).upper()
     if ptype != "LORA":
         raise LoraError(f"{cfg_path}: peft_type {ptype!r} is not supported (only LORA)")
-    for key in ("r", "lora_alpha"):
-        v = cfg.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise LoraError(f"{cfg_path}: '{key}' must be a positive number, got {v!r}")
+    # ranks are positive integers, alphas positive finite numbers (json reads NaN and Infinity, which would
+    # scale every update into NaN), in the patterns as at the top level
+    for key, v in [("r", cfg.get("r"))] + [
+            (f"rank_pattern[{k!r}]", v) for k, v in (cfg.get("rank_pattern") or {}).items()]:
+        if not is_int(v) or v <= 0:
+            raise LoraError(f"{cfg_path}: '{key}' must be a positive integer, got {v!r}")
+    for key, v in [("lora_alpha", cfg.get("lora_alpha"))] + [
+            (f"alpha_pattern[{k!r}]", v) for k, v in (cfg.get("alpha_pattern") or {}).items()]:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise LoraError(f"{cfg_path}: '{key}' must be a positive finite number, got {v!r}")
+    if cfg.get("use_rslora") is not None and not is_bool(cfg["use_rslora"]):    # "false" is truthy
+        raise LoraError(f"{cfg_path}: 'use_rslora' must be true or false, got {cfg['use_rslora']!r}")
     if cfg.get("use_dora"):
         raise LoraError(f"{cfg_path}: DoRA adapters (use_dora) are not supported")
     return cfg
@@ -497,8 +510,9 @@ def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = Fa
     cfg = _read_config(folder)
     tensors = _read_tensors(folder, allow_pickle)
     name = name or folder.name
-    manager = lora_manager(model, create=True)
-    if name in manager.adapters:
+    # made only for an adapter that loads: a manager's mere existence keeps the model off CUDA graphs
+    manager = lora_manager(model)
+    if manager is not None and name in manager.adapters:
         raise LoraError(f"an adapter named {name!r} is already loaded; pass name=... or unload() it")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -507,7 +521,11 @@ def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = Fa
         if mt is None:
             raise LoraError(f"{folder}: tensor '{key}' is not a LoRA A/B weight (DoRA magnitudes, embedding "
                             "LoRA and trained biases are not supported)")
-        pairs.setdefault(mt["module"], {})[mt["ab"]] = t
+        ab = pairs.setdefault(mt["module"], {})
+        if mt["ab"] in ab:            # e.g. q_proj.lora_A.weight beside q_proj.lora_A.default.weight
+            raise LoraError(f"{folder}: {mt['module']} has more than one lora_{mt['ab']} weight (one adapter a "
+                            "folder; the second is named by its key)")
+        ab[mt["ab"]] = t
     if not pairs:
         raise LoraError(f"{folder}: the adapter holds no lora_A/lora_B weights")
 
@@ -550,6 +568,7 @@ def load_lora(model, folder, name: Optional[str] = None, allow_pickle: bool = Fa
         out[module] = _LayerAdapter(a_t.to(dev, torch.float32).contiguous(), b_t.to(dev, torch.float32).contiguous(),
                                     scale)
 
+    manager = lora_manager(model, create=True)
     adapter = LoraAdapter(manager, name, folder, cfg, out)
     for module, lad in out.items():
         manager.hook_for(module, layers_by_name[module]).adapters[name] = lad
