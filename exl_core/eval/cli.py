@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Optional
 
 from ..errors import ExlError, InputError
+
+
+def _json(value) -> str:
+    """JSON with inf / NaN (a broken variant's perplexity) as null: json.dumps writes Infinity, which is not JSON."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(value), allow_nan=False)
 
 
 def _positive(text: str) -> int:
@@ -75,7 +89,7 @@ def eval_main(argv: Optional[list[str]] = None) -> int:
         if a.what == "task":
             from .tasks import evaluate_task_file
             r = evaluate_task_file(a.model, a.task, a.limit, a.device, progress=not a.json)
-            print(json.dumps(r.as_dict()) if a.json else
+            print(_json(r.as_dict()) if a.json else
                   f"examples: {r.examples}\nacc: {r.acc:.4f}\nacc_norm: {r.acc_norm:.4f}")
             return 0
         _warn_ctx(a)
@@ -84,14 +98,14 @@ def eval_main(argv: Optional[list[str]] = None) -> int:
             if len(a.model) < 2:                    # before any model loads
                 raise InputError("compare needs a reference and at least one variant: pass -m twice or more")
             rows = compare_folders(a.model, a.data, a.ctx, a.stride, a.windows, a.device, progress=not a.json)
-            print(json.dumps([r.as_dict() for r in rows]) if a.json else format_table(rows))
+            print(_json([r.as_dict() for r in rows]) if a.json else format_table(rows))
             return 0
         from .perplexity import perplexity_of_folder
         r = perplexity_of_folder(a.model, a.data, a.ctx, a.stride, a.windows, a.device, progress=not a.json)
     except ExlError as e:
         print(f"exl eval {a.what}: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(r.as_dict()) if a.json else f"tokens: {r.tokens}\nwindows: {r.windows}\nperplexity: {r.ppl:.4f}")
+    print(_json(r.as_dict()) if a.json else f"tokens: {r.tokens}\nwindows: {r.windows}\nperplexity: {r.ppl:.4f}")
     return 0
 
 

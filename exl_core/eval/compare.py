@@ -21,7 +21,7 @@ import torch
 
 from ..errors import InputError
 from ..textfiles import read_utf8
-from .perplexity import require_in_vocab, window_spans
+from .perplexity import ppl_from_nll, require_in_vocab, window_spans
 
 
 _KL_ROWS = 128      # rows of a window's log-probabilities taken to float64 at once for the KL
@@ -80,7 +80,7 @@ def compare_models(models: Sequence, ids: Sequence[int], ctx: int = 2048, stride
                 kl[i] += torch.nn.functional.kl_div(v, a, log_target=True, reduction="sum").item()
             agree[i] += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
         count += len(tgt)
-    return [VariantResult(names[i], 0.0, math.exp(nll[i] / count), kl[i] / count, agree[i] / count, count)
+    return [VariantResult(names[i], 0.0, ppl_from_nll(nll[i], count), kl[i] / count, agree[i] / count, count)
             for i in range(len(models))]
 
 

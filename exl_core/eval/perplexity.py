@@ -79,11 +79,18 @@ def perplexity_from_logits_fn(logits_fn: LogitsFn, ids: Sequence[int], ctx: int 
     for b, e, first in it:
         logits = logits_fn(ids_t[b:e]).float()                     # (e-b, vocab)
         pred = logits[first - 1 - b:e - 1 - b]                     # rows predicting targets first..e-1
-        tgt = ids_t[first:e]
+        tgt = ids_t[first:e].to(pred.device)                       # the model's logits may be on a GPU
         lp = torch.log_softmax(pred, -1).gather(-1, tgt[:, None])[:, 0]
         nll -= lp.double().sum().item()
         count += len(tgt)
-    return PplResult(math.exp(nll / count), count, len(spans), nll)
+    return PplResult(ppl_from_nll(nll, count), count, len(spans), nll)
+
+
+def ppl_from_nll(nll: float, count: int) -> float:
+    """exp(mean NLL), inf past float range: a broken variant's logits give mean losses over 709 nats, where
+    math.exp raises OverflowError (it ended `exl eval compare` with a traceback, every row lost)."""
+    mean = nll / count
+    return math.exp(mean) if mean < 709.0 else math.inf
 
 
 def require_in_vocab(ids: Sequence[int], vocab_size: int, what: str) -> None:
