@@ -72,6 +72,9 @@ def lighter_head(head: QuantLinear, kind: str) -> QuantLinear:
     if head.in_features % 32:
         raise ConfigError(f"head='int8' needs hidden_size a multiple of 32 (the kernel's row chunk), got "
                           f"{head.in_features}; use head='bf16'")
+    if head.out_features % 4:          # four 8-bit zero points an int32 (GPTQ's packing)
+        raise ConfigError(f"head='int8' needs vocab_size a multiple of 4 (the zero points' packing), got "
+                          f"{head.out_features}; use head='bf16'")
     from .formats import gptq
     qc = {"bits": 8, "group_size": 32, "checkpoint_format": "gptq_v2"}
     w_t = head.w_t.float().cpu()

@@ -80,6 +80,51 @@ def test_rope_parameters_theta_wins_over_top_level(tiny_model_factory):
     assert (model.forward_batch(ids) - ref).abs().max().item() < ATOL
 
 
+L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+ARCH_CLS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# (arch, model built with, config.json keys then set, keys then dropped): config.json files transformers 5.x reads
+# differently from the plain keys (its built model is the reference; AutoConfig alone shows some before standardizing)
+CONFIG_EDITS = [
+    # a top-level original_max_position_embeddings overrides the rope object's (was ignored)
+    ("llama", {}, {"rope_scaling": L3, "original_max_position_embeddings": 64}, ()),
+    ("qwen2", {}, {"rope_scaling": {**L3, "original_max_position_embeddings": 64},
+                   "original_max_position_embeddings": 128}, ()),
+    ("mistral", {}, {"rope_parameters": {**L3, "rope_theta": 5e5, "original_max_position_embeddings": 128},
+                     "original_max_position_embeddings": 64}, ()),
+    # an empty rope_scaling is absent: rope_parameters holds the rope (was read as default rope, theta 10,000)
+    ("llama", {}, {"rope_scaling": {}, "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}},
+     ("rope_theta",)),
+    # without max_position_embeddings llama3's pretraining length is the config class's default (was 4096 for all)
+    ("llama", {}, {"rope_scaling": L3}, ("rope_parameters", "max_position_embeddings")),
+    ("mistral", {}, {"rope_scaling": L3}, ("rope_parameters", "max_position_embeddings")),
+    ("qwen2", {}, {"rope_scaling": L3}, ("rope_parameters", "max_position_embeddings")),
+    # without num_key_value_heads: MistralConfig's 8, Qwen2Config's 32 (were num_attention_heads), LlamaConfig's
+    # num_attention_heads; an explicit null is num_attention_heads for all three
+    ("mistral", {"num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 128}, {},
+     ("num_key_value_heads",)),
+    ("qwen2", {"num_attention_heads": 64, "num_key_value_heads": 32, "hidden_size": 256}, {},
+     ("num_key_value_heads",)),
+    ("llama", {"num_key_value_heads": 4}, {}, ("num_key_value_heads",)),
+    ("mistral", {"num_key_value_heads": 4}, {"num_key_value_heads": None}, ()),
+]
+
+
+@pytest.mark.parametrize("arch,build,edit,drop", CONFIG_EDITS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CONFIG_EDITS)])
+def test_config_keys_read_as_transformers_builds_the_model(tiny_model_factory, arch, build, edit, drop):
+    import json
+    folder = tiny_model_factory(arch, seed=7, vocab_size=256, rope_theta=5e6, **build)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in drop}
+    path.write_text(json.dumps({**cfg, **edit}))
+    hf = _hf(folder, ARCH_CLS[arch])
+    model, _ = load_model(folder, load_tokenizer=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    assert (model.forward_batch(ids) - ref).abs().max().item() < ATOL
+
+
 def test_mixed_sliding_layers_through_the_generator(tiny_model_factory):
     """Qwen2 with one full and one sliding layer, past the window, through the paged cache and the generator (the
     cache must keep every page: the full layer reads them all), greedy against HF's greedy."""
@@ -161,3 +206,12 @@ def test_lighter_head_rejects_unknown_kind(tiny_llama_dir):
     from exl_core.errors import ConfigError
     with pytest.raises(ConfigError, match="head='fp8'"):
         load_model(tiny_llama_dir, load_tokenizer=False, head="fp8")
+
+
+def test_int8_head_refuses_a_vocab_its_packing_cannot_hold(tiny_model_factory):
+    """Four 8-bit zero points an int32: a vocab of 1,001 was a bare ValueError from deep inside the packer."""
+    from exl_core.errors import ConfigError
+    folder = tiny_model_factory("llama", seed=4, vocab_size=1001)
+    with pytest.raises(ConfigError, match="head='int8' needs vocab_size a multiple of 4.*got 1001; use head='bf16'"):
+        load_model(folder, load_tokenizer=False, head="int8")
+    assert load_model(folder, load_tokenizer=False, head="bf16")[0].config.vocab_size == 1001
