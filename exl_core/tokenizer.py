@@ -30,7 +30,9 @@ def _read_json(path: Path) -> dict:
         data = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{path}: unreadable JSON ({e})") from e
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):       # read as empty, a list lost its settings (eos ids, template) silently
+        raise TokenizerError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
 
 
 def _check_template(template: Any, source: Path) -> Any:

@@ -185,6 +185,13 @@ def test_deeply_nested_tokenizer_config(tmp_path):
         Tokenizer.from_folder(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_settings_files_of_another_json_kind_are_refused(tmp_path, name):
+    (tmp_path / name).write_text('["eos_token_id", 2]')
+    with pytest.raises(TokenizerError, match=rf"{name}: expected a JSON object, got a list"):
+        Tokenizer.from_folder(tmp_path)
+
+
 @pytest.mark.real_model
 def test_eos_ids_collected_from_all_configs(smollm2_dir, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
