@@ -32,16 +32,20 @@ class ArchSpec:
     window_layers_default: int = 0         # the key's value where config.json leaves it out (HF's Qwen2Config: 28)
     default_window: Optional[int] = None   # `sliding_window` where config.json leaves the key out (HF's MistralConfig
     # and Qwen2Config: 4096; an explicit null means none)
+    default_kv_heads: Optional[int] = None  # `num_key_value_heads` where config.json leaves the key out (HF's
+    # MistralConfig: 8, Qwen2Config: 32); None, and an explicit null, mean num_attention_heads (HF's LlamaConfig)
+    default_max_positions: int = 2048      # `max_position_embeddings` where config.json leaves it out (HF's
+    # LlamaConfig: 2048, MistralConfig: 131072, Qwen2Config: 32768); llama3 rope's pretraining length falls back on it
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", o_proj_bias=True),
     "MistralForCausalLM": ArchSpec("MistralForCausalLM", uses_sliding_window=True, fixed_biases=True,
-                                   default_window=4096),
+                                   default_window=4096, default_kv_heads=8, default_max_positions=131072),
     "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", default_attention_bias=True, uses_sliding_window=True,
                                  sliding_window_flag="use_sliding_window", fixed_biases=True,
                                  window_layers_key="max_window_layers", window_layers_default=28,
-                                 default_window=4096),
+                                 default_window=4096, default_kv_heads=32, default_max_positions=32768),
 }
 
 
@@ -149,11 +153,15 @@ class Reader:
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _original_max_positions(rs: Reader, r: Reader) -> int:
-    """llama3 rope's pretraining length, as transformers 5.x's Llama fills it where the rope object leaves it out:
-    max_position_embeddings (a top-level original_max_position_embeddings is not read for Llama)."""
-    inner = rs.get("original_max_position_embeddings", int, None, positive=True)
-    return inner if inner is not None else r.get("max_position_embeddings", int, 4096, positive=True)
+def _original_max_positions(rs: Reader, r: Reader, max_positions: int) -> int:
+    """llama3 rope's pretraining length as transformers 5.x builds the model (standardize_rope_params): a top-level
+    original_max_position_embeddings (Phi3-style) overrides the rope object's, which else falls back on
+    max_positions (max_position_embeddings or the architecture's default)."""
+    for where in (r, rs):
+        v = where.get("original_max_position_embeddings", int, None, positive=True)
+        if v is not None:
+            return v
+    return max_positions
 
 
 def _rope_parameters(r: Reader) -> Optional[Reader]:
@@ -165,7 +173,7 @@ def _rope_parameters(r: Reader) -> Optional[Reader]:
     return rp
 
 
-def _rope_scaling(rs: Optional[Reader], r: Reader) -> Optional[dict]:
+def _rope_scaling(rs: Optional[Reader], r: Reader, max_positions: int) -> Optional[dict]:
     """The scaling of the rope object (rope_scaling, or transformers 5.x's rope_parameters)."""
     if rs is None:
         return None
@@ -182,7 +190,7 @@ def _rope_scaling(rs: Optional[Reader], r: Reader) -> Optional[dict]:
             rs.fail("high_freq_factor", f"must be greater than low_freq_factor ({lo}), got {hi}")
         return {"rope_type": "llama3", "factor": rs.get("factor", float, positive=True),
                 "low_freq_factor": lo, "high_freq_factor": hi,
-                "original_max_position_embeddings": float(_original_max_positions(rs, r))}
+                "original_max_position_embeddings": float(_original_max_positions(rs, r, max_positions))}
     rs.fail(type_key, f"value {kind!r} is not supported (supported: default, linear, llama3)")
 
 
@@ -263,10 +271,13 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
     vocab = r.get("vocab_size", int, positive=True)
     hidden = r.get("hidden_size", int, positive=True)
     heads = r.get("num_attention_heads", int, positive=True)
-    kv_heads = r.get("num_key_value_heads", int, heads, positive=True)
+    # a missing key is the architecture's default (HF's config classes), an explicit null num_attention_heads
+    kv_given = "num_key_value_heads" in r.data or spec.default_kv_heads is None
+    kv_heads = r.get("num_key_value_heads", int, heads if kv_given else spec.default_kv_heads, positive=True)
     if heads % kv_heads:
+        why = "" if kv_given else f", {arch}'s default where config.json leaves the key out"
         raise ConfigError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
-                          f"num_key_value_heads ({kv_heads})")
+                          f"num_key_value_heads ({kv_heads}{why})")
     head_dim = r.get("head_dim", int, None, positive=True)
     if head_dim is None:
         if hidden % heads:
@@ -278,10 +289,12 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
     # transformers 5.x reads one rope object (a legacy rope_scaling, else rope_parameters) and fills its theta from
     # the top-level key only where it has none
     rp = _rope_parameters(r)
-    rope = r.sub("rope_scaling") or rp
+    legacy = r.sub("rope_scaling")
+    rope = legacy if legacy is not None and legacy.data else rp    # an empty rope_scaling is absent there too
     rope_theta = rope.get("rope_theta", float, None, positive=True) if rope else None
     if rope_theta is None:
         rope_theta = r.get("rope_theta", float, 10000.0, positive=True)
+    max_positions = r.get("max_position_embeddings", int, spec.default_max_positions, positive=True)
     layers = r.get("num_hidden_layers", int, positive=True)
     sliding, sliding_layers = _sliding_window(r, spec, layers)
     qc = data.get("quantization_config")
@@ -298,12 +311,12 @@ def config_from_dict(data: dict, source: str = "config.json", path: Optional[Pat
         head_dim=head_dim,
         rms_norm_eps=r.get("rms_norm_eps", float, 1e-6, positive=True),
         rope_theta=rope_theta,
-        max_position_embeddings=r.get("max_position_embeddings", int, 4096, positive=True),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         attention_bias=(spec.default_attention_bias if spec.fixed_biases
                         else r.get("attention_bias", bool, spec.default_attention_bias)),
         mlp_bias=False if spec.fixed_biases else r.get("mlp_bias", bool, False),
-        rope_scaling=_rope_scaling(rope, r),
+        rope_scaling=_rope_scaling(rope, r, max_positions),
         sliding_window=sliding,
         sliding_layers=sliding_layers,
         bos_token_id=_optional_token_id(r, "bos_token_id", vocab),

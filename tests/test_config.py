@@ -63,6 +63,33 @@ def test_missing_sliding_window_key_is_hfs_default(tmp_path, arch, extra):
         assert load_config(tmp_path).sliding_window == hf.sliding_window == (4096 if value == "missing" else None)
 
 
+@pytest.mark.parametrize("arch,model_type", [("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
+                                             ("Qwen2ForCausalLM", "qwen2")])
+def test_missing_kv_heads_and_max_positions_are_hfs_defaults(tmp_path, arch, model_type):
+    """Without num_key_value_heads / max_position_embeddings HF's config classes take their own defaults (KV heads:
+    LlamaConfig num_attention_heads, MistralConfig 8, Qwen2Config 32; positions: 2048, 131072, 32768); exl_core took
+    num_attention_heads and 4096 for every architecture. An explicit null KV count is num_attention_heads (Llama,
+    Qwen2; MistralConfig refuses it)."""
+    transformers = pytest.importorskip("transformers")
+    d = dict(BASE, architectures=[arch], model_type=model_type, num_attention_heads=64, hidden_size=1024)
+    del d["num_key_value_heads"]
+    for value in ("missing", None):
+        if value != "missing":
+            if arch == "MistralForCausalLM":
+                continue
+            d["num_key_value_heads"] = value
+        (tmp_path / "config.json").write_text(json.dumps(d))
+        hf = transformers.AutoConfig.from_pretrained(str(tmp_path))
+        c = load_config(tmp_path)
+        assert (c.num_key_value_heads, c.max_position_embeddings) == (hf.num_key_value_heads,
+                                                                      hf.max_position_embeddings)
+        assert c.max_position_embeddings == {"llama": 2048, "mistral": 131072, "qwen2": 32768}[model_type]
+        if value == "missing":
+            assert c.num_key_value_heads == {"llama": 64, "mistral": 8, "qwen2": 32}[model_type]
+        else:
+            assert c.num_key_value_heads == 64
+
+
 def test_mistral_window_and_rope_variants(tmp_path):
     c = load_config(write(tmp_path, architectures=["MistralForCausalLM"], sliding_window=4096))
     assert c.sliding_window == 4096
@@ -79,6 +106,9 @@ def test_mistral_window_and_rope_variants(tmp_path):
     ({"vocab_size": 0}, "'vocab_size' must be > 0"),
     ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel' is not supported"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    # 4 heads and MistralConfig's 8 KV heads: the message says where the 8 comes from
+    ({"architectures": ["MistralForCausalLM"], "num_key_value_heads": None},
+     "num_key_value_heads (8, MistralForCausalLM's default where config.json leaves the key out)"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 2}}, "low_freq_factor"),
 ])

@@ -96,6 +96,7 @@ L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_f
      "rope_scaling.original_max_position_embeddings"),
     ({"rope_scaling": {**L3, "original_max_position_embeddings": 8192.5}},
      "rope_scaling.original_max_position_embeddings"),
+    ({"rope_scaling": L3, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),   # top level
     ({"rope_scaling": {"type": "linear", "factor": 0}}, "rope_scaling.factor"),
     ({"rope_scaling": {"type": "linear", "factor": "2"}}, "rope_scaling.factor"),
     ({"rope_scaling": {"type": "linear", "factor": False}}, "rope_scaling.factor"),
@@ -115,11 +116,20 @@ def test_bad_head_dim_and_rope_fields(tmp_path, over, field):
 def test_good_rope_fields_still_load(tmp_path):
     c = load_config(write(tmp_path, rope_parameters={**L3, "rope_theta": 500000}))
     assert c.rope_theta == 500000.0 and c.rope_scaling == {**L3, "original_max_position_embeddings": 8192.0}
-    # llama3 without its pretraining length: transformers 5.x's Llama takes max_position_embeddings
+    # llama3's pretraining length as transformers 5.x builds the model: a top-level key overrides the rope object's
+    # (test_model_vs_hf checks the logits), else max_position_embeddings
     no_len = {k: v for k, v in L3.items() if k != "original_max_position_embeddings"}
     c = load_config(write(tmp_path, max_position_embeddings=2048, original_max_position_embeddings=1024,
                           rope_scaling=no_len))
+    assert c.rope_scaling["original_max_position_embeddings"] == 1024.0
+    c = load_config(write(tmp_path, original_max_position_embeddings=1024, rope_parameters={**L3, "rope_theta": 5e5}))
+    assert c.rope_scaling["original_max_position_embeddings"] == 1024.0
+    c = load_config(write(tmp_path, max_position_embeddings=2048, rope_scaling=no_len))
     assert c.rope_scaling["original_max_position_embeddings"] == 2048.0
+    # an empty rope_scaling is absent for transformers (`rope_scaling or rope_parameters`): rope_parameters is read
+    c = load_config(write(tmp_path, rope_scaling={}, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 5e5}))
+    assert (c.rope_theta, c.rope_scaling) == (5e5, {"rope_type": "linear", "factor": 2.0})
     # transformers 5.x reads one rope object: a legacy rope_scaling wins, its theta from the top level if it has none
     c = load_config(write(tmp_path, rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0},
                           rope_parameters={"rope_type": "default", "rope_theta": 5e5}))

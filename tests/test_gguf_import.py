@@ -100,7 +100,7 @@ _QTYPES = {"token_embd": "F16", "attn_v": "Q4_1", "attn_output": "BF16", "ffn_ga
 
 
 def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias=None,
-                    rope_freqs=None, orig_ctx=None, vocab=True):
+                    rope_freqs=None, orig_ctx=None, vocab=True, sliding_window=None):
     """Returns (HF weights as written, the tensors the GGUF really holds after quantisation, in HF
     order and layout). Llama-type archs get llama.cpp's q/k row permutation, qwen2 does not."""
     import gguf
@@ -120,6 +120,8 @@ def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", seed=None, bias
     w.add_rope_dimension_count(HD)
     if orig_ctx is not None:
         w.add_rope_scaling_orig_ctx_len(orig_ctx)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.add_vocab_size(len(tokens))
@@ -207,6 +209,19 @@ def test_tiny_gguf_matches_transformers_loader(tmp_path, arch):
         assert torch.equal(sd[k], r.get(k, dtype=torch.float32)), k
     logits = model(torch.tensor([[3, 50, 60, 70]])).logits
     assert logits.shape == (1, 4, len(_tiny_vocab()[0])) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_mistral_window_is_the_ggufs(tmp_path, window):
+    """A mistral GGUF without attention.sliding_window attends to every key (llama.cpp); its config.json left the key
+    out, so exl_core (as HF's MistralConfig) slid by 4096. It says null now, or the GGUF's window."""
+    from exl_core.config import load_config
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src, tied=True, arch="mistral", sliding_window=window)
+    out = import_gguf(src, tmp_path / "out", dtype=torch.float32, progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert "sliding_window" in cfg and cfg["sliding_window"] == window
+    assert load_config(out).sliding_window == window
 
 
 def _llama3_divisors(theta, dim, factor, lf, hf, old):

@@ -99,13 +99,13 @@ CONFIG_EDITS = [
     ("mistral", {}, {"rope_scaling": L3}, ("rope_parameters", "max_position_embeddings")),
     ("qwen2", {}, {"rope_scaling": L3}, ("rope_parameters", "max_position_embeddings")),
     # without num_key_value_heads: MistralConfig's 8, Qwen2Config's 32 (were num_attention_heads), LlamaConfig's
-    # num_attention_heads; an explicit null is num_attention_heads for all three
+    # num_attention_heads; an explicit null is num_attention_heads (MistralConfig refuses a null)
     ("mistral", {"num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 128}, {},
      ("num_key_value_heads",)),
     ("qwen2", {"num_attention_heads": 64, "num_key_value_heads": 32, "hidden_size": 256}, {},
      ("num_key_value_heads",)),
     ("llama", {"num_key_value_heads": 4}, {}, ("num_key_value_heads",)),
-    ("mistral", {"num_key_value_heads": 4}, {"num_key_value_heads": None}, ()),
+    ("qwen2", {"num_key_value_heads": 4}, {"num_key_value_heads": None}, ()),
 ]
 
 

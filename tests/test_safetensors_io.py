@@ -339,6 +339,36 @@ def test_empty_folder(tmp_path):
         WeightReader(tmp_path)
 
 
+class _Tripwire:
+    """Unpickling it creates `path`: a reader that ever unpickled a file would leave it behind."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.path),)
+
+
+@pytest.mark.parametrize("files", [["pytorch_model.bin"], ["consolidated.00.pth"], ["model.pt"],
+                                   ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+                                    "pytorch_model.bin.index.json"]])
+def test_pickled_weights_are_named_never_opened(tmp_path, files):
+    """A folder with only PyTorch pickles was refused with "no *.safetensors files", naming neither the files nor
+    what to do; they are named now, and still never unpickled."""
+    import pickle
+    tripwire = tmp_path / "unpickled"
+    for f in files:
+        (tmp_path / f).write_bytes(b"{}" if f.endswith(".json") else pickle.dumps(_Tripwire(tripwire)))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FormatError) as e:
+        WeightReader(tmp_path)
+    _assert_names(e, str(tmp_path), *sorted(files)[:4], "pickle", "convert them to safetensors")
+    assert "config.json" not in str(e.value)
+    with pytest.raises(FormatError) as e:                 # the file itself
+        WeightReader(tmp_path / files[0])
+    _assert_names(e, files[0], "pickle", "convert them to safetensors")
+    assert not tripwire.exists()
+
+
 def test_missing_tensor_suggests_names(tmp_path):
     save_file({"model.layers.0.mlp.up_proj.weight": torch.randn(2)}, str(tmp_path / "model.safetensors"))
     r = WeightReader(tmp_path)

@@ -45,7 +45,9 @@ class _Arch:
 # GGUF general.architecture -> HF equivalent. All share Llama's tensor layout.
 SUPPORTED_ARCHS = {
     "llama": _Arch("LlamaForCausalLM", "llama", True),
-    "mistral": _Arch("MistralForCausalLM", "mistral", True),
+    # without attention.sliding_window the GGUF attends to every key (llama.cpp); a config.json without the key
+    # would get MistralConfig's default window (4096): null says none (the GGUF's window, where given, replaces it)
+    "mistral": _Arch("MistralForCausalLM", "mistral", True, (("sliding_window", None),)),
     # Qwen2's converter does not permute; q/k/v carry biases
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", False, (("use_sliding_window", False),)),
 }

@@ -166,6 +166,16 @@ def _stale_index(index: Path, folder: Path) -> bool:
         and any(folder.glob("output*.safetensors"))
 
 
+# PyTorch's pickled checkpoints (and the index of sharded ones): named in the refusal, never opened
+PICKLED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin.index.json")
+
+
+def _pickled_weights(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"pickled PyTorch weights ({shown}): exl_core never loads pickles (unpickling can run arbitrary code); "
+            "convert them to safetensors (e.g. transformers' save_pretrained(folder, safe_serialization=True))")
+
+
 class WeightReader:
     """Validated, memory-mapped access to the tensors of a dense HF checkpoint.
 
@@ -179,6 +189,8 @@ class WeightReader:
         self._handles: dict[Path, object] = {}
         self.metadata: dict[str, str] = {}
         if self.path.is_file():
+            if any(self.path.match(pat) for pat in PICKLED_PATTERNS):
+                raise FormatError(f"{self.path}: is {_pickled_weights([self.path.name])}")
             self._add_file(self.path)
         elif self.path.is_dir():
             index = self.path / INDEX_NAME
@@ -187,6 +199,10 @@ class WeightReader:
             else:
                 files = sorted(self.path.glob("*.safetensors"))
                 if not files:
+                    pickled = sorted({f.name for pat in PICKLED_PATTERNS for f in self.path.glob(pat)})
+                    if pickled:
+                        raise FormatError(f"{self.path}: no {INDEX_NAME} and no *.safetensors files in this folder, "
+                                          f"only {_pickled_weights(pickled)}")
                     raise FormatError(f"{self.path}: no {INDEX_NAME} and no *.safetensors files "
                                       "in this folder")
                 for f in files:
