@@ -516,7 +516,8 @@ class IncrementalDecoder:
     whole characters and differ only if the run holds invalid UTF-8.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, max_byte_run: int = 32):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, max_byte_run: int = 32,
+                 context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special = skip_special
         self.max_byte_run = max_byte_run
@@ -527,6 +528,13 @@ class IncrementalDecoder:
         self._run = 0       # byte tokens at the end of ids (skipped specials do not break a run)
         self._byte_ids = tokenizer.byte_fallback_ids
         self._special = tokenizer.special_ids
+        # context: the ids before the first one added (a prompt), taken as emitted, so the first token reads as it
+        # does after them -- SentencePiece drops a decode's leading space, which a stop string may begin with.
+        # Not where they end in a byte token (a character the new ids might complete reads otherwise alone)
+        ctx = [int(t) for t in list(context)[-8:]]
+        self._ctx_text = ""
+        if ctx and ctx[-1] not in self._byte_ids:
+            self.ids, self.read, self._ctx_text = ctx, len(ctx), self._decode(ctx)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=self.skip_special)
@@ -556,9 +564,9 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Return whatever is held back (e.g. an incomplete character at the end)."""
-        full = self._decode(self.ids)
-        if full.startswith(self.text):
-            delta = full[len(self.text):]
+        full, emitted = self._decode(self.ids), self._ctx_text + self.text
+        if full.startswith(emitted):
+            delta = full[len(emitted):]
         else:  # only after an invalid byte run longer than max_byte_run: emit the window tail
             before = self._decode(self.ids[self.prefix:self.read])
             after = self._decode(self.ids[self.prefix:])
@@ -569,7 +577,7 @@ class IncrementalDecoder:
         return delta
 
     def reset(self) -> None:
-        self.ids.clear()
+        self.ids = []
         self.prefix = self.read = 0
         self._run = 0
-        self.text = ""
+        self.text = self._ctx_text = ""

@@ -159,14 +159,15 @@ def test_token_filter_returning_a_bad_row_cancels_its_job_with_an_input_error(re
     assert_pool_idle(gen.cache)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("form", ["tensor", "list"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e39])
+@pytest.mark.parametrize("form", ["tensor", "list", "float64"])
 def test_token_filter_returning_nan_or_inf_is_blamed_on_the_filter(bad, form):
-    """The sampler's check said "the model output is corrupt"."""
+    """The sampler's check said "the model output is corrupt" -- also where the row holds the value only once cast to
+    its dtype (1e39 in a float64 tensor or a list is +inf in the float32 row)."""
     gen = _generator()
-    row = torch.zeros(300)
+    row = torch.zeros(300, dtype=torch.float64)
     row[7] = bad
-    ret = row if form == "tensor" else row.tolist()
+    ret = row.tolist() if form == "list" else row if form == "float64" else row.float()
     job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=lambda ids, r: ret))
     with pytest.raises(InputError, match=rf"Job {job.identifier!r}: its token_filter returned NaN or \+inf logits"):
         run_all(gen)
@@ -192,12 +193,14 @@ def test_token_filter_writing_nan_in_place_is_blamed_on_the_filter():
     assert banned.finish_reason == "length" and all(t >= 10 for t in banned.generated)
 
 
-@pytest.mark.parametrize("form", ["tensor", "1xV", "list"])
+@pytest.mark.parametrize("form", ["tensor", "1xV", "list", "numpy list"])
 def test_token_filter_replacement_row_is_used(form):
+    import numpy as np
     gen = _generator()
     row = torch.full((300,), float("-inf"))
     row[42] = 0.0
-    ret = {"tensor": row, "1xV": row[None], "list": row.tolist()}[form]      # a list of V floats worked before too
+    ret = {"tensor": row, "1xV": row[None], "list": row.tolist(),      # a list of V floats worked before too
+           "numpy list": list(row.numpy())}[form]                       # np.float32 values: was refused
     job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=3, sampler=GREEDY, token_filter=lambda ids, r: ret))
     run_all(gen)
     assert job.generated == [42, 42, 42]
@@ -285,9 +288,11 @@ def test_decode_drops_padding_rows_and_takes_integer_likes(wordlevel_dir):
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_logprobs_under_a_token_filter_are_the_models(in_place):
+@pytest.mark.parametrize("asked", [True, False])
+def test_logprobs_under_a_token_filter_are_the_models(in_place, asked):
     """A job's logprobs are the model's log-softmax of the chosen token (docs/sampling.md); with a token_filter they
-    came from the filtered row (renormalised over the tokens it left)."""
+    came from the filtered row (renormalised over the tokens it left) -- and still did in job.logprobs where
+    return_logprobs was not asked for."""
     gen = _generator()
     seen = []
 
@@ -297,7 +302,7 @@ def test_logprobs_under_a_token_filter_are_the_models(in_place):
         out[1::2] = float("-inf")
         return None if in_place else out
     job = gen.enqueue(Job(rand_prompt(5), max_new_tokens=4, sampler=GREEDY, token_filter=ban_odd,
-                          return_logprobs=True))
+                          return_logprobs=asked))
     run_all(gen)
     assert all(t % 2 == 0 for t in job.generated)
     want = [float(lp[t]) for lp, t in zip(seen, job.generated)]

@@ -495,6 +495,13 @@ def test_top_logprobs():
         assert torch.allclose(vals[b].double(), ref[b, order], atol=1e-6)
     assert ids[0, :3].tolist() == [10, 20, 30]
     assert top_logprobs(lg[0], 100)[1].numel() == 50
+    for bad in (float("nan"), float("inf")):            # a view() of an empty selection raised a bare RuntimeError
+        row = lg[1].clone()
+        row[3] = bad
+        with pytest.raises(InputError, match="top_logprobs: a logits row holds NaN or \\+inf, or is all -inf"):
+            top_logprobs(torch.stack([lg[0], row]), 2)
+    with pytest.raises(InputError, match="is all -inf"):
+        top_logprobs(torch.full((5,), float("-inf")), 2)
 
 
 # ---------------------------------------------------------------- validation

@@ -271,6 +271,49 @@ def test_incremental_decoder_property_sentencepiece(sp_dir, data):
     assert out == tok.decode(ids, skip_special=skip)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_incremental_decoder_after_a_context_reads_as_the_whole_decode(sp_dir, data):
+    """With a prompt as context the streamed text is the whole sequence's decode past the prompt's: the first token
+    keeps the leading space SentencePiece drops at the start of a decode."""
+    tok = _sp_tok(sp_dir)
+    V = tok.vocab_size
+    ctx = data.draw(st.lists(st.integers(259, V - 1), min_size=1, max_size=6))     # text tokens
+    ids = data.draw(st.lists(st.one_of(st.integers(0, V - 1), st.integers(0, 260)), max_size=20))
+    skip = data.draw(st.booleans())
+    dec = IncrementalDecoder(tok, skip_special=skip, context=ctx)
+    out = "".join(dec.add(i) for i in ids) + dec.flush()
+    full, before = tok.decode(ctx + ids, skip_special=skip), tok.decode(ctx, skip_special=skip)
+    assert full.startswith(before) and out == full[len(before):]
+
+
+def test_a_stop_string_with_the_first_tokens_leading_space_fires(sp_dir):
+    """SentencePiece reads the first generated token's space only after the prompt: a stop string beginning with it
+    (" world", " User:") never fired when the job's text was decoded from its first token on."""
+    import torch
+    from exl_core.cache import Cache
+    from exl_core.generation import Generator, Job
+    from exl_core.generation.sampling import SamplerSettings
+    from generator_support import TinyLM, run_all
+    tok = _sp_tok(sp_dir)
+    prompt = tok.encode("hello")
+    forced = tok.encode("the quick fox", add_bos=False)        # its first piece begins with the space mark
+    assert tok.decode(forced) == "the quick fox" and tok.decode(prompt + forced) == "hello the quick fox"
+
+    def force(history, row):
+        row.fill_(-1e4)
+        row[forced[min(len(history) - len(prompt), len(forced) - 1)]] = 1e4
+    model = TinyLM(vocab=tok.vocab_size, seed=1)
+    for stop, text, reason in ((None, " the quick fox", "length"), ([" the"], "", "stop"),
+                               ([" fox"], " the quick", "stop")):
+        gen = Generator(model, Cache(model, max_tokens=256, page_size=8), tok)
+        job = gen.enqueue(Job(prompt, max_new_tokens=len(forced), sampler=SamplerSettings(temperature=0.0),
+                              token_filter=force, stop=stop, stop_on_eos=False))
+        run_all(gen)
+        assert (job.text, job.finish_reason) == (text, reason)
+    assert torch.equal(torch.tensor(job.generated[:2]), torch.tensor(forced[:2]))
+
+
 def test_incremental_decoder_keeps_space_after_special(sp_dir):
     tok = _sp_tok(sp_dir)
     ids = [tok.bos_token_id] + tok.encode("hello", add_bos=False) + [tok.eos_token_id] \

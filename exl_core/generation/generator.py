@@ -12,6 +12,7 @@ async_consumers.py (aiterate, astream).
 """
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import weakref
@@ -21,7 +22,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..errors import InputError, is_int
+from ..errors import InputError, is_bool, is_int
 from ..model.lora import check_job_loras, lora_manager, lora_rows, register_generator
 from .async_consumers import AsyncConsumers
 from .job import Job, JobResult
@@ -74,10 +75,11 @@ def _check_filtered(job: Job, out, row: torch.Tensor, row_was_bad: bool) -> Opti
                              "finite values (-inf bans a token)")
         return None
     if isinstance(out, (list, tuple)) and len(out) == row.numel() and \
-            all(isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)) for v in out):
-        out = torch.tensor(out, dtype=row.dtype, device=row.device)
+            all(isinstance(v, numbers.Real) and not is_bool(v) for v in out):     # numpy's floats too
+        out = torch.tensor([float(v) for v in out], dtype=row.dtype, device=row.device)
     if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() == row.numel() and \
             out.dim() <= 2 and out.shape[-1] == row.numel():
+        out = out.to(row.device, row.dtype)    # checked as the row holds it: a float64 1e39 is +inf in float32
         if _nan_or_posinf(out):
             raise InputError(f"Job {job.identifier!r}: its token_filter returned NaN or +inf logits; return finite "
                              "values (-inf bans a token)")
@@ -176,7 +178,8 @@ class Generator(Routing, TextConsumers, AsyncConsumers):
         if self.cache.pages_to_reserve(total, 0, self.scheduler.max_chunk_size) > self.cache.num_pages:
             room = self.cache.max_tokens - job.prompt_len + 1
             job.limit = max(1, min(job.max_new_tokens, room))
-        job.stream = TextStream(self.tokenizer, job.stop_strings, skip_special=not job.decode_special)
+        job.stream = TextStream(self.tokenizer, job.stop_strings, skip_special=not job.decode_special,
+                                context=job.input_ids)
         with self._lock:
             if job.loras:   # again under the lock: an adapter merged or unloaded since _validate (lora.jobs_frozen)
                 check_job_loras(self.model, job.loras, f"Job {job.identifier!r}")
@@ -346,8 +349,7 @@ class Generator(Routing, TextConsumers, AsyncConsumers):
         raw: dict[int, torch.Tensor] = {}     # rows a filter may edit whose logprobs the job reports: the model's
         for r, job in enumerate(jobs):
             if job.token_filter is not None:
-                if job.return_logprobs:
-                    raw[r] = logits[r].clone()
+                raw[r] = logits[r].clone()    # job.logprobs is kept with or without return_logprobs
                 try:
                     was_bad = _nan_or_posinf(logits[r])
                     out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r], was_bad)

@@ -479,6 +479,8 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     k = min(k, lp.shape[-1])
     if k == 0:
         return lp[..., :0].to(torch.float32), torch.zeros(lp.shape[:-1] + (0,), dtype=torch.int64)
+    if not torch.isfinite(logits.detach().amax(dim=-1)).all():   # amax keeps a NaN; log_softmax NaNs the row
+        raise InputError("top_logprobs: a logits row holds NaN or +inf, or is all -inf: it is no distribution")
     # topk picks an arbitrary member among ties at the k-th value; re-pick those by lowest id.
     thr = torch.topk(lp, k, dim=-1).values[..., -1:]
     greater = lp > thr

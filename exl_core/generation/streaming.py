@@ -18,8 +18,11 @@ from .stop import StopStringMatcher
 class TextStream:
     """Token ids in, releasable text out, for one job (no tokenizer: no text)."""
 
-    def __init__(self, tokenizer, stop_strings: Sequence[str] = (), skip_special: bool = True):
-        self.decoder = IncrementalDecoder(tokenizer, skip_special=skip_special) if tokenizer is not None else None
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = (), skip_special: bool = True,
+                 context: Sequence[int] = ()):
+        """context: the prompt's ids, so the first token's text is as it reads after them (its leading space)."""
+        self.decoder = (IncrementalDecoder(tokenizer, skip_special=skip_special, context=context)
+                        if tokenizer is not None else None)
         self.matcher = StopStringMatcher(list(stop_strings))
 
     def push(self, token_id: int) -> tuple[str, bool]:
