@@ -246,3 +246,9 @@ def test_a_stop_string_naming_a_special_token_stops_without_decoding_specials(ti
             gen.iterate()
         assert (job.finish_reason, job.generated[-1]) == ("stop", start)
         assert job.text == tok.decode(seq[:seq.index(start)])
+    from exl_core.errors import InputError
+    # text around a special token can never match while specials are not decoded: refused, not run to its limit
+    gen = Generator(model, Cache(model, max_tokens=256, page_size=16), tok)
+    with pytest.raises(InputError, match=r"stop string '<\|im_start\|>user' holds the special token '<\|im_start\|>'"):
+        gen.enqueue(Job(prompt, max_new_tokens=4, stop=["<|im_start|>user"]))
+    gen.enqueue(Job(prompt, max_new_tokens=2, stop=["<|im_start|>user"], decode_special=True))   # matched in the text
