@@ -73,17 +73,35 @@ class ExlParams(BaseModel):
         return shared_engine(model or self.model, device=self.device,
                              dtype=dtype_setting(self.dtype, type(self).__name__), cache_tokens=self.cache_tokens)
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` by the model's own tokenizer, encoded as ExlLLM encodes a prompt (LangChain's default
+        counts with GPT-2's tokenizer: other counts, and offline none at all)."""
+        custom = getattr(self, "custom_get_token_ids", None)    # LangChain's own override comes first
+        if custom is not None:
+            return custom(text)
+        return completion_ids(self._engine().tokenizer, text, add_bos=getattr(self, "add_bos", None))
+
     def _job(self, engine, prompt_ids: list[int], stop: Optional[list[str]], **kwargs: Any):
         """A Job with this instance's settings overridden by call kwargs (temperature=..., max_tokens=...)."""
         import exl_core
-        from exl_core.errors import InputError
+        from exl_core.errors import InputError, is_int
+        # LangChain's own per-call stream=<bool> comes through to _generate/_stream: core chose the path with it
+        # already (BaseLLM ignores it), and the output is the same either way
+        kwargs.pop("stream", None)
         unknown = sorted(set(kwargs) - set(CALL_KEYS))
         if unknown:
             raise InputError(f"{type(self).__name__}: unknown keyword argument(s) {', '.join(unknown)}; per call it "
                              f"takes {', '.join(CALL_KEYS)}, model and stop")
         sampler_kw = {k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS}
         sampler = exl_core.SamplerSettings(**sampler_kw)     # temperature 0 = greedy
-        max_new = int(kwargs.pop("max_tokens", kwargs.pop("max_new_tokens", self.max_tokens)))
+        max_new = self.max_tokens
+        for key in ("max_new_tokens", "max_tokens"):        # max_tokens wins where both are given
+            v = kwargs.pop(key, None)
+            if v is not None:                               # None: the instance's setting
+                if not is_int(v) or v < 1:                  # no int(): 2.9 was cut to 2, True counted as 1
+                    raise InputError(f"{type(self).__name__}: {key}={v!r} must be an int >= 1 (or None: the "
+                                     f"instance's max_tokens)")
+                max_new = v
         seed = kwargs.pop("seed", self.seed)
         from exl_core.plugins import stop_strings
         stops = stop_strings(self.stop, stop, owner=type(self).__name__)
@@ -106,6 +124,21 @@ def completion_ids(tokenizer, prompt: str, add_bos: Optional[bool] = None) -> li
     the text as their ids -- also what transformers' tokenizer(prompt) gives. `add_bos` True/False
     overrides the tokenizer's BOS setting."""
     return tokenizer.encode(prompt, add_bos=add_bos)
+
+
+async def gather_or_cancel(*aws):
+    """asyncio.gather that, when one awaitable fails, cancels the others and waits for them before raising the first
+    error: a task cancelled inside SharedEngine.astream cancels its job, so a failed prompt (longer than the cache,
+    say) leaves no sibling generating on the shared engine. asyncio.TaskGroup does this from Python 3.11 only."""
+    import asyncio
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def usage(job) -> dict:

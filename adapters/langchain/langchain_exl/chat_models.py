@@ -14,7 +14,7 @@ from pydantic import ConfigDict
 
 from exl_core.errors import InputError
 
-from ._common import ExlParams, pop_model, usage
+from ._common import ExlParams, gather_or_cancel, pop_model, usage
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 
@@ -83,10 +83,24 @@ class ChatExl(ExlParams, BaseChatModel):
         kwargs = dict(kwargs)
         model = pop_model(kwargs)
         engine = self._engine(model)
-        text = engine.tokenizer.apply_chat_template(to_chat_dicts(messages), add_generation_prompt=True)
-        ids = engine.tokenizer.encode(text, add_bos=False, special=True)   # the template has its own BOS
-        job = self._job(engine, ids, stop, **kwargs)
+        job = self._job(engine, self._prompt_ids(engine, messages), stop, **kwargs)
         return engine, job, model or self.model
+
+    @staticmethod
+    def _prompt_ids(engine, messages: list[BaseMessage]) -> list[int]:
+        """The ids sent for `messages`: the model's chat template with the assistant's generation prompt."""
+        text = engine.tokenizer.apply_chat_template(to_chat_dicts(messages), add_generation_prompt=True)
+        return engine.tokenizer.encode(text, add_bos=False, special=True)   # the template has its own BOS
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Any] = None) -> int:
+        """Tokens of the chat-templated prompt that invoke(messages) sends (the default counts each message's text
+        by get_token_ids, without the template's role markers)."""
+        if self.custom_get_token_ids is not None:       # the user's own counter, as LangChain uses it
+            return super().get_num_tokens_from_messages(messages, tools)
+        if tools is not None:                           # as LangChain's default does: ChatExl takes no tools
+            import warnings
+            warnings.warn("ChatExl: tool schemas are not counted; ignoring tools", stacklevel=2)
+        return len(self._prompt_ids(self._engine(), messages))
 
     @staticmethod
     def _meta(job, model_name: str) -> dict:
@@ -129,6 +143,24 @@ class ChatExl(ExlParams, BaseChatModel):
         parts = [r.text async for r in engine.astream(job)]
         msg = AIMessage(content="".join(parts), usage_metadata=usage(job), response_metadata=self._meta(job, name))
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": job.finish_reason})])
+
+    async def abatch(self, inputs: list, config=None, *, return_exceptions: bool = False, **kwargs: Any) -> list:
+        """Runnable.abatch (ainvoke per input, max_concurrency honoured), except that when one input fails the
+        others are cancelled, their jobs with them, before the error is raised: Runnable's plain asyncio.gather left
+        them generating on the shared engine."""
+        if return_exceptions or not inputs:     # every input runs to its end anyway
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        from langchain_core.runnables.config import get_config_list
+        configs = get_config_list(config, len(inputs))
+        limit = configs[0].get("max_concurrency")
+        gate = asyncio.Semaphore(limit) if limit is not None else None
+
+        async def one(value, cfg):
+            if gate is None:
+                return await self.ainvoke(value, cfg, **kwargs)
+            async with gate:
+                return await self.ainvoke(value, cfg, **kwargs)
+        return await gather_or_cancel(*map(one, inputs, configs))
 
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,

@@ -9,7 +9,7 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from ._common import ExlParams, completion_ids, pop_model, usage
+from ._common import ExlParams, completion_ids, gather_or_cancel, pop_model, usage
 
 
 class ExlLLM(ExlParams, BaseLLM):
@@ -78,7 +78,7 @@ class ExlLLM(ExlParams, BaseLLM):
             eng, job = await asyncio.to_thread(self._prepare, prompt, stop, kwargs)   # a first load off the loop
             text = "".join([r.text async for r in eng.astream(job)])
             return job, text
-        done = await asyncio.gather(*(one(p) for p in prompts))   # concurrent jobs batch in the engine
+        done = await gather_or_cancel(*(one(p) for p in prompts))   # concurrent jobs batch in the engine
         total = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
         for job, _ in done:
             for k, v in usage(job).items():

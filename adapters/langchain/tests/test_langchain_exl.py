@@ -328,3 +328,101 @@ def test_models_serialize_and_load_back(cls, module):
     assert ser["id"] == ["langchain_exl", module, cls.__name__]
     back = load(ser, valid_namespaces=["langchain_exl"], allowed_objects=[cls])
     assert type(back) is cls and back._identifying_params == llm._identifying_params
+
+
+# -- async batches, LangChain's own kwargs, token counts, per-call max_tokens ---------------------
+
+def test_a_failed_prompt_cancels_the_other_prompts_jobs(completion_model, monkeypatch):
+    """Regression: ExlLLM.agenerate/abatch and ChatExl.abatch ran one task per prompt under plain asyncio.gather: when
+    one prompt failed (longer than the cache) the call raised while the others' jobs went on generating on the shared
+    engine."""
+    from exl_core.errors import CacheFullError
+    # EOS banned: a sibling left running would generate to the cache's end (seconds), not stop on its own
+    kw = dict(model=completion_model("smollm2", False), temperature=0, max_tokens=4000, cache_tokens=1024,
+              banned_tokens=[2])
+    llm, chat_model = ExlLLM(**kw), ChatExl(**kw)
+    gen = llm._engine().generator
+    assert chat_model._engine().generator is gen
+    jobs = record_prompts(gen, monkeypatch, of=lambda job: job)
+    too_long = "the cat " * 1000            # more tokens than the cache holds: CacheFullError at enqueue
+
+    async def left_running(call) -> list:
+        with pytest.raises(CacheFullError):
+            await call()
+        for _ in range(500):                # a cancel takes effect at the end of the engine's running step
+            if not gen.pending_jobs():
+                break
+            await asyncio.sleep(0.01)
+        return gen.pending_jobs()           # read while the loop still runs (asyncio.run's end cancels what is left)
+    for call in (lambda: llm.agenerate(["the cat", too_long]), lambda: llm.abatch(["the cat", too_long]),
+                 lambda: chat_model.abatch(["the cat", too_long])):
+        jobs.clear()
+        assert asyncio.run(left_running(call)) == []
+        assert [j.finish_reason for j in jobs if len(j.input_ids) < 100] in ([], ["cancelled"])
+    short = chat(kw["model"], max_tokens=3, cache_tokens=1024)     # abatch keeps max_concurrency, return_exceptions
+    want = short.invoke("hi").content
+    assert [m.content for m in asyncio.run(short.abatch(["hi", "hi"], config={"max_concurrency": 1}))] == [want] * 2
+    ok, err = asyncio.run(short.abatch(["hi", too_long], return_exceptions=True))
+    assert ok.content == want and isinstance(err, CacheFullError)
+
+
+def test_langchains_own_stream_kwarg_is_accepted(completion_model):
+    """Regression: LangChain passes its per-call stream=<bool> on to _generate/_stream (core already chose the path
+    with it); ChatExl and ExlLLM refused it as an unknown keyword argument."""
+    folder = completion_model("smollm2", False)
+    chat_model = chat(folder, max_tokens=3)
+    want = chat_model.invoke("hi").content
+    for kw in ({"stream": False}, {"stream": True}):
+        assert chat_model.invoke("hi", **kw).content == want
+        assert asyncio.run(chat_model.ainvoke("hi", **kw)).content == want
+        assert "".join(c.content for c in chat_model.stream("hi", **kw)) == want
+    assert chat_model.bind(stream=True).invoke("hi").content == want
+    llm = ExlLLM(model=folder, temperature=0, max_tokens=3)
+    text = llm.invoke(COMPLETION_PROMPT)
+    assert llm.invoke(COMPLETION_PROMPT, stream=True) == "".join(llm.stream(COMPLETION_PROMPT, stream=False)) == text
+
+
+@pytest.mark.parametrize("source,add_bos_token", COMPLETION_TOKENIZER_CASES)
+def test_token_ids_are_the_models_own(completion_model, monkeypatch, source, add_bos_token):
+    """Regression: get_token_ids / get_num_tokens fell back to GPT-2's tokenizer (0 tokens offline)."""
+    llm = ExlLLM(model=completion_model(source, add_bos_token), temperature=0, max_tokens=1)
+    seen = record_prompts(llm._engine().generator, monkeypatch)
+    llm.invoke(COMPLETION_PROMPT)
+    assert llm.get_token_ids(COMPLETION_PROMPT) == seen[0] == native_prompt_ids(llm._engine().tokenizer, add_bos_token)
+    assert llm.get_num_tokens(COMPLETION_PROMPT) == len(seen[0])
+    with_bos = ExlLLM(model=llm.model, add_bos=True)          # the instance's BOS setting, as its calls use it
+    assert with_bos.get_token_ids(COMPLETION_PROMPT) == llm._engine().tokenizer.encode(COMPLETION_PROMPT, add_bos=True)
+    assert ExlLLM(model=llm.model, custom_get_token_ids=lambda t: [7]).get_token_ids(COMPLETION_PROMPT) == [7]
+
+
+def test_chat_token_count_is_the_templated_prompts(completion_model, monkeypatch):
+    """Regression: ChatExl counted tokens with GPT-2's tokenizer, message by message without the chat template; the
+    count is now that of the prompt invoke() sends."""
+    chat_model = chat(completion_model("smollm2", False), max_tokens=1)
+    tok = chat_model._engine().tokenizer
+    assert chat_model.get_token_ids(COMPLETION_PROMPT) == tok.encode(COMPLETION_PROMPT)
+    msgs = [SystemMessage("You are brief."), HumanMessage(COMPLETION_PROMPT), AIMessage("ok"), HumanMessage("more")]
+    seen = record_prompts(chat_model._engine().generator, monkeypatch)
+    res = chat_model.invoke(msgs)
+    n = chat_model.get_num_tokens_from_messages(msgs)
+    assert n == len(seen[0]) == res.usage_metadata["input_tokens"] > len(tok.encode(COMPLETION_PROMPT)) + 4
+
+
+def test_per_call_max_tokens_is_checked(completion_model):
+    """Regression: per-call max_tokens went through a bare int(): None (the instance's setting) raised a raw
+    TypeError, 2.9 became 2 and True 1."""
+    import re
+    folder = completion_model("smollm2", False)
+    llm = ExlLLM(model=folder, temperature=0, max_tokens=3, banned_tokens=[2])     # no EOS: the length decides
+
+    def out_tokens(**kw) -> int:
+        return llm.generate([COMPLETION_PROMPT], **kw).generations[0][0].generation_info["usage"]["output_tokens"]
+    assert out_tokens(max_tokens=None) == out_tokens(max_new_tokens=None) == 3
+    assert out_tokens(max_tokens=2, max_new_tokens=None) == 2
+    chat_model = chat(folder, max_tokens=3)
+    for bad in (2.9, True, 0, -1, "2"):
+        for key in ("max_tokens", "max_new_tokens"):
+            with pytest.raises(InputError, match=re.escape(f"ExlLLM: {key}={bad!r}")):
+                llm.invoke(COMPLETION_PROMPT, **{key: bad})
+            with pytest.raises(InputError, match=re.escape(f"ChatExl: {key}={bad!r}")):
+                chat_model.invoke("hi", **{key: bad})

@@ -306,3 +306,36 @@ def test_async_calls_load_the_model_off_the_event_loop(completion_model, monkeyp
 
     for call in calls:
         assert event_loop_ticks_within(call, lambda: spans[-1]) >= 10   # ticks during the load
+
+
+def test_home_relative_model_folder(completion_model, tmp_path, monkeypatch):
+    """Regression: metadata (which LlamaIndex's callbacks read on every call) loaded config.json from the raw "~/..."
+    string, which the engine expands but load_config does not: Exl(model="~/x") raised ConfigError on every call."""
+    import shutil
+    folder = completion_model("wordlevel", False)
+    shutil.copytree(folder, tmp_path / "tiny")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = llm("~/tiny", max_new_tokens=2)
+    assert model.metadata.context_window == 256             # min(max_position_embeddings, cache_tokens)
+    assert model.complete(COMPLETION_PROMPT).text == llm(folder, max_new_tokens=2).complete(COMPLETION_PROMPT).text
+
+
+def test_per_call_max_tokens_is_checked(completion_model):
+    """Regression: per-call max_tokens went through a bare int(): None (the instance's setting) raised a raw
+    TypeError, 2.9 became 2 and True 1."""
+    import re
+
+    from exl_core.errors import InputError
+    model = llm(completion_model("smollm2", False), max_new_tokens=3, banned_tokens=[2])   # no EOS: the length decides
+
+    def out_tokens(**kw) -> int:
+        return model.complete(COMPLETION_PROMPT, **kw).additional_kwargs["completion_tokens"]
+    assert out_tokens(max_tokens=None) == out_tokens(max_new_tokens=None) == 3
+    assert out_tokens(max_new_tokens=2, max_tokens=None) == 2
+    msgs = [ChatMessage(role=MessageRole.USER, content="hi")]
+    for bad in (2.9, True, 0, -1, "2"):
+        for key in ("max_tokens", "max_new_tokens"):
+            with pytest.raises(InputError, match=re.escape(f"Exl: {key}={bad!r}")):
+                model.complete(COMPLETION_PROMPT, **{key: bad})
+            with pytest.raises(InputError, match=re.escape(f"Exl: {key}={bad!r}")):
+                model.chat(msgs, **{key: bad})
