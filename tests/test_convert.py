@@ -3,6 +3,7 @@ import json
 import shutil
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -211,6 +212,34 @@ def test_self_calibration_default(tiny, tmp_path):
     assert int(a.tokens.min()) >= 0 and int(a.tokens.max()) < 49152
 
 
+def test_a_damaged_self_calibration_cache_is_sampled_again(tiny, tmp_path, capsys):
+    """A truncated cache file under $EXL_CORE_HOME/calib crashed every default conversion of the model with a raw
+    SafetensorError; one of another shape would have fed wrong rows. It is a cache: sampled again, said, replaced."""
+    from safetensors.torch import save_file
+
+    from exl_core.quantize.calibration import cached_self_calibration, self_calibration_path
+    from exl_core.quantize.source import DenseSource
+    src = DenseSource(tiny)
+    first = cached_self_calibration(src, 2, 16, progress=False)
+    path = self_calibration_path(tiny, 2, 16)
+    good = path.read_bytes()
+    capsys.readouterr()
+    for damage in (lambda: path.write_bytes(good[:200]),
+                   lambda: save_file({"tokens": first.tokens[:1]}, str(path), {"info": "{}"}),
+                   lambda: save_file({"tokens": first.tokens.int()}, str(path), {"info": "{}"}),
+                   lambda: save_file({"tokens": first.tokens + 10 ** 6}, str(path), {"info": "{}"}),
+                   lambda: save_file({"tokens": first.tokens}, str(path))):
+        damage()
+        again = cached_self_calibration(src, 2, 16, progress=False)
+        assert torch.equal(again.tokens, first.tokens) and again.info == first.info
+        assert path.read_bytes() == good                        # replaced by the sampled tokens
+        err = capsys.readouterr().err
+        assert f"{path}: damaged self-calibration cache" in err and "sampling it again" in err, err
+    path.write_bytes(good[:200])                                # the conversion itself (no -c) completes
+    qc = convert(_settings(tiny, tmp_path / "o", format="gptq", bits=8, group_size=128, rows=2, length=16))
+    assert qc["calibration"] == first.info and path.read_bytes() == good
+
+
 def test_calibration_file_kinds(tiny, tmp_path):
     from exl_core.quantize.calibration import from_file
     words = " ".join(f"word{i % 97} is number {i}." for i in range(3000))
@@ -401,9 +430,13 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
     out_hi = tmp_path / "exl2_from_gptq_hi"
     convert(_settings(gq, out_hi, format="exl2", bpw=6.0, calib=str(calib_file)))
     assert (out_hi / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
-    # every layer fixed: one bitrate (was "4.3576 to 4.3575", both ends rounded inwards)
-    with pytest.raises(ExlError, match=r"allow \(only \d\.\d{4} bpw.*repacked as they are"):
-        convert(_settings(gq, tmp_path / "exl2_from_gptq_lo", format="exl2", bpw=3.0, calib=str(calib_file)))
+    # every layer fixed: one bitrate (was "4.3576 to 4.3575", both ends rounded inwards); refused before any work,
+    # the bound counting the repacked layers' own bits (was refused after the measurement pass, leaving a job that
+    # refused every corrected rerun)
+    lo = tmp_path / "exl2_from_gptq_lo"
+    with pytest.raises(ExlError, match=r"-b 3.0: EXL2 settings reach only \d\.\d{4} bpw.*repacked as they are"):
+        convert(_settings(gq, lo, format="exl2", bpw=3.0, calib=str(calib_file)))
+    assert not (lo / ".exl_job").exists()
     # an ordinary GPTQ file (free fp16 scales) is dequantized and re-quantized
     gq2 = tmp_path / "gptq_plain"
     convert(_settings(tiny, gq2, format="gptq", bits=4, group_size=32, calib=str(calib_file)))
@@ -413,6 +446,65 @@ def test_gptq_to_exl2_lossless_and_requantized(tiny, calib_file, tmp_path):
     from_gptq = _our_logits(gq2, ids)
     # re-quantizing at 5 bpw adds clearly less error than the 4-bit GPTQ step itself had
     assert _rel_err(_our_logits(out2, ids), from_gptq) < 0.6 * _rel_err(from_gptq, _hf_logits(tiny, ids))
+
+
+def test_reused_measurement_costs_come_from_the_source_not_the_file(tiny, calib_file, exl2_runs, tmp_path):
+    """-m: the allocation took each layer's bit costs from the file; costs a file got wrong (here: the costliest
+    setting priced as the cheapest) made it spend far more than config.json's -b 3.0 said. Costs now come from the
+    source: the same bytes as with the untouched file."""
+    meas = json.loads((exl2_runs[4.0][0] / "measurement.json").read_text())
+    for rec in meas["layers"].values():
+        rec["bits"] = rec["bits"][::-1]
+    m = tmp_path / "cheap.json"
+    m.write_text(json.dumps(meas))
+    out = tmp_path / "b3"
+    qc = convert(_settings(tiny, out, bpw=3.0, calib=str(calib_file), measurement=str(m), head_bits=16))
+    ref_folder, ref = exl2_runs[3.0]
+    assert qc["bits"] == 3.0 and qc["real_bpw"] == ref["real_bpw"] <= 3.0
+    assert (out / "model.safetensors").read_bytes() == (ref_folder / "model.safetensors").read_bytes()
+
+
+def test_reused_measurement_with_other_repacked_layers_is_refused(tiny, calib_file, exl2_runs, tmp_path):
+    """A GPTQ job's measurement (every layer "fixed": its own cost, no error) reused for the FP16 model wrote bits
+    4.3576 at a real 2.3576 bpw; an FP16 measurement reused for the grid-GPTQ model was let through at -b 3.0 (refused
+    without -m) and wrote bits 3.0 at a real 4.3576. Both are refused before any work, naming the file and layer."""
+    gq = tmp_path / "gptq_grid"
+    _gptq_on_exl2_grid(tiny, gq)
+    dense = exl2_runs[4.0][0] / "measurement.json"
+    meas = json.loads(dense.read_text())
+    for rec in meas["layers"].values():
+        rec["fixed"] = True
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps(meas))
+    out = tmp_path / "o"
+    for src, m, b in ((tiny, fixed, 4.4), (gq, dense, 4.4), (gq, dense, 3.0)):
+        with pytest.raises(InputError) as e:
+            convert(_settings(src, out, bpw=b, calib=str(calib_file), measurement=str(m)))
+        if b == 3.0:        # the bound counts the repacked layers' own bits (before, the measurement was trusted)
+            assert re.search(r"-b 3.0: EXL2 settings reach only 4\.357\d bpw .*repacked as they are", str(e.value))
+        else:
+            assert re.search(rf"{re.escape(str(m))}: layer model\.layers\.0\.self_attn\.q_proj was measured as "
+                             rf"{'a GPTQ layer repacked' if m == fixed else 'a quantized layer'}.*measure again",
+                             str(e.value)), str(e.value)
+        assert not out.exists()
+
+
+def test_written_bits_must_be_the_allocated_bits(tiny, calib_file, exl2_runs, tmp_path, monkeypatch):
+    """config.json's bits and real_bpw promise what allocate() chose: an output whose decoder linears hold other bits
+    is an internal error, not a folder that says one bitrate and holds another."""
+    from exl_core.quantize.convert import Converter
+    allocate = Converter.allocate
+
+    def off_by_one(self, layers):
+        plans = allocate(self, layers)
+        self.alloc_bits += 1
+        return plans
+    monkeypatch.setattr(Converter, "allocate", off_by_one)
+    out = tmp_path / "o"
+    with pytest.raises(ExlError, match=r"internal error: the decoder linears hold (\d+) bits .*allocation chose"):
+        convert(_settings(tiny, out, bpw=3.0, head_bits=16, calib=str(calib_file),
+                          measurement=str(exl2_runs[4.0][0] / "measurement.json")))
+    assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
 
 
 def test_gptq_to_exl2_repacks_layers_narrower_than_32_columns(tokenizer_source, calib_file, tmp_path):

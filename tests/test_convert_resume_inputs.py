@@ -1,6 +1,7 @@
 """Resuming `exl convert` with changed inputs (QA): a job whose model, calibration or measurement
 file changed since it was interrupted is refused instead of mixing layers of two models; an
 unchanged job still resumes to the same bytes. Also: -b with --format gptq, and --device."""
+import dataclasses
 import json
 import os
 import random
@@ -268,3 +269,41 @@ def test_python_m_convert_reports_an_unwritable_output_cleanly(src, calib, tmp_p
                        "--rows", "4", "--length", "32", "-q"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("exl convert: error:") and str(blocker) in err and "Traceback" not in err
+
+
+def test_a_rerun_with_another_bpw_keeps_the_measurement(src, calib, tmp_path, monkeypatch, capsys):
+    """-b picks the allocation only: a job refused at allocation (or interrupted while quantizing) was refused on
+    every rerun with a corrected -b ("other settings (bpw)"), and the same -b failed again. The rerun keeps the
+    calibration and measurement, redoes the quantization, and gives the bytes of a straight run at that -b."""
+    from exl_core.quantize import convert as convert_mod
+    straight = tmp_path / "straight"
+    convert(_settings(src, straight, format="exl2", bpw=3.5, calib=str(calib)))
+    out = tmp_path / "out"
+
+    def refuse(*a, **kw):
+        raise InputError("target refused")
+    with monkeypatch.context() as m:            # a refusal after the measurement pass
+        m.setattr(convert_mod, "allocate_bpw", refuse)
+        with pytest.raises(InputError, match="target refused"):
+            convert(_settings(src, out, format="exl2", bpw=4.0, calib=str(calib)))
+    assert (out / ".exl_job" / "measurement.json").is_file()
+
+    def no_measuring(*a, **kw):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(convert_mod, "measure_layer", no_measuring)
+    capsys.readouterr()
+    convert(_settings(src, out, format="exl2", bpw=3.5, calib=str(calib)))
+    assert "resuming the unfinished conversion with -b 3.5 (it had 4.0)" in capsys.readouterr().err
+    assert _bytes(out) == _bytes(straight)
+    # interrupted while quantizing at 4.0: its quantized layers are dropped, not mixed into the 3.5 output
+    out2 = tmp_path / "out2"
+    s = _settings(src, out2, format="exl2", bpw=4.0, calib=str(calib))
+    monkeypatch.undo()
+    _interrupted(s, monkeypatch)
+    monkeypatch.setattr(convert_mod, "measure_layer", no_measuring)
+    # a setting other than -b still refuses the job, naming only that one
+    _refused_with(dataclasses.replace(s, bpw=3.5, head_bits=8), "other settings (head_bits);")
+    assert (out2 / ".exl_job" / "quant" / "layer_000.safetensors").is_file()
+    assert json.loads((out2 / ".exl_job" / "job.json").read_text())["bpw"] == 4.0
+    convert(dataclasses.replace(s, bpw=3.5))
+    assert _bytes(out2) == _bytes(straight)

@@ -104,3 +104,46 @@ def test_pruned_inputs_give_finite_errors_and_a_non_finite_error_is_refused(monk
     with pytest.raises(ExlError, match=r"L\.self_attn\.q_proj: the measured quantization error is not finite "
                                        rf"\(candidates {re.escape(CANDIDATES[1].name)}\)"):
         measure_layer(h, w, d, cos, sin, CANDIDATES, 0.01, "L.")
+
+
+def _measurement(tmp_path, layers):
+    import json
+
+    from exl_core.quantize.measure import MEASUREMENT_VERSION, candidates_to_json
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"version": MEASUREMENT_VERSION, "candidates": candidates_to_json(CANDIDATES),
+                                "info": {}, "layers": layers}))
+    return path
+
+
+def test_a_malformed_measurement_record_is_refused_naming_the_file_and_layer(tmp_path):
+    """-m with a record missing "shape" was a KeyError, "err": null a TypeError (raw tracebacks from exl convert)."""
+    from exl_core.errors import InputError
+    from exl_core.quantize.measure import load_measurement
+    n = len(CANDIDATES)
+    good = {"shape": [64, 128], "numel": 64 * 128, "bits": [1000 + i for i in range(n)],
+            "err": [1.0 / (i + 1) for i in range(n)], "out_err": [0.0] * n, "gain": 1.0}
+    expect = {"L.q_proj": (64, 128)}
+    assert load_measurement(_measurement(tmp_path, {"L.q_proj": good}), expect)[0]["L.q_proj"] == good
+    bad = [({k: v for k, v in good.items() if k != "shape"}, "no 'shape'"),
+           ({k: v for k, v in good.items() if k != "err"}, "no 'err'"),
+           (dict(good, err=None), '"err" must be a list of 20 numbers .*got null'),
+           (dict(good, err=good["err"][:-1]), '"err" must be a list of 20 numbers .*got 19'),
+           (dict(good, err=[None] * n), '"err" holds a value that is not a finite number'),
+           (dict(good, err=[float("nan")] * n), '"err" holds a value that is not a finite number'),
+           (dict(good, err=[-1.0] * n), '"err" holds a value that is not a finite number ≥ 0'),
+           (dict(good, bits="many"), '"bits" must be a list'),
+           (dict(good, shape=[64]), r'"shape" must be \[out_features, in_features\]'),
+           (dict(good, shape=["64", 128]), r'"shape" must be \[out_features, in_features\]'),
+           (dict(good, numel=None), '"numel" None is not 64×128'),
+           (dict(good, fixed="yes"), '"fixed" must be true or false'),
+           ([1, 2], "the record must be an object, not list")]
+    for rec, match in bad:
+        path = _measurement(tmp_path, {"L.q_proj": rec})
+        with pytest.raises(InputError, match=f"{re.escape(str(path))}: layer L.q_proj: {match}"):
+            load_measurement(path, expect)
+    with pytest.raises(InputError, match=f"{re.escape(str(path))}: \"layers\" must be an object"):
+        load_measurement(_measurement(tmp_path, [good]), expect)
+    path.write_text(path.read_text().replace('"group_size"', '"gs"'))
+    with pytest.raises(InputError, match=f"{re.escape(str(path))}: \"candidates\" is not a list"):
+        load_measurement(path, expect)

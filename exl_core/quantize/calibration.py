@@ -184,12 +184,32 @@ def cached_self_calibration(source, rows: int, length: int, seed: int = 0, tempe
                             progress: bool = True) -> Calibration:
     """sample_from_model() through a cache in $EXL_CORE_HOME/calib: sampling is deterministic,
     so the same model and settings always give the same tokens; reuse saves minutes per run."""
-    from safetensors import safe_open
     from .job_state import atomic_save
     path = self_calibration_path(source.folder, rows, length, seed, temperature)
     if path.is_file():
-        with safe_open(str(path), "pt") as f:
-            return Calibration(f.get_tensor("tokens"), json.loads(f.metadata()["info"]))
+        cal, why = _read_cached(path, rows, length, source.cfg.vocab_size)
+        if cal is not None:
+            return cal
+        # a cache: sampling again gives the same tokens, so a damaged file is replaced (atomically), not refused
+        print(f"exl convert: {path}: damaged self-calibration cache ({why}); sampling it again", file=sys.stderr)
     cal = sample_from_model(source, rows, length, seed, temperature, progress=progress)
     atomic_save({"tokens": cal.tokens}, path, {"info": json.dumps(cal.info, sort_keys=True)})
     return cal
+
+
+def _read_cached(path: Path, rows: int, length: int, vocab: int) -> tuple[Optional[Calibration], str]:
+    """(the cached calibration, "") or (None, what is wrong with the file)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            tokens = f.get_tensor("tokens")
+            info = json.loads((f.metadata() or {})["info"])
+    except (SafetensorError, ValueError, KeyError, TypeError) as e:     # truncated, corrupt, keys missing
+        return None, f"{type(e).__name__}: {e}"
+    if tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows, length):
+        return None, f"tokens {tokens.dtype} {list(tokens.shape)}, expected int64 [{rows}, {length}]"
+    if not isinstance(info, dict):
+        return None, "its info is not a JSON object"
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        return None, f"token ids outside the vocabulary of {vocab}"
+    return Calibration(tokens, info), ""

@@ -8,8 +8,9 @@
     ──► head (EXL2: head_bits) ──► sharded safetensors + config.json (written last)
 
 Every step is saved in OUT/.exl_job (job_state.py); rerunning the same command resumes and gives
-byte-identical files (a rerun whose input files changed is refused: see input_fingerprint). The job
-folder is removed when the output is complete.
+byte-identical files (a rerun whose input files changed is refused: see input_fingerprint; one with
+another -b keeps the calibration and measurement and redoes the quantization). The job folder is
+removed when the output is complete.
 """
 from __future__ import annotations
 
@@ -162,16 +163,26 @@ def _hess(x: torch.Tensor) -> torch.Tensor:
 # ---- stages ---------------------------------------------------------------------------------------
 
 class Converter:
-    def __init__(self, s: ConvertSettings, source):
+    def __init__(self, s: ConvertSettings, source, fixed: Optional[dict[str, Optional[int]]] = None):
         self.s = s
         self.src = source
         self.cfg = source.cfg
-        self.job = JobState(Path(s.output), s.job_key(), s.input_fingerprint())
+        # -b picks the allocation only: a rerun with another -b keeps the calibration and measurement, redoes quant/
+        self.job = JobState(Path(s.output), s.job_key(), s.input_fingerprint(),
+                            redo={"bpw": ("quant",)} if s.format == "exl2" else None)
         d = source.dims
         self.inv_freq = rope_inv_freq(d.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         self.shapes = {n: source.shape_of_linear(n) for i in range(self.cfg.num_hidden_layers)
                        for n in source.linear_names(i)}
         self.bpw = s.bpw        # EXL2 bitrate converted at: allocate() lowers a target above the reachable one
+        self._fixed_bits = fixed    # name -> bits of its exact repack (GPTQ source) or None: fixed_bits()
+        self.alloc_bits: Optional[int] = None       # the decoder linears' bits allocate() chose: checked on output
+
+    @property
+    def fixed_bits(self) -> dict[str, Optional[int]]:
+        if self._fixed_bits is None:
+            self._fixed_bits = fixed_bits(self.src)
+        return self._fixed_bits
 
     # -- calibration --
     def calibration(self) -> Calibration:
@@ -200,7 +211,7 @@ class Converter:
         s, job = self.s, self.job
         final = job.path("measurement.json")
         if final.is_file():
-            return load_measurement(final, self.shapes)[0]
+            return load_measurement(final, self.shapes, {n: b is not None for n, b in self.fixed_bits.items()})[0]
         cos, sin = self._rope(cal.tokens.shape[1])
         h, done = job.load_state("measure")
         if h is None:
@@ -226,9 +237,10 @@ class Converter:
     # -- allocation --
     def allocate(self, layers: dict) -> dict[str, LayerPlan]:
         names = list(self.shapes)
-        costs = [layers[n]["bits"] for n in names]
+        # costs from this source, not the measurement's records: a reused file (-m) cannot vouch for them
+        costs = layer_costs(self.shapes, self.fixed_bits)
         errs = [layers[n]["err"] for n in names]
-        numel = [layers[n]["numel"] for n in names]
+        numel = [o * i for o, i in self.shapes.values()]
         # a GPTQ source: its exactly repacked layers have one cost each, and more bits cannot add what its weights do
         # not hold -- a target above the highest converts at it (said), not a refusal after the measurement pass
         lossless = getattr(self.src, "fixed_exl2", None) is not None
@@ -238,9 +250,13 @@ class Converter:
             if lossless:
                 print(f"exl convert: -b {self.s.bpw}: this GPTQ model converts to at most {bpw_text(hi)} bpw; "
                       "converting at that", file=sys.stderr)
+        # (_check_settings refuses a target outside the range before any work; a rerun with another -b keeps this
+        # job's measurement should it get here)
+        why = "; a GPTQ model's layers that EXL2 holds exactly are repacked as they are (one cost each), not " \
+              "re-quantized lower" if lossless else ""
         choice = allocate_bpw(costs, errs, numel, self.s.bpw, clamp_high=lossless,
-                              why="; a GPTQ model's layers that EXL2 holds exactly are repacked as they are (one cost "
-                                  "each), not re-quantized lower" if lossless else "")
+                              why=f"{why}; rerun with a -b in that range (this job's measurement is kept)")
+        self.alloc_bits = sum(c[j] for c, j in zip(costs, choice))
         cands = CANDIDATES
         return {n: cands[c].plan(self.shapes[n][1]) for n, c in zip(names, choice)}
 
@@ -326,7 +342,12 @@ class Converter:
         tensors.update({k: v for k, v in self.job.load_tensors("quant", "head.safetensors").items()
                         if k != HEAD_NONE})
         tensors = dict(sorted(tensors.items()))
-        real_bpw = self.real_bpw(tensors)
+        bits, numel = self.stored_bits(tensors)
+        real_bpw = bits / numel
+        if s.format == "exl2" and bits != self.alloc_bits:      # what config.json's bits and real_bpw promise
+            raise ExlError(f"{out}: internal error: the decoder linears hold {bits} bits ({real_bpw:.4f} bpw), the "
+                           f"allocation chose {self.alloc_bits} ({(self.alloc_bits or 0) / numel:.4f} bpw); nothing "
+                           "was written (please report this)")
         for f in COPY_FILES:
             if (self.src.folder / f).is_file():
                 shutil.copyfile(self.src.folder / f, out / f)
@@ -349,13 +370,18 @@ class Converter:
         tmp.replace(out / "config.json")                # last: the folder is complete from here
         return qc
 
-    def real_bpw(self, tensors: dict) -> float:
-        """Stored bits of the decoder linears (values, scales, group tables, permutations) per weight."""
+    def stored_bits(self, tensors: dict) -> tuple[int, int]:
+        """(stored bits, weights) of the decoder linears (values, scales, group tables, permutations)."""
         bits = numel = 0
         keys = exl2_fmt.REQUIRED if self.s.format == "exl2" else ("qweight", "qzeros", "scales", "g_idx")
         for n, (o, i) in self.shapes.items():
             numel += o * i
             bits += sum(tensors[f"{n}.{k}"].numel() * tensors[f"{n}.{k}"].element_size() * 8 for k in keys)
+        return bits, numel
+
+    def real_bpw(self, tensors: dict) -> float:
+        """Stored bits of the decoder linears per weight."""
+        bits, numel = self.stored_bits(tensors)
         return bits / numel
 
 
@@ -384,7 +410,8 @@ def _open_source(s: ConvertSettings):
     return DenseSource(inp, cfg)
 
 
-def _check_settings(s: ConvertSettings, src) -> None:
+def _check_settings(s: ConvertSettings, src, fixed: Optional[dict[str, Optional[int]]] = None) -> None:
+    """Refuses settings before any work (no job folder yet). fixed: fixed_bits(src), computed when not given."""
     if s.format not in ("exl2", "gptq"):
         raise InputError(f"--format must be exl2 or gptq, got {s.format!r}")
     if s.calib is not None:
@@ -437,16 +464,32 @@ def _check_settings(s: ConvertSettings, src) -> None:
     if s.head_bits not in exl2_fmt.SUPPORTED_BITS + (16,):
         raise InputError(f"--head-bits {s.head_bits}: use one of {exl2_fmt.SUPPORTED_BITS} or 16 (unquantized)")
     shapes = src_shapes(src)
-    costs = [[candidate_bits(c, o, i) for c in CANDIDATES] for o, i in shapes.values()]
+    # the costs allocate() uses: a GPTQ source's exact repacks count at their own bits (a lower bound from the
+    # candidates alone let a too-low -b through, refused only after the measurement pass)
+    costs = layer_costs(shapes, fixed_bits(src) if fixed is None else fixed)
     lo, hi = bpw_range(costs, [o * i for o, i in shapes.values()])
-    if getattr(src, "fixed_exl2", None) is not None:
-        hi = math.inf          # a GPTQ source's exact repacks may cost more than any candidate: capped after measuring
-    if not (lo <= s.bpw <= hi + 0.05):
-        raise InputError(f"-b {s.bpw}: EXL2 settings reach {range_text(lo, hi)} bpw for this model")
+    lossless = getattr(src, "fixed_exl2", None) is not None
+    if not (lo <= s.bpw and (lossless or s.bpw <= hi + 0.05)):     # a GPTQ source converts at hi at most: said
+        why = "; a GPTQ model's layers that EXL2 holds exactly are repacked as they are (one cost each), not " \
+              "re-quantized lower" if lossless and s.bpw < lo else ""
+        raise InputError(f"-b {s.bpw}: EXL2 settings reach {range_text(lo, hi)} bpw for this model{why}")
 
 
 def src_shapes(src) -> dict[str, tuple[int, int]]:
     return {n: src.shape_of_linear(n) for i in range(src.cfg.num_hidden_layers) for n in src.linear_names(i)}
+
+
+def fixed_bits(src) -> dict[str, Optional[int]]:
+    """Per decoder linear: the bits of its exact EXL2 repack where the source has one (a GPTQ layer on EXL2's
+    grid), else None."""
+    f = getattr(src, "fixed_exl2_bits", None)
+    return {n: f(n) if f is not None else None for n in src_shapes(src)}
+
+
+def layer_costs(shapes: dict[str, tuple[int, int]], fixed: dict[str, Optional[int]]) -> list[list[int]]:
+    """Stored bits of every candidate per linear (in `shapes` order); an exactly repacked layer has its one cost."""
+    return [[fixed[n]] * len(CANDIDATES) if fixed.get(n) is not None else
+            [candidate_bits(c, o, i) for c in CANDIDATES] for n, (o, i) in shapes.items()]
 
 
 def convert(s: ConvertSettings) -> dict:
@@ -456,7 +499,8 @@ def convert(s: ConvertSettings) -> dict:
             raise ConfigError(f"--device {s.device}: torch sees no CUDA GPU; use --device cpu")
         raise InputError(f"--device {s.device}: the converter runs on cpu only for now")
     src = _open_source(s)
-    _check_settings(s, src)
+    fixed = fixed_bits(src) if s.format == "exl2" else None
+    _check_settings(s, src, fixed)
     out = Path(s.output)
     if (out / "config.json").exists():
         raise InputError(f"{out}: already holds a finished model (config.json); choose another output folder")
@@ -464,12 +508,18 @@ def convert(s: ConvertSettings) -> dict:
         raise InputError(f"{out}: folder is not empty; choose a new or empty output folder")
     measurement = None
     if s.measurement is not None:
-        measurement = load_measurement(Path(s.measurement), src_shapes(src))[0]
+        # its fixed flags must be this source's: a repacked layer is priced at its own bits with no error
+        measurement = load_measurement(Path(s.measurement), src_shapes(src),
+                                       {n: b is not None for n, b in fixed.items()})[0]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with _deterministic(s.threads), torch.inference_mode():
-        conv = Converter(s, src)
+        conv = Converter(s, src, fixed)
         resumed = conv.job.open()
+        for k, (was, now) in conv.job.changed.items():
+            print(f"exl convert: {out}: resuming the unfinished conversion with {'-b' if k == 'bpw' else k} {now} "
+                  f"(it had {was}): its calibration and measurement are kept, its quantization starts over",
+                  file=sys.stderr)
         try:
             cal = conv.calibration()
         except BaseException:

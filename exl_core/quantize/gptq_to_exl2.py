@@ -28,6 +28,7 @@ class GptqSource(DenseSource):
         super().__init__(folder, cfg)
         self.qc = self.cfg.quantization_config or {}
         self._packed: dict[str, PackedWeight] = {}
+        self._fixed_bits: dict[str, Optional[int]] = {}
 
     def _check_names(self):
         for i in range(self.cfg.num_hidden_layers):
@@ -81,6 +82,14 @@ class GptqSource(DenseSource):
         if not self._is_quant(name):
             return None
         return lossless_exl2(self.packed(name))
+
+    def fixed_exl2_bits(self, name: str) -> Optional[int]:
+        """Stored bits of fixed_exl2(name) (its cost in the allocation), or None; kept, the tensors are not."""
+        if name not in self._fixed_bits:
+            t = self.fixed_exl2(name)
+            self._fixed_bits[name] = None if t is None else \
+                sum(t[k].numel() * t[k].element_size() * 8 for k in exl2_fmt.REQUIRED)
+        return self._fixed_bits[name]
 
 
 def lossless_exl2(pw: PackedWeight) -> Optional[dict[str, torch.Tensor]]:

@@ -1,8 +1,9 @@
 """Resumable job folder: every finished step is a file written atomically (tmp + rename).
 
     OUT/.exl_job/
-        job.json                 the settings the job was started with (a rerun must match) and
-                                 its inputs' fingerprint under "inputs" (a rerun's inputs must too)
+        job.json                 the settings the job was started with (a rerun must match, but for
+                                 those in JobState.redo: EXL2's -b redoes quant/) and its inputs'
+                                 fingerprint under "inputs" (a rerun's inputs must match too)
         calib.safetensors        calibration tokens [rows, length] + info
         measure/state.safetensors  hidden states after the last measured layer (+ its index)
         measure/layer_XXX.json   errors of every candidate for the layers of block XXX
@@ -59,11 +60,16 @@ class DamagedJobError(StaleJobError):
 
 
 class JobState:
-    def __init__(self, out_dir: Path, settings: dict, inputs: Optional[dict] = None):
+    def __init__(self, out_dir: Path, settings: dict, inputs: Optional[dict] = None,
+                 redo: Optional[dict[str, tuple[str, ...]]] = None):
         self.out = Path(out_dir)
         self.dir = self.out / JOB_DIR
         self.settings = settings
         self.inputs = inputs          # fingerprint of the input files (ConvertSettings.input_fingerprint)
+        # setting -> the job steps (paths under dir) that alone depend on it: a rerun that changes only such settings
+        # redoes those steps and keeps the others (EXL2's -b: the calibration and measurement stay valid)
+        self.redo = redo or {}
+        self.changed: dict[str, tuple] = {}      # what open() found changed of those: name -> (old, new)
 
     @contextlib.contextmanager
     def reading(self, path: Path):
@@ -77,9 +83,10 @@ class JobState:
                                   "this conversion over (its finished work is lost)") from None
 
     def open(self) -> bool:
-        """Creates or reopens the job; True when resuming. Refuses a job with other settings, or
-        one whose input files changed since it started (its finished steps come from the old ones), a damaged
-        job.json, and job files without one (whose settings cannot be known)."""
+        """Creates or reopens the job; True when resuming. Refuses a job with other settings (but for those in
+        `redo`, whose steps it drops: see self.changed), or one whose input files changed since it started (its
+        finished steps come from the old ones), a damaged job.json, and job files without one (whose settings cannot
+        be known)."""
         f = self.dir / "job.json"
         # (a temp file of an atomic write that a kill interrupted is no finished work: .job.json.tmp after a kill
         # during the first write)
@@ -93,10 +100,11 @@ class JobState:
                 if not isinstance(old, dict):
                     raise ValueError("not a JSON object")
             old_inputs = old.pop("inputs", None)        # absent in jobs started before it was recorded
-            if old != self.settings:
-                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+            diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+            stale = [k for k in diff if k not in self.redo]
+            if stale:
                 raise StaleJobError(f"{self.out}: holds an unfinished conversion with other settings "
-                                    f"({', '.join(diff)}); rerun with the same arguments to resume, or choose an "
+                                    f"({', '.join(stale)}); rerun with the same arguments to resume, or choose an "
                                     "empty output folder")
             if old_inputs is not None and self.inputs is not None:
                 changed = input_changes(old_inputs, self.inputs, self.settings)
@@ -106,12 +114,33 @@ class JobState:
                         f"{'; '.join(changed)}. Its finished layers were computed from the old inputs and "
                         f"cannot be mixed with the new ones: use a new output folder, or delete {self.dir} "
                         "to start this conversion over (its finished work is lost)")
+            if diff:
+                self._redo(diff, old, old_inputs)
             return True
         data = dict(self.settings)
         if self.inputs is not None:
             data["inputs"] = self.inputs
         atomic_json(data, f)
         return False
+
+    def _redo(self, diff: list[str], old: dict, old_inputs: Optional[dict]) -> None:
+        """Drops the steps that depend on the changed settings, then records the new settings: in this order, a kill
+        in between leaves the old settings with fewer finished steps, never the new ones with steps of the old."""
+        for part in sorted({p for k in diff for p in self.redo[k]}):
+            p = self.path(part)
+            if p.exists():
+                tmp = p.with_name(f".{p.name}.tmp")      # renamed first: a step is gone whole or not at all
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.replace(p, tmp)
+                if tmp.is_dir():
+                    shutil.rmtree(tmp)
+                else:
+                    tmp.unlink()
+        data = dict(self.settings)
+        if old_inputs is not None:                    # unchanged (checked by the caller)
+            data["inputs"] = old_inputs
+        atomic_json(data, self.dir / "job.json")
+        self.changed = {k: (old.get(k), self.settings.get(k)) for k in diff}
 
     # -- files --------------------------------------------------------------------------------
     def path(self, *parts) -> Path:

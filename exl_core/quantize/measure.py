@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -90,8 +90,12 @@ def save_measurement(path: Path, layers: dict, cands, info: dict) -> None:
     tmp.replace(path)
 
 
-def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]]) -> tuple[dict, tuple[Candidate, ...]]:
-    """Reads measurement.json and checks it was made for a model with these (out, in) shapes."""
+def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]],
+                     fixed: Optional[Mapping[str, bool]] = None) -> tuple[dict, tuple[Candidate, ...]]:
+    """Reads measurement.json and checks it was made for a model with these (out, in) shapes, and, given `fixed`
+    (name -> whether the current source repacks that layer as it is), with the same repacked layers. Every record
+    is checked for its keys and types. The allocation takes only the errors (and the fixed flags) from the file:
+    costs come from the current source, which a reused file cannot vouch for."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"measurement file {path} not found")
@@ -101,20 +105,64 @@ def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]]) -> t
         raise InputError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, dict) or data.get("version") != MEASUREMENT_VERSION or "layers" not in data:
         raise InputError(f"{path}: not an exl_core measurement (version {MEASUREMENT_VERSION})")
-    cands = candidates_from_json(data["candidates"])
+    try:
+        cands = candidates_from_json(data.get("candidates"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{path}: \"candidates\" is not a list of candidate settings ({type(e).__name__}: {e})") \
+            from None
     if cands != CANDIDATES:     # the allocator indexes CANDIDATES with the measured errors
         raise InputError(f"{path}: measured with other candidate settings than this converter's; "
                          "measure again (omit -m)")
     layers = data["layers"]
+    if not isinstance(layers, dict):
+        raise InputError(f"{path}: \"layers\" must be an object (layer name -> record)")
     for name, shape in expect_layers.items():
         rec = layers.get(name)
         if rec is None:
             raise InputError(f"{path}: no measurement for layer {name}; was it made for another model?")
+        _check_record(path, name, rec, len(cands))
         if tuple(rec["shape"]) != tuple(shape):
             raise InputError(f"{path}: layer {name} measured with shape {rec['shape']}, model has {list(shape)}")
-        if len(rec["err"]) != len(cands):
-            raise InputError(f"{path}: layer {name} has {len(rec['err'])} errors for {len(cands)} candidates")
+        if fixed is not None and bool(rec.get("fixed", False)) != bool(fixed.get(name, False)):
+            # a repacked layer is priced at its own bits with no error: trusting the flag of another source would
+            # hand out bits the output does not spend (or spend bits the target never had)
+            was, now = ("a GPTQ layer repacked as it is (\"fixed\": no error, one cost)",
+                        "this model's layer is quantized") if rec.get("fixed") else \
+                ("a quantized layer", "this model holds it as a GPTQ layer that EXL2 repacks as it is")
+            raise InputError(f"{path}: layer {name} was measured as {was}, but {now}; the measurement was made for "
+                             "another model: measure again (omit -m)")
     return layers, cands
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_record(path: Path, name: str, rec, n_cands: int) -> None:
+    """One layer's record as measure_layer writes it: shape [out, in], numel, bits and err per candidate."""
+    def bad(what):
+        return InputError(f"{path}: layer {name}: {what}; the file is damaged or not a measurement: measure again "
+                          "(omit -m)")
+    if not isinstance(rec, dict):
+        raise bad(f"the record must be an object, not {type(rec).__name__}")
+    missing = [k for k in ("shape", "numel", "bits", "err") if k not in rec]
+    if missing:
+        raise bad(f"no {', '.join(repr(k) for k in missing)}")
+    shape = rec["shape"]
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_is_num(v) and v == int(v) and v > 0 for v in shape)):
+        raise bad(f"\"shape\" must be [out_features, in_features], got {shape!r}")
+    if not (_is_num(rec["numel"]) and rec["numel"] == shape[0] * shape[1]):
+        raise bad(f"\"numel\" {rec['numel']!r} is not {shape[0]}×{shape[1]}")
+    for key in ("bits", "err"):
+        v = rec[key]
+        if not isinstance(v, list) or len(v) != n_cands:
+            raise bad(f"\"{key}\" must be a list of {n_cands} numbers (one per candidate), got "
+                      f"{len(v) if isinstance(v, list) else type(v).__name__ if v is not None else 'null'}")
+        # NaN would read as zero error in the allocation (every comparison fails): refused like a negative one
+        if not all(_is_num(x) and x >= 0 for x in v):
+            raise bad(f"\"{key}\" holds a value that is not a finite number ≥ 0")
+    if not isinstance(rec.get("fixed", False), bool):
+        raise bad(f"\"fixed\" must be true or false, got {rec['fixed']!r}")
 
 
 # ---- the measurement pass of one decoder layer ---------------------------------------------------
