@@ -505,6 +505,20 @@ def stop_strings(*groups, owner: str) -> Optional[list]:
     return list(dict.fromkeys(out)) or None
 
 
+def call_max_tokens(kwargs: dict, keys: tuple, default: int, owner: str, setting: str) -> int:
+    """A call's new-token limit, popped from kwargs under `keys` (the last given wins; None: `default`, the
+    instance's `setting`). No int(): 2.9 was cut to 2 and True counted as 1."""
+    from .errors import InputError, is_int
+    out = default
+    for key in keys:
+        v = kwargs.pop(key, None)
+        if v is not None:
+            if not is_int(v) or v < 1:
+                raise InputError(f"{owner}: {key}={v!r} must be an int >= 1 (or None: the instance's {setting})")
+            out = v
+    return out
+
+
 def shared_engine(path, device: str = "cpu", dtype=None, cache_tokens: int = 8192) -> SharedEngine:
     """The process-wide engine for a model folder (loaded on first request, then reused by every
     adapter instance pointing at the same folder, device, dtype and cache size)."""

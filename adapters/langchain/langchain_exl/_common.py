@@ -84,7 +84,7 @@ class ExlParams(BaseModel):
     def _job(self, engine, prompt_ids: list[int], stop: Optional[list[str]], **kwargs: Any):
         """A Job with this instance's settings overridden by call kwargs (temperature=..., max_tokens=...)."""
         import exl_core
-        from exl_core.errors import InputError, is_int
+        from exl_core.errors import InputError
         # LangChain's own per-call stream=<bool> comes through to _generate/_stream: core chose the path with it
         # already (BaseLLM ignores it), and the output is the same either way
         kwargs.pop("stream", None)
@@ -94,16 +94,10 @@ class ExlParams(BaseModel):
                              f"takes {', '.join(CALL_KEYS)}, model and stop")
         sampler_kw = {k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS}
         sampler = exl_core.SamplerSettings(**sampler_kw)     # temperature 0 = greedy
-        max_new = self.max_tokens
-        for key in ("max_new_tokens", "max_tokens"):        # max_tokens wins where both are given
-            v = kwargs.pop(key, None)
-            if v is not None:                               # None: the instance's setting
-                if not is_int(v) or v < 1:                  # no int(): 2.9 was cut to 2, True counted as 1
-                    raise InputError(f"{type(self).__name__}: {key}={v!r} must be an int >= 1 (or None: the "
-                                     f"instance's max_tokens)")
-                max_new = v
+        from exl_core.plugins import call_max_tokens, stop_strings
+        max_new = call_max_tokens(kwargs, ("max_new_tokens", "max_tokens"), self.max_tokens,    # max_tokens wins
+                                  type(self).__name__, "max_tokens")
         seed = kwargs.pop("seed", self.seed)
-        from exl_core.plugins import stop_strings
         stops = stop_strings(self.stop, stop, owner=type(self).__name__)
         return exl_core.Job(prompt_ids, max_new_tokens=max_new, sampler=sampler, stop=stops, seed=seed)
 

@@ -105,21 +105,15 @@ class Exl(LLM):
 
     def _job(self, ids: list[int], **kwargs: Any):
         import exl_core
-        from exl_core.errors import InputError, is_int
+        from exl_core.errors import InputError
         unknown = sorted(set(kwargs) - set(CALL_KEYS))
         if unknown:
             raise InputError(f"Exl: unknown keyword argument(s) {', '.join(unknown)}; per call it takes "
                              f"{', '.join(CALL_KEYS)}")
         sampler = exl_core.SamplerSettings(**{k: kwargs.pop(k, getattr(self, k)) for k in SAMPLER_KEYS})
-        max_new = self.max_new_tokens
-        for key in ("max_tokens", "max_new_tokens"):        # max_new_tokens wins where both are given
-            v = kwargs.pop(key, None)
-            if v is not None:                               # None: the instance's setting
-                if not is_int(v) or v < 1:                  # no int(): 2.9 was cut to 2, True counted as 1
-                    raise InputError(f"Exl: {key}={v!r} must be an int >= 1 (or None: the instance's "
-                                     f"max_new_tokens)")
-                max_new = v
-        from exl_core.plugins import stop_strings
+        from exl_core.plugins import call_max_tokens, stop_strings
+        max_new = call_max_tokens(kwargs, ("max_tokens", "max_new_tokens"), self.max_new_tokens,   # the latter wins
+                                  "Exl", "max_new_tokens")
         stops = stop_strings(self.stop, kwargs.pop("stop", None), owner="Exl")
         return exl_core.Job(ids, max_new_tokens=max_new, sampler=sampler, stop=stops,
                             seed=kwargs.pop("seed", self.seed))
