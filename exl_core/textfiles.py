@@ -3,6 +3,7 @@ and the line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,8 +46,9 @@ def loads_json(text: str) -> Any:
 
 def jsonl_objects(path, what: str = "JSONL file") -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line; a line that is not JSON is an InputError naming it."""
-    # lines end at "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON strings may hold
-    for n, line in enumerate(read_utf8(path, what).split("\n"), 1):
+    # lines end at \r\n, \n or \r (which JSON strings cannot hold raw); str.splitlines also breaks at U+2028, U+2029
+    # and U+0085, which they may hold
+    for n, line in enumerate(re.split(r"\r\n?|\n", read_utf8(path, what)), 1):
         if not line.strip():
             continue
         try:

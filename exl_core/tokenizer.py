@@ -530,11 +530,12 @@ class IncrementalDecoder:
         self._special = tokenizer.special_ids
         # context: the ids before the first one added (a prompt), taken as emitted, so the first token reads as it
         # does after them -- SentencePiece drops a decode's leading space, which a stop string may begin with.
-        # Not where they end in a byte token (a character the new ids might complete reads otherwise alone)
+        # Not where they end inside a character (a SentencePiece byte token, or a byte-level token holding part of
+        # one): the new ids may complete it, and the context's text would then never be a prefix of the whole's
         ctx = [int(t) for t in list(context)[-8:]]
-        self._ctx_text = ""
-        if ctx and ctx[-1] not in self._byte_ids:
-            self.ids, self.read, self._ctx_text = ctx, len(ctx), self._decode(ctx)
+        text = self._decode(ctx) if ctx and ctx[-1] not in self._byte_ids else "\ufffd"
+        self._ctx = ([], "") if text.endswith("\ufffd") else (ctx, text)
+        self.reset()
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=self.skip_special)
@@ -564,7 +565,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Return whatever is held back (e.g. an incomplete character at the end)."""
-        full, emitted = self._decode(self.ids), self._ctx_text + self.text
+        full, emitted = self._decode(self.ids), self._ctx[1] + self.text
         if full.startswith(emitted):
             delta = full[len(emitted):]
         else:  # only after an invalid byte run longer than max_byte_run: emit the window tail
@@ -577,7 +578,8 @@ class IncrementalDecoder:
         return delta
 
     def reset(self) -> None:
-        self.ids = []
-        self.prefix = self.read = 0
+        """Back to the state it was made in (its context kept)."""
+        self.ids = list(self._ctx[0])
+        self.prefix, self.read = 0, len(self.ids)
         self._run = 0
-        self.text = self._ctx_text = ""
+        self.text = ""

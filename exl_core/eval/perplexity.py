@@ -87,10 +87,12 @@ def perplexity_from_logits_fn(logits_fn: LogitsFn, ids: Sequence[int], ctx: int 
 
 
 def ppl_from_nll(nll: float, count: int) -> float:
-    """exp(mean NLL), inf past float range: a broken variant's logits give mean losses over 709 nats, where
+    """exp(mean NLL), inf past float range: a broken variant's logits give mean losses over ~709.78 nats, where
     math.exp raises OverflowError (it ended `exl eval compare` with a traceback, every row lost)."""
-    mean = nll / count
-    return math.exp(mean) if mean < 709.0 else math.inf
+    try:
+        return math.exp(nll / count)          # NaN stays NaN (a model with NaN logits)
+    except OverflowError:
+        return math.inf
 
 
 def require_in_vocab(ids: Sequence[int], vocab_size: int, what: str) -> None:

@@ -327,7 +327,7 @@ def _read_config(folder: Path) -> dict:
     # scale every update into NaN), in the patterns as at the top level
     for key, v in [("r", cfg.get("r"))] + [
             (f"rank_pattern[{k!r}]", v) for k, v in (cfg.get("rank_pattern") or {}).items()]:
-        if not is_int(v) or v <= 0:
+        if not (is_int(v) or (isinstance(v, float) and v.is_integer())) or v <= 0:     # 8.0 is a rank too
             raise LoraError(f"{cfg_path}: '{key}' must be a positive integer, got {v!r}")
     for key, v in [("lora_alpha", cfg.get("lora_alpha"))] + [
             (f"alpha_pattern[{k!r}]", v) for k, v in (cfg.get("alpha_pattern") or {}).items()]:
