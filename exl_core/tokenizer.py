@@ -426,6 +426,11 @@ class Tokenizer:
         text = self._b.decode(ids, skip_special)
         return _cleanup_spaces(text) if self.clean_up_spaces else text
 
+    @functools.cached_property
+    def special_pieces(self) -> tuple[str, ...]:
+        """The text of every special token (once: the Generator checks each job's stop strings against them)."""
+        return tuple(p for p in map(self.id_to_piece, sorted(self.special_ids)) if p)
+
     def id_to_piece(self, token_id: int) -> str:
         piece = self._b.id_to_token(int(token_id))
         if piece is None:

@@ -219,14 +219,13 @@ class Generator(Routing, TextConsumers, AsyncConsumers):
             raise InputError(f"Job {job.identifier!r}: stop strings {job.stop_strings!r} need a tokenizer to match "
                              "the decoded text; pass Generator(..., tokenizer) or stop token ids")
         special = getattr(self.tokenizer, "special_ids", ())
-        pieces = ([self.tokenizer.id_to_piece(i) for i in special]
-                  if special and not job.decode_special and hasattr(self.tokenizer, "id_to_piece") else [])
+        pieces = () if job.decode_special else getattr(self.tokenizer, "special_pieces", ())
         for text in job.stop_strings:
             tid = self.tokenizer.piece_to_id(text) if hasattr(self.tokenizer, "piece_to_id") else None
             if tid is not None and tid in special and not job.decode_special:
                 job.stop_tokens.add(tid)
                 continue
-            inside = next((p for p in pieces if p and p in text), None)
+            inside = next((p for p in pieces if p in text), None)
             if inside is not None:      # "<|im_end|>\n": the text never holds the special token, so never this
                 raise InputError(f"Job {job.identifier!r}: stop string {text!r} holds the special token {inside!r}, "
                                  "which is not decoded into the text (decode_special=False), so it could never "

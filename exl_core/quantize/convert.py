@@ -175,14 +175,9 @@ class Converter:
         self.shapes = {n: source.shape_of_linear(n) for i in range(self.cfg.num_hidden_layers)
                        for n in source.linear_names(i)}
         self.bpw = s.bpw        # EXL2 bitrate converted at: allocate() lowers a target above the reachable one
-        self._fixed_bits = fixed    # name -> bits of its exact repack (GPTQ source) or None: fixed_bits()
+        # name -> bits of its exact repack (a GPTQ source's layer on EXL2's grid) or None
+        self.fixed_bits = fixed if fixed is not None else fixed_bits(source)
         self.alloc_bits: Optional[int] = None       # the decoder linears' bits allocate() chose: checked on output
-
-    @property
-    def fixed_bits(self) -> dict[str, Optional[int]]:
-        if self._fixed_bits is None:
-            self._fixed_bits = fixed_bits(self.src)
-        return self._fixed_bits
 
     # -- calibration --
     def calibration(self) -> Calibration:
@@ -211,7 +206,7 @@ class Converter:
         s, job = self.s, self.job
         final = job.path("measurement.json")
         if final.is_file():
-            return load_measurement(final, self.shapes, {n: b is not None for n, b in self.fixed_bits.items()})[0]
+            return load_measurement(final, self.shapes, self.fixed_bits)[0]
         cos, sin = self._rope(cal.tokens.shape[1])
         h, done = job.load_state("measure")
         if h is None:
@@ -379,11 +374,6 @@ class Converter:
             bits += sum(tensors[f"{n}.{k}"].numel() * tensors[f"{n}.{k}"].element_size() * 8 for k in keys)
         return bits, numel
 
-    def real_bpw(self, tensors: dict) -> float:
-        """Stored bits of the decoder linears per weight."""
-        bits, numel = self.stored_bits(tensors)
-        return bits / numel
-
 
 def s_max_shard() -> int:
     return 2 * 1024 ** 3
@@ -509,8 +499,7 @@ def convert(s: ConvertSettings) -> dict:
     measurement = None
     if s.measurement is not None:
         # its fixed flags must be this source's: a repacked layer is priced at its own bits with no error
-        measurement = load_measurement(Path(s.measurement), src_shapes(src),
-                                       {n: b is not None for n, b in fixed.items()})[0]
+        measurement = load_measurement(Path(s.measurement), src_shapes(src), fixed)[0]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with _deterministic(s.threads), torch.inference_mode():

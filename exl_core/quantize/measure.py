@@ -91,11 +91,12 @@ def save_measurement(path: Path, layers: dict, cands, info: dict) -> None:
 
 
 def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]],
-                     fixed: Optional[Mapping[str, bool]] = None) -> tuple[dict, tuple[Candidate, ...]]:
+                     fixed: Optional[Mapping[str, Optional[int]]] = None
+                     ) -> tuple[dict, tuple[Candidate, ...]]:
     """Reads measurement.json and checks it was made for a model with these (out, in) shapes, and, given `fixed`
-    (name -> whether the current source repacks that layer as it is), with the same repacked layers. Every record
-    is checked for its keys and types. The allocation takes only the errors (and the fixed flags) from the file:
-    costs come from the current source, which a reused file cannot vouch for."""
+    (name -> the bits of the current source's exact repack of that layer, or None), with the same repacked layers.
+    Every record is checked for its keys and types. The allocation takes only the errors (and the fixed flags)
+    from the file: costs come from the current source, which a reused file cannot vouch for."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"measurement file {path} not found")
@@ -123,7 +124,7 @@ def load_measurement(path: Path, expect_layers: dict[str, tuple[int, int]],
         _check_record(path, name, rec, len(cands))
         if tuple(rec["shape"]) != tuple(shape):
             raise InputError(f"{path}: layer {name} measured with shape {rec['shape']}, model has {list(shape)}")
-        if fixed is not None and bool(rec.get("fixed", False)) != bool(fixed.get(name, False)):
+        if fixed is not None and rec.get("fixed", False) != (fixed.get(name) is not None):
             # a repacked layer is priced at its own bits with no error: trusting the flag of another source would
             # hand out bits the output does not spend (or spend bits the target never had)
             was, now = ("a GPTQ layer repacked as it is (\"fixed\": no error, one cost)",
