@@ -110,7 +110,8 @@ def test_windowed_job_decodes_past_the_graphs_rope_table(tiny_model_factory):
 
 def test_graph_entries_of_a_growing_window_table_stay_bounded(tiny_model_factory, monkeypatch):
     """A windowed job's block table widens with its length (released pages keep their places): one recorded shape a
-    bucket, for ever. The least recently used shapes are dropped past MAX_ENTRIES, with the same tokens."""
+    bucket, up to the rope table's length. The least recently used shapes are dropped past MAX_ENTRIES, with the same
+    tokens, and `recorded` counts every recording."""
     from exl_core.generation import cuda_graphs
     monkeypatch.setattr(cuda_graphs, "WIDTH_BUCKET_TOKENS", 8)      # a new width every page of 8
     monkeypatch.setattr(cuda_graphs, "MAX_ENTRIES", 3)
@@ -120,6 +121,7 @@ def test_graph_entries_of_a_growing_window_table_stay_bounded(tiny_model_factory
     out, gen = _windowed_runs(model, [random.Random(2).randrange(3, 512) for _ in range(5)], 120,
                               lambda g: sizes.append(len(g.graphs._entries)))
     assert max(sizes) == 3 and max(w for _, w in gen.graphs._entries) >= 14     # 15 widths came and went
+    assert gen.graphs.recorded >= 15
     assert out[0] == out[1]
 
 

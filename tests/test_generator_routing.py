@@ -353,3 +353,25 @@ def test_engine_astream_cancelled_during_its_enqueue_detaches_its_consumer():
         assert not eng.generator._sinks
     finally:
         eng.close()
+
+
+def test_a_stream_gets_every_token_when_another_jobs_callback_cancels_it_and_raises():
+    """The step fails (the callback's error) after the streamed job's token of that step was made and its cancel
+    filed: the token goes out before the job's end (_step_locked orders the failed step's results so; without that
+    the stream lost its last piece)."""
+    model, cache, gen = _setup()
+    job = Job(rand_prompt(5), max_new_tokens=30, sampler=GREEDY, stop_on_eos=False)
+
+    class Boom(Exception):
+        pass
+
+    def other_cb(r):
+        if len(job.generated) == 4 and not job.done:
+            gen.cancel(job)
+            raise Boom("callback")
+    it = gen.stream(job)
+    pieces = [next(it)]
+    gen.enqueue(Job(rand_prompt(5), max_new_tokens=30, sampler=GREEDY, stop_on_eos=False, callback=other_cb))
+    pieces += list(it)                       # another job's error is not this stream's to raise
+    assert job.finish_reason == "cancelled" and len(job.generated) == 4
+    assert "".join(pieces) == job.text

@@ -33,8 +33,10 @@ from ..cache.paged import PagedContext, step_indices, table_width
 # Block tables are padded to a multiple of this many tokens' worth of pages: few graphs as sequences
 # grow, while the gathered attention (whose work grows with the padded width) reads little padding.
 WIDTH_BUCKET_TOKENS = 256
-# Recorded (batch, width) shapes kept, least recently used dropped first: a sliding-window job's block table keeps its
-# released pages' places (-1), so its width grows with its length and would record a graph every bucket for ever.
+# Recorded (batch, width) shapes kept, least recently used dropped first, so the graphs' memory stays bounded. The
+# widths are bounded already (accepts() sends steps past the rope table eagerly), but batch sizes times widths can
+# pass this in a server whose batch keeps changing: then a dropped shape is recorded again when it comes back
+# (GraphedDecoder.recorded counts every recording).
 MAX_ENTRIES = 64
 
 
@@ -100,6 +102,7 @@ class GraphedDecoder:
         self._entries: "OrderedDict[tuple[int, int], _Entry]" = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
+        self.recorded = 0              # shapes set up (recorded where capturing), again after an LRU drop too
 
     def accepts(self, lens, wants_logits, positions: int) -> bool:
         """A decode step this decoder can serve, its sequences `positions` long at most (the caller also keeps
@@ -122,6 +125,7 @@ class GraphedDecoder:
         fresh = e is None
         if fresh:
             e = self._entries[key] = _Entry(StaticDecodeContext(self.cache, s, width, self.num_positions))
+            self.recorded += 1
             if len(self._entries) > MAX_ENTRIES:
                 self._entries.popitem(last=False)
         else:

@@ -61,16 +61,17 @@ def default_budget(gpu: bool, window: Optional[int], max_batch_tokens: Optional[
 
 
 def _nan_or_posinf(t: torch.Tensor) -> bool:
-    return bool((t.isnan() | t.isposinf()).any())      # -inf is a ban, not an error
+    m = t.amax()                                       # NaN propagates through max: one pass (-inf is a ban)
+    return bool(m.isnan() | m.isposinf())
 
 
-def _check_filtered(job: Job, out, row: torch.Tensor, row_was_bad: bool) -> Optional[torch.Tensor]:
+def _check_filtered(job: Job, out, row: torch.Tensor, model_row: torch.Tensor) -> Optional[torch.Tensor]:
     """A token_filter's return value as the row to use: None (row edited in place) or a replacement of V floats (a
     float tensor of V values, [V] or [1, V], or a list of V floats); anything else would fail in torch's copy (wrong
     size) or be cast silently (ints, bools). NaN or +inf the filter put there is its error (the sampler's check would
-    blame the model); `row_was_bad`: the model's row had some already."""
+    blame the model); `model_row`: the row as the model gave it, scanned only where the filtered one is bad."""
     if out is None:
-        if not row_was_bad and _nan_or_posinf(row):
+        if _nan_or_posinf(row) and not _nan_or_posinf(model_row):
             raise InputError(f"Job {job.identifier!r}: its token_filter wrote NaN or +inf into the logits row; write "
                              "finite values (-inf bans a token)")
         return None
@@ -248,7 +249,7 @@ class Generator(Routing, TextConsumers, AsyncConsumers):
             # end, after the job's result of that step (routing.py)
             if self._stepping:
                 self._events.append(res)    # routed at the step's end, after the job's result of that step
-            elif not self._route([res]) and not getattr(job, "_consumed", False):
+            elif not self._route([res]) and not job._consumed:
                 self._events.append(res)    # a plain job's, for the next iterate() (a consumer's, even one gone, not)
             if job.callback is not None:
                 job.callback(res)
@@ -358,8 +359,7 @@ class Generator(Routing, TextConsumers, AsyncConsumers):
             if job.token_filter is not None:
                 raw[r] = logits[r].clone()    # job.logprobs is kept with or without return_logprobs
                 try:
-                    was_bad = _nan_or_posinf(logits[r])
-                    out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r], was_bad)
+                    out = _check_filtered(job, job.token_filter(list(job.tokens), logits[r]), logits[r], raw[r])
                 except Exception as e:   # the job ends; the error reaches the caller below
                     errors.append(e)
                     self._events.append(self._error_cancelled(job))

@@ -138,6 +138,7 @@ class Job:
         # -- state, owned by the Generator ------------------------------------------------------
         self.status = "new"                  # new -> queued -> active -> done
         self.owner = None                    # weakref to the Generator that queued it (no cycle: it holds its jobs)
+        self._consumed = False               # enqueued with a consumer (stream, generate, ...): its errors go there
         self.table = None                    # cache.PageTable while active
         self.tokens: list[int] = list(ids)   # prompt + generated
         self.generated: list[int] = []

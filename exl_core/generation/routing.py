@@ -90,7 +90,7 @@ class Routing:
     def _route(self, results: list[JobResult]) -> bool:
         """Hands each result not handed yet to its job's sink (under the lock); whether any had one."""
         told = False
-        for r in _by_end(results):
+        for r in results:            # each job's end after its other results (_step_locked orders a failed step's)
             if r._routed:
                 continue
             r._routed = True
@@ -103,7 +103,7 @@ class Routing:
         """A failed step's error: to the consumers of the jobs it ended (`ended`: their ids) instead of their
         cancelled results; the other pending results as usual. Where it ended none: to every consumer of a running
         job (not of one still queued, which the next step may run), and those jobs end."""
-        for r in _by_end(self._events):
+        for r in self._events:
             if r._routed:
                 continue
             r._routed = True
@@ -125,7 +125,10 @@ class Routing:
                 self._lock.release()
         else:
             self._cancel_inbox.append(job)
-            pool().submit(self._drain_cancels_now)   # the holder may not be a step (an enqueue, a LoRA change)
+            # a step drains the inbox before it lets the lock go (its flag is read after the append); another holder
+            # (an enqueue, a LoRA change) may not, so a pool thread waits for the lock then
+            if not self._stepping:
+                pool().submit(self._drain_cancels_now)
 
     def _drain_cancels_now(self) -> None:
         """The inbox drained by a caller that may wait for the lock (a pool thread, the adapters' engine worker)."""
@@ -162,7 +165,7 @@ class Routing:
             except Exception as e:     # noqa: BLE001 - _step_locked left the pending results in _events
                 ended = {id(r.job): r.job for r in self._events if not r._routed and r._by_error}
                 if consumer and self._orphan_error is None and \
-                        not all(getattr(j, "_consumed", False) for j in ended.values()):
+                        not all(j._consumed for j in ended.values()):
                     self._orphan_error = _detached(e)
                 self._route_error(e, set(ended))
                 self._drain_cancels()
