@@ -6,10 +6,10 @@ thread when the generator's lock is busy, and a consumer's exit cancels through 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from .job import Job, JobResult
-from .routing import pool
+from .routing import pool, result_or_raise
 
 
 class AsyncConsumers:
@@ -62,8 +62,11 @@ class AsyncConsumers:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._cancel_soon(job))
             raise
 
-    async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
-        """Async results of one job; several may run concurrently on one generator, from any event loops."""
+    async def astream_results(self, job: Job, start: Optional[Callable[[], None]] = None
+                              ) -> AsyncIterator[JobResult]:
+        """Async results of one job; several may run concurrently on one generator, from any event loops. `start`:
+        what steps the generator once the job is queued (default: this event loop's driver; the adapters' engine
+        passes its worker's)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, q)
@@ -76,14 +79,9 @@ class AsyncConsumers:
             self._detach(job, sink)
             raise
         try:
-            self._ensure_driver(loop)
+            self._ensure_driver(loop) if start is None else start()
             while True:
-                r = await q.get()
-                if isinstance(r, BaseException):    # the step that ended this job raised (routing.py)
-                    try:
-                        raise r
-                    finally:
-                        del r       # no cycle through this frame
+                r = result_or_raise(await q.get())     # the step that ended this job may have raised (routing.py)
                 yield r
                 if r.done:
                     break

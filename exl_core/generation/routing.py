@@ -41,16 +41,21 @@ class _Attached(NamedTuple):
     sink: Sink
 
 
-def next_result(items: deque) -> JobResult:
-    """A consumer's next item (it has one): the result, or the routed error raised -- from this frame, which keeps
-    no reference to it (a caller's local would hold the exception whose traceback holds the caller: a cycle)."""
-    item = items.popleft()
+def result_or_raise(item) -> JobResult:
+    """A consumer's queue item: the result, or the routed error raised -- from this frame, which keeps no reference
+    to it (a caller's local would hold the exception whose traceback holds the caller: a cycle). Pass the item
+    straight in (`result_or_raise(q.get())`), not through a local."""
     if isinstance(item, BaseException):
         try:
             raise item
         finally:
             del item
     return item
+
+
+def next_result(items: deque) -> JobResult:
+    """A consumer's next item (it has one), as result_or_raise gives it."""
+    return result_or_raise(items.popleft())
 
 
 def _by_end(results: list[JobResult]) -> list[JobResult]:
