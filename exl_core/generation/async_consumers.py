@@ -6,7 +6,7 @@ thread when the generator's lock is busy, and a consumer's exit cancels through 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Optional, Union
 
 from .job import Job, JobResult
 from .routing import pool, result_or_raise
@@ -62,11 +62,8 @@ class AsyncConsumers:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._cancel_soon(job))
             raise
 
-    async def astream_results(self, job: Job, start: Optional[Callable[[], None]] = None
-                              ) -> AsyncIterator[JobResult]:
-        """Async results of one job; several may run concurrently on one generator, from any event loops. `start`:
-        what steps the generator once the job is queued (default: this event loop's driver; the adapters' engine
-        passes its worker's)."""
+    async def astream_results(self, job: Job) -> AsyncIterator[JobResult]:
+        """Async results of one job; several may run concurrently on one generator, from any event loops."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, q)
@@ -79,7 +76,7 @@ class AsyncConsumers:
             self._detach(job, sink)
             raise
         try:
-            self._ensure_driver(loop) if start is None else start()
+            self._ensure_driver(loop)
             while True:
                 r = result_or_raise(await q.get())     # the step that ended this job may have raised (routing.py)
                 yield r
